@@ -1,0 +1,624 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The multi-process test engine: start a world of ranks, run a function on each, report per rank.
+
+A test body runs in ``world_size`` processes, each with an initialised default process group::
+
+    def _body(rank: int, world_size: int, scale: float) -> float:
+        t = torch.full((1,), float(rank))
+        torch.distributed.all_reduce(t)
+        return t.item() * scale
+
+    def test_sum() -> None:
+        assert run_distributed(_body, 2, 10.0) == [10.0, 10.0]
+
+How a world is started and ended:
+
+* Rendezvous goes through a ``FileStore`` in a fresh temporary directory, so no ports are picked.
+* On CPU the ranks are **forked** from the calling process: a 2-rank world starts in a few tens of
+  milliseconds and ``fn``/``args`` may be closures, lambdas or anything else (nothing is pickled on the
+  way in). When CUDA is already initialised in the caller, a forked child could not use it, so the
+  ranks are **spawned** instead; then ``fn``, ``args`` and ``kwargs`` must be picklable (``fn`` a
+  module-level function). ``FAIRSCALE_TEST_START_METHOD=spawn`` (or ``fork``) forces a method.
+* Forked ranks run torch single-threaded. GNU OpenMP (libgomp, which the torch wheels use) is not
+  fork-safe: a child that re-enters a multi-threaded parallel region after its parent has used one
+  deadlocks. One thread per rank avoids that, and is what one wants with several ranks on few cores
+  anyway; ``torch.set_num_threads(n > 1)`` inside a forked rank raises instead of hanging.
+* Every rank is seeded with the same :data:`SEED` (torch, ``random``, numpy) before ``fn`` runs, so a
+  model built before any rank-dependent code is identical on all ranks. Seed with the rank for
+  per-rank data.
+* The first rank that fails ends the world: the others are killed at once and the caller gets the
+  failing rank's exception with ``[rank r]`` and the rank's traceback in its message (same exception
+  type when it can be rebuilt, else :class:`DistributedTestError`). ``pytest.skip`` in a rank skips
+  the calling test.
+* A world that is not done after ``timeout`` seconds (a rank stuck in a collective, say) is killed and
+  reported as :class:`DistributedTestTimeout` with the ranks that were still running and their Python
+  stacks. Ranks also die with the caller (``PR_SET_PDEATHSIG`` on Linux), so nothing is left behind.
+"""
+
+import contextlib
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type
+
+import pytest
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "SEED",
+    "DistributedTestError",
+    "DistributedTestTimeout",
+    "run_distributed",
+    "run_ranks",
+    "run_cases",
+    "subtest",
+    "seed_everything",
+]
+
+#: Seconds a world may run before it is killed and reported as a timeout.
+DEFAULT_TIMEOUT = 120.0
+#: Seed given to torch, ``random`` and numpy on every rank before the test body runs.
+SEED = 0
+#: Environment variable forcing the start method of the ranks ("fork" or "spawn").
+START_METHOD_ENV = "FAIRSCALE_TEST_START_METHOD"
+
+# How long the parent waits for hung ranks to write their stacks before it kills them.
+_STACK_DUMP_WAIT_S = 0.3
+# Keep timeout messages readable: at most this many lines of stack per hung rank.
+_STACK_DUMP_MAX_LINES = 60
+# Beyond the engine's own timeout, the process group's collective timeout only has to make sure
+# that gloo/NCCL never fire first and turn a clear "timeout" into a confusing transport error.
+_PG_TIMEOUT_MARGIN_S = 60.0
+
+
+class DistributedTestError(RuntimeError):
+    """A rank failed in a way that cannot be re-raised with the original exception type.
+
+    Attributes:
+        rank: the failing rank, or ``None`` when the failure concerns several ranks.
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class DistributedTestTimeout(DistributedTestError):
+    """The world did not finish within its timeout; ``ranks`` lists the ranks still running then."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "cpu",
+    backend: Optional[str] = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **kwargs: Any,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a fresh process-group world.
+
+    Args:
+        fn: the test body. Under fork (CPU) any callable; under spawn a module-level function.
+        world_size: number of ranks (>= 1).
+        *args: passed to ``fn`` after ``rank`` and ``world_size``.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank; the calling test is skipped
+            when there are fewer GPUs than ranks).
+        backend: process-group backend; default gloo for CPU and nccl for CUDA.
+        timeout: seconds before the whole world is killed and :class:`DistributedTestTimeout` raised.
+        **kwargs: passed to ``fn``.
+
+    Returns:
+        The per-rank return values of ``fn``, indexed by rank. They must be picklable.
+
+    Raises:
+        DistributedTestTimeout: the world was still running after ``timeout`` seconds.
+        DistributedTestError: a rank failed with an exception that could not be rebuilt, or died.
+        Exception: the first failing rank's exception type, with ``[rank r]`` and its traceback.
+    """
+    device_type = _check_device(device)
+    _check_world(world_size, timeout)
+    if device_type == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < world_size:
+            pytest.skip(f"needs {world_size} CUDA devices for a {world_size}-rank world, found {available}")
+    chosen_backend = backend if backend is not None else ("nccl" if device_type == "cuda" else "gloo")
+    with _world_directory() as directory:
+        body = _ProcessGroupBody(
+            fn=fn,
+            args=tuple(args),
+            kwargs=dict(kwargs),
+            world_size=world_size,
+            device_type=device_type,
+            backend=chosen_backend,
+            store_path=os.path.join(directory, "store"),
+            pg_timeout_s=timeout + _PG_TIMEOUT_MARGIN_S,
+        )
+        return _run_world(body, world_size, timeout, directory)
+
+
+def run_ranks(fn: Callable[[int], Any], world_size: int, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
+    """Run ``fn(rank)`` in ``world_size`` engine-managed processes *without* a process group.
+
+    Same start, failure, timeout and seeding rules as :func:`run_distributed`; the body sets up
+    whatever it needs itself (the upstream helpers ``spawn_for_all_world_sizes`` and ``torch_spawn``
+    use this with ``dist_init``).
+
+    Args:
+        fn: called with the rank; its return value must be picklable.
+        world_size: number of processes (>= 1).
+        timeout: seconds before all processes are killed and :class:`DistributedTestTimeout` raised.
+
+    Returns:
+        The per-rank return values, indexed by rank.
+    """
+    _check_world(world_size, timeout)
+    with _world_directory() as directory:
+        return _run_world(fn, world_size, timeout, directory)
+
+
+def run_cases(cases: Iterable[Tuple[str, Callable[[], Any]]]) -> None:
+    """Run every ``(name, case)`` in turn, then fail once, listing each failing case with its error.
+
+    Meant for option matrices inside one started world (one world per case costs a start each).
+    Every rank should run the same cases in the same order; a case that fails on one rank only can
+    leave the others waiting in a collective, which the world's timeout then reports.
+
+    Args:
+        cases: pairs of a unique case name and a callable taking no arguments.
+
+    Raises:
+        AssertionError: one or more cases failed; the message names each with its error.
+        ValueError: a case name is repeated.
+        TypeError: an item is not a ``(str, callable)`` pair.
+    """
+    seen: Dict[str, None] = {}
+    failures: List[str] = []
+    skips: List[str] = []
+    for item in cases:
+        name, case = _check_case(item)
+        if name in seen:
+            raise ValueError(f"run_cases: case name {name!r} is used twice; give every case a unique name")
+        seen[name] = None
+        try:
+            case()
+        except pytest.skip.Exception as e:
+            skips.append(f"{name}: {e}")
+        except (Exception, pytest.fail.Exception) as e:
+            failures.append(_describe_case_failure(name, e))
+    if failures:
+        lines = [f"{len(failures)} of {len(seen)} cases failed:"] + failures
+        if skips:
+            lines.append("skipped cases: " + "; ".join(skips))
+        raise AssertionError("\n".join(lines))
+    if seen and len(skips) == len(seen):
+        pytest.skip("every case skipped: " + "; ".join(skips))
+
+
+@contextlib.contextmanager
+def subtest(name: str) -> Iterator[None]:
+    """Prefix any exception raised in the block with ``[name]``, keeping its type and traceback.
+
+    Args:
+        name: the case name, e.g. ``"mixed_precision=True"``.
+    """
+    try:
+        yield
+    except pytest.skip.Exception:
+        raise
+    except (Exception, pytest.fail.Exception) as e:
+        renamed = _rebuild(type(e), f"[{name}] {e}")
+        if renamed is None:
+            # The type cannot be rebuilt from a message; keep the object and attach the name as a note.
+            add_note = getattr(e, "add_note", None)
+            if add_note is not None:
+                add_note(f"in subtest [{name}]")
+            raise
+        raise renamed.with_traceback(e.__traceback__) from e.__cause__
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks and small helpers
+
+
+def _check_device(device: str) -> str:
+    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device.startswith("cuda:"):
+        raise ValueError(f"device {device!r}: pass 'cuda'; rank r always uses cuda:r")
+    return device
+
+
+def _check_world(world_size: int, timeout: float) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _check_case(item: Any) -> Tuple[str, Callable[[], Any]]:
+    if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str) or not callable(item[1]):
+        raise TypeError(f"run_cases expects (name, callable) pairs, got {item!r}")
+    return item[0], item[1]
+
+
+def _describe_case_failure(name: str, error: BaseException) -> str:
+    formatted = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    indented = "\n".join("    " + line for line in formatted.splitlines())
+    return f"- {name}: {type(error).__name__}: {error}\n{indented}"
+
+
+def _rebuild(exc_type: Type[BaseException], message: str) -> Optional[BaseException]:
+    """``exc_type(message)`` if that yields an exception whose text is exactly ``message``, else None."""
+    if issubclass(exc_type, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return None
+    try:
+        rebuilt = exc_type(message)
+    except Exception:
+        return None
+    # Types such as KeyError quote their argument, others ignore it: those would mangle the message.
+    if not isinstance(rebuilt, exc_type) or str(rebuilt) != message:
+        return None
+    return rebuilt
+
+
+def seed_everything(seed: int = SEED) -> None:
+    """Seed torch (all devices), Python's ``random`` and numpy (when installed) with ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for the engine itself
+        return
+    numpy.random.seed(seed)
+
+
+@contextlib.contextmanager
+def _world_directory() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="fairscale_world_")
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start_method() -> str:
+    forced = os.environ.get(START_METHOD_ENV, "")
+    if forced:
+        if forced not in ("fork", "spawn"):
+            raise ValueError(f"{START_METHOD_ENV} must be 'fork' or 'spawn', got {forced!r}")
+        return forced
+    # A forked child cannot use a CUDA context its parent created; spawn is the only safe way then.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
+# ----------------------------------------------------------------------------------------------
+# The body a rank runs for run_distributed
+
+
+@dataclass
+class _ProcessGroupBody:
+    """Picklable (under spawn) closure: init the default group, run ``fn``, destroy the group."""
+
+    fn: Callable[..., Any]
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    world_size: int
+    device_type: str
+    backend: str
+    store_path: str
+    pg_timeout_s: float
+
+    def __call__(self, rank: int) -> Any:
+        if self.device_type == "cuda":
+            torch.cuda.set_device(rank)
+        if self.backend == "gloo" and os.path.exists("/sys/class/net/lo"):
+            # All ranks share this host: loopback skips resolving the hostname (slow, and on some CI
+            # machines it resolves to an unreachable address). An explicit setting still wins.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.FileStore(self.store_path, self.world_size)
+        dist.init_process_group(
+            backend=self.backend,
+            store=store,
+            rank=rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.pg_timeout_s),
+        )
+        # On failure the group is deliberately left alone: the parent kills every rank anyway, and
+        # tearing down a group whose peers are gone can block.
+        result = self.fn(rank, self.world_size, *self.args, **self.kwargs)
+        dist.destroy_process_group()
+        return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside a rank process
+
+
+def _rank_main(
+    rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int, stack_path: str, method: str
+) -> None:
+    """Entry point of every rank process: prepare the process, run ``body``, send one report."""
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stack_file = open(stack_path, "w")
+    _register_stack_dump(stack_file)
+    torch.set_num_threads(1)
+    if method == "fork":
+        _forbid_more_threads()
+    failed = False
+    try:
+        seed_everything(SEED)
+        result = body(rank)
+        try:
+            payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise TypeError(
+                f"the return value of the test body ({type(result).__name__}) cannot be pickled back to the "
+                f"test process: {e}; return plain data (numbers, tensors, lists, dicts) instead"
+            ) from e
+        report: Tuple[str, Any] = ("ok", payload)
+    except BaseException as e:  # everything, including pytest.skip and SystemExit, goes to the parent
+        failed = True
+        report = ("error", _RemoteFailure.from_exception(rank, e))
+    _flush_std_streams()
+    conn.send_bytes(pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.close()
+    if failed:
+        # Skip interpreter teardown: the parent kills the other ranks and does not need this one.
+        os._exit(1)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a killed test run leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+def _register_stack_dump(stack_file: Any) -> None:
+    import faulthandler
+
+    # faulthandler writes from a C signal handler, so this works while Python is blocked in gloo.
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+
+
+def _forbid_more_threads() -> None:
+    original = torch.set_num_threads
+
+    def set_num_threads(num: int) -> None:
+        if num > 1:
+            raise RuntimeError(
+                f"torch.set_num_threads({num}) in a forked test rank would deadlock (GNU OpenMP is not "
+                f"fork-safe once the parent used threads); ranks run single-threaded. Set "
+                f"{START_METHOD_ENV}=spawn to run ranks with several threads."
+            )
+        original(num)
+
+    setattr(torch, "set_num_threads", set_num_threads)
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+@dataclass
+class _RemoteFailure:
+    """What a failing rank tells the parent: enough to rebuild the exception there."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    is_skip: bool
+    # CLOCK_MONOTONIC is system-wide on Linux, so failure times of different ranks are comparable.
+    time: float = field(default_factory=time.monotonic)
+    pickled_type: Optional[bytes] = None
+
+    @classmethod
+    def from_exception(cls, rank: int, error: BaseException) -> "_RemoteFailure":
+        try:
+            pickled_type: Optional[bytes] = pickle.dumps(type(error))
+        except Exception:  # a class defined inside a function: only its name travels
+            pickled_type = None
+        return cls(
+            rank=rank,
+            type_name=type(error).__qualname__,
+            message=str(error),
+            traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            is_skip=isinstance(error, pytest.skip.Exception),
+            pickled_type=pickled_type,
+        )
+
+    def to_exception(self) -> BaseException:
+        if self.is_skip:
+            return pytest.skip.Exception(f"[rank {self.rank}] {self.message}")
+        text = f"[rank {self.rank}] {self.message}\n\nTraceback of rank {self.rank}:\n{self.traceback.rstrip()}"
+        exc_type = self._exception_type()
+        rebuilt = _rebuild(exc_type, text) if exc_type is not None else None
+        if rebuilt is not None:
+            return rebuilt
+        return DistributedTestError(
+            f"[rank {self.rank}] {self.type_name}: {self.message}\n\n"
+            f"Traceback of rank {self.rank}:\n{self.traceback.rstrip()}",
+            rank=self.rank,
+        )
+
+    def _exception_type(self) -> Optional[Type[BaseException]]:
+        if self.pickled_type is None:
+            return None
+        try:
+            loaded = pickle.loads(self.pickled_type)
+        except Exception:
+            return None
+        return loaded if isinstance(loaded, type) and issubclass(loaded, BaseException) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# In the calling (parent) process
+
+
+def _run_world(body: Callable[[int], Any], world_size: int, timeout: float, directory: str) -> List[Any]:
+    """Start one process per rank, collect their reports, and make sure none outlives this call."""
+    method = _start_method()
+    ctx = multiprocessing.get_context(method)
+    deadline = time.monotonic() + timeout
+    ranks: List[_RankProcess] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            stack_path = os.path.join(directory, f"stack_rank{rank}.txt")
+            process = ctx.Process(
+                target=_rank_main,
+                args=(rank, writer, body, os.getpid(), stack_path, method),
+                name=f"fairscale-test-rank{rank}",
+            )
+            process.start()
+            writer.close()  # the child holds the only write end, so its death shows up as EOF
+            ranks.append(_RankProcess(rank, process, reader, stack_path))
+        return _collect(ranks, deadline, timeout)
+    finally:
+        for handle in ranks:
+            handle.kill()
+
+
+@dataclass
+class _RankProcess:
+    rank: int
+    process: Any  # multiprocessing.Process of either context
+    conn: Any  # read end of the rank's report pipe
+    stack_path: str
+    done: bool = False
+    result: Any = None
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+    def read_report(self) -> Tuple[str, Any]:
+        """The rank's report, or a failure describing how it died without one."""
+        try:
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            self.process.join(timeout=5.0)
+            code = self.process.exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            return "died", DistributedTestError(f"[rank {self.rank}] {how} without reporting a result", rank=self.rank)
+        kind, value = pickle.loads(data)
+        return str(kind), value
+
+
+def _collect(ranks: List[_RankProcess], deadline: float, timeout: float) -> List[Any]:
+    while not all(handle.done for handle in ranks):
+        pending = [handle for handle in ranks if not handle.done]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _timeout_error(pending, len(ranks), timeout)
+        ready = set(multiprocessing.connection.wait([h.conn for h in pending], timeout=remaining))
+        failures: List[Tuple[float, BaseException]] = []
+        for handle in pending:
+            if handle.conn not in ready:
+                continue
+            kind, value = handle.read_report()
+            handle.done = True
+            if kind == "ok":
+                handle.result = _unpickle_result(handle.rank, value)
+            elif kind == "error":
+                failures.append((value.time, value.to_exception()))
+            else:
+                failures.append((time.monotonic(), value))
+        if failures:
+            # Once one rank fails its peers fail too (broken connections); the earliest is the cause.
+            raise min(failures, key=lambda item: item[0])[1]
+    _join_all(ranks, deadline)
+    return [handle.result for handle in ranks]
+
+
+def _unpickle_result(rank: int, payload: bytes) -> Any:
+    try:
+        return pickle.loads(payload)
+    except Exception as e:
+        raise DistributedTestError(f"[rank {rank}] its return value cannot be unpickled here: {e!r}", rank=rank)
+
+
+def _join_all(ranks: List[_RankProcess], deadline: float) -> None:
+    """Wait for ranks that reported success to exit; a crash on the way out is still a failure."""
+    for handle in ranks:
+        handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [h.rank for h in ranks if h.process.is_alive()]
+    if stuck:
+        raise DistributedTestTimeout(f"ranks {stuck} reported a result but did not exit before the timeout", stuck)
+    for handle in ranks:
+        if handle.process.exitcode != 0:
+            raise DistributedTestError(
+                f"[rank {handle.rank}] returned a result but then exited with code {handle.process.exitcode}",
+                rank=handle.rank,
+            )
+
+
+def _timeout_error(pending: List[_RankProcess], world_size: int, timeout: float) -> DistributedTestTimeout:
+    running = [h.rank for h in pending]
+    stacks = _dump_stacks(pending)
+    message = (
+        f"ranks {running} of a {world_size}-rank world were still running after the {timeout:g} s timeout "
+        f"(a hung collective, a rank waiting on a peer that went another way, or a slow test); all ranks "
+        f"were killed. Python stacks of the ranks at the timeout:\n{stacks}"
+    )
+    return DistributedTestTimeout(message, running)
+
+
+def _dump_stacks(pending: List[_RankProcess]) -> str:
+    for handle in pending:
+        if handle.process.is_alive() and handle.process.pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(handle.process.pid, signal.SIGUSR1)
+    time.sleep(_STACK_DUMP_WAIT_S)
+    parts = []
+    for handle in pending:
+        try:
+            with open(handle.stack_path) as f:
+                lines = f.read().rstrip().splitlines()
+        except OSError:
+            lines = []
+        if len(lines) > _STACK_DUMP_MAX_LINES:
+            lines = lines[:_STACK_DUMP_MAX_LINES] + ["  ..."]
+        parts.append(f"--- rank {handle.rank} ---\n" + ("\n".join(lines) if lines else "  (no stack written)"))
+    return "\n".join(parts)

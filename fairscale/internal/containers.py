@@ -1,0 +1,185 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Walk nested containers of tensors, and flatten arguments for autograd functions."""
+
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+__all__ = [
+    "apply_to_type",
+    "apply_to_tensors",
+    "to_np",
+    "from_np",
+    "pack_kwargs",
+    "unpack_kwargs",
+    "split_non_tensors",
+    "unpack_non_tensors",
+]
+
+
+def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], container: Any) -> Any:
+    """Apply ``fn`` to every leaf of ``container`` for which ``type_fn`` is true.
+
+    Recurses into dicts (an ``OrderedDict`` stays one), lists, tuples, namedtuples (rebuilt as the
+    same namedtuple type) and sets; other objects are returned as they are. A ``PackedSequence``
+    is not rebuilt: ``fn`` is called on its ``data`` for its side effects only and the sequence
+    itself is returned unchanged.
+
+    Args:
+        type_fn (Callable[[Any], bool]): selects the leaves to transform.
+        fn (Callable[[Any], Any]): the transformation.
+        container (Any): a leaf or a nested container.
+
+    Returns:
+        Any: a new container of the same structure holding the transformed leaves.
+    """
+
+    def walk(x: Any) -> Any:
+        if type_fn(x):
+            return fn(x)
+        if isinstance(x, PackedSequence):
+            walk(x.data)
+            return x
+        if isinstance(x, OrderedDict):
+            return OrderedDict((key, walk(value)) for key, value in x.items())
+        if isinstance(x, dict):
+            return {key: walk(value) for key, value in x.items()}
+        if isinstance(x, list):
+            return [walk(value) for value in x]
+        if isinstance(x, tuple):
+            values = [walk(value) for value in x]
+            if hasattr(x, "_fields"):  # namedtuple: rebuild with positional fields
+                return type(x)(*values)
+            return tuple(values)
+        if isinstance(x, set):
+            return {walk(value) for value in x}
+        return x
+
+    return walk(container)
+
+
+def apply_to_tensors(fn: Callable[[Tensor], Any], container: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nested container (see :func:`apply_to_type`)."""
+    return apply_to_type(torch.is_tensor, fn, container)
+
+
+def to_np(tensor_or_container: Any) -> Any:
+    """Convert every tensor in a (nested) container to a numpy array (detached, on CPU)."""
+    return apply_to_tensors(lambda t: t.detach().cpu().numpy(), tensor_or_container)
+
+
+def from_np(ndarray_or_container: Any, device: Union[str, torch.device] = "cpu") -> Any:
+    """Convert every numpy array (or numpy scalar) in a (nested) container to a tensor on ``device``.
+
+    Args:
+        ndarray_or_container (Any): an array or a nested container of arrays.
+        device (Union[str, torch.device]): where the tensors go, CPU by default.
+
+    Returns:
+        Any: the same structure with tensors in place of arrays (sharing memory on CPU).
+    """
+
+    def convert(x: Any) -> Tensor:
+        return torch.as_tensor(np.asarray(x)).to(device)
+
+    return apply_to_type(lambda x: isinstance(x, (np.ndarray, np.generic)), convert, ndarray_or_container)
+
+
+def pack_kwargs(*args: Any, **kwargs: Any) -> Tuple[Tuple[str, ...], Tuple[Any, ...]]:
+    """Turn positional and keyword arguments into one flat tuple plus the keyword names.
+
+    Autograd functions and checkpointing only accept positional arguments; this packs kwargs
+    after the positionals so :func:`unpack_kwargs` can restore them.
+
+    Example::
+
+        >>> kwarg_keys, flat_args = pack_kwargs(1, 2, a=3, b=4)
+        >>> kwarg_keys, flat_args
+        (('a', 'b'), (1, 2, 3, 4))
+        >>> unpack_kwargs(kwarg_keys, flat_args)
+        ((1, 2), {'a': 3, 'b': 4})
+
+    Returns:
+        Tuple[Tuple[str, ...], Tuple[Any, ...]]: ``(kwarg_keys, flat_args)``.
+    """
+    kwarg_keys = tuple(kwargs.keys())
+    flat_args = tuple(args) + tuple(kwargs.values())
+    return kwarg_keys, flat_args
+
+
+def unpack_kwargs(kwarg_keys: Tuple[str, ...], flat_args: Tuple[Any, ...]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Inverse of :func:`pack_kwargs`: the last ``len(kwarg_keys)`` values become kwargs.
+
+    Returns:
+        Tuple[Tuple[Any, ...], Dict[str, Any]]: ``(args, kwargs)``.
+    """
+    if len(kwarg_keys) > len(flat_args):
+        raise ValueError(f"unpack_kwargs: {len(kwarg_keys)} keyword names but only {len(flat_args)} values")
+    if not kwarg_keys:
+        return tuple(flat_args), {}
+    num_args = len(flat_args) - len(kwarg_keys)
+    return tuple(flat_args[:num_args]), dict(zip(kwarg_keys, flat_args[num_args:]))
+
+
+def split_non_tensors(
+    mixed: Union[Tensor, Tuple[Any, ...]],
+) -> Tuple[Tuple[Tensor, ...], Optional[Dict[str, List[Any]]]]:
+    """Separate the tensors of a flat tuple from the other values.
+
+    Used where only tensors may cross an autograd boundary; :func:`unpack_non_tensors` puts the
+    values back in their original positions.
+
+    Example::
+
+        >>> tensors, packed_non_tensors = split_non_tensors((x, 1, None, y))
+        >>> tensors
+        (x, y)
+        >>> unpack_non_tensors(tensors, packed_non_tensors)
+        (x, 1, None, y)
+
+    Args:
+        mixed (Union[Tensor, Tuple[Any, ...]]): a tensor or a tuple of tensors and other values.
+
+    Returns:
+        Tuple[Tuple[Tensor, ...], Optional[Dict[str, List[Any]]]]: the tensors, and
+        ``{"is_tensor": [bool per position], "objects": [non-tensor values]}`` (``None`` when
+        ``mixed`` is a single tensor).
+    """
+    if isinstance(mixed, Tensor):
+        return (mixed,), None
+    tensors: List[Tensor] = []
+    packed_non_tensors: Dict[str, List[Any]] = {"is_tensor": [], "objects": []}
+    for value in mixed:
+        is_tensor = isinstance(value, Tensor)
+        packed_non_tensors["is_tensor"].append(is_tensor)
+        if is_tensor:
+            tensors.append(value)
+        else:
+            packed_non_tensors["objects"].append(value)
+    return tuple(tensors), packed_non_tensors
+
+
+def unpack_non_tensors(
+    tensors: Tuple[Tensor, ...], packed_non_tensors: Optional[Dict[str, List[Any]]]
+) -> Tuple[Any, ...]:
+    """Inverse of :func:`split_non_tensors`: merge tensors and non-tensors back in order."""
+    if packed_non_tensors is None:
+        return tensors
+    if not isinstance(packed_non_tensors, dict) or set(packed_non_tensors) != {"is_tensor", "objects"}:
+        raise ValueError("unpack_non_tensors: packed_non_tensors must be the dict returned by split_non_tensors")
+    is_tensor = packed_non_tensors["is_tensor"]
+    objects = packed_non_tensors["objects"]
+    if sum(is_tensor) != len(tensors) or len(is_tensor) - sum(is_tensor) != len(objects):
+        raise ValueError(
+            f"unpack_non_tensors: {len(tensors)} tensors and {len(objects)} objects do not fit a layout of "
+            f"{sum(is_tensor)} tensors and {len(is_tensor) - sum(is_tensor)} objects"
+        )
+    mixed: List[Any] = []
+    tensor_iter, object_iter = iter(tensors), iter(objects)
+    for flag in is_tensor:
+        mixed.append(next(tensor_iter) if flag else next(object_iter))
+    return tuple(mixed)

@@ -1,0 +1,294 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The device layer: the only module of fairscale that touches ``torch.cuda``, streams and events.
+
+Everything that differs between an accelerator (CUDA, or another torch accelerator with the same
+module API such as XPU) and the CPU is hidden behind :class:`DeviceHandle`. On CPU, streams and
+events are inert objects whose methods return immediately, so callers write the accelerator
+code path once and never branch on the device type: CPU kernels run synchronously in program
+order, which is exactly the ordering the stream/event calls would enforce.
+"""
+
+import contextlib
+import resource
+import sys
+import threading
+from types import ModuleType
+from typing import Any, ContextManager, Dict, Optional, Protocol, Union, cast
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Stream",
+    "Event",
+    "DeviceHandle",
+    "accelerator_available",
+    "accelerator_device_count",
+    "accelerator_initialized",
+    "current_accelerator_device",
+    "default_compute_device",
+    "cpu_peak_rss_bytes",
+]
+
+
+class Event(Protocol):
+    """What fairscale uses of an event (``torch.cuda.Event`` satisfies it)."""
+
+    def record(self, stream: Any = None) -> None: ...  # noqa: E704
+
+    def wait(self, stream: Any = None) -> None: ...  # noqa: E704
+
+    def synchronize(self) -> None: ...  # noqa: E704
+
+    def query(self) -> bool: ...  # noqa: E704
+
+
+class Stream(Protocol):
+    """What fairscale uses of a stream (``torch.cuda.Stream`` satisfies it)."""
+
+    def wait_stream(self, stream: Any) -> None: ...  # noqa: E704
+
+    def wait_event(self, event: Any) -> None: ...  # noqa: E704
+
+    def record_event(self, event: Any = None) -> Any: ...  # noqa: E704
+
+    def synchronize(self) -> None: ...  # noqa: E704
+
+
+class _InertEvent:
+    """CPU event: work on CPU is synchronous, so an event is always complete."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "InertEvent()"
+
+
+class _InertStream:
+    """CPU stream: a placeholder with the stream API whose methods do nothing."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_InertEvent":
+        return event if isinstance(event, _InertEvent) else _InertEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "InertStream()"
+
+
+# One shared inert stream: "current stream" on CPU is always the same object, which makes
+# ``handle.current_stream() is handle.current_stream()`` hold as it does on CUDA.
+_CPU_STREAM = _InertStream()
+
+
+def _has_accelerator_api() -> bool:
+    return hasattr(torch, "accelerator") and hasattr(torch.accelerator, "is_available")
+
+
+def accelerator_available() -> bool:
+    """Whether an accelerator (CUDA or another torch accelerator) can be used.
+
+    Does not initialise the accelerator runtime, so it is safe to call before forking.
+    """
+    if _has_accelerator_api():
+        return bool(torch.accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def accelerator_device_count() -> int:
+    """Number of accelerator devices visible to this process (0 without one)."""
+    if not accelerator_available():
+        return 0
+    if _has_accelerator_api():
+        return int(torch.accelerator.device_count())
+    return int(torch.cuda.device_count())
+
+
+def accelerator_initialized() -> bool:
+    """Whether this process has initialised CUDA (after which ``fork`` is unsafe)."""
+    return bool(torch.cuda.is_initialized())
+
+
+def current_accelerator_device() -> Optional[torch.device]:
+    """The current accelerator device with its index (e.g. ``cuda:1``), or ``None`` without one."""
+    if not accelerator_available():
+        return None
+    if _has_accelerator_api():
+        acc = torch.accelerator.current_accelerator()
+        if acc is None:
+            return None
+        return torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _is_accelerator_type(device_type: str) -> bool:
+    return device_type not in ("cpu", "meta")
+
+
+def default_compute_device(params_device: Optional[torch.device]) -> torch.device:
+    """Choose the device FSDP computes on when the user does not say.
+
+    The fork's rule: parameters already on an accelerator compute there; otherwise the current
+    accelerator if one is available (parameters get moved to it); otherwise the CPU. Upstream
+    always chose CUDA, which crashed on machines without one.
+
+    Args:
+        params_device (Optional[torch.device]): the device of the module's parameters, or
+            ``None`` for a module without parameters.
+
+    Returns:
+        torch.device: the compute device, with an index on accelerators.
+    """
+    if params_device is not None and _is_accelerator_type(params_device.type):
+        return _normalize_device(params_device)
+    current = current_accelerator_device()
+    return current if current is not None else torch.device("cpu")
+
+
+def cpu_peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (for benchmarks; no accelerator memory)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+class DeviceHandle:
+    """Streams, events, synchronisation and memory statistics of one device.
+
+    Obtain handles with :meth:`DeviceHandle.for_device` (cached per device). On CPU every stream
+    and event is inert and memory statistics are 0; on an accelerator the calls go to the
+    device's torch module (``torch.cuda`` for CUDA).
+
+    Attributes:
+        device (torch.device): the device, with its index on accelerators.
+        is_accelerator (bool): ``False`` for CPU (and ``meta``), ``True`` otherwise.
+    """
+
+    _cache: Dict[torch.device, "DeviceHandle"] = {}
+    _cache_lock = threading.Lock()
+
+    def __init__(self, device: Union[str, torch.device]) -> None:
+        device = _normalize_device(torch.device(device))
+        self.device: torch.device = device
+        self.is_accelerator: bool = _is_accelerator_type(device.type)
+        self._module: Optional[ModuleType] = getattr(torch, device.type, None) if self.is_accelerator else None
+        # Accelerators without a stream API (e.g. MPS) still work, with inert streams.
+        self._has_streams = self._module is not None and hasattr(self._module, "Stream")
+
+    @staticmethod
+    def for_device(device: Union[str, torch.device]) -> "DeviceHandle":
+        """Return the cached handle of ``device`` (``"cuda"`` means the current CUDA device)."""
+        key = _normalize_device(torch.device(device))
+        with DeviceHandle._cache_lock:
+            handle = DeviceHandle._cache.get(key)
+            if handle is None:
+                handle = DeviceHandle(key)
+                DeviceHandle._cache[key] = handle
+            return handle
+
+    def new_stream(self) -> Stream:
+        """A new stream on this device (inert on CPU)."""
+        if self._has_streams:
+            return cast(Stream, self._mod.Stream(device=self.device))
+        return _InertStream()
+
+    def current_stream(self) -> Stream:
+        """The stream that kernels are currently queued on."""
+        if self._has_streams:
+            return cast(Stream, self._mod.current_stream(self.device))
+        return _CPU_STREAM
+
+    def stream(self, s: Stream) -> ContextManager[None]:
+        """Context manager that makes ``s`` the current stream (does nothing on CPU)."""
+        if self._has_streams and not isinstance(s, _InertStream):
+            return cast(ContextManager[None], self._mod.stream(s))
+        return contextlib.nullcontext()
+
+    def new_event(self) -> Event:
+        """A new event (inert and always complete on CPU)."""
+        if self._has_streams:
+            return cast(Event, self._mod.Event())
+        return _InertEvent()
+
+    def synchronize(self) -> None:
+        """Block the host until all queued work on this device is done (no-op on CPU)."""
+        if self._module is not None and hasattr(self._module, "synchronize"):
+            if self._has_streams:
+                self._mod.synchronize(self.device)
+            else:
+                self._mod.synchronize()
+
+    def record_stream(self, tensor: Tensor, stream: Stream) -> None:
+        """Tell the caching allocator ``tensor`` is in use on ``stream`` (no-op on CPU).
+
+        Needed when a tensor allocated on one stream is consumed on another and then freed:
+        without it the allocator could hand its memory out while the other stream still reads it.
+        """
+        if self._has_streams and tensor.device.type == self.device.type and not isinstance(stream, _InertStream):
+            tensor.record_stream(cast(Any, stream))
+
+    def pin_memory(self, tensor: Tensor) -> Tensor:
+        """Return a pinned copy of a CPU tensor when an accelerator exists, else ``tensor`` itself.
+
+        Pinned host memory only helps host/accelerator copies; without an accelerator pinning
+        fails or wastes locked pages, so the tensor is returned unchanged.
+        """
+        if tensor.device.type == "cpu" and accelerator_available() and not tensor.is_pinned():
+            return tensor.pin_memory()
+        return tensor
+
+    def memory_allocated(self) -> int:
+        """Bytes currently allocated by tensors on this device (0 on CPU)."""
+        return self._memory_stat("memory_allocated")
+
+    def max_memory_allocated(self) -> int:
+        """Peak bytes allocated on this device since the last reset (0 on CPU)."""
+        return self._memory_stat("max_memory_allocated")
+
+    def reset_peak_memory_stats(self) -> None:
+        """Reset the peak returned by :meth:`max_memory_allocated` (no-op on CPU)."""
+        if self._module is not None and hasattr(self._module, "reset_peak_memory_stats"):
+            self._mod.reset_peak_memory_stats(self.device)
+
+    def __repr__(self) -> str:
+        return f"DeviceHandle({self.device})"
+
+    @property
+    def _mod(self) -> Any:
+        # Typed as Any: the accelerator modules are resolved by name at run time.
+        return self._module
+
+    def _memory_stat(self, name: str) -> int:
+        if self._module is None or not hasattr(self._module, name):
+            return 0
+        return int(getattr(self._module, name)(self.device))
+
+
+def _normalize_device(device: torch.device) -> torch.device:
+    """Give accelerator devices an index so "cuda" and "cuda:0" share one cached handle."""
+    if not _is_accelerator_type(device.type) or device.index is not None:
+        return device
+    current = current_accelerator_device()
+    if current is not None and current.type == device.type:
+        return current
+    return torch.device(device.type, 0)

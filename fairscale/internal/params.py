@@ -1,0 +1,100 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Small helpers about parameters, ranks and moving nested values between devices."""
+
+import collections.abc
+from collections import OrderedDict
+from math import inf
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Workhandle", "get_global_rank", "recursive_copy_to_device", "calc_grad_norm"]
+
+
+class Workhandle:
+    """A pending asynchronous operation and what to run once it is done.
+
+    Attributes:
+        handle (Any): the work object (anything with ``wait()``).
+        callback (Optional[Callable[[], Any]]): called by the owner after ``handle.wait()``.
+    """
+
+    def __init__(self, handle: Any, callback: Optional[Callable[[], Any]]) -> None:
+        self.handle = handle
+        self.callback = callback
+
+
+def get_global_rank(group: Any, rank: int) -> int:
+    """Translate ``rank`` inside ``group`` to the rank in the default (world) group.
+
+    Args:
+        group (Any): a process group; ``None`` or the world group means ranks are already global.
+        rank (int): a rank inside ``group``.
+
+    Returns:
+        int: the global rank.
+    """
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return int(dist.get_global_rank(group, rank))
+
+
+def recursive_copy_to_device(value: Any, non_blocking: bool, device: torch.device) -> Any:
+    """Copy every tensor in a nested structure to ``device``.
+
+    Lists stay lists, tuples stay tuples (namedtuples keep their type), mappings become dicts
+    (``OrderedDict`` stays one); other values are returned as they are.
+
+    Args:
+        value (Any): a tensor or a nested list/tuple/mapping of them.
+        non_blocking (bool): passed to ``Tensor.to`` (asynchronous host/accelerator copies).
+        device (torch.device): the destination.
+
+    Returns:
+        Any: the same structure with the tensors on ``device``.
+    """
+    if isinstance(value, Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, (list, tuple)):
+        values = [recursive_copy_to_device(v, non_blocking, device) for v in value]
+        if isinstance(value, list):
+            return values
+        if hasattr(value, "_fields"):
+            return type(value)(*values)
+        return tuple(values)
+    if isinstance(value, collections.abc.Mapping):
+        items = [(k, recursive_copy_to_device(v, non_blocking, device)) for k, v in value.items()]
+        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+    return value
+
+
+@torch.no_grad()
+def calc_grad_norm(parameters: List[torch.nn.Parameter], p: float) -> Tensor:
+    """The ``p``-norm of the gradients of ``parameters`` taken together (parameters without grad skipped).
+
+    Per-parameter norms are computed in fp32 and combined, as ``torch.nn.utils.clip_grad_norm_``
+    does, so low-precision gradients do not overflow.
+
+    Args:
+        parameters (List[torch.nn.Parameter]): the parameters whose ``.grad`` is measured.
+        p (float): the norm order; ``math.inf`` for the max norm.
+
+    Returns:
+        Tensor: a 0-dim tensor in the dtype of the first parameter with a gradient, on its
+        device; ``torch.tensor(0.0)`` if no parameter has a gradient.
+    """
+    grads = [param.grad.detach() for param in parameters if param.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = grads[0].device
+    p = float(p)
+    if p == inf:
+        maxima = [g.abs().max().float().to(device) for g in grads if g.numel() > 0]
+        local_norm = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
+    else:
+        norms = [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads]
+        local_norm = torch.linalg.vector_norm(torch.stack(norms), p)
+    first_dtype = next(param.dtype for param in parameters if param.grad is not None)
+    return local_norm.to(dtype=first_dtype)

@@ -1,0 +1,70 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Helpers for rewriting state-dict keys and locating submodules by state-dict path."""
+
+from typing import Any, Dict, List, Type
+
+from torch import nn
+
+__all__ = ["find_module_instances", "replace_by_prefix_"]
+
+
+def find_module_instances(module: nn.Module, search_class: Type[nn.Module]) -> List[str]:
+    """State-dict prefixes of every submodule of ``module`` (itself included) that is a ``search_class``.
+
+    Prefixes are in state-dict form: ``""`` for ``module`` itself, ``"1.ln."`` for
+    ``module[1].ln``. The search continues inside matches, and a module reachable by several
+    paths is reported once per path.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(1, 1), nn.ModuleDict({"ln": nn.LayerNorm(1)}), nn.LayerNorm(1))
+        >>> find_module_instances(net, nn.LayerNorm)
+        ['1.ln.', '2.']
+        >>> find_module_instances(net, nn.Sequential)
+        ['']
+
+    Args:
+        module (nn.Module): the module to search.
+        search_class (Type[nn.Module]): the class (subclasses match too).
+
+    Returns:
+        List[str]: the prefixes, in ``named_children`` depth-first order.
+    """
+    found: List[str] = []
+
+    def visit(current: nn.Module, prefix: str) -> None:
+        if isinstance(current, search_class):
+            found.append(prefix)
+        for name, child in current.named_children():
+            visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return found
+
+
+def replace_by_prefix_(state_dict: Dict[str, Any], old_prefix: str, new_prefix: str) -> None:
+    """Rename, in place, every key of ``state_dict`` that starts with ``old_prefix``.
+
+    ``old_prefix + rest`` becomes ``new_prefix + rest``. Renamed keys move to the end of the
+    dict in their original relative order (the state-dict hooks rely on this being stable).
+
+    Example::
+
+        >>> sd = {"layer.weight": 1, "other": 2}
+        >>> replace_by_prefix_(sd, "layer.", "module.layer.")
+        >>> sd
+        {'other': 2, 'module.layer.weight': 1}
+
+    Args:
+        state_dict (Dict[str, Any]): the dict to modify (e.g. a state dict).
+        old_prefix (str): the prefix to replace.
+        new_prefix (str): its replacement.
+
+    Raises:
+        ValueError: if the two prefixes are equal.
+    """
+    if old_prefix == new_prefix:
+        raise ValueError(f"replace_by_prefix_: old_prefix and new_prefix must be distinct, both are {old_prefix!r}")
+    for key in [k for k in state_dict.keys() if k.startswith(old_prefix)]:
+        new_key = new_prefix + key[len(old_prefix) :]
+        state_dict[new_key] = state_dict.pop(key)

@@ -1,0 +1,80 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Helpers for activation checkpointing: keeping batch-norm running statistics correct.
+
+A checkpointed module runs its forward twice per training step: once under ``torch.no_grad()``
+(the checkpointing pass) and once more during backward (the recomputation, with grad enabled). A
+batch-norm layer in training mode would update its running statistics in both passes, i.e. twice
+per step. :func:`patch_batchnorm` makes such layers skip the update whenever grad is disabled, so the
+statistics move exactly once per step, in the pass that also computes gradients.
+"""
+
+from typing import Any, List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["patch_batchnorm"]
+
+
+class _RunningStatsGuard:
+    """The pair of hooks patched onto one batch-norm layer, with its own record of whether the
+    pre-forward hook turned ``track_running_stats`` off.
+
+    Each patch owns its record, so patching a layer twice (e.g. nested checkpoint wrappers) cannot
+    make one hook restore a value that another hook had already changed. Hooks are methods of a
+    module-level class (not closures) so that a patched model can still be pickled.
+    """
+
+    def __init__(self) -> None:
+        self.suspended = False
+
+    def suspend(self, module: _BatchNorm, _inputs: Tuple[Any, ...]) -> None:
+        # Only a layer that would actually update its statistics is touched: in eval mode the
+        # flag changes nothing, and a layer whose flag is already off (by the user or by another
+        # patch) must be left as it is.
+        if not torch.is_grad_enabled() and module.training and module.track_running_stats:
+            module.track_running_stats = False
+            self.suspended = True
+
+    def restore(self, module: _BatchNorm, _inputs: Tuple[Any, ...], _output: Any) -> None:
+        if self.suspended:
+            module.track_running_stats = True
+            self.suspended = False
+
+
+def _patch_one(bn: _BatchNorm) -> Tuple[RemovableHandle, RemovableHandle]:
+    guard = _RunningStatsGuard()
+    pre = bn.register_forward_pre_hook(guard.suspend)
+    # always_call: restore the flag even when the layer's forward raises, otherwise one failed
+    # forward would silently stop the layer from ever tracking statistics again.
+    post = bn.register_forward_hook(guard.restore, always_call=True)
+    return pre, post
+
+
+def patch_batchnorm(module: nn.Module) -> List[RemovableHandle]:
+    """Make every batch-norm layer in ``module`` skip its running-stat update when grad is disabled.
+
+    While a patched layer runs in training mode with grad disabled, ``track_running_stats`` is
+    temporarily set to ``False``: the layer still normalises with the batch statistics (so its
+    output is unchanged) but leaves ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` alone. :func:`~fairscale.nn.checkpoint.checkpoint_wrapper` applies
+    this so the no-grad checkpointing pass does not update the statistics a second time.
+
+    Args:
+        module (nn.Module): the module to patch; every ``torch.nn.modules.batchnorm._BatchNorm``
+            among ``module.modules()`` (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ...) is patched,
+            including ``module`` itself.
+
+    Returns:
+        List[RemovableHandle]: the hook handles, two per patched layer; call ``remove()`` on each
+        to undo the patch.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"patch_batchnorm expects an nn.Module, got {type(module).__name__}")
+    handles: List[RemovableHandle] = []
+    for child in module.modules():
+        if isinstance(child, _BatchNorm):
+            handles.extend(_patch_one(child))
+    return handles

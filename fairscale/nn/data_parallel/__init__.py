@@ -1,0 +1,14 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Data-parallel wrappers: FullyShardedDataParallel and its helpers."""
+
+from ._fsdp.state_dict import no_pre_load_state_dict_hook
+from ._fsdp.zero2 import zero2_groups
+from .fully_sharded_data_parallel import FullyShardedDataParallel, TrainingState, get_fsdp_instances
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "TrainingState",
+    "get_fsdp_instances",
+    "no_pre_load_state_dict_hook",
+    "zero2_groups",
+]

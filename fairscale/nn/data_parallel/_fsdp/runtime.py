@@ -1,0 +1,398 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The hook lifecycle of FullyShardedDataParallel: lazy init, forward, pre/post backward and the final callback.
+
+Order of events for one instance in one training step (ZeRO-3, ``reshard_after_forward=True``):
+
+1. forward: gather full params (all-gather over ``process_group``), run the module on views of them, then free
+   them (or keep a zero2 slice), and put tensor hooks on the outputs.
+2. pre-backward (first output hook to fire): gather again (from the shards, or from the zero2 slices over the
+   zero2 group), park existing shard gradients.
+3. post-backward (the parameter's post-accumulate-grad hook): free the full params and reduce-scatter the gradient
+   over ``process_group_reduce_scatter``; the reduced shard is accumulated in the handle.
+4. final callback (root, once per backward): flush the bucketer, hand every reduced shard to ``p.grad``, return
+   every instance to IDLE with ``p.data`` the fp32 shard.
+"""
+
+import functools
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from fairscale.internal import collectives
+from fairscale.internal.containers import apply_to_tensors
+from fairscale.internal.device import DeviceHandle
+
+from . import zero2
+from .handle import FlatHandle
+from .state import HandleState, TrainingState
+from .tree import TreeState
+
+
+def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_grad: bool, args: Any, kwargs: Any) -> Any:
+    """Cast floating tensors of ``from_dtypes`` among ``args``/``kwargs`` to ``dtype`` (recursively).
+
+    Args:
+        dtype: target dtype.
+        from_dtypes: only tensors of these dtypes are cast.
+        no_grad: cast outside autograd (the copy is a new leaf that keeps ``requires_grad`` of a leaf input).
+
+    Returns:
+        ``(args, kwargs)`` with the casts applied.
+    """
+
+    def cast(t: Tensor) -> Tensor:
+        if not t.is_floating_point() or t.dtype not in from_dtypes or t.dtype == dtype:
+            return t
+        if no_grad:
+            with torch.no_grad():
+                out = t.to(dtype)
+            if t.is_leaf and t.requires_grad:
+                out.requires_grad_(True)
+            return out
+        return t.to(dtype)
+
+    return apply_to_tensors(cast, (args, kwargs))
+
+
+class FSDPRuntime(nn.Module):
+    """Machinery base class of :class:`FullyShardedDataParallel`; see the front class for the public API."""
+
+    # Set by the front's constructor.
+    process_group: Any
+    process_group_reduce_scatter: Any
+    zero2_process_group: Any
+    rank: int
+    world_size: int
+    reshard_after_forward: bool
+    _orig_reshard_after_forward: bool
+    disable_reshard_on_root: bool
+    mixed_precision: bool
+    fp32_reduce_scatter: bool
+    flatten_parameters: bool
+    move_params_to_cpu: bool
+    compute_dtype: torch.dtype
+    buffer_dtype: torch.dtype
+    move_grads_to_cpu: bool
+    bucket_cap_mb: int
+    compute_device: torch.device
+    clear_autocast_cache: bool
+    force_input_to_fp32: bool
+    gradient_predivide_factor: float
+    gradient_postdivide_factor: float
+    optimize_backward_concat: bool
+    params: List[nn.Parameter]
+    _handles: List[FlatHandle]
+    _is_root: Optional[bool]
+    _tree: Optional[TreeState]
+    training_state: TrainingState
+    _require_backward_grad_sync: bool
+    _pre_backward_hook_has_run: bool
+    _zero2_rank: int
+    _zero2_size: int
+
+    # ------------------------------------------------------------------ tree helpers
+    def _fsdp_instances(self) -> List["FSDPRuntime"]:
+        return [m for m in self.modules() if isinstance(m, FSDPRuntime)]
+
+    @property
+    def _device(self) -> DeviceHandle:
+        return DeviceHandle.for_device(self.compute_device)
+
+    def _owned_modules(self) -> List[nn.Module]:
+        """Modules whose buffers belong to this instance: its subtree without nested FSDP subtrees."""
+        out: List[nn.Module] = []
+        stack: List[nn.Module] = [self]
+        while stack:
+            m = stack.pop()
+            out.append(m)
+            for child in m.children():
+                if not isinstance(child, FSDPRuntime):
+                    stack.append(child)
+        return out
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init(self) -> None:
+        """Materialise handles, find the root and share the tree state (spec 1.6). Cheap after the first call."""
+        for h in self._handles:
+            h.materialize(self._device, self.compute_dtype, self.move_params_to_cpu)
+        if self._is_root is None:
+            self._set_is_root()
+        if self._is_root:
+            self._cast_buffers()
+            if self.disable_reshard_on_root:
+                self.reshard_after_forward = False
+            self._check_zero2_groups_once()
+
+    def _set_is_root(self) -> None:
+        self._is_root = True
+        tree = TreeState(self._device, self.bucket_cap_mb)
+        tree.set_finalizer(self._finalize_backward)
+        self._tree = tree
+        for m in self._fsdp_instances():
+            if m is not self:
+                if m._is_root:
+                    # It ran on its own first; it now becomes part of this tree.
+                    m.reshard_after_forward = m._orig_reshard_after_forward
+                m._is_root = False
+                m._tree = tree
+
+    def _reset_lazy_init(self) -> None:
+        """Forget lazy-init results so the model can be moved/changed as before the first forward."""
+        self._is_root = None
+        self._tree = None
+        for h in self._handles:
+            h.reset()
+        self.reshard_after_forward = self._orig_reshard_after_forward
+
+    @torch.no_grad()
+    def _cast_buffers(self) -> None:
+        for m in self._fsdp_instances():
+            for owned in m._owned_modules():
+                for name, buf in list(owned.named_buffers(recurse=False)):
+                    if buf is None:
+                        continue
+                    dtype = m.buffer_dtype if buf.is_floating_point() else buf.dtype
+                    if buf.device != m.compute_device or buf.dtype != dtype:
+                        setattr(owned, name, buf.to(device=m.compute_device, dtype=dtype))
+
+    def _check_zero2_groups_once(self) -> None:
+        """One small collective per distinct zero2 group, the first time the root initialises (contract 2.6)."""
+        if getattr(self, "_zero2_checked", False):
+            return
+        self._zero2_checked = True
+        seen = set()
+        for m in self._fsdp_instances():
+            if m.zero2_process_group is not None and id(m.zero2_process_group) not in seen:
+                seen.add(id(m.zero2_process_group))
+                zero2.check_partition(m.process_group, m.zero2_process_group)
+
+    # ------------------------------------------------------------------ gathering
+    def _rebuild_full_params(self, phase: str) -> None:
+        """Bring every owned handle to FULL (from its shard, or its zero2 slice over the zero2 group)."""
+        todo = [h for h in self._handles if h.state != HandleState.FULL]
+        if not todo:
+            return
+        tree = self._tree
+        assert tree is not None
+        current = tree.device.current_stream()
+        tree.all_gather_stream.wait_stream(current)
+        with collectives.collective_phase(phase), tree.device.stream(tree.all_gather_stream):
+            for h in todo:
+                self._gather_one(h)
+        current.wait_stream(tree.all_gather_stream)
+
+    def _gather_one(self, h: FlatHandle) -> None:
+        if not h.has_full_buffer:
+            h.set_state(HandleState.FULL)
+            return
+        out = h.alloc_full()
+        if h.state == HandleState.ZERO2_SLICE:
+            assert h.zero2_slice is not None
+            collectives.all_gather_into_flat(out, h.zero2_slice, self.zero2_process_group)
+            h.zero2_slice = None
+        elif h.is_sharded:
+            collectives.all_gather_into_flat(out, h.gather_input(), self.process_group)
+        else:
+            out.copy_(h.gather_input())
+        h.set_state(HandleState.FULL)
+
+    def _use_full_params(self) -> None:
+        for h in self._handles:
+            h.use_full()
+
+    def _use_fp32_shards(self) -> None:
+        for h in self._handles:
+            h.use_shard()
+
+    def _reshard(self, after_forward: bool) -> None:
+        """Free full params; after a forward with a zero2 group keep this rank's zero2 slice instead."""
+        keep_slice = after_forward and self.zero2_process_group is not None
+        for h in self._handles:
+            if h.state != HandleState.FULL:
+                continue
+            if keep_slice and h.is_sharded:
+                h.keep_zero2_slice(self._zero2_rank, self._zero2_size)
+            else:
+                h.free_full()
+
+    # ------------------------------------------------------------------ forward
+    def _fsdp_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        previous = self.training_state
+        if previous not in (TrainingState.IDLE, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            raise RuntimeError(
+                f"FullyShardedDataParallel.forward called while the instance is in {previous.name}; a forward "
+                "cannot run inside summon_full_params() or inside its own forward."
+            )
+        self.training_state = TrainingState.FORWARD
+        try:
+            if self._is_root and self.mixed_precision:
+                args, kwargs = cast_inputs(self.compute_dtype, (torch.float32,), True, args, kwargs)
+            elif self.force_input_to_fp32 and not self.mixed_precision:
+                args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
+            self._rebuild_full_params("forward")
+            self._use_full_params()
+            outputs = self.module(*args, **kwargs)
+            if self.reshard_after_forward:
+                self._reshard(after_forward=True)
+            self._use_fp32_shards()
+            if torch.is_grad_enabled():
+                outputs = self._register_pre_backward_hooks(outputs)
+        finally:
+            self.training_state = previous
+        if self.clear_autocast_cache:
+            torch.clear_autocast_cache()
+        return outputs
+
+    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+        registered = [False]
+
+        def hook(_grad: Tensor) -> None:
+            self._pre_backward_hook()
+
+        def register(t: Tensor) -> Tensor:
+            if t.requires_grad:
+                t.register_hook(hook)
+                registered[0] = True
+            return t
+
+        apply_to_tensors(register, outputs)
+        if registered[0]:
+            assert self._tree is not None
+            self._tree.backward_pending = True
+        return outputs
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward_hook(self) -> None:
+        """Runs when the gradient of one of this instance's forward outputs is ready (idempotent)."""
+        tree = self._tree
+        assert tree is not None
+        tree.queue_final_callback()
+        self._rebuild_full_params("backward")
+        self._use_full_params()
+        if not self._pre_backward_hook_has_run:
+            if self.training_state not in (TrainingState.IDLE, TrainingState.BACKWARD_PRE):
+                raise RuntimeError(f"pre-backward hook in unexpected state {self.training_state.name}")
+            self._prep_grads_for_backward()
+            self._pre_backward_hook_has_run = True
+        if self.training_state == TrainingState.IDLE:
+            self.training_state = TrainingState.BACKWARD_PRE
+
+    def _prep_grads_for_backward(self) -> None:
+        """Park reduced shard gradients of earlier backwards so autograd can write full-size ones (spec 1.10)."""
+        for h in self._handles:
+            p = h.param
+            g = p.grad
+            if g is None:
+                continue
+            is_reduced_shard = g is getattr(h, "assigned_grad", None) or (
+                h.is_sharded and g.shape == h.fp32_shard.shape  # type: ignore[union-attr]
+            )
+            if is_reduced_shard:
+                h.saved_grad_shard = g if h.saved_grad_shard is None else h.saved_grad_shard + g
+                p.grad = None
+            elif g.shape != h.orig_size:
+                raise RuntimeError(
+                    f"{h.name}: found a gradient of shape {tuple(g.shape)} that is neither the full shape "
+                    f"{tuple(h.orig_size)} nor the shard shape; was p.grad assigned by hand?"
+                )
+
+    def _register_post_backward_hooks(self) -> None:
+        """Once per handle: a post-accumulate-grad hook (persistent, so hooks never pile up across iterations)."""
+        for h in self._handles:
+            if h.param.requires_grad and not getattr(h, "post_hook_registered", False):
+                h.param.register_post_accumulate_grad_hook(functools.partial(self._post_backward_hook, h))
+                h.post_hook_registered = True  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def _post_backward_hook(self, h: FlatHandle, param: Tensor) -> None:
+        """The full gradient of ``param`` is in ``param.grad``: free params and start its reduction."""
+        tree = self._tree
+        if param.grad is None or tree is None:
+            return
+        if param.grad.requires_grad:
+            raise RuntimeError("FSDP only works with gradients that do not require grad (no double backward)")
+        tree.queue_final_callback()
+        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            raise RuntimeError(f"post-backward hook of {h.name} in unexpected state {self.training_state.name}")
+        self.training_state = TrainingState.BACKWARD_POST
+        if self._require_backward_grad_sync or self.reshard_after_forward:
+            h.free_full()
+        h.use_shard()
+        if not self._require_backward_grad_sync:
+            return  # no_sync: the full-size gradient stays in p.grad and accumulates
+        grad = param.grad
+        param.grad = None
+        tree.post_backward_stream.wait_stream(tree.device.current_stream())
+        with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
+            self._reduce_grad(h, grad)
+
+    def _reduce_grad(self, h: FlatHandle, grad: Tensor) -> None:
+        if self.fp32_reduce_scatter and grad.dtype != h.param.dtype:
+            grad = grad.to(h.param.dtype)
+        if self.gradient_predivide_factor > 1:
+            grad.div_(self.gradient_predivide_factor)
+        callback = functools.partial(self._post_reduction_hook, h)
+        if h.is_sharded:
+            tree = self._tree
+            assert tree is not None
+            from fairscale.internal.parallel import chunk_and_pad
+
+            group_size = collectives.group_size(self.process_group_reduce_scatter)
+            chunks = chunk_and_pad(grad.reshape(-1), group_size)
+            tree.bucketer.reduce_scatter_async(chunks, group=self.process_group_reduce_scatter, callback_fn=callback)
+        else:
+            callback(grad)
+
+    def _post_reduction_hook(self, h: FlatHandle, reduced: Tensor) -> None:
+        if self.gradient_postdivide_factor > 1:
+            reduced.div_(self.gradient_postdivide_factor)
+        shard_grad = reduced.to(h.param.dtype)
+        if shard_grad._base is not None:
+            shard_grad = shard_grad.clone()  # do not keep a whole bucket output alive through a view
+        shard_grad = shard_grad.view(h.fp32_shard.shape)  # type: ignore[union-attr]
+        if h.saved_grad_shard is None:
+            h.saved_grad_shard = shard_grad
+        else:
+            h.saved_grad_shard.add_(shard_grad)
+
+    def _finalize_backward(self) -> None:
+        """Root only, once after the whole backward graph ran (spec 1.12)."""
+        tree = self._tree
+        assert tree is not None and self._is_root
+        syncing = self._require_backward_grad_sync
+        if syncing:
+            with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
+                tree.bucketer.flush()
+            tree.device.current_stream().wait_stream(tree.post_backward_stream)
+        tree.bucketer.teardown()
+        for m in self._fsdp_instances():
+            m._finalize_instance(syncing)
+        tree.final_callback_queued = False
+        tree.backward_pending = False
+
+    def _finalize_instance(self, syncing: bool) -> None:
+        for h in self._handles:
+            if syncing or self.reshard_after_forward:
+                h.free_full()
+            h.drop_zero2_slice()
+            h.use_shard()
+            if syncing and h.param.requires_grad and h.saved_grad_shard is not None:
+                grad = h.saved_grad_shard
+                h.saved_grad_shard = None
+                if self.move_grads_to_cpu:
+                    grad = grad.to("cpu")
+                if grad.dtype != h.param.dtype:
+                    grad = grad.to(h.param.dtype)
+                h.param.grad = grad
+                h.assigned_grad = grad  # type: ignore[attr-defined]
+        self._pre_backward_hook_has_run = False
+        self.training_state = TrainingState.IDLE
+
+    def _summary_state(self) -> Dict[str, Any]:
+        """Debug snapshot: handle states and training state (used by tests)."""
+        return {
+            "training_state": self.training_state,
+            "handles": [(h.name, h.state) for h in self._handles],
+        }

@@ -1,0 +1,244 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Full and local (sharded) state dicts of FullyShardedDataParallel, in upstream's formats (spec 2.1-2.4).
+
+Key rewriting: every FSDP instance strips ``_fsdp_wrapped_module.`` after ``state_dict`` and adds it back before
+loading; FlattenParamsWrapper does the same with ``_fpw_module.``. So the keys are exactly the unwrapped module's.
+
+Loading is all-or-nothing: the fp32 shards and buffers are snapshotted first and restored if the load fails, so a
+wrong key, shape or world size never leaves a half-loaded model.
+"""
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Dict, Generator, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from fairscale.internal.state_dict import replace_by_prefix_
+from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
+
+from .state import TrainingState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import FSDPRuntime
+
+_PRE_LOAD_HOOK_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def no_pre_load_state_dict_hook() -> Iterator[None]:
+    """Disable the prefix-adding load hooks of FSDP *and* FlattenParamsWrapper (for dicts with raw paths)."""
+    _PRE_LOAD_HOOK_ENABLED[0] = False
+    try:
+        with fpw_pre_load_hook_disabled():
+            yield
+    finally:
+        _PRE_LOAD_HOOK_ENABLED[0] = True
+
+
+def _post_state_dict_hook(module: "FSDPRuntime", state_dict: Dict[str, Any], prefix: str, *args: Any) -> Any:
+    import torch.distributed as dist
+
+    if getattr(module, "state_dict_on_rank_0_only", False) and dist.get_rank() != 0:
+        state_dict.clear()
+        return state_dict
+    device = module.state_dict_device  # type: ignore[attr-defined]
+    in_summon = module.training_state == TrainingState.SUMMON_FULL_PARAMS
+    for key in list(state_dict.keys()):
+        if not key.startswith(prefix):
+            continue
+        value = state_dict[key]
+        if not isinstance(value, Tensor) or getattr(value, "_has_been_cloned", False):
+            continue
+        if value.device.type != device.type:
+            value = value.to(device)
+        elif in_summon:
+            value = value.clone()
+        else:
+            value = value.detach()
+        value._has_been_cloned = True  # type: ignore[attr-defined]
+        state_dict[key] = value
+    replace_by_prefix_(state_dict, prefix + "_fsdp_wrapped_module.", prefix)
+    return state_dict
+
+
+def _pre_load_state_dict_hook(state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    if _PRE_LOAD_HOOK_ENABLED[0]:
+        replace_by_prefix_(state_dict, prefix, prefix + "_fsdp_wrapped_module.")
+
+
+class StateDictMixin:
+    """state_dict / local_state_dict / load_* for :class:`FullyShardedDataParallel`."""
+
+    def _register_state_dict_hooks(self: Any) -> None:
+        self._register_state_dict_hook(_post_state_dict_hook)
+        self._register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
+
+    # ------------------------------------------------------------------ saving
+    def state_dict(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        """The full (unsharded) state dict: the unwrapped module's keys, fp32 values. Collective: call on all ranks.
+
+        Safe at any point of a step, including between a forward and its backward.
+        """
+        self._device.synchronize()
+        uninitialized = self._is_root is None
+        self._lazy_init()
+        try:
+            if self._return_full_state_dict:
+                summon_ctx: Any = (
+                    contextlib.nullcontext()
+                    if self.training_state == TrainingState.SUMMON_FULL_PARAMS
+                    else self.summon_full_params(recurse=False, volatile=True)
+                )
+                with summon_ctx, _buffers_in_fp32(self):
+                    sd = nn.Module.state_dict(self, *args, **kwargs)
+            else:
+                sd = nn.Module.state_dict(self, *args, **kwargs)
+        finally:
+            if uninitialized and self._is_root:
+                for m in self._fsdp_instances():
+                    m._reset_lazy_init()
+        if self.move_params_to_cpu:
+            for k, v in sd.items():
+                if isinstance(v, Tensor) and v.device.type != "cpu":
+                    sd[k] = v.cpu()
+        return sd  # type: ignore[no-any-return]
+
+    def local_state_dict(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names."""
+        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
+        with _local_mode(self):
+            return self.__class__._fsdp_state_dict(self, *args, **kwargs)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _fsdp_state_dict(module: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        # Always FSDP's own state_dict, so a subclass whose state_dict calls local_state_dict does not recurse.
+        return StateDictMixin.state_dict(module, *args, **kwargs)
+
+    # ------------------------------------------------------------------ loading
+    def load_state_dict(  # type: ignore[override]
+        self: Any, state_dict: Mapping[str, Any], strict: bool = True, **kwargs: Any
+    ) -> Any:
+        """Load a full state dict (the unwrapped module's keys). Collective. All-or-nothing.
+
+        Raises:
+            RuntimeError: when called between a forward and its backward, or when keys/shapes do not match (the
+                model is then left exactly as it was).
+        """
+        _check_loadable(self, "load_state_dict")
+        if not self._return_full_state_dict:
+            return self._load_local(state_dict, strict)
+        uninitialized = self._is_root is None
+        self._lazy_init()
+        with _restore_on_failure(self):
+            with self.summon_full_params(recurse=True, volatile=False):
+                result = self.module.load_state_dict(dict(state_dict), strict)
+        if uninitialized and self._is_root:
+            for m in self._fsdp_instances():
+                m._reset_lazy_init()
+        return result
+
+    def load_local_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load this rank's shards from :meth:`local_state_dict` output of an identically wrapped model."""
+        _check_loadable(self, "load_local_state_dict")
+        return self._load_local(state_dict, strict)
+
+    def _load_local(self: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
+        uninitialized = self._is_root is None
+        self._lazy_init()
+        self._device.synchronize()
+        with _restore_on_failure(self), _local_mode(self):
+            _check_local_shapes(self, state_dict)
+            result = self.module.load_state_dict(dict(state_dict), strict)
+        for m in self._fsdp_instances():
+            for h in m._handles:
+                h.free_full()  # gathered copies are stale now
+                h.drop_zero2_slice()
+        if uninitialized and self._is_root:
+            for m in self._fsdp_instances():
+                m._reset_lazy_init()
+        return result
+
+
+def _check_loadable(fsdp: Any, what: str) -> None:
+    for m in fsdp._fsdp_instances():
+        if m.training_state != TrainingState.IDLE:
+            raise RuntimeError(f"{what}() needs every FSDP instance idle; one is in {m.training_state.name}")
+    tree = fsdp._tree
+    if tree is not None and tree.backward_pending:
+        raise RuntimeError(
+            f"{what}() called between a forward and its backward: the pending backward would use weights that no "
+            "longer exist. Run the backward first (or do the forward under torch.no_grad()), then load."
+        )
+
+
+@contextlib.contextmanager
+def _local_mode(fsdp: Any) -> Generator[None, None, None]:
+    """Switch every instance to local (sharded) state dicts, and every FPW to its flat form."""
+    instances = fsdp._fsdp_instances()
+    saved: List[Tuple[Any, bool, bool]] = []
+    for m in instances:
+        fpw = m._fsdp_wrapped_module
+        saved.append((m, m._return_full_state_dict, fpw._auto_unflatten_state_dict))
+        m._return_full_state_dict = False
+        fpw._auto_unflatten_state_dict = False
+    try:
+        yield
+    finally:
+        for m, full, auto in saved:
+            m._return_full_state_dict = full
+            m._fsdp_wrapped_module._auto_unflatten_state_dict = auto
+
+
+@contextlib.contextmanager
+def _buffers_in_fp32(fsdp: Any) -> Generator[None, None, None]:
+    """State dicts carry fp32 buffers in mixed precision; cast this instance's buffers and restore afterwards."""
+    if not fsdp.mixed_precision:
+        yield
+        return
+    changed: List[Tuple[nn.Module, str, torch.dtype]] = []
+    for owned in fsdp._owned_modules():
+        for name, buf in list(owned.named_buffers(recurse=False)):
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                changed.append((owned, name, buf.dtype))
+                setattr(owned, name, buf.to(torch.float32))
+    try:
+        yield
+    finally:
+        for owned, name, dtype in changed:
+            setattr(owned, name, getattr(owned, name).to(dtype))
+
+
+@contextlib.contextmanager
+def _restore_on_failure(fsdp: Any) -> Generator[None, None, None]:
+    """Snapshot shards and buffers; put them back if the body raises (a failed load loses no data)."""
+    shards: List[Tuple[Tensor, Tensor]] = []
+    for m in fsdp._fsdp_instances():
+        for h in m._handles:
+            if h.fp32_shard is not None:
+                shards.append((h.fp32_shard, h.fp32_shard.detach().clone()))
+    buffers = [(b, b.detach().clone()) for b in fsdp.buffers()]
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for live, copy in shards + buffers:
+                live.copy_(copy)
+        raise
+
+
+def _check_local_shapes(fsdp: Any, state_dict: Mapping[str, Any]) -> None:
+    """A local dict from another world size has other shard sizes: say so before touching anything."""
+    expected = fsdp.local_state_dict()
+    bad = []
+    for key, value in state_dict.items():
+        if key in expected and isinstance(value, Tensor) and value.shape != expected[key].shape:
+            bad.append(f"{key}: got {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+    if bad:
+        raise RuntimeError(
+            "load_local_state_dict: shard shapes do not match this model (saved at another world size or from "
+            "another model?). Use a full state dict or consolidate_shard_weights to change world size.\n  "
+            + "\n  ".join(bad)
+        )
+

@@ -1,0 +1,97 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``summon_full_params``: full-precision full parameters for the user, at any point of a step.
+
+Unlike upstream, the summon never touches the training buffers (``full_padded``, zero2 slices): it gathers the fp32
+shards into fresh tensors and, on exit, restores ``p.data`` to whatever it pointed at before. That is what makes
+``state_dict()`` safe between a forward and its backward: the pending backward still finds the parameters it was
+promised, and memory returns to where it was.
+"""
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator, List
+
+import torch
+from torch import Tensor
+
+from fairscale.internal import collectives
+
+from .handle import FlatHandle
+from .state import HandleState, TrainingState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import FSDPRuntime
+
+
+def _gather_fp32(fsdp: "FSDPRuntime", h: FlatHandle) -> Tensor:
+    """The padded full parameter in the parameter dtype (a fresh tensor when sharded; the shard itself if not)."""
+    assert h.fp32_shard is not None
+    if not h.is_sharded:
+        return h.fp32_shard.reshape(-1) if h.fp32_shard.is_contiguous() else h.fp32_shard.flatten()
+    shard = h.fp32_shard.to(fsdp.compute_device, non_blocking=True)
+    out = torch.empty(h.shard_numel * h.world_size, dtype=shard.dtype, device=shard.device)
+    collectives.all_gather_into_flat(out, shard, fsdp.process_group)
+    return out
+
+
+@contextlib.contextmanager
+def _summon_one(fsdp: "FSDPRuntime", volatile: bool) -> Iterator[None]:
+    fsdp._lazy_init()
+    if fsdp.training_state == TrainingState.SUMMON_FULL_PARAMS:
+        yield  # already summoned by an enclosing call (e.g. state_dict inside summon_full_params)
+        return
+    if fsdp.training_state != TrainingState.IDLE:
+        raise RuntimeError(
+            f"summon_full_params() called while the instance is in {fsdp.training_state.name}; it can be used "
+            "between steps and between a forward and its backward, but not inside forward or backward."
+        )
+    fsdp._device.synchronize()
+    handles = [h for h in fsdp._handles if not getattr(h.param, "_is_shared", False)]
+    previous_data = [h.param.data for h in handles]
+    with collectives.collective_phase("summon"):
+        fulls: List[Tensor] = [_gather_fp32(fsdp, h) for h in handles]
+    fsdp.training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        for h, full in zip(handles, fulls):
+            h.param.data = full[: h.numel].view(h.orig_size)
+        fpw = fsdp.module
+        if getattr(fpw, "is_flattened", False) and fsdp._num_flatten_params > 0:  # type: ignore[attr-defined]
+            flat = [h.param.data for h in handles[: fsdp._num_flatten_params]]  # type: ignore[attr-defined]
+            with fpw.unflatten_params(flat_params=flat):  # type: ignore[operator]
+                yield
+        else:
+            yield
+    finally:
+        try:
+            if not volatile:
+                _write_back(fsdp, handles, fulls)
+        finally:
+            for h, data in zip(handles, previous_data):
+                h.param.data = data
+            fsdp.training_state = TrainingState.IDLE
+
+
+@torch.no_grad()
+def _write_back(fsdp: "FSDPRuntime", handles: List[FlatHandle], fulls: List[Tensor]) -> None:
+    """Copy this rank's slice of each (possibly edited) full tensor back into its fp32 shard."""
+    tree = fsdp._tree
+    for h, full in zip(handles, fulls):
+        assert h.fp32_shard is not None
+        if h.is_sharded:
+            h.fp32_shard.copy_(full.narrow(0, h.rank * h.shard_numel, h.shard_numel))
+        elif full.data_ptr() != h.fp32_shard.data_ptr():
+            h.fp32_shard.copy_(full.view_as(h.fp32_shard))
+        # Compute copies gathered before the edit are stale now. Keep them only while a backward is pending on them:
+        # that backward must see the weights its forward used.
+        if h.state != HandleState.SHARDED and not (tree is not None and tree.backward_pending):
+            h.free_full()
+            h.drop_zero2_slice()
+
+
+@contextlib.contextmanager
+def summon_full_params(fsdp: "FSDPRuntime", recurse: bool, volatile: bool) -> Iterator[None]:
+    """See :meth:`FullyShardedDataParallel.summon_full_params`."""
+    targets = fsdp._fsdp_instances() if recurse else [fsdp]
+    with contextlib.ExitStack() as stack:
+        for m in targets:
+            stack.enter_context(_summon_one(m, volatile))
+        yield

@@ -1,0 +1,44 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Bookkeeping shared by every FSDP instance of one wrapped tree; owned by the root and created at its lazy init."""
+
+from typing import Callable, List, Optional
+
+from torch.autograd import Variable
+
+from fairscale.internal.device import DeviceHandle
+from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+
+
+class TreeState:
+    """Streams, the reduce-scatter bucketer and the per-backward bookkeeping of one FSDP tree.
+
+    Args:
+        device: the compute device of the root.
+        bucket_cap_mb: size of the reduce-scatter bucket (``<= 0`` disables bucketing).
+    """
+
+    def __init__(self, device: DeviceHandle, bucket_cap_mb: int) -> None:
+        self.device = device
+        # Gathers run on their own stream so they can overlap compute on accelerators; inert on CPU.
+        self.all_gather_stream = device.new_stream()
+        self.post_backward_stream = device.new_stream()
+        self.bucketer = ReduceScatterBucketer(bucket_cap_mb)
+        self.final_callback_queued = False
+        # Set by a forward that registered pre-backward hooks; cleared by the final callback of a backward.
+        self.backward_pending = False
+        self._finalize: Optional[Callable[[], None]] = None
+
+    def set_finalizer(self, fn: Callable[[], None]) -> None:
+        self._finalize = fn
+
+    def queue_final_callback(self) -> None:
+        """Queue the end-of-backward callback on the autograd engine, once per backward pass."""
+        if self.final_callback_queued or self._finalize is None:
+            return
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._finalize)
+
+
+def fsdp_instances_preorder(root: object, fsdp_cls: type) -> List[object]:
+    """Every instance of ``fsdp_cls`` in ``root.modules()`` order (pre-order), root included."""
+    return [m for m in root.modules() if isinstance(m, fsdp_cls)]  # type: ignore[attr-defined]

@@ -1,0 +1,375 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""FlattenParamsWrapper: present a module's parameters as one (or a few) flat parameters.
+
+Public front: :class:`FlatParameter`, :class:`FlattenParamsWrapper`, ``_enable_pre_load_state_dict_hook`` and the
+:func:`fpw_pre_load_hook_disabled` context manager. The machinery lives in :mod:`fairscale.nn.misc._flatten`.
+"""
+
+import contextlib
+import copy
+from itertools import chain
+from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
+from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups
+from ._flatten.state_dict_hooks import (
+    _enable_pre_load_state_dict_hook,
+    fpw_pre_load_hook_disabled,
+    post_state_dict_hook,
+    pre_load_state_dict_hook,
+)
+
+__all__ = ["FlatParameter", "FlattenParamsWrapper", "_enable_pre_load_state_dict_hook", "fpw_pre_load_hook_disabled"]
+
+ViewBuilder = Callable[[FlatParameter], List[Tensor]]
+
+
+class FlattenParamsWrapper(nn.Module):
+    """A wrapper that flattens the parameters of a module into one or more :class:`FlatParameter`.
+
+    The flat parameters are registered on the wrapper as ``flat_param_<name>``; the original parameters are
+    removed from their modules. At every forward the wrapped module's parameter attributes are set to fresh
+    views into the flat parameters (plain tensors, not Parameters), so gradients flow into the flat parameters
+    and an optimizer only needs to see ``wrapper.parameters()``. Parameters shared by several modules (tied
+    weights) are flattened once and every owner sees the same view. ``state_dict()`` returns the keys of the
+    unwrapped module by default; :meth:`flat_state_dict` returns the flat form, and :meth:`load_state_dict`
+    accepts either.
+
+    Args:
+        module (nn.Module): the module to wrap.
+        param_list (Optional[list]): which parameters to flatten. ``None`` (default): all of them into one
+            flat parameter. A list of parameters: those, into one flat parameter. A list of lists: one flat
+            parameter per (non-empty) inner list. An empty list: flatten nothing. Parameters left out stay
+            ordinary parameters of their modules. Within a flat parameter the order is the module traversal
+            order, not the list order.
+        flat_param_names (Optional[List[str]]): one name per group; the flat parameters are registered as
+            ``flat_param_<name>``. Default: ``"0", "1", ...``.
+        optimize_backward_concat (bool): accumulate gradients without the per-microbatch concatenation of the
+            flat gradient. Only has an effect under :class:`FullyShardedDataParallel`'s ``no_sync()``; a bare
+            wrapper just stores it. Default: ``False``.
+
+    Raises:
+        ValueError: ``param_list`` holds something that is not a parameter of ``module``, a parameter in two
+            groups, an already flattened parameter, or a group mixing dtypes, devices or ``requires_grad``;
+            or ``flat_param_names`` does not give one unique name per group.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_list: Optional[Sequence[Any]] = None,
+        flat_param_names: Optional[Sequence[str]] = None,
+        optimize_backward_concat: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"FlattenParamsWrapper wraps an nn.Module, got {type(module).__name__}")
+        if not isinstance(optimize_backward_concat, bool):
+            raise ValueError(f"optimize_backward_concat must be a bool, got {optimize_backward_concat!r}")
+        self._fpw_module = module
+        self.is_flattened = False
+        self.optimize_backward_concat = optimize_backward_concat
+        # state_dict() returns the original (unflattened) keys unless this is False (see flat_state_dict()).
+        self._auto_unflatten_state_dict = True
+        # When set (by FullyShardedDataParallel), replaces the default view construction of _views_for_forward.
+        self._view_builder: Optional[ViewBuilder] = None
+
+        groups = normalize_param_groups(module, param_list)
+        layouts = locate_groups(self, groups)
+        self.flat_param_names: List[str] = check_flat_param_names(flat_param_names, len(layouts))
+        self.flat_params: List[FlatParameter] = []
+        for layout in layouts:
+            params = layout.params()
+            flat = FlatParameter(params, requires_grad=params[0].requires_grad)
+            flat._param_infos = layout.param_infos
+            flat._shared_param_infos = layout.shared_param_infos
+            self.flat_params.append(flat)
+        # Distinct parameters taken over (a tied weight counts once); the optimizer utilities read this.
+        self.num_params_managed = sum(len(layout.param_infos) for layout in layouts)
+
+        self._flatten_params(self.flat_params)
+
+        self._register_state_dict_hook(post_state_dict_hook)
+        self._register_load_state_dict_pre_hook(pre_load_state_dict_hook, with_module=True)
+
+    # ------------------------------------------------------------------------------------------------ properties
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fpw_module
+
+    @property
+    def flat_param(self) -> FlatParameter:
+        """The flat parameter, for the common case of exactly one group.
+
+        Raises:
+            RuntimeError: the wrapper has zero or several flat parameters (use ``flat_params`` then).
+        """
+        if len(self.flat_params) != 1:
+            raise RuntimeError(
+                f"flat_param needs exactly one flat parameter but this wrapper has {len(self.flat_params)} "
+                f"({self.flat_param_names}); use .flat_params instead"
+            )
+        return self.flat_params[0]
+
+    @property
+    def _param_infos(self) -> List[ParamInfo]:
+        return list(chain.from_iterable(p._param_infos for p in self.flat_params))
+
+    @property
+    def _shared_param_infos(self) -> List[SharedParamInfo]:
+        return list(chain.from_iterable(p._shared_param_infos for p in self.flat_params))
+
+    # ---------------------------------------------------------------------------------------- flatten / unflatten
+
+    def _flatten_params(self, flat_params: List[FlatParameter]) -> None:
+        """Register ``flat_params`` on the wrapper, drop the per-parameter attributes, and install views."""
+        if self.is_flattened:
+            raise RuntimeError("FlattenParamsWrapper is already flattened")
+        self.flat_params = flat_params
+        for name, flat in zip(self.flat_param_names, flat_params):
+            self.register_parameter(name, flat)
+        for _, m, n in self._param_infos:
+            _drop_attr(m, n)
+        for _, _, m, n, _, _ in self._shared_param_infos:
+            _drop_attr(m, n)
+        self.is_flattened = True
+        self._unflatten_params_as_views()
+
+    def _unflatten_params(self, external_data: Optional[List[Tensor]] = None) -> None:
+        """Give the wrapped module real ``nn.Parameter`` objects again, aliasing the flat data (or ``external_data``)
+        and remove the flat parameters from the wrapper."""
+        if not self.is_flattened:
+            raise RuntimeError("FlattenParamsWrapper is not flattened")
+        with torch.no_grad():
+            views = list(self.get_param_views(external_data))
+        for (_, m, n), view, flat in zip(self._param_infos, views, self._owner_of_each_param()):
+            _drop_attr(m, n)
+            m.register_parameter(n, nn.Parameter(view, requires_grad=flat.requires_grad))
+        for _, _, m, n, shared_m, shared_n in self._shared_param_infos:
+            _drop_attr(m, n)
+            m.register_parameter(n, getattr(shared_m, shared_n))
+        _drop_attr(self._fpw_module, "_unflattened_param_views")
+        for name in self.flat_param_names:
+            delattr(self, name)
+        self.is_flattened = False
+
+    def _owner_of_each_param(self) -> Iterator[FlatParameter]:
+        return chain.from_iterable([flat] * len(flat._param_infos) for flat in self.flat_params)
+
+    def _views_for_forward(self, flat_param: FlatParameter) -> List[Tensor]:
+        """The tensors the wrapped module will use as its parameters, one per ``flat_param._param_infos`` entry.
+
+        This is the single place where forward views are made, so the gradient path can be changed here (or by
+        setting ``self._view_builder``, which replaces the default when not ``None``).
+
+        Default: ``flat_param.split(numels)`` then ``.view(shape)``, computed from the FlatParameter object itself
+        (not from ``.data``; inside FSDP ``.data`` holds the gathered full parameter at this point). Autograd
+        therefore records, per view::
+
+            ViewBackward0 -> SplitWithSizesBackward0 -> AccumulateGrad(flat_param)
+
+        ``SplitWithSizesBackward0`` waits for the gradients of all views of this flat parameter and concatenates
+        them (zeros for views that got none) into one flat gradient, which ``AccumulateGrad`` writes or adds into
+        ``flat_param.grad``; hooks on that ``AccumulateGrad`` node therefore run after the concatenation.
+        """
+        if self._view_builder is not None:
+            views = list(self._view_builder(flat_param))
+        else:
+            views = list(flat_param.get_param_views())
+        if len(views) != len(flat_param._param_infos):
+            raise RuntimeError(
+                f"the view builder returned {len(views)} views for a flat parameter of "
+                f"{len(flat_param._param_infos)} parameters"
+            )
+        return views
+
+    def _unflatten_params_as_views(self) -> None:
+        """Point every managed attribute of the wrapped module at a fresh view (plain tensor) of its flat param.
+
+        Shared names get the same view object as their first owner. All views are listed, in flattening order,
+        in ``module._unflattened_param_views`` (read by ``checkpoint_wrapper``).
+        """
+        if not self.is_flattened:
+            raise RuntimeError("views can only be made while the parameters are flattened")
+        all_views: List[Tensor] = []
+        for flat in self.flat_params:
+            views = self._views_for_forward(flat)
+            for (_, m, n), view in zip(flat._param_infos, views):
+                setattr(m, n, view)
+            for _, _, m, n, shared_m, shared_n in flat._shared_param_infos:
+                setattr(m, n, getattr(shared_m, shared_n))
+            all_views.extend(views)
+        # setattr: a plain attribute on the user's module (nn.Module's typed __setattr__ does not know it).
+        setattr(self._fpw_module, "_unflattened_param_views", all_views)
+
+    @contextlib.contextmanager
+    def unflatten_params(self, flat_params: Optional[List[Tensor]] = None) -> Generator[None, None, None]:
+        """Context manager: the wrapped module has its original ``nn.Parameter`` attributes inside.
+
+        The parameters alias the flat parameters' storage (or ``flat_params``), so in-place changes made inside
+        are kept. On exit (also on an exception) the original flat parameters are restored and the module gets
+        views again. Does nothing when the wrapper is already unflattened.
+
+        Args:
+            flat_params (Optional[List[Tensor]]): one tensor per flat parameter, each with the flat parameter's
+                number of elements, to make the parameters from instead (e.g. gathered full parameters).
+
+        Raises:
+            ValueError: ``flat_params`` is given while the wrapper is not flattened, or has the wrong length or
+                sizes.
+        """
+        if flat_params is not None and not self.is_flattened:
+            raise ValueError("unflatten_params(flat_params) needs a flattened wrapper; this one is unflattened")
+        if not self.is_flattened:
+            yield
+            return
+        orig_flat_params = self.flat_params
+        self._unflatten_params(flat_params)
+        try:
+            yield
+        finally:
+            self._flatten_params(orig_flat_params)
+
+    def get_param_views(self, external_data_list: Optional[Sequence[Optional[Tensor]]] = None) -> Iterator[Tensor]:
+        """Views of the original shapes into every flat parameter (or into ``external_data_list``), in order.
+
+        Raises:
+            ValueError: ``external_data_list`` does not have one tensor (or ``None``) per flat parameter, or a
+                tensor has the wrong number of elements.
+        """
+        if external_data_list is None:
+            external_data_list = [None for _ in self.flat_params]
+        if len(external_data_list) != len(self.flat_params):
+            raise ValueError(
+                f"expected one external tensor per flat parameter ({len(self.flat_params)}), "
+                f"got {len(external_data_list)}"
+            )
+        return chain.from_iterable(p.get_param_views(d) for p, d in zip(self.flat_params, external_data_list))
+
+    def metadata(self, flat_param_idx: int) -> Any:
+        """``(names, shapes, numels)`` of the parameters in flat parameter ``flat_param_idx``."""
+        if not 0 <= flat_param_idx < len(self.flat_params):
+            raise ValueError(
+                f"flat_param_idx {flat_param_idx} is out of range; this wrapper has {len(self.flat_params)} "
+                "flat parameters"
+            )
+        return self.flat_params[flat_param_idx].metadata()
+
+    # ----------------------------------------------------------------------------------------------- forwarding
+
+    def forward(self, *inputs: Any, **kwinputs: Any) -> Any:
+        """Refresh the views (so autograd connects them to the flat parameters) and run the wrapped module."""
+        if self.is_flattened:
+            self._unflatten_params_as_views()
+        return self.module(*inputs, **kwinputs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Forward unknown attributes to the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_fpw_module":  # not yet set (construction, unpickling): do not recurse
+                raise
+            return getattr(self.module, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
+        return cast(Any, self.module)[key]
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FlattenParamsWrapper":
+        # The forward views are autograd non-leaves, which refuse deepcopy (and copying them would duplicate the
+        # flat storage). Take them out for the copy, put them back, and give the copy its own views.
+        stash = self._stash_views()
+        try:
+            new = type(self).__new__(type(self))
+            memo[id(self)] = new
+            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        finally:
+            for attrs, name, value in stash:
+                attrs[name] = value
+        new._rebuild_default_views()
+        return new
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # Unpickled views alias a storage that is not the new flat parameter's (FlatParameter is rebuilt by
+        # copying its data), so make fresh ones.
+        super().__setstate__(state)
+        self._rebuild_default_views()
+
+    def _rebuild_default_views(self) -> None:
+        """Install default views after a copy, where ``_view_builder`` may belong to a half-built owner.
+
+        Skipped when a flat parameter does not hold its full size (a shard inside FSDP): the owner's next forward
+        builds the views.
+        """
+        if not self.is_flattened or any(f.numel() != sum(f._param_numels) for f in self.flat_params):
+            return
+        builder, self._view_builder = self._view_builder, None
+        try:
+            self._unflatten_params_as_views()
+        finally:
+            self._view_builder = builder
+
+    def _stash_views(self) -> List[Tuple[Dict[str, Any], str, Any]]:
+        """Remove the view attributes from the wrapped modules; return ``(module.__dict__, name, value)``."""
+        if not self.is_flattened:
+            return []
+        slots = [(m, n) for _, m, n in self._param_infos] + [(m, n) for _, _, m, n, _, _ in self._shared_param_infos]
+        slots.append((self._fpw_module, "_unflattened_param_views"))
+        return [(m.__dict__, n, m.__dict__.pop(n)) for m, n in slots if n in m.__dict__]
+
+    # ------------------------------------------------------------------------------------------------ state dict
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's state dict with its original keys (or the flat form, see :meth:`flat_state_dict`).
+
+        Values alias the flat parameters' storage, as ``nn.Module.state_dict`` values alias parameters.
+        """
+        if self.is_flattened and self._auto_unflatten_state_dict:
+            with self.unflatten_params():
+                return super().state_dict(*args, **kwargs)
+        return super().state_dict(*args, **kwargs)
+
+    def flat_state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The flat form: ``flat_param_<name>`` entries plus non-flattened parameters and buffers.
+
+        Raises:
+            RuntimeError: called while unflattened (inside :meth:`unflatten_params`).
+        """
+        if not self.is_flattened:
+            raise RuntimeError("flat_state_dict() needs a flattened wrapper; do not call it inside unflatten_params()")
+        auto = self._auto_unflatten_state_dict
+        self._auto_unflatten_state_dict = False
+        try:
+            return cast(Dict[str, Any], self.state_dict(*args, **kwargs))
+        finally:
+            self._auto_unflatten_state_dict = auto
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load either form; a dict with no ``flat_param*`` key is taken to hold the original names.
+
+        Raises:
+            ValueError: ``assign=True`` (the wrapped parameters must stay inside the flat parameters).
+        """
+        if assign:
+            raise ValueError(
+                "FlattenParamsWrapper.load_state_dict does not support assign=True: parameters must stay views "
+                "into the flat parameters; load with assign=False"
+            )
+        has_flat_keys = any(k == "flat_param" or k.startswith("flat_param_") for k in state_dict)
+        if self.num_params_managed > 0 and self.is_flattened and not has_flat_keys:
+            with self.unflatten_params():
+                return super().load_state_dict(state_dict, strict)
+        return super().load_state_dict(state_dict, strict)
+
+
+def _drop_attr(module: nn.Module, name: str) -> None:
+    """Delete ``module.<name>`` (parameter or plain attribute) if it exists."""
+    if hasattr(module, name):
+        delattr(module, name)

@@ -1,0 +1,294 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Wrapping utilities: wrap submodules of a model (typically with ``FullyShardedDataParallel``).
+
+Inside :func:`enable_wrap`, :func:`wrap` wraps one module with the configured wrapper class and
+:func:`auto_wrap` walks a module tree and wraps the submodules that an *auto-wrap policy* selects.
+Outside the context both functions return their module unchanged, so model code can call them
+unconditionally and the training script decides whether wrapping happens.
+
+A policy is a callable ``policy(module=..., recurse=..., unwrapped_params=..., module_is_root=...)
+-> bool``. :func:`auto_wrap` asks it twice per module: with ``recurse=True`` whether to descend into
+the module's children, and after the children are done, with ``recurse=False`` and the number of
+parameters the children left unwrapped, whether to wrap the module itself.
+
+Example::
+
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel, mixed_precision=True):
+        model = auto_wrap(model, auto_wrap_policy=functools.partial(default_auto_wrap_policy, min_num_params=10**7))
+"""
+
+import contextlib
+from typing import Any, Callable, Dict, Generator, Optional, Set, Tuple, Type, cast
+
+from torch import nn
+
+__all__ = ["ConfigAutoWrap", "auto_wrap", "config_auto_wrap_policy", "default_auto_wrap_policy", "enable_wrap", "wrap"]
+
+AutoWrapPolicy = Callable[..., bool]
+
+
+def default_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    module_is_root: bool,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Optional[Set[Type[nn.Module]]] = None,
+    exclude_wrap_modules: Optional[Set[Type[nn.Module]]] = None,
+    skip_params_check_for_root: bool = False,
+) -> bool:
+    """Size-based policy: wrap every module that holds at least ``min_num_params`` unwrapped parameters.
+
+    Use ``functools.partial`` to set the keyword arguments, e.g.
+    ``functools.partial(default_auto_wrap_policy, min_num_params=10**7)``.
+
+    Args:
+        module (nn.Module): the module being considered.
+        recurse (bool): ``True`` when asked whether to descend into ``module``'s children;
+            ``False`` when asked whether to wrap ``module`` itself.
+        unwrapped_params (int): parameters of ``module`` not yet wrapped (when ``recurse=False``,
+            what its children left over).
+        module_is_root (bool): whether ``module`` is the one :func:`auto_wrap` was called on.
+        min_num_params (int): size threshold. Default: ``int(1e8)``.
+        force_leaf_modules (Set[Type[nn.Module]]): module types never descended into. Default:
+            ``default_auto_wrap_policy.FORCE_LEAF_MODULES`` (``{nn.MultiheadAttention}``, whose
+            forward reads its parameters directly, so its children cannot be wrapped apart).
+        exclude_wrap_modules (Set[Type[nn.Module]]): module types never wrapped themselves
+            (their children may be). Default: ``default_auto_wrap_policy.EXCLUDE_WRAP_MODULES``
+            (``{nn.ModuleList, nn.ModuleDict}``, which have no forward).
+        skip_params_check_for_root (bool): wrap the root whatever its remaining size. Default:
+            ``False``.
+
+    Returns:
+        bool: with ``recurse=True``, whether to descend; otherwise whether to wrap ``module``.
+    """
+    if force_leaf_modules is None:
+        force_leaf_modules = _default_force_leaf_modules()
+    if exclude_wrap_modules is None:
+        exclude_wrap_modules = _default_exclude_wrap_modules()
+    is_large = unwrapped_params >= min_num_params
+    if recurse:
+        # Descending into a small module is pointless: nothing below it can be large enough.
+        return is_large and not isinstance(module, tuple(force_leaf_modules))
+    wanted = is_large or (module_is_root and skip_params_check_for_root)
+    return wanted and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+# Upstream exposes the defaults as attributes of the policy function; users read and extend them.
+setattr(default_auto_wrap_policy, "EXCLUDE_WRAP_MODULES", {nn.ModuleList, nn.ModuleDict})
+setattr(default_auto_wrap_policy, "FORCE_LEAF_MODULES", {nn.MultiheadAttention})
+
+
+def _default_force_leaf_modules() -> Set[Type[nn.Module]]:
+    # Read at call time, so edits of the function attribute take effect.
+    return cast(Set[Type[nn.Module]], getattr(default_auto_wrap_policy, "FORCE_LEAF_MODULES"))
+
+
+def _default_exclude_wrap_modules() -> Set[Type[nn.Module]]:
+    return cast(Set[Type[nn.Module]], getattr(default_auto_wrap_policy, "EXCLUDE_WRAP_MODULES"))
+
+
+def config_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+    """Policy that wraps exactly the modules carrying a ``wrapper_config`` attribute.
+
+    It descends into every module, and wraps a module iff it has ``wrapper_config`` (a dict of
+    wrapper keyword arguments, applied by :func:`wrap`), whatever its size.
+
+    Args:
+        module (nn.Module): the module being considered.
+        recurse (bool): whether the question is "descend?" (always yes) or "wrap?".
+        unwrapped_params (int): unused.
+        module_is_root (bool): unused.
+
+    Returns:
+        bool: ``True`` to descend; for the wrap question, whether ``module`` has ``wrapper_config``.
+    """
+    if recurse:
+        return True
+    return hasattr(module, "wrapper_config")
+
+
+@contextlib.contextmanager
+def enable_wrap(
+    auto_wrap_policy: Optional[AutoWrapPolicy] = None, **wrapper_kwargs: Any
+) -> Generator[None, None, None]:
+    """Context manager inside which :func:`wrap` and :func:`auto_wrap` wrap modules.
+
+    Args:
+        auto_wrap_policy (Callable, optional): default policy of :func:`auto_wrap`. Default:
+            :func:`default_auto_wrap_policy`.
+        **wrapper_kwargs: must contain ``wrapper_cls``, the wrapper class (or factory) called as
+            ``wrapper_cls(module, **kwargs)``. ``move_module_cuda_half=True`` makes :func:`wrap`
+            move each module to CUDA in half precision before wrapping it. Everything else is
+            passed to ``wrapper_cls`` for every wrapped module.
+
+    Raises:
+        NotImplementedError: when already inside an ``enable_wrap`` context.
+        ValueError: when ``wrapper_cls`` is missing.
+
+    Example::
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, flatten_parameters=True):
+            layer = wrap(nn.Linear(5, 5))  # wrapped, with flatten_parameters=True
+    """
+    with ConfigAutoWrap(auto_wrap_policy, **wrapper_kwargs):
+        yield
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """Wrap ``module`` with the ``wrapper_cls`` of the enclosing :func:`enable_wrap`; a no-op outside it.
+
+    The wrapper receives the keyword arguments of :func:`enable_wrap`, updated with
+    ``module.wrapper_config`` (a dict) if the module has one, updated with ``wrap_overrides``.
+
+    Args:
+        module (nn.Module): module to wrap.
+        **wrap_overrides: wrapper arguments for this module only.
+
+    Returns:
+        nn.Module: the wrapped module inside the context, else ``module`` unchanged.
+    """
+    if not ConfigAutoWrap.in_autowrap_context:
+        return module
+    module_overrides = getattr(module, "wrapper_config", None)
+    if module_overrides is None:
+        module_overrides = {}
+    elif not isinstance(module_overrides, dict):
+        raise TypeError(
+            f"wrap: {type(module).__name__}.wrapper_config must be a dict of wrapper arguments, "
+            f"got {type(module_overrides).__name__}"
+        )
+    kwargs = {**ConfigAutoWrap.kwargs, **module_overrides, **wrap_overrides}
+    if ConfigAutoWrap.move_module_cuda_half:
+        module = module.cuda().half()
+    assert ConfigAutoWrap.wrapper_cls is not None  # set whenever the context is active
+    return ConfigAutoWrap.wrapper_cls(module, **kwargs)
+
+
+def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = None, **kwargs: Any) -> nn.Module:
+    """Wrap the submodules of ``module`` that a policy selects; a no-op outside :func:`enable_wrap`.
+
+    Children are handled before their parents, and each parent is offered only the parameters
+    its children left unwrapped, so a large model ends up wrapped in layers of roughly policy
+    size. Children are replaced in place (``setattr`` on their parent).
+
+    Args:
+        module (nn.Module): the (root) module to wrap; none of its submodules may be wrapped yet.
+        auto_wrap_policy (Callable, optional): the policy; default: the one given to
+            :func:`enable_wrap`, else :func:`default_auto_wrap_policy`.
+        **kwargs: wrapper arguments for every module wrapped by this call (as in :func:`wrap`).
+
+    Returns:
+        nn.Module: ``module``, wrapped if the policy selected the root itself.
+
+    Raises:
+        ValueError: when ``module`` or one of its submodules is already wrapped.
+    """
+    if not ConfigAutoWrap.in_autowrap_context:
+        return module
+    _check_not_wrapped(module, ConfigAutoWrap.wrapper_cls)
+    policy = auto_wrap_policy if auto_wrap_policy is not None else ConfigAutoWrap.auto_wrap_policy
+    wrapped, _ = ConfigAutoWrap.recursive_wrap(module, auto_wrap_policy=policy, module_is_root=True, **kwargs)
+    return wrapped
+
+
+def _check_not_wrapped(module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
+    """Refuse a tree that already contains a wrapper: wrapping it again would nest wrappers around
+    parameters the existing wrapper already manages."""
+    for name, sub in module.named_modules():
+        params = list(sub.parameters())
+        is_wrapper = isinstance(wrapper_cls, type) and isinstance(sub, wrapper_cls)
+        if is_wrapper or (params and all(hasattr(p, "_is_sharded") for p in params)):
+            where = f"submodule '{name}'" if name else "the root module"
+            raise ValueError(
+                f"auto_wrap: {where} ({type(sub).__name__}) is already wrapped. Call auto_wrap on the "
+                "unwrapped model, or wrap the remaining submodules individually with wrap()."
+            )
+
+
+class ConfigAutoWrap:
+    """Holds the configuration of the active :func:`enable_wrap` context (class-level state).
+
+    Args:
+        auto_wrap_policy (Callable, optional): default policy of :func:`auto_wrap`.
+        **kwargs: the :func:`enable_wrap` keyword arguments; ``wrapper_cls`` is required.
+    """
+
+    in_autowrap_context: bool = False
+    wrapper_cls: Optional[Callable[..., nn.Module]] = None
+    move_module_cuda_half: bool = False
+    auto_wrap_policy: AutoWrapPolicy = default_auto_wrap_policy
+    kwargs: Dict[str, Any] = {}
+
+    def __init__(self, auto_wrap_policy: Optional[AutoWrapPolicy] = None, **kwargs: Any) -> None:
+        self.auto_wrap_policy = auto_wrap_policy if auto_wrap_policy is not None else default_auto_wrap_policy
+        self.kwargs = kwargs
+
+    @staticmethod
+    def enable_autowrap_context(auto_wrap_policy: Optional[AutoWrapPolicy], kwargs: Any) -> None:
+        """Activate a wrapping context; raises if one is active or ``wrapper_cls`` is missing."""
+        if ConfigAutoWrap.in_autowrap_context:
+            raise NotImplementedError(
+                "You are already within an autowrap context and nested autowrap contexts are not supported. "
+                "Leave the current enable_wrap() first, or pass per-module arguments to wrap()/auto_wrap()."
+            )
+        kwargs = dict(kwargs)
+        if "wrapper_cls" not in kwargs:
+            raise ValueError("enable_wrap() needs a wrapper_cls argument, e.g. enable_wrap(wrapper_cls=FSDP)")
+        wrapper_cls = kwargs.pop("wrapper_cls")
+        if not callable(wrapper_cls):
+            raise TypeError(f"enable_wrap(): wrapper_cls must be a class or callable, got {wrapper_cls!r}")
+        ConfigAutoWrap.wrapper_cls = wrapper_cls
+        ConfigAutoWrap.move_module_cuda_half = bool(kwargs.pop("move_module_cuda_half", False))
+        ConfigAutoWrap.auto_wrap_policy = auto_wrap_policy if auto_wrap_policy is not None else default_auto_wrap_policy
+        ConfigAutoWrap.kwargs = kwargs
+        ConfigAutoWrap.in_autowrap_context = True
+
+    @staticmethod
+    def disable_autowrap_context() -> None:
+        """Reset the class-level state to "no active context"."""
+        ConfigAutoWrap.in_autowrap_context = False
+        ConfigAutoWrap.wrapper_cls = None
+        ConfigAutoWrap.move_module_cuda_half = False
+        ConfigAutoWrap.auto_wrap_policy = default_auto_wrap_policy
+        ConfigAutoWrap.kwargs = {}
+
+    def __enter__(self) -> None:
+        self.enable_autowrap_context(self.auto_wrap_policy, self.kwargs)
+
+    def __exit__(self, *args: Any) -> None:
+        self.disable_autowrap_context()
+
+    @staticmethod
+    def recursive_wrap(
+        module: nn.Module, auto_wrap_policy: AutoWrapPolicy, module_is_root: bool, **kwargs: Any
+    ) -> Tuple[nn.Module, int]:
+        """Wrap ``module``'s subtree per ``auto_wrap_policy``, children first.
+
+        Args:
+            module (nn.Module): subtree root.
+            auto_wrap_policy (Callable): the policy.
+            module_is_root (bool): whether ``module`` is the root of the :func:`auto_wrap` call.
+            **kwargs: wrapper arguments passed to :func:`wrap`.
+
+        Returns:
+            Tuple[nn.Module, int]: the (possibly wrapped) module and how many of its parameters
+            are now inside wrappers.
+        """
+        # Parameters already managed by a wrapper (marked by FSDP) do not count towards the size.
+        num_params = sum(p.numel() for p in module.parameters() if not hasattr(p, "_is_sharded"))
+        if not auto_wrap_policy(
+            module=module, recurse=True, unwrapped_params=num_params, module_is_root=module_is_root
+        ):
+            return module, 0
+        wrapped_params = 0
+        for name, child in module.named_children():
+            wrapped_child, num_wrapped = ConfigAutoWrap.recursive_wrap(
+                child, auto_wrap_policy=auto_wrap_policy, module_is_root=False, **kwargs
+            )
+            setattr(module, name, wrapped_child)
+            wrapped_params += num_wrapped
+        remainder = num_params - wrapped_params
+        if auto_wrap_policy(module=module, recurse=False, unwrapped_params=remainder, module_is_root=module_is_root):
+            return wrap(module, **kwargs), num_params
+        return module, wrapped_params

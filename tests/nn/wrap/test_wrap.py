@@ -1,0 +1,301 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Tests of fairscale.nn.wrap: enable_wrap / wrap / auto_wrap and the auto-wrap policies.
+
+The wrapper class here is a transparent module that records the keyword arguments it was built with,
+so the tests see exactly which modules got wrapped and with what configuration. FSDP-based variants
+live with the FSDP tests.
+"""
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.nn.wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
+from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
+
+
+class Recorder(nn.Module):
+    """Stand-in wrapper: forwards to the wrapped module and remembers its constructor kwargs."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.kwargs = kwargs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def size_policy(min_num_params: int, **kwargs: Any) -> Any:
+    return functools.partial(default_auto_wrap_policy, min_num_params=min_num_params, **kwargs)
+
+
+def nested_model() -> nn.Sequential:
+    # Linear(5, 5) has 30 parameters, the inner Sequential 60, the whole model 120.
+    return nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)))
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_context():
+    yield
+    # Every test must leave the class-level state clean, whatever happened inside it.
+    assert not ConfigAutoWrap.in_autowrap_context
+    assert ConfigAutoWrap.wrapper_cls is None and ConfigAutoWrap.kwargs == {}
+
+
+def test_wrap_inside_context_uses_context_kwargs():
+    with enable_wrap(wrapper_cls=Recorder, flatten_parameters=False, mixed_precision=True):
+        layer = wrap(nn.Linear(5, 5))
+    assert isinstance(layer, Recorder)
+    assert isinstance(layer.module, nn.Linear)
+    assert layer.kwargs == {"flatten_parameters": False, "mixed_precision": True}
+
+
+def test_wrap_and_auto_wrap_are_noops_outside_context():
+    linear = nn.Linear(5, 5)
+    assert wrap(linear, flatten_parameters=True) is linear
+    model = nested_model()
+    assert auto_wrap(model, auto_wrap_policy=size_policy(1)) is model
+    assert not any(isinstance(m, Recorder) for m in model.modules())
+
+
+def test_override_precedence_context_then_wrapper_config_then_explicit():
+    linear = nn.Linear(5, 5)
+    linear.wrapper_config = {"a": "config", "b": "config"}  # type: ignore[assignment]
+    with enable_wrap(wrapper_cls=Recorder, a="context", b="context", c="context"):
+        layer = wrap(linear, b="explicit")
+    assert layer.kwargs == {"a": "config", "b": "explicit", "c": "context"}
+
+
+def test_wrapper_config_must_be_a_dict():
+    linear = nn.Linear(5, 5)
+    linear.wrapper_config = ["not", "a", "dict"]  # type: ignore[assignment]
+    with enable_wrap(wrapper_cls=Recorder):
+        with pytest.raises(TypeError, match="wrapper_config must be a dict"):
+            wrap(linear)
+
+
+def test_wrapper_cls_may_be_a_factory_function():
+    with enable_wrap(wrapper_cls=lambda m, **kw: Recorder(m, via="factory", **kw), x=1):
+        layer = wrap(nn.Linear(2, 2))
+    assert isinstance(layer, Recorder) and layer.kwargs == {"via": "factory", "x": 1}
+
+
+def test_auto_wrap_by_size():
+    model = nested_model()
+    with enable_wrap(wrapper_cls=Recorder, flatten_parameters=False):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
+    # Inner Sequential (60 >= 40) is wrapped; its 30-parameter children are not. The root is then
+    # left with 60 unwrapped parameters, which is enough to wrap it as well.
+    assert isinstance(wrapped, Recorder) and wrapped.kwargs == {"flatten_parameters": False}
+    root = wrapped.module
+    assert isinstance(root[0], nn.Linear) and isinstance(root[1], nn.Linear)
+    assert isinstance(root[2], Recorder) and isinstance(root[2].module, nn.Sequential)
+    assert all(isinstance(m, nn.Linear) for m in root[2].module)
+
+
+def test_auto_wrap_root_not_wrapped_when_children_took_the_parameters():
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))  # 110 parameters each
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(100))
+    assert wrapped is model
+    assert isinstance(model[0], Recorder) and isinstance(model[1], Recorder)
+
+
+def test_auto_wrap_keeps_outputs_and_passes_kwargs():
+    torch.manual_seed(0)
+    model = nested_model()
+    x = torch.randn(3, 5)
+    expected = model(x)
+    with enable_wrap(wrapper_cls=Recorder, a=1):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40), b=2)
+    torch.testing.assert_close(wrapped(x), expected)
+    recorders = [m for m in wrapped.modules() if isinstance(m, Recorder)]
+    assert len(recorders) == 2 and all(r.kwargs == {"a": 1, "b": 2} for r in recorders)
+
+
+def test_default_policy_threshold_is_1e8():
+    model = nested_model()
+    with enable_wrap(wrapper_cls=Recorder):
+        assert auto_wrap(model) is model
+    assert not any(isinstance(m, Recorder) for m in model.modules())
+
+
+def test_skip_params_check_for_root():
+    for skip in (False, True):
+        model = nested_model()
+        with enable_wrap(wrapper_cls=Recorder):
+            wrapped = auto_wrap(model, auto_wrap_policy=size_policy(1000, skip_params_check_for_root=skip))
+        assert isinstance(wrapped, Recorder) == skip
+        # Only the root is concerned: the small children stay unwrapped either way.
+        assert sum(isinstance(m, Recorder) for m in wrapped.modules()) == int(skip)
+
+
+def test_preset_exclude_wrap_module_list():
+    model = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)])
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
+    # 60 parameters would be enough, but ModuleList has no forward and is never wrapped.
+    assert wrapped is model and not any(isinstance(m, Recorder) for m in model.modules())
+
+
+def test_preset_exclude_wrap_still_wraps_children():
+    model = nn.ModuleDict({"big": nn.Linear(10, 10), "small": nn.Linear(2, 2)})
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
+    assert wrapped is model
+    assert isinstance(model["big"], Recorder) and isinstance(model["small"], nn.Linear)
+
+
+def test_preset_force_leaf_multihead_attention():
+    model = nn.Sequential(nn.Linear(10, 10), nn.MultiheadAttention(100, 1))
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
+    # The attention layer is wrapped as a whole; its out_proj (10100 parameters) is not descended into.
+    assert isinstance(wrapped, nn.Sequential)
+    assert isinstance(wrapped[0], Recorder)
+    assert isinstance(wrapped[1], Recorder) and isinstance(wrapped[1].module, nn.MultiheadAttention)
+    assert not isinstance(wrapped[1].module.out_proj, Recorder)
+
+
+def test_custom_force_leaf_and_exclude_sets():
+    model = nested_model()
+    policy = size_policy(40, force_leaf_modules={nn.Sequential}, exclude_wrap_modules=set())
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=policy)
+    # The root is a Sequential too, so nothing is descended into: only the root gets wrapped.
+    assert isinstance(wrapped, Recorder) and sum(isinstance(m, Recorder) for m in wrapped.modules()) == 1
+
+    model = nn.ModuleList([nn.Linear(10, 10)])
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40, exclude_wrap_modules={nn.Linear}))
+    assert isinstance(wrapped, Recorder) and isinstance(wrapped.module[0], nn.Linear)
+
+
+def test_default_sets_are_function_attributes_read_at_call_time():
+    assert default_auto_wrap_policy.EXCLUDE_WRAP_MODULES == {nn.ModuleList, nn.ModuleDict}  # type: ignore
+    assert default_auto_wrap_policy.FORCE_LEAF_MODULES == {nn.MultiheadAttention}  # type: ignore
+    saved = set(default_auto_wrap_policy.EXCLUDE_WRAP_MODULES)  # type: ignore
+    default_auto_wrap_policy.EXCLUDE_WRAP_MODULES.add(nn.Linear)  # type: ignore
+    try:
+        linear = nn.Linear(10, 10)
+        with enable_wrap(wrapper_cls=Recorder):
+            assert auto_wrap(linear, auto_wrap_policy=size_policy(40)) is linear
+    finally:
+        default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = saved  # type: ignore
+
+
+def test_custom_policy_sees_keyword_arguments():
+    calls = []
+
+    def linear_only(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+        calls.append((type(module).__name__, recurse, unwrapped_params, module_is_root))
+        return True if recurse else isinstance(module, nn.Linear)
+
+    model = nested_model()
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=linear_only)
+    assert wrapped is model
+    assert sum(isinstance(m, Recorder) for m in model.modules()) == 4
+    assert calls[0] == ("Sequential", True, 120, True)
+    assert calls[-1] == ("Sequential", False, 0, True)  # all parameters were taken by the Linears
+
+
+def test_policy_given_to_enable_wrap_is_the_default_of_auto_wrap():
+    model = nested_model()
+    with enable_wrap(auto_wrap_policy=size_policy(100), wrapper_cls=Recorder):
+        wrapped = auto_wrap(model)
+    assert isinstance(wrapped, Recorder) and sum(isinstance(m, Recorder) for m in wrapped.modules()) == 1
+    model = nested_model()
+    with enable_wrap(auto_wrap_policy=size_policy(100), wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(10**9))
+    assert wrapped is model
+
+
+def test_config_auto_wrap_policy_wraps_only_tagged_modules():
+    model = nested_model()
+    model[1].wrapper_config = {"flatten_parameters": False}  # type: ignore[assignment]
+    model[2][0].wrapper_config = {}  # type: ignore[assignment]
+    with enable_wrap(wrapper_cls=Recorder, mixed_precision=True):
+        wrapped = auto_wrap(model, auto_wrap_policy=config_auto_wrap_policy)
+    assert wrapped is model
+    assert isinstance(model[0], nn.Linear)
+    assert isinstance(model[1], Recorder) and model[1].kwargs == {"mixed_precision": True, "flatten_parameters": False}
+    assert isinstance(model[2][0], Recorder) and model[2][0].kwargs == {"mixed_precision": True}
+    assert isinstance(model[2][1], nn.Linear)
+
+
+def test_nested_enable_wrap_raises_and_keeps_outer_context():
+    with enable_wrap(wrapper_cls=Recorder, a=1):
+        with pytest.raises(NotImplementedError, match="nested"):
+            with enable_wrap(wrapper_cls=Recorder, a=2):
+                pass
+        assert ConfigAutoWrap.in_autowrap_context and ConfigAutoWrap.kwargs == {"a": 1}
+    assert not ConfigAutoWrap.in_autowrap_context
+
+
+def test_context_is_reset_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with enable_wrap(wrapper_cls=Recorder):
+            raise RuntimeError("boom")
+    linear = nn.Linear(2, 2)
+    assert wrap(linear) is linear
+
+
+def test_missing_or_bad_wrapper_cls():
+    with pytest.raises(ValueError, match="wrapper_cls"):
+        with enable_wrap(flatten_parameters=True):
+            pass
+    with pytest.raises(TypeError, match="wrapper_cls must be a class or callable"):
+        with enable_wrap(wrapper_cls=3):
+            pass
+
+
+def test_auto_wrap_refuses_already_wrapped_trees():
+    with enable_wrap(wrapper_cls=Recorder):
+        inner = wrap(nn.Linear(5, 5))
+        model = nn.Sequential(nn.Linear(5, 5), inner)
+        with pytest.raises(ValueError, match=r"submodule '1' \(Recorder\) is already wrapped"):
+            auto_wrap(model, auto_wrap_policy=size_policy(1))
+        with pytest.raises(ValueError, match="the root module"):
+            auto_wrap(inner, auto_wrap_policy=size_policy(1))
+    # Parameters marked as sharded belong to a wrapper of another kind (e.g. FSDP): also refused.
+    model = nested_model()
+    for p in model[2].parameters():
+        p._is_sharded = True  # type: ignore[attr-defined]
+    with enable_wrap(wrapper_cls=Recorder):
+        with pytest.raises(ValueError, match="submodule '2' "):
+            auto_wrap(model, auto_wrap_policy=size_policy(1))
+
+
+def test_sharded_parameters_do_not_count_towards_the_size():
+    model = nested_model()
+    for p in model[2].parameters():
+        p._is_sharded = True  # type: ignore[attr-defined]
+    sizes = {}
+
+    def record(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+        sizes.setdefault(id(module), unwrapped_params)
+        return False
+
+    with enable_wrap(wrapper_cls=Recorder):
+        ConfigAutoWrap.recursive_wrap(model, auto_wrap_policy=record, module_is_root=True)
+    assert sizes[id(model)] == 60
+
+
+def test_move_module_cuda_half_is_not_a_wrapper_argument():
+    with enable_wrap(wrapper_cls=Recorder, move_module_cuda_half=True, a=1):
+        assert ConfigAutoWrap.move_module_cuda_half is True
+        assert ConfigAutoWrap.kwargs == {"a": 1}
+    assert ConfigAutoWrap.move_module_cuda_half is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves the module to CUDA")
+def test_move_module_cuda_half():
+    with enable_wrap(wrapper_cls=Recorder, move_module_cuda_half=True):
+        layer = wrap(nn.Linear(5, 5))
+    assert layer.module.weight.is_cuda and layer.module.weight.dtype == torch.float16
+    assert layer.kwargs == {}

@@ -1,0 +1,80 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Quality gates that run with the test suite: formatting, typing and the two choke points.
+
+Only ``fairscale/internal/device.py`` may touch ``torch.cuda`` and only ``fairscale/internal/collectives.py`` may
+call ``torch.distributed`` collectives; everything else goes through those layers so that the CPU build works and
+the collective counter sees every byte.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "fairscale")
+
+CUDA_OWNER = os.path.join("fairscale", "internal", "device.py")
+COLLECTIVES_OWNER = os.path.join("fairscale", "internal", "collectives.py")
+# Testing helpers may start worlds and sanity-check them directly.
+EXEMPT_DIRS = (os.path.join("fairscale", "fair_dev") + os.sep,)
+
+CUDA_PATTERN = re.compile(r"\btorch\.cuda\b|\.record_stream\(|\bcuda\.(Stream|Event|synchronize)\b")
+COLLECTIVE_PATTERN = re.compile(
+    r"\b(dist|distributed|torch\.distributed)\.(all_gather\w*|reduce_scatter\w*|all_reduce\w*|broadcast\w*|"
+    r"_all_gather_base|_reduce_scatter_base|barrier|gather\w*|scatter\w*|all_to_all\w*|send|recv|isend|irecv)\("
+)
+
+
+def _python_files():
+    for dirpath, _, filenames in os.walk(PACKAGE):
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                yield os.path.relpath(path, ROOT), path
+
+
+def _offenders(pattern, owner):
+    found = []
+    for rel, path in _python_files():
+        if rel == owner or rel.startswith(EXEMPT_DIRS):
+            continue
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                code = line.split("#", 1)[0]
+                if pattern.search(code):
+                    found.append(f"{rel}:{lineno}: {line.strip()}")
+    return found
+
+
+def test_torch_cuda_only_in_device_layer():
+    offenders = _offenders(CUDA_PATTERN, CUDA_OWNER)
+    assert not offenders, "torch.cuda/stream use outside fairscale/internal/device.py:\n" + "\n".join(offenders)
+
+
+def test_collectives_only_in_collectives_layer():
+    offenders = _offenders(COLLECTIVE_PATTERN, COLLECTIVES_OWNER)
+    assert not offenders, "torch.distributed collectives outside fairscale/internal/collectives.py:\n" + "\n".join(
+        offenders
+    )
+
+
+def _run(cmd):
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(shutil.which("black") is None and not os.environ.get("CI"), reason="black not installed")
+def test_black_formatting():
+    result = _run([sys.executable, "-m", "black", "--check", "-l", "120", "-q", "fairscale", "tests", "benchmarks"])
+    assert result.returncode == 0, "black would reformat files (run `black fairscale tests benchmarks`):\n" + (
+        result.stdout + result.stderr
+    )
+
+
+@pytest.mark.skipif(shutil.which("mypy") is None and not os.environ.get("CI"), reason="mypy not installed")
+def test_mypy_strict_on_package():
+    result = _run([sys.executable, "-m", "mypy", "fairscale"])
+    assert result.returncode == 0, "mypy found type errors:\n" + result.stdout[-6000:] + result.stderr[-2000:]
