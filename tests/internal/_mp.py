@@ -46,6 +46,10 @@ def _child(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
         fn(rank, world_size)
+        if dist.is_initialized():
+            # Nobody leaves before everyone is done: a rank exiting early can break connections
+            # its peers are still setting up (e.g. the tail of a new_group handshake).
+            dist.barrier()
     except pytest.skip.Exception as exc:
         status = ("skip", rank, str(exc.msg))
     except BaseException:  # noqa: B902 - report everything, including KeyboardInterrupt

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
+from types import TracebackType
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type
 
@@ -65,6 +66,7 @@ __all__ = [
     "run_cases",
     "subtest",
     "seed_everything",
+    "use_loopback_for_gloo",
 ]
 
 #: Seconds a world may run before it is killed and reported as a timeout.
@@ -293,6 +295,16 @@ def seed_everything(seed: int = SEED) -> None:
     numpy.random.seed(seed)
 
 
+def use_loopback_for_gloo() -> None:
+    """Make gloo connect over the loopback interface, unless ``GLOO_SOCKET_IFNAME`` is already set.
+
+    All ranks of a test share one host; loopback avoids resolving the hostname, which is slow and on
+    some CI machines resolves to an unreachable address. Call it in the rank, before the group exists.
+    """
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 @contextlib.contextmanager
 def _world_directory() -> Iterator[str]:
     directory = tempfile.mkdtemp(prefix="fairscale_world_")
@@ -334,14 +346,11 @@ class _ProcessGroupBody:
     def __call__(self, rank: int) -> Any:
         if self.device_type == "cuda":
             torch.cuda.set_device(rank)
-        if self.backend == "gloo" and os.path.exists("/sys/class/net/lo"):
-            # All ranks share this host: loopback skips resolving the hostname (slow, and on some CI
-            # machines it resolves to an unreachable address). An explicit setting still wins.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        store = dist.FileStore(self.store_path, self.world_size)
+        if self.backend == "gloo":
+            use_loopback_for_gloo()
         dist.init_process_group(
             backend=self.backend,
-            store=store,
+            init_method=f"file://{self.store_path}",
             rank=rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.pg_timeout_s),
@@ -357,9 +366,7 @@ class _ProcessGroupBody:
 # Inside a rank process
 
 
-def _rank_main(
-    rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int, stack_path: str, method: str
-) -> None:
+def _rank_main(rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int, stack_path: str, method: str) -> None:
     """Entry point of every rank process: prepare the process, run ``body``, send one report."""
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
@@ -438,6 +445,14 @@ def _flush_std_streams() -> None:
             pass
 
 
+def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+    """Drop the engine's own leading frames: the reader wants the test body's frames."""
+    start = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb if tb is not None else start
+
+
 @dataclass
 class _RemoteFailure:
     """What a failing rank tells the parent: enough to rebuild the exception there."""
@@ -459,9 +474,9 @@ class _RemoteFailure:
             pickled_type = None
         return cls(
             rank=rank,
-            type_name=type(error).__qualname__,
+            type_name=type(error).__name__,
             message=str(error),
-            traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            traceback="".join(traceback.format_exception(type(error), error, _user_frames(error.__traceback__))),
             is_skip=isinstance(error, pytest.skip.Exception),
             pickled_type=pickled_type,
         )
@@ -497,7 +512,7 @@ class _RemoteFailure:
 def _run_world(body: Callable[[int], Any], world_size: int, timeout: float, directory: str) -> List[Any]:
     """Start one process per rank, collect their reports, and make sure none outlives this call."""
     method = _start_method()
-    ctx = multiprocessing.get_context(method)
+    ctx: Any = multiprocessing.get_context(method)
     deadline = time.monotonic() + timeout
     ranks: List[_RankProcess] = []
     try:

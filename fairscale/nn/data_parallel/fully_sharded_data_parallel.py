@@ -14,7 +14,7 @@ from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
 from ._fsdp import config as fsdp_config
-from ._fsdp import summon, zero2
+from ._fsdp import grad_accum, summon, zero2
 from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
 from ._fsdp.runtime import FSDPRuntime, cast_inputs
 from ._fsdp.state import HandleState, TrainingState
@@ -182,8 +182,9 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
 
         self._handles: List[FlatHandle] = []
         self.numel_padded_per_param: List[int] = []
-        self._shard_parameters_([("flat_param_0" if flat and i == 0 else names[0]) for i, names in
-                                 enumerate(self._param_name_groups)])
+        self._shard_parameters_(
+            [("flat_param_0" if flat and i == 0 else names[0]) for i, names in enumerate(self._param_name_groups)]
+        )
         self.buffer_size = sum(p._orig_size.numel() for p in self.params)  # type: ignore[attr-defined]
 
         self.training_state = TrainingState.IDLE
@@ -195,6 +196,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         enable_pytorch_sync_bn(self._fsdp_wrapped_module)
         self._register_state_dict_hooks()
         self._register_post_backward_hooks()
+        grad_accum.install(self)
         for n, p in self.named_parameters():
             assert hasattr(p, "_is_sharded"), f"parameter {n} is not managed by any FSDP instance"
 
@@ -416,14 +418,15 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         elif norm_type == float("inf"):
             local = torch.stack([g.detach().abs().max().to(device, torch.float32) for g in grads]).max()
         else:
-            local = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
-                                 for g in grads]).norm(norm_type)
+            local = torch.stack(
+                [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device) for g in grads]
+            ).norm(norm_type)
         local = local.to(torch.float32)
         if norm_type == float("inf"):
             collectives.all_reduce(local, group=self.process_group, op="max")
             total = local
         else:
-            local = local ** norm_type
+            local = local**norm_type
             collectives.all_reduce(local, group=self.process_group, op="sum")
             total = local ** (1.0 / norm_type)
         if self.move_grads_to_cpu:

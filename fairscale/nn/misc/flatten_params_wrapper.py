@@ -19,6 +19,7 @@ from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_
 from ._flatten.state_dict_hooks import (
     _enable_pre_load_state_dict_hook,
     fpw_pre_load_hook_disabled,
+    post_load_state_dict_hook,
     post_state_dict_hook,
     pre_load_state_dict_hook,
 )
@@ -95,6 +96,7 @@ class FlattenParamsWrapper(nn.Module):
 
         self._register_state_dict_hook(post_state_dict_hook)
         self._register_load_state_dict_pre_hook(pre_load_state_dict_hook, with_module=True)
+        self.register_load_state_dict_post_hook(post_load_state_dict_hook)
 
     # ------------------------------------------------------------------------------------------------ properties
 

@@ -126,12 +126,20 @@ def test_default_policy_threshold_is_1e8():
 
 def test_skip_params_check_for_root():
     for skip in (False, True):
-        model = nested_model()
+        model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))  # 110 parameters each
         with enable_wrap(wrapper_cls=Recorder):
-            wrapped = auto_wrap(model, auto_wrap_policy=size_policy(1000, skip_params_check_for_root=skip))
+            wrapped = auto_wrap(model, auto_wrap_policy=size_policy(100, skip_params_check_for_root=skip))
+        # The children take every parameter; the root is wrapped around them only when its
+        # (empty) remainder is not checked.
         assert isinstance(wrapped, Recorder) == skip
-        # Only the root is concerned: the small children stay unwrapped either way.
-        assert sum(isinstance(m, Recorder) for m in wrapped.modules()) == int(skip)
+        assert sum(isinstance(m, Recorder) for m in wrapped.modules()) == 2 + int(skip)
+
+
+def test_small_root_is_never_descended_into():
+    model = nested_model()
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(1000, skip_params_check_for_root=True))
+    assert wrapped is model and not any(isinstance(m, Recorder) for m in model.modules())
 
 
 def test_preset_exclude_wrap_module_list():
@@ -154,21 +162,35 @@ def test_preset_force_leaf_multihead_attention():
     model = nn.Sequential(nn.Linear(10, 10), nn.MultiheadAttention(100, 1))
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
-    # The attention layer is wrapped as a whole; its out_proj (10100 parameters) is not descended into.
-    assert isinstance(wrapped, nn.Sequential)
-    assert isinstance(wrapped[0], Recorder)
-    assert isinstance(wrapped[1], Recorder) and isinstance(wrapped[1].module, nn.MultiheadAttention)
-    assert not isinstance(wrapped[1].module.out_proj, Recorder)
+    # The attention layer is not descended into, so neither it nor its out_proj is wrapped on its
+    # own: its parameters stay with the root, which is therefore large enough to be wrapped.
+    assert isinstance(wrapped, Recorder)
+    assert isinstance(wrapped.module[0], Recorder)
+    assert type(wrapped.module[1]) is nn.MultiheadAttention
+    assert not isinstance(wrapped.module[1].out_proj, Recorder)
 
 
-def test_custom_force_leaf_and_exclude_sets():
-    model = nested_model()
-    policy = size_policy(40, force_leaf_modules={nn.Sequential}, exclude_wrap_modules=set())
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nested_model()[2]  # Sequential with 60 parameters
+        self.head = nn.Linear(5, 5)  # 30 parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.branch(x))
+
+
+def test_custom_force_leaf_modules():
     with enable_wrap(wrapper_cls=Recorder):
-        wrapped = auto_wrap(model, auto_wrap_policy=policy)
-    # The root is a Sequential too, so nothing is descended into: only the root gets wrapped.
-    assert isinstance(wrapped, Recorder) and sum(isinstance(m, Recorder) for m in wrapped.modules()) == 1
+        plain = auto_wrap(TwoBranches(), auto_wrap_policy=size_policy(40))
+        leaf = auto_wrap(TwoBranches(), auto_wrap_policy=size_policy(40, force_leaf_modules={nn.Sequential}))
+    # Default: the branch is wrapped, leaving 30 parameters, too few to wrap the root.
+    assert isinstance(plain, TwoBranches) and isinstance(plain.branch, Recorder)
+    # Sequential as a forced leaf: the branch is not handled on its own, the root takes all 90.
+    assert isinstance(leaf, Recorder) and isinstance(leaf.module.branch, nn.Sequential)
 
+
+def test_custom_exclude_wrap_modules():
     model = nn.ModuleList([nn.Linear(10, 10)])
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40, exclude_wrap_modules={nn.Linear}))

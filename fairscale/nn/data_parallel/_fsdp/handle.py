@@ -14,6 +14,8 @@ Tensors, by role:
   Unsharded parameters that need no cast or move have no such buffer: their "full" tensor is the shard itself.
 * ``zero2_slice``: this rank's 1/G slice of ``full_padded`` kept between a forward and its backward (zero2).
 * ``saved_grad_shard``: the reduced gradient shard accumulated over the backward passes of one step.
+* ``grad_accum_flat``: (``optimize_backward_concat``) the unsharded gradient summed over the microbatches of one
+  accumulation window, written slice by slice by the views' backward; released when the window is reduced.
 """
 
 from typing import Optional
@@ -77,6 +79,9 @@ class FlatHandle:
         self.zero2_slice: Optional[Tensor] = None
         self.saved_grad_shard: Optional[Tensor] = None
         self.cpu_grad: Optional[Tensor] = None
+        # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
+        self.grad_accum_flat: Optional[Tensor] = None
+        self.grad_window = 0
         self.device: Optional[DeviceHandle] = None
         self.compute_dtype: torch.dtype = param.dtype
 
@@ -99,7 +104,9 @@ class FlatHandle:
         self.fp32_shard = shard
         needs_buffer = self.is_sharded or shard.dtype != compute_dtype or shard.device != device.device
         if needs_buffer:
-            self.full_padded = torch.empty(self.shard_numel * self.world_size, dtype=compute_dtype, device=device.device)
+            self.full_padded = torch.empty(
+                self.shard_numel * self.world_size, dtype=compute_dtype, device=device.device
+            )
             free_storage_(self.full_padded)
         else:
             self.full_padded = None

@@ -23,7 +23,7 @@ from fairscale.internal import collectives
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.device import DeviceHandle
 
-from . import zero2
+from . import grad_accum, zero2
 from .handle import FlatHandle
 from .state import HandleState, TrainingState
 from .tree import TreeState
@@ -90,6 +90,7 @@ class FSDPRuntime(nn.Module):
     _pre_backward_hook_has_run: bool
     _zero2_rank: int
     _zero2_size: int
+    _grad_anchor: Tensor
 
     # ------------------------------------------------------------------ tree helpers
     def _fsdp_instances(self) -> List["FSDPRuntime"]:
@@ -328,6 +329,39 @@ class FSDPRuntime(nn.Module):
         with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
             self._reduce_grad(h, grad)
 
+    # ------------------------------------------------------------------ optimize_backward_concat
+    def _grad_accum_dtype(self) -> torch.dtype:
+        """fp32 under mixed precision (or fp32_reduce_scatter), otherwise the parameter dtype (contract 1.2)."""
+        if self.mixed_precision or self.fp32_reduce_scatter:
+            return torch.float32
+        return self.params[0].dtype
+
+    @torch.no_grad()
+    def _on_view_grads_accumulated(self, h: FlatHandle, sync: bool) -> None:
+        """Post-backward point of a unit whose views feed the flat buffer (replaces the AccumulateGrad hook)."""
+        tree = self._tree
+        assert tree is not None
+        tree.queue_final_callback()
+        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            raise RuntimeError(f"backward of {h.name} in unexpected state {self.training_state.name}")
+        self.training_state = TrainingState.BACKWARD_POST
+        if sync or self.reshard_after_forward:
+            h.free_full()
+        h.use_shard()
+        if sync:
+            self._reduce_accumulated(h)
+
+    def _reduce_accumulated(self, h: FlatHandle) -> None:
+        """Reduce-scatter a window's buffer once, in the dtype the default path would use on the wire."""
+        tree = self._tree
+        assert tree is not None
+        buf = grad_accum.take_buffer_for_reduction(h)
+        wire_dtype = h.param.dtype if self.fp32_reduce_scatter else self.compute_dtype
+        grad = buf if buf.dtype == wire_dtype else buf.to(wire_dtype)
+        tree.post_backward_stream.wait_stream(tree.device.current_stream())
+        with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
+            self._reduce_grad(h, grad)
+
     def _reduce_grad(self, h: FlatHandle, grad: Tensor) -> None:
         if self.fp32_reduce_scatter and grad.dtype != h.param.dtype:
             grad = grad.to(h.param.dtype)
@@ -363,6 +397,11 @@ class FSDPRuntime(nn.Module):
         assert tree is not None and self._is_root
         syncing = self._require_backward_grad_sync
         if syncing:
+            # A unit that got no gradient in the synchronizing microbatch still owes its window's reduction.
+            for m in self._fsdp_instances():
+                for h in m._handles:
+                    if h.grad_accum_flat is not None:
+                        m._reduce_accumulated(h)
             with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
                 tree.bucketer.flush()
             tree.device.current_stream().wait_stream(tree.post_backward_stream)

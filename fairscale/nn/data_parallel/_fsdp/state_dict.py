@@ -241,4 +241,3 @@ def _check_local_shapes(fsdp: Any, state_dict: Mapping[str, Any]) -> None:
             "another model?). Use a full state dict or consolidate_shard_weights to change world size.\n  "
             + "\n  ".join(bad)
         )
-

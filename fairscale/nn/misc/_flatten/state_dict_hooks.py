@@ -10,10 +10,13 @@ flat parameters, which live on the wrapper itself. The legacy single-group key `
 ``FlattenParamsWrapper.load_state_dict`` and its auto-unflatten are not involved) from a dict holding the
 original parameter names, those entries are folded into the flat parameter entry so that
 ``parent.load_state_dict(parent.state_dict())`` works.
+
+Reporting (post hook): missing/unexpected keys are given in the names of the dict that was loaded, without the
+internal ``_fpw_module.`` level.
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,6 +32,7 @@ __all__ = [
     "rename_prefix_",
     "post_state_dict_hook",
     "pre_load_state_dict_hook",
+    "post_load_state_dict_hook",
 ]
 
 FLAT_PARAM = "flat_param"
@@ -104,18 +108,45 @@ def pre_load_state_dict_hook(
     if module.is_flattened and _DEFAULT_FLAT_KEY in module.flat_param_names:
         if prefix + _LEGACY_FLAT_KEY in state_dict and prefix + _DEFAULT_FLAT_KEY not in state_dict:
             _rename_key_(state_dict, prefix + _LEGACY_FLAT_KEY, prefix + _DEFAULT_FLAT_KEY)
-    if _enable_pre_load_state_dict_hook():
+    rewrite = _enable_pre_load_state_dict_hook()
+    if rewrite:
         _add_wrapper_level(module, state_dict, prefix)
-    _fold_original_keys(module, state_dict, prefix)
+    absent = _fold_original_keys(module, state_dict, prefix, error_msgs)
+    # Handed to post_load_state_dict_hook, which has no access to the prefix.
+    setattr(module, _LOAD_CONTEXT, _LoadContext(prefix, rewrite, absent))
+
+
+def post_load_state_dict_hook(module: "FlattenParamsWrapper", incompatible_keys: Any) -> None:
+    """``nn.Module`` load post hook: report missing/unexpected keys under the names of the given dict.
+
+    Adds the original names that a partial fold could not find, and (when the pre hook rewrote keys) drops the
+    internal ``_fpw_module.`` level from the reported names.
+    """
+    ctx = module.__dict__.pop(_LOAD_CONTEXT, None)
+    if not isinstance(ctx, _LoadContext):
+        return
+    incompatible_keys.missing_keys.extend(ctx.absent)
+    if ctx.rewritten:
+        inner = ctx.prefix + FPW_MODULE + "."
+        for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+            keys[:] = [ctx.prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
+
+
+_LOAD_CONTEXT = "_fpw_load_context"
+
+
+class _LoadContext(NamedTuple):
+    prefix: str
+    rewritten: bool  # the pre hook added the _fpw_module level
+    absent: List[str]  # original keys of partially present groups that were not in the dict
 
 
 def _add_wrapper_level(module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str) -> None:
     inner = prefix + FPW_MODULE + "."
     rename_prefix_(state_dict, prefix, inner)
     wrapped = module.module
-    own_names = {n for n, _ in wrapped.named_parameters(recurse=False)} | {
-        n for n, _ in wrapped.named_buffers(recurse=False)
-    }
+    own_names = {n for n, _ in wrapped.named_parameters(recurse=False)}
+    own_names |= {n for n, _ in wrapped.named_buffers(recurse=False)}
     for key in [k for k in state_dict if k.startswith(inner + FLAT_PARAM)]:
         rest = key[len(inner) :]
         # Only direct attributes named like a flat parameter go back to the wrapper; a child module or a
@@ -125,28 +156,43 @@ def _add_wrapper_level(module: "FlattenParamsWrapper", state_dict: Dict[str, Any
         state_dict[prefix + rest] = state_dict.pop(key)
 
 
-def _fold_original_keys(module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str) -> None:
-    """Replace complete sets of original-name entries of a flat group by one flat entry.
+def _fold_original_keys(
+    module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]
+) -> List[str]:
+    """Replace the original-name entries of each flat group by one flat entry; return the names not found.
 
-    Only done when the result can be loaded as is: the wrapper is flattened, the flat key is absent, every
-    original name of the group is present with the right number of elements, and the flat parameter currently
-    has its full size (inside FSDP it may hold only a shard, which this hook cannot produce; such dicts are left
-    alone so the caller sees the usual missing/unexpected keys).
+    This is what lets a parent module load a wrapper nested in it from original names (the wrapper's own
+    ``load_state_dict``, which unflattens instead, is not called then). A group is folded when the wrapper is
+    flattened, the flat key is absent and at least one original name is present; absent names keep the current
+    values and are reported missing, as a plain module would. Skipped when a flat parameter does not hold its full
+    size (a shard inside FSDP), which this hook cannot produce: the caller then sees the plain missing/unexpected
+    keys.
     """
+    absent: List[str] = []
     if not module.is_flattened:
-        return
+        return absent
     for flat_name, flat in zip(module.flat_param_names, module.flat_params):
         if prefix + flat_name in state_dict or flat.numel() != sum(flat._param_numels):
             continue
         keys = [f"{prefix}{mname}.{pname}" for mname, _, pname in flat._param_infos]
-        values = [state_dict.get(k) for k in keys]
-        if not all(isinstance(v, Tensor) and v.numel() == n for v, n in zip(values, flat._param_numels)):
+        if not any(k in state_dict for k in keys):
             continue
         with torch.no_grad():
-            state_dict[prefix + flat_name] = torch.cat(
-                [v.detach().reshape(-1).to(dtype=flat.dtype, device=flat.device) for v in values if v is not None]
-            )
-        for key in keys:
-            del state_dict[key]
+            pieces = list(flat.detach().split(flat._param_numels))
+            for i, (key, shape) in enumerate(zip(keys, flat._param_shapes)):
+                if key not in state_dict:
+                    absent.append(key)
+                    continue
+                value = state_dict.pop(key)
+                if not isinstance(value, Tensor) or value.shape != shape:
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    error_msgs.append(
+                        f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
+                        f"the shape in current model is {tuple(shape)}."
+                    )
+                    continue
+                pieces[i] = value.detach().reshape(-1).to(dtype=flat.dtype, device=flat.device)
+            state_dict[prefix + flat_name] = torch.cat(pieces)
         for mname, _, _, pname, _, _ in flat._shared_param_infos:
             state_dict.pop(f"{prefix}{mname}.{pname}", None)
+    return absent

@@ -1,0 +1,715 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Upstream fairscale's test helpers (``fairscale.fair_dev.testing.testing``), working on CPU.
+
+The names and arguments are upstream's so that tests written against fairscale keep working. The
+differences: everything works without GPUs (gloo on CPU, ``get_world_sizes()`` never returns an
+empty list), processes are started by the engine in :mod:`fairscale.fair_dev.testing.engine`
+(fork on CPU, a timeout, the failing rank's traceback), and there is no RPC or model parallelism
+(``filename_rpc`` is accepted and unused, ``get_worker_map`` raises ``NotImplementedError``).
+
+This module may call ``torch.cuda`` and ``torch.distributed`` collectives directly: it is test
+tooling, exempt from the rule that only the device and collectives layers do.
+"""
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
+
+import numpy
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .engine import DEFAULT_TIMEOUT, run_distributed, run_ranks, seed_everything, use_loopback_for_gloo
+from .testing_memory import dump_all_tensors, get_smi_memory
+
+__all__ = [
+    "skip_if_cuda",
+    "skip_if_no_cuda",
+    "skip_if_single_gpu",
+    "skip_if_less_than_four_gpu",
+    "skip_if_py38",
+    "skip_if_py39_no_cuda",
+    "skip_due_to_flakyness",
+    "available_devices",
+    "IdentityLayer",
+    "set_random_seed",
+    "in_circle_ci",
+    "torch_cuda_version",
+    "make_cudnn_deterministic",
+    "dist_init",
+    "get_worker_map",
+    "get_world_sizes",
+    "test_runner",
+    "spawn_for_all_world_sizes",
+    "worker_process",
+    "teardown",
+    "torch_spawn",
+    "GPT2",
+    "objects_are_equal",
+    "ObjectsNotEqualError",
+    "check_same_model_params",
+    "check_same_models_across_ranks",
+    "DeviceAndTypeCheckModule",
+    "get_cycles_per_ms",
+    "DummyProcessGroup",
+    "SGDWithPausingCompute",
+    "state_dict_norm",
+    "rmf",
+    "in_temporary_directory",
+    "temp_files_ctx",
+    "dump_all_tensors",
+    "get_smi_memory",
+    "skip_a_test_if_in_CI",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# pytest marks and environment probes
+
+skip_if_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="Testing only on CPUs to save time")
+skip_if_no_cuda = pytest.mark.skipif(_gpu_count() < 1, reason="CUDA required")
+skip_if_single_gpu = pytest.mark.skipif(_gpu_count() < 2, reason="multiple GPUs required")
+skip_if_less_than_four_gpu = pytest.mark.skipif(_gpu_count() < 4, reason="4 GPUs or more required")
+skip_if_py38 = pytest.mark.skipif(sys.version_info[:2] == (3, 8), reason="Python3.8 is skipped")
+skip_if_py39_no_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() and sys.version_info[:2] == (3, 9), reason="Python3.9 without CUDA is skipped"
+)
+skip_due_to_flakyness = pytest.mark.skip(reason="Flaky test to be fixed or removed")
+
+#: Devices a test can be parametrised over: always "cpu", plus "cuda" when a GPU is present.
+available_devices: List[str] = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def in_circle_ci() -> bool:
+    """Whether the process runs on CircleCI (upstream's CI)."""
+    return os.path.exists("/home/circleci") or bool(os.environ.get("CIRCLECI"))
+
+
+def skip_a_test_if_in_CI() -> None:
+    """Skip the calling test when running on CircleCI."""
+    if in_circle_ci():
+        pytest.skip("Skipped in CircleCI")
+
+
+def torch_cuda_version(compiled: bool = False) -> Tuple[int, ...]:
+    """The CUDA version torch was built with as ``(major, minor)``; ``()`` on a CPU-only build.
+
+    Args:
+        compiled: kept for upstream compatibility; the build version is what torch reports either way.
+    """
+    del compiled
+    version = torch.version.cuda
+    if not version:
+        return ()
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
+def make_cudnn_deterministic() -> None:
+    """Make cuDNN pick deterministic algorithms (harmless without CUDA)."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def set_random_seed(seed: int, model_parallel: bool = True) -> None:
+    """Seed ``random``, numpy and torch (all devices).
+
+    Args:
+        seed: the seed.
+        model_parallel: accepted for upstream compatibility; there is no model parallelism here.
+    """
+    del model_parallel
+    seed_everything(seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups and multi-process runners
+
+
+def dist_init(rank: int, world_size: int, filename: str, filename_rpc: str = "") -> bool:
+    """Initialise the default process group through a file store.
+
+    NCCL when CUDA is available (and rank ``r`` uses ``cuda:r``), gloo otherwise.
+
+    Args:
+        rank: this process's rank.
+        world_size: number of processes.
+        filename: an absolute path shared by all ranks for the file store.
+        filename_rpc: accepted for upstream compatibility; RPC is not started.
+
+    Returns:
+        ``False`` (nothing initialised) when CUDA is used and there are fewer GPUs than ranks.
+    """
+    del filename_rpc
+    if torch.cuda.is_available():
+        if _gpu_count() < world_size:
+            return False
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        use_loopback_for_gloo()
+    dist.init_process_group(backend=backend, init_method=f"file://{filename}", rank=rank, world_size=world_size)
+    return True
+
+
+def teardown() -> None:
+    """Destroy the default process group if there is one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_worker_map() -> Dict[Any, Any]:
+    """Upstream's RPC worker map; RPC is not part of this distribution.
+
+    Raises:
+        NotImplementedError: always.
+    """
+    raise NotImplementedError("get_worker_map needs torch RPC, which fairscale's test helpers no longer start")
+
+
+def get_world_sizes() -> List[int]:
+    """World sizes to test: powers of two up to the GPU count, or ``[1, 2, 4]`` on CPU (never empty)."""
+    gpus = _gpu_count()
+    if gpus > 0:
+        return [size for size in (1, 2, 4, 8) if size <= gpus]
+    return [1, 2, 4]
+
+
+def test_runner(
+    rank: int, test_func: Callable[..., Any], deterministic: bool = False, *args: Any, **kwargs: Any
+) -> None:
+    """Run ``test_func(rank, *args, **kwargs)`` in a rank, optionally with deterministic settings.
+
+    Args:
+        rank: this process's rank.
+        test_func: the per-rank function.
+        deterministic: make cuDNN deterministic and seed everything with 0 first.
+        *args: passed after ``rank``.
+        **kwargs: passed through.
+    """
+    if deterministic:
+        make_cudnn_deterministic()
+        set_random_seed(0)
+    test_func(rank, *args, **kwargs)
+
+
+# A module-level name starting with "test" would otherwise be collected by pytest as a test.
+setattr(test_runner, "__test__", False)
+
+
+def spawn_for_all_world_sizes(
+    test_func: Callable[..., Any],
+    world_sizes: Optional[Sequence[int]] = None,
+    args: Sequence[Any] = (),
+    deterministic: bool = False,
+) -> None:
+    """Run ``test_func(rank, world_size, filename, filename_rpc, *args)`` for every world size.
+
+    Each world gets fresh temporary files; ``test_func`` usually starts with :func:`dist_init`.
+    The ranks are started by the engine (fork on CPU), with its timeout and error reporting.
+
+    Args:
+        test_func: the per-rank function.
+        world_sizes: defaults to :func:`get_world_sizes`.
+        args: extra positional arguments for ``test_func``.
+        deterministic: see :func:`test_runner`.
+    """
+    sizes = list(world_sizes) if world_sizes is not None else get_world_sizes()
+    for world_size in sizes:
+        with temp_files_ctx(num=2) as (filename, filename_rpc):
+            body = functools.partial(
+                _spawned_rank, test_func, deterministic, world_size, filename, filename_rpc, tuple(args)
+            )
+            run_ranks(body, world_size, timeout=DEFAULT_TIMEOUT)
+
+
+def _spawned_rank(
+    test_func: Callable[..., Any],
+    deterministic: bool,
+    world_size: int,
+    filename: str,
+    filename_rpc: str,
+    args: Tuple[Any, ...],
+    rank: int,
+) -> None:
+    test_runner(rank, test_func, deterministic, world_size, filename, filename_rpc, *args)
+
+
+def worker_process(
+    rank: int,
+    world_size: int,
+    filename: str,
+    filename_rpc: str,
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    error_queue: Any,
+) -> None:
+    """One rank of a :func:`torch_spawn` test: init the group, run ``func(*args)``, tear down.
+
+    A ``pytest.skip`` raised by ``func`` is put on ``error_queue`` (anything with ``put``) as text.
+
+    Args:
+        rank: this process's rank.
+        world_size: number of processes.
+        filename: file-store path.
+        filename_rpc: unused (no RPC).
+        func: the test body; it finds its rank through ``torch.distributed``.
+        args: positional arguments for ``func``.
+        error_queue: receives the skip message, if any.
+    """
+    if not dist_init(rank, world_size, filename, filename_rpc):
+        return
+    try:
+        func(*args)
+    except pytest.skip.Exception as e:
+        error_queue.put(str(e))
+    # Other errors propagate without teardown: the engine kills the world, and destroying a group
+    # whose peers are gone can block.
+    teardown()
+
+
+def torch_spawn(world_sizes: Optional[Sequence[int]] = None) -> Callable[[_F], _F]:
+    """Register ``test_<name>`` in the caller's module, running the decorated function on every rank.
+
+    The decorated function runs with an initialised default group and reads its rank from
+    ``torch.distributed``. pytest arguments (fixtures, ``parametrize``) are passed by keyword.
+
+    Args:
+        world_sizes: world sizes to run; defaults to :func:`get_world_sizes`.
+
+    Raises:
+        ValueError: the decorated function's name starts with ``test`` (pytest would collect it
+            and run it without ranks).
+    """
+    sizes = list(world_sizes) if world_sizes is not None else get_world_sizes()
+
+    def register(func: _F) -> _F:
+        name = func.__name__
+        if name.startswith("test"):
+            raise ValueError(
+                f"@torch_spawn registers test_{name} itself; rename {name!r} so that it does not start with "
+                f"'test', otherwise pytest also collects it and runs it without ranks"
+            )
+
+        @functools.wraps(func)
+        def spawned_test(**kwargs: Any) -> None:
+            for world_size in sizes:
+                run_distributed(_RankCall(func, kwargs), world_size)
+
+        spawned_test.__name__ = f"test_{name}"
+        spawned_test.__qualname__ = f"test_{name}"
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            raise RuntimeError("torch_spawn: cannot find the module to register the test in")
+        caller.f_globals[f"test_{name}"] = spawned_test
+        return func
+
+    return register
+
+
+class _RankCall:
+    """Adapts ``func(**kwargs)`` to the engine's ``fn(rank, world_size)`` calling convention."""
+
+    def __init__(self, func: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+        self.func = func
+        self.kwargs = kwargs
+
+    def __call__(self, rank: int, world_size: int) -> None:
+        self.func(**self.kwargs)
+
+
+class DummyProcessGroup:
+    """A stand-in process group that only knows its rank and size (no communication).
+
+    Args:
+        rank: the rank to report.
+        size: the size to report.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"DummyProcessGroup needs size >= 1 and 0 <= rank < size, got rank={rank}, size={size}")
+        self._rank = rank
+        self._size = size
+
+    def rank(self) -> int:
+        """The rank given at construction."""
+        return self._rank
+
+    def size(self) -> int:
+        """The size given at construction."""
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"DummyProcessGroup(rank={self._rank}, size={self._size})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer, timing and memory helpers
+
+# Nominal rate returned without CUDA: CPU work is synchronous, so callers only need a positive scale.
+_CPU_NOMINAL_CYCLES_PER_MS = 1_000_000.0
+
+
+@functools.lru_cache(maxsize=None)
+def get_cycles_per_ms() -> float:
+    """GPU cycles per millisecond for ``torch.cuda._sleep``; a nominal ``1e6`` without CUDA."""
+    if not torch.cuda.is_available():
+        return _CPU_NOMINAL_CYCLES_PER_MS
+    cycles = 1_000_000
+    rates = []
+    for _ in range(3):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        rates.append(cycles / start.elapsed_time(end))
+    return sorted(rates)[1]
+
+
+class SGDWithPausingCompute(torch.optim.SGD):
+    """SGD whose step pauses on rank 0 first, so ranks reach the next iteration at different times.
+
+    Useful to catch a missing synchronisation between the optimizer step and communication.
+
+    Args:
+        *args: as ``torch.optim.SGD``.
+        rank: keyword only; the pause happens on rank 0 (default 0).
+        **kwargs: as ``torch.optim.SGD``.
+    """
+
+    # How long rank 0 pauses; long enough to reorder ranks, short enough for a test loop.
+    pause_ms = 20.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.rank = int(kwargs.pop("rank", 0))
+        super().__init__(*args, **kwargs)
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        if self.rank == 0:
+            self._pause()
+        return super().step(closure)
+
+    def _pause(self) -> None:
+        on_cuda = any(p.is_cuda for group in self.param_groups for p in group["params"])
+        if on_cuda:
+            # Busy the GPU stream the step will run on, which is what delays the step there.
+            torch.cuda._sleep(int(self.pause_ms * get_cycles_per_ms()))
+        else:
+            time.sleep(self.pause_ms / 1000.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Files and directories
+
+
+def rmf(filename: str) -> None:
+    """Remove a file; a file that does not exist is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(filename)
+
+
+@contextlib.contextmanager
+def in_temporary_directory() -> Iterator[str]:
+    """Change into a fresh temporary directory for the block, then come back and delete it."""
+    previous = os.getcwd()
+    with tempfile.TemporaryDirectory() as directory:
+        os.chdir(directory)
+        try:
+            yield directory
+        finally:
+            os.chdir(previous)
+
+
+@contextlib.contextmanager
+def temp_files_ctx(num: int) -> Iterator[List[str]]:
+    """Create ``num`` empty temporary files, yield their paths, remove them afterwards.
+
+    Args:
+        num: how many files.
+    """
+    paths = []
+    try:
+        for _ in range(num):
+            handle, path = tempfile.mkstemp()
+            os.close(handle)
+            paths.append(path)
+        yield paths
+    finally:
+        for path in paths:
+            rmf(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing objects and models
+
+
+class ObjectsNotEqualError(AssertionError, ValueError):
+    """Raised by ``objects_are_equal(..., raise_exception=True)``; says where the objects differ.
+
+    It is both an ``AssertionError`` and a ``ValueError`` because upstream raised either, depending on
+    what differed.
+    """
+
+
+def objects_are_equal(
+    a: Any,
+    b: Any,
+    raise_exception: bool = False,
+    dict_key: Optional[Any] = None,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+) -> bool:
+    """Compare two (nested) objects: dicts, lists, tuples, tensors, numpy arrays and plain values.
+
+    Types must match exactly at every level; dicts need the same keys, sequences the same length;
+    tensors are compared with ``torch.testing.assert_close`` (shape, dtype and device must match too;
+    its default tolerances when neither ``rtol`` nor ``atol`` is given, 0 for the one not given).
+
+    Args:
+        a: first object.
+        b: second object.
+        raise_exception: raise :class:`ObjectsNotEqualError` (saying where they differ) instead of
+            returning False.
+        dict_key: the key under which ``a`` and ``b`` sit, used in messages.
+        rtol: relative tolerance for tensors.
+        atol: absolute tolerance for tensors.
+
+    Returns:
+        True if equal, False otherwise (unless ``raise_exception``).
+    """
+    path = "" if dict_key is None else f"[{dict_key!r}]"
+    try:
+        _assert_objects_equal(a, b, path, rtol, atol)
+    except ObjectsNotEqualError:
+        if raise_exception:
+            raise
+        return False
+    return True
+
+
+def _assert_objects_equal(a: Any, b: Any, path: str, rtol: Optional[float], atol: Optional[float]) -> None:
+    where = path or "the top level"
+    if type(a) is not type(b):
+        raise ObjectsNotEqualError(f"type mismatch at {where}: {type(a).__qualname__} vs {type(b).__qualname__}")
+    if isinstance(a, dict):
+        if set(a.keys()) != set(b.keys()):
+            only_a, only_b = sorted(map(repr, a.keys() - b.keys())), sorted(map(repr, b.keys() - a.keys()))
+            raise ObjectsNotEqualError(f"keys differ at {where}: only in first {only_a}, only in second {only_b}")
+        for key in a:
+            _assert_objects_equal(a[key], b[key], f"{path}[{key!r}]", rtol, atol)
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            raise ObjectsNotEqualError(f"length mismatch at {where}: {len(a)} vs {len(b)}")
+        for index, (item_a, item_b) in enumerate(zip(a, b)):
+            _assert_objects_equal(item_a, item_b, f"{path}[{index}]", rtol, atol)
+    elif isinstance(a, torch.Tensor):
+        if rtol is not None or atol is not None:
+            rtol, atol = rtol or 0.0, atol or 0.0
+        try:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+        except (AssertionError, RuntimeError) as e:
+            raise ObjectsNotEqualError(f"tensors differ at {where}: {e}") from e
+    elif isinstance(a, numpy.ndarray):
+        if a.shape != b.shape or not numpy.array_equal(a, b):
+            raise ObjectsNotEqualError(f"arrays differ at {where}: {a!r} vs {b!r}")
+    elif not a == b:
+        raise ObjectsNotEqualError(f"values differ at {where}: {a!r} vs {b!r}")
+
+
+def check_same_model_params(
+    model_a: nn.Module, model_b: nn.Module, message: str = "", rtol: float = 1e-5, atol: float = 1e-3
+) -> None:
+    """Assert that two models have the same parameters and buffers, in order, within tolerances.
+
+    Args:
+        model_a: first model.
+        model_b: second model.
+        message: appended to the assertion message.
+        rtol: relative tolerance.
+        atol: absolute tolerance.
+    """
+    for kind in ("parameters", "buffers"):
+        named_a = list(getattr(model_a, f"named_{kind}")())
+        named_b = list(getattr(model_b, f"named_{kind}")())
+        if len(named_a) != len(named_b):
+            raise AssertionError(f"the models have {len(named_a)} and {len(named_b)} {kind}. {message}")
+        for (name_a, tensor_a), (name_b, tensor_b) in zip(named_a, named_b):
+            tensor_b = tensor_b.detach().to(tensor_a.device)
+            if tensor_a.shape != tensor_b.shape or not torch.allclose(tensor_a.detach(), tensor_b, rtol, atol):
+                raise AssertionError(f"model {kind} differ: {name_a} vs {name_b}\n{tensor_a}\n{tensor_b}\n{message}")
+
+
+def check_same_models_across_ranks(
+    model: nn.Module, process_group: Any, params_should_be_equal: bool, check_broadcast_buffers: bool
+) -> None:
+    """Assert (on every rank of ``process_group``) whether each parameter is the same on all its ranks.
+
+    Every rank must call this together; all of them see the same gathered values and agree.
+
+    Args:
+        model: the local replica.
+        process_group: the group to compare across (``None`` for the default group).
+        params_should_be_equal: True: every parameter equals rank 0's; False: every parameter differs
+            from rank 0's on every other rank.
+        check_broadcast_buffers: also require every buffer to equal rank 0's.
+    """
+    world_size = dist.get_world_size(process_group)
+    checks: List[Tuple[str, torch.Tensor, bool]] = [(n, p, params_should_be_equal) for n, p in model.named_parameters()]
+    if check_broadcast_buffers:
+        checks += [(name, b, True) for name, b in model.named_buffers()]
+    for name, tensor, should_be_equal in checks:
+        local = tensor.detach().contiguous()
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local, group=process_group)
+        for other in range(1, world_size):
+            if torch.equal(gathered[0], gathered[other]) != should_be_equal:
+                relation = "differs between" if should_be_equal else "is the same on"
+                raise AssertionError(f"{name} {relation} group ranks 0 and {other}: {gathered[0]} vs {gathered[other]}")
+
+
+def state_dict_norm(state: Dict[str, Any]) -> torch.Tensor:
+    """The L2 norm over all floating-point tensors of a state dict (a quick fingerprint), as float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for value in state.values():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            total += value.detach().double().pow(2).sum().cpu()
+    return total.sqrt()
+
+
+# ----------------------------------------------------------------------------------------------
+# Toy models
+
+
+class IdentityLayer(nn.Module):
+    """A module whose output is its own weight, whatever the input.
+
+    Args:
+        size: number of elements of the weight (drawn from a standard normal).
+        scale: multiplies the initial weight.
+    """
+
+    def __init__(self, size: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(scale * torch.randn(size))
+
+    def forward(self, *_: Any, **__: Any) -> torch.Tensor:
+        return self.weight
+
+
+class _GPT2Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention (sequence-first tensors)."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(embed_dim)
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads)
+        self.ln_2 = nn.LayerNorm(embed_dim)
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, 4 * embed_dim), nn.GELU(), nn.Linear(4 * embed_dim, embed_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[0]
+        causal = torch.full((length, length), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """A small GPT-2-like classifier: embeddings, causal transformer blocks, a classification head.
+
+    Args:
+        embed_dim: width of the model.
+        num_heads: attention heads per block (must divide ``embed_dim``).
+        num_layers: number of blocks.
+        num_positions: longest sequence.
+        num_vocab: vocabulary size.
+        num_classes: output classes.
+    """
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, num_layers: int, num_positions: int, num_vocab: int, num_classes: int
+    ) -> None:
+        super().__init__()
+        self.position_embeddings = nn.Embedding(num_positions, embed_dim)
+        self.token_embeddings = nn.Embedding(num_vocab, embed_dim)
+        self.layers = nn.ModuleList(_GPT2Block(embed_dim, num_heads) for _ in range(num_layers))
+        self.ln_f = nn.LayerNorm(embed_dim)
+        self.clf_head = nn.Linear(embed_dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids of shape (sequence, batch) -> class logits of shape (batch, num_classes)."""
+        length = x.shape[0]
+        positions = torch.arange(length, device=x.device)
+        h = self.token_embeddings(x.long()) + self.position_embeddings(positions).unsqueeze(1)
+        for layer in self.layers:
+            h = layer(h)
+        return self.clf_head(self.ln_f(h).mean(dim=0))
+
+
+class DeviceAndTypeCheckModule(nn.Module):
+    """A ``Linear(5, 5)`` whose forward asserts the dtype/device of its input, weight, buffer and loss.
+
+    Every expectation left as ``None`` is not checked. A device given without an index matches any index.
+    """
+
+    def __init__(
+        self,
+        expected_input_dtype: Optional[torch.dtype] = None,
+        expected_input_device: Optional[torch.device] = None,
+        expected_param_dtype: Optional[torch.dtype] = None,
+        expected_param_device: Optional[torch.device] = None,
+        expected_loss_dtype: Optional[torch.dtype] = None,
+        expected_loss_device: Optional[torch.device] = None,
+        expected_buffer_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.expected_input_dtype = expected_input_dtype
+        self.expected_input_device = expected_input_device
+        self.expected_param_dtype = expected_param_dtype
+        self.expected_param_device = expected_param_device
+        self.expected_loss_dtype = expected_loss_dtype
+        self.expected_loss_device = expected_loss_device
+        self.expected_buffer_dtype = expected_buffer_dtype
+        self.linear = nn.Linear(5, 5)
+        self.register_buffer("buffer", torch.rand((5,)))
+
+    def _check(self, what: str, got: Any, expected: Any) -> None:
+        if expected is None:
+            return
+        if isinstance(got, torch.device):
+            expected = torch.device(expected)
+            matches = got.type == expected.type and expected.index in (None, got.index)
+        else:
+            matches = got == expected
+        if not matches:
+            raise AssertionError(f"{what} is {got}, expected {expected}")
+
+    def forward(self, *input: torch.Tensor) -> torch.Tensor:
+        x = input[0]
+        self._check("input.dtype", x.dtype, self.expected_input_dtype)
+        self._check("input.device", x.device, self.expected_input_device)
+        weight = self.linear.weight
+        self._check("param.dtype", weight.dtype, self.expected_param_dtype)
+        self._check("param.device", weight.device, self.expected_param_device)
+        self._check("buffer.dtype", self.buffer.dtype, self.expected_buffer_dtype)
+        loss = self.linear(x).sum()
+        self._check("loss.dtype", loss.dtype, self.expected_loss_dtype)
+        self._check("loss.device", loss.device, self.expected_loss_device)
+        return loss

@@ -1,0 +1,320 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Tests of fairscale.internal.collectives on real gloo worlds of 1 to 4 ranks (and without any)."""
+
+import itertools
+from typing import Any, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from _mp import run_world
+
+from fairscale.internal import collectives as C
+from fairscale.internal.collectives import (
+    CollectiveRecord,
+    WorkHandle,
+    all_gather_into_flat,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object_list,
+    collective_phase,
+    count_collectives,
+    reduce_scatter_from_flat,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _finish(handle: Optional[WorkHandle], async_op: bool) -> None:
+    if async_op:
+        assert isinstance(handle, WorkHandle)
+        handle.wait()
+        assert handle.is_completed()
+    else:
+        assert handle is None
+
+
+def _check_all_gather(rank: int, ws: int, group: Any, ranks: List[int]) -> None:
+    """Uneven piece sizes, 2-D outputs, fp32 and bf16, sync and async; counter numbers by hand."""
+    me = ranks.index(dist.get_rank()) if group is not None else rank
+    size = len(ranks)
+    for dtype, numel, async_op in itertools.product(DTYPES, [1, 7], [False, True]):
+        piece = (torch.arange(numel) + 100 * me).to(dtype)
+        output = torch.full((size, numel), -1.0, dtype=dtype)  # 2-D output on purpose
+        with count_collectives() as counter:
+            _finish(all_gather_into_flat(output, piece, group=group, async_op=async_op), async_op)
+        expected = torch.stack([(torch.arange(numel) + 100 * r).to(dtype) for r in range(size)])
+        assert torch.equal(output, expected), (dtype, numel, async_op, output)
+        esize = torch.tensor([], dtype=dtype).element_size()
+        assert counter.records == [
+            CollectiveRecord("all_gather", size, tuple(sorted(ranks)), dtype, size * numel, size * numel * esize,
+                             numel * esize, None)
+        ]  # fmt: skip
+
+
+def _check_reduce_scatter(rank: int, ws: int, group: Any, ranks: List[int]) -> None:
+    """Input element j of rank k is (k+1)*(j+1): rank r's output element i is S*(r*n+i+1)."""
+    me = ranks.index(dist.get_rank()) if group is not None else rank
+    size = len(ranks)
+    s = size * (size + 1) // 2
+    for dtype, numel, async_op, layout in itertools.product(DTYPES, [1, 5], [False, True], ["1d", "2d", "strided"]):
+        flat = ((me + 1) * (torch.arange(size * numel) + 1)).to(dtype)
+        if layout == "2d":
+            inp = flat.view(size, numel)
+        elif layout == "strided":  # the used columns of a wider matrix, like a bucket's
+            wide = torch.zeros(size, numel + 2, dtype=dtype)
+            wide[:, :numel] = flat.view(size, numel)
+            inp = wide[:, :numel]
+            assert size == 1 or not inp.is_contiguous()
+        else:
+            inp = flat
+        out = torch.full((numel,), -1.0, dtype=dtype)
+        with count_collectives() as counter:
+            _finish(reduce_scatter_from_flat(out, inp, group=group, async_op=async_op), async_op)
+        expected = (s * (torch.arange(numel) + me * numel + 1)).to(dtype)
+        assert torch.equal(out, expected), (dtype, numel, async_op, layout, out, expected)
+        esize = out.element_size()
+        assert counter.records == [
+            CollectiveRecord("reduce_scatter", size, tuple(sorted(ranks)), dtype, size * numel,
+                             size * numel * esize, numel * esize, None)
+        ]  # fmt: skip
+
+
+def _check_all_reduce_and_broadcast(rank: int, ws: int, group: Any, ranks: List[int]) -> None:
+    me = ranks.index(dist.get_rank()) if group is not None else rank
+    size = len(ranks)
+    for dtype, async_op in itertools.product(DTYPES, [False, True]):
+        expectations = {
+            "sum": size * (size + 1) // 2,
+            "max": size,
+            "min": 1,
+            "product": float(torch.arange(1, size + 1).prod()),
+        }
+        for op, value in expectations.items():
+            t = torch.full((3,), float(me + 1), dtype=dtype)
+            _finish(all_reduce(t, group=group, op=op, async_op=async_op), async_op)
+            assert torch.equal(t, torch.full((3,), value, dtype=dtype)), (op, dtype, t)
+        src = max(ranks)  # a global rank, as in torch
+        t = torch.arange(5).to(dtype) * (me + 1)
+        with count_collectives() as counter:
+            _finish(broadcast(t, src, group=group, async_op=async_op), async_op)
+        assert torch.equal(t, torch.arange(5).to(dtype) * size)
+        (record,) = counter.records
+        assert (record.kind, record.numel, record.bytes, record.shard_bytes) == (
+            "broadcast",
+            5,
+            5 * t.element_size(),
+            5 * t.element_size(),
+        )
+    with pytest.raises(ValueError, match="src=.* is not in the group"):
+        broadcast(torch.zeros(1), src=ws + 5, group=group)
+
+
+def _check_objects_and_barrier(rank: int, ws: int, group: Any, ranks: List[int]) -> None:
+    with count_collectives() as counter:
+        gathered = all_gather_object({"rank": dist.get_rank()}, group=group)
+        assert gathered == [{"rank": r} for r in sorted(ranks)]
+        objects: List[Any] = [dist.get_rank(), "x"] if dist.get_rank() == max(ranks) else [None, None]
+        broadcast_object_list(objects, src=max(ranks), group=group)
+        assert objects == [max(ranks), "x"]
+        barrier(group)
+    assert [(r.kind, r.group_size, r.numel, r.bytes, r.dtype) for r in counter.records] == [
+        ("all_gather_object", len(ranks), 0, 0, None),
+        ("broadcast_object", len(ranks), 0, 0, None),
+        ("barrier", len(ranks), 0, 0, None),
+    ]
+
+
+def _check_fallbacks(rank: int, ws: int) -> None:
+    """Force each fallback the installed torch does not need; results must not change."""
+    for kind, name, dtype in [
+        ("all_gather", "list", None),
+        ("all_gather", "fp32", torch.bfloat16),
+        ("reduce_scatter", "list", None),
+        ("reduce_scatter", "all_reduce", None),
+        ("reduce_scatter", "fp32", torch.bfloat16),
+    ]:
+        with C._force_strategy(kind, name, dtype):
+            _check_all_gather(rank, ws, None, list(range(ws)))
+            _check_reduce_scatter(rank, ws, None, list(range(ws)))
+    for kind in ("all_reduce", "broadcast"):
+        with C._force_strategy(kind, "fp32", torch.bfloat16):
+            _check_all_reduce_and_broadcast(rank, ws, None, list(range(ws)))
+
+
+def _check_bad_input(rank: int, ws: int) -> None:
+    with pytest.raises(ValueError, match=rf"output has {3 * ws + 1} elements but input has 3"):
+        all_gather_into_flat(torch.zeros(3 * ws + 1), torch.zeros(3))
+    with pytest.raises(ValueError, match=rf"input has {2 * ws + 1} elements but output has 2"):
+        reduce_scatter_from_flat(torch.zeros(2), torch.zeros(2 * ws + 1))
+    with pytest.raises(ValueError, match="dtype"):
+        all_gather_into_flat(torch.zeros(ws), torch.zeros(1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        all_gather_into_flat(torch.zeros(2, ws + 1)[:, :ws], torch.zeros(2))
+    with pytest.raises(ValueError, match="unknown reduce op 'avg'"):
+        all_reduce(torch.zeros(1), op="avg")
+
+
+def _check_counter_summary(rank: int, ws: int) -> None:
+    """Nested counters, phases and the summary, against hand-computed numbers."""
+    with count_collectives() as outer:
+        with collective_phase("forward"):
+            all_gather_into_flat(torch.zeros(4 * ws), torch.zeros(4))  # 16*ws bytes
+            all_gather_into_flat(torch.zeros(2 * ws, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16))
+        with count_collectives() as inner:
+            with collective_phase("backward"):
+                reduce_scatter_from_flat(torch.zeros(3), torch.zeros(3 * ws))  # 12*ws bytes
+                with collective_phase("inner"):
+                    all_reduce(torch.zeros(2, dtype=torch.float64))
+                all_gather_into_flat(torch.zeros(ws), torch.zeros(1))
+        barrier()
+    assert outer.count() == 6 and inner.count() == 3
+    assert outer.count("all_gather") == 3
+    assert outer.count("all_gather", phase="forward") == 2
+    assert outer.count(phase="none") == 1 and outer.count(group_size=ws) == 6
+    assert outer.total_bytes("all_gather", phase="forward") == 16 * ws + 4 * ws
+    assert outer.summary() == {
+        f"all_gather/forward/gs={ws}": {"count": 2, "bytes": 20 * ws},
+        f"reduce_scatter/backward/gs={ws}": {"count": 1, "bytes": 12 * ws},
+        f"all_reduce/inner/gs={ws}": {"count": 1, "bytes": 16},
+        f"all_gather/backward/gs={ws}": {"count": 1, "bytes": 4 * ws},
+        f"barrier/none/gs={ws}": {"count": 1, "bytes": 0},
+    }
+    assert inner.records == outer.records[2:5]
+    assert [r.shard_bytes for r in outer.records] == [16, 4, 12, 16, 4, 0]
+    outer.clear()
+    assert outer.count() == 0 and outer.summary() == {}
+    all_reduce(torch.zeros(1))  # no counter active any more
+    assert outer.count() == 0
+
+
+def _world_body(rank: int, ws: int) -> None:
+    world = list(range(ws))
+    assert C.group_size() == ws and C.group_rank() == rank and C.group_ranks() == tuple(world)
+    for group in (None, dist.group.WORLD):
+        _check_all_gather(rank, ws, group, world)
+        _check_reduce_scatter(rank, ws, group, world)
+        _check_all_reduce_and_broadcast(rank, ws, group, world)
+        _check_objects_and_barrier(rank, ws, group, world)
+    if ws >= 3:
+        # Subgroups: ranks are global and sorted in records; src of broadcast is a global rank.
+        member_lists = [[0, 2]] + ([[3, 1]] if ws == 4 else [])
+        groups = [dist.new_group(m) for m in member_lists]  # collective over the world: all ranks
+        for members, group in zip(member_lists, groups):
+            if rank in members:
+                assert C.group_size(group) == 2 and C.group_ranks(group) == tuple(sorted(members))
+                _check_all_gather(rank, ws, group, sorted(members))
+                _check_reduce_scatter(rank, ws, group, sorted(members))
+                _check_all_reduce_and_broadcast(rank, ws, group, sorted(members))
+                _check_objects_and_barrier(rank, ws, group, sorted(members))
+            else:
+                with pytest.raises(ValueError, match="is not a member"):
+                    all_reduce(torch.zeros(1), group=group)
+    _check_fallbacks(rank, ws)
+    _check_bad_input(rank, ws)
+    _check_counter_summary(rank, ws)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_collectives_in_gloo_world(world_size: int) -> None:
+    run_world(_world_body, world_size, timeout=120)
+
+
+def _no_dist_body(rank: int, ws: int) -> None:
+    assert not dist.is_initialized()
+    assert (C.group_size(), C.group_rank(), C.group_ranks()) == (1, 0, (0,))
+    with count_collectives() as counter:
+        out = torch.zeros(2, 3)
+        all_gather_into_flat(out, torch.arange(6.0).view(3, 2))
+        assert torch.equal(out.view(-1), torch.arange(6.0))
+        red = torch.zeros(4, dtype=torch.bfloat16)
+        handle = reduce_scatter_from_flat(red, torch.ones(2, 2, dtype=torch.bfloat16), async_op=True)
+        assert isinstance(handle, WorkHandle) and handle.is_completed()
+        assert torch.equal(red, torch.ones(4, dtype=torch.bfloat16))
+        t = torch.arange(3.0)
+        all_reduce(t, op="max")
+        broadcast(t, src=0)
+        assert torch.equal(t, torch.arange(3.0))
+        original = {"a": [1]}
+        (copy,) = all_gather_object(original)
+        assert copy == original and copy is not original
+        objects = [1, 2]
+        broadcast_object_list(objects, src=0)
+        assert objects == [1, 2]
+        barrier()
+        with pytest.raises(ValueError, match="src=1"):
+            broadcast(t, src=1)
+    assert [(r.kind, r.group_size, r.ranks, r.numel) for r in counter.records] == [
+        ("all_gather", 1, (0,), 6),
+        ("reduce_scatter", 1, (0,), 4),
+        ("all_reduce", 1, (0,), 3),
+        ("broadcast", 1, (0,), 3),
+        ("all_gather_object", 1, (0,), 0),
+        ("broadcast_object", 1, (0,), 0),
+        ("barrier", 1, (0,), 0),
+    ]
+
+
+def test_collectives_without_distributed() -> None:
+    """World size 1 without init_process_group: local copies, still counted."""
+    run_world(_no_dist_body, 1, init=False)
+
+
+def test_work_handle_completion_runs_once() -> None:
+    calls: List[int] = []
+    handle = WorkHandle(None, lambda: calls.append(1))
+    assert not calls
+    assert handle.is_completed()
+    handle.wait()
+    assert calls == [1]
+    assert WorkHandle().is_completed()
+
+
+def test_dummy_group_sizes_only() -> None:
+    class Dummy:
+        def rank(self) -> int:
+            return 1
+
+        def size(self) -> int:
+            return 3
+
+    group = Dummy()
+    assert (C.group_size(group), C.group_rank(group), C.group_ranks(group)) == (3, 1, (0, 1, 2))  # type: ignore
+    with pytest.raises(TypeError, match="cannot communicate"):
+        all_reduce(torch.zeros(1), group=group)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected a torch.distributed ProcessGroup"):
+        C.group_size(object())  # type: ignore[arg-type]
+
+
+def test_fallback_discovery_is_cached_per_backend_kind_dtype() -> None:
+    """An "unsupported" error moves on to the next strategy once; other errors surface unchanged."""
+    info = C._GroupInfo(pg=None, size=2, rank=0, ranks=(0, 1), backend="test-backend")
+    tried: List[str] = []
+
+    def rejecting() -> WorkHandle:
+        tried.append("tensor")
+        raise RuntimeError("ProcessGroupTest does not support reduce_scatter_tensor")
+
+    def accepting() -> WorkHandle:
+        tried.append("list")
+        return WorkHandle()
+
+    strategies = [("tensor", rejecting), ("list", accepting)]
+    try:
+        C._dispatch("reduce_scatter", info, torch.float16, strategies)
+        C._dispatch("reduce_scatter", info, torch.float16, strategies)
+        assert tried == ["tensor", "list", "list"]  # the rejection is remembered
+        assert C._chosen[("test-backend", "reduce_scatter", torch.float16)] == "list"
+
+        def broken() -> WorkHandle:
+            raise RuntimeError("Connection closed by peer")
+
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            C._dispatch("all_gather", info, torch.float16, [("tensor", broken), ("list", accepting)])
+        with pytest.raises(RuntimeError, match="not supported by backend 'test-backend'; tried tensor: .*does not"):
+            C._dispatch("all_reduce", info, torch.float32, [("tensor", rejecting)])
+    finally:
+        for key in [k for k in C._chosen if k[0] == "test-backend"]:
+            del C._chosen[key]

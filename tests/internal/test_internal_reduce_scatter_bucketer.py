@@ -1,0 +1,129 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Tests of ReduceScatterBucketer on real gloo worlds."""
+
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _mp import run_world
+
+from fairscale.internal.collectives import count_collectives, reduce_scatter_from_flat
+from fairscale.internal.parallel import chunk_and_pad
+from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+
+MIB = 2**20
+
+
+def _grad(rank: int, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    # Small integers: sums are exact in fp32 and bf16 whatever the reduction order.
+    return ((torch.arange(numel) * (index + 1) + rank) % 7).to(dtype)
+
+
+def _unbucketed(grad: torch.Tensor, ws: int) -> torch.Tensor:
+    chunks = chunk_and_pad(grad, ws)
+    out = torch.empty_like(chunks[0])
+    reduce_scatter_from_flat(out, torch.cat(chunks))
+    return out
+
+
+def _check_buckets_and_direct(rank: int, ws: int) -> None:
+    """Several sizes: some share a bucket, one forces a flush, one is too large to bucket."""
+    bucketer = ReduceScatterBucketer(bucket_cap_mb=1)
+    shard_size = MIB // 4 // ws  # fp32 elements per rank row of a 1 MiB bucket
+    # Per-rank chunk sizes: a, b fill most of the row; c does not fit next to them (flush);
+    # d is larger than the row (direct); e is tiny and uneven.
+    numels = [
+        int(0.4 * shard_size) * ws,
+        int(0.5 * shard_size) * ws - 3,
+        int(0.3 * shard_size) * ws,
+        (shard_size + 5) * ws,
+        11,
+    ]
+    grads = [_grad(rank, i, n, torch.float32) for i, n in enumerate(numels)]
+    results: Dict[int, torch.Tensor] = {}
+
+    def keep(i: int):  # type: ignore[no-untyped-def]
+        return lambda reduced: results.__setitem__(i, reduced)
+
+    with count_collectives() as counter:
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[0], ws), None, keep(0))
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[1], ws), None, keep(1))
+        assert results == {} and counter.count() == 0  # queued, nothing sent yet
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[2], ws), None, keep(2))
+        assert sorted(results) == [0, 1] and counter.count() == 1  # c did not fit: a+b flushed
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[3], ws), None, keep(3))
+        assert sorted(results) == [0, 1, 3] and counter.count() == 2  # d went directly
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[4], ws), None, keep(4))
+        bucketer.flush()
+        assert sorted(results) == [0, 1, 2, 3, 4] and counter.count() == 3  # c+e in one flush
+        bucketer.flush()  # empty buckets: nothing to send
+        assert counter.count() == 3
+    per_rank = [(n + ws - 1) // ws for n in numels]
+    assert [r.numel for r in counter.records] == [
+        ws * (per_rank[0] + per_rank[1]),
+        ws * per_rank[3],
+        ws * (per_rank[2] + per_rank[4]),
+    ]
+    bucketer.teardown()
+    for i, grad in enumerate(grads):
+        assert results[i].shape == (per_rank[i],)
+        assert torch.equal(results[i], _unbucketed(grad, ws)), i  # views survive teardown
+
+
+def _check_dtypes_groups_and_reuse(rank: int, ws: int) -> None:
+    """Separate buckets per dtype and group; teardown then reuse in a second "backward"."""
+    bucketer = ReduceScatterBucketer(bucket_cap_mb=1)
+    groups = [None, dist.new_group(list(range(ws)))]
+    keys = [(torch.float32, groups[0]), (torch.bfloat16, groups[0]), (torch.float32, groups[1]), (torch.bfloat16, None)]
+    for step in range(2):
+        results: List[torch.Tensor] = []
+        grads = [_grad(rank + step, i, 10 * i + 3, dtype) for i, (dtype, _) in enumerate(keys)]
+        expected = [_unbucketed(grad, ws) for grad in grads]
+        with count_collectives() as counter:
+            for grad, (_, group) in zip(grads, keys):
+                bucketer.reduce_scatter_async(chunk_and_pad(grad, ws), group, results.append)
+            assert results == []
+            bucketer.flush()
+        assert counter.count() == 3  # (fp32, None), (bf16, None), (fp32, group)
+        per_rank = [(n + ws - 1) // ws for n in (3, 13, 23, 33)]
+        assert [(r.dtype, r.numel) for r in counter.records] == [
+            (torch.float32, ws * per_rank[0]),
+            (torch.bfloat16, ws * (per_rank[1] + per_rank[3])),
+            (torch.float32, ws * per_rank[2]),
+        ]
+        # Callbacks run in bucket order, so match them by dtype and size instead of position.
+        by_key = {(r.dtype, r.numel()): r for r in results}
+        for exp in expected:
+            assert torch.equal(by_key[(exp.dtype, exp.numel())], exp)
+        bucketer.teardown()
+        assert all(b.data.untyped_storage().size() == 0 for b in bucketer.buckets.values())
+
+
+def _check_no_bucketing_and_bad_input(rank: int, ws: int) -> None:
+    bucketer = ReduceScatterBucketer(bucket_cap_mb=0)
+    results: List[torch.Tensor] = []
+    with count_collectives() as counter:
+        for i in range(3):
+            bucketer.reduce_scatter_async(chunk_and_pad(_grad(rank, i, 5, torch.float32), ws), None, results.append)
+            assert len(results) == i + 1  # every call reduce-scatters at once
+        bucketer.reduce_scatter_async(chunk_and_pad(torch.zeros(0), ws), None, results.append)
+    assert counter.count() == 3 and results[3].numel() == 0
+    for i in range(3):
+        assert torch.equal(results[i], _unbucketed(_grad(rank, i, 5, torch.float32), ws))
+    with pytest.raises(ValueError, match=f"got {ws + 1} inputs for a group of {ws} ranks"):
+        bucketer.reduce_scatter_async([torch.zeros(2)] * (ws + 1), None)
+    if ws > 1:
+        with pytest.raises(ValueError, match="same numel"):
+            bucketer.reduce_scatter_async([torch.zeros(2)] * (ws - 1) + [torch.zeros(3)], None)
+
+
+def _body(rank: int, ws: int) -> None:
+    _check_buckets_and_direct(rank, ws)
+    _check_dtypes_groups_and_reuse(rank, ws)
+    _check_no_bucketing_and_bad_input(rank, ws)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_reduce_scatter_bucketer(world_size: int) -> None:
+    run_world(_body, world_size, timeout=120)

@@ -1,0 +1,44 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Tests of fairscale.internal.state_dict."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.internal.state_dict import find_module_instances, replace_by_prefix_
+
+
+def test_find_module_instances() -> None:
+    net = nn.Sequential(
+        nn.Linear(1, 1), nn.ModuleDict({"ln": nn.LayerNorm(1), "linear": nn.Linear(1, 1)}), nn.LayerNorm(1)
+    )
+    assert find_module_instances(net, nn.LayerNorm) == ["1.ln.", "2."]
+    assert find_module_instances(net, nn.Linear) == ["0.", "1.linear."]
+    assert find_module_instances(net, nn.Dropout) == []
+    assert find_module_instances(net, nn.Sequential) == [""]
+    assert find_module_instances(net, nn.Module)[:2] == ["", "0."]  # matches are searched inside too
+    # Prefixes are real state-dict prefixes.
+    keys = net.state_dict().keys()
+    assert all(any(k.startswith(p) for k in keys) for p in find_module_instances(net, nn.LayerNorm))
+
+
+def test_find_module_instances_shared_module() -> None:
+    shared = nn.Linear(1, 1)
+    net = nn.Sequential(shared, nn.Sequential(shared))
+    assert find_module_instances(net, nn.Linear) == ["0.", "1.0."]
+
+
+def test_replace_by_prefix() -> None:
+    sd = OrderedDict([("layer.weight", 1), ("other", 2), ("layer.bias", 3), ("layerX", 4)])
+    replace_by_prefix_(sd, "layer.", "module.layer.")
+    assert list(sd.items()) == [("other", 2), ("layerX", 4), ("module.layer.weight", 1), ("module.layer.bias", 3)]
+    replace_by_prefix_(sd, "module.", "")
+    assert sd == {"other": 2, "layerX": 4, "layer.weight": 1, "layer.bias": 3}
+    tensors = {"a.w": torch.ones(1)}
+    original = tensors["a.w"]
+    replace_by_prefix_(tensors, "a.", "b.")
+    assert tensors["b.w"] is original and "a.w" not in tensors
+    with pytest.raises(ValueError, match="must be distinct"):
+        replace_by_prefix_(sd, "x", "x")

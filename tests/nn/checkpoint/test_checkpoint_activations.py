@@ -1,0 +1,377 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Tests of checkpoint_wrapper: parity with the plain module, input/output structures, flags, memory."""
+
+import copy
+import gc
+import pickle
+import weakref
+from collections import OrderedDict, namedtuple
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.nn.checkpoint import checkpoint_wrapper, is_checkpointing, is_recomputing
+from fairscale.nn.checkpoint.checkpoint_activations import disable_checkpointing
+
+
+class Spy(nn.Module):
+    """Records, for every forward call, (is_checkpointing, is_recomputing, grad enabled)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.calls: List[Tuple[bool, bool, bool]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((is_checkpointing(), is_recomputing(), torch.is_grad_enabled()))
+        return self.module(*args, **kwargs)
+
+
+FIRST_PASS = (True, False, False)
+RECOMPUTE = (False, True, True)
+PLAIN_WITH_GRAD = (False, False, True)
+
+
+def mlp(width: int = 16, depth: int = 3, dropout: float = 0.0) -> nn.Sequential:
+    layers: List[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Dropout(dropout), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def pair(seed: int = 0, **kwargs: Any) -> Tuple[nn.Module, Any]:
+    """A plain model and an identical checkpointed copy (a checkpointed Spy around the copy)."""
+    torch.manual_seed(seed)
+    plain = mlp(**kwargs)
+    return plain, checkpoint_wrapper(Spy(copy.deepcopy(plain)))
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    grads_a = [p.grad for p in a.parameters()]
+    grads_b = [p.grad for p in b.parameters()]
+    assert all(g is not None for g in grads_a)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True])
+def test_fp32_parity_and_recomputation(input_requires_grad: bool):
+    plain, ckpt = pair()
+    x = torch.randn(4, 16, requires_grad=input_requires_grad)
+    x2 = x.detach().clone().requires_grad_(input_requires_grad)
+    out_plain, out_ckpt = plain(x), ckpt(x2)
+    torch.testing.assert_close(out_ckpt, out_plain)
+    assert out_ckpt.requires_grad
+    assert ckpt.calls == [FIRST_PASS]
+    out_plain.square().sum().backward()
+    out_ckpt.square().sum().backward()
+    assert ckpt.calls == [FIRST_PASS, RECOMPUTE]
+    assert not is_checkpointing() and not is_recomputing()
+    assert_same_grads(plain, ckpt.module)
+    if input_requires_grad:
+        assert x.grad is not None
+        torch.testing.assert_close(x2.grad, x.grad)
+
+
+def test_bf16_autocast_is_replayed():
+    plain, ckpt = pair()
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_plain, out_ckpt = plain(x), ckpt(x)
+    assert out_plain.dtype == out_ckpt.dtype == torch.bfloat16
+    torch.testing.assert_close(out_ckpt, out_plain)
+    # backward runs outside autocast: the recomputation must still use bf16 to give the same grads
+    out_plain.float().sum().backward()
+    out_ckpt.float().sum().backward()
+    assert_same_grads(plain, ckpt.module)
+
+
+def test_dropout_rng_is_replayed():
+    plain, ckpt = pair(dropout=0.5)
+    x = torch.randn(8, 16)
+    torch.manual_seed(123)
+    plain(x).sum().backward()
+    after_plain = torch.rand(4)
+    torch.manual_seed(123)
+    ckpt(x).sum().backward()
+    after_ckpt = torch.rand(4)
+    assert_same_grads(plain, ckpt.module)
+    # The recomputation replays the forward's RNG state without consuming the caller's stream.
+    torch.testing.assert_close(after_ckpt, after_plain)
+
+
+def test_bypassed_without_grad_and_when_disabled():
+    plain, ckpt = pair()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt(x), plain(x))
+    assert ckpt.calls == [(False, False, False)]
+
+    ckpt.calls.clear()
+    with disable_checkpointing():
+        out = ckpt(x)
+    out.sum().backward()
+    plain(x).sum().backward()
+    assert ckpt.calls == [PLAIN_WITH_GRAD]  # no first pass under no_grad, no recomputation
+    assert_same_grads(plain, ckpt.module)
+
+
+class MultiIO(nn.Module):
+    Result = namedtuple("Result", ["main", "aux"])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: float, bias: Optional[torch.Tensor] = None) -> Any:
+        main = self.a(x) * scale + self.b(y)
+        if bias is not None:
+            main = main + bias
+        aux = OrderedDict(y_out=self.b(y).relu(), note="text", count=3, nothing=None)
+        return MultiIO.Result(main, aux), [x.sum(-1).long(), "tail"]
+
+
+def test_multiple_inputs_outputs_kwargs_and_non_tensors():
+    torch.manual_seed(0)
+    plain = MultiIO()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    results = []
+    for model in (plain, ckpt):
+        torch.manual_seed(1)
+        x, y, bias = (torch.randn(2, 4, requires_grad=True) for _ in range(3))
+        (res, (ints, tail)) = model(x, y, scale=2.0, bias=bias)
+        assert isinstance(res, MultiIO.Result) and type(res.aux) is OrderedDict
+        assert (res.aux["note"], res.aux["count"], res.aux["nothing"], tail) == ("text", 3, None, "tail")
+        assert ints.dtype == torch.int64 and not ints.requires_grad
+        (res.main.sum() + res.aux["y_out"].square().sum()).backward()
+        results.append((res.main, ints, x.grad, y.grad, bias.grad))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
+    assert_same_grads(plain, ckpt)
+
+
+class SumOfList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, xs: List[torch.Tensor], extra: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum(self.lin(x) for x in xs) * extra["w"]  # type: ignore[return-value]
+
+
+def test_tensors_nested_in_list_and_dict_inputs_get_grads():
+    torch.manual_seed(0)
+    plain = SumOfList()
+    ckpt = checkpoint_wrapper(Spy(copy.deepcopy(plain)))
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(1)
+        xs = [torch.randn(2, 3, requires_grad=True) for _ in range(3)]
+        w = torch.randn(3, requires_grad=True)
+        model(xs, {"w": w}).sum().backward()
+        grads.append([x.grad for x in xs] + [w.grad])
+    assert ckpt.calls == [FIRST_PASS, RECOMPUTE]
+    for got, want in zip(grads[1], grads[0]):
+        assert got is not None
+        torch.testing.assert_close(got, want)
+    assert_same_grads(plain, ckpt.module)
+
+
+def test_output_requires_grad_only_when_something_does():
+    torch.manual_seed(0)
+    frozen = checkpoint_wrapper(Spy(mlp().requires_grad_(False)))
+    x = torch.randn(2, 16)
+    out = frozen(x)
+    assert not out.requires_grad
+    assert frozen.calls == [PLAIN_WITH_GRAD]  # nothing to save, so no checkpointing either
+
+    # Frozen module, input requiring grad: the input still gets its gradient.
+    reference = copy.deepcopy(frozen.module)
+    x1 = torch.randn(2, 16, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    frozen.calls.clear()
+    frozen(x2).sum().backward()
+    reference(x1).sum().backward()
+    assert frozen.calls == [FIRST_PASS, RECOMPUTE]
+    torch.testing.assert_close(x2.grad, x1.grad)
+    assert all(p.grad is None for p in frozen.parameters())
+
+    # Trainable module, input not requiring grad: the output requires grad through the parameters.
+    plain, ckpt = pair()
+    out = ckpt(torch.randn(2, 16))
+    assert out.requires_grad
+
+
+class ViewParams(nn.Module):
+    """Imitates a module inside FlattenParamsWrapper: its weights are plain tensor views of an external
+    flat parameter, listed in ``_unflattened_param_views``, and ``parameters()`` is empty."""
+
+    def __init__(self, flat: nn.Parameter) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        del self.lin.weight, self.lin.bias
+        weight, bias = flat.split([16, 4])
+        self.lin.weight, self.lin.bias = weight.view(4, 4), bias
+        self._unflattened_param_views = [self.lin.weight, self.lin.bias]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh()
+
+
+def test_flattened_parameter_views_count_as_requiring_grad():
+    torch.manual_seed(0)
+    flat_ref = nn.Parameter(torch.randn(20))
+    flat_ck = nn.Parameter(flat_ref.detach().clone())
+    plain = ViewParams(flat_ref)
+    ckpt = checkpoint_wrapper(Spy(ViewParams(flat_ck)))
+    assert list(ckpt.parameters()) == []
+    x = torch.randn(3, 4)
+    out = ckpt(x)
+    assert out.requires_grad
+    out.sum().backward()
+    plain(x).sum().backward()
+    assert ckpt.calls == [FIRST_PASS, RECOMPUTE]
+    torch.testing.assert_close(flat_ck.grad, flat_ref.grad)
+
+
+def test_same_module_called_several_times_before_backward():
+    plain, ckpt = pair()
+    x1, x2 = torch.randn(2, 16), torch.randn(3, 16)
+    (plain(plain(x1)).sum() + plain(x2).sum()).backward()
+    (ckpt(ckpt(x1)).sum() + ckpt(x2).sum()).backward()
+    assert ckpt.calls.count(FIRST_PASS) == 3 and ckpt.calls.count(RECOMPUTE) == 3
+    assert_same_grads(plain, ckpt.module)
+
+
+def test_nested_checkpoint_wrappers():
+    torch.manual_seed(0)
+    plain = nn.Sequential(mlp(), nn.Linear(16, 16), mlp())
+    ckpt = copy.deepcopy(plain)
+    inner = Spy(ckpt[2])
+    ckpt[2] = checkpoint_wrapper(inner)
+    ckpt = checkpoint_wrapper(ckpt)
+    x = torch.randn(4, 16)
+    plain(x).sum().backward()
+    ckpt(x).sum().backward()
+    assert_same_grads(plain, ckpt)
+    # Outer first pass: grad disabled, so the inner wrapper is bypassed. Outer recomputation: the
+    # inner wrapper checkpoints on its own (first pass, then its own recomputation).
+    assert [c[2] for c in inner.calls] == [False, False, True]
+    assert inner.calls[-1] == RECOMPUTE
+
+
+def test_backward_twice_with_retain_graph():
+    plain, ckpt = pair()
+    x = torch.randn(4, 16)
+    out_p, out_c = plain(x), ckpt(x)
+    for _ in range(2):
+        out_p.sum().backward(retain_graph=True)
+        out_c.sum().backward(retain_graph=True)
+    assert ckpt.calls == [FIRST_PASS, RECOMPUTE, RECOMPUTE]
+    assert_same_grads(plain, ckpt.module)
+
+
+def saved_bytes(fn: Any) -> int:
+    """Bytes of distinct storages autograd keeps for backward while ``fn`` runs."""
+    storages: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_activations_kept_for_backward_are_smaller():
+    plain, ckpt = pair(width=64, depth=6)
+    x = torch.randn(32, 64)
+    plain_bytes = saved_bytes(lambda: plain(x))
+    ckpt_bytes = saved_bytes(lambda: ckpt(x))
+    with disable_checkpointing():
+        disabled_bytes = saved_bytes(lambda: ckpt(x))
+    # Checkpointed: only the input is kept (plus an empty anchor tensor), not the 6 layers' activations.
+    assert ckpt_bytes == x.numel() * x.element_size()
+    assert plain_bytes > 10 * ckpt_bytes
+    assert disabled_bytes == plain_bytes
+
+
+def test_offload_to_cpu_keeps_results():
+    torch.manual_seed(0)
+    plain = mlp(dropout=0.2)
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain), offload_to_cpu=True)
+    x = torch.randn(4, 16)
+    torch.manual_seed(5)
+    plain(x).sum().backward()
+    torch.manual_seed(5)
+    ckpt(x).sum().backward()
+    assert_same_grads(plain, ckpt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading is a no-op for CPU tensors")
+def test_offload_to_cpu_frees_device_memory():
+    device = torch.device("cuda")
+    deltas = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = checkpoint_wrapper(mlp(width=256).to(device), offload_to_cpu=offload)
+        x = torch.randn(4096, 256, device=device)
+        before = torch.cuda.memory_allocated(device)
+        out = model(x)
+        del x
+        deltas[offload] = torch.cuda.memory_allocated(device) - before
+        out.sum().backward()
+    # Without offload the saved input (4 MiB) stays on the device between forward and backward.
+    assert deltas[False] - deltas[True] >= 4096 * 256 * 4
+
+
+def test_deprecated_import_path():
+    from fairscale.nn.checkpoint import checkpoint_wrapper as new_path
+    from fairscale.nn.misc.checkpoint_activations import checkpoint_wrapper as old_path
+
+    assert old_path is new_path
+    model = old_path(nn.Linear(2, 2))
+    model(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    assert model.weight.grad is not None
+
+
+def test_pickle_and_deepcopy_keep_checkpointing():
+    torch.manual_seed(0)
+    model = checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    x = torch.randn(5, 4)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        # The new forward is bound to the clone, not to the original module.
+        clone[0].weight.data.add_(1.0)
+        spy_calls: List[bool] = []
+        clone[0].register_forward_hook(lambda *_: spy_calls.append(torch.is_grad_enabled()))
+        out = clone(x)
+        out.sum().backward()
+        assert spy_calls == [False, True]  # first pass without grad, recomputation with grad
+        assert clone[0].weight.grad is not None and model[0].weight.grad is None
+        assert clone[1].num_batches_tracked.item() == 1
+
+
+def test_no_reference_cycle():
+    model = checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    forward = model.forward
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None, "checkpoint_wrapper created a reference cycle through the module's forward"
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="garbage collected"):
+        forward(torch.randn(2, 4))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        checkpoint_wrapper(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="offload_to_cpu must be a bool"):
+        checkpoint_wrapper(nn.Linear(2, 2), offload_to_cpu="yes")  # type: ignore[arg-type]

@@ -1,0 +1,132 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Normalisation layers under checkpoint_wrapper: running statistics are updated exactly once per step."""
+
+import copy
+from typing import Any, Callable, List
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.nn.checkpoint import checkpoint_wrapper
+from fairscale.nn.checkpoint.checkpoint_utils import patch_batchnorm
+
+NORMS: List[Callable[[], nn.Module]] = [
+    lambda: nn.BatchNorm2d(8),
+    lambda: nn.LayerNorm([8, 6, 6]),
+    lambda: nn.GroupNorm(2, 8),
+]
+
+
+def conv_model(norm: nn.Module) -> nn.Sequential:
+    block = nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.ReLU())
+    return nn.Sequential(block, nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+
+
+def train(model: nn.Module, steps: int, autocast: bool) -> List[torch.Tensor]:
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        x = torch.randn(4, 3, 8, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize("norm_index", range(len(NORMS)), ids=["batch_norm", "layer_norm", "group_norm"])
+def test_norm_layers_match_plain_training(norm_index: int, autocast: bool):
+    torch.manual_seed(0)
+    plain = conv_model(NORMS[norm_index]())
+    ckpt = copy.deepcopy(plain)
+    checkpoint_wrapper(ckpt[0])  # checkpoint the conv + norm + relu block (in place)
+    steps = 3
+    plain_losses = train(plain, steps, autocast)
+    ckpt_losses = train(ckpt, steps, autocast)
+    torch.testing.assert_close(ckpt_losses, plain_losses)
+    torch.testing.assert_close(ckpt.state_dict(), plain.state_dict())
+    if norm_index == 0:
+        assert ckpt[0][1].num_batches_tracked.item() == steps
+        assert ckpt[0][1].track_running_stats
+
+
+def test_running_stats_updated_in_recomputation_only():
+    torch.manual_seed(0)
+    model = checkpoint_wrapper(conv_model(nn.BatchNorm2d(8)))
+    bn = model[0][1]
+    out = model(torch.randn(4, 3, 8, 8))
+    # The first pass ran without grad and left the statistics alone.
+    assert bn.num_batches_tracked.item() == 0 and torch.all(bn.running_mean == 0)
+    out.sum().backward()
+    assert bn.num_batches_tracked.item() == 1 and not torch.all(bn.running_mean == 0)
+
+
+def test_eval_mode_uses_running_stats_and_keeps_them():
+    torch.manual_seed(0)
+    plain = conv_model(nn.BatchNorm2d(8))
+    train(plain, 1, autocast=False)
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain)).eval()
+    plain.eval()
+    x = torch.randn(2, 3, 8, 8)
+    out = ckpt(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, plain(x))
+    torch.testing.assert_close(ckpt.state_dict(), plain.state_dict())
+
+
+def test_patch_batchnorm_handles_and_behaviour():
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.SyncBatchNorm(4), nn.LayerNorm(4))
+    handles = patch_batchnorm(model)
+    assert len(handles) == 4  # a pre- and a post-forward hook for each of the two batch-norm layers
+    bn = model[0]
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        out_no_grad = bn(x)
+    assert bn.num_batches_tracked.item() == 0 and bn.track_running_stats
+    out_grad = bn(x)
+    assert bn.num_batches_tracked.item() == 1
+    torch.testing.assert_close(out_no_grad, out_grad)  # batch statistics are used either way
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        bn(x)
+    assert bn.num_batches_tracked.item() == 2
+
+
+def test_patch_batchnorm_leaves_disabled_tracking_alone():
+    bn = nn.BatchNorm1d(4, track_running_stats=False)
+    patch_batchnorm(bn)
+    with torch.no_grad():
+        bn(torch.randn(8, 4))
+    bn(torch.randn(8, 4))
+    assert not bn.track_running_stats
+
+
+def test_patching_twice_still_updates_once():
+    torch.manual_seed(0)
+    model = checkpoint_wrapper(checkpoint_wrapper(conv_model(nn.BatchNorm2d(8))))
+    bn = model[0][1]
+    for step in range(2):
+        model(torch.randn(4, 3, 8, 8)).sum().backward()
+        assert bn.track_running_stats and bn.num_batches_tracked.item() == step + 1
+
+
+def test_failed_forward_does_not_leave_tracking_disabled():
+    bn = nn.BatchNorm1d(4)
+    patch_batchnorm(bn)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        bn(torch.randn(8, 5))  # wrong number of features
+    assert bn.track_running_stats
+    bn(torch.randn(8, 4))
+    assert bn.num_batches_tracked.item() == 1
+
+
+def test_patch_batchnorm_rejects_non_modules():
+    bad: Any = [nn.BatchNorm1d(4)]
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        patch_batchnorm(bad)

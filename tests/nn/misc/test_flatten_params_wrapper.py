@@ -1,0 +1,592 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Tests for FlattenParamsWrapper and FlatParameter (single process, CPU; accelerator variants when present)."""
+
+import copy
+import pickle
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairscale.internal.device import current_accelerator_device
+from fairscale.nn.misc import FlatParameter, FlattenParamsWrapper, _enable_pre_load_state_dict_hook
+from fairscale.nn.misc.flatten_params_wrapper import fpw_pre_load_hook_disabled
+
+_ACCEL = current_accelerator_device()
+# (device, dtype) combinations for the numerical parity tests. fp16 only on an accelerator, where it is native.
+CONFIGS: List[Tuple[str, torch.dtype]] = [("cpu", torch.float32), ("cpu", torch.float64)]
+if _ACCEL is not None:
+    CONFIGS += [(str(_ACCEL), torch.float32), (str(_ACCEL), torch.float16)]
+CONFIG_IDS = [f"{d}-{str(t).split('.')[-1]}" for d, t in CONFIGS]
+
+
+# ------------------------------------------------------------------------------------------------------ models
+
+
+class Tied(nn.Module):
+    """Two linears sharing one weight (``b.weight = a.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2, bias=False)
+        self.b = nn.Linear(2, 2, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class Rich(nn.Module):
+    """Embedding, transformer layer (attention reads its weights as attributes), conv, batch norm, tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.layer(self.embed(tokens))
+        h = self.bn(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        return self.head(h)
+
+
+def make_seq() -> nn.Module:
+    return nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.Linear(3, 1)))
+
+
+def make_rich(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return Rich().to(device=device, dtype=dtype)
+
+
+def rich_input(device: str = "cpu", seed: int = 1) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 11, (3, 5), generator=g).to(device)
+
+
+def wrap_copy(module: nn.Module, **kwargs: Any) -> Tuple[nn.Module, FlattenParamsWrapper]:
+    """A reference module and a wrapped deep copy of it (identical values)."""
+    return module, FlattenParamsWrapper(copy.deepcopy(module), **kwargs)
+
+
+def assert_state_dicts_equal(a: Dict[str, Tensor], b: Dict[str, Tensor]) -> None:
+    assert list(a.keys()) == list(b.keys())
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------------------------------------- flattening layouts
+
+
+def test_full_flattening_keys_and_sizes() -> None:
+    ref, fpw = wrap_copy(make_seq())
+    assert [n for n, _ in fpw.named_parameters()] == ["flat_param_0"]
+    assert list(fpw.state_dict().keys()) == ["0.weight", "0.bias", "1.0.weight", "1.0.bias"]
+    flat_sd = fpw.flat_state_dict()
+    assert list(flat_sd.keys()) == ["flat_param_0"] and flat_sd["flat_param_0"].numel() == 13
+    assert fpw.num_params_managed == 4 and fpw.is_flattened
+    assert isinstance(fpw.flat_param, FlatParameter) and fpw.flat_param_names == ["flat_param_0"]
+    expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    assert torch.equal(fpw.flat_param.detach(), expected)
+    # The data is a copy, not an alias of the original parameters.
+    assert all(fpw.flat_param.data_ptr() != p.data_ptr() for p in ref.parameters())
+
+
+def test_partial_flattening() -> None:
+    module = make_rich()
+    ref = copy.deepcopy(module)
+    chosen = [module.layer.linear1.weight, module.layer.linear1.bias, module.conv.weight]
+    fpw = FlattenParamsWrapper(module, param_list=chosen)
+    assert fpw.num_params_managed == 3
+    assert fpw.flat_param.numel() == sum(p.numel() for p in chosen)
+    names = [n for n, _ in fpw.named_parameters()]
+    assert names[0] == "flat_param_0"
+    assert "_fpw_module.conv.bias" in names and "_fpw_module.layer.linear2.weight" in names
+    assert "_fpw_module.conv.weight" not in names and "_fpw_module.layer.linear1.bias" not in names
+    # Non-flattened params stay ordinary Parameters; flattened names are plain tensor views now.
+    assert isinstance(module.conv.bias, nn.Parameter) and not isinstance(module.conv.weight, nn.Parameter)
+    x = rich_input()
+    assert torch.equal(fpw(x), ref(x))
+    # Partially flattened modules re-register their flattened params last when unflattening (upstream order).
+    sd, ref_sd = fpw.state_dict(), ref.state_dict()
+    keys = list(sd.keys())
+    assert keys.index("conv.bias") < keys.index("conv.weight")
+    assert_state_dicts_equal(dict(sorted(sd.items())), dict(sorted(ref_sd.items())))
+
+
+def test_two_groups_keys_order_and_sizes() -> None:
+    module = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    ref = copy.deepcopy(module)
+    fpw = FlattenParamsWrapper(module, param_list=[[module[0].weight, module[1].weight], [module[0].bias]])
+    flat_sd = fpw.flat_state_dict()
+    assert list(flat_sd.keys()) == ["flat_param_0", "flat_param_1", "1.bias"]
+    assert flat_sd["flat_param_0"].numel() == 9 and flat_sd["flat_param_1"].numel() == 3
+    assert isinstance(module[1].bias, nn.Parameter)
+    # Re-registration on unflatten changes the order inside module 1, exactly as upstream.
+    assert list(fpw.state_dict().keys()) == ["0.weight", "0.bias", "1.bias", "1.weight"]
+    assert fpw.num_params_managed == 3 and len(fpw.flat_params) == 2
+    with pytest.raises(RuntimeError, match="exactly one flat parameter"):
+        fpw.flat_param
+    x = torch.randn(4, 2)
+    assert torch.equal(fpw(x), ref(x))
+
+
+def test_flat_param_names() -> None:
+    fpw = FlattenParamsWrapper(nn.Linear(2, 2), flat_param_names=["x"])
+    assert list(fpw.flat_state_dict().keys()) == ["flat_param_x"]
+    assert fpw.flat_param_names == ["flat_param_x"] and fpw.flat_param is fpw.flat_param_x
+
+
+def test_flatten_nothing() -> None:
+    ref, fpw = wrap_copy(make_seq(), param_list=[])
+    assert fpw.flat_params == [] and fpw.num_params_managed == 0
+    assert [n for n, _ in fpw.named_parameters()] == ["_fpw_module." + n for n, _ in ref.named_parameters()]
+    assert fpw.module._unflattened_param_views == []
+    assert_state_dicts_equal(fpw.state_dict(), ref.state_dict())
+    assert_state_dicts_equal(fpw.flat_state_dict(), ref.state_dict())
+    x = torch.randn(4, 2)
+    assert torch.equal(fpw(x), ref(x))
+    with fpw.unflatten_params():
+        assert not fpw.is_flattened
+    assert fpw.is_flattened
+    fpw.load_state_dict(make_seq().state_dict())  # no flat keys, nothing managed: loads as is
+    with pytest.raises(RuntimeError, match="exactly one flat parameter"):
+        fpw.flat_param
+
+
+def test_empty_module() -> None:
+    fpw = FlattenParamsWrapper(nn.Sequential(nn.ReLU(), nn.Identity()))
+    assert fpw.flat_params == [] and list(fpw.parameters()) == [] and fpw.state_dict() == {}
+    x = torch.randn(3)
+    assert torch.equal(fpw(x), torch.relu(x))
+
+
+def test_duplicates_in_group_and_empty_groups_ignored() -> None:
+    m = make_seq()
+    fpw = FlattenParamsWrapper(m, param_list=[[m[0].weight, m[0].weight], []])
+    assert fpw.num_params_managed == 1 and fpw.flat_param_names == ["flat_param_0"]
+
+
+# ---------------------------------------------------------------------------------------------- shared params
+
+
+def test_shared_params_flattened_once_and_step_updates_both_names() -> None:
+    ref, fpw = wrap_copy(Tied())
+    assert fpw.flat_param.numel() == 4 and fpw.num_params_managed == 1
+    assert list(fpw.state_dict().keys()) == ["a.weight", "b.weight"]
+    assert fpw.module.a.weight is fpw.module.b.weight  # one view object for both names
+    (shared,) = fpw._shared_param_infos
+    assert shared[0] == "_fpw_module.b" and shared[1] == "_fpw_module.a" and shared[3] == shared[5] == "weight"
+
+    x = torch.randn(5, 2)
+    opt = torch.optim.SGD(fpw.parameters(), lr=0.1)
+    fpw(x).sum().backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).sum().backward()
+    ref_opt.step()
+    sd = fpw.state_dict()
+    assert torch.equal(sd["a.weight"], sd["b.weight"])
+    assert torch.equal(sd["a.weight"], ref.a.weight.detach())
+    with fpw.unflatten_params():
+        assert fpw.module.a.weight is fpw.module.b.weight and isinstance(fpw.module.b.weight, nn.Parameter)
+
+
+# --------------------------------------------------------------------------------------- numerical parity
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS, ids=CONFIG_IDS)
+def test_outputs_and_grads_equal_bitwise(device: str, dtype: torch.dtype) -> None:
+    ref = make_rich(device, dtype)
+    fpw = FlattenParamsWrapper(copy.deepcopy(ref))
+    x = rich_input(device)
+    out, ref_out = fpw(x), ref(x)
+    assert out.dtype == dtype and torch.equal(out, ref_out)
+    out.float().square().sum().backward()
+    ref_out.float().square().sum().backward()
+    grad = fpw.flat_param.grad
+    assert grad is not None and grad.shape == fpw.flat_param.shape
+    ref_grads = [p.grad for p in ref.parameters()]  # parameters() order == flattening order (module pre-order)
+    assert all(g is not None for g in ref_grads)
+    for view_grad, ref_grad in zip(grad.split(fpw.flat_param._param_numels), ref_grads):
+        assert torch.equal(view_grad, ref_grad.reshape(-1))
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS[:2] + CONFIGS[2:3], ids=CONFIG_IDS[:2] + CONFIG_IDS[2:3])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False),
+    ],
+    ids=["sgd", "adam"],
+)
+def test_optimizer_steps_equal(device: str, dtype: torch.dtype, make_opt: Callable[[Any], Any]) -> None:
+    ref = make_rich(device, dtype)
+    fpw = FlattenParamsWrapper(copy.deepcopy(ref))
+    opt, ref_opt = make_opt(fpw.parameters()), make_opt(ref.parameters())
+    for step in range(3):
+        x = rich_input(device, seed=step)
+        for model, optim in ((fpw, opt), (ref, ref_opt)):
+            optim.zero_grad()
+            model(x).float().square().mean().backward()
+            optim.step()
+    torch.testing.assert_close(fpw.state_dict(), ref.state_dict(), rtol=0, atol=0)
+    x = rich_input(device, seed=9)
+    assert torch.equal(fpw(x), ref(x))
+
+
+def test_forward_uses_data_swapped_into_flat_param() -> None:
+    # FSDP's usage: it puts a (gathered) tensor into flat_param.data right before the forward.
+    ref, fpw = wrap_copy(make_seq())
+    new = torch.randn(13)
+    fpw.flat_param.data = new.clone()
+    with torch.no_grad():
+        for p, v in zip(ref.parameters(), new.split([6, 3, 3, 1])):
+            p.copy_(v.view_as(p))
+    x = torch.randn(4, 2)
+    out = fpw(x)
+    assert torch.equal(out, ref(x))
+    out.sum().backward()
+    assert fpw.flat_param.grad is not None and fpw.flat_param.grad.shape == (13,)
+
+
+# --------------------------------------------------------------------------------------------- autograd path
+
+
+def test_view_autograd_path_is_view_split_accumulategrad() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    fpw(torch.randn(2, 2))
+    view = fpw.module[0].weight
+    assert not isinstance(view, nn.Parameter) and view.requires_grad
+    assert view.grad_fn is not None and view.grad_fn.name() == "ViewBackward0"
+    split_node = view.grad_fn.next_functions[0][0]
+    assert split_node.name() == "SplitWithSizesBackward0"
+    acc_node = split_node.next_functions[0][0]
+    assert acc_node.name().endswith("AccumulateGrad") and acc_node.variable is fpw.flat_param
+    # Every view of one flat parameter hangs off the same split node.
+    for v in fpw.module._unflattened_param_views:
+        assert v.grad_fn.next_functions[0][0] is split_node
+
+
+def test_views_are_fresh_every_forward() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    before = list(fpw.module._unflattened_param_views)
+    fpw(torch.randn(2, 2))
+    after = fpw.module._unflattened_param_views
+    assert len(after) == 4 and all(a is not b for a, b in zip(after, before))
+    assert after[0] is fpw.module[0].weight and after[3] is fpw.module[1][0].bias
+
+
+def test_view_builder_replaces_default_views() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    calls: List[FlatParameter] = []
+
+    def detached_views(flat: FlatParameter) -> List[Tensor]:
+        calls.append(flat)
+        with torch.no_grad():
+            return [v.requires_grad_() for v in flat.get_param_views()]
+
+    fpw._view_builder = detached_views
+    fpw(torch.randn(2, 2)).sum().backward()
+    assert calls == [fpw.flat_param]
+    # The builder cut the autograd link: the views got gradients, the flat parameter none.
+    assert fpw.flat_param.grad is None and fpw.module[0].weight.grad_fn is None
+    fpw._view_builder = lambda flat: []
+    with pytest.raises(RuntimeError, match="returned 0 views"):
+        fpw(torch.randn(2, 2))
+
+
+# ------------------------------------------------------------------------------------------------ state dicts
+
+
+def test_state_dict_equality_both_forms() -> None:
+    ref, fpw = wrap_copy(make_rich())
+    fpw(rich_input())
+    ref(rich_input())  # same buffer updates (batch norm statistics)
+    assert_state_dicts_equal(fpw.state_dict(), ref.state_dict())
+    flat_sd = fpw.flat_state_dict()
+    assert list(flat_sd.keys()) == ["flat_param_0", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    assert torch.equal(flat_sd["flat_param_0"], expected)
+    assert fpw.is_flattened and fpw._auto_unflatten_state_dict
+    fpw._auto_unflatten_state_dict = False
+    assert list(fpw.state_dict().keys()) == list(flat_sd.keys())
+
+
+def test_load_original_state_dict() -> None:
+    fpw = FlattenParamsWrapper(make_rich(seed=0))
+    other = make_rich(seed=1)
+    fpw.load_state_dict(other.state_dict())
+    assert fpw.is_flattened
+    assert_state_dicts_equal(fpw.state_dict(), other.state_dict())
+    x = rich_input()
+    assert torch.equal(fpw(x), other(x))
+
+
+def test_load_flat_state_dict() -> None:
+    fpw = FlattenParamsWrapper(make_rich(seed=0))
+    src = FlattenParamsWrapper(make_rich(seed=1))
+    fpw.load_state_dict(src.flat_state_dict())
+    assert_state_dicts_equal(fpw.state_dict(), src.state_dict())
+    x = rich_input()
+    assert torch.equal(fpw(x), src(x))
+
+
+def test_load_wrong_keys_reports_them() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    sd = make_seq().state_dict()
+    sd["extra"] = torch.zeros(1)
+    del sd["0.bias"]
+    # Reported in the names of the dict that was given, not the internal _fpw_module paths.
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.bias".*\n.*Unexpected.*: "extra"'):
+        fpw.load_state_dict(sd)
+    result = fpw.load_state_dict(sd, strict=False)
+    assert result.missing_keys == ["0.bias"] and result.unexpected_keys == ["extra"]
+    parent = nn.Sequential(nn.Linear(1, 1), FlattenParamsWrapper(make_seq()))
+    sd = parent.state_dict()
+    del sd["1.1.0.weight"]
+    result = parent.load_state_dict(sd, strict=False)
+    assert result.missing_keys == ["1.1.0.weight"] and result.unexpected_keys == []
+    with pytest.raises(ValueError, match="assign=True"):
+        fpw.load_state_dict(make_seq().state_dict(), assign=True)
+
+
+def test_legacy_flat_param_key_loads() -> None:
+    src = FlattenParamsWrapper(make_seq())
+    legacy = {"flat_param": src.flat_state_dict()["flat_param_0"]}
+    fpw = FlattenParamsWrapper(make_seq())
+    fpw.load_state_dict(legacy)
+    assert torch.equal(fpw.flat_param, src.flat_param)
+    # Also when the wrapper sits inside a parent module (the key then carries the parent's prefix).
+    parent = nn.Sequential(FlattenParamsWrapper(make_seq()))
+    parent.load_state_dict({"0.flat_param": legacy["flat_param"]})
+    assert torch.equal(parent[0].flat_param, src.flat_param)
+
+
+def test_nested_in_parent_round_trip_both_forms() -> None:
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(2, 2), FlattenParamsWrapper(make_seq()), nn.BatchNorm1d(1))
+
+    a, b = build(0), build(1)
+    sd = a.state_dict()
+    assert list(sd.keys())[:6] == ["0.weight", "0.bias", "1.0.weight", "1.0.bias", "1.1.0.weight", "1.1.0.bias"]
+    b.load_state_dict(sd)  # original keys folded into the flat entry by the load pre hook
+    assert_state_dicts_equal(b.state_dict(), sd)
+    a[1]._auto_unflatten_state_dict = False
+    flat = a.state_dict()
+    assert "1.flat_param_0" in flat and "1.0.weight" not in flat
+    c = build(2)
+    c.load_state_dict(flat)
+    assert torch.equal(c[1].flat_param, a[1].flat_param)
+
+
+def test_pre_load_hook_can_be_disabled() -> None:
+    fpw = FlattenParamsWrapper(make_seq(), param_list=[])
+    src = make_seq()
+    raw = {"_fpw_module." + k: v for k, v in src.state_dict().items()}
+    assert _enable_pre_load_state_dict_hook()
+    with fpw_pre_load_hook_disabled():
+        assert not _enable_pre_load_state_dict_hook()
+        fpw.load_state_dict(raw)
+        with pytest.raises(RuntimeError, match="Missing key"):
+            fpw.load_state_dict(src.state_dict())
+    assert _enable_pre_load_state_dict_hook()
+    assert_state_dicts_equal(fpw.state_dict(), src.state_dict())
+
+
+# -------------------------------------------------------------------------------------------- unflatten_params
+
+
+def test_unflatten_params_exposes_parameters_and_keeps_edits() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    flat = fpw.flat_param
+    with fpw.unflatten_params():
+        assert not fpw.is_flattened
+        assert [n for n, _ in fpw.named_parameters()] == [
+            "_fpw_module.0.weight",
+            "_fpw_module.0.bias",
+            "_fpw_module.1.0.weight",
+            "_fpw_module.1.0.bias",
+        ]
+        assert isinstance(fpw.module[0].weight, nn.Parameter) and fpw.module[0].weight.shape == (3, 2)
+        assert not hasattr(fpw.module, "_unflattened_param_views")
+        with torch.no_grad():
+            fpw.module[0].bias.fill_(7.0)
+        with pytest.raises(RuntimeError, match="needs a flattened wrapper"):
+            fpw.flat_state_dict()
+    assert fpw.is_flattened and fpw.flat_param is flat and [n for n, _ in fpw.named_parameters()] == ["flat_param_0"]
+    assert torch.equal(flat[6:9].detach(), torch.full((3,), 7.0))
+
+
+def test_unflatten_params_with_external_data() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    before = fpw.flat_param.detach().clone()
+    external = torch.arange(13, dtype=torch.float32)
+    with fpw.unflatten_params(flat_params=[external]):
+        assert torch.equal(fpw.module[0].weight, external[:6].view(3, 2))
+        assert torch.equal(fpw.module[1][0].bias, external[12:])
+        with torch.no_grad():
+            fpw.module[0].bias.zero_()  # writes go to the external tensor
+    assert torch.equal(external[6:9], torch.zeros(3))
+    assert torch.equal(fpw.flat_param.detach(), before)
+    with pytest.raises(ValueError, match="13 elements"):
+        with fpw.unflatten_params(flat_params=[torch.zeros(12)]):
+            pass
+    assert fpw.is_flattened
+    with pytest.raises(ValueError, match="one external tensor per flat parameter"):
+        with fpw.unflatten_params(flat_params=[external, external]):
+            pass
+    with fpw.unflatten_params():
+        with pytest.raises(ValueError, match="needs a flattened wrapper"):
+            with fpw.unflatten_params(flat_params=[external]):
+                pass
+
+
+def test_unflatten_params_restores_on_exception() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    flat = fpw.flat_param
+    with pytest.raises(KeyError):
+        with fpw.unflatten_params():
+            raise KeyError("boom")
+    assert fpw.is_flattened and fpw.flat_param is flat
+    assert [n for n, _ in fpw.named_parameters()] == ["flat_param_0"]
+    assert not isinstance(fpw.module[0].weight, nn.Parameter)
+    fpw(torch.randn(2, 2)).sum().backward()
+    assert flat.grad is not None
+
+
+# -------------------------------------------------------------------------------------- pickling and copying
+
+
+def test_flat_parameter_pickle_round_trip() -> None:
+    fpw = FlattenParamsWrapper(make_seq())
+    flat = pickle.loads(pickle.dumps(fpw.flat_param))
+    assert type(flat) is FlatParameter and flat.requires_grad
+    assert torch.equal(flat, fpw.flat_param)
+    assert flat._param_numels == [6, 3, 3, 1] and flat._param_shapes == fpw.flat_param._param_shapes
+    assert [(m, n) for m, _, n in flat._param_infos] == [(m, n) for m, _, n in fpw.flat_param._param_infos]
+    frozen = pickle.loads(pickle.dumps(FlatParameter([torch.ones(2)], requires_grad=False)))
+    assert not frozen.requires_grad and frozen._param_numels == [2]
+    assert type(frozen).__module__ == "fairscale.nn.misc.flatten_params_wrapper"
+
+
+def test_wrapper_pickle_round_trip() -> None:
+    ref, fpw = wrap_copy(make_rich())
+    clone = pickle.loads(pickle.dumps(fpw))
+    assert_state_dicts_equal(clone.state_dict(), fpw.state_dict())
+    # The views of the unpickled wrapper alias its own flat parameter, even before the first forward.
+    assert clone.module.conv.weight.data_ptr() >= clone.flat_param.data_ptr()
+    x = rich_input()
+    out = clone(x)
+    assert torch.equal(out, ref(x))
+    out.sum().backward()
+    assert clone.flat_param.grad is not None
+
+
+def test_deepcopy() -> None:
+    ref, fpw = wrap_copy(make_rich())
+    clone = copy.deepcopy(fpw)
+    assert clone.flat_param.data_ptr() != fpw.flat_param.data_ptr()
+    x = rich_input()
+    assert torch.equal(clone(x), ref(x)) and torch.equal(fpw(x), ref(x))
+    assert clone.module.head.weight is clone.module.embed.weight
+    clone(x).sum().backward()
+    assert clone.flat_param.grad is not None and fpw.flat_param.grad is None
+    lone = FlatParameter([torch.ones(2, 2), torch.zeros(3)], requires_grad=False)
+    lone.extra_tag = "kept"  # attributes owners attach (e.g. FSDP's) survive a deep copy
+    lone_copy = copy.deepcopy(lone)
+    assert type(lone_copy) is FlatParameter and not lone_copy.requires_grad and torch.equal(lone_copy, lone)
+    assert lone_copy._param_shapes == [torch.Size([2, 2]), torch.Size([3])] and lone_copy.extra_tag == "kept"
+
+
+# ------------------------------------------------------------------------------------ API surface and errors
+
+
+def test_forwarding_and_metadata() -> None:
+    fpw = FlattenParamsWrapper(make_seq(), optimize_backward_concat=True)
+    assert fpw.optimize_backward_concat is True and fpw._view_builder is None
+    assert fpw[0] is fpw.module[0] and fpw.module is fpw._fpw_module
+    assert fpw.training is True and fpw[1][0].in_features == 3  # attribute forwarding via indexing
+    names, shapes, numels = fpw.metadata(0)
+    assert names == ["_fpw_module.0.weight", "_fpw_module.0.bias", "_fpw_module.1.0.weight", "_fpw_module.1.0.bias"]
+    assert shapes == [torch.Size([3, 2]), torch.Size([3]), torch.Size([1, 3]), torch.Size([1])]
+    assert numels == [6, 3, 3, 1]
+    assert [v.shape for v in fpw.get_param_views()] == shapes
+    assert [v.shape for v in fpw.get_param_views([torch.zeros(13)])] == shapes
+    with pytest.raises(ValueError, match="out of range"):
+        fpw.metadata(1)
+    with pytest.raises(AttributeError):
+        fpw.no_such_attribute
+
+
+def test_getattr_forwards_to_wrapped_module() -> None:
+    class WithAttr(nn.Linear):
+        custom = "hello"
+
+    fpw = FlattenParamsWrapper(WithAttr(2, 2))
+    assert fpw.custom == "hello" and fpw.in_features == 2
+
+
+def test_flat_parameter_validation() -> None:
+    with pytest.raises(ValueError, match="non-empty list or tuple"):
+        FlatParameter([])
+    with pytest.raises(ValueError, match="non-empty list or tuple"):
+        FlatParameter(torch.ones(3))  # type: ignore[arg-type]
+    flat = FlatParameter([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ValueError, match="cannot be nested"):
+        FlatParameter([flat])
+    with pytest.raises(ValueError, match="5 elements"):
+        list(flat.get_param_views(torch.zeros(4)))
+    with pytest.raises(ValueError, match="share dtype"):
+        FlatParameter([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+    assert flat._param_numels == [2, 3] and flat._param_infos == [] and flat._shared_param_infos == []
+    assert flat.metadata() == ([], [torch.Size([2]), torch.Size([3])], [2, 3])
+
+
+def test_wrapper_validation_errors_name_the_params() -> None:
+    m = make_seq()
+    with pytest.raises(ValueError, match=r"'0\.weight' is listed in param_list groups 0 and 1"):
+        FlattenParamsWrapper(m, param_list=[[m[0].weight], [m[0].weight, m[0].bias]])
+    m = make_seq()
+    m[1][0].double()
+    with pytest.raises(
+        ValueError, match=r"mixes dtypes: 0\.weight \(torch\.float32\).*1\.0\.weight \(torch\.float64\)"
+    ):
+        FlattenParamsWrapper(m)
+    m = make_seq()
+    m[0].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"mixes requires_grad: .*0\.bias \(False\)"):
+        FlattenParamsWrapper(m)
+    FlattenParamsWrapper(make_seq(), param_list=[[p] for p in make_seq().parameters()][:0])  # [] is fine
+    m = make_seq()
+    with pytest.raises(ValueError, match="not a parameter of the wrapped module"):
+        FlattenParamsWrapper(m, param_list=[nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="not a mix"):
+        FlattenParamsWrapper(m, param_list=[m[0].weight, [m[0].bias]])
+    with pytest.raises(ValueError, match="2 entries but there are 1"):
+        FlattenParamsWrapper(make_seq(), flat_param_names=["a", "b"])
+    with pytest.raises(ValueError, match="unique"):
+        m = make_seq()
+        FlattenParamsWrapper(m, param_list=[[m[0].weight], [m[0].bias]], flat_param_names=["a", "a"])
+    with pytest.raises(ValueError, match="optimize_backward_concat must be a bool"):
+        FlattenParamsWrapper(make_seq(), optimize_backward_concat=1)  # type: ignore[arg-type]
+
+
+def test_nested_wrapper_rejected_unless_excluded() -> None:
+    inner = FlattenParamsWrapper(nn.Linear(2, 2))
+    outer_module = nn.Sequential(inner, nn.Linear(2, 1))
+    with pytest.raises(ValueError, match="already a FlatParameter"):
+        FlattenParamsWrapper(outer_module)
+    outer = FlattenParamsWrapper(outer_module, param_list=list(outer_module[1].parameters()))
+    x = torch.randn(3, 2)
+    expected = outer_module[1](inner(x))
+    assert torch.equal(outer(x), expected)
+    assert list(outer.state_dict().keys()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
