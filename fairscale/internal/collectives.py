@@ -287,8 +287,7 @@ def _member_info(group: Optional[ProcessGroup], what: str) -> _GroupInfo:
         me = dist.get_rank() if _dist_ready() else 0
         members = f"the process group with ranks {info.ranks}" if info.ranks else "the process group"
         raise ValueError(
-            f"{what}: global rank {me} is not a member of {members}; "
-            "only members may call collectives on a group"
+            f"{what}: global rank {me} is not a member of {members}; " "only members may call collectives on a group"
         )
     if info.size > 1 and info.backend == "dummy":
         raise TypeError(f"{what}: {type(info.pg).__name__} cannot communicate; pass a real ProcessGroup")

@@ -41,7 +41,7 @@ def _child(
         # Oversubscribed CPUs: intra-op threads per rank only add contention.
         torch.set_num_threads(1)
         if init:
-            store = dist.FileStore(store_path, world_size)
+            store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
@@ -100,23 +100,22 @@ def run_world(fn: Callable[[int, int], Any], world_size: int, timeout: float = 6
 
 def _collect(procs: List[Any], conns: List[Connection], deadline: float) -> Optional[Tuple[str, int, str]]:
     pending = {conn: rank for rank, conn in enumerate(conns)}
-    skip: Optional[Tuple[str, int, str]] = None
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return ("error", min(pending.values()), f"timed out; ranks {sorted(pending.values())} did not finish")
         for conn in wait(list(pending), timeout=min(remaining, 0.5)):
-            rank = pending.pop(conn)  # type: ignore[call-overload]
+            assert isinstance(conn, Connection)
+            rank = pending.pop(conn)
             try:
-                status = conn.recv()  # type: ignore[union-attr]
+                status: Tuple[str, int, str] = conn.recv()
             except EOFError:
+                procs[rank].join(timeout=5)  # reap it so the exit code is known
                 code = procs[rank].exitcode
                 return ("error", rank, f"process died without reporting (exit code {code})")
-            if status[0] == "error":
-                return status  # type: ignore[no-any-return]
-            if status[0] == "skip":
-                skip = skip or status
-    return skip
+            if status[0] != "ok":  # an error, or a skip: the others may wait for this rank forever
+                return status
+    return None
 
 
 def _kill_all(procs: List[Any]) -> None:

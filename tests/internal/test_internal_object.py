@@ -2,6 +2,7 @@
 """Tests of fairscale.internal.object."""
 
 import pickle
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from fairscale.internal.object import pyobject_to_tensor, tensor_to_pyobject
 
 
 def test_roundtrip() -> None:
-    obj = {"a": [1, 2.5, "x"], "t": torch.arange(3)}
+    obj: Dict[str, Any] = {"a": [1, 2.5, "x"], "t": torch.arange(3)}
     tensor = pyobject_to_tensor(obj)
     assert tensor.dtype == torch.uint8 and tensor.dim() == 1
     assert tensor.numel() == len(pickle.dumps(obj))

@@ -70,7 +70,9 @@ def test_enable_pytorch_sync_bn() -> None:
             self.told = gpu_size
 
     plain = nn.BatchNorm1d(3)
-    model = nn.Sequential(nn.Linear(3, 3), LegacySyncBN(3), nn.Sequential(LegacySyncBN(3)), plain, nn.SyncBatchNorm(3))
+    model: Any = nn.Sequential(
+        nn.Linear(3, 3), LegacySyncBN(3), nn.Sequential(LegacySyncBN(3)), plain, nn.SyncBatchNorm(3)
+    )
     enable_pytorch_sync_bn(model)
     assert model[1].told == 1 and model[2][0].told == 1
     assert not hasattr(plain, "told")
@@ -110,7 +112,7 @@ def _world_body(rank: int, ws: int, tmp: str) -> None:
         get_process_group_cached(ranks=[])
     # A new world (destroy + init) must not hand out groups of the old one.
     dist.destroy_process_group()
-    store = dist.FileStore(os.path.join(tmp, "second_world"), ws)
+    store = dist.FileStore(os.path.join(tmp, "second_world"), ws)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=ws)
     assert get_process_group_cached() is not default
 

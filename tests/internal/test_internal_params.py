@@ -3,6 +3,7 @@
 
 import math
 from collections import OrderedDict, namedtuple
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def test_workhandle() -> None:
 
 def test_recursive_copy_to_device() -> None:
     meta = torch.device("meta")
-    value = {
+    value: Dict[str, Any] = {
         "t": torch.ones(2),
         "list": [torch.zeros(1), 3],
         "tuple": (torch.zeros(1), "x"),

@@ -2,6 +2,7 @@
 """Tests of fairscale.internal.version."""
 
 import logging
+from typing import Tuple
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from fairscale.internal.version import torch_version
         ("", ()),
     ],
 )
-def test_torch_version(version: str, expected: tuple, caplog: pytest.LogCaptureFixture) -> None:
+def test_torch_version(version: str, expected: Tuple[int, ...], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         assert torch_version(version) == expected
     assert "pre-release" not in caplog.text

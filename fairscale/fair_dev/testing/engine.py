@@ -138,6 +138,7 @@ def run_distributed(
         DistributedTestError: a rank failed with an exception that could not be rebuilt, or died.
         Exception: the first failing rank's exception type, with ``[rank r]`` and its traceback.
     """
+    __tracebackhide__ = True  # pytest: show the test, not the engine
     device_type = _check_device(device)
     _check_world(world_size, timeout)
     if device_type == "cuda":
@@ -174,6 +175,7 @@ def run_ranks(fn: Callable[[int], Any], world_size: int, timeout: float = DEFAUL
     Returns:
         The per-rank return values, indexed by rank.
     """
+    __tracebackhide__ = True  # pytest: show the test, not the engine
     _check_world(world_size, timeout)
     with _world_directory() as directory:
         return _run_world(fn, world_size, timeout, directory)
@@ -265,7 +267,7 @@ def _check_case(item: Any) -> Tuple[str, Callable[[], Any]]:
 
 
 def _describe_case_failure(name: str, error: BaseException) -> str:
-    formatted = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    formatted = "".join(traceback.format_exception(type(error), error, _user_frames(error.__traceback__))).rstrip()
     indented = "\n".join("    " + line for line in formatted.splitlines())
     return f"- {name}: {type(error).__name__}: {error}\n{indented}"
 
@@ -484,16 +486,14 @@ class _RemoteFailure:
     def to_exception(self) -> BaseException:
         if self.is_skip:
             return pytest.skip.Exception(f"[rank {self.rank}] {self.message}")
-        text = f"[rank {self.rank}] {self.message}\n\nTraceback of rank {self.rank}:\n{self.traceback.rstrip()}"
+        # The traceback ends with the full message; the headline only needs its first line.
+        headline = self.message.splitlines()[0] if self.message else ""
+        details = f"\n\nTraceback of rank {self.rank}:\n{self.traceback.rstrip()}"
         exc_type = self._exception_type()
-        rebuilt = _rebuild(exc_type, text) if exc_type is not None else None
+        rebuilt = _rebuild(exc_type, f"[rank {self.rank}] {headline}{details}") if exc_type is not None else None
         if rebuilt is not None:
             return rebuilt
-        return DistributedTestError(
-            f"[rank {self.rank}] {self.type_name}: {self.message}\n\n"
-            f"Traceback of rank {self.rank}:\n{self.traceback.rstrip()}",
-            rank=self.rank,
-        )
+        return DistributedTestError(f"[rank {self.rank}] {self.type_name}: {headline}{details}", rank=self.rank)
 
     def _exception_type(self) -> Optional[Type[BaseException]]:
         if self.pickled_type is None:
@@ -511,6 +511,7 @@ class _RemoteFailure:
 
 def _run_world(body: Callable[[int], Any], world_size: int, timeout: float, directory: str) -> List[Any]:
     """Start one process per rank, collect their reports, and make sure none outlives this call."""
+    __tracebackhide__ = True  # pytest: show the test, not the engine
     method = _start_method()
     ctx: Any = multiprocessing.get_context(method)
     deadline = time.monotonic() + timeout
@@ -562,6 +563,7 @@ class _RankProcess:
 
 
 def _collect(ranks: List[_RankProcess], deadline: float, timeout: float) -> List[Any]:
+    __tracebackhide__ = True  # pytest: show the test, not the engine
     while not all(handle.done for handle in ranks):
         pending = [handle for handle in ranks if not handle.done]
         remaining = deadline - time.monotonic()
@@ -596,6 +598,7 @@ def _unpickle_result(rank: int, payload: bytes) -> Any:
 
 def _join_all(ranks: List[_RankProcess], deadline: float) -> None:
     """Wait for ranks that reported success to exit; a crash on the way out is still a failure."""
+    __tracebackhide__ = True  # pytest: show the test, not the engine
     for handle in ranks:
         handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
     stuck = [h.rank for h in ranks if h.process.is_alive()]
@@ -633,6 +636,11 @@ def _dump_stacks(pending: List[_RankProcess]) -> str:
                 lines = f.read().rstrip().splitlines()
         except OSError:
             lines = []
+        # Most recent call first: from the first engine frame on, it is the engine and (under fork)
+        # the stack inherited from the test process, which says nothing about the hang.
+        engine_lines = [i for i, line in enumerate(lines) if f'"{__file__}"' in line]
+        if engine_lines:
+            lines = lines[: engine_lines[0]]
         if len(lines) > _STACK_DUMP_MAX_LINES:
             lines = lines[:_STACK_DUMP_MAX_LINES] + ["  ..."]
         parts.append(f"--- rank {handle.rank} ---\n" + ("\n".join(lines) if lines else "  (no stack written)"))

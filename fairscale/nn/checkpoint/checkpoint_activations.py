@@ -23,7 +23,7 @@ import inspect
 import threading
 import types
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -52,6 +52,8 @@ class _Flags(threading.local):
 
 
 _flags = _Flags()
+
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 
 @contextlib.contextmanager
@@ -97,7 +99,7 @@ def is_recomputing() -> bool:
     return _flags.is_recomputing
 
 
-def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: bool = False) -> _ModuleT:
     """Checkpoint the activations of ``module``: keep only its inputs and recompute in backward.
 
     The module is changed in place (its ``forward`` is replaced and its batch-norm layers are

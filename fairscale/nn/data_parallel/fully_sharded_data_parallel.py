@@ -3,7 +3,7 @@
 
 import contextlib
 import logging
-from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Generator, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -168,7 +168,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         )
 
         to_flatten = [p for _, p in params] if flatten_parameters else []
-        self._fsdp_wrapped_module: nn.Module = FlattenParamsWrapper(
+        self._fsdp_wrapped_module = FlattenParamsWrapper(
             module, param_list=to_flatten, optimize_backward_concat=optimize_backward_concat
         )
         del module  # reachable only through the wrapper from here on
@@ -227,7 +227,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
     @staticmethod
     def _collect_params_to_own(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
         """Parameters not yet owned by a nested FSDP instance; reject params owned by an FSDP outside ``module``."""
-        nested_owned = set()
+        nested_owned: Set[int] = set()
         for m in module.modules():
             if isinstance(m, FullyShardedDataParallel):
                 nested_owned.update(id(p) for p in m.parameters())
@@ -269,9 +269,9 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
 
     # ------------------------------------------------------------------ simple properties
     @property
-    def module(self) -> FlattenParamsWrapper:  # type: ignore[override]
+    def module(self) -> FlattenParamsWrapper:
         """The FlattenParamsWrapper around the user module (the user module is ``self.module.module``)."""
-        return self._fsdp_wrapped_module  # type: ignore[return-value]
+        return self._fsdp_wrapped_module
 
     @property
     def cpu_offload(self) -> bool:
@@ -292,7 +292,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:
-        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+        return self._fsdp_wrapped_module.__getitem__(key)
 
     def assert_state(self, state: Union[TrainingState, List[TrainingState]]) -> None:
         """Raise ``ValueError`` unless the instance is in ``state`` (or one of a list of states)."""
@@ -326,7 +326,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
 
     # ------------------------------------------------------------------ accumulation
     @contextlib.contextmanager
-    def no_sync(self) -> Generator:
+    def no_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally (unsharded, no communication) until the context exits.
 
         Call it on the root instance, outside forward/backward. The first backward after the context reduces the
@@ -348,7 +348,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
 
     # ------------------------------------------------------------------ full params
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator:
+    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator[None, None, None]:
         """Expose full, full-precision parameters on every rank for the duration of the context.
 
         The user module then has real ``nn.Parameter`` objects with their original names and shapes. Collective:
@@ -361,7 +361,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         with summon.summon_full_params(self, recurse=recurse, volatile=volatile):
             yield
 
-    def apply(self, fn: Any) -> "FullyShardedDataParallel":  # type: ignore[override]
+    def apply(self, fn: Any) -> "FullyShardedDataParallel":
         """Like ``nn.Module.apply`` but with this instance's full parameters summoned while ``fn`` runs."""
         uninitialized = self._is_root is None
         self._assert_idle_tree("apply")
@@ -372,7 +372,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
                 m._reset_lazy_init()
         return self
 
-    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":  # type: ignore[override]
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
         """``.to()/.half()/.float()/.cuda()``: allowed only when idle; shards are moved, lazy init is redone."""
         self._assert_idle_tree("_apply (.to/.half/.float)")
         if any(h.state != HandleState.SHARDED for m in self._fsdp_instances() for h in m._handles):
@@ -411,7 +411,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         if len(groups) > 1:
             raise NotImplementedError("clip_grad_norm_ with nested instances on different process groups")
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.params_with_grad]
+        grads: List[Tensor] = [p.grad for p in self.params_with_grad if p.grad is not None]
         device = self.compute_device
         if not grads:
             local = torch.zeros((), device=device)
@@ -440,7 +440,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Set the pre- and post-reduction divide factors (optionally for every nested instance)."""
         self.assert_state(TrainingState.IDLE)
-        targets = self._fsdp_instances() if recursive else [self]
+        targets = get_fsdp_instances(self) if recursive else [self]
         for m in targets:
             m.assert_state(TrainingState.IDLE)
             m.gradient_predivide_factor, m.gradient_postdivide_factor = float(pre), float(post)
@@ -453,7 +453,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
                 "forward it to the wrapped module (it then runs on the full parameters)."
             )
         with self.summon_full_params(recurse=False):
-            self.module.module.reset_parameters()  # type: ignore[operator]
+            self._fsdp_wrapped_module.module.reset_parameters()
 
     def append_shared_param(self, p: nn.Parameter) -> None:
         """(Experimental) Also treat ``p``, owned by a sibling instance, as used by this instance."""
@@ -472,7 +472,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         self.numel_padded_per_param.append(0)
 
     # ------------------------------------------------------------------ naming
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
         """Raw names when flattened (outside summon); otherwise names without the wrapper path components."""
         in_summon = any(m.training_state == TrainingState.SUMMON_FULL_PARAMS for m in self._fsdp_instances())
         for name, p in super().named_parameters(*args, **kwargs):
@@ -492,7 +492,7 @@ class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)  # type: ignore[misc]
+        super().__setstate__(state)
 
 
 def _clean_path(path: str) -> str:
@@ -516,5 +516,5 @@ def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullySh
 def cast_floats_to_right_precision(to_fp16: bool, no_grad: bool, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
     """Cast floating tensors among ``args``/``kwargs`` to fp16 (``to_fp16``) or from fp16 to fp32 (upstream helper)."""
     if to_fp16:
-        return cast_inputs(torch.float16, (torch.float32,), no_grad, args, kwargs)  # type: ignore[no-any-return]
-    return cast_inputs(torch.float32, (torch.float16,), no_grad, args, kwargs)  # type: ignore[no-any-return]
+        return cast_inputs(torch.float16, (torch.float32,), no_grad, args, kwargs)
+    return cast_inputs(torch.float32, (torch.float16,), no_grad, args, kwargs)

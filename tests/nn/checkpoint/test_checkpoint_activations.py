@@ -57,7 +57,7 @@ def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("input_requires_grad", [False, True])
-def test_fp32_parity_and_recomputation(input_requires_grad: bool):
+def test_fp32_parity_and_recomputation(input_requires_grad: bool) -> None:
     plain, ckpt = pair()
     x = torch.randn(4, 16, requires_grad=input_requires_grad)
     x2 = x.detach().clone().requires_grad_(input_requires_grad)
@@ -75,7 +75,7 @@ def test_fp32_parity_and_recomputation(input_requires_grad: bool):
         torch.testing.assert_close(x2.grad, x.grad)
 
 
-def test_bf16_autocast_is_replayed():
+def test_bf16_autocast_is_replayed() -> None:
     plain, ckpt = pair()
     x = torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -88,7 +88,7 @@ def test_bf16_autocast_is_replayed():
     assert_same_grads(plain, ckpt.module)
 
 
-def test_dropout_rng_is_replayed():
+def test_dropout_rng_is_replayed() -> None:
     plain, ckpt = pair(dropout=0.5)
     x = torch.randn(8, 16)
     torch.manual_seed(123)
@@ -102,7 +102,7 @@ def test_dropout_rng_is_replayed():
     torch.testing.assert_close(after_ckpt, after_plain)
 
 
-def test_bypassed_without_grad_and_when_disabled():
+def test_bypassed_without_grad_and_when_disabled() -> None:
     plain, ckpt = pair()
     x = torch.randn(4, 16)
     with torch.no_grad():
@@ -134,7 +134,7 @@ class MultiIO(nn.Module):
         return MultiIO.Result(main, aux), [x.sum(-1).long(), "tail"]
 
 
-def test_multiple_inputs_outputs_kwargs_and_non_tensors():
+def test_multiple_inputs_outputs_kwargs_and_non_tensors() -> None:
     torch.manual_seed(0)
     plain = MultiIO()
     ckpt = checkpoint_wrapper(copy.deepcopy(plain))
@@ -142,7 +142,7 @@ def test_multiple_inputs_outputs_kwargs_and_non_tensors():
     for model in (plain, ckpt):
         torch.manual_seed(1)
         x, y, bias = (torch.randn(2, 4, requires_grad=True) for _ in range(3))
-        (res, (ints, tail)) = model(x, y, scale=2.0, bias=bias)
+        res, (ints, tail) = model(x, y, scale=2.0, bias=bias)
         assert isinstance(res, MultiIO.Result) and type(res.aux) is OrderedDict
         assert (res.aux["note"], res.aux["count"], res.aux["nothing"], tail) == ("text", 3, None, "tail")
         assert ints.dtype == torch.int64 and not ints.requires_grad
@@ -159,10 +159,10 @@ class SumOfList(nn.Module):
         self.lin = nn.Linear(3, 3)
 
     def forward(self, xs: List[torch.Tensor], extra: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return sum(self.lin(x) for x in xs) * extra["w"]  # type: ignore[return-value]
+        return sum(self.lin(x) for x in xs) * extra["w"]
 
 
-def test_tensors_nested_in_list_and_dict_inputs_get_grads():
+def test_tensors_nested_in_list_and_dict_inputs_get_grads() -> None:
     torch.manual_seed(0)
     plain = SumOfList()
     ckpt = checkpoint_wrapper(Spy(copy.deepcopy(plain)))
@@ -180,7 +180,7 @@ def test_tensors_nested_in_list_and_dict_inputs_get_grads():
     assert_same_grads(plain, ckpt.module)
 
 
-def test_output_requires_grad_only_when_something_does():
+def test_output_requires_grad_only_when_something_does() -> None:
     torch.manual_seed(0)
     frozen = checkpoint_wrapper(Spy(mlp().requires_grad_(False)))
     x = torch.randn(2, 16)
@@ -221,7 +221,7 @@ class ViewParams(nn.Module):
         return self.lin(x).tanh()
 
 
-def test_flattened_parameter_views_count_as_requiring_grad():
+def test_flattened_parameter_views_count_as_requiring_grad() -> None:
     torch.manual_seed(0)
     flat_ref = nn.Parameter(torch.randn(20))
     flat_ck = nn.Parameter(flat_ref.detach().clone())
@@ -237,7 +237,7 @@ def test_flattened_parameter_views_count_as_requiring_grad():
     torch.testing.assert_close(flat_ck.grad, flat_ref.grad)
 
 
-def test_same_module_called_several_times_before_backward():
+def test_same_module_called_several_times_before_backward() -> None:
     plain, ckpt = pair()
     x1, x2 = torch.randn(2, 16), torch.randn(3, 16)
     (plain(plain(x1)).sum() + plain(x2).sum()).backward()
@@ -246,7 +246,7 @@ def test_same_module_called_several_times_before_backward():
     assert_same_grads(plain, ckpt.module)
 
 
-def test_nested_checkpoint_wrappers():
+def test_nested_checkpoint_wrappers() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(mlp(), nn.Linear(16, 16), mlp())
     ckpt = copy.deepcopy(plain)
@@ -263,7 +263,7 @@ def test_nested_checkpoint_wrappers():
     assert inner.calls[-1] == RECOMPUTE
 
 
-def test_backward_twice_with_retain_graph():
+def test_backward_twice_with_retain_graph() -> None:
     plain, ckpt = pair()
     x = torch.randn(4, 16)
     out_p, out_c = plain(x), ckpt(x)
@@ -288,7 +288,7 @@ def saved_bytes(fn: Any) -> int:
     return sum(storages.values())
 
 
-def test_activations_kept_for_backward_are_smaller():
+def test_activations_kept_for_backward_are_smaller() -> None:
     plain, ckpt = pair(width=64, depth=6)
     x = torch.randn(32, 64)
     plain_bytes = saved_bytes(lambda: plain(x))
@@ -301,7 +301,7 @@ def test_activations_kept_for_backward_are_smaller():
     assert disabled_bytes == plain_bytes
 
 
-def test_offload_to_cpu_keeps_results():
+def test_offload_to_cpu_keeps_results() -> None:
     torch.manual_seed(0)
     plain = mlp(dropout=0.2)
     ckpt = checkpoint_wrapper(copy.deepcopy(plain), offload_to_cpu=True)
@@ -314,7 +314,7 @@ def test_offload_to_cpu_keeps_results():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading is a no-op for CPU tensors")
-def test_offload_to_cpu_frees_device_memory():
+def test_offload_to_cpu_frees_device_memory() -> None:
     device = torch.device("cuda")
     deltas = {}
     for offload in (False, True):
@@ -330,7 +330,7 @@ def test_offload_to_cpu_frees_device_memory():
     assert deltas[False] - deltas[True] >= 4096 * 256 * 4
 
 
-def test_deprecated_import_path():
+def test_deprecated_import_path() -> None:
     from fairscale.nn.checkpoint import checkpoint_wrapper as new_path
     from fairscale.nn.misc.checkpoint_activations import checkpoint_wrapper as old_path
 
@@ -340,10 +340,11 @@ def test_deprecated_import_path():
     assert model.weight.grad is not None
 
 
-def test_pickle_and_deepcopy_keep_checkpointing():
+def test_pickle_and_deepcopy_keep_checkpointing() -> None:
     torch.manual_seed(0)
     model = checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     x = torch.randn(5, 4)
+    clone: Any
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         # The new forward is bound to the clone, not to the original module.
         clone[0].weight.data.add_(1.0)
@@ -356,7 +357,7 @@ def test_pickle_and_deepcopy_keep_checkpointing():
         assert clone[1].num_batches_tracked.item() == 1
 
 
-def test_no_reference_cycle():
+def test_no_reference_cycle() -> None:
     model = checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     forward = model.forward
     ref = weakref.ref(model)
@@ -370,8 +371,30 @@ def test_no_reference_cycle():
         forward(torch.randn(2, 4))
 
 
-def test_bad_arguments():
+def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="expects an nn.Module"):
-        checkpoint_wrapper(lambda x: x)  # type: ignore[arg-type]
+        checkpoint_wrapper(lambda x: x)  # type: ignore[type-var]
     with pytest.raises(TypeError, match="offload_to_cpu must be a bool"):
         checkpoint_wrapper(nn.Linear(2, 2), offload_to_cpu="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checkpoint_outside", [False, True])
+def test_with_flatten_params_wrapper(checkpoint_outside: bool) -> None:
+    from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(plain)
+    if checkpoint_outside:
+        spy = checkpoint_wrapper(Spy(model))  # FPW then flattens the parameters of the checkpointed module
+        wrapped = FlattenParamsWrapper(spy)
+    else:
+        spy = checkpoint_wrapper(Spy(model[0]))  # a block inside FPW: its weights become plain views
+        model[0] = spy
+        wrapped = FlattenParamsWrapper(model)
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    assert spy.calls == [FIRST_PASS, RECOMPUTE]
+    expected = torch.cat([p.grad.flatten() for p in plain.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(wrapped.flat_param.grad, expected)

@@ -18,7 +18,7 @@ NORMS: List[Callable[[], nn.Module]] = [
 ]
 
 
-def conv_model(norm: nn.Module) -> nn.Sequential:
+def conv_model(norm: nn.Module) -> Any:
     block = nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.ReLU())
     return nn.Sequential(block, nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
 
@@ -40,7 +40,7 @@ def train(model: nn.Module, steps: int, autocast: bool) -> List[torch.Tensor]:
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
 @pytest.mark.parametrize("norm_index", range(len(NORMS)), ids=["batch_norm", "layer_norm", "group_norm"])
-def test_norm_layers_match_plain_training(norm_index: int, autocast: bool):
+def test_norm_layers_match_plain_training(norm_index: int, autocast: bool) -> None:
     torch.manual_seed(0)
     plain = conv_model(NORMS[norm_index]())
     ckpt = copy.deepcopy(plain)
@@ -55,7 +55,7 @@ def test_norm_layers_match_plain_training(norm_index: int, autocast: bool):
         assert ckpt[0][1].track_running_stats
 
 
-def test_running_stats_updated_in_recomputation_only():
+def test_running_stats_updated_in_recomputation_only() -> None:
     torch.manual_seed(0)
     model = checkpoint_wrapper(conv_model(nn.BatchNorm2d(8)))
     bn = model[0][1]
@@ -66,7 +66,7 @@ def test_running_stats_updated_in_recomputation_only():
     assert bn.num_batches_tracked.item() == 1 and not torch.all(bn.running_mean == 0)
 
 
-def test_eval_mode_uses_running_stats_and_keeps_them():
+def test_eval_mode_uses_running_stats_and_keeps_them() -> None:
     torch.manual_seed(0)
     plain = conv_model(nn.BatchNorm2d(8))
     train(plain, 1, autocast=False)
@@ -79,11 +79,11 @@ def test_eval_mode_uses_running_stats_and_keeps_them():
     torch.testing.assert_close(ckpt.state_dict(), plain.state_dict())
 
 
-def test_patch_batchnorm_handles_and_behaviour():
+def test_patch_batchnorm_handles_and_behaviour() -> None:
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.SyncBatchNorm(4), nn.LayerNorm(4))
     handles = patch_batchnorm(model)
     assert len(handles) == 4  # a pre- and a post-forward hook for each of the two batch-norm layers
-    bn = model[0]
+    bn: Any = model[0]
     x = torch.randn(8, 4)
     with torch.no_grad():
         out_no_grad = bn(x)
@@ -98,7 +98,7 @@ def test_patch_batchnorm_handles_and_behaviour():
     assert bn.num_batches_tracked.item() == 2
 
 
-def test_patch_batchnorm_leaves_disabled_tracking_alone():
+def test_patch_batchnorm_leaves_disabled_tracking_alone() -> None:
     bn = nn.BatchNorm1d(4, track_running_stats=False)
     patch_batchnorm(bn)
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_patch_batchnorm_leaves_disabled_tracking_alone():
     assert not bn.track_running_stats
 
 
-def test_patching_twice_still_updates_once():
+def test_patching_twice_still_updates_once() -> None:
     torch.manual_seed(0)
     model = checkpoint_wrapper(checkpoint_wrapper(conv_model(nn.BatchNorm2d(8))))
     bn = model[0][1]
@@ -116,8 +116,8 @@ def test_patching_twice_still_updates_once():
         assert bn.track_running_stats and bn.num_batches_tracked.item() == step + 1
 
 
-def test_failed_forward_does_not_leave_tracking_disabled():
-    bn = nn.BatchNorm1d(4)
+def test_failed_forward_does_not_leave_tracking_disabled() -> None:
+    bn: Any = nn.BatchNorm1d(4)
     patch_batchnorm(bn)
     with torch.no_grad(), pytest.raises(RuntimeError):
         bn(torch.randn(8, 5))  # wrong number of features
@@ -126,7 +126,7 @@ def test_failed_forward_does_not_leave_tracking_disabled():
     assert bn.num_batches_tracked.item() == 1
 
 
-def test_patch_batchnorm_rejects_non_modules():
+def test_patch_batchnorm_rejects_non_modules() -> None:
     bad: Any = [nn.BatchNorm1d(4)]
     with pytest.raises(TypeError, match="expects an nn.Module"):
         patch_batchnorm(bad)

@@ -7,7 +7,7 @@ live with the FSDP tests.
 """
 
 import functools
-from typing import Any
+from typing import Any, Dict, Iterator
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ class Recorder(nn.Module):
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__()
-        self.module = module
+        self.module: Any = module
         self.kwargs = kwargs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -33,20 +33,20 @@ def size_policy(min_num_params: int, **kwargs: Any) -> Any:
     return functools.partial(default_auto_wrap_policy, min_num_params=min_num_params, **kwargs)
 
 
-def nested_model() -> nn.Sequential:
+def nested_model() -> Any:
     # Linear(5, 5) has 30 parameters, the inner Sequential 60, the whole model 120.
     return nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)))
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_context():
+def no_leftover_context() -> Iterator[None]:
     yield
     # Every test must leave the class-level state clean, whatever happened inside it.
     assert not ConfigAutoWrap.in_autowrap_context
     assert ConfigAutoWrap.wrapper_cls is None and ConfigAutoWrap.kwargs == {}
 
 
-def test_wrap_inside_context_uses_context_kwargs():
+def test_wrap_inside_context_uses_context_kwargs() -> None:
     with enable_wrap(wrapper_cls=Recorder, flatten_parameters=False, mixed_precision=True):
         layer = wrap(nn.Linear(5, 5))
     assert isinstance(layer, Recorder)
@@ -54,7 +54,7 @@ def test_wrap_inside_context_uses_context_kwargs():
     assert layer.kwargs == {"flatten_parameters": False, "mixed_precision": True}
 
 
-def test_wrap_and_auto_wrap_are_noops_outside_context():
+def test_wrap_and_auto_wrap_are_noops_outside_context() -> None:
     linear = nn.Linear(5, 5)
     assert wrap(linear, flatten_parameters=True) is linear
     model = nested_model()
@@ -62,7 +62,7 @@ def test_wrap_and_auto_wrap_are_noops_outside_context():
     assert not any(isinstance(m, Recorder) for m in model.modules())
 
 
-def test_override_precedence_context_then_wrapper_config_then_explicit():
+def test_override_precedence_context_then_wrapper_config_then_explicit() -> None:
     linear = nn.Linear(5, 5)
     linear.wrapper_config = {"a": "config", "b": "config"}  # type: ignore[assignment]
     with enable_wrap(wrapper_cls=Recorder, a="context", b="context", c="context"):
@@ -70,7 +70,7 @@ def test_override_precedence_context_then_wrapper_config_then_explicit():
     assert layer.kwargs == {"a": "config", "b": "explicit", "c": "context"}
 
 
-def test_wrapper_config_must_be_a_dict():
+def test_wrapper_config_must_be_a_dict() -> None:
     linear = nn.Linear(5, 5)
     linear.wrapper_config = ["not", "a", "dict"]  # type: ignore[assignment]
     with enable_wrap(wrapper_cls=Recorder):
@@ -78,13 +78,13 @@ def test_wrapper_config_must_be_a_dict():
             wrap(linear)
 
 
-def test_wrapper_cls_may_be_a_factory_function():
+def test_wrapper_cls_may_be_a_factory_function() -> None:
     with enable_wrap(wrapper_cls=lambda m, **kw: Recorder(m, via="factory", **kw), x=1):
         layer = wrap(nn.Linear(2, 2))
     assert isinstance(layer, Recorder) and layer.kwargs == {"via": "factory", "x": 1}
 
 
-def test_auto_wrap_by_size():
+def test_auto_wrap_by_size() -> None:
     model = nested_model()
     with enable_wrap(wrapper_cls=Recorder, flatten_parameters=False):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
@@ -97,7 +97,7 @@ def test_auto_wrap_by_size():
     assert all(isinstance(m, nn.Linear) for m in root[2].module)
 
 
-def test_auto_wrap_root_not_wrapped_when_children_took_the_parameters():
+def test_auto_wrap_root_not_wrapped_when_children_took_the_parameters() -> None:
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))  # 110 parameters each
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(100))
@@ -105,7 +105,7 @@ def test_auto_wrap_root_not_wrapped_when_children_took_the_parameters():
     assert isinstance(model[0], Recorder) and isinstance(model[1], Recorder)
 
 
-def test_auto_wrap_keeps_outputs_and_passes_kwargs():
+def test_auto_wrap_keeps_outputs_and_passes_kwargs() -> None:
     torch.manual_seed(0)
     model = nested_model()
     x = torch.randn(3, 5)
@@ -117,14 +117,14 @@ def test_auto_wrap_keeps_outputs_and_passes_kwargs():
     assert len(recorders) == 2 and all(r.kwargs == {"a": 1, "b": 2} for r in recorders)
 
 
-def test_default_policy_threshold_is_1e8():
+def test_default_policy_threshold_is_1e8() -> None:
     model = nested_model()
     with enable_wrap(wrapper_cls=Recorder):
         assert auto_wrap(model) is model
     assert not any(isinstance(m, Recorder) for m in model.modules())
 
 
-def test_skip_params_check_for_root():
+def test_skip_params_check_for_root() -> None:
     for skip in (False, True):
         model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))  # 110 parameters each
         with enable_wrap(wrapper_cls=Recorder):
@@ -135,14 +135,14 @@ def test_skip_params_check_for_root():
         assert sum(isinstance(m, Recorder) for m in wrapped.modules()) == 2 + int(skip)
 
 
-def test_small_root_is_never_descended_into():
+def test_small_root_is_never_descended_into() -> None:
     model = nested_model()
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(1000, skip_params_check_for_root=True))
     assert wrapped is model and not any(isinstance(m, Recorder) for m in model.modules())
 
 
-def test_preset_exclude_wrap_module_list():
+def test_preset_exclude_wrap_module_list() -> None:
     model = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)])
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
@@ -150,7 +150,7 @@ def test_preset_exclude_wrap_module_list():
     assert wrapped is model and not any(isinstance(m, Recorder) for m in model.modules())
 
 
-def test_preset_exclude_wrap_still_wraps_children():
+def test_preset_exclude_wrap_still_wraps_children() -> None:
     model = nn.ModuleDict({"big": nn.Linear(10, 10), "small": nn.Linear(2, 2)})
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
@@ -158,7 +158,7 @@ def test_preset_exclude_wrap_still_wraps_children():
     assert isinstance(model["big"], Recorder) and isinstance(model["small"], nn.Linear)
 
 
-def test_preset_force_leaf_multihead_attention():
+def test_preset_force_leaf_multihead_attention() -> None:
     model = nn.Sequential(nn.Linear(10, 10), nn.MultiheadAttention(100, 1))
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
@@ -180,7 +180,7 @@ class TwoBranches(nn.Module):
         return self.head(self.branch(x))
 
 
-def test_custom_force_leaf_modules():
+def test_custom_force_leaf_modules() -> None:
     with enable_wrap(wrapper_cls=Recorder):
         plain = auto_wrap(TwoBranches(), auto_wrap_policy=size_policy(40))
         leaf = auto_wrap(TwoBranches(), auto_wrap_policy=size_policy(40, force_leaf_modules={nn.Sequential}))
@@ -190,14 +190,14 @@ def test_custom_force_leaf_modules():
     assert isinstance(leaf, Recorder) and isinstance(leaf.module.branch, nn.Sequential)
 
 
-def test_custom_exclude_wrap_modules():
+def test_custom_exclude_wrap_modules() -> None:
     model = nn.ModuleList([nn.Linear(10, 10)])
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40, exclude_wrap_modules={nn.Linear}))
     assert isinstance(wrapped, Recorder) and isinstance(wrapped.module[0], nn.Linear)
 
 
-def test_default_sets_are_function_attributes_read_at_call_time():
+def test_default_sets_are_function_attributes_read_at_call_time() -> None:
     assert default_auto_wrap_policy.EXCLUDE_WRAP_MODULES == {nn.ModuleList, nn.ModuleDict}  # type: ignore
     assert default_auto_wrap_policy.FORCE_LEAF_MODULES == {nn.MultiheadAttention}  # type: ignore
     saved = set(default_auto_wrap_policy.EXCLUDE_WRAP_MODULES)  # type: ignore
@@ -210,7 +210,7 @@ def test_default_sets_are_function_attributes_read_at_call_time():
         default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = saved  # type: ignore
 
 
-def test_custom_policy_sees_keyword_arguments():
+def test_custom_policy_sees_keyword_arguments() -> None:
     calls = []
 
     def linear_only(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
@@ -226,7 +226,7 @@ def test_custom_policy_sees_keyword_arguments():
     assert calls[-1] == ("Sequential", False, 0, True)  # all parameters were taken by the Linears
 
 
-def test_policy_given_to_enable_wrap_is_the_default_of_auto_wrap():
+def test_policy_given_to_enable_wrap_is_the_default_of_auto_wrap() -> None:
     model = nested_model()
     with enable_wrap(auto_wrap_policy=size_policy(100), wrapper_cls=Recorder):
         wrapped = auto_wrap(model)
@@ -237,12 +237,12 @@ def test_policy_given_to_enable_wrap_is_the_default_of_auto_wrap():
     assert wrapped is model
 
 
-def test_config_auto_wrap_policy_wraps_only_tagged_modules():
+def test_config_auto_wrap_policy_wraps_only_tagged_modules() -> None:
     model = nested_model()
-    model[1].wrapper_config = {"flatten_parameters": False}  # type: ignore[assignment]
-    model[2][0].wrapper_config = {}  # type: ignore[assignment]
+    model[1].wrapper_config = {"flatten_parameters": False}
+    model[2][0].wrapper_config = {}
     with enable_wrap(wrapper_cls=Recorder, mixed_precision=True):
-        wrapped = auto_wrap(model, auto_wrap_policy=config_auto_wrap_policy)
+        wrapped: Any = auto_wrap(model, auto_wrap_policy=config_auto_wrap_policy)
     assert wrapped is model
     assert isinstance(model[0], nn.Linear)
     assert isinstance(model[1], Recorder) and model[1].kwargs == {"mixed_precision": True, "flatten_parameters": False}
@@ -250,7 +250,7 @@ def test_config_auto_wrap_policy_wraps_only_tagged_modules():
     assert isinstance(model[2][1], nn.Linear)
 
 
-def test_nested_enable_wrap_raises_and_keeps_outer_context():
+def test_nested_enable_wrap_raises_and_keeps_outer_context() -> None:
     with enable_wrap(wrapper_cls=Recorder, a=1):
         with pytest.raises(NotImplementedError, match="nested"):
             with enable_wrap(wrapper_cls=Recorder, a=2):
@@ -259,7 +259,7 @@ def test_nested_enable_wrap_raises_and_keeps_outer_context():
     assert not ConfigAutoWrap.in_autowrap_context
 
 
-def test_context_is_reset_after_an_exception():
+def test_context_is_reset_after_an_exception() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with enable_wrap(wrapper_cls=Recorder):
             raise RuntimeError("boom")
@@ -267,7 +267,7 @@ def test_context_is_reset_after_an_exception():
     assert wrap(linear) is linear
 
 
-def test_missing_or_bad_wrapper_cls():
+def test_missing_or_bad_wrapper_cls() -> None:
     with pytest.raises(ValueError, match="wrapper_cls"):
         with enable_wrap(flatten_parameters=True):
             pass
@@ -276,7 +276,7 @@ def test_missing_or_bad_wrapper_cls():
             pass
 
 
-def test_auto_wrap_refuses_already_wrapped_trees():
+def test_auto_wrap_refuses_already_wrapped_trees() -> None:
     with enable_wrap(wrapper_cls=Recorder):
         inner = wrap(nn.Linear(5, 5))
         model = nn.Sequential(nn.Linear(5, 5), inner)
@@ -287,17 +287,17 @@ def test_auto_wrap_refuses_already_wrapped_trees():
     # Parameters marked as sharded belong to a wrapper of another kind (e.g. FSDP): also refused.
     model = nested_model()
     for p in model[2].parameters():
-        p._is_sharded = True  # type: ignore[attr-defined]
+        p._is_sharded = True
     with enable_wrap(wrapper_cls=Recorder):
         with pytest.raises(ValueError, match="submodule '2' "):
             auto_wrap(model, auto_wrap_policy=size_policy(1))
 
 
-def test_sharded_parameters_do_not_count_towards_the_size():
+def test_sharded_parameters_do_not_count_towards_the_size() -> None:
     model = nested_model()
     for p in model[2].parameters():
-        p._is_sharded = True  # type: ignore[attr-defined]
-    sizes = {}
+        p._is_sharded = True
+    sizes: Dict[int, int] = {}
 
     def record(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
         sizes.setdefault(id(module), unwrapped_params)
@@ -308,7 +308,7 @@ def test_sharded_parameters_do_not_count_towards_the_size():
     assert sizes[id(model)] == 60
 
 
-def test_move_module_cuda_half_is_not_a_wrapper_argument():
+def test_move_module_cuda_half_is_not_a_wrapper_argument() -> None:
     with enable_wrap(wrapper_cls=Recorder, move_module_cuda_half=True, a=1):
         assert ConfigAutoWrap.move_module_cuda_half is True
         assert ConfigAutoWrap.kwargs == {"a": 1}
@@ -316,8 +316,8 @@ def test_move_module_cuda_half_is_not_a_wrapper_argument():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="moves the module to CUDA")
-def test_move_module_cuda_half():
+def test_move_module_cuda_half() -> None:
     with enable_wrap(wrapper_cls=Recorder, move_module_cuda_half=True):
-        layer = wrap(nn.Linear(5, 5))
+        layer: Any = wrap(nn.Linear(5, 5))
     assert layer.module.weight.is_cuda and layer.module.weight.dtype == torch.float16
     assert layer.kwargs == {}

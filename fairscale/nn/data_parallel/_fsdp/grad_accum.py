@@ -44,7 +44,7 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
     """Views of a flat parameter whose gradients are accumulated into a flat buffer (see module docstring)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, anchor: Tensor, info: _NodeInfo, data: Tensor, shapes: List[torch.Size]
     ) -> Tuple[Tensor, ...]:
         # `anchor` is an empty leaf that requires grad: it makes the outputs require grad without linking them to
@@ -99,7 +99,7 @@ def install(fsdp: "FSDPRuntime") -> None:
     if not fsdp.optimize_backward_concat or not fsdp.flatten_parameters:
         return
     fsdp._grad_anchor = torch.empty(0, requires_grad=True)
-    fsdp._fsdp_wrapped_module._view_builder = functools.partial(build_views, fsdp)  # type: ignore[union-attr]
+    fsdp._fsdp_wrapped_module._view_builder = functools.partial(build_views, fsdp)
 
 
 def take_buffer_for_reduction(h: FlatHandle) -> Tensor:

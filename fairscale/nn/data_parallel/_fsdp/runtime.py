@@ -82,6 +82,10 @@ class FSDPRuntime(nn.Module):
     gradient_postdivide_factor: float
     optimize_backward_concat: bool
     params: List[nn.Parameter]
+    _fsdp_wrapped_module: Any
+    _num_flatten_params: int
+    state_dict_device: torch.device
+    state_dict_on_rank_0_only: bool
     _handles: List[FlatHandle]
     _is_root: Optional[bool]
     _tree: Optional[TreeState]
@@ -234,7 +238,7 @@ class FSDPRuntime(nn.Module):
                 args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
             self._rebuild_full_params("forward")
             self._use_full_params()
-            outputs = self.module(*args, **kwargs)
+            outputs = self._fsdp_wrapped_module(*args, **kwargs)
             if self.reshard_after_forward:
                 self._reshard(after_forward=True)
             self._use_fp32_shards()

@@ -39,10 +39,10 @@ def no_pre_load_state_dict_hook() -> Iterator[None]:
 def _post_state_dict_hook(module: "FSDPRuntime", state_dict: Dict[str, Any], prefix: str, *args: Any) -> Any:
     import torch.distributed as dist
 
-    if getattr(module, "state_dict_on_rank_0_only", False) and dist.get_rank() != 0:
+    if module.state_dict_on_rank_0_only and dist.get_rank() != 0:
         state_dict.clear()
         return state_dict
-    device = module.state_dict_device  # type: ignore[attr-defined]
+    device = module.state_dict_device
     in_summon = module.training_state == TrainingState.SUMMON_FULL_PARAMS
     for key in list(state_dict.keys()):
         if not key.startswith(prefix):
@@ -75,7 +75,7 @@ class StateDictMixin:
         self._register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
 
     # ------------------------------------------------------------------ saving
-    def state_dict(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+    def state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
         """The full (unsharded) state dict: the unwrapped module's keys, fp32 values. Collective: call on all ranks.
 
         Safe at any point of a step, including between a forward and its backward.
@@ -102,14 +102,14 @@ class StateDictMixin:
             for k, v in sd.items():
                 if isinstance(v, Tensor) and v.device.type != "cpu":
                     sd[k] = v.cpu()
-        return sd  # type: ignore[no-any-return]
+        return sd
 
     def local_state_dict(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names."""
         if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
         with _local_mode(self):
-            return self.__class__._fsdp_state_dict(self, *args, **kwargs)  # type: ignore[no-any-return]
+            return self.__class__._fsdp_state_dict(self, *args, **kwargs)
 
     @staticmethod
     def _fsdp_state_dict(module: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
@@ -117,9 +117,7 @@ class StateDictMixin:
         return StateDictMixin.state_dict(module, *args, **kwargs)
 
     # ------------------------------------------------------------------ loading
-    def load_state_dict(  # type: ignore[override]
-        self: Any, state_dict: Mapping[str, Any], strict: bool = True, **kwargs: Any
-    ) -> Any:
+    def load_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict (the unwrapped module's keys). Collective. All-or-nothing.
 
         Raises:

@@ -53,10 +53,10 @@ def _summon_one(fsdp: "FSDPRuntime", volatile: bool) -> Iterator[None]:
     try:
         for h, full in zip(handles, fulls):
             h.param.data = full[: h.numel].view(h.orig_size)
-        fpw = fsdp.module
-        if getattr(fpw, "is_flattened", False) and fsdp._num_flatten_params > 0:  # type: ignore[attr-defined]
-            flat = [h.param.data for h in handles[: fsdp._num_flatten_params]]  # type: ignore[attr-defined]
-            with fpw.unflatten_params(flat_params=flat):  # type: ignore[operator]
+        fpw = fsdp._fsdp_wrapped_module
+        if getattr(fpw, "is_flattened", False) and fsdp._num_flatten_params > 0:
+            flat = [h.param.data for h in handles[: fsdp._num_flatten_params]]
+            with fpw.unflatten_params(flat_params=flat):
                 yield
         else:
             yield

@@ -111,7 +111,7 @@ def pre_load_state_dict_hook(
     rewrite = _enable_pre_load_state_dict_hook()
     if rewrite:
         _add_wrapper_level(module, state_dict, prefix)
-    absent = _fold_original_keys(module, state_dict, prefix, error_msgs)
+    absent = _fold_original_keys(module, state_dict, prefix, error_msgs, rewrite)
     # Handed to post_load_state_dict_hook, which has no access to the prefix.
     setattr(module, _LOAD_CONTEXT, _LoadContext(prefix, rewrite, absent))
 
@@ -157,7 +157,7 @@ def _add_wrapper_level(module: "FlattenParamsWrapper", state_dict: Dict[str, Any
 
 
 def _fold_original_keys(
-    module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]
+    module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str, error_msgs: List[str], rewritten: bool
 ) -> List[str]:
     """Replace the original-name entries of each flat group by one flat entry; return the names not found.
 
@@ -186,8 +186,9 @@ def _fold_original_keys(
                 value = state_dict.pop(key)
                 if not isinstance(value, Tensor) or value.shape != shape:
                     got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    shown = prefix + key[len(prefix + FPW_MODULE + ".") :] if rewritten else key
                     error_msgs.append(
-                        f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
+                        f"size mismatch for {shown}: copying a param with shape {got} from checkpoint, "
                         f"the shape in current model is {tuple(shape)}."
                     )
                     continue

@@ -1,0 +1,421 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Sharded-checkpoint metadata and offline consolidation, in upstream's format (spec 2.5).
+
+A sharded checkpoint is, per rank, the rank's :meth:`local_state_dict` (padded 1-D shards) plus the rank's
+:func:`local_metadata_dict`, which says how to cut those shards back into the original parameters. With both from
+every rank, :func:`consolidate_shard_weights` rebuilds the full state dict on a CPU, without a process group, and
+:func:`reshard_full_state_dict` goes the other way for any world size.
+
+Metadata format (one entry per FSDP instance, ``named_modules()`` order, empty instances included)::
+
+    {"param_metadata": [{"fsdp_path": "" or "a.b",
+                         "params": {<backing name>: {"names": [...], "shapes": [...], "numels": [...],
+                                                     "padding": int}},
+                         "no_broadcast_optim_state": bool,
+                         "shared_param_info": [(src, dst), ...]}],
+     "buffer_names": [...]}
+
+Names are clean (no ``_fsdp_wrapped_module`` / ``_fpw_module``) and relative to the instance's ``fsdp_path``; the
+per-backing dict keeps the key order names, shapes, numels, padding because upstream's consumer unpacks it
+positionally.
+
+Unlike upstream, every instance's ``shared_param_info`` is applied, each relative to its own instance (upstream
+used only the last instance's list, with paths relative to that instance), and non-flattened instances list their
+tied parameters too.
+"""
+
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from fairscale.internal.parallel import chunk_and_pad
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import FSDPRuntime
+
+__all__ = [
+    "CheckpointFormatsMixin",
+    "consolidate_shard_weights",
+    "local_metadata_dict",
+    "reshard_full_state_dict",
+]
+
+_WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_fpw_module")
+
+
+def _clean(path: str) -> str:
+    return ".".join(c for c in path.split(".") if c and c not in _WRAPPER_COMPONENTS)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+# ---------------------------------------------------------------------------------------------------- metadata
+
+
+def local_metadata_dict(fsdp: "FSDPRuntime") -> Dict[str, Any]:
+    """This rank's sharding metadata for :func:`consolidate_shard_weights` (upstream's format, see module doc).
+
+    Needs no communication. Call it on the instance whose :meth:`local_state_dict` is saved (the root).
+    """
+    from .runtime import FSDPRuntime
+
+    entries = []
+    for path, m in fsdp.named_modules():
+        if isinstance(m, FSDPRuntime):
+            entries.append(_instance_entry(m, _clean(path)))
+    return {"param_metadata": entries, "buffer_names": _persistent_buffer_names(fsdp)}
+
+
+def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
+    fpw: Any = m._fsdp_wrapped_module
+    params: Dict[str, Dict[str, Any]] = {}
+    owned = [(i, h) for i, h in enumerate(m._handles) if not getattr(h.param, "_is_shared", False)]
+    flat_params = list(getattr(fpw, "flat_params", []))
+    for i, h in owned:
+        if i < len(flat_params):
+            names, shapes, numels = flat_params[i].metadata()
+            backing = fpw.flat_param_names[i]
+            names = [_clean(n) for n in names]
+        else:
+            backing = m._param_name_groups[i][0]  # type: ignore[attr-defined]
+            names, shapes, numels = [backing], [h.orig_size], [h.numel]
+        # Key order matters: upstream's consumer unpacks these values positionally.
+        params[backing] = {
+            "names": list(names),
+            "shapes": [torch.Size(s) for s in shapes],
+            "numels": [int(n) for n in numels],
+            "padding": int(m.numel_padded_per_param[i]),  # type: ignore[attr-defined]
+        }
+    shared = _shared_param_pairs(m, flat_params)
+    return {
+        "fsdp_path": fsdp_path,
+        "params": params,
+        "no_broadcast_optim_state": bool(getattr(m, "no_broadcast_optim_state", False)),
+        "shared_param_info": shared,
+    }
+
+
+def _shared_param_pairs(m: "FSDPRuntime", flat_params: List[Any]) -> List[Tuple[str, str]]:
+    """``(src, dst)`` pairs, relative to the instance: ``dst`` is another name of the parameter saved as ``src``."""
+    if flat_params:
+        return [
+            (_clean(_join(src_mod, src_name)), _clean(_join(dst_mod, dst_name)))
+            for flat in flat_params
+            for dst_mod, src_mod, _, dst_name, _, src_name in flat._shared_param_infos
+        ]
+    # Non-flattened: the FlattenParamsWrapper does not track aliases, so find the names under which an owned
+    # parameter appears more than once (tied weights), skipping nested instances, which report their own.
+    owned = {id(p) for p in m.params if not getattr(p, "_is_shared", False)}
+    first: Dict[int, str] = {}
+    pairs: List[Tuple[str, str]] = []
+    for name, p in m._fsdp_wrapped_module.named_parameters(remove_duplicate=False):
+        if id(p) not in owned or "_fsdp_wrapped_module" in name.split("."):
+            continue
+        clean = _clean(name)
+        if id(p) in first:
+            pairs.append((first[id(p)], clean))
+        else:
+            first[id(p)] = clean
+    return pairs
+
+
+def _persistent_buffer_names(fsdp: nn.Module) -> List[str]:
+    """Clean names of every buffer a state dict of ``fsdp`` contains (non-persistent buffers are not saved)."""
+    names: List[str] = []
+    for mod_path, mod in fsdp.named_modules(remove_duplicate=False):
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                clean = _clean(_join(mod_path, name))
+                if clean not in names:
+                    names.append(clean)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------------- consolidation
+
+
+def consolidate_shard_weights(
+    shard_weights: Sequence[Mapping[str, Any]],
+    shard_metadata: Sequence[Mapping[str, Any]],
+    with_module_buffers: bool = True,
+    strict: bool = True,
+) -> Dict[str, Tensor]:
+    """Rebuild the full state dict from every rank's local state dict and metadata (no process group needed).
+
+    Args:
+        shard_weights: ``shard_weights[r]`` is rank ``r``'s :meth:`local_state_dict`, for every rank.
+        shard_metadata: ``shard_metadata[r]`` is rank ``r``'s :meth:`local_metadata_dict`.
+        with_module_buffers: also copy the buffers (taken from rank 0).
+        strict: raise on a parameter or buffer that the metadata lists but rank 0's weights lack; with
+            ``False`` such entries are skipped.
+
+    Returns:
+        The full state dict: the unwrapped module's keys (parameters first, then buffers), full shapes, values
+        copied (they do not alias the inputs). Tied parameters appear under each of their names, as in
+        :meth:`state_dict`.
+
+    Raises:
+        ValueError: the two lists differ in length or are empty; a rank's metadata does not describe the same
+            model as rank 0's; or the shards do not add up to the sizes the metadata gives (shards of another
+            model, or not every rank's shards).
+        KeyError: with ``strict=True``, a listed entry is missing from rank 0's weights, or any rank lacks a
+            shard that rank 0 has.
+    """
+    if len(shard_weights) != len(shard_metadata) or len(shard_weights) == 0:
+        raise ValueError(
+            "consolidate_shard_weights needs one local state dict and one metadata dict per rank, in rank order; got "
+            f"{len(shard_weights)} state dicts and {len(shard_metadata)} metadata dicts"
+        )
+    entries = _check_metadata(shard_metadata)
+    out: Dict[str, Tensor] = {}
+    for idx, entry in enumerate(entries):
+        path = entry["fsdp_path"]
+        for backing, info in entry["params"].items():
+            local_key = _join(path, backing)
+            if local_key not in shard_weights[0]:
+                if strict:
+                    raise KeyError(
+                        f"consolidate_shard_weights: rank 0's weights have no {local_key!r}, which its metadata lists "
+                        "(pass strict=False to skip missing parameters)"
+                    )
+                continue
+            ranks = [0] if entry["no_broadcast_optim_state"] else range(len(shard_weights))
+            pieces = [_unpadded_piece(shard_weights, shard_metadata, r, idx, backing, local_key) for r in ranks]
+            full = torch.cat(pieces)
+            names, shapes, numels = info["names"], info["shapes"], [int(n) for n in info["numels"]]
+            if full.numel() != sum(numels):
+                raise ValueError(
+                    f"consolidate_shard_weights: the shards of {local_key!r} of ranks 0..{len(pieces) - 1} hold "
+                    f"{full.numel()} elements after removing padding, but the metadata's parameters {names} need "
+                    f"{sum(numels)}. Pass the local state dict and metadata of every rank of one checkpoint, in rank "
+                    "order, and metadata written by the same model."
+                )
+            for name, shape, piece in zip(names, shapes, full.split(numels)):
+                out[_join(path, name)] = piece.view(shape).clone()
+    for entry in entries:
+        _copy_shared(out, entry, strict)
+    if with_module_buffers:
+        for name in shard_metadata[0]["buffer_names"]:
+            if name not in shard_weights[0]:
+                if strict:
+                    raise KeyError(
+                        f"consolidate_shard_weights: rank 0's weights have no buffer {name!r}, which its metadata "
+                        "lists (pass strict=False to skip missing buffers)"
+                    )
+                continue
+            value = shard_weights[0][name]
+            out[name] = value.clone() if isinstance(value, Tensor) else value
+    return out
+
+
+def _check_metadata(shard_metadata: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Every rank's metadata must describe the same instances and parameters as rank 0's."""
+    for r, meta in enumerate(shard_metadata):
+        if not isinstance(meta, Mapping) or "param_metadata" not in meta or "buffer_names" not in meta:
+            raise ValueError(
+                f"consolidate_shard_weights: shard_metadata[{r}] is not a local_metadata_dict() result (it needs "
+                "'param_metadata' and 'buffer_names')"
+            )
+    reference = _layout(shard_metadata[0])
+    for r, meta in enumerate(shard_metadata[1:], start=1):
+        if _layout(meta) != reference:
+            raise ValueError(
+                f"consolidate_shard_weights: the metadata of rank {r} describes other instances or parameters than "
+                "rank 0's; all metadata must come from the same model and checkpoint"
+            )
+    return list(shard_metadata[0]["param_metadata"])
+
+
+def _layout(meta: Mapping[str, Any]) -> List[Any]:
+    """What must agree between ranks: instance paths, backing names, parameter names and shapes."""
+    return [
+        (e["fsdp_path"], [(k, list(v["names"]), [tuple(s) for s in v["shapes"]]) for k, v in e["params"].items()])
+        for e in meta["param_metadata"]
+    ]
+
+
+def _unpadded_piece(
+    shard_weights: Sequence[Mapping[str, Any]],
+    shard_metadata: Sequence[Mapping[str, Any]],
+    rank: int,
+    entry_idx: int,
+    backing: str,
+    local_key: str,
+) -> Tensor:
+    if local_key not in shard_weights[rank]:
+        raise KeyError(
+            f"consolidate_shard_weights: rank {rank}'s weights have no {local_key!r} but rank 0's do; the state dicts "
+            "must all come from the same checkpoint"
+        )
+    shard = shard_weights[rank][local_key]
+    padding = int(shard_metadata[rank]["param_metadata"][entry_idx]["params"][backing]["padding"])
+    flat = shard.reshape(-1)
+    if not 0 <= padding <= flat.numel():
+        raise ValueError(
+            f"consolidate_shard_weights: rank {rank}'s metadata says {local_key!r} has {padding} padding elements "
+            f"but its shard has {flat.numel()} elements; metadata and weights are from different checkpoints"
+        )
+    return flat[: flat.numel() - padding]
+
+
+def _copy_shared(out: Dict[str, Tensor], entry: Mapping[str, Any], strict: bool) -> None:
+    path = entry["fsdp_path"]
+    for src, dst in entry.get("shared_param_info", []):
+        src_key, dst_key = _join(path, src), _join(path, dst)
+        if src_key not in out:
+            if strict:
+                raise KeyError(f"consolidate_shard_weights: shared parameter {dst_key!r} aliases missing {src_key!r}")
+            continue
+        out[dst_key] = out[src_key]  # the same tensor under both names, as state_dict() returns tied weights
+
+
+# ---------------------------------------------------------------------------------------------------- resharding
+
+
+def reshard_full_state_dict(
+    full_state_dict: Mapping[str, Any], metadata: Mapping[str, Any], world_size: int
+) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """Cut a full state dict into the local state dicts of ``world_size`` ranks (no process group needed).
+
+    The wrapping (which parameters each instance flattens, in which order) is read from ``metadata``, any rank's
+    :meth:`local_metadata_dict` of a model wrapped the same way, at any world size. Each result loads with
+    :meth:`load_local_state_dict` into that model wrapped at ``world_size``, as if it had been saved there.
+    Instances with ``no_broadcast_optim_state`` keep the full tensor on every rank (as their consolidation takes
+    rank 0's tensor as complete).
+
+    Args:
+        full_state_dict: a full state dict (:meth:`state_dict` or :func:`consolidate_shard_weights` output).
+        metadata: a local metadata dict describing the wrapping.
+        world_size: the number of ranks to shard for.
+
+    Returns:
+        ``(weights, metadata)``: one local state dict and one metadata dict per rank.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+        KeyError: a parameter or buffer the metadata lists is missing from ``full_state_dict``.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"reshard_full_state_dict: world_size must be a positive int, got {world_size!r}")
+    weights: List[Dict[str, Any]] = [{} for _ in range(world_size)]
+    metas: List[Dict[str, Any]] = [
+        {"param_metadata": [], "buffer_names": list(metadata["buffer_names"])} for _ in range(world_size)
+    ]
+    for entry in metadata["param_metadata"]:
+        path = entry["fsdp_path"]
+        per_rank: List[Dict[str, Any]] = [{} for _ in range(world_size)]
+        for backing, info in entry["params"].items():
+            full = torch.cat([_full_value(full_state_dict, _join(path, n)).reshape(-1) for n in info["names"]])
+            if entry["no_broadcast_optim_state"] or world_size == 1:
+                # Unsharded: every rank holds the whole tensor; a non-flattened parameter keeps its shape.
+                unflattened = len(info["names"]) == 1 and backing == info["names"][0]
+                whole = full.view(info["shapes"][0]) if unflattened else full
+                pieces, paddings = [whole.clone() for _ in range(world_size)], [0] * world_size
+            else:
+                pieces, paddings = _shard_all(full, world_size)
+            for r in range(world_size):
+                weights[r][_join(path, backing)] = pieces[r]
+                per_rank[r][backing] = {
+                    "names": list(info["names"]),
+                    "shapes": list(info["shapes"]),
+                    "numels": list(info["numels"]),
+                    "padding": paddings[r],
+                }
+        for r in range(world_size):
+            metas[r]["param_metadata"].append({**entry, "params": per_rank[r]})
+    for name in metadata["buffer_names"]:
+        value = _full_value(full_state_dict, name)
+        for r in range(world_size):
+            weights[r][name] = value.clone() if isinstance(value, Tensor) else value
+    return weights, metas
+
+
+def _full_value(full_state_dict: Mapping[str, Any], key: str) -> Any:
+    if key not in full_state_dict:
+        raise KeyError(f"reshard_full_state_dict: the full state dict has no {key!r}, which the metadata lists")
+    return full_state_dict[key]
+
+
+def _shard_all(full: Tensor, world_size: int) -> Tuple[List[Tensor], List[int]]:
+    """Every rank's chunk-and-pad shard of a 1-D tensor, and each rank's padding."""
+    chunks = chunk_and_pad(full, world_size)
+    shard_numel = chunks[0].numel()
+    real = [max(0, min(shard_numel, full.numel() - r * shard_numel)) for r in range(world_size)]
+    return [c.clone() for c in chunks], [shard_numel - n for n in real]
+
+
+# ---------------------------------------------------------------------------------------------------- front methods
+
+
+class CheckpointFormatsMixin:
+    """Checkpoint-format methods of :class:`FullyShardedDataParallel`: metadata, consolidation, optimizer state."""
+
+    def local_metadata_dict(self) -> Dict[str, Any]:
+        """This rank's sharding metadata, to save next to :meth:`local_state_dict` (upstream's format).
+
+        With every rank's local state dict and metadata, :meth:`consolidate_shard_weights` rebuilds the full
+        state dict offline. No communication.
+        """
+        return local_metadata_dict(self)  # type: ignore[arg-type]
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: List[Dict[str, Tensor]],
+        shard_metadata: List[Dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> Dict[str, Tensor]:
+        """Rebuild the full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`.
+
+        Works on CPU without a process group. See :func:`fairscale.nn.data_parallel._fsdp.metadata.
+        consolidate_shard_weights` for the details.
+
+        Args:
+            shard_weights: every rank's local state dict, in rank order.
+            shard_metadata: every rank's local metadata dict, in rank order.
+            with_module_buffers: also copy the buffers (from rank 0).
+            strict: raise on entries the metadata lists but the weights lack (else skip them).
+
+        Returns:
+            The full state dict, with the unwrapped module's keys.
+        """
+        return consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
+        """Gather the optimizer state of every rank into one unsharded dict, returned on global rank 0.
+
+        Collective: call it on every rank. The result has one ``state`` entry per original (unflattened)
+        parameter, with full-shape tensors on the CPU, plus ``param_groups``, ``param_id_map`` and
+        ``uncollected_local_ids`` (upstream's format). The optimizer itself is not modified. Needs
+        ``flatten_parameters=True``, one parameter group, and an optimizer built on ``model.parameters()``.
+
+        Args:
+            optim: the optimizer over this model's parameters.
+            **ignored: accepted for upstream compatibility (e.g. ``recipient_rank``), unused.
+
+        Returns:
+            The full optimizer state dict on global rank 0, ``None`` on the other ranks.
+        """
+        from .optim_state import gather_full_optim_state_dict
+
+        return gather_full_optim_state_dict(self, optim, **ignored)  # type: ignore[arg-type]
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's optimizer state dict, cut from a :meth:`gather_full_optim_state_dict` result.
+
+        The full dict may come from any world size; every instance is sharded over its own process group. No
+        communication; ``full_optim_state_dict`` is left unchanged (upstream modified it in place). Load the
+        result with ``optim.load_state_dict``.
+
+        Args:
+            full_optim_state_dict: the gathered dict (e.g. loaded from a checkpoint).
+
+        Returns:
+            The sharded optimizer state dict for this rank.
+        """
+        from .optim_state import get_shard_from_optim_state_dict
+
+        return get_shard_from_optim_state_dict(self, full_optim_state_dict)  # type: ignore[arg-type]
