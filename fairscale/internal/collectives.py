@@ -302,9 +302,7 @@ _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Errors a backend raises, before any communication, for a variant or dtype it lacks. Only
 # these trigger a fallback: anything else (a dead peer, a timeout) must surface unchanged.
-_UNSUPPORTED = re.compile(
-    r"not support|unsupported|does not support|not implemented|no kernel|invalid scalar type|not available", re.I
-)
+_UNSUPPORTED = re.compile(r"not support|unsupported|not implemented|no kernel|invalid scalar type", re.I)
 
 _Strategy = Tuple[str, Callable[[], WorkHandle]]
 _chosen: Dict[Tuple[str, str, torch.dtype], str] = {}

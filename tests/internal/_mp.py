@@ -12,6 +12,7 @@ Stand-in until the shared engine in ``fairscale.fair_dev.testing`` is available.
 
 import multiprocessing
 import os
+import re
 import signal
 import tempfile
 import time
@@ -98,24 +99,42 @@ def run_world(fn: Callable[[int, int], Any], world_size: int, timeout: float = 6
     raise RuntimeError(f"[rank {rank}] {text}")
 
 
+# Errors a rank gets because a peer died or failed: reported only if nothing better explains it.
+_COLLATERAL = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout", re.I)
+_GRACE_S = 1.0
+
+
 def _collect(procs: List[Any], conns: List[Connection], deadline: float) -> Optional[Tuple[str, int, str]]:
     pending = {conn: rank for rank, conn in enumerate(conns)}
+    failures: List[Tuple[str, int, str]] = []
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return ("error", min(pending.values()), f"timed out; ranks {sorted(pending.values())} did not finish")
+            break
         for conn in wait(list(pending), timeout=min(remaining, 0.5)):
             assert isinstance(conn, Connection)
-            rank = pending.pop(conn)
-            try:
-                status: Tuple[str, int, str] = conn.recv()
-            except EOFError:
-                procs[rank].join(timeout=5)  # reap it so the exit code is known
-                code = procs[rank].exitcode
-                return ("error", rank, f"process died without reporting (exit code {code})")
-            if status[0] != "ok":  # an error, or a skip: the others may wait for this rank forever
-                return status
+            failure = _receive(procs, pending.pop(conn), conn)
+            if failure is not None and not failures:
+                # The first failure stops the world, but peers of a crashed rank often report a
+                # broken connection first: wait briefly for the root cause.
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            if failure is not None:
+                failures.append(failure)
+    if failures:
+        # A skip or a real error beats a broken-connection error caused by another rank.
+        return sorted(failures, key=lambda f: bool(_COLLATERAL.search(f[2])))[0]
+    if pending:
+        return ("error", min(pending.values()), f"timed out; ranks {sorted(pending.values())} did not finish")
     return None
+
+
+def _receive(procs: List[Any], rank: int, conn: Connection) -> Optional[Tuple[str, int, str]]:
+    try:
+        status: Tuple[str, int, str] = conn.recv()
+    except EOFError:
+        procs[rank].join(timeout=5)  # reap it so the exit code is known
+        return ("error", rank, f"process died without reporting (exit code {procs[rank].exitcode})")
+    return None if status[0] == "ok" else status
 
 
 def _kill_all(procs: List[Any]) -> None:

@@ -581,7 +581,9 @@ def _collect(ranks: List[_RankProcess], deadline: float, timeout: float) -> List
             elif kind == "error":
                 failures.append((value.time, value.to_exception()))
             else:
-                failures.append((time.monotonic(), value))
+                # A rank that died without a report crashed or was killed: that is a cause, never a
+                # consequence (peers of a dead rank get exceptions, and report them). So it goes first.
+                failures.append((float("-inf"), value))
         if failures:
             # Once one rank fails its peers fail too (broken connections); the earliest is the cause.
             raise min(failures, key=lambda item: item[0])[1]

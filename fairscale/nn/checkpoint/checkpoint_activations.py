@@ -151,7 +151,7 @@ class _CheckpointedForward:
         # A bound method of the module itself would hold the module strongly; keep the plain
         # function and pass the module at call time instead.
         self._takes_module = inspect.ismethod(forward) and forward.__self__ is module
-        self._forward: Callable[..., Any] = forward.__func__ if self._takes_module else forward  # type: ignore
+        self._forward: Callable[..., Any] = getattr(forward, "__func__") if self._takes_module else forward
         self.offload_to_cpu = offload_to_cpu
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -161,10 +161,8 @@ class _CheckpointedForward:
                 "The module of this checkpointed forward has been garbage collected; call the module "
                 "itself instead of keeping a reference to its forward method."
             )
-        if self._takes_module:
-            forward_fn = self._forward
-            return _checkpointed_forward(lambda *a, **kw: forward_fn(module, *a, **kw), module, self, args, kwargs)
-        return _checkpointed_forward(self._forward, module, self, args, kwargs)
+        forward = types.MethodType(self._forward, module) if self._takes_module else self._forward
+        return _checkpointed_forward(forward, module, self.offload_to_cpu, args, kwargs)
 
     def __reduce__(self) -> Tuple[Callable[..., "_CheckpointedForward"], Tuple[Any, ...]]:
         # While pickling/copying a module, the module is memoized before its ``__dict__`` (which
@@ -186,7 +184,7 @@ def _rebuild_checkpointed_forward(
 def _checkpointed_forward(
     forward: Callable[..., Any],
     module: nn.Module,
-    config: _CheckpointedForward,
+    offload_to_cpu: bool,
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
 ) -> Any:
@@ -202,7 +200,7 @@ def _checkpointed_forward(
     # torch's reentrant checkpoint only tracks gradients if one of its inputs requires grad; the
     # parameters used inside are invisible to it, so this empty tensor stands in for them.
     grad_anchor = torch.empty((0,), requires_grad=True)
-    offload = _offload_saved_tensors() if config.offload_to_cpu else contextlib.nullcontext()
+    offload = _offload_saved_tensors() if offload_to_cpu else contextlib.nullcontext()
     with offload:
         output_tensors = torch_checkpoint(run, grad_anchor, *input_tensors, use_reentrant=True, preserve_rng_state=True)
     assert run.output_spec is not None  # set by the first pass, which has run by now

@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Miscellaneous wrappers: FlattenParamsWrapper and FlatParameter."""
+"""Miscellaneous wrappers: FlattenParamsWrapper and FlatParameter (and the deprecated checkpoint_wrapper path)."""
 
+from .checkpoint_activations import checkpoint_wrapper
 from .flatten_params_wrapper import FlatParameter, FlattenParamsWrapper, _enable_pre_load_state_dict_hook
 
-__all__ = ["FlatParameter", "FlattenParamsWrapper", "_enable_pre_load_state_dict_hook"]
+__all__ = ["FlatParameter", "FlattenParamsWrapper", "_enable_pre_load_state_dict_hook", "checkpoint_wrapper"]

@@ -38,7 +38,9 @@ class FlattenParamsWrapper(nn.Module):
     and an optimizer only needs to see ``wrapper.parameters()``. Parameters shared by several modules (tied
     weights) are flattened once and every owner sees the same view. ``state_dict()`` returns the keys of the
     unwrapped module by default; :meth:`flat_state_dict` returns the flat form, and :meth:`load_state_dict`
-    accepts either.
+    accepts either. A parent module containing the wrapper also loads either form (original names are folded
+    into the flat entry by the load pre hook), and missing/unexpected keys are reported under the names of the
+    given dict. Use :func:`fpw_pre_load_hook_disabled` to load dicts holding the raw ``_fpw_module.`` paths.
 
     Args:
         module (nn.Module): the module to wrap.
@@ -57,6 +59,7 @@ class FlattenParamsWrapper(nn.Module):
         ValueError: ``param_list`` holds something that is not a parameter of ``module``, a parameter in two
             groups, an already flattened parameter, or a group mixing dtypes, devices or ``requires_grad``;
             or ``flat_param_names`` does not give one unique name per group.
+        TypeError: ``module`` is not an ``nn.Module`` or ``optimize_backward_concat`` is not a bool.
     """
 
     def __init__(
@@ -68,9 +71,9 @@ class FlattenParamsWrapper(nn.Module):
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise ValueError(f"FlattenParamsWrapper wraps an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"FlattenParamsWrapper wraps an nn.Module, got {type(module).__name__}")
         if not isinstance(optimize_backward_concat, bool):
-            raise ValueError(f"optimize_backward_concat must be a bool, got {optimize_backward_concat!r}")
+            raise TypeError(f"optimize_backward_concat must be a bool, got {optimize_backward_concat!r}")
         self._fpw_module = module
         self.is_flattened = False
         self.optimize_backward_concat = optimize_backward_concat

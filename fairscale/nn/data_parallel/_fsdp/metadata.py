@@ -71,6 +71,7 @@ def local_metadata_dict(fsdp: "FSDPRuntime") -> Dict[str, Any]:
 
 def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
     fpw: Any = m._fsdp_wrapped_module
+    front: Any = m  # attributes set by the FullyShardedDataParallel front
     params: Dict[str, Dict[str, Any]] = {}
     owned = [(i, h) for i, h in enumerate(m._handles) if not getattr(h.param, "_is_shared", False)]
     flat_params = list(getattr(fpw, "flat_params", []))
@@ -80,14 +81,14 @@ def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
             backing = fpw.flat_param_names[i]
             names = [_clean(n) for n in names]
         else:
-            backing = m._param_name_groups[i][0]  # type: ignore[attr-defined]
+            backing = front._param_name_groups[i][0]
             names, shapes, numels = [backing], [h.orig_size], [h.numel]
         # Key order matters: upstream's consumer unpacks these values positionally.
         params[backing] = {
             "names": list(names),
             "shapes": [torch.Size(s) for s in shapes],
             "numels": [int(n) for n in numels],
-            "padding": int(m.numel_padded_per_param[i]),  # type: ignore[attr-defined]
+            "padding": int(front.numel_padded_per_param[i]),
         }
     shared = _shared_param_pairs(m, flat_params)
     return {

@@ -1,0 +1,231 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Command line and configuration of the FSDP benchmark (one frozen dataclass, validated once)."""
+
+import argparse
+import dataclasses
+from typing import List, Optional, Sequence, Tuple, Union
+
+PEERS = ("fairscale", "fsdp2", "fsdp1", "ddp")
+SCENARIOS = ("train", "accum", "zero2")
+MIXED_PRECISION = ("none", "fp16", "bf16")
+WRAP_POLICIES = ("block", "size", "none")
+
+#: A ``reshard_after_forward`` setting: ``True``/``False``, or an int G = reshard to groups of G ranks after
+#: forward (FSDP2's int, fairscale's ``zero2_process_group`` of G ranks).
+Reshard = Union[bool, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Every option of one benchmark invocation (see ``python benchmarks/fsdp.py --help``)."""
+
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    seq_len: int = 64
+    vocab: int = 1024
+    batch: int = 8
+    microbatches: int = 2
+    world_size: int = 2
+    reshard_after_forward: Tuple[Reshard, ...] = (True, False)
+    mixed_precision: str = "none"
+    flatten: bool = True
+    optimize_backward_concat: bool = False
+    checkpoint_activations: bool = False
+    auto_wrap_policy: str = "block"
+    wrap_min_params: int = 100_000
+    steps: int = 12
+    warmup: int = 1
+    seed: int = 0
+    lr: float = 1e-3
+    compare: Tuple[str, ...] = PEERS
+    scenarios: Tuple[str, ...] = ("train",)
+    accum_microbatches: int = 8
+    zero2_world_size: int = 4
+    zero2_group_size: int = 2
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    device: str = "cpu"
+    threads: int = 0
+    out: Optional[str] = "fsdp_benchmark.json"
+    plot: Optional[str] = "fsdp_benchmark.png"
+    timeout: float = 1800.0
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        """Tokens one rank processes per microbatch."""
+        return self.batch * self.seq_len
+
+
+def _reshard_value(text: str) -> Reshard:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    try:
+        value = int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--reshard-after-forward takes true, false or an int group size >= 2, got {text!r}"
+        ) from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"an int --reshard-after-forward must be >= 2 (a group size), got {value}")
+    return value
+
+
+def _split_list(values: Sequence[str]) -> List[str]:
+    """Accept both ``--compare a b`` and ``--compare a,b``."""
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``benchmarks/fsdp.py``."""
+    d = BenchConfig()
+    p = argparse.ArgumentParser(
+        prog="benchmarks/fsdp.py",
+        description="Train a small GPT-style LM with this fork's FSDP and its peers (PyTorch FSDP2/FSDP1, DDP) side "
+        "by side and report step time, tokens/s, peak memory, collectives and loss parity.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
+    m.add_argument("--hidden", type=int, default=d.hidden, help="model width")
+    m.add_argument("--heads", type=int, default=d.heads, help="attention heads (must divide --hidden)")
+    m.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    m.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (>= 4)")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per microbatch")
+    t.add_argument("--microbatches", type=int, default=d.microbatches, help="microbatches per optimizer step")
+    t.add_argument("--steps", type=int, default=d.steps, help="timed optimizer steps per run")
+    t.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps before the timed ones")
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of the model init and the batch sampling")
+    t.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    w = p.add_argument_group("sharding")
+    w.add_argument("--world-size", type=int, default=d.world_size, help="ranks started (ignored under torchrun)")
+    w.add_argument(
+        "--reshard-after-forward",
+        type=_reshard_value,
+        nargs="+",
+        default=list(d.reshard_after_forward),
+        help="one run per value: true, false, or an int G (reshard to groups of G ranks: FSDP2's int, fairscale's "
+        "zero2_process_group of G ranks)",
+    )
+    w.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=d.mixed_precision)
+    w.add_argument("--flatten", action=argparse.BooleanOptionalAction, default=d.flatten, help="flatten_parameters")
+    w.add_argument(
+        "--optimize-backward-concat",
+        action=argparse.BooleanOptionalAction,
+        default=d.optimize_backward_concat,
+        help="fairscale's optimize_backward_concat in the train scenario (the accum scenario runs both)",
+    )
+    w.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=False)
+    w.add_argument("--auto-wrap-policy", choices=WRAP_POLICIES, default=d.auto_wrap_policy,
+                   help="block: one unit per transformer block; size: default_auto_wrap_policy with "
+                   "--wrap-min-params; none: one unit for the whole model")
+    w.add_argument("--wrap-min-params", type=int, default=d.wrap_min_params, help="threshold of --auto-wrap-policy size")
+    r = p.add_argument_group("what to run")
+    r.add_argument("--compare", nargs="+", default=list(d.compare), help=f"peers, from {', '.join(PEERS)}")
+    r.add_argument(
+        "--scenario",
+        nargs="+",
+        default=list(d.scenarios),
+        help="train: peers side by side; accum: --accum-microbatches window with optimize_backward_concat off/on; "
+        "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; all: every one",
+    )
+    r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches)
+    r.add_argument("--zero2-world-size", type=int, default=d.zero2_world_size)
+    r.add_argument("--zero2-group-size", type=int, default=d.zero2_group_size)
+    r.add_argument("--intra-node-gbps", type=float, default=d.intra_node_gbps, help="cost model: GB/s inside a node")
+    r.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps, help="cost model: GB/s across nodes")
+    e = p.add_argument_group("environment and output")
+    e.add_argument("--device", choices=("cpu", "cuda"), default=d.device, help="cuda: one GPU per rank, NCCL")
+    e.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank (0: cores / ranks)")
+    e.add_argument("--out", default=d.out, help="JSON file with every number ('' to skip)")
+    e.add_argument("--plot", default=d.plot, help="PNG with loss curves and step times ('' to skip; needs matplotlib)")
+    e.add_argument("--timeout", type=float, default=d.timeout, help="seconds before a hung world is killed")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
+    """Parse and validate the command line; errors exit with argparse's usage message."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    compare = tuple(_split_list(ns.compare))
+    scenarios = tuple(_split_list(ns.scenario))
+    if "all" in scenarios:
+        scenarios = SCENARIOS
+    cfg = BenchConfig(
+        layers=ns.layers,
+        hidden=ns.hidden,
+        heads=ns.heads,
+        seq_len=ns.seq_len,
+        vocab=ns.vocab,
+        batch=ns.batch,
+        microbatches=ns.microbatches,
+        world_size=ns.world_size,
+        reshard_after_forward=tuple(dict.fromkeys(ns.reshard_after_forward)),
+        mixed_precision=ns.mixed_precision,
+        flatten=ns.flatten,
+        optimize_backward_concat=ns.optimize_backward_concat,
+        checkpoint_activations=ns.checkpoint_activations,
+        auto_wrap_policy=ns.auto_wrap_policy,
+        wrap_min_params=ns.wrap_min_params,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        seed=ns.seed,
+        lr=ns.lr,
+        compare=compare,
+        scenarios=tuple(dict.fromkeys(scenarios)),
+        accum_microbatches=ns.accum_microbatches,
+        zero2_world_size=ns.zero2_world_size,
+        zero2_group_size=ns.zero2_group_size,
+        intra_node_gbps=ns.intra_node_gbps,
+        inter_node_gbps=ns.inter_node_gbps,
+        device=ns.device,
+        threads=ns.threads,
+        out=ns.out or None,
+        plot=ns.plot or None,
+        timeout=ns.timeout,
+    )
+    problems = validate(cfg)
+    if problems:
+        parser.error("; ".join(problems))
+    return cfg
+
+
+def validate(cfg: BenchConfig) -> List[str]:
+    """Every problem with ``cfg``, each phrased as what is wrong and what to pass instead."""
+    out: List[str] = []
+    positive = ("layers", "hidden", "heads", "seq_len", "batch", "microbatches", "world_size", "steps")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            out.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
+    if cfg.heads >= 1 and cfg.hidden % cfg.heads != 0:
+        out.append(f"--heads ({cfg.heads}) must divide --hidden ({cfg.hidden})")
+    if cfg.vocab < 4:
+        out.append(f"--vocab must be >= 4 (got {cfg.vocab})")
+    if cfg.warmup < 0:
+        out.append(f"--warmup must be >= 0 (got {cfg.warmup})")
+    unknown = [c for c in cfg.compare if c not in PEERS]
+    if unknown or not cfg.compare:
+        out.append(f"--compare takes peers among {', '.join(PEERS)} (got {', '.join(cfg.compare) or 'nothing'})")
+    bad = [s for s in cfg.scenarios if s not in SCENARIOS]
+    if bad or not cfg.scenarios:
+        out.append(f"--scenario takes {', '.join(SCENARIOS)} or all (got {', '.join(cfg.scenarios) or 'nothing'})")
+    for value in cfg.reshard_after_forward:
+        if not isinstance(value, bool) and cfg.world_size % value != 0:
+            out.append(f"--reshard-after-forward {value} must divide --world-size {cfg.world_size}")
+    if "accum" in cfg.scenarios and cfg.accum_microbatches < 2:
+        out.append(f"--accum-microbatches must be >= 2 for an accumulation window (got {cfg.accum_microbatches})")
+    if "zero2" in cfg.scenarios:
+        g, n = cfg.zero2_group_size, cfg.zero2_world_size
+        if g < 1 or n < 2 or n % g != 0 or g == n:
+            out.append(
+                f"--zero2-group-size ({g}) must divide --zero2-world-size ({n}) and be smaller than it, e.g. 2 and 4"
+            )
+    if cfg.threads < 0:
+        out.append(f"--threads must be >= 0 (got {cfg.threads})")
+    if cfg.intra_node_gbps <= 0 or cfg.inter_node_gbps <= 0:
+        out.append("--intra-node-gbps and --inter-node-gbps must be > 0")
+    return out

@@ -1,0 +1,115 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""One benchmark run on one rank: the timed training loop, then an untimed probe run on a fresh copy.
+
+Timed loop: ``warmup + steps`` optimizer steps; each step runs ``microbatches`` forward/backward passes (gradient
+sync only in the last) and AdamW. Wall time is taken per accumulation window (all forward/backward passes) and per
+step (window + optimizer), with a device synchronize on accelerators. fairscale's collective counter is active
+during every step (it only appends a record per collective).
+
+Probe run: the model is built again from the same seed under the torch profiler and trained for two steps (the
+first initialises lazily); the second is the probe step, with the collective spy on. It gives peak memory, the ops
+in backward and every implementation's collectives, without slowing the timed loop down.
+"""
+
+import contextlib
+import gc
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from fairscale.internal.collectives import count_collectives
+from fairscale.internal.device import DeviceHandle
+
+from .config import BenchConfig
+from .corpus import Corpus
+from .model import lm_loss
+from .peers import Peer, RunSpec, build_peer
+from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile
+
+Progress = Callable[[int, int, float, float], None]
+
+
+def _window(peer: Peer, corpus: Corpus, cfg: BenchConfig, spec: RunSpec, step: int, rank: int, world: int,
+            device: torch.device, spy: Any = None, annotate: bool = False) -> torch.Tensor:
+    """Forward and backward of every microbatch of one step; returns the step's loss (mean over microbatches)."""
+    total = torch.zeros((), device=device)
+    phase = spy.phase if spy is not None else (lambda _name: contextlib.nullcontext())
+    for mb in range(spec.microbatches):
+        tokens, targets = (t.to(device) for t in corpus.batch(step, mb, rank, world, cfg.batch))
+        with peer.microbatch(mb == spec.microbatches - 1):
+            with phase("forward"), peer.forward_context():
+                loss = lm_loss(peer.model(tokens), targets) / spec.microbatches
+            with phase("backward"), (record_function(BACKWARD) if annotate else contextlib.nullcontext()):
+                loss.backward()
+        total += loss.detach()
+    return total
+
+
+def timed_run(spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int, device: torch.device,
+              progress: Progress) -> Dict[str, Any]:
+    """The timed training loop of ``spec`` on this rank; returns per-step losses, times and collective counts."""
+    handle = DeviceHandle.for_device(device)
+    peer = build_peer(spec, cfg, device)
+    optim = torch.optim.AdamW(peer.model.parameters(), lr=cfg.lr)
+    losses: List[float] = []
+    window_s: List[float] = []
+    step_s: List[float] = []
+    collectives: List[Dict[str, Dict[str, int]]] = []
+    total_steps = cfg.warmup + cfg.steps
+    for step in range(total_steps):
+        handle.synchronize()
+        t0 = time.perf_counter()
+        with count_collectives() as counter:
+            loss = _window(peer, corpus, cfg, spec, step, rank, world, device)
+            handle.synchronize()
+            t1 = time.perf_counter()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            handle.synchronize()
+        t2 = time.perf_counter()
+        losses.append(float(loss.item()))
+        window_s.append(t1 - t0)
+        step_s.append(t2 - t0)
+        collectives.append(counter.summary())
+        progress(step + 1, total_steps, losses[-1], step_s[-1])
+    del peer, optim
+    gc.collect()
+    return {"loss": losses, "window_s": window_s, "step_s": step_s, "collectives": collectives}
+
+
+def probe_run(spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int,
+              device: torch.device) -> Dict[str, Any]:
+    """Build again under the profiler, run two steps, measure the second (see the module docstring)."""
+    handle = DeviceHandle.for_device(device)
+    on_cpu = device.type == "cpu"
+    gc.collect()
+    spy = CommSpy()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=on_cpu) as prof:
+        peer = build_peer(spec, cfg, device)
+        optim = torch.optim.AdamW(peer.model.parameters(), lr=cfg.lr)
+        _window(peer, corpus, cfg, spec, 0, rank, world, device)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        handle.synchronize()
+        handle.reset_peak_memory_stats()
+        steady_device = handle.memory_allocated()
+        with record_function(PROBE_STEP):
+            with spy:
+                _window(peer, corpus, cfg, spec, 1, rank, world, device, spy=spy, annotate=True)
+                with spy.phase("optimizer"):
+                    optim.step()
+                    optim.zero_grad(set_to_none=True)
+            handle.synchronize()
+    analysis = analyze_profile(prof, spec.microbatches, track_memory=on_cpu)
+    if on_cpu:
+        memory = analysis["memory"]
+        method = "torch profiler CPU allocator events since model construction (live tensor bytes)"
+    else:
+        memory = {"steady_bytes": steady_device, "peak_bytes": handle.max_memory_allocated()}
+        method = f"{device.type} caching allocator: memory_allocated / max_memory_allocated"
+    del peer, optim, prof
+    gc.collect()
+    return {"memory": memory, "memory_method": method, "backward_ops": analysis["backward_ops"],
+            "spy": spy.summary()}

@@ -1,0 +1,139 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Instruments of the untimed probe run: a collective spy, and peak memory and op counts from the profiler.
+
+* :class:`CommSpy` sees every ``c10d`` collective of any implementation (fairscale goes through
+  ``fairscale.internal.collectives``, the others call ``torch.distributed`` themselves), as a dispatch mode on the
+  rank's thread. It slows every op down, which is why it only runs in the probe step.
+* :func:`analyze_profile` reads the torch profiler's events of the probe run: on CPU, the running sum of the CPU
+  allocator's allocation/free events since the model was built gives the live tensor bytes at every instant (the
+  profiler only sees the rank's own threads; scratch buffers inside gloo's worker threads are not counted); and the
+  ``aten::cat`` / split ops that ran inside each microbatch's ``backward()``.
+"""
+
+import contextlib
+import re
+from collections import Counter
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PROBE_STEP = "bench::probe_step"
+BACKWARD = "bench::backward"
+#: Ops that concatenate. FSDP1/fairscale's flat parameters show up as ``aten::cat`` under
+#: ``SplitWithSizesBackward0``; FSDP2 packs its reduce-scatter input with ``aten::_chunk_cat``.
+CAT_OPS = ("aten::cat", "aten::_chunk_cat", "aten::concat", "aten::concatenate")
+_OP_OF_INTEREST = re.compile(r"cat|split", re.IGNORECASE)
+
+
+def _kind(op_name: str) -> str:
+    name = op_name.split(".")[1] if "." in op_name else op_name
+    for needle, kind in (("allgather", "all_gather"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+                         ("allreduce", "all_reduce"), ("broadcast", "broadcast"), ("barrier", "barrier")):
+        if needle in name:
+            return kind
+    return name.rstrip("_")
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def _group_size(args: Tuple[Any, ...]) -> int:
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return int(dist.ProcessGroup.unbox(a).size())
+            except Exception:  # a ReduceOp or another script object, not the group
+                continue
+    return -1
+
+
+class CommSpy(TorchDispatchMode):
+    """Records every c10d collective dispatched on this thread: kind, phase, group size and full-buffer bytes.
+
+    Bytes follow the fairscale counter's convention: the all-gather output, the reduce-scatter input, the
+    all-reduce/broadcast tensor (what one rank holds after, or before, the collective).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: List[Tuple[str, str, int, int]] = []
+        self.current_phase = "none"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Tag the collectives issued inside with ``name``."""
+        previous, self.current_phase = self.current_phase, name
+        try:
+            yield
+        finally:
+            self.current_phase = previous
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if name.startswith("c10d."):
+            kind = _kind(name)
+            payload = args[1] if kind == "reduce_scatter" and len(args) > 1 else (args[0] if args else None)
+            self.records.append((kind, self.current_phase, _group_size(args), _tensor_bytes(payload)))
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> Dict[str, Dict[str, int]]:
+        """Totals per ``"<kind>/<phase>/gs=<group size>"`` (the format of ``CollectiveCounter.summary()``)."""
+        out: Dict[str, Dict[str, int]] = {}
+        for kind, phase, size, nbytes in self.records:
+            entry = out.setdefault(f"{kind}/{phase}/gs={size}", {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+        return out
+
+
+def _ranges(events: List[Any], name: str) -> List[Tuple[int, int]]:
+    found = [(e.start_ns(), e.end_ns()) for e in events if e.name() == name]
+    return sorted(found)
+
+
+def analyze_profile(prof: Any, microbatches: int, track_memory: bool) -> Dict[str, Any]:
+    """Peak/steady memory of the probe step and the concat/split ops of each microbatch's backward.
+
+    Returns:
+        ``{"memory": {"steady_bytes", "peak_bytes"} or None, "backward_ops": [Counter per microbatch]}``.
+    """
+    events = list(prof.profiler.kineto_results.events())
+    probe = _ranges(events, PROBE_STEP)
+    backward = _ranges(events, BACKWARD)[-microbatches:]
+    ops: List[Dict[str, int]] = []
+    for start, end in backward:
+        counts = Counter(e.name() for e in events if start <= e.start_ns() <= end and _OP_OF_INTEREST.search(e.name()))
+        ops.append(dict(sorted(counts.items())))
+    memory: Optional[Dict[str, int]] = None
+    if track_memory and probe:
+        start, end = probe[-1]
+        allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        live, steady, peak = 0, 0, 0
+        for t, nbytes in allocs:
+            if t > end:
+                break
+            if t < start:
+                live += nbytes
+                steady = live
+                continue
+            live += nbytes
+            peak = max(peak, live)
+        memory = {"steady_bytes": steady, "peak_bytes": max(peak, steady)}
+    return {"memory": memory, "backward_ops": ops}
+
+
+def cat_count(ops: Dict[str, int]) -> int:
+    """Concatenations in one microbatch's backward."""
+    return sum(n for name, n in ops.items() if name in CAT_OPS)
+
+
+def split_backward_count(ops: Dict[str, int]) -> int:
+    """``SplitWithSizesBackward`` nodes (the flat-parameter view split) in one microbatch's backward."""
+    return sum(n for name, n in ops.items() if name.startswith("SplitWithSizesBackward"))

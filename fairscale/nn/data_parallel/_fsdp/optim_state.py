@@ -1,0 +1,290 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Full (unsharded) optimizer state: gather it from the shards, and cut a rank's shard out of it (spec 2.6).
+
+The format is upstream's (see :mod:`fairscale.nn.data_parallel.fsdp_optim_utils`). Differences, all fixes:
+
+* the live optimizer is never modified: ``step`` becomes a Python number only in the returned dict (upstream
+  converted the optimizer's own 0-dim tensors, after which torch 2.x Adam could not step again);
+* every instance is gathered and sharded over its *own* process group (upstream sharded nested instances with the
+  root's rank and world size), so a checkpoint also resumes on another world size with such groups;
+* the full dict given to :func:`get_shard_from_optim_state_dict` is not modified, and is checked against the model
+  (parameter count and shapes) with errors that name the parameter.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fairscale.internal import collectives
+from fairscale.internal.parallel import chunk_and_pad
+from fairscale.nn.data_parallel.fsdp_optim_utils import (
+    check_param_counts_before_sharding,
+    flatten_optim_state_dict,
+    is_singleton_tensor,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import FSDPRuntime
+
+__all__ = ["gather_full_optim_state_dict", "get_shard_from_optim_state_dict"]
+
+
+@dataclass
+class _Layout:
+    """One non-empty FSDP instance as the optimizer sees it: local id ``local``, global ids ``first_gid...``."""
+
+    local: int
+    instance: "FSDPRuntime"
+    path: str
+    names: List[str]
+    shapes: List[torch.Size]
+    numels: List[int]
+    first_gid: int
+
+    @property
+    def gids(self) -> range:
+        return range(self.first_gid, self.first_gid + len(self.names))
+
+
+def _layouts(fsdp: "FSDPRuntime") -> List[_Layout]:
+    """The model's non-empty instances in module pre-order; every one must own exactly one flat parameter."""
+    from .metadata import _clean
+    from .runtime import FSDPRuntime
+
+    out: List[_Layout] = []
+    gid = 0
+    for path, m in fsdp.named_modules():
+        if not isinstance(m, FSDPRuntime):
+            continue
+        owned = [p for p in m.params if not getattr(p, "_is_shared", False)]
+        if not owned:
+            continue
+        fpw: Any = m._fsdp_wrapped_module
+        if not m.flatten_parameters or len(owned) != 1 or len(getattr(fpw, "flat_params", [])) != 1:
+            raise NotImplementedError(
+                "full optimizer state dicts need flatten_parameters=True on every FullyShardedDataParallel instance "
+                f"that owns parameters; the instance at {_clean(path)!r} has flatten_parameters="
+                f"{m.flatten_parameters} and {len(owned)} parameters. Save optim.state_dict() per rank instead."
+            )
+        names, shapes, numels = fpw.metadata(0)
+        clean_path = _clean(path)
+        names = [_clean(f"{clean_path}.{_clean(n)}" if clean_path else n) for n in names]
+        out.append(_Layout(len(out), m, clean_path, names, list(shapes), list(numels), gid))
+        gid += len(names)
+    return out
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------------------------------------------- gather
+
+
+def gather_full_optim_state_dict(fsdp: "FSDPRuntime", optim: Any, **ignored: Any) -> Optional[Dict[str, Any]]:
+    """See :meth:`FullyShardedDataParallel.gather_full_optim_state_dict`."""
+    layouts = _layouts(fsdp)
+    _check_optimizer(optim, layouts)
+    osd = optim.state_dict()
+    # New per-parameter dicts: optim.state_dict() shares them with the live optimizer.
+    state = {int(k): {key: _plain_step(key, v) for key, v in s.items()} for k, s in osd["state"].items()}
+    _check_same_schema(fsdp, state, layouts)
+    on_rank0 = _global_rank() == 0
+    full_state: Dict[int, Dict[str, Any]] = {}
+    uncollected: List[int] = []
+    for lay in layouts:
+        if lay.instance.no_broadcast_optim_state:
+            # Expert-style instances: each rank holds different values; keep rank 0's flat state as is.
+            uncollected.append(lay.local)
+            if on_rank0 and lay.local in state:
+                full_state[lay.first_gid] = _cpu_copy(state[lay.local])
+            continue
+        if lay.local not in state:
+            continue  # unused parameters: no state on any rank (checked above)
+        gathered = _gather_instance(lay, state[lay.local])
+        if on_rank0:
+            full_state.update(_unflatten(lay, gathered))
+    if not on_rank0:
+        return None
+    group = copy.deepcopy({k: v for k, v in osd["param_groups"][0].items() if k != "params"})
+    n_global = sum(len(lay.names) for lay in layouts)
+    group["params"] = list(range(n_global))
+    out: Dict[str, Any] = {
+        "state": dict(sorted(full_state.items())),
+        "param_groups": [group],
+        "param_id_map": {g: lay.local for lay in layouts for g in lay.gids},
+        "uncollected_local_ids": uncollected,
+    }
+    out.update({k: copy.deepcopy(v) for k, v in osd.items() if k not in ("state", "param_groups")})
+    return out
+
+
+def _check_optimizer(optim: Any, layouts: List[_Layout]) -> None:
+    groups = getattr(optim, "param_groups", None)
+    if groups is None:
+        return  # a wrapper without param_groups: trust that it follows model.parameters()
+    if len(groups) != 1:
+        raise NotImplementedError(
+            f"gather_full_optim_state_dict supports optimizers with exactly one parameter group; this one has "
+            f"{len(groups)}"
+        )
+    params = list(groups[0]["params"])
+    expected = [lay.instance.params[0] for lay in layouts]
+    if len(params) != len(expected) or any(a is not b for a, b in zip(params, expected)):
+        raise ValueError(
+            "the optimizer's parameters must be the model's flat parameters in model.parameters() order (one per "
+            f"FSDP instance with parameters: {len(expected)}); it has {len(params)} parameters in another order or "
+            "from another model. Build it as optim = Optimizer(model.parameters(), ...) after wrapping."
+        )
+
+
+def _plain_step(key: str, value: Any) -> Any:
+    """The format keeps ``step`` as a Python number; convert a copy, never the optimizer's tensor."""
+    if key == "step" and is_singleton_tensor(value):
+        return value.item()
+    return value
+
+
+def _cpu_copy(entry: Mapping[str, Any]) -> Dict[str, Any]:
+    return {k: (v.detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in entry.items()}
+
+
+def _schema(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    return ("value", type(value).__name__)
+
+
+def _check_same_schema(fsdp: "FSDPRuntime", state: Dict[int, Dict[str, Any]], layouts: List[_Layout]) -> None:
+    """Every rank must gather the same keys and shapes, or the gathers below would mismatch or hang."""
+    collected = [lay.local for lay in layouts if not lay.instance.no_broadcast_optim_state]
+    mine = {k: [(key, _schema(v)) for key, v in state[k].items()] for k in collected if k in state}
+    everyone = collectives.all_gather_object(mine, group=fsdp.process_group)
+    for r, theirs in enumerate(everyone):
+        if theirs != mine:
+            raise RuntimeError(
+                f"gather_full_optim_state_dict: the optimizer state of group rank {r} has other parameters, keys or "
+                f"shapes than this rank's ({theirs} vs {mine}); every rank must step the same optimizer type on the "
+                "same model"
+            )
+
+
+def _gather_instance(lay: _Layout, entry: Mapping[str, Any]) -> Dict[str, Any]:
+    """All-gather one flat parameter's state over the instance's group; tensors come back unpadded, flat."""
+    m = lay.instance
+    h = m._handles[0]
+    world = m.world_size
+    out: Dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            if value.numel() != h.shard_numel:
+                raise ValueError(
+                    f"optimizer state {key!r} of the flat parameter of {lay.path or 'the root'!r} has "
+                    f"{value.numel()} elements but the shard has {h.shard_numel}"
+                )
+            src = value.detach().to(m.compute_device).reshape(-1).contiguous()
+            buf = torch.empty(world * h.shard_numel, dtype=src.dtype, device=src.device)
+            collectives.all_gather_into_flat(buf, src, m.process_group)
+            # Chunk-and-pad puts all padding at the end, so the first numel elements are the real ones.
+            out[key] = buf[: h.numel].cpu()
+        elif is_singleton_tensor(value):
+            src = value.detach().to(m.compute_device).reshape(1)
+            buf = torch.empty(world, dtype=src.dtype, device=src.device)
+            collectives.all_gather_into_flat(buf, src, m.process_group)
+            out[key] = [buf[i].cpu().clone() for i in range(world)]
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _unflatten(lay: _Layout, gathered: Mapping[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """Split a flat parameter's full state into one entry per original parameter (global id)."""
+    per_gid: Dict[int, Dict[str, Any]] = {g: {} for g in lay.gids}
+    for key, value in gathered.items():
+        if isinstance(value, Tensor):
+            for g, shape, piece in zip(lay.gids, lay.shapes, value.split(lay.numels)):
+                per_gid[g][key] = piece.view(shape).clone()
+        else:
+            for g in lay.gids:
+                per_gid[g][key] = value
+    return per_gid
+
+
+# ---------------------------------------------------------------------------------------------------- shard
+
+
+def get_shard_from_optim_state_dict(fsdp: "FSDPRuntime", full_optim_state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+    """See :meth:`FullyShardedDataParallel.get_shard_from_optim_state_dict`."""
+    layouts = _layouts(fsdp)
+    full = full_optim_state_dict
+    for key in ("state", "param_groups", "param_id_map"):
+        if key not in full:
+            raise ValueError(
+                f"get_shard_from_optim_state_dict expects a gather_full_optim_state_dict() result, which has "
+                f"{key!r}; got keys {sorted(map(str, full))}. A per-rank optim.state_dict() loads directly."
+            )
+    param_id_map = _resolved_param_id_map(full["param_id_map"], layouts)
+    check_param_counts_before_sharding({"state": full["state"], "param_id_map": param_id_map}, len(layouts))
+    uncollected = {int(k) for k in full.get("uncollected_local_ids", [])}
+    _check_shapes(full["state"], layouts, uncollected)
+    flat = flatten_optim_state_dict({**full, "param_id_map": param_id_map})
+    for group in flat["param_groups"]:
+        group["params"] = list(range(len(layouts)))
+    for local, entry in flat["state"].items():
+        if local in uncollected:
+            continue  # rank 0's own state, used on every rank as upstream does
+        lay = layouts[local]
+        for key, value in list(entry.items()):
+            entry[key] = _shard_value(lay, key, value)
+    return flat
+
+
+def _resolved_param_id_map(given: Mapping[Any, Any], layouts: List[_Layout]) -> Dict[int, int]:
+    """The model's global -> local id map, after checking the dict's map against it (``None`` entries accepted)."""
+    expected = {g: lay.local for lay in layouts for g in lay.gids}
+    names = {g: lay.names[i] for lay in layouts for i, g in enumerate(lay.gids)}
+    keys = sorted(int(g) for g in given)
+    if keys != sorted(expected):
+        raise ValueError(
+            f"the optimizer state dict describes {len(keys)} parameters but this model has {len(expected)} "
+            f"({', '.join(list(names.values())[:6])}{', ...' if len(names) > 6 else ''}); was it saved from another "
+            "model, or with another wrapping?"
+        )
+    for g, local in given.items():
+        if local is not None and int(local) != expected[int(g)]:
+            raise ValueError(
+                f"param_id_map maps parameter {int(g)} ({names[int(g)]}) to flat parameter {local}, but in this model "
+                f"it belongs to flat parameter {expected[int(g)]}; the model is wrapped differently than when saved"
+            )
+    return expected
+
+
+def _check_shapes(state: Mapping[Any, Any], layouts: List[_Layout], uncollected: set) -> None:  # type: ignore[type-arg]
+    by_gid = {g: (lay, i) for lay in layouts for i, g in enumerate(lay.gids)}
+    for g, entry in state.items():
+        lay, i = by_gid[int(g)]
+        if lay.local in uncollected:
+            continue
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(lay.shapes[i]):
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {int(g)} ({lay.names[i]}) has shape {tuple(value.shape)} "
+                    f"but the model's parameter has shape {tuple(lay.shapes[i])}; was it saved from another model?"
+                )
+
+
+def _shard_value(lay: _Layout, key: str, value: Any) -> Any:
+    m = lay.instance
+    if isinstance(value, Tensor) and value.dim() > 0:
+        chunks = chunk_and_pad(value, m.world_size)
+        shard = chunks[m.rank].clone()
+        assert shard.numel() == m._handles[0].shard_numel, (key, shard.numel(), m._handles[0].shard_numel)
+        return shard
+    if isinstance(value, list) and value and all(is_singleton_tensor(v) for v in value):
+        # One value per rank of the saving world; a larger world reuses rank 0's (as upstream).
+        return (value[m.rank] if m.rank < len(value) else value[0]).clone()
+    return value

@@ -1,0 +1,497 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``optimize_backward_concat`` (fork contract section 1, issue 7), on CPU with gloo.
+
+Every test compares the flag on against the flag off and/or a single-process big-batch reference, and also checks
+something only the feature does (no ``SplitWithSizesBackward``/``cat`` in no_sync backwards, one flat accumulation
+buffer per unit, ``flat_param.grad`` untouched during the window), so none of them passes with the feature removed.
+"""
+
+import contextlib
+import copy
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.collectives import count_collectives
+from fairscale.nn.checkpoint import checkpoint_wrapper
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel import get_fsdp_instances, zero2_groups
+
+TIMEOUT = 150.0
+BATCH = 3
+DIM_IN, DIM, DIM_OUT = 5, 7, 3
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Mixed precision vs the fp32 reference: errors are rounding of small values in 16-bit compute.
+TOL = {"fp32": (1e-5, 1e-5), "fp16": (2e-2, 2e-2), "bf16": (6e-2, 6e-2)}
+
+
+# ------------------------------------------------------------------------------------------------------ model
+
+
+class Block(nn.Module):
+    """Two linears plus a gate linear that can be switched off (its params then get no gradient)."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM + 2)
+        self.gate = nn.Linear(DIM, DIM + 2)
+        self.b = nn.Linear(DIM + 2, DIM)
+        if tie:  # a parameter shared inside one FlatParameter
+            self.gate.weight = self.a.weight
+        self.use_gate = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.a(x))
+        if self.use_gate:
+            h = h * torch.sigmoid(self.gate(x))
+        return x + self.b(h)
+
+
+class Net(nn.Module):
+    """input linear -> two blocks (the last can be skipped) -> head; odd sizes so every shard is padded."""
+
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM_IN, DIM)
+        self.blocks = nn.ModuleList([Block(tie), Block(tie)])
+        self.head = nn.Linear(DIM, DIM_OUT)
+        self.skip_last = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        for i, blk in enumerate(self.blocks):
+            if not (self.skip_last and i == len(self.blocks) - 1):
+                h = blk(h)
+        return self.head(h)
+
+
+class Knobs:
+    """Per-microbatch switches applied identically to the FSDP model and the reference."""
+
+    def __init__(self, nets: List[Net], gate_off: Tuple[int, ...] = (), skip_last: Tuple[int, ...] = ()) -> None:
+        self.nets = nets
+        self.gate_off = gate_off
+        self.skip_last = skip_last
+
+    def set(self, mb: int) -> None:
+        for net in self.nets:
+            net.skip_last = mb in self.skip_last
+            for blk in _raw_blocks(net):
+                blk.use_gate = mb not in self.gate_off
+
+
+def _raw_blocks(net: Net) -> List[Block]:
+    return [m for m in net.modules() if isinstance(m, Block)]
+
+
+def cfg(**overrides: Any) -> Dict[str, Any]:
+    base = dict(
+        nested=True,
+        raf=True,
+        prec="fp32",
+        fp32rs=False,
+        tie=False,
+        ckpt="none",
+        zero2=None,
+        flatten=True,
+        pattern="sequential",
+        gate_off=(),
+        skip_last=(),
+        bucket=25,
+    )
+    base.update(overrides)
+    return base
+
+
+def build(c: Dict[str, Any], flag: bool) -> Tuple[FSDP, Net, Net]:
+    """(fsdp model, its user module, unwrapped reference) from the same seed on every rank."""
+    torch.manual_seed(0)
+    net = Net(tie=c["tie"])
+    ref = copy.deepcopy(net)
+    kwargs: Dict[str, Any] = dict(
+        reshard_after_forward=c["raf"],
+        mixed_precision=c["prec"] != "fp32",
+        compute_dtype=DTYPES[c["prec"]] if c["prec"] != "fp32" else None,
+        fp32_reduce_scatter=c["fp32rs"],
+        flatten_parameters=c["flatten"],
+        optimize_backward_concat=flag,
+        bucket_cap_mb=c["bucket"],
+        zero2_process_group=c["zero2"],
+    )
+    if c["nested"]:
+        for i, blk in enumerate(net.blocks):
+            if c["ckpt"] == "inner":
+                net.blocks[i] = FSDP(checkpoint_wrapper(blk), **kwargs)
+            elif c["ckpt"] == "outer":
+                net.blocks[i] = checkpoint_wrapper(FSDP(blk, **kwargs))
+            else:
+                net.blocks[i] = FSDP(blk, **kwargs)
+    elif c["ckpt"] != "none":
+        for i, blk in enumerate(net.blocks):
+            net.blocks[i] = checkpoint_wrapper(blk)
+    # Without nesting the root is the only instance: let it reshard so reshard_after_forward matters.
+    model = FSDP(net, disable_reshard_on_root=c["nested"] or not c["raf"], **kwargs)
+    return model, net, ref
+
+
+def batch(step: int, mb: int, rank: int) -> Tensor:
+    return torch.randn(BATCH, DIM_IN, generator=torch.Generator().manual_seed(1000 * step + 10 * mb + rank))
+
+
+def mb_loss(out: Tensor) -> Tensor:
+    return out.float().pow(2).sum()
+
+
+# ------------------------------------------------------------------------------------------------------ runners
+
+
+def run_window(model: FSDP, knobs: Knobs, step: int, num_mb: int, rank: int, pattern: str) -> None:
+    """One accumulation window: microbatches 0..M-2 forward *and* backward inside no_sync, the last outside."""
+    if pattern == "fwd_fwd":  # several forwards before their backwards, inside the window
+        with model.no_sync():
+            losses = []
+            for mb in range(num_mb - 1):
+                knobs.set(mb)
+                losses.append(mb_loss(model(batch(step, mb, rank))))
+            for loss in losses:
+                loss.backward()
+    else:
+        for mb in range(num_mb - 1):
+            knobs.set(mb)
+            with model.no_sync():
+                mb_loss(model(batch(step, mb, rank))).backward()
+    knobs.set(num_mb - 1)
+    mb_loss(model(batch(step, num_mb - 1, rank))).backward()
+
+
+def train_fsdp(c: Dict[str, Any], flag: bool, num_mb: int, steps: int, rank: int) -> Tuple[List[Tensor], Dict]:
+    """Grad shards after the first window, and the full state dict after ``steps`` SGD steps."""
+    model, net, _ = build(c, flag)
+    knobs = Knobs([net], c["gate_off"], c["skip_last"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    first_grads: List[Tensor] = []
+    for step in range(steps):
+        run_window(model, knobs, step, num_mb, rank, c["pattern"])
+        if step == 0:
+            first_grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+        for m in get_fsdp_instances(model):
+            for h in m._handles:
+                assert h.grad_accum_flat is None, f"{h.name}: accumulation buffer not released after the window"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return first_grads, model.state_dict()
+
+
+def train_reference(c: Dict[str, Any], num_mb: int, steps: int, world_size: int) -> Dict[str, Tensor]:
+    """The same schedule on one process, every microbatch as one global batch (all ranks' slices)."""
+    torch.manual_seed(0)
+    ref = Net(tie=c["tie"])
+    knobs = Knobs([ref], c["gate_off"], c["skip_last"])
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(steps):
+        for mb in range(num_mb):
+            knobs.set(mb)
+            x = torch.cat([batch(step, mb, r) for r in range(world_size)])
+            (mb_loss(ref(x)) / world_size).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ref.state_dict()
+
+
+def assert_close_dicts(got: Dict[str, Tensor], want: Dict[str, Tensor], prec: str, what: str) -> None:
+    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
+    atol, rtol = TOL[prec]
+    for k in want:
+        torch.testing.assert_close(got[k].float(), want[k].float(), atol=atol, rtol=rtol, msg=f"{what}: {k}")
+
+
+def check_parity(c: Dict[str, Any], rank: int, world_size: int, windows: Tuple[int, ...] = (1, 2, 4)) -> None:
+    """Flag on == flag off (bitwise where dtypes are equal) == big-batch reference, for M in ``windows``."""
+    for num_mb in windows:
+        grads_on, sd_on = train_fsdp(c, True, num_mb, 2, rank)
+        grads_off, sd_off = train_fsdp(c, False, num_mb, 2, rank)
+        # fp32 (or a one-microbatch window) adds the same values in the same order in both modes; with 16-bit
+        # compute the flag-off path accumulates in the compute dtype and the flag-on path in fp32.
+        bitwise = c["prec"] == "fp32" or num_mb == 1
+        assert len(grads_on) == len(grads_off)
+        for i, (g_on, g_off) in enumerate(zip(grads_on, grads_off)):
+            assert g_on.shape == g_off.shape and g_on.dtype == g_off.dtype, f"M={num_mb} grad {i}"
+            if bitwise:
+                assert torch.equal(g_on, g_off), f"M={num_mb} grad {i}: max diff {(g_on - g_off).abs().max()}"
+            else:
+                atol, rtol = TOL[c["prec"]]
+                torch.testing.assert_close(g_on, g_off, atol=atol, rtol=rtol, msg=f"M={num_mb} grad {i}")
+        if bitwise:
+            for k in sd_off:
+                assert torch.equal(sd_on[k], sd_off[k]), f"M={num_mb} param {k} differs between flag on and off"
+        ref = train_reference(c, num_mb, 2, world_size)
+        assert_close_dicts(sd_on, ref, c["prec"], f"M={num_mb} flag on vs reference")
+
+
+def _matrix() -> List[Tuple[str, Dict[str, Any]]]:
+    cases = []
+    for nested in (True, False):
+        for raf in (True, False):
+            for prec, fp32rs in (("fp32", False), ("fp16", False), ("fp16", True), ("bf16", False), ("bf16", True)):
+                c = cfg(nested=nested, raf=raf, prec=prec, fp32rs=fp32rs)
+                cases.append((f"nested={nested},raf={raf},{prec},fp32rs={fp32rs}", c))
+    return cases
+
+
+def _special_cases(zero2_group: Any) -> List[Tuple[str, Dict[str, Any]]]:
+    return [
+        ("shared_params", cfg(tie=True)),
+        ("shared_params_bf16", cfg(tie=True, prec="bf16", nested=False)),
+        ("no_grad_views_some_mbs", cfg(gate_off=(0, 3))),
+        ("no_grad_unit_in_sync_mb", cfg(skip_last=(3,))),
+        ("no_grad_unit_in_nosync_mb", cfg(skip_last=(1,), prec="bf16")),
+        ("checkpoint_inner", cfg(ckpt="inner")),
+        ("checkpoint_outer", cfg(ckpt="outer")),
+        ("checkpoint_unnested_fp16", cfg(ckpt="inner", nested=False, prec="fp16")),
+        ("fwd_fwd_bwd_bwd", cfg(pattern="fwd_fwd")),
+        ("fwd_fwd_bwd_bwd_no_reshard_bf16", cfg(pattern="fwd_fwd", raf=False, prec="bf16")),
+        ("zero2_g1", cfg(zero2=zero2_group)),
+        ("zero2_g1_fp16", cfg(zero2=zero2_group, prec="fp16", fp32rs=True)),
+        ("no_bucket", cfg(bucket=0)),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------ parity
+
+
+def _parity_world2(rank: int, world_size: int) -> None:
+    g1 = zero2_groups(1)  # every rank creates every group, in the same order
+    cases = _matrix() + _special_cases(g1)
+    run_cases((name, lambda c=c: check_parity(c, rank, world_size)) for name, c in cases)
+
+
+def test_parity_matrix_world_size_2() -> None:
+    """Contract 1.4/1.5: the matrix of item 5, M = 1, 2, 4, flag on == flag off == reference."""
+    run_distributed(_parity_world2, 2, timeout=TIMEOUT)
+
+
+def _parity_world1(rank: int, world_size: int) -> None:
+    cases = [
+        ("fp32_nested", cfg()),
+        ("fp16_fp32rs", cfg(prec="fp16", fp32rs=True)),
+        ("bf16_unnested", cfg(prec="bf16", nested=False)),
+        ("gate_off", cfg(gate_off=(1,))),
+    ]
+    run_cases((name, lambda c=c: check_parity(c, rank, world_size)) for name, c in cases)
+
+
+def test_parity_world_size_1() -> None:
+    run_distributed(_parity_world1, 1, timeout=TIMEOUT)
+
+
+def _flatten_off(rank: int, world_size: int) -> None:
+    """Contract 1.6: with flatten_parameters=False the flag is accepted and changes nothing."""
+    c = cfg(flatten=False)
+    check_parity(c, rank, world_size, windows=(3,))
+    model, _, _ = build(c, True)
+    with model.no_sync():
+        mb_loss(model(batch(0, 0, rank))).backward()
+    for m in get_fsdp_instances(model):
+        assert not m._fsdp_wrapped_module.flat_params
+        for h in m._handles:
+            assert h.grad_accum_flat is None
+            assert h.param.grad is not None and h.param.grad.shape == h.orig_size  # plain no_sync accumulation
+
+
+def test_flatten_parameters_false_is_a_no_op() -> None:
+    run_distributed(_flatten_off, 2, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------------------ profiler
+
+
+def _backward_op_counts(loss: Tensor) -> Dict[str, int]:
+    # The autograd profiler (not torch.profiler) starts in milliseconds in a fresh process.
+    with torch.autograd.profiler.profile() as prof:
+        loss.backward()
+    counts = {"cat": 0, "split_backward": 0}
+    for e in prof.function_events:
+        if e.name == "aten::cat":
+            counts["cat"] += 1
+        elif e.name == "SplitWithSizesBackward0":
+            counts["split_backward"] += 1
+    return counts
+
+
+def _profile_window(c: Dict[str, Any], flag: bool, rank: int) -> Tuple[List[Dict[str, int]], Dict[str, int], int]:
+    model, _, _ = build(c, flag)
+    units = sum(len(m._fsdp_wrapped_module.flat_params) for m in get_fsdp_instances(model))
+    per_mb = []
+    for mb in range(3):
+        with model.no_sync():
+            loss = mb_loss(model(batch(0, mb, rank)))
+            per_mb.append(_backward_op_counts(loss))
+    sync = _backward_op_counts(mb_loss(model(batch(0, 3, rank))))
+    return per_mb, sync, units
+
+
+def _profiler_body(rank: int, world_size: int) -> None:
+    def case(c: Dict[str, Any]) -> None:
+        on, sync_on, units = _profile_window(c, True, rank)
+        off, sync_off, _ = _profile_window(c, False, rank)
+        assert units == 3
+        for mb, (a, b) in enumerate(zip(on, off)):
+            assert a == {"cat": 0, "split_backward": 0}, f"no_sync microbatch {mb} with the flag: {a}"
+            assert b["cat"] >= units and b["split_backward"] >= units, f"no_sync microbatch {mb} without: {b}"
+        # The fork's goal: no concat in the synchronizing microbatch either (the bucketer copies into its bucket).
+        assert sync_on == {"cat": 0, "split_backward": 0}, f"synchronizing microbatch with the flag: {sync_on}"
+        assert sync_off["split_backward"] >= units
+
+    run_cases(
+        [
+            ("fp32", lambda: case(cfg())),
+            ("bf16_fp32rs", lambda: case(cfg(prec="bf16", fp32rs=True))),
+            ("no_reshard_fp16", lambda: case(cfg(raf=False, prec="fp16"))),
+        ]
+    )
+
+
+def test_profiler_no_concat_in_no_sync_backward() -> None:
+    """Contract 1.1/1.3: 0 cat / SplitWithSizesBackward per no_sync backward with the flag, >= 1 per unit without."""
+    run_distributed(_profiler_body, 2, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------------------ collectives
+
+
+def _counted_window(c: Dict[str, Any], flag: bool, rank: int) -> Tuple[List[Dict], FSDP, List[Dict[str, Any]]]:
+    """Collective summaries per microbatch (forward and backward counted separately) and buffer snapshots."""
+    model, _, _ = build(c, flag)
+    summaries: List[Dict] = []
+    snapshots: List[Dict[str, Any]] = []
+    for mb in range(4):
+        ctx = model.no_sync() if mb < 3 else contextlib.nullcontext()
+        with ctx:
+            with count_collectives() as fwd:
+                loss = mb_loss(model(batch(0, mb, rank)))
+            with count_collectives() as bwd:
+                loss.backward()
+        summaries.append({"forward": fwd.summary(), "backward": bwd.summary(), "rs": bwd.count("reduce_scatter")})
+        snapshots.append(_buffer_snapshot(model))
+    return summaries, model, snapshots
+
+
+def _buffer_snapshot(model: FSDP) -> Dict[str, Any]:
+    out = {}
+    for m in get_fsdp_instances(model):
+        for h in m._handles:
+            buf = h.grad_accum_flat
+            out[h.name + f"@{id(m)}"] = {
+                "buf": None if buf is None else (buf.numel(), buf.dtype),
+                "numel": h.numel,
+                "grad": None if h.param.grad is None else tuple(h.param.grad.shape),
+                "state": h.state,
+            }
+    return out
+
+
+def _collectives_body(rank: int, world_size: int) -> None:
+    def case(c: Dict[str, Any], accum_dtype: torch.dtype) -> None:
+        on, model, snaps_on = _counted_window(c, True, rank)
+        off, _, snaps_off = _counted_window(c, False, rank)
+        units = [h for m in get_fsdp_instances(model) for h in m._handles]
+        for mb in range(3):
+            assert on[mb] == off[mb], f"no_sync microbatch {mb}: flag on {on[mb]} != flag off {off[mb]}"
+            assert on[mb]["rs"] == 0
+            for key, s in snaps_on[mb].items():
+                # One flat fp32-or-param-dtype buffer per unit, and no flat-level AccumulateGrad (grad stays None).
+                assert s["buf"] == (s["numel"], accum_dtype), f"microbatch {mb}, {key}: buffer {s['buf']}"
+                assert s["grad"] is None, f"microbatch {mb}, {key}: flat grad {s['grad']} was written"
+                assert s["state"] == snaps_off[mb][key]["state"], f"microbatch {mb}, {key}: handle states differ"
+                assert snaps_off[mb][key]["buf"] is None and snaps_off[mb][key]["grad"] == (s["numel"],)
+        # Synchronizing microbatch: exactly one reduce-scatter per unit (bucketing off), buffers released.
+        assert on[3]["rs"] == len(units), f"reduce-scatters in the synchronizing backward: {on[3]}"
+        assert on[3] == off[3], f"synchronizing microbatch: flag on {on[3]} != flag off {off[3]}"
+        for key, s in snaps_on[3].items():
+            assert s["buf"] is None, f"{key}: buffer still alive after the reduction"
+
+    run_cases(
+        [
+            ("fp32", lambda: case(cfg(bucket=0), torch.float32)),
+            ("bf16", lambda: case(cfg(bucket=0, prec="bf16"), torch.float32)),
+            ("fp16_fp32rs_no_reshard", lambda: case(cfg(bucket=0, prec="fp16", fp32rs=True, raf=False), torch.float32)),
+        ]
+    )
+
+
+def test_collectives_and_buffers() -> None:
+    """No extra collective in no_sync backwards, one reduce-scatter per unit when syncing, one buffer per unit."""
+    run_distributed(_collectives_body, 2, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def _sync_before_no_sync_backward(rank: int) -> str:
+    model, _, _ = build(cfg(), True)
+    with model.no_sync():
+        pending = mb_loss(model(batch(0, 0, rank)))
+    mb_loss(model(batch(0, 1, rank))).backward()  # the synchronizing backward reduces the window ...
+    try:
+        pending.backward()  # ... so this no_sync gradient has nowhere to go
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("a no_sync backward after its window's synchronizing backward did not raise")
+
+
+def _no_sync_backward_in_next_window(rank: int) -> str:
+    model, _, _ = build(cfg(prec="bf16"), True)
+    with model.no_sync():
+        stale = mb_loss(model(batch(0, 0, rank)))
+    mb_loss(model(batch(0, 1, rank))).backward()
+    with model.no_sync():  # a new window starts and accumulates ...
+        mb_loss(model(batch(1, 0, rank))).backward()
+    try:
+        stale.backward()  # ... and a leftover microbatch of the old window must not be added to it
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("a no_sync backward of an earlier window did not raise")
+
+
+def _errors_body(rank: int, world_size: int) -> None:
+    for fn in (_sync_before_no_sync_backward, _no_sync_backward_in_next_window):
+        msg = fn(rank)
+        assert "optimize_backward_concat" in msg and "no_sync" in msg and "Rule" in msg, msg
+
+
+def test_wrong_order_raises_on_every_rank() -> None:
+    """Contract 1.7: a broken order raises a clear error (never drops or double-counts a gradient)."""
+    run_distributed(_errors_body, 2, timeout=TIMEOUT)
+
+
+def _two_sync_backwards(rank: int, world_size: int) -> None:
+    """Several forwards outside no_sync, then their backwards: every backward syncs; equal to the flag off."""
+
+    def run(flag: bool) -> List[Tensor]:
+        model, _, _ = build(cfg(), flag)
+        losses = [mb_loss(model(batch(0, mb, rank))) for mb in range(2)]
+        for loss in losses:
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    on, off = run(True), run(False)
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_forward_forward_backward_backward_outside_no_sync() -> None:
+    run_distributed(_two_sync_backwards, 2, timeout=TIMEOUT)
+
+
+def test_flatten_params_wrapper_rejects_non_bool() -> None:
+    from fairscale.nn.misc import FlattenParamsWrapper
+
+    try:
+        FlattenParamsWrapper(nn.Linear(2, 2), optimize_backward_concat="yes")  # type: ignore[arg-type]
+    except ValueError as e:
+        assert "optimize_backward_concat" in str(e)
+    else:
+        raise AssertionError("a non-bool optimize_backward_concat was accepted")
