@@ -78,6 +78,8 @@ START_METHOD_ENV = "FAIRSCALE_TEST_START_METHOD"
 
 # How long the parent waits for hung ranks to write their stacks before it kills them.
 _STACK_DUMP_WAIT_S = 0.3
+# After a first failure, how long to keep reading reports to find which failure came first.
+_FAILURE_GRACE_S = 0.2
 # Keep timeout messages readable: at most this many lines of stack per hung rank.
 _STACK_DUMP_MAX_LINES = 60
 # Beyond the engine's own timeout, the process group's collective timeout only has to make sure
@@ -360,7 +362,11 @@ class _ProcessGroupBody:
         # On failure the group is deliberately left alone: the parent kills every rank anyway, and
         # tearing down a group whose peers are gone can block.
         result = self.fn(rank, self.world_size, *self.args, **self.kwargs)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # unless fn destroyed the group itself
+            # gloo's init is no barrier: without this, a rank with nothing to do could tear down its
+            # connections while a peer is still setting up its own, and fail that peer.
+            dist.barrier()
+            dist.destroy_process_group()
         return result
 
 
@@ -565,30 +571,39 @@ class _RankProcess:
 def _collect(ranks: List[_RankProcess], deadline: float, timeout: float) -> List[Any]:
     __tracebackhide__ = True  # pytest: show the test, not the engine
     while not all(handle.done for handle in ranks):
-        pending = [handle for handle in ranks if not handle.done]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _timeout_error(pending, len(ranks), timeout)
-        ready = set(multiprocessing.connection.wait([h.conn for h in pending], timeout=remaining))
-        failures: List[Tuple[float, BaseException]] = []
-        for handle in pending:
-            if handle.conn not in ready:
-                continue
-            kind, value = handle.read_report()
-            handle.done = True
-            if kind == "ok":
-                handle.result = _unpickle_result(handle.rank, value)
-            elif kind == "error":
-                failures.append((value.time, value.to_exception()))
-            else:
-                # A rank that died without a report crashed or was killed: that is a cause, never a
-                # consequence (peers of a dead rank get exceptions, and report them). So it goes first.
-                failures.append((float("-inf"), value))
+            raise _timeout_error([h for h in ranks if not h.done], len(ranks), timeout)
+        failures = _read_ready([h for h in ranks if not h.done], remaining)
         if failures:
-            # Once one rank fails its peers fail too (broken connections); the earliest is the cause.
+            # The peers of a failed rank fail right after it (broken connections), and the end of a
+            # crashed rank can even be noticed after theirs: listen a moment longer, then blame the cause.
+            grace_end = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+            while not all(handle.done for handle in ranks) and time.monotonic() < grace_end:
+                failures += _read_ready([h for h in ranks if not h.done], grace_end - time.monotonic())
             raise min(failures, key=lambda item: item[0])[1]
     _join_all(ranks, deadline)
     return [handle.result for handle in ranks]
+
+
+def _read_ready(pending: List[_RankProcess], timeout: float) -> List[Tuple[float, BaseException]]:
+    """Read the reports that arrive within ``timeout``; return the failures with their times."""
+    ready = set(multiprocessing.connection.wait([h.conn for h in pending], timeout=max(0.0, timeout)))
+    failures: List[Tuple[float, BaseException]] = []
+    for handle in pending:
+        if handle.conn not in ready:
+            continue
+        kind, value = handle.read_report()
+        handle.done = True
+        if kind == "ok":
+            handle.result = _unpickle_result(handle.rank, value)
+        elif kind == "error":
+            failures.append((value.time, value.to_exception()))
+        else:
+            # A rank that died without a report crashed or was killed: a cause, never a consequence
+            # (the peers of a dead rank get exceptions and report those), so it sorts first.
+            failures.append((float("-inf"), value))
+    return failures
 
 
 def _unpickle_result(rank: int, payload: bytes) -> Any:

@@ -27,7 +27,11 @@ from fairscale.nn.data_parallel._fsdp.state import HandleState
 
 Batch = Tuple[Tensor, ...]
 WRAP_MODES = ("one", "nested", "leaf")
-MIXED = {"fp32": {}, "fp16": {"mixed_precision": True}, "bf16": {"mixed_precision": True, "compute_dtype": torch.bfloat16}}
+MIXED = {
+    "fp32": {},
+    "fp16": {"mixed_precision": True},
+    "bf16": {"mixed_precision": True, "compute_dtype": torch.bfloat16},
+}
 
 
 # ------------------------------------------------------------------------------------------------------ models
@@ -272,14 +276,22 @@ def _join(prefix: str, name: str) -> str:
     return _clean_path(f"{prefix}.{name}" if prefix else name)
 
 
-def assert_idle(root: FSDP) -> None:
-    """Every instance IDLE, every owned parameter SHARDED with ``p.data`` its fp32 shard."""
+def assert_idle(root: FSDP, after_forward: bool = False) -> None:
+    """Every instance IDLE with ``p.data`` its fp32 shard, and every full buffer freed.
+
+    Args:
+        after_forward: between a forward and its backward, instances that do not reshard after forward (the root
+            by default) legitimately keep their full parameters.
+    """
     for m in get_fsdp_instances(root):
         assert m.training_state == TrainingState.IDLE, f"{type(m).__name__} is in {m.training_state}"
+        keeps_full = after_forward and not m.reshard_after_forward
         for h in m._handles:
-            assert h.state == HandleState.SHARDED, f"{h.name} is {h.state} (expected SHARDED)"
             if h.fp32_shard is not None:
                 assert h.param.data.data_ptr() == h.fp32_shard.data_ptr(), f"{h.name}: p.data is not its shard"
+            if keeps_full:
+                continue
+            assert h.state == HandleState.SHARDED, f"{h.name} is {h.state} (expected SHARDED)"
             if h.full_padded is not None:
                 assert h.full_padded.untyped_storage().size() == 0, f"{h.name}: full buffer not freed"
 
@@ -301,16 +313,22 @@ def assert_update_close(
     for name in expected:
         moved = (expected[name] - init[name]).norm().item()
         err = (actual[name] - expected[name]).norm().item()
-        assert err <= rel * moved + 1e-6, f"{what} {name}: error {err:.3g} vs reference update {moved:.3g} (norms)"
+        assert err <= rel * moved + 1e-4, f"{what} {name}: error {err:.3g} vs reference update {moved:.3g} (norms)"
 
 
 # ------------------------------------------------------------------------------------------------------ parity
 
 
-TOLERANCES = {  # (loss rtol, parameter rule)
-    "fp32": (1e-5, None),
-    "fp16": (5e-3, 0.05),
-    "bf16": (3e-2, 0.25),
+# (loss tolerance relative to the first step's loss, parameter error relative to the reference update; None: fp32
+# closeness). Measured worst cases on this matrix: fp16 loss 0.3%, param 0.2%; bf16 loss 2%, param 1% (SGD) and up
+# to 10% with Adam, whose per-element normalisation amplifies rounding of near-zero gradients.
+TOLERANCES = {
+    ("fp32", "sgd"): (1e-5, None),
+    ("fp32", "adam"): (1e-5, None),
+    ("fp16", "sgd"): (1e-2, 0.02),
+    ("fp16", "adam"): (1e-2, 0.02),
+    ("bf16", "sgd"): (5e-2, 0.05),
+    ("bf16", "adam"): (5e-2, 0.25),
 }
 
 
@@ -341,7 +359,7 @@ def train_and_compare(
     init = ref_params(ref)
     opt, ref_opt = make_optim(fsdp.parameters(), optim), make_optim(ref.parameters(), optim)
     n = global_n if global_n is not None else local_batch * world_size
-    loss_rtol, param_rel = TOLERANCES[precision_of(fsdp_kwargs)]
+    loss_rtol, param_rel = TOLERANCES[precision_of(fsdp_kwargs), optim]
     first_loss = 0.0
     for step in range(steps):
         batch = global_batch(ref, step, n)

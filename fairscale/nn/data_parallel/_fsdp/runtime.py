@@ -95,6 +95,7 @@ class FSDPRuntime(nn.Module):
     _zero2_rank: int
     _zero2_size: int
     _grad_anchor: Tensor
+    _defer_post_backward: bool = False
 
     # ------------------------------------------------------------------ tree helpers
     def _fsdp_instances(self) -> List["FSDPRuntime"]:
@@ -122,12 +123,29 @@ class FSDPRuntime(nn.Module):
         for h in self._handles:
             h.materialize(self._device, self.compute_dtype, self.move_params_to_cpu)
         if self._is_root is None:
+            self._defer_post_backward = self._has_inner_checkpoint_regions()
             self._set_is_root()
         if self._is_root:
             self._cast_buffers()
             if self.disable_reshard_on_root:
                 self.reshard_after_forward = False
             self._check_zero2_groups_once()
+
+    def _has_inner_checkpoint_regions(self) -> bool:
+        """Whether activation checkpointing covers only part of this unit.
+
+        Each checkpointed region recomputes inside its own nested backward, so the unit's parameter gradients then
+        arrive in several pieces; the full parameters must stay until the whole backward is done, and the gradient
+        is reduced once in the final callback. (A checkpoint around the whole unit is a single region: no deferral.)
+        """
+        from fairscale.nn.checkpoint.checkpoint_activations import _CheckpointedForward
+
+        whole_unit = getattr(self._fsdp_wrapped_module, "module", None)
+        return any(
+            isinstance(m.__dict__.get("forward"), _CheckpointedForward)
+            for m in self._owned_modules()
+            if m is not whole_unit
+        )
 
     def _set_is_root(self) -> None:
         self._is_root = True
@@ -322,6 +340,8 @@ class FSDPRuntime(nn.Module):
         if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(f"post-backward hook of {h.name} in unexpected state {self.training_state.name}")
         self.training_state = TrainingState.BACKWARD_POST
+        if self._defer_post_backward:
+            return  # more gradient pieces may come (checkpoint regions); the final callback reduces
         if self._require_backward_grad_sync or self.reshard_after_forward:
             h.free_full()
         h.use_shard()
@@ -349,6 +369,8 @@ class FSDPRuntime(nn.Module):
         if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(f"backward of {h.name} in unexpected state {self.training_state.name}")
         self.training_state = TrainingState.BACKWARD_POST
+        if self._defer_post_backward:
+            return  # more gradient pieces may come (checkpoint regions); the final callback reduces
         if sync or self.reshard_after_forward:
             h.free_full()
         h.use_shard()
@@ -401,11 +423,10 @@ class FSDPRuntime(nn.Module):
         assert tree is not None and self._is_root
         syncing = self._require_backward_grad_sync
         if syncing:
-            # A unit that got no gradient in the synchronizing microbatch still owes its window's reduction.
+            # Gradients not reduced by a post-backward hook: a unit that got no gradient in the synchronizing
+            # microbatch (its no_sync sum is still owed), or a unit whose reduction was deferred.
             for m in self._fsdp_instances():
-                for h in m._handles:
-                    if h.grad_accum_flat is not None:
-                        m._reduce_accumulated(h)
+                m._reduce_leftover_grads()
             with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
                 tree.bucketer.flush()
             tree.device.current_stream().wait_stream(tree.post_backward_stream)
@@ -415,8 +436,26 @@ class FSDPRuntime(nn.Module):
         tree.final_callback_queued = False
         tree.backward_pending = False
 
+    @torch.no_grad()
+    def _reduce_leftover_grads(self) -> None:
+        for h in self._handles:
+            if not h.materialized:
+                continue
+            if h.grad_accum_flat is not None:
+                self._reduce_accumulated(h)
+            g = h.param.grad
+            if g is not None and g is not getattr(h, "assigned_grad", None) and g.shape == h.orig_size:
+                h.param.grad = None
+                h.use_shard()
+                tree = self._tree
+                assert tree is not None
+                with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
+                    self._reduce_grad(h, g)
+
     def _finalize_instance(self, syncing: bool) -> None:
         for h in self._handles:
+            if not h.materialized:
+                continue  # this instance never ran a forward since its lazy init
             if syncing or self.reshard_after_forward:
                 h.free_full()
             h.drop_zero2_slice()

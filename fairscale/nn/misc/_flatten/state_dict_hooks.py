@@ -89,6 +89,15 @@ def _rename_key_(state_dict: Dict[str, Any], old: str, new: str) -> None:
         state_dict[new if key == old else key] = value
 
 
+_LOAD_CONTEXT = "_fpw_load_context"
+
+
+class _LoadContext(NamedTuple):
+    prefix: str
+    rewritten: bool  # the pre hook added the _fpw_module level
+    absent: List[str]  # original keys of partially present groups that were not in the dict
+
+
 def post_state_dict_hook(module: Any, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``nn.Module`` state-dict hook: drop the wrapper's ``_fpw_module.`` level from the keys."""
     rename_prefix_(state_dict, prefix + FPW_MODULE + ".", prefix)
@@ -130,15 +139,6 @@ def post_load_state_dict_hook(module: "FlattenParamsWrapper", incompatible_keys:
         inner = ctx.prefix + FPW_MODULE + "."
         for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
             keys[:] = [ctx.prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
-
-
-_LOAD_CONTEXT = "_fpw_load_context"
-
-
-class _LoadContext(NamedTuple):
-    prefix: str
-    rewritten: bool  # the pre hook added the _fpw_module level
-    absent: List[str]  # original keys of partially present groups that were not in the dict
 
 
 def _add_wrapper_level(module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str) -> None:

@@ -1,0 +1,169 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The human-readable report (tables on stdout) and the JSON file with every number."""
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional
+
+from .config import BenchConfig
+
+
+def _mib(nbytes: Optional[float]) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.2f}"
+
+
+def _coll(summary: Dict[str, Dict[str, int]], kind: str, phase: str) -> str:
+    """``count x MiB`` of one kind and phase, with the group size when it is not the only one."""
+    parts = []
+    for key, entry in sorted(summary.items()):
+        k, ph, group = key.split("/")
+        if k == kind and ph == phase:
+            parts.append(f"{entry['count']}x{entry['bytes'] / 2**20:.2f}M@{group.split('=')[1]}")
+    return "+".join(parts) or "0"
+
+
+def _loss_cell(r: Dict[str, Any]) -> str:
+    if r.get("loss_matches") is None:
+        return "-"
+    return "match" if r["loss_matches"] else f"DIFF {r['loss_max_abs_diff']:.1e}"
+
+
+def _formula_cell(r: Dict[str, Any]) -> str:
+    if r.get("formula_matches") is None:
+        return "-"
+    return "=" if r["formula_matches"] else "differs"
+
+
+def runs_table(records: List[Dict[str, Any]]) -> str:
+    """One line per run: times, throughput, memory, collectives per step, formula check, cats, loss parity."""
+    head = (
+        f"{'run':<26} {'step ms':>8} {'window ms':>9} {'tok/s/rank':>10} {'tok/s all':>9} {'peak MiB':>8} "
+        f"{'all-gather fwd':>16} {'all-gather bwd':>16} {'reduce-scatter':>16} {'formula':>7} {'cat/mb':>6} loss"
+    )
+    lines = [head, "-" * len(head)]
+    for r in records:
+        if r.get("skipped"):
+            lines.append(f"{r['label']:<26} skipped: {r['skipped']}")
+            continue
+        peaks = [p for p in r["peak_memory_bytes_per_rank"] if p is not None]
+        s = r["collectives_per_step"]
+        cats = r["cat_per_microbatch"]
+        lines.append(
+            f"{r['label']:<26} {r['median_step_s'] * 1e3:8.1f} {r['median_window_s'] * 1e3:9.1f} "
+            f"{r['tokens_per_s_per_rank']:10.0f} {r['tokens_per_s_total']:9.0f} {_mib(max(peaks) if peaks else None):>8} "
+            f"{_coll(s, 'all_gather', 'forward'):>16} {_coll(s, 'all_gather', 'backward'):>16} "
+            f"{_coll(s, 'reduce_scatter', 'backward'):>16} {_formula_cell(r):>7} "
+            f"{(sum(cats) / len(cats)) if cats else 0:6.1f} {_loss_cell(r)}"
+        )
+    return "\n".join(lines)
+
+
+def ratios_text(records: List[Dict[str, Any]]) -> str:
+    """Step-time and peak-memory ratios of each run to the others of its configuration."""
+    lines = []
+    for r in records:
+        if r.get("skipped") or not r.get("step_time_ratio"):
+            continue
+        cells = []
+        for other, ratio in r["step_time_ratio"].items():
+            mem = r["peak_memory_ratio"].get(other)
+            cells.append(f"{other}: {ratio:.2f}x time" + (f", {mem:.2f}x mem" if mem is not None else ""))
+        lines.append(f"  {r['label']:<26} vs " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+def accum_text(accum: Dict[str, Any]) -> str:
+    """The optimize_backward_concat section."""
+    lines = [f"optimize_backward_concat, {accum['microbatches']}-microbatch window (fairscale):"]
+    for name in ("off", "on"):
+        row = accum[name]
+        lines.append(
+            f"  {name:<3} window {row['median_window_s'] * 1e3:8.1f} ms  peak {_mib(row['peak_memory_bytes']):>8} MiB  "
+            f"cat ops per microbatch {row['cat_per_microbatch']}  (total {row['cat_total']})"
+        )
+    lines.append(f"  window time on/off: {accum['window_time_ratio_on_off']:.3f}x; loss curves "
+                 f"{'match' if accum['loss_matches'] else 'DIFFER'}")
+    return "\n".join(lines)
+
+
+def zero2_text(zero2: Dict[str, Any]) -> str:
+    """The zero2 section: bytes by group, cost model, memory."""
+    lines = [
+        f"zero2: world size {zero2['world_size']}, groups of {zero2['group_size']} (cost model: {zero2['group_size']} "
+        f"ranks per node, {zero2['intra_node_gbps']:g} GB/s inside a node, {zero2['inter_node_gbps']:g} GB/s across)",
+        f"  {'run':<28} {'AG fwd full':>11} {'AG bwd full':>11} {'AG bwd zero2':>12} {'RS full':>9} "
+        f"{'x-node MiB/rank':>15} {'model ms':>8} {'peak MiB':>8} {'steady MiB':>10}",
+    ]
+    for label, row in zero2["runs"].items():
+        cost = row["cost_model"]
+        lines.append(
+            f"  {label:<28} {_mib(row['all_gather_forward_full_group_bytes']):>11} "
+            f"{_mib(row['all_gather_backward_full_group_bytes']):>11} {_mib(row['all_gather_backward_zero2_group_bytes']):>12} "
+            f"{_mib(row['reduce_scatter_full_group_bytes']):>9} {_mib(cost['cross_node_bytes_per_rank']):>15} "
+            f"{cost['seconds_per_step'] * 1e3:8.3f} {_mib(row['peak_memory_bytes']):>8} {_mib(row['steady_memory_bytes']):>10}"
+        )
+    lines.append("  (bytes per step in MiB, full-buffer sizes; model ms = modelled communication time per step)")
+    return "\n".join(lines)
+
+
+def targets_text(targets: List[Dict[str, Any]]) -> str:
+    """The issue's targets with the measured value."""
+    marks = {True: "met   ", False: "MISSED", None: "n/a   "}
+    return "\n".join(f"  [{marks[t['met']]}] {t['target']}: {t['value']}" for t in targets)
+
+
+def header(cfg: BenchConfig, env: Dict[str, Any]) -> str:
+    """What was run, on what."""
+    return (
+        f"model: GPT {cfg.layers} layers x {cfg.hidden} hidden, {cfg.heads} heads, vocab {cfg.vocab}, "
+        f"{env['model_params'] / 1e6:.2f}M params; batch {cfg.batch} x seq {cfg.seq_len} per rank per microbatch; "
+        f"mixed precision {cfg.mixed_precision}; flatten {cfg.flatten}; auto-wrap {cfg.auto_wrap_policy}; "
+        f"checkpointing {cfg.checkpoint_activations}\n"
+        f"steps: {cfg.warmup} warmup + {cfg.steps} timed per run (+2 untimed probe steps on a fresh copy); "
+        f"torch {env['torch']}, device {env['device']}, {env['threads_per_rank']} thread(s) per rank, "
+        f"{env['cpu_count']} cores"
+    )
+
+
+def full_text(cfg: BenchConfig, report: Dict[str, Any]) -> str:
+    """Everything printed at the end of a benchmark."""
+    parts = [header(cfg, report["environment"])]
+    for scenario, world in report["worlds"].items():
+        runs = [r for r in report["runs"] if r["scenario"] == scenario]
+        parts.append(f"\n== {scenario} (world size {world}) ==\n" + runs_table(runs))
+        ratios = ratios_text(runs)
+        if ratios:
+            parts.append("ratios to the other runs of the same configuration:\n" + ratios)
+    if report.get("accum"):
+        parts.append("\n" + accum_text(report["accum"]))
+    if report.get("zero2"):
+        parts.append("\n" + zero2_text(report["zero2"]))
+    if report.get("targets"):
+        parts.append("\ntargets (issue 10):\n" + targets_text(report["targets"]))
+    parts.append(
+        "\nnotes: step/window = median over timed steps of the slowest rank; collectives are per step "
+        "(count x MiB @ group size): fairscale from its collective counter, others from a c10d dispatch spy; "
+        f"formula = ZeRO-3 bytes for the configuration; peak memory: {report['memory_method']}."
+    )
+    return "\n".join(parts)
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe copy (no NaN/inf, tuples as lists)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: str, report: Dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` (directories are created)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_clean(report), f, indent=1, sort_keys=False)
+        f.write("\n")

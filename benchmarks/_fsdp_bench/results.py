@@ -1,0 +1,131 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Turn the per-rank measurements of each run into one record, then compare runs and check the targets.
+
+Conventions: the step time of a step is the slowest rank's; a run's step time is the median over its timed steps
+(warmup excluded). Memory is per rank. Collectives per step come from fairscale's counter for fairscale runs and
+from the c10d spy of the probe step for every run (the two must agree for fairscale).
+"""
+
+import statistics
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .config import BenchConfig
+from .formula import compare, zero3_per_step
+from .model import build_model, unit_param_numels, wrap_plan
+from .peers import DTYPES, RunSpec
+from .probes import cat_count, split_backward_count
+
+#: Loss curves of two runs match when every step differs by at most ``atol + rtol * |loss|``.
+LOSS_TOLERANCE = {"none": (1e-4, 1e-4), "bf16": (5e-2, 2e-2), "fp16": (2e-2, 1e-2)}
+
+
+def spec_fields(spec: RunSpec) -> Dict[str, Any]:
+    """The run's identity, as stored in the JSON."""
+    return {
+        "key": spec.key,
+        "scenario": spec.scenario,
+        "peer": spec.peer,
+        "label": spec.label,
+        "config": spec.config_label,
+        "reshard_after_forward": spec.reshard,
+        "microbatches": spec.microbatches,
+        "optimize_backward_concat": spec.optimize_backward_concat if spec.peer == "fairscale" else None,
+    }
+
+
+def skipped_record(spec: RunSpec, reason: str) -> Dict[str, Any]:
+    """A run that did not run, and why."""
+    return {**spec_fields(spec), "skipped": reason}
+
+
+def expected_collectives(spec: RunSpec, cfg: BenchConfig, world_size: int) -> Optional[Dict[str, Dict[str, int]]]:
+    """The ZeRO-3 formula for a sharded run (``None`` for DDP)."""
+    if spec.peer == "ddp":
+        return None
+    model = build_model(cfg, torch.device("cpu"))
+    units = unit_param_numels(model, wrap_plan(cfg, model))
+    dtype = DTYPES[cfg.mixed_precision] or torch.float32
+    flatten = cfg.flatten if spec.peer == "fairscale" else spec.peer == "fsdp1"
+    element = torch.empty((), dtype=dtype).element_size()
+    return zero3_per_step(units, world_size, spec.reshard, spec.microbatches, element, flatten)
+
+
+def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One run's record from every rank's ``{"timed": ..., "probe": ...}``."""
+    timed = [r["timed"] for r in ranks]
+    probe = [r["probe"] for r in ranks]
+    steps = len(timed[0]["step_s"])
+    step_s = [max(t["step_s"][i] for t in timed) for i in range(steps)]
+    window_s = [max(t["window_s"][i] for t in timed) for i in range(steps)]
+    loss = [statistics.fmean(t["loss"][i] for t in timed) for i in range(steps)]
+    timed_steps = slice(min(cfg.warmup, steps - 1), steps)
+    median_step = statistics.median(step_s[timed_steps])
+    tokens = cfg.tokens_per_microbatch * spec.microbatches
+    counter = timed[0]["collectives"][timed_steps]
+    ops = probe[0]["backward_ops"]
+    expected = expected_collectives(spec, cfg, world_size)
+    measured = counter[-1] if spec.peer == "fairscale" else probe[0]["spy"]
+    # Spy byte counts follow each implementation's own padding (FSDP2 pads per parameter), so only fairscale,
+    # whose flat layout the formula describes exactly, is held to it byte for byte.
+    diffs = compare(measured, expected) if expected is not None else None
+    record = {
+        **spec_fields(spec),
+        "skipped": None,
+        "world_size": world_size,
+        "tokens_per_step_per_rank": tokens,
+        "loss": loss,
+        "step_s": step_s,
+        "window_s": window_s,
+        "step_s_per_rank": [t["step_s"] for t in timed],
+        "median_step_s": median_step,
+        "median_window_s": statistics.median(window_s[timed_steps]),
+        "median_optimizer_s": statistics.median([s - w for s, w in zip(step_s, window_s)][timed_steps]),
+        "tokens_per_s_per_rank": tokens / median_step,
+        "tokens_per_s_total": tokens * world_size / median_step,
+        "peak_memory_bytes_per_rank": [p["memory"]["peak_bytes"] if p["memory"] else None for p in probe],
+        "steady_memory_bytes_per_rank": [p["memory"]["steady_bytes"] if p["memory"] else None for p in probe],
+        "memory_method": probe[0]["memory_method"],
+        "collectives_source": "fairscale collective counter" if spec.peer == "fairscale" else "c10d dispatch spy",
+        "collectives_per_step": measured,
+        "counter_per_step": counter[-1] if spec.peer == "fairscale" else None,
+        "counter_constant_across_steps": all(c == counter[-1] for c in counter) if spec.peer == "fairscale" else None,
+        "spy_per_step": probe[0]["spy"],
+        "formula_per_step": expected,
+        "formula_differences": diffs,
+        "formula_matches": (not diffs) if diffs is not None and spec.peer == "fairscale" else None,
+        "backward_ops_per_microbatch": ops,
+        "cat_per_microbatch": [cat_count(o) for o in ops],
+        "split_backward_per_microbatch": [split_backward_count(o) for o in ops],
+    }
+    return record
+
+
+def _max_peak(record: Dict[str, Any]) -> Optional[int]:
+    peaks = [p for p in record.get("peak_memory_bytes_per_rank", []) if p is not None]
+    return max(peaks) if peaks else None
+
+
+def add_comparisons(records: List[Dict[str, Any]], cfg: BenchConfig) -> None:
+    """Per run: ratios to every other run of its scenario and configuration, and loss parity with the first run of
+    its scenario (every run of a scenario trains the same model on the same data)."""
+    atol, rtol = LOSS_TOLERANCE[cfg.mixed_precision]
+    done = [r for r in records if not r.get("skipped")]
+    for r in done:
+        peers = [
+            p for p in done
+            if p is not r and p["scenario"] == r["scenario"]
+            and (p["config"] == r["config"] or "replicated" in (p["config"], r["config"]))
+        ]
+        r["step_time_ratio"] = {p["label"]: r["median_step_s"] / p["median_step_s"] for p in peers}
+        mine = _max_peak(r)
+        r["peak_memory_ratio"] = {
+            p["label"]: mine / theirs for p in peers for theirs in [_max_peak(p)] if mine is not None and theirs
+        }
+        reference = next(p for p in done if p["scenario"] == r["scenario"])
+        diff = max(abs(a - b) for a, b in zip(r["loss"], reference["loss"]))
+        ok = all(abs(a - b) <= atol + rtol * abs(b) for a, b in zip(r["loss"], reference["loss"]))
+        r["loss_reference"] = reference["label"]
+        r["loss_max_abs_diff"] = diff
+        r["loss_matches"] = bool(ok and all(torch.isfinite(torch.tensor(r["loss"])).tolist()))

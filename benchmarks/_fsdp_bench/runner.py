@@ -1,0 +1,67 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What every rank of a world does: list the runs of its scenarios, run each, gather the results on rank 0."""
+
+import dataclasses
+import sys
+from typing import Any, Dict, List
+
+import torch
+
+from fairscale.internal import collectives
+
+from .config import BenchConfig
+from .corpus import Corpus
+from .measure import probe_run, timed_run
+from .peers import RunSpec, skip_reason
+from .progress import ProgressBar, silent
+from .results import aggregate, skipped_record
+
+
+def specs_for(cfg: BenchConfig, scenario: str) -> List[RunSpec]:
+    """The runs of one scenario, in the order they run and are reported."""
+    if scenario == "train":
+        specs = [
+            RunSpec("train", peer, raf, cfg.microbatches, cfg.optimize_backward_concat and peer == "fairscale")
+            for raf in cfg.reshard_after_forward
+            for peer in cfg.compare
+            if peer != "ddp"
+        ]
+        if "ddp" in cfg.compare:
+            specs.append(RunSpec("train", "ddp", True, cfg.microbatches))
+        return specs
+    if scenario == "accum":
+        return [RunSpec("accum", "fairscale", True, cfg.accum_microbatches, obc) for obc in (False, True)]
+    if scenario == "zero2":
+        g = cfg.zero2_group_size
+        specs = [RunSpec("zero2", "fairscale", True, cfg.microbatches), RunSpec("zero2", "fairscale", g, cfg.microbatches)]
+        if "fsdp2" in cfg.compare:
+            specs += [RunSpec("zero2", "fsdp2", True, cfg.microbatches), RunSpec("zero2", "fsdp2", g, cfg.microbatches)]
+        return specs
+    raise ValueError(f"unknown scenario {scenario!r}")
+
+
+def run_world(cfg: BenchConfig, scenarios: List[str], rank: int, world_size: int,
+              device: torch.device) -> List[Dict[str, Any]]:
+    """Run every scenario's runs on this rank; rank 0 returns the run records (other ranks an empty list)."""
+    corpus = Corpus(cfg.vocab, cfg.seq_len, cfg.seed)
+    records: List[Dict[str, Any]] = []
+    # The world may be smaller or bigger than --world-size (the zero2 world, torchrun): record the real one.
+    cfg = dataclasses.replace(cfg, world_size=world_size)
+    for scenario in scenarios:
+        if rank == 0:
+            print(f"\n[{scenario}] world size {world_size}", flush=True)
+        for spec in specs_for(cfg, scenario):
+            reason = skip_reason(spec, cfg)
+            if reason is not None:
+                if rank == 0:
+                    print(f"{spec.label:<28} skipped: {reason}", flush=True)
+                    records.append(skipped_record(spec, reason))
+                continue
+            progress = ProgressBar(spec.label) if rank == 0 else silent
+            timed = timed_run(spec, cfg, corpus, rank, world_size, device, progress)
+            probe = probe_run(spec, cfg, corpus, rank, world_size, device)
+            gathered = collectives.all_gather_object({"timed": timed, "probe": probe})
+            if rank == 0:
+                records.append(aggregate(spec, cfg, world_size, gathered))
+    sys.stdout.flush()
+    return records

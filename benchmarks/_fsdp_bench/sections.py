@@ -1,0 +1,117 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The feature sections (accumulation window, zero2) and the issue's targets, computed from the run records."""
+
+from typing import Any, Dict, List, Optional
+
+from .config import BenchConfig
+from .formula import bytes_by_group, cost_model
+
+
+def _runs(records: List[Dict[str, Any]], scenario: str) -> List[Dict[str, Any]]:
+    return [r for r in records if r["scenario"] == scenario and not r.get("skipped")]
+
+
+def _find(runs: List[Dict[str, Any]], **match: Any) -> Optional[Dict[str, Any]]:
+    return next((r for r in runs if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _peak(record: Dict[str, Any]) -> Optional[int]:
+    peaks = [p for p in record["peak_memory_bytes_per_rank"] if p is not None]
+    return max(peaks) if peaks else None
+
+
+def accum_section(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """optimize_backward_concat off vs on over one accumulation window."""
+    runs = _runs(records, "accum")
+    off = _find(runs, peer="fairscale", optimize_backward_concat=False)
+    on = _find(runs, peer="fairscale", optimize_backward_concat=True)
+    if off is None or on is None:
+        return None
+
+    def row(r: Dict[str, Any]) -> Dict[str, Any]:
+        return {
+            "median_window_s": r["median_window_s"],
+            "median_step_s": r["median_step_s"],
+            "peak_memory_bytes": _peak(r),
+            "cat_per_microbatch": r["cat_per_microbatch"],
+            "cat_total": sum(r["cat_per_microbatch"]),
+            "split_backward_total": sum(r["split_backward_per_microbatch"]),
+            "collectives_per_step": r["collectives_per_step"],
+        }
+
+    return {
+        "microbatches": on["microbatches"],
+        "off": row(off),
+        "on": row(on),
+        "window_time_ratio_on_off": on["median_window_s"] / off["median_window_s"],
+        "loss_matches": bool(on.get("loss_matches")),
+    }
+
+
+def zero2_section(records: List[Dict[str, Any]], cfg: BenchConfig) -> Optional[Dict[str, Any]]:
+    """Bytes over the full and the zero2 group, a cost model and memory, with and without the zero2 group."""
+    runs = _runs(records, "zero2")
+    if not runs:
+        return None
+    g = cfg.zero2_group_size
+    out: Dict[str, Any] = {
+        "world_size": runs[0]["world_size"],
+        "group_size": g,
+        "ranks_per_node_in_cost_model": g,
+        "intra_node_gbps": cfg.intra_node_gbps,
+        "inter_node_gbps": cfg.inter_node_gbps,
+        "runs": {},
+    }
+    for r in runs:
+        n = r["world_size"]
+        summary = r["collectives_per_step"]
+        gather_fwd = bytes_by_group(summary, "all_gather", "forward")
+        gather_bwd = bytes_by_group(summary, "all_gather", "backward")
+        out["runs"][r["label"]] = {
+            "all_gather_forward_full_group_bytes": gather_fwd.get(n, 0),
+            "all_gather_backward_full_group_bytes": gather_bwd.get(n, 0),
+            "all_gather_backward_zero2_group_bytes": sum(b for size, b in gather_bwd.items() if size < n),
+            "reduce_scatter_full_group_bytes": bytes_by_group(summary, "reduce_scatter").get(n, 0),
+            "cost_model": cost_model(summary, g, cfg.intra_node_gbps, cfg.inter_node_gbps),
+            "peak_memory_bytes": _peak(r),
+            "steady_memory_bytes": max(m for m in r["steady_memory_bytes_per_rank"] if m is not None)
+            if any(m is not None for m in r["steady_memory_bytes_per_rank"]) else None,
+            "median_step_s": r["median_step_s"],
+            "loss_matches": r.get("loss_matches"),
+            "collectives_source": r["collectives_source"],
+        }
+    return out
+
+
+def targets(records: List[Dict[str, Any]], accum: Optional[Dict[str, Any]],
+            zero2: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The issue's targets, each with the measured value and ``met`` (``None`` when not measured in this run)."""
+    out: List[Dict[str, Any]] = []
+    train = _runs(records, "train")
+    for fs in [r for r in train if r["peer"] == "fairscale"]:
+        peer = _find(train, peer="fsdp2", config=fs["config"])
+        if peer is not None:
+            ratio = fs["median_step_s"] / peer["median_step_s"]
+            out.append({"target": f"step time fairscale/fsdp2 <= 0.9 ({fs['config']})", "value": round(ratio, 3),
+                        "met": ratio <= 0.9})
+            mine, theirs = _peak(fs), _peak(peer)
+            if mine is not None and theirs:
+                out.append({"target": f"peak memory fairscale/fsdp2 <= 1.0 ({fs['config']})",
+                            "value": round(mine / theirs, 3), "met": mine <= theirs})
+        if fs["formula_matches"] is not None:
+            out.append({"target": f"fairscale bytes per step == ZeRO-3 formula ({fs['config']})",
+                        "value": "; ".join(fs["formula_differences"]) or "equal", "met": fs["formula_matches"]})
+    if accum is not None:
+        ratio = accum["window_time_ratio_on_off"]
+        out.append({"target": f"{accum['microbatches']}-microbatch window faster with optimize_backward_concat",
+                    "value": round(ratio, 3), "met": ratio < 1.0})
+        cats = accum["on"]["cat_total"]
+        out.append({"target": "0 concat ops in the window with optimize_backward_concat", "value": cats,
+                    "met": cats == 0})
+    if zero2 is not None:
+        for label, row in zero2["runs"].items():
+            if label.startswith("fairscale") and "group" in label:
+                full = row["all_gather_backward_full_group_bytes"]
+                out.append({"target": f"backward all-gather bytes over the full group == 0 ({label})",
+                            "value": full, "met": full == 0})
+    return out
