@@ -48,6 +48,15 @@ from fairscale.fair_dev.testing.testing import (
 )
 from fairscale.fair_dev.testing.testing_memory import find_tensor_by_shape
 
+
+@pytest.fixture(autouse=True)
+def restore_cudnn_flags() -> Any:
+    # Some helpers flip process-wide cuDNN flags; keep other tests unaffected.
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
 # ----------------------------------------------------------------------------------------------
 # objects_are_equal
 
@@ -107,7 +116,7 @@ def test_check_same_model_params() -> None:
     check_same_model_params(model_a, model_b)
     with torch.no_grad():
         model_b[0].bias.add_(1.0)
-    with pytest.raises(AssertionError, match="model parameters differ: 0.bias vs 0.bias.*after step 3"):
+    with pytest.raises(AssertionError, match="(?s)model parameters differ: 0.bias vs 0.bias.*after step 3"):
         check_same_model_params(model_a, model_b, "after step 3")
     with pytest.raises(AssertionError, match="2 and 4 parameters"):
         check_same_model_params(nn.Linear(2, 2), model_b)
@@ -228,12 +237,6 @@ def test_dummy_process_group() -> None:
             DummyProcessGroup(rank, size)
 
 
-def _dist_init_body(rank: int) -> Any:
-    with temp_files_ctx(1) as _:
-        pass
-    return None
-
-
 def test_dist_init_and_teardown(tmp_path: Any) -> None:
     store = str(tmp_path / "store")
 
@@ -299,8 +302,8 @@ def _spawned_body(value: int) -> None:
     assert tensor.item() == value * dist.get_world_size()
 
 
-# Registers test_spawned_body (run for world sizes 1 and 2, with each parametrised value).
-pytest.mark.parametrize("value", [1, 3])(torch_spawn([1, 2])(_spawned_body))
+# Registers test__spawned_body here: run for world sizes 1 and 2, for each parametrised value.
+torch_spawn([1, 2])(pytest.mark.parametrize("value", [1, 3])(_spawned_body))
 
 
 def test_torch_spawn_registered_and_rejects_test_names() -> None:

@@ -8,7 +8,8 @@
 import gc
 import os
 import subprocess
-from typing import Iterator, Sequence
+import warnings
+from typing import List, Sequence
 
 import torch
 from torch import nn
@@ -16,13 +17,18 @@ from torch import nn
 __all__ = ["find_tensor_by_shape", "dump_all_tensors", "get_smi_memory"]
 
 
-def _live_tensors() -> Iterator[torch.Tensor]:
-    for obj in gc.get_objects():
-        try:
-            if torch.is_tensor(obj):
-                yield obj
-        except Exception:  # some objects raise on inspection (e.g. half-destroyed proxies); skip them
-            continue
+def _live_tensors() -> List[torch.Tensor]:
+    tensors = []
+    with warnings.catch_warnings():
+        # Merely inspecting some objects (deprecated module attributes) emits warnings.
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor):
+                    tensors.append(obj)
+            except Exception:  # some objects raise on inspection (e.g. half-destroyed proxies); skip them
+                continue
+    return tensors
 
 
 def find_tensor_by_shape(target_shape: Sequence[int], only_param: bool = True) -> bool:

