@@ -98,6 +98,29 @@ def _ranges(events: List[Any], name: str) -> List[Tuple[int, int]]:
     return sorted(found)
 
 
+def _same_op(a: str, b: str) -> bool:
+    return a == b or (a in CAT_OPS and b in CAT_OPS)
+
+
+def _outermost_ops(events: List[Any]) -> List[Tuple[int, str]]:
+    """``(start_ns, name)`` of the cat/split ops that do not run inside the same op.
+
+    An op re-dispatched through the spy's dispatch mode, or ``aten::_chunk_cat`` calling ``aten::cat``, shows up
+    nested in itself; such inner events are one op, not two. (A cat inside ``SplitWithSizesBackward0`` counts.)
+    """
+    out: List[Tuple[int, str]] = []
+    stacks: Dict[int, List[Any]] = {}
+    for e in sorted(events, key=lambda e: (e.start_ns(), -e.end_ns())):
+        stack = stacks.setdefault(e.start_thread_id(), [])
+        while stack and stack[-1].end_ns() < e.start_ns():
+            stack.pop()
+        name = e.name()
+        if _OP_OF_INTEREST.search(name) and not any(_same_op(name, s.name()) for s in stack):
+            out.append((e.start_ns(), name))
+        stack.append(e)
+    return out
+
+
 def analyze_profile(prof: Any, microbatches: int, track_memory: bool) -> Dict[str, Any]:
     """Peak/steady memory of the probe step and the concat/split ops of each microbatch's backward.
 
@@ -107,9 +130,10 @@ def analyze_profile(prof: Any, microbatches: int, track_memory: bool) -> Dict[st
     events = list(prof.profiler.kineto_results.events())
     probe = _ranges(events, PROBE_STEP)
     backward = _ranges(events, BACKWARD)[-microbatches:]
+    outermost = _outermost_ops(events)
     ops: List[Dict[str, int]] = []
     for start, end in backward:
-        counts = Counter(e.name() for e in events if start <= e.start_ns() <= end and _OP_OF_INTEREST.search(e.name()))
+        counts = Counter(name for t, name in outermost if start <= t <= end)
         ops.append(dict(sorted(counts.items())))
     memory: Optional[Dict[str, int]] = None
     if track_memory and probe:

@@ -16,6 +16,7 @@ from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 from ._fsdp import config as fsdp_config
 from ._fsdp import grad_accum, summon, zero2
 from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
+from ._fsdp.metadata import CheckpointFormatsMixin
 from ._fsdp.runtime import FSDPRuntime, cast_inputs
 from ._fsdp.state import HandleState, TrainingState
 from ._fsdp.state_dict import StateDictMixin
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 
-class FullyShardedDataParallel(StateDictMixin, FSDPRuntime):
+class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRuntime):
     """A wrapper that shards a module's parameters, gradients and optimizer state across data-parallel ranks.
 
     Every rank keeps ``1/world_size`` of each owned parameter (its *shard*). Before this instance's forward, and

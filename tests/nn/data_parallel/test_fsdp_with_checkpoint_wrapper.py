@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from _models import (
-    TOLERANCES,
     assert_close_dict,
     assert_idle,
     assert_update_close,
@@ -44,6 +43,9 @@ PRECISIONS: Dict[str, Dict[str, Any]] = {
     "bf16": {"mixed_precision": True, "compute_dtype": torch.bfloat16},
     "fp16": {"mixed_precision": True},
 }
+# (loss tolerance relative to the first loss, parameter error relative to the reference's total update or None for
+# an elementwise fp32 comparison). 16-bit compute rounds, but a lost or doubled gradient is far outside these.
+TOLERANCES: Dict[str, Tuple[float, Optional[float]]] = {"fp32": (1e-5, None), "fp16": (1e-2, 0.03), "bf16": (5e-2, 0.1)}
 
 
 # ------------------------------------------------------------------------------------------------------ models
