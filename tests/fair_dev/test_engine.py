@@ -202,6 +202,16 @@ def test_temporary_directory_is_removed(tmp_path: Any, monkeypatch: pytest.Monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_refuses_to_fork_a_process_that_has_a_group(tmp_path: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already has a default process group"):
+            run_distributed(_rank_sum, 2)
+    finally:
+        dist.destroy_process_group()
+    assert run_distributed(_rank_sum, 1)[0]["sum"] == 1.0
+
+
 def test_run_ranks_has_no_process_group() -> None:
     assert run_ranks(lambda rank: (rank, dist.is_initialized()), 2) == [(0, False), (1, False)]
 
@@ -212,7 +222,7 @@ def test_run_ranks_has_no_process_group() -> None:
         ({"world_size": 0}, "world_size must be a positive int"),
         ({"world_size": 2, "timeout": 0}, "timeout must be a positive"),
         ({"world_size": 2, "device": "tpu"}, "device must be 'cpu' or 'cuda'"),
-        ({"world_size": 2, "device": "cuda:1"}, "pass 'cuda'"),
+        ({"world_size": 2, "device": "cuda:1"}, "device must be 'cpu' or 'cuda'"),
     ],
 )
 def test_bad_arguments(kwargs: Dict[str, Any], error: str) -> None:

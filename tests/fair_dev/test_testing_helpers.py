@@ -114,8 +114,10 @@ def test_check_same_model_params() -> None:
     set_random_seed(1)
     model_b = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     check_same_model_params(model_a, model_b)
+    linear_b = model_b[0]
+    assert isinstance(linear_b, nn.Linear)
     with torch.no_grad():
-        model_b[0].bias.add_(1.0)
+        linear_b.bias.add_(1.0)
     with pytest.raises(AssertionError, match="(?s)model parameters differ: 0.bias vs 0.bias.*after step 3"):
         check_same_model_params(model_a, model_b, "after step 3")
     with pytest.raises(AssertionError, match="2 and 4 parameters"):
@@ -123,7 +125,8 @@ def test_check_same_model_params() -> None:
 
 
 def _models_across_ranks(rank: int, world_size: int) -> List[str]:
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))  # same seed on every rank
+    linear = nn.Linear(4, 4)  # same seed on every rank: the same initial values
+    model = nn.Sequential(linear, nn.BatchNorm1d(4))
     outcomes = []
     check_same_models_across_ranks(model, None, params_should_be_equal=True, check_broadcast_buffers=True)
     with torch.no_grad():
@@ -136,7 +139,7 @@ def _models_across_ranks(rank: int, world_size: int) -> List[str]:
                 check_same_models_across_ranks(model, None, True, False)
             else:
                 with torch.no_grad():
-                    model[0].bias.zero_()  # the same again on every rank
+                    linear.bias.zero_()  # the same again on every rank
                 check_same_models_across_ranks(model, None, False, False)
         except AssertionError as e:
             outcomes.append(str(e).split(":")[0])

@@ -48,8 +48,8 @@ import sys
 import tempfile
 import time
 import traceback
-from types import TracebackType
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type
 
 import pytest
@@ -80,6 +80,8 @@ START_METHOD_ENV = "FAIRSCALE_TEST_START_METHOD"
 _STACK_DUMP_WAIT_S = 0.3
 # After a first failure, how long to keep reading reports to find which failure came first.
 _FAILURE_GRACE_S = 0.2
+# How long a rank that reported its result may take to exit, even past the deadline.
+_EXIT_GRACE_S = 5.0
 # Keep timeout messages readable: at most this many lines of stack per hung rank.
 _STACK_DUMP_MAX_LINES = 60
 # Beyond the engine's own timeout, the process group's collective timeout only has to make sure
@@ -147,6 +149,11 @@ def run_distributed(
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if available < world_size:
             pytest.skip(f"needs {world_size} CUDA devices for a {world_size}-rank world, found {available}")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "run_distributed: this process already has a default process group (a test that called "
+            "dist_init or init_process_group without teardown?); destroy it first, forked ranks would inherit it"
+        )
     chosen_backend = backend if backend is not None else ("nccl" if device_type == "cuda" else "gloo")
     with _world_directory() as directory:
         body = _ProcessGroupBody(
@@ -248,10 +255,8 @@ def subtest(name: str) -> Iterator[None]:
 
 
 def _check_device(device: str) -> str:
-    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device.startswith("cuda:"):
-        raise ValueError(f"device {device!r}: pass 'cuda'; rank r always uses cuda:r")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (rank r then uses cuda:r), got {device!r}")
     return device
 
 
@@ -365,7 +370,10 @@ class _ProcessGroupBody:
         if dist.is_initialized():  # unless fn destroyed the group itself
             # gloo's init is no barrier: without this, a rank with nothing to do could tear down its
             # connections while a peer is still setting up its own, and fail that peer.
-            dist.barrier()
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[rank])
+            else:
+                dist.barrier()
             dist.destroy_process_group()
         return result
 
@@ -617,7 +625,8 @@ def _join_all(ranks: List[_RankProcess], deadline: float) -> None:
     """Wait for ranks that reported success to exit; a crash on the way out is still a failure."""
     __tracebackhide__ = True  # pytest: show the test, not the engine
     for handle in ranks:
-        handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        # At least a short grace even at the deadline: a rank that already reported only has to exit.
+        handle.process.join(timeout=max(_EXIT_GRACE_S, deadline - time.monotonic()))
     stuck = [h.rank for h in ranks if h.process.is_alive()]
     if stuck:
         raise DistributedTestTimeout(f"ranks {stuck} reported a result but did not exit before the timeout", stuck)
@@ -640,6 +649,22 @@ def _timeout_error(pending: List[_RankProcess], world_size: int, timeout: float)
     return DistributedTestTimeout(message, running)
 
 
+def _without_engine_frames(lines: List[str]) -> List[str]:
+    """Per thread (most recent call first), drop the frames from the first engine frame on.
+
+    Those are the engine and, under fork, the stack inherited from the test process: noise here.
+    """
+    kept, skipping = [], False
+    for line in lines:
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            skipping = False
+        elif f'"{__file__}"' in line:
+            skipping = True
+        if not skipping:
+            kept.append(line)
+    return kept
+
+
 def _dump_stacks(pending: List[_RankProcess]) -> str:
     for handle in pending:
         if handle.process.is_alive() and handle.process.pid is not None:
@@ -653,11 +678,7 @@ def _dump_stacks(pending: List[_RankProcess]) -> str:
                 lines = f.read().rstrip().splitlines()
         except OSError:
             lines = []
-        # Most recent call first: from the first engine frame on, it is the engine and (under fork)
-        # the stack inherited from the test process, which says nothing about the hang.
-        engine_lines = [i for i, line in enumerate(lines) if f'"{__file__}"' in line]
-        if engine_lines:
-            lines = lines[: engine_lines[0]]
+        lines = _without_engine_frames(lines)
         if len(lines) > _STACK_DUMP_MAX_LINES:
             lines = lines[:_STACK_DUMP_MAX_LINES] + ["  ..."]
         parts.append(f"--- rank {handle.rank} ---\n" + ("\n".join(lines) if lines else "  (no stack written)"))

@@ -25,6 +25,9 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import TrainingState, get_fsdp_instances
 from fairscale.nn.data_parallel._fsdp.state import HandleState
 
+# The first assert_close imports a lot (about 2 s); do it once here so every forked rank inherits the modules.
+torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+
 Batch = Tuple[Tensor, ...]
 WRAP_MODES = ("one", "nested", "leaf")
 MIXED = {

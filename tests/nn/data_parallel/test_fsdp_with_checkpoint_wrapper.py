@@ -106,7 +106,7 @@ def wrap_with_checkpoint(model: Net, order: str, fsdp_kwargs: Dict[str, Any], bn
 
 
 class PassLog:
-    """Records, for every call of a user ``Block``, which checkpoint pass it ran in."""
+    """Records, for every call of a user ``Block`` (seen at its first layer), which checkpoint pass it ran in."""
 
     def __init__(self, blocks: List[nn.Module]) -> None:
         self.passes: List[str] = []
@@ -127,7 +127,9 @@ class PassLog:
 
 
 def user_blocks(model: nn.Module) -> List[nn.Module]:
-    return [m for m in model.modules() if type(m) is Block]
+    """The first layer of every user block: its hooks fire inside the checkpointed region whatever the nesting
+    (hooks of a module whose forward is checkpointed fire outside it, and only once)."""
+    return [m.fc1 for m in model.modules() if type(m) is Block]
 
 
 # ------------------------------------------------------------------------------------------------------ harness
@@ -271,16 +273,18 @@ def _eval_case(rank: int, order: str, precision: str) -> None:
         assert m.training_state == TrainingState.IDLE
         assert m._tree is None or not m._tree.backward_pending
     # Eval mode with grad (e.g. computing input saliency): checkpointing is active again and gradients are right.
+    # Under mixed precision the root casts fp32 inputs to a new leaf (as upstream), so the input is given in the
+    # compute dtype already to receive its gradient.
     fsdp.zero_grad()
     ref.zero_grad()
-    local.requires_grad_(True)
-    loss_of(fsdp(local), local.shape[0], 1).backward()
+    inp = local.to(PRECISIONS[precision].get("compute_dtype", torch.float32)).requires_grad_(True)
+    loss_of(fsdp(inp), local.shape[0], 1).backward()
     assert "recompute" in log.take()
     assert_idle(fsdp)  # type: ignore[arg-type]
-    ref_local = local.detach().clone().requires_grad_(True)
+    ref_local = local.clone().requires_grad_(True)
     loss_of(ref(ref_local), local.shape[0], 1).backward()
-    assert local.grad is not None
-    torch.testing.assert_close(local.grad.float(), ref_local.grad, atol=atol, rtol=atol)
+    assert inp.grad is not None and ref_local.grad is not None
+    torch.testing.assert_close(inp.grad.float(), ref_local.grad, atol=atol, rtol=atol)
     # Back to training: the next step still matches the reference update.
     fsdp.train()
     ref.train()
@@ -378,12 +382,46 @@ def test_state_machine_during_recomputation() -> None:
 # ------------------------------------------------------------------------------------------------------ batch norm
 
 
+class RunningStatsOracle:
+    """Expected batch-norm running statistics of this rank, built from the batch statistics of every call.
+
+    A model with the reference's current parameters runs this rank's slice, a pre-hook records each batch-norm
+    input, and the momentum update is applied once per call. ``reverse_calls``: per-block checkpoints recompute the
+    calls of one block last-to-first in backward, which is when the statistics are updated, so the updates are
+    applied in that order (it matters when a block runs twice per forward).
+    """
+
+    def __init__(self, model: Net, reverse_calls: bool) -> None:
+        self.model = copy.deepcopy(model)
+        self.reverse_calls = reverse_calls
+        self.inputs: Dict[str, List[Tensor]] = {}
+        self.expected: Dict[str, Tensor] = {n: b.clone() for n, b in model.named_buffers()}
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, nn.BatchNorm1d):
+                layer.register_forward_pre_hook(lambda _m, args, name=name: self.inputs[name].append(args[0].clone()))
+                self.inputs[name] = []
+
+    @torch.no_grad()
+    def step(self, ref: nn.Module, local: Tensor) -> None:
+        for p, p_ref in zip(self.model.parameters(), ref.parameters()):
+            p.copy_(p_ref)
+        self.model(local)
+        for name, seen in self.inputs.items():
+            for x in reversed(seen) if self.reverse_calls else seen:
+                momentum = 0.1  # nn.BatchNorm1d's default
+                for stat, value in (("running_mean", x.mean(0)), ("running_var", x.var(0, unbiased=True))):
+                    key = f"{name}.{stat}"
+                    self.expected[key] = (1 - momentum) * self.expected[key] + momentum * value
+                self.expected[f"{name}.num_batches_tracked"] += 1
+            seen.clear()
+
+
 def _bn_case(rank: int, order: str, precision: str, bn_own_instance: bool, calls_per_block: int) -> None:
     """BN inside checkpointed blocks: running statistics updated exactly once per call, as in the reference."""
     torch.manual_seed(5)
     model = Net(batchnorm=True, calls_per_block=calls_per_block)
     ref = copy.deepcopy(model)
-    stats_ref = copy.deepcopy(model)  # sees only this rank's slice, with the reference's parameters of each step
+    oracle = RunningStatsOracle(model, reverse_calls=order.endswith("(block))"))
     log = PassLog(user_blocks(model))
     fsdp = wrap_with_checkpoint(model, order, dict(PRECISIONS[precision]), bn=bn_own_instance)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05)
@@ -392,10 +430,7 @@ def _bn_case(rank: int, order: str, precision: str, bn_own_instance: bool, calls
     for step in range(steps):
         batch = batch_for(step, n)
         local = local_slice((batch,), rank, WS)[0]
-        with torch.no_grad():
-            for p_stats, p_ref in zip(stats_ref.parameters(), ref.parameters()):
-                p_stats.copy_(p_ref)
-            stats_ref(local)
+        oracle.step(ref, local)
         opt.zero_grad()
         loss_of(fsdp(local), n, WS).backward()
         opt.step()
@@ -405,16 +440,16 @@ def _bn_case(rank: int, order: str, precision: str, bn_own_instance: bool, calls
     assert log.take().count("recompute") == steps * len(model.blocks) * calls_per_block
     assert_idle(fsdp)  # type: ignore[arg-type]
     got = {_clean(name): b for name, b in fsdp.named_buffers()}
-    want = dict(stats_ref.named_buffers())
-    assert sorted(got) == sorted(want)
-    tol = 1e-5 if precision == "fp32" or bn_own_instance else 2e-2
-    for name, expected in want.items():
+    assert sorted(got) == sorted(oracle.expected)
+    # 16-bit compute feeds the (fp32) batch norm rounded inputs; the statistics are then close, not equal.
+    tol = 1e-5 if precision == "fp32" else 3e-2
+    for name, expected in oracle.expected.items():
         if name.endswith("num_batches_tracked"):
-            assert got[name].item() == steps * calls_per_block, f"{name}: updated {got[name].item()} times"
-        else:
-            if bn_own_instance:
-                assert got[name].dtype == torch.float32, f"{name} must stay fp32 in its own instance"
-            torch.testing.assert_close(got[name].float(), expected, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+            assert got[name].item() == expected.item() == steps * calls_per_block, f"{name}: {got[name].item()}"
+            continue
+        if bn_own_instance:
+            assert got[name].dtype == torch.float32, f"{name} must stay fp32 in its own instance"
+        torch.testing.assert_close(got[name].float(), expected, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
     if precision == "fp32":
         assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-5)  # type: ignore[arg-type]
 
@@ -476,11 +511,12 @@ def _memory_case(order: str) -> Tuple[int, int]:
         sizes.append(saved)
     with_ckpt, without = sizes
     row = batch * dim * 4
-    # Each checkpointed block keeps only its input (one batch x dim row block); without checkpointing each block
-    # keeps at least its input, the wide hidden activation (2 dim + 1) and the tanh output.
-    assert with_ckpt <= (num_blocks + 2) * row + batch * 5 * 4, (order, with_ckpt, without)
-    assert without >= num_blocks * (1 + 2 * (2 * dim + 1) / dim) * row, (order, with_ckpt, without)
-    assert with_ckpt * 3 < without, (order, with_ckpt, without)
+    # Each checkpointed block keeps only its input (``row`` bytes); without checkpointing each block also keeps its
+    # wide hidden activation (the tanh output, 2 dim + 1 wide, which the second linear saves too).
+    hidden = batch * (2 * dim + 1) * 4
+    assert with_ckpt <= (num_blocks + 1) * row + batch * 5 * 4, (order, with_ckpt, without)
+    assert without >= num_blocks * (row + hidden), (order, with_ckpt, without)
+    assert with_ckpt * 2 < without, (order, with_ckpt, without)
     return with_ckpt, without
 
 

@@ -123,9 +123,8 @@ class FSDPRuntime(nn.Module):
         for h in self._handles:
             h.materialize(self._device, self.compute_dtype, self.move_params_to_cpu)
         if self._is_root is None:
-            self._defer_post_backward = self._has_inner_checkpoint_regions()
             self._set_is_root()
-        if self._is_root:
+            # Once per lazy-init cycle: `.to()`/`_apply` resets lazy init, so buffers are re-cast after a move.
             self._cast_buffers()
             if self.disable_reshard_on_root:
                 self.reshard_after_forward = False
@@ -153,6 +152,7 @@ class FSDPRuntime(nn.Module):
         tree.set_finalizer(self._finalize_backward)
         self._tree = tree
         for m in self._fsdp_instances():
+            m._defer_post_backward = m._has_inner_checkpoint_regions()
             if m is not self:
                 if m._is_root:
                     # It ran on its own first; it now becomes part of this tree.

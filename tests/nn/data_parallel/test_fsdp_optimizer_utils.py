@@ -1,0 +1,396 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""gather_full_optim_state_dict / get_shard_from_optim_state_dict against a single-process optimizer.
+
+The reference is the unwrapped model with the same optimizer, trained on the global batch; every FSDP rank trains on
+its slice. The gathered state must equal the reference optimizer's state (per original parameter), re-sharding it
+must give back every rank's own state, and a run resumed from it (at any world size) must continue like the
+reference.
+"""
+
+import copy
+import functools
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import (
+    ModelWithUnusedParams,
+    NestedWrappedModule,
+    build,
+    global_batch,
+    local_slice,
+    reference_loss,
+    scaled_loss,
+    wrap_model,
+)
+from torch import Tensor, nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal import collectives
+from fairscale.internal.parallel import chunk_and_pad
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel.fsdp_optim_utils import (
+    check_param_counts_before_sharding,
+    flatten_optim_state_dict,
+    is_singleton_tensor,
+    param_id_runs,
+)
+
+GLOBAL_N = 12  # divisible by every world size used here
+
+
+def _optim(params: Any, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    if kind == "adadelta":
+        return torch.optim.Adadelta(params, lr=1.0)
+    raise ValueError(kind)
+
+
+def _train(
+    fsdp: FSDP, ref: nn.Module, opt: Any, ref_opt: Any, steps: range, rank: int, world_size: int, replicas: int = 1
+) -> None:
+    """Data-parallel steps. With ``replicas`` > 1, ranks ``r`` and ``r + world_size / replicas`` share a slice."""
+    slices = world_size // replicas
+    for step in steps:
+        batch = global_batch(ref, step, GLOBAL_N)
+        opt.zero_grad()
+        scaled_loss(type(ref), fsdp(*local_slice(batch, rank % slices, slices)), GLOBAL_N, slices).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference_loss(ref, batch, 1).backward()
+        ref_opt.step()
+
+
+def _names_by_global_id(fsdp: FSDP) -> List[str]:
+    """Original parameter names in global-id order, read from the (independently tested) metadata."""
+    names = []
+    for entry in fsdp.local_metadata_dict()["param_metadata"]:
+        for info in entry["params"].values():
+            names += [f"{entry['fsdp_path']}.{n}" if entry["fsdp_path"] else n for n in info["names"]]
+    return names
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    collectives.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _assert_state_close(actual: Dict[str, Any], expected: Dict[str, Any], what: str) -> None:
+    assert sorted(actual) == sorted(expected), f"{what}: keys {sorted(actual)} vs {sorted(expected)}"
+    for key, value in expected.items():
+        got = actual[key]
+        if key == "step":
+            assert isinstance(got, (int, float)), f"{what}: step must be a plain number in the full dict"
+            assert got == float(value), f"{what}: step {got} vs {value}"
+        else:
+            torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
+
+
+def _assert_local_equal(actual: Dict[str, Any], expected: Dict[str, Any], what: str) -> None:
+    """Two per-rank optimizer state dicts are equal (a ``step`` may be a number on one side, a tensor on the other)."""
+    assert actual["param_groups"] == expected["param_groups"], f"{what}: param_groups differ"
+    assert sorted(actual["state"]) == sorted(expected["state"]), f"{what}: state ids differ"
+    for local, entry in expected["state"].items():
+        assert sorted(actual["state"][local]) == sorted(entry), f"{what}: keys of {local} differ"
+        for key, value in entry.items():
+            got = actual["state"][local][key]
+            if isinstance(value, Tensor) and value.dim() > 0:
+                assert torch.equal(got, value), f"{what}: {local}/{key} differs"
+            else:
+                assert float(got) == float(value), f"{what}: {local}/{key}: {got} vs {value}"
+
+
+def _assert_gathered_matches_reference(full: Dict[str, Any], fsdp: FSDP, ref: nn.Module, ref_opt: Any) -> None:
+    names = _names_by_global_id(fsdp)
+    ref_ids = {name: i for i, (name, _) in enumerate(ref.named_parameters())}
+    ref_sd = ref_opt.state_dict()
+    assert sorted(full) == ["param_groups", "param_id_map", "state", "uncollected_local_ids"]
+    assert full["uncollected_local_ids"] == []
+    assert sorted(full["state"]) == sorted(g for g, n in enumerate(names) if ref_ids[n] in ref_sd["state"])
+    for gid, name in enumerate(names):
+        if ref_ids[name] in ref_sd["state"]:
+            _assert_state_close(full["state"][gid], ref_sd["state"][ref_ids[name]], f"state of {name}")
+    expected_group = dict(ref_sd["param_groups"][0], params=list(range(len(names))))
+    assert full["param_groups"] == [expected_group]
+    meta = [e for e in fsdp.local_metadata_dict()["param_metadata"] if e["params"]]
+    expected_map = {}
+    for local, entry in enumerate(meta):
+        for _ in entry["params"]["flat_param_0"]["names"]:
+            expected_map[len(expected_map)] = local
+    assert full["param_id_map"] == expected_map
+    assert param_id_runs(full["param_id_map"]) == len(meta)
+
+
+# ------------------------------------------------------------------------------------------------------ 2 ranks
+
+
+def _case_gather_and_reshard(rank: int, world_size: int, kind: str, mode: str) -> None:
+    model, ref = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {"bucket_cap_mb": 0}, mode)
+    opt, ref_opt = _optim(fsdp.parameters(), kind), _optim(ref.parameters(), kind)
+    _train(fsdp, ref, opt, ref_opt, range(2), rank, world_size)
+    local = copy.deepcopy(opt.state_dict())
+    full = fsdp.gather_full_optim_state_dict(opt, recipient_rank=0)  # unknown keyword arguments are ignored
+    if rank != 0:
+        assert full is None
+    else:
+        _assert_gathered_matches_reference(full, fsdp, ref, ref_opt)
+    # The live optimizer is untouched (torch 2.x keeps tensor steps) and can step on.
+    _assert_local_equal(opt.state_dict(), local, "live optimizer after the gather")
+    assert all(torch.is_tensor(s["step"]) for s in opt.state.values() if "step" in s)
+    # Shard-after-gather gives back each rank's own state, without modifying the full dict.
+    full = _broadcast(full)
+    kept = copy.deepcopy(full)
+    shard = fsdp.get_shard_from_optim_state_dict(full)
+    _assert_local_equal(shard, local, "re-sharded state")
+    assert _same(full, kept), "get_shard_from_optim_state_dict modified its input"
+    # It loads, and training continues like the reference.
+    resumed = _optim(fsdp.parameters(), kind)
+    resumed.load_state_dict(shard)
+    _train(fsdp, ref, resumed, ref_opt, range(2, 3), rank, world_size)
+    with fsdp.summon_full_params():
+        for (name, p), q in zip(fsdp.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after resume: {m}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _case_unused_params(rank: int, world_size: int, mode: str) -> None:
+    """``unused`` never runs: as its own instance it has no state at all; inside a flat param its state is zero."""
+    model, ref = build(ModelWithUnusedParams)
+    fsdp = wrap_model(model, {"bucket_cap_mb": 0}, mode)
+    opt, ref_opt = _optim(fsdp.parameters(), "adam"), _optim(ref.parameters(), "adam")
+    _train(fsdp, ref, opt, ref_opt, range(2), rank, world_size)
+    local = opt.state_dict()
+    full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
+    names = _names_by_global_id(fsdp)
+    assert list(full["param_id_map"]) == list(range(len(names)))  # every parameter is mapped, used or not
+    ref_ids = {name: i for i, (name, _) in enumerate(ref.named_parameters())}
+    ref_state = ref_opt.state_dict()["state"]
+    for gid, name in enumerate(names):
+        if ref_ids[name] in ref_state:
+            _assert_state_close(full["state"][gid], ref_state[ref_ids[name]], f"{mode}: state of {name}")
+        elif mode == "nested":
+            assert gid not in full["state"], f"{name} has no gradient, so no state"
+        else:
+            assert not full["state"][gid]["exp_avg"].any(), f"{name}: zero gradients give zero moments"
+    _assert_local_equal(fsdp.get_shard_from_optim_state_dict(full), local, f"{mode}: re-sharded state")
+
+
+def _case_nested_group_of_one_expert(rank: int, world_size: int) -> None:
+    """MoE style: a nested expert on a group of one rank with ``no_broadcast_optim_state``: rank 0's state is kept
+    as is (``uncollected_local_ids``) and handed back unchanged."""
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2))
+    torch.manual_seed(100 + rank)  # every rank its own expert
+    model[1] = FSDP(nn.Linear(6, 6), process_group=groups[rank], no_broadcast_optim_state=True)
+    fsdp = FSDP(model, bucket_cap_mb=0)
+    opt = _optim(fsdp.parameters(), "adam")
+    fsdp(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    local = opt.state_dict()
+    full = fsdp.gather_full_optim_state_dict(opt)
+    if rank == 0:
+        assert full["uncollected_local_ids"] == [1]
+        assert full["param_id_map"] == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}
+        assert sorted(full["state"]) == [0, 1, 2, 3, 4]  # the expert's flat state sits under its first global id
+        assert torch.equal(full["state"][4]["exp_avg"], local["state"][1]["exp_avg"])
+    shard = fsdp.get_shard_from_optim_state_dict(_broadcast(full))
+    assert torch.equal(shard["state"][0]["exp_avg"], local["state"][0]["exp_avg"])
+    rank0_expert = _broadcast(local["state"][1]["exp_avg"])
+    assert torch.equal(shard["state"][1]["exp_avg"], rank0_expert)  # rank 0's, on every rank (as upstream)
+    _optim(fsdp.parameters(), "adam").load_state_dict(shard)
+
+
+def _case_bad_input(rank: int, world_size: int) -> None:
+    model, _ = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {"bucket_cap_mb": 0}, "nested")
+    opt = _optim(fsdp.parameters(), "adam")
+    fsdp(*global_batch(model, 0, 4)).sum().backward()
+    opt.step()
+    full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
+    nonflat = wrap_model(build(NestedWrappedModule)[0], {"flatten_parameters": False}, "nested")
+    with pytest.raises(NotImplementedError, match="flatten_parameters=True"):
+        nonflat.gather_full_optim_state_dict(_optim(nonflat.parameters(), "sgd"))
+    with pytest.raises(NotImplementedError, match="flatten_parameters=True"):
+        nonflat.get_shard_from_optim_state_dict(full)
+    params = list(fsdp.parameters())
+    two_groups = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
+    with pytest.raises(NotImplementedError, match="exactly one parameter group"):
+        fsdp.gather_full_optim_state_dict(two_groups)
+    with pytest.raises(ValueError, match=r"model\.parameters\(\) order"):
+        fsdp.gather_full_optim_state_dict(torch.optim.SGD(params[::-1], lr=0.1))
+    with pytest.raises(ValueError, match="expects a gather_full_optim_state_dict"):
+        fsdp.get_shard_from_optim_state_dict(opt.state_dict())
+    other = wrap_model(build(ModelWithUnusedParams)[0], {}, "nested")
+    with pytest.raises(ValueError, match="describes 10 parameters but this model has 6"):
+        other.get_shard_from_optim_state_dict(full)
+    wrong_shape = copy.deepcopy(full)
+    wrong_shape["state"][1]["exp_avg"] = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 1 \(layers\.0\.bias\) has shape \(4,\)"):
+        fsdp.get_shard_from_optim_state_dict(wrong_shape)
+    wrong_map = copy.deepcopy(full)
+    wrong_map["param_id_map"][9] = 0
+    with pytest.raises(ValueError, match=r"maps parameter 9 \(layers\.2\.0\.bias\) to flat parameter 0"):
+        fsdp.get_shard_from_optim_state_dict(wrong_map)
+
+
+def _case_upstream_fixture(rank: int, world_size: int) -> None:
+    """A full Adam dict written from the documented format (not by this code) loads and steps."""
+    model, _ = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {"bucket_cap_mb": 0}, "nested")
+    gen = torch.Generator().manual_seed(3)
+    # Global ids: root (layers.0, layers.3), then block 1 (layers.1.0, layers.1.2), then block 2 (layers.2.0).
+    shapes = [(5, 7), (5,), (3, 5), (3,), (9, 5), (9,), (5, 9), (5,), (5, 5), (5,)]
+    local_ids = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    state = {
+        g: {"step": 1.0, "exp_avg": torch.randn(*s, generator=gen), "exp_avg_sq": torch.rand(*s, generator=gen)}
+        for g, s in enumerate(shapes)
+    }
+    group = dict(_optim([torch.zeros(1)], "adam").state_dict()["param_groups"][0], params=list(range(10)))
+    full = {
+        "state": state,
+        "param_groups": [group],
+        "param_id_map": dict(enumerate(local_ids)),
+        "uncollected_local_ids": [],
+        "loss_scale": 128.0,
+    }
+    shard = fsdp.get_shard_from_optim_state_dict(full)
+    assert shard["loss_scale"] == 128.0 and shard["param_groups"][0]["params"] == [0, 1, 2]
+    for local in range(3):
+        gids = [g for g, k in enumerate(local_ids) if k == local]
+        flat = torch.cat([state[g]["exp_avg"].reshape(-1) for g in gids])
+        assert torch.equal(shard["state"][local]["exp_avg"], chunk_and_pad(flat, world_size)[rank])
+        assert shard["state"][local]["step"] == 1.0
+    opt = _optim(fsdp.parameters(), "adam")
+    opt.load_state_dict(shard)
+    fsdp(*global_batch(model, 0, 4)).sum().backward()
+    opt.step()
+    assert all(float(s["step"]) == 2.0 for s in opt.state.values())
+
+
+def _ws2_body(rank: int, world_size: int) -> None:
+    cases: List[Tuple[str, Callable[[], Any]]] = []
+    for kind, mode in (("sgd", "nested"), ("adam", "nested"), ("adadelta", "nested"), ("adam", "one")):
+        case = functools.partial(_case_gather_and_reshard, rank, world_size, kind, mode)
+        cases.append((f"gather_and_reshard[{kind}-{mode}]", case))
+    for mode in ("nested", "one"):
+        cases.append((f"unused_params[{mode}]", functools.partial(_case_unused_params, rank, world_size, mode)))
+    cases.append(("expert_group_of_one", functools.partial(_case_nested_group_of_one_expert, rank, world_size)))
+    cases.append(("bad_input", functools.partial(_case_bad_input, rank, world_size)))
+    cases.append(("upstream_fixture", functools.partial(_case_upstream_fixture, rank, world_size)))
+    run_cases(cases)
+
+
+def test_optimizer_state_two_ranks() -> None:
+    run_distributed(_ws2_body, 2)
+
+
+# ------------------------------------------------------------------------------------------------------ other groups
+
+
+def _subgroup_body(rank: int, world_size: int) -> None:
+    """Nested instances sharded over a group of 2 ({0, 1} and {2, 3}), replicated across the two groups."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model, ref = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {"bucket_cap_mb": 0}, "nested", {"process_group": groups[rank // 2]})
+    opt, ref_opt = _optim(fsdp.parameters(), "adam"), _optim(ref.parameters(), "adam")
+    _train(fsdp, ref, opt, ref_opt, range(2), rank, world_size, replicas=2)
+    local = opt.state_dict()
+    full = fsdp.gather_full_optim_state_dict(opt)
+    if rank == 0:
+        _assert_gathered_matches_reference(full, fsdp, ref, ref_opt)
+    _assert_local_equal(fsdp.get_shard_from_optim_state_dict(_broadcast(full)), local, f"rank {rank}'s re-shard")
+
+
+def test_nested_instances_on_their_own_groups() -> None:
+    run_distributed(_subgroup_body, 4)
+
+
+# ------------------------------------------------------------------------------------------------------ resume
+
+
+KINDS = ("sgd", "adam", "adadelta")
+
+
+def _save_body(rank: int, world_size: int) -> Dict[str, Any]:
+    saved = {}
+    for kind in KINDS:
+        model, ref = build(NestedWrappedModule)
+        fsdp = wrap_model(model, {"bucket_cap_mb": 0}, "nested")
+        opt, ref_opt = _optim(fsdp.parameters(), kind), _optim(ref.parameters(), kind)
+        _train(fsdp, ref, opt, ref_opt, range(2), rank, world_size)
+        optim_sd = fsdp.gather_full_optim_state_dict(opt)
+        saved[kind] = (fsdp.state_dict(), optim_sd, ref.state_dict(), ref_opt.state_dict())
+    return saved
+
+
+def _resume_body(rank: int, world_size: int, saved: Dict[str, Any]) -> None:
+    def resume(kind: str) -> None:
+        model_sd, optim_sd, ref_sd, ref_optim_sd = saved[kind]
+        model, ref = build(NestedWrappedModule, seed=9)
+        fsdp = wrap_model(model, {"bucket_cap_mb": 0}, "nested")
+        fsdp.load_state_dict(model_sd)
+        ref.load_state_dict(ref_sd)
+        opt, ref_opt = _optim(fsdp.parameters(), kind), _optim(ref.parameters(), kind)
+        opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(optim_sd))
+        ref_opt.load_state_dict(ref_optim_sd)
+        _train(fsdp, ref, opt, ref_opt, range(2, 4), rank, world_size)
+        with fsdp.summon_full_params():
+            for (name, p), q in zip(fsdp.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind} {name}: {m}")
+
+    run_cases([(f"resume[{kind}]", functools.partial(resume, kind)) for kind in KINDS])
+
+
+def test_resume_optimizer_state_at_other_world_sizes() -> None:
+    saved = run_distributed(_save_body, 2)[0]
+    for world_size in (3, 1):
+        run_distributed(_resume_body, world_size, saved)
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def test_format_helpers_on_cpu() -> None:
+    assert is_singleton_tensor(torch.tensor(1.0)) and not is_singleton_tensor(torch.ones(1))
+    assert not is_singleton_tensor(1.0)
+    assert param_id_runs({0: 0, 1: 0, 2: 1, 3: 2, 4: 2}) == 3
+    full = {
+        "state": {
+            0: {"step": 2.0, "m": torch.ones(2, 2), "s": [torch.tensor(1.0), torch.tensor(2.0)]},
+            1: {"step": 2.0, "m": torch.zeros(3), "s": [torch.tensor(1.0), torch.tensor(2.0)]},
+            2: {"step": 2.0, "m": torch.full((2,), 5.0), "s": [torch.tensor(3.0), torch.tensor(4.0)]},
+        },
+        "param_groups": [{"lr": 0.5, "params": [0, 1, 2]}],
+        "param_id_map": {0: 0, 1: 0, 2: 1},
+        "uncollected_local_ids": [],
+        "extra": "kept",
+    }
+    kept = copy.deepcopy(full)
+    flat = flatten_optim_state_dict(full)
+    assert _same(full, kept), "flatten_optim_state_dict modified its input"
+    assert sorted(flat) == ["extra", "param_groups", "state"]
+    assert flat["param_groups"] == [{"lr": 0.5, "params": [0, 1]}]
+    assert torch.equal(flat["state"][0]["m"], torch.tensor([1.0, 1, 1, 1, 0, 0, 0]))
+    assert flat["state"][0]["step"] == 2.0 and flat["state"][1]["s"][1].item() == 4.0
+    check_param_counts_before_sharding(full, 2)
+    with pytest.raises(ValueError, match="has 2 flat parameters .* the model has 3"):
+        check_param_counts_before_sharding(full, 3)
+    del full["state"][1]["m"]
+    with pytest.raises(ValueError, match="state 'm' is a tensor for some parameters only"):
+        flatten_optim_state_dict(full)
