@@ -280,8 +280,9 @@ def _check_shapes(state: Mapping[Any, Any], layouts: List[_Layout], uncollected:
 def _shard_value(lay: _Layout, key: str, value: Any) -> Any:
     m = lay.instance
     if isinstance(value, Tensor) and value.dim() > 0:
-        chunks = chunk_and_pad(value, dist.get_world_size())
-        shard = chunks[dist.get_rank()].clone()
+        chunks = chunk_and_pad(value, m.world_size)
+        shard = chunks[m.rank].clone()
+        assert shard.numel() == m._handles[0].shard_numel, (key, shard.numel(), m._handles[0].shard_numel)
         return shard
     if isinstance(value, list) and value and all(is_singleton_tensor(v) for v in value):
         # One value per rank of the saving world; a larger world reuses rank 0's (as upstream).
