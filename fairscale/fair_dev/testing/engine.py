@@ -26,10 +26,12 @@ How a world is started and ended:
 * Every rank is seeded with the same :data:`SEED` (torch, ``random``, numpy) before ``fn`` runs, so a
   model built before any rank-dependent code is identical on all ranks. Seed with the rank for
   per-rank data.
-* The first rank that fails ends the world: the others are killed at once and the caller gets the
-  failing rank's exception with ``[rank r]`` and the rank's traceback in its message (same exception
-  type when it can be rebuilt, else :class:`DistributedTestError`). ``pytest.skip`` in a rank skips
-  the calling test.
+* After ``fn`` returns on a rank, the rank waits at a barrier before it destroys the group, so ranks
+  with less to do do not break their peers' connections.
+* The first rank that fails ends the world: the others are killed (after at most 0.2 s spent telling
+  the cause from its consequences in the peers) and the caller gets the failing rank's exception
+  with ``[rank r]`` and the rank's traceback in its message (same exception type when it can be
+  rebuilt, else :class:`DistributedTestError`). ``pytest.skip`` in a rank skips the calling test.
 * A world that is not done after ``timeout`` seconds (a rank stuck in a collective, say) is killed and
   reported as :class:`DistributedTestTimeout` with the ranks that were still running and their Python
   stacks. Ranks also die with the caller (``PR_SET_PDEATHSIG`` on Linux), so nothing is left behind.
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type
@@ -539,13 +542,29 @@ def _run_world(body: Callable[[int], Any], world_size: int, timeout: float, dire
                 args=(rank, writer, body, os.getpid(), stack_path, method),
                 name=f"fairscale-test-rank{rank}",
             )
-            process.start()
+            _start(process, method)
             writer.close()  # the child holds the only write end, so its death shows up as EOF
             ranks.append(_RankProcess(rank, process, reader, stack_path))
         return _collect(ranks, deadline, timeout)
     finally:
         for handle in ranks:
             handle.kill()
+
+
+def _start(process: Any, method: str) -> None:
+    try:
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns on every fork from a process with threads; torch's OpenMP pool is
+            # the one that matters, and the ranks are made safe against it (single-threaded).
+            warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+            process.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        if method != "spawn":
+            raise
+        raise TypeError(
+            f"spawned ranks (CUDA is initialised in this process, or {START_METHOD_ENV}=spawn) receive the test "
+            f"body by pickling: pass a module-level function and picklable arguments, not a closure ({e})"
+        ) from e
 
 
 @dataclass

@@ -146,6 +146,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         self.move_params_to_cpu = move_params_to_cpu or cpu_offload
         self.compute_dtype = fsdp_config.resolve_compute_dtype(mixed_precision, compute_dtype)
         self.buffer_dtype = buffer_dtype or self.compute_dtype
+        self._buffer_dtype_given = buffer_dtype is not None
         self.move_grads_to_cpu = self.move_params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
         self.bucket_cap_mb = bucket_cap_mb
         self.no_broadcast_optim_state = bool(no_broadcast_optim_state)
@@ -388,7 +389,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         for m in self._fsdp_instances():
             if not m.mixed_precision and m.params:
                 m.compute_dtype = m.params[0].dtype
-                m.buffer_dtype = m.compute_dtype if m.buffer_dtype is None else m.buffer_dtype
+                if not m._buffer_dtype_given:
+                    m.buffer_dtype = m.compute_dtype
         return self
 
     def _assert_idle_tree(self, what: str) -> None:

@@ -137,6 +137,13 @@ class FlattenParamsWrapper(nn.Module):
         if self.is_flattened:
             raise RuntimeError("FlattenParamsWrapper is already flattened")
         self.flat_params = flat_params
+        if not hasattr(self, "_orig_param_order"):
+            # Remember each module's parameter order so unflattening restores it (state_dict key order).
+            self._orig_param_order: Dict[str, List[str]] = {}
+            for mname, m, _ in self._param_infos:
+                self._orig_param_order.setdefault(mname, list(m._parameters.keys()))
+            for mname, _, m, _, _, _ in self._shared_param_infos:
+                self._orig_param_order.setdefault(mname, list(m._parameters.keys()))
         for name, flat in zip(self.flat_param_names, flat_params):
             self.register_parameter(name, flat)
         for _, m, n in self._param_infos:
@@ -159,10 +166,26 @@ class FlattenParamsWrapper(nn.Module):
         for _, _, m, n, shared_m, shared_n in self._shared_param_infos:
             _drop_attr(m, n)
             m.register_parameter(n, getattr(shared_m, shared_n))
+        self._restore_param_order()
         _drop_attr(self._fpw_module, "_unflattened_param_views")
         for name in self.flat_param_names:
             delattr(self, name)
         self.is_flattened = False
+
+    def _restore_param_order(self) -> None:
+        """Put re-registered parameters back in their original order in each module (upstream did not)."""
+        order = getattr(self, "_orig_param_order", {})
+        modules = {mname: m for mname, m, _ in self._param_infos}
+        modules.update({mname: m for mname, _, m, _, _, _ in self._shared_param_infos})
+        for mname, names in order.items():
+            m = modules.get(mname)
+            if m is None:
+                continue
+            params = m._parameters
+            ordered = {k: params[k] for k in names if k in params}
+            ordered.update({k: v for k, v in params.items() if k not in ordered})
+            params.clear()
+            params.update(ordered)
 
     def _owner_of_each_param(self) -> Iterator[FlatParameter]:
         return chain.from_iterable([flat] * len(flat._param_infos) for flat in self.flat_params)
@@ -368,7 +391,7 @@ class FlattenParamsWrapper(nn.Module):
                 "into the flat parameters; load with assign=False"
             )
         has_flat_keys = any(k == "flat_param" or k.startswith("flat_param_") for k in state_dict)
-        if self.num_params_managed > 0 and self.is_flattened and not has_flat_keys:
+        if self.num_params_managed > 0 and self.is_flattened and not has_flat_keys and self._auto_unflatten_state_dict:
             with self.unflatten_params():
                 return super().load_state_dict(state_dict, strict)
         return super().load_state_dict(state_dict, strict)

@@ -131,7 +131,7 @@ class StateDictMixin:
         self._lazy_init()
         with _restore_on_failure(self):
             with self.summon_full_params(recurse=True, volatile=False):
-                result = self.module.load_state_dict(dict(state_dict), strict)
+                result = _load_with_clean_errors(self, state_dict, strict)
         if uninitialized and self._is_root:
             for m in self._fsdp_instances():
                 m._reset_lazy_init()
@@ -148,7 +148,7 @@ class StateDictMixin:
         self._device.synchronize()
         with _restore_on_failure(self), _local_mode(self):
             _check_local_shapes(self, state_dict)
-            result = self.module.load_state_dict(dict(state_dict), strict)
+            result = _load_with_clean_errors(self, state_dict, strict)
         for m in self._fsdp_instances():
             for h in m._handles:
                 h.free_full()  # gathered copies are stale now
@@ -157,6 +157,22 @@ class StateDictMixin:
             for m in self._fsdp_instances():
                 m._reset_lazy_init()
         return result
+
+
+def _clean_keys(text: str) -> str:
+    return text.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
+
+
+def _load_with_clean_errors(fsdp: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
+    """Load through the wrapper; errors and missing/unexpected keys use the user's keys, not internal paths."""
+    try:
+        result = fsdp._fsdp_wrapped_module.load_state_dict(dict(state_dict), strict)
+    except RuntimeError as e:
+        message = _clean_keys(str(e)).replace("FlattenParamsWrapper", type(fsdp).__name__)
+        raise RuntimeError(message + "\nThe model was left unchanged.") from e
+    result.missing_keys[:] = [_clean_keys(k) for k in result.missing_keys]
+    result.unexpected_keys[:] = [_clean_keys(k) for k in result.unexpected_keys]
+    return result
 
 
 def _check_loadable(fsdp: Any, what: str) -> None:
