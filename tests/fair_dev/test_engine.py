@@ -259,6 +259,12 @@ def _collective_then_raise_on_rank0(rank: int, world_size: int) -> None:
         raise CustomError(f"sum={total.item()} threads={torch.get_num_threads()}")
 
 
+def test_spawn_needs_picklable_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    with pytest.raises(TypeError, match="pass a module-level function"):
+        run_distributed(lambda rank, world_size: None, 2)
+
+
 def test_bad_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(START_METHOD_ENV, "forkserver")
     with pytest.raises(ValueError, match="must be 'fork' or 'spawn'"):
