@@ -331,27 +331,17 @@ class FSDPRuntime(nn.Module):
     @torch.no_grad()
     def _post_backward_hook(self, h: FlatHandle, param: Tensor) -> None:
         """The full gradient of ``param`` is in ``param.grad``: free params and start its reduction."""
-        tree = self._tree
-        if param.grad is None or tree is None:
+        if param.grad is None or self._tree is None:
             return
         if param.grad.requires_grad:
             raise RuntimeError("FSDP only works with gradients that do not require grad (no double backward)")
-        tree.queue_final_callback()
-        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-            raise RuntimeError(f"post-backward hook of {h.name} in unexpected state {self.training_state.name}")
-        self.training_state = TrainingState.BACKWARD_POST
-        if self._defer_post_backward:
-            return  # more gradient pieces may come (checkpoint regions); the final callback reduces
-        if self._require_backward_grad_sync or self.reshard_after_forward:
-            h.free_full()
-        h.use_shard()
-        if not self._require_backward_grad_sync:
-            return  # no_sync: the full-size gradient stays in p.grad and accumulates
-        grad = param.grad
-        param.grad = None
-        tree.post_backward_stream.wait_stream(tree.device.current_stream())
-        with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
-            self._reduce_grad(h, grad)
+        sync = self._require_backward_grad_sync
+        if not self._begin_post_backward(h, sync):
+            return
+        if sync:  # else (no_sync) the full-size gradient stays in p.grad and accumulates
+            grad = param.grad
+            param.grad = None
+            self._start_reduction(h, grad)
 
     # ------------------------------------------------------------------ optimize_backward_concat
     def _grad_accum_dtype(self) -> torch.dtype:
@@ -363,27 +353,40 @@ class FSDPRuntime(nn.Module):
     @torch.no_grad()
     def _on_view_grads_accumulated(self, h: FlatHandle, sync: bool) -> None:
         """Post-backward point of a unit whose views feed the flat buffer (replaces the AccumulateGrad hook)."""
-        tree = self._tree
-        assert tree is not None
-        tree.queue_final_callback()
-        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-            raise RuntimeError(f"backward of {h.name} in unexpected state {self.training_state.name}")
-        self.training_state = TrainingState.BACKWARD_POST
-        if self._defer_post_backward:
-            return  # more gradient pieces may come (checkpoint regions); the final callback reduces
-        if sync or self.reshard_after_forward:
-            h.free_full()
-        h.use_shard()
-        if sync:
+        if self._begin_post_backward(h, sync) and sync:
             self._reduce_accumulated(h)
 
     def _reduce_accumulated(self, h: FlatHandle) -> None:
         """Reduce-scatter a window's buffer once, in the dtype the default path would use on the wire."""
-        tree = self._tree
-        assert tree is not None
         buf = grad_accum.take_buffer_for_reduction(h)
         wire_dtype = h.param.dtype if self.fp32_reduce_scatter else self.compute_dtype
-        grad = buf if buf.dtype == wire_dtype else buf.to(wire_dtype)
+        self._start_reduction(h, buf if buf.dtype == wire_dtype else buf.to(wire_dtype))
+
+    # ------------------------------------------------------------------ shared post-backward steps
+    def _begin_post_backward(self, h: FlatHandle, sync: bool) -> bool:
+        """Common start of a unit's post-backward point: bookkeeping, then reshard.
+
+        Returns:
+            False when the work is deferred to the final callback (more gradient pieces may still come from
+            checkpointed regions of this unit), True when the caller should go on and reduce (if syncing).
+        """
+        tree = self._tree
+        assert tree is not None
+        tree.queue_final_callback()
+        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            raise RuntimeError(f"post-backward of {h.name} in unexpected state {self.training_state.name}")
+        self.training_state = TrainingState.BACKWARD_POST
+        if self._defer_post_backward:
+            return False
+        if sync or self.reshard_after_forward:
+            h.free_full()
+        h.use_shard()
+        return True
+
+    def _start_reduction(self, h: FlatHandle, grad: Tensor) -> None:
+        """Reduce ``grad`` (full, unsharded) on the post-backward stream; the shard lands in ``saved_grad_shard``."""
+        tree = self._tree
+        assert tree is not None
         tree.post_backward_stream.wait_stream(tree.device.current_stream())
         with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
             self._reduce_grad(h, grad)
@@ -447,10 +450,7 @@ class FSDPRuntime(nn.Module):
             if g is not None and g is not getattr(h, "assigned_grad", None) and g.shape == h.orig_size:
                 h.param.grad = None
                 h.use_shard()
-                tree = self._tree
-                assert tree is not None
-                with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
-                    self._reduce_grad(h, g)
+                self._start_reduction(h, g)
 
     def _finalize_instance(self, syncing: bool) -> None:
         for h in self._handles:
