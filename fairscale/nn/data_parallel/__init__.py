@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Data-parallel wrappers: FullyShardedDataParallel and its helpers."""
 
+from ._fsdp.batchnorm_wrap import auto_wrap_bn
 from ._fsdp.state_dict import no_pre_load_state_dict_hook
 from ._fsdp.zero2 import zero2_groups
 from .fully_sharded_data_parallel import FullyShardedDataParallel, TrainingState, get_fsdp_instances
@@ -8,6 +9,7 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel, TrainingState
 __all__ = [
     "FullyShardedDataParallel",
     "TrainingState",
+    "auto_wrap_bn",
     "get_fsdp_instances",
     "no_pre_load_state_dict_hook",
     "zero2_groups",

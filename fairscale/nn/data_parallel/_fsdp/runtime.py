@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fairscale.internal import collectives
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.device import DeviceHandle
+from fairscale.nn.checkpoint.checkpoint_activations import is_recomputing
 
 from . import grad_accum, zero2
 from .handle import FlatHandle
@@ -254,10 +255,13 @@ class FSDPRuntime(nn.Module):
                 args, kwargs = cast_inputs(self.compute_dtype, (torch.float32,), True, args, kwargs)
             elif self.force_input_to_fp32 and not self.mixed_precision:
                 args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
-            self._rebuild_full_params("forward")
+            # A recomputation (activation checkpointing) runs in backward, right before this unit's own backward:
+            # its gathers are backward traffic, and resharding after it would only force one more gather.
+            recomputing = is_recomputing()
+            self._rebuild_full_params("backward" if recomputing else "forward")
             self._use_full_params()
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
-            if self.reshard_after_forward:
+            if self.reshard_after_forward and not recomputing:
                 self._reshard(after_forward=True)
             self._use_fp32_shards()
             if torch.is_grad_enabled():

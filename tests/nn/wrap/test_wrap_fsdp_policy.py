@@ -1,0 +1,275 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``default_auto_wrap_policy`` with ``FullyShardedDataParallel`` as the wrapper class, on a real 2-rank gloo group.
+
+What is checked: which modules the size policy turns into FSDP instances (and how many parameters each owns), the
+force-leaf and exclude sets, ``skip_params_check_for_root``, that the ``enable_wrap`` arguments and per-module
+``wrapper_config`` reach the instances, that the auto-wrapped model trains like the unwrapped one, and that the
+example of ``docs/wrap_and_checkpoint.rst`` runs and trains like its unwrapped model.
+"""
+
+import copy
+import functools
+import os
+import re
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal import collectives
+from fairscale.nn import FullyShardedDataParallel as FSDP
+from fairscale.nn import auto_wrap, default_auto_wrap_policy, enable_wrap
+from fairscale.nn.checkpoint import is_recomputing
+from fairscale.nn.data_parallel import TrainingState, get_fsdp_instances
+
+WS = 2
+TIMEOUT = 150.0
+VOCAB, DIM, FF, DEPTH = 13, 8, 16, 3
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "wrap_and_checkpoint.rst")
+
+
+class Block(nn.Module):
+    """attention (288 params) + 2 LayerNorms (16 each) + MLP (144 + 136): 600 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.ff = nn.Sequential(nn.Linear(DIM, FF), nn.GELU(), nn.Linear(FF, DIM))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """embedding (104) -> 3 blocks (1800, in a ModuleList) -> LayerNorm (16) -> head (117): 2037 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block() for _ in range(DEPTH)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _owned_numel(inst: FSDP) -> int:
+    return sum(p._orig_size.numel() for p in inst.params)
+
+
+def _clean(path: str) -> str:
+    return ".".join(c for c in path.split(".") if c not in ("_fsdp_wrapped_module", "_fpw_module"))
+
+
+def _instances_by_path(model: nn.Module) -> Dict[str, FSDP]:
+    return {_clean(name): m for name, m in model.named_modules() if isinstance(m, FSDP)}
+
+
+def _auto_wrap(model: nn.Module, min_num_params: int, **kwargs: Any) -> nn.Module:
+    policy_kwargs = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in ("skip_params_check_for_root", "force_leaf_modules")
+    }
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=min_num_params, **policy_kwargs)
+    with enable_wrap(wrapper_cls=FSDP, **kwargs):
+        return auto_wrap(model, auto_wrap_policy=policy)
+
+
+def _tokens(step: int, n: int) -> Tensor:
+    return torch.randint(VOCAB, (n, 7), generator=torch.Generator().manual_seed(20 + step))
+
+
+def _lm_loss(model: nn.Module, tokens: Tensor, global_n: int, scale: int) -> Tensor:
+    logits = model(tokens[:, :-1]).float()
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
+    return per_token * scale / (global_n * (tokens.shape[1] - 1))
+
+
+def _full_params(model: FSDP) -> Dict[str, Tensor]:
+    with model.summon_full_params():
+        return {_clean(n): p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _train_and_compare(
+    rank: int, model: FSDP, ref: nn.Module, mixed: bool, steps: int = 3, loss_fn: Callable[..., Tensor] = _lm_loss
+) -> None:
+    """SGD on the local slice vs the reference on the global batch: same losses, same parameters."""
+    init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    n = 2 * WS
+    for step in range(steps):
+        batch = _tokens(step, n)
+        opt.zero_grad()
+        loss = loss_fn(model, batch.tensor_split(WS)[rank], n, WS)
+        loss.backward()
+        for inst in get_fsdp_instances(model):
+            assert inst.training_state == TrainingState.IDLE
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, batch, n, 1)
+        ref_loss.backward()
+        ref_opt.step()
+        total = torch.tensor([loss.item()], dtype=torch.float64)
+        collectives.all_reduce(total)
+        assert abs(total.item() / WS - ref_loss.item()) <= (3e-2 if mixed else 1e-5) * abs(ref_loss.item())
+    got = _full_params(model)
+    assert sorted(got) == sorted(init)
+    for name, p in ref.named_parameters():
+        expected = p.detach()
+        if mixed:  # bf16 compute: the error stays a small fraction of the reference's update
+            moved = (expected - init[name]).norm().item()
+            assert (got[name] - expected).norm().item() <= 0.1 * moved + 1e-4, name
+        else:
+            torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+
+
+def _blocks_at_block_size(rank: int) -> None:
+    """min_num_params = one block: each block becomes an instance; the root is left to the caller."""
+    torch.manual_seed(0)
+    ref = TinyLM()
+    block = ref.layers[0]
+    assert isinstance(block, Block)
+    assert [_numel(ref), _numel(block), _numel(block.attn)] == [2037, 600, 288]
+    model = _auto_wrap(copy.deepcopy(ref), min_num_params=600)
+    assert isinstance(model, TinyLM), "the root's remainder (237) is under the threshold"
+    instances = _instances_by_path(model)
+    assert sorted(instances) == ["layers.0", "layers.1", "layers.2"], sorted(instances)
+    for inst in instances.values():
+        assert _owned_numel(inst) == 600 and inst.world_size == WS
+        assert all(p._is_sharded for p in inst.params)
+    root = FSDP(model)
+    assert _owned_numel(root) == 2037 - 3 * 600
+    _train_and_compare(rank, root, ref, mixed=False)
+
+
+def _attention_is_a_leaf(rank: int) -> None:
+    """Below block size: the MLP (280) becomes its own instance; attention (288, a force-leaf module) is not descended
+    into, hence never wrapped on its own, and stays whole in its block's instance; the ModuleList is never wrapped."""
+    torch.manual_seed(0)
+    ref = TinyLM()
+    model = _auto_wrap(copy.deepcopy(ref), min_num_params=250, skip_params_check_for_root=True)
+    assert isinstance(model, FSDP), "skip_params_check_for_root wraps the root whatever its remainder"
+    instances = _instances_by_path(model)
+    expected = [""] + [f"layers.{i}{part}" for i in range(DEPTH) for part in ("", ".ff")]
+    assert sorted(instances) == sorted(expected), sorted(instances)
+    for i in range(DEPTH):
+        assert _owned_numel(instances[f"layers.{i}.ff"]) == 280
+        # The rest of the block: attention (in_proj_weight and out_proj.* together) and the two LayerNorms.
+        assert _owned_numel(instances[f"layers.{i}"]) == 600 - 280
+    assert _owned_numel(instances[""]) == 2037 - DEPTH * 600
+    _train_and_compare(rank, model, ref, mixed=False)
+
+
+def _force_leaf_override(rank: int) -> None:
+    """An empty force-leaf set lets the policy descend into attention and wrap its out_proj apart. (Structure only:
+    attention reads out_proj.weight directly, bypassing that instance's forward, which is why it is a default leaf.)"""
+    model = _auto_wrap(TinyLM(), min_num_params=70, force_leaf_modules=set())
+    paths = set(_instances_by_path(model))
+    assert {"layers.0.attn.out_proj", "layers.0.attn"} <= paths, sorted(paths)
+    assert not any(p == "layers" for p in paths), "ModuleList is excluded even when large"
+
+
+def _module_list_excluded_root_wrapped(rank: int) -> None:
+    """Threshold above a block: nothing inside is wrapped, the ModuleList (1800) is excluded, the root is wrapped."""
+    model = _auto_wrap(TinyLM(), min_num_params=1000)
+    assert sorted(_instances_by_path(model)) == [""]
+    assert isinstance(model, FSDP) and _owned_numel(model) == 2037
+
+
+def _kwargs_and_wrapper_config(rank: int) -> None:
+    """enable_wrap arguments reach every instance; a module's wrapper_config overrides them; bf16 trains."""
+    torch.manual_seed(1)
+    ref = TinyLM()
+    unwrapped = copy.deepcopy(ref)
+    setattr(unwrapped.layers[1], "wrapper_config", {"reshard_after_forward": False, "flatten_parameters": False})
+    mixed = dict(mixed_precision=True, compute_dtype=torch.bfloat16)
+    model = _auto_wrap(unwrapped, min_num_params=600, skip_params_check_for_root=True, **mixed)
+    assert isinstance(model, FSDP)
+    instances = _instances_by_path(model)
+    assert sorted(instances) == ["", "layers.0", "layers.1", "layers.2"]
+    for path, inst in instances.items():
+        assert inst.mixed_precision and inst.compute_dtype == torch.bfloat16, path
+        assert inst.flatten_parameters is (path != "layers.1"), path
+    assert instances["layers.1"]._orig_reshard_after_forward is False
+    assert instances["layers.0"]._orig_reshard_after_forward is True
+    _train_and_compare(rank, model, ref, mixed=True)
+
+
+def test_size_policy_with_fsdp_on_gloo() -> None:
+    def body(rank: int, world_size: int) -> None:
+        cases: List[Tuple[str, Callable[[], None]]] = [
+            ("blocks at block size", lambda: _blocks_at_block_size(rank)),
+            ("attention is a leaf", lambda: _attention_is_a_leaf(rank)),
+            ("force-leaf override", lambda: _force_leaf_override(rank)),
+            ("ModuleList excluded, root wrapped", lambda: _module_list_excluded_root_wrapped(rank)),
+            ("kwargs and wrapper_config", lambda: _kwargs_and_wrapper_config(rank)),
+        ]
+        run_cases(cases)
+
+    run_distributed(body, WS, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------------------ docs example
+
+
+def _doc_example() -> Dict[str, Any]:
+    """Execute the example code block of docs/wrap_and_checkpoint.rst (as a module, not as ``__main__``)."""
+    with open(DOC) as f:
+        text = f.read()
+    blocks = re.findall(r"\.\. code-block:: python\n\n((?:(?:    .*)?\n)+)", text)
+    examples = [b for b in blocks if b.startswith("    # example: wrap_and_checkpoint.py")]
+    assert len(examples) == 1, "docs/wrap_and_checkpoint.rst must hold exactly one marked example block"
+    code = "\n".join(line[4:] for line in examples[0].splitlines())
+    namespace: Dict[str, Any] = {"__name__": "wrap_and_checkpoint_example"}
+    exec(compile(code, DOC, "exec"), namespace)
+    return namespace
+
+
+def _doc_example_trains_like_reference(rank: int, mixed: bool) -> None:
+    ex = _doc_example()
+    torch.manual_seed(0)
+    ref = ex["TinyTransformer"]()
+    model = ex["shard_and_checkpoint"](copy.deepcopy(ref), mixed_precision=mixed)
+    # The structure the docs describe: one instance per block, FSDP outside the checkpoint, plus the root.
+    instances = _instances_by_path(model)
+    assert sorted(instances) == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"], sorted(instances)
+    recomputed: List[bool] = []
+    for inst in list(instances.values())[1:]:
+        block = inst.module.module
+        assert type(block).__name__ == "Block" and type(block.forward).__name__ == "_CheckpointedForward"
+        block.mlp.register_forward_pre_hook(lambda *_: recomputed.append(is_recomputing()))
+
+    def loss_fn(m: nn.Module, tokens: Tensor, global_n: int, scale: int) -> Tensor:
+        return ex["lm_loss"](m, tokens) * scale * tokens.shape[0] / global_n
+
+    _train_and_compare(rank, model, ref, mixed=mixed, steps=2, loss_fn=loss_fn)
+    assert recomputed.count(True) == recomputed.count(False) == 2 * 4, "each block checkpointed and recomputed"
+    losses = ex["train"](steps=2)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_docs_example_on_gloo() -> None:
+    def body(rank: int, world_size: int) -> None:
+        run_cases(
+            (f"mixed_precision={mixed}", lambda mixed=mixed: _doc_example_trains_like_reference(rank, mixed))
+            for mixed in (False, True)
+        )
+
+    run_distributed(body, WS, timeout=TIMEOUT)
