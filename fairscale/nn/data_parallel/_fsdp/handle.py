@@ -18,6 +18,7 @@ Tensors, by role:
   accumulation window, written slice by slice by the views' backward; released when the window is reduced.
 """
 
+import weakref
 from typing import Optional
 
 import torch
@@ -82,6 +83,8 @@ class FlatHandle:
         # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
         self.grad_accum_flat: Optional[Tensor] = None
         self.grad_window = 0
+        # The reduced shard last handed to p.grad, held weakly: after optimizer.zero_grad() it must be freed.
+        self._assigned_grad: Optional["weakref.ref[Tensor]"] = None
         self.device: Optional[DeviceHandle] = None
         self.compute_dtype: torch.dtype = param.dtype
 
@@ -124,6 +127,14 @@ class FlatHandle:
     @property
     def materialized(self) -> bool:
         return self.fp32_shard is not None
+
+    # ------------------------------------------------------------------ gradient identity
+    def remember_assigned_grad(self, grad: Tensor) -> None:
+        """Record the reduced shard given to ``p.grad`` (to tell it from a full-size accumulated gradient later)."""
+        self._assigned_grad = weakref.ref(grad)
+
+    def is_assigned_grad(self, grad: Tensor) -> bool:
+        return self._assigned_grad is not None and self._assigned_grad() is grad
 
     # ------------------------------------------------------------------ views
     @property

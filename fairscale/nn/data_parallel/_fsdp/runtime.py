@@ -147,9 +147,20 @@ class FSDPRuntime(nn.Module):
             if m is not whole_unit
         )
 
+    def _bucket_cap_for_tree(self) -> float:
+        """``bucket_cap_mb``, but never more than the whole tree's gradients need.
+
+        A bucket is allocated at its full capacity; for a model smaller than the cap that would be memory held for
+        nothing (25 MiB by default), so the cap shrinks to the size of all full gradients (in fp32, an upper bound).
+        """
+        if self.bucket_cap_mb <= 0:
+            return self.bucket_cap_mb
+        need = sum(h.shard_numel * h.world_size * 4 for m in self._fsdp_instances() for h in m._handles)
+        return min(float(self.bucket_cap_mb), need / 2**20)
+
     def _set_is_root(self) -> None:
         self._is_root = True
-        tree = TreeState(self._device, self.bucket_cap_mb)
+        tree = TreeState(self._device, self._bucket_cap_for_tree())
         tree.set_finalizer(self._finalize_backward)
         self._tree = tree
         for m in self._fsdp_instances():
@@ -313,7 +324,7 @@ class FSDPRuntime(nn.Module):
             g = p.grad
             if g is None:
                 continue
-            is_reduced_shard = g is getattr(h, "assigned_grad", None) or (
+            is_reduced_shard = h.is_assigned_grad(g) or (
                 h.is_sharded and g.shape == h.fp32_shard.shape  # type: ignore[union-attr]
             )
             if is_reduced_shard:
@@ -451,7 +462,7 @@ class FSDPRuntime(nn.Module):
             if h.grad_accum_flat is not None:
                 self._reduce_accumulated(h)
             g = h.param.grad
-            if g is not None and g is not getattr(h, "assigned_grad", None) and g.shape == h.orig_size:
+            if g is not None and not h.is_assigned_grad(g) and g.shape == h.orig_size:
                 h.param.grad = None
                 h.use_shard()
                 self._start_reduction(h, g)
@@ -472,7 +483,7 @@ class FSDPRuntime(nn.Module):
                 if grad.dtype != h.param.dtype:
                     grad = grad.to(h.param.dtype)
                 h.param.grad = grad
-                h.assigned_grad = grad  # type: ignore[attr-defined]
+                h.remember_assigned_grad(grad)
         self._pre_backward_hook_has_run = False
         self.training_state = TrainingState.IDLE
 

@@ -17,12 +17,12 @@ class TreeState:
         bucket_cap_mb: size of the reduce-scatter bucket (``<= 0`` disables bucketing).
     """
 
-    def __init__(self, device: DeviceHandle, bucket_cap_mb: int) -> None:
+    def __init__(self, device: DeviceHandle, bucket_cap_mb: float) -> None:
         self.device = device
         # Gathers run on their own stream so they can overlap compute on accelerators; inert on CPU.
         self.all_gather_stream = device.new_stream()
         self.post_backward_stream = device.new_stream()
-        self.bucketer = ReduceScatterBucketer(bucket_cap_mb)
+        self.bucketer = ReduceScatterBucketer(bucket_cap_mb)  # type: ignore[arg-type]
         self.final_callback_queued = False
         # Set by a forward that registered pre-backward hooks; cleared by the final callback of a backward.
         self.backward_pending = False
