@@ -7,8 +7,8 @@ from typing import Any, List, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_world
 
+from fairscale.fair_dev.testing.engine import run_distributed, run_ranks
 from fairscale.internal import collectives as C
 from fairscale.internal.collectives import (
     CollectiveRecord,
@@ -219,10 +219,10 @@ def _world_body(rank: int, ws: int) -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_collectives_in_gloo_world(world_size: int) -> None:
-    run_world(_world_body, world_size, timeout=120)
+    run_distributed(_world_body, world_size, timeout=120)
 
 
-def _no_dist_body(rank: int, ws: int) -> None:
+def _no_dist_body(rank: int) -> None:
     assert not dist.is_initialized()
     assert (C.group_size(), C.group_rank(), C.group_ranks()) == (1, 0, (0,))
     with count_collectives() as counter:
@@ -259,7 +259,7 @@ def _no_dist_body(rank: int, ws: int) -> None:
 
 def test_collectives_without_distributed() -> None:
     """World size 1 without init_process_group: local copies, still counted."""
-    run_world(_no_dist_body, 1, init=False)
+    run_ranks(_no_dist_body, 1)
 
 
 def test_work_handle_completion_runs_once() -> None:
@@ -318,3 +318,21 @@ def test_fallback_discovery_is_cached_per_backend_kind_dtype() -> None:
     finally:
         for key in [k for k in C._chosen if k[0] == "test-backend"]:
             del C._chosen[key]
+
+
+def test_counter_module_is_the_one_the_layer_records_into() -> None:
+    """The counter lives in collective_counter; collectives re-exports it, so either name sees every call."""
+    from fairscale.internal import collective_counter
+
+    assert C.count_collectives is collective_counter.count_collectives
+    assert C.collective_phase is collective_counter.collective_phase
+    assert C.CollectiveRecord is collective_counter.CollectiveRecord
+    with collective_counter.count_collectives() as counter, C.collective_phase("forward"):
+        all_reduce(torch.zeros(3, dtype=torch.float16))  # world size 1, no process group: still counted
+        collective_counter.record_collective("all_gather", 4, (0, 1, 2, 3), torch.float32, 8, 4)
+    assert counter.records == [
+        CollectiveRecord("all_reduce", 1, (0,), torch.float16, 3, 6, 6, "forward"),
+        CollectiveRecord("all_gather", 4, (0, 1, 2, 3), torch.float32, 8, 32, 8, "forward"),
+    ]
+    collective_counter.record_collective("barrier", 1, (0,), None, 0, 0)  # no counter open: nothing kept
+    assert len(counter.records) == 2

@@ -1,16 +1,15 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Tests of fairscale.internal.parallel."""
 
-import functools
 import os
 from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_world
 from torch import nn
 
+from fairscale.fair_dev.testing.engine import run_distributed, run_ranks
 from fairscale.internal import collectives
 from fairscale.internal.parallel import (
     ProcessGroupName,
@@ -78,7 +77,7 @@ def test_enable_pytorch_sync_bn() -> None:
     assert not hasattr(plain, "told")
 
 
-def _not_initialised_body(rank: int, ws: int) -> None:
+def _not_initialised_body(rank: int) -> None:
     # Under pytest the reduce_scatter name tolerates a missing world (returns None)...
     assert get_process_group_cached(ProcessGroupName.reduce_scatter) is None
     # ...the default one does not.
@@ -87,7 +86,7 @@ def _not_initialised_body(rank: int, ws: int) -> None:
 
 
 def test_get_process_group_cached_without_distributed() -> None:
-    run_world(_not_initialised_body, 1, init=False)
+    run_ranks(_not_initialised_body, 1)
 
 
 def _world_body(rank: int, ws: int, tmp: str) -> None:
@@ -118,4 +117,4 @@ def _world_body(rank: int, ws: int, tmp: str) -> None:
 
 
 def test_get_process_group_cached_and_validate(tmp_path: Any) -> None:
-    run_world(functools.partial(_world_body, tmp=str(tmp_path)), 3)
+    run_distributed(_world_body, 3, tmp=str(tmp_path))

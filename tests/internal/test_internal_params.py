@@ -8,8 +8,8 @@ from typing import Any, Dict
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_world
 
+from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.params import Workhandle, calc_grad_norm, get_global_rank, recursive_copy_to_device
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -77,4 +77,4 @@ def _global_rank_body(rank: int, ws: int) -> None:
 
 
 def test_get_global_rank() -> None:
-    run_world(_global_rank_body, 3)
+    run_distributed(_global_rank_body, 3)

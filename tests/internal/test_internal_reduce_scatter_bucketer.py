@@ -6,8 +6,8 @@ from typing import Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_world
 
+from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.collectives import count_collectives, reduce_scatter_from_flat
 from fairscale.internal.parallel import chunk_and_pad
 from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
@@ -126,4 +126,4 @@ def _body(rank: int, ws: int) -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_reduce_scatter_bucketer(world_size: int) -> None:
-    run_world(_body, world_size, timeout=120)
+    run_distributed(_body, world_size, timeout=120)

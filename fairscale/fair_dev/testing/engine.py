@@ -35,33 +35,45 @@ How a world is started and ended:
 * A world that is not done after ``timeout`` seconds (a rank stuck in a collective, say) is killed and
   reported as :class:`DistributedTestTimeout` with the ranks that were still running and their Python
   stacks. Ranks also die with the caller (``PR_SET_PDEATHSIG`` on Linux), so nothing is left behind.
+
+This module is the calling (parent) side. What runs inside a rank is in :mod:`.engine_rank`, and the
+named sub-tests :func:`run_cases` / :func:`subtest` are in :mod:`.subtests`; both are re-exported here.
 """
 
 import contextlib
-import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
 import warnings
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from .engine_rank import (
+    ENGINE_FILES,
+    SEED,
+    START_METHOD_ENV,
+    ProcessGroupBody,
+    RemoteFailure,
+    rank_main,
+    rebuild_exception,
+    seed_everything,
+    use_loopback_for_gloo,
+)
+from .subtests import run_cases, subtest
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "SEED",
+    "START_METHOD_ENV",
     "DistributedTestError",
     "DistributedTestTimeout",
     "run_distributed",
@@ -74,10 +86,6 @@ __all__ = [
 
 #: Seconds a world may run before it is killed and reported as a timeout.
 DEFAULT_TIMEOUT = 120.0
-#: Seed given to torch, ``random`` and numpy on every rank before the test body runs.
-SEED = 0
-#: Environment variable forcing the start method of the ranks ("fork" or "spawn").
-START_METHOD_ENV = "FAIRSCALE_TEST_START_METHOD"
 
 # How long the parent waits for hung ranks to write their stacks before it kills them.
 _STACK_DUMP_WAIT_S = 0.3
@@ -159,7 +167,7 @@ def run_distributed(
         )
     chosen_backend = backend if backend is not None else ("nccl" if device_type == "cuda" else "gloo")
     with _world_directory() as directory:
-        body = _ProcessGroupBody(
+        body = ProcessGroupBody(
             fn=fn,
             args=tuple(args),
             kwargs=dict(kwargs),
@@ -193,66 +201,6 @@ def run_ranks(fn: Callable[[int], Any], world_size: int, timeout: float = DEFAUL
         return _run_world(fn, world_size, timeout, directory)
 
 
-def run_cases(cases: Iterable[Tuple[str, Callable[[], Any]]]) -> None:
-    """Run every ``(name, case)`` in turn, then fail once, listing each failing case with its error.
-
-    Meant for option matrices inside one started world (one world per case costs a start each).
-    Every rank should run the same cases in the same order; a case that fails on one rank only can
-    leave the others waiting in a collective, which the world's timeout then reports.
-
-    Args:
-        cases: pairs of a unique case name and a callable taking no arguments.
-
-    Raises:
-        AssertionError: one or more cases failed; the message names each with its error.
-        ValueError: a case name is repeated.
-        TypeError: an item is not a ``(str, callable)`` pair.
-    """
-    seen: Dict[str, None] = {}
-    failures: List[str] = []
-    skips: List[str] = []
-    for item in cases:
-        name, case = _check_case(item)
-        if name in seen:
-            raise ValueError(f"run_cases: case name {name!r} is used twice; give every case a unique name")
-        seen[name] = None
-        try:
-            case()
-        except pytest.skip.Exception as e:
-            skips.append(f"{name}: {e}")
-        except (Exception, pytest.fail.Exception) as e:
-            failures.append(_describe_case_failure(name, e))
-    if failures:
-        lines = [f"{len(failures)} of {len(seen)} cases failed:"] + failures
-        if skips:
-            lines.append("skipped cases: " + "; ".join(skips))
-        raise AssertionError("\n".join(lines))
-    if seen and len(skips) == len(seen):
-        pytest.skip("every case skipped: " + "; ".join(skips))
-
-
-@contextlib.contextmanager
-def subtest(name: str) -> Iterator[None]:
-    """Prefix any exception raised in the block with ``[name]``, keeping its type and traceback.
-
-    Args:
-        name: the case name, e.g. ``"mixed_precision=True"``.
-    """
-    try:
-        yield
-    except pytest.skip.Exception:
-        raise
-    except (Exception, pytest.fail.Exception) as e:
-        renamed = _rebuild(type(e), f"[{name}] {e}")
-        if renamed is None:
-            # The type cannot be rebuilt from a message; keep the object and attach the name as a note.
-            add_note = getattr(e, "add_note", None)
-            if add_note is not None:
-                add_note(f"in subtest [{name}]")
-            raise
-        raise renamed.with_traceback(e.__traceback__) from e.__cause__
-
-
 # ----------------------------------------------------------------------------------------------
 # Argument checks and small helpers
 
@@ -268,53 +216,6 @@ def _check_world(world_size: int, timeout: float) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-
-
-def _check_case(item: Any) -> Tuple[str, Callable[[], Any]]:
-    if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str) or not callable(item[1]):
-        raise TypeError(f"run_cases expects (name, callable) pairs, got {item!r}")
-    return item[0], item[1]
-
-
-def _describe_case_failure(name: str, error: BaseException) -> str:
-    formatted = "".join(traceback.format_exception(type(error), error, _user_frames(error.__traceback__))).rstrip()
-    indented = "\n".join("    " + line for line in formatted.splitlines())
-    return f"- {name}: {type(error).__name__}: {error}\n{indented}"
-
-
-def _rebuild(exc_type: Type[BaseException], message: str) -> Optional[BaseException]:
-    """``exc_type(message)`` if that yields an exception whose text is exactly ``message``, else None."""
-    if issubclass(exc_type, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-        return None
-    try:
-        rebuilt = exc_type(message)
-    except Exception:
-        return None
-    # Types such as KeyError quote their argument, others ignore it: those would mangle the message.
-    if not isinstance(rebuilt, exc_type) or str(rebuilt) != message:
-        return None
-    return rebuilt
-
-
-def seed_everything(seed: int = SEED) -> None:
-    """Seed torch (all devices), Python's ``random`` and numpy (when installed) with ``seed``."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy
-    except ImportError:  # numpy is optional for the engine itself
-        return
-    numpy.random.seed(seed)
-
-
-def use_loopback_for_gloo() -> None:
-    """Make gloo connect over the loopback interface, unless ``GLOO_SOCKET_IFNAME`` is already set.
-
-    All ranks of a test share one host; loopback avoids resolving the hostname, which is slow and on
-    some CI machines resolves to an unreachable address. Call it in the rank, before the group exists.
-    """
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 @contextlib.contextmanager
@@ -339,190 +240,6 @@ def _start_method() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The body a rank runs for run_distributed
-
-
-@dataclass
-class _ProcessGroupBody:
-    """Picklable (under spawn) closure: init the default group, run ``fn``, destroy the group."""
-
-    fn: Callable[..., Any]
-    args: Tuple[Any, ...]
-    kwargs: Dict[str, Any]
-    world_size: int
-    device_type: str
-    backend: str
-    store_path: str
-    pg_timeout_s: float
-
-    def __call__(self, rank: int) -> Any:
-        if self.device_type == "cuda":
-            torch.cuda.set_device(rank)
-        if self.backend == "gloo":
-            use_loopback_for_gloo()
-        dist.init_process_group(
-            backend=self.backend,
-            init_method=f"file://{self.store_path}",
-            rank=rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=self.pg_timeout_s),
-        )
-        # On failure the group is deliberately left alone: the parent kills every rank anyway, and
-        # tearing down a group whose peers are gone can block.
-        result = self.fn(rank, self.world_size, *self.args, **self.kwargs)
-        if dist.is_initialized():  # unless fn destroyed the group itself
-            # gloo's init is no barrier: without this, a rank with nothing to do could tear down its
-            # connections while a peer is still setting up its own, and fail that peer.
-            if self.backend == "nccl":
-                dist.barrier(device_ids=[rank])
-            else:
-                dist.barrier()
-            dist.destroy_process_group()
-        return result
-
-
-# ----------------------------------------------------------------------------------------------
-# Inside a rank process
-
-
-def _rank_main(rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int, stack_path: str, method: str) -> None:
-    """Entry point of every rank process: prepare the process, run ``body``, send one report."""
-    _die_with_parent(parent_pid)
-    # Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stack_file = open(stack_path, "w")
-    _register_stack_dump(stack_file)
-    torch.set_num_threads(1)
-    if method == "fork":
-        _forbid_more_threads()
-    failed = False
-    try:
-        seed_everything(SEED)
-        result = body(rank)
-        try:
-            payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise TypeError(
-                f"the return value of the test body ({type(result).__name__}) cannot be pickled back to the "
-                f"test process: {e}; return plain data (numbers, tensors, lists, dicts) instead"
-            ) from e
-        report: Tuple[str, Any] = ("ok", payload)
-    except BaseException as e:  # everything, including pytest.skip and SystemExit, goes to the parent
-        failed = True
-        report = ("error", _RemoteFailure.from_exception(rank, e))
-    _flush_std_streams()
-    conn.send_bytes(pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL))
-    conn.close()
-    if failed:
-        # Skip interpreter teardown: the parent kills the other ranks and does not need this one.
-        os._exit(1)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a killed test run leaves no orphans."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the request above took effect
-        os._exit(1)
-
-
-def _register_stack_dump(stack_file: Any) -> None:
-    import faulthandler
-
-    # faulthandler writes from a C signal handler, so this works while Python is blocked in gloo.
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-
-
-def _forbid_more_threads() -> None:
-    original = torch.set_num_threads
-
-    def set_num_threads(num: int) -> None:
-        if num > 1:
-            raise RuntimeError(
-                f"torch.set_num_threads({num}) in a forked test rank would deadlock (GNU OpenMP is not "
-                f"fork-safe once the parent used threads); ranks run single-threaded. Set "
-                f"{START_METHOD_ENV}=spawn to run ranks with several threads."
-            )
-        original(num)
-
-    setattr(torch, "set_num_threads", set_num_threads)
-
-
-def _flush_std_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
-def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
-    """Drop the engine's own leading frames: the reader wants the test body's frames."""
-    start = tb
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return tb if tb is not None else start
-
-
-@dataclass
-class _RemoteFailure:
-    """What a failing rank tells the parent: enough to rebuild the exception there."""
-
-    rank: int
-    type_name: str
-    message: str
-    traceback: str
-    is_skip: bool
-    # CLOCK_MONOTONIC is system-wide on Linux, so failure times of different ranks are comparable.
-    time: float = field(default_factory=time.monotonic)
-    pickled_type: Optional[bytes] = None
-
-    @classmethod
-    def from_exception(cls, rank: int, error: BaseException) -> "_RemoteFailure":
-        try:
-            pickled_type: Optional[bytes] = pickle.dumps(type(error))
-        except Exception:  # a class defined inside a function: only its name travels
-            pickled_type = None
-        return cls(
-            rank=rank,
-            type_name=type(error).__name__,
-            message=str(error),
-            traceback="".join(traceback.format_exception(type(error), error, _user_frames(error.__traceback__))),
-            is_skip=isinstance(error, pytest.skip.Exception),
-            pickled_type=pickled_type,
-        )
-
-    def to_exception(self) -> BaseException:
-        if self.is_skip:
-            return pytest.skip.Exception(f"[rank {self.rank}] {self.message}")
-        # The traceback ends with the full message; the headline only needs its first line.
-        headline = self.message.splitlines()[0] if self.message else ""
-        details = f"\n\nTraceback of rank {self.rank}:\n{self.traceback.rstrip()}"
-        exc_type = self._exception_type()
-        rebuilt = _rebuild(exc_type, f"[rank {self.rank}] {headline}{details}") if exc_type is not None else None
-        if rebuilt is not None:
-            return rebuilt
-        return DistributedTestError(f"[rank {self.rank}] {self.type_name}: {headline}{details}", rank=self.rank)
-
-    def _exception_type(self) -> Optional[Type[BaseException]]:
-        if self.pickled_type is None:
-            return None
-        try:
-            loaded = pickle.loads(self.pickled_type)
-        except Exception:
-            return None
-        return loaded if isinstance(loaded, type) and issubclass(loaded, BaseException) else None
-
-
-# ----------------------------------------------------------------------------------------------
 # In the calling (parent) process
 
 
@@ -538,7 +255,7 @@ def _run_world(body: Callable[[int], Any], world_size: int, timeout: float, dire
             reader, writer = ctx.Pipe(duplex=False)
             stack_path = os.path.join(directory, f"stack_rank{rank}.txt")
             process = ctx.Process(
-                target=_rank_main,
+                target=rank_main,
                 args=(rank, writer, body, os.getpid(), stack_path, method),
                 name=f"fairscale-test-rank{rank}",
             )
@@ -625,12 +342,28 @@ def _read_ready(pending: List[_RankProcess], timeout: float) -> List[Tuple[float
         if kind == "ok":
             handle.result = _unpickle_result(handle.rank, value)
         elif kind == "error":
-            failures.append((value.time, value.to_exception()))
+            failures.append((value.time, _failure_to_exception(value)))
         else:
             # A rank that died without a report crashed or was killed: a cause, never a consequence
             # (the peers of a dead rank get exceptions and report those), so it sorts first.
             failures.append((float("-inf"), value))
     return failures
+
+
+def _failure_to_exception(failure: RemoteFailure) -> BaseException:
+    """The exception to raise in the test for a rank's failure report."""
+    if failure.is_skip:
+        return pytest.skip.Exception(f"[rank {failure.rank}] {failure.message}")
+    # The traceback ends with the full message; the headline only needs its first line.
+    headline = failure.message.splitlines()[0] if failure.message else ""
+    details = f"\n\nTraceback of rank {failure.rank}:\n{failure.traceback.rstrip()}"
+    exc_type = failure.exception_type()
+    rebuilt = (
+        rebuild_exception(exc_type, f"[rank {failure.rank}] {headline}{details}") if exc_type is not None else None
+    )
+    if rebuilt is not None:
+        return rebuilt
+    return DistributedTestError(f"[rank {failure.rank}] {failure.type_name}: {headline}{details}", rank=failure.rank)
 
 
 def _unpickle_result(rank: int, payload: bytes) -> Any:
@@ -677,7 +410,7 @@ def _without_engine_frames(lines: List[str]) -> List[str]:
     for line in lines:
         if line.startswith(("Thread 0x", "Current thread 0x")):
             skipping = False
-        elif f'"{__file__}"' in line:
+        elif any(f'"{path}"' in line for path in ENGINE_FILES):
             skipping = True
         if not skipping:
             kept.append(line)

@@ -20,17 +20,25 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
-import numpy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .engine import DEFAULT_TIMEOUT, run_distributed, run_ranks, seed_everything, use_loopback_for_gloo
 
 # Upstream had these two here; they live with the other memory helpers now.
 from .testing_memory import dump_all_tensors as dump_all_tensors
 from .testing_memory import get_smi_memory as get_smi_memory
+
+# Comparison helpers and toy models have their own modules; upstream imported them from here.
+from .testing_compare import ObjectsNotEqualError as ObjectsNotEqualError
+from .testing_compare import check_same_model_params as check_same_model_params
+from .testing_compare import check_same_models_across_ranks as check_same_models_across_ranks
+from .testing_compare import objects_are_equal as objects_are_equal
+from .testing_compare import state_dict_norm as state_dict_norm
+from .testing_models import GPT2 as GPT2
+from .testing_models import DeviceAndTypeCheckModule as DeviceAndTypeCheckModule
+from .testing_models import IdentityLayer as IdentityLayer
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -417,262 +425,3 @@ def temp_files_ctx(num: int) -> Iterator[List[str]]:
     finally:
         for path in paths:
             rmf(path)
-
-
-# ----------------------------------------------------------------------------------------------
-# Comparing objects and models
-
-
-class ObjectsNotEqualError(AssertionError, ValueError):
-    """Raised by ``objects_are_equal(..., raise_exception=True)``; says where the objects differ.
-
-    It is both an ``AssertionError`` and a ``ValueError`` because upstream raised either, depending on
-    what differed.
-    """
-
-
-def objects_are_equal(
-    a: Any,
-    b: Any,
-    raise_exception: bool = False,
-    dict_key: Optional[Any] = None,
-    rtol: Optional[float] = None,
-    atol: Optional[float] = None,
-) -> bool:
-    """Compare two (nested) objects: dicts, lists, tuples, tensors, numpy arrays and plain values.
-
-    Types must match exactly at every level; dicts need the same keys, sequences the same length;
-    tensors are compared with ``torch.testing.assert_close`` (shape, dtype and device must match too;
-    its default tolerances when neither ``rtol`` nor ``atol`` is given, 0 for the one not given).
-
-    Args:
-        a: first object.
-        b: second object.
-        raise_exception: raise :class:`ObjectsNotEqualError` (saying where they differ) instead of
-            returning False.
-        dict_key: the key under which ``a`` and ``b`` sit, used in messages.
-        rtol: relative tolerance for tensors.
-        atol: absolute tolerance for tensors.
-
-    Returns:
-        True if equal, False otherwise (unless ``raise_exception``).
-    """
-    path = "" if dict_key is None else f"[{dict_key!r}]"
-    try:
-        _assert_objects_equal(a, b, path, rtol, atol)
-    except ObjectsNotEqualError:
-        if raise_exception:
-            raise
-        return False
-    return True
-
-
-def _assert_objects_equal(a: Any, b: Any, path: str, rtol: Optional[float], atol: Optional[float]) -> None:
-    where = path or "the top level"
-    if type(a) is not type(b):
-        raise ObjectsNotEqualError(f"type mismatch at {where}: {type(a).__qualname__} vs {type(b).__qualname__}")
-    if isinstance(a, dict):
-        if set(a.keys()) != set(b.keys()):
-            only_a, only_b = sorted(map(repr, a.keys() - b.keys())), sorted(map(repr, b.keys() - a.keys()))
-            raise ObjectsNotEqualError(f"keys differ at {where}: only in first {only_a}, only in second {only_b}")
-        for key in a:
-            _assert_objects_equal(a[key], b[key], f"{path}[{key!r}]", rtol, atol)
-    elif isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            raise ObjectsNotEqualError(f"length mismatch at {where}: {len(a)} vs {len(b)}")
-        for index, (item_a, item_b) in enumerate(zip(a, b)):
-            _assert_objects_equal(item_a, item_b, f"{path}[{index}]", rtol, atol)
-    elif isinstance(a, torch.Tensor):
-        if rtol is not None or atol is not None:
-            rtol, atol = rtol or 0.0, atol or 0.0
-        try:
-            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
-        except (AssertionError, RuntimeError) as e:
-            raise ObjectsNotEqualError(f"tensors differ at {where}: {e}") from e
-    elif isinstance(a, numpy.ndarray):
-        if a.shape != b.shape or not numpy.array_equal(a, b):
-            raise ObjectsNotEqualError(f"arrays differ at {where}: {a!r} vs {b!r}")
-    elif not a == b:
-        raise ObjectsNotEqualError(f"values differ at {where}: {a!r} vs {b!r}")
-
-
-def check_same_model_params(
-    model_a: nn.Module, model_b: nn.Module, message: str = "", rtol: float = 1e-5, atol: float = 1e-3
-) -> None:
-    """Assert that two models have the same parameters and buffers, in order, within tolerances.
-
-    Args:
-        model_a: first model.
-        model_b: second model.
-        message: appended to the assertion message.
-        rtol: relative tolerance.
-        atol: absolute tolerance.
-    """
-    for kind in ("parameters", "buffers"):
-        named_a = list(getattr(model_a, f"named_{kind}")())
-        named_b = list(getattr(model_b, f"named_{kind}")())
-        if len(named_a) != len(named_b):
-            raise AssertionError(f"the models have {len(named_a)} and {len(named_b)} {kind}. {message}")
-        for (name_a, tensor_a), (name_b, tensor_b) in zip(named_a, named_b):
-            tensor_b = tensor_b.detach().to(tensor_a.device)
-            if tensor_a.shape != tensor_b.shape or not torch.allclose(tensor_a.detach(), tensor_b, rtol, atol):
-                raise AssertionError(f"model {kind} differ: {name_a} vs {name_b}\n{tensor_a}\n{tensor_b}\n{message}")
-
-
-def check_same_models_across_ranks(
-    model: nn.Module, process_group: Any, params_should_be_equal: bool, check_broadcast_buffers: bool
-) -> None:
-    """Assert (on every rank of ``process_group``) whether each parameter is the same on all its ranks.
-
-    Every rank must call this together; all of them see the same gathered values and agree.
-
-    Args:
-        model: the local replica.
-        process_group: the group to compare across (``None`` for the default group).
-        params_should_be_equal: True: every parameter equals rank 0's; False: every parameter differs
-            from rank 0's on every other rank.
-        check_broadcast_buffers: also require every buffer to equal rank 0's.
-    """
-    world_size = dist.get_world_size(process_group)
-    checks: List[Tuple[str, torch.Tensor, bool]] = [(n, p, params_should_be_equal) for n, p in model.named_parameters()]
-    if check_broadcast_buffers:
-        checks += [(name, b, True) for name, b in model.named_buffers()]
-    for name, tensor, should_be_equal in checks:
-        local = tensor.detach().contiguous()
-        gathered = [torch.empty_like(local) for _ in range(world_size)]
-        dist.all_gather(gathered, local, group=process_group)
-        for other in range(1, world_size):
-            if torch.equal(gathered[0], gathered[other]) != should_be_equal:
-                relation = "differs between" if should_be_equal else "is the same on"
-                raise AssertionError(f"{name} {relation} group ranks 0 and {other}: {gathered[0]} vs {gathered[other]}")
-
-
-def state_dict_norm(state: Dict[str, Any]) -> torch.Tensor:
-    """The L2 norm over all floating-point tensors of a state dict (a quick fingerprint), as float64."""
-    total = torch.zeros((), dtype=torch.float64)
-    for value in state.values():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            total += value.detach().double().pow(2).sum().cpu()
-    return total.sqrt()
-
-
-# ----------------------------------------------------------------------------------------------
-# Toy models
-
-
-class IdentityLayer(nn.Module):
-    """A module whose output is its own weight, whatever the input.
-
-    Args:
-        size: number of elements of the weight (drawn from a standard normal).
-        scale: multiplies the initial weight.
-    """
-
-    def __init__(self, size: int, scale: float = 1.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(scale * torch.randn(size))
-
-    def forward(self, *_: Any, **__: Any) -> torch.Tensor:
-        return self.weight
-
-
-class _GPT2Block(nn.Module):
-    """Pre-norm transformer block with causal self-attention (sequence-first tensors)."""
-
-    def __init__(self, embed_dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(embed_dim)
-        self.attn = nn.MultiheadAttention(embed_dim, num_heads)
-        self.ln_2 = nn.LayerNorm(embed_dim)
-        self.mlp = nn.Sequential(nn.Linear(embed_dim, 4 * embed_dim), nn.GELU(), nn.Linear(4 * embed_dim, embed_dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[0]
-        causal = torch.full((length, length), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
-        h = self.ln_1(x)
-        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT2(nn.Module):
-    """A small GPT-2-like classifier: embeddings, causal transformer blocks, a classification head.
-
-    Args:
-        embed_dim: width of the model.
-        num_heads: attention heads per block (must divide ``embed_dim``).
-        num_layers: number of blocks.
-        num_positions: longest sequence.
-        num_vocab: vocabulary size.
-        num_classes: output classes.
-    """
-
-    def __init__(
-        self, embed_dim: int, num_heads: int, num_layers: int, num_positions: int, num_vocab: int, num_classes: int
-    ) -> None:
-        super().__init__()
-        self.position_embeddings = nn.Embedding(num_positions, embed_dim)
-        self.token_embeddings = nn.Embedding(num_vocab, embed_dim)
-        self.layers = nn.ModuleList(_GPT2Block(embed_dim, num_heads) for _ in range(num_layers))
-        self.ln_f = nn.LayerNorm(embed_dim)
-        self.clf_head = nn.Linear(embed_dim, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids of shape (sequence, batch) -> class logits of shape (batch, num_classes)."""
-        length = x.shape[0]
-        positions = torch.arange(length, device=x.device)
-        h = self.token_embeddings(x.long()) + self.position_embeddings(positions).unsqueeze(1)
-        for layer in self.layers:
-            h = layer(h)
-        return self.clf_head(self.ln_f(h).mean(dim=0))
-
-
-class DeviceAndTypeCheckModule(nn.Module):
-    """A ``Linear(5, 5)`` whose forward asserts the dtype/device of its input, weight, buffer and loss.
-
-    Every expectation left as ``None`` is not checked. A device given without an index matches any index.
-    """
-
-    def __init__(
-        self,
-        expected_input_dtype: Optional[torch.dtype] = None,
-        expected_input_device: Optional[torch.device] = None,
-        expected_param_dtype: Optional[torch.dtype] = None,
-        expected_param_device: Optional[torch.device] = None,
-        expected_loss_dtype: Optional[torch.dtype] = None,
-        expected_loss_device: Optional[torch.device] = None,
-        expected_buffer_dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        self.expected_input_dtype = expected_input_dtype
-        self.expected_input_device = expected_input_device
-        self.expected_param_dtype = expected_param_dtype
-        self.expected_param_device = expected_param_device
-        self.expected_loss_dtype = expected_loss_dtype
-        self.expected_loss_device = expected_loss_device
-        self.expected_buffer_dtype = expected_buffer_dtype
-        self.linear = nn.Linear(5, 5)
-        self.register_buffer("buffer", torch.rand((5,)))
-
-    def _check(self, what: str, got: Any, expected: Any) -> None:
-        if expected is None:
-            return
-        if isinstance(got, torch.device):
-            expected = torch.device(expected)
-            matches = got.type == expected.type and expected.index in (None, got.index)
-        else:
-            matches = got == expected
-        if not matches:
-            raise AssertionError(f"{what} is {got}, expected {expected}")
-
-    def forward(self, *input: torch.Tensor) -> torch.Tensor:
-        x = input[0]
-        self._check("input.dtype", x.dtype, self.expected_input_dtype)
-        self._check("input.device", x.device, self.expected_input_device)
-        weight = self.linear.weight
-        self._check("param.dtype", weight.dtype, self.expected_param_dtype)
-        self._check("param.device", weight.device, self.expected_param_device)
-        self._check("buffer.dtype", self.buffer.dtype, self.expected_buffer_dtype)
-        loss = self.linear(x).sum()
-        self._check("loss.dtype", loss.dtype, self.expected_loss_dtype)
-        self._check("loss.device", loss.device, self.expected_loss_device)
-        return loss

@@ -165,9 +165,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
         fsdp_config.validate_param_dtypes((p for _, p in params), mixed_precision, self.compute_dtype)
         self.zero2_process_group = zero2_process_group
-        self._zero2_rank, self._zero2_size = zero2.validate_at_construction(
-            zero2_process_group, self.process_group, self.move_params_to_cpu
-        )
+        self._zero2_problem = zero2.local_problem(zero2_process_group, self.process_group)
+        self._zero2_rank, self._zero2_size = zero2.rank_and_size(zero2_process_group, self._zero2_problem)
 
         to_flatten = [p for _, p in params] if flatten_parameters else []
         self._fsdp_wrapped_module = FlattenParamsWrapper(

@@ -19,7 +19,7 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -85,6 +85,9 @@ class FlatHandle:
         self.grad_window = 0
         # The reduced shard last handed to p.grad, held weakly: after optimizer.zero_grad() it must be freed.
         self._assigned_grad: Optional["weakref.ref[Tensor]"] = None
+        # Versions of (param, fp32 shard) when the full buffer was last gathered from the shard: a later in-place
+        # change of either (optimizer step, load, summon write-back) makes the gathered copy stale.
+        self.gathered_version: Tuple[int, int] = (-1, -1)
         self.device: Optional[DeviceHandle] = None
         self.compute_dtype: torch.dtype = param.dtype
 
@@ -129,6 +132,10 @@ class FlatHandle:
         return self.fp32_shard is not None
 
     # ------------------------------------------------------------------ gradient identity
+    def shard_version(self) -> Tuple[int, int]:
+        assert self.fp32_shard is not None
+        return (self.param._version, self.fp32_shard._version)
+
     def remember_assigned_grad(self, grad: Tensor) -> None:
         """Record the reduced shard given to ``p.grad`` (to tell it from a full-size accumulated gradient later)."""
         self._assigned_grad = weakref.ref(grad)

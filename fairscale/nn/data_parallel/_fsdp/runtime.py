@@ -97,6 +97,7 @@ class FSDPRuntime(nn.Module):
     _zero2_size: int
     _grad_anchor: Tensor
     _defer_post_backward: bool = False
+    _zero2_problem: Optional[str] = None
 
     # ------------------------------------------------------------------ tree helpers
     def _fsdp_instances(self) -> List["FSDPRuntime"]:
@@ -200,7 +201,7 @@ class FSDPRuntime(nn.Module):
         for m in self._fsdp_instances():
             if m.zero2_process_group is not None and id(m.zero2_process_group) not in seen:
                 seen.add(id(m.zero2_process_group))
-                zero2.check_partition(m.process_group, m.zero2_process_group)
+                zero2.check_partition(m.process_group, m.zero2_process_group, m._zero2_problem)
 
     # ------------------------------------------------------------------ gathering
     def _rebuild_full_params(self, phase: str) -> None:
@@ -226,11 +227,21 @@ class FSDPRuntime(nn.Module):
             assert h.zero2_slice is not None
             collectives.all_gather_into_flat(out, h.zero2_slice, self.zero2_process_group)
             h.zero2_slice = None
-        elif h.is_sharded:
-            collectives.all_gather_into_flat(out, h.gather_input(), self.process_group)
         else:
-            out.copy_(h.gather_input().reshape(-1))
+            h.gathered_version = h.shard_version()
+            if h.is_sharded:
+                collectives.all_gather_into_flat(out, h.gather_input(), self.process_group)
+            else:
+                out.copy_(h.gather_input().reshape(-1))
         h.set_state(HandleState.FULL)
+
+    def _drop_stale_full_params(self) -> None:
+        """A new forward must not reuse gathered params (or zero2 slices) whose fp32 shard changed since the gather
+        (optimizer step or summon write-back after a forward whose backward never ran)."""
+        for h in self._handles:
+            if h.state != HandleState.SHARDED and h.has_full_buffer and h.gathered_version != h.shard_version():
+                h.free_full()
+                h.drop_zero2_slice()
 
     def _use_full_params(self) -> None:
         for h in self._handles:
@@ -269,6 +280,8 @@ class FSDPRuntime(nn.Module):
             # A recomputation (activation checkpointing) runs in backward, right before this unit's own backward:
             # its gathers are backward traffic, and resharding after it would only force one more gather.
             recomputing = is_recomputing()
+            if not recomputing:
+                self._drop_stale_full_params()
             self._rebuild_full_params("backward" if recomputing else "forward")
             self._use_full_params()
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
@@ -284,9 +297,13 @@ class FSDPRuntime(nn.Module):
         return outputs
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+        tree = self._tree
+        assert tree is not None
+        token = tree.new_pending_backward()
         registered = [False]
 
         def hook(_grad: Tensor) -> None:
+            token.done = True
             self._pre_backward_hook()
 
         def register(t: Tensor) -> Tensor:
@@ -296,9 +313,8 @@ class FSDPRuntime(nn.Module):
             return t
 
         apply_to_tensors(register, outputs)
-        if registered[0]:
-            assert self._tree is not None
-            self._tree.backward_pending = True
+        if not registered[0]:
+            token.done = True
         return outputs
 
     # ------------------------------------------------------------------ backward
@@ -452,7 +468,7 @@ class FSDPRuntime(nn.Module):
         for m in self._fsdp_instances():
             m._finalize_instance(syncing)
         tree.final_callback_queued = False
-        tree.backward_pending = False
+        tree.clear_pending()
 
     @torch.no_grad()
     def _reduce_leftover_grads(self) -> None:

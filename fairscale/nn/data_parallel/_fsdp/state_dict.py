@@ -108,7 +108,7 @@ class StateDictMixin:
         """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names."""
         if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
-        with _local_mode(self):
+        with _local_mode(self), _shards_as_data(self):
             return self.__class__._fsdp_state_dict(self, *args, **kwargs)
 
     @staticmethod
@@ -203,6 +203,19 @@ def _local_mode(fsdp: Any) -> Generator[None, None, None]:
         for m, full, auto in saved:
             m._return_full_state_dict = full
             m._fsdp_wrapped_module._auto_unflatten_state_dict = auto
+
+
+@contextlib.contextmanager
+def _shards_as_data(fsdp: Any) -> Generator[None, None, None]:
+    """Point every param at its fp32 shard for the duration (inside a forward p.data is the gathered param)."""
+    saved = [(h, h.param.data) for m in fsdp._fsdp_instances() for h in m._handles if h.fp32_shard is not None]
+    for h, _ in saved:
+        h.use_shard()
+    try:
+        yield
+    finally:
+        for h, data in saved:
+            h.param.data = data
 
 
 @contextlib.contextmanager

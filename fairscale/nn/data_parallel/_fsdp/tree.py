@@ -1,12 +1,22 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Bookkeeping shared by every FSDP instance of one wrapped tree; owned by the root and created at its lazy init."""
 
+import weakref
 from typing import Callable, List, Optional
 
 from torch.autograd import Variable
 
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+
+
+class PendingBackward:
+    """Marks one forward whose backward may still run (see :attr:`TreeState.backward_pending`)."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
 
 
 class TreeState:
@@ -24,9 +34,25 @@ class TreeState:
         self.post_backward_stream = device.new_stream()
         self.bucketer = ReduceScatterBucketer(bucket_cap_mb)  # type: ignore[arg-type]
         self.final_callback_queued = False
-        # Set by a forward that registered pre-backward hooks; cleared by the final callback of a backward.
-        self.backward_pending = False
+        # One token per forward that registered pre-backward hooks. The hooks' closures hold it, and autograd holds
+        # the hooks with the graph: a token dies with its graph (an abandoned forward) and is marked done when its
+        # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.
+        self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
         self._finalize: Optional[Callable[[], None]] = None
+
+    def new_pending_backward(self) -> "PendingBackward":
+        token = PendingBackward()
+        self._pending.add(token)
+        return token
+
+    @property
+    def backward_pending(self) -> bool:
+        """Whether a forward's graph is alive and its backward has not started yet."""
+        return any(not t.done for t in list(self._pending))
+
+    def clear_pending(self) -> None:
+        for t in list(self._pending):
+            t.done = True
 
     def set_finalizer(self, fn: Callable[[], None]) -> None:
         self._finalize = fn

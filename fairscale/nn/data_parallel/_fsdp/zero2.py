@@ -8,63 +8,68 @@ import torch.distributed as dist
 from fairscale.internal import collectives
 
 
-def validate_at_construction(zero2_group: Any, process_group: Any, move_params_to_cpu: bool) -> Tuple[int, int]:
-    """Local checks of a zero2 group; returns ``(rank inside the zero2 group, zero2 group size)``.
+def local_problem(zero2_group: Any, process_group: Any) -> Optional[str]:
+    """What this rank alone can see wrong with its zero2 group (``None`` if nothing).
 
-    Raises:
-        ValueError: when the zero2 group size does not divide the sharding group size, or contains ranks that are
-            not in ``process_group``.
+    Not raised here: a rank that raised at construction would leave the others waiting in the lazy-init check.
+    The problem is reported through :func:`check_partition` instead, so every rank raises the same error.
     """
     if zero2_group is None:
-        return 0, 1
+        return None
+    if not hasattr(zero2_group, "size") or zero2_group == dist.GroupMember.NON_GROUP_MEMBER:
+        return f"rank {dist.get_rank()} is not a member of the zero2_process_group it was given"
     n = process_group.size()
     g = zero2_group.size()
     if g <= 0 or n % g != 0:
-        raise ValueError(
-            f"zero2_process_group has {g} ranks, which does not divide the {n} ranks of process_group; use a group "
-            "of the ranks of one node (GPUs per node), e.g. fairscale.nn.data_parallel.zero2_groups(ranks_per_node)"
-        )
+        return f"rank {dist.get_rank()}: zero2 group size {g} does not divide the process_group size {n}"
     pg_ranks = set(collectives.group_ranks(process_group))
-    z_ranks = collectives.group_ranks(zero2_group)
-    outside = sorted(set(z_ranks) - pg_ranks)
+    outside = sorted(set(collectives.group_ranks(zero2_group)) - pg_ranks)
     if outside:
-        raise ValueError(
-            f"zero2_process_group contains ranks {outside} that are not in process_group (ranks {sorted(pg_ranks)}); "
-            "the zero2 group must be a subgroup of the sharding group"
-        )
-    return zero2_group.rank(), g
+        return f"rank {dist.get_rank()}: zero2 group has ranks {outside} that are not in process_group"
+    return None
 
 
-def check_partition(process_group: Any, zero2_group: Any) -> None:
-    """Collective over ``process_group``: the zero2 groups of all ranks are equal-sized, disjoint and cover it.
+def rank_and_size(zero2_group: Any, problem: Optional[str]) -> Tuple[int, int]:
+    """``(rank inside the zero2 group, its size)``; ``(0, 1)`` without a usable group."""
+    if zero2_group is None or problem is not None:
+        return 0, 1
+    return zero2_group.rank(), zero2_group.size()
+
+
+def check_partition(process_group: Any, zero2_group: Any, problem: Optional[str]) -> None:
+    """Collective over ``process_group``: every rank's zero2 group is usable, and together they are equal-sized,
+    disjoint and cover ``process_group``.
 
     Every rank receives every rank's view, so a misconfiguration raises the same ``ValueError`` on every rank
-    (never a hang in a later all-gather).
+    (never a hang in a later all-gather, never an error on some ranks only).
     """
-    mine = tuple(collectives.group_ranks(zero2_group))
-    views: List[Tuple[int, ...]] = collectives.all_gather_object(mine, group=process_group)
+    mine = None if problem is not None else tuple(collectives.group_ranks(zero2_group))
+    views: List[Tuple[Optional[Tuple[int, ...]], Optional[str]]] = collectives.all_gather_object(
+        (mine, problem), group=process_group
+    )
+    problems = [p for _, p in views if p is not None]
+    if problems:
+        _raise("; ".join(problems))
     pg_ranks = collectives.group_ranks(process_group)
-    groups: Dict[Tuple[int, ...], None] = dict.fromkeys(views)
+    groups: Dict[Tuple[int, ...], None] = dict.fromkeys(v for v, _ in views if v is not None)
     sizes = {len(v) for v in groups}
-    problem: Optional[str] = None
     if len(sizes) != 1:
-        problem = f"zero2 groups have different sizes: {sorted(groups)}"
-    else:
-        covered: List[int] = [r for v in groups for r in v]
-        if len(covered) != len(set(covered)):
-            problem = f"zero2 groups overlap: {sorted(groups)}"
-        elif sorted(covered) != sorted(pg_ranks):
-            problem = f"zero2 groups {sorted(groups)} do not cover process_group ranks {sorted(pg_ranks)}"
-        else:
-            for rank, view in zip(pg_ranks, views):
-                if rank not in view:
-                    problem = f"rank {rank} passed a zero2 group {view} that does not contain itself"
-                    break
-    if problem is not None:
-        raise ValueError(
-            "invalid zero2_process_group: " + problem + ". Every rank must pass the group of its own node, and the "
-            "groups must partition process_group into equal parts."
-        )
+        _raise(f"zero2 groups have different sizes: {sorted(groups)}")
+    covered: List[int] = [r for v in groups for r in v]
+    if len(covered) != len(set(covered)):
+        _raise(f"zero2 groups overlap: {sorted(groups)}")
+    if sorted(covered) != sorted(pg_ranks):
+        _raise(f"zero2 groups {sorted(groups)} do not cover process_group ranks {sorted(pg_ranks)}")
+    for rank, (view, _) in zip(pg_ranks, views):
+        if view is None or rank not in view:
+            _raise(f"rank {rank} passed a zero2 group {view} that does not contain itself")
+
+
+def _raise(problem: str) -> None:
+    raise ValueError(
+        "invalid zero2_process_group: " + problem + ". Every rank must pass the group of its own node, and the "
+        "groups must partition process_group into equal parts (see fairscale.nn.data_parallel.zero2_groups)."
+    )
 
 
 def zero2_groups(ranks_per_group: int, ranks: Optional[Sequence[int]] = None) -> Any:
