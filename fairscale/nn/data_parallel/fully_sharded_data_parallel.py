@@ -160,6 +160,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             self.world_size, gradient_predivide_factor
         )
 
+        self._foreign_params: List[Tuple[str, nn.Parameter]] = []
         params = self._collect_params_to_own(module)
         self.compute_device = fsdp_config.resolve_compute_device((p for _, p in params), compute_device)
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
@@ -169,9 +170,15 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         self._zero2_rank, self._zero2_size = zero2.rank_and_size(zero2_process_group, self._zero2_problem)
 
         to_flatten = [p for _, p in params] if flatten_parameters else []
-        self._fsdp_wrapped_module = FlattenParamsWrapper(
-            module, param_list=to_flatten, optimize_backward_concat=optimize_backward_concat
-        )
+        try:
+            self._fsdp_wrapped_module = FlattenParamsWrapper(
+                module, param_list=to_flatten, optimize_backward_concat=optimize_backward_concat
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"{e}\nWith FullyShardedDataParallel: wrap the parameters that differ (e.g. the frozen part) in their "
+                "own FullyShardedDataParallel instance, or pass flatten_parameters=False."
+            ) from e
         del module  # reachable only through the wrapper from here on
         self._num_flatten_params = len(self._fsdp_wrapped_module.flat_params)
         flat = list(self._fsdp_wrapped_module.flat_params)
@@ -225,9 +232,12 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             return self.process_group
         return group
 
-    @staticmethod
-    def _collect_params_to_own(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-        """Parameters not yet owned by a nested FSDP instance; reject params owned by an FSDP outside ``module``."""
+    def _collect_params_to_own(self, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+        """Parameters not yet owned by a nested FSDP instance.
+
+        A parameter already sharded by an FSDP instance outside ``module`` (a weight tied to a sibling) is skipped,
+        as upstream, and remembered: unless :meth:`append_shared_param` declares it, the first forward raises.
+        """
         nested_owned: Set[int] = set()
         for m in module.modules():
             if isinstance(m, FullyShardedDataParallel):
@@ -239,10 +249,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
                 continue
             seen.add(id(p))
             if hasattr(p, "_is_sharded"):
-                raise ValueError(
-                    f"parameter {name!r} is already sharded by a FullyShardedDataParallel instance that is not inside "
-                    "this module; a parameter can be owned by only one instance (see append_shared_param for sharing)"
-                )
+                self._foreign_params.append((name, p))
+                continue
             out.append((name, p))
         return out
 
@@ -284,7 +292,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         return [p for p in self.parameters() if p.grad is not None]
 
     def non_shared_params(self) -> List[nn.Parameter]:
-        return [p for p in self.params if not getattr(p, "_is_shared", False)]
+        return [h.param for h in self._handles if not h.borrowed]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -467,10 +475,12 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             raise RuntimeError("append_shared_param needs the instance to own at least one parameter")
         if not hasattr(p, "_is_sharded"):
             raise ValueError("append_shared_param expects a parameter already sharded by another FSDP instance")
-        p._is_shared = True  # type: ignore[attr-defined]
+        # The flag lives on this instance's handle, not on the parameter: the owner must keep treating it as its own.
         self.params.append(p)
         self._has_shared_params = True
-        self._handles.append(FlatHandle(p, "shared", self.world_size, self.rank, 0))
+        handle = FlatHandle(p, "shared", self.world_size, self.rank, 0)
+        handle.borrowed = True
+        self._handles.append(handle)
         self.numel_padded_per_param.append(0)
 
     # ------------------------------------------------------------------ naming

@@ -14,7 +14,6 @@ compare losses per step and full parameters after the optimizer steps.
 """
 
 import copy
-import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -242,12 +241,12 @@ def ref_params(ref: nn.Module) -> Dict[str, Tensor]:
 
 
 def _instance_prefixes(root: FSDP) -> Dict[int, str]:
-    clean = functools.partial(_clean_path)
-    return {id(m): clean(name) for name, m in root.named_modules() if isinstance(m, FSDP)}
+    """Clean module path of every FSDP instance of the tree, by ``id``."""
+    return {id(m): _clean_path(name) for name, m in root.named_modules() if isinstance(m, FSDP)}
 
 
 def _clean_path(path: str) -> str:
-    return ".".join(c for c in path.split(".") if c not in ("_fsdp_wrapped_module", "_fpw_module"))
+    return ".".join(c for c in path.split(".") if c and c not in ("_fsdp_wrapped_module", "_fpw_module"))
 
 
 def gather_full_grads(root: FSDP) -> Dict[str, Tensor]:
@@ -256,8 +255,8 @@ def gather_full_grads(root: FSDP) -> Dict[str, Tensor]:
     out: Dict[str, Tensor] = {}
     for m in get_fsdp_instances(root):
         for i, p in enumerate(m.params):
-            if p.grad is None or getattr(p, "_is_shared", False):
-                continue
+            if p.grad is None or i >= len(m._param_name_groups):
+                continue  # no gradient, or a parameter borrowed with append_shared_param (its owner reports it)
             grad = p.grad.detach().float().reshape(-1)
             if p._is_sharded:  # type: ignore[attr-defined]
                 full = torch.empty(grad.numel() * m.world_size)
@@ -352,13 +351,15 @@ def train_and_compare(
     local_batch: int = 2,
     global_n: Optional[int] = None,
     inner_kwargs: Optional[Dict[str, Any]] = None,
+    wrapper: Optional[Callable[[nn.Module], FSDP]] = None,
 ) -> FSDP:
     """Train FSDP and the reference side by side; assert loss per step and parameters after the steps match.
 
+    ``wrapper``, if given, replaces :func:`wrap_model` (``mode`` and ``inner_kwargs`` are then unused).
     Returns the trained FSDP model (idle) for further checks.
     """
     model, ref = build(model_cls)
-    fsdp = wrap_model(model, fsdp_kwargs, mode, inner_kwargs)
+    fsdp = wrapper(model) if wrapper is not None else wrap_model(model, fsdp_kwargs, mode, inner_kwargs)
     init = ref_params(ref)
     opt, ref_opt = make_optim(fsdp.parameters(), optim), make_optim(ref.parameters(), optim)
     n = global_n if global_n is not None else local_batch * world_size
@@ -375,8 +376,10 @@ def train_and_compare(
         ref_loss = reference_loss(ref, batch, world_size)
         ref_loss.backward()
         ref_opt.step()
+        # Relative to the larger of the first and current loss: a loss that shrinks towards 0 keeps a fixed scale.
         first_loss = first_loss if step else abs(ref_loss.item())
-        assert_loss_close(mean_over_ranks(loss.item()), ref_loss.item(), loss_rtol * first_loss + 1e-6, step)
+        scale = max(first_loss, abs(ref_loss.item()))
+        assert_loss_close(mean_over_ranks(loss.item()), ref_loss.item(), loss_rtol * scale + 1e-6, step)
     if param_rel is None:
         assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-5)
     else:

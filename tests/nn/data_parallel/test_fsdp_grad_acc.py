@@ -76,6 +76,8 @@ def _cases(rank: int, ws: int, precisions: Sequence[str]) -> List[Any]:
         for reshard, flatten, mode, mp in itertools.product(
             (True, False), (True, False), ("one", "nested"), precisions
         ):
+            if mp != "fp32" and mode == "one":
+                continue  # low precision: the nested tree is the harder case; keeps the world fast
             kwargs = dict(reshard_after_forward=reshard, flatten_parameters=flatten, **MIXED[mp])
 
             def case(kwargs: Dict[str, Any] = kwargs, mode: str = mode, schedule: Sequence[bool] = schedule) -> None:

@@ -19,7 +19,7 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,8 @@ class FlatHandle:
         self.full_padded: Optional[Tensor] = None
         self.zero2_slice: Optional[Tensor] = None
         self.saved_grad_shard: Optional[Tensor] = None
+        # True for a parameter owned by a sibling instance and declared with append_shared_param.
+        self.borrowed = False
         self.cpu_grad: Optional[Tensor] = None
         # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
         self.grad_accum_flat: Optional[Tensor] = None
@@ -90,6 +92,11 @@ class FlatHandle:
         self.gathered_version: Tuple[int, int] = (-1, -1)
         self.device: Optional[DeviceHandle] = None
         self.compute_dtype: torch.dtype = param.dtype
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_assigned_grad"] = None  # a weak reference cannot be pickled; it is only a hint
+        return state
 
     # ------------------------------------------------------------------ lazy init / teardown
     def materialize(self, device: DeviceHandle, compute_dtype: torch.dtype, move_params_to_cpu: bool) -> None:

@@ -73,7 +73,7 @@ def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
     fpw: Any = m._fsdp_wrapped_module
     front: Any = m  # attributes set by the FullyShardedDataParallel front
     params: Dict[str, Dict[str, Any]] = {}
-    owned = [(i, h) for i, h in enumerate(m._handles) if not getattr(h.param, "_is_shared", False)]
+    owned = [(i, h) for i, h in enumerate(m._handles) if not h.borrowed]
     flat_params = list(getattr(fpw, "flat_params", []))
     for i, h in owned:
         if i < len(flat_params):
@@ -109,7 +109,7 @@ def _shared_param_pairs(m: "FSDPRuntime", flat_params: List[Any]) -> List[Tuple[
         ]
     # Non-flattened: the FlattenParamsWrapper does not track aliases, so find the names under which an owned
     # parameter appears more than once (tied weights), skipping nested instances, which report their own.
-    owned = {id(p) for p in m.params if not getattr(p, "_is_shared", False)}
+    owned = {id(h.param) for h in m._handles if not h.borrowed}
     first: Dict[int, str] = {}
     pairs: List[Tuple[str, str]] = []
     for name, p in m._fsdp_wrapped_module.named_parameters(remove_duplicate=False):

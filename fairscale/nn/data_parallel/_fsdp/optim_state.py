@@ -60,7 +60,7 @@ def _layouts(fsdp: "FSDPRuntime") -> List[_Layout]:
     for path, m in fsdp.named_modules():
         if not isinstance(m, FSDPRuntime):
             continue
-        owned = [p for p in m.params if not getattr(p, "_is_shared", False)]
+        owned = [h.param for h in m._handles if not h.borrowed]
         if not owned:
             continue
         fpw: Any = m._fsdp_wrapped_module

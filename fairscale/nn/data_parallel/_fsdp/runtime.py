@@ -98,6 +98,7 @@ class FSDPRuntime(nn.Module):
     _grad_anchor: Tensor
     _defer_post_backward: bool = False
     _zero2_problem: Optional[str] = None
+    _foreign_params: List[Tuple[str, nn.Parameter]]
 
     # ------------------------------------------------------------------ tree helpers
     def _fsdp_instances(self) -> List["FSDPRuntime"]:
@@ -124,6 +125,8 @@ class FSDPRuntime(nn.Module):
         """Materialise handles, find the root and share the tree state (spec 1.6). Cheap after the first call."""
         for h in self._handles:
             h.materialize(self._device, self.compute_dtype, self.move_params_to_cpu)
+        if self._foreign_params:
+            self._check_foreign_params()
         if self._is_root is None:
             self._set_is_root()
             # Once per lazy-init cycle: `.to()`/`_apply` resets lazy init, so buffers are re-cast after a move.
@@ -131,6 +134,17 @@ class FSDPRuntime(nn.Module):
             if self.disable_reshard_on_root:
                 self.reshard_after_forward = False
             self._check_zero2_groups_once()
+
+    def _check_foreign_params(self) -> None:
+        declared = {id(h.param) for h in self._handles if h.borrowed}
+        undeclared = [name for name, p in self._foreign_params if id(p) not in declared]
+        if undeclared:
+            raise ValueError(
+                f"parameters {undeclared} of this FullyShardedDataParallel instance are owned (sharded) by another "
+                "instance outside it (tied weights between siblings). Call append_shared_param(p) on this instance "
+                "before its first forward (needs flatten_parameters=False), or wrap the tied modules in one instance."
+            )
+        self._foreign_params = []
 
     def _has_inner_checkpoint_regions(self) -> bool:
         """Whether activation checkpointing covers only part of this unit.

@@ -45,7 +45,7 @@ def _summon_one(fsdp: "FSDPRuntime", volatile: bool) -> Iterator[None]:
             "between steps and between a forward and its backward, but not inside forward or backward."
         )
     fsdp._device.synchronize()
-    handles = [h for h in fsdp._handles if not getattr(h.param, "_is_shared", False)]
+    handles = [h for h in fsdp._handles if not h.borrowed]
     previous_data = [h.param.data for h in handles]
     with collectives.collective_phase("summon"):
         fulls: List[Tensor] = [_gather_fp32(fsdp, h) for h in handles]

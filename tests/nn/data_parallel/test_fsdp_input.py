@@ -1,0 +1,139 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Inputs and outputs of any structure (dicts, lists, kwargs, namedtuples), and the root's input casts."""
+
+import collections
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from _models import MIXED, assert_close_dict, assert_idle, gather_full_grads
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+class StructuredIO(nn.Module):
+    """Takes a dict, a list, a namedtuple and keyword arguments; returns a dict holding a list. Records dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: Dict[str, Any] = {}
+
+    def forward(self, batch: Dict[str, Any], extra: List[Tensor], pair: Pair, *, bias: Tensor) -> Dict[str, Any]:
+        self.seen = {
+            "x": batch["x"].dtype,
+            "x_requires_grad": batch["x"].requires_grad,
+            "mask": batch["mask"].dtype,
+            "double": batch["double"].dtype,
+            "extra": [t.dtype for t in extra],
+            "pair_type": type(pair),
+            "pair": (pair.a.dtype, pair.b),
+            "bias": bias.dtype,
+            "tag": batch["tag"],
+            "scale": batch["scale"],
+        }
+        h = self.linear(batch["x"] * batch["scale"]) * batch["mask"].unsqueeze(-1)
+        h = h + extra[0] + bias + pair.a
+        return {"out": h, "aux": [h.sum(-1), extra[1].sum()]}
+
+
+def _inputs() -> Any:
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    batch = {
+        "x": x,
+        "mask": torch.tensor([1, 0, 1]),
+        "double": torch.ones(2, dtype=torch.float64),
+        "tag": "t",
+        "scale": 2,
+    }
+    extra = [torch.randn(3, 4), torch.randn(5)]
+    return x, batch, extra, Pair(torch.randn(3, 4), 7), torch.randn(4)
+
+
+def _structured(rank: int, ws: int, mp: str) -> None:
+    torch.manual_seed(1)
+    ref = StructuredIO()
+    model = StructuredIO()
+    model.load_state_dict(ref.state_dict())
+    fsdp = FSDP(model, **MIXED[mp])
+    x, batch, extra, pair, bias = _inputs()
+    out = fsdp(batch, extra, pair, bias=bias)
+    seen = fsdp.module.module.seen
+    low = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mp]
+    # The root casts fp32 floating tensors, anywhere in the structure, to the compute dtype; nothing else.
+    assert seen["x"] == low and seen["extra"] == [low, low] and seen["bias"] == low and seen["pair"] == (low, 7)
+    assert seen["mask"] == torch.int64 and seen["double"] == torch.float64
+    assert seen["pair_type"] is Pair and seen["tag"] == "t" and seen["scale"] == 2
+    assert seen["x_requires_grad"], "a leaf input that requires grad must still require grad after the cast"
+    assert isinstance(out, dict) and isinstance(out["aux"], list) and out["out"].dtype == low
+    (out["out"].float().sum() + out["aux"][0].float().sum()).backward()
+    assert_idle(fsdp)
+    ref_out = ref(batch, extra, pair, bias=bias)
+    (ref_out["out"].sum() + ref_out["aux"][0].sum()).backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if mp == "fp32" else dict(rtol=3e-2, atol=3e-2)
+    assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad", **tol)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_structured_inputs_and_outputs(world_size: int) -> None:
+    def body(rank: int, ws: int) -> None:
+        run_cases((mp, lambda mp=mp: _structured(rank, ws, mp)) for mp in ("fp32", "fp16", "bf16"))
+
+    run_distributed(body, world_size)
+
+
+class Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: List[Any] = []
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, PackedSequence):
+            self.seen.append((PackedSequence, x.data.dtype))
+            return x.data.sum()
+        self.seen.append(x.dtype)
+        return self.linear(x.to(self.linear.weight.dtype))
+
+
+def test_only_the_root_casts_and_force_input_to_fp32() -> None:
+    def body(rank: int, ws: int) -> None:
+        # A non-root instance gets its input as the parent produced it (fp32 here), without a cast.
+        inner = FSDP(Recorder(), mixed_precision=True)
+        outer = nn.Sequential(nn.Identity())
+        outer.add_module("inner", inner)
+
+        class MakesFp32(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.body = outer
+
+            def forward(self, x: Tensor) -> Tensor:
+                return self.body(x.float())  # undo the root's cast on purpose
+
+        root = FSDP(MakesFp32(), mixed_precision=True)
+        root(torch.randn(2, 4)).float().sum().backward()
+        assert inner.module.module.seen == [torch.float32]
+        # force_input_to_fp32 (no mixed precision): fp16 inputs become fp32, and gradients flow back to them.
+        forced = FSDP(Recorder(), force_input_to_fp32=True)
+        x = torch.randn(2, 4, dtype=torch.float16, requires_grad=True)
+        forced(x).sum().backward()
+        assert forced.module.module.seen == [torch.float32]
+        assert x.grad is not None and x.grad.dtype == torch.float16
+        # Without it, an fp16 input reaches the module unchanged.
+        plain = FSDP(Recorder())
+        plain(torch.randn(2, 4, dtype=torch.float16))
+        assert plain.module.module.seen == [torch.float16]
+        # A PackedSequence is passed through as is (not unpacked or cast) under mixed precision.
+        packed_model = FSDP(Recorder(), mixed_precision=True)
+        packed = pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))
+        packed_model(packed)
+        assert packed_model.module.module.seen == [(PackedSequence, torch.float32)]
+
+    run_distributed(body, 2)

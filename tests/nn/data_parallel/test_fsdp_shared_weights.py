@@ -1,0 +1,150 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Shared (tied) parameters: inside one instance, and between sibling instances through append_shared_param."""
+
+import itertools
+from typing import Any, List
+
+import pytest
+import torch
+from _models import (
+    MIXED,
+    TransformerWithSharedParams,
+    assert_close_dict,
+    assert_idle,
+    full_params,
+    gather_full_grads,
+    make_optim,
+    ref_params,
+    train_and_compare,
+)
+from torch import Tensor, nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+
+class TiedInsideBlock(nn.Module):
+    """``block`` holds two linears sharing weight and bias; the root holds its own tied pair."""
+
+    NESTED = ("block",)
+    LEAF = ("block",)
+    BATCH_DEPENDENT = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 5)
+        self.b.weight = self.a.weight
+        self.block = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5))
+        self.block[2].weight = self.block[0].weight
+        self.block[2].bias = self.block[0].bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.block(torch.tanh(self.a(x))))
+
+    @staticmethod
+    def sample(n: int, gen: torch.Generator) -> Any:
+        return (torch.randn(n, 5, generator=gen),)
+
+    @staticmethod
+    def per_sample_loss(out: Tensor) -> Tensor:
+        return (out.float() - 0.5).pow(2).sum(-1)
+
+
+def test_tied_parameters_inside_instances() -> None:
+    def body(rank: int, ws: int) -> None:
+        cases = []
+        for model_cls, mp, flatten, mode in itertools.product(
+            (TiedInsideBlock, TransformerWithSharedParams), ("fp32", "fp16"), (True, False), ("one", "nested")
+        ):
+            kwargs = dict(flatten_parameters=flatten, **MIXED[mp])
+            name = f"{model_cls.__name__},{mp},flatten={flatten},{mode}"
+            cases.append((name, lambda c=model_cls, k=kwargs, m=mode: _tied_case(rank, ws, c, k, m)))
+        run_cases(cases)
+
+    run_distributed(body, 2)
+
+
+def _tied_case(rank: int, ws: int, model_cls: Any, kwargs: Any, mode: str) -> None:
+    fsdp = train_and_compare(rank, ws, model_cls, kwargs, mode)
+    # The tie survives training: both names still see the same values.
+    params = full_params(fsdp)
+    if model_cls is TiedInsideBlock:
+        assert "b.weight" not in params or torch.equal(params["a.weight"], params["b.weight"])
+        with fsdp.summon_full_params():
+            user = fsdp.module.module
+            assert user.a.weight is user.b.weight
+    else:
+        with fsdp.summon_full_params():
+            user = fsdp.module.module
+            assert user.output_proj.weight is user.embed_tokens.weight
+
+
+class TiedHead(nn.Module):
+    """Output layer that reuses an embedding owned elsewhere (not registered here: it belongs to a sibling)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
+        self._embedding: List[nn.Embedding] = [embedding]  # a plain list, so it is not a registered submodule
+
+    def forward(self, h: Tensor) -> Tensor:
+        return nn.functional.linear(h, self._embedding[0].weight, self.bias)
+
+
+class SiblingShare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = TiedHead(self.embed)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sibling_instances_share_a_parameter(world_size: int) -> None:
+    def body(rank: int, ws: int) -> None:
+        torch.manual_seed(0)
+        model, ref = SiblingShare(), SiblingShare()
+        ref.load_state_dict(model.state_dict())
+        ref.head._embedding = [ref.embed]
+        model.embed = FSDP(model.embed, flatten_parameters=False)
+        shared = model.embed.module.module.weight
+        model.head = FSDP(model.head, flatten_parameters=False)
+        model.head.append_shared_param(shared)
+        fsdp = FSDP(model)
+        opt, ref_opt = make_optim(fsdp.parameters(), "sgd"), make_optim(ref.parameters(), "sgd")
+        for step in range(3):
+            ids = torch.randint(11, (2 * ws, 4), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            loss = fsdp(ids.tensor_split(ws)[rank]).float().pow(2).mean()
+            loss.backward()
+            assert_idle(fsdp)
+            ref_opt.zero_grad()
+            ref(ids).pow(2).mean().backward()
+            expected = {n: p.grad for n, p in ref.named_parameters()}
+            assert_close_dict(gather_full_grads(fsdp), expected, f"step {step} grad", rtol=1e-5, atol=1e-6)
+            opt.step()
+            ref_opt.step()
+        # The owner exposes the shared parameter in summon_full_params (and so in state dicts) like any other.
+        assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-5)
+
+    run_distributed(body, world_size)
+
+
+def test_append_shared_param_bad_input() -> None:
+    def body(rank: int, ws: int) -> None:
+        owner = FSDP(nn.Linear(3, 3), flatten_parameters=False)
+        shared = owner.module.module.weight
+        with pytest.raises(RuntimeError, match="flatten_parameters=False"):
+            FSDP(nn.Linear(3, 3)).append_shared_param(shared)
+        with pytest.raises(ValueError, match="already sharded"):
+            FSDP(nn.Linear(3, 3), flatten_parameters=False).append_shared_param(nn.Parameter(torch.ones(3)))
+        started = FSDP(nn.Linear(3, 3), flatten_parameters=False)
+        started(torch.randn(1, 3))
+        with pytest.raises(RuntimeError, match="before the first forward"):
+            started.append_shared_param(shared)
+
+    run_distributed(body, 2)
