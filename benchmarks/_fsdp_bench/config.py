@@ -34,7 +34,7 @@ class BenchConfig:
     checkpoint_activations: bool = False
     auto_wrap_policy: str = "block"
     wrap_min_params: int = 100_000
-    steps: int = 12
+    steps: int = 20
     warmup: int = 1
     seed: int = 0
     lr: float = 1e-3
@@ -107,11 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--reshard-after-forward",
         type=_reshard_value,
         nargs="+",
+        metavar="RAF",
         default=list(d.reshard_after_forward),
         help="one run per value: true, false, or an int G (reshard to groups of G ranks: FSDP2's int, fairscale's "
         "zero2_process_group of G ranks)",
     )
-    w.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=d.mixed_precision)
+    w.add_argument(
+        "--mixed-precision",
+        choices=MIXED_PRECISION,
+        default=d.mixed_precision,
+        help="compute dtype (fp32 master shards)",
+    )
     w.add_argument("--flatten", action=argparse.BooleanOptionalAction, default=d.flatten, help="flatten_parameters")
     w.add_argument(
         "--optimize-backward-concat",
@@ -119,13 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.optimize_backward_concat,
         help="fairscale's optimize_backward_concat in the train scenario (the accum scenario runs both)",
     )
-    w.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=False)
-    w.add_argument("--auto-wrap-policy", choices=WRAP_POLICIES, default=d.auto_wrap_policy,
-                   help="block: one unit per transformer block; size: default_auto_wrap_policy with "
-                   "--wrap-min-params; none: one unit for the whole model")
-    w.add_argument("--wrap-min-params", type=int, default=d.wrap_min_params, help="threshold of --auto-wrap-policy size")
+    w.add_argument(
+        "--checkpoint-activations",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="checkpoint_wrapper on every block",
+    )
+    w.add_argument(
+        "--auto-wrap-policy",
+        choices=WRAP_POLICIES,
+        default=d.auto_wrap_policy,
+        help="block: one unit per transformer block; size: default_auto_wrap_policy with "
+        "--wrap-min-params; none: one unit for the whole model",
+    )
+    w.add_argument(
+        "--wrap-min-params", type=int, default=d.wrap_min_params, help="threshold of --auto-wrap-policy size"
+    )
     r = p.add_argument_group("what to run")
-    r.add_argument("--compare", nargs="+", default=list(d.compare), help=f"peers, from {', '.join(PEERS)}")
+    r.add_argument(
+        "--compare", nargs="+", metavar="PEER", default=list(d.compare), help=f"peers, from {', '.join(PEERS)}"
+    )
     r.add_argument(
         "--scenario",
         nargs="+",
@@ -133,9 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train: peers side by side; accum: --accum-microbatches window with optimize_backward_concat off/on; "
         "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; all: every one",
     )
-    r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches)
-    r.add_argument("--zero2-world-size", type=int, default=d.zero2_world_size)
-    r.add_argument("--zero2-group-size", type=int, default=d.zero2_group_size)
+    r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches, help="window of the accum scenario")
+    r.add_argument("--zero2-world-size", type=int, default=d.zero2_world_size, help="ranks of the zero2 scenario")
+    r.add_argument(
+        "--zero2-group-size",
+        type=int,
+        default=d.zero2_group_size,
+        help="zero2 group (= ranks per node in the cost model)",
+    )
     r.add_argument("--intra-node-gbps", type=float, default=d.intra_node_gbps, help="cost model: GB/s inside a node")
     r.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps, help="cost model: GB/s across nodes")
     e = p.add_argument_group("environment and output")

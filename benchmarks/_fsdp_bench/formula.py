@@ -10,7 +10,8 @@ parameter without flattening), gathered in the compute dtype (b bytes per elemen
   in backward when it has one;
 * a unit that does not reshard keeps its parameters across the ``no_sync()`` microbatches: one forward all-gather
   per step and none in backward;
-* every unit reduce-scatters Ψ·b once per step (last microbatch) over N ranks.
+* every unit reduce-scatters Ψ·b once per step (last microbatch) over N ranks;
+* without ``flatten_parameters`` each parameter is gathered and reduced on its own (same bytes, more calls).
 
 Bytes are full-buffer sizes, as the collective counter records them (a ring moves (n-1)/n of that per rank).
 """
@@ -62,14 +63,17 @@ def zero3_per_step(
         return out
     backward_group = reshard if not isinstance(reshard, bool) else world_size
     for name, numels in units.items():
-        size = padded_numel(numels, world_size, flatten) * compute_bytes
-        if size == 0:
-            continue
-        reshards = reshard is not False and name != ""
-        add(f"all_gather/forward/gs={world_size}", microbatches if reshards else 1, size)
-        if reshards:
-            add(f"all_gather/backward/gs={backward_group}", microbatches, size)
-        add(f"reduce_scatter/backward/gs={world_size}", 1, size)
+        # One collective per flat parameter, or per parameter without flattening.
+        pieces = [numels] if flatten else [[n] for n in numels]
+        for piece in pieces:
+            size = padded_numel(piece, world_size, flatten=True) * compute_bytes
+            if size == 0:
+                continue
+            reshards = reshard is not False and name != ""
+            add(f"all_gather/forward/gs={world_size}", microbatches if reshards else 1, size)
+            if reshards:
+                add(f"all_gather/backward/gs={backward_group}", microbatches, size)
+            add(f"reduce_scatter/backward/gs={world_size}", 1, size)
     return out
 
 

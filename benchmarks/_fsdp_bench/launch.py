@@ -47,7 +47,9 @@ def _device(cfg: BenchConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % count)
 
 
-def _init_rank(cfg: BenchConfig, rank: int, world_size: int, local_rank: int, store_path: Optional[str]) -> torch.device:
+def _init_rank(
+    cfg: BenchConfig, rank: int, world_size: int, local_rank: int, store_path: Optional[str]
+) -> torch.device:
     torch.set_num_threads(threads_per_rank(cfg, world_size))
     device = _device(cfg, local_rank)
     backend = "gloo" if device.type == "cpu" else "nccl"
@@ -57,7 +59,7 @@ def _init_rank(cfg: BenchConfig, rank: int, world_size: int, local_rank: int, st
     else:
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        store = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return device
 
@@ -82,7 +84,7 @@ def launch_world(cfg: BenchConfig, scenarios: List[str], world_size: int) -> Lis
     # Forking is safe here: this parent process never runs torch compute (so no OpenMP pool to inherit); a CUDA
     # context cannot cross a fork, hence spawn for CUDA.
     method = "fork" if cfg.device == "cpu" and "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
+    ctx: Any = multiprocessing.get_context(method)
     directory = tempfile.mkdtemp(prefix="fsdp_bench_")
     procs = [
         ctx.Process(target=_rank_main, args=(cfg, scenarios, rank, world_size, directory), daemon=True)
@@ -108,7 +110,9 @@ def _wait(procs: List[Any], timeout: float) -> None:
     while any(p.is_alive() for p in procs):
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
-            raise RuntimeError(f"rank {failed[0]} failed (exit code {procs[failed[0]].exitcode}); see its traceback above")
+            raise RuntimeError(
+                f"rank {failed[0]} failed (exit code {procs[failed[0]].exitcode}); see its traceback above"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError(f"the benchmark world did not finish within --timeout {timeout:g} s; killed it")
         time.sleep(0.05)

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .config import BenchConfig, parse_args
+from .config import SCENARIOS, BenchConfig, parse_args
 from .launch import launch_world, run_in_torchrun, threads_per_rank, torchrun_rank
 from .model import GPT
 from .plot import write_plot
@@ -29,8 +29,9 @@ def worlds(cfg: BenchConfig, torchrun_world: Optional[int]) -> Dict[int, List[st
     return out
 
 
-def build_report(cfg: BenchConfig, records: List[Dict[str, Any]], scenario_worlds: Dict[str, int],
-                 argv: Sequence[str]) -> Dict[str, Any]:
+def build_report(
+    cfg: BenchConfig, records: List[Dict[str, Any]], scenario_worlds: Dict[str, int], argv: Sequence[str]
+) -> Dict[str, Any]:
     """Every number of the invocation, as written to the JSON file."""
     add_comparisons(records, cfg)
     accum = accum_section(records)
@@ -58,6 +59,14 @@ def build_report(cfg: BenchConfig, records: List[Dict[str, Any]], scenario_world
     }
 
 
+def _load_average() -> Optional[List[float]]:
+    """1/5/15-minute load averages: other work on the machine makes step times noisy."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -66,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = worlds(cfg, found[1] if found else None)
     records: List[Dict[str, Any]] = []
     scenario_worlds: Dict[str, int] = {}
+    load_before = _load_average()
     if found is not None:
         rank, _, records = run_in_torchrun(cfg, [s for group in plan.values() for s in group])
         if rank != 0:
@@ -77,6 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             scenario_worlds.update({s: size for s in scenarios})
     scenario_worlds = {s: scenario_worlds[s] for s in cfg.scenarios if s in scenario_worlds}
     report = build_report(cfg, records, scenario_worlds, args)
+    report["environment"]["load_average"] = {"before": load_before, "after": _load_average()}
     print("\n" + full_text(cfg, report))
     if cfg.out:
         write_json(cfg.out, report)
@@ -84,4 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if cfg.plot:
         skipped = write_plot(cfg.plot, report)
         print(f"plot: {skipped}" if skipped else f"plot: {os.path.abspath(cfg.plot)}")
+    missing = [s for s in SCENARIOS if s not in cfg.scenarios]
+    if missing:
+        print(f"(not run: {', '.join(missing)}; --scenario all adds the accumulation-window and zero2 sections)")
     return 0

@@ -4,7 +4,8 @@
 Timed loop: ``warmup + steps`` optimizer steps; each step runs ``microbatches`` forward/backward passes (gradient
 sync only in the last) and AdamW. Wall time is taken per accumulation window (all forward/backward passes) and per
 step (window + optimizer), with a device synchronize on accelerators. fairscale's collective counter is active
-during every step (it only appends a record per collective).
+during every step (it only appends a record per collective). The runs of a scenario live side by side and take
+their steps in turn.
 
 Probe run: the model is built again from the same seed under the torch profiler and trained for two steps (the
 first initialises lazily); the second is the probe step, with the collective spy on. It gives peak memory, the ops
@@ -13,6 +14,7 @@ in backward and every implementation's collectives, without slowing the timed lo
 
 import contextlib
 import gc
+import statistics
 import time
 from typing import Any, Callable, Dict, List
 
@@ -26,13 +28,23 @@ from .config import BenchConfig
 from .corpus import Corpus
 from .model import lm_loss
 from .peers import Peer, RunSpec, build_peer
-from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile
+from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile, quiet_stderr
 
 Progress = Callable[[int, int, float, float], None]
 
 
-def _window(peer: Peer, corpus: Corpus, cfg: BenchConfig, spec: RunSpec, step: int, rank: int, world: int,
-            device: torch.device, spy: Any = None, annotate: bool = False) -> torch.Tensor:
+def _window(
+    peer: Peer,
+    corpus: Corpus,
+    cfg: BenchConfig,
+    spec: RunSpec,
+    step: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    spy: Any = None,
+    annotate: bool = False,
+) -> torch.Tensor:
     """Forward and backward of every microbatch of one step; returns the step's loss (mean over microbatches)."""
     total = torch.zeros((), device=device)
     phase = spy.phase if spy is not None else (lambda _name: contextlib.nullcontext())
@@ -41,52 +53,99 @@ def _window(peer: Peer, corpus: Corpus, cfg: BenchConfig, spec: RunSpec, step: i
         with peer.microbatch(mb == spec.microbatches - 1):
             with phase("forward"), peer.forward_context():
                 loss = lm_loss(peer.model(tokens), targets) / spec.microbatches
-            with phase("backward"), (record_function(BACKWARD) if annotate else contextlib.nullcontext()):
+            with phase("backward"), record_function(BACKWARD) if annotate else contextlib.nullcontext():
                 loss.backward()
         total += loss.detach()
     return total
 
 
-def timed_run(spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int, device: torch.device,
-              progress: Progress) -> Dict[str, Any]:
-    """The timed training loop of ``spec`` on this rank; returns per-step losses, times and collective counts."""
-    handle = DeviceHandle.for_device(device)
-    peer = build_peer(spec, cfg, device)
-    optim = torch.optim.AdamW(peer.model.parameters(), lr=cfg.lr)
-    losses: List[float] = []
-    window_s: List[float] = []
-    step_s: List[float] = []
-    collectives: List[Dict[str, Dict[str, int]]] = []
-    total_steps = cfg.warmup + cfg.steps
-    for step in range(total_steps):
-        handle.synchronize()
+class TimedRun:
+    """The timed training loop of one run on this rank, advanced one step at a time.
+
+    The runs of a scenario are stepped in turn (step 0 of every run, then step 1 ...), so that load from anything
+    else on the machine, which changes over time, is spread over all runs instead of landing on whichever ran
+    while it was there.
+    """
+
+    def __init__(
+        self, spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int, device: torch.device
+    ) -> None:
+        self.spec, self.cfg, self.corpus = spec, cfg, corpus
+        self.rank, self.world, self.device = rank, world, device
+        self.handle = DeviceHandle.for_device(device)
+        self.peer = build_peer(spec, cfg, device)
+        self.optim = torch.optim.AdamW(self.peer.model.parameters(), lr=cfg.lr)
+        self.losses: List[float] = []
+        self.window_s: List[float] = []
+        self.step_s: List[float] = []
+        self.collectives: List[Dict[str, Dict[str, int]]] = []
+
+    def step(self, step: int) -> None:
+        """Run and time optimizer step ``step``."""
+        self.handle.synchronize()
         t0 = time.perf_counter()
         with count_collectives() as counter:
-            loss = _window(peer, corpus, cfg, spec, step, rank, world, device)
-            handle.synchronize()
+            loss = _window(self.peer, self.corpus, self.cfg, self.spec, step, self.rank, self.world, self.device)
+            self.handle.synchronize()
             t1 = time.perf_counter()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            handle.synchronize()
+            self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+            self.handle.synchronize()
         t2 = time.perf_counter()
-        losses.append(float(loss.item()))
-        window_s.append(t1 - t0)
-        step_s.append(t2 - t0)
-        collectives.append(counter.summary())
-        progress(step + 1, total_steps, losses[-1], step_s[-1])
-    del peer, optim
+        self.losses.append(float(loss.item()))
+        self.window_s.append(t1 - t0)
+        self.step_s.append(t2 - t0)
+        self.collectives.append(counter.summary())
+
+    def close(self) -> Dict[str, Any]:
+        """Free the model; returns per-step losses, times and collective counts."""
+        notes = self.peer.notes
+        del self.peer, self.optim
+        return {
+            "loss": self.losses,
+            "window_s": self.window_s,
+            "step_s": self.step_s,
+            "collectives": self.collectives,
+            "notes": notes,
+        }
+
+
+def timed_runs(
+    specs: List[RunSpec],
+    cfg: BenchConfig,
+    corpus: Corpus,
+    rank: int,
+    world: int,
+    device: torch.device,
+    progress: Progress,
+) -> List[Dict[str, Any]]:
+    """Build every run of ``specs`` and step them in turn (the order rotates every step); one result per spec."""
+    if not specs:
+        return []
+    runs = [TimedRun(spec, cfg, corpus, rank, world, device) for spec in specs]
+    total = cfg.warmup + cfg.steps
+    for step in range(total):
+        for i in range(len(runs)):
+            runs[(step + i) % len(runs)].step(step)
+        progress(step + 1, total, runs[0].losses[-1], statistics.median(r.step_s[-1] for r in runs))
+    results = [r.close() for r in runs]
+    del runs
     gc.collect()
-    return {"loss": losses, "window_s": window_s, "step_s": step_s, "collectives": collectives}
+    return results
 
 
-def probe_run(spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int,
-              device: torch.device) -> Dict[str, Any]:
+def probe_run(
+    spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int, device: torch.device
+) -> Dict[str, Any]:
     """Build again under the profiler, run two steps, measure the second (see the module docstring)."""
     handle = DeviceHandle.for_device(device)
     on_cpu = device.type == "cpu"
     gc.collect()
     spy = CommSpy()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=on_cpu) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=on_cpu)
+    with quiet_stderr():  # kineto prints a line to stderr when it starts and stops
+        prof.start()
+    try:
         peer = build_peer(spec, cfg, device)
         optim = torch.optim.AdamW(peer.model.parameters(), lr=cfg.lr)
         _window(peer, corpus, cfg, spec, 0, rank, world, device)
@@ -95,13 +154,15 @@ def probe_run(spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world:
         handle.synchronize()
         handle.reset_peak_memory_stats()
         steady_device = handle.memory_allocated()
-        with record_function(PROBE_STEP):
-            with spy:
-                _window(peer, corpus, cfg, spec, 1, rank, world, device, spy=spy, annotate=True)
-                with spy.phase("optimizer"):
-                    optim.step()
-                    optim.zero_grad(set_to_none=True)
+        with record_function(PROBE_STEP), spy:
+            _window(peer, corpus, cfg, spec, 1, rank, world, device, spy=spy, annotate=True)
+            with spy.phase("optimizer"):
+                optim.step()
+                optim.zero_grad(set_to_none=True)
             handle.synchronize()
+    finally:
+        with quiet_stderr():
+            prof.stop()
     analysis = analyze_profile(prof, spec.microbatches, track_memory=on_cpu)
     if on_cpu:
         memory = analysis["memory"]
@@ -111,5 +172,4 @@ def probe_run(spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world:
         method = f"{device.type} caching allocator: memory_allocated / max_memory_allocated"
     del peer, optim, prof
     gc.collect()
-    return {"memory": memory, "memory_method": method, "backward_ops": analysis["backward_ops"],
-            "spy": spy.summary()}
+    return {"memory": memory, "memory_method": method, "backward_ops": analysis["backward_ops"], "spy": spy.summary()}

@@ -8,6 +8,7 @@ the way that implementation's users do it (``no_sync()``, ``set_requires_gradien
 
 import contextlib
 import dataclasses
+import importlib
 import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -73,14 +74,12 @@ class Peer:
         microbatch: ``microbatch(is_last)`` returns the context a microbatch's forward and backward run in
             (gradient sync off for every microbatch but the last of the window).
         forward_context: context around the forward only (DDP's autocast under mixed precision).
-        units: number of sharding units (1 for DDP).
         notes: how this peer was configured, for the report.
     """
 
     model: nn.Module
     microbatch: Callable[[bool], ContextManager[Any]]
     forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
-    units: int = 1
     notes: List[str] = dataclasses.field(default_factory=list)
 
 
@@ -91,21 +90,23 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         return f"torch {torch.__version__} has no fully_shard (FSDP2 needs torch >= 2.4)"
     if spec.peer == "fsdp1" and not isinstance(spec.reshard, bool):
         return "FSDP1 has no reshard-to-a-subgroup mode (HYBRID_SHARD replicates instead)"
+    if spec.peer == "fsdp1" and cfg.checkpoint_activations and cfg.auto_wrap_policy != "block":
+        # Measured: FSDP1 frees a unit's parameters after the first recomputed block's backward, and the next
+        # block's recomputation then reads freed storage.
+        return "FSDP1 fails with checkpointed blocks inside a bigger unit; use --auto-wrap-policy block"
     return None
 
 
 def _fully_shard() -> Optional[Callable[..., Any]]:
-    try:
-        from torch.distributed.fsdp import fully_shard
-
-        return fully_shard  # type: ignore[no-any-return]
-    except ImportError:
+    """FSDP2's ``fully_shard`` (public since torch 2.6, under ``_composable`` in 2.4/2.5), or ``None``."""
+    for module in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
         try:
-            from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
-
-            return fully_shard  # type: ignore[no-any-return]
+            found: Optional[Callable[..., Any]] = getattr(importlib.import_module(module), "fully_shard", None)
         except ImportError:
-            return None
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 _GROUP_CACHE: Dict[Tuple[str, int], Any] = {}
@@ -160,13 +161,15 @@ def _fairscale(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfi
         with enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs):
             model = auto_wrap(model, auto_wrap_policy=policy)
     fsdp = FullyShardedDataParallel(model, **kwargs)
-    notes = [f"FullyShardedDataParallel({', '.join(f'{k}={_short(v)}' for k, v in kwargs.items())}), "
-             f"auto_wrap {cfg.auto_wrap_policy}"]
+    notes = [
+        f"FullyShardedDataParallel({', '.join(f'{k}={_short(v)}' for k, v in kwargs.items())}), "
+        f"auto_wrap {cfg.auto_wrap_policy}"
+    ]
 
     def microbatch(is_last: bool) -> ContextManager[Any]:
         return contextlib.nullcontext() if is_last else fsdp.no_sync()
 
-    return Peer(fsdp, microbatch, units=len(plan) + 1, notes=notes)
+    return Peer(fsdp, microbatch, notes=notes)
 
 
 def _fsdp2(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, device: torch.device) -> Peer:
@@ -198,9 +201,11 @@ def _fsdp2(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
             sub.set_reshard_after_backward(is_last or not keep_full_in_no_sync, recurse=False)  # type: ignore
         yield
 
-    notes = [f"fully_shard(reshard_after_forward={spec.reshard}{', mp_policy=' + str(dtype) if dtype else ''}) on "
-             f"{len(plan)} units + root; set_requires_gradient_sync/set_reshard_after_backward per microbatch"]
-    return Peer(model, microbatch, units=len(plan) + 1, notes=notes)
+    notes = [
+        f"fully_shard(reshard_after_forward={spec.reshard}{', mp_policy=' + str(dtype) if dtype else ''}) on "
+        f"{len(plan)} units + root; set_requires_gradient_sync/set_reshard_after_backward per microbatch"
+    ]
+    return Peer(model, microbatch, notes=notes)
 
 
 def _fsdp1(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, device: torch.device) -> Peer:
@@ -221,9 +226,11 @@ def _fsdp1(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
     def microbatch(is_last: bool) -> ContextManager[Any]:
         return contextlib.nullcontext() if is_last else wrapped.no_sync()
 
-    notes = [f"FullyShardedDataParallel(sharding_strategy={strategy.name}, use_orig_params=False"
-             f"{', mixed_precision=' + str(dtype) if dtype else ''}) on {len(plan)} units + root"]
-    return Peer(wrapped, microbatch, units=len(plan) + 1, notes=notes)
+    notes = [
+        f"FullyShardedDataParallel(sharding_strategy={strategy.name}, use_orig_params=False"
+        f"{', mixed_precision=' + str(dtype) if dtype else ''}) on {len(plan)} units + root"
+    ]
+    return Peer(wrapped, microbatch, notes=notes)
 
 
 def _ddp(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, device: torch.device) -> Peer:

@@ -3,15 +3,23 @@
 
 * :class:`CommSpy` sees every ``c10d`` collective of any implementation (fairscale goes through
   ``fairscale.internal.collectives``, the others call ``torch.distributed`` themselves), as a dispatch mode on the
-  rank's thread. It slows every op down, which is why it only runs in the probe step.
+  rank's thread. It slows every op down, which is why it only runs in the probe run.
 * :func:`analyze_profile` reads the torch profiler's events of the probe run: on CPU, the running sum of the CPU
-  allocator's allocation/free events since the model was built gives the live tensor bytes at every instant (the
-  profiler only sees the rank's own threads; scratch buffers inside gloo's worker threads are not counted); and the
-  ``aten::cat`` / split ops that ran inside each microbatch's ``backward()``.
+  allocator's allocation/free events since the model was built gives the live tensor bytes at every instant; and
+  the ``aten::cat`` / split ops that ran inside each microbatch's ``backward()``.
+
+Limits of the CPU memory figure: the profiler sees the allocations and frees made on the rank's own thread. Scratch
+buffers that gloo allocates on its worker threads are not counted, and a tensor whose last reference happens to be
+dropped on a c10d worker thread (it completes the collective and releases its work object, racing the rank's
+thread) is never seen freed, so that rank's figure comes out too high by that tensor. The errors of the second
+kind only ever inflate, and the ranks of a run hold equal shards, so the report uses the smallest rank's value and
+keeps every rank's in the JSON.
 """
 
 import contextlib
+import os
 import re
+import sys
 from collections import Counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -29,8 +37,14 @@ _OP_OF_INTEREST = re.compile(r"cat|split", re.IGNORECASE)
 
 def _kind(op_name: str) -> str:
     name = op_name.split(".")[1] if "." in op_name else op_name
-    for needle, kind in (("allgather", "all_gather"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-                         ("allreduce", "all_reduce"), ("broadcast", "broadcast"), ("barrier", "barrier")):
+    for needle, kind in (
+        ("allgather", "all_gather"),
+        ("all_gather", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("allreduce", "all_reduce"),
+        ("broadcast", "broadcast"),
+        ("barrier", "barrier"),
+    ):
         if needle in name:
             return kind
     return name.rstrip("_")
@@ -91,6 +105,21 @@ class CommSpy(TorchDispatchMode):
             entry["count"] += 1
             entry["bytes"] += nbytes
         return out
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (C++ logging included) for the duration; Python errors still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _ranges(events: List[Any], name: str) -> List[Tuple[int, int]]:

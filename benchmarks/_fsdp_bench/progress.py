@@ -25,7 +25,7 @@ class ProgressBar:
             return
         filled = int(self.width * done / max(total, 1))
         bar = "#" * filled + "-" * (self.width - filled)
-        line = f"{self.label:<28.28} [{bar}] {done:>3}/{total} loss {loss:7.4f} step {step_s * 1e3:8.1f} ms"
+        line = f"{self.label:<30.30} [{bar}] {done:>3}/{total} loss {loss:7.4f} step {step_s * 1e3:8.1f} ms"
         end = "\n" if done >= total else ""
         self.stream.write(("\r" if self.live else "") + line + end)
         self.stream.flush()

@@ -23,6 +23,10 @@ def _coll(summary: Dict[str, Dict[str, int]], kind: str, phase: str) -> str:
     return "+".join(parts) or "0"
 
 
+def _spread(quartiles: List[float]) -> str:
+    return f"{quartiles[0] * 1e3:.0f}-{quartiles[2] * 1e3:.0f}"
+
+
 def _loss_cell(r: Dict[str, Any]) -> str:
     if r.get("loss_matches") is None:
         return "-"
@@ -38,20 +42,20 @@ def _formula_cell(r: Dict[str, Any]) -> str:
 def runs_table(records: List[Dict[str, Any]]) -> str:
     """One line per run: times, throughput, memory, collectives per step, formula check, cats, loss parity."""
     head = (
-        f"{'run':<26} {'step ms':>8} {'window ms':>9} {'tok/s/rank':>10} {'tok/s all':>9} {'peak MiB':>8} "
+        f"{'run':<30} {'step ms':>8} {'(p25-p75)':>11} {'window ms':>9} {'tok/s/rank':>10} {'tok/s all':>9} {'state MiB':>9} {'peak MiB':>8} "
         f"{'all-gather fwd':>16} {'all-gather bwd':>16} {'reduce-scatter':>16} {'formula':>7} {'cat/mb':>6} loss"
     )
     lines = [head, "-" * len(head)]
     for r in records:
         if r.get("skipped"):
-            lines.append(f"{r['label']:<26} skipped: {r['skipped']}")
+            lines.append(f"{r['label']:<30} skipped: {r['skipped']}")
             continue
-        peaks = [p for p in r["peak_memory_bytes_per_rank"] if p is not None]
         s = r["collectives_per_step"]
         cats = r["cat_per_microbatch"]
         lines.append(
-            f"{r['label']:<26} {r['median_step_s'] * 1e3:8.1f} {r['median_window_s'] * 1e3:9.1f} "
-            f"{r['tokens_per_s_per_rank']:10.0f} {r['tokens_per_s_total']:9.0f} {_mib(max(peaks) if peaks else None):>8} "
+            f"{r['label']:<30} {r['median_step_s'] * 1e3:8.1f} {_spread(r['step_s_quartiles']):>11} "
+            f"{r['median_window_s'] * 1e3:9.1f} "
+            f"{r['tokens_per_s_per_rank']:10.0f} {r['tokens_per_s_total']:9.0f} {_mib(r['steady_memory_bytes']):>9} {_mib(r['peak_memory_bytes']):>8} "
             f"{_coll(s, 'all_gather', 'forward'):>16} {_coll(s, 'all_gather', 'backward'):>16} "
             f"{_coll(s, 'reduce_scatter', 'backward'):>16} {_formula_cell(r):>7} "
             f"{(sum(cats) / len(cats)) if cats else 0:6.1f} {_loss_cell(r)}"
@@ -69,7 +73,7 @@ def ratios_text(records: List[Dict[str, Any]]) -> str:
         for other, ratio in r["step_time_ratio"].items():
             mem = r["peak_memory_ratio"].get(other)
             cells.append(f"{other}: {ratio:.2f}x time" + (f", {mem:.2f}x mem" if mem is not None else ""))
-        lines.append(f"  {r['label']:<26} vs " + "; ".join(cells))
+        lines.append(f"  {r['label']:<30} vs " + "; ".join(cells))
     return "\n".join(lines)
 
 
@@ -82,8 +86,10 @@ def accum_text(accum: Dict[str, Any]) -> str:
             f"  {name:<3} window {row['median_window_s'] * 1e3:8.1f} ms  peak {_mib(row['peak_memory_bytes']):>8} MiB  "
             f"cat ops per microbatch {row['cat_per_microbatch']}  (total {row['cat_total']})"
         )
-    lines.append(f"  window time on/off: {accum['window_time_ratio_on_off']:.3f}x; loss curves "
-                 f"{'match' if accum['loss_matches'] else 'DIFFER'}")
+    lines.append(
+        f"  window time on/off: {accum['window_time_ratio_on_off']:.3f}x; loss curves "
+        f"{'match' if accum['loss_matches'] else 'DIFFER'}"
+    )
     return "\n".join(lines)
 
 
@@ -142,9 +148,12 @@ def full_text(cfg: BenchConfig, report: Dict[str, Any]) -> str:
     if report.get("targets"):
         parts.append("\ntargets (issue 10):\n" + targets_text(report["targets"]))
     parts.append(
-        "\nnotes: step/window = median over timed steps of the slowest rank; collectives are per step "
-        "(count x MiB @ group size): fairscale from its collective counter, others from a c10d dispatch spy; "
-        f"formula = ZeRO-3 bytes for the configuration; peak memory: {report['memory_method']}."
+        "\nnotes: step/window = median over the timed steps of the slowest rank (window = forward+backward of all "
+        "microbatches); tok/s = tokens per step / step time; collectives per step as count x MiB @ group size "
+        "(full-buffer bytes): fairscale from its collective counter, the others from a c10d dispatch spy; formula = "
+        "the ZeRO-3 bytes for the configuration (fairscale only); state = live bytes between steps, peak = highest "
+        f"during a step, per rank ({report['memory_method']}); cat/mb = aten::cat/_chunk_cat per microbatch backward; "
+        f"load average during the run: {report['environment'].get('load_average')}."
     )
     return "\n".join(parts)
 

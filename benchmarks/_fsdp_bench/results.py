@@ -41,15 +41,23 @@ def skipped_record(spec: RunSpec, reason: str) -> Dict[str, Any]:
 
 
 def expected_collectives(spec: RunSpec, cfg: BenchConfig, world_size: int) -> Optional[Dict[str, Dict[str, int]]]:
-    """The ZeRO-3 formula for a sharded run (``None`` for DDP)."""
-    if spec.peer == "ddp":
+    """The ZeRO-3 formula of a fairscale run (``None`` for the peers: each pads and groups its own way, e.g. FSDP2
+    pads every parameter along dim 0 and gathers a unit in one call, so their bytes are only reported)."""
+    if spec.peer != "fairscale":
         return None
     model = build_model(cfg, torch.device("cpu"))
     units = unit_param_numels(model, wrap_plan(cfg, model))
     dtype = DTYPES[cfg.mixed_precision] or torch.float32
-    flatten = cfg.flatten if spec.peer == "fairscale" else spec.peer == "fsdp1"
     element = torch.empty((), dtype=dtype).element_size()
-    return zero3_per_step(units, world_size, spec.reshard, spec.microbatches, element, flatten)
+    return zero3_per_step(units, world_size, spec.reshard, spec.microbatches, element, cfg.flatten)
+
+
+def _quartiles(values: List[float]) -> List[float]:
+    """25th, 50th and 75th percentiles (the median itself when there are fewer than 2 values)."""
+    if len(values) < 2:
+        return [values[0]] * 3
+    q = statistics.quantiles(values, n=4)
+    return [q[0], statistics.median(values), q[2]]
 
 
 def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -66,26 +74,35 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
     counter = timed[0]["collectives"][timed_steps]
     ops = probe[0]["backward_ops"]
     expected = expected_collectives(spec, cfg, world_size)
+    peaks = [p["memory"]["peak_bytes"] if p["memory"] else None for p in probe]
+    steadies = [p["memory"]["steady_bytes"] if p["memory"] else None for p in probe]
     measured = counter[-1] if spec.peer == "fairscale" else probe[0]["spy"]
-    # Spy byte counts follow each implementation's own padding (FSDP2 pads per parameter), so only fairscale,
-    # whose flat layout the formula describes exactly, is held to it byte for byte.
     diffs = compare(measured, expected) if expected is not None else None
     record = {
         **spec_fields(spec),
         "skipped": None,
         "world_size": world_size,
+        "how": timed[0]["notes"],
         "tokens_per_step_per_rank": tokens,
         "loss": loss,
         "step_s": step_s,
         "window_s": window_s,
         "step_s_per_rank": [t["step_s"] for t in timed],
         "median_step_s": median_step,
+        # Spread of the timed steps: on a shared machine the ratios are only as good as this.
+        "step_s_quartiles": _quartiles(step_s[timed_steps]),
         "median_window_s": statistics.median(window_s[timed_steps]),
+        "window_s_quartiles": _quartiles(window_s[timed_steps]),
         "median_optimizer_s": statistics.median([s - w for s, w in zip(step_s, window_s)][timed_steps]),
         "tokens_per_s_per_rank": tokens / median_step,
         "tokens_per_s_total": tokens * world_size / median_step,
-        "peak_memory_bytes_per_rank": [p["memory"]["peak_bytes"] if p["memory"] else None for p in probe],
-        "steady_memory_bytes_per_rank": [p["memory"]["steady_bytes"] if p["memory"] else None for p in probe],
+        "peak_memory_bytes_per_rank": peaks,
+        "steady_memory_bytes_per_rank": steadies,
+        # Smallest rank: see probes.py for why a rank's figure can only be inflated, never deflated.
+        "peak_memory_bytes": min(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None,
+        "steady_memory_bytes": (
+            min(s for s in steadies if s is not None) if any(s is not None for s in steadies) else None
+        ),
         "memory_method": probe[0]["memory_method"],
         "collectives_source": "fairscale collective counter" if spec.peer == "fairscale" else "c10d dispatch spy",
         "collectives_per_step": measured,
@@ -94,17 +111,12 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
         "spy_per_step": probe[0]["spy"],
         "formula_per_step": expected,
         "formula_differences": diffs,
-        "formula_matches": (not diffs) if diffs is not None and spec.peer == "fairscale" else None,
+        "formula_matches": (not diffs) if diffs is not None else None,
         "backward_ops_per_microbatch": ops,
         "cat_per_microbatch": [cat_count(o) for o in ops],
         "split_backward_per_microbatch": [split_backward_count(o) for o in ops],
     }
     return record
-
-
-def _max_peak(record: Dict[str, Any]) -> Optional[int]:
-    peaks = [p for p in record.get("peak_memory_bytes_per_rank", []) if p is not None]
-    return max(peaks) if peaks else None
 
 
 def add_comparisons(records: List[Dict[str, Any]], cfg: BenchConfig) -> None:
@@ -114,14 +126,16 @@ def add_comparisons(records: List[Dict[str, Any]], cfg: BenchConfig) -> None:
     done = [r for r in records if not r.get("skipped")]
     for r in done:
         peers = [
-            p for p in done
-            if p is not r and p["scenario"] == r["scenario"]
+            p
+            for p in done
+            if p is not r
+            and p["scenario"] == r["scenario"]
             and (p["config"] == r["config"] or "replicated" in (p["config"], r["config"]))
         ]
         r["step_time_ratio"] = {p["label"]: r["median_step_s"] / p["median_step_s"] for p in peers}
-        mine = _max_peak(r)
+        mine = r["peak_memory_bytes"]
         r["peak_memory_ratio"] = {
-            p["label"]: mine / theirs for p in peers for theirs in [_max_peak(p)] if mine is not None and theirs
+            p["label"]: mine / p["peak_memory_bytes"] for p in peers if mine is not None and p["peak_memory_bytes"]
         }
         reference = next(p for p in done if p["scenario"] == r["scenario"])
         diff = max(abs(a - b) for a, b in zip(r["loss"], reference["loss"]))

@@ -11,7 +11,7 @@ from fairscale.internal import collectives
 
 from .config import BenchConfig
 from .corpus import Corpus
-from .measure import probe_run, timed_run
+from .measure import probe_run, timed_runs
 from .peers import RunSpec, skip_reason
 from .progress import ProgressBar, silent
 from .results import aggregate, skipped_record
@@ -33,15 +33,19 @@ def specs_for(cfg: BenchConfig, scenario: str) -> List[RunSpec]:
         return [RunSpec("accum", "fairscale", True, cfg.accum_microbatches, obc) for obc in (False, True)]
     if scenario == "zero2":
         g = cfg.zero2_group_size
-        specs = [RunSpec("zero2", "fairscale", True, cfg.microbatches), RunSpec("zero2", "fairscale", g, cfg.microbatches)]
+        specs = [
+            RunSpec("zero2", "fairscale", True, cfg.microbatches),
+            RunSpec("zero2", "fairscale", g, cfg.microbatches),
+        ]
         if "fsdp2" in cfg.compare:
             specs += [RunSpec("zero2", "fsdp2", True, cfg.microbatches), RunSpec("zero2", "fsdp2", g, cfg.microbatches)]
         return specs
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
-def run_world(cfg: BenchConfig, scenarios: List[str], rank: int, world_size: int,
-              device: torch.device) -> List[Dict[str, Any]]:
+def run_world(
+    cfg: BenchConfig, scenarios: List[str], rank: int, world_size: int, device: torch.device
+) -> List[Dict[str, Any]]:
     """Run every scenario's runs on this rank; rank 0 returns the run records (other ranks an empty list)."""
     corpus = Corpus(cfg.vocab, cfg.seq_len, cfg.seed)
     records: List[Dict[str, Any]] = []
@@ -50,17 +54,23 @@ def run_world(cfg: BenchConfig, scenarios: List[str], rank: int, world_size: int
     for scenario in scenarios:
         if rank == 0:
             print(f"\n[{scenario}] world size {world_size}", flush=True)
-        for spec in specs_for(cfg, scenario):
-            reason = skip_reason(spec, cfg)
+        specs = specs_for(cfg, scenario)
+        skipped = {spec: skip_reason(spec, cfg) for spec in specs}
+        runnable = [spec for spec in specs if skipped[spec] is None]
+        label = f"{scenario}: {len(runnable)} runs in turn"
+        progress = ProgressBar(label) if rank == 0 else silent
+        timed = dict(zip(runnable, timed_runs(runnable, cfg, corpus, rank, world_size, device, progress)))
+        if rank == 0 and runnable:
+            print(f"probing memory, backward ops and collectives of {len(runnable)} runs (untimed) ...", flush=True)
+        for spec in specs:
+            reason = skipped[spec]
             if reason is not None:
                 if rank == 0:
-                    print(f"{spec.label:<28} skipped: {reason}", flush=True)
+                    print(f"{spec.label:<30} skipped: {reason}", flush=True)
                     records.append(skipped_record(spec, reason))
                 continue
-            progress = ProgressBar(spec.label) if rank == 0 else silent
-            timed = timed_run(spec, cfg, corpus, rank, world_size, device, progress)
             probe = probe_run(spec, cfg, corpus, rank, world_size, device)
-            gathered = collectives.all_gather_object({"timed": timed, "probe": probe})
+            gathered = collectives.all_gather_object({"timed": timed[spec], "probe": probe})
             if rank == 0:
                 records.append(aggregate(spec, cfg, world_size, gathered))
     sys.stdout.flush()
