@@ -99,6 +99,8 @@ class FSDPRuntime(nn.Module):
     _defer_post_backward: bool = False
     _zero2_problem: Optional[str] = None
     _foreign_params: List[Tuple[str, nn.Parameter]]
+    no_broadcast_optim_state: bool
+    children_share_process_group: bool
 
     # ------------------------------------------------------------------ tree helpers
     def _fsdp_instances(self) -> List["FSDPRuntime"]:
@@ -178,8 +180,13 @@ class FSDPRuntime(nn.Module):
         tree = TreeState(self._device, self._bucket_cap_for_tree())
         tree.set_finalizer(self._finalize_backward)
         self._tree = tree
-        for m in self._fsdp_instances():
+        instances = self._fsdp_instances()
+        self.children_share_process_group = all(m.process_group is self.process_group for m in instances)
+        for m in instances:
             m._defer_post_backward = m._has_inner_checkpoint_regions()
+            if m is not self and m.world_size == 1 and self.world_size > 1 and not self.children_share_process_group:
+                # Upstream's MoE rule: an expert instance on a 1-rank group keeps its optimizer state rank-local.
+                m.no_broadcast_optim_state = True
             if m is not self:
                 if m._is_root:
                     # It ran on its own first; it now becomes part of this tree.
