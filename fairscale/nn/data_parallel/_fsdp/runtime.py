@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fairscale.internal import collectives
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.parallel import chunk_and_pad
 from fairscale.nn.checkpoint.checkpoint_activations import is_recomputing
 
 from . import grad_accum, zero2
@@ -452,8 +453,6 @@ class FSDPRuntime(nn.Module):
         if h.is_sharded:
             tree = self._tree
             assert tree is not None
-            from fairscale.internal.parallel import chunk_and_pad
-
             group_size = collectives.group_size(self.process_group_reduce_scatter)
             chunks = chunk_and_pad(grad.reshape(-1), group_size)
             tree.bucketer.reduce_scatter_async(chunks, group=self.process_group_reduce_scatter, callback_fn=callback)
