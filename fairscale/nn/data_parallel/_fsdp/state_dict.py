@@ -39,7 +39,8 @@ def no_pre_load_state_dict_hook() -> Iterator[None]:
 def _post_state_dict_hook(module: "FSDPRuntime", state_dict: Dict[str, Any], prefix: str, *args: Any) -> Any:
     import torch.distributed as dist
 
-    if module.state_dict_on_rank_0_only and dist.get_rank() != 0:
+    # Only full state dicts are rank-0 only: a sharded (local) checkpoint needs every rank's shard.
+    if module.state_dict_on_rank_0_only and module._return_full_state_dict and dist.get_rank() != 0:
         state_dict.clear()
         return state_dict
     device = module.state_dict_device
@@ -62,9 +63,29 @@ def _post_state_dict_hook(module: "FSDPRuntime", state_dict: Dict[str, Any], pre
     return state_dict
 
 
-def _pre_load_state_dict_hook(state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+def _pre_load_state_dict_hook(module: Any, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Add ``_fsdp_wrapped_module.`` to this instance's keys; when a plain parent module loads a full dict into this
+    instance, summon its full parameters first (released by :func:`_post_load_state_dict_hook`)."""
+    if module._return_full_state_dict and module.training_state == TrainingState.IDLE:
+        _check_loadable(module, "load_state_dict")
+        stack = contextlib.ExitStack()
+        module._load_summon = (stack, module._is_root is None)
+        stack.enter_context(module.summon_full_params(recurse=True, volatile=False))
     if _PRE_LOAD_HOOK_ENABLED[0]:
         replace_by_prefix_(state_dict, prefix, prefix + "_fsdp_wrapped_module.")
+
+
+def _post_load_state_dict_hook(module: Any, incompatible_keys: Any) -> None:
+    """Write the loaded full parameters back into the shards, and report the user's key names."""
+    pending = module.__dict__.pop("_load_summon", None)
+    if pending is not None:
+        stack, was_uninitialized = pending
+        stack.close()
+        if was_uninitialized and module._is_root:
+            for m in module._fsdp_instances():
+                m._reset_lazy_init()
+    incompatible_keys.missing_keys[:] = [_clean_keys(k) for k in incompatible_keys.missing_keys]
+    incompatible_keys.unexpected_keys[:] = [_clean_keys(k) for k in incompatible_keys.unexpected_keys]
 
 
 class StateDictMixin:
@@ -72,7 +93,8 @@ class StateDictMixin:
 
     def _register_state_dict_hooks(self: Any) -> None:
         self._register_state_dict_hook(_post_state_dict_hook)
-        self._register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
+        self._register_load_state_dict_pre_hook(_pre_load_state_dict_hook, with_module=True)
+        self.register_load_state_dict_post_hook(_post_load_state_dict_hook)
 
     # ------------------------------------------------------------------ saving
     def state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
