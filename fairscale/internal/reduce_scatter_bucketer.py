@@ -160,6 +160,14 @@ class ReduceScatterBucketer:
         for bucket in self.buckets.values():
             bucket.teardown()
 
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Drop every queued input and callback and release the buffers (after an aborted backward)."""
+        for bucket in self.buckets.values():
+            bucket.offset = 0
+            bucket.callbacks.clear()
+            bucket.teardown()
+
     def _get_shard_size(self, element_size: int, num_shards: int) -> int:
         if self.bucket_cap_mb <= 0:  # bucketing disabled
             return 0

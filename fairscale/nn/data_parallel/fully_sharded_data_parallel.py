@@ -283,6 +283,16 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         return self._fsdp_wrapped_module
 
     @property
+    def has_full_params(self) -> bool:
+        """Whether this instance's full parameters are currently gathered (upstream's flag, now derived)."""
+        return any(h.state == HandleState.FULL for h in self._handles)
+
+    def _print_r0(self, msg: str) -> None:
+        """Debug print on rank 0 only (upstream helper)."""
+        if self.rank == 0:
+            print(f"{msg} (device memory allocated: {self._device.memory_allocated() / 2**20:.1f} MiB)")
+
+    @property
     def cpu_offload(self) -> bool:
         return self.move_params_to_cpu
 
@@ -298,6 +308,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name.startswith("__") and name.endswith("__"):
+                raise  # protocol lookups (__deepcopy__, __getstate__...) must not find the wrapper's
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:

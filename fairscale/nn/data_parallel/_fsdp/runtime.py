@@ -13,8 +13,10 @@ Order of events for one instance in one training step (ZeRO-3, ``reshard_after_f
    every instance to IDLE with ``p.data`` the fp32 shard.
 """
 
+import dataclasses
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +25,7 @@ from fairscale.internal import collectives
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.parallel import chunk_and_pad
-from fairscale.nn.checkpoint.checkpoint_activations import is_recomputing
+from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
 from . import grad_accum, zero2
 from .handle import FlatHandle
@@ -55,6 +57,22 @@ def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_gra
         return t.to(dtype)
 
     return apply_to_tensors(cast, (args, kwargs))
+
+
+def for_each_tensor(obj: Any, fn: Callable[[Tensor], None]) -> None:
+    """Call ``fn`` on every tensor in ``obj``: nested tuples/lists/sets/dicts (namedtuples, ``ModelOutput``-style
+    dicts and ``PackedSequence`` included) and dataclass instances."""
+    if isinstance(obj, Tensor):
+        fn(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            for_each_tensor(getattr(obj, f.name), fn)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            for_each_tensor(value, fn)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            for_each_tensor(value, fn)
 
 
 class FSDPRuntime(nn.Module):
@@ -287,6 +305,8 @@ class FSDPRuntime(nn.Module):
     # ------------------------------------------------------------------ forward
     def _fsdp_forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
+        if self._is_root and torch._C._current_graph_task_id() == -1:
+            self._recover_from_aborted_backward()
         previous = self.training_state
         if previous not in (TrainingState.IDLE, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(
@@ -304,11 +324,14 @@ class FSDPRuntime(nn.Module):
             recomputing = is_recomputing()
             if not recomputing:
                 self._drop_stale_full_params()
+            # Nothing of a forward without autograd (evaluation) may stay gathered: no backward will use it, and
+            # an optimizer writing through p.data would leave it stale. Checkpointing's first pass is the exception.
+            grad_off = not torch.is_grad_enabled() and not is_checkpointing()
             self._rebuild_full_params("backward" if recomputing else "forward")
             self._use_full_params()
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
-            if self.reshard_after_forward and not recomputing:
-                self._reshard(after_forward=True)
+            if (self.reshard_after_forward or grad_off) and not recomputing:
+                self._reshard(after_forward=not grad_off)
             self._use_fp32_shards()
             if torch.is_grad_enabled():
                 outputs = self._register_pre_backward_hooks(outputs)
@@ -317,6 +340,36 @@ class FSDPRuntime(nn.Module):
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
+
+    def _recover_from_aborted_backward(self) -> None:
+        """A backward that raised never ran its final callback: reset the tree before the next step.
+
+        Partial reductions of that backward are dropped (its gradients are incomplete anyway); gradients of earlier
+        completed steps that are already in ``p.grad`` are kept.
+        """
+        tree = self._tree
+        if tree is None:
+            return
+        instances = self._fsdp_instances()
+        stuck = [m for m in instances if m.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)]
+        if not (tree.final_callback_queued or stuck):
+            return
+        warnings.warn("FullyShardedDataParallel: the previous backward did not finish (it raised); resetting.")
+        tree.bucketer.discard()
+        for m in instances:
+            for h in m._handles:
+                if not h.materialized:
+                    continue
+                h.free_full()
+                h.drop_zero2_slice()
+                h.use_shard()
+                h.saved_grad_shard = None
+                if h.grad_accum_flat is not None:
+                    grad_accum.take_buffer_for_reduction(h)
+            m._pre_backward_hook_has_run = False
+            m.training_state = TrainingState.IDLE
+        tree.final_callback_queued = False
+        tree.any_post_backward = False
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         tree = self._tree
@@ -328,13 +381,12 @@ class FSDPRuntime(nn.Module):
             token.done = True
             self._pre_backward_hook()
 
-        def register(t: Tensor) -> Tensor:
+        def register(t: Tensor) -> None:
             if t.requires_grad:
                 t.register_hook(hook)
                 registered[0] = True
-            return t
 
-        apply_to_tensors(register, outputs)
+        for_each_tensor(outputs, register)
         if not registered[0]:
             token.done = True
         return outputs
@@ -362,8 +414,10 @@ class FSDPRuntime(nn.Module):
             g = p.grad
             if g is None:
                 continue
+            # The shape alone is ambiguous when shard and full shapes coincide (a 1-element parameter): a full-size
+            # gradient is an unreduced no_sync accumulation unless it is the shard FSDP itself assigned.
             is_reduced_shard = h.is_assigned_grad(g) or (
-                h.is_sharded and g.shape == h.fp32_shard.shape  # type: ignore[union-attr]
+                h.is_sharded and g.shape == h.fp32_shard.shape and g.shape != h.orig_size  # type: ignore[union-attr]
             )
             if is_reduced_shard:
                 h.saved_grad_shard = g if h.saved_grad_shard is None else h.saved_grad_shard + g
@@ -426,8 +480,15 @@ class FSDPRuntime(nn.Module):
         tree = self._tree
         assert tree is not None
         tree.queue_final_callback()
-        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+        if self.training_state == TrainingState.IDLE:
+            raise RuntimeError(
+                f"the gradient of {h.name} arrived, but no output of this FullyShardedDataParallel's forward got a "
+                "gradient hook: return tensors (or tuples, lists, dicts, namedtuples or dataclasses of tensors) from "
+                "the wrapped module's forward so FSDP can see them"
+            )
+        if self.training_state != TrainingState.BACKWARD_PRE and self.training_state != TrainingState.BACKWARD_POST:
             raise RuntimeError(f"post-backward of {h.name} in unexpected state {self.training_state.name}")
+        tree.any_post_backward = True
         self.training_state = TrainingState.BACKWARD_POST
         if self._defer_post_backward:
             return False
@@ -485,10 +546,13 @@ class FSDPRuntime(nn.Module):
                 tree.bucketer.flush()
             tree.device.current_stream().wait_stream(tree.post_backward_stream)
         tree.bucketer.teardown()
+        # autograd.grad() (e.g. a gradient penalty built with create_graph=True) runs no post-backward point; the
+        # graph it built still reads the full parameters of instances that keep them after forward.
+        keep_full = not tree.any_post_backward
         for m in self._fsdp_instances():
-            m._finalize_instance(syncing)
+            m._finalize_instance(syncing, keep_full)
         tree.final_callback_queued = False
-        tree.clear_pending()
+        tree.any_post_backward = False
 
     @torch.no_grad()
     def _reduce_leftover_grads(self) -> None:
@@ -503,11 +567,11 @@ class FSDPRuntime(nn.Module):
                 h.use_shard()
                 self._start_reduction(h, g)
 
-    def _finalize_instance(self, syncing: bool) -> None:
+    def _finalize_instance(self, syncing: bool, keep_full: bool) -> None:
         for h in self._handles:
             if not h.materialized:
                 continue  # this instance never ran a forward since its lazy init
-            if syncing or self.reshard_after_forward:
+            if (syncing and not keep_full) or self.reshard_after_forward:
                 h.free_full()
             h.drop_zero2_slice()
             h.use_shard()

@@ -39,6 +39,8 @@ class TreeState:
         # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.
         self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
         self._finalize: Optional[Callable[[], None]] = None
+        # Whether any post-backward point ran in the current backward (autograd.grad() runs none).
+        self.any_post_backward = False
 
     def new_pending_backward(self) -> "PendingBackward":
         token = PendingBackward()
@@ -49,10 +51,6 @@ class TreeState:
     def backward_pending(self) -> bool:
         """Whether a forward's graph is alive and its backward has not started yet."""
         return any(not t.done for t in list(self._pending))
-
-    def clear_pending(self) -> None:
-        for t in list(self._pending):
-            t.done = True
 
     def set_finalizer(self, fn: Callable[[], None]) -> None:
         self._finalize = fn
