@@ -149,6 +149,28 @@ class ReduceScatterBucketer:
         bucket.offset += numel
 
     @torch.no_grad()
+    def reduce_scatter_flat_async(
+        self, flat: Tensor, group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
+    ) -> None:
+        """Like :meth:`reduce_scatter_async` for one contiguous tensor laid out as the concatenation of per-rank
+        chunks (``flat.numel()`` divisible by the group size). An input too large for a bucket is reduce-scattered
+        straight from ``flat``, without the per-chunk concatenation copy."""
+        size = collectives.group_size(group)
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % size != 0:
+            raise ValueError(
+                f"reduce_scatter_flat_async needs a contiguous 1-D tensor whose numel ({flat.numel()}) is divisible "
+                f"by the group size ({size})"
+            )
+        chunk = flat.numel() // size
+        if chunk > 0 and chunk > self._get_shard_size(flat.element_size(), size):
+            output = flat.new_empty(chunk)
+            collectives.reduce_scatter_from_flat(output, flat, group=group)
+            if callback_fn is not None:
+                callback_fn(output)
+            return
+        self.reduce_scatter_async(list(flat.chunk(size)) if chunk > 0 else [flat[:0]] * size, group, callback_fn)
+
+    @torch.no_grad()
     def flush(self) -> None:
         """Reduce-scatter every non-empty bucket and run its callbacks."""
         for bucket in self.buckets.values():

@@ -118,7 +118,34 @@ def _check_no_bucketing_and_bad_input(rank: int, ws: int) -> None:
             bucketer.reduce_scatter_async([torch.zeros(2)] * (ws - 1) + [torch.zeros(3)], None)
 
 
+def _check_flat_inputs(rank: int, ws: int) -> None:
+    """reduce_scatter_flat_async: same results as the chunk-list path, bucketed or direct; the direct path reduces
+    straight from the given tensor (one collective, no extra flush)."""
+    bucketer = ReduceScatterBucketer(bucket_cap_mb=1)  # a row holds 2**18 / ws fp32 elements
+    results: Dict[int, torch.Tensor] = {}
+    big = (2**18 // ws + 5) * ws
+    sizes = [7 * ws, big, 3 * ws, 0]
+    with count_collectives() as counter:
+        for i, numel in enumerate(sizes):
+            flat = _grad(rank, i, numel, torch.float32)
+            bucketer.reduce_scatter_flat_async(flat, None, callback_fn=lambda out, i=i: results.__setitem__(i, out))
+        direct = counter.count("reduce_scatter")
+        bucketer.flush()
+    assert direct == 1  # only the big one went at once; the small ones wait for the flush
+    assert counter.count("reduce_scatter") == 2
+    for i, numel in enumerate(sizes):
+        assert torch.equal(results[i], _unbucketed(_grad(rank, i, numel, torch.float32), ws)), i
+    bucketer.teardown()
+    with pytest.raises(ValueError, match="divisible"):
+        (
+            bucketer.reduce_scatter_flat_async(torch.zeros(ws + 1), None)
+            if ws > 1
+            else (_ for _ in ()).throw(ValueError("divisible"))
+        )
+
+
 def _body(rank: int, ws: int) -> None:
+    _check_flat_inputs(rank, ws)
     _check_buckets_and_direct(rank, ws)
     _check_dtypes_groups_and_reuse(rank, ws)
     _check_no_bucketing_and_bad_input(rank, ws)

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from fairscale.internal import collectives
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.device import DeviceHandle
-from fairscale.internal.parallel import chunk_and_pad
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
 from . import grad_accum, zero2
@@ -514,9 +513,15 @@ class FSDPRuntime(nn.Module):
         if h.is_sharded:
             tree = self._tree
             assert tree is not None
-            group_size = collectives.group_size(self.process_group_reduce_scatter)
-            chunks = chunk_and_pad(grad.reshape(-1), group_size)
-            tree.bucketer.reduce_scatter_async(chunks, group=self.process_group_reduce_scatter, callback_fn=callback)
+            # The reduce-scatter group has the sharding group's size (checked at construction), so padding the flat
+            # gradient to shard_numel * world_size lines rank r's chunk up with shard r (chunk-and-pad, spec 1.3).
+            flat = grad.reshape(-1)
+            padded = h.shard_numel * h.world_size
+            if flat.numel() != padded:
+                flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
+            tree.bucketer.reduce_scatter_flat_async(
+                flat.contiguous(), group=self.process_group_reduce_scatter, callback_fn=callback
+            )
         else:
             callback(grad)
 
