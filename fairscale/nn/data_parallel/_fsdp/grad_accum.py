@@ -71,15 +71,15 @@ def accumulate_view_grads(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) 
             "and backward of every non-last microbatch run inside root.no_sync(), and the synchronizing "
             "microbatch's backward is the last backward of the window."
         )
-    buf = h.grad_accum_flat
-    if buf is None:
+    if h.grad_accum_flat is None:
         buf = torch.zeros(h.numel, dtype=info.fsdp._grad_accum_dtype(), device=info.fsdp.compute_device)
         h.grad_accum_flat = buf
-    offset = 0
-    for g, n in zip(grads, info.numels):
-        if g is not None:
-            buf.narrow(0, offset, n).add_(g.reshape(-1))
-        offset += n
+        # One view per parameter slice, made once per window, so each microbatch is a single fused add.
+        h.grad_accum_views = list(buf.split(info.numels))
+    slices = [v for v, g in zip(h.grad_accum_views, grads) if g is not None]
+    present = [g.reshape(-1) for g in grads if g is not None]
+    if slices:
+        torch._foreach_add_(slices, present)
 
 
 def build_views(fsdp: "FSDPRuntime", flat: Any) -> List[Tensor]:
@@ -107,5 +107,6 @@ def take_buffer_for_reduction(h: FlatHandle) -> Tensor:
     buf = h.grad_accum_flat
     assert buf is not None
     h.grad_accum_flat = None
+    h.grad_accum_views = []
     h.grad_window += 1
     return buf

@@ -19,7 +19,7 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -84,6 +84,7 @@ class FlatHandle:
         self.cpu_grad: Optional[Tensor] = None
         # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
         self.grad_accum_flat: Optional[Tensor] = None
+        self.grad_accum_views: List[Tensor] = []
         self.grad_window = 0
         # The reduced shard last handed to p.grad, held weakly: after optimizer.zero_grad() it must be freed.
         self._assigned_grad: Optional["weakref.ref[Tensor]"] = None
