@@ -392,6 +392,7 @@ def test_to_dtype_after_wrapping() -> None:
     def body(rank: int, ws: int) -> None:
         model, ref = build(NestedWrappedModule)
         fsdp = wrap_model(model, {}, "nested")
+        torch.manual_seed(1)  # the same batch on every rank
         x = torch.randn(3, 7)
         fsdp(x).sum().backward()  # initialised first: _apply must redo lazy init
         fsdp.zero_grad()
@@ -403,8 +404,12 @@ def test_to_dtype_after_wrapping() -> None:
         torch.testing.assert_close(out, ref(x.double()))
         out.sum().backward()
         ref(x.double()).sum().backward()
-        grads: List[Any] = list(gather_full_grads(fsdp).values())
-        assert all(g is not None for g in grads)
+        # Every rank ran the same batch, so the averaged fp64 gradient equals the fp64 reference's.
+        grads = gather_full_grads(fsdp)
+        want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert set(grads) == set(want)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want[n].float(), msg=n)  # gather_full_grads returns fp32 copies
         for p in fsdp.parameters():
             assert p.dtype == torch.float64 and p.grad.dtype == torch.float64
         assert_idle(fsdp)

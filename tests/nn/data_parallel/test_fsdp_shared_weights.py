@@ -68,9 +68,13 @@ def test_tied_parameters_inside_instances() -> None:
 def _tied_case(rank: int, ws: int, model_cls: Any, kwargs: Any, mode: str) -> None:
     fsdp = train_and_compare(rank, ws, model_cls, kwargs, mode)
     # The tie survives training: both names still see the same values.
-    params = full_params(fsdp)
     if model_cls is TiedInsideBlock:
-        assert "b.weight" not in params or torch.equal(params["a.weight"], params["b.weight"])
+        # named_parameters() lists a tied parameter once; the state dict keeps every name, with equal values.
+        assert "b.weight" not in full_params(fsdp)
+        sd = fsdp.state_dict()
+        assert torch.equal(sd["a.weight"], sd["b.weight"])
+        assert torch.equal(sd["block.0.weight"], sd["block.2.weight"])
+        assert torch.equal(sd["block.0.bias"], sd["block.2.bias"])
         with fsdp.summon_full_params():
             user = fsdp.module.module
             assert user.a.weight is user.b.weight

@@ -6,6 +6,7 @@ Most checks run as sub-cases inside one 2-rank world; the world-size matrix (1, 
 """
 
 import functools
+import re
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -179,13 +180,17 @@ def _case_bad_input_leaves_model_unchanged(name: str) -> None:
     before, full_before = _snapshot(fsdp), fsdp.state_dict()
     local = other.local_state_dict()
     first_key = next(iter(local))
-    bad_loads = [(what, functools.partial(fsdp.load_state_dict, bad)) for what, bad, _ in _bad_full_dicts(other)]
+    bad_loads = [(what, functools.partial(fsdp.load_state_dict, bad), key) for what, bad, key in _bad_full_dicts(other)]
     bad_loads += [
-        ("missing local key", functools.partial(fsdp.load_local_state_dict, _without(local, first_key))),
-        ("unexpected local key", functools.partial(fsdp.load_local_state_dict, dict(local, extra=torch.zeros(3)))),
+        ("missing local key", functools.partial(fsdp.load_local_state_dict, _without(local, first_key)), first_key),
+        (
+            "unexpected local key",
+            functools.partial(fsdp.load_local_state_dict, dict(local, extra=torch.zeros(3))),
+            "extra",
+        ),
     ]
-    for what, load in bad_loads:
-        with pytest.raises(Exception):  # the message is checked by test_load_errors_name_the_clean_key
+    for what, load, key in bad_loads:
+        with pytest.raises(RuntimeError, match=re.escape(key)):
             load()
         _assert_equal(_snapshot(fsdp), before, f"{name}: shards after a failed load ({what})")
         _assert_equal(fsdp.state_dict(), full_before, f"{name}: full dict after a failed load ({what})")
