@@ -183,8 +183,12 @@ def _train_like_reference(rank: int, precision: str, steps: int = 3) -> None:
             assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in inst.params)
         opt.step()
         ref_opt.zero_grad()
-        # Batch statistics are per rank: the reference sees the same per-rank pieces.
-        torch.stack([_loss(ref(piece), n, 1) for piece in batch.tensor_split(WS)]).sum().backward()
+        # Batch statistics are per rank: the reference sees the same per-rank pieces. Under bf16 it runs the same
+        # conv/linear in bf16 through autocast: a batch-norm bias gradient is a sum of cancelling terms, whose bf16
+        # rounding alone moves it by ~15% of its small update, on any implementation.
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            ref_loss = torch.stack([_loss(ref(piece), n, 1) for piece in batch.tensor_split(WS)]).sum()
+        ref_loss.backward()
         ref_opt.step()
     for path in BN_PATHS:
         for name, buf in model.get_submodule(path).named_buffers():
@@ -192,7 +196,7 @@ def _train_like_reference(rank: int, precision: str, steps: int = 3) -> None:
     if precision == "fp32":
         assert_close_dict(full_params(model), ref_params(ref), "param", rtol=1e-4, atol=1e-5)
     else:
-        assert_update_close(full_params(model), ref_params(ref), init, 0.05, "param")
+        assert_update_close(full_params(model), ref_params(ref), init, 0.02, "param")
 
 
 def _single_rank_groups(rank: int) -> None:
