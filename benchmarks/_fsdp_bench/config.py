@@ -41,6 +41,8 @@ class BenchConfig:
     compare: Tuple[str, ...] = PEERS
     scenarios: Tuple[str, ...] = ("train",)
     accum_microbatches: int = 8
+    accum_batch: int = 1
+    accum_reshard_after_forward: bool = False
     zero2_world_size: int = 4
     zero2_group_size: int = 2
     intra_node_gbps: float = 450.0
@@ -55,6 +57,13 @@ class BenchConfig:
     def tokens_per_microbatch(self) -> int:
         """Tokens one rank processes per microbatch."""
         return self.batch * self.seq_len
+
+
+def _bool_value(text: str) -> bool:
+    value = _reshard_value(text)
+    if not isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def _reshard_value(text: str) -> Reshard:
@@ -153,6 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
         "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; all: every one",
     )
     r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches, help="window of the accum scenario")
+    r.add_argument(
+        "--accum-batch",
+        type=int,
+        default=d.accum_batch,
+        help="sequences per rank per microbatch in the accum scenario (small microbatches: the case accumulation is for)",
+    )
+    r.add_argument(
+        "--accum-reshard-after-forward",
+        type=_bool_value,
+        default=d.accum_reshard_after_forward,
+        metavar="BOOL",
+        help="reshard_after_forward of the accum scenario (default false: parameters stay gathered over the window)",
+    )
     r.add_argument("--zero2-world-size", type=int, default=d.zero2_world_size, help="ranks of the zero2 scenario")
     r.add_argument(
         "--zero2-group-size",
@@ -202,6 +224,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         compare=compare,
         scenarios=tuple(dict.fromkeys(scenarios)),
         accum_microbatches=ns.accum_microbatches,
+        accum_batch=ns.accum_batch,
+        accum_reshard_after_forward=ns.accum_reshard_after_forward,
         zero2_world_size=ns.zero2_world_size,
         zero2_group_size=ns.zero2_group_size,
         intra_node_gbps=ns.intra_node_gbps,
@@ -242,6 +266,8 @@ def validate(cfg: BenchConfig) -> List[str]:
             out.append(f"--reshard-after-forward {value} must divide --world-size {cfg.world_size}")
     if "accum" in cfg.scenarios and cfg.accum_microbatches < 2:
         out.append(f"--accum-microbatches must be >= 2 for an accumulation window (got {cfg.accum_microbatches})")
+    if cfg.accum_batch < 1:
+        out.append(f"--accum-batch must be >= 1 (got {cfg.accum_batch})")
     if "zero2" in cfg.scenarios:
         g, n = cfg.zero2_group_size, cfg.zero2_world_size
         if g < 1 or n < 2 or n % g != 0 or g == n:

@@ -79,7 +79,11 @@ def ratios_text(records: List[Dict[str, Any]]) -> str:
 
 def accum_text(accum: Dict[str, Any]) -> str:
     """The optimize_backward_concat section."""
-    lines = [f"optimize_backward_concat, {accum['microbatches']}-microbatch window (fairscale):"]
+    lines = [
+        f"optimize_backward_concat, {accum['microbatches']}-microbatch window (fairscale, "
+        f"{accum['tokens_per_microbatch_per_rank']} tokens per rank per microbatch, "
+        f"reshard_after_forward={accum['reshard_after_forward']}):"
+    ]
     for name in ("off", "on"):
         row = accum[name]
         lines.append(

@@ -30,7 +30,8 @@ def specs_for(cfg: BenchConfig, scenario: str) -> List[RunSpec]:
             specs.append(RunSpec("train", "ddp", True, cfg.microbatches))
         return specs
     if scenario == "accum":
-        return [RunSpec("accum", "fairscale", True, cfg.accum_microbatches, obc) for obc in (False, True)]
+        raf = cfg.accum_reshard_after_forward
+        return [RunSpec("accum", "fairscale", raf, cfg.accum_microbatches, obc) for obc in (False, True)]
     if scenario == "zero2":
         g = cfg.zero2_group_size
         specs = [
@@ -54,12 +55,14 @@ def run_world(
     for scenario in scenarios:
         if rank == 0:
             print(f"\n[{scenario}] world size {world_size}", flush=True)
-        specs = specs_for(cfg, scenario)
-        skipped = {spec: skip_reason(spec, cfg) for spec in specs}
+        # The accum scenario has its own microbatch size (--accum-batch); its records carry it in their config.
+        scenario_cfg = dataclasses.replace(cfg, batch=cfg.accum_batch) if scenario == "accum" else cfg
+        specs = specs_for(scenario_cfg, scenario)
+        skipped = {spec: skip_reason(spec, scenario_cfg) for spec in specs}
         runnable = [spec for spec in specs if skipped[spec] is None]
         label = f"{scenario}: {len(runnable)} runs in turn"
         progress = ProgressBar(label) if rank == 0 else silent
-        timed = dict(zip(runnable, timed_runs(runnable, cfg, corpus, rank, world_size, device, progress)))
+        timed = dict(zip(runnable, timed_runs(runnable, scenario_cfg, corpus, rank, world_size, device, progress)))
         if rank == 0 and runnable:
             print(f"probing memory, backward ops and collectives of {len(runnable)} runs (untimed) ...", flush=True)
         for spec in specs:
@@ -69,9 +72,9 @@ def run_world(
                     print(f"{spec.label:<30} skipped: {reason}", flush=True)
                     records.append(skipped_record(spec, reason))
                 continue
-            probe = probe_run(spec, cfg, corpus, rank, world_size, device)
+            probe = probe_run(spec, scenario_cfg, corpus, rank, world_size, device)
             gathered = collectives.all_gather_object({"timed": timed[spec], "probe": probe})
             if rank == 0:
-                records.append(aggregate(spec, cfg, world_size, gathered))
+                records.append(aggregate(spec, scenario_cfg, world_size, gathered))
     sys.stdout.flush()
     return records

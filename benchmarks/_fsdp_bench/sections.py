@@ -37,6 +37,8 @@ def accum_section(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
     return {
         "microbatches": on["microbatches"],
+        "tokens_per_microbatch_per_rank": on["tokens_per_step_per_rank"] // on["microbatches"],
+        "reshard_after_forward": on["reshard_after_forward"],
         "off": row(off),
         "on": row(on),
         "window_time_ratio_on_off": on["median_window_s"] / off["median_window_s"],

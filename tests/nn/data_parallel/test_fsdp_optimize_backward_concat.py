@@ -206,7 +206,9 @@ def check_window_buffers(model: FSDP, expect_some: bool) -> None:
             assert h.param.grad is None, f"{h.name}: flat_param.grad was written during the window"
             if h.grad_accum_flat is not None:
                 seen += 1
-                assert h.grad_accum_flat.numel() == h.numel, f"{h.name}: buffer of {h.grad_accum_flat.numel()}"
+                padded = h.shard_numel * h.world_size if h.is_sharded else h.numel  # the reduce-scatter input, as is
+                assert h.grad_accum_flat.numel() == padded, f"{h.name}: buffer of {h.grad_accum_flat.numel()}"
+                assert not h.grad_accum_flat[h.numel :].any(), f"{h.name}: padding of the buffer is not zero"
                 assert h.grad_accum_flat.dtype == torch.float32, f"{h.name}: buffer dtype {h.grad_accum_flat.dtype}"
     assert seen > 0 or not expect_some, "no accumulation buffer after the no_sync microbatches"
 
@@ -460,6 +462,7 @@ def _buffer_snapshot(model: FSDP) -> Dict[str, Any]:
             out[f"instance {i} {h.name}"] = {
                 "buf": None if buf is None else (buf.numel(), buf.dtype),
                 "numel": h.numel,
+                "padded": h.shard_numel * h.world_size if h.is_sharded else h.numel,
                 "grad": None if h.param.grad is None else tuple(h.param.grad.shape),
                 "state": h.state,
             }
@@ -476,7 +479,7 @@ def _collectives_body(rank: int, world_size: int) -> None:
             assert on[mb]["rs"] == 0
             for key, s in snaps_on[mb].items():
                 # One flat fp32-or-param-dtype buffer per unit, and no flat-level AccumulateGrad (grad stays None).
-                assert s["buf"] == (s["numel"], accum_dtype), f"microbatch {mb}, {key}: buffer {s['buf']}"
+                assert s["buf"] == (s["padded"], accum_dtype), f"microbatch {mb}, {key}: buffer {s['buf']}"
                 assert s["grad"] is None, f"microbatch {mb}, {key}: flat grad {s['grad']} was written"
                 assert s["state"] == snaps_off[mb][key]["state"], f"microbatch {mb}, {key}: handle states differ"
                 assert snaps_off[mb][key]["buf"] is None and snaps_off[mb][key]["grad"] == (s["numel"],)

@@ -7,9 +7,11 @@ Default autograd path of a flattened parameter (see FlattenParamsWrapper._views_
 
 With the flag, the views come out of :class:`_ViewsIntoFlatBuffer`, a custom autograd function whose backward runs
 once, when the gradients of all its views are ready, and adds each view's gradient into its slice of
-``handle.grad_accum_flat`` (one persistent buffer per FlatParameter, fp32 under mixed precision). No ``cat``, no
-full-size temporary, no flat-level AccumulateGrad. That backward is also the unit's "post-backward" point: it frees
-the full parameters and, for a microbatch whose forward ran outside ``no_sync()``, reduce-scatters the buffer once.
+``handle.grad_accum_flat`` (one persistent buffer per FlatParameter, padded like the full parameter, fp32 under
+mixed precision). No ``cat``, no full-size temporary, no flat-level AccumulateGrad. The unit's "post-backward" point
+runs right after that backward, in a hook on the AccumulateGrad of an empty per-forward anchor leaf (by then autograd
+has released the view gradients, so they never coexist with the reduction's buffers): it frees the full parameters
+and, for a microbatch whose forward ran outside ``no_sync()``, reduce-scatters the buffer once.
 
 Rule (checked): the forward *and* backward of every non-last microbatch run inside ``root.no_sync()``; the
 synchronizing microbatch's backward is the last backward of the window. A ``no_sync`` backward that arrives after its
@@ -48,17 +50,26 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
         ctx: Any, anchor: Tensor, info: _NodeInfo, data: Tensor, shapes: List[torch.Size]
     ) -> Tuple[Tensor, ...]:
         # `anchor` is an empty leaf that requires grad: it makes the outputs require grad without linking them to
-        # the flat parameter (so no AccumulateGrad on it ever runs).
+        # the flat parameter (so no AccumulateGrad on the flat parameter ever runs).
         ctx.set_materialize_grads(False)  # views that got no gradient arrive as None, not as zero tensors
         ctx.info = info
         return tuple(t.view(s) for t, s in zip(data.split(info.numels), shapes))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, None, None, None]:
-        info: _NodeInfo = ctx.info
-        accumulate_view_grads(info, grads)
-        info.fsdp._on_view_grads_accumulated(info.handle, info.sync)
-        return None, None, None, None
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Tensor, None, None, None]:
+        accumulate_view_grads(ctx.info, grads)
+        # The (empty) gradient of the anchor makes autograd run the anchor's AccumulateGrad right after this node,
+        # once this node's incoming view gradients are released: the post-backward point runs there (_after_views),
+        # so the reduction's temporaries never coexist with the view gradients.
+        return _EMPTY_GRAD, None, None, None
+
+
+_EMPTY_GRAD = torch.empty(0)
+
+
+def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
+    anchor.grad = None
+    info.fsdp._on_view_grads_accumulated(info.handle, info.sync)
 
 
 @torch.no_grad()
@@ -71,14 +82,28 @@ def accumulate_view_grads(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) 
             "and backward of every non-last microbatch run inside root.no_sync(), and the synchronizing "
             "microbatch's backward is the last backward of the window."
         )
-    if h.grad_accum_flat is None:
-        buf = torch.zeros(h.numel, dtype=info.fsdp._grad_accum_dtype(), device=info.fsdp.compute_device)
+    first = h.grad_accum_flat is None
+    if first:
+        # Padded like the full parameter (shard_numel * world_size) so the reduce-scatter reads this buffer as is,
+        # without a padded copy. One view per parameter slice, made once per window: each microbatch is one fused op.
+        padded = h.shard_numel * h.world_size if h.is_sharded else h.numel
+        buf = torch.empty(padded, dtype=info.fsdp._grad_accum_dtype(), device=info.fsdp.compute_device)
+        buf[h.numel :].zero_()
         h.grad_accum_flat = buf
-        # One view per parameter slice, made once per window, so each microbatch is a single fused add.
-        h.grad_accum_views = list(buf.split(info.numels))
+        h.grad_accum_views = list(buf[: h.numel].split(info.numels))
     slices = [v for v, g in zip(h.grad_accum_views, grads) if g is not None]
     present = [g.reshape(-1) for g in grads if g is not None]
-    if slices:
+    if first:
+        # The first microbatch writes instead of adding into zeros (one pass over the buffer, not two).
+        for v, g in zip(h.grad_accum_views, grads):
+            if g is None:
+                v.zero_()
+        if slices and hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(slices, present)
+        else:  # torch < 2.2 has no fused copy
+            for v, g in zip(slices, present):
+                v.copy_(g)
+    elif slices:
         torch._foreach_add_(slices, present)
 
 
@@ -91,14 +116,16 @@ def build_views(fsdp: "FSDPRuntime", flat: Any) -> List[Tensor]:
         return [t.view(s) for t, s in zip(flat.detach().split(numels), shapes)]
     handle = next(h for h in fsdp._handles if h.param is flat)
     info = _NodeInfo(fsdp, handle, numels, sync=fsdp._require_backward_grad_sync)
-    return list(_ViewsIntoFlatBuffer.apply(fsdp._grad_anchor, info, flat.detach(), shapes))
+    # A fresh anchor per forward: its AccumulateGrad has exactly one producer, this forward's node.
+    anchor = torch.empty(0, device=_EMPTY_GRAD.device, requires_grad=True)
+    anchor.register_post_accumulate_grad_hook(functools.partial(_after_views, info))
+    return list(_ViewsIntoFlatBuffer.apply(anchor, info, flat.detach(), shapes))
 
 
 def install(fsdp: "FSDPRuntime") -> None:
     """Route the wrapper's views through the flat buffer when the flag applies (flattened params only)."""
     if not fsdp.optimize_backward_concat or not fsdp.flatten_parameters:
         return
-    fsdp._grad_anchor = torch.empty(0, requires_grad=True)
     fsdp._fsdp_wrapped_module._view_builder = functools.partial(build_views, fsdp)
 
 

@@ -113,7 +113,6 @@ class FSDPRuntime(nn.Module):
     _pre_backward_hook_has_run: bool
     _zero2_rank: int
     _zero2_size: int
-    _grad_anchor: Tensor
     _defer_post_backward: bool = False
     _zero2_problem: Optional[str] = None
     _foreign_params: List[Tuple[str, nn.Parameter]]
