@@ -120,6 +120,12 @@ def test_json_has_every_field(report: dict) -> None:
         assert r["peak_memory_bytes"] >= r["steady_memory_bytes"] > 0
         assert len(r["cat_per_microbatch"]) == r["microbatches"]
     assert {"off", "on", "window_time_ratio_on_off", "loss_matches"} <= set(report["accum"])
+    # The accum scenario's own defaults: one sequence per rank per microbatch, parameters kept over the window.
+    seq_len = report["config"]["seq_len"]
+    assert report["accum"]["tokens_per_microbatch_per_rank"] == 1 * seq_len
+    assert report["accum"]["reshard_after_forward"] is False
+    accum_runs = [r for r in ran if r["scenario"] == "accum"]
+    assert {r["tokens_per_step_per_rank"] for r in accum_runs} == {3 * seq_len}
     assert set(report["zero2"]["runs"]) >= {"fairscale raf=True", "fairscale raf=2 (group)"}
     assert all({"target", "value", "met"} <= set(t) for t in report["targets"])
 
@@ -205,6 +211,8 @@ def test_wrap_plan_units_cover_every_parameter() -> None:
         (["--compare", "fairscale,megatron"], "--compare takes peers among"),
         (["--reshard-after-forward", "3"], "--reshard-after-forward 3 must divide --world-size 2"),
         (["--scenario", "zero2", "--zero2-group-size", "4"], "--zero2-group-size (4) must divide"),
+        (["--scenario", "accum", "--accum-batch", "0"], "--accum-batch must be >= 1 (got 0)"),
+        (["--accum-reshard-after-forward", "2"], "expected true or false, got '2'"),
     ],
 )
 def test_bad_options_say_what_to_change(argv: list, message: str, capsys: pytest.CaptureFixture) -> None:
@@ -228,8 +236,13 @@ def test_options_parse() -> None:
             "--mixed-precision",
             "bf16",
             "--no-flatten",
+            "--accum-batch",
+            "4",
+            "--accum-reshard-after-forward",
+            "true",
         ]
     )
+    assert cfg.accum_batch == 4 and cfg.accum_reshard_after_forward is True
     assert cfg.compare == ("fairscale", "fsdp2")
     assert cfg.reshard_after_forward == (False, 2)
     assert cfg.scenarios == ("train", "accum", "zero2")
