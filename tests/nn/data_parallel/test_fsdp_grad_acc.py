@@ -140,9 +140,13 @@ def _handles(flatten: bool, instances: Sequence[str]) -> int:
     return len(instances) if flatten else sum(per_instance[i] for i in instances)
 
 
-def _check_iteration(counter: Any, ws: int, flatten: bool, fwd: Sequence[str], bwd: Sequence[str], rs: bool) -> None:
+def _check_iteration(
+    counter: Any, ws: int, flatten: bool, fwd: Sequence[str], bwd: Sequence[str], rs: bool, first: bool = False
+) -> None:
     every = ["root", "block1", "block2"]
     got = counter.summary()
+    # The first forward also compares the FSDP instances across ranks, once (a mismatch would hang otherwise).
+    assert counter.count("all_gather_object", phase="init") == (1 if first else 0), got
     assert all(r.group_size == ws for r in counter.records), got
     assert counter.count("all_gather", phase="forward") == _handles(flatten, fwd), got
     assert counter.count("all_gather", phase="backward") == _handles(flatten, bwd), got
@@ -150,7 +154,7 @@ def _check_iteration(counter: Any, ws: int, flatten: bool, fwd: Sequence[str], b
     assert counter.total_bytes("all_gather", phase="backward") == _expected_bytes(ws, flatten, bwd, 4), got
     assert counter.count("reduce_scatter") == (_handles(flatten, every) if rs else 0), got
     assert counter.total_bytes("reduce_scatter") == (_expected_bytes(ws, flatten, every, 4) if rs else 0), got
-    assert counter.count() == counter.count("all_gather") + counter.count("reduce_scatter"), got
+    assert counter.count() == counter.count("all_gather") + counter.count("reduce_scatter") + int(first), got
 
 
 def _count_case(rank: int, ws: int, reshard: bool, flatten: bool) -> None:
@@ -168,13 +172,13 @@ def _count_case(rank: int, ws: int, reshard: bool, flatten: bool) -> None:
 
     # Upstream's numbers (spec 1.12). The root never reshards after forward, so it is not gathered in backward.
     if reshard:
-        _check_iteration(iteration(False), ws, flatten, every, inner, rs=True)
+        _check_iteration(iteration(False), ws, flatten, every, inner, rs=True, first=True)
         _check_iteration(iteration(True), ws, flatten, every, inner, rs=False)
         # After no_sync the root still holds its full parameters: no gather for it in the next forward.
         _check_iteration(iteration(False), ws, flatten, inner, inner, rs=True)
         _check_iteration(iteration(False), ws, flatten, every, inner, rs=True)
     else:
-        _check_iteration(iteration(False), ws, flatten, every, [], rs=True)
+        _check_iteration(iteration(False), ws, flatten, every, [], rs=True, first=True)
         _check_iteration(iteration(True), ws, flatten, every, [], rs=False)
         _check_iteration(iteration(False), ws, flatten, [], [], rs=True)
         _check_iteration(iteration(False), ws, flatten, every, [], rs=True)

@@ -469,3 +469,34 @@ def _mixed_local_outcome(rank: int, world_size: int) -> None:
 def test_misconfiguration_seen_by_some_ranks_only() -> None:
     """A problem only some ranks can see locally must still raise on every rank, not leave the others hanging."""
     run_distributed(_mixed_local_outcome, 4, timeout=ERROR_TIMEOUT)
+
+
+def _zero2_on_some_ranks_only(rank: int, world_size: int) -> None:
+    half_a, half_b = dist.new_group([0, 1]), dist.new_group([2, 3])
+    # Ranks 0 and 1 pass their node's group, ranks 2 and 3 forgot it: without a check on every rank, the first two
+    # would validate and gather over {0, 1} while the others gather over the world, and nothing would ever match.
+    msg = _expect_value_error(lambda: _nested(half_a if rank < 2 else None), "differs across ranks")
+    assert "rank 0: 2 instances, zero2_process_group on ['blocks.0']" in msg, msg
+    assert "rank 3: 2 instances, zero2_process_group on none" in msg, msg
+    del half_b
+
+
+def test_zero2_group_on_some_ranks_only() -> None:
+    """A zero2 group passed on some ranks and None on the others: the same ValueError on every rank, no hang."""
+    run_distributed(_zero2_on_some_ranks_only, 4, timeout=ERROR_TIMEOUT)
+
+
+def _different_wrapping(rank: int, world_size: int) -> None:
+    def make() -> FSDP:
+        torch.manual_seed(0)
+        net = Net()
+        if rank == 0:  # an extra nested instance on rank 0 only
+            net.blocks[0] = FSDP(net.blocks[0])
+        return FSDP(net)
+
+    _expect_value_error(make, "differs across ranks", "rank 0: 2 instances", "rank 1: 1 instances")
+
+
+def test_different_wrapping_across_ranks() -> None:
+    """Ranks that wrap different modules would issue different collectives: a clear ValueError instead of a hang."""
+    run_distributed(_different_wrapping, 2, timeout=ERROR_TIMEOUT)

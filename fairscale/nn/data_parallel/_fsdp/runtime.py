@@ -28,6 +28,7 @@ from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_
 
 from . import grad_accum, zero2
 from .handle import FlatHandle
+from .metadata import _clean
 from .state import HandleState, TrainingState
 from .tree import TreeState
 
@@ -231,15 +232,27 @@ class FSDPRuntime(nn.Module):
                         setattr(owned, name, buf.to(device=m.compute_device, dtype=dtype))
 
     def _check_zero2_groups_once(self) -> None:
-        """One small collective per distinct zero2 group, the first time the root initialises (contract 2.6)."""
+        """The first time the root initialises: zero2 settings agree across ranks, then each zero2 group is valid.
+
+        Both are small collectives (contract 2.6). The first one runs on every rank, with or without a zero2 group,
+        because a group passed on some ranks and ``None`` on others would otherwise make the ranks issue different
+        collectives (a hang); it raises the same ``ValueError`` on every rank instead.
+        """
         if getattr(self, "_zero2_checked", False):
             return
         self._zero2_checked = True
-        seen = set()
-        for m in self._fsdp_instances():
-            if m.zero2_process_group is not None and id(m.zero2_process_group) not in seen:
-                seen.add(id(m.zero2_process_group))
-                zero2.check_partition(m.process_group, m.zero2_process_group, m._zero2_problem)
+        instances = self._fsdp_instances()
+        with collectives.collective_phase("init"):
+            if self.world_size > 1:
+                zero2.check_same_setting(self.process_group, [(_clean(n), m) for n, m in self._named_instances()])
+            seen = set()
+            for m in instances:
+                if m.zero2_process_group is not None and id(m.zero2_process_group) not in seen:
+                    seen.add(id(m.zero2_process_group))
+                    zero2.check_partition(m.process_group, m.zero2_process_group, m._zero2_problem)
+
+    def _named_instances(self) -> List[Tuple[str, "FSDPRuntime"]]:
+        return [(name, m) for name, m in self.named_modules() if isinstance(m, FSDPRuntime)]
 
     # ------------------------------------------------------------------ gathering
     def _rebuild_full_params(self, phase: str) -> None:

@@ -36,6 +36,31 @@ def rank_and_size(zero2_group: Any, problem: Optional[str]) -> Tuple[int, int]:
     return zero2_group.rank(), zero2_group.size()
 
 
+def check_same_setting(process_group: Any, named_instances: List[Tuple[str, Any]]) -> None:
+    """Collective over the root's ``process_group`` that every rank runs, zero2 group or not.
+
+    Every rank must have the same FSDP instances with the same zero2 setting: otherwise the ranks with a zero2 group
+    would run :func:`check_partition` and then gather over it while the others gather over ``process_group``, and
+    the collectives would never match. Raises the same ``ValueError`` on every rank when they differ.
+    """
+    # Presence only: sizes and membership are check_partition's job, with a more precise message.
+    mine = [(path or "<root>", m.zero2_process_group is not None) for path, m in named_instances]
+    views: List[List[Tuple[str, bool]]] = collectives.all_gather_object(mine, group=process_group)
+    if all(view == views[0] for view in views):
+        return
+    ranks = collectives.group_ranks(process_group)
+    lines = []
+    for rank, view in zip(ranks, views):
+        with_group = [path for path, has_group in view if has_group]
+        lines.append(f"rank {rank}: {len(view)} instances, zero2_process_group on {with_group or 'none'}")
+    raise ValueError(
+        "zero2_process_group differs across ranks (or the FSDP instances do): "
+        + "; ".join(lines)
+        + ". Pass a zero2 group on every rank (each rank its own node's group, e.g. from zero2_groups()) or on none, "
+        "and wrap the same modules on every rank."
+    )
+
+
 def check_partition(process_group: Any, zero2_group: Any, problem: Optional[str]) -> None:
     """Collective over ``process_group``: every rank's zero2 group is usable, and together they are equal-sized,
     disjoint and cover ``process_group``.
