@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 import torch.nn as nn
-from _models import assert_update_close
+from _models import DTYPES, ELEMENTWISE_TOL, UPDATE_REL, assert_update_close
 from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
@@ -25,13 +25,6 @@ from fairscale.nn.data_parallel import get_fsdp_instances, zero2_groups
 TIMEOUT = 150.0
 BATCH = 3
 DIM_IN, DIM, DIM_OUT = 5, 7, 3
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# (atol, rtol) of gradients, flag on vs flag off: the two modes accumulate in different dtypes under mixed precision.
-TOL = {"fp32": (1e-5, 1e-5), "fp16": (2e-2, 2e-2), "bf16": (6e-2, 6e-2)}
-# Mixed-precision parameters vs the fp32 reference: error at most this fraction of the reference's whole update (in
-# norm, per parameter). An absolute bound at bf16 rounding scale exceeds the two-step update of several parameters, so
-# a dropped gradient would pass it; this ratio is ~1 for a dropped gradient. Measured worst: fp16 0.4%, bf16 4.5%.
-UPDATE_REL = {"fp16": 0.05, "bf16": 0.2}
 
 
 # ------------------------------------------------------------------------------------------------------ model
@@ -266,7 +259,7 @@ def check_parity(c: Dict[str, Any], rank: int, world_size: int, windows: Tuple[i
             if bitwise:
                 assert torch.equal(g_on, g_off), f"M={num_mb} grad {i}: max diff {(g_on - g_off).abs().max()}"
             else:
-                atol, rtol = TOL[c["prec"]]
+                atol, rtol = ELEMENTWISE_TOL[c["prec"]]
                 torch.testing.assert_close(g_on, g_off, atol=atol, rtol=rtol, msg=f"M={num_mb} grad {i}")
         if bitwise:
             for k in sd_off:
