@@ -9,6 +9,7 @@ order, which is exactly the ordering the stream/event calls would enforce.
 """
 
 import contextlib
+import os
 import resource
 import sys
 import threading
@@ -28,6 +29,7 @@ __all__ = [
     "current_accelerator_device",
     "default_compute_device",
     "cpu_peak_rss_bytes",
+    "CPU_ONLY_ENV",
 ]
 
 
@@ -105,11 +107,23 @@ def _has_accelerator_api() -> bool:
     return hasattr(torch, "accelerator") and hasattr(torch.accelerator, "is_available")
 
 
+# Set to 1 to make fairscale ignore accelerators in this process: CPU compute device by default, inert streams. The
+# test engine sets it in the ranks of CPU (gloo) worlds so that they stay on CPU on a machine with GPUs.
+CPU_ONLY_ENV = "FAIRSCALE_CPU_ONLY"
+
+
+def _cpu_only() -> bool:
+    return os.environ.get(CPU_ONLY_ENV, "") not in ("", "0")
+
+
 def accelerator_available() -> bool:
     """Whether an accelerator (CUDA or another torch accelerator) can be used.
 
-    Does not initialise the accelerator runtime, so it is safe to call before forking.
+    ``False`` when the environment variable ``FAIRSCALE_CPU_ONLY`` is set to a value other than ``0``. Does not
+    initialise the accelerator runtime, so it is safe to call before forking.
     """
+    if _cpu_only():
+        return False
     if _has_accelerator_api():
         return bool(torch.accelerator.is_available())
     return bool(torch.cuda.is_available())

@@ -17,7 +17,9 @@ from fairscale.fair_dev.testing import (
     run_ranks,
     subtest,
 )
+from fairscale.fair_dev.testing import engine
 from fairscale.fair_dev.testing.engine import START_METHOD_ENV
+from fairscale.internal.device import CPU_ONLY_ENV, default_compute_device
 
 
 class CustomError(Exception):
@@ -263,6 +265,30 @@ def test_spawn_needs_picklable_body(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     with pytest.raises(TypeError, match="pass a module-level function"):
         run_distributed(lambda rank, world_size: None, 2)
+
+
+def test_start_method_by_world_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the parent used CUDA: CPU worlds still fork (their ranks never touch CUDA), CUDA worlds spawn."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert engine._start_method("cpu") == "fork"
+    assert engine._start_method("cuda") == "spawn"
+    assert engine._start_method(None) == "spawn"  # run_ranks: the body may use CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert engine._start_method("cuda") == "fork"
+
+
+def _cpu_only_flag(rank: int, world_size: int) -> Dict[str, Any]:
+    return {"flag": os.environ.get(CPU_ONLY_ENV), "compute": str(default_compute_device(None))}
+
+
+def test_cpu_world_ranks_stay_on_cpu() -> None:
+    """The ranks of a CPU world see FAIRSCALE_CPU_ONLY=1 (FSDP computes on CPU there even on a GPU machine)."""
+    assert os.environ.get(CPU_ONLY_ENV) is None, "the parent process must not be changed"
+    results = run_distributed(_cpu_only_flag, 2)
+    assert results == [{"flag": "1", "compute": "cpu"}] * 2
+    assert os.environ.get(CPU_ONLY_ENV) is None
 
 
 def test_bad_start_method(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fairscale.internal.device import (
+    CPU_ONLY_ENV,
     DeviceHandle,
     accelerator_available,
     accelerator_device_count,
@@ -60,6 +61,35 @@ def test_default_compute_device_rule() -> None:
     # Parameters on an accelerator stay there (checked without touching the accelerator).
     assert default_compute_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert default_compute_device(torch.device("cuda")).index is not None
+
+
+def _pretend_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torch report one CUDA-like accelerator at index 0 (this machine may have none)."""
+
+    class _Acc:
+        type = "cuda"
+
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "is_available"):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: _Acc())
+        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    else:  # torch without the accelerator API
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_cpu_only_env_hides_accelerators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAIRSCALE_CPU_ONLY: CPU compute device by default even where an accelerator exists (CPU test worlds)."""
+    _pretend_accelerator(monkeypatch)
+    monkeypatch.delenv(CPU_ONLY_ENV, raising=False)
+    assert accelerator_available() and default_compute_device(None) == torch.device("cuda", 0)
+    monkeypatch.setenv(CPU_ONLY_ENV, "1")
+    assert not accelerator_available() and accelerator_device_count() == 0
+    assert current_accelerator_device() is None
+    assert default_compute_device(None) == torch.device("cpu")
+    assert default_compute_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setenv(CPU_ONLY_ENV, "0")
+    assert accelerator_available()
 
 
 def test_cpu_peak_rss_bytes() -> None:

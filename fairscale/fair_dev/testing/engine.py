@@ -177,7 +177,7 @@ def run_distributed(
             store_path=os.path.join(directory, "store"),
             pg_timeout_s=timeout + _PG_TIMEOUT_MARGIN_S,
         )
-        return _run_world(body, world_size, timeout, directory)
+        return _run_world(body, world_size, timeout, directory, device_type)
 
 
 def run_ranks(fn: Callable[[int], Any], world_size: int, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
@@ -227,14 +227,21 @@ def _world_directory() -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _start_method() -> str:
+def _start_method(device_type: Optional[str]) -> str:
+    """``fork`` (fast, any callable) unless the ranks need CUDA and this process already initialised it.
+
+    Args:
+        device_type: ``"cpu"`` for a CPU world (its ranks never touch CUDA: the engine sets ``FAIRSCALE_CPU_ONLY``
+            in them, so fork stays safe even after the parent used a GPU), ``"cuda"``, or ``None`` when unknown
+            (:func:`run_ranks`).
+    """
     forced = os.environ.get(START_METHOD_ENV, "")
     if forced:
         if forced not in ("fork", "spawn"):
             raise ValueError(f"{START_METHOD_ENV} must be 'fork' or 'spawn', got {forced!r}")
         return forced
     # A forked child cannot use a CUDA context its parent created; spawn is the only safe way then.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device_type != "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
         return "spawn"
     return "fork"
 
@@ -243,10 +250,12 @@ def _start_method() -> str:
 # In the calling (parent) process
 
 
-def _run_world(body: Callable[[int], Any], world_size: int, timeout: float, directory: str) -> List[Any]:
+def _run_world(
+    body: Callable[[int], Any], world_size: int, timeout: float, directory: str, device_type: Optional[str] = None
+) -> List[Any]:
     """Start one process per rank, collect their reports, and make sure none outlives this call."""
     __tracebackhide__ = True  # pytest: show the test, not the engine
-    method = _start_method()
+    method = _start_method(device_type)
     ctx: Any = multiprocessing.get_context(method)
     deadline = time.monotonic() + timeout
     ranks: List[_RankProcess] = []

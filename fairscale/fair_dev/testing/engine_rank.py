@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fairscale.internal.device import CPU_ONLY_ENV
+
 __all__ = ["SEED", "START_METHOD_ENV", "seed_everything", "use_loopback_for_gloo"]
 
 #: Seed given to torch, ``random`` and numpy on every rank before the test body runs.
@@ -105,6 +107,10 @@ class ProcessGroupBody:
     def __call__(self, rank: int) -> Any:
         if self.device_type == "cuda":
             torch.cuda.set_device(rank)
+        else:
+            # A CPU world stays on CPU on a machine with GPUs (FSDP's default compute device would be the GPU), and
+            # never touches a CUDA context its parent may have created before the fork.
+            os.environ[CPU_ONLY_ENV] = "1"
         if self.backend == "gloo":
             use_loopback_for_gloo()
         dist.init_process_group(
