@@ -40,6 +40,10 @@ class _NodeInfo:
         self.numels = numels
         self.sync = sync
         self.window = handle.grad_window
+        # The anchor and its (empty) gradient live on the compute device: autograd runs a node on the worker thread
+        # of its inputs' device, so the anchor's AccumulateGrad (where the post-backward point runs) stays on the
+        # same thread as the rest of this unit's backward instead of racing it from the CPU thread.
+        self.anchor_grad = torch.empty(0, device=fsdp.compute_device)
 
 
 class _ViewsIntoFlatBuffer(torch.autograd.Function):
@@ -61,10 +65,7 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
         # The (empty) gradient of the anchor makes autograd run the anchor's AccumulateGrad right after this node,
         # once this node's incoming view gradients are released: the post-backward point runs there (_after_views),
         # so the reduction's temporaries never coexist with the view gradients.
-        return _EMPTY_GRAD, None, None, None
-
-
-_EMPTY_GRAD = torch.empty(0)
+        return ctx.info.anchor_grad, None, None, None
 
 
 def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
@@ -117,7 +118,7 @@ def build_views(fsdp: "FSDPRuntime", flat: Any) -> List[Tensor]:
     handle = next(h for h in fsdp._handles if h.param is flat)
     info = _NodeInfo(fsdp, handle, numels, sync=fsdp._require_backward_grad_sync)
     # A fresh anchor per forward: its AccumulateGrad has exactly one producer, this forward's node.
-    anchor = torch.empty(0, device=_EMPTY_GRAD.device, requires_grad=True)
+    anchor = torch.empty(0, device=fsdp.compute_device, requires_grad=True)
     anchor.register_post_accumulate_grad_hook(functools.partial(_after_views, info))
     return list(_ViewsIntoFlatBuffer.apply(anchor, info, flat.detach(), shapes))
 
