@@ -25,10 +25,11 @@ from fairscale.internal.collectives import count_collectives
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import TrainingState, get_fsdp_instances, zero2_groups
 
-WORLD = 2
+WORLD = 2  # of the collectives test; parity also runs at world size 1 (a machine with one GPU)
 TIMEOUT = 240.0  # a spawned CUDA world starts slowly
 DIM_IN, DIM, DIM_OUT, BATCH = 6, 11, 3, 4
 DEVICES = ["cpu", "cuda"]
+PARITY_WORLDS = [("cpu", 1), ("cpu", 2), ("cuda", 1), ("cuda", 2)]
 
 
 class Net(nn.Module):
@@ -72,15 +73,15 @@ def _build(device: torch.device, prec: str, raf: bool, obc: bool, zero2: Any) ->
     return FSDP(net, **kwargs)
 
 
-def _reference(steps: int, num_mb: int) -> Dict[str, Tensor]:
+def _reference(steps: int, num_mb: int, world_size: int) -> Dict[str, Tensor]:
     """Single process, fp32, on CPU: every rank's microbatches, gradient averaged as FSDP does."""
     torch.manual_seed(0)
     ref = Net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(steps):
         for mb in range(num_mb):
-            for rank in range(WORLD):
-                (_loss(ref(_batch(step, mb, rank))) / WORLD).backward()
+            for rank in range(world_size):
+                (_loss(ref(_batch(step, mb, rank))) / world_size).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in ref.state_dict().items()}
@@ -96,7 +97,7 @@ def _assert_idle(model: FSDP) -> None:
         assert m.training_state == TrainingState.IDLE, m.training_state
 
 
-def _train_case(device_type: str, rank: int, prec: str, raf: bool, obc: bool, zero2: Any) -> None:
+def _train_case(device_type: str, rank: int, world_size: int, prec: str, raf: bool, obc: bool, zero2: Any) -> None:
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     model = _build(device, prec, raf, obc, zero2)
     assert all(m.compute_device.type == device.type for m in get_fsdp_instances(model))
@@ -127,7 +128,7 @@ def _train_case(device_type: str, rank: int, prec: str, raf: bool, obc: bool, ze
         opt.step()
         opt.zero_grad(set_to_none=True)
     got = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    want = _reference(steps, num_mb)
+    want = _reference(steps, num_mb, world_size)
     assert list(got) == list(want)
     if prec == "fp32":
         for k in want:
@@ -143,17 +144,19 @@ def _training_body(rank: int, world_size: int, device_type: str) -> None:
         for raf in (True, False):
             for obc in (False, True):
                 name = f"{prec},raf={raf},obc={obc}"
-                cases.append((name, lambda p=prec, r=raf, o=obc: _train_case(device_type, rank, p, r, o, None)))
+                cases.append(
+                    (name, lambda p=prec, r=raf, o=obc: _train_case(device_type, rank, world_size, p, r, o, None))
+                )
     for prec in ("fp32", "bf16"):
         name = f"{prec},zero2 group of 1"
-        cases.append((name, lambda p=prec: _train_case(device_type, rank, p, True, True, zero2)))
+        cases.append((name, lambda p=prec: _train_case(device_type, rank, world_size, p, True, True, zero2)))
     run_cases(cases)
 
 
-@pytest.mark.parametrize("device_type", DEVICES)
-def test_training_parity_on_device(device_type: str) -> None:
+@pytest.mark.parametrize("device_type,world_size", PARITY_WORLDS, ids=[f"{d}-ws{w}" for d, w in PARITY_WORLDS])
+def test_training_parity_on_device(device_type: str, world_size: int) -> None:
     """Parity with the fp32 reference after two 2-microbatch windows, on the device, across the feature matrix."""
-    run_distributed(_training_body, WORLD, device_type, device=device_type, timeout=TIMEOUT)
+    run_distributed(_training_body, world_size, device_type, device=device_type, timeout=TIMEOUT)
 
 
 def _communication_body(rank: int, world_size: int, device_type: str) -> List[Any]:
