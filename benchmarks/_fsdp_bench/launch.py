@@ -43,8 +43,14 @@ def _device(cfg: BenchConfig, local_rank: int) -> torch.device:
     if not hasattr(torch, "accelerator") or not torch.accelerator.is_available():
         raise RuntimeError("--device cuda was asked for but no CUDA device is available; run with --device cpu")
     count = torch.accelerator.device_count()
-    torch.accelerator.set_device_index(local_rank % count)
-    return torch.device("cuda", local_rank % count)
+    if local_rank >= count:
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): say so before it does, in plain words.
+        raise RuntimeError(
+            f"--device cuda runs one rank per GPU, but local rank {local_rank} has no GPU of its own ({count} "
+            "visible); lower --world-size (and --zero2-world-size for the zero2 scenario) or use --device cpu"
+        )
+    torch.accelerator.set_device_index(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def _init_rank(
@@ -81,6 +87,14 @@ def _rank_main(cfg: BenchConfig, scenarios: List[str], rank: int, world_size: in
 
 def launch_world(cfg: BenchConfig, scenarios: List[str], world_size: int) -> List[Dict[str, Any]]:
     """Start ``world_size`` ranks on this machine, run ``scenarios`` in them, return rank 0's run records."""
+    if cfg.device == "cuda" and hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        gpus = torch.accelerator.device_count()  # counts without creating a context: spawn/fork stay safe
+        if world_size > gpus:
+            raise SystemExit(
+                f"--device cuda runs one rank per GPU: a {world_size}-rank world ({', '.join(scenarios)}) needs "
+                f"{world_size} GPUs, {gpus} visible. Lower --world-size / --zero2-world-size, or pick scenarios "
+                "that fit (e.g. --scenario train accum)."
+            )
     # Forking is safe here: this parent process never runs torch compute (so no OpenMP pool to inherit); a CUDA
     # context cannot cross a fork, hence spawn for CUDA.
     method = "fork" if cfg.device == "cpu" and "fork" in multiprocessing.get_all_start_methods() else "spawn"

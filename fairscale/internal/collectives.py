@@ -222,7 +222,9 @@ def _dispatch(kind: str, info: _GroupInfo, dtype: torch.dtype, strategies: Seque
         except _NotApplicable:
             continue
         except (RuntimeError, NotImplementedError) as exc:
-            if not _UNSUPPORTED.search(str(exc)):
+            # NCCL has every variant and dtype natively: an error there is a real failure (a CUDA error can read
+            # "operation not supported"), and retrying another variant on this rank alone would leave peers waiting.
+            if info.backend == "nccl" or not _UNSUPPORTED.search(str(exc)):
                 raise
             errors.append(f"{name}: {str(exc).strip().splitlines()[0]}")
             continue

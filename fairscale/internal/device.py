@@ -232,6 +232,16 @@ class DeviceHandle:
             return cast(Stream, self._mod.current_stream(self.device))
         return _CPU_STREAM
 
+    def as_current(self) -> ContextManager[None]:
+        """Context manager that makes this device the current one (does nothing on CPU).
+
+        Object collectives on NCCL place their buffers on the *current* CUDA device: inside this context they use
+        the compute device even when the user never called ``torch.cuda.set_device``.
+        """
+        if self._module is not None and hasattr(self._module, "device") and self.device.index is not None:
+            return cast(ContextManager[None], self._module.device(self.device.index))
+        return contextlib.nullcontext()
+
     def stream(self, s: Stream) -> ContextManager[None]:
         """Context manager that makes ``s`` the current stream (does nothing on CPU)."""
         if self._has_streams and not isinstance(s, _InertStream):

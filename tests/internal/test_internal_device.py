@@ -121,3 +121,18 @@ def test_accelerator_streams_order_work() -> None:
     assert handle.memory_allocated() > 0 and handle.max_memory_allocated() >= handle.memory_allocated()
     pinned = handle.pin_memory(torch.ones(4))
     assert pinned.is_pinned()
+
+
+def test_as_current_on_cpu_is_inert() -> None:
+    with DeviceHandle.for_device("cpu").as_current():
+        assert torch.zeros(1).device.type == "cpu"
+
+
+@needs_accelerator
+def test_as_current_switches_the_current_accelerator() -> None:
+    last = accelerator_device_count() - 1
+    handle = DeviceHandle.for_device(torch.device("cuda", last))
+    before = torch.cuda.current_device()
+    with handle.as_current():
+        assert torch.cuda.current_device() == last  # where NCCL object collectives put their buffers
+    assert torch.cuda.current_device() == before

@@ -164,6 +164,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         params = self._collect_params_to_own(module)
         self.compute_device = fsdp_config.resolve_compute_device((p for _, p in params), compute_device)
         self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
+        fsdp_config.validate_grad_placement(self.compute_device, self.move_params_to_cpu, self.move_grads_to_cpu)
         fsdp_config.validate_param_dtypes((p for _, p in params), mixed_precision, self.compute_dtype)
         self.zero2_process_group = zero2_process_group
         self._zero2_problem = zero2.local_problem(zero2_process_group, self.process_group)

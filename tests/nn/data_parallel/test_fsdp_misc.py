@@ -187,6 +187,24 @@ def test_named_parameters_and_repr() -> None:
     run_distributed(body, 2)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(move_grads_to_cpu=True), "move_grads_to_cpu=True needs move_params_to_cpu=True"),
+        (dict(move_params_to_cpu=True, move_grads_to_cpu=False), "gradients must too"),
+    ],
+)
+def test_gradient_and_parameter_placement_must_agree_on_accelerators(kwargs: Any, message: str) -> None:
+    """With an accelerator compute device, a CPU gradient on a device shard (or the reverse) would fail at the end of
+    the first backward (p.grad must live on p's device): refused at construction. Constructing touches no device."""
+    group = dict(process_group=DummyProcessGroup(rank=0, size=2), process_group_reduce_scatter=ProcessGroupName.default)
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=message):
+        FSDP(nn.Linear(2, 2), compute_device=cuda, **group, **kwargs)
+    FSDP(nn.Linear(2, 2), compute_device=torch.device("cpu"), **group, **kwargs)  # on CPU both live on the CPU
+    FSDP(nn.Linear(2, 2), compute_device=cuda, move_params_to_cpu=kwargs.get("move_params_to_cpu", False), **group)
+
+
 # ------------------------------------------------------------------------------------------------------ divide factors
 
 # Spec 1.2: (pre, post) for the default gradient_predivide_factor.

@@ -61,3 +61,23 @@ def validate_param_dtypes(params: Iterable[nn.Parameter], mixed_precision: bool,
                     "for low-precision compute; pure bf16 parameters are not supported)"
                 )
             raise ValueError(f"FullyShardedDataParallel: found a {p.dtype} parameter of shape {tuple(p.shape)}: {hint}")
+
+
+def validate_grad_placement(compute_device: torch.device, move_params_to_cpu: bool, move_grads_to_cpu: bool) -> None:
+    """A gradient must live on its parameter's device: reject flag pairs that would put them apart.
+
+    On a CPU compute device both always live on the CPU, so any pair works there.
+    """
+    if compute_device.type == "cpu" or move_params_to_cpu == move_grads_to_cpu:
+        return
+    if move_grads_to_cpu:
+        raise ValueError(
+            f"move_grads_to_cpu=True needs move_params_to_cpu=True when computing on {compute_device}: the fp32 "
+            "shards (and so the optimizer) live on the compute device and a CPU gradient cannot be assigned to them. "
+            "Pass move_params_to_cpu=True to offload both, or leave move_grads_to_cpu unset."
+        )
+    raise ValueError(
+        f"move_params_to_cpu=True with move_grads_to_cpu=False is not supported when computing on {compute_device}: "
+        "the fp32 shards live on the CPU, so their gradients must too. Leave move_grads_to_cpu unset (it follows "
+        "move_params_to_cpu)."
+    )

@@ -115,6 +115,11 @@ class FlatHandle:
                 )
             shard = device.pin_memory(shard)
             self.param.data = shard
+        elif shard.device != device.device:
+            # Parameters built on the CPU with an accelerator as compute device: the fp32 shard (and so the
+            # optimizer state, created at its first step) moves to the compute device, as the default promises.
+            shard = shard.to(device.device)
+            self.param.data = shard
         self.fp32_shard = shard
         needs_buffer = self.is_sharded or shard.dtype != compute_dtype or shard.device != device.device
         if needs_buffer:

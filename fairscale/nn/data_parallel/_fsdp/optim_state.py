@@ -163,7 +163,8 @@ def _check_same_schema(fsdp: "FSDPRuntime", state: Dict[int, Dict[str, Any]], la
     """Every rank must gather the same keys and shapes, or the gathers below would mismatch or hang."""
     collected = [lay.local for lay in layouts if not lay.instance.no_broadcast_optim_state]
     mine = {k: [(key, _schema(v)) for key, v in state[k].items()] for k in collected if k in state}
-    everyone = collectives.all_gather_object(mine, group=fsdp.process_group)
+    with fsdp._device.as_current():  # NCCL object collectives allocate on the current device
+        everyone = collectives.all_gather_object(mine, group=fsdp.process_group)
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             raise RuntimeError(

@@ -242,7 +242,8 @@ class FSDPRuntime(nn.Module):
             return
         self._zero2_checked = True
         instances = self._fsdp_instances()
-        with collectives.collective_phase("init"):
+        # On the compute device: NCCL object collectives allocate on the current device.
+        with collectives.collective_phase("init"), self._device.as_current():
             if self.world_size > 1:
                 zero2.check_same_setting(self.process_group, [(_clean(n), m) for n, m in self._named_instances()])
             seen = set()
@@ -431,6 +432,9 @@ class FSDPRuntime(nn.Module):
                 h.is_sharded and g.shape == h.fp32_shard.shape and g.shape != h.orig_size  # type: ignore[union-attr]
             )
             if is_reduced_shard:
+                if g.device != self.compute_device:
+                    # move_grads_to_cpu: the parked shard joins the next reductions, which land on the compute device.
+                    g = g.to(self.compute_device)
                 h.saved_grad_shard = g if h.saved_grad_shard is None else h.saved_grad_shard + g
                 p.grad = None
             elif g.shape != h.orig_size:
@@ -513,6 +517,10 @@ class FSDPRuntime(nn.Module):
         tree = self._tree
         assert tree is not None
         tree.post_backward_stream.wait_stream(tree.device.current_stream())
+        # The caller drops its reference when this returns: without this, the allocator could hand the gradient's
+        # memory to the next backward kernel on the compute stream while the post-backward stream still reads and
+        # divides it in place.
+        tree.device.record_stream(grad, tree.post_backward_stream)
         with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
             self._reduce_grad(h, grad)
 
