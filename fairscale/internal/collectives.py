@@ -206,8 +206,16 @@ def _force_strategy(kind: str, name: str, dtype: Optional[torch.dtype] = None) -
             _forced[key] = previous
 
 
-def _dispatch(kind: str, info: _GroupInfo, dtype: torch.dtype, strategies: Sequence[_Strategy]) -> WorkHandle:
-    """Run the first strategy the backend accepts for ``(backend, kind, dtype)``; remember it."""
+def _dispatch(
+    kind: str, info: _GroupInfo, dtype: torch.dtype, strategies: Sequence[_Strategy], device_type: str = "cpu"
+) -> WorkHandle:
+    """Run the first strategy the backend accepts for ``(backend, kind, dtype)``; remember it.
+
+    Fallbacks are for CPU tensors only (gloo's gaps). Accelerator backends (NCCL) support every variant and dtype, so
+    an error there is a real failure (a CUDA error can read "operation not supported") and retrying another variant
+    on this rank alone would leave the peers waiting. The tensor's device decides, not the backend's name, which
+    reads "undefined" or "cpu:gloo,cuda:nccl" for groups created without an explicit backend.
+    """
     forced = _forced.get((kind, dtype)) or _forced.get((kind, None))
     wanted = forced or _chosen.get((info.backend, kind, dtype))
     if wanted is not None:
@@ -222,9 +230,7 @@ def _dispatch(kind: str, info: _GroupInfo, dtype: torch.dtype, strategies: Seque
         except _NotApplicable:
             continue
         except (RuntimeError, NotImplementedError) as exc:
-            # NCCL has every variant and dtype natively: an error there is a real failure (a CUDA error can read
-            # "operation not supported"), and retrying another variant on this rank alone would leave peers waiting.
-            if info.backend == "nccl" or not _UNSUPPORTED.search(str(exc)):
+            if device_type != "cpu" or not _UNSUPPORTED.search(str(exc)):
                 raise
             errors.append(f"{name}: {str(exc).strip().splitlines()[0]}")
             continue
@@ -317,7 +323,7 @@ def _all_gather(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> W
         return _via_fp32(out, inp, lambda o, i: _all_gather(o, i, info, async_op))
 
     strategies = [("tensor", tensor_variant), ("list", list_variant), ("fp32", fp32_variant)]
-    return _dispatch("all_gather", info, out.dtype, strategies)
+    return _dispatch("all_gather", info, out.dtype, strategies, out.device.type)
 
 
 def reduce_scatter_from_flat(
@@ -381,7 +387,7 @@ def _reduce_scatter(out: Tensor, inp: Tensor, op: Any, info: _GroupInfo, async_o
         ("all_reduce", all_reduce_variant),
         ("fp32", fp32_variant),
     ]
-    return _dispatch("reduce_scatter", info, out.dtype, strategies)
+    return _dispatch("reduce_scatter", info, out.dtype, strategies, out.device.type)
 
 
 def all_reduce(
@@ -415,7 +421,8 @@ def _all_reduce(tensor: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> Wo
     def fp32_variant() -> WorkHandle:
         return _via_fp32(tensor, tensor, lambda wire, _: _all_reduce(wire, op, info, async_op))
 
-    return _dispatch("all_reduce", info, tensor.dtype, [("tensor", tensor_variant), ("fp32", fp32_variant)])
+    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
+    return _dispatch("all_reduce", info, tensor.dtype, strategies, tensor.device.type)
 
 
 def broadcast(
@@ -449,7 +456,8 @@ def _broadcast(tensor: Tensor, src: int, info: _GroupInfo, async_op: bool) -> Wo
     def fp32_variant() -> WorkHandle:
         return _via_fp32(tensor, tensor, lambda wire, _: _broadcast(wire, src, info, async_op))
 
-    return _dispatch("broadcast", info, tensor.dtype, [("tensor", tensor_variant), ("fp32", fp32_variant)])
+    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
+    return _dispatch("broadcast", info, tensor.dtype, strategies, tensor.device.type)
 
 
 def _check_contiguous(what: str, tensor: Tensor) -> None:

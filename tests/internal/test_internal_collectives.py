@@ -320,6 +320,31 @@ def test_fallback_discovery_is_cached_per_backend_kind_dtype() -> None:
             del C._chosen[key]
 
 
+def test_no_fallback_for_accelerator_tensors() -> None:
+    """On an accelerator (NCCL) an error that reads "not supported" is a real failure: re-raised at once, never
+    retried with another variant on this rank alone (its peers would wait forever)."""
+    info = C._GroupInfo(pg=None, size=2, rank=0, ranks=(0, 1), backend="undefined")
+    tried: List[str] = []
+
+    def cuda_error() -> WorkHandle:
+        tried.append("tensor")
+        raise RuntimeError("Cuda failure 'operation not supported'")
+
+    def other() -> WorkHandle:
+        tried.append("list")
+        return WorkHandle()
+
+    try:
+        with pytest.raises(RuntimeError, match="operation not supported"):
+            C._dispatch("all_gather", info, torch.bfloat16, [("tensor", cuda_error), ("list", other)], "cuda")
+        assert tried == ["tensor"] and ("undefined", "all_gather", torch.bfloat16) not in C._chosen
+        C._dispatch("all_gather", info, torch.bfloat16, [("tensor", cuda_error), ("list", other)], "cpu")
+        assert tried == ["tensor", "tensor", "list"]  # CPU tensors (gloo's gaps) still fall back
+    finally:
+        for key in [k for k in C._chosen if k[0] == "undefined"]:
+            del C._chosen[key]
+
+
 def test_counter_module_is_the_one_the_layer_records_into() -> None:
     """The counter lives in collective_counter; collectives re-exports it, so either name sees every call."""
     from fairscale.internal import collective_counter

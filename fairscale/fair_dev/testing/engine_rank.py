@@ -106,6 +106,7 @@ class ProcessGroupBody:
 
     def __call__(self, rank: int) -> Any:
         if self.device_type == "cuda":
+            os.environ.pop(CPU_ONLY_ENV, None)  # inherited from the parent's environment, it would hide the GPUs
             torch.cuda.set_device(rank)
         else:
             # A CPU world stays on CPU on a machine with GPUs (FSDP's default compute device would be the GPU), and

@@ -264,8 +264,18 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             if p._is_sharded:  # type: ignore[attr-defined]
                 shard, padding = self._get_shard(p.data)
                 p.data = shard
+            if self._moves_shards_to_compute_device(p.data):
+                # A model built on the CPU with an accelerator compute device: only the shard moves, and before the
+                # user builds (or loads) the optimizer, so its state is created next to the parameters.
+                p.data = p.data.to(self.compute_device)
             self.numel_padded_per_param.append(padding)
             self._handles.append(FlatHandle(p, name, self.world_size, self.rank, padding))
+
+    def _moves_shards_to_compute_device(self, shard: Tensor) -> bool:
+        accelerator = self.compute_device.type not in ("cpu", "meta")
+        return (
+            accelerator and not self.move_params_to_cpu and shard.device.type not in ("meta", self.compute_device.type)
+        )
 
     def _get_shard(self, tensor: Tensor) -> Tuple[Tensor, int]:
         """This rank's chunk-and-pad shard of ``tensor`` (1-D, ``ceil(numel / world_size)`` elements) and padding."""

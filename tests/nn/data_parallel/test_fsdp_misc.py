@@ -202,7 +202,7 @@ def test_gradient_and_parameter_placement_must_agree_on_accelerators(kwargs: Any
     with pytest.raises(ValueError, match=message):
         FSDP(nn.Linear(2, 2), compute_device=cuda, **group, **kwargs)
     FSDP(nn.Linear(2, 2), compute_device=torch.device("cpu"), **group, **kwargs)  # on CPU both live on the CPU
-    FSDP(nn.Linear(2, 2), compute_device=cuda, move_params_to_cpu=kwargs.get("move_params_to_cpu", False), **group)
+    FSDP(nn.Linear(2, 2), compute_device=cuda, move_params_to_cpu=True, **group)  # both offloaded: accepted
 
 
 # ------------------------------------------------------------------------------------------------------ divide factors

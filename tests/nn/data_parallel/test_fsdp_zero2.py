@@ -493,3 +493,23 @@ def _different_wrapping(rank: int, world_size: int) -> None:
 def test_different_wrapping_across_ranks() -> None:
     """Ranks that wrap different modules would issue different collectives: a clear ValueError instead of a hang."""
     run_distributed(_different_wrapping, 2, timeout=ERROR_TIMEOUT)
+
+
+def _local_calls_stay_local(rank: int, world_size: int) -> None:
+    model = _nested(zero2_groups(1))
+    if rank == 0:  # a rank-local call before any forward must not start the cross-rank check
+        model.local_state_dict()
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    assert total.item() == world_size
+    with count_collectives() as counter:
+        mb_loss(model(torch.randn(2, DIM_IN))).backward()
+    assert counter.count("all_gather_object", phase="init") == 2, counter.summary()  # setting + partition
+    with count_collectives() as counter:
+        mb_loss(model(torch.randn(2, DIM_IN))).backward()
+    assert counter.count(phase="init") == 0, counter.summary()
+
+
+def test_cross_rank_check_waits_for_the_first_forward() -> None:
+    """local_state_dict() on one rank before any forward stays local; the check runs once, at the first forward."""
+    run_distributed(_local_calls_stay_local, 2, timeout=ERROR_TIMEOUT)

@@ -153,7 +153,6 @@ class FSDPRuntime(nn.Module):
             self._cast_buffers()
             if self.disable_reshard_on_root:
                 self.reshard_after_forward = False
-            self._check_zero2_groups_once()
 
     def _check_foreign_params(self) -> None:
         declared = {id(h.param) for h in self._handles if h.borrowed}
@@ -232,7 +231,7 @@ class FSDPRuntime(nn.Module):
                         setattr(owned, name, buf.to(device=m.compute_device, dtype=dtype))
 
     def _check_zero2_groups_once(self) -> None:
-        """The first time the root initialises: zero2 settings agree across ranks, then each zero2 group is valid.
+        """The root's first forward: zero2 settings agree across ranks, then each zero2 group is valid.
 
         Both are small collectives (contract 2.6). The first one runs on every rank, with or without a zero2 group,
         because a group passed on some ranks and ``None`` on others would otherwise make the ranks issue different
@@ -240,7 +239,6 @@ class FSDPRuntime(nn.Module):
         """
         if getattr(self, "_zero2_checked", False):
             return
-        self._zero2_checked = True
         instances = self._fsdp_instances()
         # On the compute device: NCCL object collectives allocate on the current device.
         with collectives.collective_phase("init"), self._device.as_current():
@@ -251,6 +249,8 @@ class FSDPRuntime(nn.Module):
                 if m.zero2_process_group is not None and id(m.zero2_process_group) not in seen:
                     seen.add(id(m.zero2_process_group))
                     zero2.check_partition(m.process_group, m.zero2_process_group, m._zero2_problem)
+        # Only once it passed: a caught ValueError must not let a retry skip the check and hang later instead.
+        self._zero2_checked = True
 
     def _named_instances(self) -> List[Tuple[str, "FSDPRuntime"]]:
         return [(name, m) for name, m in self.named_modules() if isinstance(m, FSDPRuntime)]
@@ -317,6 +317,10 @@ class FSDPRuntime(nn.Module):
     # ------------------------------------------------------------------ forward
     def _fsdp_forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
+        if self._is_root:
+            # At the first forward, not in _lazy_init: local_state_dict() and friends before any forward must stay
+            # rank-local (no collective that the other ranks would have to join).
+            self._check_zero2_groups_once()
         if self._is_root and torch._C._current_graph_task_id() == -1:
             self._recover_from_aborted_backward()
         previous = self.training_state
