@@ -561,3 +561,28 @@ def test_flatten_params_wrapper_rejects_non_bool() -> None:
 
     with pytest.raises(TypeError, match="optimize_backward_concat must be a bool"):
         FlattenParamsWrapper(nn.Linear(2, 2), optimize_backward_concat="yes")  # type: ignore[arg-type]
+
+
+def _partial_backward(rank: int, world_size: int) -> None:
+    """backward(inputs=params) and autograd.grad(loss, params) do not reach the accumulation buffer's hook: the
+    flag then answers exactly like the default path instead of silently returning no gradient."""
+    results: Dict[Tuple[bool, str], List[Tensor]] = {}
+    for flag in (False, True):
+        for mode in ("inputs", "autograd_grad"):
+            model, _, _ = build(cfg(nested=False), flag)
+            loss = mb_loss(model(batch(0, 0, rank)))
+            params = list(model.parameters())
+            if mode == "inputs":
+                loss.backward(inputs=params)
+                grads = [p.grad for p in params]
+            else:
+                grads = list(torch.autograd.grad(loss, params, allow_unused=True))
+            assert all(g is not None for g in grads), f"flag={flag} {mode}: a parameter got no gradient"
+            results[(flag, mode)] = [g.detach().clone() for g in grads]  # type: ignore[union-attr]
+    for mode in ("inputs", "autograd_grad"):
+        for on, off in zip(results[(True, mode)], results[(False, mode)]):
+            assert torch.equal(on, off), f"{mode}: flag on and off disagree"
+
+
+def test_partial_backward_matches_the_default_path() -> None:
+    run_distributed(_partial_backward, 2, timeout=TIMEOUT)

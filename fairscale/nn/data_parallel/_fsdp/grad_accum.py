@@ -19,6 +19,7 @@ window was reduced raises instead of silently dropping or double-counting gradie
 """
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
@@ -35,8 +36,10 @@ class _NodeInfo:
     """What one forward's views need to know in backward (captured at forward time: the mode is fixed then)."""
 
     def __init__(self, fsdp: "FSDPRuntime", handle: FlatHandle, numels: List[int], sync: bool) -> None:
-        self.fsdp = fsdp
-        self.handle = handle
+        # Weak: the autograd graph holding this info is kept by the module's views (C++ references the garbage
+        # collector cannot see), so a strong reference to the instance would keep a dropped model alive.
+        self._fsdp_ref = weakref.ref(fsdp)
+        self._handle_ref = weakref.ref(handle)
         self.numels = numels
         self.sync = sync
         self.window = handle.grad_window
@@ -45,27 +48,56 @@ class _NodeInfo:
         # same thread as the rest of this unit's backward instead of racing it from the CPU thread.
         self.anchor_grad = torch.empty(0, device=fsdp.compute_device)
 
+    @property
+    def handle(self) -> FlatHandle:
+        handle = self._handle_ref()
+        if handle is None:
+            raise RuntimeError("optimize_backward_concat: backward through the graph of a deleted FSDP model")
+        return handle
+
+    @property
+    def fsdp(self) -> "FSDPRuntime":
+        fsdp = self._fsdp_ref()
+        if fsdp is None:
+            raise RuntimeError("optimize_backward_concat: backward through the graph of a deleted FSDP model")
+        return fsdp
+
 
 class _ViewsIntoFlatBuffer(torch.autograd.Function):
     """Views of a flat parameter whose gradients are accumulated into a flat buffer (see module docstring)."""
 
     @staticmethod
     def forward(
-        ctx: Any, anchor: Tensor, info: _NodeInfo, data: Tensor, shapes: List[torch.Size]
+        ctx: Any, anchor: Tensor, flat: Tensor, info: _NodeInfo, data: Tensor, shapes: List[torch.Size]
     ) -> Tuple[Tensor, ...]:
-        # `anchor` is an empty leaf that requires grad: it makes the outputs require grad without linking them to
-        # the flat parameter (so no AccumulateGrad on the flat parameter ever runs).
+        # `anchor` is an empty leaf that requires grad: the usual backward sends it an empty gradient, and the
+        # post-backward point runs in its AccumulateGrad hook. `flat` (the flat parameter) gets a gradient only from
+        # a partial backward that does not reach the anchor (see backward).
         ctx.set_materialize_grads(False)  # views that got no gradient arrive as None, not as zero tensors
         ctx.info = info
         return tuple(t.view(s) for t, s in zip(data.split(info.numels), shapes))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Tensor, None, None, None]:
-        accumulate_view_grads(ctx.info, grads)
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor], None, None, None]:
+        info: _NodeInfo = ctx.info
+        anchor_node = ctx.next_functions[0][0]
+        if anchor_node is not None and not torch._C._will_engine_execute_node(anchor_node):
+            # backward(inputs=...) or autograd.grad() asking for the flat parameter: answer exactly as the default
+            # path does (one concatenated gradient for it), and leave the accumulation buffer alone.
+            return None, _concat(info, grads), None, None, None
+        accumulate_view_grads(info, grads)
         # The (empty) gradient of the anchor makes autograd run the anchor's AccumulateGrad right after this node,
         # once this node's incoming view gradients are released: the post-backward point runs there (_after_views),
         # so the reduction's temporaries never coexist with the view gradients.
-        return ctx.info.anchor_grad, None, None, None
+        return info.anchor_grad, None, None, None, None
+
+
+def _concat(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> Optional[Tensor]:
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    like = present[0]
+    return torch.cat([g.reshape(-1) if g is not None else like.new_zeros(n) for g, n in zip(grads, info.numels)])
 
 
 def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
@@ -120,7 +152,7 @@ def build_views(fsdp: "FSDPRuntime", flat: Any) -> List[Tensor]:
     # A fresh anchor per forward: its AccumulateGrad has exactly one producer, this forward's node.
     anchor = torch.empty(0, device=fsdp.compute_device, requires_grad=True)
     anchor.register_post_accumulate_grad_hook(functools.partial(_after_views, info))
-    return list(_ViewsIntoFlatBuffer.apply(anchor, info, flat.detach(), shapes))
+    return list(_ViewsIntoFlatBuffer.apply(anchor, flat, info, flat.detach(), shapes))
 
 
 def install(fsdp: "FSDPRuntime") -> None:

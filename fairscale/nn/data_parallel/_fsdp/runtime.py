@@ -16,6 +16,7 @@ Order of events for one instance in one training step (ZeRO-3, ``reshard_after_f
 import dataclasses
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -57,6 +58,23 @@ def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_gra
         return t.to(dtype)
 
     return apply_to_tensors(cast, (args, kwargs))
+
+
+def _weak_post_backward_hook(fsdp: "FSDPRuntime", h: FlatHandle) -> Callable[[Tensor], None]:
+    """The per-parameter hook, holding the instance and handle weakly.
+
+    A tensor's hooks live in C++, out of sight of Python's garbage collector: a strong reference from the hook back
+    to the module (which owns the parameter) would form a cycle that is never collected, keeping every FSDP model
+    and its parameters alive after the user dropped it.
+    """
+    fsdp_ref, handle_ref = weakref.ref(fsdp), weakref.ref(h)
+
+    def hook(param: Tensor) -> None:
+        owner, handle = fsdp_ref(), handle_ref()
+        if owner is not None and handle is not None:
+            owner._post_backward_hook(handle, param)
+
+    return hook
 
 
 def for_each_tensor(obj: Any, fn: Callable[[Tensor], None]) -> None:
@@ -451,7 +469,7 @@ class FSDPRuntime(nn.Module):
         """Once per handle: a post-accumulate-grad hook (persistent, so hooks never pile up across iterations)."""
         for h in self._handles:
             if h.param.requires_grad and not getattr(h, "post_hook_registered", False):
-                h.param.register_post_accumulate_grad_hook(functools.partial(self._post_backward_hook, h))
+                h.param.register_post_accumulate_grad_hook(_weak_post_backward_hook(self, h))
                 h.post_hook_registered = True  # type: ignore[attr-defined]
 
     @torch.no_grad()
