@@ -95,12 +95,21 @@ class CollectiveCounter:
         return f"CollectiveCounter({self.summary()})"
 
 
-# Process-wide rather than thread-local: on CUDA the autograd engine runs backward hooks (and
-# so the gradient reduce-scatters) on its own device threads, which must still be counted and
-# tagged.
+# The active counters are process-wide rather than thread-local: on CUDA the autograd engine runs backward hooks
+# (and so the gradient reduce-scatters) on its own device threads, which must still be counted. The phase tag is
+# per thread (each caller tags the collectives it issues itself).
 _counter_lock = threading.Lock()
 _active_counters: List[CollectiveCounter] = []
-_current_phase: Optional[str] = None
+
+
+class _PhaseState(threading.local):
+    """The phase tag of the calling thread: CUDA autograd runs backward work on per-device threads, concurrently with
+    the thread that called backward(), so a process-wide tag could be read by the wrong collective."""
+
+    phase: Optional[str] = None
+
+
+_phase_state = _PhaseState()
 
 
 @contextlib.contextmanager
@@ -132,13 +141,12 @@ def count_collectives() -> Iterator[CollectiveCounter]:
 @contextlib.contextmanager
 def collective_phase(phase: Optional[str]) -> Iterator[None]:
     """Tag the collectives called inside with ``phase`` (e.g. ``"forward"``); innermost wins."""
-    global _current_phase
-    previous = _current_phase
-    _current_phase = phase
+    previous = _phase_state.phase
+    _phase_state.phase = phase
     try:
         yield
     finally:
-        _current_phase = previous
+        _phase_state.phase = previous
 
 
 def record_collective(
@@ -158,7 +166,7 @@ def record_collective(
         return
     nbytes = numel * element_size
     shard = nbytes // group_size if kind in ("all_gather", "reduce_scatter") else nbytes
-    record = CollectiveRecord(kind, group_size, ranks, dtype, numel, nbytes, shard, _current_phase)
+    record = CollectiveRecord(kind, group_size, ranks, dtype, numel, nbytes, shard, _phase_state.phase)
     with _counter_lock:
         for counter in _active_counters:
             counter.records.append(record)

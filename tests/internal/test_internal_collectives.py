@@ -361,3 +361,27 @@ def test_counter_module_is_the_one_the_layer_records_into() -> None:
     ]
     collective_counter.record_collective("barrier", 1, (0,), None, 0, 0)  # no counter open: nothing kept
     assert len(counter.records) == 2
+
+
+def test_phase_tags_are_per_thread() -> None:
+    """A phase set by one thread (e.g. the caller of backward) never tags collectives another thread issues (CUDA
+    runs backward hooks on autograd device threads)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with C.collective_phase("forward"):
+            entered.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=other_thread)
+    with C.count_collectives() as counter:
+        worker.start()
+        assert entered.wait(10)
+        all_reduce(torch.ones(1))  # no process group: the 1-rank local world, still recorded
+        with C.collective_phase("backward"):
+            all_reduce(torch.ones(1))
+        release.set()
+        worker.join(10)
+    assert [r.phase for r in counter.records] == [None, "backward"], counter.summary()
