@@ -17,7 +17,8 @@ from ._fsdp import config as fsdp_config
 from ._fsdp import grad_accum, summon, zero2
 from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
 from ._fsdp.metadata import CheckpointFormatsMixin
-from ._fsdp.runtime import FSDPRuntime, cast_inputs
+from ._fsdp.io import cast_inputs
+from ._fsdp.runtime import FSDPRuntime
 from ._fsdp.state import HandleState, TrainingState
 from ._fsdp.state_dict import StateDictMixin
 

@@ -13,7 +13,6 @@ Order of events for one instance in one training step (ZeRO-3, ``reshard_after_f
    every instance to IDLE with ``p.data`` the fp32 shard.
 """
 
-import dataclasses
 import functools
 import warnings
 import weakref
@@ -23,41 +22,15 @@ import torch
 from torch import Tensor, nn
 
 from fairscale.internal import collectives
-from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.device import DeviceHandle
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
 from . import grad_accum, zero2
 from .handle import FlatHandle
+from .io import cast_inputs, for_each_tensor
 from .metadata import _clean
 from .state import HandleState, TrainingState
 from .tree import TreeState
-
-
-def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_grad: bool, args: Any, kwargs: Any) -> Any:
-    """Cast floating tensors of ``from_dtypes`` among ``args``/``kwargs`` to ``dtype`` (recursively).
-
-    Args:
-        dtype: target dtype.
-        from_dtypes: only tensors of these dtypes are cast.
-        no_grad: cast outside autograd (the copy is a new leaf that keeps ``requires_grad`` of a leaf input).
-
-    Returns:
-        ``(args, kwargs)`` with the casts applied.
-    """
-
-    def cast(t: Tensor) -> Tensor:
-        if not t.is_floating_point() or t.dtype not in from_dtypes or t.dtype == dtype:
-            return t
-        if no_grad:
-            with torch.no_grad():
-                out = t.to(dtype)
-            if t.is_leaf and t.requires_grad:
-                out.requires_grad_(True)
-            return out
-        return t.to(dtype)
-
-    return apply_to_tensors(cast, (args, kwargs))
 
 
 def _weak_post_backward_hook(fsdp: "FSDPRuntime", h: FlatHandle) -> Callable[[Tensor], None]:
@@ -75,22 +48,6 @@ def _weak_post_backward_hook(fsdp: "FSDPRuntime", h: FlatHandle) -> Callable[[Te
             owner._post_backward_hook(handle, param)
 
     return hook
-
-
-def for_each_tensor(obj: Any, fn: Callable[[Tensor], None]) -> None:
-    """Call ``fn`` on every tensor in ``obj``: nested tuples/lists/sets/dicts (namedtuples, ``ModelOutput``-style
-    dicts and ``PackedSequence`` included) and dataclass instances."""
-    if isinstance(obj, Tensor):
-        fn(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            for_each_tensor(getattr(obj, f.name), fn)
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            for_each_tensor(value, fn)
-    elif isinstance(obj, (list, tuple, set)):
-        for value in obj:
-            for_each_tensor(value, fn)
 
 
 class FSDPRuntime(nn.Module):
