@@ -29,7 +29,7 @@ setuptools.setup(
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
     license="BSD",
-    packages=setuptools.find_packages(exclude=("tests", "tests.*", "benchmarks", "benchmarks.*")),
+    packages=setuptools.find_packages(exclude=("tests", "tests.*", "benchmarks", "benchmarks.*", "tools", "tools.*")),
     package_data={"fairscale": ["py.typed"]},
     install_requires=read_requirements("requirements.txt"),
     extras_require={
@@ -38,6 +38,8 @@ setuptools.setup(
         "benchmarks": ["matplotlib"],
     },
     python_requires=">=3.9",
+    # fairscale.experimental.wgit (needs pygit2 at run time).
+    entry_points={"console_scripts": ["wgit = fairscale.experimental.wgit.__main__:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: BSD License",

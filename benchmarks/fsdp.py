@@ -14,6 +14,21 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _fsdp_bench.main import main  # noqa: E402
+from oss_scenario import run as run_oss_scenario  # noqa: E402
+from oss_scenario import split_scenario  # noqa: E402
+from tp_scenario import run as run_tp_scenario  # noqa: E402
+from tp_scenario import split_scenario as split_tp_scenario  # noqa: E402
+from pipe_scenario import run as run_pipe_scenario  # noqa: E402
+from pipe_scenario import split_scenario as split_pipe_scenario  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `--scenario oss` (OSS / ShardedDataParallel vs DDP and ZeroRedundancyOptimizer) runs in benchmarks/oss_scenario.py.
+    fsdp_args, oss_args = split_scenario(sys.argv[1:])
+    # `--scenario tp` (fairscale vs PyTorch tensor parallelism) runs in benchmarks/tp_scenario.py.
+    fsdp_args, tp_args = split_tp_scenario(fsdp_args) if fsdp_args is not None else (None, None)
+    # `--scenario pipe` (Pipe / AsyncPipe vs torch.distributed.pipelining) runs in benchmarks/pipe_scenario.py.
+    fsdp_args, pipe_args = split_pipe_scenario(fsdp_args) if fsdp_args is not None else (None, None)
+    code = main(fsdp_args) if fsdp_args is not None else 0
+    code = code or (run_oss_scenario(oss_args) if oss_args is not None else 0)
+    code = code or (run_tp_scenario(tp_args) if tp_args is not None else 0)
+    sys.exit(code or (run_pipe_scenario(pipe_args) if pipe_args is not None else 0))

@@ -1,16 +1,50 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Suite-wide pytest settings: a default per-test timeout, so that no hang can stall a CI run."""
+"""Suite-wide pytest settings.
 
-from typing import List
+* A default per-test timeout, so that no hang can stall a CI run.
+* The pytest process itself stays off the GPU: ``FAIRSCALE_CPU_ONLY=1`` (unless set otherwise) makes fairscale's
+  device layer ignore accelerators here, so in-process tests run on CPU exactly as in CPU-only CI, and no test
+  creates a CUDA context in this process (after which a forked rank could not be trusted, and every CPU world would
+  have to be spawned). GPU code runs in CUDA worlds (``run_distributed(..., device="cuda")``), whose ranks drop
+  the flag. A test that initialises CUDA here anyway fails, naming itself. ``FAIRSCALE_CPU_ONLY=0`` opts out
+  (in-process tests then use the GPU, and the CPU worlds after the first CUDA use are spawned).
+"""
+
+import os
+import re
+from typing import Iterator, List
 
 import pytest
+import torch
+
+from fairscale.internal.device import CPU_ONLY_ENV
+
+os.environ.setdefault(CPU_ONLY_ENV, "1")
+# FAIRSCALE_CPU_ONLY=0 lets in-process tests use the GPU (.ci/cuda-checks' first step); CPU worlds then spawn.
+_PARENT_OFF_GPU = os.environ[CPU_ONLY_ENV] not in ("", "0")
 
 # Generous on purpose: it only has to turn a hang outside the multi-process engine (which has its own
 # per-world timeout) into a failure. A test's own @pytest.mark.timeout or --timeout wins.
 DEFAULT_TEST_TIMEOUT_S = 900
 
 
+# FAIRSCALE_ACCELERATOR_TESTS_ONLY=1 keeps only the tests that need a GPU to run fully (.ci/cuda-checks' first step):
+# by name, or by a skip condition whose reason names CUDA, a GPU or an accelerator.
+ACCELERATOR_TESTS_ONLY_ENV = "FAIRSCALE_ACCELERATOR_TESTS_ONLY"
+_ACCELERATOR_WORDS = re.compile(r"cuda|gpu|accelerator|offload_to_cpu_frees|as_current", re.IGNORECASE)
+
+
+def _needs_accelerator(item: pytest.Item) -> bool:
+    if _ACCELERATOR_WORDS.search(item.nodeid):
+        return True
+    return any(_ACCELERATOR_WORDS.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    if os.environ.get(ACCELERATOR_TESTS_ONLY_ENV, "") not in ("", "0"):
+        kept = [item for item in items if _needs_accelerator(item)]
+        config.hook.pytest_deselected(items=[item for item in items if not _needs_accelerator(item)])
+        items[:] = kept
     if not config.pluginmanager.hasplugin("timeout"):
         return
     if config.getoption("timeout", None) is not None or config.getini("timeout"):
@@ -18,3 +52,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT_S))
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_context_in_the_pytest_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = torch.cuda.is_initialized()  # a flag read: initialises nothing
+    yield
+    if _PARENT_OFF_GPU and not before and torch.cuda.is_initialized():
+        pytest.fail(
+            f"{request.node.nodeid} initialised CUDA in the pytest process; run its CUDA part in a CUDA world "
+            f"(run_distributed(body, 1, device='cuda')) so that later tests can still fork their CPU worlds",
+            pytrace=False,
+        )

@@ -44,9 +44,17 @@ KINDS: Dict[str, List[str]] = {
     "docs/fsdp.rst": ["python"],
     "docs/getting_started.rst": ["shell", "python"],
     "docs/index.rst": [],
+    "docs/maintaining.rst": ["script"] * 5,  # run by tests/test_upstream_api.py
+    "docs/modules.rst": [],
+    "docs/model_parallel.rst": ["script"] * 3,  # run by tests/nn/model_parallel/test_model_parallel_docs.py
     "docs/optimize_backward_concat.rst": ["python"],
+    "docs/overlap.rst": [],
+    "docs/oss.rst": ["script"] * 4,  # run by tests/optim/test_oss_docs.py
+    "docs/optim.rst": ["script"] * 2,  # run by tests/optim/test_optim_docs.py
     "docs/wrap_and_checkpoint.rst": ["script", "python"],
     "docs/zero2.rst": ["python"],
+    "docs/experimental.rst": ["script"],  # run by tests/experimental/test_experimental_docs.py
+    "docs/pipe.rst": ["script"] * 3,  # run by tests/nn/pipe/test_pipe_docs.py
 }
 
 

@@ -19,6 +19,7 @@ same behaviour on every backend and supported torch version:
 import contextlib
 import pickle
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import simulated_link as _link
 from .collective_counter import (
     CollectiveCounter,
     CollectiveRecord,
@@ -56,11 +58,21 @@ __all__ = [
     "group_size",
     "group_rank",
     "group_ranks",
+    "reduce",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 ]
 
 
-def _record(kind: str, info: "_GroupInfo", dtype: Optional[torch.dtype], numel: int, element_size: int) -> None:
+def _record(
+    kind: str, info: "_GroupInfo", dtype: Optional[torch.dtype], numel: int, element_size: int
+) -> Optional[float]:
+    """Count the call; with a simulated link (see :mod:`.simulated_link`) also return its completion time."""
     record_collective(kind, info.size, info.ranks, dtype, numel, element_size)
+    return _link.ready_time(info.pg, info.size, numel * element_size)
 
 
 class WorkHandle:
@@ -71,12 +83,18 @@ class WorkHandle:
     without work is already complete (what synchronous fallbacks and world size 1 return).
     """
 
-    __slots__ = ("_work", "_on_complete", "_done")
+    __slots__ = ("_work", "_on_complete", "_done", "_ready_at")
 
     def __init__(self, work: Any = None, on_complete: Optional[Callable[[], None]] = None) -> None:
         self._work = work
         self._on_complete = on_complete
         self._done = work is None and on_complete is None
+        self._ready_at: Optional[float] = None  # simulated link: not complete before this time.monotonic()
+
+    def _complete_no_earlier_than(self, ready_at: Optional[float]) -> None:
+        if ready_at is not None:
+            self._ready_at = ready_at
+            self._done = False
 
     def wait(self) -> None:
         """Block until the collective is done (on accelerators: order the current stream after it)."""
@@ -84,6 +102,7 @@ class WorkHandle:
             return
         if self._work is not None:
             self._work.wait()
+        _link.sleep_until(self._ready_at)
         self._done = True
         if self._on_complete is not None:
             self._on_complete()
@@ -93,6 +112,8 @@ class WorkHandle:
         if self._done:
             return True
         if self._work is not None and not self._work.is_completed():
+            return False
+        if self._ready_at is not None and time.monotonic() < self._ready_at:
             return False
         self.wait()
         return True
@@ -171,9 +192,35 @@ def _member_info(group: Optional[ProcessGroup], what: str) -> _GroupInfo:
     return info
 
 
-# Newest public names first; the older names print deprecation warnings on recent torch.
-_all_gather_tensor: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's names of the flat-tensor variants, newest first (the older ones print deprecation warnings on recent torch).
+# They are looked up on ``torch.distributed`` at every call, never bound at import, so that tests and tools that
+# patch them (to count calls or inject delays, as upstream's tests do) see every call. A name patched since import
+# wins over the newest name: on recent torch the older names are thin wrappers that call the newest one inside
+# torch, so a patched older name would otherwise never run.
+_ALL_GATHER_TENSOR_NAMES = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+_REDUCE_SCATTER_TENSOR_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+_TORCH_ORIGINALS = {name: getattr(dist, name, None) for name in _ALL_GATHER_TENSOR_NAMES + _REDUCE_SCATTER_TENSOR_NAMES}
+
+
+def _torch_function(names: Sequence[str]) -> Callable[..., Any]:
+    """The function of ``torch.distributed`` to call now: a patched one if any, else the newest that exists."""
+    current: List[Tuple[str, Optional[Callable[..., Any]]]] = [(name, getattr(dist, name, None)) for name in names]
+    for name, fn in current:
+        if fn is not None and fn is not _TORCH_ORIGINALS[name]:
+            return fn
+    for _, fn in current:
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"this torch.distributed has none of {list(names)}; fairscale needs torch >= 2.1")
+
+
+def _all_gather_tensor(*args: Any, **kwargs: Any) -> Any:
+    return _torch_function(_ALL_GATHER_TENSOR_NAMES)(*args, **kwargs)
+
+
+def _reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
+    return _torch_function(_REDUCE_SCATTER_TENSOR_NAMES)(*args, **kwargs)
+
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -263,7 +310,8 @@ def _reduce_op(op: str) -> Any:
     return getattr(dist.ReduceOp, _REDUCE_OPS[op])
 
 
-def _finish(handle: WorkHandle, async_op: bool) -> Optional[WorkHandle]:
+def _finish(handle: WorkHandle, async_op: bool, ready_at: Optional[float] = None) -> Optional[WorkHandle]:
+    handle._complete_no_earlier_than(ready_at)
     if async_op:
         return handle
     handle.wait()
@@ -303,8 +351,8 @@ def all_gather_into_flat(
             f"and the group has {info.size} ranks; output needs input.numel() * {info.size} = "
             f"{input.numel() * info.size}"
         )
-    _record("all_gather", info, output.dtype, output.numel(), output.element_size())
-    return _finish(_all_gather(output.view(-1), input.reshape(-1), info, async_op), async_op)
+    ready_at = _record("all_gather", info, output.dtype, output.numel(), output.element_size())
+    return _finish(_all_gather(output.view(-1), input.reshape(-1), info, async_op), async_op, ready_at)
 
 
 def _all_gather(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> WorkHandle:
@@ -352,10 +400,10 @@ def reduce_scatter_from_flat(
             f"and the group has {info.size} ranks; input needs output.numel() * {info.size} = "
             f"{output.numel() * info.size}"
         )
-    _record("reduce_scatter", info, input.dtype, input.numel(), input.element_size())
+    ready_at = _record("reduce_scatter", info, input.dtype, input.numel(), input.element_size())
     # reshape() copies a non-contiguous input (e.g. the used columns of a 2-D bucket) into the
     # 1-D layout every backend accepts.
-    return _finish(_reduce_scatter(output.view(-1), input.reshape(-1), reduce_op, info, async_op), async_op)
+    return _finish(_reduce_scatter(output.view(-1), input.reshape(-1), reduce_op, info, async_op), async_op, ready_at)
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
@@ -407,8 +455,8 @@ def all_reduce(
     info = _member_info(group, "all_reduce")
     reduce_op = _reduce_op(op)
     _check_contiguous("all_reduce", tensor)
-    _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op)
+    ready_at = _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op, ready_at)
 
 
 def _all_reduce(tensor: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
@@ -442,8 +490,8 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
-    _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    return _finish(_broadcast(tensor, src, info, async_op), async_op)
+    ready_at = _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return _finish(_broadcast(tensor, src, info, async_op), async_op, ready_at)
 
 
 def _broadcast(tensor: Tensor, src: int, info: _GroupInfo, async_op: bool) -> WorkHandle:
@@ -513,3 +561,183 @@ def barrier(group: Optional[ProcessGroup] = None) -> None:
     _record("barrier", info, None, 0, 0)
     if info.size > 1:
         dist.barrier(group=info.pg)
+
+
+# ----------------------------------------------------------------------------------------------
+# All-to-all (mixture of experts, fairscale.nn.moe)
+
+
+def all_to_all_single(
+    output: Tensor, input: Tensor, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> Optional[WorkHandle]:
+    """Exchange equal blocks along dim 0: block ``j`` of ``input`` goes to group rank ``j``.
+
+    After the call, block ``i`` of ``output`` on rank ``j`` is block ``j`` of ``input`` on rank ``i``
+    (torch's ``all_to_all_single`` with equal splits). A backend without all-to-all for the tensor
+    falls back to torch's list variant, then to an all-gather of every input (``size`` x the traffic,
+    but available everywhere).
+
+    Args:
+        output (Tensor): contiguous, same shape, dtype and device as ``input``; receives the blocks.
+        input (Tensor): dim 0 divisible by the group size; any layout (made contiguous for the wire).
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "all_to_all_single")
+    _check_pair("all_to_all_single", output, input)
+    if output.shape != input.shape:
+        raise ValueError(
+            f"all_to_all_single: output shape {tuple(output.shape)} differs from input {tuple(input.shape)}"
+        )
+    if input.dim() == 0 or input.shape[0] % info.size != 0:
+        raise ValueError(
+            f"all_to_all_single: dim 0 of the input (shape {tuple(input.shape)}) must divide into {info.size} equal "
+            "blocks, one per rank of the group"
+        )
+    ready_at = _record("all_to_all", info, input.dtype, input.numel(), input.element_size())
+    return _finish(_all_to_all(output, input.contiguous(), info, async_op), async_op, ready_at)
+
+
+def _all_to_all(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(dist.all_to_all_single(out, inp, group=info.pg, async_op=async_op))
+
+    def list_variant() -> WorkHandle:
+        outs = list(out.chunk(info.size))
+        return WorkHandle(dist.all_to_all(outs, list(inp.chunk(info.size)), group=info.pg, async_op=async_op))
+
+    def all_gather_variant() -> WorkHandle:
+        # Everyone's whole input, then keep block `my rank` of each: size x the traffic, synchronous.
+        full = torch.empty((info.size,) + tuple(inp.shape), dtype=inp.dtype, device=inp.device)
+        _all_gather(full.view(-1), inp.reshape(-1), info, async_op=False).wait()
+        mine = full.view(info.size, info.size, -1)[:, info.rank]
+        out.view(info.size, -1).copy_(mine)
+        return WorkHandle()
+
+    strategies = [("tensor", tensor_variant), ("list", list_variant), ("all_gather", all_gather_variant)]
+    return _dispatch("all_to_all", info, out.dtype, strategies, out.device.type)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# OSS / ShardedDataParallel block: reduce to one rank (gradients to their owner).
+
+
+def reduce(
+    tensor: Tensor, dst: int, group: Optional[ProcessGroup] = None, op: str = "sum", async_op: bool = False
+) -> Optional[WorkHandle]:
+    """Reduce ``tensor`` across the ranks of ``group`` into global rank ``dst``'s ``tensor``.
+
+    Only ``dst`` holds the result afterwards; on the other ranks the content of ``tensor`` is unspecified (some
+    backends use it as scratch space).
+
+    Args:
+        tensor (Tensor): contiguous, same shape on every rank.
+        dst (int): the **global** rank that receives the result (as in ``torch.distributed.reduce``).
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        op (str): ``"sum"``, ``"max"``, ``"min"`` or ``"product"``.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "reduce")
+    _check_src("reduce", dst, info)
+    reduce_op = _reduce_op(op)
+    _check_contiguous("reduce", tensor)
+    ready_at = _record("reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return _finish(_reduce(tensor, dst, reduce_op, info, async_op), async_op, ready_at)
+
+
+def _reduce(tensor: Tensor, dst: int, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(dist.reduce(tensor, dst=dst, op=op, group=info.pg, async_op=async_op))
+
+    def fp32_variant() -> WorkHandle:
+        return _via_fp32(tensor, tensor, lambda wire, _: _reduce(wire, dst, op, info, async_op))
+
+    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
+    return _dispatch("reduce", info, tensor.dtype, strategies, tensor.device.type)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Point-to-point block (pipeline parallelism, fairscale.nn.pipe): send / recv between two ranks of a group.
+
+
+def _check_peer(what: str, peer: int, info: _GroupInfo) -> None:
+    if peer not in info.ranks:
+        raise ValueError(f"{what}: rank {peer} is not in the group (global ranks {info.ranks}); peers are global ranks")
+    if peer == dist.get_rank():
+        raise ValueError(f"{what}: rank {peer} is this process; a rank cannot send to or receive from itself")
+
+
+def _p2p_info(what: str, group: Optional[ProcessGroup]) -> _GroupInfo:
+    if not _dist_ready():
+        raise RuntimeError(f"{what}: torch.distributed is not initialised; point-to-point needs a process group")
+    return _member_info(group, what)
+
+
+def send(tensor: Tensor, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst`` and wait until it left (``torch.distributed.send``).
+
+    Args:
+        tensor (Tensor): contiguous tensor to send.
+        dst (int): the **global** rank that receives it (a member of ``group``).
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        tag (int): matches the receive with the same tag.
+    """
+    info = _p2p_info("send", group)
+    _check_peer("send", dst, info)
+    _check_contiguous("send", tensor)
+    _record("send", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    dist.send(tensor, dst=dst, group=info.pg, tag=tag)
+
+
+def recv(tensor: Tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from global rank ``src``, or from any rank when ``src`` is ``None``.
+
+    Receiving from any rank needs a backend that supports it (gloo, MPI; not NCCL).
+
+    Args:
+        tensor (Tensor): contiguous buffer of the sent shape and dtype, overwritten.
+        src (Optional[int]): the **global** rank that sends, ``None`` for any rank of the group.
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        tag (int): matches the send with the same tag.
+
+    Returns:
+        int: the global rank the tensor came from.
+    """
+    info = _p2p_info("recv", group)
+    if src is not None:
+        _check_peer("recv", src, info)
+    _check_contiguous("recv", tensor)
+    _record("recv", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return int(dist.recv(tensor, src=src, group=info.pg, tag=tag))
+
+
+def isend(tensor: Tensor, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> WorkHandle:
+    """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` unchanged until the handle is waited on."""
+    info = _p2p_info("isend", group)
+    _check_peer("isend", dst, info)
+    _check_contiguous("isend", tensor)
+    _record("send", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return WorkHandle(dist.isend(tensor, dst=dst, group=info.pg, tag=tag))
+
+
+def irecv(tensor: Tensor, src: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> WorkHandle:
+    """Start receiving into ``tensor`` from global rank ``src``; read it after the handle is waited on."""
+    info = _p2p_info("irecv", group)
+    _check_peer("irecv", src, info)
+    _check_contiguous("irecv", tensor)
+    _record("recv", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return WorkHandle(dist.irecv(tensor, src=src, group=info.pg, tag=tag))

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from .errors import FairscaleValueError
+
 __all__ = [
     "apply_to_type",
     "apply_to_tensors",
@@ -114,11 +116,17 @@ def pack_kwargs(*args: Any, **kwargs: Any) -> Tuple[Tuple[str, ...], Tuple[Any, 
 def unpack_kwargs(kwarg_keys: Tuple[str, ...], flat_args: Tuple[Any, ...]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Inverse of :func:`pack_kwargs`: the last ``len(kwarg_keys)`` values become kwargs.
 
+    Raises:
+        FairscaleValueError: more keys than values (a ``ValueError`` and, as upstream, an ``AssertionError``).
+
     Returns:
         Tuple[Tuple[Any, ...], Dict[str, Any]]: ``(args, kwargs)``.
     """
     if len(kwarg_keys) > len(flat_args):
-        raise ValueError(f"unpack_kwargs: {len(kwarg_keys)} keyword names but only {len(flat_args)} values")
+        raise FairscaleValueError(
+            f"unpack_kwargs: {len(kwarg_keys)} keyword names but only {len(flat_args)} values; pass the "
+            "(kwarg_keys, flat_args) pair that pack_kwargs returned"
+        )
     if not kwarg_keys:
         return tuple(flat_args), {}
     num_args = len(flat_args) - len(kwarg_keys)
@@ -166,15 +174,22 @@ def split_non_tensors(
 def unpack_non_tensors(
     tensors: Tuple[Tensor, ...], packed_non_tensors: Optional[Dict[str, List[Any]]]
 ) -> Tuple[Any, ...]:
-    """Inverse of :func:`split_non_tensors`: merge tensors and non-tensors back in order."""
+    """Inverse of :func:`split_non_tensors`: merge tensors and non-tensors back in order.
+
+    Raises:
+        FairscaleValueError: the layout does not fit the values (a ``ValueError`` and, as upstream, an
+            ``AssertionError``).
+    """
     if packed_non_tensors is None:
         return tensors
     if not isinstance(packed_non_tensors, dict) or set(packed_non_tensors) != {"is_tensor", "objects"}:
-        raise ValueError("unpack_non_tensors: packed_non_tensors must be the dict returned by split_non_tensors")
+        raise FairscaleValueError(
+            "unpack_non_tensors: packed_non_tensors must be the dict returned by split_non_tensors"
+        )
     is_tensor = packed_non_tensors["is_tensor"]
     objects = packed_non_tensors["objects"]
     if sum(is_tensor) != len(tensors) or len(is_tensor) - sum(is_tensor) != len(objects):
-        raise ValueError(
+        raise FairscaleValueError(
             f"unpack_non_tensors: {len(tensors)} tensors and {len(objects)} objects do not fit a layout of "
             f"{sum(is_tensor)} tensors and {len(is_tensor) - sum(is_tensor)} objects"
         )

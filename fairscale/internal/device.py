@@ -30,6 +30,11 @@ __all__ = [
     "default_compute_device",
     "cpu_peak_rss_bytes",
     "CPU_ONLY_ENV",
+    "rng_device",
+    "rng_get_state",
+    "rng_set_state",
+    "rng_manual_seed",
+    "rng_initial_seed",
 ]
 
 
@@ -316,3 +321,138 @@ def _normalize_device(device: torch.device) -> torch.device:
     if current is not None and current.type == device.type:
         return current
     return torch.device(device.type, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device RNG: the default generator of the current accelerator, or the CPU generator without one.
+# The model-parallel RNG tracker (fairscale.nn.model_parallel.random) keeps upstream's CUDA names
+# but works through these, so that it also tracks the CPU stream on CPU-only machines.
+
+
+def _rng_device(device: Optional[torch.device] = None) -> torch.device:
+    """Resolve ``device`` (``None``: the current accelerator if any, else the CPU) for the RNG calls."""
+    if device is None:
+        current = current_accelerator_device()
+        return current if current is not None else torch.device("cpu")
+    if _is_accelerator_type(device.type) and not accelerator_available():
+        raise ValueError(
+            f"the RNG of {device} was requested but no accelerator is available; use the CPU (device=None "
+            "picks the current accelerator or the CPU)"
+        )
+    return _normalize_device(device) if _is_accelerator_type(device.type) else torch.device("cpu")
+
+
+def rng_device(device: Optional[torch.device] = None) -> torch.device:
+    """The device whose default generator the ``rng_*`` functions use for ``device`` (``None``: default).
+
+    Args:
+        device (Optional[torch.device]): an explicit device, or ``None`` for the current accelerator
+            (the CPU when there is none).
+    """
+    return _rng_device(device)
+
+
+def rng_get_state(device: Optional[torch.device] = None) -> Tensor:
+    """A copy of the default generator's state of ``device`` (see :func:`rng_device`)."""
+    dev = _rng_device(device)
+    if dev.type == "cpu":
+        return torch.get_rng_state()
+    return cast(Tensor, getattr(torch, dev.type).get_rng_state(dev))
+
+
+def rng_set_state(state: Tensor, device: Optional[torch.device] = None) -> None:
+    """Restore the default generator of ``device`` to ``state`` (which is not modified)."""
+    dev = _rng_device(device)
+    if dev.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        getattr(torch, dev.type).set_rng_state(state, dev)
+
+
+def rng_manual_seed(seed: int, device: Optional[torch.device] = None) -> None:
+    """Seed the default generator of ``device`` only (the CPU generator is untouched on accelerators)."""
+    dev = _rng_device(device)
+    if dev.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        with getattr(torch, dev.type).device(dev.index):
+            getattr(torch, dev.type).manual_seed(seed)
+
+
+def rng_initial_seed(device: Optional[torch.device] = None) -> int:
+    """The seed the default generator of ``device`` was last seeded with."""
+    dev = _rng_device(device)
+    if dev.type == "cpu":
+        return int(torch.initial_seed())
+    with getattr(torch, dev.type).device(dev.index):
+        return int(getattr(torch, dev.type).initial_seed())
+
+
+# ---- pipeline parallelism (fairscale.nn.pipe): default streams, stream devices, accelerator RNG ----
+
+
+def default_stream(device: Union[str, torch.device]) -> Optional[Stream]:
+    """The default stream of an accelerator device, or ``None`` for the CPU (and devices without streams)."""
+    handle = DeviceHandle.for_device(device)
+    if not handle._has_streams:
+        return None
+    return cast(Stream, handle._mod.default_stream(handle.device))
+
+
+def accelerator_rng_state(device: torch.device) -> Optional[Tensor]:
+    """The RNG state of an accelerator device, or ``None`` for the CPU (whose state is torch's global one)."""
+    handle = DeviceHandle.for_device(device)
+    if handle._module is None or not hasattr(handle._module, "get_rng_state"):
+        return None
+    return cast(Tensor, handle._mod.get_rng_state(handle.device))
+
+
+def set_accelerator_rng_state(device: torch.device, state: Tensor) -> None:
+    """Restore an RNG state returned by :func:`accelerator_rng_state` (no-op for the CPU)."""
+    handle = DeviceHandle.for_device(device)
+    if handle._module is not None and hasattr(handle._module, "set_rng_state"):
+        handle._mod.set_rng_state(state, handle.device)
+
+
+# ---- AMP gradient scalers (fairscale.optim.grad_scaler) ----
+
+#: The base class of fairscale's grad scalers: torch's CUDA scaler class (a subclass of the device-generic
+#: ``torch.amp.GradScaler`` on torch >= 2.3), so that ``isinstance`` checks written for upstream still hold.
+CudaAmpGradScaler = torch.cuda.amp.GradScaler
+#: The per-optimizer stage enum torch's scalers compare against (``READY``, ``UNSCALED``, ``STEPPED``).
+AmpOptState = torch.cuda.amp.grad_scaler.OptState  # type: ignore[attr-defined]
+
+
+def device_generic_amp_scaler() -> bool:
+    """Whether torch's AMP grad scaler takes a device type (torch >= 2.3), so that it also scales on the CPU."""
+    amp = getattr(torch, "amp", None)
+    return amp is not None and hasattr(amp, "GradScaler") and hasattr(torch.amp.GradScaler, "_unscale_grads_")
+
+
+def amp_scaler_device_type() -> str:
+    """The device type a grad scaler targets by default: the current accelerator's type, else ``"cpu"``."""
+    current = current_accelerator_device()
+    return current.type if current is not None else "cpu"
+
+
+# ---- experimental (OffloadModel, SlowMo, LayerwiseMemoryTracker): reserved memory and cache release ----
+
+
+def memory_reserved(device: Union[str, torch.device]) -> int:
+    """Bytes held by the caching allocator of an accelerator device (0 for the CPU)."""
+    return DeviceHandle.for_device(device)._memory_stat("memory_reserved")
+
+
+def empty_cache(device: Union[str, torch.device]) -> None:
+    """Release the unused cached blocks of an accelerator's allocator (no-op for the CPU)."""
+    handle = DeviceHandle.for_device(device)
+    if handle._module is not None and hasattr(handle._module, "empty_cache"):
+        handle._mod.empty_cache()
+
+
+def new_timing_event(device: Union[str, torch.device]) -> Optional[Any]:
+    """An accelerator event that records time (``enable_timing=True``), or ``None`` for the CPU."""
+    handle = DeviceHandle.for_device(device)
+    if not handle._has_streams:
+        return None
+    return handle._mod.Event(enable_timing=True)

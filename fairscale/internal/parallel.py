@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Helpers for data parallelism: sharding layout and cached process groups."""
 
+import datetime
 import sys
 from enum import Enum
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -23,6 +24,7 @@ __all__ = [
     "enable_pytorch_sync_bn",
     "ProcessGroupName",
     "get_process_group_cached",
+    "default_group_timeout",
 ]
 
 
@@ -106,26 +108,35 @@ class ProcessGroupName(str, Enum):
     reduce_scatter = "reduce_scatter"
 
 
-_GroupKey = Tuple[ProcessGroupName, Optional[Tuple[int, ...]]]
+_GroupKey = Tuple[ProcessGroupName, Optional[Tuple[int, ...]], Optional[datetime.timedelta]]
 _group_cache: Dict[_GroupKey, Any] = {}
 # The default group the cache was filled under: a new world (destroy + init) invalidates it.
 _cache_world: List[Any] = [None]
 
 
 def get_process_group_cached(
-    name: ProcessGroupName = ProcessGroupName.default, ranks: Optional[Sequence[int]] = None
+    name: ProcessGroupName = ProcessGroupName.default,
+    ranks: Optional[Sequence[int]] = None,
+    timeout: Optional[datetime.timedelta] = None,
 ) -> ProcessGroup:
     """Return a process group over ``ranks`` (all ranks if ``None``), created once per process.
 
     ``torch.distributed.new_group`` is a collective over the whole world and creates a new
     communicator each time, so FSDP instances share groups through this cache, keyed by
-    ``(name, sorted unique ranks)``. Different names give different communicators over the same
-    ranks (e.g. reduce-scatters on their own group so they can overlap all-gathers). Like
+    ``(name, sorted unique ranks, timeout)``. Different names give different communicators over the
+    same ranks (e.g. reduce-scatters on their own group so they can overlap all-gathers). Like
     ``new_group``, every rank must make the same sequence of first calls.
+
+    Every group created here has a collective timeout: ``timeout`` when given, else the default
+    group's (the ``timeout`` given to ``init_process_group``). ``new_group`` alone would use the
+    backend's default (30 minutes for gloo), so a peer that stays alive without joining a
+    collective would block the others far longer than the user asked for.
 
     Args:
         name (ProcessGroupName): which cached group.
         ranks (Optional[Sequence[int]]): global ranks of the group; ``None`` for all ranks.
+        timeout (Optional[datetime.timedelta]): collective timeout of the group; ``None``
+            inherits the default group's.
 
     Returns:
         ProcessGroup: the cached group. ``None`` for the ``reduce_scatter`` name when
@@ -148,11 +159,45 @@ def get_process_group_cached(
     if _cache_world[0] is not world:
         _group_cache.clear()
         _cache_world[0] = world
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"get_process_group_cached: timeout must be a datetime.timedelta, got {timeout!r}")
+    inherited = default_group_timeout()
     if not _group_cache:
         # The first call on every rank creates the all-ranks default group, so the sequence of
         # new_group() calls (which must match across ranks) starts the same everywhere.
-        _group_cache[(ProcessGroupName.default, None)] = dist.new_group()
-    key: _GroupKey = (ProcessGroupName(name), None if ranks is None else tuple(sorted(set(ranks))))
+        _group_cache[(ProcessGroupName.default, None, inherited)] = _new_group(None, inherited)
+    chosen = timeout if timeout is not None else inherited
+    key: _GroupKey = (ProcessGroupName(name), None if ranks is None else tuple(sorted(set(ranks))), chosen)
     if key not in _group_cache:
-        _group_cache[key] = dist.new_group(ranks=None if ranks is None else list(ranks))
+        _group_cache[key] = _new_group(None if ranks is None else list(ranks), chosen)
     return _group_cache[key]
+
+
+def _new_group(ranks: Optional[List[int]], timeout: Optional[datetime.timedelta]) -> Any:
+    if timeout is None:
+        return dist.new_group(ranks=ranks)
+    return dist.new_group(ranks=ranks, timeout=timeout)
+
+
+def default_group_timeout() -> Optional[datetime.timedelta]:
+    """The collective timeout of the default process group, as given to ``init_process_group``.
+
+    torch does not expose it publicly; it is read from the default group's backend options
+    (gloo and NCCL both keep it there). ``None`` when it cannot be read (no initialised default
+    group, or a backend without options), in which case groups get the backend's default.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    get_backend = getattr(world, "_get_backend", None)
+    if get_backend is None:  # pragma: no cover - torch without per-device backends
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            backend = get_backend(torch.device(device))
+        except (RuntimeError, ValueError, AttributeError):  # no backend for this device type
+            continue
+        value = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(value, datetime.timedelta):
+            return value
+    return None

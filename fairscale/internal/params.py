@@ -21,7 +21,9 @@ class Workhandle:
         callback (Optional[Callable[[], Any]]): called by the owner after ``handle.wait()``.
     """
 
-    def __init__(self, handle: Any, callback: Optional[Callable[[], Any]]) -> None:
+    callback: Optional[Callable[[], Any]] = None  # a class attribute too, as upstream
+
+    def __init__(self, handle: Any, callback: Optional[Callable[[], Any]] = None) -> None:
         self.handle = handle
         self.callback = callback
 

@@ -8,70 +8,129 @@ Reduce-scattering the used columns (flattened row by row, which every backend ac
 each rank with its own row summed over ranks, i.e. its shard of every queued gradient.
 """
 
-import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import collectives
+from .errors import FairscaleValueError
 
-__all__ = ["Bucket", "ReduceScatterBucketer"]
+__all__ = ["Bucket", "ReduceScatterBucketer", "enable_nccl_base_collectives"]
+
+#: Upstream's switch between the tensor ("base") and list variants of the collectives, which its tests turned off.
+#: Kept for code that reads or sets it; :mod:`fairscale.internal.collectives` picks the variant each backend
+#: supports by itself (the tensor variant where it exists), so the value does not change what runs.
+enable_nccl_base_collectives = True
 
 
 class Bucket:
     """Queued reduce-scatter inputs of one ``(dtype, device, process group)``.
 
+    The bucket costs memory only while it holds gradients: its input matrix is allocated when the first input of a
+    fill arrives and released right after the flush that sends it. It is sized from what the same fill held in the
+    previous backward (a backward's sequence of gradients repeats), so in steady state it is exactly as large as
+    what it holds; when a fill outgrows that guess (the first backward, or a changed model), it grows, at most
+    doubling, never beyond ``capacity``.
+
     Attributes:
-        data (Tensor): the ``(group size, shard size)`` input matrix; columns ``[0, offset)`` are used.
+        data (Tensor): the ``(group size, allocated columns)`` input matrix; columns ``[0, offset)`` are used.
+            Holds no storage while the bucket is empty.
         group (Any): the process group of the reduce-scatter.
+        capacity (int): the most columns a fill may hold (per-rank elements of ``bucket_cap_mb``).
         offset (int): number of used columns.
-        callbacks (List[Callable[[], None]]): what to run after the next :meth:`flush`.
-        output_shard (Tensor): receives this rank's reduced row; callbacks get slices of it.
+        callbacks (List[Callable[[Tensor], None]]): what to run after the next :meth:`flush`, each with its slice
+            of this rank's reduced row.
     """
 
-    def __init__(self, data: Tensor, group: Any) -> None:
+    def __init__(self, data: Tensor, group: Any, capacity: Optional[int] = None) -> None:
         self.data = data
         self.group = group
+        self.capacity = data.size(1) if capacity is None else capacity
         self.offset = 0
-        self.callbacks: List[Callable[[], None]] = []
-        self.output_shard = torch.zeros_like(data[0])
+        self.callbacks: List[Callable[[Tensor], None]] = []
+        self._slots: List[Tuple[int, int, torch.Size]] = []
+        # Columns used by each flush of the current backward, and of the previous one (the sizing guess).
+        self._fills: List[int] = []
+        self._hints: List[int] = []
+
+    @property
+    def free_columns(self) -> int:
+        """Columns a new input may still use in the current fill."""
+        return self.capacity - self.offset
+
+    def append(self, input_list: List[Tensor], callback_fn: Optional[Callable[[Tensor], None]]) -> None:
+        """Copy one chunk per rank into the next columns; ``callback_fn`` gets this rank's reduced chunk at flush."""
+        first = input_list[0]
+        numel = first.numel()
+        self._reserve(self.offset + numel)
+        columns = slice(self.offset, self.offset + numel)
+        for row, chunk in zip(self.data, input_list):
+            row[columns].copy_(chunk.reshape(-1))
+        if callback_fn is not None:
+            self.callbacks.append(callback_fn)
+            self._slots.append((self.offset, numel, first.shape))
+        self.offset += numel
+
+    def _reserve(self, columns: int) -> None:
+        allocated = self.data.size(1) if self.data.untyped_storage().size() > 0 else 0
+        if columns <= allocated:
+            return
+        if columns > self.capacity:
+            raise RuntimeError(f"Bucket: {columns} columns requested but the capacity is {self.capacity}")
+        fill = len(self._fills)
+        guess = self._hints[fill] if fill < len(self._hints) else 0
+        size = min(self.capacity, max(columns, guess, 2 * allocated))
+        # Every column is written before it is read (copied in, or reduced into the output), so no zeroing.
+        grown = self.data.new_empty((self.data.size(0), size))
+        if self.offset > 0:
+            grown[:, : self.offset].copy_(self.data[:, : self.offset])
+        self.data = grown
 
     def flush(self) -> None:
-        """Reduce-scatter the used columns, run the queued callbacks and empty the bucket."""
+        """Reduce-scatter the used columns, run the queued callbacks and release the buffer."""
         if self.offset == 0:
             if self.callbacks:
                 raise RuntimeError("Bucket.flush: callbacks are queued but no data is; the bucket is corrupt")
             return
-        # data[:, :offset] is not contiguous; the collectives layer flattens it row by row, which
-        # is the concatenation of per-rank chunks that reduce-scatter expects.
-        collectives.reduce_scatter_from_flat(
-            self.output_shard[: self.offset], self.data[:, : self.offset], group=self.group
-        )
-        for callback in self.callbacks:
-            callback()
-        # Zero the used columns for the next round. The callbacks may keep views of the output
-        # (FSDP stores the reduced gradient shard as one), so it is replaced, never reused.
-        self.data[:, : self.offset].zero_()
+        # Sized to the used columns: the callbacks may keep views of it (it is never reused).
+        output = self.data.new_empty(self.offset)
+        # data[:, :offset] may not be contiguous; the collectives layer flattens it row by row, which is the
+        # concatenation of per-rank chunks that reduce-scatter expects.
+        collectives.reduce_scatter_from_flat(output, self.data[:, : self.offset], group=self.group)
+        callbacks, slots = self.callbacks, self._slots
+        self._fills.append(self.offset)
+        self._release()
+        for callback, (start, numel, shape) in zip(callbacks, slots):
+            callback(output[start : start + numel].view(shape))
+
+    def _release(self) -> None:
         self.offset = 0
-        self.callbacks.clear()
-        self.output_shard = torch.zeros_like(self.data[0])
+        self.callbacks = []
+        self._slots = []
+        self.data = self.data.new_empty((self.data.size(0), 0))
+
+    @property
+    def output_shard(self) -> Tensor:
+        """Upstream's attribute; the reduced row is now allocated per flush, so this is always empty."""
+        return self.data.new_empty(0)
 
     def setup(self) -> None:
-        """(Re)allocate the buffers after :meth:`teardown` (called before each use)."""
-        if self.data.untyped_storage().size() == 0:
-            self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
-            self.data.zero_()
-        if self.output_shard.untyped_storage().size() == 0:
-            self.output_shard.untyped_storage().resize_(self.output_shard.numel() * self.output_shard.element_size())
-            self.output_shard.zero_()
+        """Kept for upstream's API: buffers are allocated on demand, so there is nothing to prepare."""
 
     def teardown(self) -> None:
-        """Release the buffers' memory (e.g. after backward); the bucket must be empty."""
+        """End of a backward: the bucket must be empty; its fills become the sizing guess of the next backward."""
         if self.offset != 0 or self.callbacks:
             raise RuntimeError("Bucket.teardown: the bucket still holds unreduced data; call flush() first")
-        self.data.untyped_storage().resize_(0)
-        self.output_shard.untyped_storage().resize_(0)
+        self._release()
+        if self._fills:
+            self._hints = self._fills
+        self._fills = []
+
+    def discard(self) -> None:
+        """Drop every queued input and callback and release the buffer (after an aborted backward)."""
+        self._release()
+        self._fills = []
 
 
 class ReduceScatterBucketer:
@@ -111,7 +170,7 @@ class ReduceScatterBucketer:
         """
         size = collectives.group_size(group)
         if len(input_list) != size:
-            raise ValueError(
+            raise FairscaleValueError(  # also an AssertionError, as upstream
                 f"reduce_scatter_async: got {len(input_list)} inputs for a group of {size} ranks; "
                 "pass one chunk per rank (see chunk_and_pad)"
             )
@@ -128,8 +187,8 @@ class ReduceScatterBucketer:
             if callback_fn is not None:
                 callback_fn(torch.zeros_like(first))
             return
-        if numel > self._get_shard_size(first.element_size(), size):
-            # Too large for a bucket: reduce-scatter it now, as one flat input.
+        if numel >= self._get_shard_size(first.element_size(), size):
+            # As large as a bucket or larger: reduce-scatter it now, as one flat input (a bucket would only copy it).
             output = torch.zeros_like(first)
             flat_input = torch.cat([chunk.reshape(-1) for chunk in input_list])
             collectives.reduce_scatter_from_flat(output, flat_input, group=group)
@@ -138,15 +197,9 @@ class ReduceScatterBucketer:
             return
 
         bucket = self._find_or_create_bucket(first, group)
-        if numel > bucket.data.size(1) - bucket.offset:
+        if numel > bucket.free_columns:
             bucket.flush()
-        columns = slice(bucket.offset, bucket.offset + numel)
-        for row, chunk in zip(bucket.data, input_list):
-            row[columns].copy_(chunk.reshape(-1))
-        if callback_fn is not None:
-            result_view = bucket.output_shard[columns].view_as(first)
-            bucket.callbacks.append(functools.partial(callback_fn, result_view))
-        bucket.offset += numel
+        bucket.append(input_list, callback_fn)
 
     @torch.no_grad()
     def reduce_scatter_flat_async(
@@ -162,7 +215,7 @@ class ReduceScatterBucketer:
                 f"by the group size ({size})"
             )
         chunk = flat.numel() // size
-        if chunk > 0 and chunk > self._get_shard_size(flat.element_size(), size):
+        if chunk > 0 and chunk >= self._get_shard_size(flat.element_size(), size):
             output = flat.new_empty(chunk)
             collectives.reduce_scatter_from_flat(output, flat, group=group)
             if callback_fn is not None:
@@ -186,9 +239,7 @@ class ReduceScatterBucketer:
     def discard(self) -> None:
         """Drop every queued input and callback and release the buffers (after an aborted backward)."""
         for bucket in self.buckets.values():
-            bucket.offset = 0
-            bucket.callbacks.clear()
-            bucket.teardown()
+            bucket.discard()
 
     def _get_shard_size(self, element_size: int, num_shards: int) -> int:
         if self.bucket_cap_mb <= 0:  # bucketing disabled
@@ -201,6 +252,5 @@ class ReduceScatterBucketer:
         if key not in self.buckets:
             size = collectives.group_size(group)
             shard_size = self._get_shard_size(tensor.element_size(), size)
-            self.buckets[key] = Bucket(tensor.new_zeros((size, shard_size)), group)
-        self.buckets[key].setup()
+            self.buckets[key] = Bucket(tensor.new_empty((size, 0)), group, capacity=shard_size)
         return self.buckets[key]

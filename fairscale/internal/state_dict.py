@@ -1,15 +1,15 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Helpers for rewriting state-dict keys and locating submodules by state-dict path."""
 
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, List, Tuple, Type
 
 from torch import nn
 
 __all__ = ["find_module_instances", "replace_by_prefix_"]
 
 
-def find_module_instances(module: nn.Module, search_class: Type[nn.Module]) -> List[str]:
-    """State-dict prefixes of every submodule of ``module`` (itself included) that is a ``search_class``.
+def find_module_instances(module: nn.Module, search_class: Type[nn.Module]) -> List[Tuple[str, nn.Module]]:
+    """Every submodule of ``module`` (itself included) that is a ``search_class``, with its state-dict prefix.
 
     Prefixes are in state-dict form: ``""`` for ``module`` itself, ``"1.ln."`` for
     ``module[1].ln``. The search continues inside matches, and a module reachable by several
@@ -18,23 +18,24 @@ def find_module_instances(module: nn.Module, search_class: Type[nn.Module]) -> L
     Example::
 
         >>> net = nn.Sequential(nn.Linear(1, 1), nn.ModuleDict({"ln": nn.LayerNorm(1)}), nn.LayerNorm(1))
-        >>> find_module_instances(net, nn.LayerNorm)
-        ['1.ln.', '2.']
-        >>> find_module_instances(net, nn.Sequential)
-        ['']
+        >>> [(prefix, type(m).__name__) for prefix, m in find_module_instances(net, nn.LayerNorm)]
+        [('1.ln.', 'LayerNorm'), ('2.', 'LayerNorm')]
+        >>> find_module_instances(net, nn.Sequential) == [("", net)]
+        True
 
     Args:
         module (nn.Module): the module to search.
         search_class (Type[nn.Module]): the class (subclasses match too).
 
     Returns:
-        List[str]: the prefixes, in ``named_children`` depth-first order.
+        List[Tuple[str, nn.Module]]: ``(prefix, submodule)`` pairs, in ``named_children`` depth-first order
+        (upstream's return type).
     """
-    found: List[str] = []
+    found: List[Tuple[str, nn.Module]] = []
 
     def visit(current: nn.Module, prefix: str) -> None:
         if isinstance(current, search_class):
-            found.append(prefix)
+            found.append((prefix, current))
         for name, child in current.named_children():
             visit(child, prefix + name + ".")
 

@@ -1,6 +1,11 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""The multi-process test engine: results, failures, timeouts, skips, sub-tests, process hygiene."""
+"""The multi-process test engine: results, failures, timeouts, skips, sub-tests, process hygiene.
 
+Every body is a module-level function (or a ``functools.partial`` of one): the engine refuses anything else, so
+that each test runs the same under fork (CPU worlds) and spawn (CUDA worlds, ``FAIRSCALE_TEST_START_METHOD=spawn``).
+"""
+
+import functools
 import os
 import time
 from typing import Any, Dict, List
@@ -49,24 +54,52 @@ def test_all_reduce_results_per_rank(world_size: int) -> None:
     assert len(pids) == world_size and os.getpid() not in pids
 
 
-def test_closure_kwargs_and_tensors_travel() -> None:
-    offset = 10  # captured by the closure: fine under fork
+def _scaled_arange(rank: int, world_size: int, offset: int, *, factor: int) -> torch.Tensor:
+    return torch.arange(3) * factor + offset + rank
 
-    def body(rank: int, world_size: int, *, factor: int) -> torch.Tensor:
-        return torch.arange(3) * factor + offset + rank
 
-    results = run_distributed(body, 2, factor=3)
+def test_args_kwargs_and_tensors_travel() -> None:
+    results = run_distributed(_scaled_arange, 2, 10, factor=3)
     assert torch.equal(results[0], torch.tensor([10, 13, 16]))
     assert torch.equal(results[1], torch.tensor([11, 14, 17]))
+    # A functools.partial of a module-level function is a body too.
+    results = run_distributed(functools.partial(_scaled_arange, offset=20, factor=1), 1)
+    assert torch.equal(results[0], torch.tensor([20, 21, 22]))
+
+
+def test_closure_body_is_refused_before_any_rank_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under fork too: a closure would run here and break on a GPU machine, where ranks are spawned."""
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    offset = 10
+
+    def body(rank: int, world_size: int) -> int:
+        return rank + offset
+
+    start = time.monotonic()
+    with pytest.raises(TypeError, match=r"(?s)would start with fork: pass a module-level function.*body"):
+        run_distributed(body, 2)
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(_rank_sum, 2, lambda: None)  # arguments travel by pickling as well
+    with pytest.raises(TypeError, match="module-level function"):
+        run_ranks(functools.partial(body, 0), 1)
+    assert time.monotonic() - start < 5.0, "refused up front, without starting ranks"
+
+
+def _rand_and_threads(rank: int, world_size: int) -> Any:
+    return torch.rand(4), torch.get_num_threads()
 
 
 def test_ranks_are_seeded_identically_and_single_threaded() -> None:
-    def body(rank: int, world_size: int) -> Any:
-        return torch.rand(4), torch.get_num_threads()
-
-    (rand0, threads0), (rand1, threads1) = run_distributed(body, 2)
+    (rand0, threads0), (rand1, threads1) = run_distributed(_rand_and_threads, 2)
     assert torch.equal(rand0, rand1)
     assert threads0 == threads1 == 1
+
+
+def _conv_then_all_reduce(rank: int, world_size: int) -> float:
+    conv = torch.nn.Conv2d(4, 4, 3)
+    loss = conv(torch.randn(2, 4, 32, 32)).sum() + (torch.randn(256, 256) @ torch.randn(256, 256)).sum()
+    loss.backward()
+    return float(_all_reduce_sum(torch.ones(1))[0])
 
 
 def test_parent_that_used_threads_can_fork_ranks_that_compute() -> None:
@@ -80,88 +113,91 @@ def test_parent_that_used_threads_can_fork_ranks_that_compute() -> None:
             a = torch.tanh(a @ a)
     finally:
         torch.set_num_threads(previous)
-
-    def body(rank: int, world_size: int) -> float:
-        conv = torch.nn.Conv2d(4, 4, 3)
-        loss = conv(torch.randn(2, 4, 32, 32)).sum() + (torch.randn(256, 256) @ torch.randn(256, 256)).sum()
-        loss.backward()
-        return float(_all_reduce_sum(torch.ones(1))[0])
-
-    assert run_distributed(body, 2, timeout=60.0) == [2.0, 2.0]
+    assert run_distributed(_conv_then_all_reduce, 2, timeout=60.0) == [2.0, 2.0]
 
 
-def test_more_threads_in_forked_rank_is_an_error() -> None:
-    def body(rank: int, world_size: int) -> None:
-        torch.set_num_threads(2)
+def _set_two_threads(rank: int, world_size: int) -> None:
+    torch.set_num_threads(2)
 
+
+def test_more_threads_in_forked_rank_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(START_METHOD_ENV, "fork")  # spawned ranks may use threads
     with pytest.raises(RuntimeError, match=r"(?s)^\[rank \d\].*would deadlock"):
-        run_distributed(body, 2)
+        run_distributed(_set_two_threads, 2)
     assert torch.set_num_threads.__module__ == "torch"  # the parent's torch is untouched
 
 
-def test_failing_rank_ends_the_world_quickly_with_its_traceback() -> None:
-    def body(rank: int, world_size: int) -> None:
-        if rank == 1:
-            assert rank == 0, "rank 1 disagrees"
-        _all_reduce_sum(torch.ones(1))  # rank 0 waits here for a peer that never comes
+def _rank1_disagrees(rank: int, world_size: int) -> None:
+    if rank == 1:
+        assert rank == 0, "rank 1 disagrees"
+    _all_reduce_sum(torch.ones(1))  # rank 0 waits here for a peer that never comes
 
+
+def test_failing_rank_ends_the_world_quickly_with_its_traceback() -> None:
     start = time.monotonic()
     with pytest.raises(AssertionError) as info:
-        run_distributed(body, 2, timeout=60.0)
+        run_distributed(_rank1_disagrees, 2, timeout=60.0)
     assert time.monotonic() - start < 30.0, "the failing rank should end the world, not the timeout"
     message = str(info.value)
     assert message.startswith("[rank 1] rank 1 disagrees")
-    assert "Traceback of rank 1" in message and "in body" in message
+    assert "Traceback of rank 1" in message and "in _rank1_disagrees" in message
 
 
-def test_exception_types_are_kept_when_possible() -> None:
-    def raise_in_rank0(error: BaseException) -> Any:
-        def body(rank: int, world_size: int) -> None:
-            if rank == 0:
-                raise error
+def _raise_in_rank0(error: BaseException, rank: int, world_size: int) -> None:
+    if rank == 0:
+        raise error
 
-        return body
 
-    with pytest.raises(CustomError, match=r"^\[rank 0\] custom"):
-        run_distributed(raise_in_rank0(CustomError("custom")), 2)
-    with pytest.raises(ValueError, match=r"^\[rank 0\] bad value"):
-        run_distributed(raise_in_rank0(ValueError("bad value")), 2)
-
+def _raise_local_error_in_rank0(rank: int, world_size: int) -> None:
     class LocalError(Exception):  # not picklable by reference: only its name reaches the parent
         pass
 
+    if rank == 0:
+        raise LocalError("local")
+
+
+def test_exception_types_are_kept_when_possible() -> None:
+    with pytest.raises(CustomError, match=r"^\[rank 0\] custom"):
+        run_distributed(functools.partial(_raise_in_rank0, CustomError("custom")), 2)
+    with pytest.raises(ValueError, match=r"^\[rank 0\] bad value"):
+        run_distributed(functools.partial(_raise_in_rank0, ValueError("bad value")), 2)
     with pytest.raises(DistributedTestError, match=r"^\[rank 0\] LocalError: local") as info:
-        run_distributed(raise_in_rank0(LocalError("local")), 2)
+        run_distributed(_raise_local_error_in_rank0, 2)
     assert info.value.rank == 0
     # KeyError quotes its message, which would mangle the traceback: reported as DistributedTestError.
     with pytest.raises(DistributedTestError, match=r"^\[rank 0\] KeyError: 'missing'"):
-        run_distributed(raise_in_rank0(KeyError("missing")), 2)
+        run_distributed(functools.partial(_raise_in_rank0, KeyError("missing")), 2)
+
+
+def _first_on_rank1_then_consequence(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise CustomError("first")
+    time.sleep(0.5)
+    raise RuntimeError("second, because rank 1 is gone")
 
 
 def test_earliest_failure_wins_over_consequential_failures() -> None:
-    def body(rank: int, world_size: int) -> None:
-        if rank == 1:
-            raise CustomError("first")
-        time.sleep(0.5)
-        raise RuntimeError("second, because rank 1 is gone")
-
     with pytest.raises(CustomError, match=r"^\[rank 1\] first"):
-        run_distributed(body, 2)
+        run_distributed(_first_on_rank1_then_consequence, 2)
+
+
+def _hang_in_a_collective(rank: int, world_size: int, directory: str) -> None:
+    with open(os.path.join(directory, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 0:
+        _all_reduce_sum(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(600)
 
 
 def test_hung_collective_becomes_a_timeout_and_leaves_no_process(tmp_path: Any) -> None:
-    def body(rank: int, world_size: int) -> None:
-        (tmp_path / f"pid{rank}").write_text(str(os.getpid()))
-        if rank == 0:
-            _all_reduce_sum(torch.ones(1))  # rank 1 never joins
-        else:
-            time.sleep(600)
-
+    # Spawned ranks need a few seconds just to start: give them the time to reach the collective.
+    timeout = 3.0 if engine._start_method("cpu") == "fork" else 15.0
     with pytest.raises(DistributedTestTimeout) as info:
-        run_distributed(body, 2, timeout=3.0)
+        run_distributed(_hang_in_a_collective, 2, str(tmp_path), timeout=timeout)
     assert info.value.ranks == [0, 1]
     message = str(info.value)
-    assert "ranks [0, 1]" in message and "3 s timeout" in message
+    assert "ranks [0, 1]" in message and f"{timeout:g} s timeout" in message
     assert "--- rank 0 ---" in message and "_all_reduce_sum" in message  # stacks of the hung ranks
     for rank in range(2):
         pid = int((tmp_path / f"pid{rank}").read_text())
@@ -169,29 +205,39 @@ def test_hung_collective_becomes_a_timeout_and_leaves_no_process(tmp_path: Any) 
             os.kill(pid, 0)
 
 
-def test_skip_in_a_rank_skips_the_test() -> None:
-    def body(rank: int, world_size: int) -> None:
-        if rank == 1:
-            pytest.skip("not supported here")
-        _all_reduce_sum(torch.ones(1))
+def _skip_on_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        pytest.skip("not supported here")
+    _all_reduce_sum(torch.ones(1))
 
+
+def test_skip_in_a_rank_skips_the_test() -> None:
     with pytest.raises(pytest.skip.Exception, match=r"^\[rank 1\] not supported here"):
-        run_distributed(body, 2)
+        run_distributed(_skip_on_rank1, 2)
+
+
+def _exit_on_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    _all_reduce_sum(torch.ones(1))
 
 
 def test_rank_dying_without_report() -> None:
-    def body(rank: int, world_size: int) -> None:
-        if rank == 1:
-            os._exit(3)
-        _all_reduce_sum(torch.ones(1))
-
     with pytest.raises(DistributedTestError, match=r"^\[rank 1\] exited with code 3 without reporting"):
-        run_distributed(body, 2)
+        run_distributed(_exit_on_rank1, 2)
+
+
+def _return_a_lambda(rank: int, world_size: int) -> Any:
+    return lambda: None
 
 
 def test_unpicklable_result_is_reported() -> None:
     with pytest.raises(TypeError, match=r"(?s)^\[rank 0\].*cannot be pickled"):
-        run_distributed(lambda rank, world_size: (lambda: None), 1)
+        run_distributed(_return_a_lambda, 1)
+
+
+def _raise_value_error(rank: int, world_size: int) -> None:
+    raise ValueError("x")
 
 
 def test_temporary_directory_is_removed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +246,7 @@ def test_temporary_directory_is_removed(tmp_path: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     run_distributed(_rank_sum, 2)
     with pytest.raises(ValueError):
-        run_distributed(lambda rank, world_size: (_ for _ in ()).throw(ValueError("x")), 2)
+        run_distributed(_raise_value_error, 2)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -214,8 +260,12 @@ def test_refuses_to_fork_a_process_that_has_a_group(tmp_path: Any) -> None:
     assert run_distributed(_rank_sum, 1)[0]["sum"] == 1.0
 
 
+def _rank_and_group(rank: int) -> Any:
+    return rank, dist.is_initialized()
+
+
 def test_run_ranks_has_no_process_group() -> None:
-    assert run_ranks(lambda rank: (rank, dist.is_initialized()), 2) == [(0, False), (1, False)]
+    assert run_ranks(_rank_and_group, 2) == [(0, False), (1, False)]
 
 
 @pytest.mark.parametrize(
@@ -233,9 +283,9 @@ def test_bad_arguments(kwargs: Dict[str, Any], error: str) -> None:
 
 
 def test_cuda_world_runs_or_skips() -> None:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()  # asks NVML: no CUDA context in this process
     if gpus >= 2:
-        # Real NCCL world when there are GPUs (spawned if this process already initialised CUDA).
+        # Real NCCL world when there are GPUs (always spawned).
         assert [r["sum"] for r in run_distributed(_rank_sum_cuda, 2, device="cuda")] == [3.0, 3.0]
     else:
         with pytest.raises(pytest.skip.Exception, match="needs 2 CUDA devices"):
@@ -244,15 +294,47 @@ def test_cuda_world_runs_or_skips() -> None:
 
 def _rank_sum_cuda(rank: int, world_size: int) -> Dict[str, Any]:
     total = _all_reduce_sum(torch.tensor([float(rank + 1)], device="cuda"))
-    return {"sum": total.item()}
+    return {"sum": total.item(), "initialised": torch.cuda.is_initialized()}
+
+
+def _cuda_world_after_cuda_init(rank: int) -> Any:
+    # This process plays a test process that used CUDA itself before starting a CUDA world.
+    torch.cuda.init()
+    assert torch.cuda.is_initialized()
+    return engine._start_method("cuda"), run_distributed(_rank_sum_cuda, 1, device="cuda")
+
+
+def test_cuda_world_after_the_parent_initialised_cuda() -> None:
+    """The ranks of a CUDA world are spawned even when the caller holds a CUDA context (forked ones could not use it).
+
+    The caller is itself an engine process, so that this test process never creates a CUDA context.
+    """
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs 1 CUDA device")
+    method, results = run_ranks(_cuda_world_after_cuda_init, 1)[0]
+    assert method == "spawn" and results == [{"sum": 1.0, "initialised": True}]
+
+
+def _sum_threads_and_private_args(scale: float, counter: torch.Tensor, rank: int, world_size: int) -> str:
+    counter.add_(rank + 1)  # in place, on this rank's copy of the argument
+    total = _all_reduce_sum(torch.tensor([float(rank + 1)]))  # both ranks have updated their counter by now
+    return (
+        f"sum={total.item() * scale} threads={torch.get_num_threads()} "
+        f"method={engine._start_method('cpu')} counter={counter.item()}"
+    )
 
 
 def test_spawn_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Spawn is what CUDA runs use (a fresh interpreter per rank, several seconds): one world checks
-    # that a module-level body with picklable arguments runs a collective and reports back.
+    # Spawn is what CUDA worlds use (a fresh interpreter per rank, about 2 s): a module-level body with picklable
+    # arguments and a functools.partial body run a collective and report back, a failure keeps its type, and each
+    # rank gets its own copy of a tensor argument (as under fork), not memory shared with its peers and the caller.
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     with pytest.raises(CustomError, match=r"^\[rank 0\] sum=3.0 threads=1"):
         run_distributed(_collective_then_raise_on_rank0, 2)
+    counter = torch.zeros(1)
+    results = run_distributed(functools.partial(_sum_threads_and_private_args, 2.0, counter), 2)
+    assert results == [f"sum=6.0 threads=1 method=spawn counter={r + 1.0}" for r in range(2)]
+    assert counter.item() == 0.0
 
 
 def _collective_then_raise_on_rank0(rank: int, world_size: int) -> None:
@@ -263,20 +345,43 @@ def _collective_then_raise_on_rank0(rank: int, world_size: int) -> None:
 
 def test_spawn_needs_picklable_body(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
-    with pytest.raises(TypeError, match="pass a module-level function"):
+    with pytest.raises(TypeError, match="would start with spawn: pass a module-level function"):
         run_distributed(lambda rank, world_size: None, 2)
 
 
-def test_start_method_by_world_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After the parent used CUDA: CPU worlds still fork (their ranks never touch CUDA), CUDA worlds spawn."""
+def test_start_method_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA worlds always spawn; CPU worlds fork unless this process initialised CUDA; the variable forces."""
     monkeypatch.delenv(START_METHOD_ENV, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert engine._start_method("cpu") == "fork"
-    assert engine._start_method("cuda") == "spawn"
-    assert engine._start_method(None) == "spawn"  # run_ranks: the body may use CUDA
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert engine._start_method("cuda") == "fork"
+    initialised, devices = [False], [0]
+    monkeypatch.setattr(engine, "accelerator_initialized", lambda: initialised[0])
+    monkeypatch.setattr(engine, "_cuda_device_count", lambda: devices[0])
+    # A machine without GPUs: CPU worlds and run_ranks bodies fork; a CUDA world (skipped there) would spawn.
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["fork", "fork", "spawn"]
+    # A GPU machine whose test process never used CUDA: only what may use the GPU spawns.
+    devices[0] = 1
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["fork", "spawn", "spawn"]
+    # The test process initialised CUDA: nothing forks any more.
+    initialised[0] = True
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["spawn"] * 3
+    # Forced: spawn and forkserver everywhere, fork for CPU worlds only (a forked CUDA rank could not work).
+    for forced in ("spawn", "forkserver"):
+        monkeypatch.setenv(START_METHOD_ENV, forced)
+        assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == [forced] * 3
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["fork", "spawn", "spawn"]
+
+
+def test_start_method_follows_the_real_device_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without patches: the test process has not initialised CUDA (the suite keeps it so), CUDA worlds spawn."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    if os.environ.get(CPU_ONLY_ENV) == "1":  # tests/conftest.py: the pytest process stays off the GPU
+        assert not torch.cuda.is_initialized(), "something in this pytest process initialised CUDA"
+    else:
+        monkeypatch.setattr(engine, "accelerator_initialized", lambda: False)
+    assert engine._start_method("cpu") == "fork" and engine._start_method("cuda") == "spawn"
+    with monkeypatch.context() as patch:  # undone before the suite's own check that no test initialised CUDA
+        patch.setattr(torch.cuda, "is_initialized", lambda: True)  # what the device layer reads
+        assert engine._start_method("cpu") == "spawn"
 
 
 def _cpu_only_flag(rank: int, world_size: int) -> Dict[str, Any]:
@@ -285,15 +390,15 @@ def _cpu_only_flag(rank: int, world_size: int) -> Dict[str, Any]:
 
 def test_cpu_world_ranks_stay_on_cpu() -> None:
     """The ranks of a CPU world see FAIRSCALE_CPU_ONLY=1 (FSDP computes on CPU there even on a GPU machine)."""
-    assert os.environ.get(CPU_ONLY_ENV) is None, "the parent process must not be changed"
+    before = os.environ.get(CPU_ONLY_ENV)
     results = run_distributed(_cpu_only_flag, 2)
     assert results == [{"flag": "1", "compute": "cpu"}] * 2
-    assert os.environ.get(CPU_ONLY_ENV) is None
+    assert os.environ.get(CPU_ONLY_ENV) == before, "the parent process must not be changed"
 
 
 def test_bad_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
-    with pytest.raises(ValueError, match="must be 'fork' or 'spawn'"):
+    monkeypatch.setenv(START_METHOD_ENV, "vfork")
+    with pytest.raises(ValueError, match="must be one of fork, spawn, forkserver"):
         run_distributed(_rank_sum, 1)
 
 
@@ -337,16 +442,18 @@ def test_run_cases_passes_skips_and_rejects_bad_input() -> None:
         run_cases([("a", 1)])  # type: ignore[list-item]
 
 
+def _cases_in_a_world(rank: int, world_size: int) -> None:
+    # Cases run inside the rank: they may be closures (nothing is pickled).
+    def case(multiplier: int) -> None:
+        total = _all_reduce_sum(torch.ones(1) * multiplier)
+        assert total.item() == 2 * multiplier and multiplier != 3, f"case {multiplier} fails on purpose"
+
+    run_cases([(f"multiplier={m}", lambda m=m: case(m)) for m in (1, 2, 3, 4)])  # type: ignore[misc]
+
+
 def test_run_cases_inside_a_world() -> None:
-    def body(rank: int, world_size: int) -> None:
-        def case(multiplier: int) -> None:
-            total = _all_reduce_sum(torch.ones(1) * multiplier)
-            assert total.item() == 2 * multiplier and multiplier != 3, f"case {multiplier} fails on purpose"
-
-        run_cases([(f"multiplier={m}", lambda m=m: case(m)) for m in (1, 2, 3, 4)])  # type: ignore[misc]
-
     with pytest.raises(AssertionError) as info:
-        run_distributed(body, 2)
+        run_distributed(_cases_in_a_world, 2)
     message = str(info.value)
     assert message.startswith("[rank ") and "1 of 4 cases failed" in message
     assert "multiplier=3" in message and "multiplier=4" not in message.split("cases failed")[1].split("\n")[1]

@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Upstream's test helpers (fairscale.fair_dev.testing.testing / testing_memory) on CPU."""
 
+import functools
 import os
 import pickle
 from collections import OrderedDict
@@ -240,19 +241,19 @@ def test_dummy_process_group() -> None:
             DummyProcessGroup(rank, size)
 
 
+def _init_all_reduce_teardown(store: str, rank: int) -> Any:
+    assert dist_init(rank, 2, store)
+    backend = dist.get_backend()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    teardown()
+    teardown()  # a second call is harmless
+    return backend, t.item(), dist.is_initialized()
+
+
 def test_dist_init_and_teardown(tmp_path: Any) -> None:
     store = str(tmp_path / "store")
-
-    def body(rank: int) -> Any:
-        assert dist_init(rank, 2, store)
-        backend = dist.get_backend()
-        t = torch.tensor([rank + 1.0])
-        dist.all_reduce(t)
-        teardown()
-        teardown()  # a second call is harmless
-        return backend, t.item(), dist.is_initialized()
-
-    assert run_ranks(body, 2) == [("gloo", 3.0, False)] * 2
+    assert run_ranks(functools.partial(_init_all_reduce_teardown, store), 2) == [("gloo", 3.0, False)] * 2
 
 
 def _record_rank(rank: int, world_size: int, filename: str, filename_rpc: str, out_dir: str, tag: str) -> None:
@@ -284,19 +285,33 @@ def test_test_runner_is_not_collected_and_seeds() -> None:
     assert torch.backends.cudnn.deterministic
 
 
+class _FileQueue:
+    """A picklable stand-in for worker_process's error queue: one file per message."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def put(self, message: str) -> None:
+        with open(os.path.join(self.directory, f"message-{os.getpid()}"), "w") as f:
+            f.write(message)
+
+
+def _skipping() -> None:
+    assert dist.get_world_size() == 2
+    pytest.skip("no can do")
+
+
+def _worker_that_skips(store: str, queue: _FileQueue, rank: int) -> None:
+    worker_process(rank, 2, store, "", _skipping, (), queue)
+
+
 def test_worker_process_reports_skip(tmp_path: Any) -> None:
-    import multiprocessing
-
-    queue = multiprocessing.get_context("fork").SimpleQueue()
-
-    def skipping() -> None:
-        assert dist.get_world_size() == 2
-        pytest.skip("no can do")
-
+    messages_dir = tmp_path / "messages"
+    messages_dir.mkdir()
     store = str(tmp_path / "store")
-    run_ranks(lambda rank: worker_process(rank, 2, store, "", skipping, (), queue), 2)
-    messages = sorted(queue.get() for _ in range(2))
-    assert messages == ["no can do", "no can do"] and queue.empty()
+    run_ranks(functools.partial(_worker_that_skips, store, _FileQueue(str(messages_dir))), 2)
+    messages = sorted(path.read_text() for path in messages_dir.iterdir())
+    assert messages == ["no can do", "no can do"]
 
 
 def _spawned_body(value: int) -> None:

@@ -94,6 +94,8 @@ def test_pack_unpack_kwargs() -> None:
     assert unpack_kwargs(("a",), (1,)) == ((), {"a": 1})
     with pytest.raises(ValueError, match="2 keyword names but only 1 values"):
         unpack_kwargs(("a", "b"), (1,))
+    with pytest.raises(AssertionError):  # what upstream raises, for callers written for it
+        unpack_kwargs(("a", "b"), (1,))
 
 
 def test_split_unpack_non_tensors() -> None:
@@ -112,3 +114,6 @@ def test_split_unpack_non_tensors() -> None:
         unpack_non_tensors((x,), packed)
     with pytest.raises(ValueError, match="returned by split_non_tensors"):
         unpack_non_tensors((x,), {"objects": []})
+    for bad in (packed, {"objects": []}):  # also AssertionError, as upstream
+        with pytest.raises(AssertionError):
+            unpack_non_tensors((x,), bad)

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+from fairscale.fair_dev.testing import run_distributed
 from fairscale.internal.device import (
     CPU_ONLY_ENV,
     DeviceHandle,
@@ -16,7 +17,6 @@ from fairscale.internal.device import (
     default_compute_device,
 )
 
-needs_accelerator = pytest.mark.skipif(not accelerator_available(), reason="needs an accelerator")
 no_accelerator = pytest.mark.skipif(accelerator_available(), reason="checks the CPU-only machine")
 
 
@@ -99,8 +99,7 @@ def test_cpu_peak_rss_bytes() -> None:
     assert peak >= rss_kib * 1024 * 0.9  # the peak is at least what is resident now (in bytes, not KiB)
 
 
-@needs_accelerator
-def test_accelerator_streams_order_work() -> None:
+def _streams_order_work(rank: int, world_size: int) -> None:
     device = current_accelerator_device()
     assert device is not None
     handle = DeviceHandle.for_device(device.type)
@@ -123,16 +122,24 @@ def test_accelerator_streams_order_work() -> None:
     assert pinned.is_pinned()
 
 
+def test_accelerator_streams_order_work() -> None:
+    # In a CUDA world (skipped without a GPU): the pytest process never creates a CUDA context.
+    run_distributed(_streams_order_work, 1, device="cuda")
+
+
 def test_as_current_on_cpu_is_inert() -> None:
     with DeviceHandle.for_device("cpu").as_current():
         assert torch.zeros(1).device.type == "cpu"
 
 
-@needs_accelerator
-def test_as_current_switches_the_current_accelerator() -> None:
+def _as_current_switches(rank: int, world_size: int) -> None:
     last = accelerator_device_count() - 1
     handle = DeviceHandle.for_device(torch.device("cuda", last))
     before = torch.cuda.current_device()
     with handle.as_current():
         assert torch.cuda.current_device() == last  # where NCCL object collectives put their buffers
     assert torch.cuda.current_device() == before
+
+
+def test_as_current_switches_the_current_accelerator() -> None:
+    run_distributed(_as_current_switches, 1, device="cuda")

@@ -10,24 +10,31 @@ from torch import nn
 from fairscale.internal.state_dict import find_module_instances, replace_by_prefix_
 
 
+def _prefixes(found):
+    return [prefix for prefix, _ in found]
+
+
 def test_find_module_instances() -> None:
     net = nn.Sequential(
         nn.Linear(1, 1), nn.ModuleDict({"ln": nn.LayerNorm(1), "linear": nn.Linear(1, 1)}), nn.LayerNorm(1)
     )
-    assert find_module_instances(net, nn.LayerNorm) == ["1.ln.", "2."]
-    assert find_module_instances(net, nn.Linear) == ["0.", "1.linear."]
+    # (prefix, module) pairs, as upstream returns them.
+    found = find_module_instances(net, nn.LayerNorm)
+    assert found == [("1.ln.", net[1]["ln"]), ("2.", net[2])]
+    assert all(m is net.get_submodule(p.rstrip(".")) for p, m in found)
+    assert _prefixes(find_module_instances(net, nn.Linear)) == ["0.", "1.linear."]
     assert find_module_instances(net, nn.Dropout) == []
-    assert find_module_instances(net, nn.Sequential) == [""]
-    assert find_module_instances(net, nn.Module)[:2] == ["", "0."]  # matches are searched inside too
+    assert find_module_instances(net, nn.Sequential) == [("", net)]
+    assert _prefixes(find_module_instances(net, nn.Module))[:2] == ["", "0."]  # matches are searched inside too
     # Prefixes are real state-dict prefixes.
     keys = net.state_dict().keys()
-    assert all(any(k.startswith(p) for k in keys) for p in find_module_instances(net, nn.LayerNorm))
+    assert all(any(k.startswith(p) for k in keys) for p, _ in find_module_instances(net, nn.LayerNorm))
 
 
 def test_find_module_instances_shared_module() -> None:
     shared = nn.Linear(1, 1)
     net = nn.Sequential(shared, nn.Sequential(shared))
-    assert find_module_instances(net, nn.Linear) == ["0.", "1.0."]
+    assert find_module_instances(net, nn.Linear) == [("0.", shared), ("1.0.", shared)]
 
 
 def test_replace_by_prefix() -> None:

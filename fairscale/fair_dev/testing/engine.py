@@ -14,11 +14,18 @@ A test body runs in ``world_size`` processes, each with an initialised default p
 How a world is started and ended:
 
 * Rendezvous goes through a ``FileStore`` in a fresh temporary directory, so no ports are picked.
-* On CPU the ranks are **forked** from the calling process: a 2-rank world starts in a few tens of
-  milliseconds and ``fn``/``args`` may be closures, lambdas or anything else (nothing is pickled on the
-  way in). When CUDA is already initialised in the caller, a forked child could not use it, so the
-  ranks are **spawned** instead; then ``fn``, ``args`` and ``kwargs`` must be picklable (``fn`` a
-  module-level function). ``FAIRSCALE_TEST_START_METHOD=spawn`` (or ``fork``) forces a method.
+* ``fn`` and its ``args``/``kwargs`` must be picklable (``fn`` a module-level function or a
+  ``functools.partial`` of one), whatever the start method: a test body must run the same on a CPU
+  machine, where ranks are forked, and on a GPU machine, where they are spawned. This is checked
+  before any rank starts, so a closure fails on CPU too, with a message that says what to change.
+* How ranks start: a CUDA world always **spawns** them (a fresh interpreter per rank, about 2 s):
+  a forked child cannot use CUDA once its parent has touched it, and on a GPU machine even
+  ``torch.cuda.is_available()`` marks the parent so. A CPU world **forks** (tens of milliseconds)
+  unless this process has initialised CUDA, in which case it spawns too. :func:`run_ranks`, whose
+  body may set up NCCL itself, spawns whenever a CUDA device is visible.
+  ``FAIRSCALE_TEST_START_METHOD=spawn`` (or ``forkserver``) forces a method for every world; ``fork``
+  forces it for CPU worlds only. Running the suite with ``spawn`` on CPU is how CI proves, without a
+  GPU, that every test body can start on a GPU machine.
 * Forked ranks run torch single-threaded. GNU OpenMP (libgomp, which the torch wheels use) is not
   fork-safe: a child that re-enters a multi-threaded parallel region after its parent has used one
   deadlocks. One thread per rank avoids that, and is what one wants with several ranks on few cores
@@ -56,6 +63,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import pytest
 import torch
 import torch.distributed as dist
+
+from fairscale.internal.device import accelerator_initialized
 
 from .engine_rank import (
     ENGINE_FILES,
@@ -136,7 +145,7 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a fresh process-group world.
 
     Args:
-        fn: the test body. Under fork (CPU) any callable; under spawn a module-level function.
+        fn: the test body: a module-level function or a ``functools.partial`` of one (it must pickle).
         world_size: number of ranks (>= 1).
         *args: passed to ``fn`` after ``rank`` and ``world_size``.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank; the calling test is skipped
@@ -157,7 +166,7 @@ def run_distributed(
     device_type = _check_device(device)
     _check_world(world_size, timeout)
     if device_type == "cuda":
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        available = _cuda_device_count()
         if available < world_size:
             pytest.skip(f"needs {world_size} CUDA devices for a {world_size}-rank world, found {available}")
     if dist.is_available() and dist.is_initialized():
@@ -227,23 +236,66 @@ def _world_directory() -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+_START_METHODS = ("fork", "spawn", "forkserver")
+
+
 def _start_method(device_type: Optional[str]) -> str:
-    """``fork`` (fast, any callable) unless the ranks need CUDA and this process already initialised it.
+    """The multiprocessing start method for a world's ranks.
 
     Args:
-        device_type: ``"cpu"`` for a CPU world (its ranks never touch CUDA: the engine sets ``FAIRSCALE_CPU_ONLY``
-            in them, so fork stays safe even after the parent used a GPU), ``"cuda"``, or ``None`` when unknown
-            (:func:`run_ranks`).
+        device_type: ``"cpu"`` for a CPU world (its ranks set ``FAIRSCALE_CPU_ONLY`` and never touch CUDA),
+            ``"cuda"``, or ``None`` when unknown (:func:`run_ranks`: the body may set up NCCL itself).
+
+    Returns:
+        ``"fork"``, ``"spawn"`` or ``"forkserver"``.
     """
     forced = os.environ.get(START_METHOD_ENV, "")
+    if forced and forced not in _START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV} must be one of {', '.join(_START_METHODS)}, got {forced!r}")
+    if device_type != "cpu":
+        # A forked child cannot create a CUDA context once the parent has initialised CUDA, and on a GPU machine
+        # even the device checks (cudaGetDeviceCount) mark forked children as unable to: never fork a CUDA world.
+        # A body of unknown kind forks only where no CUDA device is visible.
+        if forced in ("spawn", "forkserver"):
+            return forced
+        if device_type == "cuda" or accelerator_initialized() or _cuda_device_count() > 0:
+            return "spawn"
+        return "fork"
     if forced:
-        if forced not in ("fork", "spawn"):
-            raise ValueError(f"{START_METHOD_ENV} must be 'fork' or 'spawn', got {forced!r}")
         return forced
-    # A forked child cannot use a CUDA context its parent created; spawn is the only safe way then.
-    if device_type != "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "spawn"
-    return "fork"
+    # CPU ranks never use CUDA, but a forked copy of a process holding a CUDA context is not safe to run either.
+    return "spawn" if accelerator_initialized() else "fork"
+
+
+def _cuda_device_count() -> int:
+    """CUDA devices on this machine, whatever ``FAIRSCALE_CPU_ONLY`` says (a CUDA world's ranks drop it)."""
+    # device_count() asks NVML first and does not initialise CUDA in this process.
+    return int(torch.cuda.device_count())
+
+
+def _pickled_body(body: Any, method: str) -> Optional[bytes]:
+    """The body pickled for ranks that are not forked, checked before any rank starts (under fork too).
+
+    Returns:
+        ``None`` under fork (the ranks inherit the body; the check still runs, so a test that passes here also
+        passes where ranks are spawned) and for bodies that only pickle while a process starts, else the bytes
+        each rank unpickles into its own copy. Plain pickle copies
+        tensors; multiprocessing's own pickling would put them in memory shared by all ranks and the caller, where
+        one rank's in-place update (an optimizer state loaded from an argument, say) would change the others'.
+    """
+    try:
+        payload = pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(
+            f"test bodies must be picklable so that the same test runs under fork (CPU) and spawn (CUDA worlds, "
+            f"{START_METHOD_ENV}=spawn); this world would start with {method}: pass a module-level function "
+            f"(or a functools.partial of one) and picklable arguments, not a closure or lambda ({e})"
+        ) from e
+    except Exception:
+        # Objects that only pickle while a process is being started (multiprocessing queues, locks): the body
+        # goes to the ranks as it is (fork inherits it; spawn pickles it on the way, sharing tensors' memory).
+        return None
+    return None if method == "fork" else payload
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,6 +308,7 @@ def _run_world(
     """Start one process per rank, collect their reports, and make sure none outlives this call."""
     __tracebackhide__ = True  # pytest: show the test, not the engine
     method = _start_method(device_type)
+    payload = _pickled_body(body, method)
     ctx: Any = multiprocessing.get_context(method)
     deadline = time.monotonic() + timeout
     ranks: List[_RankProcess] = []
@@ -265,7 +318,7 @@ def _run_world(
             stack_path = os.path.join(directory, f"stack_rank{rank}.txt")
             process = ctx.Process(
                 target=rank_main,
-                args=(rank, writer, body, os.getpid(), stack_path, method),
+                args=(rank, writer, body if payload is None else payload, os.getpid(), stack_path, method),
                 name=f"fairscale-test-rank{rank}",
             )
             _start(process, method)
@@ -285,11 +338,11 @@ def _start(process: Any, method: str) -> None:
             warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
             process.start()
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        if method != "spawn":
+        if method == "fork":
             raise
         raise TypeError(
-            f"spawned ranks (CUDA is initialised in this process, or {START_METHOD_ENV}=spawn) receive the test "
-            f"body by pickling: pass a module-level function and picklable arguments, not a closure ({e})"
+            f"ranks started with {method} receive the test body by pickling: pass a module-level function and "
+            f"picklable arguments, not a closure ({e})"
         ) from e
 
 

@@ -21,7 +21,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple, Type
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple, Type, Union
 
 import pytest
 import torch
@@ -182,9 +182,15 @@ class RemoteFailure:
 # Inside a rank process
 
 
-def rank_main(rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int, stack_path: str, method: str) -> None:
-    """Entry point of every rank process: prepare the process, run ``body``, send one report."""
-    _die_with_parent(parent_pid)
+def rank_main(
+    rank: int, conn: Any, body: Union[Callable[[int], Any], bytes], parent_pid: int, stack_path: str, method: str
+) -> None:
+    """Entry point of every rank process: prepare the process, run ``body``, send one report.
+
+    ``body`` comes pickled (bytes) to spawned ranks: each rank then unpickles a private copy of the arguments, as a
+    forked rank has, instead of tensors in memory shared with its peers and the test process.
+    """
+    _die_with_parent(parent_pid, method)
     # Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stack_file = open(stack_path, "w")
@@ -194,8 +200,9 @@ def rank_main(rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int,
         _forbid_more_threads()
     failed = False
     try:
+        fn = pickle.loads(body) if isinstance(body, bytes) else body
         seed_everything(SEED)
-        result = body(rank)
+        result = fn(rank)
         try:
             payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
@@ -213,10 +220,18 @@ def rank_main(rank: int, conn: Any, body: Callable[[int], Any], parent_pid: int,
     if failed:
         # Skip interpreter teardown: the parent kills the other ranks and does not need this one.
         os._exit(1)
+    if method != "fork":
+        # A forked rank ends with os._exit (multiprocessing's fork start); a spawned one would run the full
+        # interpreter teardown, where libraries with background threads (RPC agents, NCCL watchdogs) can abort after
+        # the result was reported. End the same way under every start method.
+        os._exit(0)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a killed test run leaves no orphans."""
+def _die_with_parent(parent_pid: int, method: str) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a killed test run leaves no orphans.
+
+    Under ``forkserver`` the parent is the fork server, which exits with the test process.
+    """
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -226,7 +241,7 @@ def _die_with_parent(parent_pid: int) -> None:
             libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+    if method != "forkserver" and os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
 
 

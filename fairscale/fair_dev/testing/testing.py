@@ -4,8 +4,10 @@
 The names and arguments are upstream's so that tests written against fairscale keep working. The
 differences: everything works without GPUs (gloo on CPU, ``get_world_sizes()`` never returns an
 empty list), processes are started by the engine in :mod:`fairscale.fair_dev.testing.engine`
-(fork on CPU, a timeout, the failing rank's traceback), and there is no RPC or model parallelism
-(``filename_rpc`` is accepted and unused, ``get_worker_map`` raises ``NotImplementedError``).
+(fork on CPU, a timeout, the failing rank's traceback), and there is no RPC (``filename_rpc`` is
+accepted and unused, ``get_worker_map`` raises ``NotImplementedError``). As upstream, the ranks of
+:func:`torch_spawn` tests start with model parallelism initialised (model-parallel size 1, one
+pipeline group holding every rank).
 
 This module may call ``torch.cuda`` and ``torch.distributed`` collectives directly: it is test
 tooling, exempt from the rule that only the device and collectives layers do.
@@ -23,6 +25,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import pytest
 import torch
 import torch.distributed as dist
+
+from fairscale.internal import torch_version as torch_version
+from fairscale.nn.model_parallel.initialize import destroy_model_parallel as destroy_model_parallel
+from fairscale.nn.model_parallel.initialize import initialize_model_parallel as initialize_model_parallel
+from fairscale.nn.model_parallel.random import model_parallel_cuda_manual_seed as model_parallel_cuda_manual_seed
+from fairscale.nn.model_parallel.initialize import model_parallel_is_initialized
 
 from .engine import DEFAULT_TIMEOUT, run_distributed, run_ranks, seed_everything, use_loopback_for_gloo
 
@@ -95,14 +103,16 @@ def make_cudnn_deterministic() -> None:
 
 
 def set_random_seed(seed: int, model_parallel: bool = True) -> None:
-    """Seed ``random``, numpy and torch (all devices).
+    """Seed ``random``, numpy and torch (all devices), then the model-parallel RNG tracker.
 
     Args:
         seed: the seed.
-        model_parallel: accepted for upstream compatibility; there is no model parallelism here.
+        model_parallel: also call :func:`model_parallel_cuda_manual_seed` with ``seed`` when model
+            parallelism is initialised (upstream raised ``AssertionError`` when it was not).
     """
-    del model_parallel
     seed_everything(seed)
+    if model_parallel and model_parallel_is_initialized():
+        model_parallel_cuda_manual_seed(seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +147,8 @@ def dist_init(rank: int, world_size: int, filename: str, filename_rpc: str = "")
 
 
 def teardown() -> None:
-    """Destroy the default process group if there is one."""
+    """Forget the model-parallel groups and destroy the default process group if there is one."""
+    destroy_model_parallel()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -243,6 +254,7 @@ def worker_process(
     """
     if not dist_init(rank, world_size, filename, filename_rpc):
         return
+    initialize_model_parallel(1, world_size, pipeline_backend="gloo")
     try:
         func(*args)
     except pytest.skip.Exception as e:
@@ -300,7 +312,12 @@ class _RankCall:
         self.kwargs = kwargs
 
     def __call__(self, rank: int, world_size: int) -> None:
-        self.func(**self.kwargs)
+        # As upstream's worker_process: model-parallel size 1, one pipeline group of every rank.
+        initialize_model_parallel(1, world_size, pipeline_backend="gloo")
+        try:
+            self.func(**self.kwargs)
+        finally:
+            destroy_model_parallel()
 
 
 class DummyProcessGroup:

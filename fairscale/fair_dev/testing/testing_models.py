@@ -116,8 +116,8 @@ class DeviceAndTypeCheckModule(nn.Module):
         if not matches:
             raise AssertionError(f"{what} is {got}, expected {expected}")
 
-    def forward(self, *input: torch.Tensor) -> torch.Tensor:
-        x = input[0]
+    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        x = input[0]  # keyword arguments are accepted and ignored, as upstream
         self._check("input.dtype", x.dtype, self.expected_input_dtype)
         self._check("input.device", x.device, self.expected_input_device)
         weight = self.linear.weight

@@ -22,16 +22,33 @@ import copy
 import inspect
 import threading
 import types
+import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from fairscale.internal.containers import pack_kwargs, split_non_tensors, unpack_kwargs, unpack_non_tensors
+
+from fairscale.internal import device
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from .checkpoint_utils import patch_batchnorm
 
 __all__ = [
+    "CheckpointFunction",
+    "ThreadLocalCheckpointingState",
+    "autocast",
+    "get_rng_state",
+    "is_autocast_enabled",
+    "pack_kwargs",
+    "set_rng_state",
+    "split_non_tensors",
+    "thread_local",
+    "unpack_kwargs",
+    "unpack_non_tensors",
     "checkpoint_wrapper",
     "disable_checkpointing",
     "enable_checkpointing",
@@ -41,17 +58,28 @@ __all__ = [
 ]
 
 
-class _Flags(threading.local):
-    """Per-thread flags. Backward may run on an autograd worker thread, and the recomputation
-    sets and reads its flag on that same thread, so thread-local state is the right scope."""
+@dataclass
+class ThreadLocalCheckpointingState(threading.local):
+    """Per-thread checkpointing flags (the type of :data:`thread_local`).
 
-    def __init__(self) -> None:
-        self.is_checkpointing = False
-        self.is_recomputing = False
-        self.is_checkpointing_disabled = False
+    Backward may run on an autograd worker thread, and the recomputation sets and reads its flag on that same
+    thread, so thread-local state is the right scope. Read the flags with :func:`is_checkpointing` and
+    :func:`is_recomputing`; set them with the context managers of this module.
+
+    Attributes:
+        is_checkpointing (bool): in the first (no-grad) forward of a checkpointed module.
+        is_recomputing (bool): in the recomputation of a checkpointed forward during backward.
+        is_checkpointing_disabled (bool): inside :func:`disable_checkpointing`.
+    """
+
+    is_checkpointing: bool = False
+    is_recomputing: bool = False
+    is_checkpointing_disabled: bool = False
 
 
-_flags = _Flags()
+#: The flags of the current thread (upstream's name).
+thread_local = ThreadLocalCheckpointingState()
+_flags = thread_local
 
 _ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
@@ -99,7 +127,7 @@ def is_recomputing() -> bool:
     return _flags.is_recomputing
 
 
-def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: bool = False) -> _ModuleT:
+def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: Any = False) -> _ModuleT:
     """Checkpoint the activations of ``module``: keep only its inputs and recompute in backward.
 
     The module is changed in place (its ``forward`` is replaced and its batch-norm layers are
@@ -118,7 +146,8 @@ def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: bool = False) -> _Modul
         module (nn.Module): the module to checkpoint. It may be, or contain, a
             ``FullyShardedDataParallel`` instance; such code can consult :func:`is_recomputing`.
         offload_to_cpu (bool): keep the saved inputs in CPU memory between forward and backward
-            and copy them back to their device for the recomputation. Default: ``False``.
+            and copy them back to their device for the recomputation. Default: ``False``. Other values
+            are taken by their truth, as upstream does, with a ``DeprecationWarning``.
 
     Returns:
         nn.Module: ``module`` itself, now checkpointed.
@@ -131,7 +160,15 @@ def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: bool = False) -> _Modul
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")
     if not isinstance(offload_to_cpu, bool):
-        raise TypeError(f"checkpoint_wrapper: offload_to_cpu must be a bool, got {offload_to_cpu!r}")
+        # Upstream takes any value by its truth (code written for an older signature may pass something else
+        # positionally); keep accepting it, but say so.
+        warnings.warn(
+            f"checkpoint_wrapper: offload_to_cpu should be a bool, got {type(offload_to_cpu).__name__}; "
+            f"using bool({offload_to_cpu!r}) = {bool(offload_to_cpu)}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        offload_to_cpu = bool(offload_to_cpu)
     patch_batchnorm(module)
     setattr(module, "forward", _CheckpointedForward(module, module.forward, offload_to_cpu))
     return module
@@ -316,3 +353,142 @@ def _flatten(obj: Any) -> Tuple[List[torch.Tensor], Any]:
 def _unflatten(spec: Any, tensors: List[torch.Tensor]) -> Any:
     """Inverse of :func:`_flatten`."""
     return _map_structure(spec, lambda slot: tensors[slot.index], lambda x: isinstance(x, _Slot))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Upstream's building blocks, kept for code that uses them directly. checkpoint_wrapper itself relies on torch's
+# reentrant checkpoint (above), which implements the same protocol.
+
+
+def get_rng_state() -> Dict[str, Any]:
+    """The RNG states a checkpointed forward replays: the CPU generator's, plus the current accelerator's.
+
+    Returns:
+        Dict[str, Any]: ``{"torch_rng_state": Tensor}``, plus ``"cuda_rng_state"`` (``"<type>_rng_state"`` for
+        other accelerators) when an accelerator is available.
+    """
+    state: Dict[str, Any] = {"torch_rng_state": torch.get_rng_state()}
+    accelerator = device.current_accelerator_device()
+    if accelerator is not None:
+        state[f"{accelerator.type}_rng_state"] = device.rng_get_state(accelerator)
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore RNG states returned by :func:`get_rng_state`.
+
+    Args:
+        state (Dict[str, Any]): the dict :func:`get_rng_state` returned (accelerator entries are skipped on a
+            machine without that accelerator).
+    """
+    if not isinstance(state, dict) or "torch_rng_state" not in state:
+        raise FairscaleValueError("set_rng_state: expected the dict returned by get_rng_state()")
+    torch.set_rng_state(state["torch_rng_state"])
+    accelerator = device.current_accelerator_device()
+    key = f"{accelerator.type}_rng_state" if accelerator is not None else None
+    if accelerator is not None and key in state:
+        device.rng_set_state(state[key], accelerator)
+
+
+def is_autocast_enabled() -> bool:
+    """Whether autocast is on for the current accelerator (``False`` on a machine without one, as upstream)."""
+    accelerator = device.current_accelerator_device()
+    if accelerator is None:
+        return False
+    try:
+        return bool(torch.is_autocast_enabled(accelerator.type))
+    except TypeError:  # torch < 2.4: no device argument, the answer is CUDA's
+        return bool(torch.is_autocast_enabled())
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool) -> Iterator[None]:
+    """Context manager: accelerator autocast on or off (a no-op on a machine without an accelerator).
+
+    Args:
+        enabled (bool): the autocast state inside the context.
+    """
+    accelerator = device.current_accelerator_device()
+    if accelerator is None:
+        yield
+        return
+    with torch.autocast(device_type=accelerator.type, enabled=enabled):
+        yield
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Upstream's autograd function for checkpointing a module's forward (the protocol, for direct callers).
+
+    Call it as ``CheckpointFunction.apply(dummy, forward, parent_ctx_dict, kwarg_keys, *flat_args)``:
+
+    * ``dummy``: a tensor that requires grad (``torch.tensor([], requires_grad=True)``), so that autograd calls
+      the backward even when no input requires grad;
+    * ``forward``: the module's *unbound* forward; ``flat_args[0]`` is the module (see :func:`pack_kwargs`:
+      ``kwarg_keys, flat_args = pack_kwargs(module, *args, **kwargs)``);
+    * ``parent_ctx_dict``: a dict with key ``"offload"`` (bool: keep the saved tensor inputs on the CPU). The
+      function adds ``"output_requires_grad"`` (whether a parameter or input requires grad; if not, detach the
+      outputs) and, for non-tensor outputs, ``"packed_non_tensor_outputs"`` for :func:`unpack_non_tensors`.
+
+    It returns the output tensor, or the tuple of output tensors. The first pass runs without grad under
+    :func:`is_checkpointing`; backward re-runs the forward with the first pass's RNG and autocast state under
+    :func:`is_recomputing` and back-propagates through it.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        dummy_tensor_requires_grad: torch.Tensor,
+        run_function: Callable[..., Any],
+        parent_ctx_dict: Dict[str, Any],
+        kwarg_keys: Tuple[str, ...],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if kwargs:
+            raise FairscaleTypeError("CheckpointFunction: pass keyword arguments through pack_kwargs and kwarg_keys")
+        if "offload" not in parent_ctx_dict:
+            raise FairscaleValueError("CheckpointFunction: parent_ctx_dict needs an 'offload' entry (bool)")
+        ctx.run_function, ctx.kwarg_keys = run_function, kwarg_keys
+        ctx.fwd_rng_state = get_rng_state()
+        ctx.had_autocast_in_fwd = is_autocast_enabled()
+        tensor_inputs, ctx.packed_non_tensor_inputs = split_non_tensors(args)
+        ctx.input_devices = tuple(t.device for t in tensor_inputs)
+        ctx.input_requires_grad = tuple(t.requires_grad for t in tensor_inputs)
+        if parent_ctx_dict["offload"]:
+            tensor_inputs = tuple(t.to("cpu", non_blocking=True) for t in tensor_inputs)
+        ctx.save_for_backward(*tensor_inputs)
+        call_args, call_kwargs = unpack_kwargs(kwarg_keys, args)
+        with torch.no_grad(), enable_checkpointing():
+            outputs = run_function(*call_args, **call_kwargs)
+        module = call_args[0] if call_args else None
+        params_need_grad = isinstance(module, nn.Module) and _may_need_grad(module, [])
+        parent_ctx_dict["output_requires_grad"] = params_need_grad or any(ctx.input_requires_grad)
+        if isinstance(outputs, torch.Tensor):
+            return outputs
+        outputs, parent_ctx_dict["packed_non_tensor_outputs"] = split_non_tensors(tuple(outputs))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *args: Any) -> Tuple[Optional[torch.Tensor], ...]:
+        grad_outputs = args  # upstream's parameter name
+        if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
+            raise RuntimeError("CheckpointFunction: checkpointing is not compatible with .grad(); use .backward()")
+        inputs = []
+        for saved, dev, needs_grad in zip(ctx.saved_tensors, ctx.input_devices, ctx.input_requires_grad):
+            inputs.append(saved.to(dev, non_blocking=True).detach().requires_grad_(needs_grad))
+        flat_args = unpack_non_tensors(tuple(inputs), ctx.packed_non_tensor_inputs)
+        call_args, call_kwargs = unpack_kwargs(ctx.kwarg_keys, flat_args)
+        backward_rng_state = get_rng_state()
+        set_rng_state(ctx.fwd_rng_state)
+        try:
+            with torch.enable_grad(), enable_recomputing(), autocast(ctx.had_autocast_in_fwd):
+                outputs = ctx.run_function(*call_args, **call_kwargs)
+        finally:
+            set_rng_state(backward_rng_state)
+        output_tensors, _ = split_non_tensors(outputs if isinstance(outputs, torch.Tensor) else tuple(outputs))
+        pairs = [(o, g) for o, g in zip(output_tensors, grad_outputs) if o.requires_grad and g is not None]
+        if not pairs:
+            raise RuntimeError("CheckpointFunction: none of the recomputed outputs requires grad")
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = (t.grad if isinstance(t, torch.Tensor) else None for t in flat_args)
+        return (None, None, None, None) + tuple(input_grads)

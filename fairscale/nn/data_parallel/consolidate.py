@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ._fsdp import identity
 from ._fsdp.metadata import consolidate_shard_weights, reshard_full_state_dict
 
 __all__ = [
@@ -176,8 +177,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point; returns the exit status."""
+    """Command-line entry point; returns the exit status (non-zero, with the reason on stderr, on bad input)."""
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "consolidate":
         full = consolidate_checkpoint_dir(
             args.directory, args.pattern, with_module_buffers=not args.no_buffers, strict=not args.non_strict
@@ -185,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.save(full, args.output)
         print(f"wrote {len(full)} entries to {args.output}")
         return 0
-    _, meta = _split_checkpoint(torch.load(args.meta, map_location="cpu", weights_only=True), args.meta)
+    weights, meta = _split_checkpoint(torch.load(args.meta, map_location="cpu", weights_only=True), args.meta)
+    identity.check_pair(weights, meta, args.meta)  # its weights and metadata must be of one checkpoint
     paths = save_resharded(_load_full(args.full), meta, args.world_size, args.out_dir, args.prefix)
     print(f"wrote {len(paths)} per-rank files to {args.out_dir}")
     return 0

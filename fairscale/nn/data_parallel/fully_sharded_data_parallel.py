@@ -10,11 +10,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fairscale.internal import collectives
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn, get_process_group_cached
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
 from ._fsdp import config as fsdp_config
 from ._fsdp import grad_accum, summon, zero2
+from ._fsdp import ties as fsdp_ties
 from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
 from ._fsdp.metadata import CheckpointFormatsMixin
 from ._fsdp.io import cast_inputs
@@ -23,6 +25,26 @@ from ._fsdp.state import HandleState, TrainingState
 from ._fsdp.state_dict import StateDictMixin
 
 log = logging.getLogger(__name__)
+
+# Names that upstream code imports from this module (upstream defined or imported them here); re-exported so that
+# such imports keep working. Checked by tests/test_upstream_api.py.
+from math import inf as inf  # noqa: E402
+
+from fairscale.internal.containers import apply_to_tensors as apply_to_tensors  # noqa: E402
+from fairscale.internal.errors import p_assert as p_assert  # noqa: E402
+from fairscale.internal.parallel import chunk_and_pad as chunk_and_pad  # noqa: E402
+from fairscale.internal.parallel import validate_process_group as validate_process_group  # noqa: E402
+from fairscale.internal.params import calc_grad_norm as calc_grad_norm  # noqa: E402
+from fairscale.internal.params import recursive_copy_to_device as recursive_copy_to_device  # noqa: E402
+from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer as ReduceScatterBucketer  # noqa: E402
+from fairscale.internal.reduce_scatter_bucketer import enable_nccl_base_collectives  # noqa: E402,F401
+from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # noqa: E402
+from fairscale.nn.wrap.auto_wrap import auto_wrap as auto_wrap  # noqa: E402
+from fairscale.nn.wrap.auto_wrap import config_auto_wrap_policy as config_auto_wrap_policy  # noqa: E402
+from fairscale.nn.wrap.auto_wrap import enable_wrap as enable_wrap  # noqa: E402
+
+from ._fsdp.batchnorm_wrap import auto_wrap_bn as auto_wrap_bn  # noqa: E402
+from ._fsdp.state_dict import no_pre_load_state_dict_hook as no_pre_load_state_dict_hook  # noqa: E402
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -95,6 +117,12 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             directly into one flat buffer instead of concatenating them into the flat gradient on every microbatch.
             Only has an effect with ``flatten_parameters=True``; the rule is that every non-last microbatch runs its
             forward *and* backward inside ``root.no_sync()``.
+        forward_prefetch: (fork) while this instance's forward computes, the all-gather of the unit that ran next in
+            the previous forward is already in flight (at most one unit ahead). Default ``False``.
+        backward_prefetch: (fork) at this instance's pre-backward point, issue the all-gather of the unit whose
+            backward ran next in the previous backward. Changes timing only, never numerics; costs at most one
+            extra unit's full parameters of memory. Default ``True`` (upstream has no prefetch). See the docs page
+            "Communication overlap".
     """
 
     def __init__(
@@ -124,6 +152,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         allow_reset_parameters: bool = False,
         zero2_process_group: Optional[Any] = None,
         optimize_backward_concat: bool = False,
+        forward_prefetch: bool = False,
+        backward_prefetch: bool = True,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -133,6 +163,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
                     "dist.init_process_group('gloo') on CPU or 'nccl' on CUDA), or an explicit process_group."
                 )
         self.process_group = process_group if process_group is not None else get_process_group_cached()
+        fsdp_config.check_group_membership(self.process_group, process_group_reduce_scatter)
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
         self.process_group_reduce_scatter = self._resolve_reduce_scatter_group(process_group_reduce_scatter)
@@ -157,6 +188,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         self.state_dict_on_rank_0_only = state_dict_on_rank_0_only
         self.allow_reset_parameters = allow_reset_parameters
         self.optimize_backward_concat = optimize_backward_concat
+        self.forward_prefetch = bool(forward_prefetch)
+        self.backward_prefetch = bool(backward_prefetch)
         self.gradient_predivide_factor, self.gradient_postdivide_factor = fsdp_config.divide_factors(
             self.world_size, gradient_predivide_factor
         )
@@ -181,6 +214,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
                 f"{e}\nWith FullyShardedDataParallel: wrap the parameters that differ (e.g. the frozen part) in their "
                 "own FullyShardedDataParallel instance, or pass flatten_parameters=False."
             ) from e
+        if flatten_parameters:
+            fsdp_ties.mark_flattened(p for _, p in params)
         del module  # reachable only through the wrapper from here on
         self._num_flatten_params = len(self._fsdp_wrapped_module.flat_params)
         flat = list(self._fsdp_wrapped_module.flat_params)
@@ -239,11 +274,15 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
 
         A parameter already sharded by an FSDP instance outside ``module`` (a weight tied to a sibling) is skipped,
         as upstream, and remembered: unless :meth:`append_shared_param` declares it, the first forward raises.
+        Ties that no declaration can make work are remembered in ``_tie_problems`` and raise at the first forward
+        too (see :func:`fsdp_ties.find_unhonourable_ties`); owning such a parameter here would silently untie it.
         """
         nested_owned: Set[int] = set()
         for m in module.modules():
             if isinstance(m, FullyShardedDataParallel):
+                m._has_fsdp_parent = True  # no_sync() is refused on it, before its lazy init as after
                 nested_owned.update(id(p) for p in m.parameters())
+        self._tie_problems = fsdp_ties.find_unhonourable_ties(module, nested_owned, FullyShardedDataParallel)
         out: List[Tuple[str, nn.Parameter]] = []
         seen = set()
         for name, p in module.named_parameters():
@@ -365,9 +404,16 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         Call it on the root instance, outside forward/backward. The first backward after the context reduces the
         sum of all accumulated gradients.
         """
+        # The same rule before the first forward as after it: a nested instance's own lazy init would otherwise
+        # make it a root of its own subtree and accept the call.
+        if self._has_fsdp_parent or self._is_root is False:
+            raise FairscaleRuntimeError(
+                "no_sync() must be called on the root FullyShardedDataParallel instance; this one is nested inside "
+                "another FullyShardedDataParallel instance"
+            )
         self._lazy_init()
         if not self._is_root:
-            raise RuntimeError("no_sync() must be called on the root FullyShardedDataParallel instance")
+            raise FairscaleRuntimeError("no_sync() must be called on the root FullyShardedDataParallel instance")
         self.assert_state(TrainingState.IDLE)
         instances = self._fsdp_instances()
         saved = [m._require_backward_grad_sync for m in instances]
@@ -427,7 +473,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
     def _assert_idle_tree(self, what: str) -> None:
         for m in self._fsdp_instances():
             if m.training_state != TrainingState.IDLE:
-                raise RuntimeError(f"{what} needs every FSDP instance idle; one is in {m.training_state.name}")
+                raise FairscaleRuntimeError(f"{what} needs every FSDP instance idle; one is in {m.training_state.name}")
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -439,7 +485,7 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         """
         self._lazy_init()
         if not self._is_root:
-            raise RuntimeError("clip_grad_norm_ should only be called on the root (not nested) FSDP instance")
+            raise FairscaleRuntimeError("clip_grad_norm_ should only be called on the root (not nested) FSDP instance")
         self.assert_state(TrainingState.IDLE)
         groups = {id(m.process_group) for m in self._fsdp_instances() if m.params}
         if len(groups) > 1:
@@ -492,13 +538,15 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
     def append_shared_param(self, p: nn.Parameter) -> None:
         """(Experimental) Also treat ``p``, owned by a sibling instance, as used by this instance."""
         if self._is_root is not None:
-            raise RuntimeError("append_shared_param must be called before the first forward (lazy init)")
+            raise FairscaleRuntimeError("append_shared_param must be called before the first forward (lazy init)")
         if self.flatten_parameters:
-            raise RuntimeError("append_shared_param needs flatten_parameters=False")
+            raise FairscaleRuntimeError("append_shared_param needs flatten_parameters=False")
         if not self.params:
-            raise RuntimeError("append_shared_param needs the instance to own at least one parameter")
+            raise FairscaleRuntimeError("append_shared_param needs the instance to own at least one parameter")
         if not hasattr(p, "_is_sharded"):
-            raise ValueError("append_shared_param expects a parameter already sharded by another FSDP instance")
+            raise FairscaleValueError(
+                "append_shared_param expects a parameter already sharded by another FSDP instance"
+            )
         # The flag lives on this instance's handle, not on the parameter: the owner must keep treating it as its own.
         self.params.append(p)
         self._has_shared_params = True

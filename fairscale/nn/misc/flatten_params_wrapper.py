@@ -14,6 +14,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # upstream imported it here
+
 from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
 from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups
 from ._flatten.state_dict_hooks import (
@@ -371,7 +374,10 @@ class FlattenParamsWrapper(nn.Module):
             RuntimeError: called while unflattened (inside :meth:`unflatten_params`).
         """
         if not self.is_flattened:
-            raise RuntimeError("flat_state_dict() needs a flattened wrapper; do not call it inside unflatten_params()")
+            # Also an AssertionError, as upstream.
+            raise FairscaleRuntimeError(
+                "flat_state_dict() needs a flattened wrapper; do not call it inside unflatten_params()"
+            )
         auto = self._auto_unflatten_state_dict
         self._auto_unflatten_state_dict = False
         try:

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Generator, Optional, Set, Tuple, Type, c
 
 from torch import nn
 
+from fairscale.internal.errors import FairscaleValueError
+
 __all__ = ["ConfigAutoWrap", "auto_wrap", "config_auto_wrap_policy", "default_auto_wrap_policy", "enable_wrap", "wrap"]
 
 AutoWrapPolicy = Callable[..., bool]
@@ -200,7 +202,7 @@ def _check_not_wrapped(module: nn.Module, wrapper_cls: Optional[Callable[..., nn
         is_wrapper = isinstance(wrapper_cls, type) and isinstance(sub, wrapper_cls)
         if is_wrapper or (params and all(hasattr(p, "_is_sharded") for p in params)):
             where = f"submodule '{name}'" if name else "the root module"
-            raise ValueError(
+            raise FairscaleValueError(  # also an AssertionError, as upstream
                 f"auto_wrap: {where} ({type(sub).__name__}) is already wrapped. Call auto_wrap on the "
                 "unwrapped model, or wrap the remaining submodules individually with wrap()."
             )
@@ -234,7 +236,7 @@ class ConfigAutoWrap:
             )
         kwargs = dict(kwargs)
         if "wrapper_cls" not in kwargs:
-            raise ValueError("enable_wrap() needs a wrapper_cls argument, e.g. enable_wrap(wrapper_cls=FSDP)")
+            raise FairscaleValueError("enable_wrap() needs a wrapper_cls argument, e.g. enable_wrap(wrapper_cls=FSDP)")
         wrapper_cls = kwargs.pop("wrapper_cls")
         if not callable(wrapper_cls):
             raise TypeError(f"enable_wrap(): wrapper_cls must be a class or callable, got {wrapper_cls!r}")

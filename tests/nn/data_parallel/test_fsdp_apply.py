@@ -49,39 +49,41 @@ def _apply_like_unwrapped(model_cls: Any, kwargs: Dict[str, Any], mode: str, ini
     assert_close_dict(full_params(fsdp), ref_params(ref), "after apply", rtol=0, atol=0)
 
 
-def test_apply_initialises_like_the_unwrapped_module() -> None:
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        for model_cls, mode, flatten, initialised in itertools.product(
-            (NestedWrappedModule, TransformerWithSharedParams), ("one", "nested"), (True, False), (False, True)
-        ):
-            kwargs = dict(flatten_parameters=flatten)
-            name = f"{model_cls.__name__},{mode},flatten={flatten},initialised={initialised}"
-            cases.append((name, lambda c=model_cls, k=kwargs, m=mode, i=initialised: _apply_like_unwrapped(c, k, m, i)))
-        cases.append(("leaf", lambda: _apply_like_unwrapped(NestedWrappedModule, {}, "leaf", False)))
-        run_cases(cases)
+def _apply_initialises_like_the_unwrapped_module_body(rank: int, ws: int) -> None:
+    cases = []
+    for model_cls, mode, flatten, initialised in itertools.product(
+        (NestedWrappedModule, TransformerWithSharedParams), ("one", "nested"), (True, False), (False, True)
+    ):
+        kwargs = dict(flatten_parameters=flatten)
+        name = f"{model_cls.__name__},{mode},flatten={flatten},initialised={initialised}"
+        cases.append((name, lambda c=model_cls, k=kwargs, m=mode, i=initialised: _apply_like_unwrapped(c, k, m, i)))
+    cases.append(("leaf", lambda: _apply_like_unwrapped(NestedWrappedModule, {}, "leaf", False)))
+    run_cases(cases)
 
-    run_distributed(body, 3)
+
+def test_apply_initialises_like_the_unwrapped_module() -> None:
+    run_distributed(_apply_initialises_like_the_unwrapped_module_body, 3)
+
+
+def _training_after_apply_matches_reference_body(rank: int, ws: int) -> None:
+    class Initialised(NestedWrappedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(3)
+            self.apply(init_weights)
+
+    # The reference is built the same way; wrapping and apply() on FSDP must give the same starting point.
+    train_and_compare(rank, ws, Initialised, {}, "nested")
+
+    model, ref = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {}, "nested")
+    torch.manual_seed(3)
+    fsdp.apply(init_weights)
+    torch.manual_seed(3)
+    ref.apply(init_weights)
+    x = torch.randn(2, 7)
+    torch.testing.assert_close(fsdp(x), ref(x))
 
 
 def test_training_after_apply_matches_reference() -> None:
-    def body(rank: int, ws: int) -> None:
-        class Initialised(NestedWrappedModule):
-            def __init__(self) -> None:
-                super().__init__()
-                torch.manual_seed(3)
-                self.apply(init_weights)
-
-        # The reference is built the same way; wrapping and apply() on FSDP must give the same starting point.
-        train_and_compare(rank, ws, Initialised, {}, "nested")
-
-        model, ref = build(NestedWrappedModule)
-        fsdp = wrap_model(model, {}, "nested")
-        torch.manual_seed(3)
-        fsdp.apply(init_weights)
-        torch.manual_seed(3)
-        ref.apply(init_weights)
-        x = torch.randn(2, 7)
-        torch.testing.assert_close(fsdp(x), ref(x))
-
-    run_distributed(body, 2)
+    run_distributed(_training_after_apply_matches_reference_body, 2)

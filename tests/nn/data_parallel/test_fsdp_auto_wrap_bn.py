@@ -226,15 +226,16 @@ def _single_rank_groups(rank: int) -> None:
     assert any(not torch.equal(g[0], g[1]) for g in grads.values()), "per-rank data must give per-rank BN grads"
 
 
-def test_auto_wrap_bn_on_gloo_world() -> None:
-    def body(rank: int, world_size: int) -> None:
-        cases: List[Tuple[str, Any]] = [
-            ("wraps every BN and nothing else", lambda: _wraps_every_bn_and_nothing_else(rank)),
-            ("tags then user auto_wrap", lambda: _tags_then_user_auto_wrap(rank)),
-            ("trains like reference fp32", lambda: _train_like_reference(rank, "fp32")),
-            ("trains like reference bf16", lambda: _train_like_reference(rank, "bf16")),
-            ("single_rank_pg", lambda: _single_rank_groups(rank)),
-        ]
-        run_cases(cases)
+def _auto_wrap_bn_on_gloo_world_body(rank: int, world_size: int) -> None:
+    cases: List[Tuple[str, Any]] = [
+        ("wraps every BN and nothing else", lambda: _wraps_every_bn_and_nothing_else(rank)),
+        ("tags then user auto_wrap", lambda: _tags_then_user_auto_wrap(rank)),
+        ("trains like reference fp32", lambda: _train_like_reference(rank, "fp32")),
+        ("trains like reference bf16", lambda: _train_like_reference(rank, "bf16")),
+        ("single_rank_pg", lambda: _single_rank_groups(rank)),
+    ]
+    run_cases(cases)
 
-    run_distributed(body, WS, timeout=TIMEOUT)
+
+def test_auto_wrap_bn_on_gloo_world() -> None:
+    run_distributed(_auto_wrap_bn_on_gloo_world_body, WS, timeout=TIMEOUT)

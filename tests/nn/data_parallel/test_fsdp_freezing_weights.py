@@ -112,36 +112,39 @@ def _set_trunk(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn.M
     return model
 
 
-def test_frozen_parameters_match_reference() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases((name, lambda w=w, a=a: _train(rank, ws, w, a)) for name, (w, a) in WRAPPINGS.items())
+def _frozen_parameters_match_reference_body(rank: int, ws: int) -> None:
+    run_cases((name, lambda w=w, a=a: _train(rank, ws, w, a)) for name, (w, a) in WRAPPINGS.items())
 
-    run_distributed(body, 2)
+
+def test_frozen_parameters_match_reference() -> None:
+    run_distributed(_frozen_parameters_match_reference_body, 2)
+
+
+def _mixed_requires_grad_in_one_flat_parameter_is_rejected_body(rank: int, ws: int) -> None:
+    model = _freeze_trunk(TrunkHead())
+    with pytest.raises(ValueError, match="requires_grad"):
+        FSDP(model)
 
 
 def test_mixed_requires_grad_in_one_flat_parameter_is_rejected() -> None:
-    def body(rank: int, ws: int) -> None:
-        model = _freeze_trunk(TrunkHead())
-        with pytest.raises(ValueError, match="requires_grad"):
-            FSDP(model)
+    run_distributed(_mixed_requires_grad_in_one_flat_parameter_is_rejected_body, 2)
 
-    run_distributed(body, 2)
+
+def _unfreezing_after_wrapping_trains_the_parameters_body(rank: int, ws: int) -> None:
+    model, ref = build(TrunkHead)
+    model.trunk.requires_grad_(False)
+    model.trunk = FSDP(model.trunk)
+    fsdp = FSDP(model)
+    fsdp.module.module.trunk.requires_grad_(True)
+    batch = global_batch(ref, 0, 2 * ws)
+    scaled_loss(TrunkHead, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
+    assert_idle(fsdp)
+    scaled_loss(TrunkHead, ref(*batch), 2 * ws, 1).backward()
+    expected = {k: p.grad for k, p in ref.named_parameters()}
+    assert_close_dict(gather_full_grads(fsdp), expected, "grad", rtol=1e-5, atol=1e-6)
 
 
 def test_unfreezing_after_wrapping_trains_the_parameters() -> None:
     """Parameters frozen at wrapping time and unfrozen later (fine-tuning schedules) get reduced gradients."""
 
-    def body(rank: int, ws: int) -> None:
-        model, ref = build(TrunkHead)
-        model.trunk.requires_grad_(False)
-        model.trunk = FSDP(model.trunk)
-        fsdp = FSDP(model)
-        fsdp.module.module.trunk.requires_grad_(True)
-        batch = global_batch(ref, 0, 2 * ws)
-        scaled_loss(TrunkHead, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
-        assert_idle(fsdp)
-        scaled_loss(TrunkHead, ref(*batch), 2 * ws, 1).backward()
-        expected = {k: p.grad for k, p in ref.named_parameters()}
-        assert_close_dict(gather_full_grads(fsdp), expected, "grad", rtol=1e-5, atol=1e-6)
-
-    run_distributed(body, 2)
+    run_distributed(_unfreezing_after_wrapping_trains_the_parameters_body, 2)

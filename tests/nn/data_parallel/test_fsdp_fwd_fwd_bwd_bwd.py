@@ -54,16 +54,17 @@ def _fwd_fwd_bwd_bwd(rank: int, ws: int, kwargs: Dict[str, Any], mode: str) -> N
         opt.zero_grad()
 
 
-def test_forwards_then_backwards() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            (
-                f"reshard={r},{mp},flatten={f},{mode}",
-                lambda k=dict(reshard_after_forward=r, flatten_parameters=f, **MIXED[mp]), m=mode: _fwd_fwd_bwd_bwd(
-                    rank, ws, k, m
-                ),
-            )
-            for r, mp, f, mode in itertools.product((True, False), ("fp32", "fp16"), (True, False), ("one", "nested"))
+def _forwards_then_backwards_body(rank: int, ws: int) -> None:
+    run_cases(
+        (
+            f"reshard={r},{mp},flatten={f},{mode}",
+            lambda k=dict(reshard_after_forward=r, flatten_parameters=f, **MIXED[mp]), m=mode: _fwd_fwd_bwd_bwd(
+                rank, ws, k, m
+            ),
         )
+        for r, mp, f, mode in itertools.product((True, False), ("fp32", "fp16"), (True, False), ("one", "nested"))
+    )
 
-    run_distributed(body, 2)
+
+def test_forwards_then_backwards() -> None:
+    run_distributed(_forwards_then_backwards_body, 2)

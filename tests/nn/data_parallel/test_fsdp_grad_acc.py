@@ -87,34 +87,36 @@ def _cases(rank: int, ws: int, precisions: Sequence[str]) -> List[Any]:
     return cases
 
 
+def _accumulation_equals_big_batch_body(rank: int, ws: int, precisions: Sequence[str]) -> None:
+    run_cases(_cases(rank, ws, precisions))
+
+
 @pytest.mark.parametrize("world_size,precisions", [(2, ("fp32", "fp16")), (1, ("fp32", "fp16", "bf16"))])
 def test_accumulation_equals_big_batch(world_size: int, precisions: Sequence[str]) -> None:
     """World size 1 includes upstream's crash (mixed precision + no_sync at world size 1), fixed in this fork."""
 
-    def body(rank: int, ws: int) -> None:
-        run_cases(_cases(rank, ws, precisions))
+    run_distributed(_accumulation_equals_big_batch_body, world_size, precisions, timeout=240)
 
-    run_distributed(body, world_size, timeout=240)
+
+def _no_sync_before_the_first_forward_and_flag_restore_body(rank: int, ws: int) -> None:
+    model, ref = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {}, "nested")
+    batch = global_batch(ref, 0, 2 * ws)
+    with fsdp.no_sync():  # lazy init happens here
+        scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
+    assert all(m._require_backward_grad_sync for m in fsdp.modules() if isinstance(m, FSDP))
+    with pytest.raises(ZeroDivisionError):
+        with fsdp.no_sync():
+            raise ZeroDivisionError()
+    assert all(m._require_backward_grad_sync for m in fsdp.modules() if isinstance(m, FSDP))
+    scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
+    scaled_loss(NestedWrappedModule, ref(*batch), 2 * ws, 1).mul(2).backward()
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+    assert_close_dict(gather_full_grads(fsdp), expected, "grad", rtol=1e-5, atol=1e-6)
 
 
 def test_no_sync_before_the_first_forward_and_flag_restore() -> None:
-    def body(rank: int, ws: int) -> None:
-        model, ref = build(NestedWrappedModule)
-        fsdp = wrap_model(model, {}, "nested")
-        batch = global_batch(ref, 0, 2 * ws)
-        with fsdp.no_sync():  # lazy init happens here
-            scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
-        assert all(m._require_backward_grad_sync for m in fsdp.modules() if isinstance(m, FSDP))
-        with pytest.raises(ZeroDivisionError):
-            with fsdp.no_sync():
-                raise ZeroDivisionError()
-        assert all(m._require_backward_grad_sync for m in fsdp.modules() if isinstance(m, FSDP))
-        scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
-        scaled_loss(NestedWrappedModule, ref(*batch), 2 * ws, 1).mul(2).backward()
-        expected = {n: p.grad for n, p in ref.named_parameters()}
-        assert_close_dict(gather_full_grads(fsdp), expected, "grad", rtol=1e-5, atol=1e-6)
-
-    run_distributed(body, 2)
+    run_distributed(_no_sync_before_the_first_forward_and_flag_restore_body, 2)
 
 
 # ------------------------------------------------------------------------------------------------------ counts
@@ -185,59 +187,62 @@ def _count_case(rank: int, ws: int, reshard: bool, flatten: bool) -> None:
     assert_idle(fsdp)
 
 
+def _communication_per_iteration_body(rank: int, ws: int) -> None:
+    run_cases(
+        (f"reshard={r},flatten={f}", lambda r=r, f=f: _count_case(rank, ws, r, f))
+        for r, f in itertools.product((True, False), (True, False))
+    )
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_communication_per_iteration(world_size: int) -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            (f"reshard={r},flatten={f}", lambda r=r, f=f: _count_case(rank, ws, r, f))
-            for r, f in itertools.product((True, False), (True, False))
-        )
+    run_distributed(_communication_per_iteration_body, world_size)
 
-    run_distributed(body, world_size)
+
+def _communication_dtypes_and_bytes_under_mixed_precision_body(rank: int, ws: int) -> None:
+    def run(**kwargs: Any) -> Any:
+        torch.manual_seed(0)
+        fsdp = wrap_model(NestedWrappedModule(), dict(bucket_cap_mb=0, **kwargs), "nested")
+        with count_collectives() as counter:
+            fsdp(torch.randn(2, 7)).sum().backward()
+        return counter
+
+    every = ["root", "block1", "block2"]
+    for kwargs, gather_dtype, reduce_dtype in [
+        (MIXED["fp16"], torch.float16, torch.float16),
+        (MIXED["bf16"], torch.bfloat16, torch.bfloat16),
+        (dict(mixed_precision=True, fp32_reduce_scatter=True), torch.float16, torch.float32),
+        ({}, torch.float32, torch.float32),
+    ]:
+        counter = run(**kwargs)
+        gathers = [r for r in counter.records if r.kind == "all_gather"]
+        reductions = [r for r in counter.records if r.kind == "reduce_scatter"]
+        assert {r.dtype for r in gathers} == {gather_dtype}, counter.records
+        assert {r.dtype for r in reductions} == {reduce_dtype}, counter.records
+        rs_size = torch.empty(0, dtype=reduce_dtype).element_size()
+        assert sum(r.bytes for r in reductions) == _expected_bytes(ws, True, every, rs_size)
+        fwd_size = torch.empty(0, dtype=gather_dtype).element_size()
+        assert counter.total_bytes("all_gather", "forward") == _expected_bytes(ws, True, every, fwd_size)
 
 
 def test_communication_dtypes_and_bytes_under_mixed_precision() -> None:
-    def body(rank: int, ws: int) -> None:
-        def run(**kwargs: Any) -> Any:
-            torch.manual_seed(0)
-            fsdp = wrap_model(NestedWrappedModule(), dict(bucket_cap_mb=0, **kwargs), "nested")
-            with count_collectives() as counter:
-                fsdp(torch.randn(2, 7)).sum().backward()
-            return counter
+    run_distributed(_communication_dtypes_and_bytes_under_mixed_precision_body, 3)
 
-        every = ["root", "block1", "block2"]
-        for kwargs, gather_dtype, reduce_dtype in [
-            (MIXED["fp16"], torch.float16, torch.float16),
-            (MIXED["bf16"], torch.bfloat16, torch.bfloat16),
-            (dict(mixed_precision=True, fp32_reduce_scatter=True), torch.float16, torch.float32),
-            ({}, torch.float32, torch.float32),
-        ]:
-            counter = run(**kwargs)
-            gathers = [r for r in counter.records if r.kind == "all_gather"]
-            reductions = [r for r in counter.records if r.kind == "reduce_scatter"]
-            assert {r.dtype for r in gathers} == {gather_dtype}, counter.records
-            assert {r.dtype for r in reductions} == {reduce_dtype}, counter.records
-            rs_size = torch.empty(0, dtype=reduce_dtype).element_size()
-            assert sum(r.bytes for r in reductions) == _expected_bytes(ws, True, every, rs_size)
-            fwd_size = torch.empty(0, dtype=gather_dtype).element_size()
-            assert counter.total_bytes("all_gather", "forward") == _expected_bytes(ws, True, every, fwd_size)
 
-    run_distributed(body, 3)
+def _leaf_instances_without_grad_do_not_reduce_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].requires_grad_(False)
+    model[1] = FSDP(model[1], bucket_cap_mb=0)
+    fsdp = FSDP(model, bucket_cap_mb=0)
+    with count_collectives() as counter:
+        fsdp(torch.randn(2, 3)).sum().backward()
+    assert counter.count("reduce_scatter") == 1, counter.summary()
+    assert counter.count("all_gather", "forward") == 2, counter.summary()
+    assert_idle(fsdp)
 
 
 def test_leaf_instances_without_grad_do_not_reduce() -> None:
     """A frozen instance takes part in gathers but never in reduce-scatters."""
 
-    def body(rank: int, ws: int) -> None:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
-        model[1].requires_grad_(False)
-        model[1] = FSDP(model[1], bucket_cap_mb=0)
-        fsdp = FSDP(model, bucket_cap_mb=0)
-        with count_collectives() as counter:
-            fsdp(torch.randn(2, 3)).sum().backward()
-        assert counter.count("reduce_scatter") == 1, counter.summary()
-        assert counter.count("all_gather", "forward") == 2, counter.summary()
-        assert_idle(fsdp)
-
-    run_distributed(body, 2)
+    run_distributed(_leaf_instances_without_grad_do_not_reduce_body, 2)

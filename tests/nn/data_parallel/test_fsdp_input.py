@@ -80,12 +80,13 @@ def _structured(rank: int, ws: int, mp: str) -> None:
     assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad", **tol)
 
 
+def _structured_inputs_and_outputs_body(rank: int, ws: int) -> None:
+    run_cases((mp, lambda mp=mp: _structured(rank, ws, mp)) for mp in ("fp32", "fp16", "bf16"))
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_structured_inputs_and_outputs(world_size: int) -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases((mp, lambda mp=mp: _structured(rank, ws, mp)) for mp in ("fp32", "fp16", "bf16"))
-
-    run_distributed(body, world_size)
+    run_distributed(_structured_inputs_and_outputs_body, world_size)
 
 
 class Recorder(nn.Module):
@@ -102,38 +103,39 @@ class Recorder(nn.Module):
         return self.linear(x.to(self.linear.weight.dtype))
 
 
+def _only_the_root_casts_and_force_input_to_fp32_body(rank: int, ws: int) -> None:
+    # A non-root instance gets its input as the parent produced it (fp32 here), without a cast.
+    inner = FSDP(Recorder(), mixed_precision=True)
+    outer = nn.Sequential(nn.Identity())
+    outer.add_module("inner", inner)
+
+    class MakesFp32(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = outer
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.body(x.float())  # undo the root's cast on purpose
+
+    root = FSDP(MakesFp32(), mixed_precision=True)
+    root(torch.randn(2, 4)).float().sum().backward()
+    assert inner.module.module.seen == [torch.float32]
+    # force_input_to_fp32 (no mixed precision): fp16 inputs become fp32, and gradients flow back to them.
+    forced = FSDP(Recorder(), force_input_to_fp32=True)
+    x = torch.randn(2, 4, dtype=torch.float16, requires_grad=True)
+    forced(x).sum().backward()
+    assert forced.module.module.seen == [torch.float32]
+    assert x.grad is not None and x.grad.dtype == torch.float16
+    # Without it, an fp16 input reaches the module unchanged.
+    plain = FSDP(Recorder())
+    plain(torch.randn(2, 4, dtype=torch.float16))
+    assert plain.module.module.seen == [torch.float16]
+    # A PackedSequence is passed through as is (not unpacked or cast) under mixed precision.
+    packed_model = FSDP(Recorder(), mixed_precision=True)
+    packed = pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))
+    packed_model(packed)
+    assert packed_model.module.module.seen == [(PackedSequence, torch.float32)]
+
+
 def test_only_the_root_casts_and_force_input_to_fp32() -> None:
-    def body(rank: int, ws: int) -> None:
-        # A non-root instance gets its input as the parent produced it (fp32 here), without a cast.
-        inner = FSDP(Recorder(), mixed_precision=True)
-        outer = nn.Sequential(nn.Identity())
-        outer.add_module("inner", inner)
-
-        class MakesFp32(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.body = outer
-
-            def forward(self, x: Tensor) -> Tensor:
-                return self.body(x.float())  # undo the root's cast on purpose
-
-        root = FSDP(MakesFp32(), mixed_precision=True)
-        root(torch.randn(2, 4)).float().sum().backward()
-        assert inner.module.module.seen == [torch.float32]
-        # force_input_to_fp32 (no mixed precision): fp16 inputs become fp32, and gradients flow back to them.
-        forced = FSDP(Recorder(), force_input_to_fp32=True)
-        x = torch.randn(2, 4, dtype=torch.float16, requires_grad=True)
-        forced(x).sum().backward()
-        assert forced.module.module.seen == [torch.float32]
-        assert x.grad is not None and x.grad.dtype == torch.float16
-        # Without it, an fp16 input reaches the module unchanged.
-        plain = FSDP(Recorder())
-        plain(torch.randn(2, 4, dtype=torch.float16))
-        assert plain.module.module.seen == [torch.float16]
-        # A PackedSequence is passed through as is (not unpacked or cast) under mixed precision.
-        packed_model = FSDP(Recorder(), mixed_precision=True)
-        packed = pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))
-        packed_model(packed)
-        assert packed_model.module.module.seen == [(PackedSequence, torch.float32)]
-
-    run_distributed(body, 2)
+    run_distributed(_only_the_root_casts_and_force_input_to_fp32_body, 2)

@@ -139,15 +139,24 @@ def _format_body(rank: int, world_size: int) -> Dict[str, Any]:
     }
 
 
+def _upstream_part(meta: Dict[str, Any], rank: int, world_size: int) -> Dict[str, Any]:
+    """The metadata without this distribution's extra ``checkpoint_identity`` key (checked here), i.e. upstream's."""
+    rest = dict(meta)
+    ident = rest.pop("checkpoint_identity")
+    assert sorted(ident) == ["id", "rank", "step", "world_size"], ident
+    assert (ident["rank"], ident["world_size"]) == (rank, world_size), ident
+    return rest
+
+
 def test_metadata_format_is_upstreams() -> None:
     results = run_distributed(_format_body, 2)
     for rank, res in enumerate(results):
-        assert res["meta"] == _spec_metadata()
+        assert _upstream_part(res["meta"], rank, 2) == _spec_metadata()
         for entry in res["meta"]["param_metadata"]:
             for info in entry["params"].values():
                 assert list(info) == ["names", "shapes", "numels", "padding"]  # consumers unpack positionally
                 assert all(type(s) is torch.Size for s in info["shapes"])
-        assert res["nonflat"] == _spec_metadata(padding=(0, rank), nested_flat=False)
+        assert _upstream_part(res["nonflat"], rank, 2) == _spec_metadata(padding=(0, rank), nested_flat=False)
         empty = res["empty"]["param_metadata"]
         assert [e["fsdp_path"] for e in empty] == ["", "1"] and empty[1]["params"] == {}
         for key in ("tied", "tied_nonflat"):
@@ -235,7 +244,7 @@ def _fixture_load_body(rank: int, world_size: int) -> Dict[str, Tensor]:
     model[2] = FSDP(model[2])
     fsdp = FSDP(model)
     weights, metas = _spec_local_dicts(world_size)
-    assert fsdp.local_metadata_dict() == metas[rank]
+    assert _upstream_part(fsdp.local_metadata_dict(), rank, world_size) == metas[rank]
     fsdp.load_local_state_dict(weights[rank])
     return fsdp.state_dict()
 
@@ -308,7 +317,9 @@ def _save_body(rank: int, world_size: int, directory: str) -> Dict[str, Tensor]:
 def _load_resharded_body(rank: int, world_size: int, directory: str, expected: Dict[str, Tensor]) -> None:
     fsdp = wrap_model(TransformerWithSharedParams(), {}, "nested")  # another init than the checkpoint's
     ckpt = torch.load(os.path.join(directory, f"checkpoint-rank-{rank}.pt"), weights_only=True)
-    assert ckpt["meta"] == fsdp.local_metadata_dict()  # paddings recomputed for this world size
+    # Paddings recomputed for this world size; a new checkpoint identity for each rank.
+    expected_meta = _upstream_part(fsdp.local_metadata_dict(), rank, world_size)
+    assert _upstream_part(ckpt["meta"], rank, world_size) == expected_meta
     fsdp.load_local_state_dict(ckpt["weights"])
     _assert_same_values(fsdp.state_dict(), expected, f"resharded for {world_size} ranks")
 

@@ -39,29 +39,30 @@ from fairscale.nn.data_parallel import TrainingState, get_fsdp_instances
 # ------------------------------------------------------------------------------------------------------ bad input
 
 
-def test_constructor_rejects_bad_input_with_clear_messages() -> None:
-    def body(rank: int, ws: int) -> None:
-        with pytest.raises(ValueError, match="fp16"):
-            FSDP(nn.Linear(3, 3), compute_dtype=torch.float16)  # pure fp16 needs fp16 parameters
-        with pytest.raises(ValueError, match="fp32"):
-            FSDP(nn.Linear(3, 3).half(), mixed_precision=True)  # mixed precision keeps fp32 masters
-        with pytest.raises(ValueError, match="bf16|bfloat16"):
-            FSDP(nn.Linear(3, 3).to(torch.bfloat16))  # pure bf16 parameters are not supported (as upstream)
-        with pytest.raises(ValueError, match="mixed_precision"):
-            FSDP(nn.Linear(3, 3), fp32_reduce_scatter=True)
-        # A parameter already owned by another (non-nested) instance: skipped at construction as upstream (so
-        # append_shared_param can declare it), but the first forward says what is wrong instead of failing deep
-        # inside autograd on a shard-shaped weight.
-        shared = nn.Linear(3, 3)
-        FSDP(shared, flatten_parameters=False)
-        borrower = FSDP(nn.Sequential(shared, nn.Linear(3, 3)))
-        with pytest.raises(ValueError, match="owned \\(sharded\\) by another instance.*append_shared_param"):
-            borrower(torch.randn(2, 3))
-        # Still fine: fp16 parameters with pure fp16, fp32 with mixed precision, bf16 compute.
-        FSDP(nn.Linear(3, 3).half(), compute_dtype=torch.float16)
-        FSDP(nn.Linear(3, 3), mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+def _constructor_rejects_bad_input_with_clear_messages_body(rank: int, ws: int) -> None:
+    with pytest.raises(ValueError, match="fp16"):
+        FSDP(nn.Linear(3, 3), compute_dtype=torch.float16)  # pure fp16 needs fp16 parameters
+    with pytest.raises(ValueError, match="fp32"):
+        FSDP(nn.Linear(3, 3).half(), mixed_precision=True)  # mixed precision keeps fp32 masters
+    with pytest.raises(ValueError, match="bf16|bfloat16"):
+        FSDP(nn.Linear(3, 3).to(torch.bfloat16))  # pure bf16 parameters are not supported (as upstream)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        FSDP(nn.Linear(3, 3), fp32_reduce_scatter=True)
+    # A parameter already owned by another (non-nested) instance: skipped at construction as upstream (so
+    # append_shared_param can declare it), but the first forward says what is wrong instead of failing deep
+    # inside autograd on a shard-shaped weight.
+    shared = nn.Linear(3, 3)
+    FSDP(shared, flatten_parameters=False)
+    borrower = FSDP(nn.Sequential(shared, nn.Linear(3, 3)))
+    with pytest.raises(ValueError, match="owned \\(sharded\\) by another instance.*append_shared_param"):
+        borrower(torch.randn(2, 3))
+    # Still fine: fp16 parameters with pure fp16, fp32 with mixed precision, bf16 compute.
+    FSDP(nn.Linear(3, 3).half(), compute_dtype=torch.float16)
+    FSDP(nn.Linear(3, 3), mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
 
-    run_distributed(body, 2)
+
+def test_constructor_rejects_bad_input_with_clear_messages() -> None:
+    run_distributed(_constructor_rejects_bad_input_with_clear_messages_body, 2)
 
 
 def test_needs_an_initialised_process_group() -> None:
@@ -84,60 +85,62 @@ class CallsInForward(nn.Module):
         return self.linear(x)
 
 
-def test_calls_in_the_wrong_state_or_place_raise() -> None:
-    def body(rank: int, ws: int) -> None:
-        inner = FSDP(nn.Linear(3, 3))
-        root = FSDP(nn.Sequential(inner, nn.Linear(3, 3)))
-        root(torch.randn(2, 3)).sum().backward()
-        with pytest.raises(RuntimeError, match="root"):
-            with inner.no_sync():
-                pass
-        with pytest.raises(RuntimeError, match="root"):
-            inner.clip_grad_norm_(1.0)
-        illegal_in_forward = {
-            "no_sync": lambda m: m.no_sync().__enter__(),
-            "summon_full_params": lambda m: m.summon_full_params().__enter__(),
-            "clip_grad_norm_": lambda m: m.clip_grad_norm_(1.0),
-            ".half()": lambda m: m.half(),
-            "set_gradient_divide_factors": lambda m: m.set_gradient_divide_factors(1.0, 2.0, True),
-        }
-        for name, what in illegal_in_forward.items():
-            module = CallsInForward(what)
-            fsdp = FSDP(module)
-            module.owner = fsdp
-            with pytest.raises((RuntimeError, ValueError), match="FORWARD|forward|IDLE|idle"):
-                fsdp(torch.randn(2, 3))
-            # The failed forward leaves the instance usable (and the next call fails the same clear way).
-            assert fsdp.training_state == TrainingState.IDLE, name
-        with pytest.raises(RuntimeError, match="allow_reset_parameters"):
-            FSDP(nn.Linear(3, 3)).reset_parameters()
+def _calls_in_the_wrong_state_or_place_raise_body(rank: int, ws: int) -> None:
+    inner = FSDP(nn.Linear(3, 3))
+    root = FSDP(nn.Sequential(inner, nn.Linear(3, 3)))
+    root(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="root"):
+        with inner.no_sync():
+            pass
+    with pytest.raises(RuntimeError, match="root"):
+        inner.clip_grad_norm_(1.0)
+    illegal_in_forward = {
+        "no_sync": lambda m: m.no_sync().__enter__(),
+        "summon_full_params": lambda m: m.summon_full_params().__enter__(),
+        "clip_grad_norm_": lambda m: m.clip_grad_norm_(1.0),
+        ".half()": lambda m: m.half(),
+        "set_gradient_divide_factors": lambda m: m.set_gradient_divide_factors(1.0, 2.0, True),
+    }
+    for name, what in illegal_in_forward.items():
+        module = CallsInForward(what)
+        fsdp = FSDP(module)
+        module.owner = fsdp
+        with pytest.raises((RuntimeError, ValueError), match="FORWARD|forward|IDLE|idle"):
+            fsdp(torch.randn(2, 3))
+        # The failed forward leaves the instance usable (and the next call fails the same clear way).
+        assert fsdp.training_state == TrainingState.IDLE, name
+    with pytest.raises(RuntimeError, match="allow_reset_parameters"):
+        FSDP(nn.Linear(3, 3)).reset_parameters()
 
-    run_distributed(body, 2)
+
+def test_calls_in_the_wrong_state_or_place_raise() -> None:
+    run_distributed(_calls_in_the_wrong_state_or_place_raise_body, 2)
 
 
 # ------------------------------------------------------------------------------------------------------ API surface
 
 
-def test_pickling_replaces_process_groups() -> None:
-    def body(rank: int, ws: int) -> None:
-        model, _ = build(NestedWrappedModule)
-        fsdp = wrap_model(model, dict(flatten_parameters=False), "nested")
-        x = torch.randn(2, 7)
-        fsdp(x).sum().backward()
-        before = full_params(fsdp)
-        clone = pickle.loads(pickle.dumps(fsdp))
-        for original, copy in zip(get_fsdp_instances(fsdp), get_fsdp_instances(clone)):
-            assert copy.process_group == "MISSING" and copy.process_group_reduce_scatter == "MISSING"
-            assert original.process_group != "MISSING"  # the live object is untouched
-            for p, q in zip(original.params, copy.params):
-                assert q._is_sharded == p._is_sharded and q._orig_size == p._orig_size
-                assert torch.equal(q.data, p.data)
-        # The live model keeps training after being pickled.
-        fsdp(x).sum().backward()
-        assert_idle(fsdp)
-        assert_close_dict(full_params(fsdp), before, "params", rtol=0, atol=0)
+def _pickling_replaces_process_groups_body(rank: int, ws: int) -> None:
+    model, _ = build(NestedWrappedModule)
+    fsdp = wrap_model(model, dict(flatten_parameters=False), "nested")
+    x = torch.randn(2, 7)
+    fsdp(x).sum().backward()
+    before = full_params(fsdp)
+    clone = pickle.loads(pickle.dumps(fsdp))
+    for original, copy in zip(get_fsdp_instances(fsdp), get_fsdp_instances(clone)):
+        assert copy.process_group == "MISSING" and copy.process_group_reduce_scatter == "MISSING"
+        assert original.process_group != "MISSING"  # the live object is untouched
+        for p, q in zip(original.params, copy.params):
+            assert q._is_sharded == p._is_sharded and q._orig_size == p._orig_size
+            assert torch.equal(q.data, p.data)
+    # The live model keeps training after being pickled.
+    fsdp(x).sum().backward()
+    assert_idle(fsdp)
+    assert_close_dict(full_params(fsdp), before, "params", rtol=0, atol=0)
 
-    run_distributed(body, 2)
+
+def test_pickling_replaces_process_groups() -> None:
+    run_distributed(_pickling_replaces_process_groups_body, 2)
 
 
 def test_pickling_with_a_dummy_group_needs_no_world() -> None:
@@ -151,42 +154,43 @@ def test_pickling_with_a_dummy_group_needs_no_world() -> None:
     assert torch.equal(clone.params[0], fsdp.params[0])
 
 
-def test_named_parameters_and_repr() -> None:
-    def body(rank: int, ws: int) -> None:
-        model, ref = build(NestedWrappedModule)
-        flat = wrap_model(model, {}, "nested")
-        assert [n for n, _ in flat.named_parameters()] == [
-            "_fsdp_wrapped_module.flat_param_0",
-            "_fsdp_wrapped_module._fpw_module.layers.1._fsdp_wrapped_module.flat_param_0",
-            "_fsdp_wrapped_module._fpw_module.layers.2._fsdp_wrapped_module.flat_param_0",
-        ]
-        with flat.summon_full_params():
-            assert sorted(n for n, _ in flat.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
-        model, _ = build(NestedWrappedModule)
-        plain = wrap_model(model, dict(flatten_parameters=False), "nested")
-        assert sorted(n for n, _ in plain.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
-        # extra_repr: the essentials always, details with verbose=True.
-        short = flat.extra_repr()
-        assert f"world_size={ws}" in short and "flatten_parameters=True" in short and "mixed_precision=False" in short
-        verbose = FSDP(nn.Linear(2, 2), verbose=True, mixed_precision=True).extra_repr()
-        for key in ("reshard_after_forward", "compute_dtype=torch.float16", "move_params_to_cpu", "bucket_cap_mb"):
-            assert key in verbose, verbose
-        assert "world_size" in str(flat)
-        # Other surface: module, __getitem__, params_with_grad, get_fsdp_instances(skip_empty).
-        assert flat.module is flat._fsdp_wrapped_module and flat.module.module is flat.module._fpw_module
-        assert isinstance(plain.module.module.layers[1], FSDP)
-        seq = FSDP(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
-        assert isinstance(seq[1], nn.ReLU)
-        assert seq.params_with_grad == []
-        seq(torch.randn(1, 2)).sum().backward()
-        assert seq.params_with_grad == seq.params
-        empty = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.ReLU()))
-        assert len(get_fsdp_instances(empty)) == 2 and len(get_fsdp_instances(empty, skip_empty=True)) == 1
-        assert FSDP(nn.Linear(2, 2)).compute_device == torch.device("cpu")
-        offloaded = FSDP(nn.Linear(2, 2), cpu_offload=True)
-        assert offloaded.cpu_offload and offloaded.move_params_to_cpu and offloaded.move_grads_to_cpu
+def _named_parameters_and_repr_body(rank: int, ws: int) -> None:
+    model, ref = build(NestedWrappedModule)
+    flat = wrap_model(model, {}, "nested")
+    assert [n for n, _ in flat.named_parameters()] == [
+        "_fsdp_wrapped_module.flat_param_0",
+        "_fsdp_wrapped_module._fpw_module.layers.1._fsdp_wrapped_module.flat_param_0",
+        "_fsdp_wrapped_module._fpw_module.layers.2._fsdp_wrapped_module.flat_param_0",
+    ]
+    with flat.summon_full_params():
+        assert sorted(n for n, _ in flat.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
+    model, _ = build(NestedWrappedModule)
+    plain = wrap_model(model, dict(flatten_parameters=False), "nested")
+    assert sorted(n for n, _ in plain.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
+    # extra_repr: the essentials always, details with verbose=True.
+    short = flat.extra_repr()
+    assert f"world_size={ws}" in short and "flatten_parameters=True" in short and "mixed_precision=False" in short
+    verbose = FSDP(nn.Linear(2, 2), verbose=True, mixed_precision=True).extra_repr()
+    for key in ("reshard_after_forward", "compute_dtype=torch.float16", "move_params_to_cpu", "bucket_cap_mb"):
+        assert key in verbose, verbose
+    assert "world_size" in str(flat)
+    # Other surface: module, __getitem__, params_with_grad, get_fsdp_instances(skip_empty).
+    assert flat.module is flat._fsdp_wrapped_module and flat.module.module is flat.module._fpw_module
+    assert isinstance(plain.module.module.layers[1], FSDP)
+    seq = FSDP(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert isinstance(seq[1], nn.ReLU)
+    assert seq.params_with_grad == []
+    seq(torch.randn(1, 2)).sum().backward()
+    assert seq.params_with_grad == seq.params
+    empty = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.ReLU()))
+    assert len(get_fsdp_instances(empty)) == 2 and len(get_fsdp_instances(empty, skip_empty=True)) == 1
+    assert FSDP(nn.Linear(2, 2)).compute_device == torch.device("cpu")
+    offloaded = FSDP(nn.Linear(2, 2), cpu_offload=True)
+    assert offloaded.cpu_offload and offloaded.move_params_to_cpu and offloaded.move_grads_to_cpu
 
-    run_distributed(body, 2)
+
+def test_named_parameters_and_repr() -> None:
+    run_distributed(_named_parameters_and_repr_body, 2)
 
 
 @pytest.mark.parametrize(
@@ -241,36 +245,36 @@ def test_default_divide_factor_table() -> None:
     assert (custom.gradient_predivide_factor, custom.gradient_postdivide_factor) == (8.0, 1.0)
 
 
+def _divide_factors_do_not_change_the_average_body(rank: int, ws: int) -> None:
+    cases = []
+    for pre, mp in itertools.product((1.0, 2.0, 4.0), ("fp32", "fp16")):
+        kwargs = dict(gradient_predivide_factor=pre, **MIXED[mp])
+        cases.append(
+            (f"pre={pre},{mp}", lambda k=kwargs: train_and_compare(rank, ws, NestedWrappedModule, k, "nested"))
+        )
+
+    def set_later() -> None:
+        model, ref = build(NestedWrappedModule)
+        fsdp = wrap_model(model, {}, "nested")
+        fsdp.set_gradient_divide_factors(1.0, float(ws), recursive=True)
+        assert all(
+            (m.gradient_predivide_factor, m.gradient_postdivide_factor) == (1.0, ws) for m in get_fsdp_instances(fsdp)
+        )
+        fsdp.set_gradient_divide_factors(1.0, 1.0, recursive=False)  # root only: a sum over ranks, not an average
+        batch = global_batch(ref, 0, 2 * ws)
+        scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
+        scaled_loss(NestedWrappedModule, ref(*batch), 2 * ws, 1).backward()
+        grads = gather_full_grads(fsdp)
+        for name, p in ref.named_parameters():
+            scale = float(ws) if name.startswith(("layers.0.", "layers.3.")) else 1.0
+            torch.testing.assert_close(grads[name], p.grad * scale, msg=name)
+
+    cases.append(("set_gradient_divide_factors", set_later))
+    run_cases(cases)
+
+
 def test_divide_factors_do_not_change_the_average() -> None:
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        for pre, mp in itertools.product((1.0, 2.0, 4.0), ("fp32", "fp16")):
-            kwargs = dict(gradient_predivide_factor=pre, **MIXED[mp])
-            cases.append(
-                (f"pre={pre},{mp}", lambda k=kwargs: train_and_compare(rank, ws, NestedWrappedModule, k, "nested"))
-            )
-
-        def set_later() -> None:
-            model, ref = build(NestedWrappedModule)
-            fsdp = wrap_model(model, {}, "nested")
-            fsdp.set_gradient_divide_factors(1.0, float(ws), recursive=True)
-            assert all(
-                (m.gradient_predivide_factor, m.gradient_postdivide_factor) == (1.0, ws)
-                for m in get_fsdp_instances(fsdp)
-            )
-            fsdp.set_gradient_divide_factors(1.0, 1.0, recursive=False)  # root only: a sum over ranks, not an average
-            batch = global_batch(ref, 0, 2 * ws)
-            scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank, ws)), 2 * ws, ws).backward()
-            scaled_loss(NestedWrappedModule, ref(*batch), 2 * ws, 1).backward()
-            grads = gather_full_grads(fsdp)
-            for name, p in ref.named_parameters():
-                scale = float(ws) if name.startswith(("layers.0.", "layers.3.")) else 1.0
-                torch.testing.assert_close(grads[name], p.grad * scale, msg=name)
-
-        cases.append(("set_gradient_divide_factors", set_later))
-        run_cases(cases)
-
-    run_distributed(body, 4)
+    run_distributed(_divide_factors_do_not_change_the_average_body, 4)
 
 
 # ------------------------------------------------------------------------------------------------------ gradients
@@ -294,50 +298,53 @@ def _clip_case(rank: int, ws: int, norm_type: float, max_norm: float, flatten: b
         assert_close_dict(clipped, unclipped, "unclipped grad", rtol=0, atol=0)
 
 
-def test_clip_grad_norm_matches_torch() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            (f"norm={n},max={m},flatten={f},{mp}", lambda n=n, m=m, f=f, mp=mp: _clip_case(rank, ws, n, m, f, mp))
-            for n, m, f, mp in itertools.product((2.0, float("inf"), 1.0), (0.05, 1e3), (True, False), ("fp32", "fp16"))
-        )
+def _clip_grad_norm_matches_torch_body(rank: int, ws: int) -> None:
+    run_cases(
+        (f"norm={n},max={m},flatten={f},{mp}", lambda n=n, m=m, f=f, mp=mp: _clip_case(rank, ws, n, m, f, mp))
+        for n, m, f, mp in itertools.product((2.0, float("inf"), 1.0), (0.05, 1e3), (True, False), ("fp32", "fp16"))
+    )
 
-    run_distributed(body, 3)
+
+def test_clip_grad_norm_matches_torch() -> None:
+    run_distributed(_clip_grad_norm_matches_torch_body, 3)
+
+
+def _reset_parameters_forwards_to_the_module_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 7)
+    fsdp = FSDP(nn.Linear(5, 7), allow_reset_parameters=True)
+    torch.manual_seed(42)
+    fsdp.reset_parameters()
+    torch.manual_seed(42)
+    ref.reset_parameters()
+    assert_close_dict(full_params(fsdp), ref_params(ref), "after reset", rtol=0, atol=0)
+    assert_idle(fsdp)
 
 
 def test_reset_parameters_forwards_to_the_module() -> None:
-    def body(rank: int, ws: int) -> None:
-        torch.manual_seed(0)
-        ref = nn.Linear(5, 7)
-        fsdp = FSDP(nn.Linear(5, 7), allow_reset_parameters=True)
-        torch.manual_seed(42)
-        fsdp.reset_parameters()
-        torch.manual_seed(42)
-        ref.reset_parameters()
-        assert_close_dict(full_params(fsdp), ref_params(ref), "after reset", rtol=0, atol=0)
-        assert_idle(fsdp)
+    run_distributed(_reset_parameters_forwards_to_the_module_body, 3)
 
-    run_distributed(body, 3)
+
+def _cpu_offload_flags_train_like_the_reference_body(rank: int, ws: int) -> None:
+    cases = []
+    for kwargs in (
+        dict(move_grads_to_cpu=True),
+        dict(move_params_to_cpu=True),
+        dict(cpu_offload=True, mixed_precision=True),
+    ):
+        name = ",".join(f"{k}={v}" for k, v in kwargs.items())
+
+        def case(kwargs: Dict[str, Any] = kwargs) -> None:
+            fsdp = train_and_compare(rank, ws, NestedWrappedModule, kwargs, "nested")
+            for p in fsdp.parameters():
+                assert p.device.type == "cpu" and p.dtype == torch.float32
+
+        cases.append((name, case))
+    run_cases(cases)
 
 
 def test_cpu_offload_flags_train_like_the_reference() -> None:
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        for kwargs in (
-            dict(move_grads_to_cpu=True),
-            dict(move_params_to_cpu=True),
-            dict(cpu_offload=True, mixed_precision=True),
-        ):
-            name = ",".join(f"{k}={v}" for k, v in kwargs.items())
-
-            def case(kwargs: Dict[str, Any] = kwargs) -> None:
-                fsdp = train_and_compare(rank, ws, NestedWrappedModule, kwargs, "nested")
-                for p in fsdp.parameters():
-                    assert p.device.type == "cpu" and p.dtype == torch.float32
-
-            cases.append((name, case))
-        run_cases(cases)
-
-    run_distributed(body, 2)
+    run_distributed(_cpu_offload_flags_train_like_the_reference_body, 2)
 
 
 # ------------------------------------------------------------------------------------------------------ dtypes
@@ -395,46 +402,48 @@ DTYPE_MODES = {
 }
 
 
+def _dtypes_of_params_buffers_grads_and_reductions_body(rank: int, ws: int) -> None:
+    run_cases(
+        (f"{name},no_sync={ns}", lambda k=k, e=e, ns=ns: _dtype_case(rank, ws, k, e, ns))
+        for (name, (k, e)), ns in itertools.product(DTYPE_MODES.items(), (False, True))
+    )
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_dtypes_of_params_buffers_grads_and_reductions(world_size: int) -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            (f"{name},no_sync={ns}", lambda k=k, e=e, ns=ns: _dtype_case(rank, ws, k, e, ns))
-            for (name, (k, e)), ns in itertools.product(DTYPE_MODES.items(), (False, True))
-        )
+    run_distributed(_dtypes_of_params_buffers_grads_and_reductions_body, world_size)
 
-    run_distributed(body, world_size)
+
+def _to_dtype_after_wrapping_body(rank: int, ws: int) -> None:
+    model, ref = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {}, "nested")
+    torch.manual_seed(1)  # the same batch on every rank
+    x = torch.randn(3, 7)
+    fsdp(x).sum().backward()  # initialised first: _apply must redo lazy init
+    fsdp.zero_grad()
+    fsdp.double()
+    ref.double()
+    assert all(m.compute_dtype == torch.float64 for m in get_fsdp_instances(fsdp))
+    out = fsdp(x.double())
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref(x.double()))
+    out.sum().backward()
+    ref(x.double()).sum().backward()
+    # Every rank ran the same batch, so the averaged fp64 gradient equals the fp64 reference's.
+    grads = gather_full_grads(fsdp)
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n].float(), msg=n)  # gather_full_grads returns fp32 copies
+    for p in fsdp.parameters():
+        assert p.dtype == torch.float64 and p.grad.dtype == torch.float64
+    assert_idle(fsdp)
 
 
 def test_to_dtype_after_wrapping() -> None:
     """``.double()`` on an idle model converts the shards; compute follows the new dtype (no mixed precision)."""
 
-    def body(rank: int, ws: int) -> None:
-        model, ref = build(NestedWrappedModule)
-        fsdp = wrap_model(model, {}, "nested")
-        torch.manual_seed(1)  # the same batch on every rank
-        x = torch.randn(3, 7)
-        fsdp(x).sum().backward()  # initialised first: _apply must redo lazy init
-        fsdp.zero_grad()
-        fsdp.double()
-        ref.double()
-        assert all(m.compute_dtype == torch.float64 for m in get_fsdp_instances(fsdp))
-        out = fsdp(x.double())
-        assert out.dtype == torch.float64
-        torch.testing.assert_close(out, ref(x.double()))
-        out.sum().backward()
-        ref(x.double()).sum().backward()
-        # Every rank ran the same batch, so the averaged fp64 gradient equals the fp64 reference's.
-        grads = gather_full_grads(fsdp)
-        want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-        assert set(grads) == set(want)
-        for n, g in grads.items():
-            torch.testing.assert_close(g, want[n].float(), msg=n)  # gather_full_grads returns fp32 copies
-        for p in fsdp.parameters():
-            assert p.dtype == torch.float64 and p.grad.dtype == torch.float64
-        assert_idle(fsdp)
-
-    run_distributed(body, 2)
+    run_distributed(_to_dtype_after_wrapping_body, 2)
 
 
 def _collected_after_del(rank: int, ws: int) -> None:

@@ -38,42 +38,44 @@ class SharedBlockTwice(nn.Module):
         return (out.float() - 0.5).pow(2).sum(-1)
 
 
-def test_module_called_twice_per_forward() -> None:
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        for reshard, mp, flatten, mode in itertools.product(
-            (True, False), ("fp32", "fp16"), (True, False), ("one", "nested", "leaf")
-        ):
-            kwargs: Dict[str, Any] = dict(reshard_after_forward=reshard, flatten_parameters=flatten, **MIXED[mp])
-            cases.append(
-                (
-                    f"reshard={reshard},{mp},flatten={flatten},{mode}",
-                    lambda k=kwargs, m=mode: train_and_compare(rank, ws, SharedBlockTwice, k, m),
-                )
+def _module_called_twice_per_forward_body(rank: int, ws: int) -> None:
+    cases = []
+    for reshard, mp, flatten, mode in itertools.product(
+        (True, False), ("fp32", "fp16"), (True, False), ("one", "nested", "leaf")
+    ):
+        kwargs: Dict[str, Any] = dict(reshard_after_forward=reshard, flatten_parameters=flatten, **MIXED[mp])
+        cases.append(
+            (
+                f"reshard={reshard},{mp},flatten={flatten},{mode}",
+                lambda k=kwargs, m=mode: train_and_compare(rank, ws, SharedBlockTwice, k, m),
             )
-        run_cases(cases)
+        )
+    run_cases(cases)
 
-    run_distributed(body, 2)
+
+def test_module_called_twice_per_forward() -> None:
+    run_distributed(_module_called_twice_per_forward_body, 2)
+
+
+def _several_root_forwards_before_one_backward_body(rank: int, ws: int) -> None:
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model, ref = SharedBlockTwice(), SharedBlockTwice()
+        ref.load_state_dict(model.state_dict())
+        model.block = FSDP(model.block, reshard_after_forward=reshard, bucket_cap_mb=0)
+        fsdp = FSDP(model, bucket_cap_mb=0)
+        xs = [torch.randn(2, 4) for _ in range(3)]
+        with count_collectives() as counter:
+            loss = sum(fsdp(x).sum() for x in xs)
+            assert_idle(fsdp, after_forward=True)
+            loss.backward()
+        assert_idle(fsdp)
+        # Gradients are reduced once per parameter, however many forwards fed the backward.
+        assert counter.count("reduce_scatter") == 2, counter.summary()
+        sum(ref(x).sum() for x in xs).backward()
+        expected = {n: p.grad for n, p in ref.named_parameters()}
+        assert_close_dict(gather_full_grads(fsdp), expected, f"reshard={reshard} grad", rtol=1e-5, atol=1e-6)
 
 
 def test_several_root_forwards_before_one_backward() -> None:
-    def body(rank: int, ws: int) -> None:
-        for reshard in (True, False):
-            torch.manual_seed(0)
-            model, ref = SharedBlockTwice(), SharedBlockTwice()
-            ref.load_state_dict(model.state_dict())
-            model.block = FSDP(model.block, reshard_after_forward=reshard, bucket_cap_mb=0)
-            fsdp = FSDP(model, bucket_cap_mb=0)
-            xs = [torch.randn(2, 4) for _ in range(3)]
-            with count_collectives() as counter:
-                loss = sum(fsdp(x).sum() for x in xs)
-                assert_idle(fsdp, after_forward=True)
-                loss.backward()
-            assert_idle(fsdp)
-            # Gradients are reduced once per parameter, however many forwards fed the backward.
-            assert counter.count("reduce_scatter") == 2, counter.summary()
-            sum(ref(x).sum() for x in xs).backward()
-            expected = {n: p.grad for n, p in ref.named_parameters()}
-            assert_close_dict(gather_full_grads(fsdp), expected, f"reshard={reshard} grad", rtol=1e-5, atol=1e-6)
-
-    run_distributed(body, 2)
+    run_distributed(_several_root_forwards_before_one_backward_body, 2)

@@ -186,17 +186,18 @@ def _check_running_stats(fsdp: FSDP, expected: Dict[str, Tensor], precision: str
         torch.testing.assert_close(got[name].to(value.dtype), value, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
+def _multiple_forwards_with_checkpoint_and_batchnorm_body(rank: int, world_size: int) -> None:
+    cases: List[Tuple[str, Any]] = []
+    plain_results: Dict[Tuple[bool, str], Any] = {}
+    for order in ORDERS:
+        for bn, precision in ((False, "fp32"), (True, "fp32"), (True, "bf16")):
+
+            def case(order: str = order, bn: bool = bn, precision: str = precision) -> None:
+                _case(rank, order, bn, precision, plain_results)
+
+            cases.append((f"{order},auto_wrap_bn={bn},{precision}", case))
+    run_cases(cases)
+
+
 def test_multiple_forwards_with_checkpoint_and_batchnorm() -> None:
-    def body(rank: int, world_size: int) -> None:
-        cases: List[Tuple[str, Any]] = []
-        plain_results: Dict[Tuple[bool, str], Any] = {}
-        for order in ORDERS:
-            for bn, precision in ((False, "fp32"), (True, "fp32"), (True, "bf16")):
-
-                def case(order: str = order, bn: bool = bn, precision: str = precision) -> None:
-                    _case(rank, order, bn, precision, plain_results)
-
-                cases.append((f"{order},auto_wrap_bn={bn},{precision}", case))
-        run_cases(cases)
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_multiple_forwards_with_checkpoint_and_batchnorm_body, WS, timeout=TIMEOUT)

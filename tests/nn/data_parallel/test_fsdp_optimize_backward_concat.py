@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 import torch.nn as nn
-from _models import DTYPES, ELEMENTWISE_TOL, UPDATE_REL, assert_update_close
+from _models import DTYPES, UPDATE_REL, assert_update_close
 from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
@@ -202,7 +202,9 @@ def check_window_buffers(model: FSDP, expect_some: bool) -> None:
                 padded = h.shard_numel * h.world_size if h.is_sharded else h.numel  # the reduce-scatter input, as is
                 assert h.grad_accum_flat.numel() == padded, f"{h.name}: buffer of {h.grad_accum_flat.numel()}"
                 assert not h.grad_accum_flat[h.numel :].any(), f"{h.name}: padding of the buffer is not zero"
-                assert h.grad_accum_flat.dtype == torch.float32, f"{h.name}: buffer dtype {h.grad_accum_flat.dtype}"
+                # The dtype flag-off accumulates flat_param.grad in (the compute dtype), so numerics never change.
+                want = m.compute_dtype if m.mixed_precision else torch.float32
+                assert h.grad_accum_flat.dtype == want, f"{h.name}: buffer dtype {h.grad_accum_flat.dtype}, not {want}"
     assert seen > 0 or not expect_some, "no accumulation buffer after the no_sync microbatches"
 
 
@@ -241,29 +243,24 @@ def assert_close_dicts(got: Dict[str, Tensor], want: Dict[str, Tensor], c: Dict[
 
 
 def check_parity(c: Dict[str, Any], rank: int, world_size: int, windows: Tuple[int, ...] = (1, 2, 4)) -> None:
-    """Flag on == flag off (bitwise where dtypes are equal) == big-batch reference, for M in ``windows``."""
+    """Flag on == flag off bitwise (gradient shards after the first window, parameters after two steps) and both
+    close to the big-batch reference, for M in ``windows``."""
     for num_mb in windows:
         grads_on, sd_on = train_fsdp(c, True, num_mb, 2, rank)
         ref = train_reference(c, num_mb, 2, world_size)
         assert_close_dicts(sd_on, ref, c, f"M={num_mb} flag on vs reference")
         grads_off, sd_off = train_fsdp(c, False, num_mb, 2, rank)
-        # fp32 (or a one-microbatch window) adds the same values in the same order in both modes; with 16-bit
-        # compute the flag-off path accumulates in the compute dtype and the flag-on path in fp32.
-        bitwise = c["prec"] == "fp32" or num_mb == 1
+        # Both paths accumulate in the same dtype and add the same values in the same order: the flag is a pure
+        # speed/memory option, in every configuration (mixed precision, fp32_reduce_scatter, zero2, ...).
         assert len(grads_on) == len(
             grads_off
         ), f"M={num_mb}: {len(grads_on)} grads with the flag, {len(grads_off)} without"
         for i, (g_on, g_off) in enumerate(zip(grads_on, grads_off)):
             what = f"M={num_mb} grad {i}: {g_on.shape}/{g_on.dtype} with the flag, {g_off.shape}/{g_off.dtype} without"
             assert g_on.shape == g_off.shape and g_on.dtype == g_off.dtype, what
-            if bitwise:
-                assert torch.equal(g_on, g_off), f"M={num_mb} grad {i}: max diff {(g_on - g_off).abs().max()}"
-            else:
-                atol, rtol = ELEMENTWISE_TOL[c["prec"]]
-                torch.testing.assert_close(g_on, g_off, atol=atol, rtol=rtol, msg=f"M={num_mb} grad {i}")
-        if bitwise:
-            for k in sd_off:
-                assert torch.equal(sd_on[k], sd_off[k]), f"M={num_mb} param {k} differs between flag on and off"
+            assert torch.equal(g_on, g_off), f"M={num_mb} grad {i}: max diff {(g_on - g_off).abs().max()}"
+        for k in sd_off:
+            assert torch.equal(sd_on[k], sd_off[k]), f"M={num_mb} param {k} differs between flag on and off"
 
 
 def _matrix() -> List[Tuple[str, Dict[str, Any]]]:
@@ -313,9 +310,10 @@ def _parity_world1(rank: int, world_size: int) -> None:
         ("fp32_nested", cfg()),
         ("fp16_fp32rs", cfg(prec="fp16", fp32rs=True)),
         ("bf16_unnested", cfg(prec="bf16", nested=False)),
+        ("bf16_no_reshard", cfg(prec="bf16", raf=False, windows=(4,))),
         ("gate_off", cfg(gate_off=(1,))),
     ]
-    run_cases((name, lambda c=c: check_parity(c, rank, world_size)) for name, c in cases)
+    run_cases((name, lambda c=c: check_parity(c, rank, world_size, c.get("windows", (1, 2, 4)))) for name, c in cases)
 
 
 def test_parity_world_size_1() -> None:
@@ -471,7 +469,7 @@ def _collectives_body(rank: int, world_size: int) -> None:
             assert on[mb] == off[mb], f"no_sync microbatch {mb}: flag on {on[mb]} != flag off {off[mb]}"
             assert on[mb]["rs"] == 0
             for key, s in snaps_on[mb].items():
-                # One flat fp32-or-param-dtype buffer per unit, and no flat-level AccumulateGrad (grad stays None).
+                # One flat buffer per unit in the compute dtype, and no flat-level AccumulateGrad (grad stays None).
                 assert s["buf"] == (s["padded"], accum_dtype), f"microbatch {mb}, {key}: buffer {s['buf']}"
                 assert s["grad"] is None, f"microbatch {mb}, {key}: flat grad {s['grad']} was written"
                 assert s["state"] == snaps_off[mb][key]["state"], f"microbatch {mb}, {key}: handle states differ"
@@ -485,8 +483,8 @@ def _collectives_body(rank: int, world_size: int) -> None:
     run_cases(
         [
             ("fp32", lambda: case(cfg(bucket=0), torch.float32)),
-            ("bf16", lambda: case(cfg(bucket=0, prec="bf16"), torch.float32)),
-            ("fp16_fp32rs_no_reshard", lambda: case(cfg(bucket=0, prec="fp16", fp32rs=True, raf=False), torch.float32)),
+            ("bf16", lambda: case(cfg(bucket=0, prec="bf16"), torch.bfloat16)),
+            ("fp16_fp32rs_no_reshard", lambda: case(cfg(bucket=0, prec="fp16", fp32rs=True, raf=False), torch.float16)),
         ]
     )
 

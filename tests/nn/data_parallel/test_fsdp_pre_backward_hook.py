@@ -32,24 +32,25 @@ def _build(reshard: bool) -> Tuple[FSDP, nn.Module]:
     return FSDP(model), ref
 
 
+def _inner_output_returned_by_root_body(rank: int, ws: int) -> None:
+    x = torch.randn(3, 4)
+    for reshard in (True, False):
+        for use in ("both", "inner_only", "outer_only"):
+            fsdp, ref = _build(reshard)
+            for _ in range(2):  # twice: hooks and flags must be reset after each backward
+                fsdp.zero_grad()
+                ref.zero_grad()
+                out, h = fsdp(x)
+                ref_out, ref_h = ref(x)
+                pick = {"both": lambda a, b: a.sum() + b.pow(2).sum(), "inner_only": lambda a, b: b.sum()}
+                loss_fn = pick.get(use, lambda a, b: a.sum())
+                loss_fn(out, h).backward()
+                loss_fn(ref_out, ref_h).backward()
+                assert_idle(fsdp)
+                expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+                assert_close_dict(gather_full_grads(fsdp), expected, f"{use} grad", rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_inner_output_returned_by_root(world_size: int) -> None:
-    def body(rank: int, ws: int) -> None:
-        x = torch.randn(3, 4)
-        for reshard in (True, False):
-            for use in ("both", "inner_only", "outer_only"):
-                fsdp, ref = _build(reshard)
-                for _ in range(2):  # twice: hooks and flags must be reset after each backward
-                    fsdp.zero_grad()
-                    ref.zero_grad()
-                    out, h = fsdp(x)
-                    ref_out, ref_h = ref(x)
-                    pick = {"both": lambda a, b: a.sum() + b.pow(2).sum(), "inner_only": lambda a, b: b.sum()}
-                    loss_fn = pick.get(use, lambda a, b: a.sum())
-                    loss_fn(out, h).backward()
-                    loss_fn(ref_out, ref_h).backward()
-                    assert_idle(fsdp)
-                    expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-                    assert_close_dict(gather_full_grads(fsdp), expected, f"{use} grad", rtol=1e-5, atol=1e-6)
-
-    run_distributed(body, world_size)
+    run_distributed(_inner_output_returned_by_root_body, world_size)

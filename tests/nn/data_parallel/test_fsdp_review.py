@@ -67,23 +67,24 @@ def _assert_grads_match(model: FSDP, ref: nn.Module, what: str, prefix: str = ""
 # ================================================================================================ review findings
 
 
+def _deepcopy_returns_an_fsdp_instance_body(rank: int, ws: int) -> None:
+    model, _ = build(NestedWrappedModule)
+    fsdp = wrap_model(model, {}, "nested")
+    fsdp(torch.randn(2, 7)).sum().backward()
+    clone = copy.deepcopy(fsdp)
+    assert type(clone) is FSDP, f"deepcopy(FSDP) returned a {type(clone).__name__}"
+    assert len(get_fsdp_instances(clone)) == 3, "nested instances were not copied as FSDP instances"
+    assert clone.process_group == "MISSING"  # as pickling: process groups are not copied
+    for p, q in zip(fsdp.parameters(), clone.parameters()):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+    parent = copy.deepcopy(nn.Sequential(fsdp))
+    assert type(parent[0]) is FSDP, f"an FSDP child of a plain module became a {type(parent[0]).__name__}"
+
+
 def test_deepcopy_returns_an_fsdp_instance() -> None:
     """copy.deepcopy looks ``__deepcopy__`` up on the instance; FSDP.__getattr__ must not forward it to the FPW."""
 
-    def body(rank: int, ws: int) -> None:
-        model, _ = build(NestedWrappedModule)
-        fsdp = wrap_model(model, {}, "nested")
-        fsdp(torch.randn(2, 7)).sum().backward()
-        clone = copy.deepcopy(fsdp)
-        assert type(clone) is FSDP, f"deepcopy(FSDP) returned a {type(clone).__name__}"
-        assert len(get_fsdp_instances(clone)) == 3, "nested instances were not copied as FSDP instances"
-        assert clone.process_group == "MISSING"  # as pickling: process groups are not copied
-        for p, q in zip(fsdp.parameters(), clone.parameters()):
-            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
-        parent = copy.deepcopy(nn.Sequential(fsdp))
-        assert type(parent[0]) is FSDP, f"an FSDP child of a plain module became a {type(parent[0]).__name__}"
-
-    run_distributed(body, 2)
+    run_distributed(_deepcopy_returns_an_fsdp_instance_body, 2)
 
 
 class _FailingBackward(nn.Module):
@@ -111,28 +112,43 @@ class _Fail(torch.autograd.Function):
         return grad, None
 
 
+def _a_backward_that_raised_does_not_break_the_next_steps_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _FailingBackward(), nn.Linear(6, 3))
+    ref = copy.deepcopy(net)
+    ref[2].armed = False
+    net[3] = FSDP(net[3])
+    model = FSDP(net)
+    x = _batches(ws, 1)[0]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _loss(model(_mine(x, rank, ws))).backward()
+    model.zero_grad(set_to_none=True)
+    _loss(model(_mine(x, rank, ws))).backward()
+    assert_idle(model)
+    _loss(ref(x)).div(ws).backward()
+    _assert_grads_match(model, ref, "step after an aborted backward")
+
+
 def test_a_backward_that_raised_does_not_break_the_next_steps() -> None:
     """After a backward aborted by an exception (caught by the training loop, as fairseq does on OOM), the final
     callback never ran. The next complete step must still produce every gradient (today: none, silently, forever:
     the tree's ``final_callback_queued`` flag stays set and the instances stay in BACKWARD_*)."""
 
-    def body(rank: int, ws: int) -> None:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _FailingBackward(), nn.Linear(6, 3))
-        ref = copy.deepcopy(net)
-        ref[2].armed = False
-        net[3] = FSDP(net[3])
-        model = FSDP(net)
-        x = _batches(ws, 1)[0]
-        with pytest.raises(RuntimeError, match="injected failure"):
-            _loss(model(_mine(x, rank, ws))).backward()
-        model.zero_grad(set_to_none=True)
-        _loss(model(_mine(x, rank, ws))).backward()
-        assert_idle(model)
-        _loss(ref(x)).div(ws).backward()
-        _assert_grads_match(model, ref, "step after an aborted backward")
+    run_distributed(_a_backward_that_raised_does_not_break_the_next_steps_body, 2)
 
-    run_distributed(body, 2)
+
+def _no_sync_with_a_single_element_parameter_unflattened_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    ref = copy.deepcopy(net)
+    model = FSDP(net, flatten_parameters=False)
+    xs = _batches(ws, 2)
+    with model.no_sync():
+        _loss(model(_mine(xs[0], rank, ws))).backward()
+    _loss(model(_mine(xs[1], rank, ws))).backward()
+    for x in xs:
+        _loss(ref(x)).div(ws).backward()
+    _assert_grads_match(model, ref, "no_sync window")
 
 
 def test_no_sync_with_a_single_element_parameter_unflattened() -> None:
@@ -140,20 +156,7 @@ def test_no_sync_with_a_single_element_parameter_unflattened() -> None:
     For a 1-element parameter (``Linear(k, 1).bias``) with ``flatten_parameters=False`` the full and shard shapes
     are both ``(1,)``, so the unreduced no_sync gradient was added to the reduced one without reduction."""
 
-    def body(rank: int, ws: int) -> None:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
-        ref = copy.deepcopy(net)
-        model = FSDP(net, flatten_parameters=False)
-        xs = _batches(ws, 2)
-        with model.no_sync():
-            _loss(model(_mine(xs[0], rank, ws))).backward()
-        _loss(model(_mine(xs[1], rank, ws))).backward()
-        for x in xs:
-            _loss(ref(x)).div(ws).backward()
-        _assert_grads_match(model, ref, "no_sync window")
-
-    run_distributed(body, 2)
+    run_distributed(_no_sync_with_a_single_element_parameter_unflattened_body, 2)
 
 
 def _gradient_penalty_step(model: nn.Module, x: Tensor, divide: float) -> None:
@@ -163,6 +166,17 @@ def _gradient_penalty_step(model: nn.Module, x: Tensor, divide: float) -> None:
     ((_loss(out) + input_grad.pow(2).sum()) / divide).backward()
 
 
+def _gradient_penalty_on_a_single_instance_body(rank: int, ws: int) -> None:
+    net = _net()
+    ref = copy.deepcopy(net)
+    model = FSDP(net)
+    x = _batches(ws, 1)[0]
+    _gradient_penalty_step(model, _mine(x, rank, ws), 1.0)
+    assert_idle(model)
+    _gradient_penalty_step(ref, x, float(ws))
+    _assert_grads_match(model, ref, "gradient penalty")
+
+
 def test_gradient_penalty_on_a_single_instance() -> None:
     """``torch.autograd.grad(..., create_graph=True)`` then ``backward()`` (WGAN-GP, R1 penalties). The first call
     runs FSDP's final callback without any gradient reaching the parameters; it must not free the full parameters
@@ -170,17 +184,21 @@ def test_gradient_penalty_on_a_single_instance() -> None:
     final callback frees only non-root instances; here it fails with a 'setStorage ... storage of size 0' error
     deep inside autograd."""
 
-    def body(rank: int, ws: int) -> None:
-        net = _net()
-        ref = copy.deepcopy(net)
-        model = FSDP(net)
-        x = _batches(ws, 1)[0]
-        _gradient_penalty_step(model, _mine(x, rank, ws), 1.0)
-        assert_idle(model)
-        _gradient_penalty_step(ref, x, float(ws))
-        _assert_grads_match(model, ref, "gradient penalty")
+    run_distributed(_gradient_penalty_on_a_single_instance_body, 2)
 
-    run_distributed(body, 2)
+
+def _forward_under_no_grad_keeps_no_zero2_slice_body(rank: int, ws: int) -> None:
+    net = _net()
+    zero2 = dist.new_group(list(range(ws)))
+    model = _wrap_nested(net, zero2_process_group=zero2)
+    x = _batches(ws, 1)[0]
+    _loss(model(_mine(x, rank, ws))).backward()
+    with torch.no_grad():
+        model(_mine(x, rank, ws))
+    for m in get_fsdp_instances(model):
+        if m.reshard_after_forward:
+            states = [h.state for h in m._handles]
+            assert states == [HandleState.SHARDED] * len(states), f"after a no_grad forward: {states}"
 
 
 def test_forward_under_no_grad_keeps_no_zero2_slice() -> None:
@@ -188,20 +206,24 @@ def test_forward_under_no_grad_keeps_no_zero2_slice() -> None:
     backward, so it must leave every resharding instance SHARDED (today the slice stays until the next forward,
     Psi/G memory per instance during evaluation, and is reused then if the shard's version did not change)."""
 
-    def body(rank: int, ws: int) -> None:
-        net = _net()
-        zero2 = dist.new_group(list(range(ws)))
-        model = _wrap_nested(net, zero2_process_group=zero2)
-        x = _batches(ws, 1)[0]
-        _loss(model(_mine(x, rank, ws))).backward()
-        with torch.no_grad():
-            model(_mine(x, rank, ws))
-        for m in get_fsdp_instances(model):
-            if m.reshard_after_forward:
-                states = [h.state for h in m._handles]
-                assert states == [HandleState.SHARDED] * len(states), f"after a no_grad forward: {states}"
+    run_distributed(_forward_under_no_grad_keeps_no_zero2_slice_body, 2)
 
-    run_distributed(body, 2)
+
+def _no_stale_params_after_no_grad_forward_and_a_data_update_body(rank: int, ws: int) -> None:
+    net = _net()
+    ref = copy.deepcopy(net)
+    model = _wrap_nested(net, zero2_process_group=dist.new_group(list(range(ws))))
+    x = _batches(ws, 1)[0]
+    _loss(model(_mine(x, rank, ws))).backward()
+    with torch.no_grad():
+        model(_mine(x, rank, ws))  # e.g. metrics computed between backward and step
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.5)  # legacy optimizer style
+    _loss(ref(x)).div(ws).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(p.grad, alpha=-0.5)
+        torch.testing.assert_close(model(x), ref(x), msg=lambda m: f"forward used stale parameters: {m}")
 
 
 def test_no_stale_params_after_no_grad_forward_and_a_data_update() -> None:
@@ -209,23 +231,19 @@ def test_no_stale_params_after_no_grad_forward_and_a_data_update() -> None:
     ``_drop_stale_full_params`` cannot see the change. After a no_grad forward (the root keeps its full parameters,
     a zero2 child its slice), such an update before the next forward made that forward use the old weights."""
 
-    def body(rank: int, ws: int) -> None:
-        net = _net()
-        ref = copy.deepcopy(net)
-        model = _wrap_nested(net, zero2_process_group=dist.new_group(list(range(ws))))
-        x = _batches(ws, 1)[0]
-        _loss(model(_mine(x, rank, ws))).backward()
-        with torch.no_grad():
-            model(_mine(x, rank, ws))  # e.g. metrics computed between backward and step
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-0.5)  # legacy optimizer style
-        _loss(ref(x)).div(ws).backward()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.add_(p.grad, alpha=-0.5)
-            torch.testing.assert_close(model(x), ref(x), msg=lambda m: f"forward used stale parameters: {m}")
+    run_distributed(_no_stale_params_after_no_grad_forward_and_a_data_update_body, 2)
 
-    run_distributed(body, 2)
+
+def _load_between_a_second_forward_and_its_backward_raises_body(rank: int, ws: int) -> None:
+    model = _wrap_nested(_net())
+    zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    x = _mine(_batches(ws, 1)[0], rank, ws)
+    first, second = _loss(model(x)), _loss(model(x))
+    first.backward()
+    with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        model.load_state_dict(zeros)
+    second.backward()
+    assert_idle(model)
 
 
 def test_load_between_a_second_forward_and_its_backward_raises() -> None:
@@ -234,18 +252,7 @@ def test_load_between_a_second_forward_and_its_backward_raises() -> None:
     also marks the second forward's token done: the load was accepted and the pending backward then used the loaded
     weights with the old activations."""
 
-    def body(rank: int, ws: int) -> None:
-        model = _wrap_nested(_net())
-        zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-        x = _mine(_batches(ws, 1)[0], rank, ws)
-        first, second = _loss(model(x)), _loss(model(x))
-        first.backward()
-        with pytest.raises(RuntimeError, match="between a forward and its backward"):
-            model.load_state_dict(zeros)
-        second.backward()
-        assert_idle(model)
-
-    run_distributed(body, 2)
+    run_distributed(_load_between_a_second_forward_and_its_backward_raises_body, 2)
 
 
 @dataclasses.dataclass
@@ -262,27 +269,28 @@ class _DataclassOutput(nn.Module):
         return _Output(self.net(x))
 
 
+def _dataclass_outputs_get_gradients_or_a_clear_error_body(rank: int, ws: int) -> None:
+    module = _DataclassOutput()
+    ref = copy.deepcopy(module)
+    module.net[2] = FSDP(module.net[2])
+    model = FSDP(module)
+    x = _batches(ws, 1)[0]
+    try:
+        _loss(model(_mine(x, rank, ws)).logits).backward()
+    except RuntimeError as e:
+        assert "output" in str(e) and "IDLE" not in str(e), f"unclear error: {e}"
+        return
+    _loss(ref(x).logits).div(ws).backward()
+    _assert_grads_match(model, ref, "dataclass output")
+
+
 def test_dataclass_outputs_get_gradients_or_a_clear_error() -> None:
     """Outputs in a container the hook walker does not traverse (a dataclass) get no pre-backward hook. The root's
     post-backward hook then raised 'post-backward of flat_param_0 in unexpected state IDLE' from inside autograd,
     which says nothing about the cause. Either support it (the root still holds its full parameters) or say what to
     return instead."""
 
-    def body(rank: int, ws: int) -> None:
-        module = _DataclassOutput()
-        ref = copy.deepcopy(module)
-        module.net[2] = FSDP(module.net[2])
-        model = FSDP(module)
-        x = _batches(ws, 1)[0]
-        try:
-            _loss(model(_mine(x, rank, ws)).logits).backward()
-        except RuntimeError as e:
-            assert "output" in str(e) and "IDLE" not in str(e), f"unclear error: {e}"
-            return
-        _loss(ref(x).logits).div(ws).backward()
-        _assert_grads_match(model, ref, "dataclass output")
-
-    run_distributed(body, 2)
+    run_distributed(_dataclass_outputs_get_gradients_or_a_clear_error_body, 2)
 
 
 # ================================================================================================ verified behaviour
@@ -366,19 +374,20 @@ def _frozen_params_in_no_sync(rank: int, ws: int) -> None:
     _assert_grads_match(model, ref, "frozen")
 
 
-def test_unusual_backward_patterns_match_the_reference() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            [
-                ("retain_graph", lambda: _retain_graph(rank, ws)),
-                ("two_forwards_one_backward", lambda: _two_forwards_one_backward(rank, ws)),
-                ("two_roots_one_backward", lambda: _two_roots_one_backward(rank, ws)),
-                ("unfreeze_after_wrapping", lambda: _unfreeze_after_wrapping(rank, ws)),
-                ("frozen_params_in_no_sync", lambda: _frozen_params_in_no_sync(rank, ws)),
-            ]
-        )
+def _unusual_backward_patterns_match_the_reference_body(rank: int, ws: int) -> None:
+    run_cases(
+        [
+            ("retain_graph", lambda: _retain_graph(rank, ws)),
+            ("two_forwards_one_backward", lambda: _two_forwards_one_backward(rank, ws)),
+            ("two_roots_one_backward", lambda: _two_roots_one_backward(rank, ws)),
+            ("unfreeze_after_wrapping", lambda: _unfreeze_after_wrapping(rank, ws)),
+            ("frozen_params_in_no_sync", lambda: _frozen_params_in_no_sync(rank, ws)),
+        ]
+    )
 
-    run_distributed(body, 2)
+
+def test_unusual_backward_patterns_match_the_reference() -> None:
+    run_distributed(_unusual_backward_patterns_match_the_reference_body, 2)
 
 
 def _parameterless_child(rank: int, ws: int) -> None:
@@ -437,17 +446,18 @@ def _exception_in_nested_forward(rank: int, ws: int) -> None:
     _assert_grads_match(model, ref, "after a failed forward")
 
 
-def test_parameterless_instances_and_a_failed_forward() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            [
-                ("parameterless_child", lambda: _parameterless_child(rank, ws)),
-                ("parameterless_root", lambda: _parameterless_root(rank, ws)),
-                ("exception_in_nested_forward", lambda: _exception_in_nested_forward(rank, ws)),
-            ]
-        )
+def _parameterless_instances_and_a_failed_forward_body(rank: int, ws: int) -> None:
+    run_cases(
+        [
+            ("parameterless_child", lambda: _parameterless_child(rank, ws)),
+            ("parameterless_root", lambda: _parameterless_root(rank, ws)),
+            ("exception_in_nested_forward", lambda: _exception_in_nested_forward(rank, ws)),
+        ]
+    )
 
-    run_distributed(body, 2)
+
+def test_parameterless_instances_and_a_failed_forward() -> None:
+    run_distributed(_parameterless_instances_and_a_failed_forward_body, 2)
 
 
 def _reshard_matrix_case(rank: int, ws: int, outer: bool, middle: bool, inner: bool, kwargs: Dict[str, Any]) -> None:
@@ -488,25 +498,24 @@ def _reshard_matrix_case(rank: int, ws: int, outer: bool, middle: bool, inner: b
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
-def test_nested_reshard_flags_with_no_sync_and_clipping() -> None:
-    def body(rank: int, ws: int) -> None:
-        options: List[Dict[str, Any]] = [
-            {},
-            dict(flatten_parameters=False),
-            dict(optimize_backward_concat=True),
-            dict(mixed_precision=True, compute_dtype=torch.float32, move_params_to_cpu=True, bucket_cap_mb=0),
-        ]
-        cases = []
-        for (outer, middle, inner), (i, kwargs) in itertools.product(
-            itertools.product([True, False], repeat=3), enumerate(options)
-        ):
-            name = f"outer={outer},middle={middle},inner={inner},options={i}"
-            cases.append(
-                (name, lambda o=outer, m=middle, n=inner, k=kwargs: _reshard_matrix_case(rank, ws, o, m, n, k))
-            )
-        run_cases(cases)
+def _nested_reshard_flags_with_no_sync_and_clipping_body(rank: int, ws: int) -> None:
+    options: List[Dict[str, Any]] = [
+        {},
+        dict(flatten_parameters=False),
+        dict(optimize_backward_concat=True),
+        dict(mixed_precision=True, compute_dtype=torch.float32, move_params_to_cpu=True, bucket_cap_mb=0),
+    ]
+    cases = []
+    for (outer, middle, inner), (i, kwargs) in itertools.product(
+        itertools.product([True, False], repeat=3), enumerate(options)
+    ):
+        name = f"outer={outer},middle={middle},inner={inner},options={i}"
+        cases.append((name, lambda o=outer, m=middle, n=inner, k=kwargs: _reshard_matrix_case(rank, ws, o, m, n, k)))
+    run_cases(cases)
 
-    run_distributed(body, 2)
+
+def test_nested_reshard_flags_with_no_sync_and_clipping() -> None:
+    run_distributed(_nested_reshard_flags_with_no_sync_and_clipping_body, 2)
 
 
 def _live_tensors() -> int:
@@ -545,18 +554,19 @@ def _memory_case(kwargs: Dict[str, Any]) -> None:
     assert counts[0] == counts[1], f"live tensors after steps 2 and 3: {counts}"
 
 
-def test_nothing_stays_allocated_after_a_step() -> None:
-    def body(rank: int, ws: int) -> None:
-        configs: Dict[str, Dict[str, Any]] = {
-            "default": {},
-            "mixed": dict(mixed_precision=True),
-            "fp32_reduce_scatter": dict(mixed_precision=True, fp32_reduce_scatter=True),
-            "unflattened": dict(flatten_parameters=False),
-            "optimize_backward_concat": dict(optimize_backward_concat=True),
-            "no_reshard": dict(reshard_after_forward=False),
-            "offload": dict(move_params_to_cpu=True, mixed_precision=True),
-            "zero2": dict(zero2_process_group=dist.new_group(list(range(ws)))),
-        }
-        run_cases([(name, lambda k=kwargs: _memory_case(k)) for name, kwargs in configs.items()])
+def _nothing_stays_allocated_after_a_step_body(rank: int, ws: int) -> None:
+    configs: Dict[str, Dict[str, Any]] = {
+        "default": {},
+        "mixed": dict(mixed_precision=True),
+        "fp32_reduce_scatter": dict(mixed_precision=True, fp32_reduce_scatter=True),
+        "unflattened": dict(flatten_parameters=False),
+        "optimize_backward_concat": dict(optimize_backward_concat=True),
+        "no_reshard": dict(reshard_after_forward=False),
+        "offload": dict(move_params_to_cpu=True, mixed_precision=True),
+        "zero2": dict(zero2_process_group=dist.new_group(list(range(ws)))),
+    }
+    run_cases([(name, lambda k=kwargs: _memory_case(k)) for name, kwargs in configs.items()])
 
-    run_distributed(body, 2)
+
+def test_nothing_stays_allocated_after_a_step() -> None:
+    run_distributed(_nothing_stays_allocated_after_a_step_body, 2)

@@ -51,18 +51,19 @@ class TiedInsideBlock(nn.Module):
         return (out.float() - 0.5).pow(2).sum(-1)
 
 
-def test_tied_parameters_inside_instances() -> None:
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        for model_cls, mp, flatten, mode in itertools.product(
-            (TiedInsideBlock, TransformerWithSharedParams), ("fp32", "fp16"), (True, False), ("one", "nested")
-        ):
-            kwargs = dict(flatten_parameters=flatten, **MIXED[mp])
-            name = f"{model_cls.__name__},{mp},flatten={flatten},{mode}"
-            cases.append((name, lambda c=model_cls, k=kwargs, m=mode: _tied_case(rank, ws, c, k, m)))
-        run_cases(cases)
+def _tied_parameters_inside_instances_body(rank: int, ws: int) -> None:
+    cases = []
+    for model_cls, mp, flatten, mode in itertools.product(
+        (TiedInsideBlock, TransformerWithSharedParams), ("fp32", "fp16"), (True, False), ("one", "nested")
+    ):
+        kwargs = dict(flatten_parameters=flatten, **MIXED[mp])
+        name = f"{model_cls.__name__},{mp},flatten={flatten},{mode}"
+        cases.append((name, lambda c=model_cls, k=kwargs, m=mode: _tied_case(rank, ws, c, k, m)))
+    run_cases(cases)
 
-    run_distributed(body, 2)
+
+def test_tied_parameters_inside_instances() -> None:
+    run_distributed(_tied_parameters_inside_instances_body, 2)
 
 
 def _tied_case(rank: int, ws: int, model_cls: Any, kwargs: Any, mode: str) -> None:
@@ -107,48 +108,50 @@ class SiblingShare(nn.Module):
         return self.head(torch.tanh(self.mid(self.embed(ids))))
 
 
+def _sibling_instances_share_a_parameter_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    model, ref = SiblingShare(), SiblingShare()
+    ref.load_state_dict(model.state_dict())
+    ref.head._embedding = [ref.embed]
+    model.embed = FSDP(model.embed, flatten_parameters=False)
+    shared = model.embed.module.module.weight
+    model.head = FSDP(model.head, flatten_parameters=False)
+    model.head.append_shared_param(shared)
+    fsdp = FSDP(model)
+    opt, ref_opt = make_optim(fsdp.parameters(), "sgd"), make_optim(ref.parameters(), "sgd")
+    for step in range(3):
+        ids = torch.randint(11, (2 * ws, 4), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        loss = fsdp(ids.tensor_split(ws)[rank]).float().pow(2).mean()
+        loss.backward()
+        assert_idle(fsdp)
+        ref_opt.zero_grad()
+        ref(ids).pow(2).mean().backward()
+        expected = {n: p.grad for n, p in ref.named_parameters()}
+        assert_close_dict(gather_full_grads(fsdp), expected, f"step {step} grad", rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+    # The owner exposes the shared parameter in summon_full_params (and so in state dicts) like any other.
+    assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sibling_instances_share_a_parameter(world_size: int) -> None:
-    def body(rank: int, ws: int) -> None:
-        torch.manual_seed(0)
-        model, ref = SiblingShare(), SiblingShare()
-        ref.load_state_dict(model.state_dict())
-        ref.head._embedding = [ref.embed]
-        model.embed = FSDP(model.embed, flatten_parameters=False)
-        shared = model.embed.module.module.weight
-        model.head = FSDP(model.head, flatten_parameters=False)
-        model.head.append_shared_param(shared)
-        fsdp = FSDP(model)
-        opt, ref_opt = make_optim(fsdp.parameters(), "sgd"), make_optim(ref.parameters(), "sgd")
-        for step in range(3):
-            ids = torch.randint(11, (2 * ws, 4), generator=torch.Generator().manual_seed(step))
-            opt.zero_grad()
-            loss = fsdp(ids.tensor_split(ws)[rank]).float().pow(2).mean()
-            loss.backward()
-            assert_idle(fsdp)
-            ref_opt.zero_grad()
-            ref(ids).pow(2).mean().backward()
-            expected = {n: p.grad for n, p in ref.named_parameters()}
-            assert_close_dict(gather_full_grads(fsdp), expected, f"step {step} grad", rtol=1e-5, atol=1e-6)
-            opt.step()
-            ref_opt.step()
-        # The owner exposes the shared parameter in summon_full_params (and so in state dicts) like any other.
-        assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-5)
+    run_distributed(_sibling_instances_share_a_parameter_body, world_size)
 
-    run_distributed(body, world_size)
+
+def _append_shared_param_bad_input_body(rank: int, ws: int) -> None:
+    owner = FSDP(nn.Linear(3, 3), flatten_parameters=False)
+    shared = owner.module.module.weight
+    with pytest.raises(RuntimeError, match="flatten_parameters=False"):
+        FSDP(nn.Linear(3, 3)).append_shared_param(shared)
+    with pytest.raises(ValueError, match="already sharded"):
+        FSDP(nn.Linear(3, 3), flatten_parameters=False).append_shared_param(nn.Parameter(torch.ones(3)))
+    started = FSDP(nn.Linear(3, 3), flatten_parameters=False)
+    started(torch.randn(1, 3))
+    with pytest.raises(RuntimeError, match="before the first forward"):
+        started.append_shared_param(shared)
 
 
 def test_append_shared_param_bad_input() -> None:
-    def body(rank: int, ws: int) -> None:
-        owner = FSDP(nn.Linear(3, 3), flatten_parameters=False)
-        shared = owner.module.module.weight
-        with pytest.raises(RuntimeError, match="flatten_parameters=False"):
-            FSDP(nn.Linear(3, 3)).append_shared_param(shared)
-        with pytest.raises(ValueError, match="already sharded"):
-            FSDP(nn.Linear(3, 3), flatten_parameters=False).append_shared_param(nn.Parameter(torch.ones(3)))
-        started = FSDP(nn.Linear(3, 3), flatten_parameters=False)
-        started(torch.randn(1, 3))
-        with pytest.raises(RuntimeError, match="before the first forward"):
-            started.append_shared_param(shared)
-
-    run_distributed(body, 2)
+    run_distributed(_append_shared_param_bad_input_body, 2)

@@ -50,19 +50,18 @@ def _exposes_full_fp32_params(rank: int, ws: int, kwargs: Dict[str, Any], mode: 
     assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad", **tol)
 
 
-def test_summon_exposes_full_fp32_params() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            (
-                f"{mp},flatten={flatten},{mode}",
-                lambda kw=dict(flatten_parameters=flatten, **MIXED[mp]), m=mode: _exposes_full_fp32_params(
-                    rank, ws, kw, m
-                ),
-            )
-            for mp, flatten, mode in itertools.product(("fp32", "fp16", "bf16"), (True, False), ("one", "nested"))
+def _summon_exposes_full_fp32_params_body(rank: int, ws: int) -> None:
+    run_cases(
+        (
+            f"{mp},flatten={flatten},{mode}",
+            lambda kw=dict(flatten_parameters=flatten, **MIXED[mp]), m=mode: _exposes_full_fp32_params(rank, ws, kw, m),
         )
+        for mp, flatten, mode in itertools.product(("fp32", "fp16", "bf16"), (True, False), ("one", "nested"))
+    )
 
-    run_distributed(body, 3)
+
+def test_summon_exposes_full_fp32_params() -> None:
+    run_distributed(_summon_exposes_full_fp32_params_body, 3)
 
 
 def _write_back(rank: int, ws: int, volatile: bool, flatten: bool, after_forward: bool) -> None:
@@ -116,64 +115,67 @@ def _clean(path: str) -> str:
     return ".".join(c for c in path.split(".") if c and c not in ("_fsdp_wrapped_module", "_fpw_module"))
 
 
-def test_summon_writes_back_unless_volatile() -> None:
-    def body(rank: int, ws: int) -> None:
-        run_cases(
-            (
-                f"volatile={v},flatten={f},after_forward={a}",
-                lambda v=v, f=f, a=a: _write_back(rank, ws, v, f, a),
-            )
-            for v, f, a in itertools.product((False, True), (True, False), (False, True))
+def _summon_writes_back_unless_volatile_body(rank: int, ws: int) -> None:
+    run_cases(
+        (
+            f"volatile={v},flatten={f},after_forward={a}",
+            lambda v=v, f=f, a=a: _write_back(rank, ws, v, f, a),
         )
+        for v, f, a in itertools.product((False, True), (True, False), (False, True))
+    )
 
-    run_distributed(body, 3)
+
+def test_summon_writes_back_unless_volatile() -> None:
+    run_distributed(_summon_writes_back_unless_volatile_body, 3)
+
+
+def _summon_recurse_false_and_communication_body(rank: int, ws: int) -> None:
+    model, _ = build(NestedWrappedModule)
+    fsdp = wrap_model(model, dict(mixed_precision=True, bucket_cap_mb=0), "nested")
+    block = fsdp.module.module.layers[1]
+    with count_collectives() as counter:
+        with fsdp.summon_full_params(recurse=False):
+            assert fsdp.training_state == TrainingState.SUMMON_FULL_PARAMS
+            assert block.training_state == TrainingState.IDLE
+            assert fsdp.module.module.layers[0].weight.shape == (5, 7)
+            assert all(p.dim() == 1 for p in block.params), "inner instance must stay sharded"
+    # One fp32 gather of the root's flat parameter (58 elements padded to 58 at world size 2).
+    assert counter.count("all_gather", phase="summon") == 1, counter.summary()
+    assert counter.total_bytes("all_gather", phase="summon") == 58 * 4
+    # Before any forward: lazy init runs no collective (the cross-rank check waits for the first forward).
+    assert [(r.kind, r.phase, r.dtype) for r in counter.records] == [("all_gather", "summon", torch.float32)]
+    with count_collectives() as counter:
+        with fsdp.summon_full_params():
+            assert all(m.training_state == TrainingState.SUMMON_FULL_PARAMS for m in get_fsdp_instances(fsdp))
+    assert counter.count("all_gather", phase="summon") == 3 and counter.count() == 3, counter.summary()
+    assert counter.total_bytes() == (58 + 104 + 30) * 4
+    assert_idle(fsdp)
 
 
 def test_summon_recurse_false_and_communication() -> None:
-    def body(rank: int, ws: int) -> None:
-        model, _ = build(NestedWrappedModule)
-        fsdp = wrap_model(model, dict(mixed_precision=True, bucket_cap_mb=0), "nested")
-        block = fsdp.module.module.layers[1]
-        with count_collectives() as counter:
-            with fsdp.summon_full_params(recurse=False):
-                assert fsdp.training_state == TrainingState.SUMMON_FULL_PARAMS
-                assert block.training_state == TrainingState.IDLE
-                assert fsdp.module.module.layers[0].weight.shape == (5, 7)
-                assert all(p.dim() == 1 for p in block.params), "inner instance must stay sharded"
-        # One fp32 gather of the root's flat parameter (58 elements padded to 58 at world size 2).
-        assert counter.count("all_gather", phase="summon") == 1, counter.summary()
-        assert counter.total_bytes("all_gather", phase="summon") == 58 * 4
-        # Before any forward: lazy init runs no collective (the cross-rank check waits for the first forward).
-        assert [(r.kind, r.phase, r.dtype) for r in counter.records] == [("all_gather", "summon", torch.float32)]
-        with count_collectives() as counter:
-            with fsdp.summon_full_params():
-                assert all(m.training_state == TrainingState.SUMMON_FULL_PARAMS for m in get_fsdp_instances(fsdp))
-        assert counter.count("all_gather", phase="summon") == 3 and counter.count() == 3, counter.summary()
-        assert counter.total_bytes() == (58 + 104 + 30) * 4
-        assert_idle(fsdp)
+    run_distributed(_summon_recurse_false_and_communication_body, 2)
 
-    run_distributed(body, 2)
+
+def _summon_frees_its_full_tensors_body(rank: int, ws: int) -> None:
+    model, _ = build(NestedWrappedModule)
+    fsdp = wrap_model(model, dict(flatten_parameters=False), "nested")
+    shard_ptrs = {id(p): p.data.data_ptr() for p in fsdp.parameters()}
+    full_storages = []
+    with fsdp.summon_full_params():
+        for p in fsdp.parameters():
+            assert p.data.data_ptr() != shard_ptrs[id(p)]
+            full_storages.append(p.data.untyped_storage()._weak_ref())
+    assert_idle(fsdp)
+    for p in fsdp.parameters():
+        assert p.data.data_ptr() == shard_ptrs[id(p)] and p.dim() == 1
+    # Nothing keeps the gathered tensors alive (weak references only).
+    gc.collect()
+    for storage in full_storages:
+        assert torch.UntypedStorage._expired(storage), "a full tensor gathered by summon_full_params is still alive"
 
 
 def test_summon_frees_its_full_tensors() -> None:
-    def body(rank: int, ws: int) -> None:
-        model, _ = build(NestedWrappedModule)
-        fsdp = wrap_model(model, dict(flatten_parameters=False), "nested")
-        shard_ptrs = {id(p): p.data.data_ptr() for p in fsdp.parameters()}
-        full_storages = []
-        with fsdp.summon_full_params():
-            for p in fsdp.parameters():
-                assert p.data.data_ptr() != shard_ptrs[id(p)]
-                full_storages.append(p.data.untyped_storage()._weak_ref())
-        assert_idle(fsdp)
-        for p in fsdp.parameters():
-            assert p.data.data_ptr() == shard_ptrs[id(p)] and p.dim() == 1
-        # Nothing keeps the gathered tensors alive (weak references only).
-        gc.collect()
-        for storage in full_storages:
-            assert torch.UntypedStorage._expired(storage), "a full tensor gathered by summon_full_params is still alive"
-
-    run_distributed(body, 2)
+    run_distributed(_summon_frees_its_full_tensors_body, 2)
 
 
 class SummonsInForward(nn.Module):
@@ -188,71 +190,74 @@ class SummonsInForward(nn.Module):
         return self.linear(x)
 
 
-def test_summon_in_the_wrong_state_raises() -> None:
-    def body(rank: int, ws: int) -> None:
-        inner = SummonsInForward()
-        fsdp = FSDP(inner)
-        inner.owner = fsdp
-        with pytest.raises(RuntimeError, match="summon_full_params"):
-            fsdp(torch.randn(2, 3))
-        model = FSDP(nn.Linear(3, 3))
-        with model.summon_full_params():
-            with pytest.raises(RuntimeError, match="forward"):
-                model(torch.randn(2, 3))
-        assert_idle(model)
-        model(torch.randn(2, 3)).sum().backward()  # still usable
-        assert_idle(model)
+def _summon_in_the_wrong_state_raises_body(rank: int, ws: int) -> None:
+    inner = SummonsInForward()
+    fsdp = FSDP(inner)
+    inner.owner = fsdp
+    with pytest.raises(RuntimeError, match="summon_full_params"):
+        fsdp(torch.randn(2, 3))
+    model = FSDP(nn.Linear(3, 3))
+    with model.summon_full_params():
+        with pytest.raises(RuntimeError, match="forward"):
+            model(torch.randn(2, 3))
+    assert_idle(model)
+    model(torch.randn(2, 3)).sum().backward()  # still usable
+    assert_idle(model)
 
-    run_distributed(body, 2)
+
+def test_summon_in_the_wrong_state_raises() -> None:
+    run_distributed(_summon_in_the_wrong_state_raises_body, 2)
+
+
+def _summon_between_forward_and_backward_body(rank: int, ws: int) -> None:
+    for reshard in (True, False):
+        model, ref = build(NestedWrappedModule)
+        fsdp = wrap_model(model, dict(reshard_after_forward=reshard), "nested")
+        x = torch.randn(2, 7)
+        loss = fsdp(x).sum()
+        with fsdp.summon_full_params():
+            seen = {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+        assert_close_dict(seen, ref_params(ref), "summoned", rtol=0, atol=0)
+        assert_idle(fsdp, after_forward=True)
+        loss.backward()
+        ref(x).sum().backward()
+        assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad")
+        assert_idle(fsdp)
 
 
 def test_summon_between_forward_and_backward() -> None:
     """Fork behaviour: allowed (e.g. a state_dict mid-step) and harmless to the pending backward."""
 
-    def body(rank: int, ws: int) -> None:
-        for reshard in (True, False):
+    run_distributed(_summon_between_forward_and_backward_body, 2)
+
+
+def _summon_edit_after_a_forward_without_backward_body(rank: int, ws: int) -> None:
+    cases = []
+    for grad_enabled in (False, True):
+
+        def case(grad_enabled: bool = grad_enabled) -> None:
             model, ref = build(NestedWrappedModule)
-            fsdp = wrap_model(model, dict(reshard_after_forward=reshard), "nested")
+            fsdp = wrap_model(model, {}, "nested")
             x = torch.randn(2, 7)
-            loss = fsdp(x).sum()
+            with torch.set_grad_enabled(grad_enabled):
+                fsdp(x)  # output dropped: no backward follows
             with fsdp.summon_full_params():
-                seen = {n: p.detach().clone() for n, p in fsdp.named_parameters()}
-            assert_close_dict(seen, ref_params(ref), "summoned", rtol=0, atol=0)
-            assert_idle(fsdp, after_forward=True)
-            loss.backward()
-            ref(x).sum().backward()
-            assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad")
+                with torch.no_grad():
+                    for p in fsdp.parameters():
+                        p.mul_(2.0)
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.mul_(2.0)
+            torch.testing.assert_close(fsdp(x), ref(x))
+            fsdp(x).sum().backward()
             assert_idle(fsdp)
 
-    run_distributed(body, 2)
+        cases.append((f"grad_enabled={grad_enabled}", case))
+    run_cases(cases)
 
 
 def test_summon_edit_after_a_forward_without_backward() -> None:
     """An evaluation pass, or a grad-enabled forward whose output is dropped, must not make the next forward use
     the full parameters gathered before a summon_full_params edit."""
 
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        for grad_enabled in (False, True):
-
-            def case(grad_enabled: bool = grad_enabled) -> None:
-                model, ref = build(NestedWrappedModule)
-                fsdp = wrap_model(model, {}, "nested")
-                x = torch.randn(2, 7)
-                with torch.set_grad_enabled(grad_enabled):
-                    fsdp(x)  # output dropped: no backward follows
-                with fsdp.summon_full_params():
-                    with torch.no_grad():
-                        for p in fsdp.parameters():
-                            p.mul_(2.0)
-                with torch.no_grad():
-                    for p in ref.parameters():
-                        p.mul_(2.0)
-                torch.testing.assert_close(fsdp(x), ref(x))
-                fsdp(x).sum().backward()
-                assert_idle(fsdp)
-
-            cases.append((f"grad_enabled={grad_enabled}", case))
-        run_cases(cases)
-
-    run_distributed(body, 2)
+    run_distributed(_summon_edit_after_a_forward_without_backward_body, 2)

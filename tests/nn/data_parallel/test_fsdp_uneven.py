@@ -75,47 +75,49 @@ class Tiny(nn.Module):
         return (out.float() - 0.5).pow(2).sum(-1)
 
 
+def _uneven_parity_body(rank: int, ws: int) -> None:
+    cases = []
+    # Padding at every world size is covered by the parity matrix; here: empty and odd local batches, and
+    # parameters smaller than the world (Tiny).
+    combos = [(Tiny, "fp32", mode) for mode in ("nested", "leaf")] + [
+        (NestedWrappedModule, mp, "nested") for mp in ("fp32", "fp16")
+    ]
+    for (model_cls, mp, mode), flatten, global_n in itertools.product(combos, (True, False), (1, 2 * ws + 1)):
+        # global_n=1: one rank has the only row, the others run on empty batches.
+        kwargs = dict(flatten_parameters=flatten, **MIXED[mp])
+        name = f"{model_cls.__name__},{mp},flatten={flatten},{mode},rows={global_n}"
+        cases.append(
+            (
+                name,
+                lambda c=model_cls, k=kwargs, m=mode, n=global_n: train_and_compare(rank, ws, c, k, m, global_n=n),
+            )
+        )
+    run_cases(cases)
+
+
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_uneven_parity(world_size: int) -> None:
-    def body(rank: int, ws: int) -> None:
-        cases = []
-        # Padding at every world size is covered by the parity matrix; here: empty and odd local batches, and
-        # parameters smaller than the world (Tiny).
-        combos = [(Tiny, "fp32", mode) for mode in ("nested", "leaf")] + [
-            (NestedWrappedModule, mp, "nested") for mp in ("fp32", "fp16")
-        ]
-        for (model_cls, mp, mode), flatten, global_n in itertools.product(combos, (True, False), (1, 2 * ws + 1)):
-            # global_n=1: one rank has the only row, the others run on empty batches.
-            kwargs = dict(flatten_parameters=flatten, **MIXED[mp])
-            name = f"{model_cls.__name__},{mp},flatten={flatten},{mode},rows={global_n}"
-            cases.append(
-                (
-                    name,
-                    lambda c=model_cls, k=kwargs, m=mode, n=global_n: train_and_compare(rank, ws, c, k, m, global_n=n),
-                )
-            )
-        run_cases(cases)
+    run_distributed(_uneven_parity_body, world_size, timeout=180)
 
-    run_distributed(body, world_size, timeout=180)
+
+def _ranks_holding_only_padding_round_trip_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    fsdp = FSDP(nn.Linear(1, 1))  # 2 elements over 4 ranks: ranks 2 and 3 hold only padding
+    before = full_params(fsdp)
+    with fsdp.summon_full_params():
+        with torch.no_grad():
+            for p in fsdp.parameters():
+                p.add_(1.0)
+    after = full_params(fsdp)
+    for name in before:
+        torch.testing.assert_close(after[name], before[name] + 1)
+    shard = fsdp.params[0].data
+    if rank >= 2:
+        assert torch.count_nonzero(shard) == 0, "padding must stay zero"
+    assert_idle(fsdp)
 
 
 def test_ranks_holding_only_padding_round_trip() -> None:
     """Ranks whose shard is all padding still round-trip through summon and keep zeros in the padding."""
 
-    def body(rank: int, ws: int) -> None:
-        torch.manual_seed(0)
-        fsdp = FSDP(nn.Linear(1, 1))  # 2 elements over 4 ranks: ranks 2 and 3 hold only padding
-        before = full_params(fsdp)
-        with fsdp.summon_full_params():
-            with torch.no_grad():
-                for p in fsdp.parameters():
-                    p.add_(1.0)
-        after = full_params(fsdp)
-        for name in before:
-            torch.testing.assert_close(after[name], before[name] + 1)
-        shard = fsdp.params[0].data
-        if rank >= 2:
-            assert torch.count_nonzero(shard) == 0, "padding must stay zero"
-        assert_idle(fsdp)
-
-    run_distributed(body, 4)
+    run_distributed(_ranks_holding_only_padding_round_trip_body, 4)

@@ -231,30 +231,32 @@ def _parity_cases(rank: int) -> List[Case]:
     return cases
 
 
+def _parity_both_nesting_orders_body(rank: int, world_size: int) -> None:
+    run_cases(_parity_cases(rank))
+
+
 def test_parity_both_nesting_orders() -> None:
     """Checkpointed FSDP models train like the unwrapped single-process reference, in every nesting order."""
 
-    def body(rank: int, world_size: int) -> None:
-        run_cases(_parity_cases(rank))
+    run_distributed(_parity_both_nesting_orders_body, WS, timeout=TIMEOUT)
 
-    run_distributed(body, WS, timeout=TIMEOUT)
+
+def _checkpointed_module_called_several_times_body(rank: int, world_size: int) -> None:
+    cases: List[Case] = []
+    for order in ("fsdp(ckpt(block))", "ckpt(fsdp(block))", "fsdp(ckpt(model))"):
+        for precision in ("fp32", "bf16"):
+
+            def case(order: str = order, precision: str = precision) -> None:
+                train_and_compare(rank, order, precision, calls_per_block=2)
+
+            cases.append((f"{order},{precision}", case))
+    run_cases(cases)
 
 
 def test_checkpointed_module_called_several_times() -> None:
     """A checkpointed block called twice per forward is recomputed twice and its gradients add up correctly."""
 
-    def body(rank: int, world_size: int) -> None:
-        cases: List[Case] = []
-        for order in ("fsdp(ckpt(block))", "ckpt(fsdp(block))", "fsdp(ckpt(model))"):
-            for precision in ("fp32", "bf16"):
-
-                def case(order: str = order, precision: str = precision) -> None:
-                    train_and_compare(rank, order, precision, calls_per_block=2)
-
-                cases.append((f"{order},{precision}", case))
-        run_cases(cases)
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_checkpointed_module_called_several_times_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ eval
@@ -306,17 +308,18 @@ def _eval_case(rank: int, order: str, precision: str) -> None:
         assert_close_dict(full_params(fsdp), ref_params(ref), "param after eval", rtol=1e-4, atol=1e-5)
 
 
+def _eval_then_train_body(rank: int, world_size: int) -> None:
+    run_cases(
+        (f"{order},{precision}", lambda order=order, precision=precision: _eval_case(rank, order, precision))
+        for order in ORDERS
+        for precision in ("fp32", "bf16")
+    )
+
+
 def test_eval_then_train() -> None:
     """Eval (no grad, and with grad for input gradients) then training again, for both nesting orders."""
 
-    def body(rank: int, world_size: int) -> None:
-        run_cases(
-            (f"{order},{precision}", lambda order=order, precision=precision: _eval_case(rank, order, precision))
-            for order in ORDERS
-            for precision in ("fp32", "bf16")
-        )
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_eval_then_train_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ state machine
@@ -370,17 +373,18 @@ def _state_machine_case(rank: int, order: str, calls_per_block: int) -> None:
         assert all(s[1] == TrainingState.BACKWARD_PRE for s in seen if s[0] == "recompute")
 
 
+def _state_machine_during_recomputation_body(rank: int, world_size: int) -> None:
+    run_cases(
+        (f"{order},calls={calls}", lambda order=order, calls=calls: _state_machine_case(rank, order, calls))
+        for order in ORDERS
+        for calls in (1, 2)
+    )
+
+
 def test_state_machine_during_recomputation() -> None:
     """Training states and handle states seen from inside the recomputed forward; all IDLE at the end."""
 
-    def body(rank: int, world_size: int) -> None:
-        run_cases(
-            (f"{order},calls={calls}", lambda order=order, calls=calls: _state_machine_case(rank, order, calls))
-            for order in ORDERS
-            for calls in (1, 2)
-        )
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_state_machine_during_recomputation_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ batch norm
@@ -462,22 +466,23 @@ def _clean(name: str) -> str:
     return ".".join(c for c in name.split(".") if c not in ("_fsdp_wrapped_module", "_fpw_module"))
 
 
+def _batchnorm_running_stats_updated_once_body(rank: int, world_size: int) -> None:
+    cases: List[Case] = []
+    for order in ("fsdp(ckpt(block))", "ckpt(fsdp(block))", "ckpt(fsdp(model))"):
+        for bn_own, precision in ((False, "fp32"), (True, "fp32"), (True, "bf16")):
+            for calls in (1, 2):
+
+                def case(order: str = order, precision: str = precision, bn: bool = bn_own, c: int = calls) -> None:
+                    _bn_case(rank, order, precision, bn, c)
+
+                cases.append((f"{order},{precision},auto_wrap_bn={bn_own},calls={calls}", case))
+    run_cases(cases)
+
+
 def test_batchnorm_running_stats_updated_once() -> None:
     """Running statistics move once per call (not twice) whichever way checkpoint and FSDP are nested."""
 
-    def body(rank: int, world_size: int) -> None:
-        cases: List[Case] = []
-        for order in ("fsdp(ckpt(block))", "ckpt(fsdp(block))", "ckpt(fsdp(model))"):
-            for bn_own, precision in ((False, "fp32"), (True, "fp32"), (True, "bf16")):
-                for calls in (1, 2):
-
-                    def case(order: str = order, precision: str = precision, bn: bool = bn_own, c: int = calls) -> None:
-                        _bn_case(rank, order, precision, bn, c)
-
-                    cases.append((f"{order},{precision},auto_wrap_bn={bn_own},calls={calls}", case))
-        run_cases(cases)
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_batchnorm_running_stats_updated_once_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ memory
@@ -524,15 +529,14 @@ def _memory_case(order: str) -> Tuple[int, int]:
     return with_ckpt, without
 
 
+def _saved_activations_smaller_with_checkpointing_body(rank: int, world_size: int) -> None:
+    run_cases((order, lambda order=order: _memory_case(order)) for order in ("fsdp(ckpt(block))", "ckpt(fsdp(block))"))
+
+
 def test_saved_activations_smaller_with_checkpointing() -> None:
     """Measured with saved_tensors_hooks: checkpointing keeps only block inputs between forward and backward."""
 
-    def body(rank: int, world_size: int) -> None:
-        run_cases(
-            (order, lambda order=order: _memory_case(order)) for order in ("fsdp(ckpt(block))", "ckpt(fsdp(block))")
-        )
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_saved_activations_smaller_with_checkpointing_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ communication
@@ -563,10 +567,11 @@ def _communication_case(reshard: bool) -> None:
     assert plain["gather/forward"] <= outer["gather/forward"] <= plain["gather/forward"] + 2, (outer, plain)
 
 
+def _communication_of_checkpointed_blocks_body(rank: int, world_size: int) -> None:
+    run_cases((f"reshard={r}", lambda r=r: _communication_case(r)) for r in (True, False))
+
+
 def test_communication_of_checkpointed_blocks() -> None:
     """What docs/wrap_and_checkpoint.rst promises about the two nesting orders' all-gathers and reduce-scatters."""
 
-    def body(rank: int, world_size: int) -> None:
-        run_cases((f"reshard={r}", lambda r=r: _communication_case(r)) for r in (True, False))
-
-    run_distributed(body, WS, timeout=TIMEOUT)
+    run_distributed(_communication_of_checkpointed_blocks_body, WS, timeout=TIMEOUT)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from fairscale.fair_dev.testing import run_distributed
 from fairscale.nn.wrap import auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy, enable_wrap, wrap
 from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
 
@@ -315,9 +316,13 @@ def test_move_module_cuda_half_is_not_a_wrapper_argument() -> None:
     assert ConfigAutoWrap.move_module_cuda_half is False
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves the module to CUDA")
-def test_move_module_cuda_half() -> None:
+def _move_module_cuda_half(rank: int, world_size: int) -> None:
     with enable_wrap(wrapper_cls=Recorder, move_module_cuda_half=True):
         layer: Any = wrap(nn.Linear(5, 5))
     assert layer.module.weight.is_cuda and layer.module.weight.dtype == torch.float16
     assert layer.kwargs == {}
+
+
+def test_move_module_cuda_half() -> None:
+    # Moves the module to CUDA: in a CUDA world (skipped without a GPU), off the pytest process.
+    run_distributed(_move_module_cuda_half, 1, device="cuda")

@@ -82,27 +82,28 @@ def _auto_wrap_case(rank: int, ws: int, min_num_params: int, expected: Dict[str,
     train_and_compare(rank, ws, NestedWrappedModule, kwargs, "one", wrapper=wrap_fn)
 
 
-def test_wrap_and_auto_wrap_with_fsdp() -> None:
-    def body(rank: int, ws: int) -> None:
-        cases: List[Any] = [
-            ("wrap arguments", lambda: _wrap_arguments_reach_fsdp(rank, ws)),
-            ("hand-nested wrap", lambda: _hand_nested_wrap_trains(rank, ws)),
-        ]
-        # Thresholds: 100 wraps block 1 (104) only; 30 descends into both blocks and wraps every linear of at least
-        # 30 parameters (the "leaf" layout of the FSDP tests), leaving the 18-parameter last linear to the root.
-        leaves = {"": 18, "layers.0": 40, "layers.1.0": 54, "layers.1.2": 50, "layers.2.0": 30}
-        for min_params, expected in ((100, {"": 88, "layers.1": 104}), (30, leaves)):
-            for mp in (False, True):
-                kwargs = dict(mixed_precision=mp)
-                cases.append(
-                    (
-                        f"auto_wrap min={min_params} mixed={mp}",
-                        lambda m=min_params, e=expected, k=kwargs: _auto_wrap_case(rank, ws, m, e, k),
-                    )
+def _wrap_and_auto_wrap_with_fsdp_body(rank: int, ws: int) -> None:
+    cases: List[Any] = [
+        ("wrap arguments", lambda: _wrap_arguments_reach_fsdp(rank, ws)),
+        ("hand-nested wrap", lambda: _hand_nested_wrap_trains(rank, ws)),
+    ]
+    # Thresholds: 100 wraps block 1 (104) only; 30 descends into both blocks and wraps every linear of at least
+    # 30 parameters (the "leaf" layout of the FSDP tests), leaving the 18-parameter last linear to the root.
+    leaves = {"": 18, "layers.0": 40, "layers.1.0": 54, "layers.1.2": 50, "layers.2.0": 30}
+    for min_params, expected in ((100, {"": 88, "layers.1": 104}), (30, leaves)):
+        for mp in (False, True):
+            kwargs = dict(mixed_precision=mp)
+            cases.append(
+                (
+                    f"auto_wrap min={min_params} mixed={mp}",
+                    lambda m=min_params, e=expected, k=kwargs: _auto_wrap_case(rank, ws, m, e, k),
                 )
-        run_cases(cases)
+            )
+    run_cases(cases)
 
-    run_distributed(body, 2)
+
+def test_wrap_and_auto_wrap_with_fsdp() -> None:
+    run_distributed(_wrap_and_auto_wrap_with_fsdp_body, 2)
 
 
 class Tagged(nn.Module):
@@ -117,20 +118,21 @@ class Tagged(nn.Module):
         return self.head(self.norm(self.body(x)).to(self.head.weight.dtype))
 
 
-def test_config_policy_and_already_wrapped_trees() -> None:
-    def body(rank: int, ws: int) -> None:
-        model = Tagged()
-        with enable_wrap(wrapper_cls=FSDP, mixed_precision=True):
-            wrapped = auto_wrap(model, auto_wrap_policy=config_auto_wrap_policy)
-        root = FSDP(wrapped, mixed_precision=True)
-        norm = root.module.module.norm
-        assert isinstance(norm, FSDP) and not norm.mixed_precision and not norm.flatten_parameters
-        assert not isinstance(root.module.module.body, FSDP)
-        root(torch.randn(3, 4)).float().sum().backward()
-        assert_idle(root)
-        # A tree that already contains FSDP instances is refused: its parameters are managed already.
-        with enable_wrap(wrapper_cls=FSDP):
-            with pytest.raises(ValueError):
-                auto_wrap(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 3)))
+def _config_policy_and_already_wrapped_trees_body(rank: int, ws: int) -> None:
+    model = Tagged()
+    with enable_wrap(wrapper_cls=FSDP, mixed_precision=True):
+        wrapped = auto_wrap(model, auto_wrap_policy=config_auto_wrap_policy)
+    root = FSDP(wrapped, mixed_precision=True)
+    norm = root.module.module.norm
+    assert isinstance(norm, FSDP) and not norm.mixed_precision and not norm.flatten_parameters
+    assert not isinstance(root.module.module.body, FSDP)
+    root(torch.randn(3, 4)).float().sum().backward()
+    assert_idle(root)
+    # A tree that already contains FSDP instances is refused: its parameters are managed already.
+    with enable_wrap(wrapper_cls=FSDP):
+        with pytest.raises(ValueError):
+            auto_wrap(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 3)))
 
-    run_distributed(body, 2)
+
+def test_config_policy_and_already_wrapped_trees() -> None:
+    run_distributed(_config_policy_and_already_wrapped_trees_body, 2)

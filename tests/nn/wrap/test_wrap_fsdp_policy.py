@@ -212,18 +212,19 @@ def _kwargs_and_wrapper_config(rank: int) -> None:
     _train_and_compare(rank, model, ref, mixed=True)
 
 
-def test_size_policy_with_fsdp_on_gloo() -> None:
-    def body(rank: int, world_size: int) -> None:
-        cases: List[Tuple[str, Callable[[], None]]] = [
-            ("blocks at block size", lambda: _blocks_at_block_size(rank)),
-            ("attention is a leaf", lambda: _attention_is_a_leaf(rank)),
-            ("force-leaf override", lambda: _force_leaf_override(rank)),
-            ("ModuleList excluded, root wrapped", lambda: _module_list_excluded_root_wrapped(rank)),
-            ("kwargs and wrapper_config", lambda: _kwargs_and_wrapper_config(rank)),
-        ]
-        run_cases(cases)
+def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
+    cases: List[Tuple[str, Callable[[], None]]] = [
+        ("blocks at block size", lambda: _blocks_at_block_size(rank)),
+        ("attention is a leaf", lambda: _attention_is_a_leaf(rank)),
+        ("force-leaf override", lambda: _force_leaf_override(rank)),
+        ("ModuleList excluded, root wrapped", lambda: _module_list_excluded_root_wrapped(rank)),
+        ("kwargs and wrapper_config", lambda: _kwargs_and_wrapper_config(rank)),
+    ]
+    run_cases(cases)
 
-    run_distributed(body, WS, timeout=TIMEOUT)
+
+def test_size_policy_with_fsdp_on_gloo() -> None:
+    run_distributed(_size_policy_with_fsdp_on_gloo_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ docs example
@@ -265,11 +266,12 @@ def _doc_example_trains_like_reference(rank: int, mixed: bool) -> None:
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_docs_example_on_gloo() -> None:
-    def body(rank: int, world_size: int) -> None:
-        run_cases(
-            (f"mixed_precision={mixed}", lambda mixed=mixed: _doc_example_trains_like_reference(rank, mixed))
-            for mixed in (False, True)
-        )
+def _docs_example_on_gloo_body(rank: int, world_size: int) -> None:
+    run_cases(
+        (f"mixed_precision={mixed}", lambda mixed=mixed: _doc_example_trains_like_reference(rank, mixed))
+        for mixed in (False, True)
+    )
 
-    run_distributed(body, WS, timeout=TIMEOUT)
+
+def test_docs_example_on_gloo() -> None:
+    run_distributed(_docs_example_on_gloo_body, WS, timeout=TIMEOUT)

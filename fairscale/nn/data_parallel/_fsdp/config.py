@@ -1,12 +1,14 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Pure helpers that turn constructor arguments into resolved values, with upstream's defaults."""
 
-from typing import Iterable, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fairscale.internal.device import default_compute_device
+from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
 
 
 def default_gradient_predivide_factor(world_size: int) -> float:
@@ -42,7 +44,18 @@ def resolve_compute_device(params: Iterable[nn.Parameter], compute_device: Optio
 
 
 def resolve_compute_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``compute_dtype``, else fp16 with mixed precision, else fp32. Rejects what no forward could run in.
+
+    Raises:
+        ValueError: ``compute_dtype`` is not a floating-point ``torch.dtype`` (at construction, rather than as an
+            unrelated error deep in the first forward).
+    """
     if compute_dtype is not None:
+        if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+            raise ValueError(
+                f"compute_dtype must be a floating-point torch.dtype (torch.float32, torch.float16 or "
+                f"torch.bfloat16), got {compute_dtype!r}"
+            )
         return compute_dtype
     return torch.float16 if mixed_precision else torch.float32
 
@@ -80,4 +93,44 @@ def validate_grad_placement(compute_device: torch.device, move_params_to_cpu: bo
         f"move_params_to_cpu=True with move_grads_to_cpu=False is not supported when computing on {compute_device}: "
         "the fp32 shards live on the CPU, so their gradients must too. Leave move_grads_to_cpu unset (it follows "
         "move_params_to_cpu)."
+    )
+
+
+def _is_member(group: Any) -> bool:
+    if group is None or isinstance(group, ProcessGroupName) or isinstance(group, str):
+        return True  # a name: FSDP creates (or reuses) a group over all ranks
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (
+        isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    ):
+        return False
+    rank = getattr(group, "rank", None)
+    return not callable(rank) or int(rank()) >= 0
+
+
+def check_group_membership(process_group: Any, process_group_reduce_scatter: Any) -> None:
+    """Raise a clear ``ValueError`` when this rank is not a member of a group it was given.
+
+    ``dist.new_group(ranks)`` returns ``GroupMember.NON_GROUP_MEMBER`` on the ranks outside ``ranks``; an FSDP
+    instance cannot shard over a group it is not in. Before raising, the rank makes the same group-creation calls
+    as a member would at construction (the cached reduce-scatter group): ``new_group`` is collective over the
+    whole world, so skipping it here would leave the member ranks blocked in it instead of going on.
+    """
+    bad = [
+        (arg, group)
+        for arg, group in (
+            ("process_group", process_group),
+            ("process_group_reduce_scatter", process_group_reduce_scatter),
+        )
+        if not _is_member(group)
+    ]
+    if not bad:
+        return
+    if process_group_reduce_scatter == ProcessGroupName.reduce_scatter:
+        get_process_group_cached(ProcessGroupName.reduce_scatter)
+    arg, group = bad[0]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise ValueError(
+        f"FullyShardedDataParallel: global rank {rank} is not a member of the {arg} it was given ({group!r}, "
+        "which dist.new_group(ranks) returns on ranks outside `ranks`). Construct this FSDP instance only on the "
+        f"ranks of its group, or pass a {arg} that contains rank {rank}."
     )

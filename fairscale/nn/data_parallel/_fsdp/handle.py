@@ -19,7 +19,7 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,19 +29,25 @@ from fairscale.internal.device import DeviceHandle
 from .state import HandleState, check_handle_transition
 
 
-def free_storage_(tensor: Tensor) -> None:
+def free_storage_(data: Tensor) -> None:
     """Release a tensor's storage without changing its metadata (views stay valid objects)."""
-    storage = tensor.untyped_storage()
+    storage = data.untyped_storage()
     if storage.size() > 0:
         # The tensor must be the sole owner of the storage's start, or other views would silently lose their data.
-        assert tensor.storage_offset() == 0, "free_storage_ needs a tensor that starts its storage"
+        assert data.storage_offset() == 0, "free_storage_ needs a tensor that starts its storage"
         storage.resize_(0)
 
 
-def alloc_storage_(tensor: Tensor, numel: int) -> None:
-    """Re-grow a storage freed by :func:`free_storage_` to hold ``numel`` elements of the tensor's dtype."""
-    storage = tensor.untyped_storage()
-    nbytes = numel * tensor.element_size()
+def alloc_storage_(data: Tensor, size: Union[int, torch.Size]) -> None:
+    """Re-grow a storage freed by :func:`free_storage_` to hold ``size`` elements of the tensor's dtype.
+
+    Args:
+        data (Tensor): the tensor whose storage was freed.
+        size (Union[int, torch.Size]): a shape (as upstream passes it) or a number of elements.
+    """
+    numel = size if isinstance(size, int) else torch.Size(size).numel()
+    storage = data.untyped_storage()
+    nbytes = numel * data.element_size()
     if storage.size() != nbytes:
         assert storage.size() == 0, "alloc_storage_ on a storage that is neither freed nor the right size"
         storage.resize_(nbytes)
@@ -79,6 +85,11 @@ class FlatHandle:
         self.full_padded: Optional[Tensor] = None
         self.zero2_slice: Optional[Tensor] = None
         self.saved_grad_shard: Optional[Tensor] = None
+        # What the running backward started from: (saved_grad_shard, the reduced shard it took out of p.grad).
+        # A backward that raises is undone to this at the next forward, so completed backwards keep their gradients.
+        # ``keep_intact`` is the tensor reductions must not add into in place (it is, or aliases, one of those).
+        self.grad_before_backward: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
+        self.keep_intact: Optional[Tensor] = None
         # True for a parameter owned by a sibling instance and declared with append_shared_param.
         self.borrowed = False
         self.cpu_grad: Optional[Tensor] = None
@@ -93,11 +104,23 @@ class FlatHandle:
         self.gathered_version: Tuple[int, int] = (-1, -1)
         self.device: Optional[DeviceHandle] = None
         self.compute_dtype: torch.dtype = param.dtype
+        # A prefetched all-gather still in flight into full_padded (see _fsdp/prefetch.py): its work handle and its
+        # input, kept alive until the gather is waited on. The handle is already FULL; every reader of the full
+        # buffer (and every free of it) first calls finish_gather().
+        self.pending_gather: Optional[Tuple[Any, Tensor]] = None
 
     def __getstate__(self) -> Dict[str, Any]:
+        self.finish_gather()
         state = dict(self.__dict__)
         state["_assigned_grad"] = None  # a weak reference cannot be pickled; it is only a hint
         return state
+
+    def finish_gather(self) -> None:
+        """Wait for a prefetched all-gather into the full buffer, if one is in flight (else a no-op)."""
+        pending = self.pending_gather
+        if pending is not None:
+            self.pending_gather = None
+            pending[0].wait()
 
     # ------------------------------------------------------------------ lazy init / teardown
     def materialize(self, device: DeviceHandle, compute_dtype: torch.dtype, move_params_to_cpu: bool) -> None:
@@ -132,6 +155,7 @@ class FlatHandle:
 
     def reset(self) -> None:
         """Undo :meth:`materialize` (lazy init reset). The parameter must be idle (sharded)."""
+        self.finish_gather()
         if self.state != HandleState.SHARDED:
             self.use_shard()
             self.free_full()
@@ -165,6 +189,7 @@ class FlatHandle:
     def full_view(self) -> Tensor:
         """The unpadded full parameter in its original shape (valid in state FULL)."""
         assert self.fp32_shard is not None
+        self.finish_gather()
         if self.full_padded is None:
             return self.fp32_shard.view(self.orig_size)
         return self.full_padded[: self.numel].view(self.orig_size)
@@ -198,6 +223,7 @@ class FlatHandle:
 
     # ------------------------------------------------------------------ free side
     def _release_full_storage(self) -> None:
+        self.finish_gather()  # never free a buffer a collective is still writing
         if self.full_padded is not None and is_storage_allocated(self.full_padded):
             assert self.device is not None
             # On an accelerator the buffer may still be read by queued kernels of the current stream.
@@ -213,6 +239,7 @@ class FlatHandle:
     def keep_zero2_slice(self, index: int, group_size: int) -> None:
         """Keep slice ``index`` of ``group_size`` of the full buffer, then free the full buffer (state ZERO2_SLICE)."""
         assert self.full_padded is not None and self.state == HandleState.FULL
+        self.finish_gather()
         total = self.shard_numel * self.world_size
         if total % group_size != 0:
             raise ValueError(f"{self.name}: padded size {total} is not divisible by the zero2 group size {group_size}")

@@ -13,7 +13,12 @@ Metadata format (one entry per FSDP instance, ``named_modules()`` order, empty i
                                                      "padding": int}},
                          "no_broadcast_optim_state": bool,
                          "shared_param_info": [(src, dst), ...]}],
-     "buffer_names": [...]}
+     "buffer_names": [...],
+     "checkpoint_identity": {"id": str, "rank": int, "world_size": int, "step": int}}
+
+``checkpoint_identity`` is this distribution's addition (upstream's consumers ignore it; upstream's files lack it and
+are accepted): every shard of one checkpoint has the same ``id``, and consolidation rejects shards of different
+checkpoints, a rank given twice and shards out of rank order (see :mod:`.identity`).
 
 Names are clean (no ``_fsdp_wrapped_module`` / ``_fpw_module``) and relative to the instance's ``fsdp_path``; the
 per-backing dict keeps the key order names, shapes, numels, padding because upstream's consumer unpacks it
@@ -24,12 +29,15 @@ used only the last instance's list, with paths relative to that instance), and n
 tied parameters too.
 """
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from fairscale.internal.parallel import chunk_and_pad
+
+from . import identity
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import FSDPRuntime
@@ -66,7 +74,12 @@ def local_metadata_dict(fsdp: "FSDPRuntime") -> Dict[str, Any]:
     for path, m in fsdp.named_modules():
         if isinstance(m, FSDPRuntime):
             entries.append(_instance_entry(m, _clean(path)))
-    return {"param_metadata": entries, "buffer_names": _persistent_buffer_names(fsdp)}
+    return {
+        "param_metadata": entries,
+        "buffer_names": _persistent_buffer_names(fsdp),
+        # An extra key: upstream's consumers read only the two above.
+        identity.IDENTITY_KEY: fsdp._checkpoint_identity(),
+    }
 
 
 def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
@@ -160,8 +173,9 @@ def consolidate_shard_weights(
 
     Raises:
         ValueError: the two lists differ in length or are empty; a rank's metadata does not describe the same
-            model as rank 0's; or the shards do not add up to the sizes the metadata gives (shards of another
-            model, or not every rank's shards).
+            model as rank 0's; the shards do not add up to the sizes the metadata gives (shards of another
+            model, or not every rank's shards); or their checkpoint identities show shards of different
+            checkpoints, a rank given twice, shards out of rank order or missing ranks.
         KeyError: with ``strict=True``, a listed entry is missing from rank 0's weights, or any rank lacks a
             shard that rank 0 has.
     """
@@ -171,6 +185,7 @@ def consolidate_shard_weights(
             f"{len(shard_weights)} state dicts and {len(shard_metadata)} metadata dicts"
         )
     entries = _check_metadata(shard_metadata)
+    identity.check_shards(shard_weights, shard_metadata, "consolidate_shard_weights")
     out: Dict[str, Tensor] = {}
     for idx, entry in enumerate(entries):
         path = entry["fsdp_path"]
@@ -301,10 +316,25 @@ def reshard_full_state_dict(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"reshard_full_state_dict: world_size must be a positive int, got {world_size!r}")
-    weights: List[Dict[str, Any]] = [{} for _ in range(world_size)]
+    if identity.of_weights(full_state_dict) is not None:
+        raise ValueError(
+            "reshard_full_state_dict: the state dict given is one rank's local_state_dict() (it carries a checkpoint "
+            "identity), not a full state dict; consolidate the checkpoint first"
+        )
+    old_identity = identity.check_pair({}, metadata, "reshard_full_state_dict: metadata")
+    # A new checkpoint: its own id, shared by its shards; the step carries over from the metadata's, if known.
+    token, step = identity.new_token(), int(old_identity["step"]) if old_identity else 0
+    weights: List[Dict[str, Any]] = [OrderedDict() for _ in range(world_size)]
     metas: List[Dict[str, Any]] = [
-        {"param_metadata": [], "buffer_names": list(metadata["buffer_names"])} for _ in range(world_size)
+        {
+            "param_metadata": [],
+            "buffer_names": list(metadata["buffer_names"]),
+            identity.IDENTITY_KEY: identity.make_identity(token, step, r, world_size),
+        }
+        for r in range(world_size)
     ]
+    for r in range(world_size):
+        identity.attach_to_weights(weights[r], metas[r][identity.IDENTITY_KEY])
     for entry in metadata["param_metadata"]:
         path = entry["fsdp_path"]
         per_rank: List[Dict[str, Any]] = [{} for _ in range(world_size)]

@@ -14,7 +14,6 @@ Order of events for one instance in one training step (ZeRO-3, ``reshard_after_f
 """
 
 import functools
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -25,7 +24,7 @@ from fairscale.internal import collectives
 from fairscale.internal.device import DeviceHandle
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
-from . import grad_accum, zero2
+from . import grad_accum, identity, prefetch, recovery, ties, zero2
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor
 from .metadata import _clean
@@ -76,6 +75,8 @@ class FSDPRuntime(nn.Module):
     gradient_predivide_factor: float
     gradient_postdivide_factor: float
     optimize_backward_concat: bool
+    forward_prefetch: bool = False
+    backward_prefetch: bool = False
     params: List[nn.Parameter]
     _fsdp_wrapped_module: Any
     _num_flatten_params: int
@@ -92,6 +93,13 @@ class FSDPRuntime(nn.Module):
     _defer_post_backward: bool = False
     _zero2_problem: Optional[str] = None
     _foreign_params: List[Tuple[str, nn.Parameter]]
+    # Ties between instances that FSDP cannot honour (see _fsdp/ties.py); raised at the first forward.
+    _tie_problems: List[str] = []
+    # Set when a parent FSDP instance wraps this one (known before any lazy init).
+    _has_fsdp_parent: bool = False
+    # Checkpoint identity (see _fsdp/identity.py): a token all ranks agreed on, and the synchronizing backward count.
+    _ckpt_token: Optional[str] = None
+    _ckpt_step: int = 0
     no_broadcast_optim_state: bool
     children_share_process_group: bool
 
@@ -118,9 +126,15 @@ class FSDPRuntime(nn.Module):
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
         """Materialise handles, find the root and share the tree state (spec 1.6). Cheap after the first call."""
+        if self._is_root is None:
+            # Every instance of the tree, before anything is materialised or communicated: a tie error then leaves
+            # the model as it was and is raised on every rank at the same point.
+            for m in self._fsdp_instances():
+                if m._foreign_params or m._tie_problems:
+                    m._check_foreign_params()
         for h in self._handles:
             h.materialize(self._device, self.compute_dtype, self.move_params_to_cpu)
-        if self._foreign_params:
+        if self._foreign_params or self._tie_problems:
             self._check_foreign_params()
         if self._is_root is None:
             self._set_is_root()
@@ -132,12 +146,8 @@ class FSDPRuntime(nn.Module):
     def _check_foreign_params(self) -> None:
         declared = {id(h.param) for h in self._handles if h.borrowed}
         undeclared = [name for name, p in self._foreign_params if id(p) not in declared]
-        if undeclared:
-            raise ValueError(
-                f"parameters {undeclared} of this FullyShardedDataParallel instance are owned (sharded) by another "
-                "instance outside it (tied weights between siblings). Call append_shared_param(p) on this instance "
-                "before its first forward (needs flatten_parameters=False), or wrap the tied modules in one instance."
-            )
+        if undeclared or self._tie_problems:
+            ties.raise_for_ties(self._tie_problems, undeclared)
         self._foreign_params = []
 
     def _has_inner_checkpoint_regions(self) -> bool:
@@ -215,10 +225,15 @@ class FSDPRuntime(nn.Module):
         if getattr(self, "_zero2_checked", False):
             return
         instances = self._fsdp_instances()
+        ties.check_borrowed_in_tree(instances)  # rank-local, before the collectives below
         # On the compute device: NCCL object collectives allocate on the current device.
         with collectives.collective_phase("init"), self._device.as_current():
+            token = identity.new_token()
             if self.world_size > 1:
-                zero2.check_same_setting(self.process_group, [(_clean(n), m) for n, m in self._named_instances()])
+                named = [(_clean(n), m) for n, m in self._named_instances()]
+                token = zero2.check_same_setting(self.process_group, named, token)
+            if self._ckpt_token is None:  # a load may have set one already, agreed the same way
+                self._ckpt_token = token
             seen = set()
             for m in instances:
                 if m.zero2_process_group is not None and id(m.zero2_process_group) not in seen:
@@ -226,6 +241,10 @@ class FSDPRuntime(nn.Module):
                     zero2.check_partition(m.process_group, m.zero2_process_group, m._zero2_problem)
         # Only once it passed: a caught ValueError must not let a retry skip the check and hang later instead.
         self._zero2_checked = True
+
+    def _checkpoint_identity(self) -> Dict[str, Any]:
+        """The identity of a sharded checkpoint taken from this instance now (see :mod:`.identity`)."""
+        return identity.make_identity(self._ckpt_token, self._ckpt_step, self.rank, self.world_size)
 
     def _named_instances(self) -> List[Tuple[str, "FSDPRuntime"]]:
         return [(name, m) for name, m in self.named_modules() if isinstance(m, FSDPRuntime)]
@@ -245,22 +264,28 @@ class FSDPRuntime(nn.Module):
                 self._gather_one(h)
         current.wait_stream(tree.all_gather_stream)
 
-    def _gather_one(self, h: FlatHandle) -> None:
+    def _gather_one(self, h: FlatHandle, async_op: bool = False) -> None:
+        """Gather ``h`` into its full buffer; with ``async_op`` (prefetch) the handle keeps the work in flight."""
         if not h.has_full_buffer:
             h.set_state(HandleState.FULL)
             return
         out = h.alloc_full()
+        work: Optional[collectives.WorkHandle] = None
         if h.state == HandleState.ZERO2_SLICE:
             assert h.zero2_slice is not None
-            collectives.all_gather_into_flat(out, h.zero2_slice, self.zero2_process_group)
+            source = h.zero2_slice
+            work = collectives.all_gather_into_flat(out, source, self.zero2_process_group, async_op=async_op)
             h.zero2_slice = None
         else:
             h.gathered_version = h.shard_version()
+            source = h.gather_input()
             if h.is_sharded:
-                collectives.all_gather_into_flat(out, h.gather_input(), self.process_group)
+                work = collectives.all_gather_into_flat(out, source, self.process_group, async_op=async_op)
             else:
-                out.copy_(h.gather_input().reshape(-1))
+                out.copy_(source.reshape(-1))
         h.set_state(HandleState.FULL)
+        if work is not None:
+            h.pending_gather = (work, source)
 
     def _drop_stale_full_params(self) -> None:
         """A new forward must not reuse gathered params (or zero2 slices) whose fp32 shard changed since the gather
@@ -298,6 +323,10 @@ class FSDPRuntime(nn.Module):
             self._check_zero2_groups_once()
         if self._is_root and torch._C._current_graph_task_id() == -1:
             self._recover_from_aborted_backward()
+        root_pass = bool(self._is_root) and not is_recomputing() and self._tree is not None
+        if root_pass:
+            self._tree.forward_order.restart()  # type: ignore[union-attr]
+            self._tree.forward_running = True  # type: ignore[union-attr]
         previous = self.training_state
         if previous not in (TrainingState.IDLE, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(
@@ -319,6 +348,8 @@ class FSDPRuntime(nn.Module):
             # an optimizer writing through p.data would leave it stale. Checkpointing's first pass is the exception.
             grad_off = not torch.is_grad_enabled() and not is_checkpointing()
             self._rebuild_full_params("backward" if recomputing else "forward")
+            if not recomputing:
+                prefetch.on_forward(self)
             self._use_full_params()
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
             if (self.reshard_after_forward or grad_off) and not recomputing:
@@ -328,39 +359,17 @@ class FSDPRuntime(nn.Module):
                 outputs = self._register_pre_backward_hooks(outputs)
         finally:
             self.training_state = previous
+            if root_pass:
+                self._tree.forward_running = False  # type: ignore[union-attr]
+        if root_pass:
+            self._tree.forward_order.finish()  # type: ignore[union-attr]  # only a completed forward is an order
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
 
     def _recover_from_aborted_backward(self) -> None:
-        """A backward that raised never ran its final callback: reset the tree before the next step.
-
-        Partial reductions of that backward are dropped (its gradients are incomplete anyway); gradients of earlier
-        completed steps that are already in ``p.grad`` are kept.
-        """
-        tree = self._tree
-        if tree is None:
-            return
-        instances = self._fsdp_instances()
-        stuck = [m for m in instances if m.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)]
-        if not (tree.final_callback_queued or stuck):
-            return
-        warnings.warn("FullyShardedDataParallel: the previous backward did not finish (it raised); resetting.")
-        tree.bucketer.discard()
-        for m in instances:
-            for h in m._handles:
-                if not h.materialized:
-                    continue
-                h.free_full()
-                h.drop_zero2_slice()
-                h.use_shard()
-                h.saved_grad_shard = None
-                if h.grad_accum_flat is not None:
-                    grad_accum.take_buffer_for_reduction(h)
-            m._pre_backward_hook_has_run = False
-            m.training_state = TrainingState.IDLE
-        tree.final_callback_queued = False
-        tree.any_post_backward = False
+        """A backward that raised never ran its final callback: reset the tree (see :mod:`.recovery`)."""
+        recovery.recover_from_aborted_backward(self)
 
     def _register_pre_backward_hooks(self, outputs: Any) -> Any:
         tree = self._tree
@@ -395,6 +404,7 @@ class FSDPRuntime(nn.Module):
                 raise RuntimeError(f"pre-backward hook in unexpected state {self.training_state.name}")
             self._prep_grads_for_backward()
             self._pre_backward_hook_has_run = True
+            prefetch.on_pre_backward(self)
         if self.training_state == TrainingState.IDLE:
             self.training_state = TrainingState.BACKWARD_PRE
 
@@ -403,6 +413,8 @@ class FSDPRuntime(nn.Module):
         for h in self._handles:
             p = h.param
             g = p.grad
+            h.grad_before_backward = (h.saved_grad_shard, None)
+            h.keep_intact = h.saved_grad_shard
             if g is None:
                 continue
             # The shape alone is ambiguous when shard and full shapes coincide (a 1-element parameter): a full-size
@@ -411,10 +423,12 @@ class FSDPRuntime(nn.Module):
                 h.is_sharded and g.shape == h.fp32_shard.shape and g.shape != h.orig_size  # type: ignore[union-attr]
             )
             if is_reduced_shard:
+                h.grad_before_backward = (h.saved_grad_shard, g)
                 if g.device != self.compute_device:
                     # move_grads_to_cpu: the parked shard joins the next reductions, which land on the compute device.
                     g = g.to(self.compute_device)
                 h.saved_grad_shard = g if h.saved_grad_shard is None else h.saved_grad_shard + g
+                h.keep_intact = h.saved_grad_shard
                 p.grad = None
             elif g.shape != h.orig_size:
                 raise RuntimeError(
@@ -445,12 +459,6 @@ class FSDPRuntime(nn.Module):
             self._start_reduction(h, grad)
 
     # ------------------------------------------------------------------ optimize_backward_concat
-    def _grad_accum_dtype(self) -> torch.dtype:
-        """fp32 under mixed precision (or fp32_reduce_scatter), otherwise the parameter dtype (contract 1.2)."""
-        if self.mixed_precision or self.fp32_reduce_scatter:
-            return torch.float32
-        return self.params[0].dtype
-
     @torch.no_grad()
     def _on_view_grads_accumulated(self, h: FlatHandle, sync: bool) -> None:
         """Post-backward point of a unit whose views feed the flat buffer (replaces the AccumulateGrad hook)."""
@@ -458,10 +466,12 @@ class FSDPRuntime(nn.Module):
             self._reduce_accumulated(h)
 
     def _reduce_accumulated(self, h: FlatHandle) -> None:
-        """Reduce-scatter a window's buffer once, in the dtype the default path would use on the wire."""
-        buf = grad_accum.take_buffer_for_reduction(h)
-        wire_dtype = h.param.dtype if self.fp32_reduce_scatter else self.compute_dtype
-        self._start_reduction(h, buf if buf.dtype == wire_dtype else buf.to(wire_dtype))
+        """Reduce-scatter a window's buffer once, exactly as the default path reduces ``flat_param.grad``.
+
+        The buffer has the dtype of that gradient (see grad_accum), so the reduction (fp32_reduce_scatter's cast
+        included) is the same code on the same values: gradient shards are bitwise equal with the flag on and off.
+        """
+        self._start_reduction(h, grad_accum.take_buffer_for_reduction(h))
 
     # ------------------------------------------------------------------ shared post-backward steps
     def _begin_post_backward(self, h: FlatHandle, sync: bool) -> bool:
@@ -533,6 +543,9 @@ class FSDPRuntime(nn.Module):
         shard_grad = shard_grad.view(h.fp32_shard.shape)  # type: ignore[union-attr]
         if h.saved_grad_shard is None:
             h.saved_grad_shard = shard_grad
+        elif h.saved_grad_shard is h.keep_intact:
+            # The gradient of completed backwards (or the user's p.grad): a failing backward must be able to go back.
+            h.saved_grad_shard = h.saved_grad_shard + shard_grad
         else:
             h.saved_grad_shard.add_(shard_grad)
 
@@ -550,6 +563,8 @@ class FSDPRuntime(nn.Module):
                 tree.bucketer.flush()
             tree.device.current_stream().wait_stream(tree.post_backward_stream)
         tree.bucketer.teardown()
+        if syncing:
+            self._ckpt_step += 1  # the "step" of the checkpoint identity
         # autograd.grad() (e.g. a gradient penalty built with create_graph=True) runs no post-backward point; the
         # graph it built still reads the full parameters of instances that keep them after forward.
         keep_full = not tree.any_post_backward
@@ -557,6 +572,7 @@ class FSDPRuntime(nn.Module):
             m._finalize_instance(syncing, keep_full)
         tree.final_callback_queued = False
         tree.any_post_backward = False
+        tree.backward_order.finish()
 
     @torch.no_grad()
     def _reduce_leftover_grads(self) -> None:
@@ -573,6 +589,7 @@ class FSDPRuntime(nn.Module):
 
     def _finalize_instance(self, syncing: bool, keep_full: bool) -> None:
         for h in self._handles:
+            h.grad_before_backward = h.keep_intact = None  # this backward completed: nothing to undo
             if not h.materialized:
                 continue  # this instance never ran a forward since its lazy init
             if (syncing and not keep_full) or self.reshard_after_forward:

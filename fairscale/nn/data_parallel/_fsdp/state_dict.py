@@ -4,8 +4,9 @@
 Key rewriting: every FSDP instance strips ``_fsdp_wrapped_module.`` after ``state_dict`` and adds it back before
 loading; FlattenParamsWrapper does the same with ``_fpw_module.``. So the keys are exactly the unwrapped module's.
 
-Loading is all-or-nothing: the fp32 shards and buffers are snapshotted first and restored if the load fails, so a
-wrong key, shape or world size never leaves a half-loaded model.
+Loading is all-or-nothing, and collective: the fp32 shards and buffers are snapshotted first, every rank loads, and
+the ranks agree (:mod:`.loads`); if the load failed on any rank, every rank restores its snapshot and raises the same
+error, so a wrong key, shape or world size on one rank never leaves a half-loaded model or ranks that differ.
 """
 
 import contextlib
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from fairscale.internal.state_dict import replace_by_prefix_
 from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
 
+from . import identity, loads
 from .state import TrainingState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -127,11 +129,17 @@ class StateDictMixin:
         return sd
 
     def local_state_dict(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names."""
+        """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names.
+
+        The dict's ``_metadata`` table records the checkpoint identity (id, rank, world size, step) that
+        :meth:`local_metadata_dict` also reports; consolidation and :meth:`load_local_state_dict` check it.
+        """
         if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
         with _local_mode(self), _shards_as_data(self):
-            return self.__class__._fsdp_state_dict(self, *args, **kwargs)
+            sd = self.__class__._fsdp_state_dict(self, *args, **kwargs)
+        identity.attach_to_weights(sd, self._checkpoint_identity())
+        return sd
 
     @staticmethod
     def _fsdp_state_dict(module: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
@@ -140,7 +148,10 @@ class StateDictMixin:
 
     # ------------------------------------------------------------------ loading
     def load_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load a full state dict (the unwrapped module's keys). Collective. All-or-nothing.
+        """Load a full state dict (the unwrapped module's keys). Collective: call it on every rank. All-or-nothing.
+
+        Either every rank loads, or every rank raises the same error and leaves the model unchanged (one small
+        ``all_gather_object`` decides).
 
         Raises:
             RuntimeError: when called between a forward and its backward, or when keys/shapes do not match (the
@@ -151,16 +162,25 @@ class StateDictMixin:
             return self._load_local(state_dict, strict)
         uninitialized = self._is_root is None
         self._lazy_init()
-        with _restore_on_failure(self):
+
+        def load() -> Any:
             with self.summon_full_params(recurse=True, volatile=False):
-                result = _load_with_clean_errors(self, state_dict, strict)
-        if uninitialized and self._is_root:
-            for m in self._fsdp_instances():
-                m._reset_lazy_init()
-        return result
+                return _load_with_clean_errors(self, state_dict, strict)
+
+        try:
+            return loads.load_collectively(self, "load_state_dict", load, None, _restore_on_failure)
+        finally:
+            if uninitialized and self._is_root:
+                for m in self._fsdp_instances():
+                    m._reset_lazy_init()
 
     def load_local_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load this rank's shards from :meth:`local_state_dict` output of an identically wrapped model."""
+        """Load this rank's shards from :meth:`local_state_dict` output of an identically wrapped model.
+
+        Collective, like :meth:`load_state_dict`: every rank loads or every rank raises and nothing changes. A dict
+        that records its checkpoint identity must be this rank's of a checkpoint saved at this world size, and all
+        ranks must load shards of the same checkpoint.
+        """
         _check_loadable(self, "load_local_state_dict")
         return self._load_local(state_dict, strict)
 
@@ -168,17 +188,24 @@ class StateDictMixin:
         uninitialized = self._is_root is None
         self._lazy_init()
         self._device.synchronize()
-        with _restore_on_failure(self), _local_mode(self):
-            _check_local_shapes(self, state_dict)
-            result = _load_with_clean_errors(self, state_dict, strict)
-        for m in self._fsdp_instances():
-            for h in m._handles:
-                h.free_full()  # gathered copies are stale now
-                h.drop_zero2_slice()
-        if uninitialized and self._is_root:
+        loaded = identity.of_weights(state_dict)
+
+        def load() -> Any:
+            with _local_mode(self):
+                _check_local_shapes(self, state_dict)  # first: its message names the mismatching shards
+                identity.check_loadable_here(loaded, self.rank, self.world_size)
+                return _load_with_clean_errors(self, state_dict, strict)
+
+        try:
+            return loads.load_collectively(self, "load_local_state_dict", load, loaded, _restore_on_failure)
+        finally:
             for m in self._fsdp_instances():
-                m._reset_lazy_init()
-        return result
+                for h in m._handles:
+                    h.free_full()  # gathered copies are stale now
+                    h.drop_zero2_slice()
+            if uninitialized and self._is_root:
+                for m in self._fsdp_instances():
+                    m._reset_lazy_init()
 
 
 def _clean_keys(text: str) -> str:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
+from fairscale.internal.errors import FairscaleRuntimeError
 
 from .handle import FlatHandle
 from .state import HandleState, TrainingState
@@ -40,7 +41,7 @@ def _summon_one(fsdp: "FSDPRuntime", volatile: bool) -> Iterator[None]:
         yield  # already summoned by an enclosing call (e.g. state_dict inside summon_full_params)
         return
     if fsdp.training_state != TrainingState.IDLE:
-        raise RuntimeError(
+        raise FairscaleRuntimeError(  # also an AssertionError, as upstream
             f"summon_full_params() called while the instance is in {fsdp.training_state.name}; it can be used "
             "between steps and between a forward and its backward, but not inside forward or backward."
         )

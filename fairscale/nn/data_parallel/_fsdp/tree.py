@@ -9,6 +9,8 @@ from torch.autograd import Variable
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
 
+from .prefetch import ExecutionOrder
+
 
 class PendingBackward:
     """Marks one forward whose backward may still run (see :attr:`TreeState.backward_pending`)."""
@@ -41,6 +43,10 @@ class TreeState:
         self._finalize: Optional[Callable[[], None]] = None
         # Whether any post-backward point ran in the current backward (autograd.grad() runs none).
         self.any_post_backward = False
+        # Unit orders of the previous forward and backward, for prefetch (see _fsdp/prefetch.py).
+        self.forward_order = ExecutionOrder("forward")
+        self.backward_order = ExecutionOrder("backward")
+        self.forward_running = False  # inside the root's (non-recomputed) forward
 
     def new_pending_backward(self) -> "PendingBackward":
         token = PendingBackward()

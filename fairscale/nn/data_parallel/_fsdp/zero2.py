@@ -1,11 +1,13 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Validation and group helpers for ``zero2_process_group`` (hierarchical partitioning, fork contract section 2)."""
 
+import datetime
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from fairscale.internal import collectives
+from fairscale.internal.parallel import default_group_timeout
 
 
 def local_problem(zero2_group: Any, process_group: Any) -> Optional[str]:
@@ -36,18 +38,24 @@ def rank_and_size(zero2_group: Any, problem: Optional[str]) -> Tuple[int, int]:
     return zero2_group.rank(), zero2_group.size()
 
 
-def check_same_setting(process_group: Any, named_instances: List[Tuple[str, Any]]) -> None:
+def check_same_setting(process_group: Any, named_instances: List[Tuple[str, Any]], token: Any = None) -> Any:
     """Collective over the root's ``process_group`` that every rank runs, zero2 group or not.
 
     Every rank must have the same FSDP instances with the same zero2 setting: otherwise the ranks with a zero2 group
     would run :func:`check_partition` and then gather over it while the others gather over ``process_group``, and
     the collectives would never match. Raises the same ``ValueError`` on every rank when they differ.
+
+    ``token`` rides along in the same gather (no extra collective): the first rank's is returned, so every rank
+    ends up with the same one (the checkpoint identity's run token).
     """
     # Presence only: sizes and membership are check_partition's job, with a more precise message.
     mine = [(path or "<root>", m.zero2_process_group is not None) for path, m in named_instances]
-    views: List[List[Tuple[str, bool]]] = collectives.all_gather_object(mine, group=process_group)
+    gathered: List[Tuple[List[Tuple[str, bool]], Any]] = collectives.all_gather_object(
+        (mine, token), group=process_group
+    )
+    views = [view for view, _ in gathered]
     if all(view == views[0] for view in views):
-        return
+        return gathered[0][1]
     ranks = collectives.group_ranks(process_group)
     lines = []
     for rank, view in zip(ranks, views):
@@ -97,7 +105,9 @@ def _raise(problem: str) -> None:
     )
 
 
-def zero2_groups(ranks_per_group: int, ranks: Optional[Sequence[int]] = None) -> Any:
+def zero2_groups(
+    ranks_per_group: int, ranks: Optional[Sequence[int]] = None, timeout: Optional[datetime.timedelta] = None
+) -> Any:
     """Create the usual zero2 groups (consecutive blocks of ``ranks_per_group`` ranks) and return this rank's.
 
     Every rank must call this with the same arguments: ``dist.new_group`` is collective over the whole world and
@@ -106,6 +116,7 @@ def zero2_groups(ranks_per_group: int, ranks: Optional[Sequence[int]] = None) ->
     Args:
         ranks_per_group: ranks per group, usually the number of GPUs per node.
         ranks: the sharding group's global ranks (default: the whole world).
+        timeout: collective timeout of the groups; default: the default group's (``init_process_group``'s).
 
     Returns:
         The group that contains this rank.
@@ -117,7 +128,8 @@ def zero2_groups(ranks_per_group: int, ranks: Optional[Sequence[int]] = None) ->
     mine = None
     for start in range(0, len(all_ranks), ranks_per_group):
         block = all_ranks[start : start + ranks_per_group]
-        group = dist.new_group(ranks=block)
+        # Like FSDP's cached groups, inherit the default group's timeout (new_group alone uses the backend's).
+        group = dist.new_group(ranks=block, timeout=timeout if timeout is not None else default_group_timeout())
         if me in block:
             mine = group
     if mine is None:

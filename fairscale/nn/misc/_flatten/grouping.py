@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Sequence
 import torch.nn as nn
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleValueError
+
 from .flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
 
 __all__ = ["GroupLayout", "normalize_param_groups", "locate_groups", "check_flat_param_names"]
@@ -194,7 +196,8 @@ def _check_homogeneous(gi: int, layout: GroupLayout) -> None:
     ):
         if len(set(values)) > 1:
             listing = ", ".join(f"{n} ({v})" for n, v in zip(names, values))
-            raise ValueError(
+            # Also an AssertionError: upstream asserted that requires_grad agrees.
+            raise FairscaleValueError(
                 f"parameter group {gi} mixes {what}: {listing}. All parameters of one flat parameter must "
                 "agree; put the others in a separate group (param_list=[[...], [...]]) or leave them out"
             )

@@ -1,0 +1,149 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""SlowMo's slow-momentum step over the optimizer's parameters, seen as one virtual flat vector of ``T`` elements.
+
+Memory-efficient mode shards the vector: rank ``r < num_shards`` owns ``[r * L, min((r + 1) * L, T))`` with
+``L = ceil(T / num_shards)``. Every rank divides its parameters by the world size and SUM-reduces each owner's
+slice to it (the owner then holds the exact average), the owner updates its slice, and broadcasts it back. Both
+collectives use the default (world) group, as upstream. Otherwise every rank keeps the whole vector and updates
+it locally (the base algorithm has averaged the parameters already).
+
+The update of an owned element, with ``γ`` the parameter group's ``lr``, ``β`` the slow momentum and ``α`` the
+slow learning rate: ``u ← β·u + (old − x)/γ``, ``old ← old − α·γ·u``, ``x ← old``.
+"""
+
+import math
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fairscale.internal.collectives import broadcast, reduce
+
+from .utils.helpers import communicate
+
+__all__ = ["SlowMomentum"]
+
+
+class SlowMomentum:
+    """Buffers and step of the slow momentum (see the module docstring).
+
+    Attributes:
+        old_params (Optional[Tensor]): the slice's parameters after the last slow-momentum step.
+        global_momentum_buffer (Optional[Tensor]): the slice's momentum ``u``.
+        portion_start, portion_end (Optional[int]): the owned slice of the virtual vector.
+        world_portion_length (Optional[int]): ``L``.
+        initialized (bool): whether :meth:`init_buffers` ran.
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        momentum: float,
+        lr: float,
+        memory_efficient: bool,
+        num_shards: int,
+        process_rank: int,
+        process_world_size: int,
+    ) -> None:
+        self.enabled = enabled
+        self.momentum = momentum
+        self.lr = lr
+        self.memory_efficient = memory_efficient
+        self.num_shards = num_shards
+        self.process_rank = process_rank
+        self.process_world_size = process_world_size
+        self.is_shard_owner = process_rank < num_shards if memory_efficient else True
+        self.old_params: Optional[Tensor] = None
+        self.global_momentum_buffer: Optional[Tensor] = None
+        self.portion_start: Optional[int] = None
+        self.portion_end: Optional[int] = None
+        self.world_portion_length: Optional[int] = None
+        self.initialized = False
+
+    @staticmethod
+    def _params(optimizer: torch.optim.Optimizer) -> Iterator[Tuple[Tensor, float]]:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                yield p, float(group["lr"])
+
+    def init_buffers(self, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate ``old_params`` (a copy of the owned slice) and a zero momentum buffer."""
+        self.initialized = True
+        if not self.enabled:
+            return
+        params = [p for p, _ in self._params(optimizer)]
+        assert all(p.dtype == torch.float32 for p in params), "SlowMo needs fp32 optimizer parameters"
+        assert len({p.device for p in params}) <= 1, "SlowMo needs all optimizer parameters on one device"
+        total = sum(p.numel() for p in params)
+        self.world_portion_length = math.ceil(total / self.num_shards)
+        if not self.is_shard_owner:
+            return
+        if self.memory_efficient:
+            self.portion_start = self.process_rank * self.world_portion_length
+            self.portion_end = min((self.process_rank + 1) * self.world_portion_length, total)
+        else:
+            self.portion_start, self.portion_end = 0, total
+        length = self.world_portion_length if self.memory_efficient else total
+        device = params[0].device if params else torch.device("cpu")
+        self.old_params = torch.zeros(length, dtype=torch.float32, device=device)
+        self.global_momentum_buffer = torch.zeros(length, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for view, start, _ in self._owned_views(optimizer):
+                self.old_params[start : start + view.numel()].copy_(view)
+
+    def _owned_views(self, optimizer: torch.optim.Optimizer) -> Iterator[Tuple[Tensor, int, float]]:
+        """``(flat view of the owned part of a parameter, offset inside the slice, lr)`` for each parameter."""
+        assert self.portion_start is not None and self.portion_end is not None
+        offset = 0
+        for p, lr in self._params(optimizer):
+            lo, hi = max(offset, self.portion_start), min(offset + p.numel(), self.portion_end)
+            if lo < hi:
+                yield p.data.view(-1)[lo - offset : hi - offset], lo - self.portion_start, lr
+            offset += p.numel()
+
+    def _owner_buckets(self, optimizer: torch.optim.Optimizer) -> Dict[int, List[Tensor]]:
+        """The parameter element ranges grouped by owner rank (views of the parameters)."""
+        assert self.world_portion_length is not None
+        length = self.world_portion_length
+        buckets: Dict[int, List[Tensor]] = {}
+        offset = 0
+        for p, _ in self._params(optimizer):
+            flat = p.data.view(-1)
+            start = 0
+            while start < p.numel():
+                owner = (offset + start) // length
+                end = min(p.numel(), (owner + 1) * length - offset)
+                buckets.setdefault(owner, []).append(flat[start:end])
+                start = end
+            offset += p.numel()
+        return buckets
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One slow-momentum step (gather to owners, update, scatter back in memory-efficient mode)."""
+        if not self.enabled:
+            return
+        buckets: Dict[int, List[Tensor]] = {}
+        if self.memory_efficient:
+            with torch.no_grad():
+                for p, _ in self._params(optimizer):
+                    p.data.div_(self.process_world_size)
+            buckets = self._owner_buckets(optimizer)
+            for owner in range(self.num_shards):
+                if owner in buckets:
+                    communicate(buckets[owner], lambda tensor, dst=owner: reduce(tensor, dst=dst))
+        if self.is_shard_owner:
+            self._update(optimizer)
+        if self.memory_efficient:
+            for owner in range(self.num_shards):
+                if owner in buckets:
+                    communicate(buckets[owner], lambda tensor, src=owner: broadcast(tensor, src=src))
+
+    def _update(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.old_params is not None and self.global_momentum_buffer is not None
+        with torch.no_grad():
+            for view, start, lr in self._owned_views(optimizer):
+                old = self.old_params[start : start + view.numel()]
+                u = self.global_momentum_buffer[start : start + view.numel()]
+                u.mul_(self.momentum).add_((old - view) / lr)
+                old.add_(u, alpha=-self.lr * lr)
+                view.copy_(old)

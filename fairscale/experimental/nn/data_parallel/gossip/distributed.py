@@ -1,0 +1,502 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""SlowMo distributed data parallel: LocalSGD or SGP as base algorithm, plus an optional slow-momentum step.
+
+SlowMo (https://arxiv.org/abs/1910.00643) lets each node take local optimizer steps and only periodically
+synchronises: LocalSGD averages the parameters over the nodes every ``localsgd_frequency`` updates, SGP gossips
+them with one peer per update, and every ``slowmo_frequency`` updates a slow-momentum step is applied to the
+exactly averaged parameters. Inside a node (``nprocs_per_node > 1``) gradients are averaged after every backward,
+as DDP does, and only node masters take part in the inter-node algorithm.
+
+Usage::
+
+    model = SlowMoDistributedDataParallel(model, nprocs_per_node=8)
+    for batch in data:
+        loss = criterion(model(batch))
+        loss.backward()
+        optimizer.step()
+        model.perform_slowmo(optimizer)
+"""
+
+import logging
+import os
+from enum import Enum
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+from torch.autograd import Variable
+
+from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
+from fairscale.internal.device import DeviceHandle, current_accelerator_device
+
+from ._sgp import SgpGossip
+from ._slow_momentum import SlowMomentum
+from .graph_manager import GraphManager, NPeerDynamicDirectedExponentialGraph
+from .mixing_manager import MixingManager, UniformMixing
+from .utils.cuda_metering import create_event_recorder
+from .utils.helpers import MultiProcessAdapter, communicate, create_process_group
+
+__all__ = ["SlowMoDistributedDataParallel", "SlowMoBaseAlgorithm", "HEARTBEAT_TIMEOUT", "BROADCAST_BUCKET_SIZE"]
+
+HEARTBEAT_TIMEOUT = 300  # seconds
+BROADCAST_BUCKET_SIZE = 10 * 1024 * 1024
+
+
+class SlowMoBaseAlgorithm(str, Enum):
+    LOCALSGD = "localsgd"
+    SGP = "sgp"
+
+
+class SlowMoDistributedDataParallel(nn.Module):
+    """Wrap ``module`` for SlowMo training (see the module docstring); call :meth:`perform_slowmo` after each step.
+
+    Args:
+        module (nn.Module): the model (fp32 or fp16 parameters, on the rank's device).
+        nprocs_per_node (int): processes per node.
+        broadcast_buffers (bool): broadcast the module's buffers from rank 0 before every forward.
+        slowmo_base_algorithm (SlowMoBaseAlgorithm): ``LOCALSGD`` (default) or ``SGP``.
+        slowmo_momentum (float): slow momentum ``β`` (0 and ``slowmo_lr == 1`` disable the slow-momentum step).
+        slowmo_memory_efficient (bool): shard the slow-momentum buffers over ``slowmo_num_shards`` ranks.
+        slowmo_frequency (int): updates between slow-momentum steps.
+        slowmo_lr (float): slow learning rate ``α``.
+        slowmo_num_shards (int): ranks holding slow-momentum shards in memory-efficient mode.
+        localsgd_frequency (int): updates between LocalSGD averages.
+        graph (Optional[GraphManager]): SGP topology (default: ``NPeerDynamicDirectedExponentialGraph``).
+        mixing (Optional[MixingManager]): SGP mixing (default: ``UniformMixing``).
+        push_sum (bool): SGP with :class:`PushSum` (default) or :class:`PushPull`.
+        overlap (bool): must be ``False`` (overlapping SGP is disabled, as upstream).
+        synch_freq (int): SGP asynchrony (``> 0`` disables lazy mixing).
+        use_streams (bool): run SGP communication on its own accelerator stream.
+        slowmo_sgp_average_params (bool): with SGP, average exactly on slow-momentum updates.
+        verbose (bool): debug logging.
+        profile_mode (bool): time the phases with :class:`CudaEventRecorder`.
+        process_rank, process_world_size (Optional[int]): default to the global rank and world size.
+        global_group, master_group, local_node_group: groups to use instead of creating them.
+        comm_device (Optional[torch.device]): where communication buffers live (default: CPU for gloo, else the
+            current accelerator).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        nprocs_per_node: int,
+        broadcast_buffers: bool = True,
+        slowmo_base_algorithm: SlowMoBaseAlgorithm = SlowMoBaseAlgorithm.LOCALSGD,
+        slowmo_momentum: float = 0.5,
+        slowmo_memory_efficient: bool = True,
+        slowmo_frequency: int = 48,
+        slowmo_lr: float = 1.0,
+        slowmo_num_shards: int = 32,
+        localsgd_frequency: int = 3,
+        graph: Optional[GraphManager] = None,
+        mixing: Optional[MixingManager] = None,
+        push_sum: bool = True,
+        overlap: bool = False,
+        synch_freq: int = 0,
+        use_streams: bool = True,
+        slowmo_sgp_average_params: bool = False,
+        verbose: bool = False,
+        profile_mode: bool = False,
+        process_rank: Optional[int] = None,
+        process_world_size: Optional[int] = None,
+        global_group: Optional[Any] = None,
+        master_group: Optional[Any] = None,
+        local_node_group: Optional[Any] = None,
+        comm_device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        # A blocking NCCL wait turns the gossip thread's pending receives into errors.
+        assert os.environ.get("NCCL_BLOCKING_WAIT", "0") == "0", "SlowMo needs NCCL_BLOCKING_WAIT unset or 0"
+        assert nprocs_per_node >= 1, f"nprocs_per_node must be at least 1, got {nprocs_per_node}"
+        self.nprocs_per_node = nprocs_per_node
+        if process_world_size is None or process_rank is None:
+            assert dist.is_initialized(), "initialise torch.distributed or pass process_rank and process_world_size"
+            process_rank = dist.get_rank()
+            process_world_size = dist.get_world_size()
+        self.process_rank = process_rank
+        self.process_world_size = process_world_size
+        self.logger = self._make_logger(verbose)
+        self._init_groups(global_group, master_group, local_node_group)
+
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self.module_buffers = list(self.module.buffers())
+        first_param_dtype = next(self.module.parameters()).dtype  # a parameter-less module raises StopIteration
+        self.dtype = first_param_dtype
+        if comm_device is None:
+            accelerator = current_accelerator_device()
+            use_cpu = dist.get_backend() == "gloo" or accelerator is None
+            comm_device = accelerator if accelerator is not None and not use_cpu else torch.device("cpu")
+        self._comm_device = torch.device(comm_device)
+        self._cpu_comm = self._comm_device.type == "cpu"
+        self.dist_config: Dict[str, Any] = {
+            "verbose": verbose,
+            "comm_device": self._comm_device,
+            "logical_rank": self.logical_rank,
+            "process_rank": self.process_rank,
+            "logical_world_size": self.logical_world_size,
+            "cpu_comm": self._cpu_comm,
+        }
+        self.profile_mode = profile_mode
+        self.num_updates = 0
+        self.portion_start: Optional[int] = None
+        self.ef1: Optional[List[Tensor]] = None
+
+        self._init_algorithm(
+            slowmo_base_algorithm,
+            slowmo_momentum,
+            slowmo_memory_efficient,
+            slowmo_frequency,
+            slowmo_lr,
+            slowmo_num_shards,
+            localsgd_frequency,
+            overlap,
+            slowmo_sgp_average_params,
+        )
+        self._sgp: Optional[SgpGossip] = None
+        if self.sgp:
+            self._sgp_init(graph, mixing, push_sum, overlap, synch_freq, use_streams, verbose)
+        self._backward_queued = False
+        self.register_forward_pre_hook(self._forward_pre_hook)
+        self.logger.debug("Initialization of SlowMoDistributedDataParallel complete")
+
+    # ---- construction helpers
+
+    def _make_logger(self, verbose: bool) -> Union[logging.Logger, logging.LoggerAdapter]:  # type: ignore[type-arg]
+        logger = logging.getLogger(__name__)
+        if verbose:
+            logger.setLevel(logging.DEBUG)
+        if logger.isEnabledFor(logging.DEBUG):
+            return MultiProcessAdapter(logger, {"process_num": self.process_rank})
+        return logger
+
+    def _init_algorithm(
+        self,
+        slowmo_base_algorithm: SlowMoBaseAlgorithm,
+        slowmo_momentum: float,
+        slowmo_memory_efficient: bool,
+        slowmo_frequency: int,
+        slowmo_lr: float,
+        slowmo_num_shards: int,
+        localsgd_frequency: int,
+        overlap: bool,
+        slowmo_sgp_average_params: bool,
+    ) -> None:
+        self.slowmo = slowmo_lr != 1 or slowmo_momentum != 0
+        self.slowmo_lr = slowmo_lr if self.slowmo else 1
+        self.slowmo_momentum = slowmo_momentum if self.slowmo else 0
+        self.slowmo_frequency = slowmo_frequency
+        self.slowmo_sgp_average_params = slowmo_sgp_average_params
+        self.localsgd = slowmo_base_algorithm == SlowMoBaseAlgorithm.LOCALSGD
+        self.sgp = slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP
+        self.localsgd_frequency = localsgd_frequency
+        self.overlap = overlap
+        if self.master_group is None:
+            assert self.localsgd or self.sgp
+            self.localsgd = self.sgp = False
+            self.logger.warning("Disabling LocalSGD and SGP since a local allreduce will suffice")
+        if self.slowmo and not self.localsgd and not self.sgp:
+            self.logger.warning("SlowMo is being used without LocalSGD and SGP")
+        self.slowmo_memory_efficient = slowmo_memory_efficient
+        self.slowmo_num_shards = min(self.process_world_size, slowmo_num_shards) if self.slowmo_memory_efficient else 1
+        self.is_current_node_a_slowmo_shard = (
+            self.process_rank < self.slowmo_num_shards if self.slowmo_memory_efficient else True
+        )
+        self._slow_momentum = SlowMomentum(
+            self.slowmo,
+            float(self.slowmo_momentum),
+            float(self.slowmo_lr),
+            self.slowmo_memory_efficient,
+            self.slowmo_num_shards,
+            self.process_rank,
+            self.process_world_size,
+        )
+
+    def _init_groups(self, global_group: Any, master_group: Any, local_node_group: Any) -> None:
+        nppn, world = self.nprocs_per_node, self.process_world_size
+        self.local_rank = self.process_rank % nppn
+        assert world % nppn == 0, f"world size {world} is not a multiple of nprocs_per_node {nppn}"
+        self.logical_world_size = world // nppn
+        self.logical_rank = self.process_rank // nppn
+        self.global_group = global_group if global_group is not None else create_process_group(range(world))
+        self.process_group = self.global_group
+        if nppn == 1:
+            self.local_node_group = None
+        elif local_node_group is not None:
+            self.local_node_group = local_node_group
+        else:
+            self.local_node_group = None
+            for node in range(self.logical_world_size):
+                group = create_process_group(range(node * nppn, (node + 1) * nppn))
+                if node == self.logical_rank:
+                    self.local_node_group = group
+        if master_group is not None:
+            self.master_group = master_group
+        elif nppn > 1:
+            masters = [r for r in range(world) if r % nppn == 0]
+            self.master_group = create_process_group(masters) if len(masters) > 1 else None
+        else:
+            self.master_group = self.global_group
+
+    def _sgp_init(
+        self,
+        graph: Optional[GraphManager],
+        mixing: Optional[MixingManager],
+        push_sum: bool,
+        overlap: bool,
+        synch_freq: int,
+        use_streams: bool,
+        verbose: bool,
+    ) -> None:
+        if graph is None:
+            graph = NPeerDynamicDirectedExponentialGraph(
+                self.logical_rank, self.logical_world_size, self.nprocs_per_node, self.local_rank
+            )
+        if mixing is None:
+            mixing = UniformMixing(graph, self._comm_device)
+        self.dist_config.update({"graph": graph, "mixing": mixing, "push_sum": push_sum})
+        assert not overlap, "overlapping SGP communication is not supported (overlap must be False)"
+        self._sgp = SgpGossip(
+            self.module,
+            graph,
+            mixing,
+            push_sum,
+            synch_freq,
+            use_streams,
+            self._comm_device,
+            self.process_rank,
+            self.logical_rank,
+            self.logical_world_size,
+            self.local_rank == 0,
+            verbose,
+            self.logger,
+        )
+
+    # ---- SGP state exposed with upstream's names
+
+    @property
+    def ps_weight(self) -> Tensor:
+        assert self._sgp is not None, "ps_weight only exists with the SGP base algorithm"
+        return self._sgp.ps_weight
+
+    @property
+    def is_sgp_ps_numerator(self) -> bool:
+        return self._sgp.is_sgp_ps_numerator if self._sgp is not None else False
+
+    @property
+    def gossip_enable(self) -> bool:
+        return self._sgp.gossip_enable if self._sgp is not None else False
+
+    @property
+    def global_momentum_buffers_initialized(self) -> bool:
+        return self._slow_momentum.initialized
+
+    @property
+    def old_params(self) -> Optional[Tensor]:
+        return self._slow_momentum.old_params
+
+    @property
+    def global_momentum_buffer(self) -> Optional[Tensor]:
+        return self._slow_momentum.global_momentum_buffer
+
+    # ---- nn.Module API
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled():
+            self._attach_backward_callback(output)
+        return output
+
+    def train(self, mode: bool = True) -> "SlowMoDistributedDataParallel":
+        super().train(mode)
+        if self._sgp is not None:
+            # Upstream re-enables gossip here whatever ``mode`` is.
+            self._sgp.gossip_enable = True
+        return self
+
+    def eval(self) -> "SlowMoDistributedDataParallel":
+        super().eval()
+        if self._sgp is not None:
+            self._sgp.gossip_enable = False
+            self._sgp.query_gossip_queue()
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        state: Dict[str, Any] = super().state_dict(*args, **kwargs)
+        if self._sgp is not None:
+            state["ps_weight"] = self._sgp.ps_weight.cpu()
+            state["is_sgp_ps_numerator"] = self._sgp.is_sgp_ps_numerator
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        state = dict(state_dict)  # the caller's dict is left alone, and a failed load changes nothing
+        ps_weight = is_numerator = None
+        if self._sgp is not None:
+            ps_weight = state.pop("ps_weight")
+            is_numerator = state.pop("is_sgp_ps_numerator")
+        result = super().load_state_dict(state, strict=True)
+        if self._sgp is not None:
+            assert ps_weight is not None
+            self._sgp.ps_weight.copy_(ps_weight.to(self._sgp.ps_weight.device))
+            self._sgp.is_sgp_ps_numerator = bool(is_numerator)
+        return result
+
+    # ---- hooks
+
+    def _forward_pre_hook(self, module: nn.Module, inputs: Any) -> None:
+        if self.broadcast_buffers and self.module_buffers:
+            src = group_ranks(self.process_group)[0]
+            with torch.no_grad():
+                communicate(self.module_buffers, lambda tensor: broadcast(tensor, src=src, group=self.process_group))
+        if self._sgp is not None:
+            self._sgp.unbias()
+
+    def _attach_backward_callback(self, output: Any) -> None:
+        tensors = [t for t in _flatten(output) if t.requires_grad]
+        if not tensors:
+            return
+
+        def hook(grad: Tensor) -> Tensor:
+            # Once per backward, at its end: the engine runs queued callbacks when the graph is done.
+            if not self._backward_queued:
+                self._backward_queued = True
+                Variable._execution_engine.queue_callback(self._after_backward)
+            return grad
+
+        for t in tensors:
+            t.register_hook(hook)
+
+    def _after_backward(self) -> None:
+        self._backward_queued = False
+        if self.local_node_group is not None:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            with torch.no_grad():
+                for g in grads:
+                    g.div_(self.nprocs_per_node)
+            communicate(grads, lambda tensor: all_reduce(tensor, group=self.local_node_group))
+        if self._sgp is not None:
+            self._sgp.ps_numerator()
+
+    # ---- the per-update algorithm
+
+    def _init_global_momentum_buffers(self, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate the slow-momentum buffers from the optimizer's current parameters (lazily on first use)."""
+        self._slow_momentum.init_buffers(optimizer)
+        self.portion_start = self._slow_momentum.portion_start
+
+    def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params: Optional[Any] = None) -> None:
+        """Run the base algorithm's communication and, when due, the slow-momentum step.
+
+        Call after ``optimizer.step()`` (ideally after ``optimizer.zero_grad(set_to_none=True)``).
+
+        Args:
+            optimizer: the optimizer whose parameters SlowMo updates.
+            fp32_params: fp32 master copies of fp16 parameters (fairseq style: a one-entry dict, a list aligned
+                with ``self.parameters()``, or one flat tensor), so communication errors are fed back.
+        """
+        if not self.global_momentum_buffers_initialized:
+            self._init_global_momentum_buffers(optimizer)
+        n = self.num_updates
+        should_slowmo = self.slowmo and (n + 1) % self.slowmo_frequency == 0
+        should_localsgd = self.localsgd and (n + 1) % self.localsgd_frequency == 0
+        skip_avg = self.slowmo_memory_efficient and should_slowmo
+        should_sgp = self.sgp and not self.overlap and not skip_avg
+        should_allreduce = (self.sgp and should_slowmo and self.slowmo_sgp_average_params) or (
+            should_localsgd and not skip_avg
+        )
+        pairs = list(self._fp16_fp32_iterator(optimizer, fp32_params))
+        if n == 0 and fp32_params is None and not hasattr(optimizer, "_amp_stash"):
+            if any(p.dtype == torch.float16 for p in self.parameters()):
+                self.logger.warning(
+                    "WARNING: please set fp32_params in perform_slowmo() in order to avoid accuracy loss"
+                )
+        communicating = bool(pairs) and (should_sgp or should_allreduce)
+        if communicating:
+            self._error_feedback_pre(pairs, should_allreduce)
+        if should_sgp and not should_allreduce:
+            self._timed("sgp", self._sgp_round)
+        if should_allreduce:
+            self._timed("localsgd", self._allreduce_params)
+        if (should_sgp or should_allreduce) and self.local_node_group is not None:
+            self._timed("intra_node_broadcast", self._broadcast_in_node)
+        if communicating:
+            with torch.no_grad():
+                for fp16, fp32 in pairs:
+                    fp32.add_(fp16.float())
+        if should_slowmo:
+            self._timed("slowmo", lambda: self._slow_momentum.step(optimizer))
+        if pairs and (should_sgp or should_allreduce or should_slowmo):
+            with torch.no_grad():
+                for fp16, fp32 in pairs:
+                    fp16.copy_(fp32)
+        self.num_updates += 1
+
+    def _timed(self, name: str, fn: Any) -> None:
+        recorder = create_event_recorder(f"perform_slowmo.{name}", dummy=not self.profile_mode)
+        fn()
+        recorder.stop()
+
+    def _sync_comm_device(self) -> None:
+        DeviceHandle.for_device(self._comm_device).synchronize()
+
+    def _sgp_round(self) -> None:
+        assert self._sgp is not None
+        if self._sgp.transfer_params():
+            self._sgp.query_gossip_queue()
+        self._sync_comm_device()
+
+    def _allreduce_params(self) -> None:
+        params = list(self.module.parameters())
+        with torch.no_grad():
+            for p in params:
+                p.div_(self.logical_world_size)
+        # Only node masters are members of the master group; the others get the result from their master below.
+        if dist.get_rank() in group_ranks(self.master_group):
+            communicate(params, lambda tensor: all_reduce(tensor, group=self.master_group))
+        self._sync_comm_device()
+
+    def _broadcast_in_node(self) -> None:
+        src = self.logical_rank * self.nprocs_per_node
+        communicate(
+            list(self.module.parameters()), lambda tensor: broadcast(tensor, src=src, group=self.local_node_group)
+        )
+        self._sync_comm_device()
+
+    def _error_feedback_pre(self, pairs: List[Tuple[Tensor, Tensor]], should_allreduce: bool) -> None:
+        with torch.no_grad():
+            for fp16, fp32 in pairs:
+                if should_allreduce:
+                    # Quantise like the all-reduce will (divide then multiply in fp16).
+                    fp16.div_(self.logical_world_size).mul_(self.logical_world_size)
+                fp32.sub_(fp16.float())
+
+    def _fp16_fp32_iterator(self, optimizer: torch.optim.Optimizer, fp32_params: Optional[Any]) -> Iterator[Any]:
+        """``(fp16 parameter, fp32 master)`` pairs from apex's ``_amp_stash`` or fairseq's ``fp32_params``."""
+        stash = getattr(optimizer, "_amp_stash", None)
+        if stash is not None:
+            for fp16_group, fp32_group in zip(stash.fp16_groups, stash.fp32_from_fp16_groups):
+                yield from zip(fp16_group, fp32_group)
+        elif fp32_params is not None:
+            if isinstance(fp32_params, dict):
+                assert len(fp32_params) == 1, "fp32_params as a dict must have exactly one entry"
+                fp32_params = list(fp32_params.values())[0]
+            if isinstance(fp32_params, list):
+                yield from zip(self.parameters(), fp32_params)
+            else:
+                flat = cast(Tensor, fp32_params)
+                offset = 0
+                for p in self.parameters():
+                    yield p, flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+
+
+def _flatten(output: Any) -> List[Tensor]:
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in _flatten(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _flatten(o)]
+    return []

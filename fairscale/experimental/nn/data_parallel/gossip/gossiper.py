@@ -1,0 +1,210 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Gossipers: one round of message exchange along the current edges of a gossip graph.
+
+:class:`PushSum` sends asynchronously to its out-peers and receives from its in-peers (directed graphs);
+:class:`PushPull` exchanges blocking, active nodes sending first (bipartite graphs). Each edge is a two-process
+group and a message is a ``broadcast`` from the edge's source on that group.
+"""
+
+import logging
+from enum import Enum
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fairscale.internal.collectives import broadcast
+from fairscale.internal.device import DeviceHandle
+
+from .graph_manager import Edge, GraphManager
+from .mixing_manager import MixingManager, UniformMixing
+
+__all__ = ["Gossiper", "PushSum", "PushPull", "dist_backend"]
+
+
+class dist_backend(str, Enum):
+    UNDEFINED = "undefined"
+    TCP = "tcp"
+    MPI = "mpi"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class Gossiper:
+    """Base class of the gossipers.
+
+    Args:
+        msg (Tensor): a message shaped like the ones to exchange (flat parameters); sets dtype and size.
+        graph (GraphManager): the topology.
+        device (Optional[torch.device]): where messages live (default: ``msg.device``).
+        mixing (Optional[MixingManager]): the mixing weights (default: :class:`UniformMixing`).
+        logger (Optional[logging.Logger]): debug logger.
+        rank, world_size (Optional[int]): this process's rank and the logical world size.
+    """
+
+    def __init__(
+        self,
+        msg: Tensor,
+        graph: GraphManager,
+        device: Optional[torch.device] = None,
+        mixing: Optional[MixingManager] = None,
+        logger: Optional[logging.Logger] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> None:
+        if rank is None or world_size is None:
+            assert dist.is_initialized(), "torch.distributed must be initialised when rank/world_size are not given"
+            # Upstream's check, kept: the default backends are expected to pass rank and world size explicitly.
+            backend = str(dist.get_backend())
+            assert backend != dist_backend.GLOO.value
+            assert backend != dist_backend.NCCL.value
+            rank = dist.get_rank()
+            world_size = dist.get_world_size()
+        self.rank = rank
+        self.world_size = world_size
+        assert isinstance(graph, GraphManager), "graph must be a GraphManager"
+        self._graph_manager = graph
+        self.peers_per_itr_device = torch.tensor([self._graph_manager.peers_per_itr], device=device, dtype=msg.dtype)
+        self.passive = self._graph_manager.is_passive()
+        self.refresh_peers_(rotate=False)
+        if mixing is None:
+            mixing = UniformMixing(self._graph_manager, device)
+        assert isinstance(mixing, MixingManager), "mixing must be a MixingManager"
+        self._mixing_manager = mixing
+        self.refresh_mixing_weights_()
+        self.regular = self._mixing_manager.is_regular()
+        self.device = device if device is not None else msg.device
+        self.out_msg_buffer: List[Tuple[Any, Tensor]] = []
+        self.in_msg_buffer = msg.clone()
+        if not self.regular:
+            self.in_msg_buffer = torch.cat([self.in_msg_buffer, torch.ones_like(self.in_msg_buffer[:1])])
+        if self.device.type == "cpu":
+            try:
+                self.in_msg_buffer = DeviceHandle.for_device("cpu").pin_memory(self.in_msg_buffer)
+            except Exception as e:
+                if logger is None:
+                    raise
+                logger.error(e)
+        self.placeholder = self.in_msg_buffer.clone()
+        self._ps_weight = torch.ones(1, dtype=msg.dtype, device=self.device)
+        self.logger = logger
+
+    @property
+    def ps_weight(self) -> Tensor:
+        return self._ps_weight
+
+    @ps_weight.setter
+    def ps_weight(self, v: Any) -> None:
+        self._ps_weight.data[0] = v
+
+    @property
+    def peers_per_itr(self) -> int:
+        return self._graph_manager.peers_per_itr
+
+    @peers_per_itr.setter
+    def peers_per_itr(self, v: int) -> None:
+        self._graph_manager.peers_per_itr = v
+
+    def refresh_peers_(self, rotate: Optional[bool] = None) -> None:
+        """Move to the next step's edges (``rotate`` defaults to whether the graph is dynamic)."""
+        if rotate is None:
+            rotate = self._graph_manager.is_dynamic_graph()
+        assert not (rotate and not self._graph_manager.is_dynamic_graph()), "cannot rotate a static graph"
+        self.out_edges, self.in_edges = self._graph_manager.get_edges(rotate)
+
+    def refresh_mixing_weights_(self, residual_adjusted: bool = False) -> None:
+        self.mixing_weights = self._mixing_manager.get_mixing_weights(residual_adjusted)
+
+    def mix_out_msg_(self, out_msg: Tensor, ps_weight: Tensor) -> Iterator[Tensor]:
+        """Yield the message for each out edge (uniform mixing scales ``out_msg`` in place and yields it)."""
+        self.refresh_mixing_weights_(residual_adjusted=True)
+        self.ps_weight = ps_weight
+        if not self.regular:
+            out_msg = torch.cat([out_msg, self.ps_weight.type(out_msg.dtype)])
+        if self._mixing_manager.is_uniform():
+            weight = self.mixing_weights["uniform"]
+            out_msg *= weight.type(out_msg.dtype)
+            for _ in self.out_edges:
+                yield out_msg
+        else:
+            for out_edge in self.out_edges:
+                weight = self.mixing_weights[out_edge.dest]
+                yield out_msg.mul(weight.type(out_msg.dtype))
+
+    def clean_msg_buffers_(self) -> None:
+        """Wait for the pending sends and release their messages' storage."""
+        msgs = []
+        while self.out_msg_buffer:
+            req, msg = self.out_msg_buffer.pop()
+            req.wait()
+            msgs.append(msg)
+        while msgs:
+            msg = msgs.pop()
+            with torch.no_grad():
+                msg.set_()  # type: ignore[call-overload]  # release the storage (no-argument overload)
+
+    def parse_in_msg_buffer(self) -> Tuple[Tensor, Tensor]:
+        """``(message, ps_weight)`` received in this round."""
+        if self.regular:
+            return self.in_msg_buffer, self.ps_weight * self.peers_per_itr_device
+        return self.in_msg_buffer[:-1], self.in_msg_buffer[-1:]
+
+    def mix(self, out_msg: Tensor, ps_weight: Tensor) -> Tuple[Tensor, Tensor]:
+        """One gossip round; returns the received ``(message, ps_weight)``."""
+        raise NotImplementedError
+
+    def _receive(self, in_edges: List[Edge]) -> None:
+        if len(in_edges) == 1:
+            broadcast(self.in_msg_buffer, src=in_edges[0].src, group=in_edges[0].process_group)
+            return
+        self.in_msg_buffer.zero_()
+        for in_edge in in_edges:
+            broadcast(self.placeholder, src=in_edge.src, group=in_edge.process_group)
+            self.in_msg_buffer.add_(self.placeholder)
+
+
+class PushSum(Gossiper):
+    """Push-sum gossip: asynchronous sends to the out-peers, blocking receives from the in-peers."""
+
+    def mix(self, out_msg: Tensor, ps_weight: Tensor) -> Tuple[Tensor, Tensor]:
+        assert out_msg.device.type == self.device.type, "the message must live on the gossiper's device"
+        if self.logger is not None:
+            self.logger.debug("in/out -peers %s/%s", self.in_edges, self.out_edges)
+        mixed_out_msgs = self.mix_out_msg_(out_msg, ps_weight)
+        for out_edge in self.out_edges:
+            msg = next(mixed_out_msgs)
+            assert self.rank == out_edge.src, f"rank {self.rank} is not the source of {out_edge}"
+            req = broadcast(msg, src=out_edge.src, group=out_edge.process_group, async_op=True)
+            self.out_msg_buffer.append((req, msg))
+        self._receive(self.in_edges)
+        self.refresh_peers_()
+        self.clean_msg_buffers_()
+        return self.parse_in_msg_buffer()
+
+
+class PushPull(Gossiper):
+    """Push-pull gossip: blocking exchanges; active nodes send then receive, passive nodes the reverse."""
+
+    def mix(self, out_msg: Tensor, ps_weight: Tensor) -> Tuple[Tensor, Tensor]:
+        assert out_msg.device.type == self.device.type, "the message must live on the gossiper's device"
+        if self.logger is not None:
+            self.logger.debug("in/out -peers %s/%s", self.in_edges, self.out_edges)
+        mixed_out_msgs = self.mix_out_msg_(out_msg, ps_weight)
+        single = len(self.in_edges) == 1
+        if not single:
+            self.in_msg_buffer.zero_()
+        for out_edge, in_edge in zip(self.out_edges, self.in_edges):
+            msg = next(mixed_out_msgs)
+            target = self.in_msg_buffer if single else self.placeholder
+            if not self.passive:
+                broadcast(msg, src=out_edge.src, group=out_edge.process_group)
+                broadcast(target, src=in_edge.src, group=in_edge.process_group)
+            else:
+                broadcast(target, src=in_edge.src, group=in_edge.process_group)
+                broadcast(msg, src=out_edge.src, group=out_edge.process_group)
+            if not single:
+                self.in_msg_buffer.add_(self.placeholder)
+        self.refresh_peers_()
+        self.clean_msg_buffers_()
+        return self.parse_in_msg_buffer()

@@ -1,0 +1,246 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Gossip topologies: who sends to whom at each step of stochastic gradient push.
+
+Ranks here are *logical* ranks (one per node). Every process builds the phone book of every rank, because each
+edge is a two-process group and ``dist.new_group`` must be called by all processes in the same order.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from fairscale.internal.collectives import all_reduce
+
+from .utils.helpers import _comm_device
+
+__all__ = [
+    "Edge",
+    "GraphManager",
+    "DynamicDirectedExponentialGraph",
+    "NPeerDynamicDirectedExponentialGraph",
+    "DynamicBipartiteExponentialGraph",
+    "DynamicDirectedLinearGraph",
+    "DynamicBipartiteLinearGraph",
+    "RingGraph",
+]
+
+
+class Edge:
+    """A directed edge ``src -> dest`` (process ranks) with its two-process group, warmed up by its node masters."""
+
+    def __init__(self, local_master_rank: int, dest: int, src: int, local_rank: int) -> None:
+        self.src = src
+        self.dest = dest
+        self.process_group = dist.new_group([src, dest])
+        if local_master_rank in (src, dest) and local_rank == 0:
+            device = _comm_device()
+            for dtype in (torch.float32, torch.float16):
+                all_reduce(torch.ones(1, dtype=dtype, device=device), group=self.process_group)
+
+    def __repr__(self) -> str:
+        return f"Edge({self.src} -> {self.dest})"
+
+
+class GraphManager(ABC):
+    """Base class of the topologies.
+
+    Args:
+        rank (int): this process's logical rank.
+        world_size (int): number of logical ranks.
+        nprocs_per_node (int): processes per node (edges connect node masters).
+        local_rank (int): this process's rank inside its node.
+        peers_per_itr (int): out-peers per step.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, nprocs_per_node: int = 1, local_rank: int = 0, peers_per_itr: int = 1
+    ) -> None:
+        assert int(peers_per_itr) >= 1, f"peers_per_itr must be at least 1, got {peers_per_itr}"
+        self.rank = rank
+        self.world_size = world_size
+        self.phone_book: List[List[Edge]] = [[] for _ in range(self.world_size)]
+        self._peers_per_itr = peers_per_itr
+        self._group_indices = list(range(peers_per_itr))
+        self.nprocs_per_node = nprocs_per_node
+        self.local_rank = local_rank
+        self._make_graph()
+
+    @property
+    def peers_per_itr(self) -> int:
+        return self._peers_per_itr
+
+    @peers_per_itr.setter
+    def peers_per_itr(self, v: int) -> None:
+        self._peers_per_itr = v
+        self._group_indices = list(range(v))
+
+    @abstractmethod
+    def _make_graph(self) -> None:
+        """Fill ``phone_book`` for every rank."""
+
+    def _add_peers(self, rank: int, peers: List[int]) -> None:
+        for peer in peers:
+            # Upstream compared the int with Edge objects, so repeated peers are kept; they decide the schedule.
+            if peer not in self.phone_book[rank]:  # type: ignore[comparison-overlap]
+                self.phone_book[rank].append(
+                    Edge(
+                        local_master_rank=(self.rank * self.nprocs_per_node),
+                        dest=(peer * self.nprocs_per_node),
+                        src=(rank * self.nprocs_per_node),
+                        local_rank=self.local_rank,
+                    )
+                )
+
+    @abstractmethod
+    def is_regular_graph(self) -> bool:
+        """Whether every rank has the same number of in- and out-peers."""
+
+    @abstractmethod
+    def is_bipartite_graph(self) -> bool:
+        """Whether ranks split into active and passive sets."""
+
+    @abstractmethod
+    def is_passive(self, rank: Optional[int] = None) -> bool:
+        """Whether ``rank`` (default: this rank) is passive in a bipartite graph."""
+
+    @abstractmethod
+    def is_dynamic_graph(self) -> bool:
+        """Whether the peers change from step to step."""
+
+    def get_peers(self, rotate: bool = False) -> Tuple[List[int], List[int]]:
+        """``(out_peers, in_peers)``: out-peers as process ranks, in-peers as logical ranks (upstream's mix)."""
+        if rotate:
+            self._rotate_group_indices()
+        out_peers = [self.phone_book[self.rank][gi].dest for gi in self._group_indices]
+        in_peers = []
+        for gi in self._group_indices:
+            for r in range(self.world_size):
+                if self.phone_book[r][gi].dest == self.rank * self.nprocs_per_node:
+                    in_peers.append(r)
+        return out_peers, in_peers
+
+    def get_edges(self, rotate: bool = False) -> Tuple[List[Edge], List[Edge]]:
+        """``(out_edges, in_edges)`` of the current step."""
+        if rotate:
+            self._rotate_group_indices()
+        out_edges = [self.phone_book[self.rank][gi] for gi in self._group_indices]
+        in_edges = []
+        for gi in self._group_indices:
+            for r in range(self.world_size):
+                edge = self.phone_book[r][gi]
+                if edge.dest == self.rank * self.nprocs_per_node:
+                    in_edges.append(edge)
+        return out_edges, in_edges
+
+    def _rotate_group_indices(self) -> None:
+        book_len = len(self.phone_book[self.rank])
+        self._group_indices = [int((gi + self._peers_per_itr) % book_len) for gi in self._group_indices]
+
+    def _rotate_forward(self, r: int, p: int) -> int:
+        return (r + p) % self.world_size
+
+    def _rotate_backward(self, r: int, p: int) -> int:
+        return (r - p) % self.world_size
+
+
+class _Directed(GraphManager):
+    def is_regular_graph(self) -> bool:
+        return True
+
+    def is_bipartite_graph(self) -> bool:
+        return False
+
+    def is_passive(self, rank: Optional[int] = None) -> bool:
+        return False
+
+    def is_dynamic_graph(self) -> bool:
+        return True
+
+
+class _Bipartite(GraphManager):
+    def is_regular_graph(self) -> bool:
+        return True
+
+    def is_bipartite_graph(self) -> bool:
+        return True
+
+    def is_passive(self, rank: Optional[int] = None) -> bool:
+        rank = self.rank if rank is None else rank
+        return rank % 2 == 0
+
+    def is_dynamic_graph(self) -> bool:
+        return True
+
+    def _add_if_bipartite(self, rank: int, f_peer: int, b_peer: int) -> None:
+        if not self.is_passive(rank) and (self.is_passive(f_peer) and self.is_passive(b_peer)):
+            self._add_peers(rank, [f_peer, b_peer])
+        elif self.is_passive(rank) and not (self.is_passive(f_peer) or self.is_passive(b_peer)):
+            self._add_peers(rank, [f_peer, b_peer])
+
+
+class DynamicDirectedExponentialGraph(_Directed):
+    """Peers at distance ``±2^i``, one per step in turn."""
+
+    def _make_graph(self) -> None:
+        for rank in range(self.world_size):
+            for i in range(0, int(math.log(self.world_size - 1, 2)) + 1):
+                f_peer = self._rotate_forward(rank, 2**i)
+                b_peer = self._rotate_backward(rank, 2**i)
+                self._add_peers(rank, [f_peer, b_peer])
+
+
+class NPeerDynamicDirectedExponentialGraph(_Directed):
+    """Out-peers at distance ``j * (peers_per_itr + 1)^i`` (SlowMo's default topology)."""
+
+    def _make_graph(self) -> None:
+        base = self._peers_per_itr + 1
+        for rank in range(self.world_size):
+            for i in range(0, int(math.log(self.world_size - 1, base)) + 1):
+                for j in range(1, self._peers_per_itr + 1):
+                    self._add_peers(rank, [self._rotate_forward(rank, j * base**i)])
+
+
+class DynamicBipartiteExponentialGraph(_Bipartite):
+    """Exponential distances ``±1, ±(1 + 2^i)`` between the even (passive) and odd (active) ranks."""
+
+    def _make_graph(self) -> None:
+        for rank in range(self.world_size):
+            for i in range(0, int(math.log(self.world_size - 1, 2)) + 1):
+                distance = 1 if i == 0 else 1 + 2**i
+                self._add_if_bipartite(
+                    rank, self._rotate_forward(rank, distance), self._rotate_backward(rank, distance)
+                )
+
+
+class DynamicDirectedLinearGraph(_Directed):
+    """Peers at every odd distance ``±i``."""
+
+    def _make_graph(self) -> None:
+        for rank in range(self.world_size):
+            for i in range(1, self.world_size):
+                if i % 2 == 0:
+                    continue
+                self._add_peers(rank, [self._rotate_forward(rank, i), self._rotate_backward(rank, i)])
+
+
+class DynamicBipartiteLinearGraph(_Bipartite):
+    """Peers at every distance ``±i`` between the passive and active ranks."""
+
+    def _make_graph(self) -> None:
+        for rank in range(self.world_size):
+            for i in range(1, self.world_size):
+                self._add_if_bipartite(rank, self._rotate_forward(rank, i), self._rotate_backward(rank, i))
+
+
+class RingGraph(_Directed):
+    """The two ring neighbours (static)."""
+
+    def _make_graph(self) -> None:
+        for rank in range(self.world_size):
+            self._add_peers(rank, [self._rotate_forward(rank, 1), self._rotate_backward(rank, 1)])
+
+    def is_dynamic_graph(self) -> bool:
+        return False

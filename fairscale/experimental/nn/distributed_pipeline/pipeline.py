@@ -1,0 +1,164 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``DistributedPipeline``: GPipe-style pipelining of a :class:`PipelineModulesGraph` over ``torch.distributed.rpc``.
+
+Usage (inside ``torch.distributed.autograd.context()`` for training)::
+
+    graph = PipelineModulesGraph()
+    l1 = RemoteModule("worker0/cpu", nn.Linear, (4, 4))
+    l2 = RemoteModule("worker1/cpu", nn.ReLU, ())
+    graph.add_sequence([l1, l2], [0])
+    pipe = DistributedPipeline(graph, chunks=4)
+    out = pipe(x).to_here()
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+from torch import Tensor
+
+from .data import DataConsumer
+from .graph import Node, PipelineModulesGraph
+from .partition_handler import PartitionHandler, _feed_rref, _split_inputs
+
+__all__ = ["DistributedPipeline", "check_pytorch_version", "MOVING_DENIED"]
+
+MOVING_DENIED = TypeError(
+    "denied to move parameters and buffers, because DistributedPipeline should manage device placement"
+)
+
+
+def check_pytorch_version() -> None:
+    """Raise if torch is older than 1.8 (RPC pipelines need ``RemoteModule``)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (1, 8):
+        raise Exception("DistributedPipeline requires PyTorch version 1.8 or higher")
+
+
+def _needs_anchor() -> bool:
+    import torch.distributed.autograd as dist_autograd
+
+    try:
+        getattr(dist_autograd, "_current_context")()
+    except RuntimeError:  # no distributed autograd context in this thread
+        return False
+    return True
+
+
+class DistributedPipeline(nn.Module):
+    """Run a :class:`PipelineModulesGraph` as a pipeline of ``chunks`` micro-batches over RPC workers.
+
+    Args:
+        graph (PipelineModulesGraph): the model.
+        chunks (int): number of micro-batches (default: 1).
+        checkpoint (str): ``"always"``, ``"except_last"`` (default) or ``"never"``: which micro-batches recompute
+            their activations in backward.
+
+    Raises:
+        ValueError: ``chunks`` is not positive, or ``checkpoint`` is not one of the three values.
+    """
+
+    @dataclass
+    class Partition:
+        nodes: List[Node]
+        handler: rpc.RRef[Any]
+
+        def __hash__(self) -> int:
+            return id(self)
+
+    def __init__(self, graph: PipelineModulesGraph, chunks: int = 1, checkpoint: str = "except_last") -> None:
+        super().__init__()
+        check_pytorch_version()
+        chunks = int(chunks)
+        checkpoint = str(checkpoint)
+        if chunks <= 0:
+            raise ValueError("number of chunks must be positive integer")
+        if checkpoint not in ["always", "except_last", "never"]:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        self.chunks = chunks
+        self.checkpoint_stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+        self.partitions: List[DistributedPipeline.Partition] = []
+        for nodes, module_rref in graph.partition_graph():
+            first, last = nodes[0], nodes[-1]
+            handler = rpc.remote(
+                first.module.on,
+                PartitionHandler,
+                args=(
+                    module_rref,
+                    first.module.device,
+                    len(first.inputs),
+                    last.num_outputs,
+                    len(self.partitions),
+                    self.chunks,
+                    self.checkpoint_stop,
+                ),
+            )
+            self.partitions.append(self.Partition(nodes, handler))
+        self.input_consumers: List[DataConsumer[DistributedPipeline.Partition]] = [
+            DataConsumer(self._partition_of(c.consumer), c.consumer_input_idx, c.output_idx)
+            for c in graph.model_input_consumers
+        ]
+        self.graph = graph
+
+    def _partition_of(self, node: Node) -> "DistributedPipeline.Partition":
+        return next(p for p in self.partitions if p.nodes[0] is node)
+
+    # Parameters live on the workers; the pipeline decides where.
+    def cuda(self, device: Optional[Any] = None) -> "DistributedPipeline":
+        raise MOVING_DENIED
+
+    def cpu(self) -> "DistributedPipeline":
+        raise MOVING_DENIED
+
+    def to(self, *args: Any, **kwargs: Any) -> "DistributedPipeline":
+        if "device" in kwargs or "tensor" in kwargs:
+            raise MOVING_DENIED
+        if args and isinstance(args[0], (torch.device, int, str, Tensor)):
+            raise MOVING_DENIED
+        return super().to(*args, **kwargs)  # dtype only
+
+    def parameter_rrefs(self) -> List[rpc.RRef[Any]]:
+        """RRefs of every parameter of every partition (for ``DistributedOptimizer``)."""
+        rrefs: List[rpc.RRef[Any]] = []
+        for partition in self.partitions:
+            rrefs.extend(partition.handler.rpc_sync().local_parameter_rrefs())
+        return rrefs
+
+    def forward(self, *inputs: Tensor) -> rpc.RRef[Any]:
+        """Start the pipeline on ``inputs`` (split along dim 0); returns the RRef of the model output."""
+        for i, x in enumerate(inputs):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"expected Tensor, but got {type(x).__name__} as input {i}")
+            if x.shape[0] < self.chunks:
+                # Upstream fed fewer micro-batches than every partition waits for and never returned.
+                raise ValueError(
+                    f"input {i} has {x.shape[0]} rows, fewer than chunks={self.chunks}; use a batch of at least "
+                    f"{self.chunks} rows or fewer chunks"
+                )
+        micro_batches = _split_inputs(inputs, self.chunks)
+        if len(micro_batches) != self.chunks:
+            raise ValueError(
+                f"the batch splits into {len(micro_batches)} micro-batches, not chunks={self.chunks}; use a batch "
+                "size that is a multiple of chunks"
+            )
+        records: Dict[DistributedPipeline.Partition, rpc.RRef[Any]] = {}
+        result: Optional[rpc.RRef[Any]] = None
+        for partition in reversed(self.partitions):
+            consumers = []
+            for consumer in partition.nodes[-1].output_consumers:
+                target = self._partition_of(consumer.consumer)
+                assert target in records, "a partition must only feed partitions after it"
+                consumers.append(DataConsumer(records[target], consumer.consumer_input_idx, consumer.output_idx))
+            records[partition] = partition.handler.remote().make_pipeline_record(consumers)
+            this_result = partition.handler.remote().run_pipeline(records[partition])
+            if partition is self.partitions[-1]:
+                result = this_result
+        anchor = torch.zeros(0, requires_grad=True) if _needs_anchor() else None
+        for chunk, batch in enumerate(micro_batches):
+            for input_consumer in self.input_consumers:
+                record = records[input_consumer.consumer]
+                _feed_rref(record, chunk, input_consumer.consumer_input_idx, batch[input_consumer.output_idx], anchor)
+        assert result is not None
+        return result

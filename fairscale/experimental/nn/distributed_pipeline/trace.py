@@ -1,0 +1,109 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``make_graph``: build a :class:`PipelineModulesGraph` by fx-tracing a module whose layers are ``RemoteModule`` s.
+
+Allowed in the traced forward: calls of ``RemoteModule`` s, ``operator.getitem`` on their outputs, the forward's
+arguments and the output. Anything else (arithmetic between layers, plain ``torch.nn`` layers) is rejected, since
+it would have to run somewhere.
+"""
+
+import contextlib
+import inspect
+import operator
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch.fx
+import torch.nn as nn
+from torch.distributed.nn.api.remote_module import RemoteModule
+
+from .graph import PipelineModulesGraph
+
+__all__ = ["make_graph", "RemoteModuleTracer", "GraphCreator"]
+
+
+class RemoteModuleTracer(torch.fx.Tracer):
+    """Traces through every module except ``RemoteModule`` s, which stay leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, RemoteModule)
+
+
+@contextlib.contextmanager
+def _patch_attribute(cls: Any, name: str, value: Any) -> Iterator[None]:
+    original = cls.__dict__.get(name)
+    setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        if original is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, original)
+
+
+class GraphCreator:
+    """Turns a traced fx graph of remote calls into a :class:`PipelineModulesGraph`."""
+
+    def __init__(self, tracer: RemoteModuleTracer, root: nn.Module, graph: torch.fx.Graph) -> None:
+        self.tracer = tracer
+        self.root = root
+        self.graph = graph
+        self.arg_names = list(inspect.signature(root.forward).parameters)
+
+    def get_module(self, node: torch.fx.Node) -> Optional[RemoteModule]:
+        if node.op != "call_module":
+            return None
+        module = self.root.get_submodule(str(node.target))
+        return module if isinstance(module, RemoteModule) else None
+
+    def create_graph(self) -> PipelineModulesGraph:
+        sources: Dict[torch.fx.Node, Any] = {}
+        num_outputs: Dict[int, Optional[int]] = {}
+        whole_used: Dict[int, bool] = {}
+        calls: List[Tuple[RemoteModule, List[Any]]] = []
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                sources[node] = self.arg_names.index(str(node.target))
+            elif node.op == "call_module" and self.get_module(node) is not None:
+                module = self.get_module(node)
+                assert module is not None
+                calls.append((module, [self._source(a, sources, whole_used) for a in node.args]))
+                sources[node] = module
+            elif node.op == "call_function" and node.target is operator.getitem and self._is_remote_output(node):
+                module = sources[node.args[0]]
+                index = int(node.args[1])
+                num_outputs[id(module)] = max(num_outputs.get(id(module)) or 0, index + 1)
+                sources[node] = (module, index)
+            elif node.op == "output":
+                continue
+            else:
+                raise AssertionError(f"Invalid node {node.name} ({node.op} {node.target})")
+        graph = PipelineModulesGraph()
+        for module, inputs in calls:
+            n = num_outputs.get(id(module))
+            assert not (n is not None and whole_used.get(id(module))), "a module's output is used whole and by index"
+            graph.add_layer(module, inputs, n)
+        return graph
+
+    def _is_remote_output(self, node: torch.fx.Node) -> bool:
+        arg = node.args[0]
+        return isinstance(arg, torch.fx.Node) and self.get_module(arg) is not None
+
+    @staticmethod
+    def _source(arg: Any, sources: Dict[torch.fx.Node, Any], whole_used: Dict[int, bool]) -> Union[int, Any]:
+        assert isinstance(arg, torch.fx.Node) and arg in sources, f"Invalid node argument {arg}"
+        value = sources[arg]
+        if isinstance(value, RemoteModule):
+            whole_used[id(value)] = True
+        return value
+
+
+def make_graph(module: nn.Module) -> PipelineModulesGraph:
+    """Trace ``module`` (its ``RemoteModule`` sub-modules become the graph's layers) into a graph."""
+    # RemoteModule refuses named_modules/named_children, which fx uses to find module paths.
+    with (
+        _patch_attribute(RemoteModule, "named_modules", nn.Module.named_modules),
+        _patch_attribute(RemoteModule, "named_children", nn.Module.named_children),
+    ):
+        tracer = RemoteModuleTracer()
+        graph = tracer.trace(module)
+    return GraphCreator(tracer, module, graph).create_graph()

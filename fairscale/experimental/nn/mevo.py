@@ -1,0 +1,417 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""MEVO: a memory-efficient vocabulary output layer fused with its softmax cross-entropy loss.
+
+The usual ``F.cross_entropy(x @ w.T, y)`` materialises (and autograd saves) a ``tokens x vocab`` logit matrix,
+which dominates memory for large vocabularies. MEVO computes the same summed cross-entropy tile by tile: the
+per-token maximum logit, then the per-token sum of ``exp(logit - max)``, then the target logit. Each tile is an
+autograd Function that saves only views of its input and weight tiles and recomputes its ``s_in x s_w`` logits in
+backward, so at most one tile of logits exists at a time (at the cost of recomputing each tile in backward).
+
+The weight gradient is accumulated by hand into ``proj_weight.grad``: the tiles reach autograd through
+:class:`BackwardTrigger`, whose gradient to the weight is ``None``. The trigger's own tiny parameter receives a
+zero gradient each backward, which lets wrappers such as FSDP see that the (shared) weight took part.
+"""
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairscale.internal.device import DeviceHandle
+
+__all__ = [
+    "MemoryEfficientVocabOutput",
+    "BaselineSoftmax",
+    "BaselineSoftmaxNllLoss",
+    "BackwardTrigger",
+    "BackwardTriggerFn",
+    "GetMaxFunction",
+    "GetSumFunction",
+    "TargetScoreFunction",
+    "lmcl_matmul",
+    "get_data",
+    "DEBUG",
+]
+
+#: Print per-step memory information on rank 0 when true.
+DEBUG = False
+
+
+def _debug(msg: str, device: Optional[torch.device] = None) -> None:
+    if not DEBUG or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    allocated = DeviceHandle.for_device(device).memory_allocated() if device is not None else 0
+    print(f"DEBUG {msg}, memory allocated {allocated / 1024 / 1024:.1f} MiB")
+
+
+def get_data(
+    shape: Tuple[Tuple[int, int], Tuple[int, int]], dtype: torch.dtype = torch.float16, device: str = "cuda"
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Random ``(input, weight, target)`` for tests and benchmarks.
+
+    Args:
+        shape: ``((tokens, d1), (d2, vocab))`` with ``d1 == d2``.
+        dtype: ``torch.float16`` or ``torch.float32``.
+        device: where the tensors go.
+
+    Returns:
+        ``input`` (tokens, d1) requiring grad, ``weight`` (vocab, d2) Parameter, ``target`` (tokens,) long.
+    """
+    (tokens, d1), (d2, vocab) = shape
+    assert d1 == d2, f"incorrect shape {d1} vs {d2}"
+    assert dtype in (torch.float16, torch.float32), f"unsupported dtype {dtype}"
+    input = torch.rand(tokens, d1, device=device, dtype=dtype).requires_grad_(True)
+    weight = nn.Linear(d2, vocab, bias=False, device=device, dtype=dtype).weight
+    target = (torch.rand(tokens, device=device) * vocab).long()
+    return input, weight, target
+
+
+def _next_power_of_2_or_max(n: int, max_n: int) -> int:
+    """1 for 0, else the smallest power of two >= ``n``, capped at ``max_n``."""
+    if n == 0:
+        return 1
+    p = 1 << (n - 1).bit_length()
+    assert p & (p - 1) == 0, f"{p} is not a power of 2"
+    return min(p, max_n)
+
+
+def _reshape_inputs(input: Tensor, target: Tensor) -> Tuple[Tensor, Tensor]:
+    if input.ndim == 3:
+        input = input.reshape(-1, input.shape[2])
+    if target.ndim == 2:
+        target = target.reshape(-1)
+    return input, target
+
+
+def lmcl_matmul(
+    i: Tensor, w: Tensor, tgt: Tensor, w_idx: int, margin: float, scale: Optional[float], w_split_size: int = 0
+) -> Tensor:
+    """Large-margin cosine logits of one tile: ``scale * (cos(x, w) - margin * [column is the target])``.
+
+    Args:
+        i, w: an input tile (tokens, d) and a weight tile (rows, d).
+        tgt: the target of each token of the input tile.
+        w_idx: index of the weight tile.
+        margin, scale: the LMCL margin and scale.
+        w_split_size: rows per weight tile (upstream used ``w.shape[0]``, wrong for a shorter last tile).
+    """
+    logits = torch.matmul(F.normalize(i, dim=1), F.normalize(w, dim=1).T)
+    offset = w_idx * (w_split_size or w.shape[0])
+    cols = torch.arange(w.shape[0], device=w.device) + offset
+    is_target = (cols.unsqueeze(0) == tgt.unsqueeze(1)).to(logits.dtype)
+    return (logits - margin * is_target) * (scale if scale is not None else 1.0)
+
+
+def _tile_logits(
+    i: Tensor, w: Tensor, tgt: Tensor, w_idx: int, w_split_size: int, full_precision: bool, margin: float, scale: Any
+) -> Tensor:
+    if full_precision:
+        i, w = i.float(), w.float()
+    if scale is not None:
+        return lmcl_matmul(i, w, tgt, w_idx, margin, scale, w_split_size)
+    return torch.matmul(i, w.T)
+
+
+def _accumulate_weight_grad(kernel_obj: Any, w_grad: Tensor, w_idx: int, w_split_size: int) -> None:
+    weight: Tensor = kernel_obj.proj_weight
+    if weight.grad is None:
+        # Upstream relied on TargetScoreFunction's backward running first; do not.
+        weight.grad = torch.zeros_like(weight)
+    start = w_idx * w_split_size
+    weight.grad[start : start + w_grad.shape[0]] += w_grad.to(weight.grad.dtype)
+
+
+class GetMaxFunction(torch.autograd.Function):
+    """Per-token maximum logit of one (input tile, weight tile) pair, recomputed in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, i: Tensor, w: Tensor, tgt: Tensor, kernel_obj: Any, w_idx: int, w_split_size: int, split_dim: int
+    ) -> Tensor:
+        assert split_dim == 0, "only splitting along dim 0 is supported"
+        ctx.save_for_backward(i, w, tgt)
+        ctx.kernel_obj, ctx.w_idx, ctx.w_split_size = kernel_obj, w_idx, w_split_size
+        with torch.no_grad():
+            logits = _tile_logits(
+                i, w, tgt, w_idx, w_split_size, kernel_obj.fp_max, kernel_obj.margin, kernel_obj.scale
+            )
+            return logits.max(dim=1).values
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        i, w, tgt = ctx.saved_tensors
+        k = ctx.kernel_obj
+        i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            m = _tile_logits(i, w, tgt, ctx.w_idx, ctx.w_split_size, k.fp_max, k.margin, k.scale).max(dim=1).values
+        torch.autograd.backward(m, grad)
+        _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
+        return (i.grad,) + (None,) * 6
+
+
+class GetSumFunction(torch.autograd.Function):
+    """Per-token sum of ``exp(logit - max)`` of one tile pair, recomputed in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        i: Tensor,
+        w: Tensor,
+        tgt: Tensor,
+        maxs: Tensor,
+        kernel_obj: Any,
+        w_idx: int,
+        w_split_size: int,
+        split_dim: int,
+    ) -> Tensor:
+        assert split_dim == 0, "only splitting along dim 0 is supported"
+        ctx.save_for_backward(i, w, tgt, maxs)
+        ctx.kernel_obj, ctx.w_idx, ctx.w_split_size = kernel_obj, w_idx, w_split_size
+        with torch.no_grad():
+            logits = _tile_logits(
+                i, w, tgt, w_idx, w_split_size, kernel_obj.fp_sum, kernel_obj.margin, kernel_obj.scale
+            )
+            return torch.exp(logits - maxs.unsqueeze(1)).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        i, w, tgt, maxs = ctx.saved_tensors
+        k = ctx.kernel_obj
+        i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        maxs = maxs.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = _tile_logits(i, w, tgt, ctx.w_idx, ctx.w_split_size, k.fp_sum, k.margin, k.scale)
+            s = torch.exp(logits - maxs.unsqueeze(1)).sum(dim=1)
+        torch.autograd.backward(s, grad)
+        _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
+        return (i.grad, None, None, maxs.grad) + (None,) * 4
+
+
+def _target_score(i: Tensor, w: Tensor, target: Tensor, full_precision: bool, margin: float, scale: Any) -> Tensor:
+    if full_precision:
+        i, w = i.float(), w.float()
+    rows = w[target]
+    if scale is not None:
+        return ((F.normalize(i, dim=1) * F.normalize(rows, dim=1)).sum(dim=1) - margin) * scale
+    return (i * rows).sum(dim=1)
+
+
+class TargetScoreFunction(torch.autograd.Function):
+    """Per-token logit of the target class (gathers the target rows of the weight, no tiles)."""
+
+    @staticmethod
+    def forward(ctx: Any, i: Tensor, w: Tensor, target: Tensor, kernel_obj: Any) -> Tensor:
+        ctx.save_for_backward(i, w, target)
+        ctx.kernel_obj = kernel_obj
+        with torch.no_grad():
+            return _target_score(i, w, target, kernel_obj.fp_target, kernel_obj.margin, kernel_obj.scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        i, w, target = ctx.saved_tensors
+        k = ctx.kernel_obj
+        i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            t = _target_score(i, w, target, k.fp_target, k.margin, k.scale)
+        torch.autograd.backward(t, grad)
+        _accumulate_weight_grad(k, w.grad, 0, 0)
+        return i.grad, None, None, None
+
+
+class BackwardTriggerFn(torch.autograd.Function):
+    """Identity on the weight whose backward gives the trigger tensor a zero gradient (and the weight none)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: Tensor, trigger_tensor: Tensor) -> Tensor:
+        ctx.save_for_backward(trigger_tensor)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> Tuple[Optional[Tensor], Tensor]:
+        (trigger,) = ctx.saved_tensors
+        return None, torch.zeros_like(trigger)
+
+
+class BackwardTrigger(nn.Module):
+    """Owns a one-element ``trigger`` Parameter that receives a (zero) gradient whenever the weight is used.
+
+    Args:
+        linked_param (nn.Parameter): the weight (not registered here; ``trigger._linked_param`` points to it).
+    """
+
+    def __init__(self, linked_param: Tensor) -> None:
+        super().__init__()
+        assert isinstance(linked_param, nn.Parameter), "BackwardTrigger needs an nn.Parameter"
+        self.trigger = nn.Parameter(torch.rand(1, dtype=linked_param.dtype, device=linked_param.device))
+        # FSDP reads this attribute to handle the weight shared with the embedding.
+        setattr(self.trigger, "_linked_param", linked_param)
+        # A tuple, so that the weight is not registered (again) as a parameter of this module.
+        self._linked = (linked_param,)
+
+    def forward(self) -> Tensor:
+        out: Tensor = BackwardTriggerFn.apply(self._linked[0], self.trigger)
+        return out
+
+
+class MemoryEfficientVocabOutput(nn.Module):
+    """Fused output projection + softmax + NLL loss that never materialises the ``tokens x vocab`` logits.
+
+    Exported as ``fairscale.experimental.nn.MEVO``. In training mode ``forward(input, target)`` returns the
+    cross-entropy of ``input @ proj_weight.T`` against ``target`` (summed, or averaged over tokens); in eval mode
+    without a target it returns the logits.
+
+    Example::
+
+        mevo = MEVO(embedding.weight, tile_factor=16)
+        loss = mevo(hidden, target)  # == F.cross_entropy(hidden @ embedding.weight.T, target, reduction="sum")
+
+    Args:
+        proj_weight (nn.Parameter): the ``(vocab, d_model)`` weight, usually shared with the input embedding.
+        tile_factor (int): number of tiles along the tokens and along the vocabulary (default: 16).
+        reduction (str): ``"sum"`` or ``"mean"`` (default: ``"sum"``).
+        margin (float): LMCL (CosFace) margin, used when ``scale`` is set (default: 0.35).
+        scale (Optional[float]): LMCL scale; ``None`` for plain softmax (default).
+    """
+
+    def __init__(
+        self,
+        proj_weight: nn.Parameter,
+        tile_factor: int = 16,
+        reduction: str = "sum",
+        margin: float = 0.35,
+        scale: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        self.proj_weight = proj_weight
+        self.tf_in, self.tf_w = tile_factor, tile_factor
+        self.fp_max = True
+        self.fp_sum = True
+        self.fp_target = True
+        self.log_softmax = True
+        assert reduction in ["sum", "mean"], f"reduction must be 'sum' or 'mean', got {reduction!r}"
+        self.reduction = reduction
+        self.margin = margin
+        self.scale = scale
+        self.trigger = BackwardTrigger(self.proj_weight)
+
+    def eval_forward(self, input: Tensor) -> Tensor:
+        """Logits ``input @ proj_weight.T`` (any leading shape), for inference."""
+        return torch.matmul(input, self.proj_weight.T)
+
+    def get_target_nlprob(self, i: Tensor, w: Tensor, target: Tensor, debase_max: Tensor, exp_sums: Tensor) -> Tensor:
+        """Summed negative log-probability of the targets."""
+        t = TargetScoreFunction.apply(i, w, target, self)
+        # log(exp(t - m) / S) computed as t - m - log S: exact also when exp(t - m) underflows.
+        log_prob = t - debase_max - torch.log(exp_sums)
+        if not self.log_softmax:
+            log_prob = torch.exp(log_prob)
+        return -log_prob.sum()
+
+    def forward(self, input: Tensor, target: Optional[Tensor]) -> Tensor:
+        if not self.training and target is None:
+            return self.eval_forward(input)
+        assert isinstance(input, Tensor), "input must be a tensor"
+        assert isinstance(target, Tensor), "target must be a tensor (required in training mode)"
+        if torch.is_grad_enabled():
+            assert input.requires_grad, "input must require grad in training"
+        input, target = _reshape_inputs(input, target)
+        tokens, d_model = input.shape
+        (t2,) = target.shape
+        vocab, d2 = self.proj_weight.shape
+        assert d_model == d2, f"incorrect shape {d_model} vs {d2}"
+        assert tokens == t2, f"incorrect shape {tokens} vs {t2}"
+        s_in = _next_power_of_2_or_max(tokens // self.tf_in, tokens)
+        s_w = _next_power_of_2_or_max(vocab // self.tf_w, vocab)
+        _debug(f"mevo tiles: input {s_in} rows, weight {s_w} rows", input.device)
+        split_in = torch.split(input, s_in)
+        w = self.trigger()
+        split_w = torch.split(w, s_w)
+        empty = torch.empty(0, dtype=torch.long, device=input.device)
+        split_tgt = torch.split(target, s_in) if self.scale is not None else tuple(empty for _ in split_in)
+
+        tile_maxs: List[Tensor] = []
+        for i, tgt in zip(split_in, split_tgt):
+            m: Optional[Tensor] = None
+            for w_idx, w_tile in enumerate(split_w):
+                tile_m = GetMaxFunction.apply(i, w_tile, tgt, self, w_idx, s_w, 0)
+                m = tile_m if m is None else torch.max(m, tile_m)
+            assert m is not None
+            tile_maxs.append(m)
+        maxs = torch.cat(tile_maxs)
+
+        tile_sums: List[Tensor] = []
+        for i, tgt, m in zip(split_in, split_tgt, torch.split(maxs, s_in)):
+            s: Optional[Tensor] = None
+            for w_idx, w_tile in enumerate(split_w):
+                tile_s = GetSumFunction.apply(i, w_tile, tgt, m, self, w_idx, s_w, 0)
+                s = tile_s if s is None else s + tile_s
+            assert s is not None
+            tile_sums.append(s)
+        sums = torch.cat(tile_sums)
+
+        # Created last, so its backward runs first (not relied upon: every tile creates the grad if missing).
+        loss = self.get_target_nlprob(input, w, target, maxs, sums)
+        if self.reduction == "mean":
+            loss = loss / tokens
+        return loss
+
+
+class BaselineSoftmax(nn.Module):
+    """Reference: full logits and a float32 (log-)softmax, for comparing MEVO's numbers and memory.
+
+    Upstream required the weight on CUDA; this one follows the weight's device.
+
+    Args:
+        proj_weight (nn.Parameter): the ``(vocab, d_model)`` weight.
+        tile_factor (int): unused (kept for signature compatibility).
+        log_softmax (bool): return log-probabilities (default) or probabilities.
+        margin (float): LMCL margin, used when ``scale`` is set.
+        scale (Optional[float]): LMCL scale; ``None`` for plain logits.
+    """
+
+    def __init__(
+        self,
+        proj_weight: nn.Parameter,
+        tile_factor: int = 0,
+        log_softmax: bool = True,
+        margin: float = 0.35,
+        scale: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        out_features, in_features = proj_weight.shape
+        self.fc = nn.Linear(in_features, out_features, bias=False, device="meta")
+        self.fc.weight = proj_weight
+        self.fp16 = proj_weight.dtype == torch.float16
+        self.log_softmax = log_softmax
+        self.margin = margin
+        self.scale = scale
+
+    def lmcl_pre_softmax(self, input: Tensor, target: Tensor) -> Tensor:
+        """LMCL logits ``scale * (cos(x, w) - margin at the target column)``."""
+        x = F.normalize(input, dim=1)
+        w = F.normalize(self.fc.weight, dim=1)
+        logits = torch.einsum("nc,kc->nk", x, w)
+        one_hot = F.one_hot(target, logits.shape[1]).to(logits.dtype)
+        scale = self.scale if self.scale is not None else 1.0
+        return (logits - self.margin * one_hot) * scale
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        input, target = _reshape_inputs(input, target)
+        if self.fp16:
+            assert input.dtype == torch.float16, "input must be fp16 when the weight is fp16"
+        logits = self.lmcl_pre_softmax(input, target) if self.scale is not None else self.fc(input)
+        if self.log_softmax:
+            return F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return F.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+class BaselineSoftmaxNllLoss(BaselineSoftmax):
+    """Reference loss: :class:`BaselineSoftmax` followed by a summed ``F.nll_loss``."""
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        log_probs = super().forward(input, target)
+        _, target = _reshape_inputs(input, target)
+        return F.nll_loss(log_probs, target, reduction="sum")

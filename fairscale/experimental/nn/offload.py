@@ -1,0 +1,365 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""OffloadModel: train an ``nn.Sequential`` larger than the compute device by moving slices onto it one at a time.
+
+The model lives on ``offload_device`` (normally the CPU). Forward loads slice ``i`` onto ``device``, runs it, and
+drops it back before slice ``i + 1`` is loaded; backward does the same in reverse order. With
+``checkpoint_activation=True`` only the slice boundaries are kept and each slice is recomputed in backward, split
+into ``num_microbatches`` chunks so that only one chunk's intermediate activations exist at a time.
+
+Streams and pinned memory go through :mod:`fairscale.internal.device`, so the same code runs with
+``device == offload_device == cpu`` (then every move is a no-op and the result is plain sequential training).
+"""
+
+import logging
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, cast
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairscale.internal.device import (
+    DeviceHandle,
+    accelerator_available,
+    accelerator_rng_state,
+    set_accelerator_rng_state,
+)
+
+__all__ = ["OffloadModel", "ModelShard", "OffloadFunction", "ShardSyncLayer"]
+
+_FnT = TypeVar("_FnT", bound=Callable[..., Any])
+
+_PREFIX = "fairscale.experimental.nn.offload:"
+
+
+def _amp_fwd(fn: _FnT) -> _FnT:
+    # Records the autocast state of forward so that backward's recomputation runs under the same state.
+    return cast(_FnT, torch.amp.custom_fwd(device_type="cuda")(fn))
+
+
+def _amp_bwd(fn: _FnT) -> _FnT:
+    return cast(_FnT, torch.amp.custom_bwd(device_type="cuda")(fn))
+
+
+def _split(modules: nn.Sequential, number_splits: int) -> List[List[nn.Module]]:
+    """Split ``modules`` into at most ``number_splits`` consecutive slices of about equal parameter count.
+
+    The parameter count is the proxy for memory. A slice closes when it already holds parameters, the next layer
+    would take it strictly over ``total // n`` and it is not the last slice. Parameters are pinned in place (when an
+    accelerator exists) because they will be copied to and from the device at every step.
+    """
+    n = min(len(modules), number_splits)
+    total = sum(p.numel() for p in modules.parameters())
+    target = total // n
+    pinner = DeviceHandle.for_device("cpu")
+    splits: List[List[nn.Module]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    current = 0
+    for layer in modules:
+        for p in layer.parameters():
+            p.data = pinner.pin_memory(p.data)
+        layer_size = sum(p.numel() for p in layer.parameters())
+        if sizes[current] > 0 and sizes[current] + layer_size > target and current < n - 1:
+            current += 1
+        splits[current].append(layer)
+        sizes[current] += layer_size
+    splits = [s for s in splits if s]
+    logging.info("This model has %.2fM parameters, aiming for %.2fM parameters per shard", total / 1e6, target / 1e6)
+    for i, size in enumerate(sizes[: len(splits)]):
+        logging.info("Shard %d holds %.2fM parameters", i, size / 1e6)
+    return splits
+
+
+class ModelShard(nn.Module):
+    """One slice of an :class:`OffloadModel`, kept on ``offload_device`` and loaded onto ``device`` when used.
+
+    Args:
+        cpu_model_shard (nn.Module): the slice.
+        device (torch.device): the compute device.
+        offload_device (torch.device): where the slice rests between uses.
+        index (int): position of the slice in the model.
+    """
+
+    def __init__(
+        self, cpu_model_shard: nn.Module, device: torch.device, offload_device: torch.device, index: int
+    ) -> None:
+        super().__init__()
+        self.model_shard = cpu_model_shard
+        self.index = index
+        self.device = torch.device(device)
+        self.offload_device = torch.device(offload_device)
+        self.model_shard.to(self.offload_device)
+        self._handle = DeviceHandle.for_device(self.device)
+        self._cpu_to_gpu_stream = self._handle.new_stream()
+        self._gpu_to_cpu_stream = self._handle.new_stream()
+
+    def forward(self, *inputs: Any, **_: Any) -> Any:
+        return self.model_shard(*inputs)
+
+    def to(self, device: Any, *args: Any, **kwargs: Any) -> "ModelShard":  # type: ignore[override]
+        """Move the wrapped slice only (upstream behaviour); returns ``self``."""
+        self.model_shard.to(device, *args, **kwargs)
+        return self
+
+    def train(self, mode: bool = True) -> "ModelShard":
+        """Set the mode of the wrapped slice (like upstream, this shard's own ``training`` flag is left as is)."""
+        self.model_shard.train(mode)
+        return self
+
+    def to_device(self) -> None:
+        """Move the slice onto the compute device."""
+        self.model_shard.to(self.device, non_blocking=True)
+
+    def forward_load(self, non_blocking: bool = True) -> None:
+        """Load the slice onto the compute device before its forward."""
+        self._load(non_blocking)
+
+    def backward_load(self, non_blocking: bool = True) -> None:
+        """Load the slice onto the compute device before its backward."""
+        self._load(non_blocking)
+
+    def forward_drop(self, non_blocking: bool = True) -> None:
+        """Move the slice back to the offload device after its forward."""
+        self._drop(non_blocking)
+
+    def backward_drop(self, non_blocking: bool = True) -> None:
+        """Move the slice (and its gradients) back to the offload device after its backward."""
+        self._drop(non_blocking)
+
+    def _load(self, non_blocking: bool) -> None:
+        with self._handle.stream(self._cpu_to_gpu_stream):
+            self.model_shard.to(self.device, non_blocking=non_blocking)
+        # Compute on the current stream must not start before the copy is done.
+        self._handle.current_stream().wait_stream(self._cpu_to_gpu_stream)
+
+    def _drop(self, non_blocking: bool) -> None:
+        # The copy back must wait for the kernels that still read or write the slice.
+        self._gpu_to_cpu_stream.wait_stream(self._handle.current_stream())
+        with self._handle.stream(self._gpu_to_cpu_stream):
+            self.model_shard.to(self.offload_device, non_blocking=non_blocking)
+        self._handle.current_stream().wait_stream(self._gpu_to_cpu_stream)
+
+
+def _to(tensors: Sequence[Any], device: torch.device) -> Tuple[Any, ...]:
+    return tuple(t.to(device) if isinstance(t, Tensor) else t for t in tensors)
+
+
+class ShardSyncLayer(torch.autograd.Function):
+    """Identity on the activations whose side effects move slices at a slice boundary.
+
+    Forward: drop slice ``index`` (if ``index >= 0``) and load slice ``index + 1`` (if it exists). Backward: the
+    mirror image, so slice ``index`` is on the device when its backward runs and its gradients move off it with
+    it afterwards. ``anchor`` is an empty grad-requiring tensor that makes sure the backward also runs for the
+    boundary in front of the first slice when the model input does not require grad.
+    """
+
+    @staticmethod
+    @_amp_fwd
+    def forward(
+        ctx: Any, anchor: Tensor, index: int, model_slices: List[ModelShard], model_instance: Any, *inputs: Any
+    ) -> Tuple[Any, ...]:
+        ctx.index = index
+        ctx.model_slices = model_slices
+        ctx.model_instance = model_instance
+        if index >= 0:
+            with torch.autograd.profiler.record_function(_PREFIX + "forward_drop"):
+                model_slices[index].forward_drop()
+        if index + 1 < len(model_slices):
+            with torch.autograd.profiler.record_function(_PREFIX + "forward_load"):
+                model_slices[index + 1].forward_load()
+        # Returning views keeps autograd's bookkeeping simple: every output is a new node of this Function.
+        return tuple(t.view_as(t) if isinstance(t, Tensor) else t for t in inputs)
+
+    @staticmethod
+    @_amp_bwd
+    def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
+        load, drop = ctx.index, ctx.index + 1
+        slices: List[ModelShard] = ctx.model_slices
+        activations: List[Tuple[Any, ...]] = ctx.model_instance._activations
+        if drop < len(slices):
+            with torch.autograd.profiler.record_function(_PREFIX + "backward_drop"):
+                slices[drop].backward_drop()
+            activations[drop] = _to(activations[drop], torch.device("cpu"))
+        if load >= 0:
+            with torch.autograd.profiler.record_function(_PREFIX + "backward_load"):
+                slices[load].backward_load()
+            activations[load] = _to(activations[load], slices[load].device)
+        return (None, None, None, None) + tuple(grad_outputs)
+
+
+class OffloadFunction(torch.autograd.Function):
+    """The whole offloaded forward with activation checkpointing at slice boundaries (one autograd node).
+
+    Forward runs every slice under ``no_grad`` on ``num_microbatches`` chunks and keeps the slice inputs as CPU
+    copies. Backward re-loads the slices in reverse order, recomputes each chunk with grad enabled (restoring the
+    RNG state the slice's forward started from, CPU and device, so dropout masks repeat) and backpropagates it.
+    """
+
+    @staticmethod
+    @_amp_fwd
+    def forward(ctx: Any, inputs: Any, dummy_input: Tensor, model_instance: Any) -> Any:
+        inputs_tuple = inputs if isinstance(inputs, tuple) else (inputs,)
+        ctx.inputs = inputs_tuple
+        ctx.grad_requirements = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs_tuple)
+        ctx.model_instance = model_instance
+        ctx.rng_states = []
+        device: torch.device = model_instance.device
+        nmb: int = model_instance._num_microbatches
+        model_instance._activations = [inputs_tuple]
+        for index, shard in enumerate(model_instance.model_slices):
+            with torch.autograd.profiler.record_function(_PREFIX + "forward_load"):
+                model_instance._activations[index] = _to(model_instance._activations[index], device)
+                shard.forward_load()
+            ctx.rng_states.append((torch.get_rng_state(), accelerator_rng_state(device)))
+            with torch.autograd.profiler.record_function(_PREFIX + "no_grad_forward_pass"):
+                with torch.no_grad():
+                    outputs = []
+                    for x in model_instance._activations[index]:
+                        chunks = [shard(c) for c in torch.chunk(x, nmb)]
+                        outputs.append(torch.cat(chunks).squeeze(-1))
+            with torch.autograd.profiler.record_function(_PREFIX + "forward_drop"):
+                model_instance._activations[index] = _to(model_instance._activations[index], torch.device("cpu"))
+                model_instance._activations.append(tuple(outputs))
+                shard.forward_drop()
+        result = [r.to(device) for r in model_instance._activations[-1]]
+        for r in result:
+            if r.is_floating_point():
+                r.requires_grad = True
+        return result[0] if len(result) == 1 else result
+
+    @staticmethod
+    @_amp_bwd
+    def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
+        model_instance = ctx.model_instance
+        device: torch.device = model_instance.device
+        nmb: int = model_instance._num_microbatches
+        grads: Tuple[Any, ...] = tuple(grad_outputs)
+        slices: List[ModelShard] = model_instance.model_slices
+        for index in reversed(range(len(slices))):
+            grads = _backward_slice(ctx, index, grads, slices[index], device, nmb)
+        # The first slice's input gradients belong to the model inputs (upstream returned None here).
+        input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
+        first = input_grads[0] if input_grads else None
+        return (first, None, None)
+
+
+def _backward_slice(
+    ctx: Any, index: int, grads: Tuple[Any, ...], shard: ModelShard, device: torch.device, nmb: int
+) -> Tuple[Any, ...]:
+    """Recompute slice ``index`` chunk by chunk and backpropagate ``grads``; return the gradients of its inputs."""
+    model_instance = ctx.model_instance
+    with torch.autograd.profiler.record_function(_PREFIX + "backward_load"):
+        acts = tuple(a.to(device).detach() if isinstance(a, Tensor) else a for a in model_instance._activations[index])
+        shard.backward_load()
+    cpu_state, device_state = torch.get_rng_state(), accelerator_rng_state(device)
+    fwd_cpu_state, fwd_device_state = ctx.rng_states[index]
+    torch.set_rng_state(fwd_cpu_state)
+    if fwd_device_state is not None:
+        set_accelerator_rng_state(device, fwd_device_state)
+    input_grads: List[Optional[Tensor]] = []
+    for x, grad in zip(acts, grads):
+        collected: List[Optional[Tensor]] = []
+        for x_chunk, g_chunk in zip(torch.chunk(x, nmb), torch.chunk(grad, nmb)):
+            if x_chunk.dtype != torch.long and x_chunk.is_floating_point():
+                x_chunk = x_chunk.detach().requires_grad_(True)
+            with torch.autograd.profiler.record_function(_PREFIX + "forward_pass_with_enable_grad"):
+                with torch.enable_grad():
+                    out = shard(x_chunk).squeeze(-1)
+            with torch.autograd.profiler.record_function(_PREFIX + "backward_pass"):
+                torch.autograd.backward(out, g_chunk)
+            collected.append(x_chunk.grad if x_chunk.requires_grad else None)
+        input_grads.append(None if any(c is None for c in collected) else torch.cat(cast(List[Tensor], collected)))
+    torch.set_rng_state(cpu_state)
+    if device_state is not None:
+        set_accelerator_rng_state(device, device_state)
+    with torch.autograd.profiler.record_function(_PREFIX + "backward_drop"):
+        shard.backward_drop()
+    return tuple(input_grads)
+
+
+class OffloadModel(nn.Module):
+    """Wrap an ``nn.Sequential`` so that it trains with only one slice at a time on the compute device.
+
+    The model is split into ``num_slices`` slices of about equal parameter count (or taken as given when ``model``
+    is a list of modules, such as the output of :func:`fairscale.experimental.nn.auto_shard.shard_model`). At rest
+    every slice, with its gradients, is on ``offload_device``; the optimizer therefore steps there.
+
+    Example::
+
+        model = OffloadModel(nn.Sequential(...), device=torch.device("cuda"), num_slices=3)
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    Args:
+        model (nn.Sequential or List[nn.Module]): the model, or its slices.
+        device (torch.device): the compute device (``cpu`` works too: then nothing moves).
+        offload_device (torch.device): where the model rests (default: CPU).
+        num_slices (int): number of slices when ``model`` is an ``nn.Sequential`` (default: 3).
+        checkpoint_activation (bool): recompute each slice in backward instead of keeping its activations.
+        num_microbatches (int): chunks each slice's batch is split into when checkpointing (default: 1).
+
+    Raises:
+        TypeError: ``model`` or ``device`` is missing, ``model`` is not an ``nn.Sequential`` or a list, or
+            ``device`` is a CUDA device on a machine without CUDA.
+        RuntimeError: ``num_microbatches > 1`` without ``checkpoint_activation``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        offload_device: torch.device = torch.device("cpu"),
+        num_slices: int = 3,
+        checkpoint_activation: bool = False,
+        num_microbatches: int = 1,
+    ) -> None:
+        super().__init__()
+        if not model:
+            raise TypeError("`model` argument to `OffloadModel` cannot be None.")
+        if not device:
+            raise TypeError("`device` argument to `OffloadModel` cannot be None.")
+        if not (isinstance(model, nn.Sequential) or type(model) == list):
+            raise TypeError("`model` argument to `OffloadModel` must be of type `nn.Sequential`.")
+        device = torch.device(device)
+        if device.type != "cpu" and not accelerator_available():
+            raise TypeError("CUDA must be available as one of the compute devices for `OffloadModel`.")
+        self.device = device
+        self.offload_device = torch.device(offload_device)
+        if isinstance(model, nn.Sequential):
+            slices: List[nn.Module] = [nn.Sequential(*split) for split in _split(model, num_slices)]
+        else:
+            slices = list(model)
+        self.model_slices = [ModelShard(s, self.device, self.offload_device, i) for i, s in enumerate(slices)]
+        self._model = nn.Sequential(*self.model_slices)
+        self._activations: List[Tuple[Any, ...]] = []
+        if not checkpoint_activation and num_microbatches > 1:
+            raise RuntimeError("We currently only support microbatches with activation checkpointing.")
+        self._checkpoint_activation = checkpoint_activation
+        self._num_microbatches = num_microbatches
+
+    def forward(self, *inputs: Any, **_: Any) -> Any:
+        """Run the slices in order; keyword arguments are accepted and ignored (as upstream).
+
+        Returns:
+            The last slice's output on ``device``: one tensor, or a tuple (a list with checkpointing) of several.
+        """
+        if self._checkpoint_activation:
+            return OffloadFunction.apply(*inputs, torch.tensor([], requires_grad=True), self)
+        anchor = torch.tensor([], requires_grad=True)
+        self._activations = []
+        for index in range(-1, len(self.model_slices)):
+            if index >= 0:
+                self._activations[index] = _to(self._activations[index], self.device)
+                out = self.model_slices[index](*self._activations[index])
+                acts: Tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
+            else:
+                acts = inputs
+            acts = ShardSyncLayer.apply(anchor, index, self.model_slices, self, *acts)
+            self._activations.append(acts)
+            if index >= 0:
+                # Bookkeeping copies; autograd keeps its own saved tensors.
+                self._activations[index] = _to(self._activations[index], torch.device("cpu"))
+        result = _to(self._activations[-1], self.device)
+        return result[0] if len(result) == 1 else result

@@ -1,0 +1,202 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""SyncBatchNorm: batch normalisation with statistics over the whole process group, checkpoint friendly.
+
+Forward needs two all-reduces (the element count, then the stacked mean and mean of squares); backward one
+(the two per-channel sums of the input gradient). Weight and bias gradients stay local, as DDP reduces them.
+Under :func:`fairscale.nn.checkpoint.checkpoint_wrapper` the statistics are computed once, in the first pass,
+and reused by the recomputation, so neither the collectives nor the running-statistics update happen twice.
+"""
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fairscale.internal.collectives import all_reduce
+from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
+
+__all__ = ["SyncBatchNorm"]
+
+
+def _forward(input: Tensor, affine: bool, mean: Tensor, invstd: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    if affine:
+        return (input - mean) * (invstd * weight.reshape_as(mean)) + bias.reshape_as(mean)
+    return (input - mean) * invstd
+
+
+def _track_running_stats(
+    running_mean: Tensor, running_var: Tensor, momentum: float, mean: Tensor, var: Tensor, total_count: Tensor
+) -> None:
+    unbiased_var = var * (total_count / (total_count - 1))
+    running_mean += momentum * (mean.reshape(-1) - running_mean)
+    running_var += momentum * (unbiased_var.reshape(-1) - running_var)
+
+
+def _calculate_stats(input: Tensor, eps: float, process_group: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Global ``(mean, var, invstd, total_count)`` of ``input`` over every dim except 1 and every rank."""
+    dim = [d for d in range(input.ndim) if d != 1]
+    # Counts in fp32 (upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
+    count = torch.full((1,), input.numel() // input.size(1), dtype=torch.float32, device=input.device)
+    total_count = count.clone()
+    count_work = all_reduce(total_count, group=process_group, async_op=True)
+    mean = torch.mean(input, dim=dim, keepdim=True)
+    meansqr = torch.mean(input * input, dim=dim, keepdim=True)
+    vec = torch.cat([mean, meansqr])
+    assert count_work is not None
+    count_work.wait()
+    vec = (vec * (count / total_count).to(vec.dtype)).contiguous()
+    all_reduce(vec, group=process_group)
+    mean, meansqr = vec.chunk(2)
+    var = meansqr - mean * mean
+    invstd = torch.rsqrt(var + eps)
+    return mean, var, invstd, total_count
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: Tensor,
+        weight: Optional[Tensor],
+        bias: Optional[Tensor],
+        affine: bool,
+        mean: Tensor,
+        invstd: Tensor,
+        total_count: Tensor,
+        process_group: Any,
+    ) -> Tensor:
+        ctx.save_for_backward(input, weight, bias, mean, invstd, total_count)
+        ctx.affine = affine
+        ctx.process_group = process_group
+        return _forward(input, affine, mean, invstd, weight, bias)  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        input, weight, bias, mean, invstd, total_count = ctx.saved_tensors
+        affine: bool = ctx.affine
+        dim = [d for d in range(input.ndim) if d != 1]
+        need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_input = grad_weight = grad_bias = None
+        gc: Optional[Tensor] = None
+        if need_input or need_weight:
+            gc = torch.sum((input - mean) * grad_output, dim=dim, keepdim=True)
+        if need_input:
+            assert gc is not None
+            w = weight.reshape_as(mean) if affine else None
+            gi = invstd * w * grad_output if w is not None else invstd * grad_output
+            grad_mean = -torch.sum(gi, dim=dim, keepdim=True)
+            grad_invstd = gc * w if w is not None else gc
+            grad_var = -0.5 * invstd.pow(3) * grad_invstd
+            grad_mean = grad_mean - 2 * mean * grad_var
+            vec = torch.cat([grad_mean, grad_var]).contiguous()
+            work = all_reduce(vec, group=ctx.process_group, async_op=True)
+            assert work is not None
+            # The weight/bias gradients below overlap with the all-reduce.
+            if need_weight:
+                grad_weight = (gc * invstd).reshape(-1)
+            if need_bias:
+                grad_bias = torch.sum(grad_output, dim=dim)
+            work.wait()
+            vec = vec / total_count.to(vec.dtype)
+            grad_mean, grad_meansqr = vec.chunk(2)
+            grad_input = gi + grad_mean + 2 * input * grad_meansqr
+        else:
+            if need_weight:
+                assert gc is not None
+                grad_weight = (gc * invstd).reshape(-1)
+            if need_bias:
+                grad_bias = torch.sum(grad_output, dim=dim)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class SyncBatchNorm(torch.nn.BatchNorm2d):
+    """Batch normalisation over the global batch of a process group (a faster, checkpoint-aware alternative to
+    ``torch.nn.SyncBatchNorm``).
+
+    In training mode with ``torch.distributed`` initialised, the statistics are those of the concatenation of
+    every rank's input (any input with the channels in dim 1). In eval mode, or without ``torch.distributed``,
+    it is ``BatchNorm2d`` (4-D input only, as upstream).
+
+    Args:
+        *args: ``BatchNorm2d``'s arguments (``num_features, eps, momentum, affine, track_running_stats``).
+        process_group (Optional[ProcessGroup]): the group to synchronise over (default: the world group).
+        **kwargs: ``BatchNorm2d``'s keyword arguments.
+    """
+
+    def __init__(self, *args: Any, process_group: Optional[Any] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._process_group = process_group if process_group is not None else dist.group.WORLD
+        self.saved_for_2nd_fwd: List[Tuple[Tensor, Tensor, Tensor]] = []
+        # Tells fairscale.nn.checkpoint's batch-norm patching to leave this layer alone: it already updates its
+        # running statistics only once per checkpointed step.
+        self.disable_patch_batchnorm = True
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not dist.is_initialized() or not self.training:
+            return super().forward(input)
+        if input.ndim < 2:
+            raise ValueError(
+                f"SyncBatchNorm expects an input with at least 2 dims (channels in dim 1), got {input.ndim}"
+            )
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm: input has {input.size(1)} channels in dim 1 but the layer has {self.num_features}"
+            )
+        wait_phase = is_checkpointing()
+        recompute_phase = is_recomputing()
+        if not recompute_phase:
+            with torch.no_grad():
+                mean, var, invstd, total_count = _calculate_stats(input, self.eps, self._process_group)
+                # Checked through the buffers, not ``track_running_stats``: a batch-norm patch that toggles the
+                # flag during no-grad passes must not stop this once-per-step update.
+                if self.running_mean is not None and self.running_var is not None:
+                    if self.momentum is None:
+                        raise RuntimeError(
+                            "SyncBatchNorm does not support momentum=None (cumulative average); pass a float"
+                        )
+                    _track_running_stats(self.running_mean, self.running_var, self.momentum, mean, var, total_count)
+        if wait_phase:
+            self.saved_for_2nd_fwd.append((mean, invstd, total_count))
+            return _forward(input, self.affine, mean, invstd, self.weight, self.bias)
+        if recompute_phase:
+            if not self.saved_for_2nd_fwd:
+                raise RuntimeError("SyncBatchNorm: recomputation without statistics saved by the checkpointed pass")
+            mean, invstd, total_count = self.saved_for_2nd_fwd.pop(0)
+        out: Tensor = _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, self.affine, mean, invstd, total_count, self._process_group
+        )
+        return out
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Optional[Any] = None) -> torch.nn.Module:
+        """Replace every batch-norm layer of ``module`` by a :class:`SyncBatchNorm` sharing its parameters and buffers.
+
+        Args:
+            module (nn.Module): the module (itself converted if it is a batch-norm layer).
+            process_group (Optional[ProcessGroup]): the group of the new layers (default: the world group).
+
+        Returns:
+            nn.Module: the converted module (the same object unless ``module`` itself was converted).
+        """
+        converted = module
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            converted = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group=process_group,
+            )
+            if module.affine:
+                converted.weight = module.weight
+                converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return converted

@@ -1,0 +1,475 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Layer-by-layer memory traces of a forward and backward pass, and checkpoint placement suggestions.
+
+:class:`LayerwiseMemoryTracker` hooks every module of a model and records, for each leaf module as it runs,
+the memory allocated after it, the bytes of the activations it produced, its parameter bytes and the bytes
+all-gathered for it (FSDP with a :class:`ProcessGroupTracker` as process group). Memory numbers come from the
+accelerator allocator's statistics on a GPU and from the profiler's memory events on the CPU (see
+``_memory_probe``); everything else (names, order, activation and parameter bytes) is device independent.
+
+Example::
+
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    model(batch).sum().backward()
+    tracker.stop()
+    print(tracker.summary)
+    tracker.show_plots()  # needs matplotlib and Pillow
+"""
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from functools import lru_cache
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from ._memory_plots import compare_memory_traces_in_plot, matplotlib_figure_to_image, null_context
+from ._memory_probe import MemoryMark, MemoryProbe, probe_for
+
+__all__ = [
+    "LayerwiseMemoryTracker",
+    "LayerMemoryTrace",
+    "TraceForwardEvent",
+    "TraceBackwardEvent",
+    "LayerwiseMemoryTrackerSummary",
+    "ProcessGroupTracker",
+    "ProcessGroupTrackingEvent",
+    "find_best_reset_points",
+    "suggest_checkpoint_location",
+    "SuggestedCheckpoints",
+    "compare_memory_traces_in_plot",
+    "matplotlib_figure_to_image",
+    "null_context",
+]
+
+
+class TraceForwardEvent(NamedTuple):
+    """Forward of a leaf module: memory allocated during it, and bytes of its new outputs."""
+
+    memory_diff: int
+    memory_activations: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"memory_diff": self.memory_diff, "memory_activations": self.memory_activations}
+
+    @classmethod
+    def from_dict(cls, serialized: Dict[str, Any]) -> "TraceForwardEvent":
+        return cls(memory_diff=serialized["memory_diff"], memory_activations=serialized["memory_activations"])
+
+
+class TraceBackwardEvent(NamedTuple):
+    """Backward of a traced module: bytes of the input gradients it produced."""
+
+    memory_activations: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"memory_activations": self.memory_activations}
+
+    @classmethod
+    def from_dict(cls, serialized: Dict[str, Any]) -> "TraceBackwardEvent":
+        return cls(memory_activations=serialized["memory_activations"])
+
+
+class LayerMemoryTrace(NamedTuple):
+    """One record of the tracker (a forward or a backward of one module)."""
+
+    module_name: str
+    module_params: int
+    allocated: int
+    reserved: int
+    is_forward: bool
+    all_gathered: int
+    cumul_all_gathered: int
+    event: Any  # TraceForwardEvent or TraceBackwardEvent
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "module_name": self.module_name,
+            "module_params": self.module_params,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "is_forward": self.is_forward,
+            "all_gathered": self.all_gathered,
+            "cumul_all_gathered": self.cumul_all_gathered,
+            "event": self.event.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, serialized: Dict[str, Any]) -> "LayerMemoryTrace":
+        event_cls = TraceForwardEvent if serialized["is_forward"] else TraceBackwardEvent
+        return cls(
+            module_name=serialized["module_name"],
+            module_params=serialized["module_params"],
+            allocated=serialized["allocated"],
+            reserved=serialized["reserved"],
+            is_forward=serialized["is_forward"],
+            all_gathered=serialized["all_gathered"],
+            cumul_all_gathered=serialized["cumul_all_gathered"],
+            event=event_cls.from_dict(serialized["event"]),
+        )
+
+
+@dataclass
+class LayerwiseMemoryTrackerSummary:
+    """Totals of a run: peaks, activation bytes, forward allocations and the top activation producers."""
+
+    max_memory_allocated: int
+    max_memory_cached: int
+    total_activation_allocations: int
+    total_forward_allocations: int
+    top_forward_activation_producers: List[LayerMemoryTrace] = field(default_factory=list)
+
+
+class ProcessGroupTrackingEvent(Enum):
+    allgather = auto()
+
+
+class ProcessGroupTracker:
+    """A process group proxy that reports all-gathers to a listener before running them.
+
+    Args:
+        group: the real process group.
+        listener: called as ``listener(ProcessGroupTrackingEvent.allgather, output_tensors, input_tensors)``.
+    """
+
+    def __init__(self, group: Any, listener: Optional[Callable[..., None]] = None) -> None:
+        self.group = group
+        self.listener = listener
+
+    def __getattr__(self, item: str) -> Any:
+        # Only called for attributes not found on the proxy itself.
+        if item in ("allgather", "_allgather_base"):
+            return self._build_wrapper(getattr(self.group, item))
+        return getattr(self.group, item)
+
+    def _build_wrapper(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(output_tensors: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.listener is not None:
+                self.listener(ProcessGroupTrackingEvent.allgather, output_tensors, input_tensors)
+            return fn(output_tensors, input_tensors, *args, **kwargs)
+
+        return wrapper
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    # Upstream's rule, kept because the trace values depend on it: 2 for fp16, 4 for everything else.
+    return 2 if dtype == torch.float16 else 4
+
+
+def _collect_tensors(value: Any) -> List[torch.Tensor]:
+    """Tensors in ``value`` (a tensor, or nested lists/tuples of them); anything else contributes nothing."""
+    found: List[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return found
+
+
+def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * _dtype_bytes(t.dtype) for t in tensors)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _new_tensors(produced: Any, consumed: Any) -> List[torch.Tensor]:
+    """Tensors of ``produced`` that do not share storage with any tensor of ``consumed`` (in-place ops do)."""
+    seen = {_storage_ptr(t) for t in _collect_tensors(consumed)}
+    return [t for t in _collect_tensors(produced) if _storage_ptr(t) not in seen]
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return type(module).__name__ == "FullyShardedDataParallel"
+
+
+class _Pending(NamedTuple):
+    position: int
+    mark: MemoryMark
+    pre_forward: Optional[MemoryMark]
+
+
+class LayerwiseMemoryTracker:
+    """Record memory layer by layer during forward and backward (see the module docstring).
+
+    Traces are available in :attr:`memory_traces` (a list of :class:`LayerMemoryTrace`), and summarised by
+    :attr:`summary`, :meth:`top_forward_activation_producers` and :meth:`show_plots`.
+    """
+
+    def __init__(self) -> None:
+        self._traces: List[LayerMemoryTrace] = []
+        self._pending: List[_Pending] = []
+        self._hooks: List[RemovableHandle] = []
+        self._previous_module_name: Optional[str] = None
+        self._last_all_gather_memory = 0
+        self._cumul_all_gather_memory: List[int] = []
+        self._memory_pre_forward: Optional[MemoryMark] = None
+        self._traced_module_names: Set[str] = set()
+        self._probe: Optional[MemoryProbe] = None
+
+    @property
+    def memory_traces(self) -> List[LayerMemoryTrace]:
+        """The traces recorded so far, in order."""
+        self._resolve()
+        return self._traces
+
+    @memory_traces.setter
+    def memory_traces(self, traces: List[LayerMemoryTrace]) -> None:
+        self._traces = list(traces)
+        self._pending = []
+
+    def monitor(self, model: nn.Module) -> None:
+        """Install the hooks on every module of ``model`` (root included) and start measuring."""
+        param = next(model.parameters(), None)
+        self._probe = probe_for(param.device if param is not None else torch.device("cpu"))
+        for name, m in model.named_modules():
+            self._hooks.append(m.register_forward_pre_hook(self._create_pre_forward_hook(name)))
+            self._hooks.append(m.register_forward_hook(self._create_post_forward_hook(name)))
+            # The legacy (non-full) hook, as upstream: its grad_input is that of the module's last autograd node,
+            # and it also works for in-place modules, which full backward hooks reject.
+            self._hooks.append(m.register_backward_hook(self._create_backward_hook(name)))
+            if _is_fsdp(m) and isinstance(getattr(m, "process_group", None), ProcessGroupTracker):
+                m.process_group.listener = self._handle_process_group_call
+        self._probe.start()
+
+    def clear_traces(self) -> None:
+        """Forget every trace."""
+        self._traces.clear()
+        self._pending.clear()
+        self._previous_module_name = None
+        self._memory_pre_forward = None
+        self._cumul_all_gather_memory.clear()
+
+    def stop(self) -> None:
+        """Remove the hooks and stop measuring (the traces are kept)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._probe is not None:
+            self._resolve()
+            self._probe.stop()
+        self._previous_module_name = None
+        self._memory_pre_forward = None
+        self._last_all_gather_memory = 0
+        self._cumul_all_gather_memory.clear()
+
+    @property
+    def forward_traces(self) -> List[LayerMemoryTrace]:
+        return [t for t in self.memory_traces if t.is_forward]
+
+    @property
+    def backward_traces(self) -> List[LayerMemoryTrace]:
+        return [t for t in self.memory_traces if not t.is_forward]
+
+    @property
+    def max_memory_allocated(self) -> int:
+        return max(t.allocated for t in self.memory_traces)
+
+    @property
+    def max_memory_cached(self) -> int:
+        return max(t.reserved for t in self.memory_traces)
+
+    @property
+    def summary(self) -> LayerwiseMemoryTrackerSummary:
+        """Peaks and totals of the forward traces, with the 10 largest activation producers."""
+        forward = self.forward_traces
+        return LayerwiseMemoryTrackerSummary(
+            max_memory_allocated=self.max_memory_allocated,
+            max_memory_cached=self.max_memory_cached,
+            total_activation_allocations=sum(t.event.memory_activations for t in forward),
+            total_forward_allocations=sum(t.event.memory_diff for t in forward),
+            top_forward_activation_producers=self.top_forward_activation_producers(top=10),
+        )
+
+    def top_forward_activation_producers(self, top: int = 10) -> List[LayerMemoryTrace]:
+        """The ``top`` forward traces with the most activation bytes (stable order on ties)."""
+        return sorted(self.forward_traces, key=lambda t: t.event.memory_activations, reverse=True)[:top]
+
+    def show_plots(self, figsize: Tuple[int, int] = (16, 20), capture: bool = False) -> Any:
+        """Plot the traces (needs matplotlib and Pillow); returns a ``PIL.Image`` when ``capture`` is true."""
+        return compare_memory_traces_in_plot({"run": self.memory_traces}, figsize, capture)
+
+    def save_traces(self, path: str) -> None:
+        """Write the traces as JSON ``{"traces": [...]}``."""
+        with open(path, "w") as f:
+            json.dump({"traces": [t.to_dict() for t in self.memory_traces]}, f)
+
+    @classmethod
+    def load(cls, path: str) -> "LayerwiseMemoryTracker":
+        """A tracker holding the traces saved by :meth:`save_traces`."""
+        with open(path) as f:
+            data = json.load(f)
+        tracker = cls()
+        tracker.memory_traces = [LayerMemoryTrace.from_dict(t) for t in data["traces"]]
+        return tracker
+
+    # ---- hooks
+
+    def _create_pre_forward_hook(self, name: str) -> Callable[..., None]:
+        def _pre_forward_hook(module: nn.Module, inputs: Any) -> None:
+            assert self._probe is not None
+            self._probe.sync()
+            self._previous_module_name = name
+            self._memory_pre_forward = self._probe.mark()
+            if _is_fsdp(module):
+                self._cumul_all_gather_memory.append(0)
+
+        return _pre_forward_hook
+
+    def _create_post_forward_hook(self, name: str) -> Callable[..., None]:
+        def _post_forward_hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
+            assert self._probe is not None
+            self._probe.sync()
+            if _is_fsdp(module) and self._cumul_all_gather_memory:
+                self._cumul_all_gather_memory.pop()
+            # Only a leaf as executed: no other module's pre-hook ran since this module's own.
+            if self._previous_module_name == name:
+                mark = self._probe.mark()
+                self._traced_module_names.add(name)
+                trace = LayerMemoryTrace(
+                    module_name=name,
+                    module_params=_tensor_bytes(list(module.parameters())),
+                    allocated=0,
+                    reserved=0,
+                    is_forward=True,
+                    all_gathered=self._last_all_gather_memory,
+                    cumul_all_gathered=sum(self._cumul_all_gather_memory),
+                    event=TraceForwardEvent(
+                        memory_diff=0, memory_activations=_tensor_bytes(_new_tensors(outputs, inputs))
+                    ),
+                )
+                self._append(trace, mark, self._memory_pre_forward)
+                self._last_all_gather_memory = 0
+            self._previous_module_name = None
+            self._memory_pre_forward = None
+
+        return _post_forward_hook
+
+    def _create_backward_hook(self, name: str) -> Callable[..., None]:
+        def _backward_hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            assert self._probe is not None
+            self._probe.sync()
+            if name not in self._traced_module_names:
+                return
+            activations = _tensor_bytes(_new_tensors(grad_input, grad_output))
+            trace = LayerMemoryTrace(
+                module_name=name,
+                module_params=_tensor_bytes(list(module.parameters())),
+                allocated=0,
+                reserved=0,
+                is_forward=False,
+                all_gathered=self._last_all_gather_memory,
+                cumul_all_gathered=0,
+                event=TraceBackwardEvent(memory_activations=activations),
+            )
+            self._append(trace, self._probe.mark(), None)
+            self._last_all_gather_memory = 0
+
+        return _backward_hook
+
+    def _handle_process_group_call(self, event: ProcessGroupTrackingEvent, *args: Any) -> None:
+        """All-gather listener: count the gathered bytes for the next trace and the enclosing FSDP module."""
+        if self._probe is not None:
+            self._probe.sync()
+        if event == ProcessGroupTrackingEvent.allgather:
+            outputs, _ = args
+            size = _tensor_bytes(_collect_tensors(outputs))
+            self._last_all_gather_memory += size
+            if self._cumul_all_gather_memory:
+                self._cumul_all_gather_memory[-1] += size
+
+    # ---- lazily measured memory
+
+    def _append(self, trace: LayerMemoryTrace, mark: MemoryMark, pre_forward: Optional[MemoryMark]) -> None:
+        self._traces.append(trace)
+        self._pending.append(_Pending(len(self._traces) - 1, mark, pre_forward))
+
+    def _resolve(self) -> None:
+        if not self._pending or self._probe is None:
+            return
+        marks = [p.mark for p in self._pending] + [p.pre_forward for p in self._pending if p.pre_forward is not None]
+        self._probe.resolve(marks)
+        for index, mark, pre in self._pending:
+            trace = self._traces[index]
+            allocated, reserved = int(mark.allocated or 0), int(mark.reserved or 0)
+            event = trace.event
+            if trace.is_forward:
+                before = int(pre.allocated or 0) if pre is not None else allocated
+                event = event._replace(memory_diff=allocated - before)
+            self._traces[index] = trace._replace(allocated=allocated, reserved=reserved, event=event)
+        self._pending.clear()
+
+
+@dataclass
+class SuggestedCheckpoints:
+    """Result of :func:`suggest_checkpoint_location`."""
+
+    max_memory: int
+    split_modules: List[str]
+    all_modules: List[str]
+
+
+def find_best_reset_points(activation_sizes: List[int], num_checkpoints: int) -> Tuple[int, List[int]]:
+    """Split ``activation_sizes`` into at most ``num_checkpoints + 1`` contiguous segments minimising the largest sum.
+
+    Args:
+        activation_sizes: the activation bytes of each layer, in order.
+        num_checkpoints: the number of split points allowed.
+
+    Returns:
+        ``(max_memory, split_points)``: the largest segment sum and the ascending exclusive end index of every
+        segment but the last (``len(activation_sizes)`` may appear: an empty last segment). Ties keep the earliest
+        split.
+    """
+    sizes = list(activation_sizes)
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+
+    @lru_cache(maxsize=None)
+    def best(start: int, remaining: int) -> Tuple[int, Tuple[int, ...]]:
+        if remaining == 0 or start == n:
+            return prefix[n] - prefix[start], ()
+        result: Optional[Tuple[int, Tuple[int, ...]]] = None
+        for end in range(start + 1, n + 1):
+            rest_max, rest_points = best(end, remaining - 1)
+            value = max(prefix[end] - prefix[start], rest_max)
+            if result is None or value < result[0]:
+                result = (value, (end,) + rest_points)
+        assert result is not None
+        return result
+
+    max_memory, points = best(0, num_checkpoints)
+    return max_memory, list(points)
+
+
+def suggest_checkpoint_location(
+    traces: List[LayerMemoryTrace], num_checkpoints: int, num_skipped_layers: int = 0
+) -> SuggestedCheckpoints:
+    """Suggest where to put ``num_checkpoints`` activation checkpoints to minimise the peak activation memory.
+
+    Args:
+        traces: the traces of a run (the first forward trace of each module is used).
+        num_checkpoints: the number of checkpoints to place.
+        num_skipped_layers: leading layers to leave out of the search.
+    """
+    visited: Set[str] = set()
+    names: List[str] = []
+    sizes: List[int] = []
+    for t in traces:
+        if t.is_forward and t.module_name not in visited:
+            visited.add(t.module_name)
+            names.append(t.module_name)
+            sizes.append(t.event.memory_activations)
+    names, sizes = names[num_skipped_layers:], sizes[num_skipped_layers:]
+    max_memory, points = find_best_reset_points(sizes, num_checkpoints)
+    return SuggestedCheckpoints(max_memory, [names[i] for i in points if i < len(names)], names)

@@ -1,0 +1,52 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The ``wgit`` command line."""
+
+import argparse
+from pathlib import Path
+from typing import List, Optional
+
+from .version import __version_tuple__
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Run a wgit sub-command (``version``, ``init``, ``status``, ``add``, ``commit``, ``checkout``, ``log``)."""
+    desc = "WeiGit: A git-like tool for model weight tracking"
+    parser = argparse.ArgumentParser(description=desc)
+    subparsers = parser.add_subparsers(dest="command")
+    subparsers.add_parser("version", description="Show the version")
+    subparsers.add_parser("init", description="Initialize a weigit repo")
+    subparsers.add_parser("status", description="Show the repo's current status")
+    add_parser = subparsers.add_parser("add", description="Add a file to the staged changeset (default: none)")
+    add_parser.add_argument("add", default="", type=str, metavar="FILE_PATH", help="add a file to the staged changeset")
+    add_parser.add_argument("--no_per_tensor", action="store_true", help="Disable per-tensor adding")
+    commit_parser = subparsers.add_parser("commit", description="Commits the staged changes")
+    commit_parser.add_argument("-m", "--message", required=True, type=str, help="commit message")
+    checkout_parser = subparsers.add_parser("checkout", description="checkout from a commit")
+    checkout_parser.add_argument("checkout", default="", type=str, metavar="FILE_SHA1", help="checkout a commit")
+    log_parser = subparsers.add_parser("log", description="Show the history log of the repo or optionally of a file.")
+    log_parser.add_argument(
+        "-f", "--file", default="", type=str, metavar="FILE_PATH", help="Show the history of a file"
+    )
+    args = parser.parse_args(argv)
+
+    if args.command == "version":
+        print(".".join(str(x) for x in __version_tuple__))
+        return
+    if args.command is None:
+        return
+    from .repo import Repo
+
+    if args.command == "init":
+        Repo(Path.cwd(), init=True)
+    elif args.command == "add":
+        Repo(Path.cwd()).add(args.add, per_tensor=not args.no_per_tensor)
+    elif args.command == "status":
+        print(Repo(Path.cwd()).status())
+    elif args.command == "commit":
+        Repo(Path.cwd()).commit(args.message)
+    elif args.command == "checkout":
+        Repo(Path.cwd()).checkout(args.checkout)
+    elif args.command == "log":
+        Repo(Path.cwd()).log(args.file)

@@ -1,0 +1,153 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The identity every shard of a sharded checkpoint carries, and the checks that use it.
+
+A sharded checkpoint is one ``(local_state_dict(), local_metadata_dict())`` pair per rank. Nothing in upstream's
+format says which checkpoint (or which rank) a pair belongs to, so shards of two different checkpoints, or shards in
+the wrong order, consolidated into a plausible-looking but wrong model. Every pair now carries::
+
+    {"id": str, "rank": int, "world_size": int, "step": int}
+
+* in the metadata dict under the extra top-level key ``"checkpoint_identity"`` (upstream's consumers read only
+  ``"param_metadata"`` and ``"buffer_names"`` and ignore it);
+* in the local state dict's ``_metadata`` (the per-module version table torch keeps next to every state dict and
+  ``torch.save`` preserves) under ``"__fsdp_checkpoint_identity__"``, which no module prefix can equal, so loaders
+  (upstream's included) never look at it.
+
+``id`` is the same on every rank of one checkpoint without any communication at save time: it is a token the ranks
+agreed on at the root's first forward (and again at every load), followed by ``step``, the number of
+gradient-synchronizing backward passes the model has completed (restored by a load of a local checkpoint). Files
+without an identity (upstream's, or older ones) are accepted as before.
+"""
+
+import uuid
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+IDENTITY_KEY = "checkpoint_identity"
+WEIGHTS_IDENTITY_KEY = "__fsdp_checkpoint_identity__"
+_FIELDS = ("id", "rank", "world_size", "step")
+
+
+def new_token() -> str:
+    """A fresh random token (rank 0's wins when the ranks agree on one)."""
+    return uuid.uuid4().hex[:16]
+
+
+def make_identity(token: Optional[str], step: int, rank: int, world_size: int) -> Dict[str, Any]:
+    """The identity of a shard taken now: same ``id`` on every rank that agreed on ``token`` and is at ``step``."""
+    return {"id": f"{token or 'untrained'}-{int(step)}", "rank": int(rank), "world_size": int(world_size), "step": step}
+
+
+def attach_to_weights(state_dict: Any, identity: Mapping[str, Any]) -> None:
+    """Record ``identity`` in a state dict's ``_metadata`` table (created if the dict has none)."""
+    table = getattr(state_dict, "_metadata", None)
+    if table is None:
+        try:
+            from collections import OrderedDict
+
+            table = OrderedDict()
+            state_dict._metadata = table
+        except AttributeError:  # a plain dict: nowhere to put it
+            return
+    table[WEIGHTS_IDENTITY_KEY] = dict(identity)
+
+
+def of_weights(state_dict: Any) -> Optional[Dict[str, Any]]:
+    """The identity recorded in a local state dict, ``None`` when it carries none."""
+    table = getattr(state_dict, "_metadata", None)
+    value = table.get(WEIGHTS_IDENTITY_KEY) if isinstance(table, Mapping) else None
+    return dict(value) if isinstance(value, Mapping) else None
+
+
+def of_metadata(meta: Any) -> Optional[Dict[str, Any]]:
+    """The identity recorded in a local metadata dict, ``None`` when it carries none."""
+    value = meta.get(IDENTITY_KEY) if isinstance(meta, Mapping) else None
+    return dict(value) if isinstance(value, Mapping) else None
+
+
+def _describe(ident: Mapping[str, Any]) -> str:
+    return f"rank {ident.get('rank')} of checkpoint {ident.get('id')!r} (step {ident.get('step')})"
+
+
+def check_pair(weights: Any, meta: Any, what: str) -> Optional[Dict[str, Any]]:
+    """The identity of one rank's ``(weights, metadata)``; they must not come from different checkpoints.
+
+    Raises:
+        ValueError: a malformed identity, or weights and metadata of different checkpoints.
+    """
+    from_meta, from_weights = of_metadata(meta), of_weights(weights)
+    for ident in (from_meta, from_weights):
+        if ident is not None and any(field not in ident for field in _FIELDS):
+            raise ValueError(f"{what}: the checkpoint identity is malformed: {ident!r}")
+    if from_meta is not None and from_weights is not None and from_meta != from_weights:
+        raise ValueError(
+            f"{what}: the weights are {_describe(from_weights)} but the metadata is {_describe(from_meta)}: save "
+            "local_state_dict() and local_metadata_dict() together"
+        )
+    return from_meta if from_meta is not None else from_weights
+
+
+def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], what: str) -> None:
+    """Shards given for one checkpoint must be every rank's of the same one, each once, in rank order.
+
+    Args:
+        shard_weights: the local state dicts, in the order given.
+        shard_metadata: the metadata dicts, in the order given.
+        what: the caller's name, for the messages.
+
+    Raises:
+        ValueError: a malformed identity; a rank's weights and metadata from different checkpoints; some shards with
+            an identity and some without; shards of different checkpoints; a rank given twice; shards not in rank
+            order; or not as many shards as the checkpoint's world size.
+    """
+    idents = [
+        check_pair(weights, meta, f"{what}: shard {pos}")
+        for pos, (weights, meta) in enumerate(zip(shard_weights, shard_metadata))
+    ]
+    present = [pos for pos, ident in enumerate(idents) if ident is not None]
+    if not present:
+        return  # upstream's (or older) files: nothing to check
+    if len(present) != len(idents):
+        missing = [pos for pos, ident in enumerate(idents) if ident is None]
+        raise ValueError(
+            f"{what}: shards {missing} carry no checkpoint identity but shards {present} do: these files come from "
+            "different checkpoints (e.g. an upstream fairscale checkpoint mixed with this one's)"
+        )
+    known = [ident for ident in idents if ident is not None]
+    if len({ident["id"] for ident in known}) > 1:
+        listing = "; ".join(f"shard {pos}: {_describe(ident)}" for pos, ident in enumerate(known))
+        raise ValueError(
+            f"{what}: the shards come from different checkpoints ({listing}). Pass every rank's files of one "
+            "checkpoint."
+        )
+    ranks = [int(ident["rank"]) for ident in known]
+    for rank in sorted(set(ranks)):
+        positions = [pos for pos, r in enumerate(ranks) if r == rank]
+        if len(positions) > 1:
+            raise ValueError(
+                f"{what}: rank {rank}'s shard is given {len(positions)} times (shards {positions}): the same file "
+                "was passed more than once"
+            )
+    world_size = int(known[0]["world_size"])
+    if len(known) != world_size:
+        raise ValueError(
+            f"{what}: the checkpoint was saved by {world_size} ranks but {len(known)} shards were given "
+            f"(ranks {ranks}); pass the files of every rank"
+        )
+    for pos, rank in enumerate(ranks):
+        if rank != pos:
+            raise ValueError(
+                f"{what}: shard {pos} is rank {rank}'s (the shards are given in the order of ranks {ranks}); pass "
+                "them in rank order, shard r being rank r's"
+            )
+
+
+def check_loadable_here(ident: Optional[Mapping[str, Any]], rank: int, world_size: int) -> None:
+    """A local state dict that says which rank saved it must be loaded on that rank of a world of that size."""
+    if ident is None:
+        return
+    if int(ident.get("world_size", -1)) != world_size or int(ident.get("rank", -1)) != rank:
+        raise RuntimeError(
+            f"load_local_state_dict: this is {_describe(ident)}, saved by {ident.get('world_size')} ranks, but it is "
+            f"loaded on rank {rank} of {world_size}. Load each rank's own file, or consolidate / re-shard the "
+            "checkpoint for another world size."
+        )

@@ -1,0 +1,112 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Parameters shared between FSDP instances: which ties FSDP can honour, and which it must refuse.
+
+Each FSDP instance keeps its own shard of every parameter it owns, so a parameter used by two instances is only
+honoured in one case: it is owned (sharded, ``flatten_parameters=False``) by a sibling and the user declared it with
+:meth:`FullyShardedDataParallel.append_shared_param`. Every other form of sharing would give each instance its own
+copy, and the copies would drift apart silently during training. They are detected here, at construction, and
+reported at the first forward with a ``ValueError`` (as the undeclared sibling tie always was):
+
+* a parameter that an FSDP instance with ``flatten_parameters=True`` has flattened, still registered in a module
+  outside that instance (a sibling, the parent, or a separate root): the original ``nn.Parameter`` object is no
+  longer the one that is trained, the flat parameter is;
+* a parameter owned by a nested FSDP instance and also registered in a module of its parent outside the nested
+  instance: the parent would read the nested instance's shard (a 1-D slice) as if it were the full weight.
+"""
+
+from typing import Any, Iterable, List, Set, Tuple
+
+from torch import nn
+
+# Set on the original parameters an FSDP instance flattened: they are dead copies from then on.
+_FLATTENED_ATTR = "_fsdp_flattened_away"
+
+
+def mark_flattened(params: Iterable[nn.Parameter]) -> None:
+    """Remember that ``params`` were copied into a flat parameter (their objects no longer train)."""
+    for p in params:
+        setattr(p, _FLATTENED_ATTR, True)
+
+
+def _modules_outside_nested(module: nn.Module, fsdp_cls: type) -> List[Tuple[str, nn.Module]]:
+    """``(path, module)`` of ``module`` and its descendants, not descending into nested FSDP instances."""
+    out: List[Tuple[str, nn.Module]] = []
+    stack: List[Tuple[str, nn.Module]] = [("", module)]
+    seen: Set[int] = set()
+    while stack:
+        path, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append((path, m))
+        for name, child in m.named_children():
+            if not isinstance(child, fsdp_cls):
+                stack.append((f"{path}.{name}" if path else name, child))
+    return out
+
+
+def find_unhonourable_ties(module: nn.Module, nested_owned: Set[int], fsdp_cls: type) -> List[str]:
+    """Describe every parameter of ``module`` shared with another FSDP instance in a way FSDP cannot honour.
+
+    Args:
+        module: the module an FSDP instance is about to wrap.
+        nested_owned: ``id()`` of every parameter owned by an FSDP instance nested in ``module``.
+        fsdp_cls: the FSDP class (to stop at nested instances).
+
+    Returns:
+        One readable line per offending parameter name (empty when there is none).
+    """
+    problems: List[str] = []
+    for path, m in _modules_outside_nested(module, fsdp_cls):
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            full = f"{path}.{name}" if path else name
+            if getattr(p, _FLATTENED_ATTR, False):
+                problems.append(
+                    f"{full!r} is a parameter that another FullyShardedDataParallel instance flattened "
+                    "(flatten_parameters=True): this instance would train a separate copy"
+                )
+            elif id(p) in nested_owned:
+                problems.append(
+                    f"{full!r} is owned by a FullyShardedDataParallel instance nested in this one, but used by a "
+                    "module outside it: outside the nested instance's forward it is a 1-D shard"
+                )
+    return problems
+
+
+def raise_for_ties(problems: List[str], undeclared: List[str]) -> None:
+    """Raise the ``ValueError`` of the first forward for ties FSDP cannot honour or that were not declared."""
+    lines: List[str] = []
+    if undeclared:
+        lines.append(
+            f"parameters {undeclared} of this FullyShardedDataParallel instance are owned (sharded) by another "
+            "instance outside it (tied weights between siblings). Call append_shared_param(p) on this instance "
+            "before its first forward (needs flatten_parameters=False), or wrap the tied modules in one instance."
+        )
+    if problems:
+        lines.append(
+            "tied weights FullyShardedDataParallel cannot honour: "
+            + "; ".join(problems)
+            + ". Wrap every module that uses a shared weight in one FSDP instance (e.g. the common parent), or give "
+            "the owner flatten_parameters=False and declare the weight with append_shared_param() on the sibling "
+            "that borrows it."
+        )
+    raise ValueError("\n".join(lines))
+
+
+def check_borrowed_in_tree(instances: List[Any]) -> None:
+    """Every parameter declared with ``append_shared_param`` must be owned by an instance of the same tree.
+
+    A parameter borrowed from a separate root would be gathered by the borrower while its owner's hooks, state and
+    reductions belong to another tree; raise instead (at the root's first forward).
+    """
+    owned = {id(h.param) for m in instances for h in m._handles if not h.borrowed}
+    for m in instances:
+        for h in m._handles:
+            if h.borrowed and id(h.param) not in owned:
+                raise ValueError(
+                    "a parameter declared with append_shared_param() is owned by a FullyShardedDataParallel instance "
+                    "outside this root's tree (a separate root): sharing a weight between separate roots is not "
+                    "supported. Wrap both models under one root FSDP instance."
+                )

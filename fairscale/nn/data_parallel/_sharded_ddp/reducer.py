@@ -1,0 +1,247 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Gradient reduction to the owning rank, during backward: hooks, buckets and pending work.
+
+Each trainable parameter gets one post-accumulate-grad hook, which fires once its gradient for this backward is
+complete. The gradient is averaged over the group by a *reduce* to the rank whose OSS shard owns the parameter:
+small gradients travel together in a :class:`GradBucket` per (device, owner, dtype), sent as soon as all of its
+gradients are in; the others are reduced one by one. An end-of-backward callback sends what is left (buckets with
+unused parameters) and waits for every reduction, so gradients are final when ``backward()`` returns.
+
+Every rank must produce the same reductions in the same order, i.e. run the same graph.
+"""
+
+import collections
+import enum
+import functools
+import weakref
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, cast
+
+import torch
+from torch.autograd import Variable
+
+from fairscale.internal import collectives
+from fairscale.internal.params import Workhandle
+from fairscale.nn.misc.param_bucket import GradBucket
+
+__all__ = ["HookState", "GradReducer"]
+
+
+def _dispatch_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", param: torch.Tensor) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._on_grad_ready(param)
+
+
+class HookState(enum.Enum):
+    """Whether the backward hooks are in place (they are only while training)."""
+
+    #: No hooks: never set up, or set up in eval mode (nothing to reduce).
+    NONE = enum.auto()
+    #: One hook per trainable parameter; buckets built for the current trainability.
+    READY = enum.auto()
+
+
+class GradReducer:
+    """Owns the hooks, the gradient buckets and the queue of pending reductions of one ShardedDataParallel.
+
+    Args:
+        group: the process group.
+        world_size (int): its size.
+        bucket_size (int): the element capacity of each gradient bucket (0: no buckets).
+        reduce_fp16 (bool): reduce unbucketed fp32 gradients as fp16.
+    """
+
+    def __init__(self, group: Any, world_size: int, bucket_size: int, reduce_fp16: bool) -> None:
+        self.group = group
+        self.scaling = 1.0 / world_size
+        self.bucket_size = bucket_size
+        self.reduce_fp16 = reduce_fp16
+        self.state = HookState.NONE
+        #: True inside ``no_sync()``: hooks leave the gradients where they accumulate.
+        self.accumulating = False
+        self.trainable: List[torch.Tensor] = []
+        self._owner: Dict[int, int] = {}  # id(param) -> destination global rank
+        self._is_owner: Dict[int, bool] = {}
+        self._bucket_of: Dict[int, GradBucket] = {}
+        self.buckets: List[GradBucket] = []
+        self._pending: Dict[int, bool] = {}  # id(param) -> still to be reduced in this backward
+        self._handles: Deque[Workhandle] = collections.deque()
+        self._hook_handles: List[Any] = []
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------------------------------------
+    # Set-up
+
+    def setup(self, trainable: Sequence[torch.Tensor], owners: Dict[int, Tuple[int, bool]], training: bool) -> None:
+        """Rebuild buckets and hooks for ``trainable`` (sorted by size); ``owners``: ``{id: (dst, mine)}``."""
+        self.remove_hooks()
+        self.trainable = list(trainable)
+        self._owner = {pid: dst for pid, (dst, _) in owners.items()}
+        self._is_owner = {pid: mine for pid, (_, mine) in owners.items()}
+        self._pending = {}
+        self._bucket_of = {}
+        self.buckets = []
+        if not training:
+            self.state = HookState.NONE
+            return
+        for param in self.trainable:
+            if param.grad is not None and param.grad.requires_grad:
+                raise RuntimeError("ShardedDataParallel only works with gradients that don't require grad")
+        if self.bucket_size > 0:
+            self._setup_buckets()
+        for param in self.trainable:
+            register = cast(Any, param).register_post_accumulate_grad_hook  # untyped in torch's stubs
+            # The parameter (held by C++ autograd) must not keep the reducer alive: a dropped wrapper stops
+            # reducing, and a model wrapped again is reduced by its new wrapper only.
+            self._hook_handles.append(register(functools.partial(_dispatch_hook, weakref.ref(self))))
+        self.state = HookState.READY
+
+    def _setup_buckets(self) -> None:
+        by_key: Dict[Tuple[torch.device, int, torch.dtype], GradBucket] = {}
+        for param in self.trainable:
+            dst = self._owner[id(param)]
+            key = (param.device, dst, param.dtype)
+            bucket = by_key.get(key)
+            if bucket is None:
+                bucket = GradBucket(self.bucket_size, param.dtype, param.device, destination=dst)
+                by_key[key] = bucket
+            if bucket.can_add_grad_view(param):
+                bucket.add_grad(param)
+                self._bucket_of[id(param)] = bucket
+        # Buckets that got no gradient are dropped: every rank drops the same ones.
+        self.buckets = [b for b in by_key.values() if b._params]
+        for bucket in self.buckets:
+            bucket.shrink()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self.state = HookState.NONE
+
+    # ------------------------------------------------------------------------------------------------
+    # Per iteration
+
+    def clear_counters(self, training: bool) -> None:
+        """A forward starts: every trainable parameter is to be reduced in the coming backward."""
+        if training:
+            self._pending = {id(p): True for p in self.trainable}
+        self._callback_queued = False
+        for bucket in self.buckets:
+            bucket.reset_checked_in()
+
+    @property
+    def has_pending(self) -> bool:
+        return any(self._pending.values())
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.accumulating or not self._pending.get(id(param), False):
+            return
+        assert param.grad is not None, "Reducing gradients during backward pass, cannot be None"
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self.flush)
+        self._pending[id(param)] = False
+        bucket = self._bucket_of.get(id(param))
+        if bucket is None:
+            self._reduce_direct(param)
+        else:
+            self._check_into_bucket(param, bucket)
+        self._consume_completed()
+
+    def _reduce_direct(self, param: torch.Tensor) -> None:
+        assert param.grad is not None
+        grad = param.grad
+        grad.mul_(self.scaling)
+        dst = self._owner[id(param)]
+        mine = self._is_owner[id(param)]
+        wire = grad.half() if self.reduce_fp16 and grad.dtype == torch.float32 else grad
+        handle = collectives.reduce(wire, dst, group=self.group, async_op=True)
+
+        def done() -> None:
+            if not mine:
+                # The reduced value lives on the owner only; dropping it here is what saves the memory.
+                param.grad = None
+            elif wire is not grad:
+                grad.copy_(wire)
+
+        self._handles.append(Workhandle(handle, done))
+
+    @torch.no_grad()
+    def _check_into_bucket(self, param: torch.Tensor, bucket: GradBucket) -> None:
+        assert param.grad is not None
+        slot = bucket.slot(param)
+        if param.grad.data_ptr() != slot.data_ptr():
+            # The gradient was replaced (e.g. zero_grad(set_to_none=True) on the optimizer, then a fresh
+            # gradient from autograd): bring its value into the bucket so the bucket reduces what autograd
+            # computed. Upstream reduced the stale bucket instead.
+            slot.copy_(param.grad)
+            param.grad = slot
+        bucket.params_checked_in += 1
+        if bucket.all_checked_in:
+            self._send(bucket)
+
+    def _send(self, bucket: GradBucket) -> None:
+        assert bucket.buffer is not None
+        bucket.buffer.mul_(self.scaling)
+        bucket.sent = True
+        handle = collectives.reduce(bucket.buffer, bucket.destination, group=self.group, async_op=True)
+        self._handles.append(Workhandle(handle, None))
+
+    def _consume_completed(self) -> None:
+        while self._handles and self._handles[0].handle.is_completed():
+            self._finish(self._handles.popleft())
+
+    @staticmethod
+    def _finish(work: Workhandle) -> None:
+        work.handle.wait()
+        if work.callback is not None:
+            work.callback()
+
+    def flush(self) -> None:
+        """End of backward: send the buckets not sent yet, then wait for every reduction, in order."""
+        for bucket in self.buckets:
+            if not bucket.sent:
+                self._send(bucket)
+        while self._handles:
+            self._finish(self._handles.popleft())
+        self._callback_queued = False
+
+    def manual_reduce(self) -> None:
+        """Reduce everything still pending now (after a backward run inside ``no_sync()``)."""
+        assert (
+            self.has_pending
+        ), "No grads waiting to be reduced, maybe that this was called twice or there was no BW pass ?"
+        # Outside of a backward there is no autograd engine to queue the flush on: it runs right here.
+        self._callback_queued = True
+        for param in self.trainable:
+            self._on_grad_ready(param)
+        self.flush()
+
+    # ------------------------------------------------------------------------------------------------
+    # Gradient buffers
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool, params: Sequence[torch.Tensor]) -> None:
+        """Zero (or release) the gradients of ``params``; bucketed trainable ones stay views, zeroed."""
+        for param in params:
+            in_bucket = id(param) in self._bucket_of and param.requires_grad
+            if set_to_none and not in_bucket:
+                # A parameter frozen since the buckets were built gets None too, as a plain optimizer's would,
+                # so that it is not stepped with a zero gradient.
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+        for bucket in self.buckets:
+            bucket.zero()
+
+    def bucket_devices(self) -> List[torch.device]:
+        devices: List[torch.device] = []
+        for bucket in self.buckets:
+            assert bucket.buffer is not None
+            if bucket.buffer.device not in devices:
+                devices.append(bucket.buffer.device)
+        return devices
+
+    def is_bucketed(self, param: torch.Tensor) -> Optional[GradBucket]:
+        return self._bucket_of.get(id(param))

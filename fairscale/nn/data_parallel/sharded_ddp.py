@@ -1,0 +1,293 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""ShardedDataParallel: data parallelism with gradient sharding (ZeRO stage 2), to be used with OSS.
+
+Where DDP all-reduces every gradient, ShardedDataParallel *reduces* each gradient to the rank whose
+:class:`~fairscale.optim.OSS` shard owns the parameter, and the other ranks drop it: each rank keeps about
+``1 / world_size`` of the gradients once backward is done, and OSS's step then only needs those.
+"""
+
+import contextlib
+import logging
+from typing import Any, Dict, Generator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.internal import collectives
+from fairscale.internal.collectives import WorkHandle
+from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
+from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
+from fairscale.optim.oss import OSS
+
+from ._sharded_ddp.reducer import GradReducer, HookState
+
+__all__ = ["ShardedDataParallel"]
+
+
+class ShardedDataParallel(nn.Module):
+    """Wrap a model for data-parallel training whose optimizer state (OSS) and gradients are sharded.
+
+    Example::
+
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        model = ShardedDataParallel(model, optimizer)
+        for batch in data:
+            model.zero_grad()
+            model(batch).sum().backward()   # each gradient reduced to its owner during backward
+            optimizer.step()                # owners step, then broadcast
+
+    Args:
+        module (nn.Module): the model to wrap; all its parameters on one device type.
+        sharded_optimizer (OSS or list of OSS): the optimizer(s) owning the parameters; parameters in no OSS
+            are not reduced.
+        process_group (Optional[ProcessGroup]): the data-parallel group (default: the world group); the same as the
+            optimizers'.
+        broadcast_buffers (bool): broadcast the module's buffers from group rank 0 at every forward (not inside
+            :meth:`no_sync`). Default ``True``.
+        sync_models_at_startup (bool): broadcast parameters and buffers from group rank 0 now. Default ``True``.
+        reduce_buffer_size (int): the element capacity of each gradient bucket; small gradients of the same owner
+            are reduced together. ``0`` disables buckets. Default ``2**23``.
+        auto_refresh_trainable (bool): check at every forward whether parameters were frozen/unfrozen or the
+            train/eval mode changed, and rebuild hooks and buckets if so. Default ``True``; with ``False`` call
+            :meth:`refresh_trainable` after such a change.
+        reduce_fp16 (bool): reduce fp32 gradients as fp16 (only without buckets; ignored with a warning
+            otherwise). Default ``False``.
+        warn_on_trainable_params_changed (bool): log a warning when a trainability change is detected.
+            Default ``True``.
+
+    .. warning:: Every rank must run the same graph (the same parameters get gradients, in the same order): the
+        reductions are matched by order.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: Union[OSS, List[OSS]],
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+    ):
+        super().__init__()
+        self.module = module
+        self._sharded_optimizers: List[OSS] = (
+            sharded_optimizer if isinstance(sharded_optimizer, list) else [sharded_optimizer]
+        )
+        self._enable_broadcast_buffers = broadcast_buffers
+        self._auto_refresh_trainable = auto_refresh_trainable
+        self._warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        if reduce_fp16 and reduce_buffer_size > 0:
+            logging.warning(
+                "fp16 gradient reduction is not compatible with reduction buffers, which are requested. "
+                "fp16 grad reduction is deactivated."
+            )
+            reduce_fp16 = False
+        self._reduce_fp16 = reduce_fp16
+
+        device_types = {p.device.type for p in self.module.parameters()}
+        assert len(device_types) <= 1, (
+            "ShardedDataParallel's input module must be on the same type of devices, but input module parameters "
+            f"are located on {device_types} different device types."
+        )
+        self.is_multi_device_module = len({p.device for p in self.module.parameters()}) > 1
+        self.device_type = next(iter(device_types)) if device_types else "cpu"
+
+        self._process_group = process_group if process_group is not None else _world_group()
+        world_size = collectives.group_size(self._process_group)
+        self._rank = collectives.group_rank(self._process_group)
+        if self._rank < 0:
+            raise ValueError("ShardedDataParallel: this process is not a member of `process_group`")
+        self._local_to_global_rank = [_global_rank(self._process_group, r) for r in range(world_size)]
+        self._global_rank = self._local_to_global_rank[self._rank]
+        self._reference_global_rank = self._local_to_global_rank[0]
+        self._world_size_scaling = 1.0 / world_size
+        for optim in self._sharded_optimizers:
+            if optim.world_size != world_size:
+                raise ValueError(
+                    f"ShardedDataParallel: the process group has {world_size} ranks but an OSS optimizer shards "
+                    f"over {optim.world_size}; build OSS with the same group"
+                )
+
+        # Every parameter the optimizers manage: per optimizer, per device, owner by owner (each by size).
+        self._all_params: List[torch.Tensor] = [
+            p
+            for optim in self._sharded_optimizers
+            for per_rank in optim._per_device_params.values()
+            for params in per_rank
+            for p in params
+        ]
+        self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
+
+        model_size = sum(p.numel() for p in self.module.parameters())
+        self._buffer_max_size = min(reduce_buffer_size, model_size)
+        if world_size == 1:
+            logging.info("Training is not really distributed, single rank. Deactivating buckets")
+            self._buffer_max_size = 0
+        logging.info(
+            "ShardedDDP bucket size: {:.2f}M parameters, model size {:.2f}M parameters".format(
+                self._buffer_max_size / 2**20, model_size / 2**20
+            )
+        )
+        self._reducer = GradReducer(self._process_group, world_size, self._buffer_max_size, self._reduce_fp16)
+        if sync_models_at_startup:
+            self._sync_params_and_buffers()
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks are looked up on the wrapped module (as DDP users expect)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module, after (re)building the gradient hooks if trainability or the mode changed."""
+        needs_setup = self._reducer.state == HookState.NONE and self.training
+        if self._auto_refresh_trainable:
+            needs_setup |= self._detect_train_change()
+        if needs_setup:
+            self.refresh_trainable()
+        if self._enable_broadcast_buffers and not self._reducer.accumulating:
+            self.sync_buffers(blocking=True)
+        self._reducer.clear_counters(self.training)
+        return self.module(*inputs, **kwargs)
+
+    def _detect_train_change(self) -> bool:
+        mask = [p.requires_grad for p in self._all_params]
+        changed = mask != self._reference_trainable_mask or (
+            not self.training and self._reducer.state == HookState.READY
+        )
+        if changed:
+            if self._warn_on_trainable_params_changed:
+                logging.warning(
+                    "ShardedDDP detected that the trainable params changed, "
+                    "either because of eval/train mode or parameter freezing/unfreeze."
+                )
+            # Remembered whether or not the warning is on (upstream only did with it on, and refreshed at every
+            # forward after the first change otherwise).
+            self._reference_trainable_mask = mask
+        return changed
+
+    def refresh_trainable(self) -> None:
+        """Rebuild hooks and buckets (and the optimizers' broadcast buckets) for the current trainability.
+
+        Called automatically when ``auto_refresh_trainable`` is set; ownership of the parameters never changes.
+        """
+        if self._reducer.has_pending:
+            logging.warning(
+                "Grads waiting to be reduced. If this is on purpose (grad accumulation), please use a no_sync() context"
+            )
+        trainable = sorted((p for p in self._all_params if p.requires_grad), key=lambda p: p.numel())
+        owners: Dict[int, Tuple[int, bool]] = {}
+        for optim in self._sharded_optimizers:
+            optim.refresh_trainable()
+            param_to_rank = optim._param_to_rank
+            for param in trainable:
+                if param in param_to_rank:
+                    owner = param_to_rank[param]
+                    owners[id(param)] = (self._local_to_global_rank[owner], owner == self._rank)
+        self._reducer.setup(trainable, owners, self.training)
+
+    def reduce(self) -> None:
+        """Reduce the gradients now, after a last backward that ran inside :meth:`no_sync`.
+
+        Raises:
+            AssertionError: nothing is waiting to be reduced.
+        """
+        self._reducer.manual_reduce()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally (no reduction, no buffer broadcast) inside this context."""
+        previous = self._reducer.accumulating
+        self._reducer.accumulating = True
+        try:
+            yield
+        finally:
+            self._reducer.accumulating = previous
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients of the parameters the optimizers manage (and the gradient buckets).
+
+        Args:
+            set_to_none (bool): release the gradients instead of zeroing them, except those of trainable bucketed
+                parameters, which stay views of their bucket (zeroed).
+        """
+        self._reducer.zero_grad(set_to_none, self._all_params)
+
+    def sync_buffers(self, blocking: bool = False) -> None:
+        """Broadcast the module's buffers from group rank 0.
+
+        Args:
+            blocking (bool): wait for the broadcasts to finish.
+        """
+        handles: List[WorkHandle] = []
+        for buffer in self.module.buffers(recurse=True):
+            handle = collectives.broadcast(
+                buffer.data, src=self._reference_global_rank, group=self._process_group, async_op=True
+            )
+            assert handle is not None
+            handles.append(handle)
+        if blocking:
+            for handle in handles:
+                handle.wait()
+
+    def _sync_params_and_buffers(self) -> None:
+        """Make every rank start from group rank 0's parameters and buffers."""
+        handles: List[WorkHandle] = []
+        with torch.no_grad():
+            for tensor in self.module.state_dict().values():
+                if isinstance(tensor, torch.Tensor):
+                    handle = collectives.broadcast(
+                        tensor, src=self._reference_global_rank, group=self._process_group, async_op=True
+                    )
+                    assert handle is not None
+                    handles.append(handle)
+        for handle in handles:
+            handle.wait()
+
+    def to(  # type: ignore[override]
+        self,
+        device: Optional[Union[int, str, torch.device]],
+        dtype: Optional[torch.dtype] = None,
+        non_blocking: bool = False,
+    ) -> "ShardedDataParallel":
+        """Move and/or cast the wrapped module, then rebuild hooks and buckets.
+
+        Args:
+            device: the new device, or ``None`` to keep it.
+            dtype (torch.dtype): the new floating-point dtype, or ``None``.
+            non_blocking (bool): asynchronous copies where possible.
+
+        The device type cannot change once gradient buckets exist (it would break OSS's state); dtype changes
+        work.
+
+        Returns:
+            ShardedDataParallel: ``self`` (upstream returned ``None``).
+        """
+        if isinstance(device, str):
+            device = torch.device(device)
+        bucket_devices = self._reducer.bucket_devices()
+        if device is not None and bucket_devices:
+            assert isinstance(device, torch.device) and device.type in [
+                d.type for d in bucket_devices
+            ], "Changing devices is not supported, because this would break OSSs state"
+        assert (
+            len(bucket_devices) < 2
+        ), "Several devices specified to begin with, incompatible with setting a single device here"
+        self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        self.refresh_trainable()
+        return self
+
+
+def _world_group() -> Any:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    return get_global_rank(group, rank) if dist.is_initialized() else rank

@@ -1,0 +1,86 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Cross entropy over logits whose vocabulary dimension is split over the model-parallel group."""
+
+from typing import Any, Tuple
+
+import torch
+from torch import Tensor
+
+from fairscale.internal import collectives
+
+from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
+from .utils import VocabUtility
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Loss = log(sum_v exp(z_v - m)) - (z_t - m), from three all-reduces of per-row values.
+
+    ``m`` is the global row maximum (for stability). Only the rank owning the target id ``t``
+    contributes ``z_t``; the others add 0. The forward shifts the caller's logits in place and the
+    backward reuses the saved softmax in place (upstream's memory savings): the same graph cannot
+    be differentiated twice.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vocab_parallel_logits: Tensor, target: Tensor) -> Tensor:
+        group = get_model_parallel_group()
+        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
+        collectives.all_reduce(logits_max, group=group, op="max")
+        vocab_parallel_logits.sub_(logits_max.unsqueeze(dim=-1))
+
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            partition_vocab_size, get_model_parallel_rank(), get_model_parallel_world_size()
+        )
+        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+        masked_target = target.clone() - vocab_start_index
+        masked_target[target_mask] = 0
+
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+        predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
+        predicted_logits[target_mask] = 0.0
+        collectives.all_reduce(predicted_logits, group=group)
+
+        exp_logits = vocab_parallel_logits
+        torch.exp(vocab_parallel_logits, out=exp_logits)
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        collectives.all_reduce(sum_exp_logits, group=group)
+
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[Tensor, None]:
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_input = softmax
+        partition_vocab_size = softmax.size()[-1]
+        grad_2d = grad_input.view(-1, partition_vocab_size)
+        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+        grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+        grad_input.mul_(grad_output.unsqueeze(dim=-1))
+        return grad_input, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor) -> Tensor:
+    """Per-element cross entropy of logits split along the vocabulary over the model-parallel group.
+
+    Equals ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none").view_as(target)``
+    for the logits gathered along the last dimension. No reduction, ``ignore_index`` or label
+    smoothing. A target outside ``[0, V)`` is owned by no rank: its loss is the log-sum-exp of the
+    shifted logits and no error is raised (upstream's behaviour).
+
+    Args:
+        vocab_parallel_logits (Tensor): ``[..., V/p]``, this rank's contiguous slice of the vocabulary.
+            **Modified in place** (shifted by the row maximum).
+        target (Tensor): ``[...]`` global class ids (long).
+
+    Returns:
+        Tensor: the loss, with the shape of ``target`` and the dtype of the logits.
+    """
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)

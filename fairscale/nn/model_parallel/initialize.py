@@ -1,0 +1,202 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Process groups of model (tensor), pipeline and data parallelism, and their getters.
+
+The ranks of the world are laid out on a grid of shape ``(data, pipeline, model)`` in row-major
+order: global rank ``r = i * pp * mp + j * mp + k`` for data-parallel index ``i``, pipeline stage
+``j`` and model-parallel rank ``k``. Model-parallel groups are therefore contiguous blocks of
+``mp`` ranks, pipeline groups have stride ``mp`` and data-parallel groups stride ``pp * mp``.
+
+``torch.distributed`` is looked up at call time (``torch.distributed.new_group`` and so on, never
+an alias bound at import) so that tests can replace it, as upstream's ``test_adjacency`` does.
+"""
+
+from typing import Any, List, Optional
+
+import torch
+
+# Upstream's module namespace has it (importers may reach it here); the grid check below says more on failure.
+from .utils import ensure_divisibility  # noqa: F401
+
+__all__ = [
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+    "get_model_parallel_group",
+    "get_data_parallel_group",
+    "get_pipeline_parallel_group",
+    "get_pipeline_parallel_ranks",
+    "get_model_parallel_world_size",
+    "get_model_parallel_rank",
+    "get_model_parallel_src_rank",
+    "get_data_parallel_world_size",
+    "get_data_parallel_rank",
+    "destroy_model_parallel",
+]
+
+# The groups this rank belongs to; None until initialize_model_parallel() ran.
+_MODEL_PARALLEL_GROUP: Optional[Any] = None
+_DATA_PARALLEL_GROUP: Optional[Any] = None
+_PIPELINE_PARALLEL_GROUP: Optional[Any] = None
+_PIPELINE_PARALLEL_RANKS: Optional[List[int]] = None
+
+
+def _check_grid(world_size: int, model_parallel_size: int, pipeline_length: int) -> None:
+    if model_parallel_size < 1 or pipeline_length < 1:
+        raise ValueError(
+            f"model_parallel_size_ ({model_parallel_size}) and pipeline_length ({pipeline_length}) must be >= 1"
+        )
+    checks = [("model_parallel_size_", model_parallel_size)]
+    checks.append(("model_parallel_size_ * pipeline_length", model_parallel_size * pipeline_length))
+    for what, size in checks:
+        if world_size % size != 0:
+            # AssertionError and the leading text are upstream's (ensure_divisibility); the rest says what to do.
+            raise AssertionError(
+                f"{world_size} is not divisible by {size}: the world size must be a multiple of {what} "
+                f"(= {size}); choose sizes whose product divides the world size {world_size}"
+            )
+
+
+def initialize_model_parallel(
+    model_parallel_size_: int,
+    pipeline_length: int = 1,
+    *,
+    model_parallel_backend: Optional[str] = None,
+    pipeline_backend: Optional[str] = None,
+    ddp_backend: Optional[str] = None,
+) -> None:
+    """Create the model-, pipeline- and data-parallel groups and remember the ones of this rank.
+
+    Every rank of the default group must call this with the same arguments (creating a group is a
+    collective). With 8 ranks, ``model_parallel_size_=2`` and ``pipeline_length=2``: model-parallel
+    groups ``[0, 1], [2, 3], [4, 5], [6, 7]``, pipeline groups ``[0, 2], [1, 3], [4, 6], [5, 7]``,
+    data-parallel groups ``[0, 4], [1, 5], [2, 6], [3, 7]``.
+
+    Args:
+        model_parallel_size_ (int): ranks per model-parallel group; clamped to the world size.
+        pipeline_length (int): pipeline stages per pipeline group (not clamped).
+        model_parallel_backend (Optional[str]): backend of the model-parallel groups (default: the
+            default group's).
+        pipeline_backend (Optional[str]): backend of the pipeline groups.
+        ddp_backend (Optional[str]): backend of the data-parallel groups.
+
+    Raises:
+        AssertionError: ``torch.distributed`` is not initialised, the world size is not divisible by
+            the model-parallel size times ``pipeline_length``, or the groups already exist (call
+            :func:`destroy_model_parallel` first).
+    """
+    assert torch.distributed.is_initialized(), "torch.distributed must be initialized before initialize_model_parallel"
+    world_size = torch.distributed.get_world_size()
+    model_parallel_size = int(min(model_parallel_size_, world_size))
+    _check_grid(world_size, model_parallel_size, pipeline_length)
+    rank = torch.distributed.get_rank()
+    data_parallel_size = world_size // (model_parallel_size * pipeline_length)
+    if rank == 0:
+        # Upstream prints the requested size, not the clamped one.
+        print("> initializing model parallel with size {}".format(model_parallel_size_))
+        print("> initializing ddp with size {}".format(data_parallel_size))
+        print("> initializing pipeline with size {}".format(pipeline_length))
+
+    grid = _Grid(data_parallel_size, pipeline_length, model_parallel_size)
+    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _PIPELINE_PARALLEL_GROUP, _PIPELINE_PARALLEL_RANKS
+    # new_group() is collective: every rank creates every group, in the same order (data, model, pipeline).
+    assert _DATA_PARALLEL_GROUP is None, "data parallel group is already initialized"
+    for ranks in grid.data_parallel_groups():
+        group = torch.distributed.new_group(ranks, backend=ddp_backend)
+        if rank in ranks:
+            _DATA_PARALLEL_GROUP = group
+    assert _MODEL_PARALLEL_GROUP is None, "model parallel group is already initialized"
+    for ranks in grid.model_parallel_groups():
+        group = torch.distributed.new_group(ranks, backend=model_parallel_backend)
+        if rank in ranks:
+            _MODEL_PARALLEL_GROUP = group
+    # Upstream's wording for both pipeline checks.
+    assert _PIPELINE_PARALLEL_GROUP is None, "model parallel group is already initialized"
+    assert _PIPELINE_PARALLEL_RANKS is None, "model parallel group is already initialized"
+    for ranks in grid.pipeline_groups():
+        group = torch.distributed.new_group(ranks, backend=pipeline_backend)
+        if rank in ranks:
+            _PIPELINE_PARALLEL_GROUP = group
+            _PIPELINE_PARALLEL_RANKS = ranks
+
+
+class _Grid:
+    """The ``(data, pipeline, model)`` rank grid; each method lists groups in creation order."""
+
+    def __init__(self, dp: int, pp: int, mp: int) -> None:
+        self.dp, self.pp, self.mp = dp, pp, mp
+
+    def _rank(self, i: int, j: int, k: int) -> int:
+        return i * self.pp * self.mp + j * self.mp + k
+
+    def data_parallel_groups(self) -> List[List[int]]:
+        return [[self._rank(i, j, k) for i in range(self.dp)] for j in range(self.pp) for k in range(self.mp)]
+
+    def model_parallel_groups(self) -> List[List[int]]:
+        return [[self._rank(i, j, k) for k in range(self.mp)] for i in range(self.dp) for j in range(self.pp)]
+
+    def pipeline_groups(self) -> List[List[int]]:
+        return [[self._rank(i, j, k) for j in range(self.pp)] for i in range(self.dp) for k in range(self.mp)]
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether the model-, data- and pipeline-parallel groups of this rank exist."""
+    return not (_MODEL_PARALLEL_GROUP is None or _DATA_PARALLEL_GROUP is None or _PIPELINE_PARALLEL_GROUP is None)
+
+
+def get_model_parallel_group() -> Any:
+    """The model-parallel group of this rank (raises ``AssertionError`` before initialisation)."""
+    assert _MODEL_PARALLEL_GROUP is not None, "model parallel group is not initialized"
+    return _MODEL_PARALLEL_GROUP
+
+
+def get_data_parallel_group() -> Any:
+    """The data-parallel group of this rank (raises ``AssertionError`` before initialisation)."""
+    assert _DATA_PARALLEL_GROUP is not None, "data parallel group is not initialized"
+    return _DATA_PARALLEL_GROUP
+
+
+def get_pipeline_parallel_group() -> Any:
+    """The pipeline group of this rank (raises ``AssertionError`` before initialisation)."""
+    assert _PIPELINE_PARALLEL_GROUP is not None, "pipeline parallel group is not initialized"
+    return _PIPELINE_PARALLEL_GROUP
+
+
+def get_pipeline_parallel_ranks() -> List[int]:
+    """The global ranks of this rank's pipeline group, in stage order."""
+    assert _PIPELINE_PARALLEL_RANKS is not None, "pipeline parallel group is not initialized"
+    return _PIPELINE_PARALLEL_RANKS
+
+
+def get_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's model-parallel group."""
+    return int(torch.distributed.get_world_size(group=get_model_parallel_group()))
+
+
+def get_model_parallel_rank() -> int:
+    """This rank's index inside its model-parallel group."""
+    return int(torch.distributed.get_rank(group=get_model_parallel_group()))
+
+
+def get_model_parallel_src_rank() -> int:
+    """The global rank of model-parallel rank 0 of this rank's group (groups are contiguous blocks)."""
+    global_rank = torch.distributed.get_rank()
+    local_world_size = get_model_parallel_world_size()
+    return int((global_rank // local_world_size) * local_world_size)
+
+
+def get_data_parallel_world_size() -> int:
+    """Number of ranks in this rank's data-parallel group."""
+    return int(torch.distributed.get_world_size(group=get_data_parallel_group()))
+
+
+def get_data_parallel_rank() -> int:
+    """This rank's index inside its data-parallel group."""
+    return int(torch.distributed.get_rank(group=get_data_parallel_group()))
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups so :func:`initialize_model_parallel` can run again (the groups stay alive)."""
+    global _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP, _PIPELINE_PARALLEL_GROUP, _PIPELINE_PARALLEL_RANKS
+    _MODEL_PARALLEL_GROUP = None
+    _DATA_PARALLEL_GROUP = None
+    _PIPELINE_PARALLEL_GROUP = None
+    _PIPELINE_PARALLEL_RANKS = None

@@ -1,0 +1,333 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Megatron-style layers whose weights are split over the model-parallel group.
+
+Every rank of a model-parallel group draws the *full* weight (the "master", on CPU) with the same
+RNG state and keeps its own partition, so a model built under one seed has, on each rank, exactly
+the slices of the single-process model built under that seed. Parameters carry no extra attributes
+(no ``model_parallel`` / ``partition_dim`` flags, unlike Megatron).
+"""
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import torch.nn.init as init
+from torch import Tensor
+from torch.nn.parameter import Parameter
+
+from .initialize import get_model_parallel_rank, get_model_parallel_world_size
+from .mappings import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    reduce_from_model_parallel_region,
+    scatter_to_model_parallel_region,
+)
+from .utils import VocabUtility
+from .utils import divide_and_check_no_remainder  # noqa: F401  # upstream's module namespace has it
+
+__all__ = ["VocabParallelEmbedding", "ParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear"]
+
+InitMethod = Callable[[Tensor], Tensor]
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator // denominator``; the AssertionError keeps upstream's leading text and says what to change."""
+    if numerator % denominator != 0:
+        raise AssertionError(
+            f"{numerator} is not divisible by {denominator}: {what} ({numerator}) must be a multiple of the "
+            f"model-parallel world size ({denominator})"
+        )
+    return numerator // denominator
+
+
+def _initialize_affine_weight(
+    weight: Tensor,
+    out_features: int,
+    in_features: int,
+    per_partition_size: int,
+    partition_dim: int,
+    init_method: InitMethod,
+    stride: int = 1,
+    return_master_weight: bool = False,
+) -> Optional[Tensor]:
+    """Initialise ``weight`` as this rank's partition of a full ``[out_features, in_features]`` master.
+
+    The partition dimension is cut into ``world_size * stride`` chunks of ``per_partition_size /
+    stride``; rank ``r`` keeps chunks ``r, r + world_size, ...`` in that order.
+
+    Returns:
+        Optional[Tensor]: the master weight when ``return_master_weight`` (the parameter itself at
+        model-parallel world size 1), else ``None``.
+    """
+    world_size = get_model_parallel_world_size()
+    if world_size == 1:
+        init_method(weight)
+        return weight if return_master_weight else None
+    # Every rank draws the whole master from the same RNG state, so the partitions agree across ranks.
+    master_weight = torch.empty(out_features, in_features, dtype=weight.dtype, requires_grad=False)
+    init_method(master_weight)
+    per_partition_per_stride_size = _divide(per_partition_size, stride, "the partition size")
+    chunks = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
+    mine = chunks[get_model_parallel_rank() :: world_size]
+    with torch.no_grad():
+        torch.cat(mine, dim=partition_dim, out=weight)
+    return master_weight if return_master_weight else None
+
+
+def _undo_stride(gathered: Tensor, world_size: int, stride: int, dim: int) -> Tensor:
+    """Put the chunks of rank-ordered partitions (each ``stride`` interleaved chunks) back in master order."""
+    if stride == 1:
+        return gathered
+    chunks = torch.chunk(gathered, world_size * stride, dim=dim)  # rank-major: rank r's s-th chunk at r*stride+s
+    ordered = [chunks[r * stride + s] for s in range(stride) for r in range(world_size)]
+    return torch.cat(ordered, dim=dim)
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding split along the vocabulary: rank ``r`` holds the rows of ids ``[r * V/p, (r+1) * V/p)``.
+
+    Each rank looks up the ids it owns (zeros for the others) and the results are summed over the
+    model-parallel group. Ids outside ``[0, num_embeddings)`` give zero vectors. ``padding_idx`` is
+    passed to each rank's local lookup as is, i.e. it is a *local* row index (upstream's behaviour).
+
+    Args:
+        num_embeddings (int): vocabulary size, divisible by the model-parallel world size.
+        embedding_dim (int): size of each embedding vector.
+        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as :func:`torch.nn.functional.embedding`,
+            applied to the local partition.
+        init_method (Callable[[Tensor], Tensor]): initialiser of the full ``[V, D]`` master weight.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        init_method: InitMethod = init.xavier_normal_,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self._weight = None
+        world_size = get_model_parallel_world_size()
+        _divide(num_embeddings, world_size, "VocabParallelEmbedding's num_embeddings")
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, get_model_parallel_rank(), world_size
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = Parameter(torch.empty(self.num_embeddings_per_partition, self.embedding_dim))
+        _initialize_affine_weight(
+            self.weight, self.num_embeddings, self.embedding_dim, self.num_embeddings_per_partition, 0, init_method
+        )
+
+    def forward(self, input_: Tensor) -> Tensor:
+        input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        masked_input = input_.clone() - self.vocab_start_index
+        masked_input[input_mask] = 0
+        output_parallel = F.embedding(
+            masked_input,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
+        # Ids owned by another rank looked up local row 0: zero them so that the sum counts each id once.
+        output_parallel[input_mask, :] = 0.0
+        return reduce_from_model_parallel_region(output_parallel)
+
+
+class ParallelEmbedding(torch.nn.Module):
+    """Embedding split along the embedding dimension: rank ``r`` holds columns ``[r * D/p, (r+1) * D/p)``.
+
+    Args:
+        num_embeddings (int): vocabulary size.
+        embedding_dim (int): size of each embedding vector, divisible by the model-parallel world size.
+        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as :func:`torch.nn.functional.embedding`
+            (``max_norm`` renormalises each rank's slice of a row on its own).
+        init_method (Callable[[Tensor], Tensor]): initialiser of the full ``[V, D]`` master weight.
+        keep_master_weight_for_test (bool): accepted and ignored, as upstream.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        init_method: InitMethod = init.xavier_normal_,
+        keep_master_weight_for_test: bool = False,
+    ) -> None:
+        super().__init__()
+        del keep_master_weight_for_test
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        # Upstream 0.4.13 stored scale_grad_by_freq here; fixed here as upstream later did (see differences).
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self._weight = None
+        world_size = get_model_parallel_world_size()
+        self.embedding_dim_per_partition = _divide(embedding_dim, world_size, "ParallelEmbedding's embedding_dim")
+        self.weight = Parameter(torch.empty(self.num_embeddings, self.embedding_dim_per_partition))
+        _initialize_affine_weight(
+            self.weight,
+            self.num_embeddings,
+            self.embedding_dim,
+            self.embedding_dim_per_partition,
+            1,
+            init_method,
+            stride=1,
+            return_master_weight=False,
+        )
+
+    def forward(self, input_: Tensor) -> Tensor:
+        input_parallel = copy_to_model_parallel_region(input_)
+        output_parallel = F.embedding(
+            input_parallel,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
+        return gather_from_model_parallel_region(output_parallel)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its output rows: rank ``r`` computes outputs ``[r*out/p, (r+1)*out/p)``.
+
+    Args:
+        in_features (int): size of each input sample.
+        out_features (int): size of each output sample, divisible by the model-parallel world size.
+        bias (bool): add a (partitioned, zero-initialised) bias.
+        gather_output (bool): all-gather the output so every rank gets ``[..., out_features]``;
+            otherwise each rank returns its ``[..., out_features / p]`` slice.
+        init_method (Callable[[Tensor], Tensor]): initialiser of the full ``[out, in]`` master weight.
+        stride (int): number of interleaved chunks per partition (e.g. 3 for fused QKV projections).
+        keep_master_weight_for_test (bool): keep the full master in ``self.master_weight``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        init_method: InitMethod = init.xavier_normal_,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        world_size = get_model_parallel_world_size()
+        self.output_size_per_partition = _divide(out_features, world_size, "ColumnParallelLinear's out_features")
+        self._stride = stride
+        self.weight = Parameter(torch.empty(self.output_size_per_partition, self.in_features))
+        if bias:
+            # Zero-initialised before the weight: zeroing draws no RNG, the weight draw order stays upstream's.
+            self.bias = Parameter(torch.zeros(self.output_size_per_partition))
+        else:
+            self.register_parameter("bias", None)
+        self.master_weight = _initialize_affine_weight(
+            self.weight,
+            self.out_features,
+            self.in_features,
+            self.output_size_per_partition,
+            0,
+            init_method,
+            stride=stride,
+            return_master_weight=keep_master_weight_for_test,
+        )
+
+    def get_master_weight(self) -> Tensor:
+        """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
+        gathered = gather_from_model_parallel_region(self.weight.data.transpose(0, 1)).transpose_(0, 1)
+        return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 0)
+
+    def forward(self, input_: Tensor) -> Tensor:
+        input_parallel = copy_to_model_parallel_region(input_)
+        output_parallel = F.linear(input_parallel, self.weight, self.bias)
+        if self.gather_output:
+            return gather_from_model_parallel_region(output_parallel)
+        return output_parallel
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its input columns; partial products are summed over ranks.
+
+    Args:
+        in_features (int): size of each input sample, divisible by the model-parallel world size.
+        out_features (int): size of each output sample.
+        bias (bool): add a (replicated, zero-initialised) bias after the sum.
+        input_is_parallel (bool): the input is already this rank's ``[..., in_features / p]`` slice
+            (e.g. a :class:`ColumnParallelLinear` output with ``gather_output=False``).
+        init_method (Callable[[Tensor], Tensor]): initialiser of the full ``[out, in]`` master weight.
+        stride (int): number of interleaved chunks per partition.
+        keep_master_weight_for_test (bool): keep the full master in ``self.master_weight``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        init_method: InitMethod = init.xavier_normal_,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        world_size = get_model_parallel_world_size()
+        self.input_size_per_partition = _divide(in_features, world_size, "RowParallelLinear's in_features")
+        self._stride = stride
+        self.weight = Parameter(torch.empty(self.out_features, self.input_size_per_partition))
+        if bias:
+            self.bias = Parameter(torch.zeros(self.out_features))
+        else:
+            self.register_parameter("bias", None)
+        self.master_weight = _initialize_affine_weight(
+            self.weight,
+            self.out_features,
+            self.in_features,
+            self.input_size_per_partition,
+            1,
+            init_method,
+            stride=stride,
+            return_master_weight=keep_master_weight_for_test,
+        )
+
+    def get_master_weight(self) -> Tensor:
+        """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
+        gathered = gather_from_model_parallel_region(self.weight.data)
+        return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 1)
+
+    def forward(self, input_: Tensor) -> Tensor:
+        input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
+        output_parallel = F.linear(input_parallel, self.weight)
+        # The sum happens in place on the partial product; the replicated bias is added once, after it.
+        output_ = reduce_from_model_parallel_region(output_parallel)
+        if self.bias is not None:
+            return output_ + self.bias
+        return output_

@@ -1,0 +1,222 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Model-parallel RNG: named generator states, seeding, and an activation checkpoint that restores them.
+
+Dropout inside a model-parallel region (e.g. on a :class:`ColumnParallelLinear` output that is not
+gathered) must draw *different* masks on the ranks of a model-parallel group and the *same* masks
+across data-parallel replicas; dropout outside must draw the same mask everywhere. The tracker keeps
+a second generator state under the name ``"model-parallel-rng"`` and :meth:`CudaRNGStatesTracker.fork`
+swaps it in for the duration of a block.
+
+The names are upstream's (``cuda`` in them), but the states are those of the *device RNG*: the
+default generator of the current accelerator, or the CPU generator on a machine without one (see
+:func:`fairscale.internal.device.rng_device`), so all of this also works on CPU.
+"""
+
+import contextlib
+from typing import Any, Dict, Iterator, Set, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import detach_variable
+
+from fairscale.internal import device as device_layer
+
+from .initialize import get_data_parallel_rank, get_model_parallel_rank
+
+__all__ = [
+    "CudaRNGStatesTracker",
+    "get_cuda_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+    "CheckpointFunction",
+    "checkpoint",
+]
+
+# Name of the tracked state that model-parallel regions draw from.
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+
+
+def _resolve_device(device: Union[int, str, torch.device]) -> Any:
+    """Upstream's device argument: ``-1`` = the default RNG device, an int = that accelerator index."""
+    if isinstance(device, int):
+        if device == -1:
+            return None
+        current = device_layer.current_accelerator_device()
+        # Without an accelerator an index can only mean the one device RNG there is, the CPU's.
+        return torch.device(current.type, device) if current is not None else None
+    return torch.device(device)
+
+
+def _set_cuda_rng_state(new_state: Tensor, device: Union[int, str, torch.device] = -1) -> None:
+    """Restore the device RNG to ``new_state`` (``new_state`` is not modified).
+
+    Args:
+        new_state (Tensor): a state from :func:`fairscale.internal.device.rng_get_state`.
+        device (Union[int, str, torch.device]): ``-1`` (default) for the current accelerator, or the CPU
+            without one; an int is an accelerator index; a string or device names the device.
+    """
+    device_layer.rng_set_state(new_state, _resolve_device(device))
+
+
+def _get_rng_state() -> Tensor:
+    return device_layer.rng_get_state()
+
+
+class CudaRNGStatesTracker:
+    """Named device-RNG states, used one at a time through :meth:`fork`.
+
+    Each state is seeded once by :meth:`add`; a fork continues its stream where the previous fork
+    of the same name stopped, and never advances the default stream.
+    """
+
+    def __init__(self) -> None:
+        self.states_: Dict[str, Tensor] = {}
+        self.seeds_: Set[int] = set()
+
+    def reset(self) -> None:
+        """Forget every state and seed."""
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> Dict[str, Tensor]:
+        """A new dict holding the current states (the state tensors are shared, never modified)."""
+        return dict(self.states_)
+
+    def set_states(self, states: Dict[str, Tensor]) -> None:
+        """Replace the states by ``states`` (e.g. from :meth:`get_states`)."""
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        """Create the state ``name`` seeded with ``seed``; the default stream is left where it was.
+
+        Raises:
+            Exception: the seed or the name is already used (upstream's type and texts; as upstream,
+                the seed counts as used even when the name check then fails).
+        """
+        if seed in self.seeds_:
+            raise Exception("seed {} already exists".format(seed))
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception("cuda rng state {} already exists".format(name))
+        orig_rng_state = _get_rng_state()
+        device_layer.rng_manual_seed(seed)
+        self.states_[name] = _get_rng_state()
+        _set_cuda_rng_state(orig_rng_state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        """Draw from the state ``name`` inside the block; the default stream resumes afterwards.
+
+        Raises:
+            Exception: ``name`` was not added.
+        """
+        if name not in self.states_:
+            raise Exception("cuda rng state {} is not added".format(name))
+        orig_rng_state = _get_rng_state()
+        _set_cuda_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            # Keep the advanced state so the next fork continues this stream.
+            self.states_[name] = _get_rng_state()
+            _set_cuda_rng_state(orig_rng_state)
+
+
+_CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
+
+
+def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
+    """The process-wide tracker."""
+    return _CUDA_RNG_STATE_TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """Seed the default device RNG with ``seed`` and the tracked model-parallel state with ``seed + 2718 + mp_rank``.
+
+    Call it with the same ``seed`` on every rank: the default stream is then the same everywhere,
+    and the model-parallel stream differs between the ranks of a model-parallel group and agrees
+    across data-parallel replicas. Upstream does nothing here without CUDA; this port seeds the CPU
+    generator instead (see the differences page).
+
+    Raises:
+        AssertionError: model parallel is not initialised (:func:`initialize_model_parallel`).
+    """
+    offset = seed + 2718
+    model_parallel_seed = offset + get_model_parallel_rank()
+    data_parallel_seed = seed
+    if torch.distributed.get_rank() == 0:
+        print(
+            "> initializing model parallel cuda seeds on global rank {}, model parallel rank {}, and data parallel "
+            "rank {} with model parallel seed: {} and data parallel seed: {}".format(
+                torch.distributed.get_rank(),
+                get_model_parallel_rank(),
+                get_data_parallel_rank(),
+                model_parallel_seed,
+                data_parallel_seed,
+            ),
+            flush=True,
+        )
+    _CUDA_RNG_STATE_TRACKER.reset()
+    device_layer.rng_manual_seed(data_parallel_seed)
+    _CUDA_RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
+
+
+class _RNGSnapshot:
+    """The CPU state, the accelerator state when there is one, and the tracker's states."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device = device_layer.rng_get_state() if device_layer.rng_device().type != "cpu" else None
+        self.tracker = get_cuda_rng_tracker().get_states()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            _set_cuda_rng_state(self.device)
+        get_cuda_rng_tracker().set_states(self.tracker)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Activation checkpoint that replays the forward with the RNG states it had (tracker included).
+
+    All positional arguments of the checkpointed function must be tensors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, run_function: Any, *args: Any) -> Any:
+        ctx.run_function = run_function
+        ctx.fwd_rng = _RNGSnapshot()
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            outputs = run_function(*args)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *args: Any) -> Tuple[Any, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
+        inputs = ctx.saved_tensors
+        bwd_rng = _RNGSnapshot()
+        ctx.fwd_rng.restore()
+        detached_inputs = detach_variable(inputs)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run_function(*detached_inputs)
+        finally:
+            bwd_rng.restore()
+        if isinstance(outputs, Tensor):
+            outputs = (outputs,)
+        torch.autograd.backward(outputs, args)
+        return (None,) + tuple(inp.grad for inp in detached_inputs)
+
+
+def checkpoint(function: Any, *args: Any) -> Any:
+    """Run ``function(*args)`` without keeping activations; recompute them, with the same RNG, in backward.
+
+    Args:
+        function: the function to checkpoint.
+        *args: its inputs, all tensors.
+
+    Returns:
+        What ``function`` returns.
+    """
+    return CheckpointFunction.apply(function, *args)

@@ -1,0 +1,258 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The multi-process front: :class:`AsyncPipe` runs one pipeline stage per process."""
+
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from threading import Event
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Union, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import microbatch
+from .async_pipeline import AsyncPipeline
+from .async_schedule import Invocation, Location, ModuleWrapper
+from .batchnorm import DeferredBatchNorm
+from .messages import SendRecvTransport
+from .microbatch import Batch
+from .skip.layout import SkipLayout
+from .skip.skippable import Skippable
+from .types import LazyModule, TensorOrTensors
+
+__all__ = ["AsyncPipe", "PartitionInfo", "verify_module", "check_balance"]
+
+Module = Union[nn.Sequential, List[LazyModule]]
+
+
+@dataclass
+class PartitionInfo:
+    location: Location
+    modules: "OrderedDict[str, nn.Module]"
+    invocations: List[Invocation] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+
+def verify_module(module: Module) -> None:
+    """Raise ``ValueError`` if a layer object appears twice."""
+    if len(set(map(id, module))) != len(module):
+        raise ValueError("module with duplicate children is not supported")
+
+
+def check_balance(module: Any, balance: List[int]) -> None:
+    """Raise ``ValueError`` unless ``balance`` covers the layers of ``module`` with positive sizes."""
+    if len(module) != sum(balance):
+        raise ValueError(
+            f"module and sum of balance have different length (module: {len(module)}, sum of balance: {sum(balance)})"
+        )
+    if any(x <= 0 for x in balance):
+        raise ValueError(f"all balance numbers must be positive integer (balance: {balance})")
+
+
+def _pipeline_group() -> Any:
+    try:
+        from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group
+    except ImportError as exc:  # pragma: no cover - model parallel ships with fairscale
+        raise RuntimeError("AsyncPipe needs group=... or fairscale.nn.model_parallel") from exc
+    return get_pipeline_parallel_group()
+
+
+class AsyncPipe(nn.Module):
+    """Pipeline parallelism over processes: each process (rank ``s`` of ``group``) runs stage ``s``.
+
+    Every stage is called with an input that splits into the same number of micro-batches; only the first
+    stage's values are used. Activations and gradients travel between stages as messages (point-to-point
+    send/recv on the pipeline group, or ``torch.distributed.rpc`` when a ``worker_map`` is given and RPC is
+    initialised; see :mod:`fairscale.nn.pipe.messages`). The last stage returns the output; the others return
+    their micro-batches. In training, a non-final stage's ``forward`` returns only once the backward pass through
+    it is done, so the last stage must run backward (or every stage must be in eval mode)::
+
+        model = AsyncPipe(nn.Sequential(a, b, c, d), balance=[2, 2], group=group, chunks=4)
+        out = model(x)
+        if model.final_stage:
+            loss_fn(out, y).backward()
+
+    Args:
+        module (nn.Sequential or List[LazyModule]): the model; with ``LazyModule`` entries, each process builds
+            only its own layers.
+        balance (Iterable[int]): number of layers of each stage.
+
+    Keyword Args:
+        group (ProcessGroup): the pipeline group (default: ``fairscale.nn.model_parallel``'s pipeline group).
+        worker_map (Dict[int, str]): global rank to RPC worker name, for the RPC transport.
+        input_device: where received activations are placed (default: where they arrive, the CPU).
+        chunks (int): number of micro-batches (default ``1``).
+        checkpoint (str): ``'always'``, ``'except_last'`` (default) or ``'never'``.
+        deferred_batch_norm (bool): track batch-norm statistics over whole mini-batches (default ``False``).
+
+    Raises:
+        ValueError: invalid chunks, checkpoint, balance or duplicate layers.
+        IndexError: fewer ranks than stages.
+    """
+
+    balance: List[int] = []
+    chunks: int = 1
+    checkpoint: str = "except_last"
+
+    def __init__(
+        self,
+        module: Module,
+        balance: Iterable[int],
+        *,
+        group: Optional[Any] = None,
+        worker_map: Optional[Dict[int, str]] = None,
+        input_device: Union[None, int, str, torch.device] = None,
+        chunks: int = chunks,
+        checkpoint: str = checkpoint,
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if chunks <= 0:
+            raise ValueError("number of chunks must be positive integer")
+        if checkpoint not in ["always", "except_last", "never"]:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+
+        self.balance = list(balance)
+        verify_module(module)
+        check_balance(module, self.balance)
+
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.pipeline: Optional[AsyncPipeline] = None
+        self.lock = threading.Lock()
+        self.worker_map = worker_map
+        self.input_device = input_device
+        self.group: Any = group if group is not None else _pipeline_group()
+
+        if self.group.size() < len(self.balance):
+            raise IndexError(
+                "too few ranks to hold given partitions "
+                f"(ranks: {self.group.size()}, partitions: {len(self.balance)})"
+            )
+
+        # Skip connections across stages are not supported (as upstream): the layout is empty.
+        self._skip_layout = SkipLayout(len(module), {})
+
+        rank = self.group.rank()
+        self.final_stage = rank == len(self.balance) - 1
+        self.partitions: List[ModuleWrapper] = []
+        if rank >= len(self.balance):
+            warnings.warn("More ranks than partitions, some ranks unused")
+            self.partition: Optional[nn.Sequential] = None
+            return
+
+        self.partitions = self.instantiate_partition(module, self.balance, self.group)
+        if deferred_batch_norm:
+            for part in self.partitions:
+                part.module = DeferredBatchNorm.convert_deferred_batch_norm(part.module, chunks)
+        for name, part in enumerate(self.partitions):
+            self.add_module(str(name), part.module)
+        # Registered a second time under "partition", as upstream (state dicts have both keys).
+        self.partition = self.partitions[0].module
+        self.create_pipeline()
+
+    def instantiate_partition(self, module: Module, balance: List[int], group: Any) -> List[ModuleWrapper]:
+        """Build this rank's layers (realizing lazy ones) into its :class:`ModuleWrapper`."""
+        rank = group.rank()
+        start = sum(balance[:rank])
+        stop = start + balance[rank]
+        lazy = not isinstance(module, nn.Sequential)
+        if isinstance(module, nn.Sequential):
+            entries: List[Any] = list(module.named_children())
+        else:
+            entries = [(str(i), layer) for i, layer in enumerate(module)]
+
+        layers: "OrderedDict[str, nn.Module]" = OrderedDict()
+        for name, layer in entries[start:stop]:
+            if isinstance(layer, nn.Module):
+                built = layer
+            elif callable(layer):
+                built = layer()
+            else:
+                raise TypeError(f"layer must be nn.Module or callable, is {type(layer)}")
+            if lazy and isinstance(built, Skippable):
+                raise ValueError("Can't use Skippable layers with multi-process pipe and lazy construction")
+            layers[name] = built
+
+        location = Location(rank, 0)
+        invocation = Invocation(
+            order=rank,
+            this=location,
+            source=Location(rank - 1, 0) if rank > 0 else None,
+            dest=Location(rank + 1, 0) if rank < len(balance) - 1 else None,
+        )
+        return [ModuleWrapper(nn.Sequential(layers), location, [invocation])]
+
+    def create_pipeline(self) -> None:
+        checkpoint_stop = {"always": self.chunks, "except_last": self.chunks - 1, "never": 0}[self.checkpoint]
+        self.pipeline = AsyncPipeline(
+            self.partitions,
+            self._skip_layout,
+            checkpoint_stop,
+            group=self.group,
+            worker_map=self.worker_map,
+            input_device=self.input_device,
+            final_stage=self.final_stage,
+            num_stages=len(self.balance),
+        )
+        if isinstance(self.pipeline.transport, SendRecvTransport) and isinstance(self.group, dist.ProcessGroup):
+            backend = str(dist.get_backend(self.group))
+            if "gloo" not in backend and "mpi" not in backend:
+                raise ValueError(
+                    f"AsyncPipe's send/recv transport needs a gloo (or MPI) pipeline group, not {backend!r}: a stage "
+                    "receives from any neighbour, which NCCL cannot do. Create the pipeline group with gloo (e.g. "
+                    "initialize_model_parallel(..., pipeline_backend='gloo')) or use RPC (rpc.init_rpc and worker_map)"
+                )
+
+    def __len__(self) -> int:
+        """The number of this rank's layers."""
+        return sum(len(p) for p in self.partitions)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        """This rank's ``index``-th layer (negative indices count from the end)."""
+        partitions: List[nn.Sequential] = [p.module for p in self.partitions]
+        if index < 0:
+            partitions = partitions[::-1]
+        for partition in partitions:
+            try:
+                layer: nn.Module = partition[index]
+                return layer
+            except IndexError:
+                pass
+            shift = len(partition)
+            index = index + shift if index < 0 else index - shift
+        raise IndexError
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """This rank's layers, in order."""
+        for partition in self.partitions:
+            yield from partition.module
+
+    def forward(self, input: TensorOrTensors, *, event: Optional[Event] = None) -> Any:
+        """Run this stage on a mini-batch.
+
+        Returns:
+            The output on the final stage; this stage's micro-batches (a list of ``Batch``) elsewhere; the input
+            itself on ranks without a stage.
+        """
+        microbatch.check(input)
+        if not self.pipeline:
+            # No stage on this rank.
+            return input
+        batches = microbatch.scatter(input, self.chunks)
+        with self.lock:
+            self.pipeline.run(self.training, batches, event)
+            if self.final_stage:
+                return microbatch.gather(batches)
+            return batches
+
+    def back_helper(self, output: List[Batch]) -> None:
+        """Kept for upstream compatibility: a no-op on non-final stages (their backward ran inside ``forward``)."""
+        if self.final_stage:
+            raise ValueError("back_helper should only be called on non-final stages")
+        if self.pipeline:
+            self.pipeline.back_helper(output)

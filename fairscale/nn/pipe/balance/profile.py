@@ -1,0 +1,90 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Per-layer profiling of time and memory, on copies of the layers so the model is left untouched."""
+
+import copy
+import time
+from typing import Generator, List, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from fairscale.internal.device import DeviceHandle
+
+from ..microbatch import Batch
+
+__all__ = ["layerwise_sandbox", "detach", "profile_times", "profile_sizes"]
+
+Device = Union[torch.device, int, str]
+TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def layerwise_sandbox(module: nn.Sequential, device: torch.device) -> Generator[nn.Module, None, None]:
+    """Yield a deep copy of each layer, moved to ``device`` and in training mode."""
+    for layer in module:
+        layer_copy = copy.deepcopy(layer)
+        layer_copy.to(device)
+        layer_copy.train()
+        yield layer_copy
+
+
+def detach(batch: Batch) -> None:
+    """Detach every tensor of ``batch`` in place, keeping its ``requires_grad``."""
+    for i, x in enumerate(batch):
+        batch[i] = x.detach().requires_grad_(x.requires_grad)
+
+
+def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float, device: torch.device) -> List[int]:
+    """Microseconds of forward plus backward of each layer, summed over the passes that fit in ``timeout``."""
+    if any(p.grad is not None for p in module.parameters()):
+        raise ValueError("some parameter already has gradient")
+
+    handle = DeviceHandle.for_device(device)
+    start_batch = Batch(sample, 0)
+    for i, x in enumerate(start_batch):
+        start_batch[i] = x.detach().to(device).requires_grad_(x.requires_grad)
+
+    time_bufs: List[List[float]] = [[] for _ in module]
+    begun_at = time.time()
+    while time.time() - begun_at < timeout:
+        # Each pass restarts from the sample (a layer's output shape need not fit the first layer).
+        batch = start_batch
+        for i, layer in enumerate(layerwise_sandbox(module, device)):
+            detach(batch)
+            handle.synchronize()
+            tick = time.time()
+            batch = batch.call(layer)
+            backward_tensors = tuple(y for y in batch if y.requires_grad)
+            if backward_tensors:
+                torch.autograd.backward(backward_tensors, backward_tensors)
+            handle.synchronize()
+            tock = time.time()
+            time_bufs[i].append(tock - tick)
+
+    us = 1_000_000
+    return [sum(int(t * us) for t in buf) for buf in time_bufs]
+
+
+def profile_sizes(
+    module: nn.Sequential, input: TensorOrTensors, chunks: int, param_scale: float, device: torch.device
+) -> List[int]:
+    """Bytes of each layer: activations of one sample scaled to a micro-batch, plus ``param_scale`` x parameters."""
+    if device.type != "cuda":
+        raise ValueError("size profiler supports only CUDA device")
+    handle = DeviceHandle.for_device(device)
+
+    batch = Batch(input, 0)
+    sizes: List[int] = []
+    latent_scale = batch[0].size(0) / chunks
+    for i, x in enumerate(batch):
+        batch[i] = x[:1].detach().to(device).requires_grad_(x.requires_grad)
+
+    for layer in layerwise_sandbox(module, device):
+        detach(batch)
+        memory_before = handle.memory_allocated()
+        batch = batch.call(layer)
+        memory_after = handle.memory_allocated()
+        latent_size = memory_after - memory_before
+        # Whole storages, as upstream counts them (a view still keeps its storage alive).
+        param_size = sum(p.untyped_storage().nbytes() for p in layer.parameters())
+        sizes.append(int(latent_size * latent_scale + param_size * param_scale))
+    return sizes

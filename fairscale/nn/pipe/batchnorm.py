@@ -1,0 +1,129 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Batch normalization whose running statistics cover the whole mini-batch, not each micro-batch."""
+
+from typing import Optional, TypeVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm"]
+
+TModule = TypeVar("TModule", bound=nn.Module)
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """A batch norm that normalizes each micro-batch with its own statistics but updates the running statistics
+    once per mini-batch (every ``chunks`` micro-batches), with the statistics of the whole mini-batch.
+
+    The running variance is the population (biased) variance of the mini-batch, as upstream computes it.
+    Statistics are not tracked during the recomputation of a checkpointed micro-batch. Partial sums carry over to
+    the next ``forward`` when a mini-batch yields fewer than ``chunks`` micro-batches.
+
+    Args:
+        num_features (int): the number of channels (dimension 1 of the input).
+        eps (float): added to the variance for numerical stability.
+        momentum (Optional[float]): the running-average factor, ``None`` for a cumulative average.
+        affine (bool): learnable ``weight`` and ``bias``.
+        chunks (int): the number of micro-batches of a mini-batch.
+    """
+
+    sum: Tensor
+    sum_squares: Tensor
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        chunks: int = 1,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self.register_buffer("sum", torch.zeros_like(self.running_mean))
+        self.register_buffer("sum_squares", torch.zeros_like(self.running_var))
+        self.counter = 0  # elements per channel seen since the last commit
+        self.tracked = 0  # micro-batches seen since the last commit
+        self.chunks = chunks
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        # Upstream defines a >= 3-D check that its forward never calls; 2-D (N, C) inputs work.
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _track(self, input: Tensor) -> bool:
+        """Accumulate the statistics of a micro-batch; return whether a whole mini-batch was seen."""
+        dim = [0, *range(2, input.dim())]
+        with torch.no_grad():
+            self.sum += input.sum(dim)
+            self.sum_squares += (input**2).sum(dim)
+        self.counter += input.numel() // input.size(1)
+        self.tracked += 1
+        return self.tracked == self.chunks
+
+    def _commit(self) -> None:
+        """Update the running statistics with the mini-batch statistics and reset the sums."""
+        self.num_batches_tracked += 1
+        if self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked)
+        else:
+            factor = self.momentum
+        mean = self.sum / self.counter
+        var = self.sum_squares / self.counter - mean**2
+        self.running_mean.mul_(1 - factor).add_(mean * factor)
+        self.running_var.mul_(1 - factor).add_(var * factor)
+        self.sum.zero_()
+        self.sum_squares.zero_()
+        self.counter = 0
+        self.tracked = 0
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return F.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
+        if not is_recomputing() and self._track(input):
+            self._commit()
+        # Normalize with the micro-batch's own statistics, as a plain batch norm on that chunk would.
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: TModule, chunks: int = 1) -> TModule:
+        """Replace (recursively, in place for containers) every batch norm that tracks running statistics by a
+        :class:`DeferredBatchNorm` sharing its parameters and buffers.
+
+        Args:
+            module (nn.Module): a batch norm or a module containing some.
+            chunks (int): the number of micro-batches.
+
+        Returns:
+            The converted module (``module`` itself unless it is a batch norm that had to be replaced).
+        """
+        if isinstance(module, DeferredBatchNorm) and module.chunks is chunks:
+            return module
+
+        module_output: nn.Module = module
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
+            converted = DeferredBatchNorm(module.num_features, module.eps, module.momentum, module.affine, chunks)
+            if module.affine:
+                converted.register_parameter("weight", module.weight)
+                converted.register_parameter("bias", module.bias)
+            converted.register_buffer("running_mean", module.running_mean)
+            converted.register_buffer("running_var", module.running_var)
+            converted.register_buffer("num_batches_tracked", module.num_batches_tracked)
+            # The sums live where the statistics live.
+            assert module.running_mean is not None
+            converted.register_buffer("sum", torch.zeros_like(module.running_mean))
+            converted.register_buffer("sum_squares", torch.zeros_like(module.running_mean))
+            module_output = converted
+
+        for name, child in module.named_children():
+            module_output.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
+
+        return cast(TModule, module_output)

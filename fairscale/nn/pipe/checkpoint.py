@@ -1,0 +1,219 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Checkpointing of one partition on one micro-batch, with the recomputation scheduled by autograd.
+
+:class:`Checkpointing` pairs two autograd functions that share two one-slot buffers:
+
+* ``Checkpoint`` runs the partition under ``no_grad`` in the forward pass (saving the RNG states and the inputs);
+  in the backward pass it back-propagates through the recomputed graph it finds in the "recomputed" slot.
+* ``Recompute`` is an identity on a phony in the forward pass; its backward runs the partition again with the
+  saved RNG states (so dropout masks repeat) and fills the slot. Fork/join edges make autograd run it just before
+  ``Checkpoint``'s backward, and after the gradient of the later micro-batch has arrived, so that only one
+  micro-batch's activations are alive per partition at a time.
+"""
+
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Deque, Generator, List, Optional, Protocol, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from fairscale.internal.device import accelerator_rng_state, set_accelerator_rng_state
+
+from .dependency import fork, join
+from .microbatch import Batch
+from .phony import get_phony
+
+__all__ = ["is_checkpointing", "is_recomputing"]
+
+Tensors = Tuple[Tensor, ...]
+TensorOrTensors = Union[Tensor, Tensors]
+
+# The one-slot buffers shared by a Checkpoint/Recompute pair.
+Recomputed = Tuple[TensorOrTensors, Tensors]
+RNGStates = Tuple[Tensor, Optional[Tensor]]  # (CPU state, accelerator state of the input's device)
+
+
+class Function(Protocol):
+    def __call__(self, input: TensorOrTensors) -> TensorOrTensors: ...  # noqa: E704
+
+
+class ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.is_checkpointing = False
+        self.is_recomputing = False
+
+
+thread_local = ThreadLocal()
+
+
+@contextmanager
+def enable_checkpointing() -> Generator[None, None, None]:
+    """Make :func:`is_checkpointing` true in this thread for the block."""
+    orig = thread_local.is_checkpointing
+    thread_local.is_checkpointing = True
+    try:
+        yield
+    finally:
+        thread_local.is_checkpointing = orig
+
+
+@contextmanager
+def enable_recomputing() -> Generator[None, None, None]:
+    """Make :func:`is_recomputing` true in this thread for the block."""
+    orig = thread_local.is_recomputing
+    thread_local.is_recomputing = True
+    try:
+        yield
+    finally:
+        thread_local.is_recomputing = orig
+
+
+def is_checkpointing() -> bool:
+    """Whether the current forward pass is a checkpointed one (its activations will be recomputed).
+
+    A module can use it to skip work in the checkpointed pass that it will do in the recomputation, e.g.::
+
+        if not is_checkpointing():
+            self.counter += 1
+    """
+    return thread_local.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether the current forward pass is the recomputation of a checkpointed one.
+
+    Typical use: don't update running statistics twice, e.g. ``if not is_recomputing(): self.counter += 1``.
+    """
+    return thread_local.is_recomputing
+
+
+class Checkpointing:
+    """Generates a pair of :class:`Checkpoint` and :class:`Recompute` for one partition and one micro-batch.
+
+    Args:
+        function: the partition (called with the tensor of an atomic batch, else the tuple).
+        batch (Batch): its input micro-batch.
+    """
+
+    def __init__(self, function: Function, batch: Batch) -> None:
+        self.function = function
+        self.batch = batch
+        # Shared by the pair: Recompute fills them, Checkpoint empties them.
+        self.recomputed: Deque[Recomputed] = deque(maxlen=1)
+        self.rng_states: Deque[RNGStates] = deque(maxlen=1)
+
+    def checkpoint(self) -> Batch:
+        """Run the function without keeping activations; return its output batch."""
+        input_atomic = self.batch.atomic
+        input = tuple(self.batch)
+        # The grad-requiring phony makes the outputs require grad even when no input does, so the backward
+        # (and the recomputation of parameters' gradients) always happens.
+        phony = get_phony(self.batch[0].device, requires_grad=True)
+        output = Checkpoint.apply(phony, self.recomputed, self.rng_states, self.function, input_atomic, *input)
+        if isinstance(output, tuple):
+            output = tuple(x if x.is_floating_point() else x.detach() for x in output)
+        return Batch(output, self.batch.index)
+
+    def recompute(self, batch: Batch) -> None:
+        """Attach the recomputation to ``batch`` (the checkpointed output), in place."""
+        input_atomic = self.batch.atomic
+        input = tuple(self.batch)
+        index = _first_grad_index(batch)
+        batch[index], phony = fork(batch[index])
+        phony = Recompute.apply(phony, self.recomputed, self.rng_states, self.function, input_atomic, *input)
+        batch[index] = join(batch[index], phony)
+
+
+def _first_grad_index(batch: Batch) -> int:
+    # The fork/join must sit on a tensor that autograd follows; non-float outputs are detached.
+    for i, t in enumerate(batch):
+        if t.requires_grad:
+            return i
+    return 0
+
+
+def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:
+    """Save the CPU RNG state and, for an accelerator ``device``, that device's RNG state."""
+    cpu_state = torch.get_rng_state()
+    device_state = accelerator_rng_state(device) if device.type != "cpu" else None
+    rng_states.append((cpu_state, device_state))
+
+
+@contextmanager
+def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Generator[None, None, None]:
+    """Run the block with the RNG states saved by :func:`save_rng_states`; the global streams are left as they were."""
+    cpu_state, device_state = rng_states.pop()
+    forked: List[torch.device] = [device] if device_state is not None else []
+    with torch.random.fork_rng(forked, device_type=device.type if forked else "cuda"):
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            set_accelerator_rng_state(device, device_state)
+        yield
+
+
+class Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        phony: Tensor,
+        recomputed: Deque[Recomputed],
+        rng_states: Deque[RNGStates],
+        function: Function,
+        input_atomic: bool,
+        *input: Tensor,
+    ) -> TensorOrTensors:
+        ctx.recomputed = recomputed
+        ctx.rng_states = rng_states
+        save_rng_states(input[0].device, ctx.rng_states)
+        ctx.function = function
+        ctx.input_atomic = input_atomic
+        ctx.save_for_backward(*input)
+        with torch.no_grad(), enable_checkpointing():
+            output = function(input[0] if input_atomic else input)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        output, input_leaf = ctx.recomputed.pop()
+        outputs: Tensors = output if isinstance(output, tuple) else (output,)
+        # Pair each gradient with its own output before filtering (upstream filtered the outputs only, which
+        # misaligned the gradients when a non-grad output preceded a grad one).
+        pairs = [(y, g) for y, g in zip(outputs, grad_output) if y.requires_grad]
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        grad_input: List[Optional[Tensor]] = [None, None, None, None, None]
+        grad_input.extend(x.grad for x in input_leaf)
+        return tuple(grad_input)
+
+
+class Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        phony: Tensor,
+        recomputed: Deque[Recomputed],
+        rng_states: Deque[RNGStates],
+        function: Function,
+        input_atomic: bool,
+        *input: Tensor,
+    ) -> Tensor:
+        ctx.recomputed = recomputed
+        ctx.rng_states = rng_states
+        ctx.function = function
+        ctx.input_atomic = input_atomic
+        ctx.save_for_backward(*input)
+        return phony
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[None, ...]:
+        input = ctx.saved_tensors
+        input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+        with restore_rng_states(input[0].device, ctx.rng_states):
+            with torch.enable_grad(), enable_recomputing():
+                output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
+        ctx.recomputed.append((output, input_leaf))
+        grad_input: List[None] = [None, None, None, None, None]
+        grad_input.extend(None for _ in ctx.saved_tensors)
+        return tuple(grad_input)

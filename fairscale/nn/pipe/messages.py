@@ -1,0 +1,276 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Transports of :class:`~fairscale.nn.pipe.types.PipeMessage` between pipeline stages.
+
+* :class:`SendRecvTransport`: point-to-point send/recv on the pipeline process group (through
+  :mod:`fairscale.internal.collectives`). The header travels as a fixed-size pickled ``uint8`` tensor tagged with
+  the queue id and is received from any rank; tensor ``k`` follows with tag ``message.tag + k``. Receiving from
+  any rank needs gloo (or MPI): NCCL groups must use RPC.
+* :class:`RpcTransport`: ``torch.distributed.rpc`` pushes the whole message (tensors on CPU) onto the receiver's
+  in-process queues. Needs ``rpc.init_rpc`` on every rank and a ``worker_map`` of rank to worker name.
+"""
+
+import os
+import pickle
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from queue import Empty, Queue
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fairscale.internal import collectives
+
+from .types import EVENT_LOOP_QUEUE, MESSAGE_GENERATION_START, InputDevice, PipeMessage, Tensors
+
+__all__ = [
+    "Transport",
+    "RpcTransport",
+    "SendRecvTransport",
+    "MakeTransport",
+    "MessageQueues",
+    "MESSAGE_TENSOR_SIZE",
+    "rpc_push_queue",
+    "to_input_device",
+    "TRANSPORT_ENV",
+]
+
+#: Bytes of a pickled message header on the wire.
+MESSAGE_TENSOR_SIZE = 1024
+
+#: Set to ``rpc`` or ``sendrecv`` to choose the transport of :class:`~fairscale.nn.pipe.AsyncPipe` explicitly.
+TRANSPORT_ENV = "FAIRSCALE_PIPE_TRANSPORT"
+
+#: This process's incoming message queues (filled by :func:`rpc_push_queue`), one per queue id.
+MessageQueues: List["Queue[PipeMessage]"] = [Queue() for _ in range(MESSAGE_GENERATION_START)]
+
+
+def to_input_device(tensors: Tensors, input_device: InputDevice) -> Tensors:
+    """Move ``tensors`` to ``input_device`` (unchanged when it is ``None``)."""
+    if input_device is None:
+        return tensors
+    return tuple(t.to(input_device) for t in tensors)
+
+
+def rpc_push_queue(message: PipeMessage) -> None:
+    """Run (through RPC) on the receiving process: queue ``message`` for its event loop."""
+    MessageQueues[message.queue_name].put(message)
+
+
+@dataclass(frozen=True)
+class Transport(ABC):
+    """Sends and receives pipeline messages.
+
+    Attributes:
+        worker_map: global rank to RPC worker name (RPC transport only).
+        input_device: where received tensors are placed (``None``: where they arrive).
+        group: the pipeline process group (send/recv transport only).
+    """
+
+    worker_map: Optional[Dict[int, str]]
+    input_device: InputDevice
+
+    def recv_message(self, queue_name: int, *, nowait: bool = False) -> PipeMessage:
+        """Receive a whole message (header and tensors) from queue ``queue_name``."""
+        message = self.recv_message_header(queue_name, nowait)
+        return self.recv_message_tensors(message)
+
+    @abstractmethod
+    def recv_message_header(self, queue_name: int, nowait: bool = False) -> PipeMessage:
+        """Receive the next header of queue ``queue_name`` (``queue.Empty`` with ``nowait`` when none is ready)."""
+
+    @abstractmethod
+    def recv_message_tensors(self, message: PipeMessage) -> PipeMessage:
+        """Fill in (or relocate) the tensors of a received header."""
+
+    @abstractmethod
+    def send_message(self, message: PipeMessage, sync: bool = False, skip_header: bool = False) -> None:
+        """Send ``message`` to ``message.dest``."""
+
+    @abstractmethod
+    def get_out_of_order(self, queue_name: int, index: int) -> Tensors:
+        """The tensors of the message of queue ``queue_name`` whose ``args`` equal ``index``."""
+
+
+@dataclass(frozen=True)
+class RpcTransport(Transport):
+    def send_message(self, message: PipeMessage, sync: bool = False, skip_header: bool = False) -> None:
+        from torch.distributed import rpc
+
+        assert self.worker_map is not None
+        message.tensors = tuple(t.cpu() for t in message.tensors)
+        name = self.worker_map[message.dest]
+        if sync:
+            rpc.rpc_sync(name, rpc_push_queue, args=(message,))
+        else:
+            rpc.rpc_async(name, rpc_push_queue, args=(message,))
+
+    def recv_message_header(self, queue_name: int, nowait: bool = False) -> PipeMessage:
+        queue = MessageQueues[queue_name]
+        return queue.get_nowait() if nowait else queue.get()
+
+    def recv_message_tensors(self, message: PipeMessage) -> PipeMessage:
+        # The tensors travelled inside the message; only their device may change.
+        message.tensors = to_input_device(message.tensors, self.input_device)
+        return message
+
+    def get_out_of_order(self, queue_name: int, index: int) -> Tensors:
+        queue = MessageQueues[queue_name]
+        while True:
+            message = self.recv_message(queue_name)
+            if message.args == index:
+                return message.tensors
+            queue.put(message)
+
+
+class _Sender:
+    """A daemon thread that performs this process's sends, in order.
+
+    A gloo send returns only once the peer received it. Sending from the event loop would let a stage that
+    failed (and stopped receiving) block its neighbours forever, before they could read its abort message; with
+    the sends on this thread, the event loop only ever blocks on receives.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.pid = os.getpid()
+        self.queue: "Queue[Tuple[int, List[Tuple[Tensor, int]]]]" = Queue()
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._loop, name="fairscale-pipe-sender", daemon=True)
+        self.thread.start()
+
+    def put(self, dest: int, items: List[Tuple[Tensor, int]]) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"an earlier pipeline send to another stage failed: {self.error!r}") from self.error
+        self.queue.put((dest, items))
+
+    def _loop(self) -> None:
+        while True:
+            dest, items = self.queue.get()
+            try:
+                for tensor, tag in items:
+                    collectives.send(tensor, dest, group=self.group, tag=tag)
+            except Exception as exc:  # noqa: B902 - reported by the next put()
+                self.error = exc
+            finally:
+                self.queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued send was received."""
+        self.queue.join()
+
+
+_senders: Dict[int, _Sender] = {}
+_senders_lock = threading.Lock()
+
+
+def _sender(group: Any) -> _Sender:
+    with _senders_lock:
+        sender = _senders.get(id(group))
+        # A forked child inherits the dict but not the thread: start its own.
+        if sender is None or sender.group is not group or sender.pid != os.getpid():
+            sender = _senders[id(group)] = _Sender(group)
+        return sender
+
+
+@dataclass(frozen=True)
+class SendRecvTransport(Transport):
+    group: Any = None
+
+    def send_message(self, message: PipeMessage, sync: bool = False, skip_header: bool = False) -> None:
+        """Queue ``message`` on this process's sender thread (see :class:`_Sender`); ``sync`` does not block."""
+        # gloo sends CPU tensors; the receiver moves them to its input device.
+        tensors = tuple(t.detach().cpu().contiguous() for t in message.tensors)
+        message.tensor_shapes = [t.shape for t in tensors]
+        message.tensor_dtypes = [t.dtype for t in tensors]
+        items: List[Tuple[Tensor, int]] = []
+        if not skip_header:
+            header = PipeMessage.__new__(PipeMessage)
+            header.__dict__.update(message.__dict__)
+            header.tensors = tuple()
+            items.append((_pickle_header(header), message.queue_name))
+        items.extend((tensor, message.tag + index) for index, tensor in enumerate(tensors))
+        _sender(self.group).put(message.dest, items)
+
+    def flush(self) -> None:
+        """Block until every message this process sent on the group was received."""
+        _sender(self.group).flush()
+
+    def recv_message_header(self, queue_name: int, nowait: bool = False) -> PipeMessage:
+        if nowait:
+            raise Empty()
+        buffer = torch.empty(MESSAGE_TENSOR_SIZE, dtype=torch.uint8)
+        collectives.recv(buffer, None, group=self.group, tag=queue_name)
+        return _unpickle_header(buffer)
+
+    def recv_message_tensors(self, message: PipeMessage) -> PipeMessage:
+        tensors = []
+        for index, (shape, dtype) in enumerate(zip(message.tensor_shapes, message.tensor_dtypes)):
+            t = torch.empty(shape, dtype=dtype)
+            collectives.recv(t, message.src, group=self.group, tag=message.tag + index)
+            tensors.append(t)
+        message.tensors = to_input_device(tuple(tensors), self.input_device)
+        return message
+
+    def get_out_of_order(self, queue_name: int, index: int) -> Tensors:
+        message = self.recv_message(queue_name)
+        assert message.args == index, f"expected the message of {index}, got {message.args}"
+        return message.tensors
+
+
+def _pickle_header(message: PipeMessage) -> Tensor:
+    data = pickle.dumps(message)
+    if len(data) > MESSAGE_TENSOR_SIZE:
+        raise ValueError(
+            f"message too big to send, increase `fixed_buffer_size`? - {len(data)} > {MESSAGE_TENSOR_SIZE}"
+        )
+    buffer = torch.zeros(MESSAGE_TENSOR_SIZE, dtype=torch.uint8)
+    buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buffer
+
+
+def _unpickle_header(buffer: Tensor) -> PipeMessage:
+    message = pickle.loads(buffer.numpy().tobytes())
+    assert isinstance(message, PipeMessage)
+    return message
+
+
+def use_rpc_by_default(worker_map: Optional[Dict[int, str]]) -> bool:
+    """Which transport :class:`~fairscale.nn.pipe.AsyncPipe` uses.
+
+    ``FAIRSCALE_PIPE_TRANSPORT`` (``rpc`` / ``sendrecv``) wins; ``FORCE_RPC`` selects RPC as upstream. Otherwise RPC
+    when a ``worker_map`` is given and RPC is initialised, else point-to-point send/recv on the pipeline group.
+    """
+    chosen = os.environ.get(TRANSPORT_ENV, "").lower()
+    if chosen in ("rpc", "sendrecv"):
+        return chosen == "rpc"
+    if chosen:
+        raise ValueError(f"{TRANSPORT_ENV} must be 'rpc' or 'sendrecv', not {chosen!r}")
+    if "FORCE_RPC" in os.environ:
+        return True
+    return worker_map is not None and _rpc_initialized()
+
+
+def _rpc_initialized() -> bool:
+    try:
+        from torch.distributed import rpc
+
+        api: Any = rpc.api
+        return bool(rpc.is_available() and api._is_current_rpc_agent_set())
+    except (ImportError, AttributeError):
+        return False
+
+
+def MakeTransport(
+    use_rpc: bool, worker_map: Optional[Dict[int, str]], input_device: InputDevice, group: Any = None
+) -> Transport:
+    """Build the transport: RPC (needs ``worker_map``) or send/recv on ``group``."""
+    if use_rpc:
+        if worker_map is None:
+            raise ValueError(
+                "'RpcTransport' requires 'worker_map' to be set (or use the point-to-point transport: "
+                f"{TRANSPORT_ENV}=sendrecv with a gloo pipeline group)"
+            )
+        return RpcTransport(worker_map, input_device)
+    return SendRecvTransport(worker_map, input_device, group)

@@ -1,0 +1,123 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Skip trackers: where stashed skip tensors wait until they are popped."""
+
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Dict, Generator, Optional, Tuple
+
+from torch import Tensor
+
+from ..checkpoint import is_checkpointing
+from ..dependency import fork, join
+from ..microbatch import Batch
+from ..stream import AbstractStream
+from .namespace import Namespace
+from .portal import Portal
+
+if TYPE_CHECKING:
+    from .layout import SkipLayout
+
+__all__ = ["SkipTracker", "SkipTrackerThroughPotals", "use_skip_tracker", "current_skip_tracker"]
+
+
+class SkipTracker:
+    """The plain tracker: a dict of skip tensors, for use without a pipeline (or within one partition)."""
+
+    def __init__(self) -> None:
+        self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
+
+    @property
+    def index(self) -> int:
+        """The micro-batch index (always 0 without a pipeline)."""
+        return 0
+
+    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        self.tensors[(ns, name)] = tensor
+
+    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        return self.tensors.pop((ns, name))
+
+    def copy(
+        self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream, ns: Namespace, name: str
+    ) -> None:
+        raise TypeError("copy is not supported for non-portal skip tensors")
+
+
+class SkipTrackerThroughPotals(SkipTracker):
+    """The tracker of one micro-batch in a :class:`~fairscale.nn.pipe.Pipe`: skips across partitions use portals.
+
+    (The misspelled name is upstream's public name.)
+    """
+
+    def __init__(self, skip_layout: "SkipLayout", index: int) -> None:
+        super().__init__()
+        self.skip_layout = skip_layout
+        self.portals: Dict[Tuple[Namespace, str], Portal] = {}
+        self.__index = index
+
+    @property
+    def index(self) -> int:
+        return self.__index
+
+    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if not self.skip_layout.requires_copy(ns, name):
+            super().save(batch, ns, name, tensor)
+            return
+        portal = self.portals.get((ns, name))
+        if portal is None:
+            # Life: one hand-out at the stash (blue), one at the pop (orange), one more for the pop's
+            # recomputation when the pop side is checkpointed.
+            tensor_life = 3 if is_checkpointing() else 2
+            portal = Portal(tensor, tensor_life, self.index)
+            portal.ns_name = (ns, name)
+            self.portals[(ns, name)] = portal
+        else:
+            # The stash layer's recomputation: the tensor is only handed out to the blue phony again.
+            portal.put_tensor(tensor, 1)
+        phony = portal.blue()
+        batch[0] = join(batch[0], phony)
+
+    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        if not self.skip_layout.requires_copy(ns, name):
+            return super().load(batch, ns, name)
+        portal = self.portals[(ns, name)]
+        batch[0], phony = fork(batch[0])
+        return portal.orange(phony)
+
+    def copy(
+        self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream, ns: Namespace, name: str
+    ) -> None:
+        """Move the skip tensor to ``next_stream``'s device, ordered with ``batch`` by fork/join."""
+        assert self.skip_layout.requires_copy(ns, name)
+        batch[0], phony = fork(batch[0])
+        portal = self.portals[(ns, name)]
+        phony = portal.copy(prev_stream, next_stream, phony)
+        batch[0] = join(batch[0], phony)
+
+
+class ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.skip_tracker: Optional[SkipTracker] = None
+
+
+thread_local = ThreadLocal()
+
+
+@contextmanager
+def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
+    """Make ``skip_tracker`` the current tracker of this thread for the block."""
+    orig = thread_local.skip_tracker
+    thread_local.skip_tracker = skip_tracker
+    try:
+        yield
+    finally:
+        thread_local.skip_tracker = orig
+
+
+def current_skip_tracker() -> SkipTracker:
+    """The current tracker of this thread (a plain :class:`SkipTracker` is made on first use)."""
+    skip_tracker = thread_local.skip_tracker
+    if skip_tracker is None:
+        skip_tracker = SkipTracker()
+        thread_local.skip_tracker = skip_tracker
+    return skip_tracker

@@ -1,0 +1,234 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""OSS state dicts: gathering the shards, merging them into one torch-format dict, and loading one back.
+
+Formats (upstream's):
+
+* a **shard** is the rank's inner optimizer ``state_dict()``: its parameters numbered 0, 1, ... in the order of
+  its partition (one group per OSS group, empty groups included);
+* the **consolidated** dict is a plain torch optimizer state dict over all parameters, numbered in the order of the
+  OSS groups; a plain torch optimizer over the same parameter order loads it, and OSS loads a plain optimizer's.
+"""
+
+import io
+from typing import Any, Callable, Dict, List, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fairscale.internal import collectives
+from fairscale.internal.params import recursive_copy_to_device
+
+from .partition import ParamGroup
+
+__all__ = [
+    "broadcast_object",
+    "gather_shards",
+    "merge_shards",
+    "check_loadable",
+    "shard_for_rank",
+    "global_index_map",
+]
+
+_CPU = torch.device("cpu")
+
+
+def broadcast_object(obj: Any, src_rank: int, group: Any = None, dist_device: torch.device = _CPU) -> Any:
+    """Broadcast a picklable object as a length tensor then a byte tensor (upstream's ``_broadcast_object``).
+
+    Args:
+        obj (Any): the object, read on the source only.
+        src_rank (int): the **global** rank that sends.
+        group: the process group (``None``: the default group).
+        dist_device (torch.device): where the two tensors live (the backend's device).
+
+    Returns:
+        Any: the object (the source gets its own input back).
+    """
+    is_source = (dist.get_rank() if dist.is_initialized() else 0) == src_rank
+    if is_source:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(dist_device)
+        length = torch.tensor([payload.numel()], dtype=torch.long, device=dist_device)
+        collectives.broadcast(length, src=src_rank, group=group)
+        collectives.broadcast(payload, src=src_rank, group=group)
+        return obj
+    length = torch.zeros(1, dtype=torch.long, device=dist_device)
+    collectives.broadcast(length, src=src_rank, group=group)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dist_device)
+    collectives.broadcast(payload, src=src_rank, group=group)
+    # The payload is an optimizer state (tensors, numbers, tuples), written by a peer running this same code.
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=dist_device, weights_only=False)
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A CPU copy of a nested state that later optimizer steps cannot change (``.to(cpu)`` alone aliases CPU
+    tensors; a consolidated dict is a snapshot)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(_CPU, copy=True)
+    if isinstance(value, list):
+        return [_cpu_copy(v) for v in value]
+    if isinstance(value, tuple):
+        copied = [_cpu_copy(v) for v in value]
+        return type(value)(*copied) if hasattr(value, "_fields") else tuple(copied)
+    if isinstance(value, Mapping):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    return value
+
+
+def gather_shards(
+    local_shard: Dict[str, Any],
+    rank: int,
+    world_size: int,
+    recipient_rank: int,
+    local_to_global: Sequence[int],
+    transport: Callable[[Any, int], Any],
+) -> List[Dict[str, Any]]:
+    """Collect every rank's shard on ``recipient_rank`` (or on every rank for ``-1``), in rank order.
+
+    Every rank takes part in every round, each round's owner sending its shard with ``transport(obj, src)``
+    (a collective that returns the object on every rank). The round of the recipient itself is skipped: it
+    knows its own shard, and every rank knows whose round it is.
+
+    Returns:
+        The ``world_size`` shards with CPU tensors where this rank collects, else an empty list.
+    """
+    collect = rank == recipient_rank or recipient_rank == -1
+    shards: List[Dict[str, Any]] = []
+    for round_rank in range(world_size):
+        if round_rank == rank:
+            if collect:
+                shards.append(_cpu_copy(local_shard))
+            if round_rank != recipient_rank:
+                transport(local_shard, local_to_global[round_rank])
+        elif round_rank != recipient_rank:
+            received = transport(None, local_to_global[round_rank])
+            if collect:
+                shards.append(recursive_copy_to_device(received, non_blocking=False, device=_CPU))
+    return shards
+
+
+def merge_shards(
+    base: Dict[str, Any],
+    shards: Sequence[Mapping[str, Any]],
+    partition: List[List[ParamGroup]],
+    param_to_index: Mapping[int, int],
+) -> Dict[str, Any]:
+    """Fill ``base`` (OSS's own torch ``state_dict()``) with the shards' per-parameter state, by global index.
+
+    Integer keys come out sorted; other keys of the base state (e.g. a wrapper's ``"adascale"`` entry) follow,
+    in their original order (upstream sorted all keys together and raised ``TypeError`` on a string key).
+    """
+    state: Dict[Any, Any] = dict(base["state"])
+    for rank, shard in enumerate(shards):
+        for shard_group, part_group in zip(shard["param_groups"], partition[rank]):
+            for local_index, param in zip(shard_group["params"], part_group["params"]):
+                if local_index in shard["state"]:
+                    state[param_to_index[id(param)]] = shard["state"][local_index]
+    int_keys = sorted(k for k in state if isinstance(k, int))
+    other_keys = [k for k in state if not isinstance(k, int)]
+    result = dict(base)
+    result["state"] = {k: state[k] for k in int_keys + other_keys}
+    return result
+
+
+def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
+    """Raise a clear error if ``state_dict`` cannot be loaded into OSS groups ``param_groups``; changes nothing.
+
+    Raises:
+        TypeError: not a state-dict mapping.
+        ValueError: missing keys, a different number of groups or of parameters in a group (with a hint when it
+            looks like an unconsolidated per-rank shard), unknown parameter indices, or state tensors whose shape
+            cannot belong to the parameter.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"OSS.load_state_dict expects a state dict (a mapping), got {type(state_dict).__name__}")
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(f"OSS.load_state_dict: the state dict has no {missing} entry; pass an optimizer state dict")
+    saved_groups = state_dict["param_groups"]
+    saved_total = sum(len(g.get("params", ())) for g in saved_groups)
+    total = sum(len(g["params"]) for g in param_groups)
+    hint = (
+        " It looks like one rank's shard rather than a consolidated state dict (a shard only holds the state of the "
+        "parameters that rank owned, and ownership depends on the world size): save with "
+        "consolidate_state_dict() then state_dict() on the recipient, or state_dict(all_ranks=True)."
+        if saved_total < total
+        else ""
+    )
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"OSS.load_state_dict: the state dict has {len(saved_groups)} parameter groups but this optimizer has "
+            f"{len(param_groups)}; create the optimizer with the same groups (add_param_group) before loading.{hint}"
+        )
+    for i, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if "params" not in saved or len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"OSS.load_state_dict: parameter group {i} of the state dict has {len(saved.get('params', ()))} "
+                f"parameters but this optimizer's has {len(group['params'])}.{hint}"
+            )
+    index_to_param = global_index_map(saved_groups, param_groups)
+    for key, value in state_dict["state"].items():
+        if not isinstance(key, int):
+            continue  # state that belongs to no parameter (e.g. a wrapper's), carried as torch does
+        if key not in index_to_param:
+            raise ValueError(
+                f"OSS.load_state_dict: the state has an entry for parameter {key}, which no parameter group lists"
+            )
+        _check_state_shapes(key, value, index_to_param[key])
+
+
+def global_index_map(saved_groups: Sequence[Mapping[str, Any]], param_groups: List[ParamGroup]) -> Dict[Any, Any]:
+    """``{saved parameter id: current parameter}``, positional over the groups (as torch pairs them)."""
+    saved_ids = [pid for g in saved_groups for pid in g["params"]]
+    params = [p for g in param_groups for p in g["params"]]
+    return dict(zip(saved_ids, params))
+
+
+def _check_state_shapes(key: int, value: Any, param: torch.Tensor) -> None:
+    """A state tensor must be a scalar, or shaped like the parameter (a size may be 1: factored statistics), or
+    hold as many elements as it (flat statistics). Anything else comes from another model."""
+    if not isinstance(value, Mapping):
+        return
+    for name, tensor in value.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            continue
+        if tensor.shape == param.shape or tensor.numel() == param.numel():
+            continue
+        if tensor.dim() == param.dim() and all(t in (1, p) for t, p in zip(tensor.shape, param.shape)):
+            continue
+        raise ValueError(
+            f"OSS.load_state_dict: state {name!r} of parameter {key} has shape {tuple(tensor.shape)} but the "
+            f"parameter has shape {tuple(param.shape)}; the state dict belongs to a different model"
+        )
+
+
+def shard_for_rank(
+    state_dict: Mapping[str, Any],
+    rank_groups: List[ParamGroup],
+    param_to_index: Mapping[int, int],
+    saved_ids: Sequence[Any],
+) -> Dict[str, Any]:
+    """The shard-format state dict of one rank, cut out of a consolidated one (hyper-parameters from the latter).
+
+    Args:
+        state_dict: a consolidated (or plain torch) optimizer state dict, already checked.
+        rank_groups: the rank's partition (one group per OSS group).
+        param_to_index: ``{id(param): global position}`` of the current parameters.
+        saved_ids: the state dict's parameter ids, in global position order.
+    """
+    saved_groups = state_dict["param_groups"]
+    state: Dict[int, Any] = {}
+    groups: List[Dict[str, Any]] = []
+    local_index = 0
+    for saved_group, part_group in zip(saved_groups, rank_groups):
+        group = {k: v for k, v in saved_group.items() if k != "params"}
+        group["params"] = []
+        for param in part_group["params"]:
+            saved_id = saved_ids[param_to_index[id(param)]]
+            if saved_id in state_dict["state"]:
+                state[local_index] = state_dict["state"][saved_id]
+            group["params"].append(local_index)
+            local_index += 1
+        groups.append(group)
+    return {"state": state, "param_groups": groups}

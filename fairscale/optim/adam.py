@@ -1,0 +1,268 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``Adam`` with fp16 training modes (:class:`Precision`), without upstream's CUDA extension.
+
+Upstream's ``Adam`` needed the optional ``fused_adam_cuda`` extension and was missing from ``fairscale.optim``
+without it. Here it is always available, on every device: the update runs on PyTorch's AdamW kernels (fused where
+the device has the fused kernel, foreach elsewhere) with hyper-parameters mapped so that the arithmetic is
+upstream's (see :mod:`fairscale.optim._adam_update`).
+
+Modes (``precision``):
+
+* ``FULL_PRECISION``: fp32 parameters and state. Inferred for fp32 parameters.
+* ``MIXED_PRECISION``: fp16 parameters, fp32 master copies (``fp32_param_groups``) and fp32 state; the fp16
+  parameters receive the rounded masters after each step. Inferred for fp16 parameters.
+* ``MEMORY_EFFICIENT_MIXED_PRECISION``: fp16 parameters, fp32 state, no master copies (the update is computed in
+  fp32 from the fp16 values).
+* ``PURE_FP16``: fp16 parameters and fp16 state; the state is stored multiplied by a dynamic optimizer-state scale
+  (``_optim_scale``, initially ``2**16``) that halves when a stored moment overflows (the state is then reset) and
+  doubles, up to ``2**16``, after ``_optim_scale_update_freq`` clean updates. Use it with
+  :class:`fairscale.optim.GradScaler`, which accepts fp16 gradients.
+"""
+
+from enum import Enum, auto
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._adam_update import AdamHyper, adam_update
+
+__all__ = ["Adam", "Precision"]
+
+_MAX_OPTIM_SCALE = 2.0**16
+
+
+class Precision(Enum):
+    """Where Adam keeps the values it updates (see the module documentation)."""
+
+    FULL_PRECISION = auto()
+    MIXED_PRECISION = auto()
+    MEMORY_EFFICIENT_MIXED_PRECISION = auto()
+    PURE_FP16 = auto()
+
+
+def _first_param(parameters: List[Any]) -> Tensor:
+    if not parameters:
+        raise ValueError("Adam got an empty parameter list; pass the model's parameters")
+    first = parameters[0]
+    if isinstance(first, dict):
+        params = list(first.get("params", []))
+        if not params:
+            raise ValueError("Adam: the first param group has no parameters")
+        return params[0]  # type: ignore[no-any-return]
+    return first  # type: ignore[no-any-return]
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam with fp16 training modes, numerically upstream fairscale's fused Adam.
+
+    Weight decay is applied as upstream's kernel does: inside the update, ``p -= step_size * (m / denom + wd * p)``
+    with the bias-corrected step size (neither torch's L2 ``Adam`` nor its ``AdamW``). ``eps`` is added to
+    ``sqrt(v)`` before the bias correction (``eps_inside_sqrt=True``: inside the square root).
+
+    Args:
+        params: parameters or param-group dicts.
+        lr (float): learning rate. Default: 1e-3.
+        bias_correction (bool): apply Adam's bias correction. Default: ``True``.
+        betas (Tuple[float, float]): moment decay rates. Default: (0.9, 0.999).
+        eps (float): added to the denominator. Default: 1e-8.
+        eps_inside_sqrt (bool): add ``eps`` inside the square root. Default: ``False``.
+        weight_decay (float): weight decay. Default: 0.
+        max_grad_norm (float): accepted and stored, not used (as upstream). Default: 0.
+        amsgrad (bool): not supported; ``True`` raises ``RuntimeError``.
+        precision (Optional[Precision]): default ``FULL_PRECISION`` for fp32 parameters, ``MIXED_PRECISION`` for
+            fp16 ones.
+
+    Raises:
+        AssertionError: a mode other than ``FULL_PRECISION`` with parameters that are not fp16.
+        RuntimeError: ``amsgrad=True``.
+        ValueError: an invalid learning rate, beta, epsilon or weight decay.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        precision: Optional[Precision] = None,
+    ) -> None:
+        parameters: List[Any] = list(params)
+        first = _first_param(parameters)
+        if precision is None:
+            precision = Precision.FULL_PRECISION if first.dtype == torch.float32 else Precision.MIXED_PRECISION
+        if precision is not Precision.FULL_PRECISION:
+            assert first.dtype == torch.float16, f"{precision} needs fp16 parameters, got {first.dtype}"
+        self.precision = precision
+        self.optim_type = torch.float16 if precision is Precision.PURE_FP16 else torch.float32
+        self._optim_scale = _MAX_OPTIM_SCALE if precision is Precision.PURE_FP16 else 1.0
+        self._steps_since_optim_scale_change = 0
+        self._optim_scale_update_freq = 2000
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(parameters, defaults)
+        self.eps_mode = 0 if eps_inside_sqrt else 1
+        self.fp32_param_groups: List[Dict[str, Any]] = []
+        if self.mixed_precision:
+            self._build_fp32_params()
+
+    def _build_fp32_params(self) -> None:
+        # One group of fp32 masters per param group (upstream built one group: the only case it supported).
+        for group in self.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = torch.nn.Parameter(p.detach().clone().float())
+                master.grad = torch.zeros_like(master)
+                masters.append(master)
+            self.fp32_param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+
+    @property
+    def supports_memory_efficient_fp16(self) -> bool:
+        return True
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return False
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether fp32 master copies are kept (``Precision.MIXED_PRECISION``)."""
+        return self.precision is Precision.MIXED_PRECISION
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict plus ``"optim_scale"`` (the fp16 optimizer-state scale)."""
+        state = super().state_dict()
+        state["optim_scale"] = self._optim_scale
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`; the moments keep this optimizer's state dtype, exactly.
+
+        Raises:
+            KeyError: the dict has no ``"optim_scale"`` (it was not written by this optimizer).
+        """
+        if "optim_scale" not in state_dict:
+            raise KeyError("optim_scale: this state dict was not written by fairscale.optim.Adam.state_dict()")
+        super().load_state_dict(state_dict)
+        self._optim_scale = state_dict["optim_scale"]
+        # torch casts floating state to each parameter's dtype (fp16 here in the mixed modes): re-read the saved
+        # moments in the optimizer's state dtype so that no precision is lost.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved_ids, params))
+        for idx, saved in state_dict["state"].items():
+            param = by_id.get(idx)
+            if param is None:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    self.state[param][key] = saved[key].to(device=param.device, dtype=self.optim_type, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One Adam step over every parameter with a gradient.
+
+        Args:
+            closure (Optional[Callable]): re-evaluates the model and returns the loss (called with gradients on).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for idx, group in enumerate(self.param_groups):
+            found_inf = self._step_group(idx, group)
+            self._after_group(found_inf)
+        return loss
+
+    def _step_group(self, idx: int, group: Dict[str, Any]) -> bool:
+        targets = self.fp32_param_groups[idx]["params"] if self.mixed_precision else group["params"]
+        by_device: Dict[torch.device, List[Tuple[Tensor, Tensor, Dict[str, Any]]]] = {}
+        step = 0
+        for p, target in zip(group["params"], targets):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("FusedAdam does not support sparse gradients, please consider SparseAdam instead")
+            state = self.state[p]
+            if len(state) == 0 or "step" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(target, dtype=self.optim_type)
+                state["exp_avg_sq"] = torch.zeros_like(target, dtype=self.optim_type)
+            state["step"] += 1
+            step = state["step"]  # upstream's kernel uses the step of the last parameter for the whole group
+            by_device.setdefault(target.device, []).append((target, p.grad, state))
+        found_inf = False
+        for entries in by_device.values():
+            hyper = AdamHyper(
+                lr=group["lr"],
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                bias_correction=bool(group["bias_correction"]),
+                eps_inside_sqrt=self.eps_mode == 0,
+                step=step,
+            )
+            overflow = adam_update(
+                [t for t, _, _ in entries],
+                [g for _, g, _ in entries],
+                [s["exp_avg"] for _, _, s in entries],
+                [s["exp_avg_sq"] for _, _, s in entries],
+                hyper,
+                self._optim_scale,
+            )
+            found_inf = found_inf or bool(overflow)
+        if self.mixed_precision:
+            for p, master in zip(group["params"], targets):
+                if p.grad is not None:
+                    p.copy_(master)
+        return found_inf
+
+    def _after_group(self, found_inf: bool) -> None:
+        # Upstream advances the scale counter once per group (not per step); kept for identical scale schedules.
+        if found_inf:
+            self._steps_since_optim_scale_change = 0
+            self._optim_scale /= 2
+            if self._optim_scale < 1.0:
+                raise RuntimeError("Optimizer state scale < 1. This may mean that gradients are exploding")
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if state:  # never create state for a parameter that has not stepped yet
+                        state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+                        state["exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+        else:
+            self._steps_since_optim_scale_change += 1
+        if self._steps_since_optim_scale_change == self._optim_scale_update_freq:
+            self._steps_since_optim_scale_change = 0
+            if self._optim_scale < _MAX_OPTIM_SCALE:
+                self._optim_scale *= 2
+
+
+def _check_hyper_parameters(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}; it must be >= 0")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}; it must be >= 0")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}; it must be in [0, 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")

@@ -1,0 +1,400 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""AdaScale: scale the learning rate with the gradient-noise "gain" of large-batch training.
+
+AdaScale (Johnson et al., "AdaScale SGD: A User-Friendly Algorithm for Distributed Training", ICML 2020) wraps an
+optimizer. While the backward passes of one step run, it estimates the squared norm of the true gradient and the
+variance of the per-worker (or per-micro-batch) gradients, keeps moving averages of both in the wrapped optimizer's
+state (under the key ``"adascale"``, so checkpoints carry them), and multiplies every group's learning rate by
+
+    gain = (var + sqr) / (var / scale + sqr)
+
+for the duration of ``step()``. ``scale`` is the batch-size ratio to the single-worker setting (default: world size
+times accumulation steps), and the gain lies between 1 (no noise: a bigger batch does not help) and ``scale``
+(pure noise: the bigger batch is as good as ``scale`` small steps).
+
+Typical use, with DDP::
+
+    optim = AdaScale(SGD(model.parameters(), lr=0.1))
+    for batch in data:
+        optim.zero_grad()
+        loss = ddp_model(batch).sum()
+        loss.backward()
+        optim.step()
+
+The statistics are gathered by tensor hooks on every parameter (the local gradient, before DDP averages it) and an
+end-of-backward callback queued so that it runs after DDP's own reduction.
+"""
+
+import functools
+from typing import Any, Callable, Dict, List, Optional, cast
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.autograd import Variable
+
+from fairscale.internal import collectives
+
+__all__ = ["AdaScale", "AdaScaleWrapper"]
+
+_STATE_KEY = "adascale"
+
+
+class AdaScale(torch.optim.Optimizer):
+    """Wraps an optimizer and adapts its learning rate to the gradient noise of large-batch training.
+
+    AdaScale itself never calls ``torch.optim.Optimizer.__init__``: it shares ``param_groups`` (the same list
+    object, so LR schedulers work) and the ``state`` of the wrapped optimizer; unknown attributes are looked up
+    on the wrapped optimizer.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer to wrap (e.g. SGD, or OSS for sharded training).
+        world_size (Optional[int]): number of data-parallel workers; default the default group's size when
+            torch.distributed is initialised, else 1.
+        scale (Optional[float]): batch-size ratio to the single-worker baseline; default
+            ``world_size * num_gradients_to_accumulate``.
+        smoothing (Optional[float]): factor of the moving averages; default ``max(1 - scale_default / 1000, 0)``.
+        num_gradients_to_accumulate (int): backward passes per optimizer step. Default: 1.
+        is_scaled_loss (bool): whether each micro-batch's loss is divided by ``num_gradients_to_accumulate``
+            (the gradients then sum to the mean). Default: ``True``.
+        debias_ewma (bool): debias the moving averages (each starts at the first value). Default: ``True``.
+
+    Raises:
+        RuntimeError: a single worker without gradient accumulation (no gradient noise to measure).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        world_size: Optional[int] = None,
+        scale: Optional[float] = None,
+        smoothing: Optional[float] = None,
+        num_gradients_to_accumulate: int = 1,
+        is_scaled_loss: bool = True,
+        debias_ewma: bool = True,
+    ) -> None:
+        # First, so that a half-built object can still be deleted (``__del__`` unhooks).
+        self._hook_handles: List[Any] = []
+        self._optimizer = optimizer
+        self._local_grad_sqr: Optional[Tensor] = None
+        self._callback_queued = False
+        if world_size is None:
+            world_size = collectives.group_size(None)
+        self._world_size = int(world_size)
+        self._num_backward_calls = 0
+        self._last_final_backward_call = 0
+        self._debias_ewma = debias_ewma
+        self._is_scaled_loss = is_scaled_loss
+        self.param_groups = optimizer.param_groups
+
+        self.set_num_gradients_to_accumulate(num_gradients_to_accumulate, update_smoothing=True)
+        if smoothing is not None:
+            self._smoothing = float(smoothing)
+        if self._world_size * self._num_grads_to_accum <= 1:
+            raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
+
+        n_groups = len(optimizer.param_groups)
+        cast(Dict[Any, Any], optimizer.state).setdefault(
+            _STATE_KEY, {"grad_sqr_avg": np.ones(n_groups), "grad_var_avg": np.zeros(n_groups)}
+        )
+        self._scale = 1.0
+        self.set_scale(self._world_size * self._num_grads_to_accum if scale is None else scale)
+        self._hook()
+
+    # ------------------------------------------------------------------------------------------
+    # Attribute forwarding and properties
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes AdaScale does not have (``state``, ``defaults`` ...).
+        if name.startswith("__") or name in ("_optimizer", "_hook_handles"):
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    @property
+    def _state(self) -> Dict[str, Any]:
+        return cast(Dict[str, Any], cast(Dict[Any, Any], self._optimizer.state)[_STATE_KEY])
+
+    @property
+    def scale(self) -> float:
+        """The current batch-size scale ``S``."""
+        return self._scale
+
+    @property
+    def smoothing(self) -> float:
+        """The factor of the moving averages of the gradient statistics."""
+        return self._smoothing
+
+    def _in_backward(self) -> bool:
+        # Statistics of the current accumulation window exist from the first hook until the window's final callback.
+        return self._local_grad_sqr is not None
+
+    # ------------------------------------------------------------------------------------------
+    # Configuration
+
+    def set_scale(self, scale: float, update_estimate: bool = True) -> None:
+        """Set the batch-size scale ``S``.
+
+        Args:
+            scale (float): the new scale, at least 1.
+            update_estimate (bool): rescale the stored variance estimate to the new scale (it is measured per
+                ``S`` samples). Default: ``True``.
+        """
+        assert not self._in_backward(), "Don't change scale in backward phase"
+        assert scale >= 1, "Scale must be at least 1"
+        if update_estimate:
+            ratio = self._scale / scale
+            state = self._state
+            state["grad_var_avg"] *= ratio
+            extra = "grad_var_avg_biased" if self._debias_ewma else "grad_var_avg_total"
+            if extra in state:
+                state[extra] *= ratio
+        self._scale = scale
+
+    def set_num_gradients_to_accumulate(self, num_gradients_to_accumulate: int, update_smoothing: bool = True) -> None:
+        """Set the number of backward passes per step.
+
+        Args:
+            num_gradients_to_accumulate (int): at least 1.
+            update_smoothing (bool): reset the smoothing factor to ``max(1 - world_size * n / 1000, 0)``.
+        """
+        assert not self._in_backward(), "Don't change num_grad_to_accum in backward phase"
+        assert num_gradients_to_accumulate >= 1, f"Invalid value {num_gradients_to_accumulate}"
+        self._num_grads_to_accum = num_gradients_to_accumulate
+        if update_smoothing:
+            self._smoothing = max(1 - self._world_size * num_gradients_to_accumulate / 1000, 0)
+
+    def scale_grad_by_num_grads_to_accum(self) -> None:
+        """Divide every gradient by the number of accumulation steps (for unscaled losses), after backward."""
+        assert self._local_grad_sqr is None, "Only call this after backward"
+        assert self._num_grads_to_accum > 1, "Must be accumulating gradients"
+        assert not self._is_scaled_loss, "Must use unscaled loss"
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(self._num_grads_to_accum)
+
+    # ------------------------------------------------------------------------------------------
+    # Hooks and gradient statistics
+
+    def _hook(self) -> None:
+        self.unhook()
+        for idx, group in enumerate(self._optimizer.param_groups):
+            for param in group["params"]:
+                self._hook_handles.append(param.register_hook(functools.partial(self._backward_hook, idx)))
+
+    def unhook(self) -> None:
+        """Remove the gradient hooks (AdaScale stops measuring; ``gain()`` keeps its last value)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def __del__(self) -> None:
+        if "_hook_handles" in self.__dict__:
+            self.unhook()
+
+    def _backward_hook(self, pg_idx: int, grad: Tensor) -> None:
+        # The incoming local gradient of one parameter, before accumulation and before DDP averages it.
+        if self._local_grad_sqr is None:
+            self._local_grad_sqr = torch.zeros(len(self._optimizer.param_groups), device=grad.device)
+        self._local_grad_sqr[pg_idx] += grad.detach().float().pow(2).sum()
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._queue_final_callback)
+
+    def _queue_final_callback(self) -> None:
+        # Queued once more so that it runs after callbacks queued during this backward (DDP's reduction).
+        Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._callback_queued = False
+        assert self._local_grad_sqr is not None
+        self._num_backward_calls += 1
+        calls, last, accum = self._num_backward_calls, self._last_final_backward_call, self._num_grads_to_accum
+        assert calls - last <= accum, f"bug: {calls} - {last} should <= {accum}"
+        if (calls - last) % accum != 0:
+            return  # still accumulating
+        work = None
+        if self._world_size > 1:
+            work = collectives.all_reduce(self._local_grad_sqr, op="sum", async_op=True)
+        total = np.array([_group_grad_sqr(group["params"]) for group in self.param_groups])
+        if work is not None:
+            work.wait()
+        # The local squared norms stay fp32 through the accumulation correction, the reduced ones are fp32 per
+        # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
+        # reproduced to the last bit.
+        local = self._local_grad_sqr.cpu().numpy()
+        self._update_statistics(local, total)
+        self._last_final_backward_call = calls
+        self._local_grad_sqr = None
+
+    def _update_statistics(self, local_sqr: "np.ndarray[Any, Any]", total_sqr: "np.ndarray[Any, Any]") -> None:
+        """Unbiased estimates of ``|g|^2`` and the gradient variance from the local and reduced squared norms."""
+        c, n, s = self._num_grads_to_accum, self._world_size, self._scale
+        cn = c * n
+        if c > 1:
+            if self._is_scaled_loss:
+                local_sqr = local_sqr * (c * c)
+            else:
+                total_sqr = total_sqr / (c * c)
+        local_sqr = local_sqr.astype(np.float64)
+        total_sqr = total_sqr.astype(np.float64)
+        grad_var = local_sqr * (s / cn) / (cn - 1) - total_sqr * s / (cn - 1)
+        grad_sqr = total_sqr - grad_var / s
+        grad_var = np.maximum(grad_var, 1e-6)
+        grad_sqr = np.maximum(grad_sqr, 0.0)
+        self._update_avg("grad_sqr_avg", grad_sqr, self._smoothing)
+        self._update_avg("grad_var_avg", grad_var, self._smoothing)
+
+    def _update_avg(self, name: str, value: "np.ndarray[Any, Any]", factor: float) -> None:
+        state = self._state
+        if self._debias_ewma:
+            # Per-group vectors: a group added later starts its own debiasing at 0.
+            biased = state.get(name + "_biased", np.zeros_like(value)) * factor + (1.0 - factor) * value
+            unbias = state.get(name + "_unbias", np.zeros_like(value)) * factor + (1.0 - factor)
+            state[name + "_biased"] = biased
+            state[name + "_unbias"] = unbias
+            state[name] = biased / unbias
+            return
+        count = state.setdefault(name + "_count", np.zeros(1))
+        count += 1
+        window = float("inf") if factor >= 1.0 else 1.0 / (1.0 - factor)
+        if count[0] < window:
+            total = state.get(name + "_total", 0.0) + value
+            state[name + "_total"] = total
+            state[name] = total / count
+        else:
+            state[name] = factor * state[name] + (1.0 - factor) * value
+
+    # ------------------------------------------------------------------------------------------
+    # Optimizer interface
+
+    def gain(self, pg_idx: Optional[int] = None) -> float:
+        """The learning-rate gain ``(var + sqr) / (var / scale + sqr)``.
+
+        Args:
+            pg_idx (Optional[int]): a param group's index, or ``None`` for the sums over all groups.
+        """
+        var = self._state["grad_var_avg"]
+        sqr = self._state["grad_sqr_avg"]
+        if pg_idx is None:
+            var, sqr = np.sum(var), np.sum(sqr)
+        else:
+            var, sqr = var[pg_idx], sqr[pg_idx]
+        return float((var + sqr) / (var / self._scale + sqr))
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Step the wrapped optimizer with every group's ``lr`` multiplied by its gain (restored afterwards)."""
+        assert self._local_grad_sqr is None, "Don't step without finishing backward phase"
+        saved = []
+        for idx, group in enumerate(self._optimizer.param_groups):
+            saved.append(group["lr"])
+            group["lr"] = group["lr"] * self.gain(idx)
+        try:
+            return self._optimizer.step(*args, **kwargs)
+        finally:
+            for group, lr in zip(self._optimizer.param_groups, saved):
+                group["lr"] = lr
+
+    def add_param_group(self, pg: Dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer, hook its parameters and extend the statistics by one entry."""
+        assert not self._in_backward(), "Don't add param group in backward phase"
+        self._optimizer.add_param_group(pg)
+        self._hook()
+        state = self._state
+        for name, value in list(state.items()):
+            if name.endswith("_count") or not isinstance(value, np.ndarray) or value.ndim != 1:
+                continue
+            state[name] = np.append(value, 1.0 if name == "grad_sqr_avg" else 0.0)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (``set_to_none=False``) or drop the gradients through the wrapped optimizer."""
+        assert not self._in_backward(), "Don't zero_grad in backward phase"
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict (the AdaScale statistics are in its ``state["adascale"]``)."""
+        assert not self._in_backward(), "Don't checkpoint in backward phase"
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, data: Dict[str, Any]) -> None:
+        """Load a state dict written by :meth:`state_dict` into the wrapped optimizer."""
+        assert not self._in_backward(), "Don't load checkpoint in backward phase"
+        self._optimizer.load_state_dict(data)
+
+    def __repr__(self) -> str:
+        return f"AdaScale(scale={self._scale}, world_size={self._world_size}, optimizer={self._optimizer!r})"
+
+    # ------------------------------------------------------------------------------------------
+    # Diagnostics
+
+    def _gather_flat_grad(self) -> Tensor:
+        """All gradients, flattened and concatenated in group order (zeros for parameters without one)."""
+        parts = []
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+                else:
+                    parts.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        return torch.cat(parts)
+
+    def _compute_intra_grad_corr_mean(self) -> Tensor:
+        """Mean Pearson correlation between the workers' flat gradients (mean of the strict upper triangle).
+
+        Call after backward and before the gradients are averaged across workers (e.g. inside DDP's
+        ``no_sync()``); every rank gets the same value.
+        """
+        assert self._world_size > 1, "Only for distributed training"
+        flat = self._gather_flat_grad().float().contiguous()
+        gathered = torch.empty(self._world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        collectives.all_gather_into_flat(gathered, flat)
+        corr = torch.corrcoef(gathered.view(self._world_size, -1))
+        upper = torch.triu_indices(self._world_size, self._world_size, offset=1, device=corr.device)
+        return corr[upper[0], upper[1]].mean()
+
+
+def _group_grad_sqr(params: List[Tensor]) -> float:
+    """Sum of the squared norms of the (reduced, accumulated) gradients of one group: fp32 per parameter,
+    float64 across parameters."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().float().pow(2).sum().item())
+    return total
+
+
+class AdaScaleWrapper(AdaScale):
+    """AdaScale around an optimizer it builds: ``optim_cls(params, **additional_optim_args)``.
+
+    Useful where a framework expects an optimizer class and its arguments (e.g. ``OSS(params, AdaScaleWrapper,
+    optim_cls=SGD, lr=0.1)``).
+
+    Args:
+        params: the parameters (or param groups) for ``optim_cls``.
+        world_size, scale, smoothing, num_gradients_to_accumulate, debias_ewma: as for :class:`AdaScale`.
+        optim_cls (type): the optimizer class to build. Default: ``torch.optim.SGD``.
+        **additional_optim_args: passed to ``optim_cls``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        world_size: Optional[int] = None,
+        scale: Optional[float] = None,
+        smoothing: Optional[float] = None,
+        num_gradients_to_accumulate: int = 1,
+        debias_ewma: bool = True,
+        optim_cls: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
+        **additional_optim_args: Any,
+    ) -> None:
+        optim = optim_cls(params, **additional_optim_args)
+        # By keyword: upstream passed these positionally, so its ``debias_ewma`` landed in ``is_scaled_loss``.
+        super().__init__(
+            optim,
+            world_size=world_size,
+            scale=scale,
+            smoothing=smoothing,
+            num_gradients_to_accumulate=num_gradients_to_accumulate,
+            debias_ewma=debias_ewma,
+        )

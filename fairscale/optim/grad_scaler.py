@@ -1,0 +1,180 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""AMP gradient scalers: :class:`GradScaler` (accepts fp16 gradients) and :class:`ShardedGradScaler`.
+
+Both keep the interface of torch's AMP scaler (``scale`` / ``unscale_`` / ``step`` / ``update`` /
+``state_dict`` ...) and derive from ``torch.cuda.amp.GradScaler`` as upstream's do. Differences from upstream,
+all deliberate:
+
+* On torch >= 2.3 they are built on torch's device-generic scaler, so they scale, unscale and skip steps on the
+  CPU too (upstream disabled itself without CUDA). The device defaults to the current accelerator, else the CPU.
+* :class:`ShardedGradScaler` reduces one combined inf/nan flag per ``unscale_`` in place over its process group,
+  also on the CPU (gloo), and every rank takes part even when it holds no gradient, so all ranks agree on
+  skipping a step. Any nonzero flag counts as an overflow.
+"""
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from fairscale.internal import collectives
+from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
+from fairscale.internal.device import AmpOptState as OptState
+from fairscale.internal.device import CudaAmpGradScaler, amp_scaler_device_type, device_generic_amp_scaler
+
+try:
+    from torch.distributed import ProcessGroup
+except ImportError:  # pragma: no cover - torch without distributed support
+    ProcessGroup = Any  # type: ignore[misc,assignment]
+
+__all__ = ["GradScaler", "ShardedGradScaler", "OptState"]
+
+_SUPPORTED_DEVICE_TYPES = ("cuda", "xla", "cpu", "xpu", "hpu", "mps")
+
+
+def _refresh_per_optimizer_state() -> Dict[str, Any]:
+    """A fresh per-optimizer record: stage ``READY`` and no inf/nan checks yet."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class _GeneralMultiDeviceReplicator:
+    """Serves copies of ``master`` on the devices asked for (always a copy, cached per device).
+
+    Args:
+        master (Tensor): a tensor on a supported device (CUDA, XLA, CPU or another torch accelerator).
+    """
+
+    def __init__(self, master: Tensor) -> None:
+        if master.device.type not in _SUPPORTED_DEVICE_TYPES:
+            raise AssertionError(f"unsupported device for a grad scaler tensor: {master.device}")
+        self.master = master
+        self._per_device_tensors: Dict[torch.device, Tensor] = {}
+
+    def get(self, device: torch.device) -> Tensor:
+        """The copy of ``master`` on ``device`` (made on first request)."""
+        copy = self._per_device_tensors.get(device)
+        if copy is None:
+            copy = self.master.to(device=device, non_blocking=True, copy=True)
+            self._per_device_tensors[device] = copy
+        return copy
+
+
+class _ScalerBase(CudaAmpGradScaler):
+    """Shared construction: torch's device-generic scaler where torch has it, with fp16 gradients allowed."""
+
+    def __init__(
+        self,
+        init_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        enabled: bool,
+        device: Optional[str],
+    ) -> None:
+        if device_generic_amp_scaler():
+            device_type = amp_scaler_device_type() if device is None else str(device)
+            # Skips torch.cuda.amp.GradScaler.__init__ on purpose: it only forwards with device "cuda" and a
+            # deprecation warning; the grand-parent takes the device type.
+            torch.amp.GradScaler.__init__(
+                self,
+                device_type,
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                enabled=enabled,
+            )
+        else:  # pragma: no cover - torch < 2.3: CUDA-only scaler, disabled (with torch's warning) without CUDA
+            CudaAmpGradScaler.__init__(self, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> Dict[torch.device, Tensor]:
+        # fp16 gradients are legitimate here (fairscale Adam's PURE_FP16, FSDP/ShardedDDP fp16 reductions).
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+class GradScaler(_ScalerBase):
+    """torch's AMP gradient scaler that also unscales fp16 gradients.
+
+    Use it like ``torch.amp.GradScaler``; unlike torch's, ``unscale_`` accepts fp16 gradients (for example with
+    :class:`fairscale.optim.Adam` and ``precision=Precision.PURE_FP16``).
+
+    Args:
+        init_scale (float): initial scale factor. Default: ``2.0**16``.
+        growth_factor (float): factor the scale grows by after ``growth_interval`` steps without inf/nan.
+        backoff_factor (float): factor the scale shrinks by after a step with inf/nan.
+        growth_interval (int): number of consecutive clean steps before the scale grows.
+        enabled (bool): ``False`` makes every method a pass-through.
+        device (Optional[str]): device type of the scale (fairscale addition, keyword only); default the current
+            accelerator's type, else ``"cpu"``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        device: Optional[str] = None,
+    ) -> None:
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
+
+
+class ShardedGradScaler(_ScalerBase):
+    """AMP gradient scaler for sharded training (FSDP, OSS, ShardedDataParallel).
+
+    With sharded gradients each rank sees a different part of the gradients, so an inf/nan may show up on one rank
+    only. ``unscale_`` (and the inf check of ``step``) reduces the inf/nan flag over ``process_group``, so every
+    rank skips the same steps and backs the scale off together.
+
+    Example::
+
+        scaler = ShardedGradScaler()
+        for batch in data:
+            optimizer.zero_grad()
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                loss = model(batch).sum()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+    Args:
+        init_scale (float): initial scale factor. Default: ``2.0**16``.
+        growth_factor (float): factor the scale grows by after ``growth_interval`` steps without inf/nan.
+        backoff_factor (float): factor the scale shrinks by after a step with inf/nan.
+        growth_interval (int): number of consecutive clean steps before the scale grows.
+        enabled (bool): ``False`` makes every method a pass-through.
+        process_group (Optional[ProcessGroup]): the ranks that share one decision; the sharding group of the
+            model/optimizer (default: the world group).
+        device (Optional[str]): device type of the scale (fairscale addition, keyword only); default the current
+            accelerator's type, else ``"cpu"``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Optional[ProcessGroup] = None,
+        *,
+        device: Optional[str] = None,
+    ) -> None:
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
+        self.group = process_group
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> Dict[torch.device, Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # One flag on the scale's device, reduced once: ranks may hold gradients on different numbers of devices
+        # (or none at all, e.g. a rank that owns no shard), and each must issue the same collectives.
+        combined = torch.zeros_like(found_inf)
+        for flag in per_device.values():
+            combined += flag.to(combined.device)
+        collectives.all_reduce(combined, group=self.group, op="sum")
+        return {combined.device: combined}

@@ -1,0 +1,369 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""OSS: optimizer state sharding (ZeRO stage 1) around any torch optimizer.
+
+Every rank holds all parameters, but each parameter is *owned* by exactly one rank, and each rank runs the wrapped
+optimizer over the parameters it owns only, so each rank stores about ``1 / world_size`` of the optimizer state.
+After the owners' step the new values are broadcast from their owners. Parameters are never split; the assignment
+(:meth:`OSS.partition_parameters`) is upstream fairscale's, so checkpoints interoperate.
+"""
+
+import logging
+from math import inf  # noqa: F401  # upstream's module namespace
+from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union, cast
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from fairscale.internal import collectives
+from fairscale.internal.device import DeviceHandle
+from fairscale.internal.params import calc_grad_norm, get_global_rank
+from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
+from fairscale.nn.misc.param_bucket import ParamBucket  # noqa: F401  # upstream's module namespace
+
+from ._oss import partition as _partition
+from ._oss import state_dict as _state
+from ._oss.buckets import Buckets, broadcast_buckets, build_buckets
+from ._oss.partition import ParamGroup
+
+__all__ = ["OSS"]
+
+_NOT_CONSOLIDATED = "Optimizer state has not been consolidated on this rank. \
+                Please call `consolidate_state_dict()` on all ranks beforehand if you meant to save the global state"
+
+
+def _broadcast_object(
+    obj: Any, src_rank: int, group: Any = None, dist_device: torch.device = torch.device("cpu")
+) -> Any:
+    """Broadcast a picklable object through tensors (upstream's helper; ``src_rank`` is a global rank)."""
+    return _state.broadcast_object(obj, src_rank, group=group, dist_device=dist_device)
+
+
+class OSS(Optimizer):
+    """Wraps an arbitrary :class:`torch.optim.Optimizer` and shards its state across the ranks of ``group``.
+
+    Each rank steps the wrapped optimizer over the parameters it owns, then every owner broadcasts its updated
+    parameters (one flat bucket per device and owner). Gradients must be identical on all ranks for the owned
+    parameters before :meth:`step` (e.g. DDP), or reduced to the owners
+    (:class:`~fairscale.nn.data_parallel.ShardedDataParallel`).
+
+    Example::
+
+        model = MyModel()
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+        model = ShardedDataParallel(model, optimizer)
+        loss = model(batch).sum(); loss.backward(); optimizer.step()
+
+    Args:
+        params (list of tensors or dicts): the parameters to optimize, or parameter groups (as for any torch
+            optimizer).
+        optim (torch.optim.Optimizer): the optimizer class (or a callable ``(param_groups, **default)``) used for
+            this rank's shard (default: ``torch.optim.SGD``).
+        group (Optional[ProcessGroup]): the group to shard across (default: the world group).
+        broadcast_buffer_size (int): deprecated, ignored (kept for compatibility).
+        broadcast_fp16 (bool): broadcast the updated parameters as fp16 (halves the traffic; every trainable
+            parameter ends up rounded to fp16 precision). Default ``False``.
+        force_broadcast_object (bool): consolidate state dicts through byte tensors instead of
+            ``torch.distributed.broadcast_object_list``. Default ``False``.
+        **default: the hyper-parameters of ``optim`` (e.g. ``lr=0.1``).
+
+    .. warning:: Every rank must call :meth:`step`, :meth:`consolidate_state_dict`, :meth:`clip_grad_norm` and
+        :meth:`add_param_group` together (they communicate), with the same parameters in the same order.
+    """
+
+    in_super_constructor: bool
+
+    def __init__(
+        self,
+        params: Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]],
+        optim: Type[Optimizer] = torch.optim.SGD,
+        group: Optional[Any] = None,
+        broadcast_buffer_size: int = -1,
+        broadcast_fp16: bool = False,
+        force_broadcast_object: bool = False,
+        **default: Any,
+    ):
+        # The base constructor calls add_param_group(); while this flag is set it only records the groups.
+        self.in_super_constructor = True
+        super().__init__(params, default)
+        self.in_super_constructor = False
+
+        self._partition_parameters: List[List[ParamGroup]] = []
+        self.__param_to_rank: Dict[torch.Tensor, int] = {}
+        self.__per_device_params: Dict[Any, List[List[torch.Tensor]]] = {}
+        self.__param_to_index: Dict[int, int] = {}
+        self._optim_defaults = default
+        self._optim_constructor: Callable[..., Optimizer] = optim
+
+        self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        self.world_size = collectives.group_size(self.group)
+        self.backend = str(dist.get_backend(self.group)) if dist.is_initialized() else "gloo"
+        self.rank = collectives.group_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("OSS: this process is not a member of `group`; build OSS on the group's ranks only")
+        self._local_to_global_rank = [self._global_rank_of(r) for r in range(self.world_size)]
+        self.global_rank = self._local_to_global_rank[self.rank]
+        self.broadcast_fp16 = broadcast_fp16
+        self.force_broadcast_object = force_broadcast_object
+        self.buckets: Buckets = {}
+        self._all_states: List[Dict[str, Any]] = []
+        self._default_device = torch.device("cpu")
+        self.refresh_trainable()
+
+    def _global_rank_of(self, rank: int) -> int:
+        if not dist.is_initialized():
+            return rank
+        return get_global_rank(self.group, rank)
+
+    # ------------------------------------------------------------------------------------------------
+    # Partition
+
+    def partition_parameters(self) -> List[List[Dict[str, Any]]]:
+        """Partition the parameters over the ranks (computed once, then cached).
+
+        Returns:
+            For each rank, one dict per parameter group holding the parameters that rank owns (lists may be empty).
+            This rank's dicts are the wrapped optimizer's own ``param_groups``.
+        """
+        if not self._partition_parameters:
+            self._partition_parameters = _partition.partition_param_groups(self.param_groups, self.world_size)
+        return self._partition_parameters
+
+    @property
+    def _param_to_rank(self) -> Dict[torch.Tensor, int]:
+        """``{param: owning rank}``."""
+        if not self.__param_to_rank:
+            self.__param_to_rank = _partition.param_to_rank(self.partition_parameters())
+        return self.__param_to_rank
+
+    @property
+    def _param_to_index(self) -> Dict[int, int]:
+        """``{id(param): position in the concatenation of all groups}``."""
+        if not self.__param_to_index:
+            self.__param_to_index = _partition.param_to_index(self.param_groups)
+        return self.__param_to_index
+
+    @property
+    def _per_device_params(self) -> Dict[Any, List[List[torch.Tensor]]]:
+        """``{device: [params owned by rank 0, by rank 1, ...]}``, each list sorted by size."""
+        if not self.__per_device_params:
+            self.__per_device_params = _partition.per_device_params(self.param_groups, self.partition_parameters())
+        return self.__per_device_params
+
+    @property
+    def _local_params(self) -> List[torch.Tensor]:
+        """The parameters this rank owns that have a gradient now (recomputed at every access; upstream cached
+        the first answer and missed gradients that appeared later)."""
+        return [p for per_rank in self._per_device_params.values() for p in per_rank[self.rank] if p.grad is not None]
+
+    def _clear_cache(self) -> None:
+        self._partition_parameters.clear()
+        self.__param_to_rank.clear()
+        self.__per_device_params.clear()
+        self.__param_to_index.clear()
+
+    # ------------------------------------------------------------------------------------------------
+    # Stepping
+
+    def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:  # type: ignore
+        """Step the owned parameters with the wrapped optimizer, then share them with every rank.
+
+        Every rank must call it (it broadcasts), including ranks that own nothing.
+
+        Args:
+            closure (callable): re-evaluates the model and returns the loss (optional for most optimizers).
+            **kwargs: passed to the wrapped optimizer's ``step``.
+
+        Returns:
+            The wrapped optimizer's return value (the loss when a closure is given).
+        """
+        # Hyper-parameters may have been changed on OSS's groups (e.g. by an LR scheduler).
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        first_param = self.param_groups[0]["params"][0]
+        if self._default_device.type != first_param.device.type:
+            logging.info("OSS detected that the parameter changed devices, re-allocating buffers")
+            self._clear_cache()
+            self.refresh_trainable()
+        if closure is not None:
+            loss = self.optim.step(closure=closure, **kwargs)
+        else:
+            loss = self.optim.step(**kwargs)
+        self._broadcast_params()
+        # Keys the wrapped optimizer added during its step become visible on OSS's groups.
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        return loss
+
+    def _broadcast_params(self) -> None:
+        broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.broadcast_fp16)
+
+    def clip_grad_norm(
+        self,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        filter_params_fn: Optional[Callable[[Any], Any]] = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of all parameters by their total norm, computed across ranks.
+
+        Each rank measures the gradients it owns; the norms are combined with an all-reduce over the **default
+        (world) group**, whatever ``group`` OSS uses (upstream's choice, for model-parallel setups where the
+        shards of one model span several data-parallel groups). Every rank of the world must call it. Only owned
+        gradients are scaled: after :meth:`step` only owned gradients matter.
+
+        Args:
+            max_norm (float or int): the maximum norm of the gradients.
+            norm_type (float or int): the p of the p-norm (``inf`` for the max norm).
+            filter_params_fn (callable): optional filter applied to the owned parameters before measuring.
+
+        Returns:
+            torch.Tensor: the total norm of the gradients (before clipping).
+        """
+        max_norm = float(max_norm)
+        norm_type = float(norm_type)
+        local_params = filter_params_fn(self._local_params) if filter_params_fn is not None else self._local_params
+        local_norm = calc_grad_norm(cast(List[torch.nn.Parameter], local_params), norm_type).to(self._default_device)
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if norm_type == float("inf"):
+            total_norm = local_norm.clone()
+            collectives.all_reduce(total_norm, group=world, op="max")
+        else:
+            total_norm = local_norm**norm_type
+            collectives.all_reduce(total_norm, group=world)
+            total_norm = total_norm ** (1.0 / norm_type)
+        clip_coef = torch.tensor(max_norm, dtype=total_norm.dtype, device=total_norm.device) / (total_norm + 1e-6)
+        if clip_coef < 1:
+            for per_rank in self._per_device_params.values():
+                for param in per_rank[self.rank]:
+                    if param.grad is not None:
+                        param.grad.detach().mul_(clip_coef.to(param.grad.device))
+        return total_norm
+
+    # ------------------------------------------------------------------------------------------------
+    # State dicts
+
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """Gather every rank's shard of the optimizer state on ``recipient_rank`` (``-1``: on every rank).
+
+        Every rank must call it. Afterwards :meth:`state_dict` works on the recipient(s). The gathered state is a
+        CPU snapshot: later steps do not change it.
+
+        Args:
+            recipient_rank (int): the rank, inside ``group``, that receives the state; ``-1`` for all ranks.
+        """
+        if not -1 <= recipient_rank < self.world_size:
+            raise ValueError(f"recipient_rank must be in [-1, {self.world_size - 1}], got {recipient_rank}")
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        self._all_states = []
+        dist_device = self._object_device()
+
+        def transport(obj: Any, src: int) -> Any:
+            if self.force_broadcast_object:
+                return _broadcast_object(obj, src_rank=src, group=self.group, dist_device=dist_device)
+            holder = [obj]
+            with DeviceHandle.for_device(dist_device).as_current():
+                collectives.broadcast_object_list(holder, src=src, group=self.group)
+            return holder[0]
+
+        self._all_states = _state.gather_shards(
+            self.optim.state_dict(),
+            self.rank,
+            self.world_size,
+            recipient_rank,
+            self._local_to_global_rank,
+            transport,
+        )
+
+    def _object_device(self) -> torch.device:
+        """Where object collectives put their tensors: the parameters' accelerator for NCCL, else the CPU."""
+        return self._default_device if "nccl" in self.backend else torch.device("cpu")
+
+    def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
+        """The whole optimizer state in torch's format (global parameter indices in OSS group order).
+
+        Args:
+            all_ranks (bool): consolidate on every rank first (a collective: every rank must call it). With
+                ``False``, :meth:`consolidate_state_dict` must have run on this rank since the last step for the
+                result to be current.
+
+        Returns:
+            dict: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU tensors, loadable by OSS at any
+            world size and by a plain torch optimizer over the same parameters.
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank.
+        """
+        if not all_ranks and len(self._all_states) == 0:
+            raise RuntimeError(_NOT_CONSOLIDATED)
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        base = super().state_dict()
+        return _state.merge_shards(base, self._all_states, self.partition_parameters(), self._param_to_index)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a consolidated OSS state dict, or a plain torch optimizer's, on this rank's shard.
+
+        Every rank loads the same dict; each keeps the state of the parameters it owns. As upstream, the
+        per-parameter entries of the parameters this rank does not own are replaced by ``{}`` in ``state_dict``
+        (pass a copy to keep it intact). A dict that does not fit raises and changes nothing.
+
+        Raises:
+            ValueError: different group count or sizes (e.g. a per-rank shard), unknown parameter indices, or
+                state shaped for other parameters.
+        """
+        _state.check_loadable(state_dict, self.param_groups)
+        saved_groups = state_dict["param_groups"]
+        saved_ids = [pid for g in saved_groups for pid in g["params"]]
+        shard = _state.shard_for_rank(
+            state_dict, self.partition_parameters()[self.rank], self._param_to_index, saved_ids
+        )
+        self.optim.load_state_dict(shard)
+        # OSS's own state keeps only what belongs to no parameter (a wrapper's entry): per-parameter state lives
+        # in the shard, and a duplicate here would be stale after the next step.
+        own_state = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}
+        super().load_state_dict({"state": own_state, "param_groups": saved_groups})
+        index_to_param = _state.global_index_map(saved_groups, self.param_groups)
+        for key in list(state_dict["state"]):
+            if isinstance(key, int) and self._param_to_rank[index_to_param[key]] != self.rank:
+                state_dict["state"][key] = {}
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    # ------------------------------------------------------------------------------------------------
+    # Structure changes
+
+    def refresh_trainable(self) -> None:
+        """Rebuild the broadcast buckets after parameters were frozen or unfrozen.
+
+        Ownership does not change (it was fixed when OSS was built); only which parameters are broadcast does.
+        """
+        if not hasattr(self, "optim"):
+            self._clear_cache()
+            self.optim = self._optim_constructor(self.partition_parameters()[self.rank], **self._optim_defaults)
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        self._default_device = next(iter(self._per_device_params))
+        self._setup_flat_buffers()
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group (on every rank, with the same parameters); its parameters are partitioned with
+        the same greedy rule, continuing from the current loads.
+
+        Args:
+            param_group (dict): the parameters and group-specific hyper-parameters.
+        """
+        super().add_param_group(param_group)
+        if self.in_super_constructor:
+            return
+        self._clear_cache()
+        local_groups = self.partition_parameters()[self.rank]
+        if len(local_groups) == len(self.optim.param_groups) + 1:
+            self.optim.add_param_group(local_groups[-1])
+        self._setup_flat_buffers()
+
+    def _setup_flat_buffers(self) -> None:
+        self.buckets = build_buckets(self._per_device_params, self.buckets)
+
+    @staticmethod
+    def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None:
+        """Copy every key but ``params`` from each source group to the destination group at the same position."""
+        for source_group, destination_group in zip(source, destination):
+            for key in [k for k in source_group.keys() if k != "params"]:
+                destination_group[key] = source_group[key]

@@ -1,0 +1,140 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""MEVO: loss, input gradient and weight gradient equal F.cross_entropy of the full logits (plain and LMCL, both
+reductions, uneven tiles), nothing of size tokens x vocab is saved for backward, gradients accumulate, and the
+reference/baseline helpers, eval mode and errors behave as upstream's."""
+
+from typing import List
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairscale.experimental.nn import MEVO, BaselineSoftmaxNllLoss
+from fairscale.experimental.nn.mevo import _next_power_of_2_or_max, get_data
+from fairscale.internal.device import DeviceHandle, accelerator_available
+
+SHAPES = [(5, 3, 7, 16), (37, 8, 53, 4), (64, 16, 128, 2)]  # tokens, d_model, vocab, tile_factor
+
+
+def _data(tokens: int, d: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=g).requires_grad_()
+    w = nn.Parameter(torch.randn(vocab, d, generator=g))
+    y = torch.randint(vocab, (tokens,), generator=g)
+    return x, w, y
+
+
+def _reference_logits(x: Tensor, w: Tensor, y: Tensor, scale) -> Tensor:
+    if scale is None:
+        return x @ w.T
+    cos = F.normalize(x, dim=1) @ F.normalize(w, dim=1).T
+    return (cos - 0.35 * F.one_hot(y, w.shape[0])) * scale
+
+
+def test_mevo_equals_cross_entropy() -> None:
+    for tokens, d, vocab, tf in SHAPES:
+        for reduction in ("sum", "mean"):
+            # scale=8 on (37, 8, 53, 4) failed upstream (wrong LMCL column offset in the last tile).
+            for scale in (None, 8.0):
+                x, w, y = _data(tokens, d, vocab)
+                mevo = MEVO(w, tile_factor=tf, reduction=reduction, scale=scale)
+                loss = mevo(x, y)
+                loss.backward()
+                x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+                ref = F.cross_entropy(_reference_logits(x2, w2, y, scale), y, reduction=reduction)
+                ref.backward()
+                case = f"{(tokens, d, vocab, tf)} {reduction} scale={scale}"
+                torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5, msg=case)
+                torch.testing.assert_close(x.grad, x2.grad, atol=1e-4, rtol=1e-4, msg=case)
+                torch.testing.assert_close(w.grad, w2.grad, atol=1e-4, rtol=1e-4, msg=case)
+                assert loss.shape == () and loss.dtype == torch.float32
+                assert torch.equal(mevo.trigger.trigger.grad, torch.zeros(1))
+
+
+def test_no_logit_matrix_is_saved() -> None:
+    tokens, d, vocab = 64, 8, 256
+    x, w, y = _data(tokens, d, vocab)
+    saved: List[int] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = MEVO(w, tile_factor=4)(x, y)
+    # Views of the input/weight tiles and per-token vectors only; never a tokens x vocab (or tile x tile) matrix.
+    assert saved and max(saved) <= vocab * d
+    loss.backward()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saved.clear()
+        F.cross_entropy(x @ w.T, y, reduction="sum")
+    assert max(saved) == tokens * vocab  # what the dense reference keeps alive
+
+
+def test_gradients_accumulate_and_3d_inputs() -> None:
+    x, w, y = _data(12, 4, 10)
+    mevo = MEVO(w, tile_factor=2)
+    mevo(x.view(3, 4, 4), y.view(3, 4)).backward()
+    once = w.grad.clone()
+    mevo(x, y).backward()
+    torch.testing.assert_close(w.grad, 2 * once)
+    assert [n for n, _ in mevo.named_parameters()] == ["proj_weight", "trigger.trigger"]
+    assert mevo.trigger.trigger._linked_param is w
+
+
+def test_large_logit_gap_stays_exact() -> None:
+    """Upstream formed exp(t - max) / sum and returned inf once the target logit was ~104 below the max."""
+    x = torch.tensor([[1.0]], requires_grad=True)
+    w = nn.Parameter(torch.tensor([[0.0], [110.0]]))
+    y = torch.tensor([0])
+    loss = MEVO(w)(x, y)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, F.cross_entropy(x @ w.T, y, reduction="sum"))
+
+
+def test_eval_mode_and_errors() -> None:
+    x, w, y = _data(5, 3, 4)
+    mevo = MEVO(w).eval()
+    assert mevo(torch.randn(1, 5, 3), None).shape == (1, 5, 4)
+    with torch.no_grad():  # eval with a target computes the loss
+        torch.testing.assert_close(mevo(x, y), F.cross_entropy(x @ w.T, y, reduction="sum"))
+    mevo.train()
+    with pytest.raises(AssertionError):
+        mevo(x, None)
+    with pytest.raises(AssertionError, match="incorrect shape"):
+        mevo(x, y[:3])
+    with pytest.raises(AssertionError):
+        MEVO(w, reduction="none")
+    assert [_next_power_of_2_or_max(n, 100) for n in [0, 1, 2, 3, 5, 8, 9, 64, 65, 200]] == [
+        1, 1, 2, 4, 8, 8, 16, 64, 100, 100,
+    ]  # fmt: skip
+
+
+def test_baseline_softmax_nll_loss_matches() -> None:
+    for scale in (None, 8.0):
+        x, w, y = _data(6, 3, 7)
+        baseline = BaselineSoftmaxNllLoss(w, scale=scale)
+        loss = baseline(x, y)
+        torch.testing.assert_close(loss, F.cross_entropy(_reference_logits(x, w, y, scale), y, reduction="sum"))
+        assert baseline.fc.weight is w
+    inp, weight, target = get_data(((5, 3), (3, 7)), dtype=torch.float32, device="cpu")
+    assert inp.requires_grad and weight.shape == (7, 3) and target.dtype == torch.long and int(target.max()) < 7
+
+
+@pytest.mark.skipif(not accelerator_available(), reason="peak accelerator memory needs a GPU")
+def test_peak_memory_below_quarter_of_logits() -> None:
+    device = torch.device("cuda")
+    handle = DeviceHandle.for_device(device)
+    tokens, d, vocab = 2048, 256, 32768
+    x, w, y = get_data(((tokens, d), (d, vocab)), dtype=torch.float32, device="cuda")
+    logits_bytes = tokens * vocab * 4
+    handle.synchronize()
+    handle.reset_peak_memory_stats()
+    base = handle.memory_allocated()
+    MEVO(w, tile_factor=16)(x, y).backward()
+    handle.synchronize()
+    mevo_peak = handle.max_memory_allocated() - base
+    # The weight gradient (vocab x d) is allocated anyway; count the rest against the logits.
+    assert mevo_peak - vocab * d * 4 <= logits_bytes / 4, (mevo_peak, logits_bytes)

@@ -1,0 +1,120 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""OffloadModel: training equals the plain model (outputs, input and parameter gradients, parameters after steps)
+in every mode, slices are balanced as upstream, and bad arguments raise upstream's errors.
+
+On CPU the compute device is the CPU (every move is a no-op, the algorithm still runs: slices, sync layers,
+recomputation per micro-batch). The CUDA variant moves slices between the CPU and the GPU for real.
+"""
+
+import copy
+from typing import List, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairscale.experimental.nn import OffloadModel
+from fairscale.experimental.nn.auto_shard import shard_model
+from fairscale.experimental.nn.offload import _split
+from fairscale.internal.device import accelerator_available
+
+MODES = [(False, 1), (True, 1), (True, 5)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not accelerator_available(), reason="needs a GPU"))]
+
+
+def _model(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: List[nn.Module] = [nn.Linear(2, 20)]
+    for _ in range(10):
+        layers += [nn.Linear(20, 20), nn.Dropout(dropout)] if dropout else [nn.Linear(20, 20)]
+    layers.append(nn.Linear(20, 2))
+    return nn.Sequential(*layers)
+
+
+def _train(model: nn.Module, device: torch.device, steps: int = 2) -> Tuple[List[Tensor], List[Tensor], Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses, outs = [], []
+    x = None
+    for step in range(steps):
+        x = torch.randn(32, 2, generator=torch.Generator().manual_seed(step)).to(device).requires_grad_()
+        torch.manual_seed(100 + step)
+        out = model(x)
+        loss = nn.functional.mse_loss(out, torch.zeros_like(out), reduction="sum")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().cpu())
+        outs.append(out.detach().cpu())
+    assert x is not None and x.grad is not None
+    return losses, outs, x.grad.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_equals_plain_model(device: str) -> None:
+    dev = torch.device(device)
+    for checkpoint, nmb in MODES:
+        ref = _model().to(dev)
+        offload = OffloadModel(_model(), dev, num_slices=3, checkpoint_activation=checkpoint, num_microbatches=nmb)
+        ref_losses, ref_outs, ref_xgrad = _train(ref, dev)
+        losses, outs, xgrad = _train(offload, dev)
+        for a, b in zip(ref_losses + ref_outs, losses + outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # Upstream never produced the input gradient; here it equals the plain model's.
+        torch.testing.assert_close(ref_xgrad, xgrad, rtol=1e-5, atol=1e-5)
+        for (name, p), q in zip(offload.named_parameters(), ref.parameters()):
+            assert p.device == torch.device("cpu"), name  # at rest on the offload device
+            torch.testing.assert_close(p.detach(), q.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dropout_recomputation_replays_rng() -> None:
+    """Checkpointed recomputation restores the RNG of each slice's forward, so dropout masks match."""
+    ref = _model(0.3)
+    offload = OffloadModel(_model(0.3), torch.device("cpu"), num_slices=3, checkpoint_activation=True)
+    ref_losses, _, ref_xgrad = _train(ref, torch.device("cpu"), steps=2)
+    losses, _, xgrad = _train(offload, torch.device("cpu"), steps=2)
+    torch.testing.assert_close(torch.stack(ref_losses), torch.stack(losses))
+    torch.testing.assert_close(ref_xgrad, xgrad)
+
+
+def test_auto_shard_slices_and_shapes() -> None:
+    model = _model()
+    slices = shard_model(nn.Sequential(*model), shard_count=3)
+    offload = OffloadModel(slices, torch.device("cpu"))
+    assert len(offload.model_slices) == len(slices)
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(offload(x), model(x))
+    # Last-layer width 1: (N, 1) without checkpointing, (N,) with it (upstream's squeeze(-1)).
+    narrow = [nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)]
+    assert OffloadModel(nn.Sequential(*copy.deepcopy(narrow)), torch.device("cpu"), num_slices=2)(x).shape == (4, 1)
+    ck = OffloadModel(nn.Sequential(*narrow), torch.device("cpu"), num_slices=2, checkpoint_activation=True)
+    assert ck(x).shape == (4,)
+
+
+def test_split_balances_parameters() -> None:
+    model = _model()
+    assert [len(s) for s in _split(model, 3)] == [4, 3, 5]
+    assert [len(s) for s in _split(model, 2)] == [5, 7]
+    assert [len(s) for s in _split(model, 50)] == [1] * 12
+    assert [len(s) for s in _split(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)), 2)] == [1, 2]
+    offload = OffloadModel(model, torch.device("cpu"), num_slices=3)
+    names = [n for n, _ in offload.named_parameters()]
+    assert names[0] == "_model.0.model_shard.0.weight"
+    offload.eval()
+    assert not offload.model_slices[0].model_shard[0].training
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="cannot be None"):
+        OffloadModel(None, torch.device("cpu"))
+    with pytest.raises(TypeError, match="cannot be None"):
+        OffloadModel(nn.Sequential(), torch.device("cpu"))  # empty Sequential is falsy, as upstream
+    with pytest.raises(TypeError, match="`device` argument"):
+        OffloadModel(_model(), None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be of type"):
+        OffloadModel(nn.Linear(2, 2), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="only support microbatches with activation checkpointing"):
+        OffloadModel(_model(), torch.device("cpu"), num_microbatches=2)
+    if not accelerator_available():
+        with pytest.raises(TypeError, match="CUDA must be available"):
+            OffloadModel(_model(), torch.device("cuda"))

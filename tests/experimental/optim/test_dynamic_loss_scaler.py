@@ -1,0 +1,97 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""DynamicLossScaler: training through it converges, and its scale schedule is upstream's (expected values were
+produced by running upstream fairscale 0.4.13 on the same sequences)."""
+
+import numpy as np
+import pytest
+import torch
+
+from fairscale.experimental.optim import DynamicLossScaler
+
+
+class _LinearRegression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_dls_without_overflow() -> None:
+    rng = np.random.RandomState(42)
+    x = rng.rand(100, 1)
+    y = 1 + 2 * x + 0.1 * rng.randn(100, 1)
+    x_t, y_t = torch.from_numpy(x).float(), torch.from_numpy(y).float()
+    torch.manual_seed(0)
+    model = _LinearRegression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler()
+    loss_fn = torch.nn.MSELoss()
+    for _ in range(1000):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x_t), y_t)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.loss_scale == 2.0**15  # 1000 updates: no overflow, and the first growth comes at 2000
+    assert abs(model.linear.weight.item() - 2.0) <= 0.05
+    assert abs(model.linear.bias.item() - 1.0) <= 0.03
+
+
+def test_scale_schedule() -> None:
+    """init 4, window 3, an overflow at iteration 1: 4 -> 2, grows to 4 and 8; the skipped step leaves p alone."""
+    scaler = DynamicLossScaler(init_scale=4, scale_window=3)
+    p = torch.nn.Parameter(torch.ones(2))
+    optim = torch.optim.SGD([p], lr=0.1)
+    seen = []
+    for it in range(9):
+        p.grad = torch.full((2,), float("inf") if it == 1 else 8.0)
+        result = scaler.step(optim)
+        assert (result is None) if it == 1 else True
+        scaler.update()
+        seen.append((scaler.loss_scale, scaler._iter, scaler._last_overflow_iter, scaler._last_rescale_iter))
+    assert seen == [
+        (4, 1, -1, -1), (2.0, 3, 1, 1), (2.0, 4, 1, 1), (4.0, 5, 1, 4), (4.0, 6, 1, 4), (4.0, 7, 1, 4),
+        (8.0, 8, 1, 7), (8.0, 9, 1, 7), (8.0, 10, 1, 7),
+    ]  # fmt: skip
+    torch.testing.assert_close(p.detach(), torch.full((2,), -0.8), atol=1e-6, rtol=0)
+
+
+def test_tolerance_threshold_and_limits() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    optim = torch.optim.SGD([p], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=16, tolerance=0.5, threshold=3.0)
+    seen = []
+    for it in range(6):
+        p.grad = torch.full((2,), float("inf") if it % 2 == 0 else 1.0)
+        scaler.step(optim)
+        scaler.update()
+        seen.append((scaler.loss_scale, scaler._overflows_since_rescale, scaler._iter))
+    assert seen == [(8.0, 0, 2), (8.0, 0, 3), (8.0, 1, 5), (8.0, 1, 6), (8.0, 2, 8), (8.0, 2, 9)]
+
+    floor = DynamicLossScaler(init_scale=1.0, min_loss_scale=0.6)
+    p.grad = torch.full((2,), float("nan"))
+    with pytest.raises(FloatingPointError, match=r"Minimum loss scale reached \(0.6\)"):
+        floor.step(optim)
+    assert floor.loss_scale == 1.0  # restored
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        floor.step(optim, closure=lambda: 0.0)
+
+
+def test_unscale_and_state_dict() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    optim = torch.optim.SGD([p], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=4)
+    assert torch.equal(scaler.scale(torch.ones(2)), torch.full((2,), 4.0))
+    p.grad = torch.full((2,), 8.0)
+    scaler.unscale_(optim)
+    assert p.grad.tolist() == [2.0, 2.0]
+    scaler.step(optim)  # upstream behaviour: step unscales again
+    assert p.grad.tolist() == [0.5, 0.5]
+    assert scaler.state_dict() == {"loss_scale": 4}
+    other = DynamicLossScaler()
+    other.load_state_dict({})
+    assert other.loss_scale == 2.0**15
+    other.load_state_dict(scaler.state_dict())
+    assert other.loss_scale == 4

@@ -1,0 +1,171 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""LayerwiseMemoryTracker on CPU: trace names and order, activation and parameter bytes, real memory numbers
+(from the profiler's memory events), summary, save/load, plots, the all-gather listener in a gloo world, and the
+checkpoint suggestions. The CUDA variant checks the allocator-backed numbers."""
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fairscale.experimental.tooling.layer_memory_tracker import (
+    LayerMemoryTrace,
+    LayerwiseMemoryTracker,
+    ProcessGroupTracker,
+    ProcessGroupTrackingEvent,
+    compare_memory_traces_in_plot,
+    find_best_reset_points,
+    suggest_checkpoint_location,
+)
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.device import accelerator_available
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not accelerator_available(), reason="needs a GPU"))]
+SIDE = 16
+ACT = 2 * 64 * SIDE * SIDE * 4  # bytes of one (2, 64, SIDE, SIDE) fp32 activation
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(
+            nn.Conv2d(3, 64, 3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.LeakyReLU(inplace=False),  # saves its input, so the in-place ReLU after it is legal
+            nn.ReLU(inplace=True),
+        ),
+        nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Sequential(nn.Flatten(), nn.Linear(64, 10)),
+    )
+
+
+def _track(model: nn.Module, x: torch.Tensor) -> LayerwiseMemoryTracker:
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy module backward hook warns, as upstream's did
+        model(x).sum().backward()
+    tracker.stop()
+    return tracker
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_memory_tracking_traces(device: str) -> None:
+    model = _model().to(device)
+    x = torch.randn(2, 3, SIDE, SIDE, device=device)
+    tracker = _track(model, x)
+    names = ["0.0", "0.1", "0.2", "0.3", "1", "2.0", "2.1"]
+    assert [t.module_name for t in tracker.forward_traces] == names
+    assert [t.module_name for t in tracker.backward_traces] == names[::-1]
+    by_name = {t.module_name: t for t in tracker.forward_traces}
+    assert by_name["0.2"].event.memory_activations == ACT  # an out-of-place activation makes a new tensor
+    assert by_name["0.3"].event.memory_activations == 0  # ReLU(inplace=True) does not
+    top = tracker.top_forward_activation_producers(top=3)
+    assert [(t.module_name, t.event.memory_activations, t.module_params) for t in top] == [
+        ("0.0", ACT, 64 * 3 * 3 * 3 * 4),
+        ("0.1", ACT, 2 * 64 * 4),
+        ("0.2", ACT, 0),
+    ]
+    summary = tracker.summary
+    # Real memory numbers, also on the CPU: the forward allocates at least the activations it keeps.
+    assert summary.total_forward_allocations >= summary.total_activation_allocations > 0
+    assert by_name["0.0"].event.memory_diff >= ACT
+    assert summary.max_memory_allocated >= by_name["0.2"].allocated > 0
+    # Save / load round trip.
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "traces.json")
+        tracker.save_traces(path)
+        assert LayerwiseMemoryTracker.load(path).memory_traces == tracker.memory_traces
+
+
+def test_memory_tracking_nlp_model_and_suggestions() -> None:
+    from fairscale.fair_dev.testing.testing_models import GPT2
+
+    torch.manual_seed(0)
+    model = GPT2(embed_dim=32, num_heads=2, num_layers=2, num_positions=16, num_vocab=64, num_classes=2)
+    tracker = _track(model, torch.randint(10, (10, 4)))
+    forward, backward = tracker.forward_traces, tracker.backward_traces
+    assert len(forward) >= len(backward) > 0
+    assert tracker.summary.total_activation_allocations == sum(t.event.memory_activations for t in forward)
+    suggestion = suggest_checkpoint_location(tracker.memory_traces, num_checkpoints=2)
+    assert len(suggestion.split_modules) <= 2 and suggestion.all_modules[0] == forward[0].module_name
+    assert suggestion.max_memory < sum(t.event.memory_activations for t in forward)
+
+
+def test_find_best_reset_points() -> None:
+    sizes = [10, 8, 8, 9, 7, 7, 5, 4, 4]
+    assert find_best_reset_points(sizes, 0) == (62, [])
+    assert find_best_reset_points(sizes, 1) == (35, [4])
+    assert find_best_reset_points(sizes, 2) == (24, [2, 5])
+    assert find_best_reset_points([1, 1], 5) == (1, [1, 2])
+
+
+def test_byte_rule_nested_outputs_and_empty_traces() -> None:
+    class Nested(nn.Module):
+        def forward(self, x: torch.Tensor):
+            return ((x * 2, [x.half() + 1]), x.long())
+
+    tracker = LayerwiseMemoryTracker()
+    model = nn.Sequential(Nested())
+    tracker.monitor(model)
+    model(torch.ones(2, 3))  # nested containers: upstream looped forever here
+    tracker.stop()
+    (trace,) = [t for t in tracker.forward_traces if t.module_name == "0"]
+    assert trace.event.memory_activations == 6 * 4 + 6 * 2 + 6 * 4  # fp16 counts 2 bytes, int64 counts 4 (upstream)
+    with pytest.raises(ValueError):
+        LayerwiseMemoryTracker().summary
+
+
+def test_plots_capture() -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("PIL")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    tracker = _track(_model(), torch.randn(2, 3, SIDE, SIDE))
+    image = tracker.show_plots(figsize=(4, 5), capture=True)
+    assert image.size == (400, 500) and image.mode == "RGB"
+    image = compare_memory_traces_in_plot({"a": tracker.memory_traces, "b": tracker.memory_traces}, (4, 5), True)
+    assert image.size == (400, 500)
+
+
+def _all_gather_body(rank: int, world_size: int) -> None:
+    events = []
+    tracker = ProcessGroupTracker(dist.new_group(), lambda *args: events.append(args))
+    out = [torch.zeros(3) for _ in range(world_size)]
+    inp = torch.full((3,), float(rank))
+    tracker.allgather([out], [inp]).wait()
+    assert [e[0] for e in events] == [ProcessGroupTrackingEvent.allgather]
+    assert torch.equal(out[1], torch.ones(3)) and tracker.size() == world_size
+    # The memory tracker's listener counts the gathered bytes for the next trace.
+    memory = LayerwiseMemoryTracker()
+    model = nn.Linear(3, 3)
+    memory.monitor(model)
+    memory._handle_process_group_call(ProcessGroupTrackingEvent.allgather, [out], [inp])
+    model(inp)
+    memory.stop()
+    trace: LayerMemoryTrace = memory.forward_traces[0]
+    assert trace.all_gathered == 3 * 4 * world_size and trace.cumul_all_gathered == 0
+    # Under DDP (real gloo world): the wrapped layers are traced in order, then in reverse in backward.
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    )
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(ddp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp(torch.randn(3, 4)).sum().backward()
+    tracker.stop()
+    names = [f"module.{i}" for i in range(5)]
+    assert [t.module_name for t in tracker.forward_traces] == names
+    assert [t.module_name for t in tracker.backward_traces] == names[::-1]
+
+
+def test_process_group_tracker_and_ddp() -> None:
+    run_distributed(_all_gather_body, 2)

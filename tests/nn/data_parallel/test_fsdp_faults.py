@@ -1,0 +1,471 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""FSDP promises under faults and bad input (issue 19): tied weights, checkpoint identity, timeouts of FSDP's own
+process groups, aborted backwards, collective loads, non-member groups, bad dtypes and no_sync() on nested instances.
+
+Every body is a module-level function (spawn-safe); every multi-rank world is bounded by a timeout, and the engine
+kills its ranks when the test ends.
+"""
+
+import atexit
+import datetime
+import functools
+import os
+import time
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed, run_ranks
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+WORLD = 2
+TIMEOUT = 60.0
+
+
+# ------------------------------------------------------------------------------------------------ 1. tied weights
+
+
+class TiedSiblings(nn.Module):
+    """An embedding and an output head sharing one weight (registered in both modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+class ParentTiedToChild(nn.Module):
+    """The parent's embedding weight is also the weight of a child that gets its own FSDP instance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.child = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 7, bias=False))
+        self.child[2].weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.child(self.embed(ids))
+
+
+def _ids() -> Tensor:
+    return torch.randint(7, (3, 5), generator=torch.Generator().manual_seed(0))
+
+
+def _expect_tie_error(model: nn.Module) -> None:
+    with pytest.raises(ValueError, match="tied|owned"):
+        model(_ids())
+
+
+def _case_siblings_flat_owner() -> None:
+    m = TiedSiblings()
+    m.embed = FSDP(m.embed)  # flatten_parameters=True: the original weight object is a dead copy from now on
+    m.head = FSDP(m.head)
+    _expect_tie_error(FSDP(m))
+
+
+def _case_siblings_flat_owner_unwrapped_user() -> None:
+    m = TiedSiblings()
+    m.embed = FSDP(m.embed)
+    _expect_tie_error(FSDP(m))  # the root itself holds the flattened-away weight through `head`
+
+
+def _case_child_tied_to_parent(flatten: bool) -> None:
+    m = ParentTiedToChild()
+    m.child = FSDP(m.child, flatten_parameters=flatten)
+    _expect_tie_error(FSDP(m, flatten_parameters=flatten))
+
+
+def _case_separate_roots(flatten: bool) -> None:
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    fa = FSDP(a, flatten_parameters=flatten)
+    fb = FSDP(b, flatten_parameters=False)
+    if not flatten:
+        fb.append_shared_param(a.weight)  # even a declaration cannot make two separate roots share
+    fa(torch.randn(2, 4)).sum().backward()
+    _expect_tie_error(fb)
+
+
+def _case_append_shared_param_still_works() -> None:
+    m = TiedSiblings()
+    m.embed = FSDP(m.embed, flatten_parameters=False)
+    shared = m.embed.module.module.weight
+    m.head = FSDP(m.head, flatten_parameters=False)
+    m.head.append_shared_param(shared)
+    root = FSDP(m)
+    root(_ids()).sum().backward()
+    assert shared.grad is not None
+
+
+def _tied_weights_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            ("siblings, owner flattened", _case_siblings_flat_owner),
+            ("sibling weight used by the root", _case_siblings_flat_owner_unwrapped_user),
+            ("nested child tied to parent, flatten", functools.partial(_case_child_tied_to_parent, True)),
+            ("nested child tied to parent, no flatten", functools.partial(_case_child_tied_to_parent, False)),
+            ("separate roots, flatten", functools.partial(_case_separate_roots, True)),
+            ("separate roots, declared", functools.partial(_case_separate_roots, False)),
+            ("append_shared_param", _case_append_shared_param_still_works),
+        ]
+    )
+
+
+def test_tied_weights_fsdp_cannot_honour_raise_at_first_forward() -> None:
+    run_distributed(_tied_weights_body, WORLD, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------ 6./7. construction checks
+
+
+def _non_member_body(rank: int, world_size: int) -> str:
+    only_rank_0 = dist.new_group(ranks=[0])
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"global rank 1 is not a member of the process_group"):
+            FSDP(nn.Linear(3, 3), process_group=only_rank_0)
+        return "refused"
+    model = FSDP(nn.Linear(3, 3), process_group=only_rank_0)  # a one-rank group: trains alone, no hang
+    model(torch.randn(2, 3)).sum().backward()
+    return "trained"
+
+
+def test_non_member_process_group_is_a_clear_error_without_hang() -> None:
+    assert run_distributed(_non_member_body, WORLD, timeout=30.0) == ["trained", "refused"]
+
+
+def _case_compute_dtype(dtype: Any) -> None:
+    with pytest.raises(ValueError, match="compute_dtype must be a floating-point"):
+        FSDP(nn.Linear(3, 3), mixed_precision=True, compute_dtype=dtype)
+
+
+def _case_no_sync_on_nested() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), FSDP(nn.Linear(3, 3)))
+    root = FSDP(model)
+    inner = model[1]
+    with pytest.raises(RuntimeError, match="root"):
+        with inner.no_sync():
+            pass
+    assert inner._is_root is None  # the refused call did not make the nested instance a root
+    root(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="root"):
+        with inner.no_sync():
+            pass
+    with root.no_sync():
+        root(torch.randn(2, 3)).sum().backward()
+
+
+def _construction_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            ("compute_dtype=int32", functools.partial(_case_compute_dtype, torch.int32)),
+            ("compute_dtype=bool", functools.partial(_case_compute_dtype, torch.bool)),
+            ("compute_dtype=str", functools.partial(_case_compute_dtype, "float16")),
+            ("no_sync on a nested instance", _case_no_sync_on_nested),
+        ]
+    )
+
+
+def test_bad_compute_dtype_and_nested_no_sync() -> None:
+    run_distributed(_construction_body, WORLD, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------- 3. timeouts of FSDP's own groups
+
+SHORT_TIMEOUT_S = 3.0
+USER_TIMEOUT_S = 1.0
+
+
+def _timed_out_after(fn: Any) -> float:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        fn()
+    return time.monotonic() - start
+
+
+def _timeout_body(directory: str, rank: int) -> List[float]:
+    from fairscale.fair_dev.testing.engine import use_loopback_for_gloo
+    from fairscale.internal import collectives
+    from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
+
+    use_loopback_for_gloo()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(directory, 'store')}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S),
+    )
+    # Both ranks create FSDP's groups (new_group is collective), then rank 1 stays alive without joining.
+    model = FSDP(nn.Linear(3, 3), compute_device=torch.device("cpu"))
+    user_group = get_process_group_cached(
+        ProcessGroupName.reduce_scatter, ranks=[0, 1], timeout=datetime.timedelta(seconds=USER_TIMEOUT_S)
+    )
+    flag = os.path.join(directory, "rank0-done")
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return []
+    try:
+        inherited = _timed_out_after(lambda: model(torch.randn(2, 3)))
+        passed = _timed_out_after(lambda: collectives.all_reduce(torch.ones(1), group=user_group))
+    finally:
+        open(flag, "w").close()
+    # gloo aborts the process when a group whose collective timed out is torn down at interpreter exit (a spawned
+    # rank exits normally, a forked one does not): end this rank right after its report instead.
+    atexit.register(os._exit, 0)
+    return [inherited, passed]
+
+
+def test_fsdp_groups_inherit_the_default_timeout_or_take_the_users(tmp_path: Any) -> None:
+    inherited, passed = run_ranks(functools.partial(_timeout_body, str(tmp_path)), WORLD, timeout=40.0)[0]
+    assert SHORT_TIMEOUT_S * 0.5 <= inherited < SHORT_TIMEOUT_S + 4.0, inherited
+    assert passed < USER_TIMEOUT_S + 3.0, passed
+
+
+# ------------------------------------------------------------------------------------ 4. aborted backward
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.fail:
+            raise RuntimeError("injected backward failure")
+        return grad, None
+
+
+class FailingNet(nn.Module):
+    """linear -> (may fail in backward) -> nested FSDP linear: the nested unit's backward completes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = FSDP(nn.Linear(5, 3))
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(_FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
+
+
+def _grads(model: nn.Module) -> Dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _aborted_case(how: str, move_grads_to_cpu: bool) -> None:
+    torch.manual_seed(0)
+    model = FSDP(FailingNet(), move_grads_to_cpu=move_grads_to_cpu)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).sum().backward()
+    before = _grads(model)
+    assert len(before) == len(list(model.parameters()))
+    if how == "raising backward":
+        model.module.module.fail = True
+        with pytest.raises(RuntimeError, match="injected"):
+            model(x).sum().backward()
+        model.module.module.fail = False
+    else:  # a second backward through a freed graph
+        loss = model(x).sum()
+        loss.backward()
+        before = _grads(model)  # the first of the two backwards completed: its gradients must survive too
+        with pytest.raises(RuntimeError, match="second time|freed"):
+            loss.backward()
+    with pytest.warns(UserWarning, match="did not finish"):
+        with torch.no_grad():
+            model(x)  # the next forward recovers from the aborted backward
+    after = _grads(model)
+    assert sorted(after) == sorted(before)
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+    # Training goes on, accumulating onto the kept gradients as nn.Module would.
+    model(x).sum().backward()
+    step = 2.0 if how == "raising backward" else 1.5
+    for name, grad in _grads(model).items():
+        assert torch.allclose(grad, step * before[name], rtol=1e-5, atol=1e-6), name
+
+
+def _aborted_backward_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            (f"{how}, move_grads_to_cpu={cpu}", functools.partial(_aborted_case, how, cpu))
+            for how in ("raising backward", "second backward")
+            for cpu in (False, True)
+        ]
+    )
+
+
+def test_aborted_backward_keeps_gradients_of_completed_backwards() -> None:
+    run_distributed(_aborted_backward_body, WORLD, timeout=TIMEOUT)
+
+
+# -------------------------------------------------------------------- 2. checkpoint identity, 5. collective loads
+
+
+def _ckpt_model() -> FSDP:
+    torch.manual_seed(0)
+    return FSDP(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), FSDP(nn.Linear(6, 3))))
+
+
+def _train_step(model: FSDP, step: int) -> None:
+    """One plain SGD step (by hand: building a torch.optim optimizer first costs seconds of imports in a rank)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+    for p in model.parameters():
+        p.grad = None
+    model(x).pow(2).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.1)
+
+
+def _save(model: FSDP, directory: str, rank: int) -> None:
+    os.makedirs(directory, exist_ok=True)
+    torch.save(
+        {"weights": model.local_state_dict(), "meta": model.local_metadata_dict()},
+        os.path.join(directory, f"ckpt-rank-{rank}.pt"),
+    )
+
+
+def _load(directory: str, rank: int) -> Dict[str, Any]:
+    return torch.load(os.path.join(directory, f"ckpt-rank-{rank}.pt"), weights_only=True)
+
+
+def _snapshot(model: FSDP) -> Dict[str, Tensor]:
+    return {k: v.clone() for k, v in model.local_state_dict().items()}
+
+
+def _assert_unchanged(model: FSDP, before: Dict[str, Tensor]) -> None:
+    after = model.local_state_dict()
+    assert list(after) == list(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def _expect_same_error_everywhere(fn: Any, match: str) -> str:
+    from fairscale.internal import collectives
+
+    with pytest.raises((RuntimeError, ValueError, KeyError), match=match) as info:
+        fn()
+    messages = collectives.all_gather_object(str(info.value))
+    assert all(m == messages[0] for m in messages), messages
+    return messages[0]
+
+
+def _as_upstream(ckpt: Dict[str, Any]) -> Dict[str, Any]:
+    """The same shard as upstream fairscale writes it: a plain dict, and metadata without the identity."""
+    return {"weights": dict(ckpt["weights"]), "meta": {k: ckpt["meta"][k] for k in ("param_metadata", "buffer_names")}}
+
+
+def _offline_identity_checks(root: str) -> None:
+    """Consolidation of mixed, misordered or duplicated shard files fails with a clear error (no process group)."""
+    s1 = [_load(os.path.join(root, "step1"), r) for r in range(WORLD)]
+    s2 = [_load(os.path.join(root, "step2"), r) for r in range(WORLD)]
+
+    def consolidate(ckpts: List[Dict[str, Any]]) -> Dict[str, Tensor]:
+        return FSDP.consolidate_shard_weights([c["weights"] for c in ckpts], [c["meta"] for c in ckpts])
+
+    assert [c["meta"]["checkpoint_identity"]["step"] for c in s1 + s2] == [1, 1, 2, 2]
+    with pytest.raises(ValueError, match="different checkpoints"):
+        consolidate([s1[0], s2[1]])
+    with pytest.raises(ValueError, match="rank order"):
+        consolidate([s2[1], s2[0]])
+    with pytest.raises(ValueError, match="rank 0's shard is given 2 times"):
+        consolidate([s2[0], s2[0]])
+    with pytest.raises(ValueError, match="saved by 2 ranks but 1 shards"):
+        consolidate([s2[0]])
+    with pytest.raises(ValueError, match="weights are rank 0 of checkpoint .* but the metadata is"):
+        consolidate([{"weights": s1[0]["weights"], "meta": s2[0]["meta"]}, s2[1]])
+    # Upstream's files carry no identity: accepted, and equal to ours.
+    upstream = [_as_upstream(c) for c in s2]
+    full = consolidate(s2)
+    assert {k: v.tolist() for k, v in consolidate(upstream).items()} == {k: v.tolist() for k, v in full.items()}
+    with pytest.raises(ValueError, match="carry no checkpoint identity"):
+        consolidate([upstream[0], s2[1]])
+    # Re-sharding makes a new checkpoint whose shards consolidate back, and do not mix with the old ones.
+    from fairscale.nn.data_parallel.consolidate import reshard_checkpoint
+
+    resharded = reshard_checkpoint(full, s2[0]["meta"], WORLD)
+    assert resharded[1]["meta"]["checkpoint_identity"]["step"] == 2
+    assert {k: v.tolist() for k, v in consolidate(resharded).items()} == {k: v.tolist() for k, v in full.items()}
+    with pytest.raises(ValueError, match="different checkpoints"):
+        consolidate([resharded[0], s2[1]])
+    with pytest.raises(ValueError, match="not a full state dict"):
+        reshard_checkpoint(s2[0]["weights"], s2[0]["meta"], WORLD)
+
+
+def _checkpoint_body(rank: int, world_size: int, root: str) -> Dict[str, Tensor]:
+    model = _ckpt_model()
+    for step in (1, 2):
+        _train_step(model, step)
+        _save(model, os.path.join(root, f"step{step}"), rank)
+    from fairscale.internal import collectives
+
+    collectives.barrier()
+    if rank == 0:
+        _offline_identity_checks(root)
+    final = model.state_dict()
+    # Loads check the identity too: every rank raises the same error and nothing changes.
+    before = _snapshot(model)
+    other = _load(os.path.join(root, "step2"), 1 - rank)["weights"]  # the peer's shard (same shapes here)
+    _expect_same_error_everywhere(
+        lambda: model.load_local_state_dict(other), "rank 1 of checkpoint|rank 0 of checkpoint"
+    )
+    _assert_unchanged(model, before)
+    mixed = _load(os.path.join(root, "step1" if rank == 0 else "step2"), rank)["weights"]
+    _expect_same_error_everywhere(lambda: model.load_local_state_dict(mixed), "different checkpoints")
+    _assert_unchanged(model, before)
+    # The right files load, and the identity of the next save continues from the loaded step.
+    model.load_local_state_dict(_load(os.path.join(root, "step1"), rank)["weights"])
+    assert model.local_metadata_dict()["checkpoint_identity"]["step"] == 1
+    return final
+
+
+def _bad_load_body(rank: int, world_size: int) -> None:
+    model = _ckpt_model()
+    _train_step(model, 1)
+    full, local = model.state_dict(), model.local_state_dict()
+    _train_step(model, 2)  # the live model now differs from the saved dicts, buffers included
+    before = _snapshot(model)
+    bad_full = dict(full)
+    bad_local = dict(local)
+    if rank == 0:
+        del bad_full["0.weight"]
+        bad_local["flat_param_0"] = bad_local["flat_param_0"][:-1]
+    _expect_same_error_everywhere(lambda: model.load_state_dict(bad_full), r"failed on rank\(s\) \[0\]")
+    _assert_unchanged(model, before)
+    _expect_same_error_everywhere(lambda: model.load_local_state_dict(bad_local), r"failed on rank\(s\) \[0\]")
+    _assert_unchanged(model, before)
+    # Good dicts on every rank still load.
+    model.load_state_dict(full)
+    model.load_local_state_dict(local)
+
+
+def test_checkpoint_identity_checked_by_consolidation_and_loads(tmp_path: Any) -> None:
+    final = run_distributed(_checkpoint_body, WORLD, str(tmp_path), timeout=TIMEOUT)[0]
+    from fairscale.nn.data_parallel.consolidate import main
+
+    # The command line: shards of two checkpoints in one directory fail with a non-zero exit status.
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    os.link(tmp_path / "step1" / "ckpt-rank-0.pt", mixed / "ckpt-rank-0.pt")
+    os.link(tmp_path / "step2" / "ckpt-rank-1.pt", mixed / "ckpt-rank-1.pt")
+    assert main(["consolidate", str(mixed), str(tmp_path / "out.pt")]) != 0
+    assert not (tmp_path / "out.pt").exists()
+    assert main(["consolidate", str(tmp_path / "step2"), str(tmp_path / "out.pt")]) == 0
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k: v.tolist() for k, v in out.items()} == {k: v.tolist() for k, v in final.items()}
+
+
+def test_bad_dict_on_one_rank_fails_on_every_rank_and_changes_nothing() -> None:
+    run_distributed(_bad_load_body, WORLD, timeout=TIMEOUT)

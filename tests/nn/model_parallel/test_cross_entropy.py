@@ -1,0 +1,92 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``vocab_parallel_cross_entropy`` equals ``F.cross_entropy`` on the gathered logits: values and gradients.
+
+One 4-rank gloo world runs the cases at model-parallel sizes 4, 2 (x 2 data parallel) and 1; a 2-rank world at 2.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.model_parallel import initialize as mpu
+from fairscale.nn.model_parallel import vocab_parallel_cross_entropy
+from fairscale.nn.model_parallel.mappings import scatter_to_model_parallel_region
+
+BATCH, SEQ, VOCAB_PER = 13, 17, 11
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _assert_close(actual: Tensor, expected: Tensor, atol: float = 1e-5, rtol: float = 1e-5, what: str = "") -> None:
+    """``torch.testing.assert_close`` without its one-time import cost (about 2 s in every forked rank)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (what, actual.shape, expected.shape)
+    diff = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    assert torch.allclose(actual, expected, atol=atol, rtol=rtol), f"{what} not close: max abs diff {diff}"
+
+
+def _inputs(scale: float) -> "tuple[Tensor, Tensor]":
+    vocab = VOCAB_PER * mpu.get_model_parallel_world_size()
+    g = torch.Generator().manual_seed(1234 + mpu.get_data_parallel_rank())
+    logits = scale * torch.randn(BATCH, SEQ, vocab, generator=g)
+    target = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return logits, target
+
+
+def _parity(scale: float) -> None:
+    logits, target = _inputs(scale)
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.view(-1, ref_logits.size(-1)), target.view(-1), reduction="none")
+    ref = ref.view_as(target).mean()
+    ref.backward()
+    leaf = logits.clone().requires_grad_()
+    # The loss shifts its input in place: give it a copy of the slice (at size 1 the scatter is the identity).
+    local = scatter_to_model_parallel_region(leaf).clone()
+    loss = vocab_parallel_cross_entropy(local, target)
+    assert loss.shape == target.shape and loss.dtype == logits.dtype
+    loss.mean().backward()
+    _assert_close(loss.mean(), ref.detach(), **TOL)
+    _assert_close(leaf.grad, ref_logits.grad, **TOL)
+
+
+def _out_of_range_target() -> None:
+    logits, target = _inputs(1.0)
+    target[0, 0] = -1
+    target[1, 1] = logits.size(-1)
+    local = scatter_to_model_parallel_region(logits).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local.clone(), target)
+    lse_minus_max = torch.logsumexp(logits, -1) - logits.max(-1).values
+    _assert_close(loss[0, 0], lse_minus_max[0, 0], **TOL)
+    _assert_close(loss[1, 1], lse_minus_max[1, 1], **TOL)
+    loss[0, 0].backward()
+    softmax = scatter_to_model_parallel_region(torch.softmax(logits[0, 0], -1))
+    _assert_close(local.grad[0, 0], softmax, **TOL)  # no -1 anywhere: no rank owns the target
+
+
+def _shifts_input_in_place() -> None:
+    logits, target = _inputs(1.0)
+    local = scatter_to_model_parallel_region(logits).clone()
+    before = local.clone()
+    vocab_parallel_cross_entropy(local, target)
+    assert not torch.equal(local, before)  # upstream's in-place shift (and reuse for the softmax)
+
+
+def _ce_body(rank: int, world_size: int) -> None:
+    for mp in [s for s in (4, 2, 1) if s <= world_size]:
+        mpu.initialize_model_parallel(mp)
+        try:
+            run_cases(
+                [
+                    (f"mp={mp}:parity", lambda: _parity(1.0)),
+                    (f"mp={mp}:parity_large_logits", lambda: _parity(1000.0)),
+                    (f"mp={mp}:out_of_range_target", _out_of_range_target),
+                    (f"mp={mp}:shifts_input_in_place", _shifts_input_in_place),
+                ]
+            )
+        finally:
+            mpu.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cross_entropy(world_size: int) -> None:
+    run_distributed(_ce_body, world_size)

@@ -1,0 +1,142 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Model/pipeline/data-parallel group layout: the ``(dp, pp, mp)`` row-major grid, getters, errors.
+
+Real gloo worlds of 1, 2 and 4 ranks (upstream's tests ran no world at all without GPUs), plus upstream's
+``test_adjacency`` with a mocked ``torch.distributed`` for a 1024-rank layout.
+"""
+
+from collections import defaultdict
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal import collectives
+from fairscale.nn.model_parallel import initialize as mpu
+
+
+def _expected_groups(world: int, mp: int, pp: int, rank: int) -> Dict[str, List[int]]:
+    """The groups of ``rank`` computed from the grid formula r = i*pp*mp + j*mp + k."""
+    i, rest = divmod(rank, pp * mp)
+    j, k = divmod(rest, mp)
+    dp = world // (pp * mp)
+    return {
+        "mp": [i * pp * mp + j * mp + kk for kk in range(mp)],
+        "pp": [i * pp * mp + jj * mp + k for jj in range(pp)],
+        "dp": [ii * pp * mp + j * mp + k for ii in range(dp)],
+    }
+
+
+def _check_layout(rank: int, world: int, requested_mp: int, pp: int) -> None:
+    assert not mpu.model_parallel_is_initialized()
+    mpu.initialize_model_parallel(requested_mp, pp)
+    try:
+        assert mpu.model_parallel_is_initialized()
+        mp = min(requested_mp, world)
+        groups = _expected_groups(world, mp, pp, rank)
+        assert mpu.get_model_parallel_world_size() == mp
+        assert mpu.get_model_parallel_rank() == rank % mp
+        assert mpu.get_model_parallel_src_rank() == rank - rank % mp
+        assert mpu.get_data_parallel_world_size() == world // (mp * pp)
+        assert mpu.get_data_parallel_rank() == rank // (pp * mp)
+        assert mpu.get_pipeline_parallel_ranks() == groups["pp"]
+        assert list(collectives.group_ranks(mpu.get_model_parallel_group())) == groups["mp"]
+        assert list(collectives.group_ranks(mpu.get_data_parallel_group())) == groups["dp"]
+        assert list(collectives.group_ranks(mpu.get_pipeline_parallel_group())) == groups["pp"]
+        # The groups communicate among exactly those ranks.
+        for name, getter in (("mp", mpu.get_model_parallel_group), ("dp", mpu.get_data_parallel_group)):
+            t = torch.tensor([float(rank)])
+            collectives.all_reduce(t, group=getter())
+            assert t.item() == float(sum(groups[name])), name
+    finally:
+        mpu.destroy_model_parallel()
+    assert not mpu.model_parallel_is_initialized()
+
+
+def _check_errors(rank: int, world: int) -> None:
+    with pytest.raises(AssertionError, match="model parallel group is not initialized"):
+        mpu.get_model_parallel_group()
+    with pytest.raises(AssertionError, match="data parallel group is not initialized"):
+        mpu.get_data_parallel_rank()
+    with pytest.raises(AssertionError, match="pipeline parallel group is not initialized"):
+        mpu.get_pipeline_parallel_ranks()
+    if world == 4:
+        with pytest.raises(AssertionError, match="4 is not divisible by 3"):
+            mpu.initialize_model_parallel(3)
+        with pytest.raises(AssertionError, match="4 is not divisible by 6"):
+            mpu.initialize_model_parallel(2, 3)
+    mpu.initialize_model_parallel(1)
+    try:
+        with pytest.raises(AssertionError, match="data parallel group is already initialized"):
+            mpu.initialize_model_parallel(1)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _layouts_body(rank: int, world_size: int) -> None:
+    configs = [(m, p) for m in (1, 2, 4, 8) for p in (1, 2, 4) if m * p <= 4 * world_size]
+    cases = []
+    for requested_mp, pp in configs:
+        if world_size % (min(requested_mp, world_size) * pp) == 0:
+            cases.append(
+                (f"mp={requested_mp},pp={pp}", lambda m=requested_mp, p=pp: _check_layout(rank, world_size, m, p))
+            )
+    cases.append(("errors", lambda: _check_errors(rank, world_size)))
+    run_cases(cases)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_initialize_model_parallel(world_size: int) -> None:
+    run_distributed(_layouts_body, world_size)
+
+
+class _MockDistributed:
+    """A stand-in for ``torch.distributed`` that records the rank lists of ``new_group``."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.groups: List[List[int]] = []
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self.world_size
+
+    def get_rank(self, group: Any = None) -> int:
+        return 0
+
+    def new_group(self, args: List[int], backend: Any = None) -> Any:
+        self.groups.append(list(args))
+        return ()
+
+
+def test_adjacency(monkeypatch: Any) -> None:
+    """Upstream's check at 1024 ranks: 256 contiguous MP groups of 4, 128 PP groups of 8, 32 DP groups of 32."""
+    model_parallel_size, pipeline_length, data_parallel_size = 4, 8, 32
+    mock = _MockDistributed(model_parallel_size * pipeline_length * data_parallel_size)
+    monkeypatch.setattr(torch, "distributed", mock)
+    try:
+        mpu.initialize_model_parallel(model_parallel_size, pipeline_length)
+    finally:
+        mpu.destroy_model_parallel()
+    by_size: Dict[int, List[List[int]]] = defaultdict(list)
+    for ranks in mock.groups:
+        by_size[len(ranks)].append(ranks)
+    assert set(by_size) == {model_parallel_size, pipeline_length, data_parallel_size}
+    assert len(by_size[model_parallel_size]) == pipeline_length * data_parallel_size
+    assert len(by_size[data_parallel_size]) == model_parallel_size * pipeline_length
+    assert len(by_size[pipeline_length]) == model_parallel_size * data_parallel_size
+    for ranks in by_size[model_parallel_size]:
+        assert ranks == list(range(ranks[0], ranks[0] + model_parallel_size))
+    # Creation order: all DP groups, then all MP groups, then all PP groups.
+    sizes = [len(r) for r in mock.groups]
+    n_dp, n_mp = model_parallel_size * pipeline_length, pipeline_length * data_parallel_size
+    assert sizes[:n_dp] == [data_parallel_size] * n_dp
+    assert sizes[n_dp : n_dp + n_mp] == [model_parallel_size] * n_mp
+
+
+def test_eight_rank_example() -> None:
+    """The docstring's example, ws=8, mp=2, pp=2, from the grid formula."""
+    assert _expected_groups(8, 2, 2, 5) == {"mp": [4, 5], "pp": [5, 7], "dp": [1, 5]}

@@ -1,0 +1,166 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.nn.pipe.balance import balance_by_size, balance_by_time, blockpartition
+from fairscale.nn.pipe.balance.profile import layerwise_sandbox
+
+from ._util import NEEDS_CUDA, cuda_devices
+
+
+def test_blockpartition():
+    assert blockpartition.solve([1, 2, 3, 4, 5, 6], partitions=2) == [[1, 2, 3, 4], [5, 6]]
+    assert blockpartition.solve([1, 2, 3, 4, 5, 6], partitions=3) == [[1, 2, 3], [4, 5], [6]]
+    assert blockpartition.solve([6, 5, 4, 3, 2, 1], partitions=2) == [[6, 5], [4, 3, 2, 1]]
+    assert blockpartition.solve([5, 5, 5, 5], partitions=3) == [[5], [5], [5, 5]]
+    assert blockpartition.solve([1] * 7, partitions=3) == [[1, 1], [1, 1], [1, 1, 1]]
+    assert blockpartition.solve([100, 1, 1, 1, 1, 1], partitions=2) == [[100, 1, 1], [1, 1, 1]]
+    assert blockpartition.solve([1, 1, 1, 1, 1, 100], partitions=2) == [[1, 1, 1], [1, 1, 100]]
+
+
+def test_blockpartition_zeros():
+    assert blockpartition.solve([0, 0], partitions=2) == [[0], [0]]
+    assert blockpartition.solve([0, 0, 0], partitions=3) == [[0], [0], [0]]
+    assert blockpartition.solve([10, 0, 0, 0, 0, 0, 0, 0, 0, 10], partitions=3) == [
+        [10, 0, 0],
+        [0, 0, 0],
+        [0, 0, 0, 10],
+    ]
+
+
+def test_blockpartition_non_positive_partitions():
+    with pytest.raises(ValueError, match=r"partitions must be a positive integer \(0 < 1\)"):
+        blockpartition.solve([42], partitions=0)
+    with pytest.raises(ValueError, match=r"partitions must be a positive integer \(-1 < 1\)"):
+        blockpartition.solve([42], partitions=-1)
+
+
+def test_blockpartition_short_sequence():
+    with pytest.raises(ValueError, match=r"sequence is shorter than intended partitions \(0 < 1\)"):
+        blockpartition.solve([], partitions=1)
+    with pytest.raises(ValueError, match=r"sequence is shorter than intended partitions \(1 < 2\)"):
+        blockpartition.solve([42], partitions=2)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+def test_balance_by_time(device):
+    class Delay(nn.Module):
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            return x
+
+    model = nn.Sequential(*[Delay(i / 100) for i in [1, 2, 3, 4, 5, 6]])
+    sample = torch.rand(1)
+    balance = balance_by_time(2, model, sample, timeout=0.3, device=device)
+    assert balance == [4, 2]
+
+
+def test_balance_by_time_loop_resets_input():
+    # nn.Flatten was introduced at PyTorch 1.2.0.
+    class Flatten(nn.Module):
+        def forward(self, x):
+            return x.flatten(1)
+
+    model = nn.Sequential(nn.Conv2d(3, 2, 1), Flatten(), nn.Linear(128, 10))
+    sample = torch.rand(10, 3, 8, 8)
+    balance = balance_by_time(2, model, sample, timeout=0.1, device="cpu")
+    assert balance == [1, 2]
+
+
+def test_balance_by_time_tuple():
+    class Twin(nn.Module):
+        def forward(self, x):
+            return x, x.detach()
+
+    class Add(nn.Module):
+        def forward(self, a_b):
+            a, b = a_b
+            return a + b
+
+    model = nn.Sequential(Twin(), Add())
+    sample = torch.rand(1, requires_grad=True)
+    balance_by_time(1, model, sample, timeout=0.05, device="cpu")
+
+
+def test_balance_by_time_without_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("FAIRSCALE_CPU_ONLY", "1")
+    with pytest.raises(ValueError, match="device='cpu'"):
+        balance_by_time(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1), timeout=0.01)
+
+
+def test_balance_by_size_requires_cuda():
+    with pytest.raises(ValueError, match="size profiler supports only CUDA device"):
+        balance_by_size(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1), device="cpu")
+
+
+@NEEDS_CUDA
+def test_balance_by_size_latent():
+    class Expand(nn.Module):
+        def __init__(self, times):
+            super().__init__()
+            self.times = times
+
+        def forward(self, x):
+            for i in range(self.times):
+                x = x + torch.rand_like(x, requires_grad=True)
+            return x
+
+    sample = torch.rand(10, 100, 100)
+    model = nn.Sequential(*[Expand(i) for i in [1, 2, 3, 4, 5, 6]])
+    assert balance_by_size(2, model, sample) == [4, 2]
+    model = nn.Sequential(*[Expand(i) for i in [6, 5, 4, 3, 2, 1]])
+    assert balance_by_size(2, model, sample) == [2, 4]
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+def test_layerwise_sandbox(device):
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    model.eval()
+    for layer in layerwise_sandbox(model, torch.device(device)):
+        assert layer.training
+        assert all(p.device.type == device for p in layer.parameters())
+    assert all(not layer.training for layer in model)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+def test_sandbox_during_profiling(device):
+    model = nn.Sequential(nn.BatchNorm2d(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.rand(1, 3, 10, 10)
+    balance_by_time(1, model, sample, timeout=0.05, device=device)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.allclose(after[key], value), key
+
+
+def test_not_training():
+    class AssertTraining(nn.Module):
+        def forward(self, x):
+            if self.training:
+                assert self.training
+            else:
+                raise AssertionError("layer in the sandbox must be training")
+            return x
+
+    model = nn.Sequential(AssertTraining())
+    model.eval()
+    assert not model.training
+    balance_by_time(1, model, torch.rand(1), timeout=0.05, device="cpu")
+    assert not model.training
+
+
+def test_already_has_grad():
+    model = nn.Sequential(nn.Conv2d(3, 3, 1))
+    sample = torch.rand(1, 3, 32, 32)
+    model(sample).norm().backward()
+    with pytest.raises(ValueError, match="some parameter already has gradient"):
+        balance_by_time(1, model, sample, device="cpu")

@@ -1,0 +1,1 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.

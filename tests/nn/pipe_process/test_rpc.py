@@ -1,0 +1,109 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The RPC paths: PipeRPCWrapper driving every stage from rank 0, and AsyncPipe over the RPC transport.
+
+torch.distributed.rpc (TensorPipe) is started in each rank of a gloo world through a file rendezvous.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.nn.model_parallel.initialize import destroy_model_parallel, initialize_model_parallel
+from fairscale.nn.pipe import AsyncPipe, PipeRPCWrapper
+from fairscale.nn.pipe.messages import RpcTransport
+
+rpc = pytest.importorskip("torch.distributed.rpc")
+if not rpc.is_available():  # pragma: no cover - torch built without RPC
+    pytest.skip("torch.distributed.rpc is not available", allow_module_level=True)
+
+TIMEOUT = 90.0
+LR = 0.1
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+
+
+def _sgd(ctx, model) -> None:
+    # Runs on every stage through foreach_worker (a module-level function: it is pickled for RPC).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-LR)
+            p.grad = None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _rpc_world(rank: int, world_size: int, path: str) -> None:
+    initialize_model_parallel(1, world_size, pipeline_backend="gloo")
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{path}", _transports=["uv"])
+    rpc.init_rpc(f"Test{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    worker_map = {i: f"Test{i}" for i in range(world_size)}
+    try:
+        _async_pipe_over_rpc(rank, worker_map)
+        dist.barrier()
+        if rank == 0:
+            _rpc_wrapper_parity(worker_map)
+    finally:
+        rpc.shutdown()
+        destroy_model_parallel()
+
+
+def _async_pipe_over_rpc(rank: int, worker_map) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    pipe = AsyncPipe(model, [2, 2], group=dist.group.WORLD, worker_map=worker_map, chunks=2)
+    assert isinstance(pipe.pipeline.transport, RpcTransport)
+    x = torch.randn(4, 3)
+    out = pipe(x)
+    reference(x).sum().backward()
+    if pipe.final_stage:
+        assert _close(out, reference(x))
+        out.sum().backward()
+    ref_layers = list(reference)[:2] if rank == 0 else list(reference)[2:]
+    for mine, ref in zip(pipe, ref_layers):
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            assert _close(p.grad, q.grad)
+
+
+def _rpc_wrapper_parity(worker_map) -> None:
+    """Outputs equal the plain Sequential before and after an SGD step applied on every stage."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    pipe = PipeRPCWrapper(model, [2, 2], worker_map=worker_map, chunks=2)
+    assert not pipe.final_stage
+    x = torch.randn(4, 3)
+    out = pipe(x)
+    assert _close(out, reference(x))
+    out.sum().backward()
+    reference(x).sum().backward()
+    pipe.foreach_worker(_sgd, include_self=True)
+    _sgd(None, reference)
+    pipe.eval()
+    with torch.no_grad():
+        assert _close(pipe(x), reference(x))
+
+
+def test_rpc(tmp_path) -> None:
+    run_distributed(_rpc_world, 2, os.path.join(str(tmp_path), "rpc_init"), timeout=TIMEOUT)
+
+
+def _no_rpc(rank: int, world_size: int) -> None:
+    initialize_model_parallel(1, world_size, pipeline_backend="gloo")
+    try:
+        with pytest.raises(RuntimeError, match="PipeRPCWrapper needs torch.distributed.rpc"):
+            PipeRPCWrapper(_model(), [4], worker_map={0: "Test0"})
+    finally:
+        destroy_model_parallel()
+
+
+def test_wrapper_without_rpc_is_a_clear_error() -> None:
+    run_distributed(_no_rpc, 1, timeout=TIMEOUT)

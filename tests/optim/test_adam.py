@@ -1,0 +1,287 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""fairscale.optim.Adam on CPU (upstream's tests needed CUDA and the optional fused extension).
+
+Every mode is compared with a float64 reference of upstream's kernel arithmetic, the fp32 mode also with
+``torch.optim.Adam`` (the same update when eps is negligible), and the fp16 state scale, state dicts and errors
+behave as upstream's.
+"""
+
+import copy
+import math
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor
+
+from fairscale.optim import Adam, GradScaler, Precision
+
+SHAPES = [(3, 4), (5,)]
+STEPS = 5
+
+
+def _grads(step: int, dtype: torch.dtype) -> List[Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def _params(dtype: torch.dtype) -> List[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(123)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _reference(
+    params: List[Tensor], grads_per_step: List[List[Tensor]], lr: float, betas: Tuple[float, float], eps: float,
+    weight_decay: float, bias_correction: bool = True, eps_inside_sqrt: bool = False, round_to: torch.dtype = torch.float64
+) -> List[Tensor]:  # fmt: skip
+    """Upstream's kernel arithmetic in float64 (``round_to``: the dtype the parameter is stored in after a step)."""
+    b1, b2 = betas
+    ps = [p.detach().double().cpu().clone() for p in params]
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.zeros_like(p) for p in ps]
+    for t, grads in enumerate(grads_per_step, start=1):
+        size = lr * math.sqrt(1 - b2**t) / (1 - b1**t) if bias_correction else lr
+        for p, g, m, v in zip(ps, grads, ms, vs):
+            g = g.double().cpu()
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v + eps).sqrt() if eps_inside_sqrt else v.sqrt() + eps
+            p.sub_(size * (m / denom + weight_decay * p))
+            p.copy_(p.to(round_to).double())
+    return ps
+
+
+def _run(optim: Adam, params: List[torch.nn.Parameter], dtype: torch.dtype, steps: int = STEPS) -> None:
+    for step in range(steps):
+        for p, g in zip(params, _grads(step, dtype)):
+            p.grad = g
+        optim.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=1e-2, eps=1e-3, weight_decay=0.1),
+        dict(lr=1e-2, eps=1e-3, weight_decay=0.1, bias_correction=False),
+        dict(lr=1e-2, eps=1e-2, eps_inside_sqrt=True, weight_decay=0.05, betas=(0.8, 0.99)),
+    ],
+    ids=["decay", "no-bias-correction", "eps-inside-sqrt"],
+)
+def test_step_full_precision_matches_reference(kwargs: Dict) -> None:
+    params = _params(torch.float32)
+    want = _reference(params, [_grads(s, torch.float32) for s in range(STEPS)], **{"betas": (0.9, 0.999), **kwargs})
+    optim = Adam(params, **kwargs)
+    assert optim.precision is Precision.FULL_PRECISION and not optim.mixed_precision
+    _run(optim, params, torch.float32)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.double(), w, atol=1e-6, rtol=1e-6)
+    state = optim.state[params[0]]
+    assert state["step"] == STEPS and isinstance(state["step"], int) and state["exp_avg"].dtype == torch.float32
+
+
+def test_full_precision_matches_torch_adam() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    optim, ref_optim = Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, optim), (ref, ref_optim)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_step_mixed_precision_inferred() -> None:
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
+    assert optim.precision is Precision.MIXED_PRECISION and optim.mixed_precision
+    masters = optim.fp32_param_groups[0]["params"]
+    assert len(optim.fp32_param_groups) == 1 and all(m.dtype == torch.float32 for m in masters)
+    assert all(m.grad is not None and not m.grad.any() for m in masters)
+    want = _reference(params, [_grads(s, torch.float16) for s in range(STEPS)], 1e-2, (0.9, 0.999), 1e-3, 0.1)
+    _run(optim, params, torch.float16)
+    for p, m, w in zip(params, masters, want):
+        torch.testing.assert_close(m.double(), w, atol=1e-6, rtol=1e-6)  # fp32 masters carry the precision
+        assert p.dtype == torch.float16 and torch.equal(p, m.half())
+    assert optim.state[params[0]]["exp_avg"].dtype == torch.float32
+
+
+def test_step_memory_efficient() -> None:
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-2, eps=1e-3, precision=Precision.MEMORY_EFFICIENT_MIXED_PRECISION)
+    assert optim.fp32_param_groups == [] and optim.optim_type == torch.float32
+    want = _reference(
+        params, [_grads(s, torch.float16) for s in range(STEPS)], 1e-2, (0.9, 0.999), 1e-3, 0.0, round_to=torch.float16
+    )
+    _run(optim, params, torch.float16)
+    for p, w in zip(params, want):
+        assert p.dtype == torch.float16
+        torch.testing.assert_close(p.double(), w, atol=2e-3, rtol=0)  # fp16 rounding of every step
+    assert optim.state[params[0]]["exp_avg_sq"].dtype == torch.float32
+
+
+def test_step_pure_fp16() -> None:
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-2, precision=Precision.PURE_FP16)
+    assert optim._optim_scale == 2.0**16 and optim.optim_type == torch.float16
+    grads = [[g * 0.01 for g in _grads(s, torch.float32)] for s in range(STEPS)]
+    want = _reference(params, grads, 1e-2, (0.9, 0.999), 1e-8, 0.0, round_to=torch.float16)
+    for step in range(STEPS):
+        for p, g in zip(params, grads[step]):
+            p.grad = g.half()
+        optim.step()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.double(), w, atol=2e-3, rtol=0)
+    state = optim.state[params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float16
+    # The moments are stored scaled by the optimizer-state scale.
+    m = torch.zeros(SHAPES[0], dtype=torch.float64)
+    for step in range(STEPS):
+        m = 0.9 * m + 0.1 * grads[step][0].half().double()
+    torch.testing.assert_close(state["exp_avg"].double() / 2.0**16, m, atol=1e-4, rtol=1e-2)
+
+
+def test_pure_fp16_state_overflow_halves_scale_and_resets_state() -> None:
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-3, precision=Precision.PURE_FP16)
+    for p in params:
+        p.grad = torch.full_like(p, 100.0)  # v = 0.001 * 1e4 * 2**16 overflows fp16
+    optim.step()
+    assert optim._optim_scale == 2.0**15 and optim._steps_since_optim_scale_change == 0
+    for p in params:
+        assert not optim.state[p]["exp_avg"].any() and not optim.state[p]["exp_avg_sq"].any()
+
+
+def test_update_optim_scale() -> None:
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-3, precision=Precision.PURE_FP16)
+    optim._optim_scale_update_freq = 1
+    optim._optim_scale = 2.0**15
+    _run(optim, params, torch.float16, steps=1)
+    assert optim._optim_scale == 2.0**16
+    _run(optim, params, torch.float16, steps=1)
+    assert optim._optim_scale == 2.0**16  # never above 2**16
+
+
+def test_exploding_optimizer_state() -> None:
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-3, precision=Precision.PURE_FP16)
+    optim._optim_scale = 1.0
+    for p in params:
+        p.grad = torch.full_like(p, 6e4)
+    with pytest.raises(RuntimeError, match="Optimizer state scale < 1"):
+        optim.step()
+
+
+def test_step_with_grad_scaler() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 4).half()
+    optim = Adam(model.parameters(), lr=1e-2, precision=Precision.PURE_FP16)
+    scaler = GradScaler(init_scale=2.0**8)
+    x = torch.randn(16, 8).half()
+    losses = []
+    for _ in range(STEPS):
+        optim.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        losses.append(loss.item())
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
+    assert losses[-1] < losses[0] and scaler.get_scale() == 2.0**8
+
+
+@pytest.mark.parametrize(
+    "dtype,precision",
+    [
+        (torch.float32, None),
+        (torch.float16, Precision.PURE_FP16),
+        (torch.float16, Precision.MEMORY_EFFICIENT_MIXED_PRECISION),
+    ],
+    ids=["full", "pure_fp16", "memory_efficient"],
+)
+def test_state_dict(dtype: torch.dtype, precision: Precision) -> None:
+    params = _params(dtype)
+    optim = Adam(params, lr=1e-2, precision=precision)
+    _run(optim, params, dtype)
+    saved = copy.deepcopy(optim.state_dict())
+    assert saved["optim_scale"] == optim._optim_scale and saved["state"][0]["step"] == STEPS
+
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    clone_optim = Adam(clones, lr=0.5, precision=precision)
+    clone_optim.load_state_dict(saved)
+    assert clone_optim.param_groups[0]["lr"] == 1e-2 and clone_optim._optim_scale == optim._optim_scale
+    for p, c in zip(params, clones):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert clone_optim.state[c][key].dtype == optim.optim_type
+            assert torch.equal(clone_optim.state[c][key], optim.state[p][key])
+    for step in range(STEPS, 2 * STEPS):
+        for ps, o in ((params, optim), (clones, clone_optim)):
+            for p, g in zip(ps, _grads(step, dtype)):
+                p.grad = g
+            o.step()
+    for p, c in zip(params, clones):
+        assert torch.equal(p, c)
+    with pytest.raises(KeyError, match="optim_scale"):
+        clone_optim.load_state_dict(torch.optim.Adam(clones).state_dict())
+
+
+def test_param_groups_and_signature() -> None:
+    a, b = _params(torch.float32)
+    optim = Adam([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
+    assert optim.precision is Precision.FULL_PRECISION and [g["lr"] for g in optim.param_groups] == [0.1, 0.5]
+    assert optim.defaults == dict(
+        lr=0.1, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=0.0
+    )
+    assert optim.supports_memory_efficient_fp16 and not optim._step_supports_amp_scaling and optim.eps_mode == 1
+    a.grad = torch.ones_like(a)  # b has no gradient: its group is skipped
+    optim.step()
+    assert b not in optim.state and optim.state[a]["step"] == 1
+
+
+def test_errors() -> None:
+    fp32 = _params(torch.float32)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        Adam(fp32, amsgrad=True)
+    with pytest.raises(ValueError, match="beta"):
+        Adam(fp32, betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match="weight_decay"):
+        Adam(fp32, weight_decay=-0.1)
+    with pytest.raises(ValueError, match="empty"):
+        Adam([])
+    for precision in (Precision.MIXED_PRECISION, Precision.MEMORY_EFFICIENT_MIXED_PRECISION, Precision.PURE_FP16):
+        with pytest.raises(AssertionError, match="fp16"):
+            Adam(fp32, precision=precision)
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    optim = Adam(emb.parameters())
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        optim.step()
+    assert Precision.FULL_PRECISION.value == 1 and Precision.PURE_FP16.value == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "dtype,precision,atol",
+    [
+        (torch.float32, Precision.FULL_PRECISION, 1e-6),
+        (torch.float16, Precision.MIXED_PRECISION, 2e-3),
+        (torch.float16, Precision.MEMORY_EFFICIENT_MIXED_PRECISION, 2e-3),
+    ],
+    ids=["full", "mixed", "memory_efficient"],
+)
+def test_modes_on_cuda(dtype: torch.dtype, precision: Precision, atol: float) -> None:
+    """The same arithmetic on CUDA, where the full-precision path runs torch's fused kernel."""
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
+    optim = Adam(params, lr=1e-2, eps=1e-3, weight_decay=0.1, precision=precision)
+    round_to = torch.float16 if precision is Precision.MEMORY_EFFICIENT_MIXED_PRECISION else torch.float64
+    grads = [_grads(s, dtype) for s in range(STEPS)]
+    want = _reference(params, grads, 1e-2, (0.9, 0.999), 1e-3, 0.1, round_to=round_to)
+    for step in range(STEPS):
+        for p, g in zip(params, grads[step]):
+            p.grad = g.cuda()
+        optim.step()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.double().cpu(), w.cpu(), atol=atol, rtol=0)
