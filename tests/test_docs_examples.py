@@ -48,7 +48,7 @@ KINDS: Dict[str, List[str]] = {
     "docs/modules.rst": [],
     "docs/model_parallel.rst": ["script"] * 3,  # run by tests/nn/model_parallel/test_model_parallel_docs.py
     "docs/optimize_backward_concat.rst": ["python"],
-    "docs/overlap.rst": [],
+    "docs/overlap.rst": ["text"],
     "docs/oss.rst": ["script"] * 4,  # run by tests/optim/test_oss_docs.py
     "docs/optim.rst": ["script"] * 2,  # run by tests/optim/test_optim_docs.py
     "docs/wrap_and_checkpoint.rst": ["script", "python"],

@@ -139,7 +139,8 @@ class ReduceScatterBucketer:
     Args:
         bucket_cap_mb (int): bucket size in MiB across all ranks; each rank's row holds
             ``bucket_cap_mb * 2**20 / element_size // group_size`` elements. Inputs whose per-rank
-            chunk is larger are reduce-scattered at once; ``0`` (or less) disables bucketing.
+            chunk is at least that large are reduce-scattered at once, from their own buffer; ``0`` (or
+            less) disables bucketing.
 
     Use :meth:`reduce_scatter_async` per gradient, :meth:`flush` when all are queued (callbacks
     run then) and :meth:`teardown` to release the buffers until the next backward.

@@ -1,12 +1,10 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """The example of ``docs/experimental.rst`` runs, and the public names of upstream's ``fairscale.experimental``
-import on a CPU-only machine (AMPnet's raise the promised ``NotImplementedError``)."""
+import on a CPU-only machine."""
 
 import importlib
 import os
 import re
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,11 +73,12 @@ def test_public_names_import() -> None:
     assert (HEARTBEAT_TIMEOUT, BROADCAST_BUCKET_SIZE) == (300, 10 * 1024 * 1024)
 
 
-def test_ampnet_is_not_available_yet() -> None:
+def test_ampnet_pipe_is_an_async_pipe() -> None:
     from fairscale.experimental.nn.ampnet_pipe.pipe import AMPnetPipe
+    from fairscale.nn.pipe import AsyncPipe
 
-    with pytest.raises(NotImplementedError, match="not yet available in this distribution"):
-        AMPnetPipe(module=None, balance=[1])
+    assert issubclass(AMPnetPipe, AsyncPipe)
+    assert importlib.import_module("fairscale.experimental.nn.ampnet_pipe").__all__ == []
 
 
 def test_docs_example_runs() -> None:

@@ -100,6 +100,8 @@ DEFAULT_TIMEOUT = 120.0
 _STACK_DUMP_WAIT_S = 0.3
 # After a first failure, how long to keep reading reports to find which failure came first.
 _FAILURE_GRACE_S = 0.2
+# How long spawned ranks may take to start (interpreter, imports) before the world's timeout starts counting.
+_SPAWN_START_LIMIT_S = 180.0
 # How long a rank that reported its result may take to exit, even past the deadline.
 _EXIT_GRACE_S = 5.0
 # Keep timeout messages readable: at most this many lines of stack per hung rank.
@@ -324,7 +326,7 @@ def _run_world(
             _start(process, method)
             writer.close()  # the child holds the only write end, so its death shows up as EOF
             ranks.append(_RankProcess(rank, process, reader, stack_path))
-        return _collect(ranks, deadline, timeout)
+        return _collect(ranks, deadline, timeout, method)
     finally:
         for handle in ranks:
             handle.kill()
@@ -374,13 +376,20 @@ class _RankProcess:
         return str(kind), value
 
 
-def _collect(ranks: List[_RankProcess], deadline: float, timeout: float) -> List[Any]:
+def _collect(ranks: List[_RankProcess], deadline: float, timeout: float, method: str = "fork") -> List[Any]:
     __tracebackhide__ = True  # pytest: show the test, not the engine
+    # A spawned rank spends seconds starting an interpreter and importing torch (more on a loaded machine): the
+    # world's timeout counts from the moment every rank is up (its stack file exists), within a start-up limit.
+    starting = method != "fork"
+    start_limit = time.monotonic() + _SPAWN_START_LIMIT_S
     while not all(handle.done for handle in ranks):
-        remaining = deadline - time.monotonic()
+        if starting and all(os.path.exists(h.stack_path) for h in ranks):
+            starting = False
+            deadline = max(deadline, time.monotonic() + timeout)
+        remaining = (max(deadline, start_limit) if starting else deadline) - time.monotonic()
         if remaining <= 0:
             raise _timeout_error([h for h in ranks if not h.done], len(ranks), timeout)
-        failures = _read_ready([h for h in ranks if not h.done], remaining)
+        failures = _read_ready([h for h in ranks if not h.done], min(remaining, 0.2) if starting else remaining)
         if failures:
             # The peers of a failed rank fail right after it (broken connections), and the end of a
             # crashed rank can even be noticed after theirs: listen a moment longer, then blame the cause.

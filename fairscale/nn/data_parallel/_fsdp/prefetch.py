@@ -42,14 +42,21 @@ class ExecutionOrder:
         self._current: List["weakref.ref[Any]"] = []
         self._on_track = True
         self._warned = False
+        self._used = False  # some unit prefetches along this order (else a change is not worth a warning)
 
     def restart(self) -> None:
         """Forget a partly run pass (a new pass starts)."""
         self._current = []
         self._on_track = True
 
-    def visit(self, unit: Any) -> Optional[Any]:
-        """``unit`` starts its part of the pass; returns the unit to prefetch for (the recorded next one), if any."""
+    def visit(self, unit: Any, prefetching: bool) -> Optional[Any]:
+        """``unit`` starts its part of the pass; returns the unit to prefetch (the recorded next one), if any.
+
+        Args:
+            unit: the FSDP instance.
+            prefetching: whether ``unit`` will prefetch the returned unit (its flag for this kind of pass).
+        """
+        self._used = self._used or prefetching
         k = len(self._current)
         self._current.append(weakref.ref(unit))
         if not self._on_track:
@@ -64,7 +71,7 @@ class ExecutionOrder:
         if not self._current:
             return
         before = [r() for r in self._recorded]
-        if before and before != [r() for r in self._current] and not self._warned:
+        if self._used and before and before != [r() for r in self._current] and not self._warned:
             self._warned = True
             warnings.warn(
                 f"FullyShardedDataParallel: the {self.kind} order of the FSDP units changed since the previous "
@@ -81,7 +88,7 @@ def on_forward(fsdp: Any) -> None:
     tree = fsdp._tree
     if tree is None or not tree.forward_running:
         return
-    target = tree.forward_order.visit(fsdp)
+    target = tree.forward_order.visit(fsdp, fsdp.forward_prefetch)
     if fsdp.forward_prefetch:
         prefetch(target, tree, "forward")
 
@@ -91,7 +98,7 @@ def on_pre_backward(fsdp: Any) -> None:
     tree = fsdp._tree
     if tree is None:
         return
-    target = tree.backward_order.visit(fsdp)
+    target = tree.backward_order.visit(fsdp, fsdp.backward_prefetch)
     if fsdp.backward_prefetch:
         prefetch(target, tree, "backward")
 

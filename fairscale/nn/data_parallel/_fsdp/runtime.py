@@ -169,8 +169,8 @@ class FSDPRuntime(nn.Module):
     def _bucket_cap_for_tree(self) -> float:
         """``bucket_cap_mb``, but never more than the whole tree's gradients need.
 
-        A bucket is allocated at its full capacity; for a model smaller than the cap that would be memory held for
-        nothing (25 MiB by default), so the cap shrinks to the size of all full gradients (in fp32, an upper bound).
+        The bucket is sized to what it holds (see :class:`~fairscale.internal.reduce_scatter_bucketer.Bucket`); the
+        cap only bounds one fill, and never needs to exceed all full gradients of the tree (in fp32, an upper bound).
         """
         if self.bucket_cap_mb <= 0:
             return self.bucket_cap_mb
