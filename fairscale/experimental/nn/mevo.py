@@ -135,18 +135,32 @@ class GetMaxFunction(torch.autograd.Function):
         ctx.save_for_backward(i, w, tgt)
         ctx.kernel_obj, ctx.w_idx, ctx.w_split_size = kernel_obj, w_idx, w_split_size
         with torch.no_grad():
-            logits = _tile_logits(
-                i, w, tgt, w_idx, w_split_size, kernel_obj.fp_max, kernel_obj.margin, kernel_obj.scale
+            return GetMaxFunction.get_max(
+                i, w, tgt, w_idx, kernel_obj.fp_max, kernel_obj.margin, kernel_obj.scale, w_split_size
             )
-            return logits.max(dim=1).values
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def get_max(
+        i: Tensor,
+        w: Tensor,
+        tgt: Tensor,
+        w_idx: int,
+        full_precision: bool,
+        margin: float,
+        scale: Any,
+        w_split_size: int = 0,
+    ) -> Tensor:
+        """Per-token maximum logit of tile ``w_idx`` (``w_split_size``: rows per tile, 0 = ``w``'s rows)."""
+        return _tile_logits(i, w, tgt, w_idx, w_split_size, full_precision, margin, scale).max(dim=1).values
+
+    @staticmethod
+    def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], ...]:
+        (grad,) = args
         i, w, tgt = ctx.saved_tensors
         k = ctx.kernel_obj
         i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
         with torch.enable_grad():
-            m = _tile_logits(i, w, tgt, ctx.w_idx, ctx.w_split_size, k.fp_max, k.margin, k.scale).max(dim=1).values
+            m = GetMaxFunction.get_max(i, w, tgt, ctx.w_idx, k.fp_max, k.margin, k.scale, ctx.w_split_size)
         torch.autograd.backward(m, grad)
         _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
         return (i.grad,) + (None,) * 6
@@ -171,20 +185,35 @@ class GetSumFunction(torch.autograd.Function):
         ctx.save_for_backward(i, w, tgt, maxs)
         ctx.kernel_obj, ctx.w_idx, ctx.w_split_size = kernel_obj, w_idx, w_split_size
         with torch.no_grad():
-            logits = _tile_logits(
-                i, w, tgt, w_idx, w_split_size, kernel_obj.fp_sum, kernel_obj.margin, kernel_obj.scale
+            return GetSumFunction.get_sum(
+                i, w, tgt, maxs, w_idx, kernel_obj.fp_sum, kernel_obj.margin, kernel_obj.scale, w_split_size
             )
-            return torch.exp(logits - maxs.unsqueeze(1)).sum(dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def get_sum(
+        i: Tensor,
+        w: Tensor,
+        tgt: Tensor,
+        maxs: Tensor,
+        w_idx: int,
+        full_precision: bool,
+        margin: float,
+        scale: Any,
+        w_split_size: int = 0,
+    ) -> Tensor:
+        """Per-token sum of ``exp(logit - maxs)`` over tile ``w_idx`` (``w_split_size`` as in ``get_max``)."""
+        logits = _tile_logits(i, w, tgt, w_idx, w_split_size, full_precision, margin, scale)
+        return torch.exp(logits - maxs.unsqueeze(1)).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], ...]:
+        (grad,) = args
         i, w, tgt, maxs = ctx.saved_tensors
         k = ctx.kernel_obj
         i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
         maxs = maxs.detach().requires_grad_(True)
         with torch.enable_grad():
-            logits = _tile_logits(i, w, tgt, ctx.w_idx, ctx.w_split_size, k.fp_sum, k.margin, k.scale)
-            s = torch.exp(logits - maxs.unsqueeze(1)).sum(dim=1)
+            s = GetSumFunction.get_sum(i, w, tgt, maxs, ctx.w_idx, k.fp_sum, k.margin, k.scale, ctx.w_split_size)
         torch.autograd.backward(s, grad)
         _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
         return (i.grad, None, None, maxs.grad) + (None,) * 4
@@ -207,15 +236,25 @@ class TargetScoreFunction(torch.autograd.Function):
         ctx.save_for_backward(i, w, target)
         ctx.kernel_obj = kernel_obj
         with torch.no_grad():
-            return _target_score(i, w, target, kernel_obj.fp_target, kernel_obj.margin, kernel_obj.scale)
+            return TargetScoreFunction.get_target_score(
+                i, w, target, kernel_obj.fp_target, kernel_obj.margin, kernel_obj.scale
+            )
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def get_target_score(
+        i: Tensor, w: Tensor, target: Tensor, full_precision: bool, margin: float, scale: Any
+    ) -> Tensor:
+        """Per-token logit of the target class."""
+        return _target_score(i, w, target, full_precision, margin, scale)
+
+    @staticmethod
+    def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], ...]:
+        (grad,) = args
         i, w, target = ctx.saved_tensors
         k = ctx.kernel_obj
         i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
         with torch.enable_grad():
-            t = _target_score(i, w, target, k.fp_target, k.margin, k.scale)
+            t = TargetScoreFunction.get_target_score(i, w, target, k.fp_target, k.margin, k.scale)
         torch.autograd.backward(t, grad)
         _accumulate_weight_grad(k, w.grad, 0, 0)
         return i.grad, None, None, None
@@ -230,7 +269,7 @@ class BackwardTriggerFn(torch.autograd.Function):
         return w.view_as(w)
 
     @staticmethod
-    def backward(ctx: Any, *_: Any) -> Tuple[Optional[Tensor], Tensor]:
+    def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], Tensor]:
         (trigger,) = ctx.saved_tensors
         return None, torch.zeros_like(trigger)
 

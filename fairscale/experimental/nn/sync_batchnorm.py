@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
 from fairscale.internal.collectives import all_reduce
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
 

@@ -18,7 +18,7 @@ Example::
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from functools import lru_cache
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -26,6 +26,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
+
+# Upstream's module also exposes FullyShardedDataParallel (tracked modules are recognised by class name here).
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FullyShardedDataParallel  # noqa: F401
 
 from ._memory_plots import compare_memory_traces_in_plot, matplotlib_figure_to_image, null_context
 from ._memory_probe import MemoryMark, MemoryProbe, probe_for
@@ -121,7 +124,7 @@ class LayerwiseMemoryTrackerSummary:
     max_memory_cached: int
     total_activation_allocations: int
     total_forward_allocations: int
-    top_forward_activation_producers: List[LayerMemoryTrace] = field(default_factory=list)
+    top_forward_activation_producers: List[LayerMemoryTrace]
 
 
 class ProcessGroupTrackingEvent(Enum):

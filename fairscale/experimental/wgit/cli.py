@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional
 
+from .repo import Repo
 from .version import __version_tuple__
 
 __all__ = ["main"]
@@ -36,8 +37,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     if args.command is None:
         return
-    from .repo import Repo
-
     if args.command == "init":
         Repo(Path.cwd(), init=True)
     elif args.command == "add":

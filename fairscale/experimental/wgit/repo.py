@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from .pygit import PyGit
+from .pygit import PyGit, import_pygit2
 from .sha1_store import SHA1_Store
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
@@ -65,9 +65,13 @@ class Repo:
         init (bool): create the repository when none is found.
 
     Exits with status 1 (after a ``fatal:`` message on stderr) when there is no repository at ``parent_dir``.
+
+    Raises:
+        ImportError: ``pygit2`` is not installed.
     """
 
     def __init__(self, parent_dir: Union[str, Path] = "", init: bool = False) -> None:
+        import_pygit2()  # before anything is created on disk: a missing pygit2 leaves no half-made repository
         self._repo_path: Optional[Path] = None
         self._wgit_parent = Path(parent_dir) if parent_dir else Path.cwd()
         self._dot_wgit_dir_path: Optional[Path] = None

@@ -22,13 +22,23 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+# Upstream's module also exposes these names (ExitCode and the container converters it imported).
+from fairscale.internal.containers import from_np as from_np, to_np as to_np  # noqa: F401
+
+from .utils import ExitCode as ExitCode  # noqa: F401
+
 __all__ = ["SHA1_Store"]
 
 # Keys of metadata.json: store totals, then per-object entries.
-STORE_CREATED_ON = "created_on"
-STORE_OS = "original_size"
-STORE_DS = "deduped_size"
-STORE_CS = "compressed_size"
+STORE_CREATE_DATE_KEY = "created_on"
+STORE_OS_KEY = "original_size"
+STORE_DS_KEY = "deduped_size"
+STORE_CS_KEY = "compressed_size"
+# Earlier names of the store keys in this distribution, kept for code that imported them.
+STORE_CREATED_ON = STORE_CREATE_DATE_KEY
+STORE_OS = STORE_OS_KEY
+STORE_DS = STORE_DS_KEY
+STORE_CS = STORE_CS_KEY
 ENTRY_RF_KEY = "ref_count"
 ENTRY_OS_KEY = "original_size"
 ENTRY_DS_KEY = "deduped_size"
@@ -93,10 +103,10 @@ class SHA1_Store:
         self._pgzip_threads = pgzip_threads
         self._pgzip_block_size = pgzip_block_size
         self._json_dict: Dict[str, Any] = {
-            STORE_CREATED_ON: time.ctime(),
-            STORE_OS: 0,
-            STORE_DS: 0,
-            STORE_CS: 0,
+            STORE_CREATE_DATE_KEY: time.ctime(),
+            STORE_OS_KEY: 0,
+            STORE_DS_KEY: 0,
+            STORE_CS_KEY: 0,
         }
         if init and not self._path.exists():
             self._path.mkdir(parents=False)
@@ -104,7 +114,7 @@ class SHA1_Store:
         assert self._path.is_dir(), f"{self._path} is not a SHA1 store directory"
         assert self._metadata_file_path.exists(), f"{self._metadata_file_path} is missing"
         self._load_json_dict()
-        assert STORE_CREATED_ON in self._json_dict, "metadata.json is not a SHA1 store header"
+        assert STORE_CREATE_DATE_KEY in self._json_dict, "metadata.json is not a SHA1 store header"
         if tmp_dir:
             assert Path(tmp_dir).is_dir(), f"tmp_dir {tmp_dir} must exist"
             self._tmp_dir = Path(tmp_dir)
@@ -179,12 +189,12 @@ class SHA1_Store:
                 entry[ENTRY_DS_KEY] += orig
                 entry[ENTRY_CS_KEY] += comp
                 entry[ENTRY_COMP_KEY] = compress  # the stored format; later adds do not change it
-                self._json_dict[STORE_OS] += orig
-                self._json_dict[STORE_DS] += orig
-                self._json_dict[STORE_CS] += comp
+                self._json_dict[STORE_OS_KEY] += orig
+                self._json_dict[STORE_DS_KEY] += orig
+                self._json_dict[STORE_CS_KEY] += comp
             else:
                 entry[ENTRY_OS_KEY] += orig
-                self._json_dict[STORE_OS] += orig
+                self._json_dict[STORE_OS_KEY] += orig
             entry[ENTRY_RF_KEY] += 1
             if name is not None:
                 entry[ENTRY_NAMES_KEY][name] = entry[ENTRY_NAMES_KEY].get(name, 0) + 1
@@ -238,14 +248,20 @@ class SHA1_Store:
         """``(original, deduped, compressed)`` bytes of one object or of the whole store."""
         self._load_json_dict()
         if sha1 is None:
-            return self._json_dict[STORE_OS], self._json_dict[STORE_DS], self._json_dict[STORE_CS]
+            return self._json_dict[STORE_OS_KEY], self._json_dict[STORE_DS_KEY], self._json_dict[STORE_CS_KEY]
         if sha1 not in self._json_dict:
             raise ValueError(f"SHA1 {sha1} not found")
         entry = self._entry(sha1)
         return entry[ENTRY_OS_KEY], entry[ENTRY_DS_KEY], entry[ENTRY_CS_KEY]
 
-    def names(self, sha1: str) -> Dict[str, int]:
-        """How many times ``sha1`` was added under each name."""
+    def names(self, sha1: Optional[str] = None) -> Dict[str, int]:
+        """How many times ``sha1`` was added under each name.
+
+        Raises:
+            ValueError: ``sha1`` is None or not in the store.
+        """
+        if sha1 is None:
+            raise ValueError("names() needs the SHA1 of an object in the store")
         self._load_json_dict()
         if sha1 not in self._json_dict:
             raise ValueError(f"SHA1 {sha1} not found")

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
+
 from . import microbatch
 from .async_pipeline import AsyncPipeline
 from .async_schedule import Invocation, Location, ModuleWrapper
@@ -51,14 +53,6 @@ def check_balance(module: Any, balance: List[int]) -> None:
         )
     if any(x <= 0 for x in balance):
         raise ValueError(f"all balance numbers must be positive integer (balance: {balance})")
-
-
-def _pipeline_group() -> Any:
-    try:
-        from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group
-    except ImportError as exc:  # pragma: no cover - model parallel ships with fairscale
-        raise RuntimeError("AsyncPipe needs group=... or fairscale.nn.model_parallel") from exc
-    return get_pipeline_parallel_group()
 
 
 class AsyncPipe(nn.Module):
@@ -126,7 +120,7 @@ class AsyncPipe(nn.Module):
         self.lock = threading.Lock()
         self.worker_map = worker_map
         self.input_device = input_device
-        self.group: Any = group if group is not None else _pipeline_group()
+        self.group: Any = group if group is not None else get_pipeline_parallel_group()
 
         if self.group.size() < len(self.balance):
             raise IndexError(

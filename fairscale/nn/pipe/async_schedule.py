@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
+from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_ranks as get_pipeline_parallel_ranks
+
 from .checkpoint import Checkpointing
 from .messages import Transport
 from .microbatch import Batch
@@ -143,12 +145,13 @@ class AutogradWithoutActivations(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, *args: Tensor) -> Tensor:
-        ctx.devices = [t.device for t in args]
+    def forward(ctx: Any, *x: Tensor) -> Tensor:
+        ctx.devices = [t.device for t in x]
         return torch.tensor(1.0)
 
     @staticmethod
-    def backward(ctx: Any, *grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        # ``grad`` (of the scalar stand-in) carries nothing: the real gradients came back from the next stage.
         assert ctx.grad_from_pipeline is not None
         # Gradients arrive where the transport put them (the CPU for send/recv): back to each activation's device.
         return tuple(
@@ -212,8 +215,9 @@ class AsyncEventLoop:
         self.partitions = partitions
         self.ranks: List[int] = _group_ranks(group)
         self.rank: int = group.rank()
-        # Stand-ins of the activations this stage sent, by micro-batch: their backward needs the gradients.
-        self.stand_ins: Dict[int, Batch] = {}
+        # This stage's invocations by order, and what each produced per micro-batch: the stand-ins of the
+        # activations sent on (their backward needs the gradients that come back), or the tail's outputs.
+        self.invocations, self.activations = self.get_invocations_and_activations()
         # Stages that take part (ranks past the balance hold none); set by the pipeline.
         self.num_stages: int = len(self.ranks)
         # Message counts of this mini-batch, for a clean stop when a stage fails (see fail_over).
@@ -227,13 +231,68 @@ class AsyncEventLoop:
     def invocation(self) -> Invocation:
         return self.partitions[0].invocations[0]
 
-    def _run(self, batch: Batch, skip_trackers: List[SkipTrackerThroughPotals]) -> Batch:
-        task = create_task(
-            self.checkpoint_stop, batch.index, self.rank, batch, self.partitions[0].module, skip_trackers
-        )
+    def get_invocations_and_activations(self) -> Tuple[Invocations, Activations]:
+        """This stage's invocations by order, and an empty activation store.
+
+        Returns:
+            ``(invocations, activations)``: ``invocations[order]`` is the invocation of that order;
+            ``activations[partition index][order]`` maps micro-batch indices to what the invocation produced.
+        """
+        invocations: Invocations = {}
+        activations: Activations = {}
+        for index, partition in enumerate(self.partitions):
+            activations[index] = {}
+            for invocation in partition.invocations:
+                activations[index][invocation.order] = {}
+                invocations[invocation.order] = invocation
+        return invocations, activations
+
+    def run_invocation(
+        self,
+        batch: Batch,
+        partition: ModuleWrapper,
+        skip_trackers: List[SkipTrackerThroughPotals],
+        invocation: Invocation,
+    ) -> Batch:
+        """Run ``partition`` on ``batch``; an output bound for another stage is sent there.
+
+        Returns:
+            The output, or its scalar stand-in when it was sent to another stage.
+        """
+        task = create_task(self.checkpoint_stop, batch.index, self.rank, batch, partition.module, skip_trackers)
         result = task.compute()
         task.finalize(result)
+        dest = invocation.dest
+        if dest is not None and dest.stage != invocation.this.stage:
+            return self.send_async_message(self.ranks[dest.stage], result, invocation)
         return result
+
+    def run_invocations_on_batch(
+        self,
+        batch: Batch,
+        invocations: Invocations,
+        order: int,
+        skip_trackers: List[SkipTrackerThroughPotals],
+        activations: Activations,
+    ) -> Tuple[int, int]:
+        """Run the invocation ``order`` on ``batch``, then the following ones while the output stays on this stage.
+
+        What each invocation produced is kept in ``activations[partition index][order][micro-batch index]``.
+
+        Returns:
+            ``(number of invocations run, order of the last one)``.
+        """
+        count = 0
+        while True:
+            invocation = invocations[order]
+            index = invocation.this.index
+            batch = self.run_invocation(batch, self.partitions[index], skip_trackers, invocation)
+            activations[index][order][batch.index] = batch
+            count += 1
+            dest = invocation.dest
+            if dest is None or dest.stage != invocation.this.stage or order + 1 not in invocations:
+                return count, order
+            order += 1
 
     def send_async_message(self, dst_rank: int, result: Batch, invocation: Invocation) -> Batch:
         """Send ``result`` to global rank ``dst_rank``; return its stand-in (kept for the backward)."""
@@ -257,17 +316,46 @@ class AsyncEventLoop:
             return Batch(result[0], message.args.microbatch_index)
         return Batch(tuple(result), message.args.microbatch_index)
 
-    def process_batch_backward(self, message: PipeMessage) -> None:
-        """Back-propagate the gradients of ``message`` through the stand-in of its micro-batch."""
-        tensors = self.transport.recv_message_tensors(message).tensors
-        stand_in = self.stand_ins.pop(message.args.microbatch_index)
+    @staticmethod
+    def perform_backward_for_invocation(
+        transport: Transport, message: PipeMessage, activations: Activations, invocation: Invocation
+    ) -> None:
+        """Back-propagate the gradients of ``message`` through the stand-in ``invocation`` left for its micro-batch."""
+        tensors = transport.recv_message_tensors(message).tensors
+        stand_in = activations[invocation.this.index][invocation.order].pop(message.args.microbatch_index)
         grad_fn: Any = stand_in.tensor.grad_fn
         if grad_fn is None:
             return  # nothing of this stage requires grad
         grad_fn.grad_from_pipeline = tensors
         stand_in.tensor.backward(retain_graph=True)
-        if self.rank > 0:
+
+    def process_batch_backward(self, message: PipeMessage) -> None:
+        """Back-propagate the gradients of ``message`` through the stand-in of its invocation and micro-batch."""
+        invocation = self.invocations[message.args.order]
+        stand_in = self.activations[invocation.this.index][invocation.order][message.args.microbatch_index]
+        reaches_receive = stand_in.tensor.grad_fn is not None
+        self.perform_backward_for_invocation(self.transport, message, self.activations, invocation)
+        if reaches_receive and self.rank > 0:
             self.gradients_sent += 1  # the backward reached this stage's receive operator, which sent them on
+
+    @staticmethod
+    def prepare_tail_backward(
+        batch: Batch,
+        activations: Activations,
+        invocations: Invocations,
+        count_per_order: Dict[int, int],
+        expected_gradients: int,
+    ) -> None:
+        """Prepare the final stage for gradients it gets back after the user's backward of ``batch``.
+
+        Only a stage that also runs before later stages (layer reuse) gets such gradients; without layer reuse
+        (:func:`~fairscale.nn.pipe.async_pipe.verify_module` rejects a layer used twice) there is nothing to do.
+        """
+        if expected_gradients > 0:
+            raise NotImplementedError(
+                f"the final stage would wait for {expected_gradients} gradient(s) after the output's backward: "
+                "layer reuse across stages is not supported by AsyncPipe (use each layer object once)"
+            )
 
     def recv_header(self) -> PipeMessage:
         """The next event-loop message; raises :class:`PipelineAbortedError` when another stage failed."""
@@ -331,58 +419,104 @@ class AsyncEventLoop:
             except Exception:  # noqa: B902 - best effort: the original error matters more
                 pass
 
-    def _forward_and_send(self, batch: Batch, skip_trackers: List[SkipTrackerThroughPotals]) -> None:
-        result = self._run(batch, skip_trackers)
-        self.stand_ins[batch.index] = self.send_async_message(self.ranks[self.rank + 1], result, self.invocation)
+    def event_loop_inner(
+        self,
+        expected_invocations: int,
+        skip_trackers: List[SkipTrackerThroughPotals],
+        activations: Activations,
+        invocations: Invocations,
+        count_per_order: Dict[int, int],
+        *,
+        already_received: int = 0,
+        ignore_gradients: bool = False,
+        event: Optional[Event] = None,
+        tail: bool = False,
+    ) -> int:
+        """Receive and run event-loop messages until this stage's share of the mini-batch is done.
 
-    def _receive_gradients(self, count: int) -> None:
-        for _ in range(count):
+        Args:
+            expected_invocations (int): activation messages to run (counting ``already_received``); in training
+                as many gradient messages are back-propagated, unless ``ignore_gradients`` or ``tail``.
+            skip_trackers: one skip tracker per micro-batch.
+            activations (Activations): where outputs and stand-ins are kept (see
+                :meth:`get_invocations_and_activations`).
+            invocations (Invocations): this stage's invocations by order.
+            count_per_order (Dict[int, int]): runs per invocation order, updated here.
+            already_received (int): activation messages already run (the head computes its inputs itself).
+            ignore_gradients (bool): do not wait for gradients.
+            event (Optional[Event]): waited for before the first gradient is received.
+            tail (bool): this stage produces the output: it gets activations only.
+
+        Returns:
+            The number of activation messages run, ``already_received`` included.
+        """
+        num_activations = already_received
+        num_gradients = 0
+        expected_gradients = 0 if ignore_gradients or tail or not self.training else expected_invocations
+        while num_activations < expected_invocations or num_gradients < expected_gradients:
+            if event is not None and num_activations >= expected_invocations:
+                event.wait()
+                event = None
             message = self.recv_header()
-            if message.args.message_type is not AsyncMessageType.Gradients:
-                raise RuntimeError(f"stage {self.rank} expected gradients, got {message.args}")
-            self.process_batch_backward(message)
+            if message.args.message_type is AsyncMessageType.Activations:
+                if num_activations >= expected_invocations:
+                    raise RuntimeError(f"stage {self.rank} expected gradients, got {message.args}")
+                batch = self.get_batch_from_message(message)
+                first = message.args.order
+                _, last = self.run_invocations_on_batch(batch, invocations, first, skip_trackers, activations)
+                for order in range(first, last + 1):
+                    count_per_order[order] = count_per_order.get(order, 0) + 1
+                if tail:
+                    index = invocations[last].this.index
+                    output = activations[index][last][batch.index]
+                    self.prepare_tail_backward(output, activations, invocations, count_per_order, 0)
+                num_activations += 1
+            else:
+                if tail or num_gradients >= expected_gradients:
+                    raise RuntimeError(f"stage {self.rank} expected activations, got {message.args}")
+                self.process_batch_backward(message)
+                num_gradients += 1
+        return num_activations
 
     def event_loop_head(
         self, batches: List[Batch], skip_trackers: List[SkipTrackerThroughPotals], event: Optional[Event]
     ) -> None:
         """The first stage: compute and send every micro-batch, then (training) process the gradients."""
         self.num_microbatch = len(batches)
+        order = self.invocation.order
         for batch in batches:
-            self._forward_and_send(batch, skip_trackers)
+            self.run_invocations_on_batch(batch, self.invocations, order, skip_trackers, self.activations)
         if self.training:
-            if event is not None:
-                event.wait()
-            self._receive_gradients(len(batches))
+            count_per_order = {order: len(batches)}
+            self.event_loop_inner(
+                len(batches),
+                skip_trackers,
+                self.activations,
+                self.invocations,
+                count_per_order,
+                already_received=len(batches),
+                event=event,
+            )
 
     def event_loop_tail(self, batches: List[Batch], skip_trackers: List[SkipTrackerThroughPotals]) -> None:
         """The last stage: compute every micro-batch as it arrives; results are written into ``batches``."""
         self.num_microbatch = len(batches)
+        invocation = self.invocation
         if self.rank == 0:
             # A single stage computes locally.
-            for i, batch in enumerate(batches):
-                batches[i] = self._run(batch, skip_trackers)
-            return
-        for _ in range(len(batches)):
-            message = self.recv_header()
-            if message.args.message_type is not AsyncMessageType.Activations:
-                raise RuntimeError(f"the final stage expected activations, got {message.args}")
-            batch = self.get_batch_from_message(message)
-            batches[batch.index] = self._run(batch, skip_trackers)
+            for batch in batches:
+                self.run_invocations_on_batch(
+                    batch, self.invocations, invocation.order, skip_trackers, self.activations
+                )
+        else:
+            self.event_loop_inner(len(batches), skip_trackers, self.activations, self.invocations, {}, tail=True)
+        for index, output in self.activations[invocation.this.index][invocation.order].items():
+            batches[index] = output
 
     def event_loop(self, num_microbatch: int, skip_trackers: List[SkipTrackerThroughPotals]) -> None:
         """A middle stage: forward activations and (training) gradients until all micro-batches went through."""
         self.num_microbatch = num_microbatch
-        forwarded = 0
-        backwarded = 0
-        expected_gradients = num_microbatch if self.training else 0
-        while forwarded < num_microbatch or backwarded < expected_gradients:
-            message = self.recv_header()
-            if message.args.message_type is AsyncMessageType.Activations:
-                self._forward_and_send(self.get_batch_from_message(message), skip_trackers)
-                forwarded += 1
-            else:
-                self.process_batch_backward(message)
-                backwarded += 1
+        self.event_loop_inner(num_microbatch, skip_trackers, self.activations, self.invocations, {})
 
 
 def _group_ranks(group: Any) -> List[int]:

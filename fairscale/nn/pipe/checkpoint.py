@@ -39,6 +39,20 @@ class Function(Protocol):
     def __call__(self, input: TensorOrTensors) -> TensorOrTensors: ...  # noqa: E704
 
 
+class Context:
+    """What :class:`Checkpoint` and :class:`Recompute` keep on their autograd context (the type of ``ctx``)."""
+
+    recomputed: Deque[Recomputed]
+    rng_states: Deque[RNGStates]
+    function: Function
+    input_atomic: bool
+    saved_tensors: Tuple[Tensor, ...]
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        """Keep ``tensors`` for the backward as ``saved_tensors``."""
+        self.saved_tensors = tensors
+
+
 class ThreadLocal(threading.local):
     def __init__(self) -> None:
         self.is_checkpointing = False
@@ -156,7 +170,7 @@ def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Ge
 class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: Context,
         phony: Tensor,
         recomputed: Deque[Recomputed],
         rng_states: Deque[RNGStates],
@@ -175,7 +189,7 @@ class Checkpoint(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Context, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         output, input_leaf = ctx.recomputed.pop()
         outputs: Tensors = output if isinstance(output, tuple) else (output,)
         # Pair each gradient with its own output before filtering (upstream filtered the outputs only, which
@@ -191,7 +205,7 @@ class Checkpoint(torch.autograd.Function):
 class Recompute(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: Context,
         phony: Tensor,
         recomputed: Deque[Recomputed],
         rng_states: Deque[RNGStates],
@@ -207,7 +221,7 @@ class Recompute(torch.autograd.Function):
         return phony
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[None, ...]:
+    def backward(ctx: Context, *grad_output: Tensor) -> Tuple[None, ...]:
         input = ctx.saved_tensors
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
         with restore_rng_states(input[0].device, ctx.rng_states):

@@ -10,7 +10,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .stream import AbstractStream, current_stream, get_device, record_stream, use_stream, wait_stream
+from .stream import AbstractStream, CPUStream, current_stream, get_device, record_stream, use_stream, wait_stream
 
 __all__ = ["Copy", "Wait"]
 
@@ -18,10 +18,14 @@ Tensors = Tuple[Tensor, ...]
 
 
 class Context(NamedTuple):
-    """The two streams of a copy: read on ``prev_stream``, written for ``next_stream``'s device."""
+    """The two streams of a copy: read on ``prev_stream``, written for ``next_stream``'s device.
 
-    prev_stream: AbstractStream
-    next_stream: AbstractStream
+    Both default to :data:`~fairscale.nn.pipe.stream.CPUStream` (a copy between CPU tensors), so ``Context()``
+    works as upstream's argument-less ``Context``.
+    """
+
+    prev_stream: AbstractStream = CPUStream
+    next_stream: AbstractStream = CPUStream
 
     def reversed(self) -> "Context":
         return Context(self.next_stream, self.prev_stream)

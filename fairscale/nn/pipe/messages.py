@@ -21,6 +21,9 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
+from fairscale.internal.object import pyobject_to_tensor as pyobject_to_tensor
+from fairscale.internal.object import tensor_to_pyobject as tensor_to_pyobject
+from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
 from .types import EVENT_LOOP_QUEUE, MESSAGE_GENERATION_START, InputDevice, PipeMessage, Tensors
 

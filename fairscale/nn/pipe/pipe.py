@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fairscale.internal.device import accelerator_device_count
+from fairscale.internal.version import torch_version as torch_version
 
 from . import microbatch
 from .batchnorm import DeferredBatchNorm

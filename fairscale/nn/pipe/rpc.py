@@ -14,9 +14,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fairscale.internal.device import accelerator_available, current_accelerator_device
+from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
 from .async_pipe import AsyncPipe
 from .microbatch import Batch
+from .types import EVENT_LOOP_QUEUE as EVENT_LOOP_QUEUE
+from .types import PipeMessage as PipeMessage
 from .types import TensorOrTensors
 
 __all__ = [
@@ -136,21 +139,38 @@ def callback_with_model(callback: Callable[[Any, AsyncPipe], None], ctx: Any) ->
 
 
 class PipeBackRedirect(torch.autograd.Function):
-    """Identity on rank 0 whose backward sends the output gradients to the final stage."""
+    """Identity on rank 0 whose backward sends the output gradients to the final stage.
+
+    ``forward(ctx, inputs, dest, event, message, transport, futures)``: ``dest`` is the final stage's RPC worker
+    name and ``event`` is set once the gradients are on their way. The gradients travel by RPC here, so
+    ``message`` and ``transport`` (upstream's header-less send through the MPI transport) are unused: pass
+    ``None``. ``futures``, when a list, receives the future of that RPC.
+    """
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, dest_name: str, event: threading.Event) -> Tensor:
-        ctx.dest_name = dest_name
+    def forward(
+        ctx: Any,
+        inputs: Tensor,
+        dest: str,
+        event: threading.Event,
+        message: Optional[PipeMessage],
+        transport: Any,
+        futures: Optional[List[Any]],
+    ) -> Tensor:
+        ctx.dest = dest
         ctx.event = event
+        ctx.futures = futures
         return inputs.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None, None]:
+    def backward(ctx: Any, *grad: Tensor) -> Tuple[None, ...]:
         rpc = _rpc()
         # The final stage back-propagates; rank 0's own stage (waiting in its thread) then receives gradients.
-        rpc.rpc_async(ctx.dest_name, _backward_output, args=(grad,))
+        future = rpc.rpc_async(ctx.dest, _backward_output, args=(grad[0],))
+        if ctx.futures is not None:
+            ctx.futures.append(future)
         ctx.event.set()
-        return (None, None, None)
+        return (None,) * 6
 
 
 class PipeRPCWrapper(nn.Module):
@@ -264,5 +284,5 @@ class PipeRPCWrapper(nn.Module):
             self._wait_previous()
             return output
         if isinstance(output, Tensor):
-            return PipeBackRedirect.apply(output.requires_grad_(), final_name, event)
+            return PipeBackRedirect.apply(output.requires_grad_(), final_name, event, None, None, None)
         raise TypeError("PipeRPCWrapper supports a single output tensor in training")

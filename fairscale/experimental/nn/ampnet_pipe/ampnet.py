@@ -41,6 +41,9 @@ from fairscale.nn.pipe.types import (
 )
 from fairscale.nn.pipe.worker import Task
 
+# Upstream's module also exposes this helper (it imported it); re-exported for old imports.
+from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_ranks as get_pipeline_parallel_ranks  # noqa
+
 __all__ = ["AsyncAMPnetEventLoop", "create_task_without_skip_trackers"]
 
 
@@ -207,29 +210,57 @@ class AsyncAMPnetEventLoop:
             raise RuntimeError(f"stage {self.rank} expected {expected.name}, got {message.args}")
         return message
 
-    def _recv_activations(self) -> Batch:
-        """The next activations from the previous stage, wrapped so that their backward sends the gradients."""
-        message = self._recv(EVENT_LOOP_ACTIVATIONS_QUEUE, AsyncMessageType.Activations)
+    def get_batch_from_message(self, message: PipeMessage, queue_name: int) -> Batch:
+        """The activations of ``message`` (a header read from the activations queue) as a micro-batch whose
+        backward sends their gradients to the previous stage on ``queue_name``."""
         phony = torch.empty(0, requires_grad=True)
-        result = AsyncRecvOperator.apply(phony, self.transport, message, EVENT_LOOP_GRADIENTS_QUEUE)
+        result = AsyncRecvOperator.apply(phony, self.transport, message, queue_name)
         index = message.args.microbatch_index
         return Batch(result[0] if len(result) == 1 else tuple(result), index)
 
-    def _backward(self, optimizer: Any, count: int) -> None:
-        """Receive the next gradients and back-propagate them through the stored outputs of their micro-batch."""
-        message = self._recv(EVENT_LOOP_GRADIENTS_QUEUE, AsyncMessageType.Gradients)
+    def _recv_activations(self) -> Batch:
+        """The next activations from the previous stage, wrapped so that their backward sends the gradients."""
+        message = self._recv(EVENT_LOOP_ACTIVATIONS_QUEUE, AsyncMessageType.Activations)
+        return self.get_batch_from_message(message, EVENT_LOOP_GRADIENTS_QUEUE)
+
+    def _forward_and_keep(self, batch: Batch, activations: Dict[int, Batch]) -> PipeMessage:
+        """Compute ``batch``, keep its outputs in ``activations`` for the backward; return their message."""
+        output = self._compute(batch)
+        activations[batch.index] = output
+        return self._activation_message(output)
+
+    def async_send_inner(self, batch: Batch, index: int) -> PipeMessage:
+        """Compute micro-batch ``index`` (``batch``), keep its outputs and send them to the next stage now."""
+        if batch.index != index:
+            raise ValueError(f"batch.index is {batch.index}, but index {index} was given; they must be equal")
+        message = self._forward_and_keep(batch, self.activations)
+        self._send(message)
+        return message
+
+    def async_grad_inner(self, message: PipeMessage, activations: Dict[int, Batch]) -> None:
+        """Back-propagate the gradients of ``message`` (a gradients header) through the outputs of its
+        micro-batch, taken out of ``activations``."""
         grads = self.transport.recv_message_tensors(message).tensors
-        output = self.activations.pop(message.args.microbatch_index)
+        output = activations.pop(message.args.microbatch_index)
         outputs = list(output)
         if len(outputs) != len(grads):
             raise RuntimeError("different number of tensors and gradients")
         # The receiving stage sends one gradient per tensor; only those of differentiable outputs are used.
         pairs = [(t, g.to(t.device)) for t, g in zip(outputs, grads) if t.requires_grad or t.grad_fn is not None]
-        self._predict(optimizer, count, forward=False)
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
         if self.rank > 0:
             self.gradients_sent += 1  # the backward reached the receive operator, which sent them on
+
+    def event_loop_trunk_backward_helper(self, activations: Dict[int, Batch]) -> None:
+        """Receive the next gradients and back-propagate them through their micro-batch's outputs."""
+        message = self._recv(EVENT_LOOP_GRADIENTS_QUEUE, AsyncMessageType.Gradients)
+        self.async_grad_inner(message, activations)
+
+    def _backward(self, optimizer: Any, count: int) -> None:
+        # The weight prediction only touches the weights, so it may come before the gradients are received.
+        self._predict(optimizer, count, forward=False)
+        self.event_loop_trunk_backward_helper(self.activations)
 
     # ------------------------------------------------------------------------------------------ the three loops
 
@@ -242,16 +273,16 @@ class AsyncAMPnetEventLoop:
         num_gradients = 0
         batches = iter(lm_dataloader)
         for i in range(num_microbatch):
-            batch = next(batches)
+            batch = Batch(transform_logger_object.transform_input(next(batches)), i)
             self._predict(optimizer, i, forward=True)
-            output = self._compute(Batch(transform_logger_object.transform_input(batch), i))
-            self.activations[i] = output
-            message = self._activation_message(output)
-            if i >= warm_up:
-                # Steady state: one gradient back for every micro-batch sent, before sending the next.
-                self._backward(optimizer, num_gradients)
-                num_gradients += 1
-                self._maybe_step(optimizer, num_gradients, transform_logger_object)
+            if i < warm_up:
+                self.async_send_inner(batch, i)
+                continue
+            message = self._forward_and_keep(batch, self.activations)
+            # Steady state: one gradient back for every micro-batch sent, before sending the next.
+            self._backward(optimizer, num_gradients)
+            num_gradients += 1
+            self._maybe_step(optimizer, num_gradients, transform_logger_object)
             self._send(message)
         while num_gradients < num_microbatch:
             self._backward(optimizer, num_gradients)
@@ -280,13 +311,15 @@ class AsyncAMPnetEventLoop:
             self._maybe_step(optimizer, count, transform_logger_object)
             transform_logger_object.log_loss(batch, loss, count)
 
-    def event_loop_trunk_forward_helper(self, optimizer: Any, count: int) -> PipeMessage:
-        """Receive and compute the next micro-batch; return the message of its outputs (not sent yet)."""
-        received = self._recv_activations()
+    def event_loop_trunk_forward_helper(self, activations: Dict[int, Batch]) -> PipeMessage:
+        """Receive and compute the next micro-batch, keeping its outputs in ``activations``; return the message
+        of its outputs (not sent yet)."""
+        return self._forward_and_keep(self._recv_activations(), activations)
+
+    def _trunk_forward(self, optimizer: Any, count: int) -> PipeMessage:
+        # The weight prediction only touches the weights, so it may come before the activations are received.
         self._predict(optimizer, count, forward=True)
-        output = self._compute(received)
-        self.activations[received.index] = output
-        return self._activation_message(output)
+        return self.event_loop_trunk_forward_helper(self.activations)
 
     def event_loop_across_minibatches(
         self, lm_dataloader: Any, criterion: Any, optimizer: Any, transform_logger_object: Any
@@ -297,10 +330,10 @@ class AsyncAMPnetEventLoop:
         num_activations = 0
         num_gradients = 0
         while num_activations < warm_up:
-            self._send(self.event_loop_trunk_forward_helper(optimizer, num_activations))
+            self._send(self._trunk_forward(optimizer, num_activations))
             num_activations += 1
         while num_activations < num_microbatch:
-            message = self.event_loop_trunk_forward_helper(optimizer, num_activations)
+            message = self._trunk_forward(optimizer, num_activations)
             num_activations += 1
             self._backward(optimizer, num_gradients)
             num_gradients += 1

@@ -52,6 +52,8 @@ def RemoteSequential(rref_list: List[rpc.RRef[Any]]) -> MultiInputSequential:
 
 NodeDataSource = Union[RemoteModule, Tuple[RemoteModule, int]]
 DataSourceSpec = Union[int, NodeDataSource]
+NodeDataConsumer = DataConsumer[Node]  # upstream's public alias
+_SourceSpec = DataSourceSpec  # for annotations inside PipelineModulesGraph, whose attribute shadows the name
 
 
 class PipelineModulesGraph(nn.Module):
@@ -61,6 +63,9 @@ class PipelineModulesGraph(nn.Module):
     ``(RemoteModule, k)`` (output ``k`` of a module returning a tuple). Referenced modules must already be in the
     graph.
     """
+
+    # Upstream exposes the type of the ``inputs`` items on the class.
+    DataSourceSpec = _SourceSpec
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,7 +80,7 @@ class PipelineModulesGraph(nn.Module):
         what = f"{type(module).__name__} on {getattr(module, 'on', '?')}"
         raise ValueError(f"{what} is not in the graph; add it with add_layer/add_sequence before using its output")
 
-    def _data_source_spec_to_data_source(self, spec: DataSourceSpec) -> DataSource:
+    def _data_source_spec_to_data_source(self, spec: _SourceSpec) -> DataSource:
         if isinstance(spec, int):
             return DataSource(None, spec)
         if isinstance(spec, RemoteModule):
@@ -83,7 +88,7 @@ class PipelineModulesGraph(nn.Module):
         module, index = spec
         return DataSource(self._find_node(module), index)
 
-    def add_layer(self, module: RemoteModule, inputs: List[DataSourceSpec], num_outputs: Optional[int] = None) -> None:
+    def add_layer(self, module: RemoteModule, inputs: List[_SourceSpec], num_outputs: Optional[int] = None) -> None:
         """Append ``module``, fed by ``inputs``; ``num_outputs`` when it returns a tuple whose items are used."""
         sources = [self._data_source_spec_to_data_source(i) for i in inputs]
         node = Node(module)
@@ -94,12 +99,12 @@ class PipelineModulesGraph(nn.Module):
     def add_sequence(
         self,
         modules: List[RemoteModule],
-        first_module_inputs: List[DataSourceSpec],
+        first_module_inputs: List[_SourceSpec],
         last_module_num_outputs: Optional[int] = None,
     ) -> None:
         """Append a chain: the first module takes ``first_module_inputs``, each next one the previous output."""
         for i, module in enumerate(modules):
-            inputs: List[DataSourceSpec] = first_module_inputs if i == 0 else [modules[i - 1]]
+            inputs: List[_SourceSpec] = first_module_inputs if i == 0 else [modules[i - 1]]
             self.add_layer(module, inputs, last_module_num_outputs if i == len(modules) - 1 else None)
 
     def _compile(self) -> None:

@@ -23,6 +23,15 @@ from torch.utils.checkpoint import checkpoint
 
 from .data import DataConsumer
 
+# Upstream's module also exposes the pipe helpers it imported for its polling worker; re-exported for old imports.
+from fairscale.nn.pipe.checkpoint import Checkpointing as Checkpointing  # noqa: F401
+from fairscale.nn.pipe.dependency import fork as fork, join as join  # noqa: F401
+from fairscale.nn.pipe.microbatch import Batch as Batch  # noqa: F401
+from fairscale.nn.pipe.stream import as_cuda as as_cuda, current_stream as current_stream  # noqa: F401
+from fairscale.nn.pipe.stream import is_cuda as is_cuda, use_device as use_device  # noqa: F401
+from fairscale.nn.pipe.stream import use_stream as use_stream  # noqa: F401
+from fairscale.nn.pipe.worker import Task as Task, create_workers as create_workers  # noqa: F401
+
 __all__ = ["PartitionHandler", "DistributedPipelineRecord"]
 
 # Seconds the last partition waits for its micro-batches before reporting a stuck pipeline.
@@ -49,6 +58,9 @@ def _feed_rref(record: rpc.RRef[Any], chunk: int, input_idx: int, value: Any, an
         rpc.rpc_async(record.owner(), _feed_local, args=(record, chunk, input_idx, value, anchor))
 
 
+_RRefConsumer = DataConsumer[rpc.RRef[Any]]
+
+
 class DistributedPipelineRecord:
     """The state of one forward pass on one partition.
 
@@ -64,6 +76,9 @@ class DistributedPipelineRecord:
         is_last: whether this partition's outputs are the model output.
     """
 
+    # Upstream's name for the type of ``consumers``.
+    DataConsumer = _RRefConsumer
+
     def __init__(
         self,
         device: torch.device,
@@ -71,7 +86,7 @@ class DistributedPipelineRecord:
         chunks: int,
         num_inputs: int,
         num_outputs: Optional[int],
-        consumers: List[DataConsumer[rpc.RRef[Any]]],
+        consumers: List[_RRefConsumer],
         module: nn.Module,
         checkpoint_stop: int,
     ) -> None:
@@ -93,8 +108,9 @@ class DistributedPipelineRecord:
         # Records never travel; RRefs to them do.
         return {}
 
-    def feed(self, chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor] = None) -> None:
+    def feed(self, chunk: int, input_idx: int, input: Any, anchor: Optional[Tensor] = None) -> None:
         """Deliver input ``input_idx`` of micro-batch ``chunk``; computes the micro-batch once complete."""
+        value = input
         with self._cond:
             assert not self.fed[chunk][input_idx], f"input {input_idx} of micro-batch {chunk} was fed twice"
             if isinstance(value, Tensor) and value.device != self.device:

@@ -23,6 +23,10 @@ from .data import DataConsumer
 from .graph import Node, PipelineModulesGraph
 from .partition_handler import PartitionHandler, _feed_rref, _split_inputs
 
+# Upstream's module also exposes these names; re-exported for old imports.
+from fairscale.internal import torch_version as torch_version  # noqa: F401
+from .partition_handler import DistributedPipelineRecord as DistributedPipelineRecord  # noqa: F401
+
 __all__ = ["DistributedPipeline", "check_pytorch_version", "MOVING_DENIED"]
 
 MOVING_DENIED = TypeError(
@@ -67,6 +71,9 @@ class DistributedPipeline(nn.Module):
 
         def __hash__(self) -> int:
             return id(self)
+
+    # Upstream's name for the type of ``input_consumers``.
+    DataConsumer = DataConsumer[Partition]
 
     def __init__(self, graph: PipelineModulesGraph, chunks: int = 1, checkpoint: str = "except_last") -> None:
         super().__init__()

@@ -41,10 +41,24 @@ def _patch_attribute(cls: Any, name: str, value: Any) -> Iterator[None]:
 
 
 class GraphCreator:
-    """Turns a traced fx graph of remote calls into a :class:`PipelineModulesGraph`."""
+    """Turns a traced fx graph of remote calls into a :class:`PipelineModulesGraph`.
 
-    def __init__(self, tracer: RemoteModuleTracer, root: nn.Module, graph: torch.fx.Graph) -> None:
+    Args:
+        tracer: the tracer after ``tracer.trace(root)``.
+        root: the traced module (default: ``tracer.root``, set by ``trace``).
+        graph: the traced graph (default: ``tracer.graph``, the last one ``trace`` built).
+    """
+
+    def __init__(
+        self, tracer: RemoteModuleTracer, root: Optional[nn.Module] = None, graph: Optional[torch.fx.Graph] = None
+    ) -> None:
         self.tracer = tracer
+        if root is None:
+            root = getattr(tracer, "root", None)
+        if graph is None:
+            graph = getattr(tracer, "graph", None)
+        if not isinstance(root, nn.Module) or not isinstance(graph, torch.fx.Graph):
+            raise ValueError("GraphCreator needs a tracer that has traced a module (call tracer.trace(module) first)")
         self.root = root
         self.graph = graph
         self.arg_names = list(inspect.signature(root.forward).parameters)

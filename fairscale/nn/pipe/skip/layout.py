@@ -6,7 +6,6 @@ from typing import Dict, Iterable, List, Tuple
 from torch import nn
 
 from .namespace import Namespace
-from .skippable import Skippable
 
 __all__ = ["SkipLayout", "inspect_skip_layout"]
 
@@ -59,6 +58,9 @@ class SkipLayout:
 
 def inspect_skip_layout(partitions: List[nn.Sequential]) -> SkipLayout:
     """Build the layout from the direct children of each partition (deeper skippables are not routed)."""
+    # Imported here: skippable imports the tracker, which imports this module for SkipLayout.
+    from .skippable import Skippable
+
     skip_routes: Dict[NsName, Tuple[int, int]] = {}
     stashed_at: Dict[NsName, int] = {}
     for j, partition in enumerate(partitions):

@@ -20,9 +20,14 @@ import torch
 from torch import Tensor
 
 from ..copy import Context as CopyContext
+from ..copy import Copy as Copy
 from ..copy import copy_tensors
 from ..phony import get_phony
 from ..stream import AbstractStream, get_device
+from .namespace import Namespace as Namespace
+
+# The stream pair of a portal copy (upstream's name for it in this module).
+Context = CopyContext
 
 __all__ = ["Portal", "PortalBlue", "PortalOrange", "PortalCopy"]
 

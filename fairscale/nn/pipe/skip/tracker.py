@@ -3,7 +3,7 @@
 
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Generator, Optional, Tuple
+from typing import Dict, Generator, Optional, Tuple
 
 from torch import Tensor
 
@@ -11,11 +11,9 @@ from ..checkpoint import is_checkpointing
 from ..dependency import fork, join
 from ..microbatch import Batch
 from ..stream import AbstractStream
+from .layout import SkipLayout as SkipLayout
 from .namespace import Namespace
 from .portal import Portal
-
-if TYPE_CHECKING:
-    from .layout import SkipLayout
 
 __all__ = ["SkipTracker", "SkipTrackerThroughPotals", "use_skip_tracker", "current_skip_tracker"]
 

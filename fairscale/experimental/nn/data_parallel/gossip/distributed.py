@@ -38,6 +38,15 @@ from .mixing_manager import MixingManager, UniformMixing
 from .utils.cuda_metering import create_event_recorder
 from .utils.helpers import MultiProcessAdapter, communicate, create_process_group
 
+# Upstream's module also exposes these names (it imports them for its own use); re-exported for old imports.
+from .gossiper import Gossiper as Gossiper, PushPull as PushPull, PushSum as PushSum  # noqa: F401
+from .graph_manager import NPeerDynamicDirectedExponentialGraph as NPDDEGraph  # noqa: F401  # upstream's short name
+from .utils.cuda_metering import EventRecorder as EventRecorder  # noqa: F401
+from .utils.helpers import flatten_tensors as flatten_tensors  # noqa: F401
+from .utils.helpers import group_by_dtype as group_by_dtype  # noqa: F401
+from .utils.helpers import make_logger as make_logger  # noqa: F401
+from .utils.helpers import unflatten_tensors as unflatten_tensors  # noqa: F401
+
 __all__ = ["SlowMoDistributedDataParallel", "SlowMoBaseAlgorithm", "HEARTBEAT_TIMEOUT", "BROADCAST_BUCKET_SIZE"]
 
 HEARTBEAT_TIMEOUT = 300  # seconds

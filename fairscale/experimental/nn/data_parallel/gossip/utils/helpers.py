@@ -4,7 +4,7 @@
 import collections
 import logging
 import sys
-from typing import Any, Callable, DefaultDict, Dict, List, MutableMapping, Optional, Sequence, Tuple
+from typing import Any, Callable, DefaultDict, Dict, List, MutableMapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,16 +66,20 @@ def communicate(
 
 _HELPERS_LOGGER = logging.getLogger(__name__)
 
+# Names of the loggers make_logger() already gave a handler and a level (upstream's public name): configuring a
+# logger once keeps repeated calls from stacking handlers and printing every message several times.
+HANDLER_AND_LEVEL_SET: Set[str] = set()
+
 
 def make_logger(rank: int, verbose: bool = True) -> logging.Logger:
     """The helpers' logger; on first use it gets a stdout handler prefixed with ``rank`` (DEBUG if ``verbose``)."""
     logger = _HELPERS_LOGGER
-    if not getattr(logger, "_fairscale_configured", False):
+    if logger.name not in HANDLER_AND_LEVEL_SET:
         handler = logging.StreamHandler(stream=sys.stdout)
         handler.setFormatter(logging.Formatter(f"{rank}: %(levelname)s -- %(threadName)s -- %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG if verbose else logging.INFO)
-        setattr(logger, "_fairscale_configured", True)
+        HANDLER_AND_LEVEL_SET.add(logger.name)
     return logger
 
 
