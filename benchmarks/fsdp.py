@@ -20,6 +20,8 @@ from tp_scenario import run as run_tp_scenario  # noqa: E402
 from tp_scenario import split_scenario as split_tp_scenario  # noqa: E402
 from pipe_scenario import run as run_pipe_scenario  # noqa: E402
 from pipe_scenario import split_scenario as split_pipe_scenario  # noqa: E402
+from overlap_scenario import run as run_overlap_scenario  # noqa: E402
+from overlap_scenario import split_scenario as split_overlap_scenario  # noqa: E402
 
 if __name__ == "__main__":
     # `--scenario oss` (OSS / ShardedDataParallel vs DDP and ZeroRedundancyOptimizer) runs in benchmarks/oss_scenario.py.
@@ -28,7 +30,11 @@ if __name__ == "__main__":
     fsdp_args, tp_args = split_tp_scenario(fsdp_args) if fsdp_args is not None else (None, None)
     # `--scenario pipe` (Pipe / AsyncPipe vs torch.distributed.pipelining) runs in benchmarks/pipe_scenario.py.
     fsdp_args, pipe_args = split_pipe_scenario(fsdp_args) if fsdp_args is not None else (None, None)
+    # `--scenario overlap` (step time vs simulated link bandwidth, prefetch off/on, FSDP2) runs in
+    # benchmarks/overlap_scenario.py.
+    fsdp_args, overlap_args = split_overlap_scenario(fsdp_args) if fsdp_args is not None else (None, None)
     code = main(fsdp_args) if fsdp_args is not None else 0
     code = code or (run_oss_scenario(oss_args) if oss_args is not None else 0)
     code = code or (run_tp_scenario(tp_args) if tp_args is not None else 0)
-    sys.exit(code or (run_pipe_scenario(pipe_args) if pipe_args is not None else 0))
+    code = code or (run_pipe_scenario(pipe_args) if pipe_args is not None else 0)
+    sys.exit(code or (run_overlap_scenario(overlap_args) if overlap_args is not None else 0))

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _fsdp_bench.scenario_args import split_scenario_args  # noqa: E402
 from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.model import build_model, lm_loss  # noqa: E402
@@ -49,25 +50,8 @@ SCENARIO = "oss"
 
 
 def split_scenario(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[List[str]]]:
-    """Split the main job's command line: ``(argv for the FSDP job or None, argv for this scenario or None)``.
-
-    ``--scenario`` values are read up to the next option; ``oss`` is removed from them. The scenario gets the rest
-    of the command line (model, world and step options are shared).
-    """
-    args = list(argv)
-    if "--scenario" not in args:
-        return args, None
-    start = args.index("--scenario") + 1
-    end = start
-    while end < len(args) and not args[end].startswith("--"):
-        end += 1
-    values = [v for chunk in args[start:end] for v in chunk.split(",") if v]
-    if SCENARIO not in values:
-        return args, None
-    others = [v for v in values if v != SCENARIO]
-    shared = args[: start - 1] + args[end:]
-    fsdp_args = shared + ["--scenario"] + others if others else None
-    return fsdp_args, shared
+    """Split the main job's command line for the ``oss`` scenario (see :func:`split_scenario_args`)."""
+    return split_scenario_args(argv, SCENARIO)
 
 
 def _build(variant: str, cfg: BenchConfig, device: torch.device) -> Tuple[nn.Module, Any]:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _fsdp_bench.scenario_args import split_scenario_args  # noqa: E402
 from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.model import GPT, build_model, lm_loss  # noqa: E402
@@ -54,24 +55,8 @@ ROW = ("attn.proj", "out")
 
 
 def split_scenario(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[List[str]]]:
-    """Split the main job's command line: ``(argv for the rest of the job or None, argv for this scenario or None)``.
-
-    Same rule as the ``oss`` scenario: ``tp`` is removed from the ``--scenario`` values; the scenario gets the
-    rest of the command line.
-    """
-    args = list(argv)
-    if "--scenario" not in args:
-        return args, None
-    start = args.index("--scenario") + 1
-    end = start
-    while end < len(args) and not args[end].startswith("--"):
-        end += 1
-    values = [v for chunk in args[start:end] for v in chunk.split(",") if v]
-    if SCENARIO not in values:
-        return args, None
-    others = [v for v in values if v != SCENARIO]
-    shared = args[: start - 1] + args[end:]
-    return (shared + ["--scenario"] + others if others else None), shared
+    """Split the main job's command line for the ``tp`` scenario (see :func:`split_scenario_args`)."""
+    return split_scenario_args(argv, SCENARIO)
 
 
 class TPAttention(nn.Module):

@@ -47,6 +47,12 @@ class BenchConfig:
     zero2_group_size: int = 2
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
+    link_gbps: Optional[float] = None
+    link_latency_us: float = 0.0
+    link_intra_gbps: Optional[float] = None
+    overlap_gbps: Tuple[float, ...] = (0.02, 0.08, 0.32)
+    overlap_steps: int = 4
+    cost_model_unit_ms: Optional[float] = None
     device: str = "cpu"
     threads: int = 0
     out: Optional[str] = "fsdp_benchmark.json"
@@ -159,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(d.scenarios),
         help="train: peers side by side; accum: --accum-microbatches window with optimize_backward_concat off/on; "
-        "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; all: every one",
+        "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; all: every one "
+        "(benchmarks/fsdp.py also takes overlap, oss, tp and pipe, run by their own modules)",
     )
     r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches, help="window of the accum scenario")
     r.add_argument(
@@ -184,6 +191,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--intra-node-gbps", type=float, default=d.intra_node_gbps, help="cost model: GB/s inside a node")
     r.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps, help="cost model: GB/s across nodes")
+    r.add_argument(
+        "--cost-model-unit-ms",
+        type=float,
+        default=d.cost_model_unit_ms,
+        help="cluster prediction: also predict with this forward+backward compute per unit (ms), e.g. a GPU's",
+    )
+    s = p.add_argument_group("simulated link (every peer; fairscale via its collectives layer, others via c10d)")
+    s.add_argument(
+        "--link-gbps",
+        type=float,
+        default=d.link_gbps,
+        help="delay every collective by latency + bytes / bandwidth (GB/s); default: no delay",
+    )
+    s.add_argument("--link-latency-us", type=float, default=d.link_latency_us, help="per-collective latency (us)")
+    s.add_argument(
+        "--link-intra-gbps",
+        type=float,
+        default=d.link_intra_gbps,
+        help="bandwidth of the zero2 group (inside a node) when --link-gbps is set; default: --link-gbps",
+    )
+    s.add_argument(
+        "--overlap-gbps",
+        type=float,
+        nargs="+",
+        default=list(d.overlap_gbps),
+        help="link bandwidths of the overlap scenario",
+    )
+    s.add_argument("--overlap-steps", type=int, default=d.overlap_steps, help="timed steps per overlap run")
     e = p.add_argument_group("environment and output")
     e.add_argument("--device", choices=("cpu", "cuda"), default=d.device, help="cuda: one GPU per rank, NCCL")
     e.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank (0: cores / ranks)")
@@ -230,6 +265,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         zero2_group_size=ns.zero2_group_size,
         intra_node_gbps=ns.intra_node_gbps,
         inter_node_gbps=ns.inter_node_gbps,
+        link_gbps=ns.link_gbps,
+        link_latency_us=ns.link_latency_us,
+        link_intra_gbps=ns.link_intra_gbps,
+        overlap_gbps=tuple(ns.overlap_gbps),
+        overlap_steps=ns.overlap_steps,
+        cost_model_unit_ms=ns.cost_model_unit_ms,
         device=ns.device,
         threads=ns.threads,
         out=ns.out or None,
@@ -278,4 +319,18 @@ def validate(cfg: BenchConfig) -> List[str]:
         out.append(f"--threads must be >= 0 (got {cfg.threads})")
     if cfg.intra_node_gbps <= 0 or cfg.inter_node_gbps <= 0:
         out.append("--intra-node-gbps and --inter-node-gbps must be > 0")
+    for name in ("link_gbps", "link_intra_gbps"):
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:
+            out.append(f"--{name.replace('_', '-')} must be > 0 GB/s (omit it for no simulated link; got {value})")
+    if cfg.link_intra_gbps is not None and cfg.link_gbps is None:
+        out.append("--link-intra-gbps needs --link-gbps (the bandwidth of the full group)")
+    if cfg.link_latency_us < 0:
+        out.append(f"--link-latency-us must be >= 0 (got {cfg.link_latency_us})")
+    if not cfg.overlap_gbps or any(not g > 0 for g in cfg.overlap_gbps):
+        out.append(f"--overlap-gbps takes bandwidths > 0 GB/s (got {list(cfg.overlap_gbps)})")
+    if cfg.cost_model_unit_ms is not None and not cfg.cost_model_unit_ms > 0:
+        out.append(f"--cost-model-unit-ms must be > 0 (got {cfg.cost_model_unit_ms})")
+    if cfg.overlap_steps < 1:
+        out.append(f"--overlap-steps must be >= 1 (got {cfg.overlap_steps})")
     return out

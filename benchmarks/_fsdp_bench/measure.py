@@ -16,7 +16,7 @@ import contextlib
 import gc
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, ContextManager, Dict, List
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -26,6 +26,7 @@ from fairscale.internal.device import DeviceHandle
 
 from .config import BenchConfig
 from .corpus import Corpus
+from .link import link_for_peer
 from .model import lm_loss
 from .peers import Peer, RunSpec, build_peer
 from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile, quiet_stderr
@@ -84,7 +85,7 @@ class TimedRun:
         """Run and time optimizer step ``step``."""
         self.handle.synchronize()
         t0 = time.perf_counter()
-        with count_collectives() as counter:
+        with count_collectives() as counter, self._link():
             loss = _window(self.peer, self.corpus, self.cfg, self.spec, step, self.rank, self.world, self.device)
             self.handle.synchronize()
             t1 = time.perf_counter()
@@ -96,6 +97,12 @@ class TimedRun:
         self.window_s.append(t1 - t0)
         self.step_s.append(t2 - t0)
         self.collectives.append(counter.summary())
+
+    def _link(self) -> ContextManager[None]:
+        """The simulated link of ``--link-gbps`` around the step (nothing without it)."""
+        cfg = self.cfg
+        intra = {} if cfg.link_intra_gbps is None else {cfg.zero2_group_size: cfg.link_intra_gbps}
+        return link_for_peer(self.spec.peer, cfg.link_gbps, cfg.link_latency_us, intra)
 
     def close(self) -> Dict[str, Any]:
         """Free the model; returns per-step losses, times and collective counts."""

@@ -20,6 +20,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel, zero2_groups
 from fairscale.nn.wrap import auto_wrap, enable_wrap
 
 from .config import BenchConfig, Reshard
+from .link import register_group
 from .model import build_model, wrap_plan, wrap_policy
 
 DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -35,6 +36,7 @@ class RunSpec:
         reshard: ``reshard_after_forward`` (an int G: reshard to groups of G ranks).
         microbatches: microbatches per optimizer step.
         optimize_backward_concat: fairscale's flag (other peers ignore it).
+        prefetch: fairscale's ``forward_prefetch`` and ``backward_prefetch`` (``None``: their defaults).
     """
 
     scenario: str
@@ -42,6 +44,7 @@ class RunSpec:
     reshard: Reshard
     microbatches: int
     optimize_backward_concat: bool = False
+    prefetch: Optional[bool] = None
 
     @property
     def config_label(self) -> str:
@@ -57,6 +60,8 @@ class RunSpec:
         parts = [self.peer] + ([self.config_label] if self.peer != "ddp" else [])
         if self.optimize_backward_concat and self.peer == "fairscale":
             parts.append("obc")
+        if self.prefetch is not None and self.peer == "fairscale":
+            parts.append("prefetch" if self.prefetch else "no-prefetch")
         return " ".join(parts)
 
     @property
@@ -117,6 +122,7 @@ def _zero2_group(size: int) -> Any:
     key = ("zero2", size)
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = zero2_groups(size)
+        register_group(size, _GROUP_CACHE[key])  # --link-intra-gbps applies to it
     return _GROUP_CACHE[key]
 
 
@@ -152,6 +158,8 @@ def _fairscale(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfi
         compute_device=device,
         optimize_backward_concat=spec.optimize_backward_concat,
     )
+    if spec.prefetch is not None:  # the overlap scenario: both directions off or on
+        kwargs.update(forward_prefetch=spec.prefetch, backward_prefetch=spec.prefetch)
     if dtype is not None:
         kwargs["compute_dtype"] = dtype
     if not isinstance(spec.reshard, bool):

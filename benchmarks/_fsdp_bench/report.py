@@ -114,6 +114,25 @@ def zero2_text(zero2: Dict[str, Any]) -> str:
             f"{cost['seconds_per_step'] * 1e3:8.3f} {_mib(row['peak_memory_bytes']):>8} {_mib(row['steady_memory_bytes']):>10}"
         )
     lines.append("  (bytes per step in MiB, full-buffer sizes; model ms = modelled communication time per step)")
+    if "cluster_nodes" in zero2:
+        lines.append(_cluster_text(zero2))
+    return "\n".join(lines)
+
+
+def _cluster_text(zero2: Dict[str, Any]) -> str:
+    """Predicted step time on N nodes x G GPUs, without / with overlap (assumptions: docs/zero2.rst)."""
+    nodes, gpus = zero2["cluster_nodes"], zero2["cluster_gpus_per_node"]
+    bases = {"measured": "compute = this run's measured step time", "unit_ms": "compute = --cost-model-unit-ms"}
+    lines = []
+    for basis, title in bases.items():
+        rows = [(label, row["cluster"][basis]) for label, row in zero2["runs"].items() if basis in row["cluster"]]
+        if not rows:
+            continue
+        lines.append(f"  predicted step ms on N nodes x {gpus} GPUs, no overlap / overlap ({title}):")
+        lines.append(f"  {'run':<28} {'compute':>8} " + " ".join(f"{f'N={n}':>17}" for n in nodes))
+        for label, preds in rows:
+            cells = " ".join(f"{p['no_overlap_s'] * 1e3:>8.3f}/{p['overlap_s'] * 1e3:<8.3f}" for p in preds)
+            lines.append(f"  {label:<28} {preds[0]['compute_s'] * 1e3:>8.3f} {cells}")
     return "\n".join(lines)
 
 
@@ -132,7 +151,18 @@ def header(cfg: BenchConfig, env: Dict[str, Any]) -> str:
         f"checkpointing {cfg.checkpoint_activations}\n"
         f"steps: {cfg.warmup} warmup + {cfg.steps} timed per run (+2 untimed probe steps on a fresh copy); "
         f"torch {env['torch']}, device {env['device']}, {env['threads_per_rank']} thread(s) per rank, "
-        f"{env['cpu_count']} cores"
+        f"{env['cpu_count']} cores" + _link_line(cfg)
+    )
+
+
+def _link_line(cfg: BenchConfig) -> str:
+    """The simulated link of the timed steps, when ``--link-gbps`` set one."""
+    if cfg.link_gbps is None:
+        return ""
+    intra = f", zero2 group {cfg.link_intra_gbps:g} GB/s" if cfg.link_intra_gbps is not None else ""
+    return (
+        f"\nsimulated link in the timed steps (every peer): {cfg.link_gbps:g} GB/s{intra}, "
+        f"{cfg.link_latency_us:g} us per collective (the probe steps run without it)"
     )
 
 

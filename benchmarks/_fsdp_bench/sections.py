@@ -4,6 +4,7 @@
 from typing import Any, Dict, List, Optional
 
 from .config import BenchConfig
+from .cluster import CLUSTER_NODES, GPUS_PER_NODE, predictions
 from .formula import bytes_by_group, cost_model
 
 
@@ -76,7 +77,9 @@ def zero2_section(records: List[Dict[str, Any]], cfg: BenchConfig) -> Optional[D
             "median_step_s": r["median_step_s"],
             "loss_matches": r.get("loss_matches"),
             "collectives_source": r["collectives_source"],
+            "cluster": predictions(r, cfg),
         }
+    out["cluster_gpus_per_node"], out["cluster_nodes"] = GPUS_PER_NODE, list(CLUSTER_NODES)
     return out
 
 

@@ -21,6 +21,10 @@ gradient shards after a window are bitwise equal with the flag on and off. Equal
 work to one fused ``_foreach_add_`` over the views (a multi-tensor kernel on CUDA; mixed dtypes would fall back to
 one kernel per view), into buffer views shaped like the parameters, so nothing in Python runs per view.
 
+The flag's fixed cost per unit and microbatch is Python (the gradient path itself is cheaper than the default one: no
+full-size concat), so it is kept small: what never changes for a handle (numels, shapes, owner, device) is computed
+once in a :class:`_UnitPlan`, the views are made by one C++ call, and the per-forward state is a slotted object.
+
 Rule (checked): the forward *and* backward of every non-last microbatch run inside ``root.no_sync()``; the
 synchronizing microbatch's backward is the last backward of the window. A ``no_sync`` backward that arrives after its
 window was reduced raises instead of silently dropping or double-counting gradients.
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._utils import _unflatten_dense_tensors
 
 from .handle import FlatHandle
 from .state import TrainingState
@@ -39,44 +44,80 @@ from .state import TrainingState
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import FSDPRuntime
 
+_HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
+
+
+class _UnitPlan:
+    """What every forward of one flat parameter shares, made once per handle (not per microbatch).
+
+    The per-microbatch cost of the flag is Python per unit; everything here is fixed for the life of the handle
+    (its parameter's numels and shapes, its owner and device), so it is computed once and looked up per forward.
+    """
+
+    __slots__ = ("_fsdp_ref", "_handle_ref", "numels", "shapes", "templates", "device", "anchor_grad", "__weakref__")
+
+    def __init__(self, fsdp: "FSDPRuntime", handle: FlatHandle, flat: Any) -> None:
+        # Weak: the autograd graph holding this plan is kept by the module's views (C++ references the garbage
+        # collector cannot see), so a strong reference to the instance would keep a dropped model alive.
+        self._fsdp_ref = weakref.ref(fsdp)
+        self._handle_ref = weakref.ref(handle)
+        self.numels: List[int] = list(flat._param_numels)
+        self.shapes: List[torch.Size] = list(flat._param_shapes)
+        # Shape-only stand-ins: torch's C++ unflatten makes all the views in one call (narrow + view per parameter,
+        # the same views as split + view). It gives a zero-size parameter a fresh tensor instead of a view, so a
+        # flat parameter holding one keeps the Python split (None here).
+        self.templates: Optional[List[Tensor]] = None
+        if all(n > 0 for n in self.numels):
+            self.templates = [torch.empty(s, device="meta") for s in self.shapes]
+        self.device = fsdp.compute_device
+        # The anchor's (empty) gradient lives on the compute device: autograd runs a node on the worker thread of its
+        # inputs' device, so the anchor's AccumulateGrad (where the post-backward point runs) stays on the same
+        # thread as the rest of this unit's backward instead of racing it from the CPU thread. Never written to, so
+        # one tensor serves every forward.
+        self.anchor_grad = torch.empty(0, device=self.device)
+
+    def valid_for(self, fsdp: "FSDPRuntime", handle: FlatHandle) -> bool:
+        """Whether this plan still describes ``handle`` of ``fsdp`` (a copied model gets plans of its own)."""
+        return self._fsdp_ref() is fsdp and self._handle_ref() is handle and self.device == fsdp.compute_device
+
+    def views(self, data: Tensor) -> Tuple[Tensor, ...]:
+        """Views of ``data`` shaped like the parameters, in order."""
+        if self.templates is not None:
+            return tuple(_unflatten_dense_tensors(data, self.templates))
+        return tuple(t.view(s) for t, s in zip(data.split(self.numels), self.shapes))
+
+
+# One plan per handle, dropped with it (handles are pickled and copied with their model; a plan holds weak
+# references, so it is kept beside the handle rather than on it).
+_PLANS: "weakref.WeakKeyDictionary[FlatHandle, _UnitPlan]" = weakref.WeakKeyDictionary()
+
 
 class _NodeInfo:
     """What one forward's views need to know in backward (captured at forward time: the mode is fixed then)."""
 
-    def __init__(
-        self,
-        fsdp: "FSDPRuntime",
-        handle: FlatHandle,
-        numels: List[int],
-        shapes: List[torch.Size],
-        dtype: torch.dtype,
-        sync: bool,
-    ) -> None:
-        # Weak: the autograd graph holding this info is kept by the module's views (C++ references the garbage
-        # collector cannot see), so a strong reference to the instance would keep a dropped model alive.
-        self._fsdp_ref = weakref.ref(fsdp)
-        self._handle_ref = weakref.ref(handle)
-        self.numels = numels
-        self.shapes = shapes
+    __slots__ = ("plan", "dtype", "sync", "window")
+
+    def __init__(self, plan: _UnitPlan, dtype: torch.dtype, sync: bool, window: int) -> None:
+        self.plan = plan
         # The dtype of the full parameter the views come from: the accumulation buffer's (see module docstring).
         self.dtype = dtype
         self.sync = sync
-        self.window = handle.grad_window
-        # The anchor and its (empty) gradient live on the compute device: autograd runs a node on the worker thread
-        # of its inputs' device, so the anchor's AccumulateGrad (where the post-backward point runs) stays on the
-        # same thread as the rest of this unit's backward instead of racing it from the CPU thread.
-        self.anchor_grad = torch.empty(0, device=fsdp.compute_device)
+        self.window = window
+
+    @property
+    def numels(self) -> List[int]:
+        return self.plan.numels
 
     @property
     def handle(self) -> FlatHandle:
-        handle = self._handle_ref()
+        handle = self.plan._handle_ref()
         if handle is None:
             raise RuntimeError("optimize_backward_concat: backward through the graph of a deleted FSDP model")
         return handle
 
     @property
     def fsdp(self) -> "FSDPRuntime":
-        fsdp = self._fsdp_ref()
+        fsdp = self.plan._fsdp_ref()
         if fsdp is None:
             raise RuntimeError("optimize_backward_concat: backward through the graph of a deleted FSDP model")
         return fsdp
@@ -86,24 +127,22 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
     """Views of a flat parameter whose gradients are accumulated into a flat buffer (see module docstring)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, anchor: Tensor, flat: Tensor, info: _NodeInfo, data: Tensor, shapes: List[torch.Size]
-    ) -> Tuple[Tensor, ...]:
+    def forward(ctx: Any, anchor: Tensor, flat: Tensor, info: _NodeInfo, data: Tensor) -> Tuple[Tensor, ...]:
         # `anchor` is an empty leaf that requires grad: the usual backward sends it an empty gradient, and the
         # post-backward point runs in its AccumulateGrad hook. `flat` (the flat parameter) gets a gradient only from
         # a partial backward that does not reach the anchor (see backward).
         ctx.set_materialize_grads(False)  # views that got no gradient arrive as None, not as zero tensors
         ctx.info = info
-        return tuple(t.view(s) for t, s in zip(data.split(info.numels), shapes))
+        return info.plan.views(data)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor], None, None, None]:
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor], None, None]:
         info: _NodeInfo = ctx.info
         anchor_node = ctx.next_functions[0][0]
         if anchor_node is not None and not torch._C._will_engine_execute_node(anchor_node):
             # backward(inputs=...) or autograd.grad() asking for the flat parameter: answer exactly as the default
             # path does (one concatenated gradient for it), and leave the accumulation buffer alone.
-            return None, _concat(info, grads), None, None, None
+            return None, _concat(info, grads), None, None
         if torch.is_grad_enabled():  # backward(create_graph=True): the buffer must not join the graph
             with torch.no_grad():
                 accumulate_view_grads(info, grads)
@@ -112,7 +151,7 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
         # The (empty) gradient of the anchor makes autograd run the anchor's AccumulateGrad right after this node,
         # once this node's incoming view gradients are released: the post-backward point runs there (_after_views),
         # so the reduction's temporaries never coexist with the view gradients.
-        return info.anchor_grad, None, None, None, None
+        return info.plan.anchor_grad, None, None, None
 
 
 def _concat(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> Optional[Tensor]:
@@ -128,6 +167,18 @@ def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
     info.fsdp._on_view_grads_accumulated(info.handle, info.sync)
 
 
+def _new_buffer(info: _NodeInfo, h: FlatHandle) -> List[Tensor]:
+    """Open the window's buffer; returns its views, one per parameter and shaped like it."""
+    # Padded like the full parameter (shard_numel * world_size) so the reduce-scatter reads this buffer as is,
+    # without a padded copy. The views are made once per window, so gradients are added without a reshape.
+    padded = h.shard_numel * h.world_size if h.is_sharded else h.numel
+    buf = torch.empty(padded, dtype=info.dtype, device=info.plan.device)
+    buf[h.numel :].zero_()
+    h.grad_accum_flat = buf
+    h.grad_accum_views = list(info.plan.views(buf[: h.numel]))
+    return h.grad_accum_views
+
+
 def accumulate_view_grads(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> None:
     """Add this microbatch's view gradients into the window's buffer (called with grad mode off)."""
     h = info.handle
@@ -139,51 +190,63 @@ def accumulate_view_grads(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) 
             "microbatch's backward is the last backward of the window."
         )
     first = h.grad_accum_flat is None
-    if first:
-        # Padded like the full parameter (shard_numel * world_size) so the reduce-scatter reads this buffer as is,
-        # without a padded copy. One view per parameter, shaped like it (the gradients are added without a reshape),
-        # made once per window.
-        padded = h.shard_numel * h.world_size if h.is_sharded else h.numel
-        buf = torch.empty(padded, dtype=info.dtype, device=info.fsdp.compute_device)
-        buf[h.numel :].zero_()
-        h.grad_accum_flat = buf
-        h.grad_accum_views = [v.view(s) for v, s in zip(buf[: h.numel].split(info.numels), info.shapes)]
-    views: List[Tensor] = h.grad_accum_views
-    present: List[Tensor] = list(grads)  # type: ignore[arg-type]  # checked just below
-    if any(g is None for g in grads):  # views that got no gradient in this microbatch (unused parameters)
-        if first:
-            for v, g in zip(views, grads):
-                if g is None:
-                    v.zero_()
-        views = [v for v, g in zip(views, grads) if g is not None]
-        present = [g for g in grads if g is not None]
-        if not present:
-            return
-    if first:
-        # The first microbatch writes instead of adding into zeros (one pass over the buffer, not two), as the
-        # default path's AccumulateGrad takes the first gradient as is.
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(views, present)
+    views = _new_buffer(info, h) if first else h.grad_accum_views
+    try:
+        # The common case costs no Python per view: the fused op's argument parser rejects a None (a view that got
+        # no gradient) before any element is written, so the loop below only runs for unused parameters.
+        if not first:
+            torch._foreach_add_(views, grads)  # type: ignore[arg-type]
+        elif _HAS_FOREACH_COPY:
+            # The first microbatch writes instead of adding into zeros (one pass over the buffer, not two), as the
+            # default path's AccumulateGrad takes the first gradient as is.
+            torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
         else:  # torch < 2.2 has no fused copy
-            for v, g in zip(views, present):
-                v.copy_(g)
+            for v, g in zip(views, grads):
+                v.copy_(g)  # type: ignore[arg-type]
+        return
+    except TypeError:
+        if all(g is not None for g in grads):
+            raise
+    _accumulate_some(views, grads, first)
+
+
+def _accumulate_some(views: List[Tensor], grads: Tuple[Optional[Tensor], ...], first: bool) -> None:
+    """The microbatch left some views without a gradient (unused parameters): they add nothing (zero if first)."""
+    if first:
+        for v, g in zip(views, grads):
+            if g is None:
+                v.zero_()
+    pairs = [(v, g) for v, g in zip(views, grads) if g is not None]
+    if not pairs:
+        return
+    dst, src = [v for v, _ in pairs], [g for _, g in pairs]
+    if first:
+        for v, g in pairs:
+            v.copy_(g)
     else:
-        torch._foreach_add_(views, present)
+        torch._foreach_add_(dst, src)
+
+
+def _plan_for(fsdp: "FSDPRuntime", flat: Any) -> _UnitPlan:
+    handle = next(h for h in fsdp._handles if h.param is flat)
+    plan = _PLANS.get(handle)
+    if plan is None or not plan.valid_for(fsdp, handle):
+        plan = _PLANS[handle] = _UnitPlan(fsdp, handle, flat)
+    return plan
 
 
 def build_views(fsdp: "FSDPRuntime", flat: Any) -> List[Tensor]:
     """The FlattenParamsWrapper view builder installed by FSDP when ``optimize_backward_concat`` is on."""
-    numels = list(flat._param_numels)
-    shapes = list(flat._param_shapes)
     if fsdp.training_state != TrainingState.FORWARD or not torch.is_grad_enabled() or not flat.requires_grad:
         # Outside a training forward (re-flattening after summon, eval): plain views, no gradient path needed.
-        return [t.view(s) for t, s in zip(flat.detach().split(numels), shapes)]
-    handle = next(h for h in fsdp._handles if h.param is flat)
-    info = _NodeInfo(fsdp, handle, numels, shapes, flat.dtype, sync=fsdp._require_backward_grad_sync)
+        return [t.view(s) for t, s in zip(flat.detach().split(flat._param_numels), flat._param_shapes)]
+    plan = _plan_for(fsdp, flat)
+    handle: FlatHandle = plan._handle_ref()  # type: ignore[assignment]  # alive: fsdp holds it
+    info = _NodeInfo(plan, flat.dtype, fsdp._require_backward_grad_sync, handle.grad_window)
     # A fresh anchor per forward: its AccumulateGrad has exactly one producer, this forward's node.
-    anchor = torch.empty(0, device=fsdp.compute_device, requires_grad=True)
+    anchor = torch.empty(0, device=plan.device, requires_grad=True)
     anchor.register_post_accumulate_grad_hook(functools.partial(_after_views, info))
-    return list(_ViewsIntoFlatBuffer.apply(anchor, flat, info, flat.detach(), shapes))
+    return list(_ViewsIntoFlatBuffer.apply(anchor, flat, info, flat.detach()))
 
 
 def install(fsdp: "FSDPRuntime") -> None:
