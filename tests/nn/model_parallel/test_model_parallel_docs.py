@@ -6,8 +6,6 @@ blocks in ``tests/test_docs_examples.py``.
 """
 
 import os
-import re
-import textwrap
 from typing import Any, Dict, List
 
 import torch
@@ -27,22 +25,9 @@ DOC = os.path.join(
 
 
 def _blocks() -> List[str]:
-    """The ``::`` literal blocks of the page, dedented."""
-    lines = open(DOC).read().splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        line = lines[i].rstrip()
-        if line.endswith("::") and not re.match(r"^\s*\.\. [\w-]+::", line):
-            indent = len(line) - len(line.lstrip())
-            j, body = i + 1, []
-            while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent):
-                body.append(lines[j])
-                j += 1
-            blocks.append(textwrap.dedent("\n".join(body)).strip("\n"))
-            i = j
-        else:
-            i += 1
-    return blocks
+    from test_docs_examples import rst_blocks  # tests/ is on sys.path (rootdir conftest)
+
+    return [code for _, code in rst_blocks(DOC)]
 
 
 def _init_process_group(backend: str, *args: Any, **kwargs: Any) -> None:
