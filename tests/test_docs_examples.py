@@ -38,6 +38,7 @@ BENCH_DIR = os.path.join(ROOT, "benchmarks")
 KINDS: Dict[str, List[str]] = {
     "README.md": ["python", "shell"],
     "docs/api.rst": [],
+    "docs/architecture.rst": ["text", "text"],
     "docs/benchmarks.rst": ["shell", "shell", "text", "shell", "text", "text", "shell", "text"],
     "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"],
     "docs/differences.rst": [],

@@ -81,7 +81,9 @@ def compare(measured: Summary, expected: Summary, compare_counts: Optional[List[
     """Differences between a measured and an expected summary (empty when they match).
 
     Bytes are compared for every key; counts only for the kinds in ``compare_counts`` (reduce-scatters are
-    bucketed, so their count depends on the bucket size, not on the model).
+    bucketed, so their count depends on the bucket size and on the bucketer's flush policy, which sends a fill
+    before it would outgrow the largest gradient seen or 1 MiB, whichever is larger; ``zero3_per_step`` gives the
+    unbucketed count, one per flat parameter).
     """
     kinds = compare_counts if compare_counts is not None else ["all_gather"]
     diffs: List[str] = []

@@ -16,7 +16,15 @@ from torch import Tensor
 from . import collectives
 from .errors import FairscaleValueError
 
-__all__ = ["Bucket", "ReduceScatterBucketer", "enable_nccl_base_collectives"]
+__all__ = ["HOLD_FLOOR_BYTES", "Bucket", "ReduceScatterBucketer", "enable_nccl_base_collectives"]
+
+#: The least a fill may hold before it is sent, in bytes of full (unsharded) gradient, whatever the gradient sizes.
+#: A fill is otherwise sent before it would hold more than the largest single gradient seen so far (about one FSDP
+#: unit's), so that the bucket adds no more memory during backward than PyTorch FSDP2's per-unit reduce-scatter
+#: input. The floor keeps the point of bucketing for small gradients: below ~1 MiB a reduce-scatter is latency-bound
+#: (tens of microseconds of fixed cost against ~20-100 us of transfer at 10-50 GB/s), so merging up to 1 MiB removes
+#: most of the per-collective cost, while 1 MiB of held gradient is negligible next to activations and parameters.
+HOLD_FLOOR_BYTES = 2**20
 
 #: Upstream's switch between the tensor ("base") and list variants of the collectives, which its tests turned off.
 #: Kept for code that reads or sets it; :mod:`fairscale.internal.collectives` picks the variant each backend
@@ -53,6 +61,11 @@ class Bucket:
         # Columns used by each flush of the current backward, and of the previous one (the sizing guess).
         self._fills: List[int] = []
         self._hints: List[int] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of full gradient the current fill holds (all rows of the used columns)."""
+        return self.offset * self.data.size(0) * self.data.element_size()
 
     @property
     def free_columns(self) -> int:
@@ -144,11 +157,25 @@ class ReduceScatterBucketer:
 
     Use :meth:`reduce_scatter_async` per gradient, :meth:`flush` when all are queued (callbacks
     run then) and :meth:`teardown` to release the buffers until the next backward.
+
+    Flush policy: a fill never holds more than its *hold limit*, ``min(bucket size, max(largest bucketed gradient
+    seen so far, hold_floor_bytes))`` bytes of full gradient (the largest counts every input so far, the new one
+    included, smaller than a bucket row, in this and earlier backwards). A fill that a new input would take past
+    the limit is sent first, and a fill that reaches the limit is sent at once (any further input would send it
+    anyway); an input that reaches the limit alone is sent from its own buffer. With FSDP's one gradient per unit,
+    the bucket so holds at most about one unit's gradient, as FSDP2's per-unit reduce-scatter does, while gradients
+    smaller than the floor are still merged.
+
+    Attributes:
+        hold_floor_bytes (int): the least hold limit (:data:`HOLD_FLOOR_BYTES` unless set on the instance).
+        largest_bytes (int): the largest bucketed input seen so far, in bytes of full gradient.
     """
 
     def __init__(self, bucket_cap_mb: int = 25) -> None:
         self.bucket_cap_mb = bucket_cap_mb
         self.buckets: Dict[Tuple[torch.dtype, torch.device, Any], Bucket] = {}
+        self.hold_floor_bytes = HOLD_FLOOR_BYTES
+        self.largest_bytes = 0
 
     @torch.no_grad()
     def reduce_scatter_async(
@@ -165,9 +192,9 @@ class ReduceScatterBucketer:
                 ``r`` is reduced into rank ``r``'s result.
             group (Any): the process group (``None`` for the default world group).
             callback_fn (Optional[Callable[[Tensor], None]]): called with this rank's reduced
-                chunk (shaped like ``input_list[0]``) once it is ready: at once for inputs too
-                large to bucket, else at the next flush. Do not modify the inputs before then;
-                they are copied into the bucket right away, so they may be freed.
+                chunk (shaped like ``input_list[0]``) once it is ready: at once for inputs that are
+                not bucketed (see the flush policy above), else when their fill is sent. Do not modify
+                the inputs before then; they are copied into the bucket right away, so they may be freed.
         """
         size = collectives.group_size(group)
         if len(input_list) != size:
@@ -188,27 +215,53 @@ class ReduceScatterBucketer:
             if callback_fn is not None:
                 callback_fn(torch.zeros_like(first))
             return
-        if numel >= self._get_shard_size(first.element_size(), size):
-            # As large as a bucket or larger: reduce-scatter it now, as one flat input (a bucket would only copy it).
+        bucket = self._make_room(first, size, group)
+        if bucket is None:
+            # Reduce-scatter it now, as one flat input (a bucket would only copy it).
             output = torch.zeros_like(first)
             flat_input = torch.cat([chunk.reshape(-1) for chunk in input_list])
             collectives.reduce_scatter_from_flat(output, flat_input, group=group)
             if callback_fn is not None:
                 callback_fn(output)
             return
+        self._append(bucket, input_list, callback_fn)
 
-        bucket = self._find_or_create_bucket(first, group)
-        if numel > bucket.free_columns:
-            bucket.flush()
+    def _append(
+        self, bucket: Bucket, input_list: List[Tensor], callback_fn: Optional[Callable[[Tensor], None]]
+    ) -> None:
         bucket.append(input_list, callback_fn)
+        if bucket.held_bytes >= self.hold_limit(bucket):
+            bucket.flush()  # full: any further input would send it first, so holding it longer only costs memory
+
+    def _make_room(self, first: Tensor, size: int, group: Any) -> Optional[Bucket]:
+        """The bucket to append a non-empty input shaped like ``first`` to, after sending the fill it would take past
+        the hold limit; ``None`` when the input goes out at once from its own buffer: when its per-rank chunk is at
+        least a bucket row, or when it reaches the hold limit on its own (a fill of it alone would be sent at once,
+        so copying it into the bucket would only hold a second copy of it during the collective)."""
+        numel = first.numel()
+        if numel >= self._get_shard_size(first.element_size(), size):
+            return None
+        bucket = self._find_or_create_bucket(first, group)
+        nbytes = numel * size * first.element_size()
+        # Inputs of a bucket row or more do not count: they would raise the limit to the whole bucket.
+        self.largest_bytes = max(self.largest_bytes, nbytes)
+        limit = self.hold_limit(bucket)
+        if numel > bucket.free_columns or bucket.held_bytes + nbytes > limit:
+            bucket.flush()
+        return None if nbytes >= limit else bucket
+
+    def hold_limit(self, bucket: Bucket) -> int:
+        """The most bytes of full gradient ``bucket``'s fill may hold now (see the class docstring)."""
+        capacity_bytes = bucket.capacity * bucket.data.size(0) * bucket.data.element_size()
+        return min(capacity_bytes, max(self.largest_bytes, self.hold_floor_bytes))
 
     @torch.no_grad()
     def reduce_scatter_flat_async(
         self, flat: Tensor, group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
     ) -> None:
         """Like :meth:`reduce_scatter_async` for one contiguous tensor laid out as the concatenation of per-rank
-        chunks (``flat.numel()`` divisible by the group size). An input too large for a bucket is reduce-scattered
-        straight from ``flat``, without the per-chunk concatenation copy."""
+        chunks (``flat.numel()`` divisible by the group size). An input that is not bucketed (as large as a bucket
+        row, or reaching the hold limit alone) is reduce-scattered straight from ``flat``, without a copy."""
         size = collectives.group_size(group)
         if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % size != 0:
             raise ValueError(
@@ -216,13 +269,17 @@ class ReduceScatterBucketer:
                 f"by the group size ({size})"
             )
         chunk = flat.numel() // size
-        if chunk > 0 and chunk >= self._get_shard_size(flat.element_size(), size):
-            output = flat.new_empty(chunk)
-            collectives.reduce_scatter_from_flat(output, flat, group=group)
-            if callback_fn is not None:
-                callback_fn(output)
+        if chunk == 0:
+            self.reduce_scatter_async([flat[:0]] * size, group, callback_fn)
             return
-        self.reduce_scatter_async(list(flat.chunk(size)) if chunk > 0 else [flat[:0]] * size, group, callback_fn)
+        bucket = self._make_room(flat[:chunk], size, group)
+        if bucket is not None:
+            self._append(bucket, list(flat.chunk(size)), callback_fn)
+            return
+        output = flat.new_empty(chunk)
+        collectives.reduce_scatter_from_flat(output, flat, group=group)
+        if callback_fn is not None:
+            callback_fn(output)
 
     @torch.no_grad()
     def flush(self) -> None:

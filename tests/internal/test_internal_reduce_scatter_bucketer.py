@@ -154,3 +154,92 @@ def _body(rank: int, ws: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_reduce_scatter_bucketer(world_size: int) -> None:
     run_distributed(_body, world_size, timeout=120)
+
+
+KIB = 2**10
+
+
+def _feed(
+    bucketer: ReduceScatterBucketer, kib: List[int], rank: int, seed: int
+) -> "tuple[List[int], List[int], Dict[int, torch.Tensor], List[torch.Tensor]]":
+    """FSDP's use: one flat fp32 gradient per unit through reduce_scatter_flat_async, then flush. Returns the
+    reduce-scatter count after each call and after the flush, the full numel of each one sent, the results and
+    the inputs. Checks after every call that the fill holds no more than its hold limit."""
+    ws = dist.get_world_size()
+    results: Dict[int, torch.Tensor] = {}
+    grads = [_grad(rank, seed + i, n * KIB // 4, torch.float32) for i, n in enumerate(kib)]
+    counts = []
+    with count_collectives() as counter:
+        for i, grad in enumerate(grads):
+            bucketer.reduce_scatter_flat_async(grad, None, callback_fn=lambda out, i=i: results.__setitem__(i, out))
+            counts.append(counter.count("reduce_scatter"))
+            for bucket in bucketer.buckets.values():
+                limit = bucketer.hold_limit(bucket)
+                assert bucket.held_bytes <= limit <= max(bucketer.largest_bytes, bucketer.hold_floor_bytes)
+                assert bucket.held_bytes == bucket.offset * ws * 4
+        bucketer.flush()
+        counts.append(counter.count("reduce_scatter"))
+    sent = [r.numel for r in counter.records if r.kind == "reduce_scatter"]
+    bucketer.teardown()
+    assert all(b.data.untyped_storage().size() == 0 for b in bucketer.buckets.values())  # freed after the flush
+    return counts, sent, results, grads
+
+
+def _check_results(results: Dict[int, torch.Tensor], grads: List[torch.Tensor], ws: int) -> None:
+    assert sorted(results) == list(range(len(grads)))
+    for i, grad in enumerate(grads):
+        assert torch.equal(results[i], _unbucketed(grad, ws)), i
+
+
+def _check_unit_sized_fills(rank: int, ws: int) -> None:
+    """Gradients above the floor: a fill never holds more than the largest gradient seen, in this or an earlier
+    backward; a fill that reaches it is sent at once (a gradient that reaches it alone, from its own buffer);
+    smaller gradients still share a fill."""
+    bucketer = ReduceScatterBucketer()  # 25 MB: every gradient below fits a bucket row, none goes direct
+    assert bucketer.hold_floor_bytes == 1024 * KIB
+    # Limit 2048 KiB after the first. 2048: sent at once. 1536+256+256 = 2048: sent on reaching it. 1536, then
+    # 1024 would pass 2048: the 1536 goes first; the 1024 waits for the flush.
+    counts, sent, results, grads = _feed(bucketer, [2048, 1536, 256, 256, 1536, 1024], rank, 0)
+    assert counts == [1, 1, 1, 2, 2, 3, 4]
+    assert sent == [k * KIB // 4 for k in (2048, 2048, 1536, 1024)]
+    _check_results(results, grads, ws)
+    # The first one reached the limit alone: reduced from its own buffer, not copied into a bucket (whose sends
+    # hand out views of one output row).
+    assert results[0]._base is None and all(results[i]._base is not None for i in range(1, 6))
+    assert bucketer.largest_bytes == 2048 * KIB
+    # Next backward: the limit remembers the 2048 KiB gradient (not max(768, floor) = 1024 KiB: one send each).
+    for step in range(2):
+        counts, sent, results, grads = _feed(bucketer, [768, 768, 768], rank, 10 + step)
+        assert counts == [0, 0, 1, 2] and sent == [k * KIB // 4 for k in (1536, 768)]
+        _check_results(results, grads, ws)
+    # Steady state: the fill is sized from the previous backward, exactly what it holds.
+    bucketer.reduce_scatter_flat_async(_grad(rank, 0, 768 * KIB // 4, torch.float32), None)
+    (bucket,) = bucketer.buckets.values()
+    assert bucket.data.size(1) == 1536 * KIB // 4 // ws and bucket.offset == 768 * KIB // 4 // ws
+    bucketer.flush()
+    bucketer.teardown()
+
+
+def _check_small_gradients_merge_up_to_the_floor(rank: int, ws: int) -> None:
+    """Below the floor, gradients share a fill until it holds the floor, then it is sent: fewer collectives than
+    one per gradient, and never a fill above the floor."""
+    bucketer = ReduceScatterBucketer()
+    counts, sent, results, grads = _feed(bucketer, [128] * 20, rank, 0)
+    assert counts == [(i + 1) // 8 for i in range(20)] + [3]  # 8 x 128 KiB = the 1 MiB floor
+    assert sent == [k * KIB // 4 for k in (1024, 1024, 512)]
+    _check_results(results, grads, ws)
+    # A floor set on the instance (a smaller limit for tests or tight memory).
+    bucketer = ReduceScatterBucketer()
+    bucketer.hold_floor_bytes = 256 * KIB
+    counts, sent, results, grads = _feed(bucketer, [64, 64, 64, 64, 96, 96, 96], rank, 5)
+    assert counts == [0, 0, 0, 1, 1, 1, 2, 3] and sent == [k * KIB // 4 for k in (256, 192, 96)]
+    _check_results(results, grads, ws)
+
+
+def _hold_limit_body(rank: int, ws: int) -> None:
+    _check_unit_sized_fills(rank, ws)
+    _check_small_gradients_merge_up_to_the_floor(rank, ws)
+
+
+def test_fill_holds_at_most_one_unit_gradient() -> None:
+    run_distributed(_hold_limit_body, 2, timeout=120)

@@ -19,14 +19,18 @@ The functions here turn that dict back into the per-flat-parameter form; cutting
 done by :meth:`FullyShardedDataParallel.get_shard_from_optim_state_dict`.
 """
 
-import copy
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper as FlattenParamsWrapper  # upstream name
+
+from ._fsdp.optim_format import check_param_counts_before_sharding as check_param_counts_before_sharding
+from ._fsdp.optim_format import flatten_optim_state_dict as flatten_optim_state_dict
+from ._fsdp.optim_format import is_singleton_tensor as is_singleton_tensor
+from ._fsdp.optim_format import param_id_runs as param_id_runs
 
 __all__ = [
     "build_unflat_state_dict",
@@ -35,116 +39,6 @@ __all__ = [
     "is_singleton_tensor",
     "param_id_runs",
 ]
-
-_FORMAT_KEYS = ("state", "param_groups", "param_id_map", "uncollected_local_ids")
-
-
-def is_singleton_tensor(x: Any) -> bool:
-    """Whether ``x`` is a 0-dim tensor (per-parameter scalar state such as a tensor ``step``)."""
-    return torch.is_tensor(x) and x.dim() == 0
-
-
-def param_id_runs(param_id_map: Mapping[Any, Optional[int]]) -> int:
-    """Number of runs of equal consecutive local ids in ``param_id_map``, read in global-id order.
-
-    With one flat parameter per instance this is the number of flat parameters, i.e. the length of the sharded
-    optimizer's ``params`` list.
-    """
-    runs = 0
-    previous: Any = object()
-    for gid in sorted(param_id_map, key=int):
-        local = param_id_map[gid]
-        if local != previous:
-            runs += 1
-            previous = local
-    return runs
-
-
-def check_param_counts_before_sharding(full_optim_state_dict: Mapping[str, Any], n_instances: int) -> None:
-    """Check that a full optimizer state dict has one local id per non-empty FSDP instance of the model.
-
-    Args:
-        full_optim_state_dict: a :meth:`gather_full_optim_state_dict` result.
-        n_instances: the number of FSDP instances that own parameters in the model to load it into.
-
-    Raises:
-        ValueError: the counts differ (the dict was saved from another model or wrapping), unless the dict has
-            no state at all.
-    """
-    if not full_optim_state_dict.get("state"):
-        return
-    local_ids = set(v for v in full_optim_state_dict["param_id_map"].values() if v is not None)
-    too_many = max(local_ids, default=-1) >= n_instances or len(local_ids) > n_instances
-    unknown = any(v is None for v in full_optim_state_dict["param_id_map"].values())
-    if too_many or (not unknown and len(local_ids) != n_instances):
-        raise ValueError(
-            f"the optimizer state dict has {len(local_ids)} flat parameters (local ids {sorted(local_ids)}) but the "
-            f"model has {n_instances} FSDP instances with parameters; was it saved from a model wrapped differently?"
-        )
-
-
-def flatten_optim_state_dict(sd: Mapping[str, Any]) -> Dict[str, Any]:
-    """Regroup a full optimizer state dict by flat parameter (local id), unsharded.
-
-    For each local id, every tensor state of its global ids is flattened and concatenated in global-id order (the
-    flat parameter's layout, without padding); 0-dim tensors, per-rank lists and other values (``step``) are taken
-    once. ``param_groups[*]["params"]`` becomes ``range(number of local ids)``; ``param_id_map`` and
-    ``uncollected_local_ids`` are dropped; other top-level keys are kept. ``sd`` itself is not modified.
-
-    Args:
-        sd: a :meth:`gather_full_optim_state_dict` result. ``param_id_map`` values must be local ids (``None``
-            entries, which carry no state, are skipped).
-
-    Returns:
-        ``{"state": {local_id: {...}}, "param_groups": [...], ...}``, loadable after sharding.
-
-    Raises:
-        ValueError: some parameters of a flat parameter have state and others do not, or a tensor state is
-            missing for one of them.
-    """
-    param_id_map = {int(g): v for g, v in sd["param_id_map"].items()}
-    uncollected = set(sd.get("uncollected_local_ids", []))
-    state = {int(g): v for g, v in sd["state"].items()}
-    by_local: Dict[int, List[int]] = {}
-    for gid in sorted(param_id_map):
-        local = param_id_map[gid]
-        if local is not None:
-            by_local.setdefault(int(local), []).append(gid)
-    new_state: Dict[int, Dict[str, Any]] = {}
-    for local, gids in by_local.items():
-        entries = [state[g] for g in gids if g in state]
-        if not entries:
-            continue  # an unused flat parameter: no optimizer state
-        if len(entries) != len(gids) and local not in uncollected:
-            missing = [g for g in gids if g not in state]
-            raise ValueError(
-                f"flat parameter {local}: global ids {missing} have no optimizer state while the others of the same "
-                "flat parameter do; the state dict is incomplete"
-            )
-        new_state[local] = _merge_entries(local, entries)
-    groups = []
-    for group in sd["param_groups"]:
-        new_group = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
-        new_group["params"] = list(range(param_id_runs(param_id_map)))
-        groups.append(new_group)
-    out: Dict[str, Any] = {"state": new_state, "param_groups": groups}
-    out.update({k: v for k, v in sd.items() if k not in _FORMAT_KEYS})
-    return out
-
-
-def _merge_entries(local: int, entries: List[Mapping[str, Any]]) -> Dict[str, Any]:
-    merged: Dict[str, Any] = {}
-    for key, first in entries[0].items():
-        if isinstance(first, Tensor) and first.dim() > 0:
-            if any(not isinstance(e.get(key), Tensor) for e in entries):
-                raise ValueError(f"flat parameter {local}: state {key!r} is a tensor for some parameters only")
-            merged[key] = torch.cat([e[key].reshape(-1) for e in entries])
-        else:
-            merged[key] = first
-    return merged
-
-
-# ------------------------------------------------------------------------------------------------ upstream's builder
 
 
 def build_unflat_state_dict(

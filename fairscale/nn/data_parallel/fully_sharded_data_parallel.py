@@ -1,30 +1,34 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""FullyShardedDataParallel: the public front. The machinery lives in :mod:`fairscale.nn.data_parallel._fsdp`."""
+"""FullyShardedDataParallel: the public front. The machinery lives in :mod:`fairscale.nn.data_parallel._fsdp`.
+
+The front is an ``nn.Module`` that owns one :class:`~._fsdp.unit.FSDPUnit` (the typed runtime state: config,
+handles, training state); its methods carry the user docstrings and delegate to free functions of ``_fsdp``
+(lifecycle in ``runtime``, state dicts in ``state_dict``, checkpoint formats in ``metadata`` and ``optim_state``).
+The docs page "Architecture" draws the objects.
+"""
 
 import contextlib
-import logging
-from typing import Any, Dict, Generator, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional, Set, Tuple, Union, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
-from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn, get_process_group_cached
+from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
-from ._fsdp import config as fsdp_config
-from ._fsdp import grad_accum, summon, zero2
+from ._fsdp import batchnorm_wrap, grad_accum, metadata, optim_state, runtime
+from ._fsdp import state_dict as fsdp_state_dict
+from ._fsdp import summon
 from ._fsdp import ties as fsdp_ties
+from ._fsdp.config import FSDPConfig, make_config
 from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
-from ._fsdp.metadata import CheckpointFormatsMixin
 from ._fsdp.io import cast_inputs
-from ._fsdp.runtime import FSDPRuntime
+from ._fsdp.naming import clean_path
 from ._fsdp.state import HandleState, TrainingState
-from ._fsdp.state_dict import StateDictMixin
-
-log = logging.getLogger(__name__)
+from ._fsdp.tree import TreeState
+from ._fsdp.unit import UNIT_ATTR, ConfigAttribute, FSDPUnit, unit_of
 
 # Names that upstream code imports from this module (upstream defined or imported them here); re-exported so that
 # such imports keep working. Checked by tests/test_upstream_api.py.
@@ -33,6 +37,7 @@ from math import inf as inf  # noqa: E402
 from fairscale.internal.containers import apply_to_tensors as apply_to_tensors  # noqa: E402
 from fairscale.internal.errors import p_assert as p_assert  # noqa: E402
 from fairscale.internal.parallel import chunk_and_pad as chunk_and_pad  # noqa: E402
+from fairscale.internal.parallel import get_process_group_cached as get_process_group_cached  # noqa: E402
 from fairscale.internal.parallel import validate_process_group as validate_process_group  # noqa: E402
 from fairscale.internal.params import calc_grad_norm as calc_grad_norm  # noqa: E402
 from fairscale.internal.params import recursive_copy_to_device as recursive_copy_to_device  # noqa: E402
@@ -56,7 +61,7 @@ __all__ = [
 ]
 
 
-class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRuntime):
+class FullyShardedDataParallel(nn.Module):
     """A wrapper that shards a module's parameters, gradients and optimizer state across data-parallel ranks.
 
     Every rank keeps ``1/world_size`` of each owned parameter (its *shard*). Before this instance's forward, and
@@ -156,54 +161,35 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         backward_prefetch: bool = True,
     ):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            if process_group is None:
-                raise RuntimeError(
-                    "FullyShardedDataParallel needs torch.distributed to be initialized (e.g. "
-                    "dist.init_process_group('gloo') on CPU or 'nccl' on CUDA), or an explicit process_group."
-                )
-        self.process_group = process_group if process_group is not None else get_process_group_cached()
-        fsdp_config.check_group_membership(self.process_group, process_group_reduce_scatter)
-        self.rank = self.process_group.rank()
-        self.world_size = self.process_group.size()
-        self.process_group_reduce_scatter = self._resolve_reduce_scatter_group(process_group_reduce_scatter)
-
-        self.reshard_after_forward = self._orig_reshard_after_forward = reshard_after_forward
-        self.disable_reshard_on_root = disable_reshard_on_root
-        self.mixed_precision = mixed_precision
-        if fp32_reduce_scatter and not mixed_precision:
-            raise ValueError("fp32_reduce_scatter=True needs mixed_precision=True (fp32 params already reduce in fp32)")
-        self.fp32_reduce_scatter = fp32_reduce_scatter
-        self.flatten_parameters = flatten_parameters
-        self.move_params_to_cpu = move_params_to_cpu or cpu_offload
-        self.compute_dtype = fsdp_config.resolve_compute_dtype(mixed_precision, compute_dtype)
-        self.buffer_dtype = buffer_dtype or self.compute_dtype
-        self._buffer_dtype_given = buffer_dtype is not None
-        self.move_grads_to_cpu = self.move_params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
-        self.bucket_cap_mb = bucket_cap_mb
-        self.no_broadcast_optim_state = bool(no_broadcast_optim_state)
-        self.clear_autocast_cache = clear_autocast_cache
-        self.force_input_to_fp32 = force_input_to_fp32
-        self.verbose = verbose
-        self.state_dict_on_rank_0_only = state_dict_on_rank_0_only
-        self.allow_reset_parameters = allow_reset_parameters
-        self.optimize_backward_concat = optimize_backward_concat
-        self.forward_prefetch = bool(forward_prefetch)
-        self.backward_prefetch = bool(backward_prefetch)
-        self.gradient_predivide_factor, self.gradient_postdivide_factor = fsdp_config.divide_factors(
-            self.world_size, gradient_predivide_factor
+        params, foreign_params, tie_problems = self._collect_params_to_own(module)
+        config = make_config(
+            (p for _, p in params),
+            process_group,
+            process_group_reduce_scatter,
+            reshard_after_forward,
+            disable_reshard_on_root,
+            mixed_precision,
+            fp32_reduce_scatter,
+            flatten_parameters,
+            move_params_to_cpu or cpu_offload,
+            compute_dtype,
+            buffer_dtype,
+            move_grads_to_cpu,
+            bucket_cap_mb,
+            compute_device,
+            no_broadcast_optim_state,
+            state_dict_device,
+            clear_autocast_cache,
+            force_input_to_fp32,
+            verbose,
+            state_dict_on_rank_0_only,
+            gradient_predivide_factor,
+            allow_reset_parameters,
+            zero2_process_group,
+            optimize_backward_concat,
+            forward_prefetch,
+            backward_prefetch,
         )
-
-        self._foreign_params: List[Tuple[str, nn.Parameter]] = []
-        params = self._collect_params_to_own(module)
-        self.compute_device = fsdp_config.resolve_compute_device((p for _, p in params), compute_device)
-        self.state_dict_device = torch.device(state_dict_device) if state_dict_device else self.compute_device
-        fsdp_config.validate_grad_placement(self.compute_device, self.move_params_to_cpu, self.move_grads_to_cpu)
-        fsdp_config.validate_param_dtypes((p for _, p in params), mixed_precision, self.compute_dtype)
-        self.zero2_process_group = zero2_process_group
-        self._zero2_problem = zero2.local_problem(zero2_process_group, self.process_group)
-        self._zero2_rank, self._zero2_size = zero2.rank_and_size(zero2_process_group, self._zero2_problem)
-
         to_flatten = [p for _, p in params] if flatten_parameters else []
         try:
             self._fsdp_wrapped_module = FlattenParamsWrapper(
@@ -217,72 +203,42 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         if flatten_parameters:
             fsdp_ties.mark_flattened(p for _, p in params)
         del module  # reachable only through the wrapper from here on
-        self._num_flatten_params = len(self._fsdp_wrapped_module.flat_params)
         flat = list(self._fsdp_wrapped_module.flat_params)
         kept = [(n, p) for n, p in params if not flatten_parameters]
-        self.params: List[nn.Parameter] = flat + [p for _, p in kept]
-        self._param_name_groups: List[List[str]] = ([[n for n, _ in params]] if flat else []) + [[n] for n, _ in kept]
-        self._has_params = len(self.params) > 0
-        self._has_shared_params = False
-
-        self._handles: List[FlatHandle] = []
-        self.numel_padded_per_param: List[int] = []
-        self._shard_parameters_(
-            [("flat_param_0" if flat and i == 0 else names[0]) for i, names in enumerate(self._param_name_groups)]
-        )
-        self.buffer_size = sum(p._orig_size.numel() for p in self.params)  # type: ignore[attr-defined]
-
-        self.training_state = TrainingState.IDLE
-        self._require_backward_grad_sync = True
-        self._pre_backward_hook_has_run = False
-        self._is_root: Optional[bool] = None
-        self._tree = None
-        self._return_full_state_dict = True
+        name_groups: List[List[str]] = ([[n for n, _ in params]] if flat else []) + [[n] for n, _ in kept]
+        owned: List[nn.Parameter] = flat + [p for _, p in kept]
+        backing = [("flat_param_0" if flat and i == 0 else names[0]) for i, names in enumerate(name_groups)]
+        handles = [_shard_parameter(p, name, config) for p, name in zip(owned, backing)]
+        unit = FSDPUnit(self, config, handles, name_groups, len(flat))
+        unit.foreign_params, unit.tie_problems = foreign_params, tie_problems
+        self.__dict__[UNIT_ATTR] = unit
+        self.buffer_size = sum(h.numel for h in handles)
         enable_pytorch_sync_bn(self._fsdp_wrapped_module)
-        self._register_state_dict_hooks()
-        self._register_post_backward_hooks()
-        grad_accum.install(self)
+        fsdp_state_dict.register_hooks(self)
+        runtime.register_post_backward_hooks(unit)
+        grad_accum.install(unit)
         for n, p in self.named_parameters():
             assert hasattr(p, "_is_sharded"), f"parameter {n} is not managed by any FSDP instance"
 
     # ------------------------------------------------------------------ construction helpers
-    def _resolve_reduce_scatter_group(self, value: Any) -> Any:
-        if value == ProcessGroupName.default or value is None:
-            return self.process_group
-        if value == ProcessGroupName.reduce_scatter:
-            group = get_process_group_cached(ProcessGroupName.reduce_scatter)
-            if group is None:
-                return self.process_group
-        elif isinstance(value, dist.ProcessGroup) or (hasattr(value, "rank") and not hasattr(value, "allgather")):
-            group = value
-        else:
-            raise TypeError(
-                f"process_group_reduce_scatter must be a ProcessGroupName or a ProcessGroup, got {type(value)!r}"
-            )
-        if group.size() != self.world_size:
-            log.warning(
-                "process_group_reduce_scatter has %d ranks but process_group has %d; using process_group for the "
-                "reduce-scatter",
-                group.size(),
-                self.world_size,
-            )
-            return self.process_group
-        return group
-
-    def _collect_params_to_own(self, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-        """Parameters not yet owned by a nested FSDP instance.
+    def _collect_params_to_own(
+        self, module: nn.Module
+    ) -> Tuple[List[Tuple[str, nn.Parameter]], List[Tuple[str, nn.Parameter]], List[str]]:
+        """Parameters not yet owned by a nested FSDP instance, parameters owned by a sibling, and tie problems.
 
         A parameter already sharded by an FSDP instance outside ``module`` (a weight tied to a sibling) is skipped,
         as upstream, and remembered: unless :meth:`append_shared_param` declares it, the first forward raises.
-        Ties that no declaration can make work are remembered in ``_tie_problems`` and raise at the first forward
-        too (see :func:`fsdp_ties.find_unhonourable_ties`); owning such a parameter here would silently untie it.
+        Ties that no declaration can make work are remembered too and raise at the first forward (see
+        :func:`fsdp_ties.find_unhonourable_ties`); owning such a parameter here would silently untie it.
         """
         nested_owned: Set[int] = set()
         for m in module.modules():
-            if isinstance(m, FullyShardedDataParallel):
-                m._has_fsdp_parent = True  # no_sync() is refused on it, before its lazy init as after
+            nested = unit_of(m)
+            if nested is not None:
+                nested.has_fsdp_parent = True  # no_sync() is refused on it, before its lazy init as after
                 nested_owned.update(id(p) for p in m.parameters())
-        self._tie_problems = fsdp_ties.find_unhonourable_ties(module, nested_owned, FullyShardedDataParallel)
+        tie_problems = fsdp_ties.find_unhonourable_ties(module, nested_owned, FullyShardedDataParallel)
+        foreign: List[Tuple[str, nn.Parameter]] = []
         out: List[Tuple[str, nn.Parameter]] = []
         seen = set()
         for name, p in module.named_parameters():
@@ -290,42 +246,118 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
                 continue
             seen.add(id(p))
             if hasattr(p, "_is_sharded"):
-                self._foreign_params.append((name, p))
+                foreign.append((name, p))
                 continue
             out.append((name, p))
-        return out
+        return out, foreign, tie_problems
 
-    @torch.no_grad()
-    def _shard_parameters_(self, names: List[str]) -> None:
-        for p, name in zip(self.params, names):
-            p._is_sharded = self.world_size > 1  # type: ignore[attr-defined]
-            p._orig_size = p.data.size()  # type: ignore[attr-defined]
-            padding = 0
-            if p._is_sharded:  # type: ignore[attr-defined]
-                shard, padding = self._get_shard(p.data)
-                p.data = shard
-            if self._moves_shards_to_compute_device(p.data):
-                # A model built on the CPU with an accelerator compute device: only the shard moves, and before the
-                # user builds (or loads) the optimizer, so its state is created next to the parameters.
-                p.data = p.data.to(self.compute_device)
-            self.numel_padded_per_param.append(padding)
-            self._handles.append(FlatHandle(p, name, self.world_size, self.rank, padding))
+    # ------------------------------------------------------------------ the unit and its settings
+    @property
+    def _fsdp_unit(self) -> FSDPUnit:
+        unit: FSDPUnit = self.__dict__[UNIT_ATTR]
+        return unit
 
-    def _moves_shards_to_compute_device(self, shard: Tensor) -> bool:
-        accelerator = self.compute_device.type not in ("cpu", "meta")
-        return (
-            accelerator and not self.move_params_to_cpu and shard.device.type not in ("meta", self.compute_device.type)
-        )
+    @property
+    def _config(self) -> FSDPConfig:
+        return self._fsdp_unit.config
 
-    def _get_shard(self, tensor: Tensor) -> Tuple[Tensor, int]:
-        """This rank's chunk-and-pad shard of ``tensor`` (1-D, ``ceil(numel / world_size)`` elements) and padding."""
-        chunks = torch.flatten(tensor).chunk(self.world_size)
-        piece = chunks[self.rank] if self.rank < len(chunks) else tensor.new_empty(0)
-        shard_numel = chunks[0].numel()
-        padding = shard_numel - piece.numel()
-        shard = torch.zeros(shard_numel, dtype=tensor.dtype, device=tensor.device)
-        shard[: piece.numel()].copy_(piece)
-        return shard, padding
+    # Upstream's instance attributes, read from (and written through) the unit's config.
+    process_group = ConfigAttribute()
+    process_group_reduce_scatter = ConfigAttribute()
+    zero2_process_group = ConfigAttribute()
+    rank = ConfigAttribute()
+    world_size = ConfigAttribute()
+    disable_reshard_on_root = ConfigAttribute()
+    mixed_precision = ConfigAttribute()
+    fp32_reduce_scatter = ConfigAttribute()
+    flatten_parameters = ConfigAttribute()
+    move_params_to_cpu = ConfigAttribute()
+    compute_dtype = ConfigAttribute()
+    buffer_dtype = ConfigAttribute()
+    move_grads_to_cpu = ConfigAttribute()
+    bucket_cap_mb = ConfigAttribute()
+    compute_device = ConfigAttribute()
+    no_broadcast_optim_state = ConfigAttribute()
+    state_dict_device = ConfigAttribute()
+    clear_autocast_cache = ConfigAttribute()
+    force_input_to_fp32 = ConfigAttribute()
+    verbose = ConfigAttribute()
+    state_dict_on_rank_0_only = ConfigAttribute()
+    gradient_predivide_factor = ConfigAttribute()
+    gradient_postdivide_factor = ConfigAttribute()
+    allow_reset_parameters = ConfigAttribute()
+    optimize_backward_concat = ConfigAttribute()
+    forward_prefetch = ConfigAttribute()
+    backward_prefetch = ConfigAttribute()
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """The effective setting (``False`` on the root after lazy init when ``disable_reshard_on_root``)."""
+        return self._fsdp_unit.reshard_after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        unit = self._fsdp_unit
+        unit.config = unit.config.replace(reshard_after_forward=bool(value))
+
+    @property
+    def _orig_reshard_after_forward(self) -> bool:
+        return self._config.reshard_after_forward
+
+    @property
+    def training_state(self) -> TrainingState:
+        """This instance's phase (upstream's attribute; changed only by the runtime)."""
+        return self._fsdp_unit.training_state
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        """The parameters this instance shards (flat parameters first), plus shared ones it borrows."""
+        return self._fsdp_unit.params
+
+    @property
+    def numel_padded_per_param(self) -> List[int]:
+        return [h.padding for h in self._fsdp_unit.handles]
+
+    @property
+    def _num_flatten_params(self) -> int:
+        return self._fsdp_unit.num_flatten_params
+
+    @property
+    def _param_name_groups(self) -> List[List[str]]:
+        return self._fsdp_unit.param_name_groups
+
+    @property
+    def _has_params(self) -> bool:
+        return len(self._fsdp_unit.handles) > 0
+
+    @property
+    def _has_shared_params(self) -> bool:
+        return self._fsdp_unit.has_shared_params
+
+    @property
+    def children_share_process_group(self) -> bool:
+        return self._fsdp_unit.children_share_process_group
+
+    # Runtime state, read by tests and debugging tools.
+    @property
+    def _handles(self) -> List[FlatHandle]:
+        return self._fsdp_unit.handles
+
+    @property
+    def _is_root(self) -> Optional[bool]:
+        return self._fsdp_unit.is_root
+
+    @property
+    def _tree(self) -> Optional[TreeState]:
+        return self._fsdp_unit.tree
+
+    @property
+    def _require_backward_grad_sync(self) -> bool:
+        return self._fsdp_unit.require_backward_grad_sync
+
+    @property
+    def _has_fsdp_parent(self) -> bool:
+        return self._fsdp_unit.has_fsdp_parent
 
     # ------------------------------------------------------------------ simple properties
     @property
@@ -336,16 +368,17 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
     @property
     def has_full_params(self) -> bool:
         """Whether this instance's full parameters are currently gathered (upstream's flag, now derived)."""
-        return any(h.state == HandleState.FULL for h in self._handles)
+        return any(h.state == HandleState.FULL for h in self._fsdp_unit.handles)
 
     def _print_r0(self, msg: str) -> None:
         """Debug print on rank 0 only (upstream helper)."""
         if self.rank == 0:
-            print(f"{msg} (device memory allocated: {self._device.memory_allocated() / 2**20:.1f} MiB)")
+            allocated = self._fsdp_unit.device.memory_allocated() / 2**20
+            print(f"{msg} (device memory allocated: {allocated:.1f} MiB)")
 
     @property
     def cpu_offload(self) -> bool:
-        return self.move_params_to_cpu
+        return bool(self.move_params_to_cpu)
 
     @property
     def params_with_grad(self) -> List[nn.Parameter]:
@@ -353,13 +386,13 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         return [p for p in self.parameters() if p.grad is not None]
 
     def non_shared_params(self) -> List[nn.Parameter]:
-        return [h.param for h in self._handles if not h.borrowed]
+        return [h.param for h in self._fsdp_unit.handles if not h.borrowed]
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name.startswith("__") and name.endswith("__"):
+            if (name.startswith("__") and name.endswith("__")) or name == "_fsdp_wrapped_module":
                 raise  # protocol lookups (__deepcopy__, __getstate__...) must not find the wrapper's
             return getattr(self._fsdp_wrapped_module, name)
 
@@ -376,27 +409,34 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             )
 
     def extra_repr(self) -> str:
+        c = self._config
         rep = (
-            f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
-            f"mixed_precision={self.mixed_precision}"
+            f"world_size={c.world_size}, flatten_parameters={c.flatten_parameters}, mixed_precision={c.mixed_precision}"
         )
-        if self.verbose:
+        if c.verbose:
+            zero2 = c.zero2_size if c.zero2_process_group is not None else None
             rep = (
-                f"rank={self.rank}, " + rep + f", reshard_after_forward={self.reshard_after_forward}, "
-                f"compute_dtype={self.compute_dtype}, buffer_dtype={self.buffer_dtype}, "
-                f"fp32_reduce_scatter={self.fp32_reduce_scatter}, compute_device={self.compute_device}, "
-                f"move_params_to_cpu={self.move_params_to_cpu}, move_grads_to_cpu={self.move_grads_to_cpu}, "
-                f"bucket_cap_mb={self.bucket_cap_mb}, clear_autocast_cache={self.clear_autocast_cache}, "
-                f"force_input_to_fp32={self.force_input_to_fp32}, zero2={self._zero2_size if self.zero2_process_group is not None else None}, "
-                f"optimize_backward_concat={self.optimize_backward_concat}"
+                f"rank={c.rank}, " + rep + f", reshard_after_forward={self.reshard_after_forward}, "
+                f"compute_dtype={c.compute_dtype}, buffer_dtype={c.buffer_dtype}, "
+                f"fp32_reduce_scatter={c.fp32_reduce_scatter}, compute_device={c.compute_device}, "
+                f"move_params_to_cpu={c.move_params_to_cpu}, move_grads_to_cpu={c.move_grads_to_cpu}, "
+                f"bucket_cap_mb={c.bucket_cap_mb}, clear_autocast_cache={c.clear_autocast_cache}, "
+                f"force_input_to_fp32={c.force_input_to_fp32}, zero2={zero2}, "
+                f"optimize_backward_concat={c.optimize_backward_concat}"
             )
         return rep
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ forward and backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fsdp_forward(*args, **kwargs)
+        return runtime.forward(self._fsdp_unit, args, kwargs)
 
-    # ------------------------------------------------------------------ accumulation
+    def _lazy_init(self) -> None:
+        runtime.lazy_init(self._fsdp_unit)
+
+    def _finalize_backward(self) -> None:
+        """The end-of-backward callback the tree queues (looked up at lazy init, so it can be wrapped)."""
+        runtime.finalize_backward(self._fsdp_unit)
+
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally (unsharded, no communication) until the context exits.
@@ -404,26 +444,27 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         Call it on the root instance, outside forward/backward. The first backward after the context reduces the
         sum of all accumulated gradients.
         """
+        unit = self._fsdp_unit
         # The same rule before the first forward as after it: a nested instance's own lazy init would otherwise
         # make it a root of its own subtree and accept the call.
-        if self._has_fsdp_parent or self._is_root is False:
+        if unit.has_fsdp_parent or unit.is_root is False:
             raise FairscaleRuntimeError(
                 "no_sync() must be called on the root FullyShardedDataParallel instance; this one is nested inside "
                 "another FullyShardedDataParallel instance"
             )
-        self._lazy_init()
-        if not self._is_root:
+        runtime.lazy_init(unit)
+        if not unit.is_root:
             raise FairscaleRuntimeError("no_sync() must be called on the root FullyShardedDataParallel instance")
         self.assert_state(TrainingState.IDLE)
-        instances = self._fsdp_instances()
-        saved = [m._require_backward_grad_sync for m in instances]
-        for m in instances:
-            m._require_backward_grad_sync = False
+        units = unit.tree_units()
+        saved = [u.require_backward_grad_sync for u in units]
+        for u in units:
+            u.require_backward_grad_sync = False
         try:
             yield
         finally:
-            for m, flag in zip(instances, saved):
-                m._require_backward_grad_sync = flag
+            for u, flag in zip(units, saved):
+                u.require_backward_grad_sync = flag
 
     # ------------------------------------------------------------------ full params
     @contextlib.contextmanager
@@ -437,43 +478,37 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             recurse: also summon every nested instance.
             volatile: do not copy edits of the full parameters back into the shards on exit.
         """
-        with summon.summon_full_params(self, recurse=recurse, volatile=volatile):
+        with summon.summon_full_params(self._fsdp_unit, recurse=recurse, volatile=volatile):
             yield
 
     def apply(self, fn: Any) -> "FullyShardedDataParallel":
         """Like ``nn.Module.apply`` but with this instance's full parameters summoned while ``fn`` runs."""
-        uninitialized = self._is_root is None
         self._assert_idle_tree("apply")
-        with self.summon_full_params(recurse=False):
+        with runtime.lazy_init_for_call(self._fsdp_unit), self.summon_full_params(recurse=False):
             super().apply(fn)
-        if uninitialized and self._is_root:
-            for m in self._fsdp_instances():
-                m._reset_lazy_init()
         return self
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
         """``.to()/.half()/.float()/.cuda()``: allowed only when idle; shards are moved, lazy init is redone."""
         self._assert_idle_tree("_apply (.to/.half/.float)")
-        if any(h.state != HandleState.SHARDED for m in self._fsdp_instances() for h in m._handles):
-            for m in self._fsdp_instances():
-                m._reshard(after_forward=False)
-                for h in m._handles:
-                    h.drop_zero2_slice()
-                    h.use_shard()
-        for m in self._fsdp_instances():
-            m._reset_lazy_init()
-        super()._apply(fn, *args, **kwargs)
-        for m in self._fsdp_instances():
-            if not m.mixed_precision and m.params:
-                m.compute_dtype = m.params[0].dtype
-                if not m._buffer_dtype_given:
-                    m.buffer_dtype = m.compute_dtype
+        units = self._fsdp_unit.tree_units()
+        for u in units:
+            u.release_all()
+            runtime.reset_lazy_init(u)
+        cast(Any, super())._apply(fn, *args, **kwargs)
+        for u in units:
+            c = u.config
+            if not c.mixed_precision and u.handles:
+                dtype = u.handles[0].param.dtype
+                u.config = c.replace(
+                    compute_dtype=dtype, buffer_dtype=c.buffer_dtype if c.buffer_dtype_given else dtype
+                )
         return self
 
     def _assert_idle_tree(self, what: str) -> None:
-        for m in self._fsdp_instances():
-            if m.training_state != TrainingState.IDLE:
-                raise FairscaleRuntimeError(f"{what} needs every FSDP instance idle; one is in {m.training_state.name}")
+        for u in self._fsdp_unit.tree_units():
+            if u.training_state != TrainingState.IDLE:
+                raise FairscaleRuntimeError(f"{what} needs every FSDP instance idle; one is in {u.training_state.name}")
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -483,16 +518,17 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         The norm is computed over the sharded gradients and combined across ranks, so the result equals
         ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
         """
-        self._lazy_init()
-        if not self._is_root:
+        unit = self._fsdp_unit
+        runtime.lazy_init(unit)
+        if not unit.is_root:
             raise FairscaleRuntimeError("clip_grad_norm_ should only be called on the root (not nested) FSDP instance")
         self.assert_state(TrainingState.IDLE)
-        groups = {id(m.process_group) for m in self._fsdp_instances() if m.params}
+        groups = {id(u.config.process_group) for u in unit.tree_units() if u.handles}
         if len(groups) > 1:
             raise NotImplementedError("clip_grad_norm_ with nested instances on different process groups")
         norm_type = float(norm_type)
         grads: List[Tensor] = [p.grad for p in self.params_with_grad if p.grad is not None]
-        device = self.compute_device
+        device = unit.config.compute_device
         if not grads:
             local = torch.zeros((), device=device)
         elif norm_type == float("inf"):
@@ -503,13 +539,13 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
             ).norm(norm_type)
         local = local.to(torch.float32)
         if norm_type == float("inf"):
-            collectives.all_reduce(local, group=self.process_group, op="max")
+            collectives.all_reduce(local, group=unit.config.process_group, op="max")
             total = local
         else:
             local = local**norm_type
-            collectives.all_reduce(local, group=self.process_group, op="sum")
+            collectives.all_reduce(local, group=unit.config.process_group, op="sum")
             total = local ** (1.0 / norm_type)
-        if self.move_grads_to_cpu:
+        if unit.config.move_grads_to_cpu:
             total = total.cpu()
         clip_coef = torch.tensor(max_norm, dtype=total.dtype, device=total.device) / (total + 1e-6)
         if clip_coef < 1:
@@ -523,7 +559,8 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
         targets = get_fsdp_instances(self) if recursive else [self]
         for m in targets:
             m.assert_state(TrainingState.IDLE)
-            m.gradient_predivide_factor, m.gradient_postdivide_factor = float(pre), float(post)
+            u = m._fsdp_unit
+            u.config = u.config.replace(gradient_predivide_factor=float(pre), gradient_postdivide_factor=float(post))
 
     def reset_parameters(self) -> None:
         """Forward to the wrapped module's ``reset_parameters`` when ``allow_reset_parameters=True``."""
@@ -533,55 +570,154 @@ class FullyShardedDataParallel(StateDictMixin, CheckpointFormatsMixin, FSDPRunti
                 "forward it to the wrapped module (it then runs on the full parameters)."
             )
         with self.summon_full_params(recurse=False):
-            self._fsdp_wrapped_module.module.reset_parameters()
+            reset: Any = getattr(self._fsdp_wrapped_module.module, "reset_parameters")
+            reset()
 
     def append_shared_param(self, p: nn.Parameter) -> None:
         """(Experimental) Also treat ``p``, owned by a sibling instance, as used by this instance."""
-        if self._is_root is not None:
+        unit = self._fsdp_unit
+        if unit.is_root is not None:
             raise FairscaleRuntimeError("append_shared_param must be called before the first forward (lazy init)")
-        if self.flatten_parameters:
+        if unit.config.flatten_parameters:
             raise FairscaleRuntimeError("append_shared_param needs flatten_parameters=False")
-        if not self.params:
+        if not unit.handles:
             raise FairscaleRuntimeError("append_shared_param needs the instance to own at least one parameter")
         if not hasattr(p, "_is_sharded"):
             raise FairscaleValueError(
                 "append_shared_param expects a parameter already sharded by another FSDP instance"
             )
         # The flag lives on this instance's handle, not on the parameter: the owner must keep treating it as its own.
-        self.params.append(p)
-        self._has_shared_params = True
-        handle = FlatHandle(p, "shared", self.world_size, self.rank, 0)
-        handle.borrowed = True
-        self._handles.append(handle)
-        self.numel_padded_per_param.append(0)
+        unit.handles.append(FlatHandle(p, "shared", unit.config.world_size, unit.config.rank, 0, borrowed=True))
+        unit.has_shared_params = True
 
     # ------------------------------------------------------------------ naming
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
         """Raw names when flattened (outside summon); otherwise names without the wrapper path components."""
-        in_summon = any(m.training_state == TrainingState.SUMMON_FULL_PARAMS for m in self._fsdp_instances())
+        in_summon = any(u.training_state == TrainingState.SUMMON_FULL_PARAMS for u in self._fsdp_unit.tree_units())
+        raw = self.flatten_parameters and not in_summon
         for name, p in super().named_parameters(*args, **kwargs):
-            if self.flatten_parameters and not in_summon:
-                yield name, p
-            else:
-                yield _clean_path(name), p
+            yield (name if raw else clean_path(name)), p
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The full (unsharded) state dict: the unwrapped module's keys, fp32 values. Collective: call on all ranks.
+
+        Safe at any point of a step, including between a forward and its backward.
+        """
+        return fsdp_state_dict.state_dict(self._fsdp_unit, *args, **kwargs)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names.
+
+        The dict's ``_metadata`` table records the checkpoint identity (id, rank, world size, step) that
+        :meth:`local_metadata_dict` also reports; consolidation and :meth:`load_local_state_dict` check it.
+        """
+        return fsdp_state_dict.local_state_dict(self._fsdp_unit, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a full state dict (the unwrapped module's keys). Collective: call it on every rank. All-or-nothing.
+
+        Either every rank loads, or every rank raises the same error and leaves the model unchanged (one small
+        ``all_gather_object`` decides).
+
+        Raises:
+            RuntimeError: when called between a forward and its backward, or when keys/shapes do not match (the
+                model is then left exactly as it was).
+        """
+        return fsdp_state_dict.load_state_dict(self._fsdp_unit, state_dict, strict)
+
+    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load this rank's shards from :meth:`local_state_dict` output of an identically wrapped model.
+
+        Collective, like :meth:`load_state_dict`: every rank loads or every rank raises and nothing changes. A dict
+        that records its checkpoint identity must be this rank's of a checkpoint saved at this world size, and all
+        ranks must load shards of the same checkpoint.
+        """
+        return fsdp_state_dict.load_local_state_dict(self._fsdp_unit, state_dict, strict)
+
+    # ------------------------------------------------------------------ checkpoint formats
+    def local_metadata_dict(self) -> Dict[str, Any]:
+        """This rank's sharding metadata, to save next to :meth:`local_state_dict` (upstream's format).
+
+        With every rank's local state dict and metadata, :meth:`consolidate_shard_weights` rebuilds the full
+        state dict offline. No communication.
+        """
+        return metadata.local_metadata_dict(self._fsdp_unit)
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: List[Dict[str, Tensor]],
+        shard_metadata: List[Dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> Dict[str, Tensor]:
+        """Rebuild the full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`.
+
+        Works on CPU without a process group. See :func:`fairscale.nn.data_parallel._fsdp.metadata.
+        consolidate_shard_weights` for the details.
+
+        Args:
+            shard_weights: every rank's local state dict, in rank order.
+            shard_metadata: every rank's local metadata dict, in rank order.
+            with_module_buffers: also copy the buffers (from rank 0).
+            strict: raise on entries the metadata lists but the weights lack (else skip them).
+
+        Returns:
+            The full state dict, with the unwrapped module's keys.
+        """
+        return metadata.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
+        """Gather the optimizer state of every rank into one unsharded dict, returned on global rank 0.
+
+        Collective: call it on every rank. The result has one ``state`` entry per original (unflattened)
+        parameter, with full-shape tensors on the CPU, plus ``param_groups``, ``param_id_map`` and
+        ``uncollected_local_ids`` (upstream's format). The optimizer itself is not modified. Needs
+        ``flatten_parameters=True``, one parameter group, and an optimizer built on ``model.parameters()``.
+
+        Args:
+            optim: the optimizer over this model's parameters.
+            **ignored: accepted for upstream compatibility (e.g. ``recipient_rank``), unused.
+
+        Returns:
+            The full optimizer state dict on global rank 0, ``None`` on the other ranks.
+        """
+        return optim_state.gather_full_optim_state_dict(self._fsdp_unit, optim, **ignored)
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's optimizer state dict, cut from a :meth:`gather_full_optim_state_dict` result.
+
+        The full dict may come from any world size; every instance is sharded over its own process group. No
+        communication; ``full_optim_state_dict`` is left unchanged (upstream modified it in place). Load the
+        result with ``optim.load_state_dict``.
+
+        Args:
+            full_optim_state_dict: the gathered dict (e.g. loaded from a checkpoint).
+
+        Returns:
+            The sharded optimizer state dict for this rank.
+        """
+        return optim_state.get_shard_from_optim_state_dict(self._fsdp_unit, full_optim_state_dict)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        for key in ("process_group", "process_group_reduce_scatter", "zero2_process_group"):
-            if state.get(key) is not None:
-                state[key] = "MISSING"
-        state["_tree"] = None
-        state["_is_root"] = None
-        return state
+        return dict(self.__dict__)  # the unit drops what cannot cross processes (process groups, tree)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)
+        cast(Any, super()).__setstate__(state)
+        self._fsdp_unit.relink(self)
 
 
-def _clean_path(path: str) -> str:
-    """Drop every ``_fsdp_wrapped_module`` / ``_fpw_module`` component of a dotted path."""
-    return ".".join(c for c in path.split(".") if c not in ("_fsdp_wrapped_module", "_fpw_module"))
+def _shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandle:
+    """Shard ``p`` in place (see :meth:`FlatHandle.shard_param_`) and move the shard to the compute device."""
+    handle = FlatHandle.shard_param_(p, name, config.world_size, config.rank)
+    with torch.no_grad():
+        accelerator = config.compute_device.type not in ("cpu", "meta")
+        if accelerator and not config.move_params_to_cpu and p.device.type not in ("meta", config.compute_device.type):
+            # A model built on the CPU with an accelerator compute device: only the shard moves, and before the user
+            # builds (or loads) the optimizer, so its state is created next to the parameters.
+            p.data = p.data.to(config.compute_device)
+    return handle
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:
@@ -600,5 +736,8 @@ def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullySh
 def cast_floats_to_right_precision(to_fp16: bool, no_grad: bool, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
     """Cast floating tensors among ``args``/``kwargs`` to fp16 (``to_fp16``) or from fp16 to fp32 (upstream helper)."""
     if to_fp16:
-        return cast_inputs(torch.float16, (torch.float32,), no_grad, args, kwargs)
-    return cast_inputs(torch.float32, (torch.float16,), no_grad, args, kwargs)
+        return cast(Tuple[Any, Any], cast_inputs(torch.float16, (torch.float32,), no_grad, args, kwargs))
+    return cast(Tuple[Any, Any], cast_inputs(torch.float32, (torch.float16,), no_grad, args, kwargs))
+
+
+batchnorm_wrap.register_wrapper_class(FullyShardedDataParallel)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # upstream imported it here
 
 from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
@@ -100,9 +101,7 @@ class FlattenParamsWrapper(nn.Module):
 
         self._flatten_params(self.flat_params)
 
-        self._register_state_dict_hook(post_state_dict_hook)
-        self._register_load_state_dict_pre_hook(pre_load_state_dict_hook, with_module=True)
-        self.register_load_state_dict_post_hook(post_load_state_dict_hook)
+        register_state_dict_hooks(self, post_state_dict_hook, pre_load_state_dict_hook, post_load_state_dict_hook)
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -330,7 +329,8 @@ class FlattenParamsWrapper(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Unpickled views alias a storage that is not the new flat parameter's (FlatParameter is rebuilt by
         # copying its data), so make fresh ones.
-        super().__setstate__(state)
+        # nn.Module.__setstate__ is unannotated in torch; the cast states its signature.
+        cast(Callable[[Dict[str, Any]], None], super().__setstate__)(state)
         self._rebuild_default_views()
 
     def _rebuild_default_views(self) -> None:

@@ -8,7 +8,7 @@ and running statistics in fp32 while the rest of the model runs in the compute d
 their instances neither flatten nor reshard (nothing to save) and reduce their gradients without bucketing.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -87,11 +87,24 @@ def auto_wrap_bn(
     _tag_batchnorms(module, config, assert_on_collision)
     if not wrap_it:
         return module
-    # Imported here: fully_sharded_data_parallel imports this package, so a module-level import would be a cycle.
-    from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    with enable_wrap(config_auto_wrap_policy, wrapper_cls=FullyShardedDataParallel):
+    with enable_wrap(config_auto_wrap_policy, wrapper_cls=wrapper_class()):
         return auto_wrap(module)
+
+
+# The FullyShardedDataParallel class, registered by its module when it is imported (this package sits below the
+# front and never imports it).
+_WRAPPER_CLS: List[type] = []
+
+
+def register_wrapper_class(cls: type) -> None:
+    """Record the class :func:`auto_wrap_bn` wraps with (called once by the front module)."""
+    _WRAPPER_CLS[:] = [cls]
+
+
+def wrapper_class() -> type:
+    if not _WRAPPER_CLS:  # only when this module is imported on its own, without the fairscale.nn.data_parallel package
+        raise RuntimeError("auto_wrap_bn(wrap_it=True) needs fairscale.nn.data_parallel to be imported")
+    return _WRAPPER_CLS[0]
 
 
 def _bn_wrapper_config(

@@ -1,6 +1,9 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Pure helpers that turn constructor arguments into resolved values, with upstream's defaults."""
+"""The constructor arguments of FullyShardedDataParallel after validation (:class:`FSDPConfig`), and the pure helpers
+that resolve them, with upstream's defaults."""
 
+import dataclasses
+import logging
 from typing import Any, Iterable, Optional, Tuple
 
 import torch
@@ -9,6 +12,180 @@ from torch import nn
 
 from fairscale.internal.device import default_compute_device
 from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
+
+from . import zero2
+
+# The public module's logger: users configure and filter FSDP's messages under the name they import it from.
+log = logging.getLogger("fairscale.nn.data_parallel.fully_sharded_data_parallel")
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPConfig:
+    """What one FullyShardedDataParallel instance was asked to do, resolved and validated once at construction.
+
+    Frozen: the runtime, the handles and the checkpoint code read it, and nothing changes it behind their back. The
+    few values that legitimately change later (``compute_dtype`` after ``.half()``, the divide factors set by
+    ``set_gradient_divide_factors``, upstream's MoE rule for ``no_broadcast_optim_state``) are changed by replacing
+    the whole object (:meth:`replace`). Field meanings are those of the constructor arguments of the same names.
+    """
+
+    process_group: Any
+    process_group_reduce_scatter: Any
+    rank: int
+    world_size: int
+    reshard_after_forward: bool
+    disable_reshard_on_root: bool
+    mixed_precision: bool
+    fp32_reduce_scatter: bool
+    flatten_parameters: bool
+    move_params_to_cpu: bool
+    compute_dtype: torch.dtype
+    buffer_dtype: torch.dtype
+    buffer_dtype_given: bool
+    move_grads_to_cpu: bool
+    bucket_cap_mb: int
+    compute_device: torch.device
+    no_broadcast_optim_state: bool
+    state_dict_device: torch.device
+    clear_autocast_cache: bool
+    force_input_to_fp32: bool
+    verbose: bool
+    state_dict_on_rank_0_only: bool
+    gradient_predivide_factor: float
+    gradient_postdivide_factor: float
+    allow_reset_parameters: bool
+    zero2_process_group: Any
+    zero2_problem: Optional[str]
+    zero2_rank: int
+    zero2_size: int
+    optimize_backward_concat: bool
+    forward_prefetch: bool
+    backward_prefetch: bool
+
+    def replace(self, **changes: Any) -> "FSDPConfig":
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def without_groups(self) -> "FSDPConfig":
+        """A picklable copy: process groups cannot cross processes, so they become the string ``"MISSING"``."""
+        groups = ("process_group", "process_group_reduce_scatter", "zero2_process_group")
+        return self.replace(**{k: "MISSING" for k in groups if getattr(self, k) is not None})
+
+
+def make_config(
+    params: Iterable[nn.Parameter],
+    process_group: Any,
+    process_group_reduce_scatter: Any,
+    reshard_after_forward: bool,
+    disable_reshard_on_root: bool,
+    mixed_precision: bool,
+    fp32_reduce_scatter: bool,
+    flatten_parameters: bool,
+    move_params_to_cpu: bool,
+    compute_dtype: Optional[torch.dtype],
+    buffer_dtype: Optional[torch.dtype],
+    move_grads_to_cpu: Optional[bool],
+    bucket_cap_mb: int,
+    compute_device: Optional[torch.device],
+    no_broadcast_optim_state: Optional[bool],
+    state_dict_device: Optional[torch.device],
+    clear_autocast_cache: bool,
+    force_input_to_fp32: bool,
+    verbose: bool,
+    state_dict_on_rank_0_only: bool,
+    gradient_predivide_factor: Optional[float],
+    allow_reset_parameters: bool,
+    zero2_process_group: Any,
+    optimize_backward_concat: bool,
+    forward_prefetch: bool,
+    backward_prefetch: bool,
+) -> FSDPConfig:
+    """Validate the constructor arguments (``cpu_offload`` already folded into ``move_params_to_cpu``) and resolve
+    their defaults against the parameters the instance will own.
+
+    Raises:
+        RuntimeError: no process group is given and ``torch.distributed`` is not initialised.
+        ValueError: an argument, or a combination of arguments, that no training step could honour; the message
+            says which and what to pass instead.
+    """
+    if process_group is None and (not dist.is_available() or not dist.is_initialized()):
+        raise RuntimeError(
+            "FullyShardedDataParallel needs torch.distributed to be initialized (e.g. "
+            "dist.init_process_group('gloo') on CPU or 'nccl' on CUDA), or an explicit process_group."
+        )
+    group = process_group if process_group is not None else get_process_group_cached()
+    check_group_membership(group, process_group_reduce_scatter)
+    world_size = group.size()
+    if fp32_reduce_scatter and not mixed_precision:
+        raise ValueError("fp32_reduce_scatter=True needs mixed_precision=True (fp32 params already reduce in fp32)")
+    resolved_dtype = resolve_compute_dtype(mixed_precision, compute_dtype)
+    params = list(params)
+    device = resolve_compute_device(params, compute_device)
+    grads_to_cpu = move_params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
+    validate_grad_placement(device, move_params_to_cpu, grads_to_cpu)
+    validate_param_dtypes(params, mixed_precision, resolved_dtype)
+    problem = zero2.local_problem(zero2_process_group, group)
+    zero2_rank, zero2_size = zero2.rank_and_size(zero2_process_group, problem)
+    pre, post = divide_factors(world_size, gradient_predivide_factor)
+    return FSDPConfig(
+        process_group=group,
+        process_group_reduce_scatter=resolve_reduce_scatter_group(process_group_reduce_scatter, group),
+        rank=group.rank(),
+        world_size=world_size,
+        reshard_after_forward=reshard_after_forward,
+        disable_reshard_on_root=disable_reshard_on_root,
+        mixed_precision=mixed_precision,
+        fp32_reduce_scatter=fp32_reduce_scatter,
+        flatten_parameters=flatten_parameters,
+        move_params_to_cpu=move_params_to_cpu,
+        compute_dtype=resolved_dtype,
+        buffer_dtype=buffer_dtype or resolved_dtype,
+        buffer_dtype_given=buffer_dtype is not None,
+        move_grads_to_cpu=grads_to_cpu,
+        bucket_cap_mb=bucket_cap_mb,
+        compute_device=device,
+        no_broadcast_optim_state=bool(no_broadcast_optim_state),
+        state_dict_device=torch.device(state_dict_device) if state_dict_device else device,
+        clear_autocast_cache=clear_autocast_cache,
+        force_input_to_fp32=force_input_to_fp32,
+        verbose=verbose,
+        state_dict_on_rank_0_only=state_dict_on_rank_0_only,
+        gradient_predivide_factor=pre,
+        gradient_postdivide_factor=post,
+        allow_reset_parameters=allow_reset_parameters,
+        zero2_process_group=zero2_process_group,
+        zero2_problem=problem,
+        zero2_rank=zero2_rank,
+        zero2_size=zero2_size,
+        optimize_backward_concat=optimize_backward_concat,
+        forward_prefetch=bool(forward_prefetch),
+        backward_prefetch=bool(backward_prefetch),
+    )
+
+
+def resolve_reduce_scatter_group(value: Any, process_group: Any) -> Any:
+    """The group gradients are reduce-scattered over (see the ``process_group_reduce_scatter`` argument)."""
+    if value == ProcessGroupName.default or value is None:
+        return process_group
+    if value == ProcessGroupName.reduce_scatter:
+        group = get_process_group_cached(ProcessGroupName.reduce_scatter)
+        if group is None:
+            return process_group
+    elif isinstance(value, dist.ProcessGroup) or (hasattr(value, "rank") and not hasattr(value, "allgather")):
+        group = value
+    else:
+        raise TypeError(
+            f"process_group_reduce_scatter must be a ProcessGroupName or a ProcessGroup, got {type(value)!r}"
+        )
+    if group.size() != process_group.size():
+        log.warning(
+            "process_group_reduce_scatter has %d ranks but process_group has %d; using process_group for the "
+            "reduce-scatter",
+            group.size(),
+            process_group.size(),
+        )
+        return process_group
+    return group
 
 
 def default_gradient_predivide_factor(world_size: int) -> float:

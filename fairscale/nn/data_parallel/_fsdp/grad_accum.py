@@ -32,17 +32,17 @@ window was reduced raises instead of silently dropping or double-counting gradie
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch._utils import _unflatten_dense_tensors
 
+from fairscale.internal import tensor_hooks
+
+from . import reduction
 from .handle import FlatHandle
 from .state import TrainingState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import FSDPRuntime
+from .unit import FSDPUnit
 
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 
@@ -54,12 +54,12 @@ class _UnitPlan:
     (its parameter's numels and shapes, its owner and device), so it is computed once and looked up per forward.
     """
 
-    __slots__ = ("_fsdp_ref", "_handle_ref", "numels", "shapes", "templates", "device", "anchor_grad", "__weakref__")
+    __slots__ = ("_unit_ref", "_handle_ref", "numels", "shapes", "templates", "device", "anchor_grad", "__weakref__")
 
-    def __init__(self, fsdp: "FSDPRuntime", handle: FlatHandle, flat: Any) -> None:
+    def __init__(self, unit: FSDPUnit, handle: FlatHandle, flat: Any) -> None:
         # Weak: the autograd graph holding this plan is kept by the module's views (C++ references the garbage
-        # collector cannot see), so a strong reference to the instance would keep a dropped model alive.
-        self._fsdp_ref = weakref.ref(fsdp)
+        # collector cannot see), so a strong reference to the unit would keep a dropped model alive.
+        self._unit_ref = weakref.ref(unit)
         self._handle_ref = weakref.ref(handle)
         self.numels: List[int] = list(flat._param_numels)
         self.shapes: List[torch.Size] = list(flat._param_shapes)
@@ -69,22 +69,22 @@ class _UnitPlan:
         self.templates: Optional[List[Tensor]] = None
         if all(n > 0 for n in self.numels):
             self.templates = [torch.empty(s, device="meta") for s in self.shapes]
-        self.device = fsdp.compute_device
+        self.device = unit.config.compute_device
         # The anchor's (empty) gradient lives on the compute device: autograd runs a node on the worker thread of its
         # inputs' device, so the anchor's AccumulateGrad (where the post-backward point runs) stays on the same
         # thread as the rest of this unit's backward instead of racing it from the CPU thread. Never written to, so
         # one tensor serves every forward.
         self.anchor_grad = torch.empty(0, device=self.device)
 
-    def valid_for(self, fsdp: "FSDPRuntime", handle: FlatHandle) -> bool:
-        """Whether this plan still describes ``handle`` of ``fsdp`` (a copied model gets plans of its own)."""
-        return self._fsdp_ref() is fsdp and self._handle_ref() is handle and self.device == fsdp.compute_device
+    def valid_for(self, unit: FSDPUnit, handle: FlatHandle) -> bool:
+        """Whether this plan still describes ``handle`` of ``unit`` (a copied model gets plans of its own)."""
+        return self._unit_ref() is unit and self._handle_ref() is handle and self.device == unit.config.compute_device
 
     def views(self, data: Tensor) -> Tuple[Tensor, ...]:
         """Views of ``data`` shaped like the parameters, in order."""
         if self.templates is not None:
-            return tuple(_unflatten_dense_tensors(data, self.templates))
-        return tuple(t.view(s) for t, s in zip(data.split(self.numels), self.shapes))
+            return tuple(tensor_hooks.unflatten_like(data, self.templates))
+        return tuple(t.view(s) for t, s in zip(torch.split(data, self.numels), self.shapes))
 
 
 # One plan per handle, dropped with it (handles are pickled and copied with their model; a plan holds weak
@@ -116,11 +116,11 @@ class _NodeInfo:
         return handle
 
     @property
-    def fsdp(self) -> "FSDPRuntime":
-        fsdp = self.plan._fsdp_ref()
-        if fsdp is None:
+    def unit(self) -> FSDPUnit:
+        unit = self.plan._unit_ref()
+        if unit is None:
             raise RuntimeError("optimize_backward_concat: backward through the graph of a deleted FSDP model")
-        return fsdp
+        return unit
 
 
 class _ViewsIntoFlatBuffer(torch.autograd.Function):
@@ -164,19 +164,15 @@ def _concat(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> Optional[Te
 
 def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
     anchor.grad = None
-    info.fsdp._on_view_grads_accumulated(info.handle, info.sync)
+    reduction.on_view_grads_accumulated(info.unit, info.handle, info.sync)
 
 
 def _new_buffer(info: _NodeInfo, h: FlatHandle) -> List[Tensor]:
-    """Open the window's buffer; returns its views, one per parameter and shaped like it."""
-    # Padded like the full parameter (shard_numel * world_size) so the reduce-scatter reads this buffer as is,
-    # without a padded copy. The views are made once per window, so gradients are added without a reshape.
-    padded = h.shard_numel * h.world_size if h.is_sharded else h.numel
-    buf = torch.empty(padded, dtype=info.dtype, device=info.plan.device)
-    buf[h.numel :].zero_()
-    h.grad_accum_flat = buf
-    h.grad_accum_views = list(info.plan.views(buf[: h.numel]))
-    return h.grad_accum_views
+    """Open the window's buffer; returns its views, one per parameter and shaped like it.
+
+    The views are made once per window, so gradients are added without a reshape.
+    """
+    return h.open_accum_buffer(info.dtype, info.plan.device, info.plan.views)
 
 
 def accumulate_view_grads(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> None:
@@ -227,40 +223,30 @@ def _accumulate_some(views: List[Tensor], grads: Tuple[Optional[Tensor], ...], f
         torch._foreach_add_(dst, src)
 
 
-def _plan_for(fsdp: "FSDPRuntime", flat: Any) -> _UnitPlan:
-    handle = next(h for h in fsdp._handles if h.param is flat)
+def _plan_for(unit: FSDPUnit, flat: Any) -> _UnitPlan:
+    handle = next(h for h in unit.handles if h.param is flat)
     plan = _PLANS.get(handle)
-    if plan is None or not plan.valid_for(fsdp, handle):
-        plan = _PLANS[handle] = _UnitPlan(fsdp, handle, flat)
+    if plan is None or not plan.valid_for(unit, handle):
+        plan = _PLANS[handle] = _UnitPlan(unit, handle, flat)
     return plan
 
 
-def build_views(fsdp: "FSDPRuntime", flat: Any) -> List[Tensor]:
+def build_views(unit: FSDPUnit, flat: Any) -> List[Tensor]:
     """The FlattenParamsWrapper view builder installed by FSDP when ``optimize_backward_concat`` is on."""
-    if fsdp.training_state != TrainingState.FORWARD or not torch.is_grad_enabled() or not flat.requires_grad:
+    if unit.training_state != TrainingState.FORWARD or not torch.is_grad_enabled() or not flat.requires_grad:
         # Outside a training forward (re-flattening after summon, eval): plain views, no gradient path needed.
         return [t.view(s) for t, s in zip(flat.detach().split(flat._param_numels), flat._param_shapes)]
-    plan = _plan_for(fsdp, flat)
-    handle: FlatHandle = plan._handle_ref()  # type: ignore[assignment]  # alive: fsdp holds it
-    info = _NodeInfo(plan, flat.dtype, fsdp._require_backward_grad_sync, handle.grad_window)
+    plan = _plan_for(unit, flat)
+    handle: FlatHandle = plan._handle_ref()  # type: ignore[assignment]  # alive: the unit holds it
+    info = _NodeInfo(plan, flat.dtype, unit.require_backward_grad_sync, handle.grad_window)
     # A fresh anchor per forward: its AccumulateGrad has exactly one producer, this forward's node.
     anchor = torch.empty(0, device=plan.device, requires_grad=True)
-    anchor.register_post_accumulate_grad_hook(functools.partial(_after_views, info))
-    return list(_ViewsIntoFlatBuffer.apply(anchor, flat, info, flat.detach()))
+    tensor_hooks.register_post_accumulate_grad_hook(anchor, functools.partial(_after_views, info))
+    return list(tensor_hooks.apply_function(_ViewsIntoFlatBuffer, anchor, flat, info, flat.detach()))
 
 
-def install(fsdp: "FSDPRuntime") -> None:
+def install(unit: FSDPUnit) -> None:
     """Route the wrapper's views through the flat buffer when the flag applies (flattened params only)."""
-    if not fsdp.optimize_backward_concat or not fsdp.flatten_parameters:
+    if not unit.config.optimize_backward_concat or not unit.config.flatten_parameters:
         return
-    fsdp._fsdp_wrapped_module._view_builder = functools.partial(build_views, fsdp)
-
-
-def take_buffer_for_reduction(h: FlatHandle) -> Tensor:
-    """Hand the window's buffer to the reduction and open a new window."""
-    buf = h.grad_accum_flat
-    assert buf is not None
-    h.grad_accum_flat = None
-    h.grad_accum_views = []
-    h.grad_window += 1
-    return buf
+    unit.wrapped._view_builder = functools.partial(build_views, unit)

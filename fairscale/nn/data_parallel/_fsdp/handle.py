@@ -1,7 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """The tensors of one owned (usually flat) parameter, and the moves between them. No communication, no hooks.
 
-Layout of a parameter of ``numel`` elements at world size ``W`` (chunk-and-pad, spec 1.3): every rank holds a shard
+Layout of a parameter of ``numel`` elements at world size ``W`` (chunk-and-pad, as upstream): every rank holds a shard
 of ``shard_numel = ceil(numel / W)`` elements, the tail ranks zero-padded, so the padded full tensor has
 ``shard_numel * W`` elements of which the first ``numel`` are real.
 
@@ -19,11 +19,12 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from fairscale.internal import tensor_hooks
 from fairscale.internal.device import DeviceHandle
 
 from .state import HandleState, check_handle_transition
@@ -68,9 +69,12 @@ class FlatHandle:
         world_size: size of the sharding process group.
         rank: this rank inside the sharding group.
         padding: number of zero elements at the end of this rank's shard.
+        borrowed: the parameter is owned by a sibling instance (declared with ``append_shared_param``).
     """
 
-    def __init__(self, param: nn.Parameter, name: str, world_size: int, rank: int, padding: int) -> None:
+    def __init__(
+        self, param: nn.Parameter, name: str, world_size: int, rank: int, padding: int, borrowed: bool = False
+    ) -> None:
         self.param = param
         self.name = name
         self.world_size = world_size
@@ -91,8 +95,9 @@ class FlatHandle:
         self.grad_before_backward: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
         self.keep_intact: Optional[Tensor] = None
         # True for a parameter owned by a sibling instance and declared with append_shared_param.
-        self.borrowed = False
-        self.cpu_grad: Optional[Tensor] = None
+        self.borrowed = borrowed
+        # Whether the persistent post-accumulate-grad hook is on the parameter (registered once per handle).
+        self._post_hook_registered = False
         # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
         self.grad_accum_flat: Optional[Tensor] = None
         self.grad_accum_views: List[Tensor] = []
@@ -108,6 +113,26 @@ class FlatHandle:
         # input, kept alive until the gather is waited on. The handle is already FULL; every reader of the full
         # buffer (and every free of it) first calls finish_gather().
         self.pending_gather: Optional[Tuple[Any, Tensor]] = None
+
+    @staticmethod
+    @torch.no_grad()
+    def shard_param_(param: nn.Parameter, name: str, world_size: int, rank: int) -> "FlatHandle":
+        """Replace ``param.data`` with this rank's chunk-and-pad shard and return the parameter's handle.
+
+        The shard is 1-D with ``ceil(numel / world_size)`` elements; the last ranks' shards end in zero padding.
+        Sets upstream's parameter attributes ``_is_sharded`` and ``_orig_size``.
+        """
+        param._is_sharded = world_size > 1  # type: ignore[attr-defined]
+        param._orig_size = param.data.size()  # type: ignore[attr-defined]
+        padding = 0
+        if world_size > 1:
+            chunks = torch.flatten(param.data).chunk(world_size)
+            piece = chunks[rank] if rank < len(chunks) else param.data.new_empty(0)
+            shard = torch.zeros(chunks[0].numel(), dtype=param.dtype, device=param.device)
+            shard[: piece.numel()].copy_(piece)
+            padding = chunks[0].numel() - piece.numel()
+            param.data = shard
+        return FlatHandle(param, name, world_size, rank, padding)
 
     def __getstate__(self) -> Dict[str, Any]:
         self.finish_gather()
@@ -146,9 +171,7 @@ class FlatHandle:
         self.fp32_shard = shard
         needs_buffer = self.is_sharded or shard.dtype != compute_dtype or shard.device != device.device
         if needs_buffer:
-            self.full_padded = torch.empty(
-                self.shard_numel * self.world_size, dtype=compute_dtype, device=device.device
-            )
+            self.full_padded = torch.empty(self.padded_numel, dtype=compute_dtype, device=device.device)
             free_storage_(self.full_padded)
         else:
             self.full_padded = None
@@ -167,6 +190,11 @@ class FlatHandle:
     @property
     def materialized(self) -> bool:
         return self.fp32_shard is not None
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the padded full parameter: ``shard_numel * world_size`` (the real ones come first)."""
+        return self.shard_numel * self.world_size
 
     # ------------------------------------------------------------------ gradient identity
     def shard_version(self) -> Tuple[int, int]:
@@ -211,10 +239,40 @@ class FlatHandle:
         assert self.fp32_shard is not None and self.device is not None
         return self.fp32_shard.to(device=self.device.device, dtype=self.compute_dtype, non_blocking=True)
 
+    def take_gather_source(self) -> Tuple[Tensor, bool]:
+        """What the next gather into the full buffer reads, and whether it is the zero2 slice.
+
+        In ZERO2_SLICE the slice (consumed: the gather replaces it); otherwise this rank's shard in compute dtype,
+        and the shard version is recorded (a later change of the shard makes the gathered copy stale).
+        """
+        if self.state == HandleState.ZERO2_SLICE:
+            source = self.zero2_slice
+            assert source is not None
+            self.zero2_slice = None
+            return source, True
+        self.gathered_version = self.shard_version()
+        return self.gather_input(), False
+
+    def mark_gathered(self, work: Optional[Any], source: Tensor) -> None:
+        """The gather into the full buffer was issued (``work`` still in flight when not ``None``): state FULL.
+
+        The source is kept with the work: an asynchronous collective reads it until it is waited on.
+        """
+        self.set_state(HandleState.FULL)
+        if work is not None:
+            self.pending_gather = (work, source)
+
+    def install_post_backward_hook(self, make_hook: Callable[[], Callable[[Tensor], None]]) -> None:
+        """Put the post-accumulate-grad hook ``make_hook()`` on the parameter, once per handle (hooks are
+        persistent, so they never pile up across iterations). Frozen parameters get none."""
+        if self.param.requires_grad and not self._post_hook_registered:
+            tensor_hooks.register_post_accumulate_grad_hook(self.param, make_hook())
+            self._post_hook_registered = True
+
     def alloc_full(self) -> Tensor:
         """Allocate the padded full buffer in place (same tensor object) and return it."""
         assert self.full_padded is not None
-        alloc_storage_(self.full_padded, self.shard_numel * self.world_size)
+        alloc_storage_(self.full_padded, self.padded_numel)
         return self.full_padded
 
     def set_state(self, new: HandleState) -> None:
@@ -225,9 +283,10 @@ class FlatHandle:
     def _release_full_storage(self) -> None:
         self.finish_gather()  # never free a buffer a collective is still writing
         if self.full_padded is not None and is_storage_allocated(self.full_padded):
-            assert self.device is not None
-            # On an accelerator the buffer may still be read by queued kernels of the current stream.
-            self.device.record_stream(self.full_padded, self.device.current_stream())
+            # No record_stream: on an accelerator the buffer may still be read by queued kernels of the compute
+            # stream, but it was allocated on the all-gather stream, whose pool only that stream allocates from, and
+            # that stream waits for the compute stream before every gather (runtime and prefetch), so the next
+            # gather into this memory is ordered after those reads.
             free_storage_(self.full_padded)
 
     def free_full(self) -> None:
@@ -240,7 +299,7 @@ class FlatHandle:
         """Keep slice ``index`` of ``group_size`` of the full buffer, then free the full buffer (state ZERO2_SLICE)."""
         assert self.full_padded is not None and self.state == HandleState.FULL
         self.finish_gather()
-        total = self.shard_numel * self.world_size
+        total = self.padded_numel
         if total % group_size != 0:
             raise ValueError(f"{self.name}: padded size {total} is not divisible by the zero2 group size {group_size}")
         piece = total // group_size
@@ -253,3 +312,104 @@ class FlatHandle:
         self.zero2_slice = None
         if self.state == HandleState.ZERO2_SLICE:
             self.set_state(HandleState.SHARDED)
+
+    # ------------------------------------------------------------------ gradient state
+    def park_grad_for_backward(self, compute_device: torch.device) -> None:
+        """A backward starts: move a reduced shard gradient out of ``p.grad`` so autograd can write a full-size one.
+
+        Remembers what the backward started from (:meth:`undo_partial_backward` goes back to it if it raises).
+
+        Raises:
+            RuntimeError: ``p.grad`` has neither the full shape nor the shard shape (assigned by hand).
+        """
+        p, g = self.param, self.param.grad
+        self.grad_before_backward = (self.saved_grad_shard, None)
+        self.keep_intact = self.saved_grad_shard
+        if g is None:
+            return
+        # The shape alone is ambiguous when shard and full shapes coincide (a 1-element parameter): a full-size
+        # gradient is an unreduced no_sync accumulation unless it is the shard FSDP itself assigned.
+        assert self.fp32_shard is not None
+        is_reduced_shard = self.is_assigned_grad(g) or (
+            self.is_sharded and g.shape == self.fp32_shard.shape and g.shape != self.orig_size
+        )
+        if is_reduced_shard:
+            self.grad_before_backward = (self.saved_grad_shard, g)
+            if g.device != compute_device:
+                # move_grads_to_cpu: the parked shard joins the next reductions, which land on the compute device.
+                g = g.to(compute_device)
+            self.saved_grad_shard = g if self.saved_grad_shard is None else self.saved_grad_shard + g
+            self.keep_intact = self.saved_grad_shard
+            p.grad = None
+        elif g.shape != self.orig_size:
+            raise RuntimeError(
+                f"{self.name}: found a gradient of shape {tuple(g.shape)} that is neither the full shape "
+                f"{tuple(self.orig_size)} nor the shard shape; was p.grad assigned by hand?"
+            )
+
+    def accumulate_reduced(self, shard_grad: Tensor) -> None:
+        """Add one reduced gradient shard (shaped like the fp32 shard) to what this step reduced so far."""
+        if self.saved_grad_shard is None:
+            self.saved_grad_shard = shard_grad
+        elif self.saved_grad_shard is self.keep_intact:
+            # The gradient of completed backwards (or the user's p.grad): a failing backward must be able to go back.
+            self.saved_grad_shard = self.saved_grad_shard + shard_grad
+        else:
+            self.saved_grad_shard.add_(shard_grad)
+
+    def end_backward(self) -> None:
+        """The backward completed: nothing of it needs undoing any more."""
+        self.grad_before_backward = self.keep_intact = None
+
+    def hand_reduced_grad_to_param(self, to_cpu: bool) -> None:
+        """Give the reduced shard gradient of this step to ``p.grad`` (on the CPU with ``to_cpu``)."""
+        grad = self.saved_grad_shard
+        if grad is None or not self.param.requires_grad:
+            return
+        self.saved_grad_shard = None
+        if to_cpu:
+            grad = grad.to("cpu")
+        if grad.dtype != self.param.dtype:
+            grad = grad.to(self.param.dtype)
+        self.param.grad = grad
+        self.remember_assigned_grad(grad)
+
+    def undo_partial_backward(self) -> None:
+        """Drop the partial reductions of a backward that raised; give back what completed backwards left.
+
+        ``saved_grad_shard`` goes back to its value when that backward started, and a reduced shard it took out of
+        ``p.grad`` is put back there.
+        """
+        if self.grad_before_backward is None:
+            return  # this handle took no part in the failed backward: nothing of it to drop
+        saved, parked = self.grad_before_backward
+        self.saved_grad_shard = saved
+        if parked is not None:
+            # Whatever p.grad holds now was written by the failed backward (p.grad held the reduced shard when it began).
+            self.param.grad = parked
+            self.remember_assigned_grad(parked)
+        self.end_backward()
+
+    # ------------------------------------------------------------------ optimize_backward_concat window buffer
+    def open_accum_buffer(
+        self, dtype: torch.dtype, device: torch.device, make_views: Callable[[Tensor], Sequence[Tensor]]
+    ) -> List[Tensor]:
+        """Open the accumulation window's flat buffer; returns (and keeps) ``make_views`` of its unpadded part.
+
+        Padded like the full parameter so the reduce-scatter reads the buffer as is, without a padded copy; the
+        padding is zero. The views are made once per window, so gradients are added without a reshape.
+        """
+        buf = torch.empty(self.padded_numel if self.is_sharded else self.numel, dtype=dtype, device=device)
+        buf[self.numel :].zero_()
+        self.grad_accum_flat = buf
+        self.grad_accum_views = list(make_views(buf[: self.numel]))
+        return self.grad_accum_views
+
+    def take_accum_buffer(self) -> Tensor:
+        """Hand the window's buffer to the reduction and open a new window."""
+        buf = self.grad_accum_flat
+        assert buf is not None
+        self.grad_accum_flat = None
+        self.grad_accum_views = []
+        self.grad_window += 1
+        return buf

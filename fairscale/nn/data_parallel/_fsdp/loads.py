@@ -9,14 +9,12 @@ the ranks loaded local shards of different checkpoints, every rank restores its 
 error; nothing that the load could change is visible to the caller before the agreement.
 """
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 from fairscale.internal import collectives
 
 from . import identity
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import FSDPRuntime
+from .unit import FSDPUnit
 
 # Exception types a failing rank's error is re-created as on every rank (others become RuntimeError).
 _REBUILDABLE: Dict[str, Type[Exception]] = {
@@ -27,12 +25,12 @@ _REBUILDABLE: Dict[str, Type[Exception]] = {
 
 
 def load_collectively(
-    fsdp: "FSDPRuntime", what: str, load: Callable[[], Any], loaded: Optional[Mapping[str, Any]], restore: Any
+    unit: FSDPUnit, what: str, load: Callable[[], Any], loaded: Optional[Mapping[str, Any]], restore: Any
 ) -> Any:
-    """Run ``load`` on this rank, agree with every rank of ``fsdp.process_group``, roll back everywhere on failure.
+    """Run ``load`` on this rank, agree with every rank of the unit's process group, roll back everywhere on failure.
 
     Args:
-        fsdp: the instance the load was called on.
+        unit: the unit of the instance the load was called on.
         what: the method name, for messages.
         load: performs the rank-local load and returns its result (raises on bad input).
         loaded: the checkpoint identity of the loaded local dict (``None`` for full dicts and upstream files).
@@ -45,7 +43,7 @@ def load_collectively(
         The first failing rank's exception type (``RuntimeError``, ``ValueError`` or ``KeyError``; others become
         ``RuntimeError``), with the same message on every rank.
     """
-    with restore(fsdp):
+    with restore(unit):
         error: Optional[Exception] = None
         result = None
         try:
@@ -55,9 +53,10 @@ def load_collectively(
         token = identity.new_token()
         mine = (None if error is None else (_kind(error), _message(error)), _id(loaded), token)
         # On the compute device: NCCL object collectives allocate on the current device.
-        with collectives.collective_phase("load"), fsdp._device.as_current():
-            views: List[Tuple[Any, Optional[str], str]] = collectives.all_gather_object(mine, group=fsdp.process_group)
-        ranks = list(collectives.group_ranks(fsdp.process_group))
+        group = unit.config.process_group
+        with collectives.collective_phase("load"), unit.device.as_current():
+            views: List[Tuple[Any, Optional[str], str]] = collectives.all_gather_object(mine, group=group)
+        ranks = list(collectives.group_ranks(group))
         failed = [(rank, view[0]) for rank, view in zip(ranks, views) if view[0] is not None]
         if failed:
             raise _agreed_error(what, failed) from error
@@ -68,9 +67,9 @@ def load_collectively(
                 f"{what}: the ranks loaded shards of different checkpoints ({listing}); every rank restored its "
                 "previous state. Load every rank's file of one checkpoint."
             )
-    fsdp._ckpt_token = views[0][2]
+    unit.ckpt_token = views[0][2]
     if loaded is not None and loaded.get("step") is not None:
-        fsdp._ckpt_step = int(loaded["step"])
+        unit.ckpt_step = int(loaded["step"])
     return result
 
 

@@ -1,5 +1,5 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Sharded-checkpoint metadata and offline consolidation, in upstream's format (spec 2.5).
+"""Sharded-checkpoint metadata and offline consolidation, in upstream's format.
 
 A sharded checkpoint is, per rank, the rank's :meth:`local_state_dict` (padded 1-D shards) plus the rank's
 :func:`local_metadata_dict`, which says how to cut those shards back into the original parameters. With both from
@@ -30,7 +30,7 @@ tied parameters too.
 """
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -38,55 +38,37 @@ from torch import Tensor, nn
 from fairscale.internal.parallel import chunk_and_pad
 
 from . import identity
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import FSDPRuntime
+from .naming import clean_path as _clean
+from .naming import join_path as _join
+from .unit import FSDPUnit
 
 __all__ = [
-    "CheckpointFormatsMixin",
     "consolidate_shard_weights",
     "local_metadata_dict",
     "reshard_full_state_dict",
 ]
 
-_WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_fpw_module")
-
-
-def _clean(path: str) -> str:
-    return ".".join(c for c in path.split(".") if c and c not in _WRAPPER_COMPONENTS)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
 
 # ---------------------------------------------------------------------------------------------------- metadata
 
 
-def local_metadata_dict(fsdp: "FSDPRuntime") -> Dict[str, Any]:
+def local_metadata_dict(unit: FSDPUnit) -> Dict[str, Any]:
     """This rank's sharding metadata for :func:`consolidate_shard_weights` (upstream's format, see module doc).
 
     Needs no communication. Call it on the instance whose :meth:`local_state_dict` is saved (the root).
     """
-    from .runtime import FSDPRuntime
-
-    entries = []
-    for path, m in fsdp.named_modules():
-        if isinstance(m, FSDPRuntime):
-            entries.append(_instance_entry(m, _clean(path)))
     return {
-        "param_metadata": entries,
-        "buffer_names": _persistent_buffer_names(fsdp),
+        "param_metadata": [_instance_entry(u, _clean(path)) for path, u in unit.named_units()],
+        "buffer_names": _persistent_buffer_names(unit.owner),
         # An extra key: upstream's consumers read only the two above.
-        identity.IDENTITY_KEY: fsdp._checkpoint_identity(),
+        identity.IDENTITY_KEY: unit.checkpoint_identity(),
     }
 
 
-def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
-    fpw: Any = m._fsdp_wrapped_module
-    front: Any = m  # attributes set by the FullyShardedDataParallel front
+def _instance_entry(m: FSDPUnit, fsdp_path: str) -> Dict[str, Any]:
+    fpw: Any = m.wrapped
     params: Dict[str, Dict[str, Any]] = {}
-    owned = [(i, h) for i, h in enumerate(m._handles) if not h.borrowed]
+    owned = [(i, h) for i, h in enumerate(m.handles) if not h.borrowed]
     flat_params = list(getattr(fpw, "flat_params", []))
     for i, h in owned:
         if i < len(flat_params):
@@ -94,25 +76,25 @@ def _instance_entry(m: "FSDPRuntime", fsdp_path: str) -> Dict[str, Any]:
             backing = fpw.flat_param_names[i]
             names = [_clean(n) for n in names]
         else:
-            backing = front._param_name_groups[i][0]
+            backing = m.param_name_groups[i][0]
             names, shapes, numels = [backing], [h.orig_size], [h.numel]
         # Key order matters: upstream's consumer unpacks these values positionally.
         params[backing] = {
             "names": list(names),
             "shapes": [torch.Size(s) for s in shapes],
             "numels": [int(n) for n in numels],
-            "padding": int(front.numel_padded_per_param[i]),
+            "padding": int(h.padding),
         }
     shared = _shared_param_pairs(m, flat_params)
     return {
         "fsdp_path": fsdp_path,
         "params": params,
-        "no_broadcast_optim_state": bool(getattr(m, "no_broadcast_optim_state", False)),
+        "no_broadcast_optim_state": m.config.no_broadcast_optim_state,
         "shared_param_info": shared,
     }
 
 
-def _shared_param_pairs(m: "FSDPRuntime", flat_params: List[Any]) -> List[Tuple[str, str]]:
+def _shared_param_pairs(m: FSDPUnit, flat_params: List[Any]) -> List[Tuple[str, str]]:
     """``(src, dst)`` pairs, relative to the instance: ``dst`` is another name of the parameter saved as ``src``."""
     if flat_params:
         return [
@@ -122,10 +104,10 @@ def _shared_param_pairs(m: "FSDPRuntime", flat_params: List[Any]) -> List[Tuple[
         ]
     # Non-flattened: the FlattenParamsWrapper does not track aliases, so find the names under which an owned
     # parameter appears more than once (tied weights), skipping nested instances, which report their own.
-    owned = {id(h.param) for h in m._handles if not h.borrowed}
+    owned = {id(h.param) for h in m.handles if not h.borrowed}
     first: Dict[int, str] = {}
     pairs: List[Tuple[str, str]] = []
-    for name, p in m._fsdp_wrapped_module.named_parameters(remove_duplicate=False):
+    for name, p in m.wrapped.named_parameters(remove_duplicate=False):
         if id(p) not in owned or "_fsdp_wrapped_module" in name.split("."):
             continue
         clean = _clean(name)
@@ -209,7 +191,7 @@ def consolidate_shard_weights(
                     f"{sum(numels)}. Pass the local state dict and metadata of every rank of one checkpoint, in rank "
                     "order, and metadata written by the same model."
                 )
-            for name, shape, piece in zip(names, shapes, full.split(numels)):
+            for name, shape, piece in zip(names, shapes, torch.split(full, numels)):
                 out[_join(path, name)] = piece.view(shape).clone()
     for entry in entries:
         _copy_shared(out, entry, strict)
@@ -274,7 +256,8 @@ def _unpadded_piece(
             f"consolidate_shard_weights: rank {rank}'s metadata says {local_key!r} has {padding} padding elements "
             f"but its shard has {flat.numel()} elements; metadata and weights are from different checkpoints"
         )
-    return flat[: flat.numel() - padding]
+    piece: Tensor = flat[: flat.numel() - padding]
+    return piece
 
 
 def _copy_shared(out: Dict[str, Tensor], entry: Mapping[str, Any], strict: bool) -> None:
@@ -376,77 +359,3 @@ def _shard_all(full: Tensor, world_size: int) -> Tuple[List[Tensor], List[int]]:
     shard_numel = chunks[0].numel()
     real = [max(0, min(shard_numel, full.numel() - r * shard_numel)) for r in range(world_size)]
     return [c.clone() for c in chunks], [shard_numel - n for n in real]
-
-
-# ---------------------------------------------------------------------------------------------------- front methods
-
-
-class CheckpointFormatsMixin:
-    """Checkpoint-format methods of :class:`FullyShardedDataParallel`: metadata, consolidation, optimizer state."""
-
-    def local_metadata_dict(self) -> Dict[str, Any]:
-        """This rank's sharding metadata, to save next to :meth:`local_state_dict` (upstream's format).
-
-        With every rank's local state dict and metadata, :meth:`consolidate_shard_weights` rebuilds the full
-        state dict offline. No communication.
-        """
-        return local_metadata_dict(self)  # type: ignore[arg-type]
-
-    @staticmethod
-    def consolidate_shard_weights(
-        shard_weights: List[Dict[str, Tensor]],
-        shard_metadata: List[Dict[str, Any]],
-        with_module_buffers: bool = True,
-        strict: bool = True,
-    ) -> Dict[str, Tensor]:
-        """Rebuild the full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`.
-
-        Works on CPU without a process group. See :func:`fairscale.nn.data_parallel._fsdp.metadata.
-        consolidate_shard_weights` for the details.
-
-        Args:
-            shard_weights: every rank's local state dict, in rank order.
-            shard_metadata: every rank's local metadata dict, in rank order.
-            with_module_buffers: also copy the buffers (from rank 0).
-            strict: raise on entries the metadata lists but the weights lack (else skip them).
-
-        Returns:
-            The full state dict, with the unwrapped module's keys.
-        """
-        return consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
-
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
-        """Gather the optimizer state of every rank into one unsharded dict, returned on global rank 0.
-
-        Collective: call it on every rank. The result has one ``state`` entry per original (unflattened)
-        parameter, with full-shape tensors on the CPU, plus ``param_groups``, ``param_id_map`` and
-        ``uncollected_local_ids`` (upstream's format). The optimizer itself is not modified. Needs
-        ``flatten_parameters=True``, one parameter group, and an optimizer built on ``model.parameters()``.
-
-        Args:
-            optim: the optimizer over this model's parameters.
-            **ignored: accepted for upstream compatibility (e.g. ``recipient_rank``), unused.
-
-        Returns:
-            The full optimizer state dict on global rank 0, ``None`` on the other ranks.
-        """
-        from .optim_state import gather_full_optim_state_dict
-
-        return gather_full_optim_state_dict(self, optim, **ignored)  # type: ignore[arg-type]
-
-    def get_shard_from_optim_state_dict(self, full_optim_state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """This rank's optimizer state dict, cut from a :meth:`gather_full_optim_state_dict` result.
-
-        The full dict may come from any world size; every instance is sharded over its own process group. No
-        communication; ``full_optim_state_dict`` is left unchanged (upstream modified it in place). Load the
-        result with ``optim.load_state_dict``.
-
-        Args:
-            full_optim_state_dict: the gathered dict (e.g. loaded from a checkpoint).
-
-        Returns:
-            The sharded optimizer state dict for this rank.
-        """
-        from .optim_state import get_shard_from_optim_state_dict
-
-        return get_shard_from_optim_state_dict(self, full_optim_state_dict)  # type: ignore[arg-type]

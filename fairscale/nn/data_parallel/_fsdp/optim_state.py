@@ -1,5 +1,5 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Full (unsharded) optimizer state: gather it from the shards, and cut a rank's shard out of it (spec 2.6).
+"""Full (unsharded) optimizer state: gather it from the shards, and cut a rank's shard out of it.
 
 The format is upstream's (see :mod:`fairscale.nn.data_parallel.fsdp_optim_utils`). Differences, all fixes:
 
@@ -13,7 +13,7 @@ The format is upstream's (see :mod:`fairscale.nn.data_parallel.fsdp_optim_utils`
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,14 +21,9 @@ from torch import Tensor
 
 from fairscale.internal import collectives
 from fairscale.internal.parallel import chunk_and_pad
-from fairscale.nn.data_parallel.fsdp_optim_utils import (
-    check_param_counts_before_sharding,
-    flatten_optim_state_dict,
-    is_singleton_tensor,
-)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import FSDPRuntime
+from .naming import clean_path
+from .optim_format import check_param_counts_before_sharding, flatten_optim_state_dict, is_singleton_tensor
+from .unit import FSDPUnit
 
 __all__ = ["gather_full_optim_state_dict", "get_shard_from_optim_state_dict"]
 
@@ -38,7 +33,7 @@ class _Layout:
     """One non-empty FSDP instance as the optimizer sees it: local id ``local``, global ids ``first_gid...``."""
 
     local: int
-    instance: "FSDPRuntime"
+    instance: FSDPUnit
     path: str
     names: List[str]
     shapes: List[torch.Size]
@@ -50,30 +45,26 @@ class _Layout:
         return range(self.first_gid, self.first_gid + len(self.names))
 
 
-def _layouts(fsdp: "FSDPRuntime") -> List[_Layout]:
+def _layouts(root: FSDPUnit) -> List[_Layout]:
     """The model's non-empty instances in module pre-order; every one must own exactly one flat parameter."""
-    from .metadata import _clean
-    from .runtime import FSDPRuntime
-
     out: List[_Layout] = []
     gid = 0
-    for path, m in fsdp.named_modules():
-        if not isinstance(m, FSDPRuntime):
-            continue
-        owned = [h.param for h in m._handles if not h.borrowed]
+    for path, m in root.named_units():
+        owned = [h.param for h in m.handles if not h.borrowed]
         if not owned:
             continue
-        fpw: Any = m._fsdp_wrapped_module
-        if not m.flatten_parameters or len(owned) != 1 or len(getattr(fpw, "flat_params", [])) != 1:
+        fpw: Any = m.wrapped
+        flatten = m.config.flatten_parameters
+        if not flatten or len(owned) != 1 or len(getattr(fpw, "flat_params", [])) != 1:
             raise NotImplementedError(
                 "full optimizer state dicts need flatten_parameters=True on every FullyShardedDataParallel instance "
-                f"that owns parameters; the instance at {_clean(path)!r} has flatten_parameters="
-                f"{m.flatten_parameters} and {len(owned)} parameters. Save optim.state_dict() per rank instead."
+                f"that owns parameters; the instance at {clean_path(path)!r} has flatten_parameters="
+                f"{flatten} and {len(owned)} parameters. Save optim.state_dict() per rank instead."
             )
         names, shapes, numels = fpw.metadata(0)
-        clean_path = _clean(path)
-        names = [_clean(f"{clean_path}.{_clean(n)}" if clean_path else n) for n in names]
-        out.append(_Layout(len(out), m, clean_path, names, list(shapes), list(numels), gid))
+        where = clean_path(path)
+        names = [clean_path(f"{where}.{clean_path(n)}" if where else n) for n in names]
+        out.append(_Layout(len(out), m, where, names, list(shapes), list(numels), gid))
         gid += len(names)
     return out
 
@@ -85,7 +76,7 @@ def _global_rank() -> int:
 # ---------------------------------------------------------------------------------------------------- gather
 
 
-def gather_full_optim_state_dict(fsdp: "FSDPRuntime", optim: Any, **ignored: Any) -> Optional[Dict[str, Any]]:
+def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> Optional[Dict[str, Any]]:
     """See :meth:`FullyShardedDataParallel.gather_full_optim_state_dict`."""
     layouts = _layouts(fsdp)
     _check_optimizer(optim, layouts)
@@ -97,7 +88,7 @@ def gather_full_optim_state_dict(fsdp: "FSDPRuntime", optim: Any, **ignored: Any
     full_state: Dict[int, Dict[str, Any]] = {}
     uncollected: List[int] = []
     for lay in layouts:
-        if lay.instance.no_broadcast_optim_state:
+        if lay.instance.config.no_broadcast_optim_state:
             # Expert-style instances: each rank holds different values; keep rank 0's flat state as is.
             uncollected.append(lay.local)
             if on_rank0 and lay.local in state:
@@ -133,7 +124,7 @@ def _check_optimizer(optim: Any, layouts: List[_Layout]) -> None:
             f"{len(groups)}"
         )
     params = list(groups[0]["params"])
-    expected = [lay.instance.params[0] for lay in layouts]
+    expected = [lay.instance.handles[0].param for lay in layouts]
     if len(params) != len(expected) or any(a is not b for a, b in zip(params, expected)):
         raise ValueError(
             "the optimizer's parameters must be the model's flat parameters in model.parameters() order (one per "
@@ -159,12 +150,12 @@ def _schema(value: Any) -> Any:
     return ("value", type(value).__name__)
 
 
-def _check_same_schema(fsdp: "FSDPRuntime", state: Dict[int, Dict[str, Any]], layouts: List[_Layout]) -> None:
+def _check_same_schema(fsdp: FSDPUnit, state: Dict[int, Dict[str, Any]], layouts: List[_Layout]) -> None:
     """Every rank must gather the same keys and shapes, or the gathers below would mismatch or hang."""
-    collected = [lay.local for lay in layouts if not lay.instance.no_broadcast_optim_state]
+    collected = [lay.local for lay in layouts if not lay.instance.config.no_broadcast_optim_state]
     mine = {k: [(key, _schema(v)) for key, v in state[k].items()] for k in collected if k in state}
-    with fsdp._device.as_current():  # NCCL object collectives allocate on the current device
-        everyone = collectives.all_gather_object(mine, group=fsdp.process_group)
+    with fsdp.device.as_current():  # NCCL object collectives allocate on the current device
+        everyone = collectives.all_gather_object(mine, group=fsdp.config.process_group)
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             raise RuntimeError(
@@ -177,8 +168,9 @@ def _check_same_schema(fsdp: "FSDPRuntime", state: Dict[int, Dict[str, Any]], la
 def _gather_instance(lay: _Layout, entry: Mapping[str, Any]) -> Dict[str, Any]:
     """All-gather one flat parameter's state over the instance's group; tensors come back unpadded, flat."""
     m = lay.instance
-    h = m._handles[0]
-    world = m.world_size
+    h = m.handles[0]
+    c = m.config
+    world = c.world_size
     out: Dict[str, Any] = {}
     for key, value in entry.items():
         if isinstance(value, Tensor) and value.dim() > 0:
@@ -187,15 +179,15 @@ def _gather_instance(lay: _Layout, entry: Mapping[str, Any]) -> Dict[str, Any]:
                     f"optimizer state {key!r} of the flat parameter of {lay.path or 'the root'!r} has "
                     f"{value.numel()} elements but the shard has {h.shard_numel}"
                 )
-            src = value.detach().to(m.compute_device).reshape(-1).contiguous()
-            buf = torch.empty(world * h.shard_numel, dtype=src.dtype, device=src.device)
-            collectives.all_gather_into_flat(buf, src, m.process_group)
+            src = value.detach().to(c.compute_device).reshape(-1).contiguous()
+            buf = torch.empty(h.padded_numel, dtype=src.dtype, device=src.device)
+            collectives.all_gather_into_flat(buf, src, c.process_group)
             # Chunk-and-pad puts all padding at the end, so the first numel elements are the real ones.
             out[key] = buf[: h.numel].cpu()
         elif is_singleton_tensor(value):
-            src = value.detach().to(m.compute_device).reshape(1)
+            src = value.detach().to(c.compute_device).reshape(1)
             buf = torch.empty(world, dtype=src.dtype, device=src.device)
-            collectives.all_gather_into_flat(buf, src, m.process_group)
+            collectives.all_gather_into_flat(buf, src, c.process_group)
             out[key] = [buf[i].cpu().clone() for i in range(world)]
         else:
             out[key] = copy.deepcopy(value)
@@ -207,7 +199,7 @@ def _unflatten(lay: _Layout, gathered: Mapping[str, Any]) -> Dict[int, Dict[str,
     per_gid: Dict[int, Dict[str, Any]] = {g: {} for g in lay.gids}
     for key, value in gathered.items():
         if isinstance(value, Tensor):
-            for g, shape, piece in zip(lay.gids, lay.shapes, value.split(lay.numels)):
+            for g, shape, piece in zip(lay.gids, lay.shapes, torch.split(value, lay.numels)):
                 per_gid[g][key] = piece.view(shape).clone()
         else:
             for g in lay.gids:
@@ -218,7 +210,7 @@ def _unflatten(lay: _Layout, gathered: Mapping[str, Any]) -> Dict[int, Dict[str,
 # ---------------------------------------------------------------------------------------------------- shard
 
 
-def get_shard_from_optim_state_dict(fsdp: "FSDPRuntime", full_optim_state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+def get_shard_from_optim_state_dict(fsdp: FSDPUnit, full_optim_state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     """See :meth:`FullyShardedDataParallel.get_shard_from_optim_state_dict`."""
     layouts = _layouts(fsdp)
     full = full_optim_state_dict
@@ -279,13 +271,12 @@ def _check_shapes(state: Mapping[Any, Any], layouts: List[_Layout], uncollected:
 
 
 def _shard_value(lay: _Layout, key: str, value: Any) -> Any:
-    m = lay.instance
+    c, h = lay.instance.config, lay.instance.handles[0]
     if isinstance(value, Tensor) and value.dim() > 0:
-        chunks = chunk_and_pad(value, m.world_size)
-        shard = chunks[m.rank].clone()
-        assert shard.numel() == m._handles[0].shard_numel, (key, shard.numel(), m._handles[0].shard_numel)
+        shard = chunk_and_pad(value, c.world_size)[c.rank].clone()
+        assert shard.numel() == h.shard_numel, (key, shard.numel(), h.shard_numel)
         return shard
     if isinstance(value, list) and value and all(is_singleton_tensor(v) for v in value):
         # One value per rank of the saving world; a larger world reuses rank 0's (as upstream).
-        return (value[m.rank] if m.rank < len(value) else value[0]).clone()
+        return (value[c.rank] if c.rank < len(value) else value[0]).clone()
     return value

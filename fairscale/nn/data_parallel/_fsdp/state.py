@@ -1,10 +1,10 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """The two explicit state enums of FullyShardedDataParallel.
 
-``TrainingState`` is per FSDP instance and keeps upstream's names and values (outside code compares against them).
-``HandleState`` is per owned parameter and says which tensors are allocated; every change goes through
-:func:`check_handle_transition` so an illegal step (reading a freed buffer, gathering twice) fails loudly instead of
-corrupting data.
+``TrainingState`` is per FSDP instance and keeps upstream's names and values (outside code compares against them);
+every change goes through :func:`check_training_transition`. ``HandleState`` is per owned parameter and says which
+tensors are allocated; every change goes through :func:`check_handle_transition`. An illegal step (a forward inside
+a summon, reading a freed buffer, gathering twice) then fails loudly instead of corrupting data.
 """
 
 from enum import Enum, auto
@@ -26,6 +26,34 @@ class TrainingState(Enum):
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
     SUMMON_FULL_PARAMS = auto()
+
+
+_T = TrainingState
+# FORWARD may start from a backward state: activation checkpointing recomputes a unit's forward inside its backward,
+# and the forward then returns to the state it started from. A backward state goes back to IDLE at the end of the
+# backward (the root's final callback) or when the next forward finds that a backward raised (recovery).
+_TRAINING_LEGAL: Dict[TrainingState, FrozenSet[TrainingState]] = {
+    _T.IDLE: frozenset({_T.IDLE, _T.FORWARD, _T.BACKWARD_PRE, _T.SUMMON_FULL_PARAMS}),
+    _T.FORWARD: frozenset({_T.IDLE, _T.BACKWARD_PRE, _T.BACKWARD_POST}),
+    _T.BACKWARD_PRE: frozenset({_T.BACKWARD_PRE, _T.BACKWARD_POST, _T.FORWARD, _T.IDLE}),
+    _T.BACKWARD_POST: frozenset({_T.BACKWARD_POST, _T.FORWARD, _T.IDLE}),
+    _T.SUMMON_FULL_PARAMS: frozenset({_T.IDLE}),
+}
+
+
+def check_training_transition(current: TrainingState, new: TrainingState, what: str) -> None:
+    """Raise if ``current -> new`` is not a legal training-state transition.
+
+    Args:
+        current: the state the instance is in.
+        new: the requested state.
+        what: a name for the instance, used in the message.
+    """
+    if new not in _TRAINING_LEGAL[current]:
+        raise RuntimeError(
+            f"FullyShardedDataParallel {what}: cannot go from {current.name} to {new.name}. A forward cannot run "
+            "inside summon_full_params() or inside its own forward, and a backward hook cannot run outside backward."
+        )
 
 
 class HandleState(Enum):

@@ -1,5 +1,5 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Full and local (sharded) state dicts of FullyShardedDataParallel, in upstream's formats (spec 2.1-2.4).
+"""Full and local (sharded) state dicts of FullyShardedDataParallel, in upstream's formats.
 
 Key rewriting: every FSDP instance strips ``_fsdp_wrapped_module.`` after ``state_dict`` and adds it back before
 loading; FlattenParamsWrapper does the same with ``_fpw_module.``. So the keys are exactly the unwrapped module's.
@@ -10,19 +10,22 @@ error, so a wrong key, shape or world size on one rank never leaves a half-loade
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Generator, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, Mapping, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_
 from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
 
 from . import identity, loads
+from .naming import clean_text
+from .runtime import lazy_init_for_call, reset_lazy_init
 from .state import TrainingState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import FSDPRuntime
+from .summon import summon_full_params
+from .unit import FSDPUnit, StateDictType, unit_of
 
 _PRE_LOAD_HOOK_ENABLED = [True]
 
@@ -38,15 +41,26 @@ def no_pre_load_state_dict_hook() -> Iterator[None]:
         _PRE_LOAD_HOOK_ENABLED[0] = True
 
 
-def _post_state_dict_hook(module: "FSDPRuntime", state_dict: Dict[str, Any], prefix: str, *args: Any) -> Any:
-    import torch.distributed as dist
+def register_hooks(module: nn.Module) -> None:
+    """Put the key-rewriting state-dict hooks on an FSDP front module."""
+    register_state_dict_hooks(module, _post_state_dict_hook, _pre_load_state_dict_hook, _post_load_state_dict_hook)
 
+
+def _unit(module: nn.Module) -> FSDPUnit:
+    unit = unit_of(module)
+    assert unit is not None, "FSDP state-dict hook on a module without an FSDP unit"
+    return unit
+
+
+def _post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> Any:
+    unit = _unit(module)
+    full = unit.state_dict_type == StateDictType.FULL
     # Only full state dicts are rank-0 only: a sharded (local) checkpoint needs every rank's shard.
-    if module.state_dict_on_rank_0_only and module._return_full_state_dict and dist.get_rank() != 0:
+    if unit.config.state_dict_on_rank_0_only and full and dist.get_rank() != 0:
         state_dict.clear()
         return state_dict
-    device = module.state_dict_device
-    in_summon = module.training_state == TrainingState.SUMMON_FULL_PARAMS
+    device = unit.config.state_dict_device
+    in_summon = unit.training_state == TrainingState.SUMMON_FULL_PARAMS
     for key in list(state_dict.keys()):
         if not key.startswith(prefix):
             continue
@@ -65,170 +79,133 @@ def _post_state_dict_hook(module: "FSDPRuntime", state_dict: Dict[str, Any], pre
     return state_dict
 
 
-def _pre_load_state_dict_hook(module: Any, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     """Add ``_fsdp_wrapped_module.`` to this instance's keys; when a plain parent module loads a full dict into this
     instance, summon its full parameters first (released by :func:`_post_load_state_dict_hook`)."""
-    if module._return_full_state_dict and module.training_state == TrainingState.IDLE:
-        _check_loadable(module, "load_state_dict")
+    unit = _unit(module)
+    if unit.state_dict_type == StateDictType.FULL and unit.training_state == TrainingState.IDLE:
+        _check_loadable(unit, "load_state_dict")
         stack = contextlib.ExitStack()
-        module._load_summon = (stack, module._is_root is None)
-        stack.enter_context(module.summon_full_params(recurse=True, volatile=False))
+        unit.pending_load_summon = (stack, unit.is_root is None)
+        stack.enter_context(summon_full_params(unit, recurse=True, volatile=False))
     if _PRE_LOAD_HOOK_ENABLED[0]:
         replace_by_prefix_(state_dict, prefix, prefix + "_fsdp_wrapped_module.")
 
 
-def _post_load_state_dict_hook(module: Any, incompatible_keys: Any) -> None:
+def _post_load_state_dict_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Write the loaded full parameters back into the shards, and report the user's key names."""
-    pending = module.__dict__.pop("_load_summon", None)
+    unit = _unit(module)
+    pending, unit.pending_load_summon = unit.pending_load_summon, None
     if pending is not None:
         stack, was_uninitialized = pending
         stack.close()
-        if was_uninitialized and module._is_root:
-            for m in module._fsdp_instances():
-                m._reset_lazy_init()
-    incompatible_keys.missing_keys[:] = [_clean_keys(k) for k in incompatible_keys.missing_keys]
-    incompatible_keys.unexpected_keys[:] = [_clean_keys(k) for k in incompatible_keys.unexpected_keys]
+        if was_uninitialized and unit.is_root:
+            _reset_tree(unit)
+    incompatible_keys.missing_keys[:] = [clean_text(k) for k in incompatible_keys.missing_keys]
+    incompatible_keys.unexpected_keys[:] = [clean_text(k) for k in incompatible_keys.unexpected_keys]
 
 
-class StateDictMixin:
-    """state_dict / local_state_dict / load_* for :class:`FullyShardedDataParallel`."""
+def _reset_tree(unit: FSDPUnit) -> None:
+    for u in unit.tree_units():
+        reset_lazy_init(u)
 
-    def _register_state_dict_hooks(self: Any) -> None:
-        self._register_state_dict_hook(_post_state_dict_hook)
-        self._register_load_state_dict_pre_hook(_pre_load_state_dict_hook, with_module=True)
-        self.register_load_state_dict_post_hook(_post_load_state_dict_hook)
 
-    # ------------------------------------------------------------------ saving
-    def state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
-        """The full (unsharded) state dict: the unwrapped module's keys, fp32 values. Collective: call on all ranks.
+# ---------------------------------------------------------------------------------------------------- saving
 
-        Safe at any point of a step, including between a forward and its backward.
-        """
-        self._device.synchronize()
-        uninitialized = self._is_root is None
-        self._lazy_init()
-        try:
-            if self._return_full_state_dict:
-                summon_ctx: Any = (
-                    contextlib.nullcontext()
-                    if self.training_state == TrainingState.SUMMON_FULL_PARAMS
-                    else self.summon_full_params(recurse=False, volatile=True)
-                )
-                with summon_ctx, _buffers_in_fp32(self):
-                    sd = nn.Module.state_dict(self, *args, **kwargs)
-            else:
-                sd = nn.Module.state_dict(self, *args, **kwargs)
-        finally:
-            if uninitialized and self._is_root:
-                for m in self._fsdp_instances():
-                    m._reset_lazy_init()
-        if self.move_params_to_cpu:
-            for k, v in sd.items():
-                if isinstance(v, Tensor) and v.device.type != "cpu":
-                    sd[k] = v.cpu()
-        return sd
 
-    def local_state_dict(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """This rank's shards: ``[path.]flat_param_0`` padded 1-D shards, buffers with their clean names.
+def state_dict(unit: FSDPUnit, *args: Any, **kwargs: Any) -> Any:
+    """See :meth:`FullyShardedDataParallel.state_dict` (and :func:`local_state_dict` for the local type)."""
+    unit.device.synchronize()
+    with lazy_init_for_call(unit):
+        if unit.state_dict_type == StateDictType.FULL:
+            summon_ctx: Any = (
+                contextlib.nullcontext()
+                if unit.training_state == TrainingState.SUMMON_FULL_PARAMS
+                else summon_full_params(unit, recurse=False, volatile=True)
+            )
+            with summon_ctx, _buffers_in_fp32(unit):
+                sd = nn.Module.state_dict(unit.owner, *args, **kwargs)
+        else:
+            sd = nn.Module.state_dict(unit.owner, *args, **kwargs)
+    if unit.config.move_params_to_cpu:
+        for k, v in sd.items():
+            if isinstance(v, Tensor) and v.device.type != "cpu":
+                sd[k] = v.cpu()
+    return sd
 
-        The dict's ``_metadata`` table records the checkpoint identity (id, rank, world size, step) that
-        :meth:`local_metadata_dict` also reports; consolidation and :meth:`load_local_state_dict` check it.
-        """
-        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
-            raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
-        with _local_mode(self), _shards_as_data(self):
-            sd = self.__class__._fsdp_state_dict(self, *args, **kwargs)
-        identity.attach_to_weights(sd, self._checkpoint_identity())
-        return sd
 
-    @staticmethod
-    def _fsdp_state_dict(module: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        # Always FSDP's own state_dict, so a subclass whose state_dict calls local_state_dict does not recurse.
-        return StateDictMixin.state_dict(module, *args, **kwargs)
+def local_state_dict(unit: FSDPUnit, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    """See :meth:`FullyShardedDataParallel.local_state_dict`."""
+    if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
+        raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
+    # FSDP's own state_dict, not the module's method: a subclass whose state_dict calls local_state_dict would
+    # otherwise recurse.
+    with _local_mode(unit), _shards_as_data(unit):
+        sd: Dict[str, Any] = state_dict(unit, *args, **kwargs)
+    identity.attach_to_weights(sd, unit.checkpoint_identity())
+    return sd
 
-    # ------------------------------------------------------------------ loading
-    def load_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load a full state dict (the unwrapped module's keys). Collective: call it on every rank. All-or-nothing.
 
-        Either every rank loads, or every rank raises the same error and leaves the model unchanged (one small
-        ``all_gather_object`` decides).
+# ---------------------------------------------------------------------------------------------------- loading
 
-        Raises:
-            RuntimeError: when called between a forward and its backward, or when keys/shapes do not match (the
-                model is then left exactly as it was).
-        """
-        _check_loadable(self, "load_state_dict")
-        if not self._return_full_state_dict:
-            return self._load_local(state_dict, strict)
-        uninitialized = self._is_root is None
-        self._lazy_init()
+
+def load_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
+    """See :meth:`FullyShardedDataParallel.load_state_dict`."""
+    _check_loadable(unit, "load_state_dict")
+    if unit.state_dict_type == StateDictType.LOCAL:
+        return _load_local(unit, sd, strict)
+
+    def load() -> Any:
+        with summon_full_params(unit, recurse=True, volatile=False):
+            return _load_with_clean_errors(unit, sd, strict)
+
+    with lazy_init_for_call(unit):
+        return loads.load_collectively(unit, "load_state_dict", load, None, _restore_on_failure)
+
+
+def load_local_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
+    """See :meth:`FullyShardedDataParallel.load_local_state_dict`."""
+    _check_loadable(unit, "load_local_state_dict")
+    return _load_local(unit, sd, strict)
+
+
+def _load_local(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
+    with lazy_init_for_call(unit):
+        unit.device.synchronize()
+        loaded = identity.of_weights(sd)
 
         def load() -> Any:
-            with self.summon_full_params(recurse=True, volatile=False):
-                return _load_with_clean_errors(self, state_dict, strict)
+            with _local_mode(unit):
+                _check_local_shapes(unit, sd)  # first: its message names the mismatching shards
+                identity.check_loadable_here(loaded, unit.config.rank, unit.config.world_size)
+                return _load_with_clean_errors(unit, sd, strict)
 
         try:
-            return loads.load_collectively(self, "load_state_dict", load, None, _restore_on_failure)
+            return loads.load_collectively(unit, "load_local_state_dict", load, loaded, _restore_on_failure)
         finally:
-            if uninitialized and self._is_root:
-                for m in self._fsdp_instances():
-                    m._reset_lazy_init()
-
-    def load_local_state_dict(self: Any, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Load this rank's shards from :meth:`local_state_dict` output of an identically wrapped model.
-
-        Collective, like :meth:`load_state_dict`: every rank loads or every rank raises and nothing changes. A dict
-        that records its checkpoint identity must be this rank's of a checkpoint saved at this world size, and all
-        ranks must load shards of the same checkpoint.
-        """
-        _check_loadable(self, "load_local_state_dict")
-        return self._load_local(state_dict, strict)
-
-    def _load_local(self: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
-        uninitialized = self._is_root is None
-        self._lazy_init()
-        self._device.synchronize()
-        loaded = identity.of_weights(state_dict)
-
-        def load() -> Any:
-            with _local_mode(self):
-                _check_local_shapes(self, state_dict)  # first: its message names the mismatching shards
-                identity.check_loadable_here(loaded, self.rank, self.world_size)
-                return _load_with_clean_errors(self, state_dict, strict)
-
-        try:
-            return loads.load_collectively(self, "load_local_state_dict", load, loaded, _restore_on_failure)
-        finally:
-            for m in self._fsdp_instances():
-                for h in m._handles:
+            for u in unit.tree_units():
+                for h in u.handles:
                     h.free_full()  # gathered copies are stale now
                     h.drop_zero2_slice()
-            if uninitialized and self._is_root:
-                for m in self._fsdp_instances():
-                    m._reset_lazy_init()
 
 
-def _clean_keys(text: str) -> str:
-    return text.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
-
-
-def _load_with_clean_errors(fsdp: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
+def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
     """Load through the wrapper; errors and missing/unexpected keys use the user's keys, not internal paths."""
     try:
-        result = fsdp._fsdp_wrapped_module.load_state_dict(dict(state_dict), strict)
+        result = unit.wrapped.load_state_dict(dict(sd), strict)
     except RuntimeError as e:
-        message = _clean_keys(str(e)).replace("FlattenParamsWrapper", type(fsdp).__name__)
+        message = clean_text(str(e)).replace("FlattenParamsWrapper", unit.name)
         raise RuntimeError(message + "\nThe model was left unchanged.") from e
-    result.missing_keys[:] = [_clean_keys(k) for k in result.missing_keys]
-    result.unexpected_keys[:] = [_clean_keys(k) for k in result.unexpected_keys]
+    result.missing_keys[:] = [clean_text(k) for k in result.missing_keys]
+    result.unexpected_keys[:] = [clean_text(k) for k in result.unexpected_keys]
     return result
 
 
-def _check_loadable(fsdp: Any, what: str) -> None:
-    for m in fsdp._fsdp_instances():
-        if m.training_state != TrainingState.IDLE:
-            raise RuntimeError(f"{what}() needs every FSDP instance idle; one is in {m.training_state.name}")
-    tree = fsdp._tree
+def _check_loadable(unit: FSDPUnit, what: str) -> None:
+    for u in unit.tree_units():
+        if u.training_state != TrainingState.IDLE:
+            raise RuntimeError(f"{what}() needs every FSDP instance idle; one is in {u.training_state.name}")
+    tree = unit.tree
     if tree is not None and tree.backward_pending:
         raise RuntimeError(
             f"{what}() called between a forward and its backward: the pending backward would use weights that no "
@@ -237,27 +214,26 @@ def _check_loadable(fsdp: Any, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _local_mode(fsdp: Any) -> Generator[None, None, None]:
-    """Switch every instance to local (sharded) state dicts, and every FPW to its flat form."""
-    instances = fsdp._fsdp_instances()
-    saved: List[Tuple[Any, bool, bool]] = []
-    for m in instances:
-        fpw = m._fsdp_wrapped_module
-        saved.append((m, m._return_full_state_dict, fpw._auto_unflatten_state_dict))
-        m._return_full_state_dict = False
+def _local_mode(unit: FSDPUnit) -> Generator[None, None, None]:
+    """Switch every unit to local (sharded) state dicts, and every FPW to its flat form."""
+    saved: List[Tuple[FSDPUnit, StateDictType, bool]] = []
+    for u in unit.tree_units():
+        fpw = u.wrapped
+        saved.append((u, u.state_dict_type, fpw._auto_unflatten_state_dict))
+        u.state_dict_type = StateDictType.LOCAL
         fpw._auto_unflatten_state_dict = False
     try:
         yield
     finally:
-        for m, full, auto in saved:
-            m._return_full_state_dict = full
-            m._fsdp_wrapped_module._auto_unflatten_state_dict = auto
+        for u, kind, auto in saved:
+            u.state_dict_type = kind
+            u.wrapped._auto_unflatten_state_dict = auto
 
 
 @contextlib.contextmanager
-def _shards_as_data(fsdp: Any) -> Generator[None, None, None]:
+def _shards_as_data(unit: FSDPUnit) -> Generator[None, None, None]:
     """Point every param at its fp32 shard for the duration (inside a forward p.data is the gathered param)."""
-    saved = [(h, h.param.data) for m in fsdp._fsdp_instances() for h in m._handles if h.fp32_shard is not None]
+    saved = [(h, h.param.data) for u in unit.tree_units() for h in u.handles if h.fp32_shard is not None]
     for h, _ in saved:
         h.use_shard()
     try:
@@ -268,13 +244,13 @@ def _shards_as_data(fsdp: Any) -> Generator[None, None, None]:
 
 
 @contextlib.contextmanager
-def _buffers_in_fp32(fsdp: Any) -> Generator[None, None, None]:
-    """State dicts carry fp32 buffers in mixed precision; cast this instance's buffers and restore afterwards."""
-    if not fsdp.mixed_precision:
+def _buffers_in_fp32(unit: FSDPUnit) -> Generator[None, None, None]:
+    """State dicts carry fp32 buffers in mixed precision; cast this unit's buffers and restore afterwards."""
+    if not unit.config.mixed_precision:
         yield
         return
     changed: List[Tuple[nn.Module, str, torch.dtype]] = []
-    for owned in fsdp._owned_modules():
+    for owned in unit.owned_modules():
         for name, buf in list(owned.named_buffers(recurse=False)):
             if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
                 changed.append((owned, name, buf.dtype))
@@ -287,14 +263,14 @@ def _buffers_in_fp32(fsdp: Any) -> Generator[None, None, None]:
 
 
 @contextlib.contextmanager
-def _restore_on_failure(fsdp: Any) -> Generator[None, None, None]:
+def _restore_on_failure(unit: FSDPUnit) -> Generator[None, None, None]:
     """Snapshot shards and buffers; put them back if the body raises (a failed load loses no data)."""
     shards: List[Tuple[Tensor, Tensor]] = []
-    for m in fsdp._fsdp_instances():
-        for h in m._handles:
+    for u in unit.tree_units():
+        for h in u.handles:
             if h.fp32_shard is not None:
                 shards.append((h.fp32_shard, h.fp32_shard.detach().clone()))
-    buffers = [(b, b.detach().clone()) for b in fsdp.buffers()]
+    buffers = [(b, b.detach().clone()) for b in unit.owner.buffers()]
     try:
         yield
     except BaseException:
@@ -304,11 +280,11 @@ def _restore_on_failure(fsdp: Any) -> Generator[None, None, None]:
         raise
 
 
-def _check_local_shapes(fsdp: Any, state_dict: Mapping[str, Any]) -> None:
+def _check_local_shapes(unit: FSDPUnit, sd: Mapping[str, Any]) -> None:
     """A local dict from another world size has other shard sizes: say so before touching anything."""
-    expected = fsdp.local_state_dict()
+    expected = local_state_dict(unit)
     bad = []
-    for key, value in state_dict.items():
+    for key, value in sd.items():
         if key in expected and isinstance(value, Tensor) and value.shape != expected[key].shape:
             bad.append(f"{key}: got {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
     if bad:

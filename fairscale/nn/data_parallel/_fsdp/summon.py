@@ -8,7 +8,7 @@ promised, and memory returns to where it was.
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, List
+from typing import Iterator, List
 
 import torch
 from torch import Tensor
@@ -17,46 +17,45 @@ from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError
 
 from .handle import FlatHandle
+from .runtime import lazy_init
 from .state import HandleState, TrainingState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import FSDPRuntime
+from .unit import FSDPUnit
 
 
-def _gather_fp32(fsdp: "FSDPRuntime", h: FlatHandle) -> Tensor:
+def _gather_fp32(unit: FSDPUnit, h: FlatHandle) -> Tensor:
     """The padded full parameter in the parameter dtype (a fresh tensor when sharded; the shard itself if not)."""
     assert h.fp32_shard is not None
     if not h.is_sharded:
         return h.fp32_shard.reshape(-1) if h.fp32_shard.is_contiguous() else h.fp32_shard.flatten()
-    shard = h.fp32_shard.to(fsdp.compute_device, non_blocking=True)
-    out = torch.empty(h.shard_numel * h.world_size, dtype=shard.dtype, device=shard.device)
-    collectives.all_gather_into_flat(out, shard, fsdp.process_group)
+    shard = h.fp32_shard.to(unit.config.compute_device, non_blocking=True)
+    out = torch.empty(h.padded_numel, dtype=shard.dtype, device=shard.device)
+    collectives.all_gather_into_flat(out, shard, unit.config.process_group)
     return out
 
 
 @contextlib.contextmanager
-def _summon_one(fsdp: "FSDPRuntime", volatile: bool) -> Iterator[None]:
-    fsdp._lazy_init()
-    if fsdp.training_state == TrainingState.SUMMON_FULL_PARAMS:
+def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
+    lazy_init(unit)
+    if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
         yield  # already summoned by an enclosing call (e.g. state_dict inside summon_full_params)
         return
-    if fsdp.training_state != TrainingState.IDLE:
+    if unit.training_state != TrainingState.IDLE:
         raise FairscaleRuntimeError(  # also an AssertionError, as upstream
-            f"summon_full_params() called while the instance is in {fsdp.training_state.name}; it can be used "
+            f"summon_full_params() called while the instance is in {unit.training_state.name}; it can be used "
             "between steps and between a forward and its backward, but not inside forward or backward."
         )
-    fsdp._device.synchronize()
-    handles = [h for h in fsdp._handles if not h.borrowed]
+    unit.device.synchronize()
+    handles = [h for h in unit.handles if not h.borrowed]
     previous_data = [h.param.data for h in handles]
     with collectives.collective_phase("summon"):
-        fulls: List[Tensor] = [_gather_fp32(fsdp, h) for h in handles]
-    fsdp.training_state = TrainingState.SUMMON_FULL_PARAMS
+        fulls: List[Tensor] = [_gather_fp32(unit, h) for h in handles]
+    unit.transition(TrainingState.SUMMON_FULL_PARAMS)
     try:
         for h, full in zip(handles, fulls):
             h.param.data = full[: h.numel].view(h.orig_size)
-        fpw = fsdp._fsdp_wrapped_module
-        if getattr(fpw, "is_flattened", False) and fsdp._num_flatten_params > 0:
-            flat = [h.param.data for h in handles[: fsdp._num_flatten_params]]
+        fpw = unit.wrapped
+        if getattr(fpw, "is_flattened", False) and unit.num_flatten_params > 0:
+            flat = [h.param.data for h in handles[: unit.num_flatten_params]]
             with fpw.unflatten_params(flat_params=flat):
                 yield
         else:
@@ -64,17 +63,17 @@ def _summon_one(fsdp: "FSDPRuntime", volatile: bool) -> Iterator[None]:
     finally:
         try:
             if not volatile:
-                _write_back(fsdp, handles, fulls)
+                _write_back(unit, handles, fulls)
         finally:
             for h, data in zip(handles, previous_data):
                 h.param.data = data
-            fsdp.training_state = TrainingState.IDLE
+            unit.transition(TrainingState.IDLE)
 
 
 @torch.no_grad()
-def _write_back(fsdp: "FSDPRuntime", handles: List[FlatHandle], fulls: List[Tensor]) -> None:
+def _write_back(unit: FSDPUnit, handles: List[FlatHandle], fulls: List[Tensor]) -> None:
     """Copy this rank's slice of each (possibly edited) full tensor back into its fp32 shard."""
-    tree = fsdp._tree
+    tree = unit.tree
     for h, full in zip(handles, fulls):
         assert h.fp32_shard is not None
         if h.is_sharded:
@@ -89,10 +88,10 @@ def _write_back(fsdp: "FSDPRuntime", handles: List[FlatHandle], fulls: List[Tens
 
 
 @contextlib.contextmanager
-def summon_full_params(fsdp: "FSDPRuntime", recurse: bool, volatile: bool) -> Iterator[None]:
+def summon_full_params(unit: FSDPUnit, recurse: bool, volatile: bool) -> Iterator[None]:
     """See :meth:`FullyShardedDataParallel.summon_full_params`."""
-    targets = fsdp._fsdp_instances() if recurse else [fsdp]
+    targets = unit.tree_units() if recurse else [unit]
     with contextlib.ExitStack() as stack:
-        for m in targets:
-            stack.enter_context(_summon_one(m, volatile))
+        for u in targets:
+            stack.enter_context(_summon_one(u, volatile))
         yield

@@ -95,15 +95,17 @@ def raise_for_ties(problems: List[str], undeclared: List[str]) -> None:
     raise ValueError("\n".join(lines))
 
 
-def check_borrowed_in_tree(instances: List[Any]) -> None:
+def check_borrowed_in_tree(handles_per_unit: List[List[Any]]) -> None:
     """Every parameter declared with ``append_shared_param`` must be owned by an instance of the same tree.
+
+    ``handles_per_unit`` holds the handles of every FSDP instance of the tree.
 
     A parameter borrowed from a separate root would be gathered by the borrower while its owner's hooks, state and
     reductions belong to another tree; raise instead (at the root's first forward).
     """
-    owned = {id(h.param) for m in instances for h in m._handles if not h.borrowed}
-    for m in instances:
-        for h in m._handles:
+    owned = {id(h.param) for handles in handles_per_unit for h in handles if not h.borrowed}
+    for handles in handles_per_unit:
+        for h in handles:
             if h.borrowed and id(h.param) not in owned:
                 raise ValueError(
                     "a parameter declared with append_shared_param() is owned by a FullyShardedDataParallel instance "

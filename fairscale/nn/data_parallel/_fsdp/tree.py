@@ -2,14 +2,15 @@
 """Bookkeeping shared by every FSDP instance of one wrapped tree; owned by the root and created at its lazy init."""
 
 import weakref
-from typing import Callable, List, Optional
+from typing import Any, Callable, Optional, Tuple
 
+from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
 
-from .prefetch import ExecutionOrder
+from .order import ExecutionOrder
 
 
 class PendingBackward:
@@ -47,6 +48,9 @@ class TreeState:
         self.forward_order = ExecutionOrder("forward")
         self.backward_order = ExecutionOrder("backward")
         self.forward_running = False  # inside the root's (non-recomputed) forward
+        # The gradient the last reduction reads on the post-backward stream, and an event recorded after that read
+        # was queued (accelerators only; see hold_until_reduced).
+        self._held: Optional[Tuple[Any, Tensor]] = None
 
     def new_pending_backward(self) -> "PendingBackward":
         token = PendingBackward()
@@ -68,7 +72,24 @@ class TreeState:
         self.final_callback_queued = True
         Variable._execution_engine.queue_callback(self._finalize)
 
+    def hold_until_reduced(self, grad: Tensor) -> None:
+        """Keep ``grad`` (made on the compute stream) alive until the reduction queued on it is known to be done.
 
-def fsdp_instances_preorder(root: object, fsdp_cls: type) -> List[object]:
-    """Every instance of ``fsdp_cls`` in ``root.modules()`` order (pre-order), root included."""
-    return [m for m in root.modules() if isinstance(m, fsdp_cls)]  # type: ignore[attr-defined]
+        Called right after the reduction reading ``grad`` was queued on the post-backward stream. Instead of
+        ``record_stream`` (which delays the reuse of every such block to an unknown later time), the tree holds the
+        last gradient with an event recorded after its reduction; the next one makes the compute stream wait for
+        that event before the reference is dropped, so a later compute-stream kernel that reuses the memory is
+        ordered after the read. At most one gradient is held; the end of backward releases it. On CPU there is
+        nothing to order: nothing is held.
+        """
+        if not self.device.is_accelerator:
+            return
+        self.release_held()
+        self._held = (self.post_backward_stream.record_event(), grad)
+
+    def release_held(self) -> None:
+        """Order the compute stream after the held gradient's reduction, then drop the reference."""
+        if self._held is not None:
+            event, _ = self._held
+            self.device.current_stream().wait_event(event)
+            self._held = None

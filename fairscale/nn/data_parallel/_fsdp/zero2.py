@@ -38,10 +38,11 @@ def rank_and_size(zero2_group: Any, problem: Optional[str]) -> Tuple[int, int]:
     return zero2_group.rank(), zero2_group.size()
 
 
-def check_same_setting(process_group: Any, named_instances: List[Tuple[str, Any]], token: Any = None) -> Any:
+def check_same_setting(process_group: Any, named_groups: List[Tuple[str, Any]], token: Any = None) -> Any:
     """Collective over the root's ``process_group`` that every rank runs, zero2 group or not.
 
-    Every rank must have the same FSDP instances with the same zero2 setting: otherwise the ranks with a zero2 group
+    ``named_groups`` lists ``(path, zero2_process_group)`` of every FSDP instance of the tree. Every rank must have
+    the same FSDP instances with the same zero2 setting: otherwise the ranks with a zero2 group
     would run :func:`check_partition` and then gather over it while the others gather over ``process_group``, and
     the collectives would never match. Raises the same ``ValueError`` on every rank when they differ.
 
@@ -49,7 +50,7 @@ def check_same_setting(process_group: Any, named_instances: List[Tuple[str, Any]
     ends up with the same one (the checkpoint identity's run token).
     """
     # Presence only: sizes and membership are check_partition's job, with a more precise message.
-    mine = [(path or "<root>", m.zero2_process_group is not None) for path, m in named_instances]
+    mine = [(path or "<root>", group is not None) for path, group in named_groups]
     gathered: List[Tuple[List[Tuple[str, bool]], Any]] = collectives.all_gather_object(
         (mine, token), group=process_group
     )

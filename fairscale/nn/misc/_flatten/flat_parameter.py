@@ -6,7 +6,7 @@ that the grouping code can recognise it without importing the wrapper front.
 """
 
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -91,7 +91,7 @@ class FlatParameter(nn.Parameter):
             raise ValueError(
                 f"external_data must be a tensor with {expected} elements (the flat parameter's size), got {got}"
             )
-        splits = data.split(self._param_numels)
+        splits = torch.split(data, self._param_numels)
         return (t.view(shape) for t, shape in zip(splits, self._param_shapes))
 
     def metadata(self) -> Tuple[List[str], List[torch.Size], List[int]]:
@@ -116,7 +116,7 @@ class FlatParameter(nn.Parameter):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "FlatParameter":
         # nn.Parameter.__deepcopy__ would call ``type(self)(tensor, requires_grad)``, which is not our signature.
         if id(self) in memo:
-            return memo[id(self)]
+            return cast("FlatParameter", memo[id(self)])
         # Unlike pickling (which keeps upstream's format), a deep copy also carries attributes that owners such as
         # FSDP attach to the parameter, as a deep copy of a plain nn.Parameter's tensor does.
         result = type(self)([self.data], self.requires_grad)

@@ -16,17 +16,16 @@ internal ``_fpw_module.`` level.
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .flat_parameter import FlatParameter
 from .grouping import FPW_MODULE
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..flatten_params_wrapper import FlattenParamsWrapper
-
 __all__ = [
+    "FlatOwner",
     "_enable_pre_load_state_dict_hook",
     "fpw_pre_load_hook_disabled",
     "rename_prefix_",
@@ -38,6 +37,23 @@ __all__ = [
 FLAT_PARAM = "flat_param"
 _LEGACY_FLAT_KEY = FLAT_PARAM  # the single flat parameter's name before groups existed
 _DEFAULT_FLAT_KEY = FLAT_PARAM + "_0"
+
+
+class FlatOwner(Protocol):
+    """What the hooks read from the wrapper they are registered on (``FlattenParamsWrapper`` satisfies it).
+
+    Described structurally because the front imports this module; importing the front back would be a cycle.
+    """
+
+    is_flattened: bool
+    flat_param_names: List[str]
+    flat_params: List[FlatParameter]
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        ...
+
 
 # Depth of nested fpw_pre_load_hook_disabled() contexts; the hook rewrites keys only at depth 0.
 _disabled_depth = 0
@@ -98,13 +114,13 @@ class _LoadContext(NamedTuple):
     absent: List[str]  # original keys of partially present groups that were not in the dict
 
 
-def post_state_dict_hook(module: Any, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``nn.Module`` state-dict hook: drop the wrapper's ``_fpw_module.`` level from the keys."""
     rename_prefix_(state_dict, prefix + FPW_MODULE + ".", prefix)
 
 
 def pre_load_state_dict_hook(
-    module: "FlattenParamsWrapper",
+    module: FlatOwner,
     state_dict: Dict[str, Any],
     prefix: str,
     local_metadata: Any,
@@ -125,7 +141,7 @@ def pre_load_state_dict_hook(
     setattr(module, _LOAD_CONTEXT, _LoadContext(prefix, rewrite, absent))
 
 
-def post_load_state_dict_hook(module: "FlattenParamsWrapper", incompatible_keys: Any) -> None:
+def post_load_state_dict_hook(module: FlatOwner, incompatible_keys: Any) -> None:
     """``nn.Module`` load post hook: report missing/unexpected keys under the names of the given dict.
 
     Adds the original names that a partial fold could not find, and (when the pre hook rewrote keys) drops the
@@ -141,7 +157,7 @@ def post_load_state_dict_hook(module: "FlattenParamsWrapper", incompatible_keys:
             keys[:] = [ctx.prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
 
 
-def _add_wrapper_level(module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str) -> None:
+def _add_wrapper_level(module: FlatOwner, state_dict: Dict[str, Any], prefix: str) -> None:
     inner = prefix + FPW_MODULE + "."
     rename_prefix_(state_dict, prefix, inner)
     wrapped = module.module
@@ -157,7 +173,7 @@ def _add_wrapper_level(module: "FlattenParamsWrapper", state_dict: Dict[str, Any
 
 
 def _fold_original_keys(
-    module: "FlattenParamsWrapper", state_dict: Dict[str, Any], prefix: str, error_msgs: List[str], rewritten: bool
+    module: FlatOwner, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str], rewritten: bool
 ) -> List[str]:
     """Replace the original-name entries of each flat group by one flat entry; return the names not found.
 
@@ -178,7 +194,7 @@ def _fold_original_keys(
         if not any(k in state_dict for k in keys):
             continue
         with torch.no_grad():
-            pieces = list(flat.detach().split(flat._param_numels))
+            pieces = list(torch.split(flat.detach(), flat._param_numels))
             for i, (key, shape) in enumerate(zip(keys, flat._param_shapes)):
                 if key not in state_dict:
                     absent.append(key)

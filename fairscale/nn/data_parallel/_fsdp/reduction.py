@@ -1,0 +1,139 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Post-backward: a unit's full gradient is ready; free its full parameters and reduce-scatter the gradient.
+
+The reduced shard is accumulated in the handle (:meth:`FlatHandle.accumulate_reduced`) and handed to ``p.grad``
+at the end of the backward (:mod:`.runtime`). Reductions run on the tree's post-backward stream (inert on CPU) and
+go through the tree's bucketer, which merges small gradients into fewer collectives.
+"""
+
+import functools
+
+import torch
+from torch import Tensor
+
+from fairscale.internal import collectives
+
+from .handle import FlatHandle
+from .state import TrainingState
+from .unit import FSDPUnit
+
+
+def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
+    """Common start of a unit's post-backward point: bookkeeping, then reshard.
+
+    Returns:
+        False when the work is deferred to the final callback (more gradient pieces may still come from
+        checkpointed regions of this unit), True when the caller should go on and reduce (if syncing).
+    """
+    tree = unit.tree
+    assert tree is not None
+    tree.queue_final_callback()
+    if unit.training_state == TrainingState.IDLE:
+        raise RuntimeError(
+            f"the gradient of {h.name} arrived, but no output of this FullyShardedDataParallel's forward got a "
+            "gradient hook: return tensors (or tuples, lists, dicts, namedtuples or dataclasses of tensors) from "
+            "the wrapped module's forward so FSDP can see them"
+        )
+    if not unit.pre_backward_ran:
+        raise RuntimeError(f"post-backward of {h.name} in unexpected state {unit.training_state.name}")
+    tree.any_post_backward = True
+    unit.transition(TrainingState.BACKWARD_POST)
+    if unit.defer_post_backward:
+        return False
+    if sync or unit.reshard_after_forward:
+        h.free_full()
+    h.use_shard()
+    return True
+
+
+@torch.no_grad()
+def on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
+    """The parameter's post-accumulate-grad hook: its full gradient is in ``param.grad``."""
+    if param.grad is None or unit.tree is None:
+        return
+    if param.grad.requires_grad:
+        raise RuntimeError("FSDP only works with gradients that do not require grad (no double backward)")
+    sync = unit.require_backward_grad_sync
+    if not begin_post_backward(unit, h, sync):
+        return
+    if sync:  # else (no_sync) the full-size gradient stays in p.grad and accumulates
+        grad = param.grad
+        param.grad = None
+        start_reduction(unit, h, grad)
+
+
+@torch.no_grad()
+def on_view_grads_accumulated(unit: FSDPUnit, h: FlatHandle, sync: bool) -> None:
+    """Post-backward point of a unit whose views feed the flat buffer (``optimize_backward_concat``)."""
+    if begin_post_backward(unit, h, sync) and sync:
+        reduce_accumulated(unit, h)
+
+
+def reduce_accumulated(unit: FSDPUnit, h: FlatHandle) -> None:
+    """Reduce-scatter a window's buffer once, exactly as the default path reduces ``flat_param.grad``.
+
+    The buffer has the dtype of that gradient (see grad_accum), so the reduction (fp32_reduce_scatter's cast
+    included) is the same code on the same values: gradient shards are bitwise equal with the flag on and off.
+    """
+    start_reduction(unit, h, h.take_accum_buffer())
+
+
+def start_reduction(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
+    """Reduce ``grad`` (full, unsharded) on the post-backward stream; the shard lands in ``saved_grad_shard``."""
+    tree = unit.tree
+    assert tree is not None
+    tree.post_backward_stream.wait_stream(tree.device.current_stream())
+    with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
+        _reduce_grad(unit, h, grad)
+    # The caller drops its reference: without this the allocator could hand the gradient's memory to the next
+    # backward kernel on the compute stream while the post-backward stream still reads and divides it in place.
+    tree.hold_until_reduced(grad)
+
+
+def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
+    c = unit.config
+    if c.fp32_reduce_scatter and grad.dtype != h.param.dtype:
+        grad = grad.to(h.param.dtype)
+    if c.gradient_predivide_factor > 1:
+        grad.div_(c.gradient_predivide_factor)
+    callback = functools.partial(_post_reduction, unit, h)
+    if not h.is_sharded:
+        callback(grad)
+        return
+    tree = unit.tree
+    assert tree is not None
+    # The reduce-scatter group has the sharding group's size (checked at construction), so padding the flat gradient
+    # to the padded full size lines rank r's chunk up with shard r (chunk-and-pad).
+    flat = grad.reshape(-1)
+    if flat.numel() != h.padded_numel:
+        flat = torch.nn.functional.pad(flat, (0, h.padded_numel - flat.numel()))
+    tree.bucketer.reduce_scatter_flat_async(
+        flat.contiguous(), group=c.process_group_reduce_scatter, callback_fn=callback
+    )
+
+
+def _post_reduction(unit: FSDPUnit, h: FlatHandle, reduced: Tensor) -> None:
+    if unit.config.gradient_postdivide_factor > 1:
+        reduced.div_(unit.config.gradient_postdivide_factor)
+    shard_grad = reduced.to(h.param.dtype)
+    if shard_grad._base is not None:
+        shard_grad = shard_grad.clone()  # do not keep a whole bucket output alive through a view
+    assert h.fp32_shard is not None
+    h.accumulate_reduced(shard_grad.view(h.fp32_shard.shape))
+
+
+@torch.no_grad()
+def reduce_leftover_grads(unit: FSDPUnit) -> None:
+    """End of a synchronizing backward: reduce what no post-backward point reduced.
+
+    That is a unit that got no gradient in the synchronizing microbatch (its no_sync sum is still owed), or one
+    whose reduction was deferred (partial activation checkpointing).
+    """
+    for h in unit.iter_materialized():
+        if h.grad_accum_flat is not None:
+            reduce_accumulated(unit, h)
+        g = h.param.grad
+        if g is not None and not h.is_assigned_grad(g) and g.shape == h.orig_size:
+            h.param.grad = None
+            h.use_shard()
+            start_reduction(unit, h, g)

@@ -1,0 +1,309 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""One FSDP unit: the typed runtime state of one FullyShardedDataParallel instance, and its gather/free primitives.
+
+The front (:class:`~fairscale.nn.data_parallel.FullyShardedDataParallel`, an ``nn.Module``) owns exactly one
+:class:`FSDPUnit`; the unit owns the frozen :class:`~.config.FSDPConfig`, the :class:`~.handle.FlatHandle` of every
+owned parameter, the training state and the per-instance phase data. The hook lifecycle (:mod:`.runtime`), the
+reductions (:mod:`.reduction`), the state-dict and checkpoint code work on units, never on the front's attributes.
+
+A unit finds the other units of its tree through its owner module's ``modules()`` (:meth:`FSDPUnit.tree_units`);
+modules carry their unit under :data:`UNIT_ATTR`, which :func:`unit_of` reads, so this package never needs the
+front class itself.
+"""
+
+import enum
+import weakref
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fairscale.internal import collectives
+from fairscale.internal.device import DeviceHandle
+from fairscale.nn.checkpoint.checkpoint_activations import _CheckpointedForward
+
+from . import identity
+from .config import FSDPConfig
+from .handle import FlatHandle
+from .state import HandleState, TrainingState, check_training_transition
+from .tree import TreeState
+
+# The attribute of an FSDP front module that holds its unit.
+UNIT_ATTR = "_fsdp_unit"
+
+
+def unit_of(module: nn.Module) -> Optional["FSDPUnit"]:
+    """The unit of ``module`` when it is a FullyShardedDataParallel instance, else ``None``."""
+    unit = module.__dict__.get(UNIT_ATTR)
+    return unit if isinstance(unit, FSDPUnit) else None
+
+
+def _required_unit(module: nn.Module) -> "FSDPUnit":
+    unit = unit_of(module)
+    if unit is None:
+        raise AttributeError(f"{type(module).__name__} has no FSDP unit (not constructed, or being unpickled)")
+    return unit
+
+
+class ConfigAttribute:
+    """An attribute of the front that reads one field of its unit's :class:`~.config.FSDPConfig`.
+
+    Upstream kept the constructor arguments as plain instance attributes, and user code reads (and occasionally
+    sets) them; here the config is the one source. Assigning replaces the frozen config with a copy holding the new
+    value, so every reader sees it.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name
+
+    def __get__(self, obj: Optional[nn.Module], objtype: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(_required_unit(obj).config, self.field)
+
+    def __set__(self, obj: nn.Module, value: Any) -> None:
+        unit = _required_unit(obj)
+        unit.config = unit.config.replace(**{self.field: value})
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` of an instance returns (and what its load hooks expect)."""
+
+    FULL = enum.auto()  # the unwrapped module's keys and full shapes
+    LOCAL = enum.auto()  # this rank's padded flat shards (``local_state_dict``)
+
+
+class FSDPUnit:
+    """Runtime state of one FSDP instance.
+
+    Args:
+        owner: the front module (held weakly: the module owns the unit).
+        config: the instance's resolved constructor arguments.
+        handles: one handle per owned parameter (flat parameters first).
+        param_name_groups: per owned parameter, the original names it holds.
+        num_flatten_params: how many of ``handles`` are flat parameters of the FlattenParamsWrapper.
+    """
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        config: FSDPConfig,
+        handles: List[FlatHandle],
+        param_name_groups: List[List[str]],
+        num_flatten_params: int,
+    ) -> None:
+        self._owner_ref: Callable[[], Optional[nn.Module]] = weakref.ref(owner)
+        self.config = config
+        self.handles = handles
+        self.param_name_groups = param_name_groups
+        self.num_flatten_params = num_flatten_params
+        self._training_state = TrainingState.IDLE
+        # Lazy init (first forward, state_dict, summon...): None before it, then whether this unit is its tree's root.
+        self.is_root: Optional[bool] = None
+        self.tree: Optional[TreeState] = None
+        # False inside the root's no_sync(): gradients stay full-size and accumulate in p.grad, nothing is reduced.
+        self.require_backward_grad_sync = True
+        # A parent FSDP instance wraps this one (known at the parent's construction, before any lazy init).
+        self.has_fsdp_parent = False
+        # Activation checkpointing covers only part of this unit: its reduction waits for the end of backward.
+        self.defer_post_backward = False
+        # Whether every unit of the tree shares the root's process group (set on the root at lazy init).
+        self.children_share_process_group = True
+        # Parameters owned by a sibling instance found in this one's module, and ties FSDP cannot honour
+        # (see ties.py); both raise at the first forward unless declared with append_shared_param.
+        self.foreign_params: List[Tuple[str, nn.Parameter]] = []
+        self.tie_problems: List[str] = []
+        self.has_shared_params = False
+        # The root's first forward checked the zero2 settings of the tree (collective; see runtime.py).
+        self.zero2_checked = False
+        # Checkpoint identity (see identity.py): a token all ranks agreed on, and the synchronizing backward count.
+        self.ckpt_token: Optional[str] = None
+        self.ckpt_step = 0
+        self.state_dict_type = StateDictType.FULL
+        # A plain parent module loading a full dict into this instance: the summon opened by the pre-load hook and
+        # whether that load initialised the tree (closed by the post-load hook, see state_dict.py).
+        self.pending_load_summon: Optional[Tuple[Any, bool]] = None
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> Any:
+        state = dict(self.__dict__)
+        state["_owner_ref"] = None  # the front re-links its unit (a weak reference cannot be pickled)
+        state["config"] = self.config.without_groups()
+        state["tree"] = None
+        state["is_root"] = None
+        return state
+
+    def relink(self, owner: nn.Module) -> None:
+        """Attach to ``owner`` after unpickling or copying."""
+        self._owner_ref = weakref.ref(owner)
+
+    # ------------------------------------------------------------------ identity and tree
+    @property
+    def owner(self) -> nn.Module:
+        owner = self._owner_ref() if self._owner_ref is not None else None
+        if owner is None:
+            raise RuntimeError("FullyShardedDataParallel: the module of this FSDP unit no longer exists")
+        return owner
+
+    @property
+    def wrapped(self) -> Any:
+        """The FlattenParamsWrapper around the user's module."""
+        return self.owner._fsdp_wrapped_module
+
+    @property
+    def name(self) -> str:
+        return type(self.owner).__name__
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        return [h.param for h in self.handles]
+
+    def tree_units(self) -> List["FSDPUnit"]:
+        """This unit and every unit below it, in ``modules()`` order (pre-order)."""
+        return [u for u in (unit_of(m) for m in self.owner.modules()) if u is not None]
+
+    def named_units(self) -> List[Tuple[str, "FSDPUnit"]]:
+        """``(path, unit)`` for this unit and every unit below it; paths as ``named_modules()`` gives them."""
+        out = []
+        for path, m in self.owner.named_modules():
+            u = unit_of(m)
+            if u is not None:
+                out.append((path, u))
+        return out
+
+    def owned_modules(self) -> List[nn.Module]:
+        """Modules whose buffers belong to this unit: its subtree without nested FSDP subtrees."""
+        out: List[nn.Module] = []
+        stack: List[nn.Module] = [self.owner]
+        while stack:
+            m = stack.pop()
+            out.append(m)
+            stack.extend(child for child in m.children() if unit_of(child) is None)
+        return out
+
+    def iter_materialized(self) -> Iterator[FlatHandle]:
+        return (h for h in self.handles if h.materialized)
+
+    @property
+    def device(self) -> DeviceHandle:
+        return DeviceHandle.for_device(self.config.compute_device)
+
+    # ------------------------------------------------------------------ derived settings
+    @property
+    def reshard_after_forward(self) -> bool:
+        """The effective setting: the root never reshards with ``disable_reshard_on_root`` (its backward is next)."""
+        c = self.config
+        return c.reshard_after_forward and not (self.is_root is True and c.disable_reshard_on_root)
+
+    def has_inner_checkpoint_regions(self) -> bool:
+        """Whether activation checkpointing covers only part of this unit.
+
+        Each checkpointed region recomputes inside its own nested backward, so the unit's parameter gradients then
+        arrive in several pieces; the full parameters must stay until the whole backward is done, and the gradient
+        is reduced once in the final callback. (A checkpoint around the whole unit is a single region: no deferral.)
+        """
+        whole_unit = getattr(self.wrapped, "module", None)
+        return any(
+            isinstance(m.__dict__.get("forward"), _CheckpointedForward)
+            for m in self.owned_modules()
+            if m is not whole_unit
+        )
+
+    def checkpoint_identity(self) -> Any:
+        """The identity of a sharded checkpoint taken from this unit now (see :mod:`.identity`)."""
+        return identity.make_identity(self.ckpt_token, self.ckpt_step, self.config.rank, self.config.world_size)
+
+    # ------------------------------------------------------------------ training state
+    @property
+    def training_state(self) -> TrainingState:
+        return self._training_state
+
+    def transition(self, new: TrainingState) -> None:
+        """Change the training state; raises on a transition the lifecycle never makes (see state.py)."""
+        check_training_transition(self._training_state, new, self.name)
+        self._training_state = new
+
+    @property
+    def pre_backward_ran(self) -> bool:
+        """Whether this unit's pre-backward point ran in the current backward."""
+        return self._training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+
+    # ------------------------------------------------------------------ gathering
+    def rebuild_full_params(self, phase: str) -> None:
+        """Bring every owned handle to FULL (from its shard, or its zero2 slice over the zero2 group)."""
+        todo = [h for h in self.handles if h.state != HandleState.FULL]
+        if not todo:
+            return
+        tree = self.tree
+        assert tree is not None
+        current = tree.device.current_stream()
+        # The gathers write memory of the all-gather stream's pool that the compute stream may still read (a freed
+        # full buffer): waiting here orders them after those reads (why FlatHandle needs no record_stream).
+        tree.all_gather_stream.wait_stream(current)
+        with collectives.collective_phase(phase), tree.device.stream(tree.all_gather_stream):
+            for h in todo:
+                self.gather_one(h)
+        current.wait_stream(tree.all_gather_stream)
+
+    def gather_one(self, h: FlatHandle, async_op: bool = False) -> None:
+        """Gather ``h`` into its full buffer; with ``async_op`` (prefetch) the handle keeps the work in flight."""
+        if not h.has_full_buffer:
+            h.set_state(HandleState.FULL)
+            return
+        out = h.alloc_full()
+        source, from_zero2_slice = h.take_gather_source()
+        work: Optional[collectives.WorkHandle] = None
+        if from_zero2_slice:
+            work = collectives.all_gather_into_flat(out, source, self.config.zero2_process_group, async_op=async_op)
+        elif h.is_sharded:
+            work = collectives.all_gather_into_flat(out, source, self.config.process_group, async_op=async_op)
+        else:
+            out.copy_(source.reshape(-1))
+        h.mark_gathered(work, source)
+
+    def drop_stale_full_params(self) -> None:
+        """A new forward must not reuse gathered params (or zero2 slices) whose fp32 shard changed since the gather
+        (optimizer step or summon write-back after a forward whose backward never ran)."""
+        for h in self.handles:
+            if h.state != HandleState.SHARDED and h.has_full_buffer and h.gathered_version != h.shard_version():
+                h.free_full()
+                h.drop_zero2_slice()
+
+    def use_full_params(self) -> None:
+        for h in self.handles:
+            h.use_full()
+
+    def use_fp32_shards(self) -> None:
+        for h in self.handles:
+            h.use_shard()
+
+    def reshard(self, after_forward: bool) -> None:
+        """Free full params; after a forward with a zero2 group keep this rank's zero2 slice instead."""
+        keep_slice = after_forward and self.config.zero2_process_group is not None
+        for h in self.handles:
+            if h.state != HandleState.FULL:
+                continue
+            if keep_slice and h.is_sharded:
+                h.keep_zero2_slice(self.config.zero2_rank, self.config.zero2_size)
+            else:
+                h.free_full()
+
+    def release_all(self) -> None:
+        """Every handle back to its fp32 shard alone (no full buffer, no zero2 slice)."""
+        for h in self.iter_materialized():
+            h.free_full()
+            h.drop_zero2_slice()
+            h.use_shard()
+
+    # ------------------------------------------------------------------ memory
+    @torch.no_grad()
+    def cast_buffers(self) -> None:
+        """Buffers of this unit's own modules to the compute device, floating ones in ``buffer_dtype``."""
+        c = self.config
+        for owned in self.owned_modules():
+            for name, buf in list(owned.named_buffers(recurse=False)):
+                if buf is None:
+                    continue
+                dtype = c.buffer_dtype if buf.is_floating_point() else buf.dtype
+                if buf.device != c.compute_device or buf.dtype != dtype:
+                    setattr(owned, name, buf.to(device=c.compute_device, dtype=dtype))
