@@ -65,7 +65,8 @@ def patch_batchnorm(module: nn.Module) -> List[RemovableHandle]:
     Args:
         module (nn.Module): the module to patch; every ``torch.nn.modules.batchnorm._BatchNorm``
             among ``module.modules()`` (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ...) is patched,
-            including ``module`` itself.
+            including ``module`` itself, except layers that have a ``disable_patch_batchnorm``
+            attribute (its value does not matter, as upstream).
 
     Returns:
         List[RemovableHandle]: the hook handles, two per patched layer; call ``remove()`` on each
@@ -75,6 +76,8 @@ def patch_batchnorm(module: nn.Module) -> List[RemovableHandle]:
         raise TypeError(f"patch_batchnorm expects an nn.Module, got {type(module).__name__}")
     handles: List[RemovableHandle] = []
     for child in module.modules():
-        if isinstance(child, _BatchNorm):
+        # A layer with a ``disable_patch_batchnorm`` attribute (any value, as upstream) manages its running
+        # statistics itself under checkpointing, e.g. fairscale.experimental.nn.SyncBatchNorm.
+        if isinstance(child, _BatchNorm) and not hasattr(child, "disable_patch_batchnorm"):
             handles.extend(_patch_one(child))
     return handles

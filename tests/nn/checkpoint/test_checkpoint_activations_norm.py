@@ -107,6 +107,20 @@ def test_patch_batchnorm_leaves_disabled_tracking_alone() -> None:
     assert not bn.track_running_stats
 
 
+def test_patch_batchnorm_skips_layers_that_opt_out() -> None:
+    """Upstream's rule: the mere presence of ``disable_patch_batchnorm`` keeps a layer unpatched."""
+    from fairscale.experimental.nn import SyncBatchNorm
+
+    opted_out: Any = nn.BatchNorm1d(4)
+    opted_out.disable_patch_batchnorm = False  # the value does not matter
+    model = nn.Sequential(nn.BatchNorm1d(4), opted_out, SyncBatchNorm(4))
+    handles = patch_batchnorm(model)
+    assert len(handles) == 2  # only the first layer
+    with torch.no_grad():
+        opted_out(torch.randn(8, 4))
+    assert opted_out.num_batches_tracked.item() == 1  # unpatched: a no-grad pass updates its statistics
+
+
 def test_patching_twice_still_updates_once() -> None:
     torch.manual_seed(0)
     model = checkpoint_wrapper(checkpoint_wrapper(conv_model(nn.BatchNorm2d(8))))

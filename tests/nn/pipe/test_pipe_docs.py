@@ -3,8 +3,6 @@
 ``tests/test_docs_examples.py``)."""
 
 import os
-import re
-import textwrap
 from typing import Any, Dict, List
 
 import torch
@@ -18,20 +16,10 @@ DOC = os.path.join(
 
 
 def _blocks() -> List[str]:
-    """The ``.. code-block:: python`` blocks of the page, dedented."""
-    lines = open(DOC).read().splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        if re.match(r"^\.\. code-block:: python\s*$", lines[i]):
-            j, body = i + 1, []
-            while j < len(lines) and (not lines[j].strip() or lines[j].startswith(" ")):
-                body.append(lines[j])
-                j += 1
-            blocks.append(textwrap.dedent("\n".join(body)).strip("\n"))
-            i = j
-        else:
-            i += 1
-    return blocks
+    """The page's code blocks (all python), dedented."""
+    from test_docs_examples import rst_blocks  # tests/ is on sys.path (rootdir conftest)
+
+    return [code for _, code in rst_blocks(DOC)]
 
 
 def _run(code: str) -> Dict[str, Any]:
