@@ -1,7 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Internal helpers of fairscale: not a public API, except where re-exported elsewhere.
 
-Two modules here are the only places in the package allowed to touch devices and collectives:
+Two layers here are the only places in the package allowed to touch devices and collectives:
 :mod:`fairscale.internal.device` (``torch.cuda``, streams, events) and
 :mod:`fairscale.internal.collectives` (``torch.distributed`` collectives).
 """

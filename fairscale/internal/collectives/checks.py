@@ -1,0 +1,36 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Argument checks shared by the collectives: paired tensors, in-place tensors, ranks and reduce operations."""
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .groups import _GroupInfo
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def _reduce_op(op: str) -> Any:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}")
+    return getattr(dist.ReduceOp, _REDUCE_OPS[op])
+
+
+def _check_pair(what: str, output: Tensor, input: Tensor) -> None:
+    if output.dtype != input.dtype:
+        raise ValueError(f"{what}: output dtype {output.dtype} differs from input dtype {input.dtype}; cast first")
+    if output.device != input.device:
+        raise ValueError(f"{what}: output is on {output.device} but input is on {input.device}; move one of them")
+    if not output.is_contiguous():
+        raise ValueError(f"{what}: output must be contiguous (it is written in place); pass .contiguous() storage")
+
+
+def _check_contiguous(what: str, tensor: Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: the tensor must be contiguous (it is updated in place); pass .contiguous() storage")
+
+
+def _check_src(what: str, src: int, info: _GroupInfo) -> None:
+    if src not in info.ranks:
+        raise ValueError(f"{what}: src={src} is not in the group (global ranks {info.ranks}); src is a global rank")

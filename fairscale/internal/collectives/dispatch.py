@@ -1,0 +1,121 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Choosing how a collective runs: torch's function looked up at call time, and a fallback strategy per backend gap.
+
+A backend may reject a variant of a collective (no tensor reduce-scatter, no bf16/fp16 support ...). Each
+collective lists its strategies; ``_dispatch`` runs the first one the backend accepts and remembers it per
+``(backend, collective, dtype)`` in ``_chosen``. ``_force_strategy`` lets tests pick one.
+"""
+
+import contextlib
+import re
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .groups import _GroupInfo
+from .work import WorkHandle, _copy_back
+
+# torch's names of the flat-tensor variants, newest first (the older ones print deprecation warnings on recent torch).
+# They are looked up on ``torch.distributed`` at every call, never bound at import, so that tests and tools that
+# patch them (to count calls or inject delays, as upstream's tests do) see every call. A name patched since import
+# wins over the newest name: on recent torch the older names are thin wrappers that call the newest one inside
+# torch, so a patched older name would otherwise never run.
+_ALL_GATHER_TENSOR_NAMES = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+_REDUCE_SCATTER_TENSOR_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+_TORCH_ORIGINALS = {name: getattr(dist, name, None) for name in _ALL_GATHER_TENSOR_NAMES + _REDUCE_SCATTER_TENSOR_NAMES}
+
+
+def _torch_function(names: Sequence[str]) -> Callable[..., Any]:
+    """The function of ``torch.distributed`` to call now: a patched one if any, else the newest that exists."""
+    current: List[Tuple[str, Optional[Callable[..., Any]]]] = [(name, getattr(dist, name, None)) for name in names]
+    for name, fn in current:
+        if fn is not None and fn is not _TORCH_ORIGINALS[name]:
+            return fn
+    for _, fn in current:
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"this torch.distributed has none of {list(names)}; fairscale needs torch >= 2.1")
+
+
+def _all_gather_tensor(*args: Any, **kwargs: Any) -> Any:
+    return _torch_function(_ALL_GATHER_TENSOR_NAMES)(*args, **kwargs)
+
+
+def _reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
+    return _torch_function(_REDUCE_SCATTER_TENSOR_NAMES)(*args, **kwargs)
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Errors a backend raises, before any communication, for a variant or dtype it lacks. Only
+# these trigger a fallback: anything else (a dead peer, a timeout) must surface unchanged.
+_UNSUPPORTED = re.compile(r"not support|unsupported|not implemented|no kernel|invalid scalar type", re.I)
+
+_Strategy = Tuple[str, Callable[[], WorkHandle]]
+_chosen: Dict[Tuple[str, str, torch.dtype], str] = {}
+# Tests force a strategy to exercise fallbacks that the installed torch does not need.
+_forced: Dict[Tuple[str, Optional[torch.dtype]], str] = {}
+
+
+class _NotApplicable(Exception):
+    """A strategy that does not apply to this call (e.g. fp32 wire format for an fp32 tensor)."""
+
+
+@contextlib.contextmanager
+def _force_strategy(kind: str, name: str, dtype: Optional[torch.dtype] = None) -> Iterator[None]:
+    """Testing aid: make ``kind`` (for ``dtype``, or any dtype) use strategy ``name``."""
+    key = (kind, dtype)
+    previous = _forced.get(key)
+    _forced[key] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _forced[key]
+        else:
+            _forced[key] = previous
+
+
+def _dispatch(
+    kind: str, info: _GroupInfo, dtype: torch.dtype, strategies: Sequence[_Strategy], device_type: str = "cpu"
+) -> WorkHandle:
+    """Run the first strategy the backend accepts for ``(backend, kind, dtype)``; remember it.
+
+    Fallbacks are for CPU tensors only (gloo's gaps). Accelerator backends (NCCL) support every variant and dtype, so
+    an error there is a real failure (a CUDA error can read "operation not supported") and retrying another variant
+    on this rank alone would leave the peers waiting. The tensor's device decides, not the backend's name, which
+    reads "undefined" or "cpu:gloo,cuda:nccl" for groups created without an explicit backend.
+    """
+    forced = _forced.get((kind, dtype)) or _forced.get((kind, None))
+    wanted = forced or _chosen.get((info.backend, kind, dtype))
+    if wanted is not None:
+        for name, run in strategies:
+            if name == wanted:
+                return run()
+        raise ValueError(f"unknown {kind} strategy {wanted!r}")
+    errors: List[str] = []
+    for name, run in strategies:
+        try:
+            handle = run()
+        except _NotApplicable:
+            continue
+        except (RuntimeError, NotImplementedError) as exc:
+            if device_type != "cpu" or not _UNSUPPORTED.search(str(exc)):
+                raise
+            errors.append(f"{name}: {str(exc).strip().splitlines()[0]}")
+            continue
+        _chosen[(info.backend, kind, dtype)] = name
+        return handle
+    raise RuntimeError(
+        f"{kind} of {dtype} tensors is not supported by backend {info.backend!r}; tried " + "; ".join(errors)
+    )
+
+
+def _via_fp32(out: Tensor, inp: Tensor, run: Callable[[Tensor, Tensor], WorkHandle]) -> WorkHandle:
+    """Run ``run(wire_out, wire_in)`` on fp32 copies and cast the result back (for fp16/bf16 only)."""
+    if out.dtype not in _LOW_PRECISION:
+        raise _NotApplicable()
+    wire_in = inp.float()
+    wire_out = wire_in if out is inp else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    return WorkHandle(run(wire_out, wire_in), _copy_back(out, wire_out))

@@ -1,0 +1,124 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""All-gather into, and reduce-scatter from, one flat buffer of any shape (FSDP's parameter and gradient shards)."""
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .checks import _check_pair, _reduce_op
+from .dispatch import _all_gather_tensor, _dispatch, _reduce_scatter_tensor, _via_fp32
+from .groups import ProcessGroup, _GroupInfo, _member_info
+from .recording import _record
+from .work import WorkHandle, _copy_back, _finish
+
+
+def all_gather_into_flat(
+    output: Tensor, input: Tensor, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> Optional[WorkHandle]:
+    """All-gather equal-sized pieces into one flat buffer, in group-rank order.
+
+    Args:
+        output (Tensor): contiguous, any shape, ``group size * input.numel()`` elements; receives
+            the concatenation of every rank's ``input`` (rank 0 first). ``input`` may be a view of
+            this rank's part of ``output``.
+        input (Tensor): this rank's piece, any shape, same dtype and device as ``output``.
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "all_gather_into_flat")
+    _check_pair("all_gather_into_flat", output, input)
+    if output.numel() != input.numel() * info.size:
+        raise ValueError(
+            f"all_gather_into_flat: output has {output.numel()} elements but input has {input.numel()} "
+            f"and the group has {info.size} ranks; output needs input.numel() * {info.size} = "
+            f"{input.numel() * info.size}"
+        )
+    ready_at = _record("all_gather", info, output.dtype, output.numel(), output.element_size())
+    return _finish(_all_gather(output.view(-1), input.reshape(-1), info, async_op), async_op, ready_at)
+
+
+def _all_gather(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(_all_gather_tensor(out, inp, group=info.pg, async_op=async_op))
+
+    def list_variant() -> WorkHandle:
+        return WorkHandle(dist.all_gather(list(out.chunk(info.size)), inp, group=info.pg, async_op=async_op))
+
+    def fp32_variant() -> WorkHandle:
+        return _via_fp32(out, inp, lambda o, i: _all_gather(o, i, info, async_op))
+
+    strategies = [("tensor", tensor_variant), ("list", list_variant), ("fp32", fp32_variant)]
+    return _dispatch("all_gather", info, out.dtype, strategies, out.device.type)
+
+
+def reduce_scatter_from_flat(
+    output: Tensor, input: Tensor, group: Optional[ProcessGroup] = None, op: str = "sum", async_op: bool = False
+) -> Optional[WorkHandle]:
+    """Reduce a flat buffer across ranks and keep this rank's contiguous chunk.
+
+    Args:
+        output (Tensor): contiguous, any shape; receives chunk ``r`` (``r`` = this rank's group
+            rank) of the element-wise reduction of every rank's ``input``.
+        input (Tensor): ``group size * output.numel()`` elements, any shape or layout (2-D
+            buckets included); read in row-major order as ``size`` consecutive chunks.
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        op (str): ``"sum"``, ``"max"``, ``"min"`` or ``"product"``.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "reduce_scatter_from_flat")
+    _check_pair("reduce_scatter_from_flat", output, input)
+    reduce_op = _reduce_op(op)
+    if input.numel() != output.numel() * info.size:
+        raise ValueError(
+            f"reduce_scatter_from_flat: input has {input.numel()} elements but output has {output.numel()} "
+            f"and the group has {info.size} ranks; input needs output.numel() * {info.size} = "
+            f"{output.numel() * info.size}"
+        )
+    ready_at = _record("reduce_scatter", info, input.dtype, input.numel(), input.element_size())
+    # reshape() copies a non-contiguous input (e.g. the used columns of a 2-D bucket) into the
+    # 1-D layout every backend accepts.
+    return _finish(_reduce_scatter(output.view(-1), input.reshape(-1), reduce_op, info, async_op), async_op, ready_at)
+
+
+def _reduce_scatter(out: Tensor, inp: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(_reduce_scatter_tensor(out, inp, op=op, group=info.pg, async_op=async_op))
+
+    def list_variant() -> WorkHandle:
+        chunks = list(inp.chunk(info.size))
+        return WorkHandle(dist.reduce_scatter(out, chunks, op=op, group=info.pg, async_op=async_op))
+
+    def all_reduce_variant() -> WorkHandle:
+        # Costs size x the traffic, but every backend has all-reduce.
+        full = inp.clone()
+        work = dist.all_reduce(full, op=op, group=info.pg, async_op=async_op)
+        start = info.rank * out.numel()
+        return WorkHandle(work, _copy_back(out, full[start : start + out.numel()]))
+
+    def fp32_variant() -> WorkHandle:
+        return _via_fp32(out, inp, lambda o, i: _reduce_scatter(o, i, op, info, async_op))
+
+    strategies = [
+        ("tensor", tensor_variant),
+        ("list", list_variant),
+        ("all_reduce", all_reduce_variant),
+        ("fp32", fp32_variant),
+    ]
+    return _dispatch("reduce_scatter", info, out.dtype, strategies, out.device.type)

@@ -1,0 +1,85 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Process groups as the collectives see them: size, rank and ranks of a group, cached, and membership checks."""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+try:
+    from torch.distributed import ProcessGroup as ProcessGroup
+except ImportError:  # pragma: no cover - torch built without distributed support
+    ProcessGroup = Any  # type: ignore[misc,assignment]
+
+
+@dataclass(frozen=True)
+class _GroupInfo:
+    pg: Any  # what torch gets as ``group``; None when torch.distributed is not initialised
+    size: int
+    rank: int  # this process's rank inside the group, -1 if it is not a member
+    ranks: Tuple[int, ...]  # global ranks, sorted
+    backend: str
+
+
+_LOCAL_WORLD = _GroupInfo(pg=None, size=1, rank=0, ranks=(0,), backend="local")
+# Group objects are long-lived (and not weak-referenceable), so a plain dict is the cache; it
+# holds each group alive, which also rules out a recycled id() pointing at stale info.
+_group_cache: Dict[Any, _GroupInfo] = {}
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_info(group: Optional[ProcessGroup]) -> _GroupInfo:
+    if group is None:
+        if not _dist_ready():
+            return _LOCAL_WORLD
+        group = dist.group.WORLD
+    info = _group_cache.get(group)
+    if info is None:
+        info = _build_group_info(group)
+        _group_cache[group] = info
+    return info
+
+
+def _build_group_info(group: Any) -> _GroupInfo:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group() returns on ranks outside the new group; sizes as torch reports them.
+        return _GroupInfo(group, -1, -1, (), "non-member")
+    if isinstance(group, dist.ProcessGroup):
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        return _GroupInfo(group, group.size(), dist.get_rank(group), ranks, str(dist.get_backend(group)))
+    if hasattr(group, "size") and hasattr(group, "rank"):
+        # Stand-ins such as fair_dev.testing.DummyProcessGroup: sizes only, no communication.
+        size = int(group.size())
+        return _GroupInfo(group, size, int(group.rank()), tuple(range(size)), "dummy")
+    raise TypeError(f"expected a torch.distributed ProcessGroup or None, got {type(group).__name__}: {group!r}")
+
+
+def group_size(group: Optional[ProcessGroup] = None) -> int:
+    """Number of ranks in ``group`` (1 for ``None`` when torch.distributed is not initialised)."""
+    return _group_info(group).size
+
+
+def group_rank(group: Optional[ProcessGroup] = None) -> int:
+    """This process's rank inside ``group`` (-1 if it is not a member)."""
+    return _group_info(group).rank
+
+
+def group_ranks(group: Optional[ProcessGroup] = None) -> Tuple[int, ...]:
+    """The global ranks of ``group``, sorted (``(0,)`` without torch.distributed)."""
+    return _group_info(group).ranks
+
+
+def _member_info(group: Optional[ProcessGroup], what: str) -> _GroupInfo:
+    info = _group_info(group)
+    if info.rank < 0:
+        me = dist.get_rank() if _dist_ready() else 0
+        members = f"the process group with ranks {info.ranks}" if info.ranks else "the process group"
+        raise ValueError(
+            f"{what}: global rank {me} is not a member of {members}; " "only members may call collectives on a group"
+        )
+    if info.size > 1 and info.backend == "dummy":
+        raise TypeError(f"{what}: {type(info.pg).__name__} cannot communicate; pass a real ProcessGroup")
+    return info

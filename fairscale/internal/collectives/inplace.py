@@ -1,0 +1,123 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Collectives that update one tensor in place: all-reduce, broadcast, and reduce to one rank (OSS, ShardedDDP)."""
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .checks import _check_contiguous, _check_src, _reduce_op
+from .dispatch import _dispatch, _via_fp32
+from .groups import ProcessGroup, _GroupInfo, _member_info
+from .recording import _record
+from .work import WorkHandle, _finish
+
+
+def all_reduce(
+    tensor: Tensor, group: Optional[ProcessGroup] = None, op: str = "sum", async_op: bool = False
+) -> Optional[WorkHandle]:
+    """Reduce ``tensor`` in place across the ranks of ``group``.
+
+    Args:
+        tensor (Tensor): contiguous tensor, same shape on every rank; holds the result afterwards.
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        op (str): ``"sum"``, ``"max"``, ``"min"`` or ``"product"``.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "all_reduce")
+    reduce_op = _reduce_op(op)
+    _check_contiguous("all_reduce", tensor)
+    ready_at = _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op, ready_at)
+
+
+def _all_reduce(tensor: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(dist.all_reduce(tensor, op=op, group=info.pg, async_op=async_op))
+
+    def fp32_variant() -> WorkHandle:
+        return _via_fp32(tensor, tensor, lambda wire, _: _all_reduce(wire, op, info, async_op))
+
+    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
+    return _dispatch("all_reduce", info, tensor.dtype, strategies, tensor.device.type)
+
+
+def broadcast(
+    tensor: Tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> Optional[WorkHandle]:
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place.
+
+    Args:
+        tensor (Tensor): contiguous; the data on ``src``, overwritten on the other ranks.
+        src (int): the **global** rank that sends (as in ``torch.distributed.broadcast``).
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "broadcast")
+    _check_src("broadcast", src, info)
+    _check_contiguous("broadcast", tensor)
+    ready_at = _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return _finish(_broadcast(tensor, src, info, async_op), async_op, ready_at)
+
+
+def _broadcast(tensor: Tensor, src: int, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op))
+
+    def fp32_variant() -> WorkHandle:
+        return _via_fp32(tensor, tensor, lambda wire, _: _broadcast(wire, src, info, async_op))
+
+    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
+    return _dispatch("broadcast", info, tensor.dtype, strategies, tensor.device.type)
+
+
+def reduce(
+    tensor: Tensor, dst: int, group: Optional[ProcessGroup] = None, op: str = "sum", async_op: bool = False
+) -> Optional[WorkHandle]:
+    """Reduce ``tensor`` across the ranks of ``group`` into global rank ``dst``'s ``tensor``.
+
+    Only ``dst`` holds the result afterwards; on the other ranks the content of ``tensor`` is unspecified (some
+    backends use it as scratch space).
+
+    Args:
+        tensor (Tensor): contiguous, same shape on every rank.
+        dst (int): the **global** rank that receives the result (as in ``torch.distributed.reduce``).
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+        op (str): ``"sum"``, ``"max"``, ``"min"`` or ``"product"``.
+        async_op (bool): return a :class:`WorkHandle` instead of waiting.
+
+    Returns:
+        Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
+    """
+    info = _member_info(group, "reduce")
+    _check_src("reduce", dst, info)
+    reduce_op = _reduce_op(op)
+    _check_contiguous("reduce", tensor)
+    ready_at = _record("reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    return _finish(_reduce(tensor, dst, reduce_op, info, async_op), async_op, ready_at)
+
+
+def _reduce(tensor: Tensor, dst: int, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
+    if info.size == 1:
+        return WorkHandle()
+
+    def tensor_variant() -> WorkHandle:
+        return WorkHandle(dist.reduce(tensor, dst=dst, op=op, group=info.pg, async_op=async_op))
+
+    def fp32_variant() -> WorkHandle:
+        return _via_fp32(tensor, tensor, lambda wire, _: _reduce(wire, dst, op, info, async_op))
+
+    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
+    return _dispatch("reduce", info, tensor.dtype, strategies, tensor.device.type)
