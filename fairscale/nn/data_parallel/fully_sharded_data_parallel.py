@@ -8,17 +8,16 @@ The docs page "Architecture" draws the objects.
 """
 
 import contextlib
-from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional, Set, Tuple, Union, cast
+from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
 
-from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
-from ._fsdp import batchnorm_wrap, grad_accum, metadata, optim_state, runtime
+from ._fsdp import batchnorm_wrap, construction, grad_accum, grad_norm, metadata, optim_state, runtime
 from ._fsdp import state_dict as fsdp_state_dict
 from ._fsdp import summon
 from ._fsdp import ties as fsdp_ties
@@ -28,7 +27,7 @@ from ._fsdp.io import cast_inputs
 from ._fsdp.naming import clean_path
 from ._fsdp.state import HandleState, TrainingState
 from ._fsdp.tree import TreeState
-from ._fsdp.unit import UNIT_ATTR, ConfigAttribute, FSDPUnit, unit_of
+from ._fsdp.unit import UNIT_ATTR, ConfigAttribute, FSDPUnit
 
 # Names that upstream code imports from this module (upstream defined or imported them here); re-exported so that
 # such imports keep working. Checked by tests/test_upstream_api.py.
@@ -161,7 +160,7 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: bool = True,
     ):
         super().__init__()
-        params, foreign_params, tie_problems = self._collect_params_to_own(module)
+        params, foreign_params, tie_problems = construction.collect_params_to_own(module, FullyShardedDataParallel)
         config = make_config(
             (p for _, p in params),
             process_group,
@@ -208,7 +207,7 @@ class FullyShardedDataParallel(nn.Module):
         name_groups: List[List[str]] = ([[n for n, _ in params]] if flat else []) + [[n] for n, _ in kept]
         owned: List[nn.Parameter] = flat + [p for _, p in kept]
         backing = [("flat_param_0" if flat and i == 0 else names[0]) for i, names in enumerate(name_groups)]
-        handles = [_shard_parameter(p, name, config) for p, name in zip(owned, backing)]
+        handles = [construction.shard_parameter(p, name, config) for p, name in zip(owned, backing)]
         unit = FSDPUnit(self, config, handles, name_groups, len(flat))
         unit.foreign_params, unit.tie_problems = foreign_params, tie_problems
         self.__dict__[UNIT_ATTR] = unit
@@ -221,36 +220,6 @@ class FullyShardedDataParallel(nn.Module):
             assert hasattr(p, "_is_sharded"), f"parameter {n} is not managed by any FSDP instance"
 
     # ------------------------------------------------------------------ construction helpers
-    def _collect_params_to_own(
-        self, module: nn.Module
-    ) -> Tuple[List[Tuple[str, nn.Parameter]], List[Tuple[str, nn.Parameter]], List[str]]:
-        """Parameters not yet owned by a nested FSDP instance, parameters owned by a sibling, and tie problems.
-
-        A parameter already sharded by an FSDP instance outside ``module`` (a weight tied to a sibling) is skipped,
-        as upstream, and remembered: unless :meth:`append_shared_param` declares it, the first forward raises.
-        Ties that no declaration can make work are remembered too and raise at the first forward (see
-        :func:`fsdp_ties.find_unhonourable_ties`); owning such a parameter here would silently untie it.
-        """
-        nested_owned: Set[int] = set()
-        for m in module.modules():
-            nested = unit_of(m)
-            if nested is not None:
-                nested.has_fsdp_parent = True  # no_sync() is refused on it, before its lazy init as after
-                nested_owned.update(id(p) for p in m.parameters())
-        tie_problems = fsdp_ties.find_unhonourable_ties(module, nested_owned, FullyShardedDataParallel)
-        foreign: List[Tuple[str, nn.Parameter]] = []
-        out: List[Tuple[str, nn.Parameter]] = []
-        seen = set()
-        for name, p in module.named_parameters():
-            if id(p) in seen or id(p) in nested_owned:
-                continue
-            seen.add(id(p))
-            if hasattr(p, "_is_sharded"):
-                foreign.append((name, p))
-                continue
-            out.append((name, p))
-        return out, foreign, tie_problems
-
     # ------------------------------------------------------------------ the unit and its settings
     @property
     def _fsdp_unit(self) -> FSDPUnit:
@@ -401,12 +370,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def assert_state(self, state: Union[TrainingState, List[TrainingState]]) -> None:
         """Raise ``ValueError`` unless the instance is in ``state`` (or one of a list of states)."""
-        states = state if isinstance(state, list) else [state]
-        if self.training_state not in states:
-            raise ValueError(
-                f"expected FSDP training state to be one of {[s.name for s in states]}, "
-                f"but it is {self.training_state.name}"
-            )
+        self._fsdp_unit.assert_state(state if isinstance(state, list) else [state])
 
     def extra_repr(self) -> str:
         c = self._config
@@ -444,27 +408,8 @@ class FullyShardedDataParallel(nn.Module):
         Call it on the root instance, outside forward/backward. The first backward after the context reduces the
         sum of all accumulated gradients.
         """
-        unit = self._fsdp_unit
-        # The same rule before the first forward as after it: a nested instance's own lazy init would otherwise
-        # make it a root of its own subtree and accept the call.
-        if unit.has_fsdp_parent or unit.is_root is False:
-            raise FairscaleRuntimeError(
-                "no_sync() must be called on the root FullyShardedDataParallel instance; this one is nested inside "
-                "another FullyShardedDataParallel instance"
-            )
-        runtime.lazy_init(unit)
-        if not unit.is_root:
-            raise FairscaleRuntimeError("no_sync() must be called on the root FullyShardedDataParallel instance")
-        self.assert_state(TrainingState.IDLE)
-        units = unit.tree_units()
-        saved = [u.require_backward_grad_sync for u in units]
-        for u in units:
-            u.require_backward_grad_sync = False
-        try:
+        with runtime.no_sync(self._fsdp_unit):
             yield
-        finally:
-            for u, flag in zip(units, saved):
-                u.require_backward_grad_sync = flag
 
     # ------------------------------------------------------------------ full params
     @contextlib.contextmanager
@@ -483,32 +428,17 @@ class FullyShardedDataParallel(nn.Module):
 
     def apply(self, fn: Any) -> "FullyShardedDataParallel":
         """Like ``nn.Module.apply`` but with this instance's full parameters summoned while ``fn`` runs."""
-        self._assert_idle_tree("apply")
+        self._fsdp_unit.assert_idle_tree("apply")
         with runtime.lazy_init_for_call(self._fsdp_unit), self.summon_full_params(recurse=False):
             super().apply(fn)
         return self
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
         """``.to()/.half()/.float()/.cuda()``: allowed only when idle; shards are moved, lazy init is redone."""
-        self._assert_idle_tree("_apply (.to/.half/.float)")
-        units = self._fsdp_unit.tree_units()
-        for u in units:
-            u.release_all()
-            runtime.reset_lazy_init(u)
+        units = runtime.before_move(self._fsdp_unit)
         cast(Any, super())._apply(fn, *args, **kwargs)
-        for u in units:
-            c = u.config
-            if not c.mixed_precision and u.handles:
-                dtype = u.handles[0].param.dtype
-                u.config = c.replace(
-                    compute_dtype=dtype, buffer_dtype=c.buffer_dtype if c.buffer_dtype_given else dtype
-                )
+        runtime.after_move(units)
         return self
-
-    def _assert_idle_tree(self, what: str) -> None:
-        for u in self._fsdp_unit.tree_units():
-            if u.training_state != TrainingState.IDLE:
-                raise FairscaleRuntimeError(f"{what} needs every FSDP instance idle; one is in {u.training_state.name}")
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -518,40 +448,9 @@ class FullyShardedDataParallel(nn.Module):
         The norm is computed over the sharded gradients and combined across ranks, so the result equals
         ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
         """
-        unit = self._fsdp_unit
-        runtime.lazy_init(unit)
-        if not unit.is_root:
-            raise FairscaleRuntimeError("clip_grad_norm_ should only be called on the root (not nested) FSDP instance")
-        self.assert_state(TrainingState.IDLE)
-        groups = {id(u.config.process_group) for u in unit.tree_units() if u.handles}
-        if len(groups) > 1:
-            raise NotImplementedError("clip_grad_norm_ with nested instances on different process groups")
-        norm_type = float(norm_type)
-        grads: List[Tensor] = [p.grad for p in self.params_with_grad if p.grad is not None]
-        device = unit.config.compute_device
-        if not grads:
-            local = torch.zeros((), device=device)
-        elif norm_type == float("inf"):
-            local = torch.stack([g.detach().abs().max().to(device, torch.float32) for g in grads]).max()
-        else:
-            local = torch.stack(
-                [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device) for g in grads]
-            ).norm(norm_type)
-        local = local.to(torch.float32)
-        if norm_type == float("inf"):
-            collectives.all_reduce(local, group=unit.config.process_group, op="max")
-            total = local
-        else:
-            local = local**norm_type
-            collectives.all_reduce(local, group=unit.config.process_group, op="sum")
-            total = local ** (1.0 / norm_type)
-        if unit.config.move_grads_to_cpu:
-            total = total.cpu()
-        clip_coef = torch.tensor(max_norm, dtype=total.dtype, device=total.device) / (total + 1e-6)
-        if clip_coef < 1:
-            for g in grads:
-                g.detach().mul_(clip_coef.to(g.device, g.dtype))
-        return total
+        runtime.lazy_init(self._fsdp_unit)
+        grads = [p.grad for p in self.params_with_grad if p.grad is not None]
+        return grad_norm.clip_grad_norm_(self._fsdp_unit, grads, float(max_norm), float(norm_type))
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Set the pre- and post-reduction divide factors (optionally for every nested instance)."""
@@ -706,18 +605,6 @@ class FullyShardedDataParallel(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         cast(Any, super()).__setstate__(state)
         self._fsdp_unit.relink(self)
-
-
-def _shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandle:
-    """Shard ``p`` in place (see :meth:`FlatHandle.shard_param_`) and move the shard to the compute device."""
-    handle = FlatHandle.shard_param_(p, name, config.world_size, config.rank)
-    with torch.no_grad():
-        accelerator = config.compute_device.type not in ("cpu", "meta")
-        if accelerator and not config.move_params_to_cpu and p.device.type not in ("meta", config.compute_device.type):
-            # A model built on the CPU with an accelerator compute device: only the shard moves, and before the user
-            # builds (or loads) the optimizer, so its state is created next to the parameters.
-            p.data = p.data.to(config.compute_device)
-    return handle
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:

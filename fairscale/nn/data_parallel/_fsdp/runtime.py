@@ -18,12 +18,13 @@ The docs page "Architecture" draws these objects and this data path.
 import contextlib
 import functools
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, List
 
 import torch
 from torch import Tensor
 
 from fairscale.internal import collectives, tensor_hooks
+from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
 from . import identity, prefetch, recovery, reduction, ties, zero2
@@ -150,6 +151,54 @@ def check_zero2_groups_once(root: FSDPUnit) -> None:
                 zero2.check_partition(u.config.process_group, group, u.config.zero2_problem)
     # Only once it passed: a caught ValueError must not let a retry skip the check and hang later instead.
     root.zero2_checked = True
+
+
+@contextlib.contextmanager
+def no_sync(root: FSDPUnit) -> Iterator[None]:
+    """See :meth:`FullyShardedDataParallel.no_sync`."""
+    # The same rule before the first forward as after it: a nested instance's own lazy init would otherwise make it a
+    # root of its own subtree and accept the call.
+    if root.has_fsdp_parent or root.is_root is False:
+        raise FairscaleRuntimeError(
+            "no_sync() must be called on the root FullyShardedDataParallel instance; this one is nested inside "
+            "another FullyShardedDataParallel instance"
+        )
+    lazy_init(root)
+    if not root.is_root:
+        raise FairscaleRuntimeError("no_sync() must be called on the root FullyShardedDataParallel instance")
+    root.assert_state([TrainingState.IDLE])
+    units = root.tree_units()
+    saved = [u.require_backward_grad_sync for u in units]
+    for u in units:
+        u.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        for u, flag in zip(units, saved):
+            u.require_backward_grad_sync = flag
+
+
+def before_move(unit: FSDPUnit) -> List[FSDPUnit]:
+    """``.to()/.half()/.cuda()`` of an idle tree: every handle back to its shard alone, lazy init forgotten.
+
+    Returns:
+        The units of the tree, for :func:`after_move`.
+    """
+    unit.assert_idle_tree("_apply (.to/.half/.float)")
+    units = unit.tree_units()
+    for u in units:
+        u.release_all()
+        reset_lazy_init(u)
+    return units
+
+
+def after_move(units: List[FSDPUnit]) -> None:
+    """The shards were moved or cast: without mixed precision the compute dtype follows the parameters' dtype."""
+    for u in units:
+        c = u.config
+        if not c.mixed_precision and u.handles:
+            dtype = u.handles[0].param.dtype
+            u.config = c.replace(compute_dtype=dtype, buffer_dtype=c.buffer_dtype if c.buffer_dtype_given else dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- forward

@@ -20,6 +20,7 @@ from torch import nn
 
 from fairscale.internal import collectives
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import _CheckpointedForward
 
 from . import identity
@@ -222,6 +223,20 @@ class FSDPUnit:
         """Change the training state; raises on a transition the lifecycle never makes (see state.py)."""
         check_training_transition(self._training_state, new, self.name)
         self._training_state = new
+
+    def assert_state(self, states: List[TrainingState]) -> None:
+        """Raise ``ValueError`` unless the unit is in one of ``states`` (upstream's ``assert_state``)."""
+        if self._training_state not in states:
+            raise ValueError(
+                f"expected FSDP training state to be one of {[s.name for s in states]}, "
+                f"but it is {self._training_state.name}"
+            )
+
+    def assert_idle_tree(self, what: str) -> None:
+        """Raise unless every unit of the tree is idle (``what`` names the refused call)."""
+        for u in self.tree_units():
+            if u.training_state != TrainingState.IDLE:
+                raise FairscaleRuntimeError(f"{what} needs every FSDP instance idle; one is in {u.training_state.name}")
 
     @property
     def pre_backward_ran(self) -> bool:

@@ -1,0 +1,56 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What FullyShardedDataParallel's constructor does to the module it wraps: pick the parameters to own, shard them."""
+
+from typing import List, Set, Tuple
+
+import torch
+from torch import nn
+
+from . import ties
+from .config import FSDPConfig
+from .handle import FlatHandle
+from .unit import unit_of
+
+NamedParams = List[Tuple[str, nn.Parameter]]
+
+
+def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParams, NamedParams, List[str]]:
+    """Parameters of ``module`` not yet owned by a nested FSDP instance, parameters owned by a sibling, tie problems.
+
+    A parameter already sharded by an FSDP instance outside ``module`` (a weight tied to a sibling) is skipped, as
+    upstream, and returned as foreign: unless ``append_shared_param`` declares it, the first forward raises. Ties
+    that no declaration can make work are returned as problems and raise at the first forward too (see
+    :func:`.ties.find_unhonourable_ties`); owning such a parameter here would silently untie it. Nested instances
+    learn that they have a parent (``no_sync()`` is refused on them, before their lazy init as after).
+    """
+    nested_owned: Set[int] = set()
+    for m in module.modules():
+        nested = unit_of(m)
+        if nested is not None:
+            nested.has_fsdp_parent = True
+            nested_owned.update(id(p) for p in m.parameters())
+    tie_problems = ties.find_unhonourable_ties(module, nested_owned, fsdp_cls)
+    foreign: NamedParams = []
+    owned: NamedParams = []
+    seen = set()
+    for name, p in module.named_parameters():
+        if id(p) in seen or id(p) in nested_owned:
+            continue
+        seen.add(id(p))
+        if hasattr(p, "_is_sharded"):
+            foreign.append((name, p))
+            continue
+        owned.append((name, p))
+    return owned, foreign, tie_problems
+
+
+def shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandle:
+    """Shard ``p`` in place (see :meth:`FlatHandle.shard_param_`) and move the shard to the compute device."""
+    handle = FlatHandle.shard_param_(p, name, config.world_size, config.rank)
+    with torch.no_grad():
+        accelerator = config.compute_device.type not in ("cpu", "meta")
+        if accelerator and not config.move_params_to_cpu and p.device.type not in ("meta", config.compute_device.type):
+            # A model built on the CPU with an accelerator compute device: only the shard moves, and before the user
+            # builds (or loads) the optimizer, so its state is created next to the parameters.
+            p.data = p.data.to(config.compute_device)
+    return handle
