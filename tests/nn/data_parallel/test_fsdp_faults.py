@@ -310,6 +310,51 @@ def test_aborted_backward_keeps_gradients_of_completed_backwards() -> None:
     run_distributed(_aborted_backward_body, WORLD, timeout=TIMEOUT)
 
 
+class _FailingWindowNet(nn.Module):
+    """FailingNet with ``optimize_backward_concat`` on the nested unit (the root gets it from its constructor)."""
+
+    def __init__(self, obc: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = FSDP(nn.Linear(5, 3), optimize_backward_concat=obc)
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(_FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
+
+
+def _window_with_aborted_microbatch(obc: bool) -> Dict[str, Tensor]:
+    """Microbatch 1 in no_sync, microbatch 2 in no_sync raises after the nested unit's backward, microbatch 3 syncs."""
+    torch.manual_seed(0)
+    net = _FailingWindowNet(obc)
+    model = FSDP(net, optimize_backward_concat=obc)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x1, x2, x3 = (torch.randn(6, 4, generator=g) for _ in range(3))
+    with model.no_sync():
+        model(x1).sum().backward()
+    net.fail = True
+    with model.no_sync():
+        with pytest.raises(RuntimeError, match="injected"):
+            model(x2).sum().backward()
+    net.fail = False
+    with pytest.warns(UserWarning, match="did not finish"):
+        loss = model(x3).sum()  # this forward recovers from the aborted backward
+    loss.backward()
+    return _grads(model)
+
+
+def _aborted_window_body(rank: int, world_size: int) -> None:
+    off, on = _window_with_aborted_microbatch(False), _window_with_aborted_microbatch(True)
+    assert sorted(on) == sorted(off) and len(on) == 2
+    for name in off:
+        assert torch.equal(on[name], off[name]), name  # the window buffer kept what p.grad keeps without the flag
+
+
+def test_aborted_microbatch_keeps_the_optimize_backward_concat_window() -> None:
+    """A backward that raises inside a no_sync() window must not drop the window's completed microbatches."""
+    run_distributed(_aborted_window_body, WORLD, timeout=TIMEOUT)
+
+
 # -------------------------------------------------------------------- 2. checkpoint identity, 5. collective loads
 
 

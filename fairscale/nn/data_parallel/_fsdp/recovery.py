@@ -5,7 +5,8 @@ A backward that raises (an error in a hook or a layer, or a second ``loss.backwa
 runs FSDP's final callback: instances stay in a backward state, full parameters stay gathered and partial reductions
 stay pending. The root's next forward detects this and puts every instance back to idle. Partial reductions of the
 failed backward are dropped (its gradients are incomplete anyway); what earlier *completed* backwards left, in
-``p.grad`` or in the reduced-shard accumulator, is given back, as ``nn.Module`` would keep it.
+``p.grad``, in the reduced-shard accumulator or in an ``optimize_backward_concat`` window buffer, is given back, as
+``nn.Module`` would keep it.
 """
 
 import warnings
@@ -29,8 +30,9 @@ def recover_from_aborted_backward(root: FSDPUnit) -> None:
         u.release_all()
         for h in u.iter_materialized():
             h.undo_partial_backward()
-            if h.grad_accum_flat is not None:
-                h.take_accum_buffer()  # the failed backward's window: its partial sum is dropped
+            # An optimize_backward_concat window buffer is kept, like the unreduced p.grad of the flag-off path: it
+            # holds the completed microbatches of the window (and whatever units of the failed one finished first,
+            # as p.grad does), and the window goes on.
         u.transition(TrainingState.IDLE)
     tree.final_callback_queued = False
     tree.any_post_backward = False
