@@ -27,7 +27,7 @@ from fairscale.internal.device import DeviceHandle
 
 from .config import BenchConfig
 from .corpus import Corpus
-from .heap import HeapSampler, heap_in_use
+from .heap import HEAP_METHOD_PREFIX, HeapSampler, heap_in_use
 from .link import link_for_peer
 from .model import lm_loss
 from .peers import Peer, RunSpec, build_peer
@@ -188,7 +188,7 @@ def probe_run(
     analysis = analyze_profile(prof, spec.microbatches, track_memory=on_cpu and heap_base is None)
     if on_cpu and heap_base is not None and heap_steady is not None and sampler is not None:
         memory = {"steady_bytes": heap_steady - heap_base, "peak_bytes": sampler.peak - heap_base}
-        method = "glibc heap in use (main arena + mmap), sampled every 0.5 ms, since model construction"
+        method = f"{HEAP_METHOD_PREFIX} (main arena + mmap), sampled every 0.1 ms, since model construction"
     elif on_cpu:
         memory = analysis["memory"]
         method = "torch profiler CPU allocator events since model construction (live tensor bytes)"

@@ -12,8 +12,8 @@ Limits of the CPU memory figure: the profiler sees the allocations and frees mad
 buffers that gloo allocates on its worker threads are not counted, and a tensor whose last reference happens to be
 dropped on a c10d worker thread (it completes the collective and releases its work object, racing the rank's
 thread) is never seen freed, so that rank's figure comes out too high by that tensor. The errors of the second
-kind only ever inflate, and the ranks of a run hold equal shards, so the report uses the smallest rank's value and
-keeps every rank's in the JSON.
+kind only ever inflate, and the ranks of a run hold equal shards, so with these events (the fallback where the C
+heap cannot be read, see heap.py) the report uses the smallest rank's value and keeps every rank's in the JSON.
 """
 
 import contextlib

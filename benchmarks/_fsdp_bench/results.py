@@ -13,12 +13,25 @@ import torch
 
 from .config import BenchConfig
 from .formula import compare, zero3_per_step
+from .heap import HEAP_METHOD_PREFIX
 from .model import build_model, unit_param_numels, wrap_plan
 from .peers import DTYPES, RunSpec
 from .probes import cat_count, split_backward_count
 
 #: Loss curves of two runs match when every step differs by at most ``atol + rtol * |loss|``.
 LOSS_TOLERANCE = {"none": (1e-4, 1e-4), "bf16": (5e-2, 2e-2), "fp16": (2e-2, 1e-2)}
+
+
+def _rank_summary(values: List[Optional[int]], method: str) -> Optional[int]:
+    """One rank's figure for a run whose ranks hold equal shards.
+
+    A sampled C heap can only miss a short peak, never invent one: the largest rank's value. The profiler's
+    allocator events can only inflate a rank's figure (see probes.py): the smallest rank's value.
+    """
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return max(known) if method.startswith(HEAP_METHOD_PREFIX) else min(known)
 
 
 def spec_fields(spec: RunSpec) -> Dict[str, Any]:
@@ -98,11 +111,9 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
         "tokens_per_s_total": tokens * world_size / median_step,
         "peak_memory_bytes_per_rank": peaks,
         "steady_memory_bytes_per_rank": steadies,
-        # Smallest rank: see probes.py for why a rank's figure can only be inflated, never deflated.
-        "peak_memory_bytes": min(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None,
-        "steady_memory_bytes": (
-            min(s for s in steadies if s is not None) if any(s is not None for s in steadies) else None
-        ),
+        # The ranks hold equal shards; one figure per run: see _rank_summary for which rank's.
+        "peak_memory_bytes": _rank_summary(peaks, probe[0]["memory_method"]),
+        "steady_memory_bytes": _rank_summary(steadies, probe[0]["memory_method"]),
         "memory_method": probe[0]["memory_method"],
         "collectives_source": "fairscale collective counter" if spec.peer == "fairscale" else "c10d dispatch spy",
         "collectives_per_step": measured,
