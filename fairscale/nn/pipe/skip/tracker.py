@@ -11,7 +11,7 @@ from ..checkpoint import is_checkpointing
 from ..dependency import fork, join
 from ..microbatch import Batch
 from ..stream import AbstractStream
-from .layout import SkipLayout as SkipLayout
+from ._routes import SkipLayout as SkipLayout  # upstream's namespace: tracker.SkipLayout
 from .namespace import Namespace
 from .portal import Portal
 
