@@ -1,0 +1,108 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Ranks that must agree: one small object all-gather, and the same clear error on every rank when they do not.
+
+Data-parallel wrappers, sharded optimizers, pipelines and MoE layers all assume that every rank of a group holds the
+same thing (a model of the same shapes, the same number of micro-batches, the same token count). When one rank
+differs, the next tensor collective has mismatched sizes: gloo aborts the process, NCCL corrupts memory or hangs.
+:func:`check_ranks_agree` turns that into one cheap ``all_gather_object`` of a small description, compared on every
+rank, so that every rank raises the same :class:`RanksDisagreeError` naming the first rank that differs::
+
+    check_ranks_agree("OSS: the parameters (name, shape, dtype)", describe_parameters(params), group)
+
+:func:`check_outcome_agrees` does the same for "did this step fail on some rank?", so that a failure on one rank
+becomes an exception on all of them instead of a peer left waiting in its next collective.
+"""
+
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+from . import collectives
+from .errors import FairscaleValueError
+
+__all__ = ["RanksDisagreeError", "check_ranks_agree", "check_outcome_agrees", "describe_tensors"]
+
+# At most this many characters of each differing value go into the message.
+_SHOWN_CHARS = 300
+
+
+class RanksDisagreeError(FairscaleValueError):
+    """The ranks of a group hold different values of something that must be the same on all of them.
+
+    A ``ValueError`` (and, as upstream asserted such things, an ``AssertionError``). Raised with the same message on
+    every rank of the group.
+    """
+
+
+def describe_tensors(named: Iterable[Tuple[str, Tensor]]) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
+    """``(name, shape, dtype, requires_grad)`` of each tensor: what the ranks of a data-parallel group must share."""
+    return [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in named]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def _first_difference(a: Any, b: Any) -> str:
+    """A short pointer to where two gathered descriptions first differ (lists: the first differing entry)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"entry {i}: {_shown(x)} vs {_shown(y)}"
+        return f"{len(a)} entries vs {len(b)}"
+    return f"{_shown(a)} vs {_shown(b)}"
+
+
+def check_ranks_agree(what: str, value: Any, group: Optional[Any] = None, hint: str = "") -> None:
+    """Raise :class:`RanksDisagreeError` on every rank of ``group`` unless all of them passed an equal ``value``.
+
+    One ``all_gather_object`` (skipped at world size 1). Every rank of ``group`` must call it at the same point.
+
+    Args:
+        what (str): what ``value`` describes, for the message (e.g. ``"ShardedDataParallel: the parameters"``).
+        value (Any): this rank's description: small, picklable, comparable with ``==``.
+        group (Optional[Any]): the process group, ``None`` for the default world group.
+        hint (str): what the user should do, appended to the message.
+
+    Raises:
+        RanksDisagreeError: the values differ; the message names the first rank that differs from the group's
+            first rank and where.
+    """
+    if collectives.group_size(group) == 1:
+        return
+    gathered = collectives.all_gather_object(value, group)
+    for i, other in enumerate(gathered[1:], start=1):
+        if other != gathered[0]:
+            ranks = collectives.group_ranks(group)
+            raise RanksDisagreeError(
+                f"{what} differ between ranks: global rank {ranks[i]} has not the same as global rank {ranks[0]} "
+                f"({_first_difference(gathered[0], other)}). Every rank of the group must pass the same."
+                + (f" {hint}" if hint else "")
+            )
+
+
+def check_outcome_agrees(what: str, error: Optional[BaseException], group: Optional[Any] = None) -> None:
+    """Make a failure on any rank of ``group`` a failure on all of them.
+
+    Every rank calls this after a step that may have failed locally, with the exception it caught (or ``None``).
+    A rank that failed re-raises its own exception; the others raise ``RuntimeError`` naming the failed rank and its
+    error, so no rank goes on to a collective that a failed peer will never join.
+
+    Args:
+        what (str): the step, for the message.
+        error (Optional[BaseException]): this rank's exception, or ``None`` if the step succeeded here.
+        group (Optional[Any]): the process group, ``None`` for the default world group.
+    """
+    if collectives.group_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes: Sequence[Optional[str]] = collectives.all_gather_object(mine, group)
+    if error is not None:
+        raise error
+    ranks = collectives.group_ranks(group)
+    for rank, outcome in zip(ranks, outcomes):
+        if outcome is not None:
+            raise RuntimeError(f"{what} failed on global rank {rank}: {outcome}")
