@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from fairscale.fair_dev.testing.engine import run_distributed  # noqa: E402
+from _fsdp_bench.worlds import run_function  # noqa: E402
 from fairscale.internal import simulated_link  # noqa: E402
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration (median reported)")
     args = parser.parse_args()
     cfg = {k: getattr(args, k) for k in ("link_gbps", "link_latency_us", "compute_ms", "steps")}
-    result = run_distributed(_body, 2, cfg, timeout=900)[0]
+    result = run_function(_body, 2, cfg, timeout=900)[0]
     floor = result["0.0|prefetch off"]
     print(f"2 ranks, {UNITS} units of {DIM * DIM * 4 / 1e6:.1f} MB, {args.compute_ms:g} ms compute per unit and pass")
     print(f"no communication delay (floor): {floor:.0f} ms per step")

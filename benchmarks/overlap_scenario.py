@@ -39,7 +39,7 @@ from _fsdp_bench.launch import threads_per_rank  # noqa: E402
 from _fsdp_bench.model import GPT  # noqa: E402
 from _fsdp_bench.peers import RunSpec, skip_reason  # noqa: E402
 
-from fairscale.fair_dev.testing import run_distributed  # noqa: E402
+from _fsdp_bench.worlds import run_function  # noqa: E402
 from fairscale.internal import collectives  # noqa: E402
 
 SCENARIO = "overlap"
@@ -163,7 +163,7 @@ def run(argv: Sequence[str]) -> int:
     cfg = parse_args(list(argv))
     device = "cuda" if cfg.device == "cuda" else "cpu"
     print(f"\n[{SCENARIO}] world size {cfg.world_size}, bandwidths {list(cfg.overlap_gbps)} GB/s", flush=True)
-    result = run_distributed(_rank_body, cfg.world_size, cfg, device=device, timeout=cfg.timeout)[0]
+    result = run_function(_rank_body, cfg.world_size, cfg, device=device, timeout=cfg.timeout)[0]
     try:
         result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:

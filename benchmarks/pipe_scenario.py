@@ -36,7 +36,7 @@ from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.model import GPT, build_model, lm_loss  # noqa: E402
 
-from fairscale.fair_dev.testing import run_distributed  # noqa: E402
+from _fsdp_bench.worlds import run_function  # noqa: E402
 from fairscale.internal import collectives  # noqa: E402
 from fairscale.internal.device import DeviceHandle, cpu_peak_rss_bytes, current_accelerator_device  # noqa: E402
 from fairscale.nn.pipe import AsyncPipe, Pipe  # noqa: E402
@@ -260,7 +260,7 @@ def run(argv: Sequence[str]) -> int:
     if cfg.layers < 2:
         raise SystemExit("the pipe scenario needs --layers >= 2 (one half per stage)")
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    results = run_distributed(_rank_body, STAGES, cfg, device=device, timeout=cfg.timeout)[0]
+    results = run_function(_rank_body, STAGES, cfg, device=device, timeout=cfg.timeout)[0]
     rows = summarize(results)
     print("\n" + format_table(rows))
     if cfg.out:

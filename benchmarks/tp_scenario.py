@@ -40,7 +40,7 @@ from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.model import GPT, build_model, lm_loss  # noqa: E402
 
-from fairscale.fair_dev.testing import run_distributed  # noqa: E402
+from _fsdp_bench.worlds import run_function  # noqa: E402
 from fairscale.internal import collectives  # noqa: E402
 from fairscale.internal.device import DeviceHandle  # noqa: E402
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP  # noqa: E402
@@ -268,7 +268,7 @@ def run(argv: Sequence[str]) -> int:
     cfg = parse_args(list(argv))
     check_config(cfg)
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    results = run_distributed(_rank_body, cfg.world_size, cfg, device=device, timeout=cfg.timeout)[0]
+    results = run_function(_rank_body, cfg.world_size, cfg, device=device, timeout=cfg.timeout)[0]
     rows = summarize(results, cfg)
     print("\n" + format_table(rows, cfg.world_size))
     if cfg.out:

@@ -107,7 +107,7 @@ def launch_world(cfg: BenchConfig, scenarios: List[str], world_size: int) -> Lis
     try:
         for p in procs:
             p.start()
-        _wait(procs, cfg.timeout)
+        wait_ranks(procs, cfg.timeout)
         with open(os.path.join(directory, "records.json")) as f:
             records: List[Dict[str, Any]] = json.load(f)
         return records
@@ -119,7 +119,8 @@ def launch_world(cfg: BenchConfig, scenarios: List[str], world_size: int) -> Lis
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _wait(procs: List[Any], timeout: float) -> None:
+def wait_ranks(procs: List[Any], timeout: float) -> None:
+    """Return once every rank exited 0; raise as soon as one failed, or when the world runs past ``timeout``."""
     deadline = time.monotonic() + timeout
     while any(p.is_alive() for p in procs):
         failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
