@@ -1,7 +1,8 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Mixture-of-experts layer (GShard): gate, all-to-all dispatch to the experts of every rank, combine."""
 
-from typing import Any, Optional, Union
+import zlib
+from typing import Any, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -9,6 +10,8 @@ from torch import Tensor
 from torch.nn import Module, ModuleList
 
 from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError, check_outcome_agrees, check_ranks_agree
+from fairscale.internal.errors import FairscaleValueError
 
 __all__ = ["MOELayer"]
 
@@ -52,10 +55,23 @@ class MOELayer(Module):
         experts (Union[Module, ModuleList]): this rank's experts; a module that is not exactly a
             ``ModuleList`` is one expert.
         group (Optional[Any]): the process group of the all-to-all (default: the world).
+
+    Raises:
+        TypeError: ``gate`` or ``experts`` is not a module (a plain list of experts, say).
+        ValueError: ``experts`` is an empty ``ModuleList``.
     """
 
     def __init__(self, gate: Module, experts: Union[Module, ModuleList], group: Optional[Any] = None) -> None:
         super().__init__()
+        if not isinstance(gate, Module):
+            raise TypeError(f"MOELayer: gate must be an nn.Module (e.g. Top2Gate), got {type(gate).__name__}")
+        if not isinstance(experts, Module):
+            hint = "; wrap a list of experts in nn.ModuleList" if isinstance(experts, (list, tuple)) else ""
+            raise TypeError(
+                f"MOELayer: experts must be an nn.Module or nn.ModuleList, got {type(experts).__name__}{hint}"
+            )
+        if type(experts) == ModuleList and len(experts) == 0:
+            raise ValueError("MOELayer: experts is an empty ModuleList; every rank needs at least one local expert")
         self.gate = gate
         # Exact type, as upstream: a ModuleList subclass is a single expert.
         if type(experts) == ModuleList:
@@ -71,18 +87,31 @@ class MOELayer(Module):
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
         """Route ``input`` ``[sequence, tokens, model_dim]`` through the experts; same shape out.
 
-        Keyword arguments are accepted and ignored (upstream's signature).
-        """
-        assert len(input) == 1, "only single input Tensor supported"
-        assert len(input[0].shape) == 3, "input Tensor must have dimensions: (s)equence, (t)oken, (m)odel"
-        assert input[0].shape[0] % len(self.experts) == 0, "num tokens must be order of number of local experts"
+        Every rank of the group must call it with the same number of tokens (``sequence * tokens``), model dim and
+        dtype. One all-gather of a few integers per call checks that before the all-to-all (see
+        :meth:`_check_ranks_agree`). Keyword arguments are accepted and ignored (upstream's signature).
 
+        Raises:
+            FairscaleValueError: not exactly one 3-D input tensor, or its first dimension is not a multiple of the
+                number of local experts (both ``AssertionError`` as upstream).
+            ValueError: the gate routes to another number of experts than the group holds.
+            RanksDisagreeError: the ranks' inputs differ in token count, model dim or dtype, or their gates in expert
+                count; raised on every rank with the same message.
+            RuntimeError: another rank's input failed one of the checks above (that rank raises its own error).
+        """
+        error: Optional[BaseException] = None
+        dispatched_input: Optional[Tensor] = None
+        combine_weights: Optional[Tensor] = None
+        try:
+            dispatched_input, combine_weights = self._dispatch(input)
+        except Exception as e:  # noqa: B902  # re-raised below, after every rank has learnt of it
+            error = e
+        # A rank that failed alone must not leave its peers waiting in the all-to-all, and ranks with mismatched
+        # blocks must not reach it at all (gloo aborts the process, NCCL corrupts or hangs).
+        self._check_ranks_agree(input, dispatched_input, error)
+        # Past the check no rank failed, so both are set.
+        dispatched_input, combine_weights = cast(Tensor, dispatched_input), cast(Tensor, combine_weights)
         d_model = input[0].shape[2]
-        reshaped_input = input[0].reshape(-1, d_model)
-        self.l_aux, combine_weights, dispatch_mask = self.gate(reshaped_input)
-        self._check_expert_count(combine_weights.shape[1])
-        # The mask takes the input's dtype (upstream used float32, which fails for fp16/bf16 inputs).
-        dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.to(reshaped_input.dtype), reshaped_input)
         dispatched_input = _AllToAll.apply(self.group, dispatched_input)
         # [world, local experts, capacity, model]: block g came from group rank g.
         dispatched_input = dispatched_input.reshape(self.world_size, self.num_local_experts, -1, d_model)
@@ -94,6 +123,62 @@ class MOELayer(Module):
         combined_output = torch.einsum("sec,ecm->sm", combine_weights, expert_output)
         return combined_output.reshape(input[0].shape)
 
+    def _dispatch(self, input: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor]:
+        """The local half before the all-to-all: check the input, gate it, gather each expert's slots.
+
+        Returns:
+            Tuple[Tensor, Tensor]: the ``[experts, capacity, model_dim]`` block to exchange and the combine weights.
+        """
+        # AssertionError subclasses with upstream's texts (its bare asserts), so they also hold under ``python -O``.
+        if len(input) != 1:
+            raise FairscaleValueError(f"only single input Tensor supported (MOELayer got {len(input)} inputs)")
+        if not isinstance(input[0], Tensor) or input[0].dim() != 3:
+            got = f"shape {tuple(input[0].shape)}" if isinstance(input[0], Tensor) else type(input[0]).__name__
+            raise FairscaleValueError(f"input Tensor must have dimensions: (s)equence, (t)oken, (m)odel (got {got})")
+        if input[0].shape[0] % self.num_local_experts != 0:
+            raise FairscaleValueError(
+                f"num tokens must be order of number of local experts: the first dimension ({input[0].shape[0]}) "
+                f"must be a multiple of the {self.num_local_experts} local experts"
+            )
+        d_model = input[0].shape[2]
+        reshaped_input = input[0].reshape(-1, d_model)
+        self.l_aux, combine_weights, dispatch_mask = self.gate(reshaped_input)
+        self._check_expert_count(combine_weights.shape[1])
+        # The mask takes the input's dtype (upstream used float32, which fails for fp16/bf16 inputs).
+        dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.to(reshaped_input.dtype), reshaped_input)
+        return dispatched, combine_weights
+
+    def _check_ranks_agree(
+        self, input: Tuple[Tensor, ...], dispatched: Optional[Tensor], error: Optional[BaseException]
+    ) -> None:
+        """Raise the same error on every rank unless every rank dispatched a block of the same shape and dtype.
+
+        The cost, paid at every forward: one all-gather of :data:`_AGREEMENT_FIELDS` + 1 int64 per rank (a host sync
+        of that tiny tensor). Only when something differs, one or two object all-gathers build the message.
+        """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        device = _agreement_device(self, input, dispatched)
+        mine = torch.tensor([0 if error is None else 1] + _describe(input, dispatched), device=device)
+        gathered = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=device)
+        collectives.all_gather_into_flat(gathered, mine, self.group)
+        rows = gathered.view(self.world_size, -1).tolist()
+        if error is None and all(row == rows[0] for row in rows):
+            return
+        # Every rank saw the same rows, so every rank takes this path and joins the same collectives below.
+        check_outcome_agrees("MOELayer forward", error, self.group)
+        check_ranks_agree(
+            "MOELayer: the all-to-all inputs (tokens, experts, capacity, model_dim, dtype)",
+            _description(input, dispatched),
+            self.group,
+            "Every rank must feed MOELayer the same number of tokens (sequence * tokens) of the same model dim and "
+            "dtype, with a gate of the same number of experts: pad the batches of all ranks to a common length.",
+        )
+        # Equal descriptions but different rows cannot happen (the rows encode the descriptions); be loud if it does.
+        raise RanksDisagreeError(f"MOELayer: the ranks' all-to-all inputs differ: {rows}")
+
     def _check_expert_count(self, num_experts: int) -> None:
         expected = self.world_size * self.num_local_experts
         if num_experts != expected:
@@ -102,3 +187,45 @@ class MOELayer(Module):
                 f"{self.num_local_experts} local experts each ({expected} in all); build the gate with "
                 f"num_experts={expected}"
             )
+
+
+# What the ranks compare before the all-to-all (with the "failed" flag in front in the gathered rows).
+_AGREEMENT_FIELDS = ("tokens", "experts", "capacity", "model_dim", "dtype")
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    # crc32, not hash(): str hashes are salted per process, and the ranks are different processes.
+    return zlib.crc32(str(dtype).encode())
+
+
+def _description(input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> Tuple[Tuple[str, Any], ...]:
+    """``(field, value)`` pairs of :data:`_AGREEMENT_FIELDS` (``None`` where this rank's input did not tell)."""
+    if dispatched is None:
+        return tuple((name, None) for name in _AGREEMENT_FIELDS)
+    tokens = input[0].numel() // max(input[0].shape[-1], 1)
+    experts, capacity, model_dim = dispatched.shape
+    return (
+        ("tokens", tokens),
+        ("experts", experts),
+        ("capacity", capacity),
+        ("model_dim", model_dim),
+        ("dtype", str(dispatched.dtype)),
+    )
+
+
+def _describe(input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> List[int]:
+    """:func:`_description` as integers (-1 for unknown), for the all-gather."""
+    if dispatched is None:
+        return [-1] * len(_AGREEMENT_FIELDS)
+    values = [value for _, value in _description(input, dispatched)[:-1]]
+    return values + [_dtype_code(dispatched.dtype)]
+
+
+def _agreement_device(layer: Module, input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> torch.device:
+    """Where the check's tensor lives: where the all-to-all's would (NCCL groups take device tensors only)."""
+    if dispatched is not None:
+        return dispatched.device
+    for t in list(input) + list(layer.parameters()):
+        if isinstance(t, Tensor):
+            return t.device
+    return torch.device("cpu")

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleValueError
+
 __all__ = ["Top2Gate", "top2gating", "one_hot", "gumbel_rsample"]
 
 # One sampler per device (upstream cached torch.distributions' Gumbel(0, 1).rsample here).
@@ -47,19 +49,29 @@ def gumbel_rsample(shape: Tuple[int, ...], device: torch.device) -> Tensor:
 
 def one_hot(tensor: Tensor, num_classes: int) -> Tensor:
     """One-hot encoding along a new last dimension, with ``tensor``'s dtype and device."""
-    assert num_classes > 0, "num_classes must be a positive integer"
+    if num_classes <= 0:
+        # Upstream's assert and text (an AssertionError subclass, kept under ``python -O``).
+        raise FairscaleValueError(f"num_classes must be a positive integer, got {num_classes}")
     ret = torch.zeros(tensor.shape + (num_classes,), device=tensor.device, dtype=tensor.dtype)
     ret.scatter_(-1, tensor.unsqueeze(-1), 1)
     return ret
 
 
-def _check_tokens(num_tokens: int, num_experts: int) -> None:
-    # AssertionError as upstream (a bare assert there), with a message saying what to change.
-    assert num_tokens > 0, "top2gating: got 0 tokens; the expert capacity 2 * tokens // experts would be 0"
-    assert num_tokens % num_experts == 0, (
-        f"top2gating: the number of tokens ({num_tokens}) must be a multiple of the number of experts "
-        f"({num_experts}); pad the batch or change the expert count"
-    )
+def _check_logits(logits: Tensor) -> None:
+    # AssertionError subclasses as upstream (bare asserts there, gone under ``python -O``), saying what to change.
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        got = f"shape {tuple(logits.shape)}" if isinstance(logits, Tensor) else type(logits).__name__
+        raise FairscaleValueError(f"top2gating: logits must be a 2-D [tokens, experts] tensor, got {got}")
+    num_tokens, num_experts = logits.shape
+    if num_experts == 0:
+        raise FairscaleValueError("top2gating: got logits for 0 experts; the gate needs at least one expert")
+    if num_tokens == 0:
+        raise FairscaleValueError("top2gating: got 0 tokens; the expert capacity 2 * tokens // experts would be 0")
+    if num_tokens % num_experts != 0:
+        raise FairscaleValueError(
+            f"top2gating: the number of tokens ({num_tokens}) must be a multiple of the number of experts "
+            f"({num_experts}); pad the batch or change the expert count"
+        )
 
 
 def top2gating(logits: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -68,15 +80,19 @@ def top2gating(logits: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     Args:
         logits (Tensor): ``[S, E]`` gate logits; ``S`` must be a positive multiple of ``E``.
 
+    Raises:
+        FairscaleValueError: ``logits`` is not 2-D, has no expert, or ``S`` is not a positive multiple of ``E``
+            (an ``AssertionError`` as upstream).
+
     Returns:
         Tuple[Tensor, Tensor, Tensor]: ``l_aux`` (load-balancing loss, mean over experts of the mean
         gate probability times the fraction of first choices, computed before dropping),
         ``combine_weights`` ``[S, E, C]`` (a token's normalised gate weight at its expert slot) and
         ``dispatch_mask`` ``[S, E, C]`` (bool, where ``combine_weights`` is non-zero).
     """
+    _check_logits(logits)
     gates = F.softmax(logits, dim=1, dtype=torch.float)
     num_tokens, num_experts = gates.shape
-    _check_tokens(num_tokens, num_experts)
     capacity = 2 * num_tokens // num_experts
 
     # First choice: the most likely expert (lowest index on ties).

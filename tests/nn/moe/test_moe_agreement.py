@@ -1,0 +1,112 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``MOELayer`` when the ranks do not feed it alike: the same clear error on every rank, never a crashed all-to-all.
+
+The all-to-all exchanges equal blocks whose size follows from each rank's token count, so ranks with different
+token counts (or model dims, dtypes, expert counts) used to hand gloo mismatched buffers: the process aborted
+(SIGABRT). A rank whose input failed a local check raised alone and left its peers waiting in the all-to-all.
+"""
+
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.nn import MOELayer, Top2Gate
+
+MODEL_DIM = 8
+
+
+class _Identity(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+def _layer(world_size: int, local_experts: int = 1) -> MOELayer:
+    torch.manual_seed(0)
+    experts = nn.ModuleList([_Identity() for _ in range(local_experts)])
+    return MOELayer(Top2Gate(MODEL_DIM, world_size * local_experts), experts)
+
+
+def _error_of(moe: MOELayer, x: Tensor) -> Optional[str]:
+    """``"<type>: <message>"`` of the forward's exception, ``None`` when it ran."""
+    try:
+        moe(x)
+    except Exception as e:  # noqa: B902  # the test compares what every rank raised
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _uneven_tokens_body(rank: int, world_size: int) -> Dict[str, Optional[str]]:
+    moe = _layer(world_size)
+    seen: Dict[str, Optional[str]] = {}
+    # 8 tokens on rank 0, 16 on the others: upstream's (and yesterday's) SIGABRT.
+    tokens = 8 if rank == 0 else 16
+    with pytest.raises(RanksDisagreeError) as info:
+        moe(torch.randn(1, tokens, MODEL_DIM))
+    assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
+    seen["tokens"] = str(info.value)
+    # Another model dim on the last rank only (the gate of that rank matches it, so each rank alone is fine).
+    dim = MODEL_DIM * 2 if rank == world_size - 1 else MODEL_DIM
+    other = MOELayer(Top2Gate(dim, world_size), _Identity())
+    seen["model_dim"] = _error_of(other, torch.randn(1, 16, dim))
+    # Another dtype on rank 0.
+    dtype = torch.float64 if rank == 0 else torch.float32
+    seen["dtype"] = _error_of(_layer(world_size).to(dtype), torch.randn(1, 16, MODEL_DIM, dtype=dtype))
+    # A local check that fails on rank 1 only (7 tokens is not a multiple of the expert count): rank 1 raises its
+    # own error, the others a RuntimeError that names rank 1 and that error, instead of waiting in the all-to-all.
+    seen["local_failure"] = _error_of(moe, torch.randn(1, 7 if rank == 1 else 8, MODEL_DIM))
+    # After all that, the layer still works: no collective was left half done.
+    out = moe(torch.randn(2, 8, MODEL_DIM))
+    assert out.shape == (2, 8, MODEL_DIM)
+    return seen
+
+
+def test_uneven_tokens_raise_the_same_error_on_every_rank() -> None:
+    results: List[Dict[str, Optional[str]]] = run_distributed(_uneven_tokens_body, 2, timeout=60)
+    first, second = results
+    assert first["tokens"] == second["tokens"]
+    message = first["tokens"]
+    assert message is not None and "MOELayer" in message and "global rank 1" in message
+    assert "('tokens', 8) vs ('tokens', 16)" in message and "pad" in message
+    assert first["model_dim"] == second["model_dim"] and "RanksDisagreeError" in str(first["model_dim"])
+    assert "'model_dim'" in str(first["model_dim"])
+    assert first["dtype"] == second["dtype"] and "torch.float64" in str(first["dtype"])
+    assert second["local_failure"] is not None and "must be a multiple of the number of experts" in str(
+        second["local_failure"]
+    )
+    assert first["local_failure"] is not None and first["local_failure"].startswith("RuntimeError")
+    assert "global rank 1" in first["local_failure"] and "multiple of the number of experts" in first["local_failure"]
+
+
+def _cost_body(rank: int, world_size: int) -> List[str]:
+    torch.manual_seed(0)
+    experts = nn.ModuleList([nn.Linear(MODEL_DIM, MODEL_DIM) for _ in range(2)])
+    moe = MOELayer(Top2Gate(MODEL_DIM, world_size * 2), experts)
+    moe(torch.randn(2, 8, MODEL_DIM))  # warm up the dispatch choices
+    with collectives.count_collectives() as counter:
+        out = moe(torch.randn(2, 8, MODEL_DIM, requires_grad=True))
+    forward = [r.kind for r in counter.records]
+    with collectives.count_collectives() as counter:
+        out.sum().backward()
+    return forward + [r.kind for r in counter.records]
+
+
+def test_agreement_costs_one_tiny_collective_per_forward() -> None:
+    """The check is one all-gather of a few integers per forward, beside the two all-to-alls; backward adds nothing."""
+    kinds = run_distributed(_cost_body, 2, timeout=60)[0]
+    assert kinds == ["all_gather", "all_to_all", "all_to_all", "all_to_all", "all_to_all"]
+
+
+def test_bad_construction_is_refused_with_what_to_do() -> None:
+    """Checked before the process group is looked up, so no world is needed."""
+    with pytest.raises(TypeError, match="wrap a list of experts in nn.ModuleList"):
+        MOELayer(Top2Gate(MODEL_DIM, 2), [nn.Linear(MODEL_DIM, MODEL_DIM)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gate must be an nn.Module"):
+        MOELayer(None, nn.Linear(MODEL_DIM, MODEL_DIM))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty ModuleList"):
+        MOELayer(Top2Gate(MODEL_DIM, 2), nn.ModuleList())
