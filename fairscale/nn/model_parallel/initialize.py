@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+
 # Upstream's module namespace has it (importers may reach it here); the grid check below says more on failure.
 from .utils import ensure_divisibility  # noqa: F401
 
@@ -48,8 +50,8 @@ def _check_grid(world_size: int, model_parallel_size: int, pipeline_length: int)
     checks.append(("model_parallel_size_ * pipeline_length", model_parallel_size * pipeline_length))
     for what, size in checks:
         if world_size % size != 0:
-            # AssertionError and the leading text are upstream's (ensure_divisibility); the rest says what to do.
-            raise AssertionError(
+            # An AssertionError and the leading text as upstream's (ensure_divisibility); the rest says what to do.
+            raise FairscaleValueError(
                 f"{world_size} is not divisible by {size}: the world size must be a multiple of {what} "
                 f"(= {size}); choose sizes whose product divides the world size {world_size}"
             )
@@ -79,11 +81,15 @@ def initialize_model_parallel(
         ddp_backend (Optional[str]): backend of the data-parallel groups.
 
     Raises:
-        AssertionError: ``torch.distributed`` is not initialised, the world size is not divisible by
-            the model-parallel size times ``pipeline_length``, or the groups already exist (call
-            :func:`destroy_model_parallel` first).
+        FairscaleRuntimeError: ``torch.distributed`` is not initialised, or the groups already exist (call
+            :func:`destroy_model_parallel` first); an ``AssertionError`` as upstream.
+        AssertionError: the world size is not divisible by the model-parallel size times ``pipeline_length``.
     """
-    assert torch.distributed.is_initialized(), "torch.distributed must be initialized before initialize_model_parallel"
+    if not torch.distributed.is_initialized():
+        raise FairscaleRuntimeError(
+            "torch.distributed must be initialized before initialize_model_parallel: call "
+            "torch.distributed.init_process_group(...) on every rank first"
+        )
     world_size = torch.distributed.get_world_size()
     model_parallel_size = int(min(model_parallel_size_, world_size))
     _check_grid(world_size, model_parallel_size, pipeline_length)
@@ -98,19 +104,19 @@ def initialize_model_parallel(
     grid = _Grid(data_parallel_size, pipeline_length, model_parallel_size)
     global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _PIPELINE_PARALLEL_GROUP, _PIPELINE_PARALLEL_RANKS
     # new_group() is collective: every rank creates every group, in the same order (data, model, pipeline).
-    assert _DATA_PARALLEL_GROUP is None, "data parallel group is already initialized"
+    _check_not_initialized(_DATA_PARALLEL_GROUP, "data parallel group is already initialized")
     for ranks in grid.data_parallel_groups():
         group = torch.distributed.new_group(ranks, backend=ddp_backend)
         if rank in ranks:
             _DATA_PARALLEL_GROUP = group
-    assert _MODEL_PARALLEL_GROUP is None, "model parallel group is already initialized"
+    _check_not_initialized(_MODEL_PARALLEL_GROUP, "model parallel group is already initialized")
     for ranks in grid.model_parallel_groups():
         group = torch.distributed.new_group(ranks, backend=model_parallel_backend)
         if rank in ranks:
             _MODEL_PARALLEL_GROUP = group
     # Upstream's wording for both pipeline checks.
-    assert _PIPELINE_PARALLEL_GROUP is None, "model parallel group is already initialized"
-    assert _PIPELINE_PARALLEL_RANKS is None, "model parallel group is already initialized"
+    _check_not_initialized(_PIPELINE_PARALLEL_GROUP, "model parallel group is already initialized")
+    _check_not_initialized(_PIPELINE_PARALLEL_RANKS, "model parallel group is already initialized")
     for ranks in grid.pipeline_groups():
         group = torch.distributed.new_group(ranks, backend=pipeline_backend)
         if rank in ranks:
@@ -137,33 +143,52 @@ class _Grid:
         return [[self._rank(i, j, k) for j in range(self.pp)] for i in range(self.dp) for k in range(self.mp)]
 
 
+def _check_not_initialized(current: Any, message: str) -> None:
+    if current is not None:
+        raise FairscaleRuntimeError(
+            f"{message}: call fairscale.nn.model_parallel.destroy_model_parallel() before initializing again"
+        )
+
+
+def _initialized(group: Optional[Any], message: str) -> Any:
+    """``group``, or the error upstream asserted with (kept under ``python -O``) plus what to do.
+
+    Without it, ``torch.distributed`` would take the missing group for the default one, and layers built before
+    :func:`initialize_model_parallel` would silently shard their weights over the whole world.
+    """
+    if group is None:
+        raise FairscaleRuntimeError(
+            f"{message}: call fairscale.nn.model_parallel.initialize_model_parallel(model_parallel_size) on every "
+            "rank (after torch.distributed.init_process_group) before building model-parallel layers or asking "
+            "for the groups"
+        )
+    return group
+
+
 def model_parallel_is_initialized() -> bool:
     """Whether the model-, data- and pipeline-parallel groups of this rank exist."""
     return not (_MODEL_PARALLEL_GROUP is None or _DATA_PARALLEL_GROUP is None or _PIPELINE_PARALLEL_GROUP is None)
 
 
 def get_model_parallel_group() -> Any:
-    """The model-parallel group of this rank (raises ``AssertionError`` before initialisation)."""
-    assert _MODEL_PARALLEL_GROUP is not None, "model parallel group is not initialized"
-    return _MODEL_PARALLEL_GROUP
+    """The model-parallel group of this rank (raises an ``AssertionError`` subclass before initialisation)."""
+    return _initialized(_MODEL_PARALLEL_GROUP, "model parallel group is not initialized")
 
 
 def get_data_parallel_group() -> Any:
-    """The data-parallel group of this rank (raises ``AssertionError`` before initialisation)."""
-    assert _DATA_PARALLEL_GROUP is not None, "data parallel group is not initialized"
-    return _DATA_PARALLEL_GROUP
+    """The data-parallel group of this rank (raises an ``AssertionError`` subclass before initialisation)."""
+    return _initialized(_DATA_PARALLEL_GROUP, "data parallel group is not initialized")
 
 
 def get_pipeline_parallel_group() -> Any:
-    """The pipeline group of this rank (raises ``AssertionError`` before initialisation)."""
-    assert _PIPELINE_PARALLEL_GROUP is not None, "pipeline parallel group is not initialized"
-    return _PIPELINE_PARALLEL_GROUP
+    """The pipeline group of this rank (raises an ``AssertionError`` subclass before initialisation)."""
+    return _initialized(_PIPELINE_PARALLEL_GROUP, "pipeline parallel group is not initialized")
 
 
 def get_pipeline_parallel_ranks() -> List[int]:
     """The global ranks of this rank's pipeline group, in stage order."""
-    assert _PIPELINE_PARALLEL_RANKS is not None, "pipeline parallel group is not initialized"
-    return _PIPELINE_PARALLEL_RANKS
+    ranks: List[int] = _initialized(_PIPELINE_PARALLEL_RANKS, "pipeline parallel group is not initialized")
+    return ranks
 
 
 def get_model_parallel_world_size() -> int:

@@ -15,6 +15,8 @@ import torch.nn.init as init
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
+from fairscale.internal.errors import FairscaleValueError
+
 from .initialize import get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (
     copy_to_model_parallel_region,
@@ -31,9 +33,10 @@ InitMethod = Callable[[Tensor], Tensor]
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
-    """``numerator // denominator``; the AssertionError keeps upstream's leading text and says what to change."""
+    """``numerator // denominator``; the error (an AssertionError, as upstream) keeps upstream's leading text and says
+    what to change."""
     if numerator % denominator != 0:
-        raise AssertionError(
+        raise FairscaleValueError(
             f"{numerator} is not divisible by {denominator}: {what} ({numerator}) must be a multiple of the "
             f"model-parallel world size ({denominator})"
         )

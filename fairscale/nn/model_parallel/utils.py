@@ -6,6 +6,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleValueError
+
 __all__ = ["ensure_divisibility", "divide_and_check_no_remainder", "split_tensor_along_last_dim", "VocabUtility"]
 
 
@@ -13,10 +15,12 @@ def ensure_divisibility(numerator: int, denominator: int) -> None:
     """Check that ``numerator`` is divisible by ``denominator``.
 
     Raises:
-        AssertionError: ``"{numerator} is not divisible by {denominator}"`` (upstream's type and text).
+        FairscaleValueError: ``"{numerator} is not divisible by {denominator}"`` (upstream's text; an
+            ``AssertionError`` as upstream, kept under ``python -O``).
         ZeroDivisionError: ``denominator`` is 0.
     """
-    assert numerator % denominator == 0, "{} is not divisible by {}".format(numerator, denominator)
+    if numerator % denominator != 0:
+        raise FairscaleValueError("{} is not divisible by {}".format(numerator, denominator))
 
 
 def divide_and_check_no_remainder(numerator: int, denominator: int) -> int:
