@@ -459,6 +459,62 @@ def test_run_cases_inside_a_world() -> None:
     assert "multiplier=3" in message and "multiplier=4" not in message.split("cases failed")[1].split("\n")[1]
 
 
+def _one_rank_fails_then_peer_waits(rank: int, world_size: int) -> None:
+    """Case "a" fails on rank 1 before a collective that rank 0 then waits in: the desync that used to hang."""
+
+    def case_a() -> None:
+        if rank == 1:
+            raise AssertionError("rank 1 differs")
+        _all_reduce_sum(torch.ones(1))  # rank 1 never joins this one
+
+    # Not caught here: the body must fail (a rank that returned would reach the engine's barrier, which could pair
+    # with the collective its peer waits in).
+    run_cases([("a", case_a), ("b", lambda: _all_reduce_sum(torch.ones(1)))])
+
+
+def test_run_cases_case_failing_on_one_rank_ends_the_world_in_seconds() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_one_rank_fails_then_peer_waits, 2, timeout=60)
+    assert time.monotonic() - start < 30  # the failing rank's grace is 5 s; never the world's timeout
+    message = str(info.value)
+    assert message.startswith("[rank 1]") and "rank 1 differs" in message and "case 'a' failed on rank 1" in message
+
+
+def _one_rank_fails_peer_passes(rank: int, world_size: int) -> str:
+    ran: List[str] = []
+
+    def case_a() -> None:
+        ran.append("a")
+        assert rank == 0, "only rank 0 passes"
+
+    try:
+        run_cases([("a", case_a), ("b", lambda: ran.append("b"))])
+    except AssertionError as e:
+        return f"{ran} {e}"
+    return f"{ran} no error"
+
+
+def test_run_cases_case_failing_on_one_rank_fails_every_rank_before_the_next_case() -> None:
+    results = run_distributed(_one_rank_fails_peer_passes, 2, timeout=60)
+    assert results[0].startswith("['a'] case 'a' passed on rank 0 but failed on ranks [1]")
+    assert "only rank 0 passes" in results[0]
+    assert results[1].startswith("['a'] case 'a' failed on ranks [1] only")
+
+
+def _different_cases(rank: int, world_size: int) -> str:
+    try:
+        run_cases([(f"case{rank}", lambda: None)])
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_run_cases_ranks_running_different_cases_raise() -> None:
+    results = run_distributed(_different_cases, 2, timeout=60)
+    assert all("the ranks ran different cases at position 0" in r for r in results), results
+
+
 def test_subtest_prefixes_and_keeps_type() -> None:
     with pytest.raises(ValueError, match=r"^\[outer\] \[inner\] boom$"):
         with subtest("outer"):

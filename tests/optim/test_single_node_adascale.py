@@ -18,6 +18,11 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fairscale.optim import AdaScale, AdaScaleWrapper
 
+# Expected numbers were recorded on another machine; AdaScale's statistics are float32 sums of a few terms, which
+# another CPU adds in another order: a few float32 ulps apart (eps 1.19e-7). FP32_REL allows about 8 ulps; a wrong
+# formula moves a gain by 1e-3 or more. (Same reasoning as tests/optim/test_ddp_adascale.py.)
+FP32_REL = 1e-6
+
 # (micro-batch inputs, gains after each step, weight grad, bias grad) with accumulation 2, for scaled and
 # unscaled losses alike.
 GRAD_ACCUM_CASES = [
@@ -84,9 +89,10 @@ def test_loss_accum_cpu() -> None:
 def test_grad_accum(case: int, scaled: bool) -> None:
     inputs, want_gains, want_weight_grad = GRAD_ACCUM_CASES[case]
     gains, model = _train(inputs, scaled)
-    assert gains == pytest.approx(want_gains, rel=1e-12, abs=0)
+    assert gains == pytest.approx(want_gains, rel=FP32_REL, abs=0)
     assert model.weight.grad is not None and model.bias.grad is not None
-    assert model.weight.grad.tolist() == want_weight_grad
+    for got, want in zip(model.weight.grad.tolist(), want_weight_grad):
+        assert got == pytest.approx(want, rel=FP32_REL, abs=FP32_REL)
     assert model.bias.grad.tolist() == [1.0, 1.0]
 
 
@@ -97,15 +103,15 @@ def test_no_bias_orthogonal_inputs_give_full_scale() -> None:
 @pytest.mark.parametrize("scale,want", [(None, 4.0), (4 / 3, 4 / 3), (2, 2.0), (4, 4.0)])
 def test_scale_not_equal_default(scale: Optional[float], want: float) -> None:
     inputs = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]
-    assert _train(inputs, accum=4, bias=False, scale=scale)[0] == [pytest.approx(want, rel=1e-12)]
+    assert _train(inputs, accum=4, bias=False, scale=scale)[0] == [pytest.approx(want, rel=FP32_REL)]
 
 
 def test_debias_ewma_and_smoothing() -> None:
     assert _train([[1.0, 0.0], [0.0, 1.0]] * 4, bias=False, debias_ewma=False)[0] == [2.0] * 4
     debiased = _train(SMOOTH_INPUTS, smoothing=0.5)[0]
-    assert debiased == pytest.approx([4 / 3, 1.2920353982300885, 1.336405529953917], rel=1e-12)
+    assert debiased == pytest.approx([4 / 3, 1.2920353982300885, 1.336405529953917], rel=FP32_REL)
     running = _train(SMOOTH_INPUTS, smoothing=0.5, debias_ewma=False)[0]
-    assert running == pytest.approx([4 / 3, 1.296, 1.3362445414847162], rel=1e-12)
+    assert running == pytest.approx([4 / 3, 1.296, 1.3362445414847162], rel=FP32_REL)
 
 
 def test_custom_smoothing_factor() -> None:
@@ -121,18 +127,18 @@ def test_set_num_gradients_to_accumulate() -> None:
     optim = AdaScale(SGD(model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2)
     for x in ([1.0, 0.0], [0.0, 1.0]):
         (model(torch.tensor(x)).sum() / 2).backward()
-    assert optim.gain() == pytest.approx(4 / 3, rel=1e-12)
+    assert optim.gain() == pytest.approx(4 / 3, rel=FP32_REL)
     optim.step()
     optim.zero_grad()
     optim.set_scale(3)
     optim.set_num_gradients_to_accumulate(3)
     for x in ([1.0, 0.0], [0.0, 1.0], [2.0, 1.0]):
         (model(torch.tensor(x)).sum() / 3).backward()
-    assert optim.gain() == pytest.approx(1.363636374728191, rel=1e-12)
+    assert optim.gain() == pytest.approx(1.363636374728191, rel=FP32_REL)
     assert optim.smoothing == pytest.approx(0.997)
     state = optim.state_dict()["state"]["adascale"]
-    assert state["grad_sqr_avg"] == pytest.approx([3.20144168], rel=1e-8)
-    assert state["grad_var_avg"] == pytest.approx([2.13429453], rel=1e-8)
+    assert state["grad_sqr_avg"] == pytest.approx([3.20144168], rel=FP32_REL)
+    assert state["grad_var_avg"] == pytest.approx([2.13429453], rel=FP32_REL)
     with pytest.raises(AssertionError, match="Invalid value"):
         optim.set_num_gradients_to_accumulate(0)
     with pytest.raises(AssertionError, match="at least 1"):
@@ -146,7 +152,7 @@ def test_add_param_group() -> None:
     assert len(optim._hook_handles) == 2
     for x in ([1.0, 0.0], [0.0, 1.0]):
         (m1(torch.tensor(x)).sum() / 2).backward()
-    assert optim.gain() == pytest.approx(4 / 3, rel=1e-12)
+    assert optim.gain() == pytest.approx(4 / 3, rel=FP32_REL)
     optim.step()
     optim.zero_grad()
     optim.add_param_group({"params": m2.parameters()})
@@ -154,9 +160,9 @@ def test_add_param_group() -> None:
     for x in ([1.0, 2.0], [0.0, 1.0]):
         t = torch.tensor(x)
         ((m1(t).sum() + m2(t * 2).sum()) / 2).backward()
-    assert optim.gain() == pytest.approx(1.185171455050973, rel=1e-12)
-    assert optim.gain(0) == pytest.approx(1.1999199519711827, rel=1e-12)
-    assert optim.gain(1) == pytest.approx(1.1818181818181819, rel=1e-12)
+    assert optim.gain() == pytest.approx(1.185171455050973, rel=FP32_REL)
+    assert optim.gain(0) == pytest.approx(1.1999199519711827, rel=FP32_REL)
+    assert optim.gain(1) == pytest.approx(1.1818181818181819, rel=FP32_REL)
     state = optim.state_dict()["state"]["adascale"]
     assert state["grad_sqr_avg"] == pytest.approx([4.002002, 18.0], rel=1e-6)  # the new group is debiased alone
     assert state["grad_var_avg"] == pytest.approx([2.0, 8.0], rel=1e-6)
@@ -170,13 +176,14 @@ def test_lr_scheduler() -> None:
     for epoch in range(3):
         for x in ([1.0, 0.0], [0.0, 1.0]):
             (model(torch.tensor(x)).sum() / 2).backward()
-        assert optim.gain() == pytest.approx(4 / 3, rel=1e-12)
+        assert optim.gain() == pytest.approx(4 / 3, rel=FP32_REL)
         optim.step()
         optim.zero_grad()
         scheduler.step()
         assert optim.param_groups[0]["lr"] == pytest.approx(0.1 / 10 ** (epoch + 1))  # the gain is not left behind
     want = [[-0.07929398119449615, 0.30532288551330566], [-0.6559807658195496, -0.5943874716758728]]
-    assert model.weight.tolist() == want
+    for got, expected in zip(model.weight.tolist(), want):
+        assert got == pytest.approx(expected, rel=FP32_REL, abs=FP32_REL)
 
 
 def test_gradient_value() -> None:
@@ -254,3 +261,72 @@ def test_forwarding_and_wrapper() -> None:
     assert isinstance(wrapper._optimizer, SGD) and wrapper.param_groups[0]["lr"] == 3.0
     # Arguments by name (upstream passed debias_ewma on as is_scaled_loss).
     assert wrapper._debias_ewma is False and wrapper._is_scaled_loss is True
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises: placed between two layers, the later layer's hooks have fired by then."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward failed on purpose")
+
+
+def _two_layers() -> Tuple[Linear, Linear]:
+    torch.manual_seed(0)
+    return Linear(2, 2), Linear(2, 2)
+
+
+@pytest.mark.parametrize("completed_before", [0, 1])
+def test_recovers_after_a_backward_that_raised(completed_before: int) -> None:
+    """A backward that raises after some AdaScale hooks ran (with ``completed_before`` backward passes of the
+    same step already done): step/state_dict say to call zero_grad; zero_grad discards the step's partial
+    statistics with a warning; the next steps give the gains of an AdaScale that never saw the failed step."""
+    inputs = [[1.0, 4.0], [5.0, 0.5], [-0.2, 3.0], [5.0, 0.5]]
+
+    def build() -> Tuple[Linear, Linear, AdaScale]:
+        first, second = _two_layers()
+        params = list(first.parameters()) + list(second.parameters())
+        return first, second, AdaScale(SGD(params, lr=0.1), world_size=1, num_gradients_to_accumulate=2)
+
+    def full_step(first: Linear, second: Linear, optim: AdaScale, x: List[List[float]]) -> float:
+        optim.zero_grad()
+        for xi in x:
+            (second(first(torch.tensor(xi))).sum() / 2).backward()
+        gain = optim.gain()
+        optim.step()
+        return gain
+
+    first, second, optim = build()
+    for i in range(completed_before):
+        (second(first(torch.tensor(inputs[i]))).sum() / 2).backward()
+    with pytest.raises(ValueError, match="on purpose"):
+        second(_RaiseInBackward.apply(first(torch.tensor([1.0, 1.0])))).sum().backward()
+    for call in (optim.step, optim.state_dict, lambda: optim.set_scale(3.0)):
+        with pytest.raises(RuntimeError, match="raised before it finished.*zero_grad") as info:
+            call()
+        assert isinstance(info.value, AssertionError)  # upstream asserted: old handlers still catch it
+    with pytest.warns(UserWarning, match="did not finish"):
+        optim.zero_grad()
+    gains = [full_step(first, second, optim, inputs[:2]), full_step(first, second, optim, inputs[2:])]
+
+    ref_first, ref_second, ref = build()
+    expected = [full_step(ref_first, ref_second, ref, inputs[:2]), full_step(ref_first, ref_second, ref, inputs[2:])]
+    assert gains == expected
+    for a, b in zip(list(first.parameters()) + list(second.parameters()), ref.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    assert optim.state_dict()["state"]["adascale"]["grad_var_avg"] == pytest.approx(
+        ref.state_dict()["state"]["adascale"]["grad_var_avg"], rel=0, abs=0
+    )
+
+
+def test_zero_grad_between_backward_passes_still_raises() -> None:
+    """zero_grad in the middle of a step's backward passes (no backward failed) is refused, as upstream."""
+    first, second = _two_layers()
+    optim = AdaScale(SGD(first.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2)
+    first(torch.tensor([1.0, 1.0])).sum().backward()
+    with pytest.raises(AssertionError, match="zero_grad in backward phase.*1 of the 2 backward passes"):
+        optim.zero_grad()
