@@ -278,6 +278,14 @@ def _backward_slice(
     return tuple(input_grads)
 
 
+def _check_count(name: str, value: Any) -> None:
+    """``value`` must be an ``int`` (not a ``bool``) of at least 1; the error names the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"OffloadModel: {name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"OffloadModel: {name} must be a positive integer, got {value}")
+
+
 class OffloadModel(nn.Module):
     """Wrap an ``nn.Sequential`` so that it trains with only one slice at a time on the compute device.
 
@@ -296,13 +304,16 @@ class OffloadModel(nn.Module):
         model (nn.Sequential or List[nn.Module]): the model, or its slices.
         device (torch.device): the compute device (``cpu`` works too: then nothing moves).
         offload_device (torch.device): where the model rests (default: CPU).
-        num_slices (int): number of slices when ``model`` is an ``nn.Sequential`` (default: 3).
+        num_slices (int): number of slices when ``model`` is an ``nn.Sequential`` (default: 3; at least 1, and at
+            most one slice per layer is made).
         checkpoint_activation (bool): recompute each slice in backward instead of keeping its activations.
-        num_microbatches (int): chunks each slice's batch is split into when checkpointing (default: 1).
+        num_microbatches (int): chunks each slice's batch is split into when checkpointing (default: 1; at least 1).
 
     Raises:
-        TypeError: ``model`` or ``device`` is missing, ``model`` is not an ``nn.Sequential`` or a list, or
-            ``device`` is a CUDA device on a machine without CUDA.
+        TypeError: ``model`` or ``device`` is missing, ``model`` is not an ``nn.Sequential`` or a list,
+            ``device`` is a CUDA device on a machine without CUDA, or ``num_slices`` / ``num_microbatches`` is not
+            an ``int``.
+        ValueError: ``num_slices`` or ``num_microbatches`` is below 1.
         RuntimeError: ``num_microbatches > 1`` without ``checkpoint_activation``.
     """
 
@@ -325,6 +336,10 @@ class OffloadModel(nn.Module):
         device = torch.device(device)
         if device.type != "cpu" and not accelerator_available():
             raise TypeError("CUDA must be available as one of the compute devices for `OffloadModel`.")
+        # Before the model is split (which pins its parameters): upstream divided by zero or indexed out of range
+        # here, or accepted a count that only failed in the first forward.
+        _check_count("num_slices", num_slices)
+        _check_count("num_microbatches", num_microbatches)
         self.device = device
         self.offload_device = torch.device(offload_device)
         if isinstance(model, nn.Sequential):

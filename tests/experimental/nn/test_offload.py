@@ -118,3 +118,24 @@ def test_bad_arguments() -> None:
     if not accelerator_available():
         with pytest.raises(TypeError, match="CUDA must be available"):
             OffloadModel(_model(), torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(num_slices=0), ValueError, "num_slices must be a positive integer, got 0"),
+        (dict(num_slices=-1), ValueError, "num_slices must be a positive integer, got -1"),
+        (dict(num_slices=2.5), TypeError, "num_slices must be an int, got float"),
+        (dict(num_microbatches=0, checkpoint_activation=True), ValueError, "num_microbatches must be a positive"),
+        (dict(num_microbatches=-1, checkpoint_activation=True), ValueError, "num_microbatches must be a positive"),
+        (dict(num_microbatches=0), ValueError, "num_microbatches must be a positive integer, got 0"),
+        (dict(num_microbatches="2", checkpoint_activation=True), TypeError, "num_microbatches must be an int"),
+    ],
+)
+def test_bad_counts_are_refused_at_construction(kwargs: dict, error: type, text: str) -> None:
+    """Upstream divided by zero, indexed out of range, or failed only in the first forward."""
+    with pytest.raises(error, match=text):
+        OffloadModel(_model(), torch.device("cpu"), **kwargs)
+    # The same for a model given as its slices (num_slices is not used then, but a bad value is still a mistake).
+    with pytest.raises(error, match=text):
+        OffloadModel(list(_model()), torch.device("cpu"), **kwargs)
