@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleValueError
+
 from ._adam_update import AdamHyper, adam_update
 
 __all__ = ["Adam", "Precision"]
@@ -74,7 +76,8 @@ class Adam(torch.optim.Optimizer):
             fp16 ones.
 
     Raises:
-        AssertionError: a mode other than ``FULL_PRECISION`` with parameters that are not fp16.
+        ValueError: (also an ``AssertionError``, as upstream asserted) a mode other than ``FULL_PRECISION`` with
+            parameters that are not fp16.
         RuntimeError: ``amsgrad=True``.
         ValueError: an invalid learning rate, beta, epsilon or weight decay.
     """
@@ -96,8 +99,11 @@ class Adam(torch.optim.Optimizer):
         first = _first_param(parameters)
         if precision is None:
             precision = Precision.FULL_PRECISION if first.dtype == torch.float32 else Precision.MIXED_PRECISION
-        if precision is not Precision.FULL_PRECISION:
-            assert first.dtype == torch.float16, f"{precision} needs fp16 parameters, got {first.dtype}"
+        if precision is not Precision.FULL_PRECISION and first.dtype != torch.float16:
+            raise FairscaleValueError(
+                f"Adam: {precision} needs fp16 parameters, got {first.dtype}; use Precision.FULL_PRECISION for "
+                "fp32 parameters, or convert the model to fp16 (model.half()) first"
+            )
         self.precision = precision
         self.optim_type = torch.float16 if precision is Precision.PURE_FP16 else torch.float32
         self._optim_scale = _MAX_OPTIM_SCALE if precision is Precision.PURE_FP16 else 1.0

@@ -26,6 +26,7 @@ end-of-backward callback queued so that it runs after DDP's own reduction.
 """
 
 import functools
+import warnings
 from typing import Any, Callable, Dict, List, Optional, cast
 
 import numpy as np
@@ -34,6 +35,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
 
@@ -128,6 +130,39 @@ class AdaScale(torch.optim.Optimizer):
         # Statistics of the current accumulation window exist from the first hook until the window's final callback.
         return self._local_grad_sqr is not None
 
+    def _backward_aborted(self) -> bool:
+        """Whether a backward queued the end-of-backward callback but ended without running it (it raised).
+
+        The engine runs queued callbacks before ``backward()`` returns, so outside of any backward a callback that
+        is still marked queued belongs to a backward that raised; the engine dropped it.
+        """
+        return self._callback_queued and torch._C._current_graph_task_id() == -1
+
+    def _check_not_in_backward(self, what: str) -> None:
+        """Raise unless no accumulation window is open and no backward was left unfinished.
+
+        Args:
+            what (str): upstream's message for the call (e.g. ``"Don't step without finishing backward phase"``),
+                kept first so that code matching it still does.
+        """
+        if self._backward_aborted():
+            raise FairscaleRuntimeError(
+                f"AdaScale: {what}: the last backward raised before it finished, leaving partial gradient "
+                "statistics. Call zero_grad() to discard them (and the gradients), then run the iteration again."
+            )
+        if self._in_backward():
+            done = self._num_backward_calls - self._last_final_backward_call
+            raise FairscaleRuntimeError(
+                f"AdaScale: {what}: {done} of the {self._num_grads_to_accum} backward passes of this step "
+                "(num_gradients_to_accumulate) have run; run the others first."
+            )
+
+    def _reset_backward_window(self) -> None:
+        """Forget the gradient statistics of the current step's backward passes (their gradients are dropped)."""
+        self._local_grad_sqr = None
+        self._callback_queued = False
+        self._num_backward_calls = self._last_final_backward_call
+
     # ------------------------------------------------------------------------------------------
     # Configuration
 
@@ -139,8 +174,9 @@ class AdaScale(torch.optim.Optimizer):
             update_estimate (bool): rescale the stored variance estimate to the new scale (it is measured per
                 ``S`` samples). Default: ``True``.
         """
-        assert not self._in_backward(), "Don't change scale in backward phase"
-        assert scale >= 1, "Scale must be at least 1"
+        self._check_not_in_backward("Don't change scale in backward phase")
+        if not scale >= 1:
+            raise FairscaleValueError(f"AdaScale: Scale must be at least 1, got {scale}")
         if update_estimate:
             ratio = self._scale / scale
             state = self._state
@@ -157,17 +193,28 @@ class AdaScale(torch.optim.Optimizer):
             num_gradients_to_accumulate (int): at least 1.
             update_smoothing (bool): reset the smoothing factor to ``max(1 - world_size * n / 1000, 0)``.
         """
-        assert not self._in_backward(), "Don't change num_grad_to_accum in backward phase"
-        assert num_gradients_to_accumulate >= 1, f"Invalid value {num_gradients_to_accumulate}"
+        self._check_not_in_backward("Don't change num_grad_to_accum in backward phase")
+        if not num_gradients_to_accumulate >= 1:
+            raise FairscaleValueError(
+                f"AdaScale: Invalid value {num_gradients_to_accumulate}: num_gradients_to_accumulate must be at least 1"
+            )
         self._num_grads_to_accum = num_gradients_to_accumulate
         if update_smoothing:
             self._smoothing = max(1 - self._world_size * num_gradients_to_accumulate / 1000, 0)
 
     def scale_grad_by_num_grads_to_accum(self) -> None:
         """Divide every gradient by the number of accumulation steps (for unscaled losses), after backward."""
-        assert self._local_grad_sqr is None, "Only call this after backward"
-        assert self._num_grads_to_accum > 1, "Must be accumulating gradients"
-        assert not self._is_scaled_loss, "Must use unscaled loss"
+        self._check_not_in_backward("Only call this after backward")
+        if self._num_grads_to_accum <= 1:
+            raise FairscaleRuntimeError(
+                "AdaScale.scale_grad_by_num_grads_to_accum: only for gradient accumulation "
+                "(num_gradients_to_accumulate > 1)"
+            )
+        if self._is_scaled_loss:
+            raise FairscaleRuntimeError(
+                "AdaScale.scale_grad_by_num_grads_to_accum: only for unscaled losses; build AdaScale with "
+                "is_scaled_loss=False, or divide each loss by num_gradients_to_accumulate and do not call this"
+            )
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -207,10 +254,12 @@ class AdaScale(torch.optim.Optimizer):
 
     def _final_callback(self) -> None:
         self._callback_queued = False
-        assert self._local_grad_sqr is not None
+        if self._local_grad_sqr is None:  # pragma: no cover - queued only after a hook set it
+            raise FairscaleRuntimeError("AdaScale: end of backward without gradient statistics (internal error)")
         self._num_backward_calls += 1
         calls, last, accum = self._num_backward_calls, self._last_final_backward_call, self._num_grads_to_accum
-        assert calls - last <= accum, f"bug: {calls} - {last} should <= {accum}"
+        if calls - last > accum:  # pragma: no cover - the window closes at ``accum`` calls
+            raise FairscaleRuntimeError(f"AdaScale: {calls - last} backward passes in a window of {accum}")
         if (calls - last) % accum != 0:
             return  # still accumulating
         work = None
@@ -283,8 +332,13 @@ class AdaScale(torch.optim.Optimizer):
         return float((var + sqr) / (var / self._scale + sqr))
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Step the wrapped optimizer with every group's ``lr`` multiplied by its gain (restored afterwards)."""
-        assert self._local_grad_sqr is None, "Don't step without finishing backward phase"
+        """Step the wrapped optimizer with every group's ``lr`` multiplied by its gain (restored afterwards).
+
+        Raises:
+            RuntimeError (an ``AssertionError`` too): the step's backward passes are not all done, or the last
+                backward raised (call :meth:`zero_grad` first).
+        """
+        self._check_not_in_backward("Don't step without finishing backward phase")
         saved = []
         for idx, group in enumerate(self._optimizer.param_groups):
             saved.append(group["lr"])
@@ -297,7 +351,7 @@ class AdaScale(torch.optim.Optimizer):
 
     def add_param_group(self, pg: Dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer, hook its parameters and extend the statistics by one entry."""
-        assert not self._in_backward(), "Don't add param group in backward phase"
+        self._check_not_in_backward("Don't add param group in backward phase")
         self._optimizer.add_param_group(pg)
         self._hook()
         state = self._state
@@ -307,18 +361,30 @@ class AdaScale(torch.optim.Optimizer):
             state[name] = np.append(value, 1.0 if name == "grad_sqr_avg" else 0.0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (``set_to_none=False``) or drop the gradients through the wrapped optimizer."""
-        assert not self._in_backward(), "Don't zero_grad in backward phase"
+        """Zero (``set_to_none=False``) or drop the gradients through the wrapped optimizer.
+
+        After a backward that raised, this also discards the gradient statistics of the step's backward passes
+        (their gradients are dropped too), with a warning, so that training can go on.
+
+        Raises:
+            RuntimeError (an ``AssertionError`` too): called between the backward passes of one step.
+        """
+        if self._backward_aborted():
+            # The failed backward's end-of-backward callback will never run: drop what it and the earlier passes of
+            # this step measured, as their gradients are dropped now.
+            warnings.warn("AdaScale: the previous backward did not finish (it raised); discarding its statistics.")
+            self._reset_backward_window()
+        self._check_not_in_backward("Don't zero_grad in backward phase")
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict (the AdaScale statistics are in its ``state["adascale"]``)."""
-        assert not self._in_backward(), "Don't checkpoint in backward phase"
+        self._check_not_in_backward("Don't checkpoint in backward phase")
         return self._optimizer.state_dict()
 
     def load_state_dict(self, data: Dict[str, Any]) -> None:
         """Load a state dict written by :meth:`state_dict` into the wrapped optimizer."""
-        assert not self._in_backward(), "Don't load checkpoint in backward phase"
+        self._check_not_in_backward("Don't load checkpoint in backward phase")
         self._optimizer.load_state_dict(data)
 
     def __repr__(self) -> str:
@@ -345,7 +411,8 @@ class AdaScale(torch.optim.Optimizer):
         Call after backward and before the gradients are averaged across workers (e.g. inside DDP's
         ``no_sync()``); every rank gets the same value.
         """
-        assert self._world_size > 1, "Only for distributed training"
+        if self._world_size <= 1:
+            raise FairscaleRuntimeError("AdaScale._compute_intra_grad_corr_mean: only for distributed training")
         flat = self._gather_flat_grad().float().contiguous()
         gathered = torch.empty(self._world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         collectives.all_gather_into_flat(gathered, flat)

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleValueError
+
 __all__ = ["LayerInfo", "GradientHelper", "LayerwiseGradientScaler"]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,10 @@ class LayerwiseGradientScaler:
         growth_interval (int): clean steps before a growth. Default: 10000.
         min_scale (float): lower bound of the scales. Default: the smallest positive normal fp32.
         max_scale (float): upper bound of the scales. Default: the largest fp32.
+
+    Raises:
+        ValueError: (also an ``AssertionError``, as upstream asserted) with scaling enabled, ``growth_factor <= 1``
+            or ``backoff_factor >= 1``.
     """
 
     def __init__(
@@ -112,8 +118,10 @@ class LayerwiseGradientScaler:
         self._handles: List[Any] = []
         self.layer_info: List[LayerInfo] = []
         if self._apply_layerwise_scaling:
-            assert self._growth_factor > 1.0, "The growth factor must be > 1.0."
-            assert self._backoff_factor < 1.0, "The backoff factor must be < 1.0."
+            if not self._growth_factor > 1.0:
+                raise FairscaleValueError(f"The growth factor must be > 1.0, got {self._growth_factor}.")
+            if not self._backoff_factor < 1.0:
+                raise FairscaleValueError(f"The backoff factor must be < 1.0, got {self._backoff_factor}.")
             self.layer_info = self._build_layer_info()
 
     def _build_layer_info(self) -> List[LayerInfo]:

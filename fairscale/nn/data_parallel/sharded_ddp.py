@@ -16,6 +16,7 @@ from torch import nn
 
 from fairscale.internal import collectives
 from fairscale.internal.collectives import WorkHandle
+from fairscale.internal.errors import FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
 from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
 from fairscale.optim.oss import OSS
@@ -89,10 +90,12 @@ class ShardedDataParallel(nn.Module):
         self._reduce_fp16 = reduce_fp16
 
         device_types = {p.device.type for p in self.module.parameters()}
-        assert len(device_types) <= 1, (
-            "ShardedDataParallel's input module must be on the same type of devices, but input module parameters "
-            f"are located on {device_types} different device types."
-        )
+        if len(device_types) > 1:
+            raise FairscaleValueError(
+                "ShardedDataParallel's input module must be on the same type of devices, but input module "
+                f"parameters are located on {sorted(device_types)} different device types; move the module to one "
+                "device type first."
+            )
         self.is_multi_device_module = len({p.device for p in self.module.parameters()}) > 1
         self.device_type = next(iter(device_types)) if device_types else "cpu"
 
@@ -197,7 +200,7 @@ class ShardedDataParallel(nn.Module):
         """Reduce the gradients now, after a last backward that ran inside :meth:`no_sync`.
 
         Raises:
-            AssertionError: nothing is waiting to be reduced.
+            RuntimeError: (also an ``AssertionError``, as upstream asserted) nothing is waiting to be reduced.
         """
         self._reducer.manual_reduce()
 
@@ -269,17 +272,25 @@ class ShardedDataParallel(nn.Module):
 
         Returns:
             ShardedDataParallel: ``self`` (upstream returned ``None``).
+
+        Raises:
+            ValueError: (also an ``AssertionError``, as upstream asserted) another device type than the gradient
+                buckets', or buckets on several devices.
         """
-        if isinstance(device, str):
+        if isinstance(device, (str, int)):
             device = torch.device(device)
         bucket_devices = self._reducer.bucket_devices()
-        if device is not None and bucket_devices:
-            assert isinstance(device, torch.device) and device.type in [
-                d.type for d in bucket_devices
-            ], "Changing devices is not supported, because this would break OSSs state"
-        assert (
-            len(bucket_devices) < 2
-        ), "Several devices specified to begin with, incompatible with setting a single device here"
+        if device is not None and bucket_devices and device.type not in [d.type for d in bucket_devices]:
+            raise FairscaleValueError(
+                f"ShardedDataParallel.to({device}): Changing devices is not supported, because this would break "
+                f"OSSs state (the gradient buckets are on {bucket_devices}); build the model, OSS and "
+                "ShardedDataParallel on the target device instead."
+            )
+        if len(bucket_devices) >= 2:
+            raise FairscaleValueError(
+                "ShardedDataParallel.to: Several devices specified to begin with, incompatible with setting a single "
+                f"device here (the gradient buckets are on {bucket_devices})."
+            )
         self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
         return self

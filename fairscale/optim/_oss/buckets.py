@@ -8,6 +8,7 @@ import torch
 
 from fairscale.internal import collectives
 from fairscale.internal.collectives import WorkHandle
+from fairscale.internal.errors import FairscaleTypeError
 from fairscale.nn.misc.param_bucket import ParamBucket
 
 __all__ = ["Buckets", "build_buckets", "broadcast_buckets"]
@@ -26,8 +27,10 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
     the same set of buckets, which is what the broadcasts require).
 
     Raises:
-        AssertionError: one owner's trainable parameters on one device have different dtypes.
+        TypeError: (also an ``AssertionError``, as upstream asserted) one owner's trainable parameters on one device
+            have different dtypes; nothing is changed then.
     """
+    _check_one_dtype_per_bucket(per_device)
     buckets: Buckets = {}
     for device, per_rank in per_device.items():
         device_buckets: Dict[int, ParamBucket] = dict(previous.get(device, {}))
@@ -46,6 +49,19 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
             device_buckets[owner] = bucket
         buckets[device] = device_buckets
     return buckets
+
+
+def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]]) -> None:
+    # A flat bucket has one dtype: a parameter of another dtype would silently become a view of a different dtype.
+    for device, per_rank in per_device.items():
+        for owner, params in enumerate(per_rank):
+            dtypes = sorted({str(p.dtype) for p in params if p.requires_grad})
+            if len(dtypes) > 1:
+                raise FairscaleTypeError(
+                    f"OSS: the trainable parameters that rank {owner} owns on {device} have several dtypes "
+                    f"({', '.join(dtypes)}); OSS broadcasts them as one flat buffer of one dtype. Give the model's "
+                    "parameters one dtype (e.g. model.float()), or put each dtype in its own OSS."
+                )
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ import torch
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
+from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.params import Workhandle
 from fairscale.nn.misc.param_bucket import GradBucket
 
@@ -137,7 +138,10 @@ class GradReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.accumulating or not self._pending.get(id(param), False):
             return
-        assert param.grad is not None, "Reducing gradients during backward pass, cannot be None"
+        if param.grad is None:  # pragma: no cover - the hook fires after accumulation, with a gradient
+            raise FairscaleRuntimeError(
+                "ShardedDataParallel: Reducing gradients during backward pass, cannot be None (a hook removed it?)"
+            )
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self.flush)
@@ -209,9 +213,11 @@ class GradReducer:
 
     def manual_reduce(self) -> None:
         """Reduce everything still pending now (after a backward run inside ``no_sync()``)."""
-        assert (
-            self.has_pending
-        ), "No grads waiting to be reduced, maybe that this was called twice or there was no BW pass ?"
+        if not self.has_pending:
+            raise FairscaleRuntimeError(
+                "ShardedDataParallel.reduce: No grads waiting to be reduced, maybe that this was called twice or "
+                "there was no BW pass ? Call reduce() once, after the last backward run inside no_sync()."
+            )
         # Outside of a backward there is no autograd engine to queue the flush on: it runs right here.
         self._callback_queued = True
         for param in self.trainable:
