@@ -336,9 +336,38 @@ def test_torch_spawn_registered_and_rejects_test_names() -> None:
         torch_spawn([1])(test_bad)
 
 
-def test_get_worker_map_is_not_available() -> None:
-    with pytest.raises(NotImplementedError, match="RPC"):
+def test_get_worker_map_needs_a_group() -> None:
+    with pytest.raises(RuntimeError, match="call dist_init first"):
         get_worker_map()
+
+
+def _rpc_neighbour() -> None:
+    """Inside torch_spawn, as upstream: RPC workers named by get_worker_map() answer each other."""
+    import torch.distributed.rpc as rpc
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    workers = get_worker_map()
+    assert workers == {r: f"Test{r}" for r in range(world_size)}
+    assert rpc.get_worker_info().name == workers[rank]
+    peer = workers[(rank + 1) % world_size]
+    assert rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), rank)).tolist() == [rank + 1.0] * 2
+
+
+torch_spawn([1, 2])(_rpc_neighbour)
+
+
+def _dist_init_starts_rpc(filename: str, filename_rpc: str, rank: int) -> Any:
+    import torch.distributed.rpc as rpc
+
+    assert dist_init(rank, 2, filename, filename_rpc)
+    answer = rpc.rpc_sync(get_worker_map()[1 - rank], max, args=(rank, 5))
+    teardown()
+    return answer, dist.is_initialized(), rpc.api._is_current_rpc_agent_set()
+
+
+def test_dist_init_starts_rpc_and_teardown_stops_it(tmp_path: Any) -> None:
+    body = functools.partial(_dist_init_starts_rpc, str(tmp_path / "store"), str(tmp_path / "rpc"))
+    assert run_ranks(body, 2) == [(5, False, False)] * 2
 
 
 # ----------------------------------------------------------------------------------------------

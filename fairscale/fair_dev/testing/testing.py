@@ -4,10 +4,10 @@
 The names and arguments are upstream's so that tests written against fairscale keep working. The
 differences: everything works without GPUs (gloo on CPU, ``get_world_sizes()`` never returns an
 empty list), processes are started by the engine in :mod:`fairscale.fair_dev.testing.engine`
-(fork on CPU, a timeout, the failing rank's traceback), and there is no RPC (``filename_rpc`` is
-accepted and unused, ``get_worker_map`` raises ``NotImplementedError``). As upstream, the ranks of
-:func:`torch_spawn` tests start with model parallelism initialised (model-parallel size 1, one
-pipeline group holding every rank).
+(fork on CPU, a timeout, the failing rank's traceback). As upstream, :func:`dist_init` starts torch RPC
+(TensorPipe, workers named ``Test{rank}``, so :func:`get_worker_map` names them) when it is given an
+``filename_rpc``, the ranks of :func:`torch_spawn` tests start with RPC and with model parallelism initialised
+(model-parallel size 1, one pipeline group holding every rank), and :func:`teardown` shuts RPC down.
 
 This module may call ``torch.cuda`` and ``torch.distributed`` collectives directly: it is test
 tooling, exempt from the rule that only the device and collectives layers do.
@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.rpc as rpc
 
 from fairscale.internal import torch_version as torch_version
 from fairscale.nn.model_parallel.initialize import destroy_model_parallel as destroy_model_parallel
@@ -124,7 +125,7 @@ def set_random_seed(seed: int, model_parallel: bool = True) -> None:
 
 
 def dist_init(rank: int, world_size: int, filename: str, filename_rpc: str = "") -> bool:
-    """Initialise the default process group through a file store.
+    """Initialise the default process group through a file store, and torch RPC as upstream did.
 
     NCCL when CUDA is available (and rank ``r`` uses ``cuda:r``), gloo otherwise or when ``FAIRSCALE_CPU_ONLY`` hides
     the GPUs (as in the test suite's own process and in CPU worlds).
@@ -133,12 +134,12 @@ def dist_init(rank: int, world_size: int, filename: str, filename_rpc: str = "")
         rank: this process's rank.
         world_size: number of processes.
         filename: an absolute path shared by all ranks for the file store.
-        filename_rpc: accepted for upstream compatibility; RPC is not started.
+        filename_rpc: another path shared by all ranks: torch RPC (TensorPipe) starts with worker ``Test{rank}``
+            rendezvousing through it (upstream always passed one). Empty: no RPC.
 
     Returns:
         ``False`` (nothing initialised) when CUDA is used and there are fewer GPUs than ranks.
     """
-    del filename_rpc
     if _gpu_count() > 0:
         if _gpu_count() < world_size:
             return False
@@ -148,23 +149,47 @@ def dist_init(rank: int, world_size: int, filename: str, filename_rpc: str = "")
         backend = "gloo"
         use_loopback_for_gloo()
     dist.init_process_group(backend=backend, init_method=f"file://{filename}", rank=rank, world_size=world_size)
+    if filename_rpc:
+        _init_rpc(rank, world_size, filename_rpc)
     return True
 
 
+def _init_rpc(rank: int, world_size: int, filename_rpc: str) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{filename_rpc}")
+    rpc.init_rpc(_worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def _worker_name(rank: int) -> str:
+    return f"Test{rank}"
+
+
+def _rpc_running() -> bool:
+    # torch exports no public "is RPC running" check; this private one has existed since RPC did.
+    return bool(rpc.is_available() and getattr(rpc.api, "_is_current_rpc_agent_set")())
+
+
 def teardown() -> None:
-    """Forget the model-parallel groups and destroy the default process group if there is one."""
+    """Forget the model-parallel groups, destroy the default process group and shut RPC down (each if present)."""
     destroy_model_parallel()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if _rpc_running():
+        # Not graceful, as upstream: a peer that failed will never join a graceful shutdown's barrier.
+        rpc.shutdown(graceful=False)
 
 
 def get_worker_map() -> Dict[Any, Any]:
-    """Upstream's RPC worker map; RPC is not part of this distribution.
+    """Upstream's RPC worker map: ``{rank: "Test{rank}"}`` for every rank of the default group.
+
+    The names are those :func:`dist_init` and :func:`torch_spawn` give the RPC workers (pass the map as
+    ``AsyncPipe(..., worker_map=get_worker_map())``).
 
     Raises:
-        NotImplementedError: always.
+        RuntimeError: the default process group is not initialised (call :func:`dist_init` first).
     """
-    raise NotImplementedError("get_worker_map needs torch RPC, which fairscale's test helpers no longer start")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("get_worker_map: the default process group is not initialised; call dist_init first")
+    return {rank: _worker_name(rank) for rank in range(dist.get_world_size())}
 
 
 def get_world_sizes() -> List[int]:
@@ -252,7 +277,7 @@ def worker_process(
         rank: this process's rank.
         world_size: number of processes.
         filename: file-store path.
-        filename_rpc: unused (no RPC).
+        filename_rpc: file for the RPC rendezvous (see :func:`dist_init`).
         func: the test body; it finds its rank through ``torch.distributed``.
         args: positional arguments for ``func``.
         error_queue: receives the skip message, if any.
@@ -295,7 +320,8 @@ def torch_spawn(world_sizes: Optional[Sequence[int]] = None) -> Callable[[_F], _
         @functools.wraps(func)
         def spawned_test(**kwargs: Any) -> None:
             for world_size in sizes:
-                run_distributed(_RankCall(func, kwargs), world_size)
+                with temp_files_ctx(num=1) as (filename_rpc,):
+                    run_distributed(_RankCall(func, kwargs, filename_rpc), world_size)
 
         spawned_test.__name__ = f"test_{name}"
         spawned_test.__qualname__ = f"test_{name}"
@@ -312,17 +338,21 @@ def torch_spawn(world_sizes: Optional[Sequence[int]] = None) -> Callable[[_F], _
 class _RankCall:
     """Adapts ``func(**kwargs)`` to the engine's ``fn(rank, world_size)`` calling convention."""
 
-    def __init__(self, func: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+    def __init__(self, func: Callable[..., Any], kwargs: Dict[str, Any], filename_rpc: str) -> None:
         self.func = func
         self.kwargs = kwargs
+        self.filename_rpc = filename_rpc
 
     def __call__(self, rank: int, world_size: int) -> None:
-        # As upstream's worker_process: model-parallel size 1, one pipeline group of every rank.
+        # As upstream's worker_process: RPC workers Test{rank}, model-parallel size 1, one pipeline group of every rank.
+        _init_rpc(rank, world_size, self.filename_rpc)
         initialize_model_parallel(1, world_size, pipeline_backend="gloo")
         try:
             self.func(**self.kwargs)
         finally:
             destroy_model_parallel()
+        # Graceful only after success: it waits for every peer (a failed rank ends the world instead).
+        rpc.shutdown(graceful=True)
 
 
 class DummyProcessGroup:
