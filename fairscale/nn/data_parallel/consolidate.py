@@ -14,14 +14,20 @@ Nothing here needs a process group or a GPU::
         --world-size 3 --out-dir NEW_DIR
 
 The same from Python: :func:`consolidate_checkpoint_dir` and :func:`reshard_checkpoint` / :func:`save_resharded`.
+
+Files are read with ``torch.load(weights_only=True)``: tensors and plain containers only, never code from a file.
+A file that cannot be used (empty, truncated, not a checkpoint, holding other objects, or of another layout) raises
+:class:`CheckpointFileError` naming it; the command line prints ``error: <file>: <problem>`` and exits with 1.
 """
 
 import argparse
 import glob
 import os
+import pickle
 import re
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -30,6 +36,7 @@ from ._fsdp import identity
 from ._fsdp.metadata import consolidate_shard_weights, reshard_full_state_dict
 
 __all__ = [
+    "CheckpointFileError",
     "consolidate_checkpoint_dir",
     "find_rank_files",
     "load_rank_checkpoints",
@@ -40,6 +47,82 @@ __all__ = [
 
 _RANK_IN_NAME = re.compile(r"(?:rank|shard)[-_]?(\d+)", re.IGNORECASE)
 _KEY_PAIRS = (("weights", "meta"), ("model", "shard_metadata"))
+# torch names the first global its weights-only unpickler refused like this.
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class CheckpointFileError(ValueError):
+    """A file this tool cannot use; ``str()`` is ``"<path>: <problem>"``.
+
+    Attributes:
+        path (str): the file (or directory) as given.
+        problem (str): what is wrong with it and, where it helps, what to do.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+def _load_file(path: str) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, every failure turned into a :class:`CheckpointFileError`."""
+    if os.path.isdir(path):
+        raise CheckpointFileError(path, "is a directory, not a checkpoint file")
+    if not os.path.exists(path):
+        raise CheckpointFileError(path, "no such file")
+    try:
+        if os.path.getsize(path) == 0:
+            raise CheckpointFileError(path, "empty file (0 bytes): not a torch.save checkpoint")
+        # torch warns about pickle protocols on stderr; the command line's contract is one error line there.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointFileError:
+        raise
+    except pickle.UnpicklingError as e:
+        _refuse(path, e)
+    except EOFError:
+        raise CheckpointFileError(path, "truncated or corrupt: the file ends before the checkpoint does") from None
+    except OSError as e:
+        raise CheckpointFileError(path, f"cannot read it ({e.strerror or e})") from None
+    except RuntimeError as e:
+        if "zip archive" in str(e) or "PytorchStreamReader" in str(e):
+            raise CheckpointFileError(
+                path, "truncated or corrupt: not a complete torch.save zip archive (was the copy or save cut short?)"
+            ) from None
+        raise CheckpointFileError(path, f"not a readable torch.save checkpoint ({_first_line(e)})") from None
+    except Exception as e:  # noqa: B902  # anything torch.load raises on a bad file is this file's problem
+        raise CheckpointFileError(
+            path, f"truncated or corrupt, or not a torch.save checkpoint ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+
+
+def _refuse(path: str, error: pickle.UnpicklingError) -> NoReturn:
+    found = _REFUSED_GLOBAL.search(str(error))
+    never = (
+        "This tool loads files with torch.load(weights_only=True) and never runs code from them; save checkpoints of "
+        "tensors, dicts and lists only"
+    )
+    if found:
+        raise CheckpointFileError(
+            path, f"refused: it names {found.group(1)}, which is not a tensor or a plain container. {never}"
+        ) from None
+    with open(path, "rb") as f:
+        head = f.read(1)
+    if head == b"\x80":  # a pickle's protocol marker: a plain pickle (or legacy torch.save) torch would not read
+        raise CheckpointFileError(
+            path, f"refused: a plain pickle, not a torch.save checkpoint that weights_only loading accepts. {never}"
+        ) from None
+    raise CheckpointFileError(
+        path,
+        f"truncated or corrupt, or not a torch.save checkpoint (neither a zip archive nor a pickle: {error!s:.80})",
+    ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def find_rank_files(directory: str, pattern: str = "*.pt") -> List[str]:
@@ -76,19 +159,77 @@ def _split_checkpoint(ckpt: Any, path: str) -> Tuple[Dict[str, Any], Dict[str, A
     if isinstance(ckpt, Mapping):
         for weights_key, meta_key in _KEY_PAIRS:
             if weights_key in ckpt and meta_key in ckpt:
-                return ckpt[weights_key], ckpt[meta_key]
-    keys = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
-    raise ValueError(
-        f"{path!r} is not a per-rank FSDP checkpoint: expected a dict with 'weights' (local_state_dict()) and 'meta' "
-        f"(local_metadata_dict()), got {keys}"
+                weights, meta = ckpt[weights_key], ckpt[meta_key]
+                _check_layout(weights, meta, path, weights_key, meta_key)
+                return weights, meta
+    keys = sorted(map(str, ckpt)) if isinstance(ckpt, Mapping) else type(ckpt).__name__
+    raise CheckpointFileError(
+        path,
+        "not a per-rank FSDP checkpoint: expected a dict with 'weights' (local_state_dict()) and 'meta' "
+        f"(local_metadata_dict()), got {keys}",
     )
 
 
+def _check_layout(weights: Any, meta: Any, path: str, weights_key: str, meta_key: str) -> None:
+    """The structure consolidation reads, checked per file so that a bad file is named (not a traceback later)."""
+
+    def bad(what: str) -> NoReturn:
+        raise CheckpointFileError(path, f"{what}; this file was not written by local_state_dict/local_metadata_dict")
+
+    if not isinstance(weights, Mapping) or not all(isinstance(k, str) for k in weights):
+        bad(f"{weights_key!r} must be a dict of tensors keyed by name, got {type(weights).__name__}")
+    if not isinstance(meta, Mapping):
+        bad(f"{meta_key!r} must be a metadata dict, got {type(meta).__name__}")
+    entries, buffers = meta.get("param_metadata"), meta.get("buffer_names")
+    if not isinstance(entries, (list, tuple)) or not _is_str_list(buffers):
+        bad(f"the metadata ({meta_key!r}) needs a 'param_metadata' list and a 'buffer_names' list of names")
+    for i, entry in enumerate(entries):
+        if not _is_entry(entry):
+            bad(f"the metadata's param_metadata[{i}] is not an instance entry (fsdp_path, params, ...)")
+    ident = meta.get("checkpoint_identity")
+    if ident is not None and not (
+        isinstance(ident, Mapping) and all(isinstance(ident.get(k), int) for k in ("rank", "world_size"))
+    ):
+        bad("the metadata's checkpoint_identity is malformed")
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
+def _is_entry(entry: Any) -> bool:
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("fsdp_path"), str):
+        return False
+    params, shared = entry.get("params"), entry.get("shared_param_info", [])
+    if not isinstance(params, Mapping) or not isinstance(entry.get("no_broadcast_optim_state", False), bool):
+        return False
+    if not isinstance(shared, (list, tuple)) or not all(_is_str_list(pair) and len(pair) == 2 for pair in shared):
+        return False
+    return all(isinstance(name, str) and _is_param_info(info) for name, info in params.items())
+
+
+def _is_param_info(info: Any) -> bool:
+    if not isinstance(info, Mapping) or not _is_str_list(info.get("names")):
+        return False
+    shapes, numels, padding = info.get("shapes"), info.get("numels"), info.get("padding")
+    if not isinstance(shapes, (list, tuple)) or not isinstance(numels, (list, tuple)) or not isinstance(padding, int):
+        return False
+    if not len(info["names"]) == len(shapes) == len(numels):
+        return False
+    shapes_ok = all(isinstance(s, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes)
+    return shapes_ok and all(isinstance(n, int) and n >= 0 for n in numels)
+
+
 def load_rank_checkpoints(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
-    """Load per-rank files (in rank order) on the CPU; returns ``(weights per rank, metadata per rank)``."""
+    """Load per-rank files (in rank order) on the CPU; returns ``(weights per rank, metadata per rank)``.
+
+    Raises:
+        CheckpointFileError: a file is unreadable, holds objects other than tensors and plain containers, or is
+            not a per-rank checkpoint of the expected layout.
+    """
     weights, metas = [], []
     for path in paths:
-        w, m = _split_checkpoint(torch.load(path, map_location="cpu", weights_only=True), path)
+        w, m = _split_checkpoint(_load_file(path), path)
         weights.append(w)
         metas.append(m)
     return weights, metas
@@ -147,11 +288,11 @@ def save_resharded(
 
 
 def _load_full(path: str) -> Dict[str, Any]:
-    full = torch.load(path, map_location="cpu", weights_only=True)
+    full = _load_file(path)
     if isinstance(full, Mapping) and "weights" in full and isinstance(full["weights"], Mapping):
         full = full["weights"]
     if not isinstance(full, Mapping):
-        raise ValueError(f"{path!r} does not hold a state dict (got {type(full).__name__})")
+        raise CheckpointFileError(path, f"does not hold a state dict (got {type(full).__name__})")
     return dict(full)
 
 
@@ -177,13 +318,33 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point; returns the exit status (non-zero, with the reason on stderr, on bad input)."""
+    """Command-line entry point; returns the exit status.
+
+    On input it cannot use it prints one line, ``error: <file>: <problem>``, to stderr and returns 1 (the file is
+    the checkpoint directory when the files disagree with each other, and the output path when writing fails).
+    """
     args = _parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, KeyError, OSError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
-        return 1
+    except CheckpointFileError as e:
+        _error(e.path, e.problem)
+    except OSError as e:
+        # Writing the output (or reading a directory listing) failed.
+        _error(str(e.filename) if e.filename else _target(args), e.strerror or str(e))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        # The files loaded and look like checkpoints but do not fit together (or the metadata does not fit the
+        # weights): name what was being processed.
+        _error(_target(args), e.args[0] if isinstance(e, KeyError) and e.args else str(e))
+    return 1
+
+
+def _target(args: argparse.Namespace) -> str:
+    return str(args.directory if args.command == "consolidate" else args.full)
+
+
+def _error(path: str, problem: str) -> None:
+    # One line: a newline inside a message would break "one error line per failure" for scripts reading stderr.
+    print(f"error: {path}: {' '.join(str(problem).split())}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -194,7 +355,7 @@ def _run(args: argparse.Namespace) -> int:
         torch.save(full, args.output)
         print(f"wrote {len(full)} entries to {args.output}")
         return 0
-    weights, meta = _split_checkpoint(torch.load(args.meta, map_location="cpu", weights_only=True), args.meta)
+    weights, meta = _split_checkpoint(_load_file(args.meta), args.meta)
     identity.check_pair(weights, meta, args.meta)  # its weights and metadata must be of one checkpoint
     paths = save_resharded(_load_full(args.full), meta, args.world_size, args.out_dir, args.prefix)
     print(f"wrote {len(paths)} per-rank files to {args.out_dir}")
