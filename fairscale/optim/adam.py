@@ -19,6 +19,8 @@ Modes (``precision``):
   :class:`fairscale.optim.GradScaler`, which accepts fp16 gradients.
 """
 
+import math
+import numbers
 from enum import Enum, auto
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -28,6 +30,7 @@ from torch import Tensor
 from fairscale.internal.errors import FairscaleValueError
 
 from ._adam_update import AdamHyper, adam_update
+from ._param_state import check_param_state
 
 __all__ = ["Adam", "Precision"]
 
@@ -158,18 +161,22 @@ class Adam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`; the moments keep this optimizer's state dtype, exactly.
 
+        Everything is checked before anything changes: a dict that does not fit raises and leaves the optimizer as
+        it was. Each parameter's state must be empty (never stepped) or hold ``step`` (a non-negative number)
+        and ``exp_avg`` / ``exp_avg_sq`` tensors of exactly the parameter's shape.
+
         Raises:
             KeyError: the dict has no ``"optim_scale"`` (it was not written by this optimizer).
+            ValueError: (also an ``AssertionError``) another number of parameter groups or of parameters in a
+                group, an invalid ``optim_scale``, or a parameter's state that cannot be this optimizer's state of
+                that parameter (e.g. moments shaped for another model); the message names the parameter.
         """
-        if "optim_scale" not in state_dict:
-            raise KeyError("optim_scale: this state dict was not written by fairscale.optim.Adam.state_dict()")
+        self._check_loadable_state_dict(state_dict, self.param_groups)
         super().load_state_dict(state_dict)
-        self._optim_scale = state_dict["optim_scale"]
+        self._optim_scale = float(state_dict["optim_scale"])
         # torch casts floating state to each parameter's dtype (fp16 here in the mixed modes): re-read the saved
         # moments in the optimizer's state dtype so that no precision is lost.
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        by_id = dict(zip(saved_ids, params))
+        by_id = _saved_id_to_param(state_dict, self.param_groups)
         for idx, saved in state_dict["state"].items():
             param = by_id.get(idx)
             if param is None:
@@ -177,6 +184,17 @@ class Adam(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in saved:
                     self.state[param][key] = saved[key].to(device=param.device, dtype=self.optim_type, copy=True)
+
+    @staticmethod
+    def _check_loadable_state_dict(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> None:
+        """Raise unless :meth:`load_state_dict` can load ``state_dict`` into ``param_groups``; changes nothing.
+
+        Static so that a wrapper holding a shard of the parameters (OSS) can check a whole state dict against all
+        of them, on every rank, and every rank raises the same error.
+        """
+        if "optim_scale" not in state_dict:
+            raise KeyError("optim_scale: this state dict was not written by fairscale.optim.Adam.state_dict()")
+        _check_loadable(state_dict, param_groups)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -260,6 +278,67 @@ class Adam(torch.optim.Optimizer):
             self._steps_since_optim_scale_change = 0
             if self._optim_scale < _MAX_OPTIM_SCALE:
                 self._optim_scale *= 2
+
+
+def _saved_id_to_param(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> Dict[Any, Tensor]:
+    """``{saved parameter id: parameter}``, positional over the groups (as torch pairs them)."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in param_groups for p in g["params"]]
+    return dict(zip(saved_ids, params))
+
+
+def _check_loadable(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> None:
+    """Raise unless ``state_dict`` is Adam state for exactly these groups (shapes included); changes nothing.
+
+    The fused and foreach kernels trust the moments' shapes: moments of another model would be read and written
+    out of bounds, so every state is checked here, before torch's loader changes anything.
+    """
+    who = "fairscale.optim.Adam.load_state_dict"
+    scale = state_dict["optim_scale"]
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (0 < float(scale) < math.inf):
+        raise FairscaleValueError(f"{who}: optim_scale must be a positive finite number, got {scale!r}")
+    for name in ("state", "param_groups"):
+        if name not in state_dict:
+            raise FairscaleValueError(f"{who}: the state dict has no {name!r} entry; pass Adam.state_dict()'s output")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise FairscaleValueError(
+            f"{who}: the state dict has {len(saved_groups)} parameter groups but this optimizer has "
+            f"{len(param_groups)}; build the optimizer with the same groups before loading"
+        )
+    for i, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved.get("params", ())) != len(group["params"]):
+            raise FairscaleValueError(
+                f"{who}: parameter group {i} of the state dict has {len(saved.get('params', ()))} parameters but "
+                f"this optimizer's has {len(group['params'])}"
+            )
+    by_id = _saved_id_to_param(state_dict, param_groups)
+    for idx, entry in state_dict["state"].items():
+        param = by_id.get(idx)
+        if param is None:
+            continue  # torch ignores state that no group lists
+        check_param_state(who, idx, entry, param)
+        if not entry:
+            continue
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+        if missing:
+            raise FairscaleValueError(
+                f"{who}: the state of parameter {idx} has no {missing}; a stepped parameter's state holds 'step', "
+                "'exp_avg' and 'exp_avg_sq'"
+            )
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry[key]
+            if not isinstance(value, Tensor) or not (value.is_floating_point() and value.layout == torch.strided):
+                raise FairscaleValueError(
+                    f"{who}: state {key!r} of parameter {idx} must be a dense floating-point tensor, got "
+                    f"{type(value).__name__}{'' if not isinstance(value, Tensor) else f' of {value.dtype}'}"
+                )
+        step = entry["step"]
+        step_value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
+        if isinstance(step_value, bool) or not isinstance(step_value, numbers.Real) or step_value < 0:
+            raise FairscaleValueError(
+                f"{who}: state 'step' of parameter {idx} must be a non-negative number, got {step!r}"
+            )
 
 
 def _check_hyper_parameters(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fairscale.internal import collectives
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
@@ -108,7 +109,29 @@ class OSS(Optimizer):
         self.buckets: Buckets = {}
         self._all_states: List[Dict[str, Any]] = []
         self._default_device = torch.device("cpu")
-        self.refresh_trainable()
+        # Before anything is partitioned or sent: ranks with other parameters would partition differently and then
+        # broadcast buckets of other sizes (gloo aborts the process, NCCL hangs or corrupts memory).
+        self._check_ranks_agree(self._describe_params(self.param_groups), "")
+        self._refresh_trainable()
+
+    @staticmethod
+    def _describe_params(groups: List[Dict[str, Any]], first_group: int = 0) -> List[Any]:
+        """``(name, shape, dtype, requires_grad)`` of every parameter, named by its place in the groups."""
+        return describe_tensors(
+            (f"group {first_group + g}, parameter {i}", p)
+            for g, group in enumerate(groups)
+            for i, p in enumerate(group["params"])
+        )
+
+    def _check_ranks_agree(self, description: List[Any], when: str) -> None:
+        """One small all-gather: the same :class:`RanksDisagreeError` on every rank if the parameters differ."""
+        check_ranks_agree(
+            f"OSS{when}: the parameters (shape, dtype, requires_grad)",
+            description,
+            self.group,
+            hint="Build OSS from the same model on every rank, with the same parameter groups and the same frozen "
+            "parameters (freeze or unfreeze on every rank alike).",
+        )
 
     def _global_rank_of(self, rank: int) -> int:
         if not dist.is_initialized():
@@ -183,7 +206,7 @@ class OSS(Optimizer):
         if self._default_device.type != first_param.device.type:
             logging.info("OSS detected that the parameter changed devices, re-allocating buffers")
             self._clear_cache()
-            self.refresh_trainable()
+            self._refresh_trainable()
         if closure is not None:
             loss = self.optim.step(closure=closure, **kwargs)
         else:
@@ -194,7 +217,7 @@ class OSS(Optimizer):
         return loss
 
     def _broadcast_params(self) -> None:
-        broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.broadcast_fp16)
+        broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.rank, self.broadcast_fp16)
 
     def clip_grad_norm(
         self,
@@ -310,6 +333,11 @@ class OSS(Optimizer):
                 state shaped for other parameters.
         """
         _state.check_loadable(state_dict, self.param_groups)
+        # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's shard,
+        # and a check that fails on the owning rank alone would leave the other ranks going on with the old state.
+        inner_check = getattr(type(self.optim), "_check_loadable_state_dict", None)
+        if inner_check is not None:
+            inner_check(state_dict, self.param_groups)
         saved_groups = state_dict["param_groups"]
         saved_ids = [pid for g in saved_groups for pid in g["params"]]
         shard = _state.shard_for_rank(
@@ -331,10 +359,20 @@ class OSS(Optimizer):
     # Structure changes
 
     def refresh_trainable(self) -> None:
-        """Rebuild the broadcast buckets after parameters were frozen or unfrozen.
+        """Rebuild the broadcast buckets after parameters were frozen or unfrozen. Every rank must call it.
 
         Ownership does not change (it was fixed when OSS was built); only which parameters are broadcast does.
+
+        Raises:
+            RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks do not have the same
+                parameters frozen; nothing is changed then.
         """
+        # One small all-gather: buckets built from different trainable sets would have different sizes.
+        self._check_ranks_agree(self._describe_params(self.param_groups), ".refresh_trainable")
+        self._refresh_trainable()
+
+    def _refresh_trainable(self) -> None:
+        """:meth:`refresh_trainable` without the check (ShardedDataParallel checks the ranks itself)."""
         if not hasattr(self, "optim"):
             self._clear_cache()
             self.optim = self._optim_constructor(self.partition_parameters()[self.rank], **self._optim_defaults)
@@ -348,10 +386,23 @@ class OSS(Optimizer):
 
         Args:
             param_group (dict): the parameters and group-specific hyper-parameters.
+
+        Raises:
+            RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks add different parameters;
+                nothing is changed then.
         """
-        super().add_param_group(param_group)
         if self.in_super_constructor:
+            super().add_param_group(param_group)
             return
+        if "params" in param_group:  # torch's add_param_group raises the error for a group without parameters
+            params = param_group["params"]
+            # Listed once: a generator would be used up by the check.
+            param_group = {**param_group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+        self._check_ranks_agree(
+            self._describe_params([{"params": param_group.get("params", [])}], first_group=len(self.param_groups)),
+            ".add_param_group",
+        )
+        super().add_param_group(param_group)
         self._clear_cache()
         local_groups = self.partition_parameters()[self.rank]
         if len(local_groups) == len(self.optim.param_groups) + 1:

@@ -8,7 +8,7 @@ behave as upstream's.
 
 import copy
 import math
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -260,6 +260,85 @@ def test_errors() -> None:
     with pytest.raises(RuntimeError, match="sparse gradients"):
         optim.step()
     assert Precision.FULL_PRECISION.value == 1 and Precision.PURE_FP16.value == 4
+
+
+def _stepped(shapes: List[Tuple[int, ...]], steps: int = 2) -> Tuple[Adam, List[torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    optim = Adam(params, lr=1e-2)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optim.step()
+    return optim, params
+
+
+def _adam_snapshot(optim: Adam) -> Tuple[Any, ...]:
+    state = {
+        id(p): {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()} for p, s in optim.state.items()
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+    return state, groups, optim._optim_scale
+
+
+def _same_adam_snapshot(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
+    if a[1:] != b[1:] or a[0].keys() != b[0].keys():
+        return False
+    return all(
+        (torch.equal(v, b[0][p][k]) if isinstance(v, Tensor) else v == b[0][p][k])
+        for p in a[0]
+        for k, v in a[0][p].items()
+    )
+
+
+def _with(state: Dict, idx: int, key: str, value: object) -> Dict:
+    bad = copy.deepcopy(state)
+    if value is _MISSING:
+        del bad["state"][idx][key]
+    else:
+        bad["state"][idx][key] = value
+    return bad
+
+
+_MISSING = object()
+
+
+def test_load_state_dict_of_another_model_raises_and_changes_nothing() -> None:
+    """State shaped for other parameters (smaller: the fused kernel would write out of bounds; larger: the moments
+    would be misaligned) and crafted states are refused with the parameter and both shapes named, before anything
+    changes; the optimizer then still loads a good dict and steps."""
+    target, target_params = _stepped([(3, 4), (5,)])
+    good = copy.deepcopy(target.state_dict())
+    smaller, _ = _stepped([(2, 4), (5,)])
+    larger, _ = _stepped([(3, 4), (6,)])
+    crafted = [
+        ("smaller model", smaller.state_dict(), r"parameter 0 has shape \(2, 4\).*\(3, 4\)"),
+        ("larger model", larger.state_dict(), r"parameter 1 has shape \(6,\).*\(5,\)"),
+        ("same numel, other shape", _with(good, 0, "exp_avg", torch.zeros(12)), r"'exp_avg' of parameter 0"),
+        ("factored-looking moment", _with(good, 0, "exp_avg_sq", torch.zeros(1, 4)), r"\(1, 4\).*\(3, 4\)"),
+        ("integer moment", _with(good, 1, "exp_avg", torch.zeros(5, dtype=torch.long)), "floating-point"),
+        ("missing moment", _with(good, 1, "exp_avg_sq", _MISSING), "exp_avg_sq"),
+        ("negative step", _with(good, 1, "step", -3), "'step' of parameter 1"),
+        ("state not a dict", {**copy.deepcopy(good), "state": {0: torch.zeros(3, 4)}}, "not a dict"),
+        ("bad optim_scale", {**copy.deepcopy(good), "optim_scale": float("nan")}, "optim_scale"),
+        (
+            "group size",
+            {**copy.deepcopy(good), "param_groups": [{**good["param_groups"][0], "params": [0]}]},
+            "group 0",
+        ),
+    ]
+    before = _adam_snapshot(target)
+    for name, bad, match in crafted:
+        with pytest.raises(ValueError, match=match) as info:
+            target.load_state_dict(bad)
+        assert isinstance(info.value, AssertionError), name
+        assert _same_adam_snapshot(before, _adam_snapshot(target)), f"{name}: a failed load changed the optimizer"
+    target.load_state_dict(good)
+    assert _same_adam_snapshot(before, _adam_snapshot(target))
+    for p in target_params:
+        p.grad = torch.ones_like(p)
+    target.step()
+    assert target.state[target_params[0]]["step"] == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -684,6 +684,12 @@ def _bad_input_body(rank: int, world_size: int) -> None:
     missing_group["param_groups"] = missing_group["param_groups"][:1]
     bad_shape = copy.deepcopy(good)
     bad_shape["state"][0]["exp_avg"] = torch.zeros(7, 7)
+    # A (1, n) moment for an (m, n) weight: a factored statistic's shape, but Adam's exp_avg is per element (the
+    # next step would read and write out of bounds).
+    factored_moment = copy.deepcopy(good)
+    factored_moment["state"][0]["exp_avg"] = torch.zeros(1, 4)
+    larger_unknown = copy.deepcopy(good)
+    larger_unknown["state"][1]["extra_statistic"] = torch.zeros(7)
     unknown = copy.deepcopy(good)
     unknown["state"][17] = {}
     bad_group_size = copy.deepcopy(good)
@@ -692,6 +698,8 @@ def _bad_input_body(rank: int, world_size: int) -> None:
         ("unconsolidated shard", shard, ValueError, "consolidate_state_dict"),
         ("missing param group", missing_group, ValueError, "1 parameter groups but this optimizer has 2"),
         ("mismatched shapes", bad_shape, ValueError, "shape"),
+        ("per-element moment of another shape", factored_moment, ValueError, r"\(1, 4\), but .*\(6, 4\)"),
+        ("statistic larger than its parameter", larger_unknown, ValueError, "'extra_statistic' of parameter 1"),
         ("unknown parameter", unknown, ValueError, "parameter 17"),
         ("group size", bad_group_size, ValueError, "group 1"),
         ("no state key", {"param_groups": good["param_groups"]}, ValueError, "state"),

@@ -2,13 +2,13 @@
 """OSS's broadcast buckets: one flat buffer per (device, owning rank) that the owner's trainable parameters are
 views of, so that sharing the updated parameters is one broadcast per owner instead of one per parameter."""
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple, cast
 
 import torch
 
 from fairscale.internal import collectives
 from fairscale.internal.collectives import WorkHandle
-from fairscale.internal.errors import FairscaleTypeError
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 from fairscale.nn.misc.param_bucket import ParamBucket
 
 __all__ = ["Buckets", "build_buckets", "broadcast_buckets"]
@@ -65,31 +65,65 @@ def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]])
 
 
 @torch.no_grad()
-def broadcast_buckets(buckets: Buckets, group: Any, local_to_global: Sequence[int], fp16: bool) -> None:
+def broadcast_buckets(buckets: Buckets, group: Any, local_to_global: Sequence[int], rank: int, fp16: bool) -> None:
     """Send every owner's bucket to all ranks (all broadcasts in flight at once), optionally as fp16.
 
     With ``fp16`` the buffers travel as half precision and come back in their own dtype, so every trainable
     parameter, the owner's included, ends up rounded to fp16 precision (as upstream; the ranks stay identical).
+    A bucket holding a value that fp16 cannot represent (beyond +-65504; upstream turned it into inf on every
+    rank) travels in its own dtype instead, for this step: the owners tell the others with one small all-reduce.
+
+    Args:
+        buckets: the buckets, ``{device: {owner: bucket}}``, with the same layout on every rank.
+        group: the process group.
+        local_to_global: the global rank of each group rank.
+        rank: this process's rank in ``group``.
+        fp16: broadcast as fp16 where the values fit.
     """
+    ordered = [(owner, bucket) for device_buckets in buckets.values() for owner, bucket in device_buckets.items()]
+    as_fp16 = _fits_fp16(ordered, group, rank) if fp16 else [False] * len(ordered)
     dtypes: Dict[int, torch.dtype] = {}
-    if fp16:
-        for device_buckets in buckets.values():
-            for bucket in device_buckets.values():
-                assert bucket.buffer is not None
-                dtypes[id(bucket)] = bucket.buffer.dtype
-                bucket.to(dtype=torch.float16, device=bucket.buffer.device, keep_param_alignment=False)
+    for (_, bucket), half in zip(ordered, as_fp16):
+        if half:
+            dtypes[id(bucket)] = _buffer(bucket).dtype
+            bucket.to(dtype=torch.float16, device=_buffer(bucket).device, keep_param_alignment=False)
     handles: List[WorkHandle] = []
-    for device_buckets in buckets.values():
-        for owner, bucket in device_buckets.items():
-            assert bucket.buffer is not None
-            handle = collectives.broadcast(bucket.buffer, src=local_to_global[owner], group=group, async_op=True)
-            assert handle is not None
-            handles.append(handle)
+    for owner, bucket in ordered:
+        handle = collectives.broadcast(_buffer(bucket), src=local_to_global[owner], group=group, async_op=True)
+        handles.append(cast(WorkHandle, handle))
     for handle in handles:
         handle.wait()
-    if fp16:
-        for device_buckets in buckets.values():
-            for bucket in device_buckets.values():
-                assert bucket.buffer is not None
-                # Back to the bucket's own dtype (upstream assumed fp32, turning an fp16/bf16 model into fp32).
-                bucket.to(dtype=dtypes[id(bucket)], device=bucket.buffer.device, keep_param_alignment=True)
+    for (_, bucket), half in zip(ordered, as_fp16):
+        if half:
+            # Back to the bucket's own dtype (upstream assumed fp32, turning an fp16/bf16 model into fp32).
+            bucket.to(dtype=dtypes[id(bucket)], device=_buffer(bucket).device, keep_param_alignment=True)
+
+
+def _buffer(bucket: ParamBucket) -> torch.Tensor:
+    if bucket.buffer is None:  # pragma: no cover - OSS never collapses its buckets
+        raise FairscaleRuntimeError("OSS: a broadcast bucket has no buffer (internal error)")
+    return bucket.buffer
+
+
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _fits_fp16(ordered: List[Tuple[int, ParamBucket]], group: Any, rank: int) -> List[bool]:
+    """For each bucket, whether its owner's values all fit in fp16, agreed on every rank.
+
+    Only the owner has the new values; it flags its buckets that do not fit, and a max all-reduce of the flags
+    (one small tensor on the first bucket's device) tells every rank, so that sender and receivers pick the same
+    dtype. fp16 buckets always fit.
+    """
+    if not ordered:
+        return []
+    device = _buffer(ordered[0][1]).device
+    flags = torch.zeros(len(ordered), dtype=torch.int32, device=device)
+    for i, (owner, bucket) in enumerate(ordered):
+        buffer = _buffer(bucket)
+        if owner == rank and buffer.dtype != torch.float16 and buffer.numel() > 0:
+            # NaN compares false: a NaN travels as fp16 NaN, as the owner has it. inf (and anything beyond the
+            # largest fp16 value) makes the bucket travel in its own dtype, so the value arrives as it is.
+            flags[i] = (buffer.detach().abs().max() > _FP16_MAX).to(device=device, dtype=torch.int32)
+    collectives.all_reduce(flags, group=group, op="max")
+    return [not bool(f) for f in flags.tolist()]

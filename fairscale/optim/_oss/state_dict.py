@@ -10,7 +10,7 @@ Formats (upstream's):
 """
 
 import io
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fairscale.internal import collectives
 from fairscale.internal.params import recursive_copy_to_device
 
+from .._param_state import check_param_state
 from .partition import ParamGroup
 
 __all__ = [
@@ -118,18 +119,63 @@ def merge_shards(
 
     Integer keys come out sorted; other keys of the base state (e.g. a wrapper's ``"adascale"`` entry) follow,
     in their original order (upstream sorted all keys together and raised ``TypeError`` on a string key).
+    Top-level entries that the wrapped optimizer adds to its state dict are kept (see :func:`_shard_extras`), so
+    that the wrapped optimizer loads the consolidated dict back (upstream dropped them: ``OSS(optim=Adam)`` could
+    not reload its own checkpoint).
     """
+    extras, factors = _shard_extras(shards)
     state: Dict[Any, Any] = dict(base["state"])
     for rank, shard in enumerate(shards):
         for shard_group, part_group in zip(shard["param_groups"], partition[rank]):
             for local_index, param in zip(shard_group["params"], part_group["params"]):
                 if local_index in shard["state"]:
-                    state[param_to_index[id(param)]] = shard["state"][local_index]
+                    state[param_to_index[id(param)]] = _rescaled(shard["state"][local_index], factors[rank])
     int_keys = sorted(k for k in state if isinstance(k, int))
     other_keys = [k for k in state if not isinstance(k, int)]
     result = dict(base)
     result["state"] = {k: state[k] for k in int_keys + other_keys}
+    result.update(extras)
     return result
+
+
+# The entries of torch's state-dict format; any other top-level entry of a shard is the wrapped optimizer's own.
+_TORCH_ENTRIES = ("state", "param_groups")
+# fairscale.optim.Adam's top-level entry: the factor its fp16 (PURE_FP16) state tensors are stored multiplied by.
+_OPTIM_SCALE = "optim_scale"
+
+
+def _shard_extras(shards: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Any], List[float]]:
+    """The wrapped optimizer's own top-level entries for the consolidated dict, and a rescaling factor per shard.
+
+    One value per entry has to serve every rank, at any world size. ``optim_scale`` (fairscale's Adam) differs
+    between ranks once one rank's fp16 state overflowed: the smallest scale is kept and each shard's non-fp32 state
+    is multiplied by ``smallest / its scale`` (a power of two: exact), which is how Adam reads its state. For any
+    other entry, the first shard's value is kept.
+    """
+    extras: Dict[str, Any] = {}
+    for shard in shards:
+        for key, value in shard.items():
+            if key not in _TORCH_ENTRIES and key not in extras:
+                extras[key] = value
+    factors = [1.0] * len(shards)
+    if _OPTIM_SCALE in extras:
+        scales = [float(shard[_OPTIM_SCALE]) for shard in shards if _OPTIM_SCALE in shard]
+        common = min(scales)
+        extras[_OPTIM_SCALE] = common
+        factors = [common / float(shard[_OPTIM_SCALE]) if _OPTIM_SCALE in shard else 1.0 for shard in shards]
+    return extras, factors
+
+
+def _rescaled(entry: Any, factor: float) -> Any:
+    """A copy of one parameter's state with its scaled (non-fp32 floating) tensors multiplied by ``factor``."""
+    if factor == 1.0 or not isinstance(entry, Mapping):
+        return entry
+    return {k: (v.float().mul(factor).to(v.dtype) if _is_scaled_state(v) else v) for k, v in entry.items()}
+
+
+def _is_scaled_state(value: Any) -> bool:
+    # Adam stores fp32 state as is and any other floating state multiplied by its optim_scale.
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32
 
 
 def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
@@ -139,7 +185,7 @@ def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
         TypeError: not a state-dict mapping.
         ValueError: missing keys, a different number of groups or of parameters in a group (with a hint when it
             looks like an unconsolidated per-rank shard), unknown parameter indices, or state tensors whose shape
-            cannot belong to the parameter.
+            cannot belong to the parameter (the rule of :mod:`fairscale.optim._param_state`).
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"OSS.load_state_dict expects a state dict (a mapping), got {type(state_dict).__name__}")
@@ -175,7 +221,7 @@ def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
             raise ValueError(
                 f"OSS.load_state_dict: the state has an entry for parameter {key}, which no parameter group lists"
             )
-        _check_state_shapes(key, value, index_to_param[key])
+        check_param_state("OSS.load_state_dict", key, value, index_to_param[key])
 
 
 def global_index_map(saved_groups: Sequence[Mapping[str, Any]], param_groups: List[ParamGroup]) -> Dict[Any, Any]:
@@ -183,24 +229,6 @@ def global_index_map(saved_groups: Sequence[Mapping[str, Any]], param_groups: Li
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
     params = [p for g in param_groups for p in g["params"]]
     return dict(zip(saved_ids, params))
-
-
-def _check_state_shapes(key: int, value: Any, param: torch.Tensor) -> None:
-    """A state tensor must be a scalar, or shaped like the parameter (a size may be 1: factored statistics), or
-    hold as many elements as it (flat statistics). Anything else comes from another model."""
-    if not isinstance(value, Mapping):
-        return
-    for name, tensor in value.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            continue
-        if tensor.shape == param.shape or tensor.numel() == param.numel():
-            continue
-        if tensor.dim() == param.dim() and all(t in (1, p) for t, p in zip(tensor.shape, param.shape)):
-            continue
-        raise ValueError(
-            f"OSS.load_state_dict: state {name!r} of parameter {key} has shape {tuple(tensor.shape)} but the "
-            f"parameter has shape {tuple(param.shape)}; the state dict belongs to a different model"
-        )
 
 
 def shard_for_rank(
@@ -220,6 +248,8 @@ def shard_for_rank(
     saved_groups = state_dict["param_groups"]
     state: Dict[int, Any] = {}
     groups: List[Dict[str, Any]] = []
+    # The wrapped optimizer's own entries (Adam's optim_scale) go to every shard: each rank's optimizer needs them.
+    extras = {k: v for k, v in state_dict.items() if k not in _TORCH_ENTRIES}
     local_index = 0
     for saved_group, part_group in zip(saved_groups, rank_groups):
         group = {k: v for k, v in saved_group.items() if k != "params"}
@@ -231,4 +261,4 @@ def shard_for_rank(
             group["params"].append(local_index)
             local_index += 1
         groups.append(group)
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups, **extras}

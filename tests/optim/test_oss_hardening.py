@@ -1,0 +1,249 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""OSS under input that used to abort, hang or give silently wrong values (issue 26).
+
+* Ranks with different parameters (shapes, dtypes, frozen flags) raise the same ``RanksDisagreeError`` on every rank
+  at construction, ``add_param_group`` and ``refresh_trainable`` (gloo used to abort the process at the first step).
+* ``OSS(optim=fairscale.optim.Adam)`` reloads its own consolidated state dict (``KeyError: 'optim_scale'`` before),
+  with per-rank fp16 state scales brought to one.
+* ``broadcast_fp16=True`` keeps values beyond the fp16 range exact instead of turning them into inf.
+
+Real gloo worlds; each body catches the expected error and returns its message, so the test sees every rank's.
+"""
+
+import copy
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: once here, not once per forked rank
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.collectives import count_collectives
+from fairscale.optim import OSS, Adam, Precision
+
+# Short: the failures these tests guard against were hangs.
+TIMEOUT = 60.0
+
+
+def _model(hidden: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+
+
+def _data(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _train(model: nn.Module, oss: OSS, rank: int, world_size: int, steps: range) -> None:
+    for step in steps:
+        oss.zero_grad()
+        model(_data(step, rank).to(next(model.parameters()).dtype)).float().pow(2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        oss.step()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Ranks that disagree
+
+
+def _disagree_body(rank: int, world_size: int, case: str) -> str:
+    model = _model(hidden=7 if case == "shape" and rank == 1 else 6)
+    if case == "dtype" and rank == 1:
+        model.double()
+    if case == "frozen" and rank == 1:
+        model[2].weight.requires_grad_(False)
+    try:
+        OSS(model.parameters(), lr=0.1)
+    except RanksDisagreeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case,where",
+    [
+        ("shape", "('group 0, parameter 0', (6, 4), 'torch.float32', True) vs ('group 0, parameter 0', (7, 4)"),
+        (
+            "dtype",
+            "('group 0, parameter 0', (6, 4), 'torch.float32', True) vs "
+            "('group 0, parameter 0', (6, 4), 'torch.float64'",
+        ),
+        (
+            "frozen",
+            "('group 0, parameter 2', (3, 6), 'torch.float32', True) vs "
+            "('group 0, parameter 2', (3, 6), 'torch.float32', False)",
+        ),
+    ],
+    ids=["shape", "dtype", "frozen"],
+)
+def test_construction_with_other_parameters_on_one_rank(case: str, where: str) -> None:
+    messages = run_distributed(_disagree_body, 2, case, timeout=TIMEOUT)
+    assert messages[0] == messages[1], "the same error on every rank"
+    assert "OSS: the parameters (shape, dtype, requires_grad) differ between ranks" in messages[0]
+    assert "global rank 1" in messages[0] and "freeze or unfreeze on every rank alike" in messages[0]
+    assert where in messages[0], messages[0]
+
+
+def _later_disagreement_body(rank: int, world_size: int) -> List[str]:
+    model = _model()
+    head = nn.Linear(3, 5 if rank == 1 else 3)
+    oss = OSS(model.parameters(), lr=0.1)
+    messages = []
+    try:
+        oss.add_param_group({"params": head.parameters(), "lr": 0.01})
+    except RanksDisagreeError as e:
+        messages.append(str(e))
+    assert len(oss.param_groups) == 1 and len(oss.optim.param_groups) == 1, "a refused group is not added"
+
+    if rank == 1:
+        model[0].bias.requires_grad_(False)
+    try:
+        oss.refresh_trainable()
+    except RanksDisagreeError as e:
+        messages.append(str(e))
+    # Unfrozen again on rank 1: the ranks agree and train as before.
+    model[0].bias.requires_grad_(True)
+    oss.refresh_trainable()
+    _train(model, oss, rank, world_size, range(2))
+    gathered = [torch.empty(0)] * world_size
+    dist.all_gather_object(gathered, [p.detach() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(gathered[0], gathered[1]))
+    return messages
+
+
+def test_add_param_group_and_refresh_trainable_that_differ_between_ranks() -> None:
+    results = run_distributed(_later_disagreement_body, 2, timeout=TIMEOUT)
+    assert results[0] == results[1] and len(results[0]) == 2
+    added, refreshed = results[0]
+    assert added.startswith("OSS.add_param_group: the parameters") and "group 1, parameter 0" in added
+    assert refreshed.startswith("OSS.refresh_trainable: the parameters")
+    assert (
+        "('group 0, parameter 1', (6,), 'torch.float32', True) vs "
+        "('group 0, parameter 1', (6,), 'torch.float32', False)" in refreshed
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# OSS(optim=fairscale.optim.Adam) checkpoints
+
+
+def _adam_reload_body(rank: int, world_size: int) -> None:
+    model = _model()
+    oss = OSS(model.parameters(), optim=Adam, lr=0.01)
+    _train(model, oss, rank, world_size, range(2))
+    state = copy.deepcopy(oss.state_dict(all_ranks=True))
+    assert state["optim_scale"] == 1.0
+
+    twin_model = _model()
+    twin_model.load_state_dict(model.state_dict())
+    twin = OSS(twin_model.parameters(), optim=Adam, lr=0.5)
+    twin.load_state_dict(state)
+    assert twin.optim._optim_scale == 1.0 and twin.param_groups[0]["lr"] == 0.01
+    _train(model, oss, rank, world_size, range(2, 4))
+    _train(twin_model, twin, rank, world_size, range(2, 4))
+    for a, b in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(a, b), "the reloaded optimizer continues exactly"
+
+
+def _unscaled(state: Dict[str, Any]) -> Dict[Tuple[int, str], torch.Tensor]:
+    return {
+        (k, name): entry[name].float() / state["optim_scale"]
+        for k, entry in state["state"].items()
+        for name in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def _pure_fp16_scales_body(rank: int, world_size: int) -> None:
+    """PURE_FP16 keeps fp16 state multiplied by a per-rank scale. After rank 1's scale halved (as after an overflow
+    of its state), the consolidated dict holds the smallest scale and every moment at that scale."""
+    models = [_model().half() for _ in range(2)]
+    opts = [OSS(m.parameters(), optim=Adam, lr=0.01, precision=Precision.PURE_FP16) for m in models]
+    for m, o in zip(models, opts):
+        _train(m, o, rank, world_size, range(2))
+    reference = copy.deepcopy(opts[0].state_dict(all_ranks=True))
+    if rank == 1:  # the same moments stored at half the scale (exact: a power of two)
+        inner = opts[1].optim
+        inner._optim_scale /= 2
+        for entry in inner.state.values():
+            for name in ("exp_avg", "exp_avg_sq"):
+                entry[name] = (entry[name].float() / 2).half()
+    state = copy.deepcopy(opts[1].state_dict(all_ranks=True))
+    assert reference["optim_scale"] == 2.0**16 and state["optim_scale"] == 2.0**15
+    want, got = _unscaled(reference), _unscaled(state)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+    fresh = OSS(_model().half().parameters(), optim=Adam, lr=0.01, precision=Precision.PURE_FP16)
+    fresh.load_state_dict(copy.deepcopy(state))
+    assert fresh.optim._optim_scale == 2.0**15
+    assert fresh.state_dict(all_ranks=True)["optim_scale"] == 2.0**15
+
+
+def _adam_bad_state_body(rank: int, world_size: int) -> str:
+    """State that only the owning rank's inner Adam could refuse is refused on every rank, before any change."""
+    model = _model()
+    oss = OSS(model.parameters(), optim=Adam, lr=0.01)
+    _train(model, oss, rank, world_size, range(1))
+    bad = copy.deepcopy(oss.state_dict(all_ranks=True))
+    del bad["state"][3]["exp_avg_sq"]
+    before = copy.deepcopy(oss.optim.state_dict())
+    try:
+        oss.load_state_dict(bad)
+    except ValueError as e:
+        after = oss.optim.state_dict()
+        assert all(
+            torch.equal(before["state"][k][n], after["state"][k][n])
+            for k in before["state"]
+            for n in ("exp_avg", "exp_avg_sq")
+        )
+        return str(e)
+    return "no error"
+
+
+def test_oss_with_fairscale_adam_reloads_its_consolidated_state_dict() -> None:
+    run_distributed(_adam_reload_body, 2, timeout=TIMEOUT)
+
+
+def test_pure_fp16_state_scales_are_merged() -> None:
+    run_distributed(_pure_fp16_scales_body, 2, timeout=TIMEOUT)
+
+
+def test_inner_adam_checks_run_on_every_rank() -> None:
+    messages = run_distributed(_adam_bad_state_body, 2, timeout=TIMEOUT)
+    assert messages[0] == messages[1] and "state of parameter 3 has no ['exp_avg_sq']" in messages[0]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# broadcast_fp16 and values beyond the fp16 range
+
+
+def _fp16_overflow_body(rank: int, world_size: int) -> Tuple[int, List[List[float]]]:
+    model = _model()
+    big = model[0].weight
+    with torch.no_grad():
+        big[0, 0] = 70000.5  # beyond fp16's largest value (65504): inf in fp16
+        big[1, 1] = -1.0e6
+    expected = big.detach().clone()
+    oss = OSS(model.parameters(), torch.optim.SGD, lr=0.0, broadcast_fp16=True)
+    model(_data(0, rank)).pow(2).mean().backward()
+    with count_collectives() as counter:
+        oss.step()
+    # One small all-reduce tells every rank which buckets cannot travel as fp16.
+    assert counter.count("all_reduce") == 1 and counter.count("broadcast") == world_size, counter.summary()
+    for p in model.parameters():
+        assert torch.isfinite(p).all(), "no value becomes inf"
+        if p is big:
+            assert torch.equal(p, expected), "the bucket beyond the fp16 range travels exactly"
+        elif oss._param_to_rank[p] != oss._param_to_rank[big]:
+            assert torch.equal(p, p.half().float()), "the other buckets still travel as fp16"
+    assert all(b.buffer.dtype == torch.float32 for per in oss.buckets.values() for b in per.values())
+    return oss._param_to_rank[big], [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_broadcast_fp16_keeps_values_beyond_the_fp16_range() -> None:
+    results = run_distributed(_fp16_overflow_body, 2, timeout=TIMEOUT)
+    assert results[0] == results[1], "the ranks stay identical"
