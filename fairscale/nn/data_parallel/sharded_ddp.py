@@ -16,6 +16,7 @@ from torch import nn
 
 from fairscale.internal import collectives
 from fairscale.internal.collectives import WorkHandle
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
 from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
@@ -135,9 +136,30 @@ class ShardedDataParallel(nn.Module):
                 self._buffer_max_size / 2**20, model_size / 2**20
             )
         )
-        self._reducer = GradReducer(self._process_group, world_size, self._buffer_max_size, self._reduce_fp16)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        self._all_param_names = [
+            names.get(id(p), f"(not in the module) parameter {i}") for i, p in enumerate(self._all_params)
+        ]
+        # Before the first collective: ranks with other models would broadcast or reduce tensors of other sizes
+        # (gloo aborts the process, NCCL hangs or corrupts memory).
+        check_ranks_agree(
+            "ShardedDataParallel: the module's parameters (name, shape, dtype, requires_grad) and buffers",
+            describe_tensors(("parameter " + n, p) for n, p in self.module.named_parameters())
+            + describe_tensors(("buffer " + n, b) for n, b in self.module.named_buffers()),
+            self._process_group,
+            hint="Wrap the same model on every rank, with the same parameters frozen.",
+        )
+        self._reducer = GradReducer(
+            self._process_group, world_size, self._buffer_max_size, self._reduce_fp16, describe=self._describe_reduction
+        )
         if sync_models_at_startup:
             self._sync_params_and_buffers()
+
+    def _describe_reduction(self) -> List[Any]:
+        """What every rank's backward must agree on: each managed parameter's name, ``requires_grad`` flag and
+        whether it is hooked for reduction (see :class:`GradReducer`)."""
+        hooked = {id(p) for p in self._reducer.trainable} if self._reducer.state == HookState.READY else set()
+        return [(name, p.requires_grad, id(p) in hooked) for name, p in zip(self._all_param_names, self._all_params)]
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the wrapper lacks are looked up on the wrapped module (as DDP users expect)."""
@@ -188,7 +210,7 @@ class ShardedDataParallel(nn.Module):
         trainable = sorted((p for p in self._all_params if p.requires_grad), key=lambda p: p.numel())
         owners: Dict[int, Tuple[int, bool]] = {}
         for optim in self._sharded_optimizers:
-            optim.refresh_trainable()
+            optim._refresh_trainable()
             param_to_rank = optim._param_to_rank
             for param in trainable:
                 if param in param_to_rank:

@@ -7,19 +7,24 @@ small gradients travel together in a :class:`GradBucket` per (device, owner, dty
 gradients are in; the others are reduced one by one. An end-of-backward callback sends what is left (buckets with
 unused parameters) and waits for every reduction, so gradients are final when ``backward()`` returns.
 
-Every rank must produce the same reductions in the same order, i.e. run the same graph.
+Every rank must produce the same reductions in the same order, i.e. run the same graph. Which parameters are
+reduced follows each rank's own ``requires_grad`` flags, so the first reduction of every backward is preceded by one
+all-reduce of two integers (a fingerprint of the flags) that checks that the ranks agree: a rank that froze a layer
+alone would otherwise leave its peers waiting for reductions it never sends.
 """
 
 import collections
 import enum
 import functools
+import hashlib
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.params import Workhandle
 from fairscale.nn.misc.param_bucket import GradBucket
@@ -50,10 +55,27 @@ class GradReducer:
         world_size (int): its size.
         bucket_size (int): the element capacity of each gradient bucket (0: no buckets).
         reduce_fp16 (bool): reduce unbucketed fp32 gradients as fp16.
+        describe (Callable[[], List[Any]]): what the ranks must agree on before they reduce (the managed
+            parameters' names and ``requires_grad`` flags); compared across ranks at the first reduction of every
+            backward.
     """
 
-    def __init__(self, group: Any, world_size: int, bucket_size: int, reduce_fp16: bool) -> None:
+    def __init__(
+        self,
+        group: Any,
+        world_size: int,
+        bucket_size: int,
+        reduce_fp16: bool,
+        describe: Optional[Callable[[], List[Any]]] = None,
+    ) -> None:
         self.group = group
+        self.world_size = world_size
+        self._describe = describe
+        # The last description and its fingerprint: hashing is skipped while the flags do not change.
+        self._described: Optional[List[Any]] = None
+        self._fingerprint = 0
+        #: Whether this backward's reductions were preceded by the agreement check.
+        self._agreement_checked = False
         self.scaling = 1.0 / world_size
         self.bucket_size = bucket_size
         self.reduce_fp16 = reduce_fp16
@@ -128,6 +150,7 @@ class GradReducer:
         if training:
             self._pending = {id(p): True for p in self.trainable}
         self._callback_queued = False
+        self._agreement_checked = False
         for bucket in self.buckets:
             bucket.reset_checked_in()
 
@@ -138,6 +161,9 @@ class GradReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.accumulating or not self._pending.get(id(param), False):
             return
+        if not self._agreement_checked:
+            self._agreement_checked = True
+            self._check_ranks_agree(param.device)
         if param.grad is None:  # pragma: no cover - the hook fires after accumulation, with a gradient
             raise FairscaleRuntimeError(
                 "ShardedDataParallel: Reducing gradients during backward pass, cannot be None (a hook removed it?)"
@@ -152,6 +178,31 @@ class GradReducer:
         else:
             self._check_into_bucket(param, bucket)
         self._consume_completed()
+
+    def _check_ranks_agree(self, device: torch.device) -> None:
+        """Before this backward's first reduction: one all-reduce of ``[h, -h]`` (max) with ``h`` a fingerprint of
+        this rank's description; if the maxima say the fingerprints differ, every rank gathers the descriptions and
+        raises the same :class:`RanksDisagreeError`, naming the first parameter that differs."""
+        if self._describe is None or self.world_size == 1:
+            return
+        description = self._describe()
+        if description != self._described:
+            digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
+            self._fingerprint = int.from_bytes(digest, "big") >> 1  # 63 bits: -h fits in int64 too
+            self._described = description
+        # On the gradients' device: any backend that reduces them can reduce this.
+        both = torch.tensor([self._fingerprint, -self._fingerprint], dtype=torch.int64, device=device)
+        collectives.all_reduce(both, group=self.group, op="max")
+        highest, lowest = both.tolist()
+        if highest == -lowest:
+            return
+        what = "ShardedDataParallel: the parameters to reduce (name, requires_grad, hooked for reduction)"
+        hint = (
+            "Freeze or unfreeze parameters on every rank alike, and call refresh_trainable() on every rank (or keep "
+            "auto_refresh_trainable=True): every rank must reduce the same gradients."
+        )
+        check_ranks_agree(what, description, self.group, hint)
+        raise RanksDisagreeError(f"{what} differ between ranks. {hint}")  # pragma: no cover - raised above
 
     def _reduce_direct(self, param: torch.Tensor) -> None:
         assert param.grad is not None
@@ -210,6 +261,7 @@ class GradReducer:
         while self._handles:
             self._finish(self._handles.popleft())
         self._callback_queued = False
+        self._agreement_checked = False
 
     def manual_reduce(self) -> None:
         """Reduce everything still pending now (after a backward run inside ``no_sync()``)."""
