@@ -2,8 +2,11 @@
 """The ``wgit`` command line."""
 
 import argparse
+import sys
 from pathlib import Path
 from typing import List, Optional
+
+from fairscale.internal.errors import FairscaleTypeError
 
 from .repo import Repo
 from .version import __version_tuple__
@@ -12,7 +15,11 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Run a wgit sub-command (``version``, ``init``, ``status``, ``add``, ``commit``, ``checkout``, ``log``)."""
+    """Run a wgit sub-command (``version``, ``init``, ``status``, ``add``, ``commit``, ``checkout``, ``log``).
+
+    A refusal (see :mod:`fairscale.experimental.wgit.safety`) or bad input prints ``fatal: <reason>`` to stderr and
+    exits with status 1.
+    """
     desc = "WeiGit: A git-like tool for model weight tracking"
     parser = argparse.ArgumentParser(description=desc)
     subparsers = parser.add_subparsers(dest="command")
@@ -31,7 +38,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         "-f", "--file", default="", type=str, metavar="FILE_PATH", help="Show the history of a file"
     )
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, FairscaleTypeError) as e:
+        # wgit's refusals (a planted link, a checkpoint that would run code, bad input): one line, like git's
+        # "fatal:" messages, instead of a traceback.
+        sys.stderr.write(f"fatal: {e}\n")
+        sys.exit(1)
 
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "version":
         print(".".join(str(x) for x in __version_tuple__))
         return

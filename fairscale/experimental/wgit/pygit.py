@@ -1,10 +1,13 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """A small wrapper around a ``pygit2`` repository whose work tree is wgit's ``.wgit`` directory."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from fairscale.internal.errors import FairscaleRuntimeError
 
 __all__ = ["PyGit"]
 
@@ -41,10 +44,15 @@ class PyGit:
             if repo.workdir is not None and Path(repo.workdir).resolve() == self._parent_path.resolve():
                 self.repo = repo
         if self.repo is None:
-            self.repo = pygit2.init_repository(str(self._parent_path), False)
             gitignore_path = self._parent_path.joinpath(".gitignore")
-            assert not gitignore_path.exists(), f"{gitignore_path} already exists"
-            with open(gitignore_path, "w") as f:
+            # lexists: a dangling link counts (writing through it would create its target, wherever it points).
+            if os.path.lexists(gitignore_path):
+                raise FairscaleRuntimeError(
+                    f"{gitignore_path} already exists but {self._parent_path} holds no git repository; remove it (or "
+                    "the whole directory if it is a half-made wgit repository) and retry"
+                )
+            self.repo = pygit2.init_repository(str(self._parent_path), False)
+            with open(gitignore_path, "x") as f:  # "x" creates a new file and never follows a link
                 for item in gitignore:
                     f.write(f"{item}\n")
 
@@ -62,6 +70,11 @@ class PyGit:
             return git_name, git_email
         return name, email
 
+    def _repo(self) -> Any:
+        if self.repo is None:  # set by __init__, which raises otherwise
+            raise RuntimeError("wgit: the git repository is not open")
+        return self.repo
+
     @property
     def _exists(self) -> bool:
         return self.repo is not None and self.path.exists()
@@ -75,8 +88,8 @@ class PyGit:
         if not self._exists:
             sys.stderr.write("fatal: git repo does not exist")
             return
-        assert self.repo is not None
-        index = self.repo.index
+        repo = self._repo()
+        index = repo.index
         index.add_all()
         index.write()
 
@@ -86,14 +99,14 @@ class PyGit:
             sys.stderr.write("fatal: git repo does not exist")
             return
         pygit2 = import_pygit2()
-        assert self.repo is not None
-        tree = self.repo.index.write_tree()
+        repo = self._repo()
+        tree = repo.index.write_tree()
         author = pygit2.Signature(self.name, self.email)
-        parents = [] if self.repo.head_is_unborn else [self.repo.head.target]
-        self.repo.create_commit("HEAD", author, author, message, tree, parents)
+        parents = [] if repo.head_is_unborn else [repo.head.target]
+        repo.create_commit("HEAD", author, author, message, tree, parents)
 
     def status(self) -> Dict[str, int]:
         """``{path: pygit2 status flags}`` without ignored files (128: untracked, 1: staged new)."""
         pygit2 = import_pygit2()
-        assert self.repo is not None
-        return {k: v for k, v in self.repo.status().items() if v != pygit2.GIT_STATUS_IGNORED}
+        repo = self._repo()
+        return {k: v for k, v in repo.status().items() if v != pygit2.GIT_STATUS_IGNORED}

@@ -1,5 +1,10 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""``Repo``: a wgit repository: checkpoint metadata tracked by git in ``.wgit``, tensors in a SHA1 store."""
+"""``Repo``: a wgit repository: checkpoint metadata tracked by git in ``.wgit``, tensors in a SHA1 store.
+
+A repository may come from someone else; what wgit trusts is described in :mod:`fairscale.experimental.wgit.safety`:
+it refuses a ``.wgit`` that holds symbolic links, never writes outside ``.wgit``, and loads checkpoints with
+``torch.load(weights_only=True)``.
+"""
 
 import copy
 import json
@@ -9,10 +14,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
-import torch
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleValueError
+
 from .pygit import PyGit, import_pygit2
+from .safety import check_tree, contained, load_checkpoint, replace_file
 from .sha1_store import SHA1_Store
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
@@ -21,6 +28,8 @@ SHA1_STORE_DIR_NAME = "sha1_store"
 SHA1_KEY = "SHA1"
 LAST_MODIFIED_TS_KEY = "last_modified_time_stamp"
 REL_PATH_KEY = "file_path"
+# Names directly inside .wgit that are wgit's or git's own: a metadata file never goes there.
+_RESERVED = frozenset({SHA1_STORE_DIR_NAME, ".git", ".gitignore"})
 
 
 @dataclass
@@ -67,28 +76,35 @@ class Repo:
     Exits with status 1 (after a ``fatal:`` message on stderr) when there is no repository at ``parent_dir``.
 
     Raises:
+        UnsafeRepositoryError: ``.wgit`` is, or holds, a symbolic link (checked before anything is written).
         ImportError: ``pygit2`` is not installed.
     """
 
     def __init__(self, parent_dir: Union[str, Path] = "", init: bool = False) -> None:
-        import_pygit2()  # before anything is created on disk: a missing pygit2 leaves no half-made repository
         self._repo_path: Optional[Path] = None
         self._wgit_parent = Path(parent_dir) if parent_dir else Path.cwd()
         self._dot_wgit_dir_path: Optional[Path] = None
         exists = self._recursive_search(self._wgit_parent)
-        if not exists and init:
-            self._dot_wgit_dir_path = self._wgit_parent.joinpath(".wgit")
-            self._dot_wgit_dir_path.mkdir(parents=False, exist_ok=True)
-            self._sha1_store = SHA1_Store(self._dot_wgit_dir_path.joinpath(SHA1_STORE_DIR_NAME), init=True)
-            self._pygit = PyGit(self._dot_wgit_dir_path, gitignore=[SHA1_STORE_DIR_NAME])
-        elif exists:
-            assert self._repo_path is not None
-            self._dot_wgit_dir_path = self._repo_path.joinpath(".wgit")
-            self._sha1_store = SHA1_Store(self._dot_wgit_dir_path.joinpath(SHA1_STORE_DIR_NAME))
-            self._pygit = PyGit(self._dot_wgit_dir_path)
-        else:
+        if exists and self._repo_path != self._wgit_parent.resolve():
+            # A repository found only in an ancestor is refused (upstream's behaviour, through the sanity check
+            # below); refused before anything of the ancestor's is opened or written.
+            self._sanity_check()
+        if not exists and not init:
             sys.stderr.write("fatal: not a wgit repository!\n")
             sys.exit(1)
+        dot_wgit = self._wgit_parent.resolve().joinpath(".wgit")
+        # Before pygit2 or anything else reads or writes there: a planted link would redirect the writes.
+        check_tree(dot_wgit, ".wgit")
+        import_pygit2()  # before anything is created on disk: a missing pygit2 leaves no half-made repository
+        self._dot_wgit_dir_path = dot_wgit
+        store_path = contained(dot_wgit, [SHA1_STORE_DIR_NAME], "the SHA1 store")
+        if not exists:
+            dot_wgit.mkdir(parents=False, exist_ok=True)
+            self._sha1_store = SHA1_Store(store_path, init=True)
+            self._pygit = PyGit(dot_wgit, gitignore=[SHA1_STORE_DIR_NAME])
+        else:
+            self._sha1_store = SHA1_Store(store_path)
+            self._pygit = PyGit(dot_wgit)
         self._sanity_check()
 
     def _recursive_search(self, root: Path) -> bool:
@@ -111,7 +127,8 @@ class Repo:
 
     @property
     def _dot_wgit(self) -> Path:
-        assert self._dot_wgit_dir_path is not None
+        if self._dot_wgit_dir_path is None:  # only while __init__ runs
+            raise RuntimeError("wgit: the repository is not open")
         return self._dot_wgit_dir_path
 
     def add(
@@ -124,14 +141,23 @@ class Repo:
     ) -> Optional[Any]:
         """Track a checkpoint: store it (tensor by tensor when ``per_tensor``) and stage its metadata.
 
+        The checkpoint is loaded with ``torch.load(weights_only=True)``: nothing in it runs. The metadata file is
+        written only once the checkpoint is stored.
+
         Returns:
             A copy of the loaded state dict when ``per_tensor``, else ``None``.
+
+        Raises:
+            UntrustedContentError: the file is not a ``torch.save`` checkpoint of tensors and plain containers.
+            UnsafeRepositoryError: the metadata file (or a directory on its way) is a symbolic link, or would land
+                outside ``.wgit`` or in one of its reserved entries.
+            FairscaleValueError: with ``per_tensor``, the checkpoint is not a dict or a list (``AssertionError``).
         """
         self._sanity_check()
         if sparsify and not per_tensor:
             raise ValueError("Only support sparsity when per_tensor is true")
         file_path = Path(in_file_path)
-        metadata_file = self._process_metadata_file(self._rel_file_path(file_path))
+        metadata_file = self._metadata_path(self._rel_file_path(file_path))
         ret_state_dict = None
         to_store: Any = file_path
         if per_tensor:
@@ -143,12 +169,17 @@ class Repo:
                     raise NotImplementedError("sparsified tensors are not supported yet")
                 return _SHA1_Tensor(is_dense=True, dense_sha1=self._sha1_store.add(element, compress=gzip, name=name))
 
-            state_dict = torch.load(file_path, weights_only=False)
-            assert isinstance(state_dict, (dict, list)), "only a dict or a list checkpoint can be added per tensor"
+            state_dict = load_checkpoint(file_path)
+            if not isinstance(state_dict, (dict, list)):
+                raise FairscaleValueError(
+                    f"only a dict or a list checkpoint can be added per tensor ({file_path} holds a "
+                    f"{type(state_dict).__name__}); add it with per_tensor=False (wgit add --no_per_tensor)"
+                )
             ret_state_dict = copy.deepcopy(state_dict)
             _recursive_apply_to_elements(state_dict, fn, [])
             to_store = state_dict
         sha1 = self._sha1_store.add(to_store, compress=gzip)
+        metadata_file.parent.mkdir(parents=True, exist_ok=True)
         self._write_metadata(metadata_file, file_path, sha1)
         self._pygit.add()
         return ret_state_dict
@@ -205,14 +236,14 @@ class Repo:
                 metadata = json.load(f)
             except json.JSONDecodeError:
                 return False
+        if not isinstance(metadata, dict) or REL_PATH_KEY not in metadata:
+            return False  # not a metadata file wgit wrote: nothing to compare
         tracked = Path(metadata[REL_PATH_KEY])
-        return tracked.stat().st_mtime != metadata[LAST_MODIFIED_TS_KEY]
+        return tracked.stat().st_mtime != metadata.get(LAST_MODIFIED_TS_KEY)
 
-    def _process_metadata_file(self, rel_path: Path) -> Path:
-        metadata_file = self._dot_wgit.joinpath(rel_path)
-        metadata_file.parent.mkdir(parents=True, exist_ok=True)
-        metadata_file.touch(exist_ok=True)
-        return metadata_file
+    def _metadata_path(self, rel_path: Path) -> Path:
+        """``.wgit/<rel_path>``, refused if it leaves ``.wgit``, lands on a reserved entry or passes a link."""
+        return contained(self._dot_wgit, rel_path.parts, "metadata file", reserved=_RESERVED)
 
     @staticmethod
     def _write_metadata(metadata_file: Path, file_path: Path, sha1: str) -> None:
@@ -221,15 +252,19 @@ class Repo:
             LAST_MODIFIED_TS_KEY: file_path.stat().st_mtime,
             REL_PATH_KEY: str(file_path),
         }
-        with open(metadata_file, "w", encoding="utf-8") as f:
-            json.dump(metadata, f, ensure_ascii=False, indent=4)
+        data = json.dumps(metadata, ensure_ascii=False, indent=4).encode("utf-8")
+        replace_file(metadata_file, lambda f: f.write(data))
 
     @staticmethod
     def _rel_file_path(filepath: Path) -> Path:
         """The parts of the resolved path from the last part shared in length with the CWD (upstream's rule, which
-        never compares the parts: a file in the CWD gives ``<CWD name>/<file>``)."""
+        never compares the parts: a file in the CWD gives ``<CWD name>/<file>``).
+
+        The root (``/``) is never one of them: from the root directory upstream's rule gave the absolute path of the
+        file, and the metadata was written over the checkpoint itself.
+        """
         tracking_path = filepath.resolve()
         i = 0
         for i, _ in enumerate(zip(tracking_path.parts, Path.cwd().parts)):
             pass
-        return Path(*tracking_path.parts[i:])
+        return Path(*tracking_path.parts[max(i, 1) :])

@@ -6,6 +6,11 @@ and kept at ``<path>/<sha1[:2]>/<sha1[2:4]>/<sha1>``, gzip-compressed on request
 store totals and, per object, its reference count, sizes, compression flag and the names it was added under.
 Compression uses ``pgzip`` (parallel gzip) when installed and the standard library's ``gzip`` otherwise (same
 format); numpy is imported when an object is added or read.
+
+What it trusts (see :mod:`fairscale.experimental.wgit.safety`): files are added with ``torch.load(weights_only=True)``
+and objects are read back with an unpickler that accepts numpy arrays, plain containers and wgit's records only;
+every path is built from a validated SHA1 and refused when a component below the store directory is a symbolic link;
+files are replaced (written beside, then renamed), never written into.
 """
 
 import gzip
@@ -17,14 +22,17 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import IO, Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
+
 # Upstream's module also exposes these names (ExitCode and the container converters it imported).
 from fairscale.internal.containers import from_np as from_np, to_np as to_np  # noqa: F401
 
+from .safety import check_not_link, check_sha1, contained, load_checkpoint, load_store_object, replace_file
 from .utils import ExitCode as ExitCode  # noqa: F401
 
 __all__ = ["SHA1_Store"]
@@ -54,6 +62,10 @@ def _to_np(obj: Any) -> Any:
         return {k: _to_np(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_to_np(v) for v in obj]
+    # Plain tuples too (not their subclasses, such as torch.Size): a tensor pickled as a tensor would need
+    # torch's own unpickling, which the store's restricted reader refuses.
+    if type(obj) is tuple:
+        return tuple(_to_np(v) for v in obj)
     return obj
 
 
@@ -66,15 +78,22 @@ def _from_np(obj: Any) -> Any:
         return {k: _from_np(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_from_np(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_from_np(v) for v in obj)
     return obj
 
 
-def _gzip_open(path: Path, mode: str, threads: Optional[int], block_size: int) -> Any:
+def _gzip_open(
+    path: Path, mode: str, threads: Optional[int], block_size: int, fileobj: Optional[IO[bytes]] = None
+) -> Any:
+    """A gzip stream on ``path`` (or on ``fileobj``, with ``path``'s name in the gzip header, as if on ``path``)."""
     try:
         import pgzip
     except ImportError:
-        return gzip.open(path, mode, compresslevel=5)
-    return pgzip.open(path, mode, compresslevel=5, thread=threads, blocksize=block_size)
+        return gzip.GzipFile(filename=str(path), mode=mode, compresslevel=5, fileobj=fileobj)
+    return pgzip.PgzipFile(
+        filename=str(path), mode=mode, compresslevel=5, fileobj=fileobj, thread=threads, blocksize=block_size
+    )
 
 
 class SHA1_Store:
@@ -98,7 +117,7 @@ class SHA1_Store:
         pgzip_block_size: int = 10 * 1024 * 1024,
     ) -> None:
         self._path = Path(path)
-        self._metadata_file_path = self._path.joinpath("metadata.json")
+        self._metadata_file_path = self._inside("metadata.json")
         self._sha1_buf_size = sha1_buf_size
         self._pgzip_threads = pgzip_threads
         self._pgzip_block_size = pgzip_block_size
@@ -111,28 +130,45 @@ class SHA1_Store:
         if init and not self._path.exists():
             self._path.mkdir(parents=False)
             self._store_json_dict()
-        assert self._path.is_dir(), f"{self._path} is not a SHA1 store directory"
-        assert self._metadata_file_path.exists(), f"{self._metadata_file_path} is missing"
+        # AssertionError subclasses where upstream asserted (kept under ``python -O``).
+        if not self._path.is_dir():
+            raise FairscaleValueError(
+                f"{self._path} is not a SHA1 store directory (missing: pass init=True to create one)"
+            )
+        if not self._metadata_file_path.exists():
+            raise FairscaleValueError(f"{self._metadata_file_path} is missing: {self._path} is not a SHA1 store")
         self._load_json_dict()
-        assert STORE_CREATE_DATE_KEY in self._json_dict, "metadata.json is not a SHA1 store header"
+        if not isinstance(self._json_dict, dict) or STORE_CREATE_DATE_KEY not in self._json_dict:
+            raise FairscaleValueError(f"{self._metadata_file_path} is not a SHA1 store header")
         if tmp_dir:
-            assert Path(tmp_dir).is_dir(), f"tmp_dir {tmp_dir} must exist"
+            if not Path(tmp_dir).is_dir():
+                raise FairscaleValueError(f"tmp_dir {tmp_dir} must be an existing directory")
             self._tmp_dir = Path(tmp_dir)
         else:
-            self._tmp_dir = self._path.joinpath("tmp")
+            self._tmp_dir = self._inside("tmp")
+            # rmtree never follows links inside the tree, and _inside refused a link in place of the tree itself.
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir.mkdir()
+
+    def _inside(self, *parts: str) -> Path:
+        """``<store>/<parts...>``, refused (UnsafeRepositoryError) if a component below the store is a link."""
+        return contained(self._path, parts, "SHA1 store path")
 
     def _load_json_dict(self) -> None:
         with open(self._metadata_file_path, "r") as f:
             self._json_dict = json.load(f)
 
     def _store_json_dict(self) -> None:
-        with open(self._metadata_file_path, "w", encoding="utf-8") as f:
-            json.dump(self._json_dict, f, ensure_ascii=False, indent=2)
+        check_not_link(self._metadata_file_path, "the SHA1 store's metadata.json")
+        data = json.dumps(self._json_dict, ensure_ascii=False, indent=2).encode("utf-8")
+        replace_file(self._metadata_file_path, lambda f: f.write(data))
 
     def _sha1_path(self, sha1: str) -> Path:
-        return self._path.joinpath(sha1[:2], sha1[2:4], sha1)
+        problem = check_sha1(sha1)
+        if problem is not None:
+            # A key is a path below the store: anything but a SHA1 could name a file elsewhere.
+            raise ValueError(f"SHA1 store key {problem}")
+        return self._inside(sha1[:2], sha1[2:4], sha1)
 
     def _get_sha1_hash(self, file_path: Path) -> str:
         sha1 = hashlib.sha1()
@@ -162,20 +198,21 @@ class SHA1_Store:
     ) -> str:
         """Add a file (a ``torch.save`` file), a tensor or a dict; returns its SHA1.
 
+        A file is loaded with ``torch.load(weights_only=True)``: its pickle never runs code.
+
         Raises:
-            AssertionError: the input is not a tensor, a dict or a ``torch.save`` file (e.g. a plain pickle).
+            UntrustedContentError: the file is not a ``torch.save`` checkpoint of tensors and plain containers (e.g.
+                a plain pickle, or one naming other objects); an ``AssertionError`` as upstream.
+            FairscaleTypeError: the input (or the file's content) is not a tensor or a dict (``AssertionError``).
+            UnsafeRepositoryError: a path inside the store is a symbolic link.
         """
         start = time.time()
         self._load_json_dict()
         obj: Any = file_or_obj
         if isinstance(file_or_obj, (Path, str)):
-            try:
-                with open(file_or_obj, "rb") as f:
-                    pickle.load(f)
-                # A plain pickle is not a supported input (upstream's behaviour): ``obj`` stays the path.
-            except Exception:
-                obj = torch.load(file_or_obj, weights_only=False)
-        assert isinstance(obj, (Tensor, dict)), f"incorrect input {type(obj)}"
+            obj = load_checkpoint(Path(file_or_obj))
+        if not isinstance(obj, (Tensor, dict)):
+            raise FairscaleTypeError(f"incorrect input {type(obj)}: the SHA1 store takes a tensor or a dict")
         tmp = self._tmp_dir.joinpath(uuid.uuid4().hex)
         with open(tmp, "wb") as f:
             pickle.dump(_to_np(obj), f)
@@ -206,29 +243,50 @@ class SHA1_Store:
         return sha1
 
     def _copy_into_place(self, src: Path, sha1: str, compress: bool) -> int:
-        dest = self._sha1_path(sha1)
+        dest = self._sha1_path(sha1)  # checks the two directory levels and the file for links
         dest.parent.mkdir(parents=True, exist_ok=True)
         if compress:
-            with open(src, "rb") as f_in, _gzip_open(dest, "wb", self._pgzip_threads, self._pgzip_block_size) as f_out:
-                shutil.copyfileobj(f_in, f_out)
+
+            def write(f_out: IO[bytes]) -> None:
+                # The header names the object file, not the temporary one (the same bytes as writing in place).
+                threads, block = self._pgzip_threads, self._pgzip_block_size
+                with open(src, "rb") as f_in, _gzip_open(dest, "wb", threads, block, fileobj=f_out) as z:
+                    shutil.copyfileobj(f_in, z)
+
+            replace_file(dest, write)
             orig, comp = src.stat().st_size, dest.stat().st_size
-            assert comp <= orig or comp < 1024 * 1024, f"compression grew {orig} bytes into {comp}"
+            if not (comp <= orig or comp < 1024 * 1024):
+                # Upstream's sanity check of the compressor (an assert), kept under ``python -O``.
+                raise AssertionError(f"compression grew {orig} bytes into {comp}")
             return comp
-        shutil.copy2(src, dest)
+
+        def copy(f_out: IO[bytes]) -> None:
+            with open(src, "rb") as f_in:
+                shutil.copyfileobj(f_in, f_out)
+
+        replace_file(dest, copy)
         return dest.stat().st_size
 
     def get(self, sha1: str) -> Any:
-        """The object stored under ``sha1`` (numpy arrays turned back into tensors)."""
+        """The object stored under ``sha1`` (numpy arrays turned back into tensors).
+
+        Raises:
+            ValueError: ``sha1`` is not a SHA1, or not in the store.
+            UntrustedContentError: the stored bytes name anything but numpy arrays, plain containers and wgit's
+                records (they were not written by wgit; nothing in them runs).
+            UnsafeRepositoryError: a path inside the store is a symbolic link.
+        """
         path = self._sha1_path(sha1)
         if not path.exists():
             raise ValueError(f"Try to get SHA1 {sha1} but it is not found")
         self._load_json_dict()
+        what = f"SHA1 store object {sha1}"
         if self._entry(sha1)[ENTRY_COMP_KEY]:
             with _gzip_open(path, "rb", self._pgzip_threads, self._pgzip_block_size) as f:
-                obj = pickle.load(f)
+                obj = load_store_object(f, what)
         else:
             with open(path, "rb") as f:
-                obj = pickle.load(f)
+                obj = load_store_object(f, what)
         return _from_np(obj)
 
     def delete(self, sha1: str) -> None:
@@ -249,6 +307,7 @@ class SHA1_Store:
         self._load_json_dict()
         if sha1 is None:
             return self._json_dict[STORE_OS_KEY], self._json_dict[STORE_DS_KEY], self._json_dict[STORE_CS_KEY]
+        self._sha1_path(sha1)  # a key that is not a SHA1 is refused the same way everywhere
         if sha1 not in self._json_dict:
             raise ValueError(f"SHA1 {sha1} not found")
         entry = self._entry(sha1)
@@ -262,6 +321,7 @@ class SHA1_Store:
         """
         if sha1 is None:
             raise ValueError("names() needs the SHA1 of an object in the store")
+        self._sha1_path(sha1)
         self._load_json_dict()
         if sha1 not in self._json_dict:
             raise ValueError(f"SHA1 {sha1} not found")

@@ -1,0 +1,229 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What wgit trusts: the paths it writes and the bytes it loads.
+
+A ``.wgit`` directory may come from someone else (a shared drive, an archive, a copied experiment), and so may the
+checkpoints one adds. wgit therefore:
+
+* writes only real files inside the repository's ``.wgit`` directory: a symbolic link anywhere inside ``.wgit``
+  (the directory itself, ``.git``, the SHA1 store, its sub-directories, a metadata file), a ``..`` or an absolute
+  part in a path built from stored data, or an object key that is not a SHA1 is refused with
+  :class:`UnsafeRepositoryError` before anything is written. Files are replaced (written beside, then renamed), so
+  a hard link planted inside ``.wgit`` cannot carry a write to the file it shares with;
+* loads checkpoints with ``torch.load(weights_only=True)`` and its own store objects with an unpickler that accepts
+  numpy arrays, plain containers and wgit's own record type only, so a file whose pickle would run code is refused
+  with :class:`UntrustedContentError` and the code never runs.
+
+It does not defend against another process changing ``.wgit`` while wgit runs (a check-then-write race), nor does it
+hide the modification time of the files one adds.
+"""
+
+import os
+import pickle
+import uuid
+import warnings
+from pathlib import Path
+from typing import IO, Any, Callable, FrozenSet, Iterable, Optional, Tuple
+
+import torch
+
+from fairscale.internal.errors import FairscaleValueError
+
+__all__ = ["WgitSafetyError", "UnsafeRepositoryError", "UntrustedContentError"]
+
+
+class WgitSafetyError(ValueError):
+    """Base of wgit's refusals to write or load something (a ``ValueError``)."""
+
+
+class UnsafeRepositoryError(WgitSafetyError):
+    """A path inside ``.wgit`` is a symbolic link, or a stored path or key would lead outside the repository."""
+
+
+class UntrustedContentError(WgitSafetyError, FairscaleValueError):
+    """A checkpoint or store object holds something other than tensors and plain containers (it could run code).
+
+    Also an ``AssertionError``: upstream rejected such files (plain pickles) with an assert.
+    """
+
+
+_REMOVE_HINT = "remove it (or the whole .wgit directory if you did not create it) and retry"
+
+
+def _link_error(path: Path, what: str) -> UnsafeRepositoryError:
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return UnsafeRepositoryError(
+        f"wgit: refusing to use {path}: {what} is a symbolic link{target}. wgit only reads and writes real files "
+        f"inside the repository's .wgit directory, and a link there could make it write outside; {_REMOVE_HINT}"
+    )
+
+
+def check_not_link(path: Path, what: str) -> None:
+    """Raise :class:`UnsafeRepositoryError` if ``path`` itself is a symbolic link (dangling or not)."""
+    if path.is_symlink():
+        raise _link_error(path, what)
+
+
+def check_tree(root: Path, what: str) -> None:
+    """Raise :class:`UnsafeRepositoryError` if anything inside ``root`` (or ``root`` itself) is a symbolic link.
+
+    wgit never creates links, so one found there was planted. The walk reads directory entries only (no ``stat`` per
+    file where the file system reports entry types), and does not follow links.
+    """
+    check_not_link(root, what)
+    if not root.is_dir():
+        return
+    for directory, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(directory, name)
+            if path.is_symlink():
+                raise _link_error(path, f"{path.relative_to(root)} inside {what}")
+
+
+def contained(root: Path, parts: Iterable[str], what: str, reserved: FrozenSet[str] = frozenset()) -> Path:
+    """``root`` joined with ``parts``, refusing any part that leaves ``root`` and any link on the way.
+
+    Args:
+        root (Path): a directory the caller trusts (already checked not to be a link).
+        parts (Iterable[str]): relative path components, e.g. from stored data; none may be empty, ``.``, ``..``,
+            absolute or contain a separator.
+        what (str): what the path is, for the messages.
+        reserved (FrozenSet[str]): first components that are refused (e.g. ``.git`` for a metadata file).
+
+    Raises:
+        UnsafeRepositoryError: a bad part, a reserved first part, or an existing component that is a link.
+    """
+    path = root
+    parts = list(parts)
+    if not parts:
+        raise UnsafeRepositoryError(f"wgit: {what}: an empty path inside {root}")
+    for i, part in enumerate(parts):
+        if part in ("", ".", "..") or os.sep in part or (os.altsep and os.altsep in part) or "\0" in part:
+            raise UnsafeRepositoryError(
+                f"wgit: refusing {what} {'/'.join(parts)!r}: the part {part!r} would lead outside {root}"
+            )
+        if i == 0 and part in reserved:
+            raise UnsafeRepositoryError(
+                f"wgit: refusing {what} {'/'.join(parts)!r}: it would land in {root / part}, which wgit keeps for "
+                "itself (run wgit from a directory with another name)"
+            )
+        path = path / part
+        if path.is_symlink():
+            raise _link_error(path, what)
+    return path
+
+
+def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write a new file at ``path`` through ``write(f)``: into a fresh file beside it, then renamed over it.
+
+    The rename replaces the directory entry, so whatever ``path`` was before (a hard link to a file elsewhere, a
+    half-written file) is not written into; a failed write leaves the old file as it was.
+    """
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "xb") as f:  # "x": never an existing file
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load_checkpoint(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; a file it refuses raises :class:`UntrustedContentError`.
+
+    The message keeps upstream's leading ``"incorrect input"`` (its store rejected plain pickles with an assert).
+    """
+    try:
+        with warnings.catch_warnings():
+            # torch warns about the pickle protocol of files it then refuses; the error says what matters.
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        reason = _torch_refusal(e)
+        raise UntrustedContentError(
+            f"incorrect input {path}: {reason}. wgit loads checkpoints with torch.load(weights_only=True) and never "
+            "runs code from them: add files written by torch.save of tensors, dicts and lists (e.g. "
+            "torch.save(model.state_dict(), path))"
+        ) from None
+
+
+def _torch_refusal(error: BaseException) -> str:
+    text = str(error)
+    marker = "GLOBAL "
+    if marker in text:
+        name = text.split(marker, 1)[1].split()[0]
+        return f"it holds {name}, which is not a tensor or a plain container"
+    if isinstance(error, pickle.UnpicklingError):
+        return "not a torch.save checkpoint of tensors and plain containers (a plain pickle, or other objects)"
+    first = text.strip().splitlines()[0][:160] if text.strip() else type(error).__name__
+    return f"not a readable torch.save checkpoint ({first})"
+
+
+# (module, name) pairs a store object may name: numpy's array reconstruction (numpy 1 and 2 module paths, pickle
+# protocols 2-5), the containers pickle cannot spell with opcodes, a few torch value types that torch's own
+# weights-only loading accepts, and wgit's record of a tensor kept in the store.
+_ALLOWED_GLOBALS: FrozenSet[Tuple[str, str]] = frozenset(
+    [
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "complex"),
+        ("builtins", "bytearray"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("fairscale.experimental.wgit.repo", "_SHA1_Tensor"),
+    ]
+)
+
+
+class _StoreUnpickler(pickle.Unpickler):
+    """Resolves only the globals of :data:`_ALLOWED_GLOBALS` (and torch dtypes): nothing else can be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UntrustedContentError(
+            f"it names {module}.{name}, which is not a numpy array, a plain container or a wgit record"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UntrustedContentError("it refers to external (persistent) objects, which wgit never writes")
+
+
+def load_store_object(f: IO[bytes], what: str) -> Any:
+    """Unpickle one SHA1 store object from ``f`` with the restricted unpickler.
+
+    Raises:
+        UntrustedContentError: the object names anything but numpy arrays, plain containers and wgit records, or
+            is not a valid pickle.
+    """
+    try:
+        return _StoreUnpickler(f).load()
+    except UntrustedContentError as e:
+        raise UntrustedContentError(
+            f"wgit: refusing {what}: {e}. wgit never runs code from its store; this object was not written by wgit"
+        ) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+        raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None
+
+
+def check_sha1(sha1: Any) -> Optional[str]:
+    """``None`` if ``sha1`` is 40 lowercase hex digits, else what is wrong with it (for the caller's message)."""
+    if not isinstance(sha1, str):
+        return f"not a SHA1 (a {type(sha1).__name__})"
+    if len(sha1) != 40 or any(c not in "0123456789abcdef" for c in sha1):
+        return f"{sha1!r} is not a SHA1 (40 lowercase hex digits)"
+    return None

@@ -1,0 +1,263 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""wgit and a ``.wgit`` directory or checkpoint from someone else: no write outside the repository, no code run.
+
+Each attack plants something in a repository (symbolic links inside ``.wgit``, a store key with ``..``, a pickle
+whose ``__reduce__`` creates a marker directory) and checks that wgit refuses with a clear error, that the marker
+never appears, and that nothing outside the repository (nor the user's checkpoint) changed. The store and
+repository-opening checks need no optional package; the end-to-end ``wgit add`` checks need pygit2.
+"""
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fairscale.experimental.wgit.repo import Repo
+from fairscale.experimental.wgit.safety import UnsafeRepositoryError, UntrustedContentError
+from fairscale.experimental.wgit.sha1_store import SHA1_Store
+
+
+class _Payload:
+    """Unpickling it calls ``os.makedirs(marker)``: stands for any code a hostile pickle could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[str]]:
+        return (os.makedirs, (self.marker,))
+
+
+def _snapshot(root: Path) -> Dict[str, Tuple[str, int]]:
+    """Every entry below ``root`` (links not followed): content hash (or link target) and modification time."""
+    out: Dict[str, Tuple[str, int]] = {}
+    for directory, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(directory, name)
+            st = path.lstat()
+            if path.is_symlink():
+                out[str(path.relative_to(root))] = ("link:" + os.readlink(path), st.st_mtime_ns)
+            elif path.is_file():
+                out[str(path.relative_to(root))] = (hashlib.sha1(path.read_bytes()).hexdigest(), st.st_mtime_ns)
+            else:
+                out[str(path.relative_to(root))] = ("dir", 0)
+    return out
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory beside the repository with files an attacker would like wgit to overwrite or delete."""
+    directory = tmp_path / "outside"
+    directory.mkdir()
+    (directory / "victim.txt").write_text("precious")
+    (directory / "store").mkdir()
+    (directory / "store" / "metadata.json").write_text('{"created_on": "x", "original_size": 0}')
+    return directory
+
+
+def _sha1_of(obj: Any, tmp_path: Path) -> str:
+    """The key ``obj`` gets in a store (computed in a scratch store)."""
+    return SHA1_Store(tmp_path / "scratch", init=True).add(obj)
+
+
+# ------------------------------------------------------------------------------------------ pickle payloads
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_store_get_never_runs_a_pickle_payload(tmp_path: Path, compress: bool) -> None:
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = store.add(torch.ones(3), compress=compress)
+    marker = tmp_path / "PAYLOAD_RAN"
+    object_file = tmp_path / "store" / key[:2] / key[2:4] / key
+    payload = pickle.dumps({"w": _Payload(marker)})
+    if compress:
+        import gzip
+
+        payload = gzip.compress(payload)
+    object_file.write_bytes(payload)  # what a crafted repository would hold
+    with pytest.raises(UntrustedContentError, match="os.makedirs|posix.makedirs"):
+        store.get(key)
+    assert not marker.exists(), "SHA1_Store.get ran code from a store object"
+    # Objects wgit wrote still load (numpy arrays in plain containers, wgit's records).
+    good = store.add({"a": torch.arange(4.0), "b": [torch.zeros(2, dtype=torch.int64), 7], "c": "text"})
+    loaded = store.get(good)
+    assert torch.equal(loaded["a"], torch.arange(4.0)) and loaded["b"][1] == 7 and loaded["c"] == "text"
+
+
+def test_store_add_file_never_runs_a_pickle_payload(tmp_path: Path) -> None:
+    store = SHA1_Store(tmp_path / "store", init=True)
+    marker = tmp_path / "PAYLOAD_RAN"
+    as_torch_save = tmp_path / "evil.pt"
+    torch.save({"w": _Payload(marker)}, as_torch_save)
+    as_pickle = tmp_path / "evil.pkl"
+    as_pickle.write_bytes(pickle.dumps(_Payload(marker)))
+    for path in (as_torch_save, as_pickle):
+        with pytest.raises(UntrustedContentError, match="incorrect input") as info:
+            store.add(path)
+        assert isinstance(info.value, AssertionError)  # upstream asserted on plain pickles
+        assert "weights_only=True" in str(info.value)
+    assert not marker.exists(), "SHA1_Store.add ran code from a checkpoint"
+
+
+# ------------------------------------------------------------------------------------------ the SHA1 store
+
+
+def test_store_refuses_links_and_keys_that_lead_outside(tmp_path: Path, outside: Path) -> None:
+    before = _snapshot(outside)
+    tensor = torch.full((5,), 2.0)
+    key = _sha1_of(tensor, tmp_path)
+
+    # A first-level object directory that is a link to a directory outside.
+    store = SHA1_Store(tmp_path / "s1", init=True)
+    os.symlink(outside, tmp_path / "s1" / key[:2])
+    with pytest.raises(UnsafeRepositoryError, match="symbolic link"):
+        store.add(tensor)
+
+    # metadata.json is a link to a file outside: adding would overwrite it.
+    store = SHA1_Store(tmp_path / "s2", init=True)
+    (tmp_path / "s2" / "metadata.json").unlink()
+    os.symlink(outside / "store" / "metadata.json", tmp_path / "s2" / "metadata.json")
+    with pytest.raises(UnsafeRepositoryError, match="symbolic link"):
+        SHA1_Store(tmp_path / "s2").add(tensor)
+
+    # The scratch directory is a link: it used to be wiped and written into.
+    SHA1_Store(tmp_path / "s3", init=True)
+    os.rmdir(tmp_path / "s3" / "tmp")
+    os.symlink(outside, tmp_path / "s3" / "tmp")
+    with pytest.raises(UnsafeRepositoryError, match="symbolic link"):
+        SHA1_Store(tmp_path / "s3")
+
+    # Keys are SHA1s: anything with a path in it is refused by every method, and the file it names stays.
+    store = SHA1_Store(tmp_path / "s4", init=True)
+    victim = outside / "victim.txt"
+    for key in ("..//" + str(victim).lstrip("/"), "../../outside/victim.txt", "0" * 39, "A" * 40):
+        for method in (store.get, store.delete, store.size_info, store.names):
+            with pytest.raises(ValueError, match="not a SHA1"):
+                method(key)
+    assert _snapshot(outside) == before
+
+
+# ------------------------------------------------------------------------------------------ opening a repository
+
+
+def _fake_wgit(directory: Path) -> None:
+    """What Repo recognises as a .wgit directory (the git repository itself is not needed to be refused)."""
+    (directory / ".git").mkdir(parents=True)
+    (directory / ".gitignore").write_text("sha1_store\n")
+    SHA1_Store(directory / "sha1_store", init=True)
+
+
+def test_repo_refuses_linked_wgit_internals(tmp_path: Path, outside: Path) -> None:
+    # .wgit itself is a link to a directory outside (that looks like a repository).
+    _fake_wgit(outside / "elsewhere")
+    before = _snapshot(outside)
+    work = tmp_path / "a"
+    work.mkdir()
+    os.symlink(outside / "elsewhere", work / ".wgit")
+    with pytest.raises(UnsafeRepositoryError, match=r"\.wgit is a symbolic link"):
+        Repo(work)
+    with pytest.raises(UnsafeRepositoryError, match=r"\.wgit is a symbolic link"):
+        Repo(work, init=True)
+
+    # A real .wgit whose SHA1 store is a link to a store outside.
+    work = tmp_path / "b"
+    (work / ".wgit").mkdir(parents=True)
+    (work / ".wgit" / ".git").mkdir()
+    (work / ".wgit" / ".gitignore").write_text("sha1_store\n")
+    os.symlink(outside / "store", work / ".wgit" / "sha1_store")
+    with pytest.raises(UnsafeRepositoryError, match="sha1_store"):
+        Repo(work)
+
+    # A link deep inside .wgit/.git (git would write its objects outside).
+    work = tmp_path / "c"
+    _fake_wgit(work / ".wgit")
+    os.symlink(outside, work / ".wgit" / ".git" / "objects")
+    with pytest.raises(UnsafeRepositoryError, match="objects"):
+        Repo(work)
+
+    # init=True over a half-made .wgit whose .git is a link.
+    work = tmp_path / "d"
+    (work / ".wgit").mkdir(parents=True)
+    os.symlink(outside, work / ".wgit" / ".git")
+    with pytest.raises(UnsafeRepositoryError, match=r"\.git"):
+        Repo(work, init=True)
+    assert _snapshot(outside) == before
+
+
+def test_repo_refuses_a_metadata_link_to_the_users_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variant that overwrote the checkpoint being added: its metadata file was a link to the checkpoint."""
+    work = tmp_path / "wgit_testing"
+    _fake_wgit(work / ".wgit")
+    checkpoint = work / "model.pt"
+    torch.save(nn.Linear(2, 2).state_dict(), checkpoint)
+    (work / ".wgit" / "wgit_testing").mkdir()
+    os.symlink(checkpoint, work / ".wgit" / "wgit_testing" / "model.pt")
+    before = _snapshot(work)
+    monkeypatch.chdir(work)
+    with pytest.raises(UnsafeRepositoryError, match="model.pt"):
+        Repo(work).add("model.pt")
+    assert _snapshot(work) == before
+
+
+def test_metadata_path_stays_inside_wgit_when_run_from_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``/`` upstream's rule gave an absolute path, and the metadata overwrote the checkpoint itself."""
+    monkeypatch.chdir("/")
+    rel = Repo._rel_file_path(Path("/tmp/some/model.pt"))
+    assert not rel.is_absolute() and ".." not in rel.parts
+
+
+# ------------------------------------------------------------------------------------------ end to end (pygit2)
+
+
+@pytest.fixture
+def repo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pytest.importorskip("pygit2")
+    work = tmp_path / "wgit_testing"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    torch.save({"model": nn.Linear(1, 3).state_dict(), "step": 1}, work / "checkpoint_0.pt")
+    return work
+
+
+def test_wgit_add_never_runs_a_checkpoints_code(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    from fairscale.experimental.wgit import cli
+
+    marker = repo_dir.parent / "PAYLOAD_RAN"
+    torch.save({"model": {"w": torch.ones(2)}, "extra": _Payload(marker)}, repo_dir / "evil.pt")
+    cli.main(["init"])
+    cli.main(["add", "checkpoint_0.pt"])
+    for argv in (["add", "evil.pt"], ["add", "--no_per_tensor", "evil.pt"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith("fatal: ") and "weights_only=True" in err and "Traceback" not in err, err
+    assert not marker.exists(), "wgit add ran code from a checkpoint"
+    capsys.readouterr()
+    cli.main(["status"])
+    assert "evil" not in capsys.readouterr().out
+
+
+def test_wgit_add_refuses_a_planted_link_and_changes_nothing_outside(
+    repo_dir: Path, outside: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from fairscale.experimental.wgit import cli
+
+    cli.main(["init"])
+    cli.main(["add", "checkpoint_0.pt"])
+    cli.main(["commit", "-m", "first"])
+    # Someone swaps the metadata file for a link to a file outside, and the store's object directories too.
+    metadata = repo_dir / ".wgit" / "wgit_testing" / "checkpoint_0.pt"
+    metadata.unlink()
+    os.symlink(outside / "victim.txt", metadata)
+    before = _snapshot(outside)
+    checkpoint_bytes = (repo_dir / "checkpoint_0.pt").read_bytes()
+    with pytest.raises(SystemExit):
+        cli.main(["add", "checkpoint_0.pt"])
+    assert "symbolic link" in capsys.readouterr().err
+    assert _snapshot(outside) == before
+    assert (repo_dir / "checkpoint_0.pt").read_bytes() == checkpoint_bytes
