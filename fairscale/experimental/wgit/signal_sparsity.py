@@ -6,10 +6,12 @@ Pure torch; importable without wgit's optional packages.
 """
 
 from enum import Enum
-from typing import Optional, Tuple
+from typing import Optional, Tuple, cast
 
 import torch
 from torch import Tensor
+
+from fairscale.internal.errors import FairscaleValueError
 
 __all__ = ["Algo", "SignalSparsity", "random_sparse_mask"]
 
@@ -25,9 +27,12 @@ def _is_sparsity_enabled(top_k_element: Optional[int], top_k_percent: Optional[f
 
 def _get_k_for_topk(top_k_percent: Optional[float], top_k_element: Optional[int], top_k_total_size: int) -> int:
     """k from a percent (Python rounding, so 2.5 gives 2) or an element count; at least 1."""
-    assert top_k_total_size > 0, "cannot pick top-k of an empty tensor"
+    # AssertionError subclasses where upstream asserted: they hold under ``python -O``.
+    if top_k_total_size <= 0:
+        raise FairscaleValueError("cannot pick top-k of an empty tensor (the dim has size 0)")
     if top_k_element is None:
-        assert top_k_percent is not None
+        if top_k_percent is None:
+            raise FairscaleValueError("top-k needs top_k_percent or top_k_element")
         k = round(top_k_total_size * top_k_percent / 100.0)
     else:
         if top_k_element > top_k_total_size:
@@ -40,7 +45,11 @@ def _scatter_topk_to_sparse_tensor(
     top_k_tensor: Tensor, to_be_sparsify_tensor: Tensor, k: int, dim: Optional[int]
 ) -> Tensor:
     """Keep the values of ``to_be_sparsify_tensor`` at the top-``k`` positions of ``top_k_tensor`` along ``dim``."""
-    assert top_k_tensor.shape == to_be_sparsify_tensor.shape, "ranking and values must have the same shape"
+    if top_k_tensor.shape != to_be_sparsify_tensor.shape:
+        raise FairscaleValueError(
+            f"ranking and values must have the same shape, got {tuple(top_k_tensor.shape)} and "
+            f"{tuple(to_be_sparsify_tensor.shape)}"
+        )
     if dim is None and top_k_tensor.ndim > 1:
         flat = _scatter_topk_to_sparse_tensor(top_k_tensor.reshape(-1), to_be_sparsify_tensor.reshape(-1), k, 0)
         return flat.reshape(to_be_sparsify_tensor.shape)
@@ -153,8 +162,7 @@ class SignalSparsity:
         if sst is None and dst is None:
             raise AssertionError("both-None-case is not useful")
         if sst is None:
-            assert dst is not None
-            return dst
+            return cast(Tensor, dst)  # not None: checked just above
         dense_rt = self._inverse_transform(sst, self._sst_top_k_dim).real
         if dst is not None:
             dense_rt = dense_rt + dst
@@ -180,7 +188,8 @@ class SignalSparsity:
 
 def random_sparse_mask(dense: Tensor, percent: float, dim: int) -> Tensor:
     """A 0/1 mask like ``dense`` with ``max(1, round(size * percent / 100))`` random ones per slice along ``dim``."""
-    assert 0 < percent <= 100, f"percent must be in (0, 100], got {percent}"
+    if not 0 < percent <= 100:
+        raise FairscaleValueError(f"percent must be in (0, 100], got {percent}")
     k = max(1, round(dense.shape[dim] * percent / 100))
     _, indices = torch.rand_like(dense, dtype=torch.float32).topk(k, dim=dim)
     return torch.zeros_like(dense).scatter_(dim, indices, 1)

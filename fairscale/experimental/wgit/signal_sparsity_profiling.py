@@ -6,6 +6,8 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
+
 __all__ = ["EnergyConcentrationProfile"]
 
 
@@ -18,21 +20,28 @@ class EnergyConcentrationProfile:
     """
 
     def __init__(self, dim: int, top_k_percents: Sequence[float]) -> None:
-        assert isinstance(dim, int), f"dim must be an int, got {dim!r}"
+        # AssertionError subclasses (upstream asserted), so the checks hold under ``python -O``.
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise FairscaleTypeError(f"dim must be an int, got {dim!r}")
         self.dim = dim
         self.percents: List[float] = []
         last = 0.0
         for p in top_k_percents:
-            assert isinstance(p, (int, float)), f"percents must be numbers, got {p!r}"
-            assert 0 < p <= 100, f"percents must be in (0, 100], got {p}"
-            assert p > last, "percents must be strictly increasing"
+            if isinstance(p, bool) or not isinstance(p, (int, float)):
+                raise FairscaleTypeError(f"percents must be numbers, got {p!r}")
+            if not 0 < p <= 100:
+                raise FairscaleValueError(f"percents must be in (0, 100], got {p}")
+            if p <= last:
+                raise FairscaleValueError(f"percents must be strictly increasing, got {p} after {last}")
             self.percents.append(float(p))
             last = p
 
     def measure(self, in_tensor: Tensor) -> List[Tensor]:
         """One 0-d tensor per percent: ``sum(top-k |t| along dim) / sum(|t|)``."""
-        assert in_tensor.is_floating_point(), "measure needs a floating point tensor"
-        assert self.dim < in_tensor.ndim, f"dim {self.dim} is out of range for a {in_tensor.ndim}-D tensor"
+        if not in_tensor.is_floating_point():
+            raise FairscaleTypeError(f"measure needs a floating point tensor, got {in_tensor.dtype}")
+        if not -in_tensor.ndim <= self.dim < in_tensor.ndim:
+            raise FairscaleValueError(f"dim {self.dim} is out of range for a {in_tensor.ndim}-D tensor")
         magnitude = in_tensor.abs()
         total = magnitude.sum()
         size = in_tensor.shape[self.dim]

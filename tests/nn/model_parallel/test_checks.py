@@ -113,6 +113,13 @@ _OPTIMIZED_SAMPLE = textwrap.dedent("""
     case("sha1_store_bad_key", lambda: store.get("../../" + "0" * 34))
     case("sha1_store_bad_input", lambda: store.add(3))
 
+    from fairscale.experimental.wgit.signal_sparsity import random_sparse_mask
+    from fairscale.experimental.wgit.signal_sparsity_profiling import EnergyConcentrationProfile
+
+    case("random_sparse_mask_percent", lambda: random_sparse_mask(torch.ones(4), 0, 0))
+    case("energy_profile_not_increasing", lambda: EnergyConcentrationProfile(0, [50, 10]))
+    case("energy_profile_integer_tensor", lambda: EnergyConcentrationProfile(0, [50]).measure(torch.ones(3).long()))
+
     json.dump(results, sys.stdout)
     dist.destroy_process_group()
     """)
@@ -132,6 +139,9 @@ _EXPECTED: Dict[str, str] = {
     "get_model_parallel_group_before_initialize": "model parallel group is not initialized",
     "ensure_divisibility": "7 is not divisible by 2",
     "initialize_twice": "data parallel group is already initialized",
+    "random_sparse_mask_percent": "percent must be in (0, 100]",
+    "energy_profile_not_increasing": "strictly increasing",
+    "energy_profile_integer_tensor": "floating point",
     "sha1_store_missing": "missing",
     "sha1_store_bad_input": "incorrect input",
 }
