@@ -55,7 +55,8 @@ def outside(tmp_path: Path) -> Path:
     directory.mkdir()
     (directory / "victim.txt").write_text("precious")
     (directory / "store").mkdir()
-    (directory / "store" / "metadata.json").write_text('{"created_on": "x", "original_size": 0}')
+    header = '{"created_on": "x", "original_size": 0, "deduped_size": 0, "compressed_size": 0}'
+    (directory / "store" / "metadata.json").write_text(header)
     return directory
 
 
@@ -130,6 +131,13 @@ def test_store_refuses_links_and_keys_that_lead_outside(tmp_path: Path, outside:
     os.symlink(outside, tmp_path / "s3" / "tmp")
     with pytest.raises(UnsafeRepositoryError, match="symbolic link"):
         SHA1_Store(tmp_path / "s3")
+
+    # A hard link planted in the store (metadata.json sharing the outside file's inode): writes replace the file
+    # (a new one, renamed over it), so the outside file keeps its content.
+    SHA1_Store(tmp_path / "s5", init=True)
+    (tmp_path / "s5" / "metadata.json").unlink()
+    os.link(outside / "store" / "metadata.json", tmp_path / "s5" / "metadata.json")
+    SHA1_Store(tmp_path / "s5").add(tensor)
 
     # Keys are SHA1s: anything with a path in it is refused by every method, and the file it names stays.
     store = SHA1_Store(tmp_path / "s4", init=True)
