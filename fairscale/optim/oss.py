@@ -63,13 +63,20 @@ class OSS(Optimizer):
         group (Optional[ProcessGroup]): the group to shard across (default: the world group).
         broadcast_buffer_size (int): deprecated, ignored (kept for compatibility).
         broadcast_fp16 (bool): broadcast the updated parameters as fp16 (halves the traffic; every trainable
-            parameter ends up rounded to fp16 precision). Default ``False``.
+            parameter ends up rounded to fp16 precision). An owner's bucket holding a value beyond the fp16 range
+            travels in full precision for that step instead of becoming inf; deciding it costs one small
+            all-reduce per step. Default ``False``.
         force_broadcast_object (bool): consolidate state dicts through byte tensors instead of
             ``torch.distributed.broadcast_object_list``. Default ``False``.
         **default: the hyper-parameters of ``optim`` (e.g. ``lr=0.1``).
 
-    .. warning:: Every rank must call :meth:`step`, :meth:`consolidate_state_dict`, :meth:`clip_grad_norm` and
-        :meth:`add_param_group` together (they communicate), with the same parameters in the same order.
+    Raises:
+        RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks passed parameters of other shapes,
+            dtypes or ``requires_grad`` flags (checked with one small all-gather at construction).
+
+    .. warning:: Every rank must call :meth:`step`, :meth:`consolidate_state_dict`, :meth:`clip_grad_norm`,
+        :meth:`add_param_group` and :meth:`refresh_trainable` together (they communicate), with the same parameters
+        in the same order.
     """
 
     in_super_constructor: bool
@@ -328,9 +335,16 @@ class OSS(Optimizer):
         per-parameter entries of the parameters this rank does not own are replaced by ``{}`` in ``state_dict``
         (pass a copy to keep it intact). A dict that does not fit raises and changes nothing.
 
+        The wrapped optimizer's own top-level entries (fairscale Adam's ``optim_scale``) are passed on to it. Every
+        state tensor is checked against its parameter first, on every rank for every parameter (a per-element
+        moment such as ``exp_avg`` must have the parameter's shape; another tensor of more than one element may not
+        have more elements than the parameter), and with the wrapped optimizer's own checks
+        when it has them (fairscale Adam), so that every rank raises the same error.
+
         Raises:
             ValueError: different group count or sizes (e.g. a per-rank shard), unknown parameter indices, or
-                state shaped for other parameters.
+                state shaped for other parameters (the message names the parameter and both shapes).
+            KeyError: ``optim=fairscale.optim.Adam`` and the dict has no ``optim_scale``.
         """
         _state.check_loadable(state_dict, self.param_groups)
         # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's shard,

@@ -58,6 +58,13 @@ class ShardedDataParallel(nn.Module):
         warn_on_trainable_params_changed (bool): log a warning when a trainability change is detected.
             Default ``True``.
 
+    Raises:
+        RanksDisagreeError: (a ``ValueError``, the same on every rank) at construction, when the ranks wrap modules
+            with other parameters (names, shapes, dtypes, ``requires_grad``) or buffers; in ``backward()``, when
+            the ranks would reduce different parameters (one rank froze or unfroze a parameter alone, or called
+            :meth:`refresh_trainable` alone). The first costs one small all-gather; the second one all-reduce of two
+            integers before the first reduction of each backward (none inside :meth:`no_sync`).
+
     .. warning:: Every rank must run the same graph (the same parameters get gradients, in the same order): the
         reductions are matched by order.
     """
@@ -202,6 +209,7 @@ class ShardedDataParallel(nn.Module):
         """Rebuild hooks and buckets (and the optimizers' broadcast buckets) for the current trainability.
 
         Called automatically when ``auto_refresh_trainable`` is set; ownership of the parameters never changes.
+        Otherwise call it on every rank: the next backward checks that the ranks reduce the same parameters.
         """
         if self._reducer.has_pending:
             logging.warning(
