@@ -141,7 +141,9 @@ def load_checkpoint(path: Path) -> Any:
             # torch warns about the pickle protocol of files it then refuses; the error says what matters.
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+    except OSError:
+        raise  # a missing or unreadable file: torch's error names it
+    except Exception as e:  # noqa: B902  # whatever torch.load raises on a bad file, the file is refused
         reason = _torch_refusal(e)
         raise UntrustedContentError(
             f"incorrect input {path}: {reason}. wgit loads checkpoints with torch.load(weights_only=True) and never "

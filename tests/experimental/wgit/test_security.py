@@ -96,7 +96,9 @@ def test_store_add_file_never_runs_a_pickle_payload(tmp_path: Path) -> None:
     torch.save({"w": _Payload(marker)}, as_torch_save)
     as_pickle = tmp_path / "evil.pkl"
     as_pickle.write_bytes(pickle.dumps(_Payload(marker)))
-    for path in (as_torch_save, as_pickle):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint " * 8)
+    for path in (as_torch_save, as_pickle, garbage):
         with pytest.raises(UntrustedContentError, match="incorrect input") as info:
             store.add(path)
         assert isinstance(info.value, AssertionError)  # upstream asserted on plain pickles
