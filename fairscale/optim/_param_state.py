@@ -13,6 +13,11 @@ legitimate state, including optimizers it does not know, so it is:
 * any other tensor with more than one element must not have more elements than the parameter: per-parameter
   statistics are at most as large as the parameter, factored ones (Adafactor's row and column variances) smaller;
 * tensors with at most one element (``step``, ``eta``, ``mu_product`` ...) and non-tensor values are not checked.
+
+A per-element tensor of the right shape can still have a crafted layout (a stride-0 view of one element, a
+transposed one) that a fused kernel, which walks the memory of the parameter and its state in step, would read or
+write out of bounds or misaligned. :func:`laid_out_like` gives such tensors the parameter's layout before they are
+loaded (a copy only when the layout differs).
 """
 
 from typing import Any, Mapping
@@ -21,7 +26,7 @@ import torch
 
 from fairscale.internal.errors import FairscaleValueError
 
-__all__ = ["PER_ELEMENT_STATE", "check_param_state"]
+__all__ = ["PER_ELEMENT_STATE", "check_param_state", "laid_out_like"]
 
 #: State names that hold one value per parameter element in torch.optim (Adam, AdamW, Adamax, NAdam, RAdam, SGD,
 #: RMSprop, Adagrad, Adadelta, ASGD, Rprop, SparseAdam) and fairscale.optim.Adam.
@@ -78,3 +83,23 @@ def check_param_state(who: str, key: Any, entry: Any, param: torch.Tensor) -> No
                 "the state dict belongs to a different model (or lists the parameters in another order). Load the "
                 "state dict saved with this model's optimizer."
             )
+
+
+def laid_out_like(entry: Any, param: torch.Tensor) -> Any:
+    """``entry`` with each per-element state tensor in ``param``'s memory layout (copied only where it is not).
+
+    Args:
+        entry (Any): one parameter's loaded state, already checked with :func:`check_param_state`.
+        param (torch.Tensor): the parameter.
+
+    Returns:
+        Any: ``entry`` itself when nothing had to change, else a new dict.
+    """
+    if not isinstance(entry, Mapping):
+        return entry
+    changed = {
+        name: torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+        for name, value in entry.items()
+        if name in PER_ELEMENT_STATE and isinstance(value, torch.Tensor) and value.stride() != param.stride()
+    }
+    return {**entry, **changed} if changed else entry

@@ -183,7 +183,10 @@ class Adam(torch.optim.Optimizer):
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in saved:
-                    self.state[param][key] = saved[key].to(device=param.device, dtype=self.optim_type, copy=True)
+                    # A fresh tensor laid out like the parameter: the kernels walk both memories in step, and a
+                    # crafted layout (stride 0, transposed) must not make them read or write out of bounds.
+                    moment = torch.empty_like(param, dtype=self.optim_type)
+                    self.state[param][key] = moment.copy_(saved[key])
 
     @staticmethod
     def _check_loadable_state_dict(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> None:

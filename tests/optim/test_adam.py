@@ -341,6 +341,20 @@ def test_load_state_dict_of_another_model_raises_and_changes_nothing() -> None:
     assert target.state[target_params[0]]["step"] == 3
 
 
+def test_loaded_moments_get_the_parameters_layout() -> None:
+    """Moments of the right shape but another memory layout (transposed, stride 0) are loaded laid out like the
+    parameter: the kernels walk parameter and state memory in step."""
+    optim, params = _stepped([(3, 4), (5,)])
+    state = copy.deepcopy(optim.state_dict())
+    transposed = torch.arange(12.0).reshape(4, 3).t()
+    expanded = torch.full((1,), 0.5).expand(5)
+    state["state"][0]["exp_avg"] = transposed
+    state["state"][1]["exp_avg_sq"] = expanded
+    optim.load_state_dict(state)
+    for p, key, want in ((params[0], "exp_avg", transposed), (params[1], "exp_avg_sq", expanded)):
+        assert optim.state[p][key].stride() == p.stride() and torch.equal(optim.state[p][key], want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "dtype,precision,atol",

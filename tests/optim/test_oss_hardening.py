@@ -247,3 +247,32 @@ def _fp16_overflow_body(rank: int, world_size: int) -> Tuple[int, List[List[floa
 def test_broadcast_fp16_keeps_values_beyond_the_fp16_range() -> None:
     results = run_distributed(_fp16_overflow_body, 2, timeout=TIMEOUT)
     assert results[0] == results[1], "the ranks stay identical"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Crafted layouts
+
+
+def _crafted_layout_body(rank: int, world_size: int) -> None:
+    """Per-element state of the right shape but a crafted layout (one element seen through stride 0, a transposed
+    copy) is given the parameter's layout before the wrapped optimizer gets it: fused kernels walk the memory of
+    a parameter and its state in step."""
+    model = _model()
+    oss = OSS(model.parameters(), torch.optim.Adam, lr=0.01)
+    _train(model, oss, rank, world_size, range(1))
+    state = copy.deepcopy(oss.state_dict(all_ranks=True))
+    weight = model[0].weight
+    expanded = torch.full((1, 1), 0.25).expand(6, 4)  # 24 elements over one float of memory
+    transposed = torch.arange(24.0).reshape(4, 6).t()  # (6, 4) with strides (1, 6)
+    state["state"][0]["exp_avg"] = expanded
+    state["state"][0]["exp_avg_sq"] = transposed
+    oss.load_state_dict(state)
+    loaded = oss.optim.state[weight]
+    for name, want in (("exp_avg", expanded), ("exp_avg_sq", transposed)):
+        assert loaded[name].stride() == weight.stride(), name
+        assert torch.equal(loaded[name], want), name
+    _train(model, oss, rank, world_size, range(1, 2))
+
+
+def test_state_with_a_crafted_layout_gets_the_parameters_layout() -> None:
+    run_distributed(_crafted_layout_body, 1, timeout=TIMEOUT)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fairscale.internal import collectives
 from fairscale.internal.params import recursive_copy_to_device
 
-from .._param_state import check_param_state
+from .._param_state import check_param_state, laid_out_like
 from .partition import ParamGroup
 
 __all__ = [
@@ -257,7 +257,7 @@ def shard_for_rank(
         for param in part_group["params"]:
             saved_id = saved_ids[param_to_index[id(param)]]
             if saved_id in state_dict["state"]:
-                state[local_index] = state_dict["state"][saved_id]
+                state[local_index] = laid_out_like(state_dict["state"][saved_id], param)
             group["params"].append(local_index)
             local_index += 1
         groups.append(group)
