@@ -170,7 +170,7 @@ def test_maintaining_commands(tmp_path: Any) -> None:
     create, install = (shlex.split(line) for line in _lines(venv))
     assert create[:3] == ["python", "-m", "venv"] and install[0] == create[3] + "/bin/pip"
     assert install[1:] == ["install", "fairscale==0.4.13", "torch==2.13.0", "pygit2", "pgzip"]
-    assert "torch==2.13.0" in open(os.path.join(ROOT, ".ci", "run")).read()
+    assert "torch==2.13.0" in open(os.path.join(ROOT, "README.md")).read()  # the set-up commands CI runs
     # 2. The dump from outside the checkout (here: of this checkout's installed package).
     cd, run = (shlex.split(part) for part in dump.split("&&"))
     assert cd == ["cd", "/tmp"] and run[0] == install[0].replace("/pip", "/python")
