@@ -12,6 +12,7 @@ from fairscale.internal.device import accelerator_device_count
 from fairscale.internal.version import torch_version as torch_version
 
 from . import microbatch
+from ._checks import balance_entries
 from .batchnorm import DeferredBatchNorm
 from .pipeline import Pipeline
 from .skip.layout import inspect_skip_layout
@@ -89,10 +90,11 @@ def split_module(
     partitions.
 
     Raises:
-        BalanceError: wrong balance.
+        BalanceError: wrong balance (an entry that is not a positive int, or a sum other than ``len(module)``).
+        TypeError: ``balance`` is not iterable.
         IndexError: fewer devices than partitions.
     """
-    balance = list(balance)
+    balance = balance_entries(balance, BalanceError)
     if len(module) != sum(balance):
         raise BalanceError(
             "module and sum of balance have different length "

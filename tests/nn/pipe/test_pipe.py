@@ -89,6 +89,28 @@ def test_balance_errors():
         split_module(model, [1], [torch.device("cpu")])
 
 
+def test_balance_entries_are_positive_ints():
+    """A float or bool entry is rejected by name. Before, ``balance=[1.5, 2.5]`` built no partition at all (the
+    sum matched the number of layers) and ``forward`` returned its input; ``[True, True]`` happened to work."""
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(4)])
+    for balance, entry in [
+        ([1.5, 2.5], "balance entry 0 is 1.5 (float)"),
+        ([3, 1.0], "balance entry 1 is 1.0 (float)"),
+        ([True, 3], "balance entry 0 is True (bool)"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            Pipe(model, balance, devices=CPU2)
+        assert entry in str(info.value) and "positive int" in str(info.value), str(info.value)
+        with pytest.raises(BalanceError, match=entry.replace("(", r"\(").replace(")", r"\)")):
+            split_module(model, balance, [torch.device("cpu")] * 2)
+    with pytest.raises(TypeError, match="balance must be an iterable of ints"):
+        Pipe(model, 4, devices=CPU2)
+    # Integer types other than int (numpy's, say) are fine: they are stored as ints.
+    np = pytest.importorskip("numpy")
+    pipe = Pipe(model, [np.int64(3), np.int64(1)], devices=CPU2)
+    assert pipe.balance == [3, 1] and all(type(b) is int for b in pipe.balance)
+
+
 def test_recommend_auto_balance():
     with pytest.raises(ValueError, match="fairscale.nn.pipe.balance") as info:
         Pipe(nn.Sequential())
