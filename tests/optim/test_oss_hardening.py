@@ -221,15 +221,20 @@ def test_inner_adam_checks_run_on_every_rank() -> None:
 # broadcast_fp16 and values beyond the fp16 range
 
 
-def _fp16_overflow_body(rank: int, world_size: int) -> Tuple[int, List[List[float]]]:
-    model = _model()
+def _fp16_overflow_body(rank: int, world_size: int, dtype: torch.dtype) -> Tuple[int, List[List[float]]]:
+    model = _model().to(dtype)
     big = model[0].weight
     with torch.no_grad():
-        big[0, 0] = 70000.5  # beyond fp16's largest value (65504): inf in fp16
-        big[1, 1] = -1.0e6
+        # Beyond fp16's largest value (65504): inf in fp16. In bf16, 65536 is the next value above the limit (and
+        # what the limit rounds to in bf16 arithmetic).
+        if dtype == torch.float32:
+            big[0, 0] = 70000.5
+            big[1, 1] = -1.0e6
+        else:
+            big[1, 1] = -65536.0
     expected = big.detach().clone()
     oss = OSS(model.parameters(), torch.optim.SGD, lr=0.0, broadcast_fp16=True)
-    model(_data(0, rank)).pow(2).mean().backward()
+    model(_data(0, rank).to(dtype)).float().pow(2).mean().backward()
     with count_collectives() as counter:
         oss.step()
     # One small all-reduce tells every rank which buckets cannot travel as fp16.
@@ -239,13 +244,14 @@ def _fp16_overflow_body(rank: int, world_size: int) -> Tuple[int, List[List[floa
         if p is big:
             assert torch.equal(p, expected), "the bucket beyond the fp16 range travels exactly"
         elif oss._param_to_rank[p] != oss._param_to_rank[big]:
-            assert torch.equal(p, p.half().float()), "the other buckets still travel as fp16"
-    assert all(b.buffer.dtype == torch.float32 for per in oss.buckets.values() for b in per.values())
-    return oss._param_to_rank[big], [p.detach().flatten().tolist() for p in model.parameters()]
+            assert torch.equal(p, p.half().to(dtype)), "the other buckets still travel as fp16"
+    assert all(b.buffer.dtype == dtype for per in oss.buckets.values() for b in per.values())
+    return oss._param_to_rank[big], [p.detach().float().flatten().tolist() for p in model.parameters()]
 
 
-def test_broadcast_fp16_keeps_values_beyond_the_fp16_range() -> None:
-    results = run_distributed(_fp16_overflow_body, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_broadcast_fp16_keeps_values_beyond_the_fp16_range(dtype: torch.dtype) -> None:
+    results = run_distributed(_fp16_overflow_body, 2, dtype, timeout=TIMEOUT)
     assert results[0] == results[1], "the ranks stay identical"
 
 

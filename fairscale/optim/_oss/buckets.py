@@ -123,7 +123,8 @@ def _fits_fp16(ordered: List[Tuple[int, ParamBucket]], group: Any, rank: int) ->
         buffer = _buffer(bucket)
         if owner == rank and buffer.dtype != torch.float16 and buffer.numel() > 0:
             # NaN compares false: a NaN travels as fp16 NaN, as the owner has it. inf (and anything beyond the
-            # largest fp16 value) makes the bucket travel in its own dtype, so the value arrives as it is.
-            flags[i] = (buffer.detach().abs().max() > _FP16_MAX).to(device=device, dtype=torch.int32)
+            # largest fp16 value) makes the bucket travel in its own dtype, so the value arrives as it is. Compared
+            # in fp32: in bf16 the limit itself would round up to 65536, which fp16 cannot hold.
+            flags[i] = (buffer.detach().abs().max().float() > _FP16_MAX).to(device=device, dtype=torch.int32)
     collectives.all_reduce(flags, group=group, op="max")
     return [not bool(f) for f in flags.tolist()]
