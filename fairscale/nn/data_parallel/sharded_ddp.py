@@ -8,7 +8,7 @@ Where DDP all-reduces every gradient, ShardedDataParallel *reduces* each gradien
 
 import contextlib
 import logging
-from typing import Any, Dict, Generator, List, Optional, Tuple, Union
+from typing import Any, Dict, Generator, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -264,8 +264,7 @@ class ShardedDataParallel(nn.Module):
             handle = collectives.broadcast(
                 buffer.data, src=self._reference_global_rank, group=self._process_group, async_op=True
             )
-            assert handle is not None
-            handles.append(handle)
+            handles.append(cast(WorkHandle, handle))  # async_op=True: always a handle
         if blocking:
             for handle in handles:
                 handle.wait()
@@ -279,8 +278,7 @@ class ShardedDataParallel(nn.Module):
                     handle = collectives.broadcast(
                         tensor, src=self._reference_global_rank, group=self._process_group, async_op=True
                     )
-                    assert handle is not None
-                    handles.append(handle)
+                    handles.append(cast(WorkHandle, handle))  # async_op=True: always a handle
         for handle in handles:
             handle.wait()
 

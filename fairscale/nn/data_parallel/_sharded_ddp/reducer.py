@@ -32,6 +32,12 @@ from fairscale.nn.misc.param_bucket import GradBucket
 __all__ = ["HookState", "GradReducer"]
 
 
+def _buffer(bucket: GradBucket) -> torch.Tensor:
+    if bucket.buffer is None:  # pragma: no cover - the reducer never collapses its buckets
+        raise FairscaleRuntimeError("ShardedDataParallel: a gradient bucket has no buffer (internal error)")
+    return bucket.buffer
+
+
 def _dispatch_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", param: torch.Tensor) -> None:
     reducer = reducer_ref()
     if reducer is not None:
@@ -205,8 +211,7 @@ class GradReducer:
         raise RanksDisagreeError(f"{what} differ between ranks. {hint}")  # pragma: no cover - raised above
 
     def _reduce_direct(self, param: torch.Tensor) -> None:
-        assert param.grad is not None
-        grad = param.grad
+        grad = cast(torch.Tensor, param.grad)  # checked in _on_grad_ready
         grad.mul_(self.scaling)
         dst = self._owner[id(param)]
         mine = self._is_owner[id(param)]
@@ -224,23 +229,23 @@ class GradReducer:
 
     @torch.no_grad()
     def _check_into_bucket(self, param: torch.Tensor, bucket: GradBucket) -> None:
-        assert param.grad is not None
+        grad = cast(torch.Tensor, param.grad)  # checked in _on_grad_ready
         slot = bucket.slot(param)
-        if param.grad.data_ptr() != slot.data_ptr():
+        if grad.data_ptr() != slot.data_ptr():
             # The gradient was replaced (e.g. zero_grad(set_to_none=True) on the optimizer, then a fresh
             # gradient from autograd): bring its value into the bucket so the bucket reduces what autograd
             # computed. Upstream reduced the stale bucket instead.
-            slot.copy_(param.grad)
+            slot.copy_(grad)
             param.grad = slot
         bucket.params_checked_in += 1
         if bucket.all_checked_in:
             self._send(bucket)
 
     def _send(self, bucket: GradBucket) -> None:
-        assert bucket.buffer is not None
-        bucket.buffer.mul_(self.scaling)
+        buffer = _buffer(bucket)
+        buffer.mul_(self.scaling)
         bucket.sent = True
-        handle = collectives.reduce(bucket.buffer, bucket.destination, group=self.group, async_op=True)
+        handle = collectives.reduce(buffer, bucket.destination, group=self.group, async_op=True)
         self._handles.append(Workhandle(handle, None))
 
     def _consume_completed(self) -> None:
@@ -296,9 +301,9 @@ class GradReducer:
     def bucket_devices(self) -> List[torch.device]:
         devices: List[torch.device] = []
         for bucket in self.buckets:
-            assert bucket.buffer is not None
-            if bucket.buffer.device not in devices:
-                devices.append(bucket.buffer.device)
+            device = _buffer(bucket).device
+            if device not in devices:
+                devices.append(device)
         return devices
 
     def is_bucketed(self, param: torch.Tensor) -> Optional[GradBucket]:
