@@ -50,7 +50,8 @@ def _first_difference(a: Any, b: Any) -> str:
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
                 return f"entry {i}: {_shown(x)} vs {_shown(y)}"
-        return f"{len(a)} entries vs {len(b)}"
+        longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+        return f"{len(a)} entries vs {len(b)}; the first extra entry is {_shown(longer[len(shorter)])}"
     return f"{_shown(a)} vs {_shown(b)}"
 
 
