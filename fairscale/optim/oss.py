@@ -361,7 +361,16 @@ class OSS(Optimizer):
         # OSS's own state keeps only what belongs to no parameter (a wrapper's entry): per-parameter state lives
         # in the shard, and a duplicate here would be stale after the next step.
         own_state = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}
+        held_groups = self.param_groups
         super().load_state_dict({"state": own_state, "param_groups": saved_groups})
+        # torch's load builds new group dicts. Other objects may hold the old ones: an LR scheduler of the optimizer
+        # whose groups OSS was built from (Lightning's sharded strategies do that), or user code. Update the held
+        # dicts in place and keep them, so that a schedule set on them still reaches OSS after a resume.
+        for held, loaded in zip(held_groups, self.param_groups):
+            for key, value in loaded.items():
+                if key != "params":  # the same parameters, in the same order (check_loadable made sure)
+                    held[key] = value
+        self.param_groups = held_groups
         index_to_param = _state.global_index_map(saved_groups, self.param_groups)
         for key in list(state_dict["state"]):
             if isinstance(key, int) and self._param_to_rank[index_to_param[key]] != self.rank:
