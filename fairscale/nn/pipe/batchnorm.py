@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fairscale.internal.errors import FairscaleValueError
+
 from .checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm"]
@@ -118,7 +120,11 @@ class DeferredBatchNorm(_BatchNorm):
             converted.register_buffer("running_var", module.running_var)
             converted.register_buffer("num_batches_tracked", module.num_batches_tracked)
             # The sums live where the statistics live.
-            assert module.running_mean is not None
+            if module.running_mean is None:
+                raise FairscaleValueError(
+                    f"{type(module).__name__} has track_running_stats=True but no running_mean buffer: restore it "
+                    "(or set track_running_stats=False) before converting to DeferredBatchNorm"
+                )
             converted.register_buffer("sum", torch.zeros_like(module.running_mean))
             converted.register_buffer("sum_squares", torch.zeros_like(module.running_mean))
             module_output = converted

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fairscale.internal.device import accelerator_available, current_accelerator_device
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
 from .async_pipe import AsyncPipe
@@ -93,11 +94,20 @@ def _register_remote_model(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Non
     _remote_model = AsyncPipe(*args, **kwargs)
 
 
+def _stage() -> AsyncPipe:
+    """This rank's stage, built by :func:`_register_remote_model` when rank 0 constructed its PipeRPCWrapper."""
+    if _remote_model is None:
+        raise FairscaleRuntimeError(
+            "no PipeRPCWrapper stage on this rank: construct the PipeRPCWrapper on pipeline rank 0 first (it builds "
+            "the stages of the other ranks)"
+        )
+    return _remote_model
+
+
 def _run_remote_forward(shapes: Any, dtypes: Any, training: bool) -> Optional[Tuple[Any, Any]]:
     """Run (via RPC) this rank's stage on a placeholder input; the final stage keeps its output."""
     global _remote_output
-    model = _remote_model
-    assert model is not None, "no PipeRPCWrapper stage on this rank"
+    model = _stage()
     model.train(training)
     with torch.set_grad_enabled(training):
         output = model(_empty_like(shapes, dtypes))
@@ -109,7 +119,8 @@ def _run_remote_forward(shapes: Any, dtypes: Any, training: bool) -> Optional[Tu
 
 def _fetch_output() -> TensorOrTensors:
     """Run (via RPC) on the final stage: its output, detached (it travels back to rank 0)."""
-    assert _remote_output is not None
+    if _remote_output is None:
+        raise FairscaleRuntimeError("PipeRPCWrapper: the final stage holds no output; run forward on rank 0 first")
     if isinstance(_remote_output, Tensor):
         return _remote_output.detach()
     return tuple(t.detach() for t in _remote_output)
@@ -119,7 +130,10 @@ def _backward_output(grads: TensorOrTensors) -> None:
     """Run (via RPC) on the final stage: back-propagate the gradients of its output."""
     global _remote_output
     output = _remote_output
-    assert output is not None
+    if output is None:
+        raise FairscaleRuntimeError(
+            "PipeRPCWrapper: the final stage holds no output to back-propagate (backward ran twice, or before forward)"
+        )
     _remote_output = None
     outputs = (output,) if isinstance(output, Tensor) else tuple(output)
     grad_list = (grads,) if isinstance(grads, Tensor) else tuple(grads)
@@ -130,8 +144,7 @@ def _backward_output(grads: TensorOrTensors) -> None:
 def callback_with_model(callback: Callable[[Any, AsyncPipe], None], ctx: Any) -> None:
     """Run (via RPC) ``callback(ctx, model)`` on this rank's stage; errors are printed, as upstream."""
     try:
-        model = _remote_model
-        assert model is not None
+        model = _stage()
         with model.lock:
             callback(ctx, model)
     except Exception as exc:  # noqa: B902 - upstream prints remote callback errors
@@ -192,10 +205,16 @@ class PipeRPCWrapper(nn.Module):
         from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group
 
         self.group = kwargs.get("group") or get_pipeline_parallel_group()
-        assert self.group.rank() == 0
-        assert (
-            self.group is get_pipeline_parallel_group()
-        ), "Can't pickle groups, so group must be `get_pipeline_parallel_group()`"
+        if self.group.rank() != 0:
+            raise FairscaleValueError(
+                f"PipeRPCWrapper must be constructed on pipeline rank 0 only (this is pipeline rank "
+                f"{self.group.rank()}): the other ranks build their stages when rank 0 asks them over RPC"
+            )
+        if self.group is not get_pipeline_parallel_group():
+            raise FairscaleValueError(
+                "Can't pickle groups, so group must be `get_pipeline_parallel_group()`: the other ranks find their "
+                "group there (set it up with fairscale.nn.model_parallel.initialize_model_parallel)"
+            )
         if kwargs.get("worker_map") is None:
             raise ValueError("PipeRPCWrapper requires worker_map={global rank: RPC worker name}")
         rpc = _rpc()

@@ -48,6 +48,7 @@ def _rpc_world(rank: int, world_size: int, path: str) -> None:
     rpc.init_rpc(f"Test{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
     worker_map = {i: f"Test{i}" for i in range(world_size)}
     try:
+        _wrapper_checks(rank, worker_map)
         _async_pipe_over_rpc(rank, worker_map)
         dist.barrier()
         if rank == 0:
@@ -55,6 +56,17 @@ def _rpc_world(rank: int, world_size: int, path: str) -> None:
     finally:
         rpc.shutdown()
         destroy_model_parallel()
+
+
+def _wrapper_checks(rank: int, worker_map) -> None:
+    """Misuse is a clear ValueError (still an AssertionError, which upstream raised), before any RPC."""
+    if rank == 1:
+        with pytest.raises(ValueError, match="must be constructed on pipeline rank 0 only") as info:
+            PipeRPCWrapper(_model(), [2, 2], worker_map=worker_map)
+    else:
+        with pytest.raises(ValueError, match="group must be `get_pipeline_parallel_group\\(\\)`") as info:
+            PipeRPCWrapper(_model(), [2, 2], worker_map=worker_map, group=dist.group.WORLD)
+    assert isinstance(info.value, AssertionError)
 
 
 def _async_pipe_over_rpc(rank: int, worker_map) -> None:
