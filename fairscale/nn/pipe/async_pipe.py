@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.internal.agreement import check_ranks_agree
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
 from . import microbatch
+from ._checks import balance_entries
 from .async_pipeline import AsyncPipeline
 from .async_schedule import Invocation, Location, ModuleWrapper
 from .batchnorm import DeferredBatchNorm
@@ -46,7 +48,14 @@ def verify_module(module: Module) -> None:
 
 
 def check_balance(module: Any, balance: List[int]) -> None:
-    """Raise ``ValueError`` unless ``balance`` covers the layers of ``module`` with positive sizes."""
+    """Raise ``ValueError`` unless ``balance`` covers the layers of ``module`` with positive ints.
+
+    Raises:
+        ValueError: an entry is not an int (floats and bools are rejected) or not positive, or the sum is not
+            ``len(module)``.
+        TypeError: ``balance`` is not iterable.
+    """
+    balance = balance_entries(balance)
     if len(module) != sum(balance):
         raise ValueError(
             f"module and sum of balance have different length (module: {len(module)}, sum of balance: {sum(balance)})"
@@ -62,8 +71,10 @@ class AsyncPipe(nn.Module):
     stage's values are used. Activations and gradients travel between stages as messages (point-to-point
     send/recv on the pipeline group, or ``torch.distributed.rpc`` when a ``worker_map`` is given and RPC is
     initialised; see :mod:`fairscale.nn.pipe.messages`). The last stage returns the output; the others return
-    their micro-batches. In training, a non-final stage's ``forward`` returns only once the backward pass through
-    it is done, so the last stage must run backward (or every stage must be in eval mode)::
+    their micro-batches. In training (with autograd on), a non-final stage's ``forward`` returns only once the
+    backward pass through it is done, so the last stage must run backward (or every stage must be in eval mode, or
+    under ``torch.no_grad()``). Nothing is left in flight when ``forward`` (or the last stage's backward) returns,
+    and a failing stage stops the stages waiting for it with ``PipelineAbortedError``::
 
         model = AsyncPipe(nn.Sequential(a, b, c, d), balance=[2, 2], group=group, chunks=4)
         out = model(x)
@@ -84,7 +95,8 @@ class AsyncPipe(nn.Module):
         deferred_batch_norm (bool): track batch-norm statistics over whole mini-batches (default ``False``).
 
     Raises:
-        ValueError: invalid chunks, checkpoint, balance or duplicate layers.
+        ValueError: invalid chunks, checkpoint, balance (each entry a positive int) or duplicate layers.
+        TypeError: ``balance`` is not iterable.
         IndexError: fewer ranks than stages.
     """
 
@@ -110,13 +122,15 @@ class AsyncPipe(nn.Module):
         if checkpoint not in ["always", "except_last", "never"]:
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
 
-        self.balance = list(balance)
+        self.balance = balance_entries(balance)
         verify_module(module)
         check_balance(module, self.balance)
 
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.pipeline: Optional[AsyncPipeline] = None
+        # Whether the ranks were checked to agree on the shape of a step (at the first forward).
+        self._ranks_agree = False
         self.lock = threading.Lock()
         self.worker_map = worker_map
         self.input_device = input_device
@@ -229,20 +243,68 @@ class AsyncPipe(nn.Module):
     def forward(self, input: TensorOrTensors, *, event: Optional[Event] = None) -> Any:
         """Run this stage on a mini-batch.
 
+        At the first call, when every rank of the group holds a stage, the ranks check that they agree on the shape
+        of the step (one small collective), see :meth:`_check_ranks_agree`.
+
+        Args:
+            input (torch.Tensor or Tuple[torch.Tensor, ...]): the mini-batch; only the first stage's values are
+                used, the other ranks pass a tensor of the same shape.
+            event (Optional[Event]): the first stage waits for it before it receives gradients (PipeRPCWrapper).
+
         Returns:
             The output on the final stage; this stage's micro-batches (a list of ``Batch``) elsewhere; the input
-            itself on ranks without a stage.
+            itself on ranks without a stage. ``forward`` returns once every message of this stage was received by
+            its peer, and the last stage's backward once its gradients were, so a script may simply end.
+
+        Raises:
+            RanksDisagreeError: at the first call, the stages differ in balance, chunks, number of micro-batches,
+                batch size or mode (raised on every rank).
+            PipelineAbortedError: another stage failed.
         """
         microbatch.check(input)
-        if not self.pipeline:
-            # No stage on this rank.
-            return input
-        batches = microbatch.scatter(input, self.chunks)
+        # Gradients come back only in training mode with autograd on; otherwise no stage waits for them.
+        training = self.training and torch.is_grad_enabled()
         with self.lock:
-            self.pipeline.run(self.training, batches, event)
+            if not self._ranks_agree:
+                self._check_ranks_agree(input, training)
+                self._ranks_agree = True
+            if not self.pipeline:
+                # No stage on this rank.
+                return input
+            batches = microbatch.scatter(input, self.chunks)
+            self.pipeline.run(training, batches, event)
             if self.final_stage:
                 return microbatch.gather(batches)
             return batches
+
+    def _check_ranks_agree(self, input: TensorOrTensors, training: bool) -> None:
+        """Raise the same ``RanksDisagreeError`` on every rank when the ranks would run steps that do not match.
+
+        A stage waits for as many messages as it has micro-batches, and for gradients only in training: ranks
+        that differ there would wait for each other forever. Checked once, at the first step (one
+        ``all_gather_object`` on the pipeline group); later steps are not checked. Not checked when some ranks of
+        the group hold no stage: those need not call ``forward`` at all, so they cannot be asked to join.
+        """
+        if len(self.balance) != self.group.size() or not isinstance(self.group, dist.ProcessGroup):
+            return
+        tensors = (input,) if isinstance(input, torch.Tensor) else tuple(input)
+        # A rank without a stage may get a 0-dim input (it returns it unchanged): it has no micro-batches.
+        scalar = any(t.dim() == 0 for t in tensors)
+        description = [
+            ("balance", list(self.balance)),
+            ("chunks", self.chunks),
+            ("micro-batches", None if scalar else len(microbatch.scatter(input, self.chunks))),
+            ("batch size (dim 0 of each input tensor)", [int(t.shape[0]) if t.dim() else None for t in tensors]),
+            ("gradients come back (training mode with autograd on)", training),
+        ]
+        check_ranks_agree(
+            "AsyncPipe: the balance, chunks, micro-batch count, batch size and mode of the first step",
+            description,
+            self.group,
+            hint="Construct AsyncPipe with the same balance and chunks on every rank, call it with an input of the "
+            "same shape on every rank (only the first stage's values are used), in the same mode (train/eval, "
+            "autograd on/off).",
+        )
 
     def back_helper(self, output: List[Batch]) -> None:
         """Kept for upstream compatibility: a no-op on non-final stages (their backward ran inside ``forward``)."""

@@ -4,7 +4,7 @@
 from threading import Event
 from typing import Any, Dict, List, Optional
 
-from .async_schedule import AsyncEventLoop, ModuleWrapper, PipelineAbortedError
+from .async_schedule import AsyncEventLoop, ModuleWrapper, PipelineAbortedError, _TailBackward
 from .messages import MakeTransport, Transport, use_rpc_by_default
 from .microbatch import Batch
 from .skip.layout import SkipLayout
@@ -54,6 +54,8 @@ class AsyncPipeline:
         self.final_stage = final_stage
         # Number of stages (``len(balance)``); ranks past it hold none. ``None``: the group size.
         self.num_stages = num_stages
+        # The last stage: the backward of the previous mini-batch's outputs, which the earlier stages wait for.
+        self._tail_backward: Optional[_TailBackward] = None
 
     @property
     def checkpoint_stop(self) -> int:
@@ -64,7 +66,29 @@ class AsyncPipeline:
         return self.__checkpoint_stop
 
     def run(self, training: bool, batches: List[Batch], event: Optional[Event]) -> None:
-        """Run this stage on ``batches`` (the final stage replaces them by its outputs, in place)."""
+        """Run this stage on ``batches`` (the final stage replaces them by its outputs, in place).
+
+        Returns only once every message this stage sent was received, so that the process may end right after.
+
+        Args:
+            training (bool): whether gradients come back (training mode with autograd enabled): the stages before
+                the last one then wait for them, and the last one sends them in its outputs' backward.
+            batches (List[Batch]): this stage's micro-batches (only the first stage's values are used).
+            event (Optional[Event]): the first stage waits for it before it receives gradients.
+
+        Raises:
+            PipelineAbortedError: another stage failed.
+            RuntimeError: on the last stage, the previous output's backward did not run (the earlier stages, which
+                waited for it, are stopped with ``PipelineAbortedError``).
+        """
+        previous, self._tail_backward = self._tail_backward, None
+        if previous is not None and previous.abandon():
+            raise RuntimeError(
+                "AsyncPipe: the last stage runs forward again before the backward of its previous output: the "
+                "earlier stages were still waiting for those gradients (they were stopped with PipelineAbortedError "
+                "now, instead of waiting forever). In training mode, back-propagate every output of the last stage; "
+                "for forward-only passes use eval mode or torch.no_grad() on every stage"
+            )
         self.training = training
         m = len(batches)
         skip_trackers = [SkipTrackerThroughPotals(self.skip_layout, i) for i in range(m)]
@@ -85,6 +109,10 @@ class AsyncPipeline:
             # Stop every stage, not only this one: the others would wait for its messages forever.
             event_loop.fail_over()
             raise
+        self._tail_backward = event_loop.tail_backward
+        # The sends run on a daemon thread, which does not outlive the interpreter: none may be left in flight
+        # when forward returns (in eval mode the first stage would otherwise end before its activations left).
+        self.transport.flush()
 
     def back_helper(self, output: List[Batch]) -> None:
         """A no-op: the backward of a non-final stage happens inside its ``forward``."""

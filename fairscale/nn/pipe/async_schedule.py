@@ -7,15 +7,19 @@ travel back as messages: the tail's receive operator sends them when the user ru
 back-propagates them through its partition and sends the input gradients on, down to the head.
 """
 
+import atexit
+import warnings
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from threading import Event
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
+from fairscale.internal.errors import FairscaleTypeError
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_ranks as get_pipeline_parallel_ranks
 
 from .checkpoint import Checkpointing
@@ -39,6 +43,10 @@ __all__ = [
     "PipelineAbortedError",
 ]
 
+# How long a stage that stops with an error waits for its abort messages to reach the stages waiting for it. They
+# are receiving, so this is quick; the bound only keeps a peer that went elsewhere from holding the error back.
+_ABORT_FLUSH_TIMEOUT_S = 10.0
+
 
 def create_task(
     checkpoint_stop: int,
@@ -53,7 +61,11 @@ def create_task(
     def function(input: TensorOrTensors) -> TensorOrTensors:
         with use_skip_tracker(skip_trackers[chunk_id]), record_function(f"chunk{chunk_id}-part{part_id}"):
             output = partition(input)
-        assert isinstance(output, (Tensor, tuple)), "Only Tensor or Tuple of Tensor output is supported"
+        if not isinstance(output, (Tensor, tuple)):
+            raise FairscaleTypeError(
+                f"Only Tensor or Tuple of Tensor output is supported: the partition of stage {part_id} returned a "
+                f"{type(output).__name__} for micro-batch {chunk_id}"
+            )
         return output
 
     if chunk_id < checkpoint_stop:
@@ -161,11 +173,23 @@ class AutogradWithoutActivations(torch.autograd.Function):
 
 
 class AsyncRecvOperator(torch.autograd.Function):
-    """Receives the tensors of an activation message; its backward sends their gradients back to the sender."""
+    """Receives the tensors of an activation message; its backward sends their gradients back to the sender.
+
+    ``apply(phony, transport, message, queue_name, event_loop=None)``: when an ``event_loop`` is given, its
+    ``gradients_sent`` counts the gradient messages this operator sent (what a failing stage still owes its peers).
+    """
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, transport: Transport, message: PipeMessage, queue_name: int) -> Tensors:
+    def forward(
+        ctx: Any,
+        phony: Tensor,
+        transport: Transport,
+        message: PipeMessage,
+        queue_name: int,
+        event_loop: Optional["AsyncEventLoop"] = None,
+    ) -> Tensors:
         ctx.transport = transport
+        ctx.event_loop = event_loop
         ctx.index = message.args.microbatch_index
         ctx.queue_name = queue_name
         ctx.args = message.args
@@ -179,7 +203,7 @@ class AsyncRecvOperator(torch.autograd.Function):
         return tuple(result)
 
     @staticmethod
-    def backward(ctx: Any, *grad: Optional[Tensor]) -> Tuple[None, None, None, None]:
+    def backward(ctx: Any, *grad: Optional[Tensor]) -> Tuple[None, None, None, None, None]:
         # Every received tensor gets a gradient slot on the wire; non-differentiable ones send zeros.
         grads = tuple(
             g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
@@ -191,6 +215,124 @@ class AsyncRecvOperator(torch.autograd.Function):
         ctx.transport.send_message(
             PipeMessage(ctx.dest, ctx.src, queue_name=ctx.queue_name, args=body, tensors=grads), sync=True
         )
+        if ctx.event_loop is not None:
+            ctx.event_loop.gradients_sent += 1
+        return (None, None, None, None, None)
+
+
+class _TailBackward:
+    """The last stage's share of the backward of one mini-batch.
+
+    It runs in the user's ``backward`` call, outside the event loop (and its error handler), and it is the last
+    thing of the step that sends messages. So each micro-batch's output goes through :class:`_TailOutput`, whose
+    backward runs the stage's own backward here: a failure in it (a layer's backward, checkpointing's
+    recomputation, a send) first tells the previous stage, which waits for these gradients, then propagates; and the
+    backward of the last micro-batch returns only once every gradient was received, so that a script may end right
+    after it.
+
+    When the backward does not come at all (the next ``forward`` of the last stage comes first, or the process ends,
+    after an error in the loss, say), :meth:`abandon` stops the waiting stages instead.
+    """
+
+    def __init__(self, event_loop: "AsyncEventLoop", num_microbatches: int) -> None:
+        self.event_loop = event_loop
+        self.num_microbatches = num_microbatches
+        self.done: Set[int] = set()
+        # The earlier stages were told to stop waiting (a failed backward, or abandon()).
+        self.aborted = False
+        _unfinished_tails.add(self)
+
+    @property
+    def finished(self) -> bool:
+        """Whether no earlier stage waits for this mini-batch's gradients any more."""
+        return self.aborted or len(self.done) == self.num_microbatches
+
+    def abandon(self) -> bool:
+        """Stop the earlier stages that still wait for gradients of this mini-batch (which will never come).
+
+        Returns:
+            bool: whether some did.
+        """
+        _unfinished_tails.discard(self)
+        if self.finished:
+            return False
+        self.aborted = True
+        self.event_loop.abort_after_backward_failure()
+        return True
+
+    def wrap(self, output: Batch) -> Batch:
+        """``output`` as the user gets it: the same values, whose backward comes through :meth:`backward`."""
+        tensors = tuple(output)
+        phony = torch.empty(0, requires_grad=True)
+        wrapped = _TailOutput.apply(phony, self, output.index, tensors)
+        return Batch(wrapped[0] if output.atomic else tuple(wrapped), output.index)
+
+    def backward(self, index: int, outputs: Tensors, grads: Sequence[Optional[Tensor]]) -> None:
+        """Back-propagate ``grads`` through micro-batch ``index``'s outputs, down to the sends to the previous stage."""
+        if index in self.done:
+            raise RuntimeError(
+                f"the backward of micro-batch {index} of the last AsyncPipe stage ran twice: its gradients were sent "
+                "to the previous stage already (back-propagate a pipeline output once per forward)"
+            )
+        pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad and g is not None]
+        try:
+            if pairs:
+                # Autograd is on here only for a backward with create_graph=True: keep the gradients' graph then.
+                create_graph = torch.is_grad_enabled()
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], create_graph=create_graph)
+        except BaseException:
+            self.abandon()
+            raise
+        self.done.add(index)
+        if len(self.done) == self.num_microbatches:
+            _unfinished_tails.discard(self)
+            self.event_loop.transport.flush()
+
+
+# Last stages of this process whose outputs still owe gradients to the earlier stages.
+_unfinished_tails: "weakref.WeakSet[_TailBackward]" = weakref.WeakSet()
+
+
+@atexit.register
+def _abandon_unfinished_tails() -> None:
+    """At interpreter exit: stop the earlier stages that wait for gradients this process will never send.
+
+    A last stage whose script ends (an error in the loss, say) before its outputs' backward would otherwise leave
+    them waiting until the process-group timeout (gloo does not notice that a peer is gone).
+    """
+    for tail in list(_unfinished_tails):
+        try:
+            if tail.abandon():
+                warnings.warn(
+                    "the process ends before the backward of its last AsyncPipe stage's output: the earlier stages "
+                    "were stopped with PipelineAbortedError"
+                )
+        except Exception:  # noqa: B902 - best effort at exit
+            pass
+
+
+class _TailOutput(torch.autograd.Function):
+    """Identity on one micro-batch's outputs of the last stage; its backward is :meth:`_TailBackward.backward`.
+
+    The outputs are passed as a tuple (not as tensor arguments), so the user's backward stops here and the stage's
+    own graph is back-propagated by :class:`_TailBackward`, where its failures can be caught.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, tail: _TailBackward, index: int, outputs: Tensors) -> Tensors:
+        ctx.tail = tail
+        ctx.index = index
+        ctx.outputs = outputs
+        result = tuple(t.detach() for t in outputs)
+        constant = [r for r, t in zip(result, outputs) if not t.requires_grad]
+        if constant:
+            ctx.mark_non_differentiable(*constant)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, None, None, None]:
+        outputs, ctx.outputs = ctx.outputs, None  # the stage's graph is freed by its backward anyway
+        ctx.tail.backward(ctx.index, outputs, grads)
         return (None, None, None, None)
 
 
@@ -201,7 +343,8 @@ class AsyncEventLoop:
         partitions (List[ModuleWrapper]): this stage's partitions (one without layer reuse).
         group: the pipeline process group; stage ``s`` is its rank ``s``.
         transport (Transport): how messages travel.
-        training (bool): whether gradients will come back (the stages then wait for them).
+        training (bool): whether gradients will come back, so that the stages wait for them (training mode with
+            autograd enabled). Otherwise received activations are not connected to the stage that sent them.
         checkpoint_stop (int): micro-batches below this index are checkpointed.
     """
 
@@ -226,6 +369,8 @@ class AsyncEventLoop:
         self.activations_sent = 0
         self.gradients_received = 0
         self.gradients_sent = 0
+        # The last stage in training: the backward of the outputs of this mini-batch (set by event_loop_tail).
+        self.tail_backward: Optional[_TailBackward] = None
 
     @property
     def invocation(self) -> Invocation:
@@ -309,9 +454,14 @@ class AsyncEventLoop:
         return Batch(stand_in, result.index)
 
     def get_batch_from_message(self, message: PipeMessage) -> Batch:
-        """The activations of ``message`` (received through :class:`AsyncRecvOperator`) as a batch."""
-        phony = torch.empty(0, requires_grad=True)
-        result = AsyncRecvOperator.apply(phony, self.transport, message, EVENT_LOOP_QUEUE)
+        """The activations of ``message`` as a batch (in training through :class:`AsyncRecvOperator`, whose
+        backward sends their gradients back)."""
+        if not self.training:
+            # Nobody waits for gradients: a backward (in eval mode, say) stays on this stage.
+            result = self.transport.recv_message_tensors(message).tensors
+        else:
+            phony = torch.empty(0, requires_grad=True)
+            result = AsyncRecvOperator.apply(phony, self.transport, message, EVENT_LOOP_QUEUE, self)
         if len(result) == 1:
             return Batch(result[0], message.args.microbatch_index)
         return Batch(tuple(result), message.args.microbatch_index)
@@ -330,13 +480,13 @@ class AsyncEventLoop:
         stand_in.tensor.backward(retain_graph=True)
 
     def process_batch_backward(self, message: PipeMessage) -> None:
-        """Back-propagate the gradients of ``message`` through the stand-in of its invocation and micro-batch."""
+        """Back-propagate the gradients of ``message`` through the stand-in of its invocation and micro-batch.
+
+        When the backward reaches this stage's :class:`AsyncRecvOperator`, it sends the gradients on (and counts
+        them in :attr:`gradients_sent`).
+        """
         invocation = self.invocations[message.args.order]
-        stand_in = self.activations[invocation.this.index][invocation.order][message.args.microbatch_index]
-        reaches_receive = stand_in.tensor.grad_fn is not None
         self.perform_backward_for_invocation(self.transport, message, self.activations, invocation)
-        if reaches_receive and self.rank > 0:
-            self.gradients_sent += 1  # the backward reached this stage's receive operator, which sent them on
 
     @staticmethod
     def prepare_tail_backward(
@@ -418,6 +568,19 @@ class AsyncEventLoop:
                 self.transport.send_message(message, sync=False)
             except Exception:  # noqa: B902 - best effort: the original error matters more
                 pass
+        # The error that follows may end the process, and with it the sender thread: let the aborts (and the
+        # messages before them) reach the stages that wait for them first.
+        try:
+            self.transport.flush(_ABORT_FLUSH_TIMEOUT_S)
+        except Exception:  # noqa: B902 - a failed send: the original error matters more
+            pass
+
+    def abort_after_backward_failure(self) -> None:
+        """The last stage's backward failed (outside the event loop): stop the stages still waiting for gradients.
+
+        Nothing is left to receive first: the last stage got every activation in its forward.
+        """
+        self._send_aborts(self.rank, forward=False, backward=True)
 
     def event_loop_inner(
         self,
@@ -499,7 +662,11 @@ class AsyncEventLoop:
             )
 
     def event_loop_tail(self, batches: List[Batch], skip_trackers: List[SkipTrackerThroughPotals]) -> None:
-        """The last stage: compute every micro-batch as it arrives; results are written into ``batches``."""
+        """The last stage: compute every micro-batch as it arrives; results are written into ``batches``.
+
+        In training, the outputs' backward (in the user's ``backward`` call) sends the gradients to the previous
+        stage, through :class:`_TailBackward`.
+        """
         self.num_microbatch = len(batches)
         invocation = self.invocation
         if self.rank == 0:
@@ -510,8 +677,21 @@ class AsyncEventLoop:
                 )
         else:
             self.event_loop_inner(len(batches), skip_trackers, self.activations, self.invocations, {}, tail=True)
-        for index, output in self.activations[invocation.this.index][invocation.order].items():
-            batches[index] = output
+        outputs = self.activations[invocation.this.index][invocation.order]
+        if not self.training or self.rank == 0:
+            for index, output in outputs.items():
+                batches[index] = output
+            return
+        for index, output in outputs.items():
+            if not any(t.requires_grad for t in output):
+                raise RuntimeError(
+                    f"the last AsyncPipe stage's output of micro-batch {index} does not require grad, so no backward "
+                    "can send gradients to the earlier stages, which wait for them in training mode. Run inference "
+                    "in eval mode or under torch.no_grad() on every stage"
+                )
+        self.tail_backward = _TailBackward(self, len(outputs))
+        for index, output in outputs.items():
+            batches[index] = self.tail_backward.wrap(output)
 
     def event_loop(self, num_microbatch: int, skip_trackers: List[SkipTrackerThroughPotals]) -> None:
         """A middle stage: forward activations and (training) gradients until all micro-batches went through."""

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.object import pyobject_to_tensor as pyobject_to_tensor
 from fairscale.internal.object import tensor_to_pyobject as tensor_to_pyobject
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
@@ -95,13 +96,28 @@ class Transport(ABC):
     def get_out_of_order(self, queue_name: int, index: int) -> Tensors:
         """The tensors of the message of queue ``queue_name`` whose ``args`` equal ``index``."""
 
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every message this process sent was received (nothing to wait for by default).
+
+        Args:
+            timeout (Optional[float]): give up after this many seconds (``None``: wait as long as it takes).
+
+        Returns:
+            bool: ``True`` when nothing is left in flight, ``False`` when ``timeout`` passed first.
+        """
+        return True
+
 
 @dataclass(frozen=True)
 class RpcTransport(Transport):
     def send_message(self, message: PipeMessage, sync: bool = False, skip_header: bool = False) -> None:
         from torch.distributed import rpc
 
-        assert self.worker_map is not None
+        if self.worker_map is None:
+            raise FairscaleValueError(
+                "RpcTransport needs a worker_map {global rank: RPC worker name} to send messages; build it with "
+                "MakeTransport(use_rpc=True, worker_map=...)"
+            )
         message.tensors = tuple(t.cpu() for t in message.tensors)
         name = self.worker_map[message.dest]
         if sync:
@@ -133,6 +149,10 @@ class _Sender:
     A gloo send returns only once the peer received it. Sending from the event loop would let a stage that
     failed (and stopped receiving) block its neighbours forever, before they could read its abort message; with
     the sends on this thread, the event loop only ever blocks on receives.
+
+    Nothing waits for a daemon thread when the interpreter exits: a send still queued or in progress then is lost
+    (and a gloo send cut off mid-way aborts the process). :meth:`flush` is how the pipeline makes sure none is left
+    before ``forward`` or the last stage's backward returns.
     """
 
     def __init__(self, group: Any) -> None:
@@ -140,12 +160,23 @@ class _Sender:
         self.pid = os.getpid()
         self.queue: "Queue[Tuple[int, List[Tuple[Tensor, int]]]]" = Queue()
         self.error: Optional[BaseException] = None
+        # Messages put and not yet completely sent (or failed), guarded by ``done``.
+        self.pending = 0
+        self.done = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="fairscale-pipe-sender", daemon=True)
         self.thread.start()
 
-    def put(self, dest: int, items: List[Tuple[Tensor, int]]) -> None:
+    def _raise_error(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"an earlier pipeline send to another stage failed: {self.error!r}") from self.error
+            raise RuntimeError(
+                f"an earlier pipeline send to another stage failed: {self.error!r}. The stages' message streams are "
+                "out of step now; restart the processes"
+            ) from self.error
+
+    def put(self, dest: int, items: List[Tuple[Tensor, int]]) -> None:
+        self._raise_error()
+        with self.done:
+            self.pending += 1
         self.queue.put((dest, items))
 
     def _loop(self) -> None:
@@ -154,14 +185,30 @@ class _Sender:
             try:
                 for tensor, tag in items:
                     collectives.send(tensor, dest, group=self.group, tag=tag)
-            except Exception as exc:  # noqa: B902 - reported by the next put()
+            except Exception as exc:  # noqa: B902 - reported by the next put() or flush()
                 self.error = exc
             finally:
-                self.queue.task_done()
+                with self.done:
+                    self.pending -= 1
+                    self.done.notify_all()
 
-    def flush(self) -> None:
-        """Wait until every queued send was received."""
-        self.queue.join()
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued send was received by its peer.
+
+        Args:
+            timeout (Optional[float]): give up after this many seconds (``None``: wait as long as it takes).
+
+        Returns:
+            bool: ``True`` when nothing is left to send, ``False`` when ``timeout`` passed first.
+
+        Raises:
+            RuntimeError: a send failed (its peer is gone, say).
+        """
+        with self.done:
+            if not self.done.wait_for(lambda: self.pending == 0, timeout):
+                return False
+        self._raise_error()
+        return True
 
 
 _senders: Dict[int, _Sender] = {}
@@ -196,9 +243,9 @@ class SendRecvTransport(Transport):
         items.extend((tensor, message.tag + index) for index, tensor in enumerate(tensors))
         _sender(self.group).put(message.dest, items)
 
-    def flush(self) -> None:
-        """Block until every message this process sent on the group was received."""
-        _sender(self.group).flush()
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Block until every message this process sent on the group was received (see :meth:`_Sender.flush`)."""
+        return _sender(self.group).flush(timeout)
 
     def recv_message_header(self, queue_name: int, nowait: bool = False) -> PipeMessage:
         if nowait:
@@ -218,7 +265,12 @@ class SendRecvTransport(Transport):
 
     def get_out_of_order(self, queue_name: int, index: int) -> Tensors:
         message = self.recv_message(queue_name)
-        assert message.args == index, f"expected the message of {index}, got {message.args}"
+        if message.args != index:
+            # Point-to-point messages arrive in order: a different one means the stages are out of step.
+            raise FairscaleRuntimeError(
+                f"pipeline messages out of order on queue {queue_name}: expected the message of {index}, got "
+                f"{message.args} (do all stages run the same number of micro-batches?)"
+            )
         return message.tensors
 
 
@@ -235,7 +287,11 @@ def _pickle_header(message: PipeMessage) -> Tensor:
 
 def _unpickle_header(buffer: Tensor) -> PipeMessage:
     message = pickle.loads(buffer.numpy().tobytes())
-    assert isinstance(message, PipeMessage)
+    if not isinstance(message, PipeMessage):
+        raise FairscaleRuntimeError(
+            f"received a {type(message).__name__} where a pipeline message header was expected: another user of "
+            "the pipeline group sent on the pipeline's tags"
+        )
     return message
 
 

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from fairscale.fair_dev.testing.engine import run_distributed
 
+from ._util import run_scripts
+
 DOC = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "docs", "pipe.rst"
 )
@@ -62,3 +64,44 @@ def _async_example(rank: int, world_size: int, code: str) -> bool:
 
 def test_async_pipe_example() -> None:
     assert run_distributed(_async_example, 2, _blocks()[2], timeout=60) == [True, True]
+
+
+# The AsyncPipe example as a real 2-rank script that simply ends: no barrier, no flush, no destroy_process_group.
+_SCRIPT = """
+import sys
+
+import torch.distributed as dist
+
+rank, store, code_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+exec(compile(open(code_path).read(), "docs/pipe.rst", "exec"), {"__name__": "__main__"})
+print(f"rank {rank}: end of script", flush=True)
+"""
+
+# Seconds both worlds together may take (four interpreters import torch at once); a hang is killed then.
+_EXIT_TIMEOUT_S = 90.0
+
+
+def _eval_variant(code: str) -> str:
+    """The example with ``pipe.eval()`` right after the construction: no gradient crosses the stages then."""
+    lines = code.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("pipe = AsyncPipe("))
+    return "\n".join(lines[: at + 1] + ["pipe.eval()"] + lines[at + 1 :])
+
+
+def test_async_pipe_example_script_exits(tmp_path) -> None:
+    """Run as a script that just ends, every rank of the example exits with 0, in train and in eval mode.
+
+    Before, the sends still queued on the sender thread at the end of the script were lost: in training the first
+    stage waited forever for the gradients, in eval the first stage died with SIGABRT ("terminate called without an
+    active exception") and the last stage waited forever for the activations.
+    """
+    code = _blocks()[2]
+    worlds = {}
+    for mode, variant in (("train", code), ("eval", _eval_variant(code))):
+        code_path = tmp_path / f"{mode}.py"
+        code_path.write_text(variant)
+        worlds[mode] = [str(code_path)]
+    results = run_scripts(_SCRIPT, worlds, str(tmp_path), _EXIT_TIMEOUT_S)
+    failed = {key: result for key, result in results.items() if result[0] != 0}
+    assert not failed, "\n".join(f"{mode} rank {rank}: {rc}\n{out}" for (mode, rank), (rc, out) in failed.items())

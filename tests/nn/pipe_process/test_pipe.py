@@ -6,6 +6,7 @@ Each world runs its cases as sub-tests (one world start per test). Bodies are mo
 
 import copy
 import functools
+import time
 import warnings
 from collections import OrderedDict
 from typing import List
@@ -16,8 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import count_collectives
-from fairscale.nn.pipe import AsyncPipe, LazyModule
+from fairscale.nn.pipe import AsyncPipe, LazyModule, is_recomputing
+from fairscale.nn.pipe.async_pipe import check_balance
 from fairscale.nn.pipe.async_schedule import PipelineAbortedError
 from fairscale.nn.pipe.messages import MakeTransport, SendRecvTransport, _sender
 
@@ -86,6 +89,15 @@ def _case_errors() -> None:
         AsyncPipe([42], [1], group=_world())  # type: ignore[list-item]
     with pytest.raises(ValueError, match="'RpcTransport' requires 'worker_map' to be set"):
         MakeTransport(True, None, None)
+
+    class ReturnsList(nn.Module):
+        def forward(self, x):
+            return [x]
+
+    # A partition's output that is neither a tensor nor a tuple: a TypeError (and, as upstream, an AssertionError).
+    with pytest.raises(TypeError, match="Only Tensor or Tuple of Tensor output is supported") as info:
+        AsyncPipe(nn.Sequential(ReturnsList()), [1], group=_world())(torch.rand(1))
+    assert isinstance(info.value, AssertionError) and "returned a list" in str(info.value)
 
 
 def _case_checkpoint_modes() -> None:
@@ -160,11 +172,29 @@ def _case_deferred_batch_norm() -> None:
             assert torch.allclose(pipe[0].running_var, bn.running_var, atol=1e-4)
 
 
+def _case_balance_entries() -> None:
+    """Each balance entry is a positive int (not a float, not a bool): a clear error names the first bad one."""
+    model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1), nn.Linear(1, 1), nn.Linear(1, 1))
+    for balance, entry in [
+        ([1.5, 2.5], "balance entry 0 is 1.5 (float)"),
+        ([2, 2.0], "balance entry 1 is 2.0 (float)"),
+        ([True, 3], "balance entry 0 is True (bool)"),
+        ([3, "1"], "balance entry 1 is '1' (str)"),
+    ]:
+        for build in (lambda: AsyncPipe(model, balance, group=_world()), lambda: check_balance(model, balance)):
+            with pytest.raises(ValueError) as info:
+                build()
+            assert entry in str(info.value) and "positive int" in str(info.value), str(info.value)
+    with pytest.raises(TypeError, match="balance must be an iterable of ints"):
+        AsyncPipe(model, 4, group=_world())  # type: ignore[arg-type]
+
+
 def _single_rank(rank: int, world_size: int) -> None:
     run_cases(
         [
             ("public_attrs", _case_public_attrs),
             ("errors", _case_errors),
+            ("balance_entries", _case_balance_entries),
             ("checkpoint_modes", _case_checkpoint_modes),
             ("inputs", _case_inputs),
             ("exception", _case_exception),
@@ -419,3 +449,243 @@ def test_exception_no_hang() -> None:
     cases = [(failing, training) for failing in range(3) for training in (False, True)]
     for index, case in enumerate(cases):
         assert [outcomes[rank][index] for rank in range(3)] == expected[case], case
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _ExpectedException("backward failed")
+
+
+class _RaiseInBackward(nn.Module):
+    """Identity whose backward raises."""
+
+    def forward(self, x):
+        return _FailingBackward.apply(x)
+
+
+class _RaiseWhenRecomputing(nn.Module):
+    """Identity that raises when checkpointing recomputes it, in the backward pass."""
+
+    def forward(self, x):
+        if is_recomputing():
+            raise _ExpectedException("recomputation failed")
+        return x * 1
+
+
+# A failure must reach the waiting stages within about a second; the margin is for a loaded CI machine.
+_ABORT_WITHIN_S = 10.0
+
+
+def _one_backward_failure(rank: int, failing: int, layer: str) -> str:
+    layers: List[nn.Module] = [nn.Linear(2, 2) for _ in range(3)]
+    layers[failing] = nn.Sequential(
+        nn.Linear(2, 2), _RaiseInBackward() if layer == "backward" else _RaiseWhenRecomputing()
+    )
+    pipe = AsyncPipe(nn.Sequential(*layers), [1, 1, 1], group=_world(), chunks=3, checkpoint="always")
+    start = time.monotonic()
+    outcome = "returned"
+    try:
+        out = pipe(torch.rand(6, 2, requires_grad=True))
+        if pipe.final_stage:
+            out.sum().backward()
+    except _ExpectedException:
+        outcome = "raised"
+    except PipelineAbortedError as exc:
+        assert f"pipeline stage {failing} failed" in str(exc)
+        outcome = "aborted"
+    elapsed = time.monotonic() - start
+    assert elapsed < _ABORT_WITHIN_S, f"stage {rank} took {elapsed:.1f} s to end with {outcome}"
+    _finish(pipe)
+    return outcome
+
+
+def _backward_failures(rank: int, world_size: int) -> List[str]:
+    return [_one_backward_failure(rank, failing, layer) for failing in range(3) for layer in ("backward", "recompute")]
+
+
+def test_backward_failure_no_hang() -> None:
+    """A failure in any stage's backward (a layer's backward, or checkpointing's recomputation) stops the stages
+    still waiting for that stage with PipelineAbortedError, within seconds; the stages after it have sent all their
+    gradients already and return. Before, a failure in the last stage's backward (which runs in the user's
+    ``backward`` call, not in the pipeline's event loop) left the other stages waiting until the process-group
+    timeout."""
+    outcomes = run_distributed(_backward_failures, 3, timeout=TIMEOUT)
+    expected = {
+        0: ["raised", "returned", "returned"],
+        1: ["aborted", "raised", "returned"],
+        2: ["aborted", "aborted", "raised"],
+    }
+    cases = [(failing, layer) for failing in range(3) for layer in ("backward", "recompute")]
+    for index, (failing, layer) in enumerate(cases):
+        assert [outcomes[rank][index] for rank in range(3)] == expected[failing], (failing, layer)
+
+
+# ---------------------------------------------------------------------------------------------- ranks that disagree
+
+
+def _disagreeing_step(rank: int, chunks: List[int], batch: List[int], training: List[bool]) -> str:
+    pipe = AsyncPipe(_model(), [2, 3], group=_world(), chunks=chunks[rank])
+    pipe.train(training[rank])
+    start = time.monotonic()
+    with pytest.raises(RanksDisagreeError) as info:
+        out = pipe(torch.randn(batch[rank], 3))
+        if pipe.final_stage and training[rank]:
+            out.sum().backward()
+    assert time.monotonic() - start < _ABORT_WITHIN_S
+    _finish(pipe)
+    return str(info.value)
+
+
+def _agreeing_steps_check_once(rank: int) -> int:
+    pipe = AsyncPipe(_model(), [2, 3], group=_world(), chunks=2)
+    with count_collectives() as counter:
+        for _ in range(3):
+            out = pipe(torch.randn(4, 3))
+            if pipe.final_stage:
+                out.sum().backward()
+    _finish(pipe)
+    return counter.count("all_gather_object")
+
+
+def _disagreements(rank: int, world_size: int) -> List[str]:
+    return [
+        # 8 rows make 4 micro-batches, 6 rows only 3: the first stage would wait for a 4th gradient forever.
+        _disagreeing_step(rank, [4, 4], [8, 6], [True, True]),
+        # Same number of micro-batches, different batch sizes.
+        _disagreeing_step(rank, [4, 4], [8, 7], [True, True]),
+        # Different chunks.
+        _disagreeing_step(rank, [4, 2], [8, 8], [True, True]),
+        # One stage trains (waits for gradients), the other evaluates.
+        _disagreeing_step(rank, [2, 2], [4, 4], [True, False]),
+        str(_agreeing_steps_check_once(rank)),
+    ]
+
+
+def test_ranks_disagree() -> None:
+    """Ranks whose inputs or modes do not match raise the same RanksDisagreeError at the first step, instead of a
+    hang (different micro-batch counts or modes) or a silent mismatch; agreeing ranks check once, at the first step."""
+    outcomes = run_distributed(_disagreements, 2, timeout=TIMEOUT)
+    assert outcomes[0] == outcomes[1]
+    micro_batches, batch_size, chunks, mode, checks = outcomes[0]
+    assert "('micro-batches', 4) vs ('micro-batches', 3)" in micro_batches, micro_batches
+    assert "('batch size (dim 0 of each input tensor)', [8]) vs" in batch_size, batch_size
+    assert "('chunks', 4) vs ('chunks', 2)" in chunks, chunks
+    assert "('gradients come back (training mode with autograd on)', True) vs" in mode, mode
+    assert checks == "1"
+
+
+# ---------------------------------------------------------------------------------------------- modes
+
+
+def _train_mode_no_grad(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    pipe = AsyncPipe(model, [2, 3], group=_world(), chunks=2)
+    x = torch.randn(4, 3)
+    # In training mode without autograd no gradient will come back: no stage waits for one.
+    with torch.no_grad():
+        out = pipe(x)
+    if pipe.final_stage:
+        _assert_close(out, reference(x))
+    # In eval mode a backward on the last stage stays on that stage (no gradient message that nobody receives).
+    pipe.eval()
+    out = pipe(x)
+    if pipe.final_stage:
+        out.sum().backward()
+        assert all(p.grad is not None for p in pipe.parameters())
+    else:
+        assert all(p.grad is None for p in pipe.parameters())
+    pipe.zero_grad(set_to_none=True)
+    # ... and the next training step is exact.
+    pipe.train()
+    xp, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = pipe(xp)
+    reference(xr).sum().backward()
+    if pipe.final_stage:
+        out.sum().backward()
+    else:
+        _assert_close(xp.grad, xr.grad)
+    _finish(pipe)
+
+
+def test_modes_without_gradients_return() -> None:
+    """Training mode under no_grad returns on every stage (before, the first stage waited for gradients forever),
+    and a backward in eval mode does not leave a gradient message in flight."""
+    run_distributed(_train_mode_no_grad, 2, timeout=30.0)
+
+
+# ---------------------------------------------------------------------------------------------- missing backward
+
+
+def _step(pipe: AsyncPipe, x: torch.Tensor) -> None:
+    out = pipe(x)
+    if pipe.final_stage:
+        out.sum().backward()
+
+
+def _missing_backward(rank: int, world_size: int, how: str) -> str:
+    from fairscale.nn.pipe import async_schedule
+
+    torch.manual_seed(0)
+    pipe = AsyncPipe(_model(), [2, 3], group=_world(), chunks=2)
+    x = torch.randn(4, 3)
+    _step(pipe, x)
+    start = time.monotonic()
+    outcome = "returned"
+    try:
+        out = pipe(x)
+        if pipe.final_stage:
+            del out  # no backward: the loss failed, say
+            if how == "exit":
+                with pytest.warns(UserWarning, match="the earlier stages were stopped with PipelineAbortedError"):
+                    async_schedule._abandon_unfinished_tails()  # what the interpreter runs at exit
+            else:
+                pipe(x)  # the next step
+    except PipelineAbortedError:
+        outcome = "aborted"
+    except RuntimeError as exc:
+        assert "before the backward of its previous output" in str(exc), str(exc)
+        outcome = "raised"
+    assert time.monotonic() - start < _ABORT_WITHIN_S
+    # The stages are in step again: the next steps work.
+    for _ in range(2):
+        _step(pipe, x)
+    _finish(pipe)
+    return outcome
+
+
+class _Argmax(nn.Module):
+    def forward(self, x):
+        return x.argmax(dim=1)
+
+
+def _output_without_grad(rank: int, world_size: int) -> str:
+    pipe = AsyncPipe(nn.Sequential(nn.Linear(3, 3), _Argmax()), [1, 1], group=_world(), chunks=2)
+    start = time.monotonic()
+    try:
+        pipe(torch.randn(4, 3))
+        outcome = "returned"
+    except PipelineAbortedError:
+        outcome = "aborted"
+    except RuntimeError as exc:
+        assert "output of micro-batch 0 does not require grad" in str(exc), str(exc)
+        outcome = "raised"
+    assert time.monotonic() - start < _ABORT_WITHIN_S
+    _finish(pipe)
+    return outcome
+
+
+def test_missing_backward_stops_the_waiting_stages() -> None:
+    """In training, when the last stage's output is not back-propagated, the earlier stages (which wait for its
+    gradients) are stopped with PipelineAbortedError as soon as the last stage runs forward again (which raises a
+    clear error) or its process ends, instead of waiting forever."""
+    assert run_distributed(_missing_backward, 2, "next_forward", timeout=30.0) == ["aborted", "raised"]
+    assert run_distributed(_missing_backward, 2, "exit", timeout=30.0) == ["aborted", "returned"]
+    # A last stage whose output cannot be back-propagated at all (training mode, no grad): a clear error at once.
+    assert run_distributed(_output_without_grad, 2, timeout=30.0) == ["aborted", "raised"]
