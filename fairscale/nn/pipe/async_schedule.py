@@ -269,6 +269,12 @@ class _TailBackward:
 
     def backward(self, index: int, outputs: Tensors, grads: Sequence[Optional[Tensor]]) -> None:
         """Back-propagate ``grads`` through micro-batch ``index``'s outputs, down to the sends to the previous stage."""
+        if self.aborted:
+            # The earlier stages stopped waiting for these gradients: sending them now would feed a later step.
+            raise RuntimeError(
+                "backward of an AsyncPipe output whose pipeline step was aborted (its backward failed before, or "
+                "the last stage ran forward again first): the earlier stages no longer wait for its gradients"
+            )
         if index in self.done:
             raise RuntimeError(
                 f"the backward of micro-batch {index} of the last AsyncPipe stage ran twice: its gradients were sent "

@@ -641,12 +641,17 @@ def _missing_backward(rank: int, world_size: int, how: str) -> str:
     try:
         out = pipe(x)
         if pipe.final_stage:
-            del out  # no backward: the loss failed, say
+            # No backward (the loss failed, say), then:
             if how == "exit":
                 with pytest.warns(UserWarning, match="the earlier stages were stopped with PipelineAbortedError"):
                     async_schedule._abandon_unfinished_tails()  # what the interpreter runs at exit
             else:
-                pipe(x)  # the next step
+                try:
+                    pipe(x)  # the next step
+                finally:
+                    # A late backward of the abandoned output must not send gradients nobody waits for any more.
+                    with pytest.raises(RuntimeError, match="whose pipeline step was aborted"):
+                        out.sum().backward()
     except PipelineAbortedError:
         outcome = "aborted"
     except RuntimeError as exc:
