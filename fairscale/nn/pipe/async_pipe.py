@@ -243,8 +243,8 @@ class AsyncPipe(nn.Module):
     def forward(self, input: TensorOrTensors, *, event: Optional[Event] = None) -> Any:
         """Run this stage on a mini-batch.
 
-        At the first call, when every rank of the group holds a stage, the ranks check that they agree on the shape
-        of the step (one small collective), see :meth:`_check_ranks_agree`.
+        At the first call, when every rank of the (gloo) group holds a stage, the ranks check that they agree on the
+        shape of the step (one small collective), see :meth:`_check_ranks_agree`.
 
         Args:
             input (torch.Tensor or Tuple[torch.Tensor, ...]): the mini-batch; only the first stage's values are
@@ -283,9 +283,14 @@ class AsyncPipe(nn.Module):
         A stage waits for as many messages as it has micro-batches, and for gradients only in training: ranks
         that differ there would wait for each other forever. Checked once, at the first step (one
         ``all_gather_object`` on the pipeline group); later steps are not checked. Not checked when some ranks of
-        the group hold no stage: those need not call ``forward`` at all, so they cannot be asked to join.
+        the group hold no stage (those need not call ``forward`` at all, so they cannot be asked to join), nor on a
+        pipeline group other than gloo or MPI (an NCCL group carries RPC pipelines, whose stages may run ``forward``
+        on an RPC thread, without the CUDA device that an NCCL object collective would need).
         """
         if len(self.balance) != self.group.size() or not isinstance(self.group, dist.ProcessGroup):
+            return
+        backend = str(dist.get_backend(self.group))
+        if "gloo" not in backend and "mpi" not in backend:
             return
         tensors = (input,) if isinstance(input, torch.Tensor) else tuple(input)
         # A rank without a stage may get a 0-dim input (it returns it unchanged): it has no micro-batches.
