@@ -69,8 +69,8 @@ class AsyncPipe(nn.Module):
 
     Every stage is called with an input that splits into the same number of micro-batches; only the first
     stage's values are used. Activations and gradients travel between stages as messages (point-to-point
-    send/recv on the pipeline group, or ``torch.distributed.rpc`` when a ``worker_map`` is given and RPC is
-    initialised; see :mod:`fairscale.nn.pipe.messages`). The last stage returns the output; the others return
+    send/recv on the pipeline group, or ``torch.distributed.rpc`` when RPC is initialised, as upstream: then
+    ``worker_map`` is required; see :mod:`fairscale.nn.pipe.messages`). The last stage returns the output; the others return
     their micro-batches. In training (with autograd on), a non-final stage's ``forward`` returns only once the
     backward pass through it is done, so the last stage must run backward (or every stage must be in eval mode, or
     under ``torch.no_grad()``). Nothing is left in flight when ``forward`` (or the last stage's backward) returns,

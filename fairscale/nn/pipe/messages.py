@@ -299,7 +299,8 @@ def use_rpc_by_default(worker_map: Optional[Dict[int, str]]) -> bool:
     """Which transport :class:`~fairscale.nn.pipe.AsyncPipe` uses.
 
     ``FAIRSCALE_PIPE_TRANSPORT`` (``rpc`` / ``sendrecv``) wins; ``FORCE_RPC`` selects RPC as upstream. Otherwise RPC
-    when a ``worker_map`` is given and RPC is initialised, else point-to-point send/recv on the pipeline group.
+    when RPC is initialised (as upstream, which used RPC whenever it was not launched by MPI: a missing
+    ``worker_map`` then raises upstream's ``ValueError``), else point-to-point send/recv on the pipeline group.
     """
     chosen = os.environ.get(TRANSPORT_ENV, "").lower()
     if chosen in ("rpc", "sendrecv"):
@@ -308,7 +309,7 @@ def use_rpc_by_default(worker_map: Optional[Dict[int, str]]) -> bool:
         raise ValueError(f"{TRANSPORT_ENV} must be 'rpc' or 'sendrecv', not {chosen!r}")
     if "FORCE_RPC" in os.environ:
         return True
-    return worker_map is not None and _rpc_initialized()
+    return _rpc_initialized()
 
 
 def _rpc_initialized() -> bool:
@@ -328,8 +329,9 @@ def MakeTransport(
     if use_rpc:
         if worker_map is None:
             raise ValueError(
-                "'RpcTransport' requires 'worker_map' to be set (or use the point-to-point transport: "
-                f"{TRANSPORT_ENV}=sendrecv with a gloo pipeline group)"
+                "'RpcTransport' requires 'worker_map' to be set: torch RPC is initialised, so AsyncPipe sends "
+                "through it; pass worker_map={global rank: RPC worker name}, or set "
+                f"{TRANSPORT_ENV}=sendrecv for point-to-point send/recv on a gloo pipeline group"
             )
         return RpcTransport(worker_map, input_device)
     return SendRecvTransport(worker_map, input_device, group)
