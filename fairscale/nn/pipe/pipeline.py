@@ -7,7 +7,7 @@ tensors) to the next partition's device and adds the phony dependencies that mak
 partition process the micro-batches in reverse order.
 """
 
-import sys
+import os
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -21,7 +21,7 @@ from .microbatch import Batch, TensorOrTensors, check
 from .skip.layout import SkipLayout
 from .skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
 from .stream import AbstractStream, current_stream, use_device
-from .worker import ExcInfo, InQueueT, OutQueueT, Task, create_workers, join_workers
+from .worker import ExcInfo, InQueueT, OutQueueT, Task, create_workers
 
 __all__ = ["Pipeline", "clock_cycles", "depend", "copy", "wait"]
 
@@ -84,18 +84,20 @@ class Pipeline:
         self.in_queues: List[InQueueT]
         self.out_queues: List[OutQueueT]
         self.in_queues, self.out_queues = create_workers(devices)
+        self._owner_pid = os.getpid()
 
     def __del__(self) -> None:
         in_queues: Optional[List[InQueueT]] = getattr(self, "in_queues", None)
-        if in_queues is None:
+        if in_queues is None or getattr(self, "_owner_pid", None) != os.getpid():
+            # Not built in this process: a forked child inherits the object but not its worker threads (and may
+            # collect it as garbage), so there is nobody to stop.
             return
-        if sys.is_finalizing():
-            # Daemon threads no longer run at interpreter shutdown: ask them to stop, but never wait for them
-            # (waiting is what hung upstream's interpreters at exit).
-            for in_queue in set(in_queues):
-                in_queue.put(None)
-            return
-        join_workers(in_queues, self.out_queues)
+        # Ask the workers to stop after what is queued, but never wait for them here: a finalizer runs wherever the
+        # garbage collector happens to run, at interpreter shutdown (daemon threads no longer run, which is what hung
+        # upstream's interpreters at exit) or inside one of these very worker threads, where waiting for the
+        # thread's own reply can never end.
+        for in_queue in set(in_queues):
+            in_queue.put(None)
 
     def run(self, batches: List[Batch]) -> None:
         """Run the pipeline on ``batches``, replacing each by its output (in place)."""
