@@ -1,0 +1,263 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Where every original parameter and buffer of an FSDP model lives, for DCP state dicts (no communication).
+
+A flat parameter of ``numel`` elements is cut into ``W`` equal padded shards (chunk-and-pad, see :mod:`.handle`), so
+its shards cut the original parameters it holds at arbitrary points. PyTorch's distributed checkpoint (DCP) format,
+and FSDP2, use another layout: every original parameter is a DTensor with ``Shard(0)``, i.e. rank ``r`` holds rows
+``[r * C, min((r + 1) * C, dim0))`` of it with ``C = ceil(dim0 / W)`` (``torch.chunk``'s cut; the last ranks may hold
+fewer rows, or none). :class:`OrigParam` holds the arithmetic between the two; :func:`model_layout` lists, for a root
+unit, every owned handle with the original parameters it holds (user-visible names, shapes, offsets in the flat
+parameter), and every persistent buffer, in the order ``state_dict()`` gives them.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from fairscale.internal import collectives
+
+from .handle import FlatHandle
+from .metadata import _shared_param_pairs
+from .naming import clean_path, join_path
+from .unit import FSDPUnit
+
+__all__ = ["OrigParam", "HandleLayout", "BufferEntry", "ModelLayout", "model_layout", "dim0_rows"]
+
+
+def dim0_rows(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """Rows ``[start, end)`` of a tensor with ``dim0`` rows that rank ``rank`` of ``world_size`` holds under Shard(0).
+
+    The cut of ``torch.chunk`` and DTensor: ``ceil(dim0 / world_size)`` rows per rank, the last ranks short or empty.
+    """
+    if world_size <= 1:
+        return 0, dim0
+    chunk = -(-dim0 // world_size)
+    start = min(rank * chunk, dim0)
+    return start, min(start + chunk, dim0)
+
+
+@dataclass(frozen=True)
+class OrigParam:
+    """One original parameter inside a flat parameter.
+
+    Attributes:
+        fqn: its user-visible name (as ``state_dict()`` gives it).
+        aliases: the other names of the same tied parameter (``state_dict()`` lists it under each).
+        shape: its full shape.
+        offset: the index of its first element in the (unpadded) flat parameter.
+    """
+
+    fqn: str
+    aliases: Tuple[str, ...]
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return int(self.shape.numel())
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per dim-0 row (1 for 1-D tensors; a 0-dim parameter is one row of one element)."""
+        return int(torch.Size(self.shape[1:]).numel()) if len(self.shape) > 0 else 1
+
+    @property
+    def dim0(self) -> int:
+        return int(self.shape[0]) if len(self.shape) > 0 else 1
+
+    @property
+    def is_scalar(self) -> bool:
+        """A 0-dim parameter: it cannot be sharded along dim 0, every rank holds it whole (``Replicate``)."""
+        return len(self.shape) == 0
+
+    def rows(self, world_size: int, rank: int) -> Tuple[int, int]:
+        """This rank's dim-0 rows ``[start, end)`` (the whole parameter when it is 0-dim)."""
+        if self.is_scalar:
+            return 0, 1
+        return dim0_rows(self.dim0, world_size, rank)
+
+    def chunk_shape(self, world_size: int, rank: int) -> torch.Size:
+        """The shape of this rank's dim-0 chunk."""
+        if self.is_scalar:
+            return torch.Size([])
+        start, end = self.rows(world_size, rank)
+        return torch.Size([end - start]) + self.shape[1:]
+
+    def slot_numel(self, world_size: int) -> int:
+        """Elements of the largest chunk (rank 0's): every rank's slot in an exchange buffer has this size."""
+        start, end = self.rows(world_size, 0)
+        return (end - start) * self.row_numel
+
+
+@dataclass
+class HandleLayout:
+    """An owned handle of a unit and the original parameters it holds, in flat order."""
+
+    unit: FSDPUnit
+    handle: FlatHandle
+    params: List[OrigParam]
+
+    @property
+    def world_size(self) -> int:
+        return self.handle.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.handle.rank
+
+    def shard_range(self) -> Tuple[int, int]:
+        """The flat-parameter elements ``[lo, hi)`` this rank's shard covers (``hi`` may exceed ``numel``: padding)."""
+        h = self.handle
+        if not h.is_sharded:
+            return 0, h.numel
+        lo = h.rank * h.shard_numel
+        return lo, lo + h.shard_numel
+
+
+@dataclass
+class BufferEntry:
+    """A persistent buffer: its user-visible name, where it lives, and the unit whose settings apply to it."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    unit: FSDPUnit
+
+    def tensor(self) -> Tensor:
+        value = self.module._buffers[self.name]
+        assert value is not None  # entries are only made for buffers that are set
+        return value
+
+
+@dataclass
+class ModelLayout:
+    """Every owned handle and persistent buffer of a root unit's tree, and the process group shards live on."""
+
+    root: FSDPUnit
+    handles: List[HandleLayout]
+    buffers: List[BufferEntry]
+    group: Any
+    group_ranks: Tuple[int, ...]
+    keys: List[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> List[Tuple[HandleLayout, OrigParam]]:
+        return [(hl, p) for hl in self.handles for p in hl.params]
+
+    def param_by_name(self) -> Dict[str, Tuple[HandleLayout, OrigParam]]:
+        """Every name of every parameter (aliases included) to its handle and parameter."""
+        out: Dict[str, Tuple[HandleLayout, OrigParam]] = {}
+        for hl, p in self.params:
+            for name in (p.fqn,) + p.aliases:
+                out.setdefault(name, (hl, p))
+        return out
+
+
+def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
+    """The layout of ``root``'s tree (materialised handles: call it under lazy init).
+
+    Raises:
+        ValueError: ``root`` is not the root of its tree, or an instance shards over another process group than the
+            root's (DCP's ``Shard(0)`` describes one group for the whole model).
+    """
+    if root.has_fsdp_parent or root.is_root is False:
+        raise ValueError(
+            f"{what}: call it with the root FullyShardedDataParallel instance (the outermost one), not a nested one"
+        )
+    group = root.config.process_group
+    ranks = tuple(collectives.group_ranks(group))
+    handles: List[HandleLayout] = []
+    aliases_of: Dict[str, List[str]] = {}
+    for path, u in root.named_units():
+        where = clean_path(path)
+        u_ranks = tuple(collectives.group_ranks(u.config.process_group))
+        owned = [(i, h) for i, h in enumerate(u.handles) if not h.borrowed]
+        if owned and u_ranks != ranks:
+            raise ValueError(
+                f"{what}: the FSDP instance at {where or '(root)'!r} shards its parameters over ranks {list(u_ranks)} "
+                f"but the root shards over {list(ranks)}; a DCP state dict describes one sharding group for the whole "
+                "model (instances with their own group, e.g. no_broadcast_optim_state experts, are not supported). "
+                "Save such models with local_state_dict() instead."
+            )
+        fpw: Any = u.wrapped
+        flat_params = list(getattr(fpw, "flat_params", []))
+        for src, dst in _shared_param_pairs(u, flat_params):
+            aliases_of.setdefault(join_path(where, src), []).append(join_path(where, dst))
+        for i, h in owned:
+            if i < len(flat_params):
+                names, shapes, numels = flat_params[i].metadata()
+                entries: List[Tuple[str, torch.Size]] = [
+                    (join_path(where, clean_path(n)), torch.Size(s)) for n, s in zip(names, shapes)
+                ]
+                if sum(int(n) for n in numels) != h.numel:
+                    raise RuntimeError(
+                        f"{what}: the flat parameter of {where or '(root)'!r} holds {h.numel} elements but its "
+                        f"parameters add up to {sum(int(n) for n in numels)}"
+                    )
+            else:
+                entries = [(join_path(where, u.param_name_groups[i][0]), torch.Size(h.orig_size))]
+            params: List[OrigParam] = []
+            offset = 0
+            for name, shape in entries:
+                params.append(OrigParam(name, (), shape, offset))
+                offset += int(shape.numel())
+            handles.append(HandleLayout(u, h, params))
+    # Aliases are known once every instance was seen (a pair is reported by the instance that holds both names).
+    for hl in handles:
+        hl.params = [
+            OrigParam(p.fqn, tuple(aliases_of.get(p.fqn, [])), p.shape, p.offset) if p.fqn in aliases_of else p
+            for p in hl.params
+        ]
+    buffers = _buffers(root)
+    layout = ModelLayout(root, handles, buffers, group, ranks)
+    layout.keys = _ordered_keys(root, layout)
+    return layout
+
+
+def _buffers(root: FSDPUnit) -> List[BufferEntry]:
+    owner_of: Dict[int, FSDPUnit] = {}
+    for u in root.tree_units():
+        for m in u.owned_modules():
+            owner_of.setdefault(id(m), u)
+    out: List[BufferEntry] = []
+    seen = set()
+    for mod_path, mod in root.owner.named_modules(remove_duplicate=False):
+        for name, buf in mod._buffers.items():
+            if buf is None or name in mod._non_persistent_buffers_set:
+                continue
+            key = clean_path(join_path(mod_path, name))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(BufferEntry(key, mod, name, owner_of.get(id(mod), root)))
+    return out
+
+
+def _ordered_keys(root: FSDPUnit, layout: ModelLayout) -> List[str]:
+    """Every key, in ``state_dict()``'s order: modules in pre-order, each module's parameters, then its buffers."""
+    module_index: Dict[str, int] = {}
+    for mod_path, _ in root.owner.named_modules(remove_duplicate=False):
+        module_index.setdefault(clean_path(mod_path), len(module_index))
+
+    def position(key: str, kind: int, seq: int) -> Tuple[int, int, int]:
+        module = key.rsplit(".", 1)[0] if "." in key else ""
+        return (module_index.get(module, len(module_index)), kind, seq)
+
+    ranked: List[Tuple[Tuple[int, int, int], str]] = []
+    seq = 0
+    for _, p in layout.params:
+        for name in (p.fqn,) + p.aliases:
+            ranked.append((position(name, 0, seq), name))
+            seq += 1
+    for b in layout.buffers:
+        ranked.append((position(b.fqn, 1, seq), b.fqn))
+        seq += 1
+    ordered: List[str] = []
+    seen = set()
+    for _, key in sorted(ranked):
+        if key not in seen:
+            seen.add(key)
+            ordered.append(key)
+    return ordered

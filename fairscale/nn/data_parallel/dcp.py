@@ -1,0 +1,503 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""PyTorch distributed checkpoints (DCP) of FullyShardedDataParallel models, in FSDP2's layout.
+
+The functions mirror :mod:`torch.distributed.checkpoint.state_dict` (same names, same arguments), so that the dicts
+go straight to ``torch.distributed.checkpoint.save`` / ``load``::
+
+    import torch.distributed.checkpoint as dcp
+    from fairscale.nn.data_parallel import dcp as fsdp_dcp
+
+    state = {
+        "model": fsdp_dcp.get_model_state_dict(model),
+        "optimizer": fsdp_dcp.get_optimizer_state_dict(model, optim),
+    }
+    dcp.save(state, checkpoint_id="ckpt/step-100")
+
+    # later, at any world size, with any wrapping:
+    state = {
+        "model": fsdp_dcp.get_model_state_dict(model),
+        "optimizer": fsdp_dcp.get_optimizer_state_dict(model, optim),
+    }
+    dcp.load(state, checkpoint_id="ckpt/step-100")
+    fsdp_dcp.set_model_state_dict(model, state["model"])
+    fsdp_dcp.set_optimizer_state_dict(model, optim, state["optimizer"])
+
+:func:`save`, :func:`async_save` and :func:`load` do exactly this, with the checks a checkpoint directory needs.
+
+The layout is FSDP2's (``torch.distributed.fsdp.fully_shard``): every original parameter is a DTensor with
+``Shard(0)`` (rank ``r`` holds rows ``[r * C, (r + 1) * C)``, ``C = ceil(dim0 / W)``) over a 1-D DeviceMesh of the
+model's process group, under its user-visible name (the keys of ``model.state_dict()``); buffers are plain tensors.
+The optimizer state dict is keyed by the same names, per original parameter, as
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` makes it: per-parameter states are DTensors
+laid out like their parameter, scalar states (``step``) plain tensors, and ``param_groups`` list parameter names.
+So a checkpoint written here loads into an FSDP2 model with torch's own ``set_model_state_dict`` /
+``set_optimizer_state_dict``, into a plain module, or here at another world size and wrapping; and one written by
+FSDP2 loads here.
+
+Every function is collective: call it on every rank of the model's process group, in the same order.
+"""
+
+import os
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from fairscale.internal import collectives
+from fairscale.internal.agreement import check_outcome_agrees
+
+from ._fsdp import dcp_state
+from ._fsdp.unit import FSDPUnit, unit_of
+
+try:  # torch >= 2.2
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
+    from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
+except ImportError:  # pragma: no cover - old torch
+    StateDictOptions = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "StateDictOptions",
+    "get_model_state_dict",
+    "set_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "get_state_dict",
+    "set_state_dict",
+    "save",
+    "async_save",
+    "load",
+    "CheckpointNotFoundError",
+]
+
+Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
+
+# Top-level keys of the checkpoints that save()/load() write and read (torch's DCP tutorials use the same).
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+# The file DCP writes last, once every rank's data is written: a directory without it holds no checkpoint.
+METADATA_FILE = ".metadata"
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`set_model_state_dict` did not load (as ``nn.Module.load_state_dict`` returns it)."""
+
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete DCP checkpoint at the path given to :func:`load` (its ``.metadata`` file is missing)."""
+
+
+def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
+    unit = unit_of(model)
+    if unit is None:
+        raise TypeError(
+            f"{what}: model must be the root FullyShardedDataParallel instance, got {type(model).__name__}. For a "
+            "module that fairscale does not shard, use torch.distributed.checkpoint.state_dict's functions."
+        )
+    return unit
+
+
+def _options(options: Any, what: str, submodules: Any = None) -> Any:
+    if StateDictOptions is None:  # pragma: no cover - old torch
+        raise ImportError(f"{what} needs torch.distributed.checkpoint with async_save (torch >= 2.3)")
+    if submodules is not None:
+        raise NotImplementedError(f"{what}: submodules (deprecated in torch) is not supported; pass None")
+    opts = options if options is not None else StateDictOptions()
+    if not isinstance(opts, StateDictOptions):
+        raise TypeError(f"{what}: options must be a StateDictOptions, got {type(opts).__name__}")
+    unsupported = [
+        name
+        for name in ("full_state_dict", "broadcast_from_rank0", "flatten_optimizer_state_dict")
+        if getattr(opts, name, False)
+    ]
+    if unsupported:
+        raise NotImplementedError(
+            f"{what}: StateDictOptions({', '.join(f'{n}=True' for n in unsupported)}) is not supported; sharded "
+            "state dicts only (for a full state dict use model.state_dict() and gather_full_optim_state_dict())"
+        )
+    return opts
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+def get_model_state_dict(
+    model: nn.Module, *, submodules: Optional[Any] = None, options: Optional[Any] = None
+) -> Dict[str, Any]:
+    """The model's sharded state dict for ``torch.distributed.checkpoint`` (collective).
+
+    Gathers one flat parameter at a time and cuts this rank's dim-0 chunk of every original parameter out of it, so
+    no rank ever holds more than one FSDP instance's full parameters beyond the result. The values are copies: the
+    dict can be saved asynchronously while training goes on, and loading into it (``dcp.load``) changes nothing in
+    the model until :func:`set_model_state_dict`.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        submodules: not supported (deprecated in torch); must be ``None``.
+        options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``. ``cpu_offload`` puts the values
+            on the CPU; ``ignore_frozen_params`` leaves out parameters that do not require gradients;
+            ``full_state_dict``, ``broadcast_from_rank0`` and ``flatten_optimizer_state_dict`` are not supported.
+
+    Returns:
+        ``{name: value}`` with the keys of ``model.state_dict()``, in its order: parameters as DTensors
+        (``Shard(0)``; ``Replicate`` for 0-dim ones) over a 1-D DeviceMesh of the model's process group, in the
+        parameter dtype (fp32 in mixed precision); buffers as plain tensors (fp32 in mixed precision). Without an
+        initialised ``torch.distributed`` (one process), plain full tensors.
+
+    Raises:
+        TypeError: ``model`` is not an FSDP instance.
+        ValueError: ``model`` is a nested instance, or an instance shards over another group than the root's.
+        NotImplementedError: an unsupported option.
+    """
+    what = "get_model_state_dict"
+    opts = _options(options, what, submodules)
+    return dcp_state.get_model_state_dict(_root_unit(model, what), opts.cpu_offload, opts.ignore_frozen_params)
+
+
+def set_model_state_dict(
+    model: nn.Module, model_state_dict: Dict[str, Any], *, options: Optional[Any] = None
+) -> IncompatibleKeys:
+    """Load a sharded (or full) model state dict into the model (collective, all-or-nothing).
+
+    Every value may be a DTensor laid out as :func:`get_model_state_dict` makes it (e.g. after
+    ``dcp.load(sd, ...)`` into that function's result, which reshards a checkpoint of any world size; or FSDP2's
+    state dict at the same world size and group), a ``Replicate`` DTensor, or a plain tensor of the full shape.
+
+    Every rank first checks its dict against the model (keys, shapes, layouts) and the ranks agree; if any rank's
+    dict is wrong, every rank raises the same error and nothing is changed. Only then are values exchanged and
+    written, one flat parameter at a time.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        model_state_dict: ``{name: value}`` with the keys of ``model.state_dict()``.
+        options: ``StateDictOptions``; ``strict=False`` loads the matching keys and reports the others.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)`` (both empty with ``strict=True``).
+
+    Raises:
+        RuntimeError: with ``strict=True``, missing or unexpected keys (named); or the model is between a forward and
+            its backward.
+        ValueError: a value's shape or layout does not fit the model, or the ranks passed different kinds of values.
+        TypeError: a value is not a tensor.
+    """
+    what = "set_model_state_dict"
+    opts = _options(options, what)
+    missing, unexpected = dcp_state.set_model_state_dict(_root_unit(model, what), model_state_dict, opts.strict)
+    return IncompatibleKeys(missing, unexpected)
+
+
+# ---------------------------------------------------------------------------------------------------- optimizers
+
+
+def get_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    submodules: Optional[Any] = None,
+    options: Optional[Any] = None,
+) -> Dict[str, Any]:
+    """The sharded state dict of torch optimizers over the model's flat parameters (collective).
+
+    The optimizers see FSDP's flat parameter shards; their state is cut back into one entry per original
+    parameter, keyed by its name, as torch's ``get_optimizer_state_dict`` makes it for FSDP2. Like torch's, an
+    optimizer without any state (before its first step) first takes one step with zero gradients at learning rate
+    0, which creates its state and leaves the parameters unchanged, so that ``dcp.load`` has something to fill.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: one optimizer or several, each over parameters of ``model`` (``model.parameters()``).
+        submodules: not supported; must be ``None``.
+        options: ``StateDictOptions`` (``cpu_offload``, ``ignore_frozen_params``; see
+            :func:`get_model_state_dict`).
+
+    Returns:
+        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``: per-parameter states
+        (``exp_avg``, ``momentum_buffer``...) as DTensors laid out like the parameter, scalar states (``step``)
+        as plain tensors or numbers. Flat parameters without state (never stepped) have no entries.
+
+    Raises:
+        ValueError: an optimizer holds a parameter that is not the model's, or the ranks' optimizer states differ.
+        NotImplementedError: a state that is neither element-wise nor scalar (e.g. factored second moments).
+    """
+    what = "get_optimizer_state_dict"
+    opts = _options(options, what, submodules)
+    optims = dcp_state.as_optimizers(optimizers, what)
+    return dcp_state.get_optimizer_state_dict(
+        _root_unit(model, what), optims, opts.cpu_offload, opts.ignore_frozen_params
+    )
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers,
+    optim_state_dict: Dict[str, Any],
+    *,
+    options: Optional[Any] = None,
+) -> None:
+    """Load a name-keyed optimizer state dict into torch optimizers over the model's flat parameters (collective).
+
+    The values may be laid out as :func:`get_optimizer_state_dict` makes them (e.g. after ``dcp.load`` into its
+    result), be FSDP2's at the same world size, or be full tensors. The original parameters that share one flat
+    parameter must all have state, or none, and the same scalar states (``step``). The new flat state is built
+    completely before ``optimizer.load_state_dict`` runs; a wrong dict on any rank raises the same error on every
+    rank and changes nothing.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: the optimizer(s) the state dict was taken from (same parameter grouping by name).
+        optim_state_dict: ``{"state": ..., "param_groups": ...}`` keyed by parameter name.
+        options: ``StateDictOptions`` (no option changes the load).
+
+    Raises:
+        ValueError: missing or mismatching entries (named), or parameter groups that differ from the saved ones.
+        TypeError: a value of the wrong type.
+        NotImplementedError: a flattened optimizer state dict.
+    """
+    what = "set_optimizer_state_dict"
+    _options(options, what)
+    optims = dcp_state.as_optimizers(optimizers, what)
+    dcp_state.set_optimizer_state_dict(_root_unit(model, what), optims, optim_state_dict)
+
+
+def get_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    submodules: Optional[Any] = None,
+    options: Optional[Any] = None,
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))`` (collective).
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: one optimizer or several over the model's parameters.
+        submodules: not supported; must be ``None``.
+        options: ``StateDictOptions``, for both.
+
+    Returns:
+        The model and the optimizer state dicts.
+    """
+    return (
+        get_model_state_dict(model, submodules=submodules, options=options),
+        get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options),
+    )
+
+
+def set_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    model_state_dict: Dict[str, Any],
+    optim_state_dict: Dict[str, Any],
+    options: Optional[Any] = None,
+) -> IncompatibleKeys:
+    """Load both state dicts (collective); all-or-nothing for the pair.
+
+    The optimizers are loaded first; if the model's load then fails, they get their previous state back.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: one optimizer or several over the model's parameters.
+        model_state_dict: see :func:`set_model_state_dict`.
+        optim_state_dict: see :func:`set_optimizer_state_dict`.
+        options: ``StateDictOptions``, for both.
+
+    Returns:
+        The model's ``IncompatibleKeys``.
+    """
+    optims = dcp_state.as_optimizers(optimizers, "set_state_dict")
+    before = [o.state_dict() for o in optims]  # references: a load replaces the state tensors, never writes them
+    set_optimizer_state_dict(model, optims, optim_state_dict, options=options)
+    try:
+        return set_model_state_dict(model, model_state_dict, options=options)
+    except BaseException:
+        for o, sd in zip(optims, before):
+            o.load_state_dict(sd)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------- directories
+
+
+def _metadata_path(checkpoint_id: Union[str, "os.PathLike[str]"]) -> str:
+    return os.path.join(os.fspath(checkpoint_id), METADATA_FILE)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the default group (checkpoint directories are the world's)."""
+    return any(collectives.all_gather_object(bool(flag)))
+
+
+def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...]) -> Dict[str, Any]:
+    state: Dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizers:
+        state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizers)
+    return state
+
+
+def _prepare_directory(checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, what: str) -> None:
+    """Refuse, or make unloadable, an existing checkpoint before anything of the new one is written."""
+    metadata = _metadata_path(checkpoint_id)
+    if not _any_rank(os.path.exists(metadata)):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"{what}: {os.fspath(checkpoint_id)!r} already holds a checkpoint; save every checkpoint to a new "
+            "directory (e.g. one per step), or pass overwrite=True"
+        )
+    # Overwriting in place: DCP rewrites the data files under the same names and writes .metadata last, so an
+    # interrupted overwrite would leave the old .metadata pointing into half-rewritten files. Remove it first: until
+    # the new one is complete, the directory holds no checkpoint. (Every rank enters DCP's planning, which gathers on
+    # rank 0, before any rank writes, so the removal happens before the first write.)
+    error: Optional[BaseException] = None
+    if collectives.group_rank(None) == 0:
+        try:
+            os.remove(metadata)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            error = e
+    check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error)
+
+
+def save(
+    model: nn.Module,
+    optimizers: Optional[Optimizers] = None,
+    *,
+    checkpoint_id: Union[str, "os.PathLike[str]"],
+    overwrite: bool = False,
+) -> None:
+    """Save the model (and optimizers) as a DCP checkpoint directory (collective).
+
+    Writes ``{"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}``
+    with ``torch.distributed.checkpoint.save``, which writes ``.metadata`` after every rank's data: a save that is
+    interrupted leaves a directory that :func:`load` (and ``dcp.load``) refuses.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: optimizer(s) over the model's parameters, or ``None`` for the model only.
+        checkpoint_id: the checkpoint directory (created if needed), the same path on every rank.
+        overwrite: replace a checkpoint already in the directory. Its ``.metadata`` is removed first, so the
+            directory holds no loadable checkpoint until the new one is complete.
+
+    Raises:
+        FileExistsError: the directory holds a checkpoint and ``overwrite`` is false (on every rank).
+    """
+    _options(None, "save")
+    optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
+    _prepare_directory(checkpoint_id, overwrite, "save")
+    _dcp_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id)
+
+
+def async_save(
+    model: nn.Module,
+    optimizers: Optional[Optimizers] = None,
+    *,
+    checkpoint_id: Union[str, "os.PathLike[str]"],
+    overwrite: bool = False,
+) -> Any:
+    """Like :func:`save`, but the files are written in the background (``torch.distributed.checkpoint.async_save``).
+
+    The state dicts are taken (collectively) before this returns and DCP copies them to CPU memory first, so training
+    may go on at once. Wait for the result before the next save to the same directory, and before loading it; until
+    then the directory has no ``.metadata`` and does not load.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: optimizer(s) over the model's parameters, or ``None``.
+        checkpoint_id: the checkpoint directory, the same path on every rank.
+        overwrite: see :func:`save`.
+
+    Returns:
+        What ``torch.distributed.checkpoint.async_save`` returns: a future (``.result()`` waits for the files).
+
+    Raises:
+        FileExistsError: the directory holds a checkpoint and ``overwrite`` is false.
+    """
+    _options(None, "async_save")
+    optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
+    _prepare_directory(checkpoint_id, overwrite, "async_save")
+    return _dcp_async_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id)
+
+
+def load(
+    model: nn.Module,
+    optimizers: Optional[Optimizers] = None,
+    *,
+    checkpoint_id: Union[str, "os.PathLike[str]"],
+    strict: bool = True,
+) -> IncompatibleKeys:
+    """Load a DCP checkpoint directory written by :func:`save` (or the same layout by FSDP2) (collective).
+
+    Any world size and wrapping: the checkpoint is read (``torch.distributed.checkpoint.load``) into this model's
+    own sharded state dicts, then set. All-or-nothing: an incomplete or missing checkpoint, a read error or a
+    mismatch leaves model and optimizers as they were, on every rank.
+
+    Args:
+        model: the root FullyShardedDataParallel instance.
+        optimizers: optimizer(s) to load too (the checkpoint must hold their state), or ``None``.
+        checkpoint_id: the checkpoint directory, the same path on every rank.
+        strict: with ``False``, model keys missing from the checkpoint keep their values.
+
+    Returns:
+        The model's ``IncompatibleKeys``.
+
+    Raises:
+        CheckpointNotFoundError: no ``.metadata`` in the directory (no checkpoint, or a save that was interrupted
+            or is still running); raised on every rank.
+        RuntimeError: DCP could not read the checkpoint into this model (missing keys, other shapes; the message
+            lists each failing rank's error), or the loaded state does not fit.
+    """
+    _options(None, "load")
+    optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
+    if _any_rank(not os.path.exists(_metadata_path(checkpoint_id))):
+        raise CheckpointNotFoundError(
+            f"load: no complete checkpoint at {os.fspath(checkpoint_id)!r}: {METADATA_FILE} is missing on at least one "
+            "rank (the path is wrong, or the save was interrupted or has not finished: DCP writes it last). Nothing "
+            "was loaded."
+        )
+    fresh = [not o.state for o in optims]
+    state = _checkpoint_state(model, optims)
+    try:
+        _dcp_load(state, checkpoint_id=checkpoint_id)
+    except (Exception, CheckpointException) as e:
+        _forget_created_state(optims, fresh)
+        raise RuntimeError(
+            f"load: reading the checkpoint {os.fspath(checkpoint_id)!r} into this model failed; nothing was loaded. "
+            f"{_summary(e)}"
+        ) from e
+    _forget_created_state(optims, fresh)  # the state dict holds what to load; the placeholder state can go now
+    opts = StateDictOptions(strict=strict)
+    if not optims:
+        return set_model_state_dict(model, state[MODEL_KEY], options=opts)
+    try:
+        return set_state_dict(
+            model, optims, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY], options=opts
+        )
+    except BaseException:
+        _forget_created_state(optims, fresh)
+        raise
+
+
+def _forget_created_state(optims: Tuple[torch.optim.Optimizer, ...], fresh: List[bool]) -> None:
+    """Optimizers that had no state before get none back (their state was only a template for ``dcp.load``)."""
+    for o, was_fresh in zip(optims, fresh):
+        if was_fresh:
+            o.state.clear()
+
+
+def _summary(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            exc = pair[0] if isinstance(pair, tuple) else pair
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)
+    return f"{type(error).__name__}: {error}"
