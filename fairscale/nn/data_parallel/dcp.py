@@ -371,6 +371,7 @@ def save(
     optimizers: Optional[Optimizers] = None,
     *,
     checkpoint_id: Union[str, "os.PathLike[str]"],
+    storage_writer: Optional[Any] = None,
     overwrite: bool = False,
 ) -> None:
     """Save the model (and optimizers) as a DCP checkpoint directory (collective).
@@ -383,16 +384,27 @@ def save(
         model: the root FullyShardedDataParallel instance.
         optimizers: optimizer(s) over the model's parameters, or ``None`` for the model only.
         checkpoint_id: the checkpoint directory (created if needed), the same path on every rank.
+        storage_writer: a ``torch.distributed.checkpoint.FileSystemWriter`` (or subclass) for that directory, to
+            choose its options; by default DCP's for ``checkpoint_id``.
         overwrite: replace a checkpoint already in the directory. Its ``.metadata`` is removed first, so the
             directory holds no loadable checkpoint until the new one is complete.
 
     Raises:
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false (on every rank).
+        RuntimeError: DCP failed to write the checkpoint (on every rank; the message lists each failing rank's
+            error). The directory then holds no loadable checkpoint.
     """
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
     _prepare_directory(checkpoint_id, overwrite, "save")
-    _dcp_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id)
+    state = _checkpoint_state(model, optims)
+    try:
+        _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer)
+    except CheckpointException as e:  # a BaseException in torch: make it an ordinary error
+        raise RuntimeError(
+            f"save: writing the checkpoint {os.fspath(checkpoint_id)!r} failed; DCP writes {METADATA_FILE} last, so "
+            f"the directory does not load. {_summary(e)}"
+        ) from e
 
 
 def async_save(
@@ -400,6 +412,7 @@ def async_save(
     optimizers: Optional[Optimizers] = None,
     *,
     checkpoint_id: Union[str, "os.PathLike[str]"],
+    storage_writer: Optional[Any] = None,
     overwrite: bool = False,
 ) -> Any:
     """Like :func:`save`, but the files are written in the background (``torch.distributed.checkpoint.async_save``).
@@ -412,6 +425,7 @@ def async_save(
         model: the root FullyShardedDataParallel instance.
         optimizers: optimizer(s) over the model's parameters, or ``None``.
         checkpoint_id: the checkpoint directory, the same path on every rank.
+        storage_writer: see :func:`save`.
         overwrite: see :func:`save`.
 
     Returns:
@@ -423,7 +437,7 @@ def async_save(
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
     _prepare_directory(checkpoint_id, overwrite, "async_save")
-    return _dcp_async_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id)
+    return _dcp_async_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id, storage_writer=storage_writer)
 
 
 def load(
@@ -431,6 +445,7 @@ def load(
     optimizers: Optional[Optimizers] = None,
     *,
     checkpoint_id: Union[str, "os.PathLike[str]"],
+    storage_reader: Optional[Any] = None,
     strict: bool = True,
 ) -> IncompatibleKeys:
     """Load a DCP checkpoint directory written by :func:`save` (or the same layout by FSDP2) (collective).
@@ -443,6 +458,7 @@ def load(
         model: the root FullyShardedDataParallel instance.
         optimizers: optimizer(s) to load too (the checkpoint must hold their state), or ``None``.
         checkpoint_id: the checkpoint directory, the same path on every rank.
+        storage_reader: a ``torch.distributed.checkpoint.FileSystemReader`` for that directory; by default DCP's.
         strict: with ``False``, model keys missing from the checkpoint keep their values.
 
     Returns:
@@ -465,7 +481,7 @@ def load(
     fresh = [not o.state for o in optims]
     state = _checkpoint_state(model, optims)
     try:
-        _dcp_load(state, checkpoint_id=checkpoint_id)
+        _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     except (Exception, CheckpointException) as e:
         _forget_created_state(optims, fresh)
         raise RuntimeError(
