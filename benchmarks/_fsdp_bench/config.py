@@ -6,7 +6,9 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple, Union
 
 PEERS = ("fairscale", "fsdp2", "fsdp1", "ddp")
-SCENARIOS = ("train", "accum", "zero2")
+SCENARIOS = ("train", "accum", "zero2", "latency")
+#: The model each scenario trains ("gpt": the GPT of --layers/--hidden...; "latency": --latency-layers tiny blocks).
+MODELS = ("gpt", "latency")
 MIXED_PRECISION = ("none", "fp16", "bf16")
 WRAP_POLICIES = ("block", "size", "none")
 
@@ -44,6 +46,11 @@ class BenchConfig:
     accum_batch: int = 1
     accum_reshard_after_forward: bool = False
     zero2_world_size: int = 4
+    latency_layers: int = 48
+    latency_hidden: int = 16
+    latency_batch: int = 1
+    latency_steps: int = 50
+    collective_calls: int = 1000
     zero2_group_size: int = 2
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
@@ -58,11 +65,36 @@ class BenchConfig:
     out: Optional[str] = "fsdp_benchmark.json"
     plot: Optional[str] = "fsdp_benchmark.png"
     timeout: float = 1800.0
+    # Not an option: the latency scenario replaces it (with layers, hidden ...) in its own copy of the config.
+    model: str = "gpt"
 
     @property
     def tokens_per_microbatch(self) -> int:
         """Tokens one rank processes per microbatch."""
         return self.batch * self.seq_len
+
+
+def scenario_config(cfg: BenchConfig, scenario: str) -> BenchConfig:
+    """The configuration a scenario's runs use: its own microbatch size (accum), or its own model (latency)."""
+    if scenario == "accum":
+        return dataclasses.replace(cfg, batch=cfg.accum_batch)
+    if scenario == "latency":
+        # One microbatch per step and ZeRO-3 (every hook and both gathers run): the fixed cost per step and unit.
+        return dataclasses.replace(
+            cfg,
+            model="latency",
+            layers=cfg.latency_layers,
+            hidden=cfg.latency_hidden,
+            heads=1,
+            batch=cfg.latency_batch,
+            microbatches=1,
+            steps=cfg.latency_steps,
+            reshard_after_forward=(True,),
+            optimize_backward_concat=False,
+            checkpoint_activations=False,
+            auto_wrap_policy="block",
+        )
+    return cfg
 
 
 def _bool_value(text: str) -> bool:
@@ -165,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(d.scenarios),
         help="train: peers side by side; accum: --accum-microbatches window with optimize_backward_concat off/on; "
-        "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; all: every one "
+        "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; latency: every peer "
+        "on --latency-layers tiny units (CPU cost per step, per unit and per collective); all: every one "
         "(benchmarks/fsdp.py also takes overlap, oss, tp and pipe, run by their own modules)",
     )
     r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches, help="window of the accum scenario")
@@ -181,6 +214,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.accum_reshard_after_forward,
         metavar="BOOL",
         help="reshard_after_forward of the accum scenario (default false: parameters stay gathered over the window)",
+    )
+    r.add_argument(
+        "--latency-layers",
+        type=int,
+        default=d.latency_layers,
+        help="latency scenario: tiny blocks, each its own FSDP unit (compute negligible: per-unit CPU cost shows)",
+    )
+    r.add_argument("--latency-hidden", type=int, default=d.latency_hidden, help="latency scenario: model width")
+    r.add_argument(
+        "--latency-batch", type=int, default=d.latency_batch, help="latency scenario: sequences per rank per step"
+    )
+    r.add_argument("--latency-steps", type=int, default=d.latency_steps, help="latency scenario: timed steps per run")
+    r.add_argument(
+        "--collective-calls",
+        type=int,
+        default=d.collective_calls,
+        help="latency scenario: 1-element all-reduces per timing block of the collectives layer (ours vs raw)",
     )
     r.add_argument("--zero2-world-size", type=int, default=d.zero2_world_size, help="ranks of the zero2 scenario")
     r.add_argument(
@@ -262,6 +312,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         accum_batch=ns.accum_batch,
         accum_reshard_after_forward=ns.accum_reshard_after_forward,
         zero2_world_size=ns.zero2_world_size,
+        latency_layers=ns.latency_layers,
+        latency_hidden=ns.latency_hidden,
+        latency_batch=ns.latency_batch,
+        latency_steps=ns.latency_steps,
+        collective_calls=ns.collective_calls,
         zero2_group_size=ns.zero2_group_size,
         intra_node_gbps=ns.intra_node_gbps,
         inter_node_gbps=ns.inter_node_gbps,
@@ -307,6 +362,9 @@ def validate(cfg: BenchConfig) -> List[str]:
             out.append(f"--reshard-after-forward {value} must divide --world-size {cfg.world_size}")
     if "accum" in cfg.scenarios and cfg.accum_microbatches < 2:
         out.append(f"--accum-microbatches must be >= 2 for an accumulation window (got {cfg.accum_microbatches})")
+    for name in ("latency_layers", "latency_hidden", "latency_batch", "latency_steps", "collective_calls"):
+        if getattr(cfg, name) < 1:
+            out.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.accum_batch < 1:
         out.append(f"--accum-batch must be >= 1 (got {cfg.accum_batch})")
     if "zero2" in cfg.scenarios:

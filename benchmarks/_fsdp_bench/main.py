@@ -11,6 +11,7 @@ import torch
 from .config import SCENARIOS, BenchConfig, parse_args
 from .launch import launch_world, run_in_torchrun, threads_per_rank, torchrun_rank
 from .model import GPT
+from .latency import latency_section
 from .plot import write_plot
 from .report import full_text, write_json
 from .results import add_comparisons
@@ -36,6 +37,7 @@ def build_report(
     add_comparisons(records, cfg)
     accum = accum_section(records)
     zero2 = zero2_section(records, cfg)
+    latency = latency_section(records)
     done = [r for r in records if not r.get("skipped")]
     params = sum(p.numel() for p in GPT(cfg.layers, cfg.hidden, cfg.heads, cfg.seq_len, cfg.vocab).parameters())
     first_world = next(iter(scenario_worlds.values()), cfg.world_size)
@@ -55,7 +57,8 @@ def build_report(
         "runs": records,
         "accum": accum,
         "zero2": zero2,
-        "targets": targets(records, accum, zero2),
+        "latency": latency,
+        "targets": targets(records, accum, zero2, latency),
     }
 
 
@@ -97,5 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"plot: {skipped}" if skipped else f"plot: {os.path.abspath(cfg.plot)}")
     missing = [s for s in SCENARIOS if s not in cfg.scenarios]
     if missing:
-        print(f"(not run: {', '.join(missing)}; --scenario all adds the accumulation-window and zero2 sections)")
+        print(
+            f"(not run: {', '.join(missing)}; --scenario all adds the accumulation-window, zero2 and latency sections)"
+        )
     return 0

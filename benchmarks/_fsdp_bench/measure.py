@@ -28,6 +28,7 @@ from fairscale.internal.device import DeviceHandle
 from .config import BenchConfig
 from .corpus import Corpus
 from .heap import HEAP_METHOD_PREFIX, HeapSampler, heap_in_use
+from .latency import count_python_calls
 from .link import link_for_peer
 from .model import lm_loss
 from .peers import Peer, RunSpec, build_peer
@@ -81,11 +82,15 @@ class TimedRun:
         self.losses: List[float] = []
         self.window_s: List[float] = []
         self.step_s: List[float] = []
+        # CPU time of the step: the whole process (every thread: gloo's included) and the rank's own thread.
+        self.cpu_s: List[float] = []
+        self.thread_cpu_s: List[float] = []
         self.collectives: List[Dict[str, Dict[str, int]]] = []
 
     def step(self, step: int) -> None:
         """Run and time optimizer step ``step``."""
         self.handle.synchronize()
+        c0, tc0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         with count_collectives() as counter, self._link():
             loss = _window(self.peer, self.corpus, self.cfg, self.spec, step, self.rank, self.world, self.device)
@@ -95,6 +100,8 @@ class TimedRun:
             self.optim.zero_grad(set_to_none=True)
             self.handle.synchronize()
         t2 = time.perf_counter()
+        self.cpu_s.append(time.process_time() - c0)
+        self.thread_cpu_s.append(time.thread_time() - tc0)
         self.losses.append(float(loss.item()))
         self.window_s.append(t1 - t0)
         self.step_s.append(t2 - t0)
@@ -114,6 +121,8 @@ class TimedRun:
             "loss": self.losses,
             "window_s": self.window_s,
             "step_s": self.step_s,
+            "cpu_s": self.cpu_s,
+            "thread_cpu_s": self.thread_cpu_s,
             "collectives": self.collectives,
             "notes": notes,
         }
@@ -185,6 +194,17 @@ def probe_run(
     finally:
         with quiet_stderr():
             prof.stop()
+    calls = None
+    if spec.scenario == "latency":
+        # A fourth step under cProfile (after the torch profiler stopped: the two would count each other): how many
+        # Python calls each peer makes per step, which is what its CPU time per unit is made of on a tiny model.
+        def one_step() -> None:
+            _window(peer, corpus, cfg, spec, 3, rank, world, device)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            handle.synchronize()
+
+        calls = count_python_calls(one_step)
     analysis = analyze_profile(prof, spec.microbatches, track_memory=on_cpu and heap_base is None)
     if on_cpu and heap_base is not None and heap_steady is not None and sampler is not None:
         memory = {"steady_bytes": heap_steady - heap_base, "peak_bytes": sampler.peak - heap_base}
@@ -197,4 +217,10 @@ def probe_run(
         method = f"{device.type} caching allocator: memory_allocated / max_memory_allocated"
     del peer, optim, prof
     gc.collect()
-    return {"memory": memory, "memory_method": method, "backward_ops": analysis["backward_ops"], "spy": spy.summary()}
+    return {
+        "memory": memory,
+        "memory_method": method,
+        "backward_ops": analysis["backward_ops"],
+        "spy": spy.summary(),
+        "calls": calls,
+    }

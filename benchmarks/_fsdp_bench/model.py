@@ -74,13 +74,51 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build_model(cfg: BenchConfig, device: torch.device) -> GPT:
+class TinyBlock(nn.Module):
+    """One layer of the latency model: a residual ``hidden x hidden`` linear (two ops of compute, one unit)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class LatencyModel(nn.Module):
+    """The latency scenario's model: embedding, ``layers`` tiny blocks (each its own unit), LM head.
+
+    Its compute is negligible (a few microseconds of kernels per block), so a step costs what the data-parallel
+    wrapper does per unit and per collective: the regime where an accelerator waits on the CPU.
+    """
+
+    def __init__(self, layers: int, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(TinyBlock(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model(cfg: BenchConfig) -> nn.Module:
+    """The model ``cfg.model`` names, with the default init of torch's RNG as it stands."""
+    if cfg.model == "latency":
+        return LatencyModel(cfg.layers, cfg.hidden, cfg.vocab)
+    return GPT(cfg.layers, cfg.hidden, cfg.heads, cfg.seq_len, cfg.vocab)
+
+
+def build_model(cfg: BenchConfig, device: torch.device) -> nn.Module:
     """The model, initialised from ``cfg.seed`` (identical on every rank and for every peer)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = GPT(cfg.layers, cfg.hidden, cfg.heads, cfg.seq_len, cfg.vocab)
+        model = make_model(cfg)
     if cfg.checkpoint_activations:
-        for block in model.blocks:
+        for block in model.blocks:  # type: ignore[union-attr]
             checkpoint_wrapper(block)
     return model.to(device)
 
@@ -91,7 +129,7 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def _block_policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
-    return True if recurse else isinstance(module, Block)
+    return True if recurse else isinstance(module, (Block, TinyBlock))
 
 
 def wrap_policy(cfg: BenchConfig) -> Any:

@@ -7,6 +7,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from .config import BenchConfig
+from .latency import latency_text
 
 
 def _mib(nbytes: Optional[float]) -> str:
@@ -179,8 +180,11 @@ def full_text(cfg: BenchConfig, report: Dict[str, Any]) -> str:
         parts.append("\n" + accum_text(report["accum"]))
     if report.get("zero2"):
         parts.append("\n" + zero2_text(report["zero2"]))
-    if report.get("targets"):
-        parts.append("\ntargets (issue 10):\n" + targets_text(report["targets"]))
+    if report.get("latency"):
+        parts.append("\n" + latency_text(report["latency"]))
+    for issue in sorted({t.get("issue", 10) for t in report.get("targets") or []}):
+        mine = [t for t in report["targets"] if t.get("issue", 10) == issue]
+        parts.append(f"\ntargets (issue {issue}):\n" + targets_text(mine))
     parts.append(
         "\nnotes: step/window = median over the timed steps of the slowest rank (window = forward+backward of all "
         "microbatches); tok/s = tokens per step / step time; collectives per step as count x MiB @ group size "

@@ -65,6 +65,11 @@ def expected_collectives(spec: RunSpec, cfg: BenchConfig, world_size: int) -> Op
     return zero3_per_step(units, world_size, spec.reshard, spec.microbatches, element, cfg.flatten)
 
 
+def count_units(cfg: BenchConfig) -> int:
+    """Sharding units of the configuration: the wrapped submodules and the root."""
+    return len(wrap_plan(cfg, build_model(cfg, torch.device("cpu")))) + 1
+
+
 def _quartiles(values: List[float]) -> List[float]:
     """25th, 50th and 75th percentiles (the median itself when there are fewer than 2 values)."""
     if len(values) < 2:
@@ -83,6 +88,9 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
     loss = [statistics.fmean(t["loss"][i] for t in timed) for i in range(steps)]
     timed_steps = slice(min(cfg.warmup, steps - 1), steps)
     median_step = statistics.median(step_s[timed_steps])
+    # CPU time per step: the ranks hold equal shards and run the same code; the busiest rank's, like step time.
+    cpu_s = [max(t["cpu_s"][i] for t in timed) for i in range(steps)]
+    thread_cpu_s = [max(t["thread_cpu_s"][i] for t in timed) for i in range(steps)]
     tokens = cfg.tokens_per_microbatch * spec.microbatches
     counter = timed[0]["collectives"][timed_steps]
     ops = probe[0]["backward_ops"]
@@ -106,6 +114,16 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
         "step_s_quartiles": _quartiles(step_s[timed_steps]),
         "median_window_s": statistics.median(window_s[timed_steps]),
         "window_s_quartiles": _quartiles(window_s[timed_steps]),
+        "cpu_s": cpu_s,
+        "median_cpu_s": statistics.median(cpu_s[timed_steps]),
+        "cpu_s_quartiles": _quartiles(cpu_s[timed_steps]),
+        "thread_cpu_s": thread_cpu_s,
+        "median_thread_cpu_s": statistics.median(thread_cpu_s[timed_steps]),
+        "units": count_units(cfg),
+        "hidden": cfg.hidden,
+        "warmup": min(cfg.warmup, steps - 1),
+        "c10d_calls_per_step": sum(entry["count"] for entry in probe[0]["spy"].values()),
+        "python_calls_per_step": probe[0].get("calls"),
         "median_optimizer_s": statistics.median([s - w for s, w in zip(step_s, window_s)][timed_steps]),
         "tokens_per_s_per_rank": tokens / median_step,
         "tokens_per_s_total": tokens * world_size / median_step,

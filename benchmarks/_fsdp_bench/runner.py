@@ -9,8 +9,9 @@ import torch
 
 from fairscale.internal import collectives
 
-from .config import BenchConfig
+from .config import BenchConfig, scenario_config
 from .corpus import Corpus
+from .latency import collective_overhead
 from .measure import probe_run, timed_runs
 from .peers import RunSpec, skip_reason
 from .progress import ProgressBar, silent
@@ -19,19 +20,23 @@ from .results import aggregate, skipped_record
 
 def specs_for(cfg: BenchConfig, scenario: str) -> List[RunSpec]:
     """The runs of one scenario, in the order they run and are reported."""
-    if scenario == "train":
+    if scenario in ("train", "latency"):
         specs = [
-            RunSpec("train", peer, raf, cfg.microbatches, cfg.optimize_backward_concat and peer == "fairscale")
+            RunSpec(scenario, peer, raf, cfg.microbatches, cfg.optimize_backward_concat and peer == "fairscale")
             for raf in cfg.reshard_after_forward
             for peer in cfg.compare
             if peer != "ddp"
         ]
         if "ddp" in cfg.compare:
-            specs.append(RunSpec("train", "ddp", True, cfg.microbatches))
+            specs.append(RunSpec(scenario, "ddp", True, cfg.microbatches))
         return specs
     if scenario == "accum":
         raf = cfg.accum_reshard_after_forward
-        return [RunSpec("accum", "fairscale", raf, cfg.accum_microbatches, obc) for obc in (False, True)]
+        specs = [RunSpec("accum", "fairscale", raf, cfg.accum_microbatches, obc) for obc in (False, True)]
+        if "fsdp2" in cfg.compare:
+            # The same window with FSDP2's own accumulation (set_requires_gradient_sync): the memory reference.
+            specs.append(RunSpec("accum", "fsdp2", raf, cfg.accum_microbatches))
+        return specs
     if scenario == "zero2":
         g = cfg.zero2_group_size
         specs = [
@@ -55,8 +60,9 @@ def run_world(
     for scenario in scenarios:
         if rank == 0:
             print(f"\n[{scenario}] world size {world_size}", flush=True)
-        # The accum scenario has its own microbatch size (--accum-batch); its records carry it in their config.
-        scenario_cfg = dataclasses.replace(cfg, batch=cfg.accum_batch) if scenario == "accum" else cfg
+        # The accum scenario has its own microbatch size (--accum-batch), the latency scenario its own model; their
+        # records carry it in their config.
+        scenario_cfg = scenario_config(cfg, scenario)
         specs = specs_for(scenario_cfg, scenario)
         skipped = {spec: skip_reason(spec, scenario_cfg) for spec in specs}
         runnable = [spec for spec in specs if skipped[spec] is None]
@@ -76,5 +82,13 @@ def run_world(
             gathered = collectives.all_gather_object({"timed": timed[spec], "probe": probe})
             if rank == 0:
                 records.append(aggregate(spec, scenario_cfg, world_size, gathered))
+        if scenario == "latency":
+            # The collectives layer's cost per call, in the same world (every rank takes part).
+            if rank == 0:
+                print(f"timing the collectives layer ({cfg.collective_calls} calls per block) ...", flush=True)
+            overhead = collective_overhead(cfg.collective_calls)
+            fs = next((r for r in records if r["scenario"] == "latency" and r["peer"] == "fairscale"), None)
+            if rank == 0 and fs is not None and not fs.get("skipped"):
+                fs["collective_overhead"] = overhead
     sys.stdout.flush()
     return records

@@ -67,13 +67,32 @@ RUN_FIELDS = {
     "backward_ops_per_microbatch",
     "cat_per_microbatch",
     "split_backward_per_microbatch",
+    "cpu_s",
+    "median_cpu_s",
+    "cpu_s_quartiles",
+    "thread_cpu_s",
+    "median_thread_cpu_s",
+    "units",
+    "c10d_calls_per_step",
+    "python_calls_per_step",
     "step_time_ratio",
     "peak_memory_ratio",
     "loss_reference",
     "loss_max_abs_diff",
     "loss_matches",
 }
-TOP_FIELDS = {"command", "config", "environment", "worlds", "memory_method", "runs", "accum", "zero2", "targets"}
+TOP_FIELDS = {
+    "command",
+    "config",
+    "environment",
+    "worlds",
+    "memory_method",
+    "runs",
+    "accum",
+    "zero2",
+    "latency",
+    "targets",
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +112,15 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "all",
         "--accum-microbatches",
         "3",
+        # The latency scenario, tiny: 3 units, 2 timed steps, 20 calls per timing block of the collectives layer.
+        "--latency-layers",
+        "3",
+        "--latency-hidden",
+        "8",
+        "--latency-steps",
+        "2",
+        "--collective-calls",
+        "20",
         "--out",
         str(out),
         "--plot",
@@ -101,6 +129,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, f"benchmark failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     assert "targets (issue 10)" in result.stdout and "== train (world size 2) ==" in result.stdout
+    assert "targets (issue 28)" in result.stdout and "latency: CPU cost per step" in result.stdout
     with open(out) as f:
         data = json.load(f)
     data["_stdout"] = result.stdout
@@ -109,7 +138,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_json_has_every_field(report: dict) -> None:
     assert TOP_FIELDS <= set(report)
-    assert report["worlds"] == {"train": 2, "accum": 2, "zero2": 4}
+    assert report["worlds"] == {"train": 2, "accum": 2, "zero2": 4, "latency": 2}
     ran = [r for r in report["runs"] if not r["skipped"]]
     assert {r["peer"] for r in ran if r["scenario"] == "train"} == {"fairscale", "fsdp2", "fsdp1", "ddp"}
     for r in ran:
@@ -128,6 +157,24 @@ def test_json_has_every_field(report: dict) -> None:
     assert {r["tokens_per_step_per_rank"] for r in accum_runs} == {3 * seq_len}
     assert set(report["zero2"]["runs"]) >= {"fairscale raf=True", "fairscale raf=2 (group)"}
     assert all({"target", "value", "met"} <= set(t) for t in report["targets"])
+
+
+def test_latency_scenario_reports_cpu_calls_and_collective_overhead(report: dict) -> None:
+    latency = report["latency"]
+    assert set(latency["runs"]) == {"fairscale raf=True", "fsdp2 raf=True", "fsdp1 raf=True", "ddp"}
+    for label, row in latency["runs"].items():
+        assert row["units"] == 3 + 1, label  # the tiny blocks and the root
+        assert row["median_cpu_s"] > 0 and row["cpu_s_per_unit"] > 0, label
+        assert row["python_calls_per_unit"] > 0 and row["c10d_calls_per_step"] > 0, label
+    # ZeRO-3 with one microbatch: every unit gathers in forward, the blocks again in backward; bucketed reductions.
+    fs = next(r for r in report["runs"] if r["scenario"] == "latency" and r["peer"] == "fairscale")
+    assert fs["formula_matches"], fs["formula_differences"]
+    overhead = latency["collective_overhead"]
+    assert overhead["calls"] == 20 and overhead["world_size"] == 2
+    assert set(overhead["real"]) == {"raw", "ours", "ours_counted", "raw_plus_10us"}
+    assert set(overhead["dispatch_only"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    latency_targets = [t for t in report["targets"] if t["issue"] == 28]
+    assert any(t["target"].startswith("latency: CPU time per step") for t in latency_targets)
 
 
 def test_loss_finite_and_matching_across_peers(report: dict) -> None:
@@ -245,5 +292,5 @@ def test_options_parse() -> None:
     assert cfg.accum_batch == 4 and cfg.accum_reshard_after_forward is True
     assert cfg.compare == ("fairscale", "fsdp2")
     assert cfg.reshard_after_forward == (False, 2)
-    assert cfg.scenarios == ("train", "accum", "zero2")
+    assert cfg.scenarios == ("train", "accum", "zero2", "latency")
     assert cfg.mixed_precision == "bf16" and cfg.flatten is False
