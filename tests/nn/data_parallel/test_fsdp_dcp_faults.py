@@ -1,0 +1,295 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""DCP checkpoints of FSDP that must not load, and loads that must change nothing.
+
+* A save that fails half-way (a rank's writer raises after writing its data files, or the rank is killed there)
+  leaves a directory without ``.metadata`` (DCP writes it last): ``load`` raises ``CheckpointNotFoundError`` on
+  every rank. An interrupted ``overwrite=True`` save does not leave the old checkpoint's ``.metadata`` pointing into
+  half-rewritten files either.
+* A checkpoint of another model, a dict of the wrong shape on one rank only, missing keys, an optimizer dict that
+  does not fit, ranks holding different kinds of values: every rank raises the same clear error, and the model and
+  the optimizer are left exactly as they were on every rank.
+"""
+
+import os
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _models import ModelWithBatchNorm, NestedWrappedModule, build, wrap_model
+from torch import Tensor, nn
+
+from fairscale.fair_dev.testing.engine import DistributedTestError, run_cases, run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel import dcp as fsdp_dcp
+
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - old torch
+    DTensor = None
+
+pytestmark = pytest.mark.skipif(DTensor is None, reason="needs torch with DTensor and torch.distributed.checkpoint")
+
+
+class FailingWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer, whose rank 1 fails once its data files are written (a full disk, a lost mount)."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        if dist.get_rank() == 1:
+            written.wait()
+            raise OSError("injected: no space left on device")
+        return written
+
+
+class KillingWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer, whose rank 1 process dies once its data files are written."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        if dist.get_rank() == 1:
+            written.wait()
+            os._exit(17)
+        return written
+
+
+class OtherShapes(NestedWrappedModule):
+    """The same parameter names as NestedWrappedModule, but the last layer has 4 outputs instead of 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[3] = nn.Linear(5, 4)
+
+
+def trained(seed: int = 1, mode: str = "nested") -> Tuple[FSDP, torch.optim.Optimizer]:
+    model, _ = build(NestedWrappedModule, seed)
+    fsdp = wrap_model(model, {}, mode)
+    optim = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    optim.zero_grad()
+    NestedWrappedModule.per_sample_loss(fsdp(*NestedWrappedModule.sample(4, gen))).mean().backward()
+    optim.step()
+    return fsdp, optim
+
+
+def fresh(seed: int = 2, mode: str = "leaf", cls: Any = NestedWrappedModule) -> Tuple[FSDP, torch.optim.Optimizer]:
+    model, _ = build(cls, seed)
+    fsdp = wrap_model(model, {}, mode)
+    return fsdp, torch.optim.Adam(fsdp.parameters(), lr=0.5)
+
+
+def snapshot(fsdp: FSDP, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+    """Every local shard and buffer, the optimizer's state and hyperparameters, copied."""
+    osd = optim.state_dict()
+    return {
+        "weights": {k: v.clone() for k, v in fsdp.local_state_dict().items()},
+        "state": {
+            i: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()} for i, s in osd["state"].items()
+        },
+        "groups": osd["param_groups"],
+    }
+
+
+def assert_unchanged(fsdp: FSDP, optim: torch.optim.Optimizer, before: Dict[str, Any], what: str) -> None:
+    now = snapshot(fsdp, optim)
+    assert list(now["weights"]) == list(before["weights"]), what
+    for key, value in before["weights"].items():
+        assert torch.equal(now["weights"][key], value), f"{what}: {key} changed"
+    assert sorted(now["state"]) == sorted(before["state"]), f"{what}: optimizer state entries changed"
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            got = now["state"][i][key]
+            assert torch.equal(got, value) if isinstance(value, Tensor) else got == value, f"{what}: state {i} {key}"
+    assert now["groups"] == before["groups"], f"{what}: hyperparameters changed"
+
+
+def expect(error: Any, match: str, fn: Any, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(error, match=match) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+
+
+def _case_interrupted_save(root: str) -> None:
+    fsdp, optim = trained()
+    path = os.path.join(root, "interrupted")
+    message = expect(
+        RuntimeError, "injected: no space left", fsdp_dcp.save, fsdp, optim, checkpoint_id=path,
+        storage_writer=FailingWriter(path),
+    )  # fmt: skip
+    assert "does not load" in message, message
+    files = os.listdir(path)
+    assert "__0_0.distcp" in files and ".metadata" not in files, files  # data written, never completed
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    expect(
+        fsdp_dcp.CheckpointNotFoundError,
+        r"\.metadata is missing",
+        fsdp_dcp.load,
+        other,
+        other_optim,
+        checkpoint_id=path,
+    )
+    assert_unchanged(other, other_optim, before, "after loading an interrupted save")
+    with pytest.raises(CheckpointException):  # torch's own load refuses it too
+        dcp.load(fsdp_dcp.get_model_state_dict(other), checkpoint_id=path)
+
+
+def _case_interrupted_overwrite(root: str) -> None:
+    fsdp, optim = trained()
+    path = os.path.join(root, "overwritten")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    expect(FileExistsError, "already holds a checkpoint", fsdp_dcp.save, fsdp, optim, checkpoint_id=path)
+    expect(
+        RuntimeError, "injected", fsdp_dcp.save, fsdp, optim, checkpoint_id=path, storage_writer=FailingWriter(path),
+        overwrite=True,
+    )  # fmt: skip
+    # The old checkpoint's .metadata went first: half-rewritten data files can never load as the old checkpoint.
+    other, other_optim = fresh()
+    expect(fsdp_dcp.CheckpointNotFoundError, "interrupted", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True)
+    fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), fsdp.state_dict().values()))
+
+
+def _case_checkpoint_of_another_model(root: str) -> None:
+    fsdp, optim = trained()
+    path = os.path.join(root, "nested")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    for cls, match in ((OtherShapes, "layers.3.weight"), (ModelWithBatchNorm, "fc1")):
+        other, other_optim = fresh(cls=cls, mode="one")
+        before = snapshot(other, other_optim)
+        message = expect(RuntimeError, "nothing was loaded", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+        assert match in message, message
+        assert_unchanged(other, other_optim, before, f"{cls.__name__}: after a failed load")
+        assert not other_optim.state, "the placeholder optimizer state stayed"
+
+
+def _case_bad_value_on_one_rank(root: str) -> None:
+    fsdp, optim = trained()
+    msd = fsdp_dcp.get_model_state_dict(fsdp)
+    if dist.get_rank() == 1:
+        msd["layers.3.weight"] = torch.zeros(4, 5)
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    message = expect(ValueError, r"rank\(s\) \[1\]", fsdp_dcp.set_model_state_dict, other, msd)
+    assert "layers.3.weight" in message and "(4, 5)" in message, message
+    assert_unchanged(other, other_optim, before, "after one rank's bad value")
+
+
+def _case_missing_keys(root: str) -> None:
+    fsdp, optim = trained()
+    msd = fsdp_dcp.get_model_state_dict(fsdp)
+    del msd["layers.1.2.bias"]
+    msd["extra.weight"] = torch.zeros(1)
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    message = expect(RuntimeError, "missing key", fsdp_dcp.set_model_state_dict, other, msd)
+    assert "'layers.1.2.bias'" in message and "'extra.weight'" in message, message
+    assert_unchanged(other, other_optim, before, "after a strict load with missing keys")
+    old_bias = other.state_dict()["layers.1.2.bias"]
+    result = fsdp_dcp.set_model_state_dict(other, msd, options=StateDictOptions(strict=False))
+    assert result.missing_keys == ["layers.1.2.bias"] and result.unexpected_keys == ["extra.weight"], result
+    loaded, expected = other.state_dict(), fsdp.state_dict()
+    assert torch.equal(loaded["layers.1.2.bias"], old_bias), "a missing key changed"
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items() if k != "layers.1.2.bias")
+
+
+def _case_optimizer_dict_that_does_not_fit(root: str) -> None:
+    fsdp, optim = trained()
+    osd = fsdp_dcp.get_optimizer_state_dict(fsdp, optim)
+    other, other_optim = trained(seed=3, mode="nested")
+    before = snapshot(other, other_optim)
+    partial = {"state": dict(osd["state"]), "param_groups": osd["param_groups"]}
+    del partial["state"]["layers.1.0.bias"]  # shares a flat parameter with layers.1.0.weight, 1.2.*
+    message = expect(ValueError, "needs state, or none", fsdp_dcp.set_optimizer_state_dict, other, other_optim, partial)
+    assert "layers.1.0.bias" in message, message
+    wrong = {"state": dict(osd["state"]), "param_groups": osd["param_groups"]}
+    wrong["state"]["layers.3.weight"] = dict(wrong["state"]["layers.3.weight"], exp_avg=torch.zeros(3, 6))
+    expect(ValueError, r"layers.3.weight.*exp_avg", fsdp_dcp.set_optimizer_state_dict, other, other_optim, wrong)
+    regrouped = {"state": osd["state"], "param_groups": [dict(osd["param_groups"][0], params=["layers.0.weight"])]}
+    expect(ValueError, "grouped differently", fsdp_dcp.set_optimizer_state_dict, other, other_optim, regrouped)
+    assert_unchanged(other, other_optim, before, "after optimizer dicts that do not fit")
+    fsdp_dcp.set_optimizer_state_dict(other, other_optim, osd)  # the right one still loads
+
+
+def _case_ranks_hold_different_kinds(root: str) -> None:
+    fsdp, optim = trained()
+    msd, full = fsdp_dcp.get_model_state_dict(fsdp), fsdp.state_dict()
+    mixed = full if dist.get_rank() == 1 else msd  # full tensors on rank 1, DTensor chunks on rank 0
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    expect(ValueError, "differ between ranks", fsdp_dcp.set_model_state_dict, other, mixed)
+    assert_unchanged(other, other_optim, before, "after ranks with different kinds of values")
+    fsdp_dcp.set_model_state_dict(other, full)  # full tensors on every rank load without exchanges
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), full.values()))
+
+
+def _case_misuse(root: str) -> None:
+    fsdp, optim = trained()
+    nested = fsdp.module.layers[1]
+    expect(ValueError, "root FullyShardedDataParallel", fsdp_dcp.get_model_state_dict, nested)
+    expect(TypeError, "root FullyShardedDataParallel instance, got NestedWrappedModule", fsdp_dcp.get_model_state_dict,
+           NestedWrappedModule())  # fmt: skip
+    options = StateDictOptions(full_state_dict=True)
+    expect(NotImplementedError, "full_state_dict=True", fsdp_dcp.get_model_state_dict, fsdp, options=options)
+    stranger = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    expect(ValueError, "not a parameter of this FSDP model", fsdp_dcp.get_optimizer_state_dict, fsdp, stranger)
+    # Loading between a forward and its backward would leave the pending backward without its weights.
+    loss = NestedWrappedModule.per_sample_loss(fsdp(torch.randn(2, 7))).sum()
+    msd = fsdp_dcp.get_model_state_dict(fsdp)  # saving is fine there
+    expect(RuntimeError, "between a forward and its backward", fsdp_dcp.set_model_state_dict, fsdp, msd)
+    loss.backward()
+    fsdp_dcp.set_model_state_dict(fsdp, msd)
+
+
+def _faults(rank: int, world_size: int, root: str) -> None:
+    cases = [
+        _case_interrupted_save,
+        _case_interrupted_overwrite,
+        _case_checkpoint_of_another_model,
+        _case_bad_value_on_one_rank,
+        _case_missing_keys,
+        _case_optimizer_dict_that_does_not_fit,
+        _case_ranks_hold_different_kinds,
+        _case_misuse,
+    ]
+    run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
+
+
+def _bind(case: Any, root: str) -> Any:
+    return lambda: case(root)
+
+
+def test_faults(tmp_path: Any) -> None:
+    run_distributed(_faults, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------------ a killed rank
+
+
+def _save_and_die(rank: int, world_size: int, path: str) -> None:
+    fsdp, optim = trained()
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path, storage_writer=KillingWriter(path))
+
+
+def _load_after_kill(rank: int, world_size: int, path: str) -> str:
+    fsdp, optim = fresh()
+    before = snapshot(fsdp, optim)
+    message = expect(fsdp_dcp.CheckpointNotFoundError, "interrupted", fsdp_dcp.load, fsdp, optim, checkpoint_id=path)
+    assert_unchanged(fsdp, optim, before, "after loading a killed save")
+    return message
+
+
+def test_killed_save_leaves_no_checkpoint(tmp_path: Any) -> None:
+    path = str(tmp_path / "killed")
+    with pytest.raises(DistributedTestError, match="exit"):
+        run_distributed(_save_and_die, 2, path)
+    files = os.listdir(path)
+    assert "__1_0.distcp" in files and ".metadata" not in files, files
+    run_distributed(_load_after_kill, 1, path)
