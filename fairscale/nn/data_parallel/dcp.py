@@ -51,6 +51,7 @@ from ._fsdp.unit import FSDPUnit, unit_of
 
 try:  # torch >= 2.2
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
     from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
@@ -329,9 +330,10 @@ def _metadata_path(checkpoint_id: Union[str, "os.PathLike[str]"]) -> str:
     return os.path.join(os.fspath(checkpoint_id), METADATA_FILE)
 
 
-def _any_rank(flag: bool) -> bool:
+def _any_rank(unit: FSDPUnit, flag: bool) -> bool:
     """Whether ``flag`` holds on any rank of the default group (checkpoint directories are the world's)."""
-    return any(collectives.all_gather_object(bool(flag)))
+    with unit.device.as_current():  # NCCL object collectives allocate on the current device
+        return any(collectives.all_gather_object(bool(flag)))
 
 
 def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...]) -> Dict[str, Any]:
@@ -341,10 +343,12 @@ def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer,
     return state
 
 
-def _prepare_directory(checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, what: str) -> None:
+def _prepare_directory(
+    unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, what: str
+) -> None:
     """Refuse, or make unloadable, an existing checkpoint before anything of the new one is written."""
     metadata = _metadata_path(checkpoint_id)
-    if not _any_rank(os.path.exists(metadata)):
+    if not _any_rank(unit, os.path.exists(metadata)):
         return
     if not overwrite:
         raise FileExistsError(
@@ -363,7 +367,8 @@ def _prepare_directory(checkpoint_id: Union[str, "os.PathLike[str]"], overwrite:
             pass
         except OSError as e:
             error = e
-    check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error)
+    with unit.device.as_current():
+        check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error)
 
 
 def save(
@@ -396,7 +401,7 @@ def save(
     """
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
-    _prepare_directory(checkpoint_id, overwrite, "save")
+    _prepare_directory(_root_unit(model, "save"), checkpoint_id, overwrite, "save")
     state = _checkpoint_state(model, optims)
     try:
         _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer)
@@ -436,7 +441,7 @@ def async_save(
     """
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
-    _prepare_directory(checkpoint_id, overwrite, "async_save")
+    _prepare_directory(_root_unit(model, "async_save"), checkpoint_id, overwrite, "async_save")
     return _dcp_async_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id, storage_writer=storage_writer)
 
 
@@ -459,7 +464,9 @@ def load(
         optimizers: optimizer(s) to load too (the checkpoint must hold their state), or ``None``.
         checkpoint_id: the checkpoint directory, the same path on every rank.
         storage_reader: a ``torch.distributed.checkpoint.FileSystemReader`` for that directory; by default DCP's.
-        strict: with ``False``, model keys missing from the checkpoint keep their values.
+        strict: with ``False``, model keys missing from the checkpoint keep their values and keys of the
+            checkpoint the model lacks are ignored (both reported); with ``True`` either raises before anything is
+            read.
 
     Returns:
         The model's ``IncompatibleKeys``.
@@ -467,19 +474,36 @@ def load(
     Raises:
         CheckpointNotFoundError: no ``.metadata`` in the directory (no checkpoint, or a save that was interrupted
             or is still running); raised on every rank.
-        RuntimeError: DCP could not read the checkpoint into this model (missing keys, other shapes; the message
-            lists each failing rank's error), or the loaded state does not fit.
+        RuntimeError: the checkpoint's keys do not match the model's (``strict``), it holds no optimizer state
+            but optimizers were given, DCP could not read it into this model (other shapes; the message lists each
+            failing rank's error), or the loaded state does not fit.
     """
     _options(None, "load")
+    unit = _root_unit(model, "load")
     optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
-    if _any_rank(not os.path.exists(_metadata_path(checkpoint_id))):
-        raise CheckpointNotFoundError(
-            f"load: no complete checkpoint at {os.fspath(checkpoint_id)!r}: {METADATA_FILE} is missing on at least one "
-            "rank (the path is wrong, or the save was interrupted or has not finished: DCP writes it last). Nothing "
-            "was loaded."
+    saved_keys = _saved_keys(unit, checkpoint_id)
+    model_keys = {k[len(MODEL_KEY) + 1 :] for k in saved_keys if k.startswith(MODEL_KEY + ".")}
+    if optims and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved_keys):
+        raise RuntimeError(
+            f"load: the checkpoint {os.fspath(checkpoint_id)!r} holds no optimizer state (it was saved without "
+            "optimizers); pass optimizers=None to load the model alone. Nothing was loaded."
         )
+    # Templates for dcp.load to fill: this model's own layout, no values (nothing to gather).
+    msd = dcp_state.get_model_state_dict(unit, False, False, with_values=False)
+    missing = [k for k in msd if k not in model_keys]
+    unexpected = sorted(model_keys - set(msd))
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"load: the checkpoint {os.fspath(checkpoint_id)!r} does not match this model (missing key(s): "
+            f"{missing}; unexpected key(s): {unexpected}); it was saved from another model. Pass strict=False to load "
+            "the matching keys only. Nothing was loaded."
+        )
+    for key in missing:
+        del msd[key]
+    state: Dict[str, Any] = {MODEL_KEY: msd}
     fresh = [not o.state for o in optims]
-    state = _checkpoint_state(model, optims)
+    if optims:
+        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(unit, optims, False, False, with_values=False)
     try:
         _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     except (Exception, CheckpointException) as e:
@@ -499,6 +523,35 @@ def load(
     except BaseException:
         _forget_created_state(optims, fresh)
         raise
+
+
+def _saved_keys(unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"]) -> List[str]:
+    """The (flattened) keys of the checkpoint's ``.metadata``; the same error on every rank if it cannot be read."""
+    path = os.fspath(checkpoint_id)
+    keys: List[str] = []
+    problem: Optional[str] = None
+    if not os.path.exists(_metadata_path(path)):
+        problem = "missing"
+    else:
+        try:
+            keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
+        except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
+            problem = f"{type(e).__name__}: {e}"
+    with unit.device.as_current():  # NCCL object collectives allocate on the current device
+        problems = collectives.all_gather_object(problem)
+    if "missing" in problems:
+        raise CheckpointNotFoundError(
+            f"load: no complete checkpoint at {path!r}: {METADATA_FILE} is missing on rank(s) "
+            f"{[r for r, p in enumerate(problems) if p == 'missing']} (the path is wrong, or the save was interrupted "
+            "or has not finished: DCP writes it last). Nothing was loaded."
+        )
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        raise RuntimeError(
+            f"load: the {METADATA_FILE} of {path!r} cannot be read ({'; '.join(f'rank {r}: {p}' for r, p in bad)}); "
+            "it is not a complete DCP checkpoint. Nothing was loaded."
+        )
+    return keys
 
 
 def _forget_created_state(optims: Tuple[torch.optim.Optimizer, ...], fresh: List[bool]) -> None:

@@ -64,6 +64,14 @@ class OtherShapes(NestedWrappedModule):
         self.layers[3] = nn.Linear(5, 4)
 
 
+class WithExtraLayer(NestedWrappedModule):
+    """NestedWrappedModule and one more layer, which a checkpoint of NestedWrappedModule does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(3, 2)
+
+
 def trained(seed: int = 1, mode: str = "nested") -> Tuple[FSDP, torch.optim.Optimizer]:
     model, _ = build(NestedWrappedModule, seed)
     fsdp = wrap_model(model, {}, mode)
@@ -118,10 +126,8 @@ def expect(error: Any, match: str, fn: Any, *args: Any, **kwargs: Any) -> str:
 def _case_interrupted_save(root: str) -> None:
     fsdp, optim = trained()
     path = os.path.join(root, "interrupted")
-    message = expect(
-        RuntimeError, "injected: no space left", fsdp_dcp.save, fsdp, optim, checkpoint_id=path,
-        storage_writer=FailingWriter(path),
-    )  # fmt: skip
+    failing = {"checkpoint_id": path, "storage_writer": FailingWriter(path)}
+    message = expect(RuntimeError, "injected: no space left", fsdp_dcp.save, fsdp, optim, **failing)
     assert "does not load" in message, message
     files = os.listdir(path)
     assert "__0_0.distcp" in files and ".metadata" not in files, files  # data written, never completed
@@ -145,10 +151,8 @@ def _case_interrupted_overwrite(root: str) -> None:
     path = os.path.join(root, "overwritten")
     fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
     expect(FileExistsError, "already holds a checkpoint", fsdp_dcp.save, fsdp, optim, checkpoint_id=path)
-    expect(
-        RuntimeError, "injected", fsdp_dcp.save, fsdp, optim, checkpoint_id=path, storage_writer=FailingWriter(path),
-        overwrite=True,
-    )  # fmt: skip
+    failing = {"checkpoint_id": path, "storage_writer": FailingWriter(path), "overwrite": True}
+    expect(RuntimeError, "injected", fsdp_dcp.save, fsdp, optim, **failing)
     # The old checkpoint's .metadata went first: half-rewritten data files can never load as the old checkpoint.
     other, other_optim = fresh()
     expect(fsdp_dcp.CheckpointNotFoundError, "interrupted", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
@@ -164,10 +168,27 @@ def _case_checkpoint_of_another_model(root: str) -> None:
     for cls, match in ((OtherShapes, "layers.3.weight"), (ModelWithBatchNorm, "fc1")):
         other, other_optim = fresh(cls=cls, mode="one")
         before = snapshot(other, other_optim)
-        message = expect(RuntimeError, "nothing was loaded", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+        message = expect(RuntimeError, "(?i)nothing was loaded", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
         assert match in message, message
         assert_unchanged(other, other_optim, before, f"{cls.__name__}: after a failed load")
         assert not other_optim.state, "the placeholder optimizer state stayed"
+    # strict=False loads the keys both have and reports the others.
+    other, other_optim = fresh(cls=WithExtraLayer, mode="one")
+    expect(
+        RuntimeError, r"missing key\(s\): \['extra.weight', 'extra.bias'\]", fsdp_dcp.load, other, checkpoint_id=path
+    )
+    extra = other.state_dict()["extra.weight"]
+    result = fsdp_dcp.load(other, checkpoint_id=path, strict=False)
+    assert result.missing_keys == ["extra.weight", "extra.bias"] and not result.unexpected_keys, result
+    loaded = other.state_dict()
+    assert torch.equal(loaded["extra.weight"], extra)
+    assert all(torch.equal(loaded[k], v) for k, v in fsdp.state_dict().items())
+    # A checkpoint of the model alone does not resume optimizers.
+    model_only = os.path.join(root, "model-only")
+    fsdp_dcp.save(fsdp, checkpoint_id=model_only)
+    other, other_optim = fresh()
+    expect(RuntimeError, "holds no optimizer state", fsdp_dcp.load, other, other_optim, checkpoint_id=model_only)
+    assert not other_optim.state
 
 
 def _case_bad_value_on_one_rank(root: str) -> None:
@@ -234,8 +255,10 @@ def _case_misuse(root: str) -> None:
     fsdp, optim = trained()
     nested = fsdp.module.layers[1]
     expect(ValueError, "root FullyShardedDataParallel", fsdp_dcp.get_model_state_dict, nested)
-    expect(TypeError, "root FullyShardedDataParallel instance, got NestedWrappedModule", fsdp_dcp.get_model_state_dict,
-           NestedWrappedModule())  # fmt: skip
+    plain = NestedWrappedModule()
+    expect(
+        TypeError, "FullyShardedDataParallel instance, got NestedWrappedModule", fsdp_dcp.get_model_state_dict, plain
+    )
     options = StateDictOptions(full_state_dict=True)
     expect(NotImplementedError, "full_state_dict=True", fsdp_dcp.get_model_state_dict, fsdp, options=options)
     stranger = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)

@@ -181,8 +181,22 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
 # ---------------------------------------------------------------------------------------------------- model
 
 
-def get_model_state_dict(unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`."""
+def _chunks(hl: HandleLayout, flat: Tensor, out_device: torch.device, with_values: bool) -> List[Tensor]:
+    """This rank's chunk of every parameter of ``hl`` cut out of ``flat`` (collective), or uninitialised chunks of the
+    same shapes (a template for ``dcp.load`` to fill: no communication)."""
+    if with_values:
+        return flat_to_chunks(hl, flat, out_device)
+    return [torch.empty(p.chunk_shape(hl.world_size, hl.rank), dtype=flat.dtype, device=out_device) for p in hl.params]
+
+
+def get_model_state_dict(
+    unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool, with_values: bool = True
+) -> Dict[str, Any]:
+    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`.
+
+    With ``with_values=False`` the parameters' chunks are left uninitialised: a template to load into, made without
+    communication.
+    """
     what = "get_model_state_dict"
     _require_dtensor(what)
     check_root(unit, what)
@@ -198,7 +212,7 @@ def get_model_state_dict(unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params
                 if ignore_frozen_params and not hl.handle.param.requires_grad:
                     continue  # requires_grad is the same on every rank: all of them skip this gather
                 out_device = torch.device("cpu") if cpu_offload else shard.device
-                chunks = flat_to_chunks(hl, shard, out_device)
+                chunks = _chunks(hl, shard, out_device, with_values)
                 for p, chunk in zip(hl.params, chunks):
                     value = _as_dtensor(chunk, p, meshes)
                     for name in (p.fqn,) + p.aliases:
@@ -378,9 +392,13 @@ def _schema(value: Any) -> Any:
 
 
 def get_optimizer_state_dict(
-    unit: FSDPUnit, optimizers: Sequence[torch.optim.Optimizer], cpu_offload: bool, ignore_frozen_params: bool
+    unit: FSDPUnit,
+    optimizers: Sequence[torch.optim.Optimizer],
+    cpu_offload: bool,
+    ignore_frozen_params: bool,
+    with_values: bool = True,
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict`."""
+    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``with_values``: as for the model)."""
     what = "get_optimizer_state_dict"
     _require_dtensor(what)
     check_root(unit, what)
@@ -408,7 +426,9 @@ def get_optimizer_state_dict(
                     hl = hls[i]
                     if ignore_frozen_params and not hl.handle.param.requires_grad:
                         continue
-                    for p, entry in zip(hl.params, _unflatten_entry(hl, state[i], meshes, cpu_offload, what)):
+                    for p, entry in zip(
+                        hl.params, _unflatten_entry(hl, state[i], meshes, cpu_offload, with_values, what)
+                    ):
                         state_out[p.fqn] = entry
             for group in osd["param_groups"]:
                 new = {key: copy.deepcopy(v) for key, v in group.items() if key not in ("params", "param_names")}
@@ -423,7 +443,7 @@ def get_optimizer_state_dict(
 
 
 def _unflatten_entry(
-    hl: HandleLayout, entry: Mapping[str, Any], meshes: _Meshes, cpu_offload: bool, what: str
+    hl: HandleLayout, entry: Mapping[str, Any], meshes: _Meshes, cpu_offload: bool, with_values: bool, what: str
 ) -> List[Dict[str, Any]]:
     """One flat parameter's optimizer state as one entry per original parameter (collective for tensor states)."""
     shard = hl.handle.fp32_shard
@@ -433,7 +453,7 @@ def _unflatten_entry(
         value = entry[key]
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape == shard.shape:
             device = torch.device("cpu") if cpu_offload else value.device
-            for d, p, chunk in zip(out, hl.params, flat_to_chunks(hl, value, device)):
+            for d, p, chunk in zip(out, hl.params, _chunks(hl, value, device, with_values)):
                 d[key] = _as_dtensor(chunk, p, meshes)
         elif isinstance(value, Tensor) and value.dim() == 0:
             for d in out:
