@@ -189,7 +189,8 @@ def set_model_state_dict(
     """
     what = "set_model_state_dict"
     opts = _options(options, what)
-    missing, unexpected = dcp_state.set_model_state_dict(_root_unit(model, what), model_state_dict, opts.strict)
+    unit = _root_unit(model, what)
+    missing, unexpected = dcp_state.set_state_dict(unit, (), model_state_dict, None, opts.strict, what)
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -261,9 +262,9 @@ def set_optimizer_state_dict(
         NotImplementedError: a flattened optimizer state dict.
     """
     what = "set_optimizer_state_dict"
-    _options(options, what)
+    opts = _options(options, what)
     optims = dcp_state.as_optimizers(optimizers, what)
-    dcp_state.set_optimizer_state_dict(_root_unit(model, what), optims, optim_state_dict)
+    dcp_state.set_state_dict(_root_unit(model, what), optims, None, optim_state_dict, opts.strict, what)
 
 
 def get_state_dict(
@@ -300,7 +301,8 @@ def set_state_dict(
 ) -> IncompatibleKeys:
     """Load both state dicts (collective); all-or-nothing for the pair.
 
-    The optimizers are loaded first; if the model's load then fails, they get their previous state back.
+    Both dicts are checked (and the ranks agree) before anything is written: a wrong model dict leaves the
+    optimizers unchanged too, and the reverse.
 
     Args:
         model: the root FullyShardedDataParallel instance.
@@ -312,15 +314,12 @@ def set_state_dict(
     Returns:
         The model's ``IncompatibleKeys``.
     """
-    optims = dcp_state.as_optimizers(optimizers, "set_state_dict")
-    before = [o.state_dict() for o in optims]  # references: a load replaces the state tensors, never writes them
-    set_optimizer_state_dict(model, optims, optim_state_dict, options=options)
-    try:
-        return set_model_state_dict(model, model_state_dict, options=options)
-    except BaseException:
-        for o, sd in zip(optims, before):
-            o.load_state_dict(sd)
-        raise
+    what = "set_state_dict"
+    opts = _options(options, what)
+    optims = dcp_state.as_optimizers(optimizers, what)
+    unit = _root_unit(model, what)
+    missing, unexpected = dcp_state.set_state_dict(unit, optims, model_state_dict, optim_state_dict, opts.strict, what)
+    return IncompatibleKeys(missing, unexpected)
 
 
 # ---------------------------------------------------------------------------------------------------- directories
@@ -512,7 +511,6 @@ def load(
             f"load: reading the checkpoint {os.fspath(checkpoint_id)!r} into this model failed; nothing was loaded. "
             f"{_summary(e)}"
         ) from e
-    _forget_created_state(optims, fresh)  # the state dict holds what to load; the placeholder state can go now
     opts = StateDictOptions(strict=strict)
     if not optims:
         return set_model_state_dict(model, state[MODEL_KEY], options=opts)

@@ -201,6 +201,11 @@ def _case_bad_value_on_one_rank(root: str) -> None:
     message = expect(ValueError, r"rank\(s\) \[1\]", fsdp_dcp.set_model_state_dict, other, msd)
     assert "layers.3.weight" in message and "(4, 5)" in message, message
     assert_unchanged(other, other_optim, before, "after one rank's bad value")
+    # The pair is all-or-nothing too: a good optimizer dict is not loaded beside a bad model dict.
+    osd = fsdp_dcp.get_optimizer_state_dict(fsdp, optim)
+    pair = {"model_state_dict": msd, "optim_state_dict": osd}
+    expect(ValueError, "layers.3.weight", fsdp_dcp.set_state_dict, other, other_optim, **pair)
+    assert_unchanged(other, other_optim, before, "after a bad model dict with a good optimizer dict")
 
 
 def _case_missing_keys(root: str) -> None:

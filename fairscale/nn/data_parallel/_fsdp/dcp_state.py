@@ -42,9 +42,8 @@ except ImportError as e:  # pragma: no cover - old torch
 
 __all__ = [
     "get_model_state_dict",
-    "set_model_state_dict",
     "get_optimizer_state_dict",
-    "set_optimizer_state_dict",
+    "set_state_dict",
     "init_optim_state",
 ]
 
@@ -287,33 +286,20 @@ def _plan_model_load(layout: ModelLayout, sd: Mapping[str, Any], strict: bool, w
     return plan
 
 
-def set_model_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Tuple[List[str], List[str]]:
-    """See :func:`fairscale.nn.data_parallel.dcp.set_model_state_dict`. Returns ``(missing, unexpected)`` keys."""
-    what = "set_model_state_dict"
-    _require_dtensor(what)
-    check_root(unit, what)
-    if not isinstance(sd, Mapping):
-        raise TypeError(f"{what}: model_state_dict must be a dict, got {type(sd).__name__}")
-    _check_loadable(unit, what)
-    with _initialized_tree(unit):
-        layout = model_layout(unit, what)
-        plan: _ModelPlan = loads.load_collectively(
-            unit, what, lambda: _plan_model_load(layout, sd, strict, what), None, _nothing_to_restore
-        )
-        _agree(unit, layout, what, plan.signature())
-        with torch.no_grad(), collectives.collective_phase("dcp_load"):
-            for hl, values in plan.handles:
-                if any(v is not None for v in values):
-                    shard = hl.handle.fp32_shard
-                    assert shard is not None  # materialised by lazy init
-                    chunks_to_flat(hl, values, shard)
-            for b, value in plan.buffers:
-                b.tensor().copy_(value)
-        for u in unit.tree_units():
-            for h in u.handles:
-                h.free_full()  # gathered copies are stale now
-                h.drop_zero2_slice()
-    return plan.missing, plan.unexpected
+def _commit_model(unit: FSDPUnit, plan: _ModelPlan) -> None:
+    """Write an agreed plan into the shards and buffers, one flat parameter at a time (collective)."""
+    with torch.no_grad(), collectives.collective_phase("dcp_load"):
+        for hl, values in plan.handles:
+            if any(v is not None for v in values):
+                shard = hl.handle.fp32_shard
+                assert shard is not None  # materialised by lazy init
+                chunks_to_flat(hl, values, shard)
+        for b, value in plan.buffers:
+            b.tensor().copy_(value)
+    for u in unit.tree_units():
+        for h in u.handles:
+            h.free_full()  # gathered copies are stale now
+            h.drop_zero2_slice()
 
 
 # ---------------------------------------------------------------------------------------------------- optimizers
@@ -631,29 +617,58 @@ def _same_number(a: Any, b: Any) -> bool:
         return False
 
 
-def set_optimizer_state_dict(
-    unit: FSDPUnit, optimizers: Sequence[torch.optim.Optimizer], osd: Mapping[str, Any]
-) -> None:
-    """See :func:`fairscale.nn.data_parallel.dcp.set_optimizer_state_dict`."""
-    what = "set_optimizer_state_dict"
+def set_state_dict(
+    unit: FSDPUnit,
+    optimizers: Sequence[torch.optim.Optimizer],
+    msd: Optional[Mapping[str, Any]],
+    osd: Optional[Mapping[str, Any]],
+    strict: bool,
+    what: str,
+) -> Tuple[List[str], List[str]]:
+    """Load a model and/or an optimizer state dict; see :mod:`fairscale.nn.data_parallel.dcp`.
+
+    Both dicts are checked on every rank and the ranks agree (on the outcome, then on the kinds of values) before
+    anything is written, so a wrong dict on any rank changes neither the model nor the optimizers anywhere. Then
+    the model's shards and buffers are written in place, one flat parameter at a time, and each optimizer's new
+    flat state is built (in its current state tensors when they fit, else in new ones) and handed to
+    ``optimizer.load_state_dict``.
+
+    Returns:
+        The model's ``(missing, unexpected)`` keys (empty without a model dict).
+    """
     _require_dtensor(what)
     check_root(unit, what)
+    if msd is not None and not isinstance(msd, Mapping):
+        raise TypeError(f"{what}: model_state_dict must be a dict, got {type(msd).__name__}")
     _check_loadable(unit, what)
     with _initialized_tree(unit):
         layout = model_layout(unit, what)
-        plans: List[_OptimPlan] = loads.load_collectively(
-            unit, what, lambda: _plan_optim_load(layout, optimizers, osd, what), None, _nothing_to_restore
-        )
-        _agree(unit, layout, what, [plan.signature() for plan in plans])
+
+        def plan() -> Tuple[Optional[_ModelPlan], List[_OptimPlan]]:
+            model_plan = _plan_model_load(layout, msd, strict, what) if msd is not None else None
+            optim_plans = _plan_optim_load(layout, optimizers, osd, what) if osd is not None else []
+            return model_plan, optim_plans
+
+        model_plan, optim_plans = loads.load_collectively(unit, what, plan, None, _nothing_to_restore)
+        signature = (None if model_plan is None else model_plan.signature(), [p.signature() for p in optim_plans])
+        _agree(unit, layout, what, signature)
+        # Past the agreement only collectives of agreed sizes and local copies run.
+        if model_plan is not None:
+            _commit_model(unit, model_plan)
         flat_dicts = []
         with collectives.collective_phase("dcp_optim_load"):
-            for plan in plans:
-                flat_dicts.append(_build_flat(plan))
-        for plan, flat in zip(plans, flat_dicts):
-            plan.optim.load_state_dict(flat)
+            for optim_plan in optim_plans:
+                flat_dicts.append(_build_flat(optim_plan))
+        for optim_plan, flat in zip(optim_plans, flat_dicts):
+            optim_plan.optim.load_state_dict(flat)
+    if model_plan is None:
+        return [], []
+    return model_plan.missing, model_plan.unexpected
 
 
+@torch.no_grad()
 def _build_flat(plan: _OptimPlan) -> Dict[str, Any]:
+    """One optimizer's new flat state dict (collective for per-parameter states)."""
     state: Dict[int, Dict[str, Any]] = {}
     for i in sorted(plan.entries):
         hl = plan.hls[i]
@@ -666,7 +681,16 @@ def _build_flat(plan: _OptimPlan) -> Dict[str, Any]:
                 new[key] = value
                 continue
             first = next(v[1] for v in value if v is not None)
-            out = torch.zeros(shard.shape, dtype=first.dtype, device=shard.device)
+            live = plan.optim.state.get(hl.handle.param, {}).get(key)
+            if isinstance(live, Tensor) and live.shape == shard.shape and live.dtype == first.dtype:
+                # Its current state tensor (e.g. the placeholder made for dcp.load): no second copy of the state.
+                # Every real element is written below; the padding is zeroed.
+                out = live
+                lo, hi = hl.shard_range()
+                real = max(0, min(hi, hl.handle.numel) - lo)
+                out.view(-1)[real:].zero_()
+            else:
+                out = torch.zeros(shard.shape, dtype=first.dtype, device=shard.device)
             chunks_to_flat(hl, value, out)
             new[key] = out
         state[i] = {key: new[key] for key in plan.entries[i]}
