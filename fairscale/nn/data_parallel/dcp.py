@@ -335,10 +335,11 @@ def _any_rank(unit: FSDPUnit, flag: bool) -> bool:
         return any(collectives.all_gather_object(bool(flag)))
 
 
-def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...]) -> Dict[str, Any]:
-    state: Dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...], values: str) -> Dict[str, Any]:
+    unit = _root_unit(model, "save")
+    state: Dict[str, Any] = {MODEL_KEY: dcp_state.get_model_state_dict(unit, False, False, values=values)}
     if optimizers:
-        state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizers)
+        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(unit, optimizers, False, False, values=values)
     return state
 
 
@@ -401,7 +402,7 @@ def save(
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
     _prepare_directory(_root_unit(model, "save"), checkpoint_id, overwrite, "save")
-    state = _checkpoint_state(model, optims)
+    state = _checkpoint_state(model, optims, dcp_state.COPIES)
     try:
         _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer)
     except CheckpointException as e:  # a BaseException in torch: make it an ordinary error
@@ -441,7 +442,9 @@ def async_save(
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
     _prepare_directory(_root_unit(model, "async_save"), checkpoint_id, overwrite, "async_save")
-    return _dcp_async_save(_checkpoint_state(model, optims), checkpoint_id=checkpoint_id, storage_writer=storage_writer)
+    return _dcp_async_save(
+        _checkpoint_state(model, optims, dcp_state.COPIES), checkpoint_id=checkpoint_id, storage_writer=storage_writer
+    )
 
 
 def load(
@@ -488,7 +491,7 @@ def load(
             "optimizers); pass optimizers=None to load the model alone. Nothing was loaded."
         )
     # Templates for dcp.load to fill: this model's own layout, no values (nothing to gather).
-    msd = dcp_state.get_model_state_dict(unit, False, False, with_values=False)
+    msd = dcp_state.get_model_state_dict(unit, False, False, values=dcp_state.TEMPLATE)
     missing = [k for k in msd if k not in model_keys]
     unexpected = sorted(model_keys - set(msd))
     if strict and (missing or unexpected):
@@ -502,7 +505,7 @@ def load(
     state: Dict[str, Any] = {MODEL_KEY: msd}
     fresh = [not o.state for o in optims]
     if optims:
-        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(unit, optims, False, False, with_values=False)
+        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.TEMPLATE)
     try:
         _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     except (Exception, CheckpointException) as e:

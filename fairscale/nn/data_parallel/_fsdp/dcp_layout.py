@@ -98,6 +98,8 @@ class HandleLayout:
     unit: FSDPUnit
     handle: FlatHandle
     params: List[OrigParam]
+    # Exchange plans of :mod:`.dcp_reshard`, by the parameters they include (one layout lives for one call).
+    plans: Dict[Tuple[bool, ...], Any] = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:

@@ -1,20 +1,26 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Moving values between FSDP's flat shards and DCP's dim-0 chunks, one flat parameter at a time.
 
-Both directions communicate over the handle's process group and hold at most one flat parameter's full size at a
-time (plus this rank's pieces), never the whole model:
+Rank ``s`` holds flat elements ``[s * S, (s + 1) * S)`` of a flat parameter (its shard); rank ``q`` must hold rows
+``[q * C, (q + 1) * C)`` of every original parameter in it (its chunks). Both cuts are arithmetic, so every rank knows,
+without communication, which flat interval goes from which shard owner to which chunk owner (:func:`_plan`). Each
+direction is then one ``all_to_all`` per flat tensor, of equal blocks sized for the largest pair:
 
-* :func:`flat_to_chunks` all-gathers one flat tensor shaped like the handle's shard (the fp32 parameter shard, or an
-  optimizer state of it) and cuts this rank's dim-0 chunk of every original parameter out of it;
-* :func:`chunks_to_flat` is the reverse: every rank puts its chunks into a fixed-size slot per parameter, the slots
-  are all-gathered, and every rank copies the elements its own flat shard covers out of them. Parameters given as
-  full tensors are copied locally, without communication.
+* :func:`flat_to_chunks`: every rank sends each peer the elements of its shard that the peer's chunks hold, and
+  assembles its own chunks (elements of its own shard are copied locally, without the wire);
+* :func:`chunks_to_flat`: the reverse, into a flat tensor shaped like the shard. Parameters given as full tensors
+  are copied locally, without communication.
 
-The gathers are collective: every rank of the group must call these functions for the same handles, with the same
-kinds of values, in the same order (the callers agree on that first).
+A rank sends and receives only what the other layout needs (for 2 ranks about half a shard, instead of the whole
+flat parameter an all-gather would bring), and holds at most the two exchange buffers of one flat parameter
+(``2 * W * block``, at most the padded flat parameter for 2 ranks and less beyond) besides its chunks.
+
+The exchanges are collective: every rank of the group must call these functions for the same handles, with the
+same kinds of values, in the same order (the callers agree on that first).
 """
 
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -30,9 +36,78 @@ CHUNK = "chunk"
 FULL = "full"
 
 
+Segment = Tuple[int, int, int]  # (parameter index, first flat element, end flat element)
+
+
+@dataclass
+class _Plan:
+    """What this rank exchanges for one flat parameter.
+
+    Attributes:
+        as_shard_owner: per chunk owner ``q``, the intervals of this rank's shard that ``q``'s chunks hold.
+        as_chunk_owner: per shard owner ``s``, the intervals of this rank's chunks that ``s``'s shard holds.
+        block: the largest total between two different ranks: the size of every block of the exchange.
+    """
+
+    as_shard_owner: List[List[Segment]]
+    as_chunk_owner: List[List[Segment]]
+    block: int
+
+
+def _plan(hl: HandleLayout, include: Sequence[bool]) -> _Plan:
+    """The intervals every pair of ranks exchanges for the included parameters (arithmetic only, O(W * params))."""
+    key = tuple(include)
+    cached = hl.plans.get(key)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    world, rank = hl.world_size, hl.rank
+    shard = hl.handle.shard_numel if hl.handle.is_sharded else hl.handle.numel
+    as_shard_owner: List[List[Segment]] = [[] for _ in range(world)]
+    as_chunk_owner: List[List[Segment]] = [[] for _ in range(world)]
+    totals: Dict[Tuple[int, int], int] = {}
+    for i, p in enumerate(hl.params):
+        if not include[i]:
+            continue
+        for q in range(world):
+            start, end = p.rows(world, q)
+            lo, hi = p.offset + start * p.row_numel, p.offset + end * p.row_numel
+            s = lo // shard if shard > 0 else 0
+            while lo < hi and s * shard < hi:
+                a, b = max(lo, s * shard), min(hi, (s + 1) * shard)
+                if s == rank:
+                    as_shard_owner[q].append((i, a, b))
+                if q == rank:
+                    as_chunk_owner[s].append((i, a, b))
+                if s != q:
+                    totals[(s, q)] = totals.get((s, q), 0) + b - a
+                s += 1
+    plan = _Plan(as_shard_owner, as_chunk_owner, max(totals.values(), default=0))
+    hl.plans[key] = plan
+    return plan
+
+
+def _chunk_start(hl: HandleLayout, i: int) -> int:
+    """The flat index of the first element of this rank's chunk of parameter ``i``."""
+    p = hl.params[i]
+    return p.offset + p.rows(hl.world_size, hl.rank)[0] * p.row_numel
+
+
+def _exchange(hl: HandleLayout, plan: _Plan, pack: Callable[[int, Tensor], None], dtype: torch.dtype) -> Tensor:
+    """Fill block ``j`` of a send buffer with ``pack(j, block)`` for every peer ``j``, exchange, return the receipt."""
+    config = hl.unit.config
+    world, block = hl.world_size, plan.block
+    send = torch.empty(world * block, dtype=dtype, device=config.compute_device)
+    for j in range(world):
+        if j != hl.rank:
+            pack(j, send.narrow(0, j * block, block))
+    received = torch.empty_like(send)
+    collectives.all_to_all_single(received, send, config.process_group)
+    return received
+
+
 @torch.no_grad()
 def flat_to_chunks(hl: HandleLayout, shard: Tensor, out_device: torch.device) -> List[Tensor]:
-    """This rank's dim-0 chunk of every original parameter of ``hl``, cut out of a flat tensor.
+    """This rank's dim-0 chunk of every original parameter of ``hl``, cut out of the ranks' flat tensors.
 
     Args:
         hl: the handle and its original parameters.
@@ -40,23 +115,36 @@ def flat_to_chunks(hl: HandleLayout, shard: Tensor, out_device: torch.device) ->
         out_device: where the chunks go.
 
     Returns:
-        One fresh tensor per parameter of ``hl.params`` (never a view of ``shard`` or of a gathered buffer), with the
-        parameter's dtype-independent chunk shape (:meth:`OrigParam.chunk_shape`).
+        One fresh tensor per parameter of ``hl.params``, of the parameter's chunk shape
+        (:meth:`OrigParam.chunk_shape`) and ``shard``'s dtype. Never a view: ``torch.save`` (which DCP's writer uses)
+        writes a view's whole storage, here the whole shard.
     """
-    h = hl.handle
-    config = hl.unit.config
-    if h.is_sharded:
-        src = shard.detach().to(config.compute_device).reshape(-1)
-        full = torch.empty(h.padded_numel, dtype=src.dtype, device=src.device)
-        collectives.all_gather_into_flat(full, src, config.process_group)
-    else:
-        full = shard.detach().reshape(-1)
-    out: List[Tensor] = []
-    for p in hl.params:
-        start, end = p.rows(hl.world_size, hl.rank)
-        piece = full.narrow(0, p.offset + start * p.row_numel, (end - start) * p.row_numel)
-        out.append(piece.view(p.chunk_shape(hl.world_size, hl.rank)).to(device=out_device, copy=True))
-    return out
+    world, rank = hl.world_size, hl.rank
+    flat = shard.detach().reshape(-1)
+    lo = rank * hl.handle.shard_numel if hl.handle.is_sharded else 0
+    chunks = [torch.empty(p.chunk_shape(world, rank), dtype=flat.dtype, device=out_device) for p in hl.params]
+    pieces = [c.view(-1) for c in chunks]
+    starts = [_chunk_start(hl, i) for i in range(len(hl.params))]
+    plan = _plan(hl, [True] * len(hl.params))
+    for i, a, b in plan.as_shard_owner[rank]:  # elements of this rank's own shard
+        pieces[i].narrow(0, a - starts[i], b - a).copy_(flat.narrow(0, a - lo, b - a))
+    if world > 1 and plan.block > 0:
+
+        def pack(q: int, block: Tensor) -> None:
+            pos = 0
+            for _, a, b in plan.as_shard_owner[q]:
+                block.narrow(0, pos, b - a).copy_(flat.narrow(0, a - lo, b - a))
+                pos += b - a
+
+        received = _exchange(hl, plan, pack, flat.dtype)
+        for s in range(world):
+            if s == rank:
+                continue
+            pos = s * plan.block
+            for i, a, b in plan.as_chunk_owner[s]:
+                pieces[i].narrow(0, a - starts[i], b - a).copy_(received.narrow(0, pos, b - a))
+                pos += b - a
+    return chunks
 
 
 @torch.no_grad()
@@ -69,47 +157,42 @@ def chunks_to_flat(hl: HandleLayout, values: List[Optional[Tuple[str, Tensor]]],
             or ``None`` to leave the parameter's elements of ``out`` as they are.
         out: this rank's flat tensor shaped like the handle's shard (written in place; padding is not touched).
     """
-    h = hl.handle
-    config = hl.unit.config
     world, rank = hl.world_size, hl.rank
-    lo, hi = hl.shard_range()
     flat_out = out.view(-1)
-    slots: List[int] = []  # per CHUNK parameter: its slot offset in every rank's part of the exchange buffer
-    total = 0
+    lo, hi = hl.shard_range()
+    include = [v is not None and v[0] == CHUNK for v in values]
+    pieces = [v[1].reshape(-1) if (v is not None and v[0] == CHUNK) else None for v in values]
+    starts = [_chunk_start(hl, i) for i in range(len(hl.params))]
+    if any(include):
+        plan = _plan(hl, include)
+
+        def piece(i: int) -> Tensor:
+            value = pieces[i]
+            assert value is not None  # only CHUNK parameters are in the plan
+            return value
+
+        for i, a, b in plan.as_chunk_owner[rank]:  # this rank's own chunks that its own shard holds
+            flat_out.narrow(0, a - lo, b - a).copy_(piece(i).narrow(0, a - starts[i], b - a))
+        if world > 1 and plan.block > 0:
+
+            def pack(s: int, block: Tensor) -> None:
+                pos = 0
+                for i, a, b in plan.as_chunk_owner[s]:
+                    block.narrow(0, pos, b - a).copy_(piece(i).narrow(0, a - starts[i], b - a))
+                    pos += b - a
+
+            received = _exchange(hl, plan, pack, out.dtype)
+            for q in range(world):
+                if q == rank:
+                    continue
+                pos = q * plan.block
+                for _, a, b in plan.as_shard_owner[q]:
+                    flat_out.narrow(0, a - lo, b - a).copy_(received.narrow(0, pos, b - a))
+                    pos += b - a
     for p, value in zip(hl.params, values):
-        if value is not None and value[0] == CHUNK:
-            slots.append(total)
-            total += p.slot_numel(world)
-        else:
-            slots.append(-1)
-    gathered: Optional[Tensor] = None
-    if total > 0:
-        mine = torch.zeros(total, dtype=out.dtype, device=config.compute_device)
-        for p, value, slot in zip(hl.params, values, slots):
-            if slot >= 0:
-                assert value is not None
-                chunk = value[1].reshape(-1)
-                mine.narrow(0, slot, chunk.numel()).copy_(chunk)
-        if h.is_sharded:
-            gathered = torch.empty(world * total, dtype=mine.dtype, device=mine.device)
-            collectives.all_gather_into_flat(gathered, mine, config.process_group)
-        else:
-            gathered = mine
-    for p, value, slot in zip(hl.params, values, slots):
-        if value is None:
+        if value is None or value[0] != FULL:
             continue
         # The elements of this parameter that this rank's shard covers, in parameter coordinates.
         a, b = max(lo, p.offset) - p.offset, min(hi, p.offset + p.numel) - p.offset
-        if a >= b:
-            continue
-        if slot < 0:
+        if a < b:
             flat_out.narrow(0, p.offset + a - lo, b - a).copy_(value[1].reshape(-1).narrow(0, a, b - a))
-            continue
-        assert gathered is not None
-        for q in range(world):
-            start, end = p.rows(world, q)
-            x0, x1 = max(a, start * p.row_numel), min(b, end * p.row_numel)
-            if x0 >= x1:
-                continue
-            src = gathered.narrow(0, q * total + slot + x0 - start * p.row_numel, x1 - x0)
-            flat_out.narrow(0, p.offset + x0 - lo, x1 - x0).copy_(src)

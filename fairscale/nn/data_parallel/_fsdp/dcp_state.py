@@ -180,22 +180,23 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
 # ---------------------------------------------------------------------------------------------------- model
 
 
-def _chunks(hl: HandleLayout, flat: Tensor, out_device: torch.device, with_values: bool) -> List[Tensor]:
-    """This rank's chunk of every parameter of ``hl`` cut out of ``flat`` (collective), or uninitialised chunks of the
-    same shapes (a template for ``dcp.load`` to fill: no communication)."""
-    if with_values:
+# What the chunks of a state dict hold: copies of the values, or nothing (a template for dcp.load to fill, made
+# without communication).
+COPIES, TEMPLATE = "copies", "template"
+
+
+def _chunks(hl: HandleLayout, flat: Tensor, out_device: torch.device, values: str) -> List[Tensor]:
+    """This rank's chunk of every parameter of ``hl`` cut out of ``flat`` (collective), or a template."""
+    if values != TEMPLATE:
         return flat_to_chunks(hl, flat, out_device)
     return [torch.empty(p.chunk_shape(hl.world_size, hl.rank), dtype=flat.dtype, device=out_device) for p in hl.params]
 
 
 def get_model_state_dict(
-    unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool, with_values: bool = True
+    unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool, values: str = COPIES
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`.
-
-    With ``with_values=False`` the parameters' chunks are left uninitialised: a template to load into, made without
-    communication.
-    """
+    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`; ``values``: :data:`COPIES` or
+    :data:`TEMPLATE` (buffers are copied in both cases)."""
     what = "get_model_state_dict"
     _require_dtensor(what)
     check_root(unit, what)
@@ -203,7 +204,7 @@ def get_model_state_dict(
     with _initialized_tree(unit):
         layout = model_layout(unit, what)
         meshes = _Meshes(layout)
-        values: Dict[str, Any] = {}
+        out: Dict[str, Any] = {}
         with collectives.collective_phase("dcp_state_dict"):
             for hl in layout.handles:
                 shard = hl.handle.fp32_shard
@@ -211,14 +212,14 @@ def get_model_state_dict(
                 if ignore_frozen_params and not hl.handle.param.requires_grad:
                     continue  # requires_grad is the same on every rank: all of them skip this gather
                 out_device = torch.device("cpu") if cpu_offload else shard.device
-                chunks = _chunks(hl, shard, out_device, with_values)
+                chunks = _chunks(hl, shard, out_device, values)
                 for p, chunk in zip(hl.params, chunks):
                     value = _as_dtensor(chunk, p, meshes)
                     for name in (p.fqn,) + p.aliases:
-                        values[name] = value
+                        out[name] = value
         for b in layout.buffers:
-            values[b.fqn] = _buffer_copy(b, cpu_offload)
-    return {key: values[key] for key in layout.keys if key in values}
+            out[b.fqn] = _buffer_copy(b, cpu_offload)
+    return {key: out[key] for key in layout.keys if key in out}
 
 
 @torch.no_grad()
@@ -382,9 +383,9 @@ def get_optimizer_state_dict(
     optimizers: Sequence[torch.optim.Optimizer],
     cpu_offload: bool,
     ignore_frozen_params: bool,
-    with_values: bool = True,
+    values: str = COPIES,
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``with_values``: as for the model)."""
+    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``values``: as for the model)."""
     what = "get_optimizer_state_dict"
     _require_dtensor(what)
     check_root(unit, what)
@@ -412,9 +413,7 @@ def get_optimizer_state_dict(
                     hl = hls[i]
                     if ignore_frozen_params and not hl.handle.param.requires_grad:
                         continue
-                    for p, entry in zip(
-                        hl.params, _unflatten_entry(hl, state[i], meshes, cpu_offload, with_values, what)
-                    ):
+                    for p, entry in zip(hl.params, _unflatten_entry(hl, state[i], meshes, cpu_offload, values, what)):
                         state_out[p.fqn] = entry
             for group in osd["param_groups"]:
                 new = {key: copy.deepcopy(v) for key, v in group.items() if key not in ("params", "param_names")}
@@ -429,7 +428,7 @@ def get_optimizer_state_dict(
 
 
 def _unflatten_entry(
-    hl: HandleLayout, entry: Mapping[str, Any], meshes: _Meshes, cpu_offload: bool, with_values: bool, what: str
+    hl: HandleLayout, entry: Mapping[str, Any], meshes: _Meshes, cpu_offload: bool, values: str, what: str
 ) -> List[Dict[str, Any]]:
     """One flat parameter's optimizer state as one entry per original parameter (collective for tensor states)."""
     shard = hl.handle.fp32_shard
@@ -439,7 +438,7 @@ def _unflatten_entry(
         value = entry[key]
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape == shard.shape:
             device = torch.device("cpu") if cpu_offload else value.device
-            for d, p, chunk in zip(out, hl.params, _chunks(hl, value, device, with_values)):
+            for d, p, chunk in zip(out, hl.params, _chunks(hl, value, device, values)):
                 d[key] = _as_dtensor(chunk, p, meshes)
         elif isinstance(value, Tensor) and value.dim() == 0:
             for d in out:
