@@ -12,8 +12,9 @@ Step time alone mixes that cost with the wait for the other rank, so the scenari
 * the collectives layer's overhead per call (:func:`collective_overhead`): ``fairscale.internal.collectives``
   against the raw ``torch.distributed`` call it makes, for a 1-element all-reduce at the world's size, with the
   collective counter off (the default) and on. Measured twice: with real communication (wall and thread CPU time
-  per call, which include the other rank's scheduling) and with torch's collective replaced by a no-op for the
-  duration, which leaves only the layer's own Python and is not affected by the other rank.
+  per call, which include the other rank's scheduling) and on a group of torch's "fake" backend, which runs
+  torch's whole call path without communicating: the difference is the layer's own cost, not affected by the
+  other rank.
 """
 
 import cProfile
@@ -72,9 +73,9 @@ def collective_overhead(calls: int = 1000, repeats: int = 5) -> Dict[str, Any]:
     (``dist.all_reduce(t)``), through the layer (``collectives.all_reduce(t)``) and through the layer with a
     collective counter open, in turn (the order rotating every repeat, a barrier before each block); medians over
     ``repeats`` blocks, and raw after 10 us of busy CPU per call (what 10 us costs on this machine). Dispatch only:
-    the same calls, and an all-gather and a reduce-scatter into flat buffers (what FSDP issues), with torch's
-    function replaced by a no-op, 10x more calls per block, no communication; the best block of each (as ``timeit``:
-    load from other processes only ever adds time).
+    the same calls, and an all-gather and a reduce-scatter into flat buffers (what FSDP issues), on a group of
+    torch's "fake" backend (the whole torch call, no communication), 10x more calls per block; the best block of
+    each (as ``timeit``: load from other processes only ever adds time).
 
     Returns:
         ``{"world_size", "calls", "repeats", "real": {variant: {"wall_us", "cpu_us": [p25, p50, p75]}},
@@ -127,61 +128,70 @@ def collective_overhead(calls: int = 1000, repeats: int = 5) -> Dict[str, Any]:
         "overhead_us": {
             "wall": real["ours"]["wall_us"][1] - real["raw"]["wall_us"][1],
             "cpu": real["ours"]["cpu_us"][1] - real["raw"]["cpu_us"][1],
-            "dispatch_only": dispatch["all_reduce"]["overhead_us"],
+            "dispatch_only": dispatch["all_reduce"]["overhead_us"] if "all_reduce" in dispatch else None,
+            # The worst of the three: FSDP's calls are the flat all-gather and reduce-scatter.
+            "dispatch_only_max": max(
+                (row["overhead_us"] for kind, row in dispatch.items() if kind != "method"), default=None
+            ),
         },
     }
 
 
-class _NoOpTorchCollectives:
-    """Replace torch's collective functions by no-ops for a ``with`` block (the layer looks them up at each call)."""
-
-    NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-
-    def __enter__(self) -> None:
-        self.saved = {name: getattr(dist, name) for name in self.NAMES}
-        for name in self.NAMES:
-            setattr(dist, name, _no_op)
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
+def _fake_group() -> Any:
+    """A group of every rank on torch's "fake" backend, whose collectives complete at once without communicating
+    (``None`` where this torch has none). Collective: every rank creates it."""
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    except ImportError:
+        return None
+    return dist.new_group(ranks=list(range(dist.get_world_size())), backend="fake")
 
 
-def _no_op(*args: Any, **kwargs: Any) -> None:
-    return None
+def _dispatch_only(calls: int, repeats: int) -> Dict[str, Any]:
+    """Seconds per call of the layer and of the raw torch call on a group that does not communicate.
 
-
-def _dispatch_only(calls: int, repeats: int) -> Dict[str, Dict[str, float]]:
-    world = collectives.group_size()
+    torch's "fake" backend runs the whole torch.distributed call path (its Python checks, the op dispatch, the
+    process group) and completes at once: the difference is what the layer adds, whatever the other rank does.
+    """
+    group = _fake_group()
+    if group is None:
+        return {"method": "unavailable (this torch has no fake process group backend)"}
+    world = collectives.group_size(group)
     t = torch.ones(1)
     shard, full = torch.ones(4), torch.ones(4 * world)
+    # What the layer calls for flat buffers: torch's newest name of each.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     cases: Dict[str, Dict[str, Callable[[], Any]]] = {
-        "all_reduce": {"raw": lambda: dist.all_reduce(t), "ours": lambda: collectives.all_reduce(t)},
+        "all_reduce": {
+            "raw": lambda: dist.all_reduce(t, group=group),
+            "ours": lambda: collectives.all_reduce(t, group=group),
+        },
         "all_gather": {
-            "raw": lambda: dist.all_gather_into_tensor(full, shard),
-            "ours": lambda: collectives.all_gather_into_flat(full, shard),
+            "raw": lambda: gather(full, shard, group=group),
+            "ours": lambda: collectives.all_gather_into_flat(full, shard, group=group),
         },
         "reduce_scatter": {
-            "raw": lambda: dist.reduce_scatter_tensor(shard, full),
-            "ours": lambda: collectives.reduce_scatter_from_flat(shard, full),
+            "raw": lambda: scatter(shard, full, group=group),
+            "ours": lambda: collectives.reduce_scatter_from_flat(shard, full, group=group),
         },
     }
-    out: Dict[str, Dict[str, float]] = {}
-    with _NoOpTorchCollectives():
-        for kind, fns in cases.items():
-            got: Dict[str, List[float]] = {"raw": [], "ours": [], "ours_counted": []}
-            for _ in range(repeats):
-                got["raw"].append(_time_calls(fns["raw"], calls)["wall"])
-                got["ours"].append(_time_calls(fns["ours"], calls)["wall"])
-                with collectives.count_collectives():
-                    got["ours_counted"].append(_time_calls(fns["ours"], calls)["wall"])
-            med = {name: min(v) * 1e6 for name, v in got.items()}
-            out[kind] = {
-                "raw_us": med["raw"],
-                "ours_us": med["ours"],
-                "ours_counted_us": med["ours_counted"],
-                "overhead_us": med["ours"] - med["raw"],
-            }
+    out: Dict[str, Any] = {"method": "torch's fake process group (no communication), best block"}
+    for kind, fns in cases.items():
+        fns["ours"]()  # the first call picks the strategy (once per backend, kind and dtype)
+        got: Dict[str, List[float]] = {"raw": [], "ours": [], "ours_counted": []}
+        for _ in range(repeats):
+            got["raw"].append(_time_calls(fns["raw"], calls)["wall"])
+            got["ours"].append(_time_calls(fns["ours"], calls)["wall"])
+            with collectives.count_collectives():
+                got["ours_counted"].append(_time_calls(fns["ours"], calls)["wall"])
+        best = {name: min(v) * 1e6 for name, v in got.items()}
+        out[kind] = {
+            "raw_us": best["raw"],
+            "ours_us": best["ours"],
+            "ours_counted_us": best["ours_counted"],
+            "overhead_us": best["ours"] - best["raw"],
+        }
     return out
 
 
@@ -269,8 +279,10 @@ def latency_text(section: Dict[str, Any]) -> str:
             f"    overhead of the layer (counter off): wall {co['overhead_us']['wall']:+.1f}, thread CPU "
             f"{co['overhead_us']['cpu']:+.1f} (raw_plus_10us: what 10 us of CPU per call costs on this machine)"
         )
-        lines.append("    dispatch only (torch's call a no-op, best block, us per call):")
+        lines.append(f"    dispatch only, us per call ({dispatch['method']}):")
         for kind, row in dispatch.items():
+            if kind == "method":
+                continue
             lines.append(
                 f"    {kind:<15} raw {row['raw_us']:6.2f}  ours {row['ours_us']:6.2f}  counted "
                 f"{row['ours_counted_us']:6.2f}  overhead {row['overhead_us']:+6.2f}"

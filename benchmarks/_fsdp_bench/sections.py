@@ -131,17 +131,17 @@ def _issue28_targets(
                 "met": ratio <= 1.0,
             }
         )
-    if latency is not None and latency.get("collective_overhead"):
+    if latency is not None and latency.get("collective_overhead", {}).get("overhead_us", {}).get("dispatch_only"):
         over = latency["collective_overhead"]["overhead_us"]
         # The dispatch-only figure is the layer's own cost; the real-communication one includes the other rank's
         # scheduling and is shown next to it.
         out.append(
             {
                 "target": f"collectives layer above raw torch.distributed, counter off < {COLLECTIVE_OVERHEAD_LIMIT_US:g} us"
-                " per call (dispatch only)",
-                "value": f"{over['dispatch_only']:.2f} us (with communication: wall {over['wall']:+.1f}, thread CPU "
-                f"{over['cpu']:+.1f} us)",
-                "met": over["dispatch_only"] < COLLECTIVE_OVERHEAD_LIMIT_US,
+                " per call (dispatch only: all_reduce; worst of all_reduce, all_gather, reduce_scatter)",
+                "value": f"{over['dispatch_only']:.2f} us; worst {over['dispatch_only_max']:.2f} us (with "
+                f"communication: wall {over['wall']:+.1f}, thread CPU {over['cpu']:+.1f} us)",
+                "met": over["dispatch_only_max"] < COLLECTIVE_OVERHEAD_LIMIT_US,
             }
         )
     train = _runs(records, "train")

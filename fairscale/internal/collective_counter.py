@@ -138,15 +138,26 @@ def count_collectives() -> Iterator[CollectiveCounter]:
                     break
 
 
-@contextlib.contextmanager
-def collective_phase(phase: Optional[str]) -> Iterator[None]:
-    """Tag the collectives called inside with ``phase`` (e.g. ``"forward"``); innermost wins."""
-    previous = _phase_state.phase
-    _phase_state.phase = phase
-    try:
-        yield
-    finally:
-        _phase_state.phase = previous
+class collective_phase:  # noqa: N801 (used like the function it replaced: ``with collective_phase("forward"):``)
+    """Tag the collectives called inside with ``phase`` (e.g. ``"forward"``); innermost wins.
+
+    A class rather than a generator-based context manager: FSDP enters one around every gather and reduction, and
+    this costs a third of the generator's Python calls.
+    """
+
+    __slots__ = ("_phase", "_previous")
+
+    def __init__(self, phase: Optional[str]) -> None:
+        self._phase = phase
+        self._previous: Optional[str] = None
+
+    def __enter__(self) -> None:
+        state = _phase_state
+        self._previous = state.phase
+        state.phase = self._phase
+
+    def __exit__(self, *exc: object) -> None:
+        _phase_state.phase = self._previous
 
 
 def record_collective(

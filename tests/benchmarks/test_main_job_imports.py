@@ -27,7 +27,7 @@ _BLOCKED = textwrap.dedent("""
 
     sys.meta_path.insert(0, Block())
     sys.path.insert(0, BENCH)
-    import fsdp, oss_scenario, tp_scenario, pipe_scenario, overlap_scenario, overlap  # every scenario module
+    import fsdp, oss_scenario, tp_scenario, pipe_scenario, overlap_scenario, overlap, collectives_overhead  # noqa
     import _fsdp_bench.worlds, _fsdp_bench.launch, _fsdp_bench.runner, _fsdp_bench.main
     leaked = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
     assert not leaked, leaked

@@ -257,6 +257,50 @@ def _no_dist_body(rank: int) -> None:
     ]
 
 
+def _python_calls(fn: Any) -> List[str]:
+    """Names of the Python functions of the collectives layer that one call of ``fn`` runs."""
+    import sys
+
+    called: List[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "fairscale/internal/collective" in frame.f_code.co_filename.replace("\\", "/"):
+            called.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def _fast_path_body(rank: int, ws: int) -> None:
+    """With no counter and no simulated link, a collective whose strategy is known calls torch and nothing of the
+    layer's strategy, recording or completion machinery (what FSDP pays per gather and reduction)."""
+    t, shard, full = torch.ones(2), torch.ones(3), torch.empty(3 * ws)
+    calls = {
+        "all_reduce": lambda: all_reduce(t),
+        "broadcast": lambda: broadcast(t, src=0),
+        "all_gather": lambda: all_gather_into_flat(full, shard),
+        "all_gather async": lambda: all_gather_into_flat(full, shard, async_op=True).wait(),  # type: ignore
+        "reduce_scatter": lambda: reduce_scatter_from_flat(shard, full),
+    }
+    slow = {"_dispatch", "_record", "_finish", "record_collective", "ready_time", "_all_gather", "_reduce_scatter"}
+    for name, fn in calls.items():
+        fn()  # the first call of a (backend, kind, dtype) picks the strategy
+        ran = _python_calls(fn)
+        assert not slow & set(ran), (name, ran)
+        with count_collectives() as counter:
+            ran = _python_calls(fn)
+        assert "_record" in ran and counter.count() == 1, (name, ran)  # counting on: the full path
+    assert torch.equal(full, torch.ones(3 * ws))
+
+
+def test_steady_collectives_skip_the_strategy_and_recording_machinery() -> None:
+    run_distributed(_fast_path_body, 2, timeout=60)
+
+
 def test_collectives_without_distributed() -> None:
     """World size 1 without init_process_group: local copies, still counted."""
     run_ranks(_no_dist_body, 1)

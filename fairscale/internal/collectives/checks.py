@@ -1,7 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Argument checks shared by the collectives: paired tensors, in-place tensors, ranks and reduce operations."""
 
-from typing import Any
+from typing import Any, Dict
 
 import torch.distributed as dist
 from torch import Tensor
@@ -9,12 +9,18 @@ from torch import Tensor
 from .groups import _GroupInfo
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+# torch's ReduceOp of each name, looked up once per name (every all-reduce and reduce-scatter needs one).
+_REDUCE_OP_OBJECTS: Dict[str, Any] = {}
 
 
 def _reduce_op(op: str) -> Any:
+    found = _REDUCE_OP_OBJECTS.get(op)
+    if found is not None:
+        return found
     if op not in _REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}")
-    return getattr(dist.ReduceOp, _REDUCE_OPS[op])
+    found = _REDUCE_OP_OBJECTS[op] = getattr(dist.ReduceOp, _REDUCE_OPS[op])
+    return found
 
 
 def _check_pair(what: str, output: Tensor, input: Tensor) -> None:

@@ -39,12 +39,45 @@ def _torch_function(names: Sequence[str]) -> Callable[..., Any]:
     raise RuntimeError(f"this torch.distributed has none of {list(names)}; fairscale needs torch >= 2.1")
 
 
+# What _torch_function returns while nothing is patched, and the module attributes that say so: every call checks
+# them with one tuple comparison (identity of each attribute) and only a patched module takes the slow lookup.
+_AG_ORIGINALS = tuple(_TORCH_ORIGINALS[name] for name in _ALL_GATHER_TENSOR_NAMES)
+_RS_ORIGINALS = tuple(_TORCH_ORIGINALS[name] for name in _REDUCE_SCATTER_TENSOR_NAMES)
+_AG_NEWEST: Optional[Callable[..., Any]] = next((fn for fn in _AG_ORIGINALS if fn is not None), None)
+_RS_NEWEST: Optional[Callable[..., Any]] = next((fn for fn in _RS_ORIGINALS if fn is not None), None)
+
+
+# The module's namespace never changes identity; its bound lookup is the cheapest way to read an attribute that may
+# not exist on this torch (a missing name reads as None, as it was recorded at import).
+_dist_attr = vars(dist).get
+_AG0, _AG1, _AG2 = _ALL_GATHER_TENSOR_NAMES
+_RS0, _RS1, _RS2 = _REDUCE_SCATTER_TENSOR_NAMES
+_AG_O0, _AG_O1, _AG_O2 = _AG_ORIGINALS
+_RS_O0, _RS_O1, _RS_O2 = _RS_ORIGINALS
+
+
+def _all_gather_function() -> Callable[..., Any]:
+    """torch's flat all-gather to call now (see :func:`_torch_function`)."""
+    if _dist_attr(_AG0) is _AG_O0 and _dist_attr(_AG1) is _AG_O1 and _dist_attr(_AG2) is _AG_O2:
+        if _AG_NEWEST is not None:
+            return _AG_NEWEST
+    return _torch_function(_ALL_GATHER_TENSOR_NAMES)
+
+
+def _reduce_scatter_function() -> Callable[..., Any]:
+    """torch's flat reduce-scatter to call now (see :func:`_torch_function`)."""
+    if _dist_attr(_RS0) is _RS_O0 and _dist_attr(_RS1) is _RS_O1 and _dist_attr(_RS2) is _RS_O2:
+        if _RS_NEWEST is not None:
+            return _RS_NEWEST
+    return _torch_function(_REDUCE_SCATTER_TENSOR_NAMES)
+
+
 def _all_gather_tensor(*args: Any, **kwargs: Any) -> Any:
-    return _torch_function(_ALL_GATHER_TENSOR_NAMES)(*args, **kwargs)
+    return _all_gather_function()(*args, **kwargs)
 
 
 def _reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
-    return _torch_function(_REDUCE_SCATTER_TENSOR_NAMES)(*args, **kwargs)
+    return _reduce_scatter_function()(*args, **kwargs)
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -53,6 +86,8 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _UNSUPPORTED = re.compile(r"not support|unsupported|not implemented|no kernel|invalid scalar type", re.I)
 
 _Strategy = Tuple[str, Callable[[], WorkHandle]]
+# Collectives read it directly once a strategy is known: (backend, kind, dtype) -> "tensor" lets them call torch's
+# tensor variant without building their strategy list (and without a call to _dispatch).
 _chosen: Dict[Tuple[str, str, torch.dtype], str] = {}
 # Tests force a strategy to exercise fallbacks that the installed torch does not need.
 _forced: Dict[Tuple[str, Optional[torch.dtype]], str] = {}

@@ -7,9 +7,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import _check_pair, _reduce_op
-from .dispatch import _all_gather_tensor, _dispatch, _reduce_scatter_tensor, _via_fp32
+from .dispatch import (
+    _all_gather_function,
+    _all_gather_tensor,
+    _dispatch,
+    _reduce_scatter_function,
+    _reduce_scatter_tensor,
+    _chosen,
+    _forced,
+    _via_fp32,
+)
 from .groups import ProcessGroup, _GroupInfo, _member_info
-from .recording import _record
+from .recording import ACTIVE_COUNTERS, LINKS, _record
 from .work import WorkHandle, _copy_back, _finish
 
 
@@ -30,15 +39,27 @@ def all_gather_into_flat(
         Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
     """
     info = _member_info(group, "all_gather_into_flat")
-    _check_pair("all_gather_into_flat", output, input)
+    if output.dtype is not input.dtype or output.device != input.device or not output.is_contiguous():
+        _check_pair("all_gather_into_flat", output, input)  # raises
     if output.numel() != input.numel() * info.size:
         raise ValueError(
             f"all_gather_into_flat: output has {output.numel()} elements but input has {input.numel()} "
             f"and the group has {info.size} ranks; output needs input.numel() * {info.size} = "
             f"{input.numel() * info.size}"
         )
-    ready_at = _record("all_gather", info, output.dtype, output.numel(), output.element_size())
-    return _finish(_all_gather(output.view(-1), input.reshape(-1), info, async_op), async_op, ready_at)
+    # 1-D tensors (FSDP's buffers) go to torch as they are: a view of each would cost more than the rest of the call.
+    out = output if output.dim() == 1 else output.view(-1)
+    inp = input if input.dim() == 1 else input.reshape(-1)
+    if ACTIVE_COUNTERS or LINKS:
+        ready_at = _record("all_gather", info, output.dtype, output.numel(), output.element_size())
+    elif info.size > 1 and not _forced and _chosen.get((info.backend, "all_gather", out.dtype)) == "tensor":
+        # The common case (no counter, no simulated link, the backend's tensor variant known to work): torch's call
+        # and nothing else, as _all_gather's first strategy would make it.
+        work = _all_gather_function()(out, inp, group=info.pg, async_op=async_op)
+        return WorkHandle(work) if async_op else None
+    else:
+        ready_at = None
+    return _finish(_all_gather(out, inp, info, async_op), async_op, ready_at)
 
 
 def _all_gather(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> WorkHandle:
@@ -78,7 +99,8 @@ def reduce_scatter_from_flat(
         Optional[WorkHandle]: the handle when ``async_op`` is true, else ``None``.
     """
     info = _member_info(group, "reduce_scatter_from_flat")
-    _check_pair("reduce_scatter_from_flat", output, input)
+    if output.dtype is not input.dtype or output.device != input.device or not output.is_contiguous():
+        _check_pair("reduce_scatter_from_flat", output, input)  # raises
     reduce_op = _reduce_op(op)
     if input.numel() != output.numel() * info.size:
         raise ValueError(
@@ -86,10 +108,19 @@ def reduce_scatter_from_flat(
             f"and the group has {info.size} ranks; input needs output.numel() * {info.size} = "
             f"{output.numel() * info.size}"
         )
-    ready_at = _record("reduce_scatter", info, input.dtype, input.numel(), input.element_size())
-    # reshape() copies a non-contiguous input (e.g. the used columns of a 2-D bucket) into the
-    # 1-D layout every backend accepts.
-    return _finish(_reduce_scatter(output.view(-1), input.reshape(-1), reduce_op, info, async_op), async_op, ready_at)
+    # reshape() copies a non-contiguous input (e.g. the used columns of a 2-D bucket) into the 1-D layout every
+    # backend accepts; 1-D tensors (FSDP's gradients) go as they are.
+    out = output if output.dim() == 1 else output.view(-1)
+    inp = input if input.dim() == 1 else input.reshape(-1)
+    if ACTIVE_COUNTERS or LINKS:
+        ready_at = _record("reduce_scatter", info, input.dtype, input.numel(), input.element_size())
+    elif info.size > 1 and not _forced and _chosen.get((info.backend, "reduce_scatter", out.dtype)) == "tensor":
+        # The common case, as in all_gather_into_flat: torch's call alone.
+        work = _reduce_scatter_function()(out, inp, op=reduce_op, group=info.pg, async_op=async_op)
+        return WorkHandle(work) if async_op else None
+    else:
+        ready_at = None
+    return _finish(_reduce_scatter(out, inp, reduce_op, info, async_op), async_op, ready_at)
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:

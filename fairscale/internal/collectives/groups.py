@@ -1,7 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Process groups as the collectives see them: size, rank and ranks of a group, cached, and membership checks."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -19,6 +19,12 @@ class _GroupInfo:
     rank: int  # this process's rank inside the group, -1 if it is not a member
     ranks: Tuple[int, ...]  # global ranks, sorted
     backend: str
+    # Whether this process may call collectives on the group (a member, and a real group if it has peers): decided
+    # once here, so that every collective checks one attribute and only a refused call builds its error message.
+    usable: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "usable", self.rank >= 0 and not (self.size > 1 and self.backend == "dummy"))
 
 
 _LOCAL_WORLD = _GroupInfo(pg=None, size=1, rank=0, ranks=(0,), backend="local")
@@ -27,15 +33,22 @@ _LOCAL_WORLD = _GroupInfo(pg=None, size=1, rank=0, ranks=(0,), backend="local")
 _group_cache: Dict[Any, _GroupInfo] = {}
 
 
+# Whether torch was built with distributed support never changes in a process.
+_AVAILABLE = dist.is_available()
+
+
 def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return _AVAILABLE and dist.is_initialized()
 
 
 def _group_info(group: Optional[ProcessGroup]) -> _GroupInfo:
     if group is None:
-        if not _dist_ready():
+        if not _AVAILABLE:
             return _LOCAL_WORLD
-        group = dist.group.WORLD
+        # The default group, or None before init_process_group (what dist.is_initialized() tests), in one lookup.
+        group = dist.GroupMember.WORLD
+        if group is None:
+            return _LOCAL_WORLD
     info = _group_cache.get(group)
     if info is None:
         info = _build_group_info(group)
@@ -73,7 +86,15 @@ def group_ranks(group: Optional[ProcessGroup] = None) -> Tuple[int, ...]:
 
 
 def _member_info(group: Optional[ProcessGroup], what: str) -> _GroupInfo:
-    info = _group_info(group)
+    """The group's info, checked for a collective ``what`` on it (called by every collective: the known, usable
+    group is a dictionary hit, and everything else takes the full path of :func:`_group_info`)."""
+    if group is None and _AVAILABLE:
+        group = dist.GroupMember.WORLD  # None before init_process_group: the full path returns the local world
+    info = _group_cache.get(group) if group is not None else None
+    if info is None:
+        info = _group_info(group)
+    if info.usable:
+        return info
     if info.rank < 0:
         me = dist.get_rank() if _dist_ready() else 0
         members = f"the process group with ranks {info.ranks}" if info.ranks else "the process group"

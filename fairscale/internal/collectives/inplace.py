@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import _check_contiguous, _check_src, _reduce_op
-from .dispatch import _dispatch, _via_fp32
+from .dispatch import _chosen, _dispatch, _forced, _via_fp32
 from .groups import ProcessGroup, _GroupInfo, _member_info
-from .recording import _record
+from .recording import ACTIVE_COUNTERS, LINKS, _record
 from .work import WorkHandle, _finish
 
 
@@ -30,7 +30,14 @@ def all_reduce(
     info = _member_info(group, "all_reduce")
     reduce_op = _reduce_op(op)
     _check_contiguous("all_reduce", tensor)
-    ready_at = _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    if ACTIVE_COUNTERS or LINKS:
+        ready_at = _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    elif info.size > 1 and not _forced and _chosen.get((info.backend, "all_reduce", tensor.dtype)) == "tensor":
+        # The common case (no counter, no simulated link, the tensor variant known to work): torch's call alone.
+        work = dist.all_reduce(tensor, op=reduce_op, group=info.pg, async_op=async_op)
+        return WorkHandle(work) if async_op else None
+    else:
+        ready_at = None
     return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op, ready_at)
 
 
@@ -65,7 +72,14 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
-    ready_at = _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    if ACTIVE_COUNTERS or LINKS:
+        ready_at = _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
+    elif info.size > 1 and not _forced and _chosen.get((info.backend, "broadcast", tensor.dtype)) == "tensor":
+        # The common case, as in all_reduce: torch's call alone.
+        work = dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op)
+        return WorkHandle(work) if async_op else None
+    else:
+        ready_at = None
     return _finish(_broadcast(tensor, src, info, async_op), async_op, ready_at)
 
 
