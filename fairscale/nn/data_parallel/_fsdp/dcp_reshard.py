@@ -92,33 +92,65 @@ def _chunk_start(hl: HandleLayout, i: int) -> int:
     return p.offset + p.rows(hl.world_size, hl.rank)[0] * p.row_numel
 
 
-def _exchange(hl: HandleLayout, plan: _Plan, pack: Callable[[int, Tensor], None], dtype: torch.dtype) -> Tensor:
-    """Fill block ``j`` of a send buffer with ``pack(j, block)`` for every peer ``j``, exchange, return the receipt."""
-    config = hl.unit.config
-    world, block = hl.world_size, plan.block
-    send = torch.empty(world * block, dtype=dtype, device=config.compute_device)
+@dataclass
+class _Transfer:
+    """One flat tensor's part of an exchange: how to fill this rank's block for a peer, and how to use a peer's."""
+
+    hl: HandleLayout
+    plan: _Plan
+    dtype: torch.dtype
+    pack: Callable[[int, Tensor], None]  # (peer, its block of the send buffer: plan.block elements)
+    unpack: Callable[[int, Tensor], None]  # (peer, its block of the receipt)
+
+
+def _run(transfers: Sequence[_Transfer]) -> None:
+    """Exchange every transfer that needs the wire, several per ``all_to_all`` when they fit.
+
+    Consecutive transfers of one dtype and device share an exchange while their buffers together stay within the
+    largest single transfer's (so batching never raises the peak, and the few large flat parameters go alone). The
+    grouping is arithmetic on what every rank knows, so every rank makes the same calls.
+    """
+    todo = [t for t in transfers if t.hl.world_size > 1 and t.plan.block > 0]
+    if not todo:
+        return
+    cap = max(t.plan.block for t in todo)
+    group: List[_Transfer] = []
+    for t in todo:
+        if group and (
+            t.dtype != group[0].dtype
+            or t.hl.unit.config.compute_device != group[0].hl.unit.config.compute_device
+            or sum(g.plan.block for g in group) + t.plan.block > cap
+        ):
+            _exchange(group)
+            group = []
+        group.append(t)
+    _exchange(group)
+
+
+def _exchange(group: Sequence[_Transfer]) -> None:
+    config = group[0].hl.unit.config
+    world, rank = group[0].hl.world_size, group[0].hl.rank
+    total = sum(t.plan.block for t in group)
+    send = torch.empty(world * total, dtype=group[0].dtype, device=config.compute_device)
     for j in range(world):
-        if j != hl.rank:
-            pack(j, send.narrow(0, j * block, block))
+        if j != rank:
+            pos = j * total
+            for t in group:
+                t.pack(j, send.narrow(0, pos, t.plan.block))
+                pos += t.plan.block
     received = torch.empty_like(send)
     collectives.all_to_all_single(received, send, config.process_group)
-    return received
+    del send
+    for j in range(world):
+        if j != rank:
+            pos = j * total
+            for t in group:
+                t.unpack(j, received.narrow(0, pos, t.plan.block))
+                pos += t.plan.block
 
 
-@torch.no_grad()
-def flat_to_chunks(hl: HandleLayout, shard: Tensor, out_device: torch.device) -> List[Tensor]:
-    """This rank's dim-0 chunk of every original parameter of ``hl``, cut out of the ranks' flat tensors.
-
-    Args:
-        hl: the handle and its original parameters.
-        shard: this rank's flat tensor shaped like the handle's shard (parameter or optimizer state).
-        out_device: where the chunks go.
-
-    Returns:
-        One fresh tensor per parameter of ``hl.params``, of the parameter's chunk shape
-        (:meth:`OrigParam.chunk_shape`) and ``shard``'s dtype. Never a view: ``torch.save`` (which DCP's writer uses)
-        writes a view's whole storage, here the whole shard.
-    """
+def _to_chunks(hl: HandleLayout, shard: Tensor, out_device: torch.device) -> Tuple[List[Tensor], _Transfer]:
+    """The chunks of one flat tensor (this rank's own elements copied), and the transfer that completes them."""
     world, rank = hl.world_size, hl.rank
     flat = shard.detach().reshape(-1)
     lo = rank * hl.handle.shard_numel if hl.handle.is_sharded else 0
@@ -128,67 +160,53 @@ def flat_to_chunks(hl: HandleLayout, shard: Tensor, out_device: torch.device) ->
     plan = _plan(hl, [True] * len(hl.params))
     for i, a, b in plan.as_shard_owner[rank]:  # elements of this rank's own shard
         pieces[i].narrow(0, a - starts[i], b - a).copy_(flat.narrow(0, a - lo, b - a))
-    if world > 1 and plan.block > 0:
 
-        def pack(q: int, block: Tensor) -> None:
-            pos = 0
-            for _, a, b in plan.as_shard_owner[q]:
-                block.narrow(0, pos, b - a).copy_(flat.narrow(0, a - lo, b - a))
-                pos += b - a
+    def pack(q: int, block: Tensor) -> None:
+        pos = 0
+        for _, a, b in plan.as_shard_owner[q]:
+            block.narrow(0, pos, b - a).copy_(flat.narrow(0, a - lo, b - a))
+            pos += b - a
 
-        received = _exchange(hl, plan, pack, flat.dtype)
-        for s in range(world):
-            if s == rank:
-                continue
-            pos = s * plan.block
-            for i, a, b in plan.as_chunk_owner[s]:
-                pieces[i].narrow(0, a - starts[i], b - a).copy_(received.narrow(0, pos, b - a))
-                pos += b - a
-    return chunks
+    def unpack(s: int, block: Tensor) -> None:
+        pos = 0
+        for i, a, b in plan.as_chunk_owner[s]:
+            pieces[i].narrow(0, a - starts[i], b - a).copy_(block.narrow(0, pos, b - a))
+            pos += b - a
+
+    return chunks, _Transfer(hl, plan, flat.dtype, pack, unpack)
 
 
 @torch.no_grad()
-def chunks_to_flat(hl: HandleLayout, values: List[Optional[Tuple[str, Tensor]]], out: Tensor) -> None:
-    """Write every given original parameter's elements that this rank's flat shard covers into ``out``.
+def flat_to_chunks(items: Sequence[Tuple[HandleLayout, Tensor, torch.device]]) -> List[List[Tensor]]:
+    """This rank's dim-0 chunk of every original parameter, cut out of the ranks' flat tensors.
 
     Args:
-        hl: the handle and its original parameters.
-        values: per parameter of ``hl.params``: ``(CHUNK, this rank's dim-0 chunk)``, ``(FULL, the full tensor)``,
-            or ``None`` to leave the parameter's elements of ``out`` as they are.
-        out: this rank's flat tensor shaped like the handle's shard (written in place; padding is not touched).
+        items: ``(handle layout, this rank's flat tensor shaped like the handle's shard (parameter or optimizer
+            state), device for the chunks)`` per flat tensor, in the same order on every rank.
+
+    Returns:
+        Per item, one fresh tensor per parameter of its ``hl.params``, of the parameter's chunk shape
+        (:meth:`OrigParam.chunk_shape`) and the flat tensor's dtype. Never a view: ``torch.save`` (which DCP's
+        writer uses) writes a view's whole storage, here the whole shard.
     """
+    results: List[List[Tensor]] = []
+    transfers: List[_Transfer] = []
+    for hl, shard, out_device in items:
+        chunks, transfer = _to_chunks(hl, shard, out_device)
+        results.append(chunks)
+        transfers.append(transfer)
+    _run(transfers)
+    return results
+
+
+Value = Optional[Tuple[str, Tensor]]
+
+
+def _to_flat(hl: HandleLayout, values: List[Value], out: Tensor) -> Optional[_Transfer]:
+    """Copy this rank's own elements into ``out``; the transfer that brings the others (``None``: nothing to bring)."""
     world, rank = hl.world_size, hl.rank
     flat_out = out.view(-1)
     lo, hi = hl.shard_range()
-    include = [v is not None and v[0] == CHUNK for v in values]
-    pieces = [v[1].reshape(-1) if (v is not None and v[0] == CHUNK) else None for v in values]
-    starts = [_chunk_start(hl, i) for i in range(len(hl.params))]
-    if any(include):
-        plan = _plan(hl, include)
-
-        def piece(i: int) -> Tensor:
-            value = pieces[i]
-            assert value is not None  # only CHUNK parameters are in the plan
-            return value
-
-        for i, a, b in plan.as_chunk_owner[rank]:  # this rank's own chunks that its own shard holds
-            flat_out.narrow(0, a - lo, b - a).copy_(piece(i).narrow(0, a - starts[i], b - a))
-        if world > 1 and plan.block > 0:
-
-            def pack(s: int, block: Tensor) -> None:
-                pos = 0
-                for i, a, b in plan.as_chunk_owner[s]:
-                    block.narrow(0, pos, b - a).copy_(piece(i).narrow(0, a - starts[i], b - a))
-                    pos += b - a
-
-            received = _exchange(hl, plan, pack, out.dtype)
-            for q in range(world):
-                if q == rank:
-                    continue
-                pos = q * plan.block
-                for _, a, b in plan.as_shard_owner[q]:
-                    flat_out.narrow(0, a - lo, b - a).copy_(received.narrow(0, pos, b - a))
-                    pos += b - a
     for p, value in zip(hl.params, values):
         if value is None or value[0] != FULL:
             continue
@@ -196,3 +214,39 @@ def chunks_to_flat(hl: HandleLayout, values: List[Optional[Tuple[str, Tensor]]],
         a, b = max(lo, p.offset) - p.offset, min(hi, p.offset + p.numel) - p.offset
         if a < b:
             flat_out.narrow(0, p.offset + a - lo, b - a).copy_(value[1].reshape(-1).narrow(0, a, b - a))
+    include = [v is not None and v[0] == CHUNK for v in values]
+    if not any(include):
+        return None
+    pieces = [v[1].reshape(-1) if (v is not None and v[0] == CHUNK) else out for v in values]  # `out`: never read
+    starts = [_chunk_start(hl, i) for i in range(len(hl.params))]
+    plan = _plan(hl, include)
+    for i, a, b in plan.as_chunk_owner[rank]:  # this rank's own chunks that its own shard holds
+        flat_out.narrow(0, a - lo, b - a).copy_(pieces[i].narrow(0, a - starts[i], b - a))
+
+    def pack(s: int, block: Tensor) -> None:
+        pos = 0
+        for i, a, b in plan.as_chunk_owner[s]:
+            block.narrow(0, pos, b - a).copy_(pieces[i].narrow(0, a - starts[i], b - a))
+            pos += b - a
+
+    def unpack(q: int, block: Tensor) -> None:
+        pos = 0
+        for _, a, b in plan.as_shard_owner[q]:
+            flat_out.narrow(0, a - lo, b - a).copy_(block.narrow(0, pos, b - a))
+            pos += b - a
+
+    return _Transfer(hl, plan, out.dtype, pack, unpack)
+
+
+@torch.no_grad()
+def chunks_to_flat(items: Sequence[Tuple[HandleLayout, List[Value], Tensor]]) -> None:
+    """Write every given original parameter's elements that this rank's flat shard covers into the flat tensors.
+
+    Args:
+        items: ``(handle layout, values, out)`` per flat tensor, in the same order on every rank. ``values`` has,
+            per parameter of ``hl.params``: ``(CHUNK, this rank's dim-0 chunk)``, ``(FULL, the full tensor)``, or
+            ``None`` to leave the parameter's elements as they are; ``out`` is this rank's flat tensor shaped like
+            the handle's shard (written in place; its padding is not touched).
+    """
+    transfers = [t for t in (_to_flat(hl, values, out) for hl, values, out in items) if t is not None]
+    _run(transfers)

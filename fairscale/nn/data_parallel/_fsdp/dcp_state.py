@@ -39,6 +39,12 @@ try:  # torch >= 2.4: public DTensor
     _DTENSOR_ERROR: Optional[str] = None
 except ImportError as e:  # pragma: no cover - old torch
     _DTENSOR_ERROR = str(e)
+try:  # what DTensor.from_local builds, without its autograd function (a tenth of a save's CPU time otherwise)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    _DIRECT_DTENSOR = [True]
+except ImportError:  # pragma: no cover - another torch layout: from_local
+    _DIRECT_DTENSOR = [False]
 
 __all__ = [
     "get_model_state_dict",
@@ -101,10 +107,15 @@ def _as_dtensor(local: Tensor, p: OrigParam, meshes: _Meshes) -> Any:
     mesh = meshes.get(local.device.type)
     if mesh is None:
         return local  # no process group: world size 1, the chunk is the whole tensor
-    placements = [Replicate()] if p.is_scalar else [Shard(0)]
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape)
-    )
+    placements = (Replicate(),) if p.is_scalar else (Shard(0),)
+    stride = _contiguous_stride(p.shape)
+    if _DIRECT_DTENSOR[0]:
+        try:
+            spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(p.shape, stride, local.dtype))
+            return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        except TypeError:  # pragma: no cover - the private constructor changed: the public path from now on
+            _DIRECT_DTENSOR[0] = False
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=stride)
 
 
 def _classify(
@@ -185,11 +196,14 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
 COPIES, TEMPLATE = "copies", "template"
 
 
-def _chunks(hl: HandleLayout, flat: Tensor, out_device: torch.device, values: str) -> List[Tensor]:
-    """This rank's chunk of every parameter of ``hl`` cut out of ``flat`` (collective), or a template."""
+def _chunk_lists(items: List[Tuple[HandleLayout, Tensor, torch.device]], values: str) -> List[List[Tensor]]:
+    """Per ``(handle, flat tensor, device)``: this rank's chunk of every parameter (collective), or a template."""
     if values != TEMPLATE:
-        return flat_to_chunks(hl, flat, out_device)
-    return [torch.empty(p.chunk_shape(hl.world_size, hl.rank), dtype=flat.dtype, device=out_device) for p in hl.params]
+        return flat_to_chunks(items)
+    return [
+        [torch.empty(p.chunk_shape(hl.world_size, hl.rank), dtype=flat.dtype, device=device) for p in hl.params]
+        for hl, flat, device in items
+    ]
 
 
 def get_model_state_dict(
@@ -205,18 +219,20 @@ def get_model_state_dict(
         layout = model_layout(unit, what)
         meshes = _Meshes(layout)
         out: Dict[str, Any] = {}
+        items: List[Tuple[HandleLayout, Tensor, torch.device]] = []
+        for hl in layout.handles:
+            shard = hl.handle.fp32_shard
+            assert shard is not None  # materialised by lazy init
+            if ignore_frozen_params and not hl.handle.param.requires_grad:
+                continue  # requires_grad is the same on every rank: all of them skip this exchange
+            items.append((hl, shard, torch.device("cpu") if cpu_offload else shard.device))
         with collectives.collective_phase("dcp_state_dict"):
-            for hl in layout.handles:
-                shard = hl.handle.fp32_shard
-                assert shard is not None  # materialised by lazy init
-                if ignore_frozen_params and not hl.handle.param.requires_grad:
-                    continue  # requires_grad is the same on every rank: all of them skip this gather
-                out_device = torch.device("cpu") if cpu_offload else shard.device
-                chunks = _chunks(hl, shard, out_device, values)
-                for p, chunk in zip(hl.params, chunks):
-                    value = _as_dtensor(chunk, p, meshes)
-                    for name in (p.fqn,) + p.aliases:
-                        out[name] = value
+            chunk_lists = _chunk_lists(items, values)
+        for (hl, _, _), chunks in zip(items, chunk_lists):
+            for p, chunk in zip(hl.params, chunks):
+                value = _as_dtensor(chunk, p, meshes)
+                for name in (p.fqn,) + p.aliases:
+                    out[name] = value
         for b in layout.buffers:
             out[b.fqn] = _buffer_copy(b, cpu_offload)
     return {key: out[key] for key in layout.keys if key in out}
@@ -289,12 +305,14 @@ def _plan_model_load(layout: ModelLayout, sd: Mapping[str, Any], strict: bool, w
 
 def _commit_model(unit: FSDPUnit, plan: _ModelPlan) -> None:
     """Write an agreed plan into the shards and buffers, one flat parameter at a time (collective)."""
+    items: List[Tuple[HandleLayout, List[Value], Tensor]] = []
+    for hl, values in plan.handles:
+        shard = hl.handle.fp32_shard
+        assert shard is not None  # materialised by lazy init
+        if any(v is not None for v in values):
+            items.append((hl, values, shard))
     with torch.no_grad(), collectives.collective_phase("dcp_load"):
-        for hl, values in plan.handles:
-            if any(v is not None for v in values):
-                shard = hl.handle.fp32_shard
-                assert shard is not None  # materialised by lazy init
-                chunks_to_flat(hl, values, shard)
+        chunks_to_flat(items)
         for b, value in plan.buffers:
             b.tensor().copy_(value)
     for u in unit.tree_units():
@@ -408,13 +426,19 @@ def get_optimizer_state_dict(
                     layout.group,
                     hint="Every rank must step the same optimizer on the same model.",
                 )
+            kept = [i for i in sorted(state) if not (ignore_frozen_params and not hls[i].handle.param.requires_grad)]
+            per_param = {i: _unflatten_entry(hls[i], state[i], cpu_offload, what) for i in kept}
+            jobs = [(i, key) for i in kept for key in sorted(state[i], key=str) if key in per_param[i][1]]
+            items = [(hls[i], state[i][key], per_param[i][1][key]) for i, key in jobs]
             with collectives.collective_phase("dcp_optim_state_dict"):
-                for i in sorted(state):
-                    hl = hls[i]
-                    if ignore_frozen_params and not hl.handle.param.requires_grad:
-                        continue
-                    for p, entry in zip(hl.params, _unflatten_entry(hl, state[i], meshes, cpu_offload, values, what)):
-                        state_out[p.fqn] = entry
+                chunk_lists = _chunk_lists(items, values)
+            for (i, key), chunks in zip(jobs, chunk_lists):
+                for d, p, chunk in zip(per_param[i][0], hls[i].params, chunks):
+                    d[key] = _as_dtensor(chunk, p, meshes)
+            for i in kept:
+                order = list(state[i])  # the optimizer's own key order in every entry
+                for p, d in zip(hls[i].params, per_param[i][0]):
+                    state_out[p.fqn] = {key: d[key] for key in order}
             for group in osd["param_groups"]:
                 new = {key: copy.deepcopy(v) for key, v in group.items() if key not in ("params", "param_names")}
                 new["params"] = [
@@ -428,18 +452,18 @@ def get_optimizer_state_dict(
 
 
 def _unflatten_entry(
-    hl: HandleLayout, entry: Mapping[str, Any], meshes: _Meshes, cpu_offload: bool, values: str, what: str
-) -> List[Dict[str, Any]]:
-    """One flat parameter's optimizer state as one entry per original parameter (collective for tensor states)."""
+    hl: HandleLayout, entry: Mapping[str, Any], cpu_offload: bool, what: str
+) -> Tuple[List[Dict[str, Any]], Dict[str, torch.device]]:
+    """One flat parameter's optimizer state as one entry per original parameter, without its per-parameter
+    (element-wise) states, and those states' keys with the device their chunks go to."""
     shard = hl.handle.fp32_shard
     assert shard is not None
     out: List[Dict[str, Any]] = [{} for _ in hl.params]
+    sharded: Dict[str, torch.device] = {}
     for key in sorted(entry, key=str):
         value = entry[key]
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape == shard.shape:
-            device = torch.device("cpu") if cpu_offload else value.device
-            for d, p, chunk in zip(out, hl.params, _chunks(hl, value, device, values)):
-                d[key] = _as_dtensor(chunk, p, meshes)
+            sharded[key] = torch.device("cpu") if cpu_offload else value.device
         elif isinstance(value, Tensor) and value.dim() == 0:
             for d in out:
                 d[key] = value.detach().to(device=torch.device("cpu") if cpu_offload else value.device, copy=True)
@@ -452,9 +476,7 @@ def _unflatten_entry(
         else:
             for d in out:
                 d[key] = copy.deepcopy(value)
-    # Keep the optimizer's own key order in every entry.
-    order = [k for k in entry]
-    return [{k: d[k] for k in order} for d in out]
+    return out, sharded
 
 
 @dataclass
@@ -669,6 +691,7 @@ def set_state_dict(
 def _build_flat(plan: _OptimPlan) -> Dict[str, Any]:
     """One optimizer's new flat state dict (collective for per-parameter states)."""
     state: Dict[int, Dict[str, Any]] = {}
+    items: List[Tuple[HandleLayout, List[Value], Tensor]] = []
     for i in sorted(plan.entries):
         hl = plan.hls[i]
         shard = hl.handle.fp32_shard
@@ -690,7 +713,8 @@ def _build_flat(plan: _OptimPlan) -> Dict[str, Any]:
                 out.view(-1)[real:].zero_()
             else:
                 out = torch.zeros(shard.shape, dtype=first.dtype, device=shard.device)
-            chunks_to_flat(hl, value, out)
+            items.append((hl, value, out))
             new[key] = out
         state[i] = {key: new[key] for key in plan.entries[i]}
+    chunks_to_flat(items)
     return {"state": state, "param_groups": plan.groups}
