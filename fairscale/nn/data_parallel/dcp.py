@@ -505,7 +505,19 @@ def load(
     state: Dict[str, Any] = {MODEL_KEY: msd}
     fresh = [not o.state for o in optims]
     if optims:
-        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.TEMPLATE)
+        osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.TEMPLATE)
+        state[OPTIMIZER_KEY] = osd
+        prefix = f"{OPTIMIZER_KEY}.state."
+        saved_state = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
+        without = sorted(saved_state - set(osd["state"]))
+        if without:
+            _forget_created_state(optims, fresh)
+            raise RuntimeError(
+                f"load: the checkpoint has optimizer state for {without[:4]}{'...' if len(without) > 4 else ''} but "
+                "the optimizers have none to load it into (parameters with gradients but no step yet: an optimizer "
+                "state is only created without gradients). Call optimizer.zero_grad(set_to_none=True) first. "
+                "Nothing was loaded."
+            )
     try:
         _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     except (Exception, CheckpointException) as e:

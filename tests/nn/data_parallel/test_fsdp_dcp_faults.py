@@ -189,6 +189,12 @@ def _case_checkpoint_of_another_model(root: str) -> None:
     other, other_optim = fresh()
     expect(RuntimeError, "holds no optimizer state", fsdp_dcp.load, other, other_optim, checkpoint_id=model_only)
     assert not other_optim.state
+    # An optimizer with gradients but no step yet has no state to load into: said, not silently skipped.
+    NestedWrappedModule.per_sample_loss(other(torch.randn(2, 7))).sum().backward()
+    expect(RuntimeError, "zero_grad", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+    other_optim.zero_grad(set_to_none=True)
+    fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), fsdp.state_dict().values()))
 
 
 def _case_bad_value_on_one_rank(root: str) -> None:

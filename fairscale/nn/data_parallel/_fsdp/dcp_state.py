@@ -5,11 +5,12 @@ See :mod:`fairscale.nn.data_parallel.dcp` for the user's view. The layout is FSD
 every per-parameter optimizer state) is a DTensor with ``Shard(0)`` over a 1-D DeviceMesh of the root's process group
 (0-dim ones ``Replicate``), buffers and scalar optimizer states are plain tensors, keys are the user-visible names.
 
-Saving gathers one flat parameter at a time (:mod:`.dcp_reshard`). Loading is all-or-nothing: every rank checks its
-dict against the model (keys, shapes, layouts) without touching anything, and the ranks agree on the outcome and on
-the kinds of values they hold (:mod:`.loads`, :mod:`fairscale.internal.agreement`) before the first value is written;
-past that point only collectives of agreed sizes and local copies run. An optimizer load builds the new flat state
-first and hands it to ``optimizer.load_state_dict`` once complete.
+Saving cuts the chunks out of the flat shards with one exchange per flat parameter (or per few small ones, see
+:mod:`.dcp_reshard`), never the whole model at once. Loading is all-or-nothing: every rank checks its dicts against
+the model (keys, shapes, layouts) without touching anything, and the ranks agree on the outcome and on the kinds of
+values they hold (:mod:`.loads`, :mod:`fairscale.internal.agreement`) before the first value is written; past that
+point only exchanges of agreed sizes and local copies run. An optimizer load builds its new flat state (in its
+current state tensors when they fit) and hands it to ``optimizer.load_state_dict`` once complete.
 """
 
 import contextlib
