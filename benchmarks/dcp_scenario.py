@@ -10,12 +10,14 @@ for one step, then save a model + optimizer checkpoint with ``torch.distributed.
 * ``fsdp2``: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict`` (views
   of the sharded parameters), ``dcp.save``; ``dcp.load`` into the same dicts and ``set_*_state_dict``.
 
-Reported per peer (medians over ``--repeats`` interleaved runs, the slowest rank's time): save and load wall time,
-and, in separate passes (the sampler thread would slow the timed ones), the peak of the C heap in use
-(``_fsdp_bench/heap.py``) above what the rank held before the call, on the rank with the highest peak. For
-reference: the rank's shards (parameters + optimizer state), the bytes of its DCP state dicts, and the full fp32
-parameters of the largest unit. ``extra over FSDP2 beyond its copies`` is fairscale's save peak minus FSDP2's minus
-fairscale's state-dict bytes (its copies of the shards): what gathering costs, to compare with the largest unit.
+Reported per peer (medians over ``--repeats`` interleaved runs, the slowest rank's time): save and load wall time
+and CPU time (the process's, all threads), and, in ``--memory-passes`` separate passes (the sampler thread would
+slow the timed ones), the peak of the C heap in use (``_fsdp_bench/heap.py``) above what the rank held before the
+call, the highest of the passes and ranks. For reference: the rank's shards (parameters + optimizer state), the
+bytes of its DCP state dicts, the full fp32 parameters of the largest unit, and fairscale's largest exchange (send
+and receive buffers, from the collective counter). ``extra over FSDP2 beyond its copies`` is fairscale's peak minus
+FSDP2's minus fairscale's state-dict bytes (its copies of the shards, which FSDP2 does not need: its parameters are
+stored in the checkpoint's layout): what the exchanges cost, to compare with the largest unit.
 
 Run alone: ``python benchmarks/dcp_scenario.py [--layers 6 --hidden 384 --world-size 2 --repeats 5]``. Output: a
 table on stdout and ``--out`` (JSON, default ``dcp_benchmark.json``; an empty string skips it).
@@ -62,9 +64,13 @@ class DcpConfig:
     batch: int = 2
     world_size: int = 2
     repeats: int = 5
+    memory_passes: int = 3
     directory: str = ""
     out: str = "dcp_benchmark.json"
     timeout: float = 1800.0
+
+
+INT_OPTIONS = ("layers", "hidden", "heads", "seq_len", "vocab", "batch", "world_size", "repeats", "memory_passes")
 
 
 def split_scenario(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[List[str]]]:
@@ -75,14 +81,14 @@ def split_scenario(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[L
 def parse_args(argv: Sequence[str]) -> DcpConfig:
     d = DcpConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    for name in ("layers", "hidden", "heads", "seq_len", "vocab", "batch", "world_size", "repeats"):
+    for name in INT_OPTIONS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--dir", dest="directory", default="", help="checkpoint directory (default: a temporary one)")
     p.add_argument("--out", default=d.out, help="JSON output ('' to skip)")
     p.add_argument("--timeout", type=float, default=d.timeout)
     args, _ = p.parse_known_args(list(argv))  # the main job's other options are shared, not errors
     cfg = DcpConfig(**vars(args))
-    for name in ("layers", "hidden", "heads", "seq_len", "vocab", "batch", "world_size", "repeats"):
+    for name in INT_OPTIONS:
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.hidden % cfg.heads:
@@ -252,16 +258,18 @@ def _rank_body(rank: int, world_size: int, cfg: DcpConfig, directory: str) -> Di
                 out[name][f"{op}_s"].append(wall)
                 out[name][f"{op}_cpu_s"].append(cpu)
             clean(p)
-    for name in PEERS:  # memory passes
-        model, optim = peers[name]
-        save, load = ops[name]
-        p = path(name, "m")
-        with collectives.count_collectives() as counter:
-            out[name]["save_peak_bytes"].append(_peak_above(lambda: save(model, optim, p)))
-            out[name]["load_peak_bytes"].append(_peak_above(lambda: load(model, optim, p)))
-        # fairscale's largest exchange: its send and receive buffers, both of this size (FSDP2 exchanges nothing).
-        out[name]["exchange_bytes"] = 2 * max((r.bytes for r in counter.records if r.kind == "all_to_all"), default=0)
-        clean(p)
+    for r in range(cfg.memory_passes):  # memory passes (a sampled peak can be missed, never invented: keep the highest)
+        for name in PEERS:
+            model, optim = peers[name]
+            save, load = ops[name]
+            p = path(name, f"m{r}")
+            with collectives.count_collectives() as counter:
+                out[name]["save_peak_bytes"].append(_peak_above(lambda: save(model, optim, p)))
+                out[name]["load_peak_bytes"].append(_peak_above(lambda: load(model, optim, p)))
+            # fairscale's largest exchange: its send and receive buffers, both this size (FSDP2 exchanges nothing).
+            exchanged = [rec.bytes for rec in counter.records if rec.kind == "all_to_all"]
+            out[name]["exchange_bytes"] = 2 * max(exchanged, default=0)
+            clean(p)
     return out
 
 
