@@ -41,7 +41,9 @@ KINDS: Dict[str, List[str]] = {
     "docs/api.rst": [],
     "docs/architecture.rst": ["text", "text"],
     "docs/benchmarks.rst": ["shell", "shell", "text", "shell", "text", "text", "shell", "text"],
-    "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"],
+    # The DCP section's are run by tests/nn/data_parallel/test_fsdp_dcp_docs.py.
+    "docs/clients.rst": [],
+    "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 5,
     "docs/differences.rst": [],
     "docs/fsdp.rst": ["python"],
     "docs/getting_started.rst": ["shell", "python"],
