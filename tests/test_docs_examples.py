@@ -41,8 +41,8 @@ KINDS: Dict[str, List[str]] = {
     "docs/api.rst": [],
     "docs/architecture.rst": ["text", "text"],
     "docs/benchmarks.rst": ["shell", "shell", "text", "shell", "text", "text", "shell", "text"],
-    # The DCP section's are run by tests/nn/data_parallel/test_fsdp_dcp_docs.py.
     "docs/clients.rst": [],
+    # The DCP section's blocks ("script") are run by tests/nn/data_parallel/test_fsdp_dcp_docs.py.
     "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 5,
     "docs/differences.rst": [],
     "docs/fsdp.rst": ["python"],
