@@ -2,8 +2,12 @@
 """DistributedPipeline over real TensorPipe RPC workers on CPU (upstream skipped the module without CUDA):
 forward values with and without micro-batches, equality with the local model (outputs, loss and, through
 distributed autograd, every parameter gradient) in all checkpoint modes, optimizer steps, multi-input/multi-output
-layers and their partitioning, the fx graph extraction, and the errors."""
+layers and their partitioning, the fx graph extraction, and the errors. Three workers (one hosting two partitions,
+the driver hosting the last; 32 micro-batches over four partitions alternating between two workers) run their checks
+with the default 16 RPC threads and with a single RPC thread per worker, which only works because no RPC handler of
+the pipeline waits (see partition_handler's threading design); the first design deadlocked there every time."""
 
+import functools
 import os
 import tempfile
 from typing import Any, Callable, List, Tuple
@@ -18,7 +22,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from fairscale.experimental.nn.distributed_pipeline import DistributedLoss, DistributedPipeline, PipelineModulesGraph
 from fairscale.experimental.nn.distributed_pipeline.trace import make_graph
-from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.fair_dev.testing.engine import run_cases, run_ranks
 
 CPU_DEVICES = ["worker0/cpu", "worker1/cpu"]
 
@@ -178,6 +182,13 @@ def _check_errors() -> None:
     failing.add_layer(RemoteModule(CPU_DEVICES[1], _Fails, ()), [failing.nodes[0].module])
     with pytest.raises(KeyError, match="boom in a partition"):  # the original error, not upstream's TypeError
         DistributedPipeline(failing, chunks=2)(torch.ones(4)).to_here()
+    failed_output = DistributedPipeline(failing, chunks=2)(torch.ones(4))
+    with pytest.raises(KeyError, match="boom in a partition"):  # the loss of a failed forward raises it too
+        DistributedLoss(nn.MSELoss)(failed_output, rpc.RRef(torch.ones(4))).to_here()
+    two_outputs = PipelineModulesGraph()
+    two_outputs.add_layer(RemoteModule(CPU_DEVICES[1], _Split, ()), [0], num_outputs=2)
+    with pytest.raises(ValueError, match="must be a single tensor"):  # upstream failed an assert in the forward
+        DistributedPipeline(two_outputs)
 
 
 def _body(rank: int, world_size: int, init_file: str) -> None:
@@ -197,6 +208,146 @@ def _body(rank: int, world_size: int, init_file: str) -> None:
         rpc.shutdown()
 
 
+# The worlds run without a process group (run_ranks): RPC needs none, and only rank 0 runs the cases while the
+# others serve RPCs, which run_cases' per-case agreement between the ranks of a process group would wait for.
+
+
 def test_distributed_pipeline() -> None:
     with tempfile.TemporaryDirectory() as d:
-        run_distributed(_body, 2, os.path.join(d, "rpc_init"))
+        run_ranks(functools.partial(_body, world_size=2, init_file=os.path.join(d, "rpc_init")), 2)
+
+
+THREE_WORKERS = ["worker0/cpu", "worker1/cpu", "worker2/cpu"]
+
+
+def _check_three_worker_training() -> None:
+    """Partitions on worker1, worker2, worker1 again and the driver: outputs, loss and every gradient equal the
+    local model's, in every checkpoint mode."""
+    torch.manual_seed(5)
+    layers = [
+        RemoteModule(THREE_WORKERS[1], nn.Linear, (6, 6)),
+        RemoteModule(THREE_WORKERS[2], nn.Linear, (6, 6)),
+        RemoteModule(THREE_WORKERS[2], nn.Tanh, ()),
+        RemoteModule(THREE_WORKERS[1], nn.Linear, (6, 6)),
+        RemoteModule(THREE_WORKERS[0], nn.Linear, (6, 3)),
+    ]
+    local = nn.Sequential(*(_local_copy(m) for m in layers))
+    linears = [
+        (remote, local_layer) for remote, local_layer in zip(layers, local) if isinstance(local_layer, nn.Linear)
+    ]
+    x, target = torch.randn(8, 6), torch.randn(8, 3)
+    for checkpoint in ("never", "except_last", "always"):
+        graph = PipelineModulesGraph()
+        graph.add_sequence(layers, [0])
+        pipe = DistributedPipeline(graph, chunks=4, checkpoint=checkpoint)
+        assert [len(p.nodes) for p in pipe.partitions] == [1, 2, 1, 1]
+        with torch.no_grad():  # outside a context: the output's owner (the driver) computes the loss
+            loss_rref = DistributedLoss(nn.MSELoss)(pipe(x), rpc.RRef(target))
+            torch.testing.assert_close(loss_rref.to_here(), nn.functional.mse_loss(local(x), target), msg=checkpoint)
+        local.zero_grad()
+        xl = x.clone().requires_grad_()
+        ref = local(xl)
+        ref_loss = nn.functional.mse_loss(ref, target)
+        ref_loss.backward()
+        with dist_autograd.context() as context_id:
+            xr = x.clone().requires_grad_()
+            # One forward per context: distributed autograd expects every recorded send to get a gradient.
+            y = pipe(xr).to_here()
+            torch.testing.assert_close(y, ref.detach(), msg=checkpoint)
+            loss = nn.functional.mse_loss(y, target)
+            dist_autograd.backward(context_id, [loss])
+            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[xr], xl.grad, msg=checkpoint)
+            for remote, local_layer in linears:
+                for g, p in zip(_remote_grads(context_id, remote), local_layer.parameters()):
+                    torch.testing.assert_close(g, p.grad, msg=checkpoint)
+
+
+def _check_three_worker_steps() -> None:
+    """Several forwards in a row with ``DistributedLoss`` (equal to the local loss) and optimizer steps."""
+    torch.manual_seed(6)
+    layers = [
+        RemoteModule(THREE_WORKERS[1], nn.Linear, (4, 4)),
+        RemoteModule(THREE_WORKERS[2], nn.Linear, (4, 4)),
+        RemoteModule(THREE_WORKERS[1], nn.Linear, (4, 2)),
+    ]
+    local = nn.Sequential(*(_local_copy(m) for m in layers))
+    graph = PipelineModulesGraph()
+    graph.add_sequence(layers, [0])
+    pipe = DistributedPipeline(graph, chunks=4)
+    optimizer = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05)
+    x, target = torch.randn(16, 4), torch.randn(16, 2)
+    loss_fn = DistributedLoss(nn.MSELoss)
+    losses = []
+    for _ in range(4):
+        with dist_autograd.context() as context_id:
+            loss = loss_fn(pipe(x), rpc.RRef(target)).to_here()
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+            losses.append(float(loss))
+    torch.testing.assert_close(torch.tensor(losses[0]), nn.functional.mse_loss(local(x), target).detach())
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0], losses
+
+
+def _check_three_worker_many_chunks() -> None:
+    """32 micro-batches through four partitions alternating between worker1 and worker2: more feeds arrive at a
+    worker at once than it has RPC threads, which must not matter. Outputs and gradients equal the local model's."""
+    torch.manual_seed(7)
+    layers = [RemoteModule(THREE_WORKERS[1 + i % 2], nn.Linear, (4, 4)) for i in range(4)]
+    local = nn.Sequential(*(_local_copy(m) for m in layers))
+    graph = PipelineModulesGraph()
+    graph.add_sequence(layers, [0])
+    pipe = DistributedPipeline(graph, chunks=32)
+    assert [len(p.nodes) for p in pipe.partitions] == [1, 1, 1, 1]
+    for step in range(3):
+        x = torch.randn(64, 4)
+        local.zero_grad()
+        xl = x.clone().requires_grad_()
+        ref = local(xl)
+        ref.pow(2).sum().backward()
+        with dist_autograd.context() as context_id:
+            xr = x.clone().requires_grad_()
+            y = pipe(xr).to_here()
+            torch.testing.assert_close(y, ref.detach(), msg=f"step {step}")
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[xr], xl.grad, msg=f"step {step}")
+            for remote, local_layer in zip(layers, local):
+                for g, p in zip(_remote_grads(context_id, remote), local_layer.parameters()):
+                    torch.testing.assert_close(g, p.grad, msg=f"step {step}")
+
+
+def _three_worker_body(rank: int, world_size: int, init_file: str, num_worker_threads: int) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{init_file}", num_worker_threads=num_worker_threads, _transports=["uv"]
+    )
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    try:
+        if rank == 0:
+            run_cases(
+                [
+                    ("three_worker_training", _check_three_worker_training),
+                    ("three_worker_steps", _check_three_worker_steps),
+                    ("three_worker_many_chunks", _check_three_worker_many_chunks),
+                    ("errors", _check_errors),
+                ]
+            )
+    finally:
+        rpc.shutdown()
+
+
+def test_three_workers() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        body = functools.partial(
+            _three_worker_body, world_size=3, init_file=os.path.join(d, "rpc_init"), num_worker_threads=16
+        )
+        run_ranks(body, 3)
+
+
+def test_one_rpc_thread_per_worker() -> None:
+    """With a single RPC handler thread per worker, any handler that waits for another message deadlocks the
+    pipeline (worker1 hosts two partitions, so a design that keeps one handler per partition waiting for its
+    micro-batches cannot even start); no handler may wait, so this runs as with the default 16 threads."""
+    with tempfile.TemporaryDirectory() as d:
+        body = functools.partial(
+            _three_worker_body, world_size=3, init_file=os.path.join(d, "rpc_init"), num_worker_threads=1
+        )
+        run_ranks(body, 3)

@@ -50,6 +50,11 @@ def RemoteSequential(rref_list: List[rpc.RRef[Any]]) -> MultiInputSequential:
     return MultiInputSequential(*(rref.local_value() for rref in rref_list))
 
 
+def _remote_sequential_rref(rref_list: List[rpc.RRef[Any]]) -> rpc.RRef[Any]:
+    """Runs on the modules' owner: an RRef of their ``RemoteSequential``, which exists when the caller gets it."""
+    return rpc.RRef(RemoteSequential(rref_list))
+
+
 NodeDataSource = Union[RemoteModule, Tuple[RemoteModule, int]]
 DataSourceSpec = Union[int, NodeDataSource]
 NodeDataConsumer = DataConsumer[Node]  # upstream's public alias
@@ -151,6 +156,8 @@ class PipelineModulesGraph(nn.Module):
                 remote_module = partition[0].module.get_module_rref()
             else:
                 rrefs = [n.module.get_module_rref() for n in partition]
-                remote_module = rpc.remote(partition[0].module.on, RemoteSequential, args=(rrefs,))
+                # Synchronous: the partition's handler dereferences this RRef in an RPC handler, which must not
+                # wait there for a module still being built (see partition_handler's threading design).
+                remote_module = rpc.rpc_sync(partition[0].module.on, _remote_sequential_rref, args=(rrefs,))
             partitions.append((partition, remote_module))
         return partitions

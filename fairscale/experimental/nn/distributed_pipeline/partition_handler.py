@@ -4,21 +4,50 @@
 A :class:`DistributedPipelineRecord` collects the inputs of each micro-batch (fed locally or over RPC). The call
 that delivers the last missing input of micro-batch ``k`` computes the partition on it and feeds the outputs to the
 consumers. Computing in the delivering call matters: that thread runs inside the caller's distributed autograd
-context (RPC messages carrying grad-requiring tensors set it), so the sends to the next partition are recorded and
-gradients flow back across workers. Every feed from the driver carries an empty grad-requiring anchor tensor so
-that this also holds for the first partition when the model input does not require grad.
+context (RPC messages carrying grad-requiring tensors set it, and there is no Python API to set it in another
+thread), so the sends to the next partition are recorded and gradients flow back across workers. Every feed from
+the driver carries an empty grad-requiring anchor tensor so that this also holds for the first partition when the
+model input does not require grad.
+
+Threading design: no RPC handler ever waits.
+
+Every incoming RPC runs on a thread of the receiving worker's RPC agent, a fixed pool (TensorPipe:
+``num_worker_threads``, 16 by default). A handler that waits -- for the reply of another RPC, or for a value that
+another message will deliver -- keeps its thread while it waits. Once every thread of a worker waits like that, the
+messages that would end the waits are never served, and the pipeline deadlocks. The first design did exactly that:
+``run_pipeline`` sat in a handler for the whole forward waiting for all micro-batches, feeds and remote method calls
+sat in ``RRef.local_value()`` until a record or handler that another queued message was creating existed, and the
+loss waited for the pipeline's output; on a loaded machine about 3 runs in 10 ran out of threads. So:
+
+* The driver (the thread calling :meth:`DistributedPipeline.forward`, which is not an RPC handler and may wait)
+  creates the partition modules, the handlers and each forward's records with synchronous RPCs, each of which
+  only builds an object and returns. Any RRef a handler is later given therefore already holds its value, and
+  ``local_value()`` in a handler returns at once.
+* A feed stores its input and returns. The feed that completes micro-batch ``k`` also computes it (the partition's
+  own forward: work that ends, not a wait) and hands the outputs on with ``rpc_async``, whose reply nobody waits
+  for; a local consumer is fed by a plain call.
+* Waiting for the results is a future, not a thread: :meth:`PartitionHandler.run_pipeline` is an
+  ``@rpc.functions.async_execution`` function returning a future that the feed completing the last micro-batch
+  resolves; the RPC agent replies when it resolves, and no thread is held meanwhile. The loss
+  (:mod:`.loss`) chains on futures the same way.
+
+Hence every handler finishes after a bounded amount of its own work, whatever the other workers do, and a pipeline
+runs even with one RPC thread per worker. Nothing here times out on its own: a pipeline that stops (a worker died)
+surfaces as the driver's RPC timeout.
 
 Failures do not hang: a partition that fails forwards the exception to its consumers, and the last partition's
 result raises it (the original exception, not upstream's ``TypeError`` from re-raising the class).
 """
 
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 from torch import Tensor
+from torch.futures import Future
 from torch.utils.checkpoint import checkpoint
 
 from .data import DataConsumer
@@ -34,8 +63,17 @@ from fairscale.nn.pipe.worker import Task as Task, create_workers as create_work
 
 __all__ = ["PartitionHandler", "DistributedPipelineRecord"]
 
-# Seconds the last partition waits for its micro-batches before reporting a stuck pipeline.
-RESULT_TIMEOUT_S = 300.0
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _async_execution(fn: _F) -> _F:
+    """``rpc.functions.async_execution`` keeping ``fn``'s type (torch's decorator is untyped).
+
+    Over RPC, a function so marked returns a future and the agent replies when it resolves, so its thread is free
+    meanwhile; called directly, it returns the future.
+    """
+    return cast(_F, rpc.functions.async_execution(fn))
 
 
 class _Failure:
@@ -45,7 +83,21 @@ class _Failure:
         self.exc = exc
 
 
+def _rpc_error(exc: BaseException) -> Any:
+    """The value an RPC function returns to make its caller raise ``exc`` (same type, remote traceback in the text).
+
+    An ``async_execution`` future that ends in an error reaches the caller as a ``RuntimeError`` carrying only
+    text, so futures here resolve to this value instead: it is what RPC itself returns for a plain function that
+    raised, and ``to_here()``/``local_value()``/``rpc_sync()`` re-raise it.
+    """
+    from torch.distributed.rpc.internal import RemoteException
+
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return RemoteException(f"On {rpc.get_worker_info()}:\n{exc!r}\n{trace}", type(exc))
+
+
 def _feed_local(record: rpc.RRef[Any], chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor]) -> None:
+    # The driver created the record with a synchronous RPC before sending any feed, so this does not wait.
     record.local_value().feed(chunk, input_idx, value, anchor)
 
 
@@ -54,7 +106,8 @@ def _feed_rref(record: rpc.RRef[Any], chunk: int, input_idx: int, value: Any, an
         _feed_local(record, chunk, input_idx, value, anchor)
     else:
         # A direct rpc_async from this thread: ``RRef.rpc_async()`` issues the call from a callback thread, which
-        # has no distributed autograd context, so the send would not be recorded.
+        # has no distributed autograd context, so the send would not be recorded. Its future is not waited on:
+        # a feed handler returns nothing, and waiting would hold this thread.
         rpc.rpc_async(record.owner(), _feed_local, args=(record, chunk, input_idx, value, anchor))
 
 
@@ -73,7 +126,6 @@ class DistributedPipelineRecord:
         consumers: where each output goes.
         module: the partition's module.
         checkpoint_stop: micro-batches ``k < checkpoint_stop`` are checkpointed in training.
-        is_last: whether this partition's outputs are the model output.
     """
 
     # Upstream's name for the type of ``consumers``.
@@ -102,7 +154,9 @@ class DistributedPipelineRecord:
         self.fed: List[List[bool]] = [[False] * num_inputs for _ in range(chunks)]
         self.outputs: List[Any] = [None] * chunks
         self.done = 0
-        self._cond = threading.Condition()
+        # Feeds of different micro-batches arrive on different RPC threads.
+        self._lock = threading.Lock()
+        self._all_done: "Future[List[Any]]" = Future()
 
     def __getstate__(self) -> Dict[str, Any]:
         # Records never travel; RRefs to them do.
@@ -111,7 +165,7 @@ class DistributedPipelineRecord:
     def feed(self, chunk: int, input_idx: int, input: Any, anchor: Optional[Tensor] = None) -> None:
         """Deliver input ``input_idx`` of micro-batch ``chunk``; computes the micro-batch once complete."""
         value = input
-        with self._cond:
+        with self._lock:
             assert not self.fed[chunk][input_idx], f"input {input_idx} of micro-batch {chunk} was fed twice"
             if isinstance(value, Tensor) and value.device != self.device:
                 value = value.to(self.device)
@@ -137,10 +191,13 @@ class DistributedPipelineRecord:
             if not isinstance(result, _Failure) and self.num_outputs is not None:
                 value = result[consumer.output_idx]
             _feed_rref(consumer.consumer, chunk, consumer.consumer_input_idx, value, anchor)
-        with self._cond:
+        with self._lock:
             self.outputs[chunk] = result
             self.done += 1
-            self._cond.notify_all()
+            finished = self.done == self.chunks
+        if finished:
+            # Runs the callbacks chained by run_pipeline() here, inline: they only assemble the result.
+            self._all_done.set_result(list(self.outputs))
 
     def _run(self, chunk: int, inputs: List[Any]) -> Any:
         if chunk < self.checkpoint_stop and self.module.training and torch.is_grad_enabled():
@@ -149,14 +206,9 @@ class DistributedPipelineRecord:
             return checkpoint(self.module, *inputs, use_reentrant=False)
         return self.module(*inputs)
 
-    def wait_outputs(self) -> List[Any]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.done == self.chunks, timeout=RESULT_TIMEOUT_S):
-                raise RuntimeError(
-                    f"partition {self.rank}: only {self.done} of {self.chunks} micro-batches arrived within "
-                    f"{RESULT_TIMEOUT_S:.0f} s"
-                )
-            return list(self.outputs)
+    def outputs_future(self) -> "Future[List[Any]]":
+        """A future of every micro-batch's result (a ``_Failure`` for a failed one), done with the last one."""
+        return self._all_done
 
 
 class PartitionHandler:
@@ -210,17 +262,52 @@ class PartitionHandler:
             self.checkpoint_stop,
         )
 
-    def run_pipeline(self, pipeline_record_rref: rpc.RRef[Any]) -> Optional[Tensor]:
-        """Wait for every micro-batch of the record; for the last partition return the concatenated output."""
+    @_async_execution
+    def run_pipeline(self, pipeline_record_rref: rpc.RRef[Any]) -> "Future[Any]":
+        """The result of the record's forward: the concatenated output for the last partition, else ``None``.
+
+        An ``async_execution`` function: it returns at once with a future that the last micro-batch resolves, so
+        no RPC thread waits for the pipeline. Called over RPC (``handler.rpc_sync().run_pipeline(record)``) the
+        caller gets the value, or the partition's exception raised as itself; called directly, the future.
+
+        Args:
+            pipeline_record_rref: RRef of a record made by :meth:`make_pipeline_record` on this worker.
+
+        Returns:
+            A future of the result.
+        """
         record: DistributedPipelineRecord = pipeline_record_rref.local_value()
-        outputs = record.wait_outputs()
+        return record.outputs_future().then(lambda fut: self._result(record, fut.value()))
+
+    def _result(self, record: DistributedPipelineRecord, outputs: List[Any]) -> Any:
         failure = next((o for o in outputs if isinstance(o, _Failure)), None)
         if failure is not None:
-            raise failure.exc
+            return _rpc_error(failure.exc)
         if record.consumers:
             return None
-        assert self.num_outputs is None, "the last partition of a DistributedPipeline must have a single output"
-        return torch.cat(outputs)
+        if self.num_outputs is not None:
+            return _rpc_error(ValueError("the last partition of a DistributedPipeline must have a single output"))
+        try:
+            return torch.cat(outputs)
+        except Exception as e:  # e.g. outputs that are not tensors; reported to the caller, not lost in a callback
+            return _rpc_error(e)
+
+
+def _new_partition_handler(*args: Any) -> rpc.RRef[Any]:
+    """Runs on the partition's worker: a :class:`PartitionHandler` that exists when the caller gets its RRef."""
+    return rpc.RRef(PartitionHandler(*args))
+
+
+def _new_record(handler: rpc.RRef[Any], consumers: List[_RRefConsumer]) -> rpc.RRef[Any]:
+    """Runs on the handler's worker: a record that exists when the caller gets its RRef."""
+    return rpc.RRef(handler.local_value().make_pipeline_record(consumers))
+
+
+@_async_execution
+def _result_rref(handler: rpc.RRef[Any], record: rpc.RRef[Any]) -> "Future[rpc.RRef[Any]]":
+    """Runs on the last partition's worker: a future, resolved with the last micro-batch, of an RRef holding the
+    model output (or the exception that ``to_here()`` will raise)."""
+    return handler.local_value().run_pipeline(record).then(lambda fut: rpc.RRef(fut.value()))
 
 
 def _split_inputs(inputs: Tuple[Tensor, ...], chunks: int) -> List[Tuple[Tensor, ...]]:

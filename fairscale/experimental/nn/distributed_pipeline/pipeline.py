@@ -9,6 +9,10 @@ Usage (inside ``torch.distributed.autograd.context()`` for training)::
     graph.add_sequence([l1, l2], [0])
     pipe = DistributedPipeline(graph, chunks=4)
     out = pipe(x).to_here()
+
+Threads: ``forward`` (the driver) waits, RPC handlers never do; see
+``fairscale.experimental.nn.distributed_pipeline.partition_handler`` for why that rules out running out of RPC
+threads.
 """
 
 from dataclasses import dataclass
@@ -21,11 +25,12 @@ from torch import Tensor
 
 from .data import DataConsumer
 from .graph import Node, PipelineModulesGraph
-from .partition_handler import PartitionHandler, _feed_rref, _split_inputs
+from .partition_handler import _feed_rref, _new_partition_handler, _new_record, _result_rref, _split_inputs
 
 # Upstream's module also exposes these names; re-exported for old imports.
 from fairscale.internal import torch_version as torch_version  # noqa: F401
 from .partition_handler import DistributedPipelineRecord as DistributedPipelineRecord  # noqa: F401
+from .partition_handler import PartitionHandler as PartitionHandler  # noqa: F401
 
 __all__ = ["DistributedPipeline", "check_pytorch_version", "MOVING_DENIED"]
 
@@ -61,7 +66,8 @@ class DistributedPipeline(nn.Module):
             their activations in backward.
 
     Raises:
-        ValueError: ``chunks`` is not positive, or ``checkpoint`` is not one of the three values.
+        ValueError: ``chunks`` is not positive, ``checkpoint`` is not one of the three values, or the graph's last
+            module declares several outputs (the model output is one tensor).
     """
 
     @dataclass
@@ -87,11 +93,18 @@ class DistributedPipeline(nn.Module):
         self.chunks = chunks
         self.checkpoint_stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
         self.partitions: List[DistributedPipeline.Partition] = []
-        for nodes, module_rref in graph.partition_graph():
+        partitions = graph.partition_graph()
+        if partitions and partitions[-1][0][-1].num_outputs is not None:
+            raise ValueError(
+                "the last module of the graph declares num_outputs, but the model output must be a single tensor"
+            )
+        for nodes, module_rref in partitions:
             first, last = nodes[0], nodes[-1]
-            handler = rpc.remote(
+            # A synchronous RPC, so the handler exists before any RPC handler dereferences its RRef (a handler
+            # waiting in local_value() for an object still being built would hold an RPC thread).
+            handler = rpc.rpc_sync(
                 first.module.on,
-                PartitionHandler,
+                _new_partition_handler,
                 args=(
                     module_rref,
                     first.module.device,
@@ -134,7 +147,22 @@ class DistributedPipeline(nn.Module):
         return rrefs
 
     def forward(self, *inputs: Tensor) -> rpc.RRef[Any]:
-        """Start the pipeline on ``inputs`` (split along dim 0); returns the RRef of the model output."""
+        """Run the pipeline on ``inputs`` (split along dim 0).
+
+        Returns once the output is computed (this thread waits for it; the RPC threads of the workers do not), so
+        the returned RRef is ready: ``to_here()`` fetches it and ``DistributedLoss`` uses it where it lives.
+
+        Args:
+            inputs: tensors with at least ``chunks`` rows, split into ``chunks`` micro-batches along dim 0.
+
+        Returns:
+            The RRef of the model output, owned by the last partition's worker. If a partition failed,
+            ``to_here()`` raises its exception.
+
+        Raises:
+            TypeError: an input is not a tensor.
+            ValueError: an input has fewer rows than ``chunks`` or does not split into ``chunks`` micro-batches.
+        """
         for i, x in enumerate(inputs):
             if not isinstance(x, Tensor):
                 raise TypeError(f"expected Tensor, but got {type(x).__name__} as input {i}")
@@ -151,21 +179,23 @@ class DistributedPipeline(nn.Module):
                 "size that is a multiple of chunks"
             )
         records: Dict[DistributedPipeline.Partition, rpc.RRef[Any]] = {}
-        result: Optional[rpc.RRef[Any]] = None
         for partition in reversed(self.partitions):
             consumers = []
             for consumer in partition.nodes[-1].output_consumers:
                 target = self._partition_of(consumer.consumer)
                 assert target in records, "a partition must only feed partitions after it"
                 consumers.append(DataConsumer(records[target], consumer.consumer_input_idx, consumer.output_idx))
-            records[partition] = partition.handler.remote().make_pipeline_record(consumers)
-            this_result = partition.handler.remote().run_pipeline(records[partition])
-            if partition is self.partitions[-1]:
-                result = this_result
+            # Synchronous, like the handlers: every record exists before the first feed can reach it.
+            records[partition] = rpc.rpc_sync(
+                partition.handler.owner(), _new_record, args=(partition.handler, consumers)
+            )
+        last = self.partitions[-1]
+        # Returns at once on the last worker (an async_execution function): the reply leaves when the last
+        # micro-batch is done, and this thread, not an RPC thread, waits for it.
+        result = rpc.rpc_async(last.handler.owner(), _result_rref, args=(last.handler, records[last]))
         anchor = torch.zeros(0, requires_grad=True) if _needs_anchor() else None
         for chunk, batch in enumerate(micro_batches):
             for input_consumer in self.input_consumers:
                 record = records[input_consumer.consumer]
                 _feed_rref(record, chunk, input_consumer.consumer_input_idx, batch[input_consumer.output_idx], anchor)
-        assert result is not None
-        return result
+        return result.wait()
