@@ -308,6 +308,40 @@ def _case_tied_weights(saved: Saved, rank: int, world_size: int) -> None:
     assert_same(other.state_dict(), expected, "tied weights loaded")
 
 
+class WithScalar(nn.Module):
+    """A 0-dim parameter between two linears: it cannot be cut along dim 0 (Replicate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.b = nn.Linear(5, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x) * self.scale)
+
+
+def _case_scalar_parameter(saved: Saved, rank: int, world_size: int) -> None:
+    """A 0-dim parameter is a Replicate DTensor; it and its optimizer state round-trip, flattened or not."""
+    torch.manual_seed(21)
+    fsdp = FSDP(WithScalar())
+    optim = torch.optim.Adam(fsdp.parameters(), lr=0.1)
+    optim.zero_grad()
+    fsdp(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    msd = fsdp_dcp.get_model_state_dict(fsdp)
+    assert msd["scale"].placements == (Replicate(),) and msd["scale"].to_local().shape == ()
+    expected, expected_optim = fsdp.state_dict(), full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
+    path = saved.path("scalar")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    torch.manual_seed(22)
+    other = FSDP(WithScalar(), flatten_parameters=False)
+    other_optim = torch.optim.Adam(other.parameters(), lr=0.5)
+    fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+    assert_same(other.state_dict(), expected, "0-dim parameter")
+    assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected_optim, "0-dim")
+
+
 def _case_one_flat_parameter_at_a_time(saved: Saved, rank: int, world_size: int) -> None:
     """Saving and loading never exchange more at once than the largest flat parameter (one FSDP instance), never
     the whole model: all-to-alls of at most its padded size in all (what an all-gather of it would bring); smaller
@@ -338,6 +372,7 @@ def _two_ranks(rank: int, world_size: int, saved: Saved) -> None:
         _case_async_save,
         _case_buffers_in_mixed_precision,
         _case_tied_weights,
+        _case_scalar_parameter,
         _case_one_flat_parameter_at_a_time,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, saved, rank, world_size)) for case in cases])
