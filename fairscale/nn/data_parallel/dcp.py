@@ -132,10 +132,11 @@ def get_model_state_dict(
 ) -> Dict[str, Any]:
     """The model's sharded state dict for ``torch.distributed.checkpoint`` (collective).
 
-    Gathers one flat parameter at a time and cuts this rank's dim-0 chunk of every original parameter out of it, so
-    no rank ever holds more than one FSDP instance's full parameters beyond the result. The values are copies: the
-    dict can be saved asynchronously while training goes on, and loading into it (``dcp.load``) changes nothing in
-    the model until :func:`set_model_state_dict`.
+    Builds this rank's dim-0 chunk of every original parameter from the flat shards, one flat parameter (or a few
+    small ones) at a time: the ranks exchange only the elements the other layout puts on another rank, so beyond the
+    result a rank holds the exchange buffers of about one FSDP instance's full parameters, never the whole model.
+    The values are copies: the dict can be saved asynchronously while training goes on, and loading into it
+    (``dcp.load``) changes nothing in the model until :func:`set_model_state_dict`.
 
     Args:
         model: the root FullyShardedDataParallel instance.

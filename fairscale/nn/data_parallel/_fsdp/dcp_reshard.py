@@ -12,8 +12,11 @@ direction is then one ``all_to_all`` per flat tensor, of equal blocks sized for 
   are copied locally, without communication.
 
 A rank sends and receives only what the other layout needs (for 2 ranks about half a shard, instead of the whole
-flat parameter an all-gather would bring), and holds at most the two exchange buffers of one flat parameter
-(``2 * W * block``, at most the padded flat parameter for 2 ranks and less beyond) besides its chunks.
+flat parameter an all-gather would bring). Besides its chunks it holds the send and receive buffers of one
+exchange, ``W * block`` elements each, which is at most the padded flat parameter (a block never exceeds a shard);
+in usual layouts both together are about the padded flat parameter at 2 ranks and less beyond (twice it at worst,
+when parameters have fewer rows than there are ranks). Small flat tensors share an exchange within the largest
+one's size (:func:`_run`).
 
 The exchanges are collective: every rank of the group must call these functions for the same handles, with the
 same kinds of values, in the same order (the callers agree on that first).
