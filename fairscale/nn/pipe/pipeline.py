@@ -22,6 +22,7 @@ from .skip.layout import SkipLayout
 from .skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
 from .stream import AbstractStream, current_stream, use_device
 from .worker import ExcInfo, InQueueT, OutQueueT, Task, create_workers
+from .worker import join_workers as join_workers  # upstream exported it from this module too
 
 __all__ = ["Pipeline", "clock_cycles", "depend", "copy", "wait"]
 
