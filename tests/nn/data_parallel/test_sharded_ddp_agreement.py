@@ -50,7 +50,7 @@ def _construction_body(rank: int, world_size: int, case: str) -> str:
 @pytest.mark.parametrize(
     "case,where",
     [
-        ("buffer", "(8 entries vs 9)"),
+        ("buffer", "(8 entries vs 9; the first extra entry is ('buffer running'"),
         (
             "frozen",
             "('parameter 1.weight', (3, 3), 'torch.float32', True) vs "
