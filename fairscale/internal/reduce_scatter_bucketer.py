@@ -8,7 +8,8 @@ Reduce-scattering the used columns (flattened row by row, which every backend ac
 each rank with its own row summed over ranks, i.e. its shard of every queued gradient.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -30,6 +31,25 @@ HOLD_FLOOR_BYTES = 2**20
 #: Kept for code that reads or sets it; :mod:`fairscale.internal.collectives` picks the variant each backend
 #: supports by itself (the tensor variant where it exists), so the value does not change what runs.
 enable_nccl_base_collectives = True
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _no_grad(fn: _F) -> _F:
+    """``torch.no_grad()`` as a decorator, entered only when grad mode is on.
+
+    FSDP calls the bucketer from backward hooks, where grad mode is already off; ``@torch.no_grad()`` would still
+    build and enter a new context object (about ten Python calls) per gradient.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 class Bucket:
@@ -85,8 +105,20 @@ class Bucket:
             self._slots.append((self.offset, numel, first.shape))
         self.offset += numel
 
+    def append_flat(self, flat: Tensor, callback_fn: Optional[Callable[[Tensor], None]]) -> None:
+        """:meth:`append` of ``flat.chunk(rows)`` (a contiguous 1-D tensor), in one copy instead of one per row."""
+        rows = self.data.size(0)
+        numel = flat.numel() // rows
+        self._reserve(self.offset + numel)
+        # Row r of the new columns is chunk r of flat, which is row r of flat seen as (rows, numel).
+        self.data.narrow(1, self.offset, numel).copy_(flat.view(rows, numel))
+        if callback_fn is not None:
+            self.callbacks.append(callback_fn)
+            self._slots.append((self.offset, numel, torch.Size((numel,))))
+        self.offset += numel
+
     def _reserve(self, columns: int) -> None:
-        allocated = self.data.size(1) if self.data.untyped_storage().size() > 0 else 0
+        allocated = self.data.size(1) if self.data.untyped_storage().nbytes() > 0 else 0
         if columns <= allocated:
             return
         if columns > self.capacity:
@@ -115,7 +147,8 @@ class Bucket:
         self._fills.append(self.offset)
         self._release()
         for callback, (start, numel, shape) in zip(callbacks, slots):
-            callback(output[start : start + numel].view(shape))
+            piece = output.narrow(0, start, numel)
+            callback(piece if len(shape) == 1 else piece.view(shape))  # a 1-D slot's shape is (numel,) already
 
     def _release(self) -> None:
         self.offset = 0
@@ -177,7 +210,7 @@ class ReduceScatterBucketer:
         self.hold_floor_bytes = HOLD_FLOOR_BYTES
         self.largest_bytes = 0
 
-    @torch.no_grad()
+    @_no_grad
     def reduce_scatter_async(
         self,
         input_list: List[Tensor],
@@ -227,18 +260,28 @@ class ReduceScatterBucketer:
         self._append(bucket, input_list, callback_fn)
 
     def _append(
-        self, bucket: Bucket, input_list: List[Tensor], callback_fn: Optional[Callable[[Tensor], None]]
+        self,
+        bucket: Bucket,
+        input_list: Optional[List[Tensor]],
+        callback_fn: Optional[Callable[[Tensor], None]],
+        flat: Optional[Tensor] = None,
     ) -> None:
-        bucket.append(input_list, callback_fn)
+        if flat is not None:
+            bucket.append_flat(flat, callback_fn)
+        else:
+            assert input_list is not None
+            bucket.append(input_list, callback_fn)
         if bucket.held_bytes >= self.hold_limit(bucket):
             bucket.flush()  # full: any further input would send it first, so holding it longer only costs memory
 
-    def _make_room(self, first: Tensor, size: int, group: Any) -> Optional[Bucket]:
+    def _make_room(self, first: Tensor, size: int, group: Any, numel: Optional[int] = None) -> Optional[Bucket]:
         """The bucket to append a non-empty input shaped like ``first`` to, after sending the fill it would take past
         the hold limit; ``None`` when the input goes out at once from its own buffer: when its per-rank chunk is at
         least a bucket row, or when it reaches the hold limit on its own (a fill of it alone would be sent at once,
-        so copying it into the bucket would only hold a second copy of it during the collective)."""
-        numel = first.numel()
+        so copying it into the bucket would only hold a second copy of it during the collective). ``numel`` is the
+        per-rank chunk's size when ``first`` is the whole flat input (it only gives dtype and device then)."""
+        if numel is None:
+            numel = first.numel()
         if numel >= self._get_shard_size(first.element_size(), size):
             return None
         bucket = self._find_or_create_bucket(first, group)
@@ -255,7 +298,7 @@ class ReduceScatterBucketer:
         capacity_bytes = bucket.capacity * bucket.data.size(0) * bucket.data.element_size()
         return min(capacity_bytes, max(self.largest_bytes, self.hold_floor_bytes))
 
-    @torch.no_grad()
+    @_no_grad
     def reduce_scatter_flat_async(
         self, flat: Tensor, group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
     ) -> None:
@@ -272,28 +315,28 @@ class ReduceScatterBucketer:
         if chunk == 0:
             self.reduce_scatter_async([flat[:0]] * size, group, callback_fn)
             return
-        bucket = self._make_room(flat[:chunk], size, group)
+        bucket = self._make_room(flat, size, group, chunk)
         if bucket is not None:
-            self._append(bucket, list(flat.chunk(size)), callback_fn)
+            self._append(bucket, None, callback_fn, flat=flat)
             return
         output = flat.new_empty(chunk)
         collectives.reduce_scatter_from_flat(output, flat, group=group)
         if callback_fn is not None:
             callback_fn(output)
 
-    @torch.no_grad()
+    @_no_grad
     def flush(self) -> None:
         """Reduce-scatter every non-empty bucket and run its callbacks."""
         for bucket in self.buckets.values():
             bucket.flush()
 
-    @torch.no_grad()
+    @_no_grad
     def teardown(self) -> None:
         """Release every bucket's memory; call after :meth:`flush` (e.g. at the end of backward)."""
         for bucket in self.buckets.values():
             bucket.teardown()
 
-    @torch.no_grad()
+    @_no_grad
     def discard(self) -> None:
         """Drop every queued input and callback and release the buffers (after an aborted backward)."""
         for bucket in self.buckets.values():

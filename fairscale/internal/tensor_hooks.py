@@ -14,16 +14,19 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["register_grad_hook", "register_post_accumulate_grad_hook", "apply_function", "unflatten_like"]
 
+# Built once: a subscripted Callable in a cast() is evaluated at every call (FSDP registers a hook per unit and step).
+_AddHook = Callable[[Callable[[Tensor], None]], RemovableHandle]
+
 
 def register_grad_hook(tensor: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
     """``tensor.register_hook(hook)``: ``hook(grad)`` runs when the gradient of ``tensor`` is computed."""
-    add = cast(Callable[[Callable[[Tensor], None]], RemovableHandle], tensor.register_hook)
+    add = cast(_AddHook, tensor.register_hook)
     return add(hook)
 
 
 def register_post_accumulate_grad_hook(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
     """``param.register_post_accumulate_grad_hook(hook)``: ``hook(param)`` runs after ``param.grad`` was updated."""
-    add = cast(Callable[[Callable[[Tensor], None]], RemovableHandle], param.register_post_accumulate_grad_hook)
+    add = cast(_AddHook, param.register_post_accumulate_grad_hook)
     return add(hook)
 
 

@@ -80,3 +80,30 @@ def _copy_body(rank: int, world_size: int) -> None:
 
 def test_copy_relinks_every_unit_to_its_own_module() -> None:
     run_distributed(_copy_body, 1)
+
+
+def _tree_walk_body(rank: int, world_size: int) -> None:
+    """tree_units() lists the units in modules() order, a module registered twice once, and skips None children."""
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    shared[0].register_module("absent", None)  # a child registered as None (nn.Linear never iterates children)
+    first = FSDP(nn.Sequential(nn.Linear(4, 4), shared))
+    deep = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4)), nn.Sequential(FSDP(nn.Linear(4, 4)))))
+    model = FSDP(nn.Sequential(first, shared, deep))
+    expected = [unit_of(m) for m in model.modules() if unit_of(m) is not None]
+    assert len(expected) == 5
+    assert model._fsdp_unit.tree_units() == expected
+    assert deep._fsdp_unit.tree_units() == expected[2:]
+    model(torch.randn(2, 4)).sum().backward()  # the walk also runs in every root forward and end of backward
+    assert all(u.training_state == TrainingState.IDLE for u in expected)
+    # Handle transitions stay checked too: a FULL handle cannot be asked for FULL again.
+    handle = first._fsdp_unit.handles[0]
+    from fairscale.nn.data_parallel._fsdp.state import HandleState
+
+    with pytest.raises(RuntimeError, match="cannot go from SHARDED to ZERO2_SLICE"):
+        handle.set_state(HandleState.ZERO2_SLICE)
+    assert handle.state is HandleState.SHARDED
+
+
+def test_tree_walk_matches_modules_order() -> None:
+    run_distributed(_tree_walk_body, 1)

@@ -27,13 +27,16 @@ from torch import Tensor, nn
 from fairscale.internal import tensor_hooks
 from fairscale.internal.device import DeviceHandle
 
-from .state import HandleState, check_handle_transition
+from .state import _LEGAL, HandleState, check_handle_transition
+
+# Storage sizes are read with nbytes() (C++), not size(): UntypedStorage.size() is a Python wrapper around it, and
+# these run several times per unit and step.
 
 
 def free_storage_(data: Tensor) -> None:
     """Release a tensor's storage without changing its metadata (views stay valid objects)."""
     storage = data.untyped_storage()
-    if storage.size() > 0:
+    if storage.nbytes() > 0:
         # The tensor must be the sole owner of the storage's start, or other views would silently lose their data.
         assert data.storage_offset() == 0, "free_storage_ needs a tensor that starts its storage"
         storage.resize_(0)
@@ -49,14 +52,14 @@ def alloc_storage_(data: Tensor, size: Union[int, torch.Size]) -> None:
     numel = size if isinstance(size, int) else torch.Size(size).numel()
     storage = data.untyped_storage()
     nbytes = numel * data.element_size()
-    if storage.size() != nbytes:
-        assert storage.size() == 0, "alloc_storage_ on a storage that is neither freed nor the right size"
+    if storage.nbytes() != nbytes:
+        assert storage.nbytes() == 0, "alloc_storage_ on a storage that is neither freed nor the right size"
         storage.resize_(nbytes)
 
 
 def is_storage_allocated(tensor: Tensor) -> bool:
     """Whether a tensor's storage currently holds memory."""
-    return tensor.untyped_storage().size() > 0
+    return tensor.untyped_storage().nbytes() > 0
 
 
 class FlatHandle:
@@ -71,6 +74,11 @@ class FlatHandle:
         padding: number of zero elements at the end of this rank's shard.
         borrowed: the parameter is owned by a sibling instance (declared with ``append_shared_param``).
     """
+
+    # Defaults for handles pickled before these caches existed (unpickling restores __dict__ without __init__).
+    _full_view: Optional[Tensor] = None
+    _full_view_of: Optional[Tensor] = None
+    _shard_is_gather_input = False
 
     def __init__(
         self, param: nn.Parameter, name: str, world_size: int, rank: int, padding: int, borrowed: bool = False
@@ -113,6 +121,12 @@ class FlatHandle:
         # input, kept alive until the gather is waited on. The handle is already FULL; every reader of the full
         # buffer (and every free of it) first calls finish_gather().
         self.pending_gather: Optional[Tuple[Any, Tensor]] = None
+        # Made once per full buffer and reused by every use_full (a slice and a view cost more than the rest of it;
+        # the view stays valid across free/realloc of the buffer's storage, see free_storage_), and whether the fp32
+        # shard needs no cast or move to be a gather's input (decided at materialize).
+        self._full_view: Optional[Tensor] = None
+        self._full_view_of: Optional[Tensor] = None
+        self._shard_is_gather_input = False
 
     @staticmethod
     @torch.no_grad()
@@ -138,6 +152,7 @@ class FlatHandle:
         self.finish_gather()
         state = dict(self.__dict__)
         state["_assigned_grad"] = None  # a weak reference cannot be pickled; it is only a hint
+        state["_full_view"] = state["_full_view_of"] = None  # a cache, remade from full_padded
         return state
 
     def finish_gather(self) -> None:
@@ -169,6 +184,8 @@ class FlatHandle:
             shard = shard.to(device.device)
             self.param.data = shard
         self.fp32_shard = shard
+        self._shard_is_gather_input = shard.dtype == compute_dtype and shard.device == device.device
+        self._full_view = self._full_view_of = None
         needs_buffer = self.is_sharded or shard.dtype != compute_dtype or shard.device != device.device
         if needs_buffer:
             self.full_padded = torch.empty(self.padded_numel, dtype=compute_dtype, device=device.device)
@@ -185,6 +202,8 @@ class FlatHandle:
             self.drop_zero2_slice()
         self.fp32_shard = None
         self.full_padded = None
+        self._full_view = self._full_view_of = None
+        self._shard_is_gather_input = False
         self.state = HandleState.SHARDED
 
     @property
@@ -217,10 +236,16 @@ class FlatHandle:
     def full_view(self) -> Tensor:
         """The unpadded full parameter in its original shape (valid in state FULL)."""
         assert self.fp32_shard is not None
-        self.finish_gather()
-        if self.full_padded is None:
+        if self.pending_gather is not None:
+            self.finish_gather()
+        full = self.full_padded
+        if full is None:
             return self.fp32_shard.view(self.orig_size)
-        return self.full_padded[: self.numel].view(self.orig_size)
+        view = self._full_view
+        if view is None or self._full_view_of is not full:
+            view = self._full_view = full[: self.numel].view(self.orig_size)
+            self._full_view_of = full
+        return view
 
     def use_full(self) -> None:
         """Point ``param.data`` at the full parameter."""
@@ -237,6 +262,8 @@ class FlatHandle:
     def gather_input(self) -> Tensor:
         """This rank's shard in compute dtype on the compute device (a copy only when a cast/move is needed)."""
         assert self.fp32_shard is not None and self.device is not None
+        if self._shard_is_gather_input:  # what .to() would return: the shard itself
+            return self.fp32_shard
         return self.fp32_shard.to(device=self.device.device, dtype=self.compute_dtype, non_blocking=True)
 
     def take_gather_source(self) -> Tuple[Tensor, bool]:
@@ -272,17 +299,19 @@ class FlatHandle:
     def alloc_full(self) -> Tensor:
         """Allocate the padded full buffer in place (same tensor object) and return it."""
         assert self.full_padded is not None
-        alloc_storage_(self.full_padded, self.padded_numel)
+        alloc_storage_(self.full_padded, self.shard_numel * self.world_size)  # padded_numel
         return self.full_padded
 
     def set_state(self, new: HandleState) -> None:
-        check_handle_transition(self.state, new, self.name)
+        if new not in _LEGAL[self.state]:
+            check_handle_transition(self.state, new, self.name)  # raises
         self.state = new
 
     # ------------------------------------------------------------------ free side
     def _release_full_storage(self) -> None:
-        self.finish_gather()  # never free a buffer a collective is still writing
-        if self.full_padded is not None and is_storage_allocated(self.full_padded):
+        if self.pending_gather is not None:
+            self.finish_gather()  # never free a buffer a collective is still writing
+        if self.full_padded is not None and self.full_padded.untyped_storage().nbytes() > 0:
             # No record_stream: on an accelerator the buffer may still be read by queued kernels of the compute
             # stream, but it was allocated on the all-gather stream, whose pool only that stream allocates from, and
             # that stream waits for the compute stream before every gather (runtime and prefetch), so the next

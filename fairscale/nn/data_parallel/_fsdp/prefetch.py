@@ -57,8 +57,17 @@ def prefetch(target: Optional[FSDPUnit], tree: TreeState, phase: str) -> None:
     """
     if target is None or target.tree is not tree:
         return
-    todo = [h for h in target.handles if h.materialized and h.state != HandleState.FULL and h.pending_gather is None]
+    todo = [
+        h
+        for h in target.handles
+        if h.fp32_shard is not None and h.state is not HandleState.FULL and h.pending_gather is None  # materialized
+    ]
     if not todo:
+        return
+    if not tree.device.is_accelerator:  # CPU: inert streams, nothing to order (see unit.rebuild_full_params)
+        with collectives.collective_phase(phase):
+            for h in todo:
+                target.gather_one(h, async_op=True)
         return
     current = tree.device.current_stream()
     tree.all_gather_stream.wait_stream(current)

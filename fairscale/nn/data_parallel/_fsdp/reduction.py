@@ -46,9 +46,16 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
     return True
 
 
-@torch.no_grad()
 def on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
     """The parameter's post-accumulate-grad hook: its full gradient is in ``param.grad``."""
+    if torch.is_grad_enabled():  # backward(create_graph=True): nothing here may join the graph
+        with torch.no_grad():
+            _on_param_grad_ready(unit, h, param)
+    else:  # the usual backward runs without grad mode, and a no_grad context per unit and step is not free
+        _on_param_grad_ready(unit, h, param)
+
+
+def _on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
     if param.grad is None or unit.tree is None:
         return
     if param.grad.requires_grad:
@@ -82,6 +89,11 @@ def start_reduction(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
     """Reduce ``grad`` (full, unsharded) on the post-backward stream; the shard lands in ``saved_grad_shard``."""
     tree = unit.tree
     assert tree is not None
+    if not tree.device.is_accelerator:
+        # CPU: the post-backward stream is inert (and nothing is held, see below); skip its calls.
+        with collectives.collective_phase("backward"):
+            _reduce_grad(unit, h, grad)
+        return
     tree.post_backward_stream.wait_stream(tree.device.current_stream())
     with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
         _reduce_grad(unit, h, grad)
@@ -104,7 +116,7 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
     assert tree is not None
     # The reduce-scatter group has the sharding group's size (checked at construction), so padding the flat gradient
     # to the padded full size lines rank r's chunk up with shard r (chunk-and-pad).
-    flat = grad.reshape(-1)
+    flat = grad if grad.dim() == 1 else grad.reshape(-1)  # a flat parameter's gradient is 1-D already
     if flat.numel() != h.padded_numel:
         flat = torch.nn.functional.pad(flat, (0, h.padded_numel - flat.numel()))
     tree.bucketer.reduce_scatter_flat_async(
@@ -115,20 +127,30 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
 def _post_reduction(unit: FSDPUnit, h: FlatHandle, reduced: Tensor) -> None:
     if unit.config.gradient_postdivide_factor > 1:
         reduced.div_(unit.config.gradient_postdivide_factor)
-    shard_grad = reduced.to(h.param.dtype)
+    dtype = h.param.dtype
+    shard_grad = reduced if reduced.dtype is dtype else reduced.to(dtype)
     if shard_grad._base is not None:
         shard_grad = shard_grad.clone()  # do not keep a whole bucket output alive through a view
     assert h.fp32_shard is not None
-    h.accumulate_reduced(shard_grad.view(h.fp32_shard.shape))
+    shape = h.fp32_shard.shape
+    # Reduced shards arrive shaped like the fp32 shard already (1-D); a view would only cost its argument parsing.
+    h.accumulate_reduced(shard_grad if shard_grad.shape == shape else shard_grad.view(shape))
 
 
-@torch.no_grad()
 def reduce_leftover_grads(unit: FSDPUnit) -> None:
     """End of a synchronizing backward: reduce what no post-backward point reduced.
 
     That is a unit that got no gradient in the synchronizing microbatch (its no_sync sum is still owed), or one
     whose reduction was deferred (partial activation checkpointing).
     """
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            _reduce_leftover_grads(unit)
+    else:  # the end-of-backward callback runs without grad mode: no context per unit and step
+        _reduce_leftover_grads(unit)
+
+
+def _reduce_leftover_grads(unit: FSDPUnit) -> None:
     for h in unit.iter_materialized():
         if h.grad_accum_flat is not None:
             reduce_accumulated(unit, h)

@@ -27,6 +27,10 @@ class TrainingState(Enum):
     BACKWARD_POST = auto()
     SUMMON_FULL_PARAMS = auto()
 
+    # Members are singletons compared by identity, so the identity hash is a valid hash; Enum's own hashes the name
+    # in Python, and every transition of every unit looks its state up in a table.
+    __hash__ = object.__hash__
+
 
 _T = TrainingState
 # FORWARD may start from a backward state: activation checkpointing recomputes a unit's forward inside its backward,
@@ -68,6 +72,8 @@ class HandleState(Enum):
     SHARDED = auto()
     FULL = auto()
     ZERO2_SLICE = auto()
+
+    __hash__ = object.__hash__  # as TrainingState's: every handle transition looks its state up
 
 
 _LEGAL: Dict[HandleState, FrozenSet[HandleState]] = {

@@ -26,7 +26,7 @@ from fairscale.nn.checkpoint.checkpoint_activations import _CheckpointedForward
 from . import identity
 from .config import FSDPConfig
 from .handle import FlatHandle
-from .state import HandleState, TrainingState, check_training_transition
+from .state import _TRAINING_LEGAL, HandleState, TrainingState, check_training_transition
 from .tree import TreeState
 
 # The attribute of an FSDP front module that holds its unit.
@@ -149,7 +149,11 @@ class FSDPUnit:
     @property
     def wrapped(self) -> Any:
         """The FlattenParamsWrapper around the user's module."""
-        return self.owner._fsdp_wrapped_module
+        # A submodule: read from _modules directly (nn.Module's __getattr__, which finds it there, is Python code
+        # run on every forward of every unit).
+        owner = self.owner
+        found = owner._modules.get("_fsdp_wrapped_module")
+        return found if found is not None else owner._fsdp_wrapped_module
 
     @property
     def name(self) -> str:
@@ -161,7 +165,22 @@ class FSDPUnit:
 
     def tree_units(self) -> List["FSDPUnit"]:
         """This unit and every unit below it, in ``modules()`` order (pre-order)."""
-        return [u for u in (unit_of(m) for m in self.owner.modules()) if u is not None]
+        # The walk of modules(), without its generators and names: the root's forward and the end of backward list
+        # the units of the tree every step, and the tree has a few modules per unit.
+        out: List["FSDPUnit"] = []
+        seen = set()
+        stack: List[Optional[nn.Module]] = [self.owner]
+        while stack:
+            m = stack.pop()
+            # A module registered twice counts once, at its first place (as modules() does).
+            if m is None or id(m) in seen:
+                continue
+            seen.add(id(m))
+            unit = m.__dict__.get(UNIT_ATTR)
+            if isinstance(unit, FSDPUnit):
+                out.append(unit)
+            stack.extend(reversed(m._modules.values()))  # None entries (registered as None) are skipped below
+        return out
 
     def named_units(self) -> List[Tuple[str, "FSDPUnit"]]:
         """``(path, unit)`` for this unit and every unit below it; paths as ``named_modules()`` gives them."""
@@ -221,7 +240,8 @@ class FSDPUnit:
 
     def transition(self, new: TrainingState) -> None:
         """Change the training state; raises on a transition the lifecycle never makes (see state.py)."""
-        check_training_transition(self._training_state, new, self.name)
+        if new not in _TRAINING_LEGAL[self._training_state]:
+            check_training_transition(self._training_state, new, self.name)  # raises, naming the instance
         self._training_state = new
 
     def assert_state(self, states: List[TrainingState]) -> None:
@@ -246,11 +266,18 @@ class FSDPUnit:
     # ------------------------------------------------------------------ gathering
     def rebuild_full_params(self, phase: str) -> None:
         """Bring every owned handle to FULL (from its shard, or its zero2 slice over the zero2 group)."""
-        todo = [h for h in self.handles if h.state != HandleState.FULL]
+        todo = [h for h in self.handles if h.state is not HandleState.FULL]
         if not todo:
             return
         tree = self.tree
         assert tree is not None
+        if not tree.device.is_accelerator:
+            # CPU: streams are inert (kernels run in program order), so the same gathers without the stream calls
+            # below, which cost a dozen Python calls per unit and do nothing here.
+            with collectives.collective_phase(phase):
+                for h in todo:
+                    self.gather_one(h)
+            return
         current = tree.device.current_stream()
         # The gathers write memory of the all-gather stream's pool that the compute stream may still read (a freed
         # full buffer): waiting here orders them after those reads (why FlatHandle needs no record_stream).
@@ -262,7 +289,7 @@ class FSDPUnit:
 
     def gather_one(self, h: FlatHandle, async_op: bool = False) -> None:
         """Gather ``h`` into its full buffer; with ``async_op`` (prefetch) the handle keeps the work in flight."""
-        if not h.has_full_buffer:
+        if h.full_padded is None:  # no buffer of its own: the full parameter is the shard itself
             h.set_state(HandleState.FULL)
             return
         out = h.alloc_full()
