@@ -7,10 +7,13 @@ step (window + optimizer), with a device synchronize on accelerators. fairscale'
 during every step (it only appends a record per collective). The runs of a scenario live side by side and take
 their steps in turn.
 
-Probe run: the model is built again from the same seed under the torch profiler and trained for three steps (the
-first initialises lazily); the second is the probe step (peak memory, the ops in backward), and the third runs with
-the collective spy on (every implementation's collectives). Nothing of it slows the timed loop down. On CPU, memory
-is the C heap in use (:mod:`.heap`) relative to just before the model was built, sampled during the probe step.
+Probe run: the model is built again from the same seed and trained for four steps (the first initialises lazily);
+the second is the memory step (peak memory), the third runs under the torch profiler (the ops in backward), the
+fourth with the collective spy on (every implementation's collectives), and in the latency scenario a fifth under
+cProfile (Python calls). Nothing of it slows the timed loop down. On CPU, memory is the C heap in use
+(:mod:`.heap`) relative to just before the model was built, sampled during the memory step, with no profiler
+running (its event buffers are in the same heap); without glibc the fallback is the profiler's allocator events,
+and the profiler then runs from the model's construction through the memory step, which is also its ops step.
 """
 
 import contextlib
@@ -155,58 +158,74 @@ def timed_runs(
 def probe_run(
     spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int, device: torch.device
 ) -> Dict[str, Any]:
-    """Build again under the profiler, run three steps, measure the second (see the module docstring)."""
+    """Build again and run the probe steps: memory in the second, ops in the third (see the module docstring)."""
     handle = DeviceHandle.for_device(device)
     on_cpu = device.type == "cpu"
     gc.collect()
     spy = CommSpy()
     heap_base = heap_in_use() if on_cpu else None
-    # The profiler's allocator events are the CPU fallback where the C heap cannot be read.
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=on_cpu and heap_base is None)
-    with quiet_stderr():  # kineto prints a line to stderr when it starts and stops
-        prof.start()
-    try:
-        peer = build_peer(spec, cfg, device)
-        optim = torch.optim.AdamW(peer.model.parameters(), lr=cfg.lr)
-        _window(peer, corpus, cfg, spec, 0, rank, world, device)
+    # The profiler's allocator events are the CPU fallback where the C heap cannot be read: then the profiler runs
+    # from the model's construction and the second step is measured under it, as before. Otherwise the profiler
+    # only watches the third step: its event buffers live in the same C heap and grow with every op (about 4 MiB
+    # per step of the default model), which would count them in the peak, more for a peer that runs more ops.
+    events_memory = on_cpu and heap_base is None
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=events_memory)
+    profiling = False
+
+    def start_profiler() -> None:
+        nonlocal profiling
+        with quiet_stderr():  # kineto prints a line to stderr when it starts and stops
+            prof.start()
+        profiling = True
+
+    def train_step(step: int, annotate: bool) -> None:
+        _window(peer, corpus, cfg, spec, step, rank, world, device, annotate=annotate)
         optim.step()
         optim.zero_grad(set_to_none=True)
         handle.synchronize()
+
+    if events_memory:
+        start_profiler()
+    try:
+        peer = build_peer(spec, cfg, device)
+        optim = torch.optim.AdamW(peer.model.parameters(), lr=cfg.lr)
+        train_step(0, annotate=False)
         handle.reset_peak_memory_stats()
         steady_device = handle.memory_allocated()
         heap_steady = heap_in_use()
-        with HeapSampler() if heap_base is not None else contextlib.nullcontext() as sampler:
+        if events_memory:
+            sampler = None
             with record_function(PROBE_STEP):
-                _window(peer, corpus, cfg, spec, 1, rank, world, device, annotate=True)
-                optim.step()
-                optim.zero_grad(set_to_none=True)
-                handle.synchronize()
-        peak_device = handle.max_memory_allocated()
+                train_step(1, annotate=True)
+            peak_device = handle.max_memory_allocated()
+        else:
+            with HeapSampler() if heap_base is not None else contextlib.nullcontext() as sampler:
+                train_step(1, annotate=False)
+            peak_device = handle.max_memory_allocated()
+            start_profiler()
+            with record_function(PROBE_STEP):
+                train_step(2, annotate=True)
         # The spy is a Python dispatch mode: every op then runs through Python, which changes what is allocated and
         # when it is freed (on CPU it moved fairscale's peak up by 7 MiB and FSDP2's down by 3 on the 6 x 256 model).
-        # So it watches a step of its own, after the measured one.
+        # So it watches a step of its own, after the measured ones.
         with spy:
-            _window(peer, corpus, cfg, spec, 2, rank, world, device, spy=spy)
+            _window(peer, corpus, cfg, spec, 3, rank, world, device, spy=spy)
             with spy.phase("optimizer"):
                 optim.step()
                 optim.zero_grad(set_to_none=True)
             handle.synchronize()
     finally:
-        with quiet_stderr():
-            prof.stop()
+        if profiling:
+            with quiet_stderr():
+                prof.stop()
     calls = None
     if spec.scenario == "latency":
-        # A fourth step under cProfile (after the torch profiler stopped: the two would count each other): how many
+        # A fifth step under cProfile (after the torch profiler stopped: the two would count each other): how many
         # Python calls each peer makes per step, which is what its CPU time per unit is made of on a tiny model.
-        def one_step() -> None:
-            _window(peer, corpus, cfg, spec, 3, rank, world, device)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            handle.synchronize()
-
-        calls = count_python_calls(one_step)
+        calls = count_python_calls(lambda: train_step(4, annotate=False))
     analysis = analyze_profile(prof, spec.microbatches, track_memory=on_cpu and heap_base is None)
     if on_cpu and heap_base is not None and heap_steady is not None and sampler is not None:
+        # Since model construction, the profiler never on (see above).
         memory = {"steady_bytes": heap_steady - heap_base, "peak_bytes": sampler.peak - heap_base}
         method = f"{HEAP_METHOD_PREFIX} (main arena + mmap), sampled every 0.1 ms, since model construction"
     elif on_cpu:
