@@ -528,3 +528,25 @@ def test_subtest_prefixes_and_keeps_type() -> None:
     assert info.value is error
     with subtest("fine"):
         pass
+
+
+def _initialize_model_parallel_in_rank(rank: int, world_size: int) -> int:
+    from fairscale.nn.model_parallel.initialize import get_model_parallel_world_size, initialize_model_parallel
+
+    initialize_model_parallel(1, world_size, pipeline_backend="gloo")
+    return get_model_parallel_world_size()
+
+
+def test_forked_ranks_do_not_inherit_model_parallel_groups(tmp_path: Any) -> None:
+    """A test that left model parallelism initialised in the pytest process does not break later worlds."""
+    from fairscale.nn.model_parallel.initialize import destroy_model_parallel, initialize_model_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        initialize_model_parallel(1, 1)  # and, like upstream's test_adjacency, never torn down
+    finally:
+        dist.destroy_process_group()
+    try:
+        assert run_distributed(_initialize_model_parallel_in_rank, 2) == [1, 1]
+    finally:
+        destroy_model_parallel()

@@ -13,6 +13,7 @@ every path is built from a validated SHA1 and refused when a component below the
 files are replaced (written beside, then renamed), never written into.
 """
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -22,7 +23,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Dict, Optional, Tuple, Union
+from typing import IO, Any, ContextManager, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -153,6 +154,20 @@ class SHA1_Store:
     def _inside(self, *parts: str) -> Path:
         """``<store>/<parts...>``, refused (UnsafeRepositoryError) if a component below the store is a link."""
         return contained(self._path, parts, "SHA1 store path")
+
+    @property
+    def _readonly_json_ctx(self) -> ContextManager[None]:
+        """Upstream's private context for reading ``_json_dict``: reloads it from ``metadata.json`` on entry.
+
+        Here ``_json_dict`` is always current (every change writes it through), so the context only re-reads it;
+        upstream's own tests use it to inspect the reference counts.
+        """
+        return self._reloaded_json()
+
+    @contextlib.contextmanager
+    def _reloaded_json(self) -> Iterator[None]:
+        self._load_json_dict()
+        yield
 
     def _load_json_dict(self) -> None:
         with open(self._metadata_file_path, "r") as f:

@@ -21,7 +21,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Type, Union
 
 import pytest
 import torch
@@ -182,6 +182,28 @@ class RemoteFailure:
 # Inside a rank process
 
 
+# See _forget_inherited_model_parallel.
+_INHERITED_GROUPS: List[Any] = []
+
+
+def _forget_inherited_model_parallel() -> None:
+    """A forked rank starts without the model-parallel groups its parent may have set up (as a spawned rank does).
+
+    A test that called ``initialize_model_parallel`` in the pytest process and never tore it down would otherwise
+    make every later world's ``initialize_model_parallel`` fail with "already initialized" (upstream's ranks were
+    spawned, so they never saw it). Only if the parent imported the module: nothing to forget otherwise.
+    """
+    initialize = sys.modules.get("fairscale.nn.model_parallel.initialize")
+    if initialize is not None:
+        # The inherited group objects are kept alive, never destroyed here: their C++ side (gloo's threads and
+        # sockets) did not survive the fork, and running their destructors in this process can crash it.
+        _INHERITED_GROUPS.extend(
+            getattr(initialize, name, None)
+            for name in ("_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_PIPELINE_PARALLEL_GROUP")
+        )
+        initialize.destroy_model_parallel()
+
+
 def rank_main(
     rank: int, conn: Any, body: Union[Callable[[int], Any], bytes], parent_pid: int, stack_path: str, method: str
 ) -> None:
@@ -198,6 +220,7 @@ def rank_main(
     torch.set_num_threads(1)
     if method == "fork":
         _forbid_more_threads()
+        _forget_inherited_model_parallel()
     failed = False
     try:
         fn = pickle.loads(body) if isinstance(body, bytes) else body

@@ -68,3 +68,14 @@ def test_plain_pickle_is_rejected(tmp_path: Path) -> None:
         store.add(path)
     with pytest.raises(AssertionError):
         SHA1_Store(tmp_path / "missing")
+
+
+def test_readonly_json_ctx_gives_the_reference_counts(tmp_path: Path) -> None:
+    """Upstream's private reading context (its tests use it): the counts as stored on disk."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    sha1 = store.add(torch.ones(3, 4))
+    store.add(torch.ones(3, 4))
+    other = SHA1_Store(tmp_path / "store")  # another handle, read after the writes
+    with other._readonly_json_ctx:
+        entry = other._json_dict[sha1]
+    assert entry["ref_count"] == 2, entry
