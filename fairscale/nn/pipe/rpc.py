@@ -303,5 +303,8 @@ class PipeRPCWrapper(nn.Module):
             self._wait_previous()
             return output
         if isinstance(output, Tensor):
-            return PipeBackRedirect.apply(output.requires_grad_(), final_name, event, None, None, None)
+            # The backward's RPC future joins the pending ones: the next forward (or foreach_worker) waits until the
+            # final stage's backward has returned there, not only until the head received its gradients (which the
+            # final stage sends before its backward returns; a forward arriving in between found the step unfinished).
+            return PipeBackRedirect.apply(output.requires_grad_(), final_name, event, None, None, self._pending)
         raise TypeError("PipeRPCWrapper supports a single output tensor in training")
