@@ -7,13 +7,14 @@ step (window + optimizer), with a device synchronize on accelerators. fairscale'
 during every step (it only appends a record per collective). The runs of a scenario live side by side and take
 their steps in turn.
 
-Probe run: the model is built again from the same seed and trained for four steps (the first initialises lazily);
-the second is the memory step (peak memory), the third runs under the torch profiler (the ops in backward), the
-fourth with the collective spy on (every implementation's collectives), and in the latency scenario a fifth under
-cProfile (Python calls). Nothing of it slows the timed loop down. On CPU, memory is the C heap in use
-(:mod:`.heap`) relative to just before the model was built, sampled during the memory step, with no profiler
-running (its event buffers are in the same heap); without glibc the fallback is the profiler's allocator events,
-and the profiler then runs from the model's construction through the memory step, which is also its ops step.
+Probe run: the model is built again from the same seed and trained for six steps (the first initialises lazily);
+the next three are the memory steps (the highest peak of the three), the fifth runs under the torch profiler (the
+ops in backward), the sixth with the collective spy on (every implementation's collectives), and in the latency
+scenario a seventh under cProfile (Python calls). Nothing of it slows the timed loop down. On CPU, memory is the C
+heap in use (:mod:`.heap`) relative to just before the model was built, sampled during the memory steps, with no
+profiler running (its event buffers are in the same heap); without glibc the fallback is the profiler's allocator
+events over a single memory step, and the profiler then runs from the model's construction through that step,
+which is also its ops step.
 """
 
 import contextlib
@@ -38,6 +39,9 @@ from .peers import Peer, RunSpec, build_peer
 from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile, quiet_stderr
 
 Progress = Callable[[int, int, float, float], None]
+
+#: Steps of the probe run whose highest memory is reported (see probe_run).
+MEMORY_STEPS = 3
 
 
 def _window(
@@ -158,7 +162,8 @@ def timed_runs(
 def probe_run(
     spec: RunSpec, cfg: BenchConfig, corpus: Corpus, rank: int, world: int, device: torch.device
 ) -> Dict[str, Any]:
-    """Build again and run the probe steps: memory in the second, ops in the third (see the module docstring)."""
+    """Build again and run the probe steps: memory over the second to fourth, ops in the fifth (see the module
+    docstring)."""
     handle = DeviceHandle.for_device(device)
     on_cpu = device.type == "cpu"
     gc.collect()
@@ -199,17 +204,20 @@ def probe_run(
                 train_step(1, annotate=True)
             peak_device = handle.max_memory_allocated()
         else:
+            # The highest of a few steps: a step's peak depends on when the asynchronous collectives free their
+            # buffers (one step's peak moved by up to 2 MiB from rank to rank on the default model).
             with HeapSampler() if heap_base is not None else contextlib.nullcontext() as sampler:
-                train_step(1, annotate=False)
+                for i in range(MEMORY_STEPS):
+                    train_step(1 + i, annotate=False)
             peak_device = handle.max_memory_allocated()
             start_profiler()
             with record_function(PROBE_STEP):
-                train_step(2, annotate=True)
+                train_step(1 + MEMORY_STEPS, annotate=True)
         # The spy is a Python dispatch mode: every op then runs through Python, which changes what is allocated and
         # when it is freed (on CPU it moved fairscale's peak up by 7 MiB and FSDP2's down by 3 on the 6 x 256 model).
         # So it watches a step of its own, after the measured ones.
         with spy:
-            _window(peer, corpus, cfg, spec, 3, rank, world, device, spy=spy)
+            _window(peer, corpus, cfg, spec, 2 + MEMORY_STEPS, rank, world, device, spy=spy)
             with spy.phase("optimizer"):
                 optim.step()
                 optim.zero_grad(set_to_none=True)
@@ -220,9 +228,9 @@ def probe_run(
                 prof.stop()
     calls = None
     if spec.scenario == "latency":
-        # A fifth step under cProfile (after the torch profiler stopped: the two would count each other): how many
+        # A last step under cProfile (after the torch profiler stopped: the two would count each other): how many
         # Python calls each peer makes per step, which is what its CPU time per unit is made of on a tiny model.
-        calls = count_python_calls(lambda: train_step(4, annotate=False))
+        calls = count_python_calls(lambda: train_step(3 + MEMORY_STEPS, annotate=False))
     analysis = analyze_profile(prof, spec.microbatches, track_memory=on_cpu and heap_base is None)
     if on_cpu and heap_base is not None and heap_steady is not None and sampler is not None:
         # Since model construction, the profiler never on (see above).

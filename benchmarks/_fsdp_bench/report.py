@@ -150,7 +150,8 @@ def header(cfg: BenchConfig, env: Dict[str, Any]) -> str:
         f"{env['model_params'] / 1e6:.2f}M params; batch {cfg.batch} x seq {cfg.seq_len} per rank per microbatch; "
         f"mixed precision {cfg.mixed_precision}; flatten {cfg.flatten}; auto-wrap {cfg.auto_wrap_policy}; "
         f"checkpointing {cfg.checkpoint_activations}\n"
-        f"steps: {cfg.warmup} warmup + {cfg.steps} timed per run (+3 untimed probe steps on a fresh copy); "
+        f"steps: {cfg.warmup} warmup + {cfg.steps} timed per run (latency scenario: {cfg.latency_steps}; +6 untimed "
+        "probe steps on a fresh copy); "
         f"torch {env['torch']}, device {env['device']}, {env['threads_per_rank']} thread(s) per rank, "
         f"{env['cpu_count']} cores" + _link_line(cfg)
     )
