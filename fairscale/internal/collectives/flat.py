@@ -50,15 +50,15 @@ def all_gather_into_flat(
     # 1-D tensors (FSDP's buffers) go to torch as they are: a view of each would cost more than the rest of the call.
     out = output if output.dim() == 1 else output.view(-1)
     inp = input if input.dim() == 1 else input.reshape(-1)
-    if ACTIVE_COUNTERS or LINKS:
+    ready_at = None
+    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
         ready_at = _record("all_gather", info, output.dtype, output.numel(), output.element_size())
-    elif info.size > 1 and not _forced and _chosen.get((info.backend, "all_gather", out.dtype)) == "tensor":
-        # The common case (no counter, no simulated link, the backend's tensor variant known to work): torch's call
-        # and nothing else, as _all_gather's first strategy would make it.
-        work = _all_gather_function()(out, inp, group=info.pg, async_op=async_op)
-        return WorkHandle(work) if async_op else None
-    else:
-        ready_at = None
+    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
+    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
+    if ready_at is None and info.size > 1 and not _forced:
+        if _chosen.get((info.backend, "all_gather", out.dtype)) == "tensor":
+            work = _all_gather_function()(out, inp, group=info.pg, async_op=async_op)
+            return WorkHandle(work) if async_op else None
     return _finish(_all_gather(out, inp, info, async_op), async_op, ready_at)
 
 
@@ -112,14 +112,15 @@ def reduce_scatter_from_flat(
     # backend accepts; 1-D tensors (FSDP's gradients) go as they are.
     out = output if output.dim() == 1 else output.view(-1)
     inp = input if input.dim() == 1 else input.reshape(-1)
-    if ACTIVE_COUNTERS or LINKS:
+    ready_at = None
+    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
         ready_at = _record("reduce_scatter", info, input.dtype, input.numel(), input.element_size())
-    elif info.size > 1 and not _forced and _chosen.get((info.backend, "reduce_scatter", out.dtype)) == "tensor":
-        # The common case, as in all_gather_into_flat: torch's call alone.
-        work = _reduce_scatter_function()(out, inp, op=reduce_op, group=info.pg, async_op=async_op)
-        return WorkHandle(work) if async_op else None
-    else:
-        ready_at = None
+    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
+    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
+    if ready_at is None and info.size > 1 and not _forced:
+        if _chosen.get((info.backend, "reduce_scatter", out.dtype)) == "tensor":
+            work = _reduce_scatter_function()(out, inp, op=reduce_op, group=info.pg, async_op=async_op)
+            return WorkHandle(work) if async_op else None
     return _finish(_reduce_scatter(out, inp, reduce_op, info, async_op), async_op, ready_at)
 
 

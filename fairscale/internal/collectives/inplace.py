@@ -30,14 +30,15 @@ def all_reduce(
     info = _member_info(group, "all_reduce")
     reduce_op = _reduce_op(op)
     _check_contiguous("all_reduce", tensor)
-    if ACTIVE_COUNTERS or LINKS:
+    ready_at = None
+    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
         ready_at = _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    elif info.size > 1 and not _forced and _chosen.get((info.backend, "all_reduce", tensor.dtype)) == "tensor":
-        # The common case (no counter, no simulated link, the tensor variant known to work): torch's call alone.
-        work = dist.all_reduce(tensor, op=reduce_op, group=info.pg, async_op=async_op)
-        return WorkHandle(work) if async_op else None
-    else:
-        ready_at = None
+    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
+    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
+    if ready_at is None and info.size > 1 and not _forced:
+        if _chosen.get((info.backend, "all_reduce", tensor.dtype)) == "tensor":
+            work = dist.all_reduce(tensor, op=reduce_op, group=info.pg, async_op=async_op)
+            return WorkHandle(work) if async_op else None
     return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op, ready_at)
 
 
@@ -72,14 +73,15 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
-    if ACTIVE_COUNTERS or LINKS:
+    ready_at = None
+    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
         ready_at = _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    elif info.size > 1 and not _forced and _chosen.get((info.backend, "broadcast", tensor.dtype)) == "tensor":
-        # The common case, as in all_reduce: torch's call alone.
-        work = dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op)
-        return WorkHandle(work) if async_op else None
-    else:
-        ready_at = None
+    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
+    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
+    if ready_at is None and info.size > 1 and not _forced:
+        if _chosen.get((info.backend, "broadcast", tensor.dtype)) == "tensor":
+            work = dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op)
+            return WorkHandle(work) if async_op else None
     return _finish(_broadcast(tensor, src, info, async_op), async_op, ready_at)
 
 
