@@ -6,6 +6,10 @@ bucket and reduce-scatters the whole bucket at once. A bucket is a ``(group size
 matrix: row ``r`` collects the chunks destined for rank ``r``, column ranges are parameters.
 Reduce-scattering the used columns (flattened row by row, which every backend accepts) leaves
 each rank with its own row summed over ranks, i.e. its shard of every queued gradient.
+
+With a *replicate group* (hybrid sharding: shard inside a node, replicate across nodes) the reduced row is then
+all-reduced over that group before the callbacks run: one all-reduce per bucket, so bucketing merges the slow
+inter-node all-reduces of small gradients just as it merges the reduce-scatters.
 """
 
 import functools
@@ -65,15 +69,20 @@ class Bucket:
         data (Tensor): the ``(group size, allocated columns)`` input matrix; columns ``[0, offset)`` are used.
             Holds no storage while the bucket is empty.
         group (Any): the process group of the reduce-scatter.
+        replicate_group (Any): the group the reduced row is all-reduced over after the reduce-scatter (``None``:
+            none; see the module docstring).
         capacity (int): the most columns a fill may hold (per-rank elements of ``bucket_cap_mb``).
         offset (int): number of used columns.
         callbacks (List[Callable[[Tensor], None]]): what to run after the next :meth:`flush`, each with its slice
             of this rank's reduced row.
     """
 
-    def __init__(self, data: Tensor, group: Any, capacity: Optional[int] = None) -> None:
+    def __init__(
+        self, data: Tensor, group: Any, capacity: Optional[int] = None, replicate_group: Optional[Any] = None
+    ) -> None:
         self.data = data
         self.group = group
+        self.replicate_group = replicate_group
         self.capacity = data.size(1) if capacity is None else capacity
         self.offset = 0
         self.callbacks: List[Callable[[Tensor], None]] = []
@@ -143,6 +152,8 @@ class Bucket:
         # data[:, :offset] may not be contiguous; the collectives layer flattens it row by row, which is the
         # concatenation of per-rank chunks that reduce-scatter expects.
         collectives.reduce_scatter_from_flat(output, self.data[:, : self.offset], group=self.group)
+        if self.replicate_group is not None:
+            collectives.all_reduce(output, group=self.replicate_group)
         callbacks, slots = self.callbacks, self._slots
         self._fills.append(self.offset)
         self._release()
@@ -206,7 +217,7 @@ class ReduceScatterBucketer:
 
     def __init__(self, bucket_cap_mb: int = 25) -> None:
         self.bucket_cap_mb = bucket_cap_mb
-        self.buckets: Dict[Tuple[torch.dtype, torch.device, Any], Bucket] = {}
+        self.buckets: Dict[Tuple[torch.dtype, torch.device, Any, Any], Bucket] = {}
         self.hold_floor_bytes = HOLD_FLOOR_BYTES
         self.largest_bytes = 0
 
@@ -216,6 +227,7 @@ class ReduceScatterBucketer:
         input_list: List[Tensor],
         group: Any,
         callback_fn: Optional[Callable[[Tensor], None]] = None,
+        replicate_group: Optional[Any] = None,
     ) -> None:
         """Reduce-scatter ``input_list`` over ``group``, possibly later in a bucket.
 
@@ -228,6 +240,8 @@ class ReduceScatterBucketer:
                 chunk (shaped like ``input_list[0]``) once it is ready: at once for inputs that are
                 not bucketed (see the flush policy above), else when their fill is sent. Do not modify
                 the inputs before then; they are copied into the bucket right away, so they may be freed.
+            replicate_group (Optional[Any]): (fork) all-reduce the reduced chunk over this group before the
+                callback runs (hybrid sharding); ``None``: no all-reduce.
         """
         size = collectives.group_size(group)
         if len(input_list) != size:
@@ -248,12 +262,14 @@ class ReduceScatterBucketer:
             if callback_fn is not None:
                 callback_fn(torch.zeros_like(first))
             return
-        bucket = self._make_room(first, size, group)
+        bucket = self._make_room(first, size, group, replicate_group=replicate_group)
         if bucket is None:
             # Reduce-scatter it now, as one flat input (a bucket would only copy it).
             output = torch.zeros_like(first)
             flat_input = torch.cat([chunk.reshape(-1) for chunk in input_list])
             collectives.reduce_scatter_from_flat(output, flat_input, group=group)
+            if replicate_group is not None:
+                collectives.all_reduce(output, group=replicate_group)
             if callback_fn is not None:
                 callback_fn(output)
             return
@@ -274,7 +290,9 @@ class ReduceScatterBucketer:
         if bucket.held_bytes >= self.hold_limit(bucket):
             bucket.flush()  # full: any further input would send it first, so holding it longer only costs memory
 
-    def _make_room(self, first: Tensor, size: int, group: Any, numel: Optional[int] = None) -> Optional[Bucket]:
+    def _make_room(
+        self, first: Tensor, size: int, group: Any, numel: Optional[int] = None, replicate_group: Optional[Any] = None
+    ) -> Optional[Bucket]:
         """The bucket to append a non-empty input shaped like ``first`` to, after sending the fill it would take past
         the hold limit; ``None`` when the input goes out at once from its own buffer: when its per-rank chunk is at
         least a bucket row, or when it reaches the hold limit on its own (a fill of it alone would be sent at once,
@@ -284,7 +302,7 @@ class ReduceScatterBucketer:
             numel = first.numel()
         if numel >= self._get_shard_size(first.element_size(), size):
             return None
-        bucket = self._find_or_create_bucket(first, group)
+        bucket = self._find_or_create_bucket(first, group, replicate_group)
         nbytes = numel * size * first.element_size()
         # Inputs of a bucket row or more do not count: they would raise the limit to the whole bucket.
         self.largest_bytes = max(self.largest_bytes, nbytes)
@@ -300,7 +318,11 @@ class ReduceScatterBucketer:
 
     @_no_grad
     def reduce_scatter_flat_async(
-        self, flat: Tensor, group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
+        self,
+        flat: Tensor,
+        group: Any,
+        callback_fn: Optional[Callable[[Tensor], None]] = None,
+        replicate_group: Optional[Any] = None,
     ) -> None:
         """Like :meth:`reduce_scatter_async` for one contiguous tensor laid out as the concatenation of per-rank
         chunks (``flat.numel()`` divisible by the group size). An input that is not bucketed (as large as a bucket
@@ -313,14 +335,16 @@ class ReduceScatterBucketer:
             )
         chunk = flat.numel() // size
         if chunk == 0:
-            self.reduce_scatter_async([flat[:0]] * size, group, callback_fn)
+            self.reduce_scatter_async([flat[:0]] * size, group, callback_fn, replicate_group)
             return
-        bucket = self._make_room(flat, size, group, chunk)
+        bucket = self._make_room(flat, size, group, chunk, replicate_group)
         if bucket is not None:
             self._append(bucket, None, callback_fn, flat=flat)
             return
         output = flat.new_empty(chunk)
         collectives.reduce_scatter_from_flat(output, flat, group=group)
+        if replicate_group is not None:
+            collectives.all_reduce(output, group=replicate_group)
         if callback_fn is not None:
             callback_fn(output)
 
@@ -348,10 +372,10 @@ class ReduceScatterBucketer:
         bucket_elements = self.bucket_cap_mb * 2**20 / element_size
         return int(bucket_elements // num_shards)
 
-    def _find_or_create_bucket(self, tensor: Tensor, group: Any) -> Bucket:
-        key = (tensor.dtype, tensor.device, group)
+    def _find_or_create_bucket(self, tensor: Tensor, group: Any, replicate_group: Optional[Any] = None) -> Bucket:
+        key = (tensor.dtype, tensor.device, group, replicate_group)
         if key not in self.buckets:
             size = collectives.group_size(group)
             shard_size = self._get_shard_size(tensor.element_size(), size)
-            self.buckets[key] = Bucket(tensor.new_empty((size, 0)), group, capacity=shard_size)
+            self.buckets[key] = Bucket(tensor.new_empty((size, 0)), group, shard_size, replicate_group)
         return self.buckets[key]

@@ -70,7 +70,7 @@ class FullyShardedDataParallel(nn.Module):
     say) keep only one block's full parameters alive at a time.
 
     This distribution runs on CPU with the gloo backend as well as on CUDA with NCCL, and adds
-    ``zero2_process_group`` and ``optimize_backward_concat``. Usage::
+    ``zero2_process_group``, ``optimize_backward_concat`` and hybrid sharding (``replicate_process_group``). Usage::
 
         import torch.distributed as dist
         from fairscale.nn import FullyShardedDataParallel as FSDP
@@ -127,6 +127,13 @@ class FullyShardedDataParallel(nn.Module):
             backward ran next in the previous backward. Changes timing only, never numerics; costs at most one
             extra unit's full parameters of memory. Default ``True`` (upstream has no prefetch). See the docs page
             "Communication overlap".
+        replicate_process_group: (fork) hybrid sharding. ``process_group`` is then the shard group (e.g. the ranks of
+            one node) and this group joins the ranks holding the same shard in the other shard groups (the same local
+            rank on every node). Parameters are sharded, gathered and reduce-scattered inside the shard group only;
+            each gradient shard is then all-reduced across this group, and gradients are averaged over all
+            ``world_size * replicate size`` ranks. The groups must tile the whole world (checked at the first
+            forward, the same error on every rank); :func:`~fairscale.nn.data_parallel.hybrid_groups` builds them.
+            Default ``None``: shard over ``process_group`` only. See the docs page "Hybrid sharding".
     """
 
     def __init__(
@@ -158,6 +165,7 @@ class FullyShardedDataParallel(nn.Module):
         optimize_backward_concat: bool = False,
         forward_prefetch: bool = False,
         backward_prefetch: bool = True,
+        replicate_process_group: Optional[Any] = None,
     ):
         super().__init__()
         params, foreign_params, tie_problems = construction.collect_params_to_own(module, FullyShardedDataParallel)
@@ -188,6 +196,7 @@ class FullyShardedDataParallel(nn.Module):
             optimize_backward_concat,
             forward_prefetch,
             backward_prefetch,
+            replicate_process_group,
         )
         to_flatten = [p for _, p in params] if flatten_parameters else []
         try:
@@ -234,6 +243,7 @@ class FullyShardedDataParallel(nn.Module):
     process_group = ConfigAttribute()
     process_group_reduce_scatter = ConfigAttribute()
     zero2_process_group = ConfigAttribute()
+    replicate_process_group = ConfigAttribute()
     rank = ConfigAttribute()
     world_size = ConfigAttribute()
     disable_reshard_on_root = ConfigAttribute()
@@ -385,7 +395,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"fp32_reduce_scatter={c.fp32_reduce_scatter}, compute_device={c.compute_device}, "
                 f"move_params_to_cpu={c.move_params_to_cpu}, move_grads_to_cpu={c.move_grads_to_cpu}, "
                 f"bucket_cap_mb={c.bucket_cap_mb}, clear_autocast_cache={c.clear_autocast_cache}, "
-                f"force_input_to_fp32={c.force_input_to_fp32}, zero2={zero2}, "
+                f"force_input_to_fp32={c.force_input_to_fp32}, zero2={zero2}, replicate={c.replicate_size}, "
                 f"optimize_backward_concat={c.optimize_backward_concat}"
             )
         return rep

@@ -13,7 +13,7 @@ from torch import nn
 from fairscale.internal.device import default_compute_device
 from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
 
-from . import zero2
+from . import hybrid, zero2
 
 # The public module's logger: users configure and filter FSDP's messages under the name they import it from.
 log = logging.getLogger("fairscale.nn.data_parallel.fully_sharded_data_parallel")
@@ -61,6 +61,10 @@ class FSDPConfig:
     optimize_backward_concat: bool
     forward_prefetch: bool
     backward_prefetch: bool
+    replicate_process_group: Any = None
+    replicate_problem: Optional[str] = None
+    replicate_rank: int = 0
+    replicate_size: int = 1
 
     def replace(self, **changes: Any) -> "FSDPConfig":
         """A copy with ``changes`` applied."""
@@ -68,7 +72,7 @@ class FSDPConfig:
 
     def without_groups(self) -> "FSDPConfig":
         """A picklable copy: process groups cannot cross processes, so they become the string ``"MISSING"``."""
-        groups = ("process_group", "process_group_reduce_scatter", "zero2_process_group")
+        groups = ("process_group", "process_group_reduce_scatter", "zero2_process_group", "replicate_process_group")
         return self.replace(**{k: "MISSING" for k in groups if getattr(self, k) is not None})
 
 
@@ -99,6 +103,7 @@ def make_config(
     optimize_backward_concat: bool,
     forward_prefetch: bool,
     backward_prefetch: bool,
+    replicate_process_group: Any = None,
 ) -> FSDPConfig:
     """Validate the constructor arguments (``cpu_offload`` already folded into ``move_params_to_cpu``) and resolve
     their defaults against the parameters the instance will own.
@@ -126,7 +131,15 @@ def make_config(
     validate_param_dtypes(params, mixed_precision, resolved_dtype)
     problem = zero2.local_problem(zero2_process_group, group)
     zero2_rank, zero2_size = zero2.rank_and_size(zero2_process_group, problem)
-    pre, post = divide_factors(world_size, gradient_predivide_factor)
+    replicate_problem = hybrid.local_problem(replicate_process_group, group)
+    replicate_rank, replicate_size = hybrid.rank_and_size(replicate_process_group, replicate_problem)
+    if replicate_process_group is not None and process_group_reduce_scatter == ProcessGroupName.reduce_scatter:
+        # The default name means "a group like process_group"; the cached one spans the whole world, which is not
+        # the shard group here (it would only fall back with a warning).
+        process_group_reduce_scatter = ProcessGroupName.default
+    # Gradients are averaged over every rank: summed by the reduce-scatter inside the shard group, then by the
+    # all-reduce across the replicate group.
+    pre, post = divide_factors(world_size * replicate_size, gradient_predivide_factor)
     return FSDPConfig(
         process_group=group,
         process_group_reduce_scatter=resolve_reduce_scatter_group(process_group_reduce_scatter, group),
@@ -160,6 +173,10 @@ def make_config(
         optimize_backward_concat=optimize_backward_concat,
         forward_prefetch=bool(forward_prefetch),
         backward_prefetch=bool(backward_prefetch),
+        replicate_process_group=replicate_process_group,
+        replicate_problem=replicate_problem,
+        replicate_rank=replicate_rank,
+        replicate_size=replicate_size,
     )
 
 

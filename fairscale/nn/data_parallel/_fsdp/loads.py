@@ -53,7 +53,8 @@ def load_collectively(
         token = identity.new_token()
         mine = (None if error is None else (_kind(error), _message(error)), _id(loaded), token)
         # On the compute device: NCCL object collectives allocate on the current device.
-        group = unit.config.process_group
+        # With hybrid sharding every replica loads too: a load that failed on one replica only must roll back all.
+        group = None if unit.config.replicate_process_group is not None else unit.config.process_group
         with collectives.collective_phase("load"), unit.device.as_current():
             views: List[Tuple[Any, Optional[str], str]] = collectives.all_gather_object(mine, group=group)
         ranks = list(collectives.group_ranks(group))

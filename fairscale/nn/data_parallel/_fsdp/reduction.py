@@ -110,6 +110,9 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
         grad.div_(c.gradient_predivide_factor)
     callback = functools.partial(_post_reduction, unit, h)
     if not h.is_sharded:
+        if c.replicate_size > 1:  # a one-rank shard group: hybrid sharding degenerates to DDP's all-reduce
+            grad = grad.contiguous()
+            collectives.all_reduce(grad, group=c.replicate_process_group)
         callback(grad)
         return
     tree = unit.tree
@@ -120,7 +123,10 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
     if flat.numel() != h.padded_numel:
         flat = torch.nn.functional.pad(flat, (0, h.padded_numel - flat.numel()))
     tree.bucketer.reduce_scatter_flat_async(
-        flat.contiguous(), group=c.process_group_reduce_scatter, callback_fn=callback
+        flat.contiguous(),
+        group=c.process_group_reduce_scatter,
+        callback_fn=callback,
+        replicate_group=c.replicate_process_group if c.replicate_size > 1 else None,
     )
 
 

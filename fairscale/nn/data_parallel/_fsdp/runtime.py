@@ -27,7 +27,7 @@ from fairscale.internal import collectives, tensor_hooks
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
-from . import identity, prefetch, recovery, reduction, ties, zero2
+from . import hybrid, identity, prefetch, recovery, reduction, ties, zero2
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor
 from .naming import clean_path
@@ -124,11 +124,14 @@ def _become_root(unit: FSDPUnit) -> None:
 
 
 def check_zero2_groups_once(root: FSDPUnit) -> None:
-    """The root's first forward: zero2 settings agree across ranks, then each zero2 group is valid.
+    """The root's first forward: zero2 and replicate settings agree across ranks, then each group is valid.
 
-    Both are small collectives. The first one runs on every rank, with or without a zero2 group, because a group
+    Both are small collectives. The first one runs on every rank, with or without such groups, because a group
     passed on some ranks and ``None`` on others would otherwise make the ranks issue different collectives (a hang);
-    it raises the same ``ValueError`` on every rank instead.
+    it raises the same ``ValueError`` on every rank instead. It runs over the whole world when the root's group
+    spans it or hybrid sharding is on (the shard group is then a part of the world, and the layout of the replicate
+    groups can only be checked from every rank's view); a rank without a replicate group whose ``process_group``
+    is the whole world so meets the hybrid ranks in the same gather and raises the same error.
     """
     if root.zero2_checked:
         return
@@ -138,9 +141,19 @@ def check_zero2_groups_once(root: FSDPUnit) -> None:
     # On the compute device: NCCL object collectives allocate on the current device.
     with collectives.collective_phase("init"), root.device.as_current():
         token = identity.new_token()
-        if c.world_size > 1:
-            named = [(clean_path(n), u.config.zero2_process_group) for n, u in root.named_units()]
-            token = zero2.check_same_setting(c.process_group, named, token)
+        named_units = [(clean_path(n), u.config) for n, u in root.named_units()]
+        hybrid_views = [
+            hybrid.view(path, uc.process_group, uc.replicate_process_group, uc.replicate_problem)
+            for path, uc in named_units
+            if uc.replicate_process_group is not None
+        ]
+        world = collectives.group_size(None)
+        everyone = bool(hybrid_views) or (c.world_size > 1 and c.world_size == world)
+        if c.world_size > 1 or everyone:
+            named = [(path, uc.zero2_process_group, uc.replicate_process_group) for path, uc in named_units]
+            token, views = zero2.check_same_setting(None if everyone else c.process_group, named, token, hybrid_views)
+            if hybrid_views:
+                hybrid.check_grid(views, world)
         if root.ckpt_token is None:  # a load may have set one already, agreed the same way
             root.ckpt_token = token
         seen = set()

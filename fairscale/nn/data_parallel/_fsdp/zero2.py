@@ -38,35 +38,44 @@ def rank_and_size(zero2_group: Any, problem: Optional[str]) -> Tuple[int, int]:
     return zero2_group.rank(), zero2_group.size()
 
 
-def check_same_setting(process_group: Any, named_groups: List[Tuple[str, Any]], token: Any = None) -> Any:
-    """Collective over the root's ``process_group`` that every rank runs, zero2 group or not.
+def check_same_setting(
+    process_group: Any, named_groups: List[Tuple[str, Any, Any]], token: Any = None, extra: Any = None
+) -> Tuple[Any, List[Any]]:
+    """Collective over ``process_group`` (the root's, or the whole world with hybrid sharding) that every rank runs,
+    zero2 or replicate group or not.
 
-    ``named_groups`` lists ``(path, zero2_process_group)`` of every FSDP instance of the tree. Every rank must have
-    the same FSDP instances with the same zero2 setting: otherwise the ranks with a zero2 group
-    would run :func:`check_partition` and then gather over it while the others gather over ``process_group``, and
-    the collectives would never match. Raises the same ``ValueError`` on every rank when they differ.
+    ``named_groups`` lists ``(path, zero2_process_group, replicate_process_group)`` of every FSDP instance of the
+    tree. Every rank must have the same FSDP instances with the same zero2 and replicate settings: otherwise the
+    ranks with such a group would run the next checks and then gather or reduce over it while the others use
+    ``process_group``, and the collectives would never match. Raises the same ``ValueError`` on every rank when
+    they differ.
 
-    ``token`` rides along in the same gather (no extra collective): the first rank's is returned, so every rank
-    ends up with the same one (the checkpoint identity's run token).
+    ``token`` and ``extra`` ride along in the same gather (no extra collective): the first rank's token is returned,
+    so every rank ends up with the same one (the checkpoint identity's run token), with every rank's ``extra`` in
+    rank order.
     """
-    # Presence only: sizes and membership are check_partition's job, with a more precise message.
-    mine = [(path or "<root>", group is not None) for path, group in named_groups]
-    gathered: List[Tuple[List[Tuple[str, bool]], Any]] = collectives.all_gather_object(
-        (mine, token), group=process_group
+    # Presence only: sizes and membership are the next checks' job, with a more precise message.
+    mine = [(path or "<root>", zero2 is not None, replicate is not None) for path, zero2, replicate in named_groups]
+    gathered: List[Tuple[List[Tuple[str, bool, bool]], Any, Any]] = collectives.all_gather_object(
+        (mine, token, extra), group=process_group
     )
-    views = [view for view, _ in gathered]
+    views = [view for view, _, _ in gathered]
     if all(view == views[0] for view in views):
-        return gathered[0][1]
+        return gathered[0][1], [e for _, _, e in gathered]
     ranks = collectives.group_ranks(process_group)
     lines = []
     for rank, view in zip(ranks, views):
-        with_group = [path for path, has_group in view if has_group]
-        lines.append(f"rank {rank}: {len(view)} instances, zero2_process_group on {with_group or 'none'}")
+        with_zero2 = [path for path, has_group, _ in view if has_group]
+        with_replicate = [path for path, _, has_group in view if has_group]
+        lines.append(
+            f"rank {rank}: {len(view)} instances, zero2_process_group on {with_zero2 or 'none'}, "
+            f"replicate_process_group on {with_replicate or 'none'}"
+        )
     raise ValueError(
-        "zero2_process_group differs across ranks (or the FSDP instances do): "
+        "zero2_process_group or replicate_process_group differs across ranks (or the FSDP instances do): "
         + "; ".join(lines)
-        + ". Pass a zero2 group on every rank (each rank its own node's group, e.g. from zero2_groups()) or on none, "
-        "and wrap the same modules on every rank."
+        + ". Pass such a group on every rank (each rank its own, e.g. from zero2_groups() or hybrid_groups()) or on "
+        "none, and wrap the same modules on every rank."
     )
 
 
