@@ -100,6 +100,13 @@ def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
             f"{what}: model must be the root FullyShardedDataParallel instance, got {type(model).__name__}. For a "
             "module that fairscale does not shard, use torch.distributed.checkpoint.state_dict's functions."
         )
+    if any(u.config.replicate_process_group is not None for u in unit.tree_units()):
+        # Every replica would write the same shards; deduplicating them is not built yet. Raised on every rank alike
+        # (the first forward checked that every rank has the same replicate setting).
+        raise NotImplementedError(
+            f"{what}: hybrid sharding (replicate_process_group) is not supported by fairscale.nn.data_parallel.dcp "
+            "yet; save model.state_dict() or local_state_dict() with local_metadata_dict() instead"
+        )
     return unit
 
 

@@ -7,6 +7,11 @@ the wrong order, consolidated into a plausible-looking but wrong model. Every pa
 
     {"id": str, "rank": int, "world_size": int, "step": int}
 
+plus, with hybrid sharding (``replicate_process_group``), ``"replicate_rank"`` and ``"replicate_world_size"``:
+``rank`` and ``world_size`` are then those of the shard group, which is all a shard's layout depends on (every
+replica holds the same shards, so any one replica's files make the whole checkpoint, and they load into any model
+sharded over ``world_size`` ranks, hybrid or not).
+
 * in the metadata dict under the extra top-level key ``"checkpoint_identity"`` (upstream's consumers read only
   ``"param_metadata"`` and ``"buffer_names"`` and ignore it);
 * in the local state dict's ``_metadata`` (the per-module version table torch keeps next to every state dict and
@@ -32,9 +37,24 @@ def new_token() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def make_identity(token: Optional[str], step: int, rank: int, world_size: int) -> Dict[str, Any]:
-    """The identity of a shard taken now: same ``id`` on every rank that agreed on ``token`` and is at ``step``."""
-    return {"id": f"{token or 'untrained'}-{int(step)}", "rank": int(rank), "world_size": int(world_size), "step": step}
+def make_identity(
+    token: Optional[str], step: int, rank: int, world_size: int, replicate_rank: int = 0, replicate_world_size: int = 1
+) -> Dict[str, Any]:
+    """The identity of a shard taken now: same ``id`` on every rank that agreed on ``token`` and is at ``step``.
+
+    The replicate fields are recorded only with hybrid sharding (``replicate_world_size > 1``), so that files of
+    plain sharding keep their format.
+    """
+    ident = {
+        "id": f"{token or 'untrained'}-{int(step)}",
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "step": step,
+    }
+    if replicate_world_size > 1:
+        ident["replicate_rank"] = int(replicate_rank)
+        ident["replicate_world_size"] = int(replicate_world_size)
+    return ident
 
 
 def attach_to_weights(state_dict: Any, identity: Mapping[str, Any]) -> None:

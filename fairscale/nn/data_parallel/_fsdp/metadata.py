@@ -16,6 +16,9 @@ Metadata format (one entry per FSDP instance, ``named_modules()`` order, empty i
      "buffer_names": [...],
      "checkpoint_identity": {"id": str, "rank": int, "world_size": int, "step": int}}
 
+With hybrid sharding the identity also records ``replicate_rank`` and ``replicate_world_size``; ``rank`` and
+``world_size`` are the shard group's. One replica's files (any one rank of each shard index) make a whole checkpoint.
+
 ``checkpoint_identity`` is this distribution's addition (upstream's consumers ignore it; upstream's files lack it and
 are accepted): every shard of one checkpoint has the same ``id``, and consolidation rejects shards of different
 checkpoints, a rank given twice and shards out of rank order (see :mod:`.identity`).

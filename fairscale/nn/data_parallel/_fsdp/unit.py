@@ -231,7 +231,10 @@ class FSDPUnit:
 
     def checkpoint_identity(self) -> Any:
         """The identity of a sharded checkpoint taken from this unit now (see :mod:`.identity`)."""
-        return identity.make_identity(self.ckpt_token, self.ckpt_step, self.config.rank, self.config.world_size)
+        c = self.config
+        return identity.make_identity(
+            self.ckpt_token, self.ckpt_step, c.rank, c.world_size, c.replicate_rank, c.replicate_size
+        )
 
     # ------------------------------------------------------------------ training state
     @property
