@@ -21,7 +21,7 @@ import os
 import re
 import sys
 from collections import Counter
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,14 +58,49 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _group_size(args: Tuple[Any, ...]) -> int:
+def _process_group(args: Tuple[Any, ...]) -> Any:
+    """The process group among a c10d op's arguments (boxed as a script object), or ``None``."""
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
-                return int(dist.ProcessGroup.unbox(a).size())
+                return dist.ProcessGroup.unbox(a)
             except Exception:  # a ReduceOp or another script object, not the group
                 continue
-    return -1
+    return None
+
+
+#: Global ranks per group name: every op of a step asks, and the lookup walks c10d's tables.
+_RANKS_BY_NAME: Dict[str, Tuple[int, ...]] = {}
+
+
+def group_ranks(group: Any) -> Tuple[int, ...]:
+    """The sorted global ranks of a c10d process group (cached by the group's name, unique in a world)."""
+    name = str(group.group_name)
+    ranks = _RANKS_BY_NAME.get(name)
+    if ranks is None:
+        ranks = _RANKS_BY_NAME[name] = tuple(sorted(dist.get_process_group_ranks(group)))
+    return ranks
+
+
+def _group_ranks(args: Tuple[Any, ...]) -> Tuple[int, ...]:
+    group = _process_group(args)
+    return () if group is None else group_ranks(group)
+
+
+def ranks_key(kind: str, phase: str, ranks: Sequence[int]) -> str:
+    """The key of a per-group summary: ``"<kind>/<phase>/ranks=<r0>,<r1>..."``."""
+    return f"{kind}/{phase}/ranks={','.join(str(r) for r in ranks)}"
+
+
+def summary_by_ranks(records: Iterable[Tuple[str, str, Sequence[int], int]]) -> Dict[str, Dict[str, int]]:
+    """Totals per ``ranks_key`` of ``(kind, phase, ranks, bytes)`` records: groups of equal size stay apart (the
+    shard and the replicate group of a 2 x 2 layout both have 2 ranks)."""
+    out: Dict[str, Dict[str, int]] = {}
+    for kind, phase, ranks, nbytes in records:
+        entry = out.setdefault(ranks_key(kind, phase, ranks), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+    return out
 
 
 class CommSpy(TorchDispatchMode):
@@ -78,6 +113,8 @@ class CommSpy(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: List[Tuple[str, str, int, int]] = []
+        # The same collectives with their group's global ranks (see summary_by_ranks).
+        self.group_records: List[Tuple[str, str, Tuple[int, ...], int]] = []
         self.current_phase = "none"
 
     @contextlib.contextmanager
@@ -94,7 +131,9 @@ class CommSpy(TorchDispatchMode):
         if name.startswith("c10d."):
             kind = _kind(name)
             payload = args[1] if kind == "reduce_scatter" and len(args) > 1 else (args[0] if args else None)
-            self.records.append((kind, self.current_phase, _group_size(args), _tensor_bytes(payload)))
+            ranks, nbytes = _group_ranks(args), _tensor_bytes(payload)
+            self.records.append((kind, self.current_phase, len(ranks) or -1, nbytes))
+            self.group_records.append((kind, self.current_phase, ranks, nbytes))
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> Dict[str, Dict[str, int]]:
@@ -105,6 +144,10 @@ class CommSpy(TorchDispatchMode):
             entry["count"] += 1
             entry["bytes"] += nbytes
         return out
+
+    def summary_by_ranks(self) -> Dict[str, Dict[str, int]]:
+        """Totals per ``"<kind>/<phase>/ranks=<global ranks>"``: one entry per group, not per group size."""
+        return summary_by_ranks(self.group_records)
 
 
 @contextlib.contextmanager
