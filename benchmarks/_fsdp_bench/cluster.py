@@ -107,3 +107,97 @@ def predictions(run: Dict[str, Any], cfg: BenchConfig) -> Dict[str, List[Dict[st
         ]
         for name, compute in bases.items()
     }
+
+
+# The hybrid scenario's model: the groups of a node layout, from a run's collectives per group (global ranks).
+#
+# Each group of the measured world is given a role: "full" (every rank), "shard" (inside one node) or "replicate"
+# (across nodes, not every rank). On ``nodes x ranks_per_node`` ranks a full group has every rank and crosses nodes,
+# a shard group is one node, a replicate group has one rank per node. Weak scaling as above: an all-gather or
+# reduce-scatter keeps its full-buffer bytes (a unit's parameters or gradients); an all-reduce over the replicate
+# group reduces one shard, which shrinks as the shard group grows (bytes x measured / modelled ranks per node).
+# Ring collectives: (n-1)/n of the buffer per rank for an all-gather or reduce-scatter, 2(n-1)/n for an all-reduce.
+# With ``ring=False`` every collective moves its full buffer instead: the simulated link's own convention, to set
+# the model next to the simulated run. With overlap the intra-node and the inter-node link work in parallel in
+# backward (a bucket's all-reduce across nodes runs while the next reduce-scatter runs inside the node).
+LINK_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def group_role(ranks: Tuple[int, ...], world: int, ranks_per_node: int) -> str:
+    """``"full"``, ``"shard"`` (one node) or ``"replicate"`` (across nodes) for a group of these global ranks."""
+    if len({r // ranks_per_node for r in ranks}) <= 1:
+        return "shard"
+    return "full" if len(ranks) == world else "replicate"
+
+
+def _parse_ranks(key: str) -> Tuple[str, str, Tuple[int, ...]]:
+    kind, phase, group = key.split("/")
+    return kind, phase, tuple(int(r) for r in group.split("=")[1].split(",") if r)
+
+
+def layout_link_seconds(
+    by_ranks: Summary,
+    measured: Tuple[int, int],
+    target: Tuple[int, int],
+    bws: Tuple[float, float],
+    ring: bool = True,
+) -> Dict[str, float]:
+    """Seconds per step on each link, per phase, of a run's collectives moved to the ``target`` layout.
+
+    Args:
+        by_ranks: collectives per step per group (``"kind/phase/ranks=0,1"``), one rank's view.
+        measured: (nodes, ranks per node) of the run.
+        target: (nodes, ranks per node) of the modelled cluster.
+        bws: (intra-node, inter-node) GB/s.
+        ring: ring collectives' bytes per rank; ``False``: the full buffer (the simulated link's convention).
+
+    Returns:
+        ``{"forward_intra", "forward_inter", "backward_intra", "backward_inter"}`` seconds (other phases, e.g. the
+        optimizer's, count as backward).
+    """
+    world = measured[0] * measured[1]
+    nodes, per_node = target
+    out = {f"{ph}_{link}": 0.0 for ph in ("forward", "backward") for link in ("intra", "inter")}
+    for key, entry in by_ranks.items():
+        kind, phase, ranks = _parse_ranks(key)
+        if kind not in LINK_KINDS or len(ranks) <= 1:
+            continue
+        role = group_role(ranks, world, measured[1])
+        n = {"full": nodes * per_node, "shard": per_node, "replicate": nodes}[role]
+        nbytes = float(entry["bytes"])
+        if kind == "all_reduce" and role == "replicate":
+            nbytes *= measured[1] / per_node  # the shard it reduces shrinks with a bigger shard group
+        factor = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n if ring else 1.0
+        link = "intra" if role == "shard" else "inter"
+        seconds = nbytes * factor / ((bws[0] if link == "intra" else bws[1]) * 1e9)
+        out[f"{'forward' if phase == 'forward' else 'backward'}_{link}"] += seconds
+    return out
+
+
+def predict_layout_step(
+    by_ranks: Summary,
+    microbatches: int,
+    compute_s: float,
+    measured: Tuple[int, int],
+    target: Tuple[int, int],
+    bws: Tuple[float, float],
+    ring: bool = True,
+) -> Dict[str, Any]:
+    """Predicted seconds per step of a run's collectives on the ``target`` layout, without and with overlap."""
+    links = layout_link_seconds(by_ranks, measured, target, bws, ring)
+    units = _units(by_ranks, microbatches)
+    fwd = links["forward_intra"] + links["forward_inter"]
+    bwd_serial = links["backward_intra"] + links["backward_inter"]
+    return {
+        "nodes": target[0],
+        "ranks_per_node": target[1],
+        "world_size": target[0] * target[1],
+        "units": units,
+        "compute_s": compute_s,
+        "intra_node_s": links["forward_intra"] + links["backward_intra"],
+        "inter_node_s": links["forward_inter"] + links["backward_inter"],
+        "communication_s": fwd + bwd_serial,
+        "no_overlap_s": compute_s + fwd + bwd_serial,
+        "overlap_s": _phase(compute_s / 3, fwd, units)
+        + _phase(2 * compute_s / 3, max(links["backward_intra"], links["backward_inter"]), units),
+    }

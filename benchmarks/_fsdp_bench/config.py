@@ -6,7 +6,7 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple, Union
 
 PEERS = ("fairscale", "fsdp2", "fsdp1", "ddp")
-SCENARIOS = ("train", "accum", "zero2", "latency")
+SCENARIOS = ("train", "accum", "zero2", "latency", "hybrid")
 #: The model each scenario trains ("gpt": the GPT of --layers/--hidden...; "latency": --latency-layers tiny blocks).
 MODELS = ("gpt", "latency")
 MIXED_PRECISION = ("none", "fp16", "bf16")
@@ -57,6 +57,13 @@ class BenchConfig:
     link_gbps: Optional[float] = None
     link_latency_us: float = 0.0
     link_intra_gbps: Optional[float] = None
+    hybrid_world_size: int = 4
+    hybrid_ranks_per_node: int = 2
+    hybrid_intra_gbps: float = 0.25
+    #: ``None``: a tenth of ``hybrid_intra_gbps`` (see :attr:`hybrid_inter`).
+    hybrid_inter_gbps: Optional[float] = None
+    hybrid_model_nodes: int = 8
+    hybrid_model_ranks_per_node: int = 8
     overlap_gbps: Tuple[float, ...] = (0.02, 0.08, 0.32)
     overlap_steps: int = 4
     cost_model_unit_ms: Optional[float] = None
@@ -67,6 +74,11 @@ class BenchConfig:
     timeout: float = 1800.0
     # Not an option: the latency scenario replaces it (with layers, hidden ...) in its own copy of the config.
     model: str = "gpt"
+
+    @property
+    def hybrid_inter(self) -> float:
+        """The hybrid scenario's inter-node GB/s (``--hybrid-inter-gbps``, default 10x slower than intra-node)."""
+        return self.hybrid_inter_gbps if self.hybrid_inter_gbps is not None else self.hybrid_intra_gbps / 10
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -198,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(d.scenarios),
         help="train: peers side by side; accum: --accum-microbatches window with optimize_backward_concat off/on; "
         "zero2: --zero2-world-size ranks with and without a zero2 group of --zero2-group-size; latency: every peer "
-        "on --latency-layers tiny units (CPU cost per step, per unit and per collective); all: every one "
+        "on --latency-layers tiny units (CPU cost per step, per unit and per collective); hybrid: "
+        "--hybrid-world-size ranks on nodes of --hybrid-ranks-per-node, simulated link, full vs hybrid sharding "
+        "(fairscale replicate_process_group, FSDP2 HSDP, FSDP1 HYBRID_SHARD); all: every one "
         "(benchmarks/fsdp.py also takes overlap, oss, tp and pipe, run by their own modules)",
     )
     r.add_argument("--accum-microbatches", type=int, default=d.accum_microbatches, help="window of the accum scenario")
@@ -238,6 +252,32 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.zero2_group_size,
         help="zero2 group (= ranks per node in the cost model)",
+    )
+    h = p.add_argument_group("hybrid scenario (always on a simulated link: the node layout decides each group's)")
+    h.add_argument("--hybrid-world-size", type=int, default=d.hybrid_world_size, help="ranks of the hybrid scenario")
+    h.add_argument(
+        "--hybrid-ranks-per-node",
+        type=int,
+        default=d.hybrid_ranks_per_node,
+        help="ranks per simulated node = the shard group (node of rank r: r // this)",
+    )
+    h.add_argument(
+        "--hybrid-intra-gbps", type=float, default=d.hybrid_intra_gbps, help="GB/s of a group inside one node"
+    )
+    h.add_argument(
+        "--hybrid-inter-gbps",
+        type=float,
+        default=d.hybrid_inter_gbps,
+        help="GB/s of a group spanning nodes (default: --hybrid-intra-gbps / 10)",
+    )
+    h.add_argument(
+        "--hybrid-model-nodes", type=int, default=d.hybrid_model_nodes, help="cost model: nodes of the big cluster"
+    )
+    h.add_argument(
+        "--hybrid-model-ranks-per-node",
+        type=int,
+        default=d.hybrid_model_ranks_per_node,
+        help="cost model: ranks per node of the big cluster",
     )
     r.add_argument("--intra-node-gbps", type=float, default=d.intra_node_gbps, help="cost model: GB/s inside a node")
     r.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps, help="cost model: GB/s across nodes")
@@ -323,6 +363,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         link_gbps=ns.link_gbps,
         link_latency_us=ns.link_latency_us,
         link_intra_gbps=ns.link_intra_gbps,
+        hybrid_world_size=ns.hybrid_world_size,
+        hybrid_ranks_per_node=ns.hybrid_ranks_per_node,
+        hybrid_intra_gbps=ns.hybrid_intra_gbps,
+        hybrid_inter_gbps=ns.hybrid_inter_gbps,
+        hybrid_model_nodes=ns.hybrid_model_nodes,
+        hybrid_model_ranks_per_node=ns.hybrid_model_ranks_per_node,
         overlap_gbps=tuple(ns.overlap_gbps),
         overlap_steps=ns.overlap_steps,
         cost_model_unit_ms=ns.cost_model_unit_ms,
@@ -373,6 +419,8 @@ def validate(cfg: BenchConfig) -> List[str]:
             out.append(
                 f"--zero2-group-size ({g}) must divide --zero2-world-size ({n}) and be smaller than it, e.g. 2 and 4"
             )
+    if "hybrid" in cfg.scenarios:
+        out += _hybrid_problems(cfg)
     if cfg.threads < 0:
         out.append(f"--threads must be >= 0 (got {cfg.threads})")
     if cfg.intra_node_gbps <= 0 or cfg.inter_node_gbps <= 0:
@@ -391,4 +439,26 @@ def validate(cfg: BenchConfig) -> List[str]:
         out.append(f"--cost-model-unit-ms must be > 0 (got {cfg.cost_model_unit_ms})")
     if cfg.overlap_steps < 1:
         out.append(f"--overlap-steps must be >= 1 (got {cfg.overlap_steps})")
+    return out
+
+
+def _hybrid_problems(cfg: BenchConfig) -> List[str]:
+    """What is wrong with the hybrid scenario's options."""
+    out: List[str] = []
+    g, n = cfg.hybrid_ranks_per_node, cfg.hybrid_world_size
+    if g < 2 or n % g != 0 or n // g < 2:
+        out.append(
+            f"--hybrid-ranks-per-node ({g}) must be >= 2 and divide --hybrid-world-size ({n}) into >= 2 nodes, "
+            "e.g. 2 and 4"
+        )
+    if not cfg.hybrid_intra_gbps > 0 or not cfg.hybrid_inter > 0:
+        out.append(
+            f"--hybrid-intra-gbps and --hybrid-inter-gbps must be > 0 GB/s (got {cfg.hybrid_intra_gbps}, "
+            f"{cfg.hybrid_inter_gbps})"
+        )
+    if cfg.hybrid_model_nodes < 2 or cfg.hybrid_model_ranks_per_node < 2:
+        out.append(
+            f"--hybrid-model-nodes and --hybrid-model-ranks-per-node must be >= 2 (got {cfg.hybrid_model_nodes}, "
+            f"{cfg.hybrid_model_ranks_per_node})"
+        )
     return out

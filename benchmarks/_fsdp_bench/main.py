@@ -10,6 +10,7 @@ import torch
 
 from .config import SCENARIOS, BenchConfig, parse_args
 from .launch import launch_world, run_in_torchrun, threads_per_rank, torchrun_rank
+from .hybrid import hybrid_section, hybrid_targets
 from .model import GPT
 from .latency import latency_section
 from .plot import write_plot
@@ -25,7 +26,8 @@ def worlds(cfg: BenchConfig, torchrun_world: Optional[int]) -> Dict[int, List[st
         if torchrun_world is not None:
             size = torchrun_world
         else:
-            size = cfg.zero2_world_size if scenario == "zero2" else cfg.world_size
+            sizes = {"zero2": cfg.zero2_world_size, "hybrid": cfg.hybrid_world_size}
+            size = sizes.get(scenario, cfg.world_size)
         out.setdefault(size, []).append(scenario)
     return out
 
@@ -38,6 +40,7 @@ def build_report(
     accum = accum_section(records)
     zero2 = zero2_section(records, cfg)
     latency = latency_section(records)
+    hybrid = hybrid_section(records, cfg)
     done = [r for r in records if not r.get("skipped")]
     params = sum(p.numel() for p in GPT(cfg.layers, cfg.hidden, cfg.heads, cfg.seq_len, cfg.vocab).parameters())
     first_world = next(iter(scenario_worlds.values()), cfg.world_size)
@@ -58,7 +61,8 @@ def build_report(
         "accum": accum,
         "zero2": zero2,
         "latency": latency,
-        "targets": targets(records, accum, zero2, latency),
+        "hybrid": hybrid,
+        "targets": targets(records, accum, zero2, latency) + hybrid_targets(hybrid, records),
     }
 
 
@@ -101,6 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     missing = [s for s in SCENARIOS if s not in cfg.scenarios]
     if missing:
         print(
-            f"(not run: {', '.join(missing)}; --scenario all adds the accumulation-window, zero2 and latency sections)"
+            f"(not run: {', '.join(missing)}; --scenario all adds the accumulation-window, zero2, latency and hybrid "
+            "sections)"
         )
     return 0

@@ -33,10 +33,10 @@ from .config import BenchConfig
 from .corpus import Corpus
 from .heap import HEAP_METHOD_PREFIX, HeapSampler, heap_in_use
 from .latency import count_python_calls
-from .link import link_for_peer
+from .link import NodeLayout, link_for_peer
 from .model import lm_loss
 from .peers import Peer, RunSpec, build_peer
-from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile, quiet_stderr
+from .probes import BACKWARD, PROBE_STEP, CommSpy, analyze_profile, quiet_stderr, summary_by_ranks
 
 Progress = Callable[[int, int, float, float], None]
 
@@ -93,6 +93,8 @@ class TimedRun:
         self.cpu_s: List[float] = []
         self.thread_cpu_s: List[float] = []
         self.collectives: List[Dict[str, Dict[str, int]]] = []
+        # The last step's collectives per group (global ranks), from fairscale's counter.
+        self.collectives_by_ranks: Dict[str, Dict[str, int]] = {}
 
     def step(self, step: int) -> None:
         """Run and time optimizer step ``step``."""
@@ -113,10 +115,18 @@ class TimedRun:
         self.window_s.append(t1 - t0)
         self.step_s.append(t2 - t0)
         self.collectives.append(counter.summary())
+        self.collectives_by_ranks = summary_by_ranks(
+            (r.kind, r.phase or "none", r.ranks, r.bytes) for r in counter.records
+        )
 
     def _link(self) -> ContextManager[None]:
         """The simulated link of ``--link-gbps`` around the step (nothing without it)."""
         cfg = self.cfg
+        if self.spec.scenario == "hybrid":
+            # Always on a simulated link, each group's bandwidth from its ranks (the floor run passes ops through).
+            layout = NodeLayout(cfg.hybrid_ranks_per_node, cfg.hybrid_intra_gbps, cfg.hybrid_inter)
+            gbps = None if self.spec.floor else cfg.hybrid_inter
+            return link_for_peer(self.spec.peer, gbps, cfg.link_latency_us, None, layout)
         intra = {} if cfg.link_intra_gbps is None else {cfg.zero2_group_size: cfg.link_intra_gbps}
         return link_for_peer(self.spec.peer, cfg.link_gbps, cfg.link_latency_us, intra)
 
@@ -131,6 +141,7 @@ class TimedRun:
             "cpu_s": self.cpu_s,
             "thread_cpu_s": self.thread_cpu_s,
             "collectives": self.collectives,
+            "collectives_by_ranks": self.collectives_by_ranks,
             "notes": notes,
         }
 
@@ -249,5 +260,6 @@ def probe_run(
         "memory_method": method,
         "backward_ops": analysis["backward_ops"],
         "spy": spy.summary(),
+        "spy_by_ranks": spy.summary_by_ranks(),
         "calls": calls,
     }

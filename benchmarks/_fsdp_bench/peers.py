@@ -9,6 +9,7 @@ the way that implementation's users do it (``no_sync()``, ``set_requires_gradien
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -20,7 +21,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel, zero2_groups
 from fairscale.nn.wrap import auto_wrap, enable_wrap
 
 from .config import BenchConfig, Reshard
-from .link import register_group
+from .link import register_group, register_layout_group
 from .model import build_model, wrap_plan, wrap_policy
 
 DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -37,6 +38,9 @@ class RunSpec:
         microbatches: microbatches per optimizer step.
         optimize_backward_concat: fairscale's flag (other peers ignore it).
         prefetch: fairscale's ``forward_prefetch`` and ``backward_prefetch`` (``None``: their defaults).
+        hybrid: shard inside a node and replicate across nodes (fairscale ``replicate_process_group``, FSDP2 on a
+            2-D mesh, FSDP1 ``HYBRID_SHARD``); the node size is ``--hybrid-ranks-per-node``.
+        floor: run without the simulated link (the hybrid scenario's compute floor).
     """
 
     scenario: str
@@ -45,6 +49,8 @@ class RunSpec:
     microbatches: int
     optimize_backward_concat: bool = False
     prefetch: Optional[bool] = None
+    hybrid: bool = False
+    floor: bool = False
 
     @property
     def config_label(self) -> str:
@@ -62,6 +68,10 @@ class RunSpec:
             parts.append("obc")
         if self.prefetch is not None and self.peer == "fairscale":
             parts.append("prefetch" if self.prefetch else "no-prefetch")
+        if self.scenario == "hybrid":
+            parts.append("hybrid" if self.hybrid else "full")
+        if self.floor:
+            parts.append("no-link")
         return " ".join(parts)
 
     @property
@@ -93,6 +103,13 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
     every rank, before anything collective happens."""
     if spec.peer == "fsdp2" and _fully_shard() is None:
         return f"torch {torch.__version__} has no fully_shard (FSDP2 needs torch >= 2.4)"
+    nodes, rest = divmod(cfg.world_size, cfg.hybrid_ranks_per_node)
+    if spec.hybrid and (rest or nodes < 2):
+        return f"a world of {cfg.world_size} ranks is not >= 2 nodes of {cfg.hybrid_ranks_per_node} ranks"
+    if spec.peer == "fairscale" and spec.hybrid and not _has_hybrid():
+        return "this fairscale's FullyShardedDataParallel has no replicate_process_group (hybrid sharding)"
+    if spec.peer == "ddp" and spec.hybrid:
+        return "DDP replicates everything; it has no hybrid mode"
     if spec.peer == "fsdp1" and not isinstance(spec.reshard, bool):
         return "FSDP1 has no reshard-to-a-subgroup mode (HYBRID_SHARD replicates instead)"
     if spec.peer == "fsdp1" and cfg.checkpoint_activations and cfg.auto_wrap_policy != "block":
@@ -100,6 +117,11 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         # block's recomputation then reads freed storage.
         return "FSDP1 fails with checkpointed blocks inside a bigger unit; use --auto-wrap-policy block"
     return None
+
+
+def _has_hybrid() -> bool:
+    """Whether fairscale's FSDP takes ``replicate_process_group`` (hybrid sharding)."""
+    return "replicate_process_group" in inspect.signature(FullyShardedDataParallel.__init__).parameters
 
 
 def _fully_shard() -> Optional[Callable[..., Any]]:
@@ -135,6 +157,31 @@ def _mesh(device: torch.device) -> Any:
     return _GROUP_CACHE[key]
 
 
+def _hybrid_mesh(device: torch.device, ranks_per_node: int) -> Any:
+    """The (nodes, ranks per node) mesh of FSDP2 HSDP and FSDP1 HYBRID_SHARD: rows are nodes (consecutive ranks),
+    the ``"shard"`` dimension runs inside a node and ``"replicate"`` across, as fairscale's hybrid groups."""
+    key = ("hybrid_mesh", ranks_per_node)
+    if key not in _GROUP_CACHE:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (dist.get_world_size() // ranks_per_node, ranks_per_node)
+        _GROUP_CACHE[key] = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return _GROUP_CACHE[key]
+
+
+def _hybrid_groups(ranks_per_node: int) -> Tuple[Any, Any]:
+    """This rank's (shard, replicate) groups from fairscale's ``hybrid_groups``, created once per world."""
+    key = ("hybrid", ranks_per_node)
+    if key not in _GROUP_CACHE:
+        from fairscale.nn import data_parallel
+
+        shard, replicate = data_parallel.hybrid_groups(ranks_per_node)
+        for group in (shard, replicate):
+            register_layout_group(group)  # the simulated link gives each the bandwidth its ranks imply
+        _GROUP_CACHE[key] = (shard, replicate)
+    return _GROUP_CACHE[key]  # type: ignore[no-any-return]
+
+
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
@@ -164,6 +211,8 @@ def _fairscale(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfi
         kwargs["compute_dtype"] = dtype
     if not isinstance(spec.reshard, bool):
         kwargs["zero2_process_group"] = _zero2_group(spec.reshard)
+    if spec.hybrid:
+        kwargs["process_group"], kwargs["replicate_process_group"] = _hybrid_groups(cfg.hybrid_ranks_per_node)
     policy = wrap_policy(cfg)
     if policy is not None:
         with enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs):
@@ -186,7 +235,7 @@ def _fsdp2(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
     fully_shard = _fully_shard()
     assert fully_shard is not None  # skip_reason() said so
     dtype = DTYPES[cfg.mixed_precision]
-    kwargs: Dict[str, Any] = {"mesh": _mesh(device)}
+    kwargs: Dict[str, Any] = {"mesh": _hybrid_mesh(device, cfg.hybrid_ranks_per_node) if spec.hybrid else _mesh(device)}
     if dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     inner = [model.get_submodule(path) for path in plan]
@@ -210,7 +259,8 @@ def _fsdp2(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
         yield
 
     notes = [
-        f"fully_shard(reshard_after_forward={spec.reshard}{', mp_policy=' + str(dtype) if dtype else ''}) on "
+        f"fully_shard(reshard_after_forward={spec.reshard}{', mp_policy=' + str(dtype) if dtype else ''}"
+        f"{', mesh=' + str(tuple(kwargs['mesh'].shape)) + ' (replicate, shard)' if spec.hybrid else ''}) on "
         f"{len(plan)} units + root; set_requires_gradient_sync/set_reshard_after_backward per microbatch"
     ]
     return Peer(model, microbatch, notes=notes)
@@ -223,6 +273,10 @@ def _fsdp1(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
     dtype = DTYPES[cfg.mixed_precision]
     strategy = ShardingStrategy.FULL_SHARD if spec.reshard else ShardingStrategy.SHARD_GRAD_OP
     kwargs: Dict[str, Any] = dict(sharding_strategy=strategy, device_id=device, use_orig_params=False)
+    if spec.hybrid:
+        # The same 2-D mesh as FSDP2's HSDP: shard inside a node, replicate across.
+        strategy = ShardingStrategy.HYBRID_SHARD if spec.reshard else ShardingStrategy._HYBRID_SHARD_ZERO2
+        kwargs.update(sharding_strategy=strategy, device_mesh=_hybrid_mesh(device, cfg.hybrid_ranks_per_node))
     if dtype is not None:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
     with warnings.catch_warnings():

@@ -7,6 +7,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from .config import BenchConfig
+from .hybrid import hybrid_text
 from .latency import latency_text
 
 
@@ -183,6 +184,8 @@ def full_text(cfg: BenchConfig, report: Dict[str, Any]) -> str:
         parts.append("\n" + zero2_text(report["zero2"]))
     if report.get("latency"):
         parts.append("\n" + latency_text(report["latency"]))
+    if report.get("hybrid"):
+        parts.append("\n" + hybrid_text(report["hybrid"]))
     for issue in sorted({t.get("issue", 10) for t in report.get("targets") or []}):
         mine = [t for t in report["targets"] if t.get("issue", 10) == issue]
         parts.append(f"\ntargets (issue {issue}):\n" + targets_text(mine))

@@ -45,6 +45,8 @@ def spec_fields(spec: RunSpec) -> Dict[str, Any]:
         "reshard_after_forward": spec.reshard,
         "microbatches": spec.microbatches,
         "optimize_backward_concat": spec.optimize_backward_concat if spec.peer == "fairscale" else None,
+        "hybrid": spec.hybrid,
+        "floor": spec.floor,
     }
 
 
@@ -62,7 +64,9 @@ def expected_collectives(spec: RunSpec, cfg: BenchConfig, world_size: int) -> Op
     units = unit_param_numels(model, wrap_plan(cfg, model))
     dtype = DTYPES[cfg.mixed_precision] or torch.float32
     element = torch.empty((), dtype=dtype).element_size()
-    return zero3_per_step(units, world_size, spec.reshard, spec.microbatches, element, cfg.flatten)
+    # Hybrid sharding shards over one node (then all-reduces the shards across nodes, which the formula leaves out).
+    shard_size = cfg.hybrid_ranks_per_node if spec.hybrid else world_size
+    return zero3_per_step(units, shard_size, spec.reshard, spec.microbatches, element, cfg.flatten)
 
 
 def count_units(cfg: BenchConfig) -> int:
@@ -138,6 +142,10 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
         "counter_per_step": counter[-1] if spec.peer == "fairscale" else None,
         "counter_constant_across_steps": all(c == counter[-1] for c in counter) if spec.peer == "fairscale" else None,
         "spy_per_step": probe[0]["spy"],
+        # Rank 0's collectives per group (key "kind/phase/ranks=..."): groups of one size told apart.
+        "collectives_per_group": (
+            timed[0]["collectives_by_ranks"] if spec.peer == "fairscale" else probe[0]["spy_by_ranks"]
+        ),
         "formula_per_step": expected,
         "formula_differences": diffs,
         "formula_matches": (not diffs) if diffs is not None else None,

@@ -46,6 +46,12 @@ def specs_for(cfg: BenchConfig, scenario: str) -> List[RunSpec]:
         if "fsdp2" in cfg.compare:
             specs += [RunSpec("zero2", "fsdp2", True, cfg.microbatches), RunSpec("zero2", "fsdp2", g, cfg.microbatches)]
         return specs
+    if scenario == "hybrid":
+        m = cfg.microbatches
+        specs = [RunSpec("hybrid", "fairscale", True, m), RunSpec("hybrid", "fairscale", True, m, hybrid=True)]
+        specs += [RunSpec("hybrid", peer, True, m, hybrid=True) for peer in ("fsdp2", "fsdp1") if peer in cfg.compare]
+        # Full sharding without the link: the compute the cost model adds the modelled communication to.
+        return specs + [RunSpec("hybrid", "fairscale", True, m, floor=True)]
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
