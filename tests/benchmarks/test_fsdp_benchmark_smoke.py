@@ -2,7 +2,7 @@
 """Smoke test of the main job, ``benchmarks/fsdp.py``, plus unit tests of its pure parts.
 
 The smoke test runs the real command line in a subprocess with a tiny model for 2 timed steps and every scenario
-(train with all peers, the accumulation window, zero2 at world size 4), then checks that the JSON has every field,
+(train with all peers, the accumulation window, zero2 and hybrid at world size 4), then checks that the JSON has every field,
 that the losses are finite and match across peers, and that the benchmark's two collective instruments (fairscale's
 counter and the c10d spy) agree. No timing assertions.
 """
@@ -80,6 +80,9 @@ RUN_FIELDS = {
     "loss_reference",
     "loss_max_abs_diff",
     "loss_matches",
+    "hybrid",
+    "floor",
+    "collectives_per_group",
 }
 TOP_FIELDS = {
     "command",
@@ -91,6 +94,7 @@ TOP_FIELDS = {
     "accum",
     "zero2",
     "latency",
+    "hybrid",
     "targets",
 }
 
@@ -138,7 +142,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_json_has_every_field(report: dict) -> None:
     assert TOP_FIELDS <= set(report)
-    assert report["worlds"] == {"train": 2, "accum": 2, "zero2": 4, "latency": 2}
+    assert report["worlds"] == {"train": 2, "accum": 2, "zero2": 4, "latency": 2, "hybrid": 4}
     ran = [r for r in report["runs"] if not r["skipped"]]
     assert {r["peer"] for r in ran if r["scenario"] == "train"} == {"fairscale", "fsdp2", "fsdp1", "ddp"}
     for r in ran:
@@ -292,5 +296,5 @@ def test_options_parse() -> None:
     assert cfg.accum_batch == 4 and cfg.accum_reshard_after_forward is True
     assert cfg.compare == ("fairscale", "fsdp2")
     assert cfg.reshard_after_forward == (False, 2)
-    assert cfg.scenarios == ("train", "accum", "zero2", "latency")
+    assert cfg.scenarios == ("train", "accum", "zero2", "latency", "hybrid")
     assert cfg.mixed_precision == "bf16" and cfg.flatten is False
