@@ -208,9 +208,15 @@ def test_cost_model_by_hand() -> None:
     assert p_hybrid["overlap_s"] / p_full["overlap_s"] < 1 and p_hybrid["no_overlap_s"] < p_full["no_overlap_s"]
 
 
+#: The tiny run's links (GB/s): slow enough that a step cannot be shorter than its busiest link's time, and 50x
+#: apart, so that the replicate group's all-reduces (inter-node) bound the hybrid runs, not the shard group's traffic.
+INTRA_GBPS, INTER_GBPS = 0.01, 0.0002
+
+
 def _tiny_report(tmp_path: Any) -> Dict[str, Any]:
     out = tmp_path / "hybrid.json"
     cmd = [sys.executable, os.path.join(BENCH_DIR, "fsdp.py"), *TINY, "--scenario", "hybrid", "--steps", "2"]
+    cmd += ["--hybrid-intra-gbps", str(INTRA_GBPS), "--hybrid-inter-gbps", str(INTER_GBPS)]
     cmd += ["--microbatches", "2", "--out", str(out), "--plot", ""]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, f"benchmark failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
@@ -235,6 +241,19 @@ def test_tiny_run(tmp_path: Any) -> None:
             assert groups[label] == {"shard 0,1", "replicate 0,2"}, label
             kinds = report["hybrid"]["runs"][label]["collectives_per_group"]
             assert set(kinds["replicate 0,2"]) == {"all_reduce/backward"}, label
+    layout = NodeLayout(2, INTRA_GBPS, INTER_GBPS)
+    for r in report["runs"]:
+        if r["skipped"] or r["floor"]:
+            continue
+        # A lower bound only (load makes steps slower, never faster than the link allows): each group's bytes per
+        # step on its own link, the inter-node one for the all-reduces of the 2-rank replicate group.
+        seconds: Dict[Tuple[int, ...], float] = {}
+        for key, entry in r["collectives_per_group"].items():
+            ranks = tuple(int(x) for x in key.split("=")[1].split(","))
+            if key.split("/")[0] in ("all_gather", "reduce_scatter", "all_reduce") and len(ranks) > 1:
+                seconds[ranks] = seconds.get(ranks, 0.0) + entry["bytes"] / (layout.gbps(ranks) * 1e9)
+        busiest = max(seconds.values())
+        assert min(r["step_s"][r["warmup"] :]) >= 0.9 * busiest > 0, (r["label"], r["step_s"], busiest)
     for r in report["runs"]:
         if not r["skipped"]:
             assert r["loss_matches"], f"{r['label']} differs from {r['loss_reference']} by {r['loss_max_abs_diff']}"
