@@ -120,7 +120,8 @@ class TimedRun:
         )
 
     def _link(self) -> ContextManager[None]:
-        """The simulated link of ``--link-gbps`` around the step (nothing without it)."""
+        """The simulated link around the step: ``--link-gbps`` (nothing without it), or in the hybrid scenario always
+        the node layout's (see link.NodeLayout)."""
         cfg = self.cfg
         if self.spec.scenario == "hybrid":
             # Always on a simulated link, each group's bandwidth from its ranks (the floor run passes ops through).
