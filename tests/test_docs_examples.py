@@ -59,6 +59,7 @@ KINDS: Dict[str, List[str]] = {
     "docs/optim.rst": ["script"] * 2,  # run by tests/optim/test_optim_docs.py
     "docs/wrap_and_checkpoint.rst": ["script", "python"],
     "docs/zero2.rst": ["python", "shell", "text"],
+    "docs/hybrid.rst": ["python"],
     "docs/experimental.rst": ["script"],  # run by tests/experimental/test_experimental_docs.py
     "docs/pipe.rst": ["script"] * 3,  # run by tests/nn/pipe/test_pipe_docs.py
 }
@@ -423,6 +424,42 @@ def _zero2_example(rank: int, world_size: int) -> None:
 
 def test_zero2_example_on_four_ranks() -> None:
     run_distributed(_zero2_example, 4, timeout=120)
+
+
+def _hybrid_example(rank: int, world_size: int) -> None:
+    """docs/hybrid.rst on 4 CPU ranks as 2 "nodes" of 2: gathers and reduce-scatters inside the node, one all-reduce
+    per bucket across the nodes, one step like the unwrapped model on the same (global) batch."""
+    code = adapt(block("docs/hybrid.rst", 0), dict(INIT, **{"torch.cuda.device_count()": "_gpus_per_node()"}))
+    torch.manual_seed(0)
+    template = BlockNet()
+    ns = run_example(
+        "docs/hybrid.rst",
+        0,
+        {"model": copy.deepcopy(template), "_init_process_group": _init_process_group, "_gpus_per_node": lambda: 2},
+        code,
+    )
+    model = ns["model"]
+    assert collectives.group_ranks(ns["shard"]) == ((0, 1) if rank < 2 else (2, 3))
+    assert collectives.group_ranks(ns["replicate"]) == ((0, 2) if rank % 2 == 0 else (1, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    xs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    with count_collectives() as counter:
+        model(xs[rank]).float().pow(2).mean().backward()
+    node = (0, 1) if rank < 2 else (2, 3)
+    across = (0, 2) if rank % 2 == 0 else (1, 3)
+    assert {r.ranks for r in counter.records if r.kind in ("all_gather", "reduce_scatter")} == {node}, counter.summary()
+    reduces = [r for r in counter.records if r.kind == "all_reduce"]
+    assert reduces and {r.ranks for r in reduces} == {across}, counter.summary()
+    opt.step()
+    ref = copy.deepcopy(template)
+    # The hybrid step averages the four ranks' gradients, as the mean loss over the four batches does.
+    torch.stack([ref(x).pow(2).mean() for x in xs]).mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    _assert_update_close(_full_state(model), _full_state(ref), _full_state(template), rel=0.05)
+
+
+def test_hybrid_example_on_four_ranks() -> None:
+    run_distributed(_hybrid_example, 4, timeout=120)
 
 
 # ------------------------------------------------------------------------------------------------------ checkpointing

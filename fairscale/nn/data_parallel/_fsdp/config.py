@@ -131,6 +131,8 @@ def make_config(
     validate_param_dtypes(params, mixed_precision, resolved_dtype)
     problem = zero2.local_problem(zero2_process_group, group)
     zero2_rank, zero2_size = zero2.rank_and_size(zero2_process_group, problem)
+    if replicate_process_group is not None:
+        hybrid.world_group()  # created now, in construction order on every rank (see hybrid.world_group)
     replicate_problem = hybrid.local_problem(replicate_process_group, group)
     replicate_rank, replicate_size = hybrid.rank_and_size(replicate_process_group, replicate_problem)
     if replicate_process_group is not None and process_group_reduce_scatter == ProcessGroupName.reduce_scatter:

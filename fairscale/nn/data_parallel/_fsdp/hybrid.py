@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from fairscale.internal import collectives
-from fairscale.internal.parallel import default_group_timeout
+from fairscale.internal.parallel import default_group_timeout, get_process_group_cached
 
 #: One rank's view of one FSDP instance with a replicate group: (path, shard group ranks, replicate group ranks, this
 #: rank's index in the shard group, problem seen locally or None). Ranks are global, in group order.
@@ -45,6 +45,16 @@ def local_problem(replicate_group: Any, process_group: Any) -> Optional[str]:
             "in this rank only"
         )
     return None
+
+
+def world_group() -> Any:
+    """FSDP's cached group of the whole world, over which hybrid settings are checked and loads agree.
+
+    :func:`fairscale.nn.data_parallel._fsdp.config.make_config` creates it at the construction of the first hybrid
+    instance (``new_group`` is collective, and construction happens in the same order on every rank), where an
+    instance built without a ``process_group`` creates it too.
+    """
+    return get_process_group_cached()
 
 
 def rank_and_size(replicate_group: Any, problem: Optional[str]) -> Tuple[int, int]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 from fairscale.internal import collectives
 
-from . import identity
+from . import hybrid, identity
 from .unit import FSDPUnit
 
 # Exception types a failing rank's error is re-created as on every rank (others become RuntimeError).
@@ -54,7 +54,7 @@ def load_collectively(
         mine = (None if error is None else (_kind(error), _message(error)), _id(loaded), token)
         # On the compute device: NCCL object collectives allocate on the current device.
         # With hybrid sharding every replica loads too: a load that failed on one replica only must roll back all.
-        group = None if unit.config.replicate_process_group is not None else unit.config.process_group
+        group = hybrid.world_group() if unit.config.replicate_process_group is not None else unit.config.process_group
         with collectives.collective_phase("load"), unit.device.as_current():
             views: List[Tuple[Any, Optional[str], str]] = collectives.all_gather_object(mine, group=group)
         ranks = list(collectives.group_ranks(group))

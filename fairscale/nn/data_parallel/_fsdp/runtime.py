@@ -128,10 +128,11 @@ def check_zero2_groups_once(root: FSDPUnit) -> None:
 
     Both are small collectives. The first one runs on every rank, with or without such groups, because a group
     passed on some ranks and ``None`` on others would otherwise make the ranks issue different collectives (a hang);
-    it raises the same ``ValueError`` on every rank instead. It runs over the whole world when the root's group
-    spans it or hybrid sharding is on (the shard group is then a part of the world, and the layout of the replicate
-    groups can only be checked from every rank's view); a rank without a replicate group whose ``process_group``
-    is the whole world so meets the hybrid ranks in the same gather and raises the same error.
+    it raises the same ``ValueError`` on every rank instead. With hybrid sharding it runs over FSDP's cached group of
+    the whole world (the shard group is then a part of the world, and the layout of the replicate groups can only be
+    checked from every rank's view); that is also the ``process_group`` of an instance built without one, so a rank
+    given no replicate group meets the hybrid ranks in the same gather and raises the same error. Not the default
+    group: other code (an asynchronous checkpoint save, say) may use it from another thread at the same time.
     """
     if root.zero2_checked:
         return
@@ -147,13 +148,12 @@ def check_zero2_groups_once(root: FSDPUnit) -> None:
             for path, uc in named_units
             if uc.replicate_process_group is not None
         ]
-        world = collectives.group_size(None)
-        everyone = bool(hybrid_views) or (c.world_size > 1 and c.world_size == world)
-        if c.world_size > 1 or everyone:
+        group = hybrid.world_group() if hybrid_views else c.process_group
+        if hybrid_views or c.world_size > 1:
             named = [(path, uc.zero2_process_group, uc.replicate_process_group) for path, uc in named_units]
-            token, views = zero2.check_same_setting(None if everyone else c.process_group, named, token, hybrid_views)
+            token, views = zero2.check_same_setting(group, named, token, hybrid_views)
             if hybrid_views:
-                hybrid.check_grid(views, world)
+                hybrid.check_grid(views, collectives.group_size(group))
         if root.ckpt_token is None:  # a load may have set one already, agreed the same way
             root.ckpt_token = token
         seen = set()
