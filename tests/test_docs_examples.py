@@ -393,18 +393,24 @@ def test_python_examples_on_two_ranks() -> None:
     run_distributed(_python_examples, 2, timeout=120)
 
 
+def _two_node_example(name: str) -> Tuple[Dict[str, Any], nn.Module]:
+    """Run the first example of ``name`` (which wraps a ``model`` with ``.blocks``) as on 2 "nodes" of 2 GPUs;
+    returns its namespace and an unwrapped copy of the model it started from."""
+    code = adapt(block(name, 0), dict(INIT, **{"torch.cuda.device_count()": "_gpus_per_node()"}))
+    torch.manual_seed(0)
+    template = BlockNet()
+    namespace = {
+        "model": copy.deepcopy(template),
+        "_init_process_group": _init_process_group,
+        "_gpus_per_node": lambda: 2,
+    }
+    return run_example(name, 0, namespace, code), template
+
+
 def _zero2_example(rank: int, world_size: int) -> None:
     """docs/zero2.rst on 4 CPU ranks as 2 "nodes" of 2: backward gathers of the blocks over the 2-rank group,
     forward gathers and reduce-scatters over all 4, one step like the unwrapped model."""
-    code = adapt(block("docs/zero2.rst", 0), dict(INIT, **{"torch.cuda.device_count()": "_gpus_per_node()"}))
-    torch.manual_seed(0)
-    template = BlockNet()
-    ns = run_example(
-        "docs/zero2.rst",
-        0,
-        {"model": copy.deepcopy(template), "_init_process_group": _init_process_group, "_gpus_per_node": lambda: 2},
-        code,
-    )
+    ns, template = _two_node_example("docs/zero2.rst")
     model = ns["model"]
     assert collectives.group_ranks(ns["node_group"]) == ((0, 1) if rank < 2 else (2, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -429,15 +435,7 @@ def test_zero2_example_on_four_ranks() -> None:
 def _hybrid_example(rank: int, world_size: int) -> None:
     """docs/hybrid.rst on 4 CPU ranks as 2 "nodes" of 2: gathers and reduce-scatters inside the node, one all-reduce
     per bucket across the nodes, one step like the unwrapped model on the same (global) batch."""
-    code = adapt(block("docs/hybrid.rst", 0), dict(INIT, **{"torch.cuda.device_count()": "_gpus_per_node()"}))
-    torch.manual_seed(0)
-    template = BlockNet()
-    ns = run_example(
-        "docs/hybrid.rst",
-        0,
-        {"model": copy.deepcopy(template), "_init_process_group": _init_process_group, "_gpus_per_node": lambda: 2},
-        code,
-    )
+    ns, template = _two_node_example("docs/hybrid.rst")
     model = ns["model"]
     assert collectives.group_ranks(ns["shard"]) == ((0, 1) if rank < 2 else (2, 3))
     assert collectives.group_ranks(ns["replicate"]) == ((0, 2) if rank % 2 == 0 else (1, 3))
