@@ -99,6 +99,7 @@ def _check_one(path: str, per_rank: Dict[int, HybridView], world_size: int) -> N
                 f"{where}: rank {rank} has a {len(shard)}-rank process_group and a {len(replicate)}-rank "
                 f"replicate_process_group, rank 0 has {shard_size} and {replicate_size}; all must be equal"
             )
+    for rank, (_, shard, replicate, _, _) in sorted(per_rank.items()):
         for other in shard:
             if per_rank[other][1] != shard:
                 _raise(
