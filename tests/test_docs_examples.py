@@ -42,7 +42,8 @@ KINDS: Dict[str, List[str]] = {
     "docs/architecture.rst": ["text", "text"],
     "docs/benchmarks.rst": ["shell", "shell", "text", "shell", "text", "text"]
     + ["shell", "text", "text", "text", "text", "text"]  # issue 28: latency run, instructions, train, accum, targets
-    + ["shell", "text"],
+    + ["shell", "text"]
+    + ["shell", "text"],  # issue 29: the hybrid scenario's command and one run
     "docs/clients.rst": [],
     # The DCP section's blocks ("script") are run by tests/nn/data_parallel/test_fsdp_dcp_docs.py.
     "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 5,
