@@ -1,0 +1,170 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What the DCP model and optimizer state dicts share: DTensor chunks, the check of a given value, the calls' frame.
+
+* :func:`_as_dtensor` wraps this rank's chunk of an original parameter (or of a per-parameter optimizer state) as a
+  DTensor with ``Shard(0)`` (``Replicate`` for 0-dim) over the 1-D DeviceMesh of the root's group, without
+  communication; :func:`_chunk_lists` cuts those chunks out of flat tensors (or makes empty ones for a template).
+* :func:`_classify` checks a value given for a parameter on load and says whether it is this rank's chunk or the
+  full tensor.
+* :func:`check_root`, :func:`_require_dtensor` and :func:`_initialized_tree` frame every call of
+  :mod:`.dcp_state` and :mod:`.dcp_optim`.
+"""
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .dcp_layout import HandleLayout, ModelLayout, OrigParam
+from .dcp_reshard import CHUNK, FULL, flat_to_chunks
+from .runtime import lazy_init, lazy_init_for_call
+from .unit import FSDPUnit
+
+try:  # torch >= 2.4: public DTensor
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    _DTENSOR_ERROR: Optional[str] = None
+except ImportError as e:  # pragma: no cover - old torch
+    _DTENSOR_ERROR = str(e)
+try:  # what DTensor.from_local builds, without its autograd function (a tenth of a save's CPU time otherwise)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    _DIRECT_DTENSOR = [True]
+except ImportError:  # pragma: no cover - another torch layout: from_local
+    _DIRECT_DTENSOR = [False]
+
+Value = Optional[Tuple[str, Tensor]]
+
+
+def _require_dtensor(what: str) -> None:
+    if _DTENSOR_ERROR is not None:  # pragma: no cover - old torch
+        raise ImportError(
+            f"{what} needs torch.distributed.tensor (DTensor, torch >= 2.4); this torch has none: {_DTENSOR_ERROR}"
+        )
+
+
+def check_root(unit: FSDPUnit, what: str) -> None:
+    """Refuse a nested instance before lazy init could make it the root of its own subtree."""
+    if unit.has_fsdp_parent or unit.is_root is False:
+        raise ValueError(
+            f"{what}: call it with the root FullyShardedDataParallel instance (the outermost one), not a nested one"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- DTensors
+
+
+class _Meshes:
+    """The 1-D DeviceMesh of the layout's group, per device type (``None`` without torch.distributed)."""
+
+    def __init__(self, layout: ModelLayout) -> None:
+        self.layout = layout
+        self._cache: Dict[str, Any] = {}
+
+    def get(self, device_type: str) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if device_type not in self._cache:
+            group = self.layout.group if self.layout.group is not None else dist.group.WORLD
+            if group is None:
+                return None
+            self._cache[device_type] = DeviceMesh.from_group(group, device_type)
+        return self._cache[device_type]
+
+
+def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    stride: List[int] = []
+    running = 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(int(size), 1)
+    return tuple(reversed(stride))
+
+
+@torch.no_grad()
+def _as_dtensor(local: Tensor, p: OrigParam, meshes: _Meshes) -> Any:
+    """This rank's chunk of ``p`` as a DTensor (``Shard(0)``; ``Replicate`` for 0-dim), without communication."""
+    mesh = meshes.get(local.device.type)
+    if mesh is None:
+        return local  # no process group: world size 1, the chunk is the whole tensor
+    placements = (Replicate(),) if p.is_scalar else (Shard(0),)
+    stride = _contiguous_stride(p.shape)
+    if _DIRECT_DTENSOR[0]:
+        try:
+            spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(p.shape, stride, local.dtype))
+            return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        except TypeError:  # pragma: no cover - the private constructor changed: the public path from now on
+            _DIRECT_DTENSOR[0] = False
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=stride)
+
+
+def _classify(
+    value: Any, p: OrigParam, hl: HandleLayout, layout: ModelLayout, key: str, what: str
+) -> Tuple[str, Tensor]:
+    """``(CHUNK, this rank's chunk)`` or ``(FULL, full tensor)`` for a value given for parameter ``p``."""
+    if _DTENSOR_ERROR is None and isinstance(value, DTensor):
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{what}: {key!r} has global shape {tuple(value.shape)} but the model's parameter has shape "
+                f"{tuple(p.shape)}; the checkpoint was saved from another model"
+            )
+        placements = tuple(value.placements)
+        if all(isinstance(pl, Replicate) for pl in placements):
+            return FULL, value.to_local()
+        mesh_ranks = tuple(int(r) for r in value.device_mesh.mesh.flatten().tolist())
+        if len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
+            raise ValueError(
+                f"{what}: {key!r} is a DTensor with placements {placements}; only Shard(0) over a 1-D mesh (FSDP2's "
+                "and this module's layout) or Replicate can be loaded. Load the checkpoint with dcp.load into "
+                "get_model_state_dict(model) / get_optimizer_state_dict(model, optim) instead."
+            )
+        if mesh_ranks != layout.group_ranks:
+            raise ValueError(
+                f"{what}: {key!r} is sharded over ranks {list(mesh_ranks)} but this model shards over "
+                f"{list(layout.group_ranks)}; load the checkpoint with dcp.load into the state dict that "
+                "get_model_state_dict(model) / get_optimizer_state_dict(model, optim) returns, which reshards it"
+            )
+        local = value.to_local()
+        expected = p.chunk_shape(hl.world_size, hl.rank)
+        if tuple(local.shape) != tuple(expected):
+            raise ValueError(
+                f"{what}: the local chunk of {key!r} on group rank {hl.rank} has shape {tuple(local.shape)} but "
+                f"Shard(0) of {tuple(p.shape)} over {hl.world_size} ranks gives {tuple(expected)}"
+            )
+        return CHUNK, local
+    if isinstance(value, Tensor):
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{what}: size mismatch for {key!r}: the value has shape {tuple(value.shape)} but the model's "
+                f"parameter has shape {tuple(p.shape)}; the checkpoint was saved from another model"
+            )
+        return FULL, value
+    raise TypeError(f"{what}: {key!r} must be a Tensor or DTensor, got {type(value).__name__}")
+
+
+@contextlib.contextmanager
+def _initialized_tree(unit: FSDPUnit) -> Iterator[None]:
+    """Lazy init of every unit of the tree for one call (undone afterwards if the model was not initialised)."""
+    with lazy_init_for_call(unit):
+        for u in unit.tree_units():
+            lazy_init(u)  # nested units materialise their shards at their own first use otherwise
+        unit.device.synchronize()
+        yield
+
+
+# What the chunks of a state dict hold: copies of the values, or nothing (a template for dcp.load to fill, made
+# without communication).
+COPIES, TEMPLATE = "copies", "template"
+
+
+def _chunk_lists(items: List[Tuple[HandleLayout, Tensor, torch.device]], values: str) -> List[List[Tensor]]:
+    """Per ``(handle, flat tensor, device)``: this rank's chunk of every parameter (collective), or a template."""
+    if values != TEMPLATE:
+        return flat_to_chunks(items)
+    return [
+        [torch.empty(p.chunk_shape(hl.world_size, hl.rank), dtype=flat.dtype, device=device) for p in hl.params]
+        for hl, flat, device in items
+    ]
