@@ -492,11 +492,11 @@ def _expect_value_error(make: Callable[[], FSDP], *needles: str) -> str:
     raise AssertionError("a misconfigured replicate_process_group was accepted")
 
 
-def _nested(process_group: Any, replicate: Any) -> FSDP:
+def _nested(process_group: Any, replicate: Any, **kwargs: Any) -> FSDP:
     torch.manual_seed(0)
     net = Net()
-    net.blocks[0] = FSDP(net.blocks[0], process_group=process_group, replicate_process_group=replicate)
-    return FSDP(net, process_group=process_group, replicate_process_group=replicate)
+    net.blocks[0] = FSDP(net.blocks[0], process_group=process_group, replicate_process_group=replicate, **kwargs)
+    return FSDP(net, process_group=process_group, replicate_process_group=replicate, **kwargs)
 
 
 def _same_message_everywhere(msg: str) -> None:
@@ -580,9 +580,13 @@ def test_validation_errors_on_every_rank() -> None:
 
 
 def _nested_or_plain(rank: int, shard: Any, replicate: Any, plain_group: Any, plain_rs: Any) -> FSDP:
-    """Ranks 0 and 1 shard over their node and replicate; ranks 2 and 3 forgot both (plain sharding over the world)."""
+    """Ranks 0 and 1 shard over their node and replicate; ranks 2 and 3 forgot both (plain sharding over the world).
+
+    Both sides pass the same ``process_group_reduce_scatter`` (the same script with the replicate argument dropped on
+    some ranks): the group-creation calls of construction then match, which the first forward's check relies on.
+    """
     if rank < 2:
-        return _nested(shard, replicate)
+        return _nested(shard, replicate, process_group_reduce_scatter=plain_rs)
     torch.manual_seed(0)
     net = Net()
     net.blocks[0] = FSDP(net.blocks[0], process_group=plain_group, process_group_reduce_scatter=plain_rs)
@@ -591,7 +595,7 @@ def _nested_or_plain(rank: int, shard: Any, replicate: Any, plain_group: Any, pl
 
 def _replicate_on_some_ranks_only(rank: int, world_size: int) -> None:
     shard, replicate = hybrid_groups(2)
-    # The others' instances reduce-scatter over their process_group: no cached reduce-scatter group (see below).
+    # Every instance reduce-scatters over its process_group: no cached reduce-scatter group on any rank.
     make = functools.partial(_nested_or_plain, rank, shard, replicate, None, ProcessGroupName.default)
     msg = _expect_value_error(make, "differs across ranks")
     assert "rank 0: 2 instances, zero2_process_group on none, replicate_process_group on ['<root>', 'blocks.0']" in msg
@@ -610,14 +614,6 @@ def _replicate_on_some_ranks_only_defaults(rank: int, world_size: int) -> None:
     _same_message_everywhere(_expect_value_error(make, "differs across ranks"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=DistributedTestTimeout,
-    reason="core bug: with the default process_group_reduce_scatter, ranks 2 and 3 create fairscale's cached "
-    "reduce_scatter group at construction (get_process_group_cached -> dist.new_group, collective over the world), "
-    "which the hybrid ranks never create: ranks 2-3 wait in new_group, ranks 0-1 in the first forward's "
-    "all_gather_object. A hang instead of the ValueError",
-)
 def test_replicate_group_on_some_ranks_only_default_groups() -> None:
     """As above with every default on the others (FSDP(module) as a script without hybrid would build it)."""
     run_distributed(_replicate_on_some_ranks_only_defaults, 4, timeout=ERROR_TIMEOUT)
@@ -632,15 +628,9 @@ def _replicate_on_inner_instance_only(rank: int, world_size: int) -> None:
         net.blocks[0] = FSDP(net.blocks[0], process_group=shard, replicate_process_group=replicate)
         return FSDP(net, process_group=shard)  # the root forgot it: its gradients would stay per replica
 
-    _same_message_everywhere(_expect_value_error(make, "invalid hybrid sharding groups"))
+    _same_message_everywhere(_expect_value_error(make, "instance <root> has no replicate_process_group"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core gap: an instance sharded over a node without a replicate group, in a tree with hybrid instances, is "
-    "accepted; its parameters then silently diverge across replicas (check_grid only looks at the instances that "
-    "have a replicate group)",
-)
 def test_replicate_group_on_inner_instance_only() -> None:
     """Every instance must replicate: a root sharded over the node alone would diverge across replicas."""
     run_distributed(_replicate_on_inner_instance_only, 4, timeout=ERROR_TIMEOUT)

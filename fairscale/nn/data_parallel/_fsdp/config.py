@@ -133,6 +133,11 @@ def make_config(
     zero2_rank, zero2_size = zero2.rank_and_size(zero2_process_group, problem)
     if replicate_process_group is not None:
         hybrid.world_group()  # created now, in construction order on every rank (see hybrid.world_group)
+        if process_group_reduce_scatter == ProcessGroupName.reduce_scatter:
+            # Not used (see below), but an instance without a replicate group creates it here: a rank given no
+            # replicate group by mistake then still makes the same new_group calls and reaches the first forward's
+            # check, which raises, instead of waiting in new_group.
+            get_process_group_cached(ProcessGroupName.reduce_scatter)
     replicate_problem = hybrid.local_problem(replicate_process_group, group)
     replicate_rank, replicate_size = hybrid.rank_and_size(replicate_process_group, replicate_problem)
     if replicate_process_group is not None and process_group_reduce_scatter == ProcessGroupName.reduce_scatter:

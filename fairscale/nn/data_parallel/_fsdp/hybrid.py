@@ -71,6 +71,33 @@ def view(path: str, process_group: Any, replicate_group: Any, problem: Optional[
     return (path, shard, replicate, process_group.rank(), problem)
 
 
+def views_of_tree(named_configs: Sequence[Tuple[str, Any]]) -> List[HybridView]:
+    """This rank's views of a tree's instances (``(path, FSDPConfig)`` pairs), empty without hybrid sharding.
+
+    In a tree with hybrid instances, an instance without a replicate group must shard over the whole world (a
+    legitimate mix: full sharding for that part) or over one rank (kept rank-local on purpose, like upstream's MoE
+    experts). Over a part of the world its gradients would be averaged inside that part only, and its parameters
+    would drift apart between the replicas: that is reported as a problem of its view, raised on every rank.
+    """
+    views = [
+        view(path, c.process_group, c.replicate_process_group, c.replicate_problem)
+        for path, c in named_configs
+        if c.replicate_process_group is not None
+    ]
+    if not views:
+        return views
+    world = collectives.group_size(world_group())
+    for path, c in named_configs:
+        if c.replicate_process_group is None and 1 < c.world_size < world:
+            problem = (
+                f"rank {dist.get_rank()}: instance {path or '<root>'} has no replicate_process_group but shards over "
+                f"{c.world_size} of {world} ranks, so its parameters would differ between replicas; pass the same "
+                "process_group and replicate_process_group to every instance"
+            )
+            views.append((path, (), (), 0, problem))
+    return views
+
+
 def check_grid(views_per_rank: Sequence[Sequence[HybridView]], world_size: int) -> None:
     """Every rank's views (gathered over the whole world, in rank order) describe a valid grid, per instance.
 

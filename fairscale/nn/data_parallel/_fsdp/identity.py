@@ -143,6 +143,13 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
     for rank in sorted(set(ranks)):
         positions = [pos for pos, r in enumerate(ranks) if r == rank]
         if len(positions) > 1:
+            replicas = sorted({int(known[pos].get("replicate_rank", 0)) for pos in positions})
+            if len(replicas) > 1:  # hybrid sharding: every replica holds the same shards
+                raise ValueError(
+                    f"{what}: rank {rank}'s shard is given {len(positions)} times (shards {positions}), from replicas "
+                    f"{replicas} of a hybrid-sharded checkpoint: pass one replica's files (e.g. those whose "
+                    "identity has replicate_rank 0), which hold every shard"
+                )
             raise ValueError(
                 f"{what}: rank {rank}'s shard is given {len(positions)} times (shards {positions}): the same file "
                 "was passed more than once"

@@ -143,11 +143,7 @@ def check_zero2_groups_once(root: FSDPUnit) -> None:
     with collectives.collective_phase("init"), root.device.as_current():
         token = identity.new_token()
         named_units = [(clean_path(n), u.config) for n, u in root.named_units()]
-        hybrid_views = [
-            hybrid.view(path, uc.process_group, uc.replicate_process_group, uc.replicate_problem)
-            for path, uc in named_units
-            if uc.replicate_process_group is not None
-        ]
+        hybrid_views = hybrid.views_of_tree(named_units)
         group = hybrid.world_group() if hybrid_views else c.process_group
         if hybrid_views or c.world_size > 1:
             named = [(path, uc.zero2_process_group, uc.replicate_process_group) for path, uc in named_units]
