@@ -5,15 +5,15 @@ Each stage runs its partition on every micro-batch as activations arrive and sen
 keeps only a scalar stand-in per micro-batch whose backward pushes the gradients that come back later. Gradients
 travel back as messages: the tail's receive operator sends them when the user runs backward, each middle stage
 back-propagates them through its partition and sends the input gradients on, down to the head.
+
+This module holds the event loop (:class:`AsyncEventLoop`) and the tasks it runs (:func:`create_task`). Where the
+partitions run and the messages between stages are :mod:`.async_messages`, the last stage's backward
+:mod:`.async_tail`. This module re-exports their names, and their public classes keep it as their qualified home,
+so imports and pickles are unchanged.
 """
 
-import atexit
-import warnings
-import weakref
-from dataclasses import dataclass
-from enum import Enum, auto
 from threading import Event
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -22,11 +22,26 @@ from torch.autograd.profiler import record_function
 from fairscale.internal.errors import FairscaleTypeError
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_ranks as get_pipeline_parallel_ranks
 
+from .async_messages import (
+    Activations,
+    AsyncMessageBody,
+    AsyncMessageType,
+    AsyncRecvOperator,
+    AutogradWithoutActivations,
+    Invocation,
+    Invocations,
+    Location,
+    ModuleWrapper,
+    PipelineAbortedError,
+    TailBackwardContext,
+)
+from .async_tail import _abandon_unfinished_tails as _abandon_unfinished_tails
+from .async_tail import _TailBackward as _TailBackward
 from .checkpoint import Checkpointing
 from .messages import Transport
 from .microbatch import Batch
 from .skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
-from .types import EVENT_LOOP_QUEUE, PipeMessage, TensorOrTensors, Tensors
+from .types import EVENT_LOOP_QUEUE, PipeMessage, TensorOrTensors
 from .worker import Task
 
 __all__ = [
@@ -76,270 +91,6 @@ def create_task(
         return batch.call(function)
 
     return Task(None, compute=compute, finalize=None)
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a module runs: ``stage`` (pipeline rank) and ``index`` (position among the stage's partitions)."""
-
-    stage: int
-    index: int
-
-    def __repr__(self) -> str:
-        return f"{self.stage}@{self.index}"
-
-
-@dataclass(frozen=True)
-class Invocation:
-    """One run of a partition: its global ``order``, where it runs, and where its input/output come from/go."""
-
-    order: int
-    this: Location
-    source: Optional[Location]
-    dest: Optional[Location]
-
-
-Activations = Dict[int, Dict[int, Dict[int, Batch]]]
-Invocations = Dict[int, Invocation]
-
-
-@dataclass(frozen=True)
-class TailBackwardContext:
-    activations: Activations
-    invocations: Invocations
-    count_per_order: Dict[int, int]
-    expected_gradients: int
-
-
-class ModuleWrapper:
-    """The partition of one stage with its location and invocations."""
-
-    def __init__(self, module: nn.Sequential, location: Location, invocations: Optional[List[Invocation]] = None):
-        self.module: nn.Sequential = module
-        self.location = location
-        self.invocations: List[Invocation] = invocations or []
-
-    def __repr__(self) -> str:
-        return f"{self.location}:\n" + "\n".join(map(str, self.invocations)) + "\n\t" + str(self.module)
-
-    def __len__(self) -> int:
-        return len(self.module)
-
-    def __iter__(self) -> Iterable[nn.Module]:
-        yield from self.module
-
-
-class AsyncMessageType(Enum):
-    Activations = auto()
-    Gradients = auto()
-    #: (fork addition) A stage failed: the receivers stop with :class:`PipelineAbortedError` instead of waiting.
-    Abort = auto()
-
-
-class PipelineAbortedError(RuntimeError):
-    """Another stage of the pipeline failed; this stage stopped waiting for it."""
-
-
-@dataclass(frozen=True)
-class AsyncMessageBody:
-    message_type: AsyncMessageType
-    microbatch_index: int
-    source: Location
-    dest: Location
-    order: int
-
-
-class AutogradWithoutActivations(torch.autograd.Function):
-    """A scalar stand-in for activations sent to the next stage.
-
-    Its backward returns the gradients that came back from that stage, set on its ``grad_fn`` as
-    ``grad_from_pipeline`` just before ``backward`` is called on it.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, *x: Tensor) -> Tensor:
-        ctx.devices = [t.device for t in x]
-        return torch.tensor(1.0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
-        # ``grad`` (of the scalar stand-in) carries nothing: the real gradients came back from the next stage.
-        assert ctx.grad_from_pipeline is not None
-        # Gradients arrive where the transport put them (the CPU for send/recv): back to each activation's device.
-        return tuple(
-            g.to(device) if needed else None
-            for g, device, needed in zip(ctx.grad_from_pipeline, ctx.devices, ctx.needs_input_grad)
-        )
-
-
-class AsyncRecvOperator(torch.autograd.Function):
-    """Receives the tensors of an activation message; its backward sends their gradients back to the sender.
-
-    ``apply(phony, transport, message, queue_name, event_loop=None)``: when an ``event_loop`` is given, its
-    ``gradients_sent`` counts the gradient messages this operator sent (what a failing stage still owes its peers).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        phony: Tensor,
-        transport: Transport,
-        message: PipeMessage,
-        queue_name: int,
-        event_loop: Optional["AsyncEventLoop"] = None,
-    ) -> Tensors:
-        ctx.transport = transport
-        ctx.event_loop = event_loop
-        ctx.index = message.args.microbatch_index
-        ctx.queue_name = queue_name
-        ctx.args = message.args
-        ctx.src = message.src
-        ctx.dest = message.dest
-        result = transport.recv_message_tensors(message).tensors
-        ctx.meta = [(t.shape, t.dtype, t.device) for t in result]
-        non_float = [t for t in result if not t.is_floating_point()]
-        if non_float:
-            ctx.mark_non_differentiable(*non_float)
-        return tuple(result)
-
-    @staticmethod
-    def backward(ctx: Any, *grad: Optional[Tensor]) -> Tuple[None, None, None, None, None]:
-        # Every received tensor gets a gradient slot on the wire; non-differentiable ones send zeros.
-        grads = tuple(
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype, device) in zip(grad, ctx.meta)
-        )
-        body = AsyncMessageBody(
-            AsyncMessageType.Gradients, ctx.index, source=ctx.args.dest, dest=ctx.args.source, order=ctx.args.order - 1
-        )
-        ctx.transport.send_message(
-            PipeMessage(ctx.dest, ctx.src, queue_name=ctx.queue_name, args=body, tensors=grads), sync=True
-        )
-        if ctx.event_loop is not None:
-            ctx.event_loop.gradients_sent += 1
-        return (None, None, None, None, None)
-
-
-class _TailBackward:
-    """The last stage's share of the backward of one mini-batch.
-
-    It runs in the user's ``backward`` call, outside the event loop (and its error handler), and it is the last
-    thing of the step that sends messages. So each micro-batch's output goes through :class:`_TailOutput`, whose
-    backward runs the stage's own backward here: a failure in it (a layer's backward, checkpointing's
-    recomputation, a send) first tells the previous stage, which waits for these gradients, then propagates; and the
-    backward of the last micro-batch returns only once every gradient was received, so that a script may end right
-    after it.
-
-    When the backward does not come at all (the next ``forward`` of the last stage comes first, or the process ends,
-    after an error in the loss, say), :meth:`abandon` stops the waiting stages instead.
-    """
-
-    def __init__(self, event_loop: "AsyncEventLoop", num_microbatches: int) -> None:
-        self.event_loop = event_loop
-        self.num_microbatches = num_microbatches
-        self.done: Set[int] = set()
-        # The earlier stages were told to stop waiting (a failed backward, or abandon()).
-        self.aborted = False
-        _unfinished_tails.add(self)
-
-    @property
-    def finished(self) -> bool:
-        """Whether no earlier stage waits for this mini-batch's gradients any more."""
-        return self.aborted or len(self.done) == self.num_microbatches
-
-    def abandon(self) -> bool:
-        """Stop the earlier stages that still wait for gradients of this mini-batch (which will never come).
-
-        Returns:
-            bool: whether some did.
-        """
-        _unfinished_tails.discard(self)
-        if self.finished:
-            return False
-        self.aborted = True
-        self.event_loop.abort_after_backward_failure()
-        return True
-
-    def wrap(self, output: Batch) -> Batch:
-        """``output`` as the user gets it: the same values, whose backward comes through :meth:`backward`."""
-        tensors = tuple(output)
-        phony = torch.empty(0, requires_grad=True)
-        wrapped = _TailOutput.apply(phony, self, output.index, tensors)
-        return Batch(wrapped[0] if output.atomic else tuple(wrapped), output.index)
-
-    def backward(self, index: int, outputs: Tensors, grads: Sequence[Optional[Tensor]]) -> None:
-        """Back-propagate ``grads`` through micro-batch ``index``'s outputs, down to the sends to the previous stage."""
-        if self.aborted:
-            # The earlier stages stopped waiting for these gradients: sending them now would feed a later step.
-            raise RuntimeError(
-                "backward of an AsyncPipe output whose pipeline step was aborted (its backward failed before, or "
-                "the last stage ran forward again first): the earlier stages no longer wait for its gradients"
-            )
-        if index in self.done:
-            raise RuntimeError(
-                f"the backward of micro-batch {index} of the last AsyncPipe stage ran twice: its gradients were sent "
-                "to the previous stage already (back-propagate a pipeline output once per forward)"
-            )
-        pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad and g is not None]
-        try:
-            if pairs:
-                # Autograd is on here only for a backward with create_graph=True: keep the gradients' graph then.
-                create_graph = torch.is_grad_enabled()
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], create_graph=create_graph)
-        except BaseException:
-            self.abandon()
-            raise
-        self.done.add(index)
-        if len(self.done) == self.num_microbatches:
-            _unfinished_tails.discard(self)
-            self.event_loop.transport.flush()
-
-
-# Last stages of this process whose outputs still owe gradients to the earlier stages.
-_unfinished_tails: "weakref.WeakSet[_TailBackward]" = weakref.WeakSet()
-
-
-@atexit.register
-def _abandon_unfinished_tails() -> None:
-    """At interpreter exit: stop the earlier stages that wait for gradients this process will never send.
-
-    A last stage whose script ends (an error in the loss, say) before its outputs' backward would otherwise leave
-    them waiting until the process-group timeout (gloo does not notice that a peer is gone).
-    """
-    for tail in list(_unfinished_tails):
-        try:
-            if tail.abandon():
-                warnings.warn(
-                    "the process ends before the backward of its last AsyncPipe stage's output: the earlier stages "
-                    "were stopped with PipelineAbortedError"
-                )
-        except Exception:  # noqa: B902 - best effort at exit
-            pass
-
-
-class _TailOutput(torch.autograd.Function):
-    """Identity on one micro-batch's outputs of the last stage; its backward is :meth:`_TailBackward.backward`.
-
-    The outputs are passed as a tuple (not as tensor arguments), so the user's backward stops here and the stage's
-    own graph is back-propagated by :class:`_TailBackward`, where its failures can be caught.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, phony: Tensor, tail: _TailBackward, index: int, outputs: Tensors) -> Tensors:
-        ctx.tail = tail
-        ctx.index = index
-        ctx.outputs = outputs
-        result = tuple(t.detach() for t in outputs)
-        constant = [r for r, t in zip(result, outputs) if not t.requires_grad]
-        if constant:
-            ctx.mark_non_differentiable(*constant)
-        return result
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, None, None, None]:
-        outputs, ctx.outputs = ctx.outputs, None  # the stage's graph is freed by its backward anyway
-        ctx.tail.backward(ctx.index, outputs, grads)
-        return (None, None, None, None)
 
 
 class AsyncEventLoop:
