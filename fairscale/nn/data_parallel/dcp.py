@@ -34,7 +34,14 @@ So a checkpoint written here loads into an FSDP2 model with torch's own ``set_mo
 ``set_optimizer_state_dict``, into a plain module, or here at another world size and wrapping; and one written by
 FSDP2 loads here.
 
-Every function is collective: call it on every rank of the model's process group, in the same order.
+With hybrid sharding (``replicate_process_group``) the layout is FSDP2 HSDP's: DTensors with
+``(Replicate(), Shard(0))`` (``(Replicate(), Replicate())`` for 0-dim) over a 2-D DeviceMesh with dimensions
+``("replicate", "shard")``, ``mesh[i][j]`` the rank with replicate index ``i`` and shard index ``j``. DCP writes each
+chunk once (from one replica), so the checkpoint is the size of one replica's, and it loads into any of the above
+(full sharding, FSDP2 or FSDP2 HSDP, another hybrid layout) as well as the reverse.
+
+Every function is collective: call it on every rank of the model's process group (with hybrid sharding, every rank of
+the world), in the same order.
 """
 
 import os
@@ -100,13 +107,6 @@ def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
             f"{what}: model must be the root FullyShardedDataParallel instance, got {type(model).__name__}. For a "
             "module that fairscale does not shard, use torch.distributed.checkpoint.state_dict's functions."
         )
-    if any(u.config.replicate_process_group is not None for u in unit.tree_units()):
-        # Every replica would write the same shards; deduplicating them is not built yet. Raised on every rank alike
-        # (the first forward checked that every rank has the same replicate setting).
-        raise NotImplementedError(
-            f"{what}: hybrid sharding (replicate_process_group) is not supported by fairscale.nn.data_parallel.dcp "
-            "yet; save model.state_dict() or local_state_dict() with local_metadata_dict() instead"
-        )
     return unit
 
 
@@ -154,9 +154,10 @@ def get_model_state_dict(
 
     Returns:
         ``{name: value}`` with the keys of ``model.state_dict()``, in its order: parameters as DTensors
-        (``Shard(0)``; ``Replicate`` for 0-dim ones) over a 1-D DeviceMesh of the model's process group, in the
-        parameter dtype (fp32 in mixed precision); buffers as plain tensors (fp32 in mixed precision). Without an
-        initialised ``torch.distributed`` (one process), plain full tensors.
+        (``Shard(0)``; ``Replicate`` for 0-dim ones) over a 1-D DeviceMesh of the model's process group (with hybrid
+        sharding ``(Replicate(), Shard(0))`` over the 2-D ``("replicate", "shard")`` mesh), in the parameter dtype
+        (fp32 in mixed precision); buffers as plain tensors (fp32 in mixed precision). Without an initialised
+        ``torch.distributed`` (one process), plain full tensors.
 
     Raises:
         TypeError: ``model`` is not an FSDP instance.
@@ -175,7 +176,8 @@ def set_model_state_dict(
 
     Every value may be a DTensor laid out as :func:`get_model_state_dict` makes it (e.g. after
     ``dcp.load(sd, ...)`` into that function's result, which reshards a checkpoint of any world size; or FSDP2's
-    state dict at the same world size and group), a ``Replicate`` DTensor, or a plain tensor of the full shape.
+    state dict at the same world size and group; with hybrid sharding, FSDP2 HSDP's ``(Replicate(), Shard(0))`` over
+    the same shard groups), a ``Replicate`` DTensor, or a plain tensor of the full shape.
 
     Every rank first checks its dict against the model (keys, shapes, layouts) and the ranks agree; if any rank's
     dict is wrong, every rank raises the same error and nothing is changed. Only then are values exchanged and

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
-from fairscale.nn.data_parallel import dcp, hybrid_groups
+from fairscale.nn.data_parallel import hybrid_groups
 from fairscale.nn.data_parallel._fsdp import identity
 from fairscale.nn.data_parallel._fsdp.metadata import reshard_full_state_dict
 from fairscale.nn.data_parallel.consolidate import consolidate_checkpoint_dir
@@ -265,12 +265,6 @@ class Cases:
         for pid, entry in original["state"].items():
             assert_sd_equal(self.opt.state_dict()["state"][pid], entry, f"live optimizer state {pid} after gathering")
 
-    def dcp_refuses(self) -> None:
-        with pytest.raises(NotImplementedError, match="hybrid sharding"):
-            dcp.get_model_state_dict(self.model)
-        with pytest.raises(NotImplementedError, match="hybrid sharding"):
-            dcp.save(self.model, checkpoint_id=os.path.join(self.dir, "dcp"))
-
 
 def _world(rank: int, world_size: int, directory: str) -> None:
     c = Cases(rank, directory)
@@ -284,7 +278,6 @@ def _world(rank: int, world_size: int, directory: str) -> None:
             ("load_local_state_dict", c.load_local),
             ("load_local_other_checkpoint_on_one_replica", c.load_local_other_checkpoint_on_one_replica),
             ("optimizer_state", c.optimizer),
-            ("dcp_refuses_hybrid", c.dcp_refuses),
         ]
     )
 

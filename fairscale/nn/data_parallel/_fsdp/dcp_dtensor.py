@@ -4,6 +4,10 @@
 * :func:`_as_dtensor` wraps this rank's chunk of an original parameter (or of a per-parameter optimizer state) as a
   DTensor with ``Shard(0)`` (``Replicate`` for 0-dim) over the 1-D DeviceMesh of the root's group, without
   communication; :func:`_chunk_lists` cuts those chunks out of flat tensors (or makes empty ones for a template).
+  With hybrid sharding the layout is FSDP2 HSDP's: ``(Replicate(), Shard(0))`` (``(Replicate(), Replicate())``
+  for 0-dim) over a 2-D DeviceMesh with dimensions ``("replicate", "shard")``, whose entry ``[i][j]`` is the rank
+  with replicate index ``i`` and shard index ``j``. DCP's save planner then writes every chunk once, from one
+  replica, and ``dcp.load`` reads it on every replica.
 * :func:`_classify` checks a value given for a parameter on load and says whether it is this rank's chunk or the
   full tensor.
 * :func:`check_root`, :func:`_require_dtensor` and :func:`_initialized_tree` frame every call of
@@ -17,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fairscale.internal import collectives
+
 from .dcp_layout import HandleLayout, ModelLayout, OrigParam
 from .dcp_reshard import CHUNK, FULL, flat_to_chunks
-from .runtime import lazy_init, lazy_init_for_call
+from .runtime import check_zero2_groups_once, lazy_init, lazy_init_for_call
 from .unit import FSDPUnit
 
 try:  # torch >= 2.4: public DTensor
@@ -57,12 +63,27 @@ def check_root(unit: FSDPUnit, what: str) -> None:
 # ---------------------------------------------------------------------------------------------------- DTensors
 
 
+# The dimension names of FSDP2 HSDP's mesh (``init_device_mesh(..., mesh_dim_names=("replicate", "shard"))``).
+HYBRID_MESH_DIM_NAMES = ("replicate", "shard")
+
+
 class _Meshes:
-    """The 1-D DeviceMesh of the layout's group, per device type (``None`` without torch.distributed)."""
+    """The DeviceMesh of the layout's groups, per device type (``None`` without torch.distributed).
+
+    1-D over the shard group; with hybrid sharding 2-D, ``("replicate", "shard")``. The 2-D mesh needs every shard
+    group's ranks, which no rank knows alone: the constructor gathers them over the replicate group (collective: every
+    rank builds its ``_Meshes`` at the same point of every call).
+    """
 
     def __init__(self, layout: ModelLayout) -> None:
         self.layout = layout
         self._cache: Dict[str, Any] = {}
+        self._grid: Optional[List[List[int]]] = None
+        if layout.is_hybrid and dist.is_available() and dist.is_initialized():
+            with layout.root.device.as_current():  # NCCL object collectives allocate on the current device
+                # In replicate-group order: row i is the shard group of the replica with replicate index i.
+                rows = collectives.all_gather_object(list(layout.group_ranks), group=layout.replicate_group)
+            self._grid = [list(row) for row in rows]
 
     def get(self, device_type: str) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
@@ -71,7 +92,15 @@ class _Meshes:
             group = self.layout.group if self.layout.group is not None else dist.group.WORLD
             if group is None:
                 return None
-            self._cache[device_type] = DeviceMesh.from_group(group, device_type)
+            if self._grid is not None:
+                self._cache[device_type] = DeviceMesh.from_group(
+                    [self.layout.replicate_group, group],
+                    device_type,
+                    mesh=self._grid,
+                    mesh_dim_names=HYBRID_MESH_DIM_NAMES,
+                )
+            else:
+                self._cache[device_type] = DeviceMesh.from_group(group, device_type)
         return self._cache[device_type]
 
 
@@ -86,11 +115,16 @@ def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
 
 @torch.no_grad()
 def _as_dtensor(local: Tensor, p: OrigParam, meshes: _Meshes) -> Any:
-    """This rank's chunk of ``p`` as a DTensor (``Shard(0)``; ``Replicate`` for 0-dim), without communication."""
+    """This rank's chunk of ``p`` as a DTensor (``Shard(0)``; ``Replicate`` for 0-dim), without communication.
+
+    With hybrid sharding (a 2-D mesh) the chunk is replicated over the first dimension: ``(Replicate(), Shard(0))``.
+    """
     mesh = meshes.get(local.device.type)
     if mesh is None:
         return local  # no process group: world size 1, the chunk is the whole tensor
-    placements = (Replicate(),) if p.is_scalar else (Shard(0),)
+    placements: Tuple[Any, ...] = (Replicate(),) if p.is_scalar else (Shard(0),)
+    if mesh.ndim == 2:
+        placements = (Replicate(),) + placements
     stride = _contiguous_stride(p.shape)
     if _DIRECT_DTENSOR[0]:
         try:
@@ -114,13 +148,7 @@ def _classify(
         placements = tuple(value.placements)
         if all(isinstance(pl, Replicate) for pl in placements):
             return FULL, value.to_local()
-        mesh_ranks = tuple(int(r) for r in value.device_mesh.mesh.flatten().tolist())
-        if len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
-            raise ValueError(
-                f"{what}: {key!r} is a DTensor with placements {placements}; only Shard(0) over a 1-D mesh (FSDP2's "
-                "and this module's layout) or Replicate can be loaded. Load the checkpoint with dcp.load into "
-                "get_model_state_dict(model) / get_optimizer_state_dict(model, optim) instead."
-            )
+        mesh_ranks = _shard_ranks(value, placements, layout, key, what)
         if mesh_ranks != layout.group_ranks:
             raise ValueError(
                 f"{what}: {key!r} is sharded over ranks {list(mesh_ranks)} but this model shards over "
@@ -145,12 +173,46 @@ def _classify(
     raise TypeError(f"{what}: {key!r} must be a Tensor or DTensor, got {type(value).__name__}")
 
 
+def _is_shard0(placement: Any) -> bool:
+    return type(placement) is Shard and placement.dim == 0
+
+
+def _shard_ranks(value: Any, placements: Tuple[Any, ...], layout: ModelLayout, key: str, what: str) -> Tuple[int, ...]:
+    """The global ranks, in shard order, over which ``value``'s chunk on this rank is cut (Shard(0) on one dimension).
+
+    A 1-D ``Shard(0)`` mesh cuts over all its ranks; a 2-D ``(Replicate(), Shard(0))`` mesh (FSDP2 HSDP's, and this
+    module's with hybrid sharding) over this rank's row, whatever the other rows (replicas) are. Any other layout
+    raises: its local chunk is not a Shard(0) chunk of one group.
+    """
+    mesh = value.device_mesh
+    reshard_hint = (
+        "Load the checkpoint with dcp.load into get_model_state_dict(model) / get_optimizer_state_dict(model, optim) "
+        "instead, which reshards it."
+    )
+    if len(placements) == 1 and _is_shard0(placements[0]):
+        return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    if len(placements) == 2 and isinstance(placements[0], Replicate) and _is_shard0(placements[1]):
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:  # pragma: no cover - DTensors only exist on their mesh's ranks
+            raise ValueError(f"{what}: {key!r} is a DTensor over a mesh {mesh.mesh.tolist()} without this rank")
+        return tuple(int(r) for r in mesh.mesh[coordinate[0]].tolist())
+    hybrid = " (this model is hybrid: (Replicate(), Shard(0)) over its shard groups)" if layout.is_hybrid else ""
+    raise ValueError(
+        f"{what}: {key!r} is a DTensor with placements {placements} over a {mesh.ndim}-D mesh; only Shard(0) over a "
+        "1-D mesh (FSDP2's layout), (Replicate(), Shard(0)) over a 2-D (replicate, shard) mesh (FSDP2 HSDP's), or "
+        f"Replicate can be loaded{hybrid}. {reshard_hint}"
+    )
+
+
 @contextlib.contextmanager
 def _initialized_tree(unit: FSDPUnit) -> Iterator[None]:
     """Lazy init of every unit of the tree for one call (undone afterwards if the model was not initialised)."""
     with lazy_init_for_call(unit):
         for u in unit.tree_units():
             lazy_init(u)  # nested units materialise their shards at their own first use otherwise
+        # The groups checks of the first forward (once per model): a call before any forward must not build a mesh
+        # from hybrid groups that do not form a grid. Every DCP call is collective, so all ranks join it.
+        check_zero2_groups_once(unit)
         unit.device.synchronize()
         yield
 

@@ -8,6 +8,10 @@ and FSDP2, use another layout: every original parameter is a DTensor with ``Shar
 fewer rows, or none). :class:`OrigParam` holds the arithmetic between the two; :func:`model_layout` lists, for a root
 unit, every owned handle with the original parameters it holds (user-visible names, shapes, offsets in the flat
 parameter), and every persistent buffer, in the order ``state_dict()`` gives them.
+
+With hybrid sharding (``replicate_process_group``) the chunks are those of the shard group (``process_group``),
+and every replica holds the same ones: the layout records the replicate group too, for FSDP2 HSDP's 2-D layout
+(``(Replicate(), Shard(0))`` over a ``("replicate", "shard")`` DeviceMesh, see :mod:`.dcp_dtensor`).
 """
 
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 
 from fairscale.internal import collectives
 
+from . import hybrid
 from .handle import FlatHandle
 from .metadata import _shared_param_pairs
 from .naming import clean_path, join_path
@@ -135,7 +140,13 @@ class BufferEntry:
 
 @dataclass
 class ModelLayout:
-    """Every owned handle and persistent buffer of a root unit's tree, and the process group shards live on."""
+    """Every owned handle and persistent buffer of a root unit's tree, and the process groups shards live on.
+
+    Attributes:
+        group: the shard group (every unit's ``process_group``); ``group_ranks`` its global ranks.
+        replicate_group: with hybrid sharding, every unit's ``replicate_process_group`` (``None`` otherwise);
+            ``replicate_ranks`` its global ranks (empty without).
+    """
 
     root: FSDPUnit
     handles: List[HandleLayout]
@@ -143,6 +154,18 @@ class ModelLayout:
     group: Any
     group_ranks: Tuple[int, ...]
     keys: List[str] = field(default_factory=list)
+    replicate_group: Any = None
+    replicate_ranks: Tuple[int, ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.replicate_group is not None
+
+    @property
+    def agree_group(self) -> Any:
+        """The group whose ranks must agree on a load or a save: the whole world with hybrid sharding (every replica
+        loads the same values, and a bad dict on one replica must roll back all), else the shard group."""
+        return hybrid.world_group() if self.is_hybrid else self.group
 
     @property
     def params(self) -> List[Tuple[HandleLayout, OrigParam]]:
@@ -162,7 +185,8 @@ def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
 
     Raises:
         ValueError: ``root`` is not the root of its tree, or an instance shards over another process group than the
-            root's (DCP's ``Shard(0)`` describes one group for the whole model).
+            root's, or replicates over another replicate group (DCP's placements describe one mesh for the whole
+            model).
     """
     if root.has_fsdp_parent or root.is_root is False:
         raise ValueError(
@@ -170,6 +194,8 @@ def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
         )
     group = root.config.process_group
     ranks = tuple(collectives.group_ranks(group))
+    replicate_group = root.config.replicate_process_group
+    replicate_ranks = _replicate_ranks(root)
     handles: List[HandleLayout] = []
     aliases_of: Dict[str, List[str]] = {}
     for path, u in root.named_units():
@@ -182,6 +208,15 @@ def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
                 f"but the root shards over {list(ranks)}; a DCP state dict describes one sharding group for the whole "
                 "model (instances with their own group, e.g. no_broadcast_optim_state experts, are not supported). "
                 "Save such models with local_state_dict() instead."
+            )
+        u_replicate = _replicate_ranks(u)
+        if owned and u_replicate != replicate_ranks:
+            raise ValueError(
+                f"{what}: the FSDP instance at {where or '(root)'!r} replicates its shards over ranks "
+                f"{list(u_replicate) or 'none (no replicate_process_group)'} but the root over "
+                f"{list(replicate_ranks) or 'none (no replicate_process_group)'}; a DCP state dict describes one "
+                "device mesh for the whole model: pass the same process_group and replicate_process_group to every "
+                "instance, or save with local_state_dict() instead."
             )
         fpw: Any = u.wrapped
         flat_params = list(getattr(fpw, "flat_params", []))
@@ -213,9 +248,14 @@ def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
             for p in hl.params
         ]
     buffers = _buffers(root)
-    layout = ModelLayout(root, handles, buffers, group, ranks)
+    layout = ModelLayout(root, handles, buffers, group, ranks, [], replicate_group, replicate_ranks)
     layout.keys = _ordered_keys(root, layout)
     return layout
+
+
+def _replicate_ranks(unit: FSDPUnit) -> Tuple[int, ...]:
+    group = unit.config.replicate_process_group
+    return () if group is None else tuple(collectives.group_ranks(group))
 
 
 def _buffers(root: FSDPUnit) -> List[BufferEntry]:

@@ -143,7 +143,7 @@ def get_optimizer_state_dict(
                 check_ranks_agree(
                     f"{what}: the state of optimizer {k} (parameters, keys, shapes)",
                     schema,
-                    layout.group,
+                    layout.agree_group,  # with hybrid sharding, the replicas too: DCP writes one replica's chunks
                     hint="Every rank must step the same optimizer on the same model.",
                 )
             kept = [i for i in sorted(state) if not (ignore_frozen_params and not hls[i].handle.param.requires_grad)]

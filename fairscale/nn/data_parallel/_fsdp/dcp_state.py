@@ -4,6 +4,8 @@
 See :mod:`fairscale.nn.data_parallel.dcp` for the user's view. The layout is FSDP2's: every original parameter (and
 every per-parameter optimizer state) is a DTensor with ``Shard(0)`` over a 1-D DeviceMesh of the root's process group
 (0-dim ones ``Replicate``), buffers and scalar optimizer states are plain tensors, keys are the user-visible names.
+With hybrid sharding it is FSDP2 HSDP's: ``(Replicate(), Shard(0))`` over a 2-D ``("replicate", "shard")`` mesh;
+the exchanges stay inside each shard group (every replica does its own), and loads agree over the whole world.
 
 Saving cuts the chunks out of the flat shards with one exchange per flat parameter (or per few small ones, see
 :mod:`.dcp_reshard`), never the whole model at once. Loading is all-or-nothing: every rank checks its dicts against
@@ -74,7 +76,7 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
         check_ranks_agree(
             f"{what}: the keys and kinds of the values (DTensor chunks, full tensors, absent)",
             signature,
-            layout.group,
+            layout.agree_group,  # the whole world with hybrid sharding: every replica loads
             hint="Pass every rank a state dict of the same structure (e.g. all from get_*_state_dict and dcp.load).",
         )
 
