@@ -46,7 +46,8 @@ KINDS: Dict[str, List[str]] = {
     + ["shell", "text"],  # issue 29: the hybrid scenario's command and one run
     "docs/clients.rst": [],
     # The DCP section's blocks ("script") are run by tests/nn/data_parallel/test_fsdp_dcp_docs.py.
-    "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 5,
+    # Its OSS subsection's two blocks ("script") are run by tests/optim/test_oss_dcp.py.
+    "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 7,
     "docs/differences.rst": [],
     "docs/fsdp.rst": ["python"],
     "docs/getting_started.rst": ["shell", "python"],
