@@ -6,7 +6,8 @@ Both peers train the benchmark GPT (``_fsdp_bench/model.py``, one sharding unit 
 for one step, then save a model + optimizer checkpoint with ``torch.distributed.checkpoint`` and load it back:
 
 * ``fairscale``: ``dcp.save(model, optim, checkpoint_id=...)`` / ``dcp.load(...)`` of
-  :mod:`fairscale.nn.data_parallel.dcp` (the state dicts are built one FSDP unit at a time, as copies);
+  :mod:`fairscale.nn.data_parallel.dcp` (the save hands DCP views of the flat shards, no copies; the load reads into
+  ``Shard(0)`` templates and sets them one FSDP unit at a time);
 * ``fsdp2``: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict`` (views
   of the sharded parameters), ``dcp.save``; ``dcp.load`` into the same dicts and ``set_*_state_dict``.
 

@@ -22,7 +22,10 @@ go straight to ``torch.distributed.checkpoint.save`` / ``load``::
     fsdp_dcp.set_model_state_dict(model, state["model"])
     fsdp_dcp.set_optimizer_state_dict(model, optim, state["optimizer"])
 
-:func:`save`, :func:`async_save` and :func:`load` do exactly this, with the checks a checkpoint directory needs.
+:func:`save`, :func:`async_save` and :func:`load` do this in one call each, with the checks a checkpoint directory
+needs. :func:`save` does not build those dicts: it hands DCP the pieces of every parameter that lie in this rank's flat
+shard, as views (``ShardedTensor``), without copy or exchange. The checkpoint then has other chunk boundaries than
+FSDP2's, which ``dcp.load`` reshards like any others: it loads wherever the dicts' checkpoint loads.
 
 The layout is FSDP2's (``torch.distributed.fsdp.fully_shard``): every original parameter is a DTensor with
 ``Shard(0)`` (rank ``r`` holds rows ``[r * C, (r + 1) * C)``, ``C = ceil(dim0 / W)``) over a 1-D DeviceMesh of the
@@ -44,6 +47,7 @@ Every function is collective: call it on every rank of the model's process group
 the world), in the same order.
 """
 
+import inspect
 import os
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
@@ -53,7 +57,7 @@ from torch import nn
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_outcome_agrees
 
-from ._fsdp import dcp_state
+from ._fsdp import dcp_state, dcp_views
 from ._fsdp.unit import FSDPUnit, unit_of
 
 try:  # torch >= 2.2
@@ -65,6 +69,8 @@ try:  # torch >= 2.2
     from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 except ImportError:  # pragma: no cover - old torch
     StateDictOptions = None  # type: ignore[assignment,misc]
+# Whether async_save takes a stager (torch >= 2.7): the snapshot state dict is staged already.
+_ASYNC_STAGER = StateDictOptions is not None and "async_stager" in inspect.signature(_dcp_async_save).parameters
 
 __all__ = [
     "StateDictOptions",
@@ -391,9 +397,17 @@ def save(
 ) -> None:
     """Save the model (and optimizers) as a DCP checkpoint directory (collective).
 
-    Writes ``{"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}``
-    with ``torch.distributed.checkpoint.save``, which writes ``.metadata`` after every rank's data: a save that is
-    interrupted leaves a directory that :func:`load` (and ``dcp.load``) refuses.
+    Writes the state of ``{"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model,
+    optimizers)}`` with ``torch.distributed.checkpoint.save``, but without building those dicts: every original
+    parameter (and every per-parameter optimizer state) goes to DCP as the pieces of it in this rank's flat shard, at
+    most ``2 * ndim - 1`` boxes per rank, each a view of the shard (a ``ShardedTensor`` whose metadata every rank
+    computes from the layout): no copy, no exchange. Padding is not written; with hybrid sharding one replica lists
+    each tensor's pieces (round robin over the tensors), so each is written once. The chunks on disk are these
+    pieces, not FSDP2's ``Shard(0)`` chunks; ``dcp.load`` reshards them like any others, so the checkpoint loads with
+    :func:`load`, into :func:`get_model_state_dict`'s dicts, into FSDP2 or a plain module, at any world size.
+
+    DCP writes ``.metadata`` after every rank's data: a save that is interrupted leaves a directory that :func:`load`
+    (and ``dcp.load``) refuses.
 
     Args:
         model: the root FullyShardedDataParallel instance.
@@ -412,7 +426,7 @@ def save(
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
     _prepare_directory(_root_unit(model, "save"), checkpoint_id, overwrite, "save")
-    state = _checkpoint_state(model, optims, dcp_state.COPIES)
+    state = _checkpoint_state(model, optims, dcp_state.VIEWS)
     try:
         _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer)
     except CheckpointException as e:  # a BaseException in torch: make it an ordinary error
@@ -432,8 +446,8 @@ def async_save(
 ) -> Any:
     """Like :func:`save`, but the files are written in the background (``torch.distributed.checkpoint.async_save``).
 
-    The state dicts are taken (collectively) before this returns and DCP copies them to CPU memory first, so training
-    may go on at once. Wait for the result before the next save to the same directory, and before loading it; until
+    The state is taken before this returns as in :func:`save`, but as views of one CPU copy of every flat shard
+    (taken here, in place of DCP's staging, which cannot copy a ``ShardedTensor``), so training may go on at once. Wait for the result before the next save to the same directory, and before loading it; until
     then the directory has no ``.metadata`` and does not load.
 
     Args:
@@ -452,7 +466,13 @@ def async_save(
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
     _prepare_directory(_root_unit(model, "async_save"), checkpoint_id, overwrite, "async_save")
-    return _dcp_async_save(
+    if _ASYNC_STAGER:
+        # A snapshot: ShardedTensors of one CPU copy of every flat shard, which DCP's stager cannot copy again.
+        state = _checkpoint_state(model, optims, dcp_state.SNAPSHOT)
+        return _dcp_async_save(
+            state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, async_stager=dcp_views.PreStaged()
+        )
+    return _dcp_async_save(  # pragma: no cover - a torch without async_stager: copies, staged by DCP
         _checkpoint_state(model, optims, dcp_state.COPIES), checkpoint_id=checkpoint_id, storage_writer=storage_writer
     )
 

@@ -239,9 +239,11 @@ def _case_round_trip_through_fsdp2(saved: Saved, rank: int, world_size: int) -> 
     fsdp_dcp.load(fsdp, fsdp_optim, checkpoint_id=path)
     assert_same(fsdp.state_dict(), saved.model, "round trip: model")
     assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, fsdp_optim)), saved.optim, "round trip")
-    # The same state takes the same room on disk both ways (no chunk drags a larger storage into its file).
+    # The same state takes no more room on disk in fairscale's save (no view drags its shard's storage into the file;
+    # fairscale's pieces of the flat shards are other chunks than FSDP2's Shard(0) ones, in this tiny model fewer,
+    # and each item carries a fixed overhead of its own, hence no lower bound).
     ours, theirs = directory_bytes(saved.path("fairscale-ws2")), directory_bytes(path)
-    assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
+    assert ours <= 1.05 * theirs, (ours, theirs)
 
 
 def _case_fsdp2_dicts_in_memory(saved: Saved, rank: int, world_size: int) -> None:
@@ -257,7 +259,8 @@ def _case_fsdp2_dicts_in_memory(saved: Saved, rank: int, world_size: int) -> Non
 
 
 def _case_async_save(saved: Saved, rank: int, world_size: int) -> None:
-    """async_save: the dicts are copies, so training may go on while the files are written."""
+    """async_save: the state is a snapshot (views of a CPU copy of the shards), so training may go on while the files
+    are written."""
     fsdp, optim = fairscale_model(3, "nested")
     fsdp_dcp.load(fsdp, optim, checkpoint_id=saved.path("fairscale-ws2"))
     path = saved.path("async")

@@ -25,6 +25,7 @@ from fairscale.internal import collectives
 
 from .dcp_layout import HandleLayout, ModelLayout, OrigParam
 from .dcp_reshard import CHUNK, FULL, flat_to_chunks
+from .dcp_views import sharded_views, views_available
 from .runtime import check_zero2_groups_once, lazy_init, lazy_init_for_call
 from .unit import FSDPUnit
 
@@ -84,6 +85,12 @@ class _Meshes:
                 # In replicate-group order: row i is the shard group of the replica with replicate index i.
                 rows = collectives.all_gather_object(list(layout.group_ranks), group=layout.replicate_group)
             self._grid = [list(row) for row in rows]
+
+    def writer_ranks(self) -> List[List[int]]:
+        """Per replica (one row without hybrid sharding), the global rank of every shard-group rank."""
+        if self._grid is not None:
+            return self._grid
+        return [list(self.layout.group_ranks)]
 
     def get(self, device_type: str) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
@@ -218,8 +225,35 @@ def _initialized_tree(unit: FSDPUnit) -> Iterator[None]:
 
 
 # What the chunks of a state dict hold: copies of the values, or nothing (a template for dcp.load to fill, made
-# without communication).
-COPIES, TEMPLATE = "copies", "template"
+# without communication). VIEWS (save() only) is no DTensor layout at all: ShardedTensors of views of
+# the flat shards (:mod:`.dcp_views`), no copy and no exchange; DCP reshards its chunks on load like any others.
+# SNAPSHOT (async_save()) is VIEWS of a CPU copy of every flat shard, taken before the call returns.
+COPIES, TEMPLATE, VIEWS, SNAPSHOT = "copies", "template", "views", "snapshot"
+
+
+def _effective_values(values: str) -> str:
+    """VIEWS needs ShardedTensor and a process group; without them (one process) the copies are as cheap."""
+    if values in (VIEWS, SNAPSHOT) and not (views_available() and dist.is_available() and dist.is_initialized()):
+        return COPIES
+    return values
+
+
+def _value_lists(
+    items: List[Tuple[HandleLayout, Tensor, torch.device]], values: str, meshes: _Meshes
+) -> List[List[Any]]:
+    """Per ``(handle, flat tensor, device)``: the DCP value of every parameter (collective unless VIEWS)."""
+    if values in (VIEWS, SNAPSHOT):
+        writers = meshes.writer_ranks()
+        out: List[List[Any]] = []
+        index = 0  # the same on every rank: spreads the hybrid replicas' writes
+        for hl, flat, _ in items:
+            out.append(sharded_views(hl, flat, writers, index, snapshot=values == SNAPSHOT))
+            index += len(hl.params)
+        return out
+    chunk_lists = _chunk_lists(items, values)
+    return [
+        [_as_dtensor(c, p, meshes) for p, c in zip(hl.params, chunks)] for (hl, _, _), chunks in zip(items, chunk_lists)
+    ]
 
 
 def _chunk_lists(items: List[Tuple[HandleLayout, Tensor, torch.device]], values: str) -> List[List[Tensor]]:

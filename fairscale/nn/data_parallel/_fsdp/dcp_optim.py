@@ -24,12 +24,12 @@ from .dcp_dtensor import (
     _DTENSOR_ERROR,
     COPIES,
     Value,
-    _as_dtensor,
-    _chunk_lists,
     _classify,
+    _effective_values,
     _initialized_tree,
     _Meshes,
     _require_dtensor,
+    _value_lists,
     check_root,
 )
 from .dcp_layout import HandleLayout, ModelLayout, model_layout
@@ -125,6 +125,7 @@ def get_optimizer_state_dict(
 ) -> Dict[str, Any]:
     """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``values``: as for the model)."""
     what = "get_optimizer_state_dict"
+    values = _effective_values(values)
     _require_dtensor(what)
     check_root(unit, what)
     unit.assert_idle_tree(f"{what}()")
@@ -151,10 +152,10 @@ def get_optimizer_state_dict(
             jobs = [(i, key) for i in kept for key in sorted(state[i], key=str) if key in per_param[i][1]]
             items = [(hls[i], state[i][key], per_param[i][1][key]) for i, key in jobs]
             with collectives.collective_phase("dcp_optim_state_dict"):
-                chunk_lists = _chunk_lists(items, values)
-            for (i, key), chunks in zip(jobs, chunk_lists):
-                for d, p, chunk in zip(per_param[i][0], hls[i].params, chunks):
-                    d[key] = _as_dtensor(chunk, p, meshes)
+                value_lists = _value_lists(items, values, meshes)
+            for (i, key), hl_values in zip(jobs, value_lists):
+                for d, value in zip(per_param[i][0], hl_values):
+                    d[key] = value
             for i in kept:
                 order = list(state[i])  # the optimizer's own key order in every entry
                 for p, d in zip(hls[i].params, per_param[i][0]):

@@ -33,15 +33,17 @@ from fairscale.internal.agreement import check_ranks_agree
 from . import loads
 from .dcp_dtensor import COPIES as COPIES
 from .dcp_dtensor import TEMPLATE as TEMPLATE
+from .dcp_dtensor import SNAPSHOT as SNAPSHOT
+from .dcp_dtensor import VIEWS as VIEWS
 from .dcp_dtensor import (
     _DTENSOR_ERROR,
     Value,
-    _as_dtensor,
-    _chunk_lists,
     _classify,
+    _effective_values,
     _initialized_tree,
     _Meshes,
     _require_dtensor,
+    _value_lists,
     check_root,
 )
 from .dcp_layout import BufferEntry, HandleLayout, ModelLayout, model_layout
@@ -87,9 +89,10 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
 def get_model_state_dict(
     unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool, values: str = COPIES
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`; ``values``: :data:`COPIES` or
-    :data:`TEMPLATE` (buffers are copied in both cases)."""
+    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`; ``values``: :data:`COPIES`,
+    :data:`TEMPLATE` or :data:`VIEWS` (buffers are copied in every case)."""
     what = "get_model_state_dict"
+    values = _effective_values(values)
     _require_dtensor(what)
     check_root(unit, what)
     unit.assert_idle_tree(f"{what}()")
@@ -105,10 +108,9 @@ def get_model_state_dict(
                 continue  # requires_grad is the same on every rank: all of them skip this exchange
             items.append((hl, shard, torch.device("cpu") if cpu_offload else shard.device))
         with collectives.collective_phase("dcp_state_dict"):
-            chunk_lists = _chunk_lists(items, values)
-        for (hl, _, _), chunks in zip(items, chunk_lists):
-            for p, chunk in zip(hl.params, chunks):
-                value = _as_dtensor(chunk, p, meshes)
+            value_lists = _value_lists(items, values, meshes)
+        for (hl, _, _), hl_values in zip(items, value_lists):
+            for p, value in zip(hl.params, hl_values):
                 for name in (p.fqn,) + p.aliases:
                     out[name] = value
         for b in layout.buffers:
