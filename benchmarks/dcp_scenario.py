@@ -7,7 +7,7 @@ for one step, then save a model + optimizer checkpoint with ``torch.distributed.
 
 * ``fairscale``: ``dcp.save(model, optim, checkpoint_id=...)`` / ``dcp.load(...)`` of
   :mod:`fairscale.nn.data_parallel.dcp` (the save hands DCP views of the flat shards, no copies; the load reads into
-  ``Shard(0)`` templates and sets them one FSDP unit at a time);
+  views of a staging copy of the flat shards and copies it in, no exchange);
 * ``fsdp2``: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict`` (views
   of the sharded parameters), ``dcp.save``; ``dcp.load`` into the same dicts and ``set_*_state_dict``.
 
@@ -16,9 +16,10 @@ and CPU time (the process's, all threads), and, in ``--memory-passes`` separate 
 slow the timed ones), the peak of the C heap in use (``_fsdp_bench/heap.py``) above what the rank held before the
 call, the highest of the passes and ranks. For reference: the rank's shards (parameters + optimizer state), the
 bytes of its DCP state dicts, the full fp32 parameters of the largest unit, and fairscale's largest exchange (send
-and receive buffers, from the collective counter). ``extra over FSDP2 beyond its copies`` is fairscale's peak minus
-FSDP2's minus fairscale's state-dict bytes (its copies of the shards, which FSDP2 does not need: its parameters are
-stored in the checkpoint's layout): what the exchanges cost, to compare with the largest unit.
+and receive buffers, from the collective counter; none since the load copies locally). ``extra over FSDP2 beyond its
+copies`` is fairscale's peak minus FSDP2's minus fairscale's state-dict bytes (its copies of the shards, the load's
+staging, which FSDP2 does not need: its parameters are stored in the checkpoint's layout): what else it holds (DCP
+reading its larger chunks), to compare with the largest unit.
 
 Run alone: ``python benchmarks/dcp_scenario.py [--layers 6 --hidden 384 --world-size 2 --repeats 5]``. Output: a
 table on stdout and ``--out`` (JSON, default ``dcp_benchmark.json``; an empty string skips it).
@@ -267,7 +268,8 @@ def _rank_body(rank: int, world_size: int, cfg: DcpConfig, directory: str) -> Di
             with collectives.count_collectives() as counter:
                 out[name]["save_peak_bytes"].append(_peak_above(lambda: save(model, optim, p)))
                 out[name]["load_peak_bytes"].append(_peak_above(lambda: load(model, optim, p)))
-            # fairscale's largest exchange: its send and receive buffers, both this size (FSDP2 exchanges nothing).
+            # fairscale's largest exchange, if any: its send and receive buffers, both this size (neither peer exchanges
+            # values in save() or load(); FSDP2 never does).
             exchanged = [rec.bytes for rec in counter.records if rec.kind == "all_to_all"]
             out[name]["exchange_bytes"] = 2 * max(exchanged, default=0)
             clean(p)

@@ -57,14 +57,13 @@ from torch import nn
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_outcome_agrees
 
-from ._fsdp import dcp_state, dcp_views
+from ._fsdp import dcp_load, dcp_state, dcp_views
+from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
 from ._fsdp.unit import FSDPUnit, unit_of
 
 try:  # torch >= 2.2
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-    from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
     from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
     from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 except ImportError:  # pragma: no cover - old torch
@@ -87,12 +86,9 @@ __all__ = [
 ]
 
 Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
-
-# Top-level keys of the checkpoints that save()/load() write and read (torch's DCP tutorials use the same).
-MODEL_KEY = "model"
-OPTIMIZER_KEY = "optimizer"
-# The file DCP writes last, once every rank's data is written: a directory without it holds no checkpoint.
-METADATA_FILE = ".metadata"
+# CheckpointNotFoundError (load's: no complete checkpoint at the path) and the keys and metadata file of a checkpoint
+# directory (MODEL_KEY, OPTIMIZER_KEY, METADATA_FILE) come from ._fsdp.dcp_load, which raises it; it is public here.
+CheckpointNotFoundError.__module__ = __name__
 
 
 class IncompatibleKeys(NamedTuple):
@@ -100,10 +96,6 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: List[str]
     unexpected_keys: List[str]
-
-
-class CheckpointNotFoundError(FileNotFoundError):
-    """No complete DCP checkpoint at the path given to :func:`load` (its ``.metadata`` file is missing)."""
 
 
 def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
@@ -341,10 +333,6 @@ def set_state_dict(
 # ---------------------------------------------------------------------------------------------------- directories
 
 
-def _metadata_path(checkpoint_id: Union[str, "os.PathLike[str]"]) -> str:
-    return os.path.join(os.fspath(checkpoint_id), METADATA_FILE)
-
-
 def _any_rank(unit: FSDPUnit, flag: bool) -> bool:
     """Whether ``flag`` holds on any rank of the default group (checkpoint directories are the world's)."""
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
@@ -363,7 +351,7 @@ def _prepare_directory(
     unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, what: str
 ) -> None:
     """Refuse, or make unloadable, an existing checkpoint before anything of the new one is written."""
-    metadata = _metadata_path(checkpoint_id)
+    metadata = dcp_load.metadata_path(checkpoint_id)
     if not _any_rank(unit, os.path.exists(metadata)):
         return
     if not overwrite:
@@ -432,7 +420,7 @@ def save(
     except CheckpointException as e:  # a BaseException in torch: make it an ordinary error
         raise RuntimeError(
             f"save: writing the checkpoint {os.fspath(checkpoint_id)!r} failed; DCP writes {METADATA_FILE} last, so "
-            f"the directory does not load. {_summary(e)}"
+            f"the directory does not load. {dcp_load.error_summary(e)}"
         ) from e
 
 
@@ -487,9 +475,12 @@ def load(
 ) -> IncompatibleKeys:
     """Load a DCP checkpoint directory written by :func:`save` (or the same layout by FSDP2) (collective).
 
-    Any world size and wrapping: the checkpoint is read (``torch.distributed.checkpoint.load``) into this model's
-    own sharded state dicts, then set. All-or-nothing: an incomplete or missing checkpoint, a read error or a
-    mismatch leaves model and optimizers as they were, on every rank.
+    Any world size and wrapping: the checkpoint is read (``torch.distributed.checkpoint.load``) straight into a
+    staging copy of this rank's flat shards and of their optimizer states, as the pieces of every parameter they hold
+    (the boxes :func:`save` writes: a checkpoint of the same layout is read chunk for chunk, any other is resharded by
+    DCP), then checked and copied in place, without any exchange between ranks: beyond the model it holds that one
+    copy of the shards and what DCP reads at a time. All-or-nothing: an incomplete or missing checkpoint, a read error
+    or a mismatch leaves model and optimizers as they were, on every rank.
 
     Args:
         model: the root FullyShardedDataParallel instance.
@@ -513,103 +504,5 @@ def load(
     _options(None, "load")
     unit = _root_unit(model, "load")
     optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
-    saved_keys = _saved_keys(unit, checkpoint_id)
-    model_keys = {k[len(MODEL_KEY) + 1 :] for k in saved_keys if k.startswith(MODEL_KEY + ".")}
-    if optims and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved_keys):
-        raise RuntimeError(
-            f"load: the checkpoint {os.fspath(checkpoint_id)!r} holds no optimizer state (it was saved without "
-            "optimizers); pass optimizers=None to load the model alone. Nothing was loaded."
-        )
-    # Templates for dcp.load to fill: this model's own layout, no values (nothing to gather).
-    msd = dcp_state.get_model_state_dict(unit, False, False, values=dcp_state.TEMPLATE)
-    missing = [k for k in msd if k not in model_keys]
-    unexpected = sorted(model_keys - set(msd))
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"load: the checkpoint {os.fspath(checkpoint_id)!r} does not match this model (missing key(s): "
-            f"{missing}; unexpected key(s): {unexpected}); it was saved from another model. Pass strict=False to load "
-            "the matching keys only. Nothing was loaded."
-        )
-    for key in missing:
-        del msd[key]
-    state: Dict[str, Any] = {MODEL_KEY: msd}
-    fresh = [not o.state for o in optims]
-    if optims:
-        osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.TEMPLATE)
-        state[OPTIMIZER_KEY] = osd
-        prefix = f"{OPTIMIZER_KEY}.state."
-        saved_state = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
-        without = sorted(saved_state - set(osd["state"]))
-        if without:
-            _forget_created_state(optims, fresh)
-            raise RuntimeError(
-                f"load: the checkpoint has optimizer state for {without[:4]}{'...' if len(without) > 4 else ''} but "
-                "the optimizers have none to load it into (parameters with gradients but no step yet: an optimizer "
-                "state is only created without gradients). Call optimizer.zero_grad(set_to_none=True) first. "
-                "Nothing was loaded."
-            )
-    try:
-        _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-    except (Exception, CheckpointException) as e:
-        _forget_created_state(optims, fresh)
-        raise RuntimeError(
-            f"load: reading the checkpoint {os.fspath(checkpoint_id)!r} into this model failed; nothing was loaded. "
-            f"{_summary(e)}"
-        ) from e
-    opts = StateDictOptions(strict=strict)
-    if not optims:
-        return set_model_state_dict(model, state[MODEL_KEY], options=opts)
-    try:
-        return set_state_dict(
-            model, optims, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY], options=opts
-        )
-    except BaseException:
-        _forget_created_state(optims, fresh)
-        raise
-
-
-def _saved_keys(unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"]) -> List[str]:
-    """The (flattened) keys of the checkpoint's ``.metadata``; the same error on every rank if it cannot be read."""
-    path = os.fspath(checkpoint_id)
-    keys: List[str] = []
-    problem: Optional[str] = None
-    if not os.path.exists(_metadata_path(path)):
-        problem = "missing"
-    else:
-        try:
-            keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
-        except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
-            problem = f"{type(e).__name__}: {e}"
-    with unit.device.as_current():  # NCCL object collectives allocate on the current device
-        problems = collectives.all_gather_object(problem)
-    if "missing" in problems:
-        raise CheckpointNotFoundError(
-            f"load: no complete checkpoint at {path!r}: {METADATA_FILE} is missing on rank(s) "
-            f"{[r for r, p in enumerate(problems) if p == 'missing']} (the path is wrong, or the save was interrupted "
-            "or has not finished: DCP writes it last). Nothing was loaded."
-        )
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if bad:
-        raise RuntimeError(
-            f"load: the {METADATA_FILE} of {path!r} cannot be read ({'; '.join(f'rank {r}: {p}' for r, p in bad)}); "
-            "it is not a complete DCP checkpoint. Nothing was loaded."
-        )
-    return keys
-
-
-def _forget_created_state(optims: Tuple[torch.optim.Optimizer, ...], fresh: List[bool]) -> None:
-    """Optimizers that had no state before get none back (their state was only a template for ``dcp.load``)."""
-    for o, was_fresh in zip(optims, fresh):
-        if was_fresh:
-            o.state.clear()
-
-
-def _summary(error: BaseException) -> str:
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, pair in sorted(failures.items()):
-            exc = pair[0] if isinstance(pair, tuple) else pair
-            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-        return "; ".join(parts)
-    return f"{type(error).__name__}: {error}"
+    missing, unexpected = dcp_load.load(unit, optims, checkpoint_id, storage_reader, strict)
+    return IncompatibleKeys(missing, unexpected)

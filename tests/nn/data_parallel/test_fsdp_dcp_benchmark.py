@@ -1,7 +1,8 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """``benchmarks/dcp_scenario.py`` (DCP save/load, fairscale against FSDP2) runs on a tiny model and reports sane
-numbers: both peers save and load, the state dicts hold this rank's shards, fairscale's exchanges stay within the
-largest unit, and the table and JSON fields are there."""
+numbers: both peers save and load, the state dicts hold this rank's shards, neither peer exchanges values (fairscale's
+save hands DCP views of its shards, its load copies what DCP read locally), and the table and JSON fields are
+there."""
 
 import json
 import os
@@ -50,7 +51,7 @@ def test_tiny_run(tmp_path: Any) -> None:
         # The DCP state dicts hold exactly this rank's parameters and optimizer state (the same for both peers).
         assert peer["state_dict_mb"] == pytest.approx(fs["state_dict_mb"], rel=0.05)
     assert fs["state_dict_mb"] == pytest.approx(fs["shards_mb"], rel=0.05)
-    assert 0 < fs["exchange_buffers_mb"] <= 2 * result["largest_unit_mb"] and f2["exchange_buffers_mb"] == 0
+    assert fs["exchange_buffers_mb"] == 0 and f2["exchange_buffers_mb"] == 0
     table = format_table(result, cfg)
     assert "fairscale" in table and "fsdp2" in table and "largest exchange" in table
     json.dumps(result)

@@ -3,13 +3,14 @@
 
 * :func:`_as_dtensor` wraps this rank's chunk of an original parameter (or of a per-parameter optimizer state) as a
   DTensor with ``Shard(0)`` (``Replicate`` for 0-dim) over the 1-D DeviceMesh of the root's group, without
-  communication; :func:`_chunk_lists` cuts those chunks out of flat tensors (or makes empty ones for a template).
+  communication; :func:`_value_lists` cuts those chunks out of flat tensors, or makes the views that a save writes
+  from and a load reads into (:mod:`.dcp_views`).
   With hybrid sharding the layout is FSDP2 HSDP's: ``(Replicate(), Shard(0))`` (``(Replicate(), Replicate())``
   for 0-dim) over a 2-D DeviceMesh with dimensions ``("replicate", "shard")``, whose entry ``[i][j]`` is the rank
   with replicate index ``i`` and shard index ``j``. DCP's save planner then writes every chunk once, from one
   replica, and ``dcp.load`` reads it on every replica.
-* :func:`_classify` checks a value given for a parameter on load and says whether it is this rank's chunk or the
-  full tensor.
+* :func:`_classify` checks a value given for a parameter on load and says whether it is this rank's chunk, the
+  full tensor, or this rank's boxes (what ``load`` reads a checkpoint into).
 * :func:`check_root`, :func:`_require_dtensor` and :func:`_initialized_tree` frame every call of
   :mod:`.dcp_state` and :mod:`.dcp_optim`.
 """
@@ -24,8 +25,8 @@ from torch import Tensor
 from fairscale.internal import collectives
 
 from .dcp_layout import HandleLayout, ModelLayout, OrigParam
-from .dcp_reshard import CHUNK, FULL, flat_to_chunks
-from .dcp_views import sharded_views, views_available
+from .dcp_reshard import BOXES, CHUNK, FULL, flat_to_chunks
+from .dcp_views import box_sources, is_sharded_tensor, shape_of, sharded_views, staging_views, views_available
 from .runtime import check_zero2_groups_once, lazy_init, lazy_init_for_call
 from .unit import FSDPUnit
 
@@ -92,6 +93,14 @@ class _Meshes:
             return self._grid
         return [list(self.layout.group_ranks)]
 
+    def own_row(self) -> List[int]:
+        """The global ranks of this rank's replica (its shard group), in shard order."""
+        me = dist.get_rank()
+        for row in self.writer_ranks():
+            if me in row:
+                return list(row)
+        raise RuntimeError(f"rank {me} is in none of the shard groups {self.writer_ranks()}")
+
     def get(self, device_type: str) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -145,7 +154,22 @@ def _as_dtensor(local: Tensor, p: OrigParam, meshes: _Meshes) -> Any:
 def _classify(
     value: Any, p: OrigParam, hl: HandleLayout, layout: ModelLayout, key: str, what: str
 ) -> Tuple[str, Tensor]:
-    """``(CHUNK, this rank's chunk)`` or ``(FULL, full tensor)`` for a value given for parameter ``p``."""
+    """``(CHUNK, this rank's chunk)``, ``(FULL, full tensor)`` or ``(BOXES, ShardedTensor)`` for a value given for
+    parameter ``p``."""
+    if is_sharded_tensor(value):
+        # Only load()'s staging views (:mod:`.dcp_views`): this rank's boxes of its own shard, copied without exchange.
+        if shape_of(value) != tuple(p.shape):
+            raise ValueError(
+                f"{what}: {key!r} has global shape {shape_of(value)} but the model's parameter has shape "
+                f"{tuple(p.shape)}; the checkpoint was saved from another model"
+            )
+        if box_sources(value, p, hl) is None:
+            raise ValueError(
+                f"{what}: {key!r} is a ShardedTensor whose local shards are not the pieces of this rank's flat shard "
+                f"(group rank {hl.rank} of {hl.world_size}); pass DTensors (get_model_state_dict / "
+                "get_optimizer_state_dict) or full tensors"
+            )
+        return BOXES, value
     if _DTENSOR_ERROR is None and isinstance(value, DTensor):
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(
@@ -224,16 +248,21 @@ def _initialized_tree(unit: FSDPUnit) -> Iterator[None]:
         yield
 
 
-# What the chunks of a state dict hold: copies of the values, or nothing (a template for dcp.load to fill, made
-# without communication). VIEWS (save() only) is no DTensor layout at all: ShardedTensors of views of
-# the flat shards (:mod:`.dcp_views`), no copy and no exchange; DCP reshards its chunks on load like any others.
-# SNAPSHOT (async_save()) is VIEWS of a CPU copy of every flat shard, taken before the call returns.
-COPIES, TEMPLATE, VIEWS, SNAPSHOT = "copies", "template", "views", "snapshot"
+# What the values of a state dict are: COPIES, DTensor chunks (Shard(0)) copied out of the flat shards; VIEWS (save()
+# only), no DTensor layout at all but ShardedTensors of views of the flat shards (:mod:`.dcp_views`), no copy and no
+# exchange, whose chunks DCP reshards on load like any others; SNAPSHOT (async_save()), VIEWS of a CPU copy of every
+# flat shard, taken before the call returns; STAGING (load()), ShardedTensors of this rank's boxes of a new, empty
+# staging tensor per flat tensor, for dcp.load to read into and set_state_dict to copy from (no exchange).
+COPIES, VIEWS, SNAPSHOT, STAGING = "copies", "views", "snapshot", "staging"
+
+
+def _views_possible() -> bool:
+    return views_available() and dist.is_available() and dist.is_initialized()
 
 
 def _effective_values(values: str) -> str:
     """VIEWS needs ShardedTensor and a process group; without them (one process) the copies are as cheap."""
-    if values in (VIEWS, SNAPSHOT) and not (views_available() and dist.is_available() and dist.is_initialized()):
+    if values in (VIEWS, SNAPSHOT) and not _views_possible():
         return COPIES
     return values
 
@@ -250,17 +279,20 @@ def _value_lists(
             out.append(sharded_views(hl, flat, writers, index, snapshot=values == SNAPSHOT))
             index += len(hl.params)
         return out
-    chunk_lists = _chunk_lists(items, values)
+    if values == STAGING:
+        return [_staging_values(hl, flat, device, meshes) for hl, flat, device in items]
+    chunk_lists = flat_to_chunks(items)
     return [
         [_as_dtensor(c, p, meshes) for p, c in zip(hl.params, chunks)] for (hl, _, _), chunks in zip(items, chunk_lists)
     ]
 
 
-def _chunk_lists(items: List[Tuple[HandleLayout, Tensor, torch.device]], values: str) -> List[List[Tensor]]:
-    """Per ``(handle, flat tensor, device)``: this rank's chunk of every parameter (collective), or a template."""
-    if values != TEMPLATE:
-        return flat_to_chunks(items)
-    return [
-        [torch.empty(p.chunk_shape(hl.world_size, hl.rank), dtype=flat.dtype, device=device) for p in hl.params]
-        for hl, flat, device in items
-    ]
+def _staging_values(hl: HandleLayout, flat: Tensor, device: torch.device, meshes: _Meshes) -> List[Any]:
+    """STAGING values of one flat tensor (no communication): one staging tensor shaped like ``flat``, on ``device``."""
+    if _views_possible():
+        return staging_views(hl, flat, device, meshes.own_row())
+    if hl.handle.is_sharded:  # pragma: no cover - a torch without ShardedTensor
+        raise ImportError("loading a sharded model needs torch.distributed._shard's ShardedTensor")
+    # One process: the flat parameter is not sharded, each parameter is a contiguous range of it (a FULL value).
+    staging = torch.empty(flat.shape, dtype=flat.dtype, device=device).view(-1)
+    return [staging.narrow(0, p.offset, p.numel).view(p.shape) for p in hl.params]

@@ -34,6 +34,7 @@ from .dcp_dtensor import (
 )
 from .dcp_layout import HandleLayout, ModelLayout, model_layout
 from .dcp_reshard import chunks_to_flat
+from .dcp_views import dtype_of, shape_of
 from .unit import FSDPUnit
 
 try:  # torch >= 2.4: public DTensor
@@ -310,7 +311,7 @@ def _plan_entry(
     for key in keys:
         values = [e[key] for e in checked]
         per_param = any(
-            isinstance(v, Tensor) and not p.is_scalar and tuple(v.shape) == tuple(p.shape)
+            isinstance(v, Tensor) and not p.is_scalar and shape_of(v) == tuple(p.shape)
             for p, v in zip(hl.params, values)
         ) or (all_scalar and key != "step" and all(isinstance(v, Tensor) for v in values))
         if per_param:
@@ -376,7 +377,7 @@ def _build_flat(plan: _OptimPlan) -> Dict[str, Any]:
                 continue
             first = next(v[1] for v in value if v is not None)
             live = plan.optim.state.get(hl.handle.param, {}).get(key)
-            if isinstance(live, Tensor) and live.shape == shard.shape and live.dtype == first.dtype:
+            if isinstance(live, Tensor) and live.shape == shard.shape and live.dtype == dtype_of(first):
                 # Its current state tensor (e.g. the placeholder made for dcp.load): no second copy of the state.
                 # Every real element is written below; the padding is zeroed.
                 out = live
@@ -384,7 +385,7 @@ def _build_flat(plan: _OptimPlan) -> Dict[str, Any]:
                 real = max(0, min(hi, hl.handle.numel) - lo)
                 out.view(-1)[real:].zero_()
             else:
-                out = torch.zeros(shard.shape, dtype=first.dtype, device=shard.device)
+                out = torch.zeros(shard.shape, dtype=dtype_of(first), device=shard.device)
             items.append((hl, value, out))
             new[key] = out
         state[i] = {key: new[key] for key in plan.entries[i]}

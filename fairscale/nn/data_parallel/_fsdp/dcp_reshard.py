@@ -8,8 +8,9 @@ direction is then one ``all_to_all`` per flat tensor, of equal blocks sized for 
 
 * :func:`flat_to_chunks`: every rank sends each peer the elements of its shard that the peer's chunks hold, and
   assembles its own chunks (elements of its own shard are copied locally, without the wire);
-* :func:`chunks_to_flat`: the reverse, into a flat tensor shaped like the shard. Parameters given as full tensors
-  are copied locally, without communication.
+* :func:`chunks_to_flat`: the reverse, into a flat tensor shaped like the shard. Parameters given as full tensors,
+  or as this rank's boxes of its own shard (what ``load`` reads a checkpoint into, :mod:`.dcp_views`), are copied
+  locally, without communication.
 
 A rank sends and receives only what the other layout needs (for 2 ranks about half a shard, instead of the whole
 flat parameter an all-gather would bring). Besides its chunks it holds the send and receive buffers of one
@@ -31,12 +32,15 @@ from torch import Tensor
 from fairscale.internal import collectives
 
 from .dcp_layout import HandleLayout
+from .dcp_views import box_sources
 
-__all__ = ["flat_to_chunks", "chunks_to_flat", "CHUNK", "FULL"]
+__all__ = ["flat_to_chunks", "chunks_to_flat", "CHUNK", "FULL", "BOXES"]
 
-# Kinds of the values chunks_to_flat takes: this rank's dim-0 chunk, or the full tensor.
+# Kinds of the values chunks_to_flat takes: this rank's dim-0 chunk, the full tensor, or a ShardedTensor whose local
+# shards are this rank's boxes of the parameter (views of a staging copy of its own shard).
 CHUNK = "chunk"
 FULL = "full"
+BOXES = "boxes"
 
 
 Segment = Tuple[int, int, int]  # (parameter index, first flat element, end flat element)
@@ -211,6 +215,13 @@ def _to_flat(hl: HandleLayout, values: List[Value], out: Tensor) -> Optional[_Tr
     flat_out = out.view(-1)
     lo, hi = hl.shard_range()
     for p, value in zip(hl.params, values):
+        if value is not None and value[0] == BOXES:
+            sources = box_sources(value[1], p, hl)
+            if sources is None:  # checked when the load was planned
+                raise RuntimeError(f"the boxes given for {p.fqn!r} are not this rank's")
+            for begin, box in sources:
+                flat_out.narrow(0, begin, box.numel()).copy_(box.reshape(-1))
+            continue
         if value is None or value[0] != FULL:
             continue
         # The elements of this parameter that this rank's shard covers, in parameter coordinates.
@@ -247,9 +258,10 @@ def chunks_to_flat(items: Sequence[Tuple[HandleLayout, List[Value], Tensor]]) ->
 
     Args:
         items: ``(handle layout, values, out)`` per flat tensor, in the same order on every rank. ``values`` has,
-            per parameter of ``hl.params``: ``(CHUNK, this rank's dim-0 chunk)``, ``(FULL, the full tensor)``, or
-            ``None`` to leave the parameter's elements as they are; ``out`` is this rank's flat tensor shaped like
-            the handle's shard (written in place; its padding is not touched).
+            per parameter of ``hl.params``: ``(CHUNK, this rank's dim-0 chunk)``, ``(FULL, the full tensor)``,
+            ``(BOXES, a ShardedTensor of this rank's boxes)``, or ``None`` to leave the parameter's elements as they
+            are; ``out`` is this rank's flat tensor shaped like the handle's shard (written in place; its padding is
+            not touched). Only CHUNK values are exchanged: a load of boxes is local copies only.
     """
     transfers = [t for t in (_to_flat(hl, values, out) for hl, values, out in items) if t is not None]
     _run(transfers)

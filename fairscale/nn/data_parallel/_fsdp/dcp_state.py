@@ -32,8 +32,8 @@ from fairscale.internal.agreement import check_ranks_agree
 
 from . import loads
 from .dcp_dtensor import COPIES as COPIES
-from .dcp_dtensor import TEMPLATE as TEMPLATE
 from .dcp_dtensor import SNAPSHOT as SNAPSHOT
+from .dcp_dtensor import STAGING as STAGING
 from .dcp_dtensor import VIEWS as VIEWS
 from .dcp_dtensor import (
     _DTENSOR_ERROR,
@@ -89,8 +89,8 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
 def get_model_state_dict(
     unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool, values: str = COPIES
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`; ``values``: :data:`COPIES`,
-    :data:`TEMPLATE` or :data:`VIEWS` (buffers are copied in every case)."""
+    """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`; ``values``: :data:`COPIES`, :data:`VIEWS`,
+    :data:`SNAPSHOT` or :data:`STAGING` (buffers are copied in every case)."""
     what = "get_model_state_dict"
     values = _effective_values(values)
     _require_dtensor(what)

@@ -12,9 +12,15 @@ exchange and no copy: DCP writes the boxes as its chunks and reshards them on lo
 With hybrid sharding every replica holds the same shards; one replica (chosen per tensor, round robin, so the writes
 spread over the replicas) lists its boxes, the others none, so each box is written once. 0-dim parameters are one
 box of one element on the rank that holds it.
+
+A load reads the other way (:func:`staging_views`): the ``ShardedTensor`` s list this rank's boxes of a *staging*
+tensor shaped like the flat shard, so ``dcp.load`` writes every element straight into the place it will take (a
+checkpoint of the same layout: one read per saved chunk). Every replica reads its own copy, so each rank lists its own
+replica's boxes only: DCP's load planner uses the local shards alone, and the metadata needs to cover the tensor once.
+:func:`box_sources` then says where each local box goes in the live shard, for a plain copy once every rank read.
 """
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -32,7 +38,19 @@ try:  # torch >= 2.0
 except ImportError as e:  # pragma: no cover - a torch without ShardedTensor: the copying save path is used
     _SHARDED_TENSOR_ERROR = str(e)
 
-__all__ = ["Box", "flat_boxes", "param_boxes", "sharded_views", "views_available", "PreStaged"]
+__all__ = [
+    "Box",
+    "flat_boxes",
+    "param_boxes",
+    "sharded_views",
+    "staging_views",
+    "box_sources",
+    "is_sharded_tensor",
+    "shape_of",
+    "dtype_of",
+    "views_available",
+    "PreStaged",
+]
 
 # (offsets, sizes, start): a box of the tensor at ``offsets`` with ``sizes``, whose elements are the row-major
 # elements ``[start, start + prod(sizes))`` of the tensor.
@@ -144,6 +162,60 @@ def sharded_views(
                 local, global_md, sharding_spec=EnumerableShardingSpec(metadata)
             )
         )
+    return out
+
+
+def staging_views(hl: HandleLayout, like: Tensor, device: torch.device, row: Sequence[int]) -> List[Any]:
+    """Per parameter of ``hl``, a ``ShardedTensor`` for ``dcp.load`` to read into: this rank's boxes of a new staging
+    tensor (``like``'s shape and dtype, on ``device``), listed over ``row`` (the global ranks of this rank's replica).
+
+    The staging tensor is only reachable through the views: :func:`box_sources` finds where each goes. Its padding is
+    never read.
+    """
+    staging = torch.empty(like.shape, dtype=like.dtype, device=device)
+    return sharded_views(hl, staging, [row], 0)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    return _SHARDED_TENSOR_ERROR is None and isinstance(value, ShardedTensor)
+
+
+# A ShardedTensor answers its attributes (shape, dtype, size()) through __torch_function__, which warns that it is
+# deprecated and validates its arguments on every call (a fraction of a millisecond, several times per tensor of a
+# load): its metadata holds the same.
+
+
+def shape_of(value: Tensor) -> Tuple[int, ...]:
+    """The (global) shape of a tensor or ``ShardedTensor``."""
+    if is_sharded_tensor(value):
+        return tuple(value.metadata().size)  # type: ignore[attr-defined]
+    return tuple(value.shape)
+
+
+def dtype_of(value: Tensor) -> torch.dtype:
+    """The dtype of a tensor or ``ShardedTensor``."""
+    if is_sharded_tensor(value):
+        dtype: torch.dtype = value.metadata().tensor_properties.dtype  # type: ignore[attr-defined]
+        return dtype
+    return value.dtype
+
+
+def box_sources(value: Any, p: OrigParam, hl: HandleLayout) -> Optional[List[Tuple[int, Tensor]]]:
+    """``(first element in this rank's flat shard, local tensor)`` per local shard of the ``ShardedTensor``
+    ``value`` when its local shards are exactly this rank's boxes of ``p`` (as :func:`staging_views` makes them);
+    ``None`` when they are not."""
+    shards = value.local_shards()
+    expected = param_boxes(p, hl, hl.rank)
+    if not expected:  # no element here; an empty parameter has one empty chunk on one rank
+        return [] if all(s.tensor.numel() == 0 for s in shards) else None
+    if len(shards) != len(expected):
+        return None
+    lo = hl.shard_range()[0]
+    out: List[Tuple[int, Tensor]] = []
+    for (offsets, sizes, start), s in zip(expected, shards):
+        if tuple(s.metadata.shard_offsets) != offsets or tuple(s.tensor.shape) != sizes:
+            return None
+        out.append((p.offset + start - lo, s.tensor))
     return out
 
 

@@ -1,0 +1,198 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The load of a DCP checkpoint directory (:func:`fairscale.nn.data_parallel.dcp.load`), without exchanges.
+
+``dcp.load`` reads straight into *staging* tensors, one per flat parameter shard and per optimizer state of it
+(dtype and device of the live one), presented as ``ShardedTensor`` s whose local shards are this rank's boxes of them
+(:func:`.dcp_views.staging_views`, the layout :func:`.dcp_views.sharded_views` saves): a checkpoint of the same
+layout is read chunk for chunk, one of another world size, wrapping or FSDP2's ``Shard(0)`` chunks is resharded by
+DCP's planner (it intersects the saved chunks with the local boxes). Nothing live is touched until DCP succeeded on
+every rank (it raises on every rank otherwise) and :func:`.dcp_state.set_state_dict` checked the values and the ranks
+agreed; its commit then copies each box into its place in the live flat shard or optimizer state, locally. So a load
+holds one staging copy of the shards beyond what DCP's reader holds (one saved chunk at a time), and a failed one
+changes nothing: its staging is dropped.
+"""
+
+import contextlib
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from fairscale.internal import collectives
+
+from . import dcp_state
+from .unit import FSDPUnit
+
+try:  # torch >= 2.2
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+except ImportError:  # pragma: no cover - old torch: dcp._options refuses every call first
+    FileSystemReader = object  # type: ignore[assignment,misc]
+
+__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "METADATA_FILE", "CheckpointNotFoundError", "load", "error_summary"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Top-level keys of the checkpoints that save()/load() write and read (torch's DCP tutorials use the same).
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+# The file DCP writes last, once every rank's data is written: a directory without it holds no checkpoint.
+METADATA_FILE = ".metadata"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete DCP checkpoint at the path given to ``load`` (its ``.metadata`` file is missing)."""
+
+
+def metadata_path(checkpoint_id: PathLike) -> str:
+    return os.path.join(os.fspath(checkpoint_id), METADATA_FILE)
+
+
+def load(
+    unit: FSDPUnit,
+    optims: Tuple[torch.optim.Optimizer, ...],
+    checkpoint_id: PathLike,
+    storage_reader: Optional[Any],
+    strict: bool,
+) -> Tuple[List[str], List[str]]:
+    """See :func:`fairscale.nn.data_parallel.dcp.load`; returns the model's ``(missing, unexpected)`` keys."""
+    reader = storage_reader if storage_reader is not None else _MetadataOnce(os.fspath(checkpoint_id))
+    saved_keys = _saved_keys(unit, checkpoint_id, reader if storage_reader is None else None)
+    model_keys = {k[len(MODEL_KEY) + 1 :] for k in saved_keys if k.startswith(MODEL_KEY + ".")}
+    if optims and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved_keys):
+        raise RuntimeError(
+            f"load: the checkpoint {os.fspath(checkpoint_id)!r} holds no optimizer state (it was saved without "
+            "optimizers); pass optimizers=None to load the model alone. Nothing was loaded."
+        )
+    # What dcp.load reads into: staging copies of the shards, in this model's own layout (no communication).
+    msd = dcp_state.get_model_state_dict(unit, False, False, values=dcp_state.STAGING)
+    missing = [k for k in msd if k not in model_keys]
+    unexpected = sorted(model_keys - set(msd))
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"load: the checkpoint {os.fspath(checkpoint_id)!r} does not match this model (missing key(s): "
+            f"{missing}; unexpected key(s): {unexpected}); it was saved from another model. Pass strict=False to load "
+            "the matching keys only. Nothing was loaded."
+        )
+    for key in missing:
+        del msd[key]
+    state: Dict[str, Any] = {MODEL_KEY: msd}
+    fresh = [not o.state for o in optims]
+    if optims:
+        osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.STAGING)
+        state[OPTIMIZER_KEY] = osd
+        prefix = f"{OPTIMIZER_KEY}.state."
+        saved_state = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
+        without = sorted(saved_state - set(osd["state"]))
+        if without:
+            _forget_created_state(optims, fresh)
+            raise RuntimeError(
+                f"load: the checkpoint has optimizer state for {without[:4]}{'...' if len(without) > 4 else ''} but "
+                "the optimizers have none to load it into (parameters with gradients but no step yet: an optimizer "
+                "state is only created without gradients). Call optimizer.zero_grad(set_to_none=True) first. "
+                "Nothing was loaded."
+            )
+    try:
+        # DCP's default planner drops a ShardedTensor without local shards (a parameter that lies in other ranks'
+        # shards only), and a key of the checkpoint that is then absent from the dict makes it flatten the dict as
+        # torch 2.3 did, which no longer matches the checkpoint. Such tensors are only read by the ranks that hold them.
+        planner = DefaultLoadPlanner(flatten_sharded_tensors=False)
+        with _plain_tensor_attributes():
+            _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as e:
+        _forget_created_state(optims, fresh)
+        raise RuntimeError(
+            f"load: reading the checkpoint {os.fspath(checkpoint_id)!r} into this model failed; nothing was loaded. "
+            f"{error_summary(e)}"
+        ) from e
+    # Every rank read its staging; set_state_dict checks it, the ranks agree, and only then is it copied in.
+    try:
+        if not optims:
+            return dcp_state.set_state_dict(unit, (), state[MODEL_KEY], None, strict, "set_model_state_dict")
+        return dcp_state.set_state_dict(unit, optims, state[MODEL_KEY], state[OPTIMIZER_KEY], strict, "set_state_dict")
+    except BaseException:
+        _forget_created_state(optims, fresh)
+        raise
+
+
+class _MetadataOnce(FileSystemReader):
+    """DCP's reader of a directory, which reads its ``.metadata`` once for :func:`_saved_keys` and ``dcp.load``.
+
+    The metadata lists every saved chunk (for a box-chunked checkpoint, up to ``2 * ndim - 1`` per tensor and rank):
+    unpickling it twice would cost a tenth of a load.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # another file (a rank's own metadata)
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        elif getattr(self._metadata, "storage_meta", None) is not None:
+            self._metadata.storage_meta.load_id = self.load_id  # as a fresh read would (reset() draws a new one)
+        return self._metadata
+
+
+def _plain_tensor_attributes() -> Any:
+    """A context in which a ``ShardedTensor``'s ``size()`` and ``device`` are the wrapper tensor's own.
+
+    Its ``__torch_function__`` answers them otherwise, warning of its deprecation and validating its arguments on every
+    call: DCP asks a few times per tensor, a third of a load's CPU time. The wrapper holds the same global size (and
+    its device is not ``meta``, the only one DCP looks for); the local shards DCP reads into are plain tensors.
+    """
+    disable = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
+def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) -> List[str]:
+    """The (flattened) keys of the checkpoint's ``.metadata`` (read with ``reader``, by default a new
+    ``FileSystemReader``); the same error on every rank if it cannot be read."""
+    path = os.fspath(checkpoint_id)
+    keys: List[str] = []
+    problem: Optional[str] = None
+    if not os.path.exists(metadata_path(path)):
+        problem = "missing"
+    else:
+        try:
+            keys = list((reader if reader is not None else FileSystemReader(path)).read_metadata().state_dict_metadata)
+        except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
+            problem = f"{type(e).__name__}: {e}"
+    with unit.device.as_current():  # NCCL object collectives allocate on the current device
+        problems = collectives.all_gather_object(problem)
+    if "missing" in problems:
+        raise CheckpointNotFoundError(
+            f"load: no complete checkpoint at {path!r}: {METADATA_FILE} is missing on rank(s) "
+            f"{[r for r, p in enumerate(problems) if p == 'missing']} (the path is wrong, or the save was interrupted "
+            "or has not finished: DCP writes it last). Nothing was loaded."
+        )
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        raise RuntimeError(
+            f"load: the {METADATA_FILE} of {path!r} cannot be read ({'; '.join(f'rank {r}: {p}' for r, p in bad)}); "
+            "it is not a complete DCP checkpoint. Nothing was loaded."
+        )
+    return keys
+
+
+def _forget_created_state(optims: Tuple[torch.optim.Optimizer, ...], fresh: List[bool]) -> None:
+    """Optimizers that had no state before get none back (their state was only created for ``dcp.load`` to fill)."""
+    for o, was_fresh in zip(optims, fresh):
+        if was_fresh:
+            o.state.clear()
+
+
+def error_summary(error: BaseException) -> str:
+    """A DCP ``CheckpointException``'s failures, one per failing rank (any other error: its type and message)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            exc = pair[0] if isinstance(pair, tuple) else pair
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,226 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""How :func:`fairscale.nn.data_parallel.dcp.load` reads: into staging views of the flat shards, then local copies.
+
+* A checkpoint of the same world size and wrapping is read chunk for chunk: every tensor read is a whole saved chunk
+  into a whole local box, each rank reads its own data file only, and no rank exchanges anything (no all_to_all).
+* Checkpoints of another layout (FSDP2's ``Shard(0)`` chunks, another world size) are resharded by DCP into the same
+  views, still without an exchange, and load bit-exactly; so do mixed precision and CPU-offloaded models.
+* A read that fails (a truncated data file, a reader failing on one rank after it read everything) leaves the
+  parameters and the optimizer state bit-identical on every rank: nothing live is written before every rank read.
+"""
+
+import os
+import shutil
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _models import NestedWrappedModule, build, wrap_model
+from test_fsdp_dcp import assert_same, assert_same_optim, fsdp2_model, fsdp2_state, full_model, full_optim, train
+from test_fsdp_dcp_faults import assert_unchanged, fresh, snapshot, trained
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.collectives import count_collectives
+from fairscale.nn.data_parallel import dcp as fsdp_dcp
+
+try:
+    from torch.distributed.checkpoint import state_dict as torch_dsd
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # pragma: no cover - torch without FSDP2
+    fully_shard = None
+
+pytestmark = pytest.mark.skipif(fully_shard is None, reason="needs torch with FSDP2 (fully_shard) and DTensor")
+
+
+class RecordingReader(dcp.FileSystemReader):
+    """DCP's file-system reader, which records every tensor read: (key, file, storage offsets, destination offsets,
+    lengths, the saved chunk's sizes)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.reads: List[Tuple[str, str, List[int], List[int], List[int], List[int]]] = []
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        chunks = self.read_metadata().state_dict_metadata
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                continue
+            fqn = item.storage_index.fqn
+            saved = chunks[fqn].chunks[item.storage_index.index]  # type: ignore[union-attr]
+            path = self.storage_data[item.storage_index].relative_path
+            self.reads.append(
+                (fqn, path, list(item.storage_offsets), list(item.dest_offsets), list(item.lengths), list(saved.sizes))
+            )
+        return super().read_data(plan, planner)
+
+
+class FailingAfterReadReader(dcp.FileSystemReader):
+    """DCP's file-system reader, whose rank 1 fails once it has read all its data (a lost mount, a bad checksum)."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        done = super().read_data(plan, planner)
+        if dist.get_rank() == 1:
+            done.wait()
+            raise OSError("injected: the checkpoint's storage went away")
+        return done
+
+
+def sharded_keys(fsdp: Any) -> List[str]:
+    """The checkpoint keys of the parameters and of their element-wise optimizer states (DCP's flattened names)."""
+    names = list(fsdp_dcp.get_model_state_dict(fsdp))
+    return [f"model.{n}" for n in names] + [
+        f"optimizer.state.{n}.{k}" for n in names for k in ("exp_avg", "exp_avg_sq")
+    ]
+
+
+def expect_failed_load(fsdp: Any, optim: Any, match: str, **kwargs: Any) -> None:
+    before = snapshot(fsdp, optim)
+    had_state = bool(optim.state)
+    with pytest.raises(RuntimeError, match=match) as info:
+        fsdp_dcp.load(fsdp, optim, **kwargs)
+    assert "nothing was loaded" in str(info.value), str(info.value)
+    assert_unchanged(fsdp, optim, before, f"after a failed read ({match})")
+    assert bool(optim.state) == had_state, "the optimizer state created for the read stayed"
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+
+
+def _case_same_layout_reads_whole_chunks(root: str, rank: int) -> None:
+    fsdp, optim = trained(seed=1, mode="nested")
+    path = os.path.join(root, "same-layout")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    expected = full_model(fsdp_dcp.get_model_state_dict(fsdp))
+    expected_optim = full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
+    other, other_optim = fresh(seed=2, mode="nested")
+    reader = RecordingReader(path)
+    with count_collectives() as counter:
+        fsdp_dcp.load(other, other_optim, checkpoint_id=path, storage_reader=reader)
+    assert counter.count("all_to_all") == 0, counter.summary()
+    keys = set(sharded_keys(other))
+    reads = [r for r in reader.reads if r[0] in keys]
+    assert reads, reader.reads
+    for fqn, file, storage_offsets, dest_offsets, lengths, saved_sizes in reads:
+        assert lengths == saved_sizes and not any(storage_offsets), f"{fqn}: part of a saved chunk read"
+        assert not any(dest_offsets), f"{fqn}: read into part of a local box"
+        assert file.startswith(f"__{rank}_"), f"{fqn}: rank {rank} read another rank's file {file}"
+    assert_same(full_model(fsdp_dcp.get_model_state_dict(other)), expected, "same layout: model")
+    assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected_optim, "optimizer")
+
+
+def _case_fsdp2_checkpoint(root: str, rank: int) -> None:
+    """FSDP2's Shard(0) chunks are resharded by DCP into the boxes: no exchange, bit-exact."""
+    world_size = dist.get_world_size()
+    model, optim = fsdp2_model(5, world_size)
+    train(model, optim, range(1), rank, world_size)
+    path = os.path.join(root, "fsdp2")
+    dcp.save(fsdp2_state(model, optim), checkpoint_id=path)
+    expected = full_model(torch_dsd.get_model_state_dict(model))
+    expected_optim = full_optim(torch_dsd.get_optimizer_state_dict(model, optim))
+    fsdp, fsdp_optim = fresh(seed=6, mode="leaf")
+    with count_collectives() as counter:
+        fsdp_dcp.load(fsdp, fsdp_optim, checkpoint_id=path)
+    assert counter.count("all_to_all") == 0, counter.summary()
+    assert_same(full_model(fsdp_dcp.get_model_state_dict(fsdp)), expected, "FSDP2 checkpoint: model")
+    assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, fsdp_optim)), expected_optim, "FSDP2 optim")
+
+
+def _case_mixed_precision_and_cpu_offload(root: str, rank: int) -> None:
+    """The staging tensors are the fp32 master shards' (on the CPU when offloaded)."""
+    for kwargs in ({"mixed_precision": True}, {"mixed_precision": True, "move_params_to_cpu": True}):
+        model, _ = build(NestedWrappedModule, 7)
+        fsdp = wrap_model(model, dict(kwargs), "nested")
+        optim = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        optim.zero_grad()
+        NestedWrappedModule.per_sample_loss(fsdp(*NestedWrappedModule.sample(4, gen))).mean().backward()
+        optim.step()
+        path = os.path.join(root, "mixed" + ("-offload" if "move_params_to_cpu" in kwargs else ""))
+        fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+        expected = {k: v.clone() for k, v in fsdp.local_state_dict().items()}
+        expected_state = snapshot(fsdp, optim)["state"]
+        model, _ = build(NestedWrappedModule, 8)
+        other = wrap_model(model, dict(kwargs), "nested")
+        other_optim = torch.optim.Adam(other.parameters(), lr=0.5)
+        fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+        got = other.local_state_dict()
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), f"{kwargs}: {key}"
+        state = snapshot(other, other_optim)["state"]
+        for i, entry in expected_state.items():
+            for key, value in entry.items():
+                assert torch.equal(state[i][key], value), f"{kwargs}: optimizer state {i} {key}"
+
+
+def _case_failed_read_changes_nothing(root: str, rank: int) -> None:
+    fsdp, optim = trained(seed=1, mode="nested")
+    path = os.path.join(root, "good")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    truncated = os.path.join(root, "truncated")
+    if rank == 0:
+        shutil.copytree(path, truncated)
+        data = os.path.join(truncated, "__1_0.distcp")
+        os.truncate(data, os.path.getsize(data) // 2)
+    dist.barrier()
+    for mode in ("nested", "leaf"):  # the same layout (whole chunks) and another one (resharded by DCP)
+        other, other_optim = trained(seed=3, mode=mode)  # a trained optimizer: its state must stay bit-identical
+        expect_failed_load(other, other_optim, "reading the checkpoint", checkpoint_id=truncated)
+        expect_failed_load(
+            other, other_optim, "injected", checkpoint_id=path, storage_reader=FailingAfterReadReader(path)
+        )
+        other, other_optim = fresh(seed=4, mode=mode)  # a fresh optimizer: no state after the failure either
+        expect_failed_load(
+            other, other_optim, "injected", checkpoint_id=path, storage_reader=FailingAfterReadReader(path)
+        )
+        fsdp_dcp.load(other, other_optim, checkpoint_id=path)  # the good checkpoint still loads afterwards
+        assert_same(other.state_dict(), fsdp.state_dict(), f"{mode}: loaded after the failures")
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> None:
+    cases = [
+        _case_same_layout_reads_whole_chunks,
+        _case_fsdp2_checkpoint,
+        _case_mixed_precision_and_cpu_offload,
+        _case_failed_read_changes_nothing,
+        _case_one_rank_checkpoint,
+    ]
+    run_cases([(case.__name__[len("_case_") :], _bind(case, root, rank)) for case in cases])
+
+
+def _bind(case: Any, root: str, rank: int) -> Any:
+    return lambda: case(root, rank)
+
+
+def test_two_ranks(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    run_distributed(_save_at_one_rank, 1, root)
+    run_distributed(_two_ranks, 2, root)
+
+
+# ------------------------------------------------------------------------------------------------------ world sizes
+
+
+def _save_at_one_rank(rank: int, world_size: int, root: str) -> None:
+    fsdp, optim = trained(seed=9, mode="leaf")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=os.path.join(root, "ws1"))
+    torch.save(
+        {
+            "model": full_model(fsdp_dcp.get_model_state_dict(fsdp)),
+            "optim": full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim)),
+        },
+        os.path.join(root, "ws1.pt"),
+    )
+
+
+def _case_one_rank_checkpoint(root: str, rank: int) -> None:
+    """A checkpoint of one rank (one box per parameter) loads at two, resharded by DCP, without an exchange."""
+    expected: Dict[str, Any] = torch.load(os.path.join(root, "ws1.pt"), weights_only=False)
+    fsdp, optim = fresh(seed=10, mode="nested")
+    with count_collectives() as counter:
+        fsdp_dcp.load(fsdp, optim, checkpoint_id=os.path.join(root, "ws1"))
+    assert counter.count("all_to_all") == 0, counter.summary()
+    assert_same(full_model(fsdp_dcp.get_model_state_dict(fsdp)), expected["model"], "1 -> 2 ranks: model")
+    assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim)), expected["optim"], "1 -> 2 ranks")
