@@ -28,6 +28,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
 
+from fairscale.nn.data_parallel._fsdp.dcp_options import checked_options
+
 from ._oss import dcp as _dcp
 from .oss import OSS
 
@@ -49,22 +51,14 @@ __all__ = [
 
 
 def _options(options: Any, what: str) -> Any:
-    if StateDictOptions is None:  # pragma: no cover - old torch
-        raise ImportError(f"{what} needs torch.distributed.checkpoint.state_dict (torch >= 2.2)")
-    opts = options if options is not None else StateDictOptions()
-    if not isinstance(opts, StateDictOptions):
-        raise TypeError(f"{what}: options must be a StateDictOptions, got {type(opts).__name__}")
-    unsupported = [
-        name
-        for name in ("full_state_dict", "broadcast_from_rank0", "flatten_optimizer_state_dict")
-        if getattr(opts, name, False)
-    ]
-    if unsupported:
-        raise NotImplementedError(
-            f"{what}: StateDictOptions({', '.join(f'{n}=True' for n in unsupported)}) is not supported for OSS; "
-            "each rank's dict holds its own parameters' state (for a full dict use OSS.state_dict(all_ranks=True))"
-        )
-    return opts
+    return checked_options(
+        options,
+        what,
+        StateDictOptions is not None,
+        "torch.distributed.checkpoint.state_dict (torch >= 2.2)",
+        " for OSS; each rank's dict holds its own parameters' state (for a full dict use "
+        "OSS.state_dict(all_ranks=True))",
+    )
 
 
 def _oss(optimizer: Any, what: str) -> OSS:

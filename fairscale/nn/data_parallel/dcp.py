@@ -59,6 +59,7 @@ from fairscale.internal.agreement import check_outcome_agrees
 
 from ._fsdp import dcp_load, dcp_state, dcp_views
 from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
+from ._fsdp.dcp_options import checked_options
 from ._fsdp.unit import FSDPUnit, unit_of
 
 try:  # torch >= 2.2
@@ -109,24 +110,15 @@ def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
 
 
 def _options(options: Any, what: str, submodules: Any = None) -> Any:
-    if StateDictOptions is None:  # pragma: no cover - old torch
-        raise ImportError(f"{what} needs torch.distributed.checkpoint with async_save (torch >= 2.3)")
-    if submodules is not None:
+    if StateDictOptions is not None and submodules is not None:
         raise NotImplementedError(f"{what}: submodules (deprecated in torch) is not supported; pass None")
-    opts = options if options is not None else StateDictOptions()
-    if not isinstance(opts, StateDictOptions):
-        raise TypeError(f"{what}: options must be a StateDictOptions, got {type(opts).__name__}")
-    unsupported = [
-        name
-        for name in ("full_state_dict", "broadcast_from_rank0", "flatten_optimizer_state_dict")
-        if getattr(opts, name, False)
-    ]
-    if unsupported:
-        raise NotImplementedError(
-            f"{what}: StateDictOptions({', '.join(f'{n}=True' for n in unsupported)}) is not supported; sharded "
-            "state dicts only (for a full state dict use model.state_dict() and gather_full_optim_state_dict())"
-        )
-    return opts
+    return checked_options(
+        options,
+        what,
+        StateDictOptions is not None,
+        "torch.distributed.checkpoint with async_save (torch >= 2.3)",
+        "; sharded state dicts only (for a full state dict use model.state_dict() and gather_full_optim_state_dict())",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -435,8 +427,9 @@ def async_save(
     """Like :func:`save`, but the files are written in the background (``torch.distributed.checkpoint.async_save``).
 
     The state is taken before this returns as in :func:`save`, but as views of one CPU copy of every flat shard
-    (taken here, in place of DCP's staging, which cannot copy a ``ShardedTensor``), so training may go on at once. Wait for the result before the next save to the same directory, and before loading it; until
-    then the directory has no ``.metadata`` and does not load.
+    (taken here, in place of DCP's staging, which cannot copy a ``ShardedTensor``), so training may go on at once.
+    Wait for the result before the next save to the same directory, and before loading it; until then the directory
+    has no ``.metadata`` and does not load.
 
     Args:
         model: the root FullyShardedDataParallel instance.

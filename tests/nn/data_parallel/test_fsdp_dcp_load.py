@@ -5,6 +5,7 @@
   into a whole local box, each rank reads its own data file only, and no rank exchanges anything (no all_to_all).
 * Checkpoints of another layout (FSDP2's ``Shard(0)`` chunks, another world size) are resharded by DCP into the same
   views, still without an exchange, and load bit-exactly; so do mixed precision and CPU-offloaded models.
+* Zero-size parameters (an empty chunk) load too.
 * A read that fails (a truncated data file, a reader failing on one rank after it read everything) leaves the
   parameters and the optimizer state bit-identical on every rank: nothing live is written before every rank read.
 """
@@ -20,9 +21,11 @@ import torch.distributed.checkpoint as dcp
 from _models import NestedWrappedModule, build, wrap_model
 from test_fsdp_dcp import assert_same, assert_same_optim, fsdp2_model, fsdp2_state, full_model, full_optim, train
 from test_fsdp_dcp_faults import assert_unchanged, fresh, snapshot, trained
+from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.collectives import count_collectives
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import dcp as fsdp_dcp
 
 try:
@@ -66,6 +69,19 @@ class FailingAfterReadReader(dcp.FileSystemReader):
             done.wait()
             raise OSError("injected: the checkpoint's storage went away")
         return done
+
+
+class WithEmpty(nn.Module):
+    """A parameter without elements between two linears: one empty chunk in the checkpoint, nothing to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+        self.b = nn.Linear(5, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x)) + self.empty.sum()
 
 
 def sharded_keys(fsdp: Any) -> List[str]:
@@ -179,6 +195,24 @@ def _case_failed_read_changes_nothing(root: str, rank: int) -> None:
         assert_same(other.state_dict(), fsdp.state_dict(), f"{mode}: loaded after the failures")
 
 
+def _case_zero_size_parameter(root: str, rank: int) -> None:
+    for flatten in (True, False):
+        torch.manual_seed(1)
+        fsdp = FSDP(WithEmpty(), flatten_parameters=flatten)
+        optim = torch.optim.Adam(fsdp.parameters(), lr=0.1)
+        fsdp(torch.randn(2, 3, generator=torch.Generator().manual_seed(0))).sum().backward()
+        optim.step()
+        path = os.path.join(root, f"empty-{flatten}")
+        fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+        torch.manual_seed(2)
+        other = FSDP(WithEmpty(), flatten_parameters=flatten)
+        other_optim = torch.optim.Adam(other.parameters(), lr=0.5)
+        fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+        assert_same(other.state_dict(), fsdp.state_dict(), f"flatten_parameters={flatten}")
+        expected = full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
+        assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected, "optimizer")
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_same_layout_reads_whole_chunks,
@@ -186,6 +220,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> None:
         _case_mixed_precision_and_cpu_offload,
         _case_failed_read_changes_nothing,
         _case_one_rank_checkpoint,
+        _case_zero_size_parameter,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root, rank)) for case in cases])
 
