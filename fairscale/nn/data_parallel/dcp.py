@@ -25,7 +25,9 @@ go straight to ``torch.distributed.checkpoint.save`` / ``load``::
 :func:`save`, :func:`async_save` and :func:`load` do this in one call each, with the checks a checkpoint directory
 needs. :func:`save` does not build those dicts: it hands DCP the pieces of every parameter that lie in this rank's flat
 shard, as views (``ShardedTensor``), without copy or exchange. The checkpoint then has other chunk boundaries than
-FSDP2's, which ``dcp.load`` reshards like any others: it loads wherever the dicts' checkpoint loads.
+FSDP2's, which ``dcp.load`` reshards like any others: it loads wherever the dicts' checkpoint loads. :func:`load`
+does not build them either: it reads into a staging copy of this rank's flat shards, presented in the same pieces,
+and copies it in once every rank read it and the values were checked, without exchange.
 
 The layout is FSDP2's (``torch.distributed.fsdp.fully_shard``): every original parameter is a DTensor with
 ``Shard(0)`` (rank ``r`` holds rows ``[r * C, (r + 1) * C)``, ``C = ceil(dim0 / W)``) over a 1-D DeviceMesh of the
