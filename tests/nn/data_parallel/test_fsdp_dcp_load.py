@@ -29,6 +29,9 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import dcp as fsdp_dcp
 
 try:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
     from torch.distributed.checkpoint import state_dict as torch_dsd
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.fsdp import fully_shard
@@ -213,6 +216,25 @@ def _case_zero_size_parameter(root: str, rank: int) -> None:
         assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected, "optimizer")
 
 
+def whole_on_this_rank(value: Tensor) -> Any:
+    """A ShardedTensor whose one local shard is the whole tensor (valid for ShardedTensor, not a flat shard's boxes)."""
+    md = ShardMetadata([0] * value.dim(), list(value.shape), f"rank:{dist.get_rank()}/cpu")
+    props = TensorProperties(dtype=value.dtype, layout=torch.strided, requires_grad=False, pin_memory=False)
+    global_md = ShardedTensorMetadata([md], value.shape, props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(value.clone(), md)], global_md)
+
+
+def _case_foreign_sharded_tensors_refused(root: str, rank: int) -> None:
+    """Only the boxes of this rank's own shard load as ShardedTensors; other ones raise on every rank, change nothing."""
+    fsdp, optim = trained(seed=1, mode="nested")
+    other, other_optim = trained(seed=3, mode="leaf")
+    before = snapshot(other, other_optim)
+    foreign = {k: whole_on_this_rank(v) for k, v in fsdp.state_dict().items()}
+    with pytest.raises(ValueError, match=r"(?s)failed on rank\(s\) \[0, 1\].*not the pieces of this rank's flat shard"):
+        fsdp_dcp.set_model_state_dict(other, foreign)
+    assert_unchanged(other, other_optim, before, "after foreign ShardedTensors")
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_same_layout_reads_whole_chunks,
@@ -221,6 +243,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> None:
         _case_failed_read_changes_nothing,
         _case_one_rank_checkpoint,
         _case_zero_size_parameter,
+        _case_foreign_sharded_tensors_refused,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root, rank)) for case in cases])
 
