@@ -156,6 +156,8 @@ class ShardedDataParallel(nn.Module):
             self._process_group,
             hint="Wrap the same model on every rank, with the same parameters frozen.",
         )
+        # The reducer holds this bound method weakly: nothing refers back to the wrapper, which is therefore freed
+        # (with its process group and optimizers) by reference counting when the user drops it, not at exit.
         self._reducer = GradReducer(
             self._process_group, world_size, self._buffer_max_size, self._reduce_fp16, describe=self._describe_reduction
         )

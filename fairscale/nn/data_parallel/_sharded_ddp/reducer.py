@@ -14,9 +14,11 @@ alone would otherwise leave its peers waiting for reductions it never sends.
 """
 
 import collections
+import copy
 import enum
 import functools
 import hashlib
+import inspect
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, cast
 
@@ -44,6 +46,34 @@ def _dispatch_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", param: tor
         reducer._on_grad_ready(param)
 
 
+class _WeakMethod:
+    """Calling it returns the bound method it was built with, or ``None`` once the method's object is gone.
+
+    ShardedDataParallel passes its own ``_describe_reduction`` and holds the reducer: a strong bound method would
+    close the cycle wrapper -> reducer -> method -> wrapper, which only the cycle collector frees. Left to it, the
+    wrapper (its process group, optimizers and buckets) was freed at interpreter exit, after
+    ``destroy_process_group()``, where gloo now and then aborted the process.
+    """
+
+    def __init__(self, method: Optional[Callable[[], List[Any]]]) -> None:
+        self._ref = weakref.WeakMethod(method) if method is not None else None
+
+    def __call__(self) -> Optional[Callable[[], List[Any]]]:
+        return self._ref() if self._ref is not None else None
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_WeakMethod":
+        # A weak reference cannot be copied; a deep copy of the wrapper (as with the strong method before) gets a
+        # reducer that describes the copy: the method's object is already in ``memo`` then.
+        return _WeakMethod(copy.deepcopy(self(), memo))
+
+
+def _weak_callable(fn: Callable[[], List[Any]]) -> Callable[[], Optional[Callable[[], List[Any]]]]:
+    """A getter for ``fn`` that holds a bound method weakly (see :class:`_WeakMethod`), other callables as they are."""
+    if inspect.ismethod(fn):
+        return _WeakMethod(fn)
+    return lambda: fn
+
+
 class HookState(enum.Enum):
     """Whether the backward hooks are in place (they are only while training)."""
 
@@ -63,7 +93,10 @@ class GradReducer:
         reduce_fp16 (bool): reduce unbucketed fp32 gradients as fp16.
         describe (Callable[[], List[Any]]): what the ranks must agree on before they reduce (the managed
             parameters' names and ``requires_grad`` flags); compared across ranks at the first reduction of every
-            backward.
+            backward. A bound method is held weakly (see :func:`_weak_callable`).
+
+    Nothing the reducer holds refers back to it or to its owner, so both are freed by reference counting as soon as
+    the user drops them; the hooks are then taken off the parameters (see :meth:`__del__`).
     """
 
     def __init__(
@@ -76,7 +109,7 @@ class GradReducer:
     ) -> None:
         self.group = group
         self.world_size = world_size
-        self._describe = describe
+        self._describe = _weak_callable(describe) if describe is not None else None
         # The last description and its fingerprint: hashing is skipped while the flags do not change.
         self._described: Optional[List[Any]] = None
         self._fingerprint = 0
@@ -148,6 +181,19 @@ class GradReducer:
         self._hook_handles = []
         self.state = HookState.NONE
 
+    def __del__(self) -> None:
+        # The parameters outlive a dropped wrapper (the model is the user's): without this, each of them would keep
+        # one dead hook per wrapper it was ever wrapped by. getattr: __init__ may have failed before the list existed.
+        for handle in getattr(self, "_hook_handles", ()):
+            handle.remove()
+        # Work still pending here was left by a backward that raised before its end-of-backward flush. It is
+        # released, not waited for: its peers may never send their part (they may have failed too), and a wait in a
+        # finalizer would then block the process for the whole collective timeout. Its completion callbacks (which
+        # drop or restore gradients) are not run either: the gradients of a failed backward mean nothing.
+        pending = getattr(self, "_handles", None)
+        if pending is not None:
+            pending.clear()
+
     # ------------------------------------------------------------------------------------------------
     # Per iteration
 
@@ -189,9 +235,10 @@ class GradReducer:
         """Before this backward's first reduction: one all-reduce of ``[h, -h]`` (max) with ``h`` a fingerprint of
         this rank's description; if the maxima say the fingerprints differ, every rank gathers the descriptions and
         raises the same :class:`RanksDisagreeError`, naming the first parameter that differs."""
-        if self._describe is None or self.world_size == 1:
+        describe = self._describe() if self._describe is not None else None
+        if describe is None or self.world_size == 1:
             return
-        description = self._describe()
+        description = describe()
         if description != self._described:
             digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
             self._fingerprint = int.from_bytes(digest, "big") >> 1  # 63 bits: -h fits in int64 too
