@@ -10,6 +10,15 @@ each rank with its own row summed over ranks, i.e. its shard of every queued gra
 With a *replicate group* (hybrid sharding: shard inside a node, replicate across nodes) the reduced row is then
 all-reduced over that group before the callbacks run: one all-reduce per bucket, so bucketing merges the slow
 inter-node all-reduces of small gradients just as it merges the reduce-scatters.
+
+With ``overlap=True`` (what FSDP uses) a collective on CPU tensors is issued asynchronously and *completed* (waited,
+then the replicate all-reduce, then the callbacks) only when the bucketer issues its next collective, or at
+:meth:`ReduceScatterBucketer.flush`: gloo's collectives block the calling thread until the peers arrive, so a
+synchronous reduce-scatter makes each rank wait for the slowest one once per bucket, while a deferred one runs on
+gloo's threads during the next unit's backward. The reduction is the same (same inputs, same collective), only
+waited later, so results are bitwise equal; the cost is at most one more pending fill (its input and output) per
+bucketer, as PyTorch FSDP2 keeps its reduce-scatter input until the next one. On accelerators the collectives never
+block the CPU (they are queued on streams), so there nothing is deferred.
 """
 
 import functools
@@ -143,23 +152,34 @@ class Bucket:
 
     def flush(self) -> None:
         """Reduce-scatter the used columns, run the queued callbacks and release the buffer."""
+        pending = self.issue(async_op=False)
+        if pending is not None:
+            pending.complete()
+
+    def issue(self, async_op: bool) -> Optional["PendingReduction"]:
+        """Start the reduce-scatter of the used columns and release the buffer; the callbacks run in the returned
+        reduction's :meth:`~PendingReduction.complete` (``None``: the bucket was empty).
+
+        Args:
+            async_op (bool): issue the collective asynchronously; the pending reduction then keeps the input matrix
+                alive until it is waited.
+        """
         if self.offset == 0:
             if self.callbacks:
                 raise RuntimeError("Bucket.flush: callbacks are queued but no data is; the bucket is corrupt")
-            return
+            return None
         # Sized to the used columns: the callbacks may keep views of it (it is never reused).
         output = self.data.new_empty(self.offset)
-        # data[:, :offset] may not be contiguous; the collectives layer flattens it row by row, which is the
-        # concatenation of per-rank chunks that reduce-scatter expects.
-        collectives.reduce_scatter_from_flat(output, self.data[:, : self.offset], group=self.group)
-        if self.replicate_group is not None:
-            collectives.all_reduce(output, group=self.replicate_group)
-        callbacks, slots = self.callbacks, self._slots
+        # data[:, :offset] is not contiguous when the fill did not use every allocated column; the row-by-row
+        # flattening is the concatenation of per-rank chunks that reduce-scatter expects. It is made here, not in
+        # the collectives layer, so that an asynchronous collective's input is a tensor the pending reduction holds.
+        used = self.data[:, : self.offset]
+        flat = used.reshape(-1)
+        work = collectives.reduce_scatter_from_flat(output, flat, group=self.group, async_op=async_op)
+        pending = PendingReduction(work, output, flat, self.replicate_group, self.callbacks, self._slots)
         self._fills.append(self.offset)
         self._release()
-        for callback, (start, numel, shape) in zip(callbacks, slots):
-            piece = output.narrow(0, start, numel)
-            callback(piece if len(shape) == 1 else piece.view(shape))  # a 1-D slot's shape is (numel,) already
+        return pending
 
     def _release(self) -> None:
         self.offset = 0
@@ -190,6 +210,60 @@ class Bucket:
         self._fills = []
 
 
+class PendingReduction:
+    """A reduce-scatter that was issued and whose callbacks have not run yet.
+
+    Args:
+        work (Optional[WorkHandle]): the collective's handle (``None``: it completed when issued).
+        output (Tensor): this rank's reduced row.
+        input (Tensor): the collective's input, held until the work is waited (gloo and NCCL read it until then).
+        replicate_group (Any): all-reduce ``output`` over this group before the callbacks (``None``: none).
+        callbacks (List[Callable[[Tensor], None]]): what gets a piece of ``output`` once it is reduced.
+        slots (List[Tuple[int, int, torch.Size]]): ``(start, numel, shape)`` of each callback's piece; an empty
+            list gives the single callback the whole ``output``, as it is.
+    """
+
+    __slots__ = ("work", "output", "input", "replicate_group", "callbacks", "slots")
+
+    def __init__(
+        self,
+        work: Optional[collectives.WorkHandle],
+        output: Tensor,
+        input: Tensor,
+        replicate_group: Any,
+        callbacks: List[Callable[[Tensor], None]],
+        slots: List[Tuple[int, int, torch.Size]],
+    ) -> None:
+        self.work = work
+        self.output = output
+        self.input: Optional[Tensor] = input
+        self.replicate_group = replicate_group
+        self.callbacks = callbacks
+        self.slots = slots
+
+    def complete(self) -> None:
+        """Wait for the reduce-scatter, all-reduce over the replicate group, then run the callbacks (once).
+
+        The replicate all-reduce needs the reduce-scatter's result, so it is issued only now; it is synchronous.
+        """
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()  # on accelerators: orders the current stream after the collective, without blocking
+        self.input = None  # the collective no longer reads it
+        output = self.output
+        if self.replicate_group is not None:
+            collectives.all_reduce(output, group=self.replicate_group)
+        callbacks, slots = self.callbacks, self.slots
+        self.callbacks, self.slots = [], []
+        if not slots:
+            for callback in callbacks:
+                callback(output)
+            return
+        for callback, (start, numel, shape) in zip(callbacks, slots):
+            piece = output.narrow(0, start, numel)
+            callback(piece if len(shape) == 1 else piece.view(shape))  # a 1-D slot's shape is (numel,) already
+
+
 class ReduceScatterBucketer:
     """Reduce-scatter helper that buckets small inputs into larger collectives.
 
@@ -198,9 +272,12 @@ class ReduceScatterBucketer:
             ``bucket_cap_mb * 2**20 / element_size // group_size`` elements. Inputs whose per-rank
             chunk is at least that large are reduce-scattered at once, from their own buffer; ``0`` (or
             less) disables bucketing.
+        overlap (bool): (fork) defer the completion of collectives on CPU tensors (see the module docstring): each
+            is issued asynchronously and waited, with its callbacks run, when the next one is issued or at
+            :meth:`flush`. ``False``: every collective completes before the call that sends it returns.
 
-    Use :meth:`reduce_scatter_async` per gradient, :meth:`flush` when all are queued (callbacks
-    run then) and :meth:`teardown` to release the buffers until the next backward.
+    Use :meth:`reduce_scatter_async` per gradient, :meth:`flush` when all are queued (every callback has run
+    when it returns) and :meth:`teardown` to release the buffers until the next backward.
 
     Flush policy: a fill never holds more than its *hold limit*, ``min(bucket size, max(largest bucketed gradient
     seen so far, hold_floor_bytes))`` bytes of full gradient (the largest counts every input so far, the new one
@@ -213,13 +290,63 @@ class ReduceScatterBucketer:
     Attributes:
         hold_floor_bytes (int): the least hold limit (:data:`HOLD_FLOOR_BYTES` unless set on the instance).
         largest_bytes (int): the largest bucketed input seen so far, in bytes of full gradient.
+        overlap (bool): the ``overlap`` argument.
     """
 
-    def __init__(self, bucket_cap_mb: int = 25) -> None:
+    def __init__(self, bucket_cap_mb: int = 25, overlap: bool = False) -> None:
         self.bucket_cap_mb = bucket_cap_mb
+        self.overlap = overlap
         self.buckets: Dict[Tuple[torch.dtype, torch.device, Any, Any], Bucket] = {}
         self.hold_floor_bytes = HOLD_FLOOR_BYTES
         self.largest_bytes = 0
+        # The one issued collective whose callbacks have not run (overlap only). One for all buckets, not one per
+        # bucket: callbacks then run in the order their collectives were issued, as without overlap.
+        self._pending: Optional[PendingReduction] = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether an issued collective still waits for its completion (its callbacks have not run)."""
+        return self._pending is not None
+
+    def _defer(self, tensor: Tensor) -> bool:
+        # Accelerator collectives are queued on streams and never block the CPU: deferring their wait gains nothing.
+        return self.overlap and tensor.device.type == "cpu"
+
+    def _submit(self, pending: Optional[PendingReduction]) -> None:
+        """Make ``pending`` the pending reduction and complete the previous one (after ``pending`` was issued, so
+        the two collectives overlap), or complete ``pending`` at once when it was issued synchronously."""
+        if pending is None:
+            return
+        previous = self._pending
+        if pending.work is None:  # synchronous (or already complete): nothing to wait for later
+            self._complete_pending()
+            pending.complete()
+            return
+        self._pending = pending
+        if previous is not None:
+            previous.complete()
+
+    def _complete_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.complete()
+
+    def _send(self, bucket: Bucket) -> None:
+        self._submit(bucket.issue(async_op=self._defer(bucket.data)))
+
+    def _send_direct(
+        self,
+        output: Tensor,
+        flat: Tensor,
+        group: Any,
+        replicate_group: Optional[Any],
+        callback_fn: Optional[Callable[[Tensor], None]],
+    ) -> None:
+        """Reduce-scatter one input from its own flat buffer (not bucketed); ``callback_fn`` gets ``output``."""
+        async_op = self._defer(flat)
+        work = collectives.reduce_scatter_from_flat(output, flat, group=group, async_op=async_op)
+        callbacks = [] if callback_fn is None else [callback_fn]
+        self._submit(PendingReduction(work, output, flat, replicate_group, callbacks, []))
 
     @_no_grad
     def reduce_scatter_async(
@@ -267,11 +394,7 @@ class ReduceScatterBucketer:
             # Reduce-scatter it now, as one flat input (a bucket would only copy it).
             output = torch.zeros_like(first)
             flat_input = torch.cat([chunk.reshape(-1) for chunk in input_list])
-            collectives.reduce_scatter_from_flat(output, flat_input, group=group)
-            if replicate_group is not None:
-                collectives.all_reduce(output, group=replicate_group)
-            if callback_fn is not None:
-                callback_fn(output)
+            self._send_direct(output, flat_input, group, replicate_group, callback_fn)
             return
         self._append(bucket, input_list, callback_fn)
 
@@ -288,7 +411,7 @@ class ReduceScatterBucketer:
             assert input_list is not None
             bucket.append(input_list, callback_fn)
         if bucket.held_bytes >= self.hold_limit(bucket):
-            bucket.flush()  # full: any further input would send it first, so holding it longer only costs memory
+            self._send(bucket)  # full: any further input would send it first, so holding it longer only costs memory
 
     def _make_room(
         self, first: Tensor, size: int, group: Any, numel: Optional[int] = None, replicate_group: Optional[Any] = None
@@ -308,7 +431,7 @@ class ReduceScatterBucketer:
         self.largest_bytes = max(self.largest_bytes, nbytes)
         limit = self.hold_limit(bucket)
         if numel > bucket.free_columns or bucket.held_bytes + nbytes > limit:
-            bucket.flush()
+            self._send(bucket)
         return None if nbytes >= limit else bucket
 
     def hold_limit(self, bucket: Bucket) -> int:
@@ -341,28 +464,34 @@ class ReduceScatterBucketer:
         if bucket is not None:
             self._append(bucket, None, callback_fn, flat=flat)
             return
-        output = flat.new_empty(chunk)
-        collectives.reduce_scatter_from_flat(output, flat, group=group)
-        if replicate_group is not None:
-            collectives.all_reduce(output, group=replicate_group)
-        if callback_fn is not None:
-            callback_fn(output)
+        self._send_direct(flat.new_empty(chunk), flat, group, replicate_group, callback_fn)
 
     @_no_grad
     def flush(self) -> None:
-        """Reduce-scatter every non-empty bucket and run its callbacks."""
+        """Reduce-scatter every non-empty bucket and complete every issued collective: all callbacks have run when
+        it returns (on accelerators: their work is queued on the current stream)."""
         for bucket in self.buckets.values():
-            bucket.flush()
+            self._send(bucket)
+        self._complete_pending()
 
     @_no_grad
     def teardown(self) -> None:
         """Release every bucket's memory; call after :meth:`flush` (e.g. at the end of backward)."""
+        if self._pending is not None:
+            raise RuntimeError(
+                "ReduceScatterBucketer.teardown: a reduce-scatter was issued but not completed; call flush() first"
+            )
         for bucket in self.buckets.values():
             bucket.teardown()
 
     @_no_grad
     def discard(self) -> None:
-        """Drop every queued input and callback and release the buffers (after an aborted backward)."""
+        """Drop every queued input and callback and release the buffers (after an aborted backward).
+
+        A pending collective is abandoned, not waited: after an error its peers may never join it, and waiting would
+        hang. Its callbacks never run; torch's work object keeps its tensors alive until it finishes or fails.
+        """
+        self._pending = None
         for bucket in self.buckets.values():
             bucket.discard()
 

@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Tests of ReduceScatterBucketer on real gloo worlds."""
 
+import time
 from typing import Dict, List
 
 import pytest
@@ -11,6 +12,7 @@ from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.collectives import count_collectives, reduce_scatter_from_flat
 from fairscale.internal.parallel import chunk_and_pad
 from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+from fairscale.nn.data_parallel import hybrid_groups
 
 MIB = 2**20
 
@@ -243,3 +245,141 @@ def _hold_limit_body(rank: int, ws: int) -> None:
 
 def test_fill_holds_at_most_one_unit_gradient() -> None:
     run_distributed(_hold_limit_body, 2, timeout=120)
+
+
+# ------------------------------------------------------------------------------------- overlap (deferred completion)
+
+
+def _check_overlap_defers_completion(rank: int, ws: int) -> None:
+    """overlap=True: each collective is issued asynchronously and completed (callbacks run) when the next one is
+    issued or at flush; same collectives, same results, bitwise, as the synchronous bucketer."""
+    shard_size = MIB // 4 // ws
+    numels = [int(0.4 * shard_size) * ws, int(0.5 * shard_size) * ws - 3, int(0.3 * shard_size) * ws]
+    numels += [(shard_size + 5) * ws, 11]
+    grads = [_grad(rank, i, n, torch.float32) for i, n in enumerate(numels)]
+    results: Dict[int, torch.Tensor] = {}
+
+    def keep(i: int):  # type: ignore[no-untyped-def]
+        return lambda reduced: results.__setitem__(i, reduced)
+
+    bucketer = ReduceScatterBucketer(bucket_cap_mb=1, overlap=True)
+    with count_collectives() as counter:
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[0], ws), None, keep(0))
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[1], ws), None, keep(1))
+        assert results == {} and counter.count() == 0 and not bucketer.pending
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[2], ws), None, keep(2))
+        assert counter.count() == 1 and bucketer.pending and results == {}  # a+b sent, not waited
+        (bucket,) = bucketer.buckets.values()
+        assert bucket.offset > 0  # c is in the next fill while a+b's input is held by the pending reduction
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[3], ws), None, keep(3))
+        assert counter.count() == 2 and sorted(results) == [0, 1]  # d issued directly, then a+b completed
+        assert bucketer.pending  # d
+        with pytest.raises(RuntimeError, match="call flush"):
+            bucketer.teardown()
+        bucketer.reduce_scatter_async(chunk_and_pad(grads[4], ws), None, keep(4))
+        bucketer.flush()  # sends c+e, completes d, then c+e
+        assert not bucketer.pending and sorted(results) == [0, 1, 2, 3, 4] and counter.count() == 3
+        bucketer.flush()  # nothing left: no collective
+        assert counter.count() == 3
+    bucketer.teardown()
+    per_rank = [(n + ws - 1) // ws for n in numels]
+    for i, grad in enumerate(grads):
+        assert results[i].shape == (per_rank[i],)
+        assert torch.equal(results[i], _unbucketed(grad, ws)), i
+
+
+def _check_overlap_flush_with_pending_and_discard(rank: int, ws: int) -> None:
+    """A bucket flushed while an earlier fill of it is pending; a discard with pending work abandons it (no wait,
+    no callback) and the next round on the same bucketer completes normally."""
+    bucketer = ReduceScatterBucketer(overlap=True)
+    bucketer.hold_floor_bytes = 64 * KIB
+    results: Dict[int, torch.Tensor] = {}
+    # 40 KiB of full gradient each, limit 64 KiB: one per fill, each sent when the next arrives.
+    grads = [_grad(rank, i, 40 * KIB // 4 // ws * ws, torch.float32) for i in range(5)]
+    for i in range(3):
+        bucketer.reduce_scatter_flat_async(grads[i], None, callback_fn=lambda out, i=i: results.__setitem__(i, out))
+    assert bucketer.pending and sorted(results) == [0]  # 1 pending, 2 in the bucket
+    bucketer.flush()  # the bucket sends 2 while its previous fill (1) is pending
+    assert not bucketer.pending and sorted(results) == [0, 1, 2]
+    bucketer.teardown()
+    # An aborted "backward": a fill was sent (pending) when the error struck; discard drops it without waiting.
+    dropped: List[int] = []
+    for i in range(3, 5):
+        bucketer.reduce_scatter_flat_async(grads[i], None, callback_fn=lambda out, i=i: dropped.append(i))
+    assert bucketer.pending
+    bucketer.discard()
+    assert not bucketer.pending and dropped == [] and all(b.offset == 0 for b in bucketer.buckets.values())
+    bucketer.teardown()
+    results.clear()
+    for i in range(3):  # the next backward: nothing of the abandoned one is left or waited for
+        bucketer.reduce_scatter_flat_async(grads[i], None, callback_fn=lambda out, i=i: results.__setitem__(i, out))
+    bucketer.flush()
+    bucketer.teardown()
+    assert dropped == [] and sorted(results) == [0, 1, 2]
+    for i in range(3):
+        assert torch.equal(results[i], _unbucketed(grads[i], ws)), i
+
+
+def _check_overlap_does_not_block(rank: int, ws: int) -> None:
+    """The point of overlap: sending a fill does not wait for the slowest rank. Rank 1 joins late; rank 0's sending
+    call returns at once with overlap and only after rank 1 joined without it."""
+    late_s = 0.5
+    for overlap in (False, True):
+        bucketer = ReduceScatterBucketer(overlap=overlap)
+        per_rank = -(-bucketer.hold_floor_bytes // 4 // ws)
+        grad = _grad(rank, 0, per_rank * ws, torch.float32)  # reaches the hold limit alone: sent at once
+        dist.barrier()
+        if rank == 1:
+            time.sleep(late_s)
+        start = time.perf_counter()
+        bucketer.reduce_scatter_flat_async(grad, None)
+        send_s = time.perf_counter() - start
+        bucketer.flush()
+        bucketer.teardown()
+        if rank == 0:
+            if overlap:
+                assert send_s < late_s / 2, send_s
+            else:
+                assert send_s > late_s / 2, send_s  # the control: synchronous, it waits for rank 1
+
+
+def _check_overlap_hybrid(rank: int, ws: int) -> None:
+    """A replicate group (hybrid sharding): the all-reduce runs after the deferred reduce-scatter, before the
+    callbacks; results bitwise equal to the synchronous bucketer's."""
+    shard, replicate = hybrid_groups(2)
+    out: Dict[bool, Dict[int, torch.Tensor]] = {}
+    for overlap in (False, True):
+        bucketer = ReduceScatterBucketer(overlap=overlap)
+        bucketer.hold_floor_bytes = 64 * KIB
+        results: Dict[int, torch.Tensor] = {}
+        for i in range(5):
+            grad = torch.randn(16 * KIB // 4 * 2, generator=torch.Generator().manual_seed(100 * rank + i))
+            bucketer.reduce_scatter_flat_async(
+                grad, shard, callback_fn=lambda r, i=i: results.__setitem__(i, r), replicate_group=replicate
+            )
+        bucketer.flush()
+        bucketer.teardown()
+        out[overlap] = results
+    assert sorted(out[True]) == list(range(5))
+    for i in range(5):
+        assert torch.equal(out[True][i], out[False][i]), i
+    # The replicate all-reduce ran: both members of a replicate group hold the same (world-summed) shards.
+    gathered = [torch.empty_like(out[True][0]) for _ in range(2)]
+    dist.all_gather(gathered, out[True][0], group=replicate)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def _overlap_body(rank: int, ws: int) -> None:
+    _check_overlap_defers_completion(rank, ws)
+    _check_overlap_flush_with_pending_and_discard(rank, ws)
+    if ws >= 2:
+        _check_overlap_does_not_block(rank, ws)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_overlap_defers_completion(world_size: int) -> None:
+    run_distributed(_overlap_body, world_size, timeout=120)
+
+
+def test_overlap_hybrid() -> None:
+    run_distributed(_check_overlap_hybrid, 4, timeout=120)

@@ -237,14 +237,14 @@ def _bucket_body(rank: int, ws: int) -> None:
                 tree = model._tree
                 if tree is not None and step == 2:
                     for bucket in tree.bucketer.buckets.values():
-                        flush = bucket.flush
+                        issue = bucket.issue  # what the bucketer calls to send a fill
 
-                        def spy(flush: Callable[[], None] = flush, bucket: Any = bucket) -> None:
+                        def spy(async_op: bool, issue: Callable[[bool], Any] = issue, bucket: Any = bucket) -> Any:
                             if bucket.offset:
                                 sizes.append((bucket.data.size(1), bucket.offset))
-                            flush()
+                            return issue(async_op)
 
-                        bucket.flush = spy
+                        bucket.issue = spy
                 model(batch(step, 0, rank)).sum().backward()
                 buckets = list(model._tree.bucketer.buckets.values())
                 assert all(b.data.untyped_storage().size() == 0 for b in buckets)  # nothing held between backwards

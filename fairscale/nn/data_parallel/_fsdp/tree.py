@@ -35,7 +35,8 @@ class TreeState:
         # Gathers run on their own stream so they can overlap compute on accelerators; inert on CPU.
         self.all_gather_stream = device.new_stream()
         self.post_backward_stream = device.new_stream()
-        self.bucketer = ReduceScatterBucketer(bucket_cap_mb)  # type: ignore[arg-type]
+        # overlap: on CPU a reduce-scatter is waited only when the next is issued (gloo blocks the caller meanwhile).
+        self.bucketer = ReduceScatterBucketer(bucket_cap_mb, overlap=True)  # type: ignore[arg-type]
         self.final_callback_queued = False
         # One token per forward that registered pre-backward hooks. The hooks' closures hold it, and autograd holds
         # the hooks with the graph: a token dies with its graph (an abandoned forward) and is marked done when its
