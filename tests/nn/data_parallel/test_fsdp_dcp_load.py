@@ -130,6 +130,39 @@ def _case_same_layout_reads_whole_chunks(root: str, rank: int) -> None:
     assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected_optim, "optimizer")
 
 
+def _case_default_reader_alternates_chunk_sizes(root: str, rank: int) -> None:
+    """DCP's reader holds the chunk it read last while it reads the next: load's own reader never puts two large ones
+    in a row (each tensor read pairs one of the larger half of a file's chunks with one of the smaller half)."""
+    fsdp, optim = trained(seed=1, mode="nested")
+    path = os.path.join(root, "order")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    orders: List[Tuple[str, List[int]]] = []
+    original = dcp.FileSystemReader.read_data
+
+    def spy(self: Any, plan: Any, planner: Any) -> Any:
+        per_file: Dict[str, List[int]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.TENSOR:
+                per_file.setdefault(info.relative_path, []).append(info.length)
+        orders.extend(per_file.items())
+        return original(self, plan, planner)
+
+    other, other_optim = fresh(seed=2, mode="nested")
+    dcp.FileSystemReader.read_data = spy  # type: ignore[method-assign]
+    try:
+        fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+    finally:
+        dcp.FileSystemReader.read_data = original  # type: ignore[method-assign]
+    assert orders, "the default reader was not used"
+    for file, lengths in orders:
+        by_size = sorted(lengths, reverse=True)
+        bound = by_size[0] + (by_size[(len(by_size) + 1) // 2] if len(by_size) > 1 else 0)
+        pairs = list(zip(lengths, lengths[1:]))
+        assert all(a + b <= bound for a, b in pairs), (file, lengths)
+    assert_same(other.state_dict(), fsdp.state_dict(), "loaded with the reordered reads")
+
+
 def _case_fsdp2_checkpoint(root: str, rank: int) -> None:
     """FSDP2's Shard(0) chunks are resharded by DCP into the boxes: no exchange, bit-exact."""
     world_size = dist.get_world_size()
@@ -238,6 +271,7 @@ def _case_foreign_sharded_tensors_refused(root: str, rank: int) -> None:
 def _two_ranks(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_same_layout_reads_whole_chunks,
+        _case_default_reader_alternates_chunk_sizes,
         _case_fsdp2_checkpoint,
         _case_mixed_precision_and_cpu_offload,
         _case_failed_read_changes_nothing,

@@ -8,11 +8,13 @@ layout is read chunk for chunk, one of another world size, wrapping or FSDP2's `
 DCP's planner (it intersects the saved chunks with the local boxes). Nothing live is touched until DCP succeeded on
 every rank (it raises on every rank otherwise) and :func:`.dcp_state.set_state_dict` checked the values and the ranks
 agreed; its commit then copies each box into its place in the live flat shard or optimizer state, locally. So a load
-holds one staging copy of the shards beyond what DCP's reader holds (one saved chunk at a time), and a failed one
-changes nothing: its staging is dropped.
+holds one staging copy of the shards beyond what DCP's reader holds (one saved chunk at a time with the default
+reader, :class:`_Reader`), and a failed one changes nothing: its staging is dropped.
 """
 
 import contextlib
+import dataclasses
+import itertools
 import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -27,6 +29,7 @@ try:  # torch >= 2.2
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 except ImportError:  # pragma: no cover - old torch: dcp._options refuses every call first
     FileSystemReader = object  # type: ignore[assignment,misc]
@@ -58,7 +61,7 @@ def load(
     strict: bool,
 ) -> Tuple[List[str], List[str]]:
     """See :func:`fairscale.nn.data_parallel.dcp.load`; returns the model's ``(missing, unexpected)`` keys."""
-    reader = storage_reader if storage_reader is not None else _MetadataOnce(os.fspath(checkpoint_id))
+    reader = storage_reader if storage_reader is not None else _Reader(os.fspath(checkpoint_id))
     saved_keys = _saved_keys(unit, checkpoint_id, reader if storage_reader is None else None)
     model_keys = {k[len(MODEL_KEY) + 1 :] for k in saved_keys if k.startswith(MODEL_KEY + ".")}
     if optims and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved_keys):
@@ -117,11 +120,14 @@ def load(
         raise
 
 
-class _MetadataOnce(FileSystemReader):
-    """DCP's reader of a directory, which reads its ``.metadata`` once for :func:`_saved_keys` and ``dcp.load``.
+class _Reader(FileSystemReader):
+    """DCP's reader of a directory, which reads its ``.metadata`` once for :func:`_saved_keys` and ``dcp.load``, and
+    reads each file's chunks large and small in turn.
 
     The metadata lists every saved chunk (for a box-chunked checkpoint, up to ``2 * ndim - 1`` per tensor and rank):
-    unpickling it twice would cost a tenth of a load.
+    unpickling it twice would cost a tenth of a load. DCP's reader loads every saved chunk whole and holds the last one
+    until the next is loaded, so two large chunks in a row (a parameter's ``exp_avg``, then its ``exp_avg_sq``) would
+    both be held, on top of the staging copy.
     """
 
     def __init__(self, path: str) -> None:
@@ -136,6 +142,21 @@ class _MetadataOnce(FileSystemReader):
         elif getattr(self._metadata, "storage_meta", None) is not None:
             self._metadata.storage_meta.load_id = self.load_id  # as a fresh read would (reset() draws a new one)
         return self._metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        per_file: Dict[str, List[Any]] = {}  # DCP reads file by file, in the plan's order within each
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        order: List[Any] = []
+        for items in per_file.values():
+            # Only a tensor replaces the chunk DCP holds (objects are read apart): they go first, in their order.
+            order.extend(item for item in items if item.type != LoadItemType.TENSOR)
+            tensors = [item for item in items if item.type == LoadItemType.TENSOR]
+            by_size = sorted(tensors, key=lambda item: self.storage_data[item.storage_index].length, reverse=True)
+            half = (len(by_size) + 1) // 2
+            pairs = itertools.zip_longest(by_size[:half], reversed(by_size[half:]))  # largest, smallest, 2nd largest
+            order.extend(item for pair in pairs for item in pair if item is not None)
+        return super().read_data(dataclasses.replace(plan, items=order), planner)
 
 
 def _plain_tensor_attributes() -> Any:
