@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Bookkeeping shared by every FSDP instance of one wrapped tree; owned by the root and created at its lazy init."""
 
+import inspect
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
@@ -42,7 +43,8 @@ class TreeState:
         # the hooks with the graph: a token dies with its graph (an abandoned forward) and is marked done when its
         # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.
         self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
-        self._finalize: Optional[Callable[[], None]] = None
+        # Returns the end-of-backward callback, or None once its owner is gone (see set_finalizer).
+        self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         # Whether any post-backward point ran in the current backward (autograd.grad() runs none).
         self.any_post_backward = False
         # Unit orders of the previous forward and backward, for prefetch (see _fsdp/prefetch.py).
@@ -64,14 +66,25 @@ class TreeState:
         return any(not t.done for t in list(self._pending))
 
     def set_finalizer(self, fn: Callable[[], None]) -> None:
-        self._finalize = fn
+        """Set the end-of-backward callback; a bound method (the root's) is held weakly.
+
+        The root holds this tree through its unit, so a strong reference to the root's bound method would put every
+        FSDP model in a reference cycle: a dropped model would then wait for the cycle collector, which at interpreter
+        exit runs after ``destroy_process_group()`` with the model's groups still referenced. Any other callable (one
+        set on the instance before the first forward, say) is held as given.
+        """
+        if inspect.ismethod(fn):
+            self._finalizer = weakref.WeakMethod(fn)
+        else:
+            self._finalizer = lambda: fn
 
     def queue_final_callback(self) -> None:
         """Queue the end-of-backward callback on the autograd engine, once per backward pass."""
-        if self.final_callback_queued or self._finalize is None:
+        fn = self._finalizer() if self._finalizer is not None else None
+        if self.final_callback_queued or fn is None:
             return
         self.final_callback_queued = True
-        Variable._execution_engine.queue_callback(self._finalize)
+        Variable._execution_engine.queue_callback(fn)
 
     def hold_until_reduced(self, grad: Tensor) -> None:
         """Keep ``grad`` (made on the compute stream) alive until the reduction queued on it is known to be done.

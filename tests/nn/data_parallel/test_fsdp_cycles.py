@@ -1,0 +1,83 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""FullyShardedDataParallel is freed by reference counting, not left to the cycle collector.
+
+The root used to sit in a reference cycle (root -> its unit -> the tree state -> the root's bound
+``_finalize_backward`` -> root), so a dropped model, with its flat parameters, buckets and process groups, waited for
+the cycle collector; at interpreter exit that runs after ``destroy_process_group()``. These tests drop a trained model
+and its optimizer with the collector off and check weak references to them.
+"""
+
+import gc
+import weakref
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: once here, not inside a rank
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+TIMEOUT = 60.0
+
+
+def _model(nested: bool, **kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    inner = nn.Linear(8, 8)
+    return nn.Sequential(nn.Linear(4, 8), FSDP(inner, **kwargs) if nested else inner, nn.ReLU(), nn.Linear(8, 2))
+
+
+def _train(rank: int, nested: bool, accumulate: bool, obc: bool) -> Dict[str, Any]:
+    """A few steps of FSDP + SGD; returns the objects to drop (the caller's only references)."""
+    kwargs = {"optimize_backward_concat": obc}
+    model = FSDP(_model(nested, **kwargs), **kwargs)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        batch = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        if accumulate:
+            with model.no_sync():
+                model(batch).sum().backward()
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return {"root": model, "unit": model._fsdp_unit, "tree": model._fsdp_unit.tree, "optimizer": optim}
+
+
+def _freed_body(rank: int, world_size: int, nested: bool, mode: str) -> List[str]:
+    objects = _train(rank, nested, mode != "step", mode == "no_sync obc")
+    refs = {name: weakref.ref(obj) for name, obj in objects.items()}
+    gc.collect()  # garbage from before (torch's own import-time cycles) must not be what keeps anything alive
+    gc.disable()
+    try:
+        objects.clear()
+        return [name for name, ref in refs.items() if ref() is not None]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("mode", ["step", "no_sync", "no_sync obc"])
+def test_dropped_fsdp_model_is_freed_without_the_cycle_collector(nested: bool, mode: str) -> None:
+    alive = run_distributed(_freed_body, 2, nested, mode, timeout=TIMEOUT)
+    assert alive == [[], []], f"still alive after del with gc disabled (rank 0, rank 1): {alive}"
+
+
+def _wrapped_finalizer_body(rank: int, world_size: int) -> int:
+    """A finalizer replaced on the instance before the first forward (a plain function) still runs every backward."""
+    model = FSDP(_model(False))
+    original = model._finalize_backward
+    calls = []
+
+    def counted() -> None:
+        calls.append(1)
+        original()
+
+    model._finalize_backward = counted  # type: ignore[method-assign]
+    for step in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+    return len(calls)
+
+
+def test_a_finalizer_replaced_before_the_first_forward_runs_every_backward() -> None:
+    assert run_distributed(_wrapped_finalizer_body, 2, timeout=TIMEOUT) == [2, 2]
