@@ -30,9 +30,11 @@ from .dcp_views import box_sources, is_sharded_tensor, shape_of, sharded_views, 
 from .runtime import check_zero2_groups_once, lazy_init, lazy_init_for_call
 from .unit import FSDPUnit
 
-try:  # torch >= 2.4: public DTensor
+try:  # torch >= 2.4: public DTensor (the one guarded import: .dcp_state and .dcp_optim take DTensor from here)
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor as DTensor
+    from torch.distributed.tensor import Replicate as Replicate
+    from torch.distributed.tensor import Shard
 
     _DTENSOR_ERROR: Optional[str] = None
 except ImportError as e:  # pragma: no cover - old torch

@@ -37,10 +37,8 @@ from .dcp_reshard import chunks_to_flat
 from .dcp_views import dtype_of, shape_of
 from .unit import FSDPUnit
 
-try:  # torch >= 2.4: public DTensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - old torch: _DTENSOR_ERROR is set and DTensor is never reached
-    pass
+if _DTENSOR_ERROR is None:  # guarded once, in .dcp_dtensor; older torch leaves DTensor unbound, each use checks first
+    from .dcp_dtensor import DTensor
 
 __all__ = ["as_optimizers", "init_optim_state", "get_optimizer_state_dict"]
 

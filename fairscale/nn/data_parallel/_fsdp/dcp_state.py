@@ -54,10 +54,8 @@ from .dcp_reshard import chunks_to_flat
 from .state_dict import _check_loadable
 from .unit import FSDPUnit
 
-try:  # torch >= 2.4: public DTensor
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # pragma: no cover - old torch: _DTENSOR_ERROR is set and DTensor is never reached
-    pass
+if _DTENSOR_ERROR is None:  # guarded once, in .dcp_dtensor; older torch leaves DTensor unbound, each use checks first
+    from .dcp_dtensor import DTensor, Replicate
 
 __all__ = [
     "get_model_state_dict",
