@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _group_net import DIM_IN, Net, batch, expect_value_error, initial_params, mb_loss
 from _models import DTYPES, ELEMENTWISE_TOL, UPDATE_REL, assert_update_close, gather_full_grads
 from torch import Tensor
 
@@ -33,8 +34,6 @@ from fairscale.nn.data_parallel._fsdp.state import HandleState
 TIMEOUT = 200.0
 # Worlds whose expected outcome is an error on every rank: a hang is the failure mode, so fail fast.
 ERROR_TIMEOUT = 25.0
-BATCH = 2
-DIM_IN, DIM, DIM_OUT = 5, 7, 3
 LR = 0.05
 
 # (process_group, replicate_process_group, zero2_process_group) of one run; None: the default (whole world, none).
@@ -43,31 +42,8 @@ Groups = Tuple[Any, Any, Any]
 
 # ------------------------------------------------------------------------------------------------------ model
 
-
-class Block(nn.Module):
-    def __init__(self, tie: bool) -> None:
-        super().__init__()
-        self.a = nn.Linear(DIM, DIM + 2)
-        self.c = nn.Linear(DIM, DIM + 2)
-        self.b = nn.Linear(DIM + 2, DIM)
-        if tie:
-            self.c.weight = self.a.weight
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.b(torch.relu(self.a(x)) * torch.sigmoid(self.c(x)))
-
-
-class Net(nn.Module):
-    """input linear -> two blocks -> head; odd sizes so that every shard is padded."""
-
-    def __init__(self, tie: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM_IN, DIM)
-        self.blocks = nn.Sequential(Block(tie), Block(tie))
-        self.head = nn.Linear(DIM, DIM_OUT)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.blocks(torch.tanh(self.inp(x))))
+# Net, batch, mb_loss and DIM_IN (unused here) come from _group_net; test_fsdp_hybrid_checkpoint.py imports them
+# from this module.
 
 
 def cfg(**overrides: Any) -> Dict[str, Any]:
@@ -114,20 +90,6 @@ def build(c: Dict[str, Any], groups: Groups) -> FSDP:
         for i in range(len(net.blocks)):
             net.blocks[i] = FSDP(net.blocks[i], **kwargs)
     return FSDP(net, disable_reshard_on_root=c["nested"], **kwargs)
-
-
-def batch(step: int, mb: int, rank: int) -> Tensor:
-    """Rank ``rank``'s own batch: every rank (and so every replica) sees different data."""
-    return torch.randn(BATCH, DIM_IN, generator=torch.Generator().manual_seed(1000 * step + 10 * mb + rank))
-
-
-def mb_loss(out: Tensor) -> Tensor:
-    return out.float().pow(2).sum()
-
-
-def initial_params(c: Dict[str, Any]) -> Dict[str, Tensor]:
-    torch.manual_seed(0)
-    return {k: v.float() for k, v in Net(tie=c["tie"]).state_dict().items()}
 
 
 def local_shards(model: FSDP) -> List[Tensor]:
@@ -479,17 +441,8 @@ def test_replicas_fed_different_batches_stay_identical() -> None:
 # ------------------------------------------------------------------------------------------------------ validation
 
 
-def _expect_value_error(make: Callable[[], FSDP], *needles: str) -> str:
-    """Build and run one step; the ValueError may come at construction or at the first forward, on every rank."""
-    try:
-        model = make()
-        mb_loss(model(torch.randn(2, DIM_IN))).backward()
-    except ValueError as e:
-        msg = str(e)
-        for needle in needles:
-            assert needle in msg, f"{needle!r} not in the error: {msg}"
-        return msg
-    raise AssertionError("a misconfigured replicate_process_group was accepted")
+# Every misconfiguration is refused with a ValueError on every rank.
+_expect_value_error = functools.partial(expect_value_error, option="replicate_process_group")
 
 
 def _nested(process_group: Any, replicate: Any, **kwargs: Any) -> FSDP:

@@ -7,12 +7,14 @@ checks that resharded instances hold a zero2 slice after forward, so no test pas
 
 import contextlib
 import copy
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _group_net import DIM_IN, Net, batch, expect_value_error, initial_params, mb_loss
 from _models import DTYPES, ELEMENTWISE_TOL, UPDATE_REL, assert_update_close
 from torch import Tensor
 
@@ -26,37 +28,9 @@ from fairscale.nn.data_parallel._fsdp.state import HandleState
 TIMEOUT = 150.0
 # Worlds whose expected outcome is an error on every rank: a hang is the failure mode, so fail fast.
 ERROR_TIMEOUT = 25.0
-BATCH = 2
-DIM_IN, DIM, DIM_OUT = 5, 7, 3
 
 
 # ------------------------------------------------------------------------------------------------------ model
-
-
-class Block(nn.Module):
-    def __init__(self, tie: bool) -> None:
-        super().__init__()
-        self.a = nn.Linear(DIM, DIM + 2)
-        self.c = nn.Linear(DIM, DIM + 2)
-        self.b = nn.Linear(DIM + 2, DIM)
-        if tie:
-            self.c.weight = self.a.weight
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.b(torch.relu(self.a(x)) * torch.sigmoid(self.c(x)))
-
-
-class Net(nn.Module):
-    """input linear -> two blocks -> head; odd sizes so that every shard is padded."""
-
-    def __init__(self, tie: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM_IN, DIM)
-        self.blocks = nn.Sequential(Block(tie), Block(tie))
-        self.head = nn.Linear(DIM, DIM_OUT)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.blocks(torch.tanh(self.inp(x))))
 
 
 def cfg(**overrides: Any) -> Dict[str, Any]:
@@ -85,14 +59,6 @@ def build(c: Dict[str, Any], zero2: Any) -> Tuple[FSDP, Net]:
             net.blocks[i] = FSDP(net.blocks[i], **kwargs)
     # Without nesting the root must reshard for the zero2 group to matter (the root ignores it otherwise).
     return FSDP(net, disable_reshard_on_root=c["nested"], **kwargs), ref
-
-
-def batch(step: int, mb: int, rank: int) -> Tensor:
-    return torch.randn(BATCH, DIM_IN, generator=torch.Generator().manual_seed(1000 * step + 10 * mb + rank))
-
-
-def mb_loss(out: Tensor) -> Tensor:
-    return out.float().pow(2).sum()
 
 
 def resharded_handles(model: FSDP) -> List[Any]:
@@ -145,12 +111,6 @@ def train_reference(c: Dict[str, Any], world_size: int, steps: int = 2, num_mb: 
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"losses": losses, "sd": ref.state_dict()}
-
-
-def initial_params(c: Dict[str, Any]) -> Dict[str, Tensor]:
-    """The parameters every run starts from (same seed as :func:`build` and :func:`train_reference`)."""
-    torch.manual_seed(0)
-    return {k: v.float() for k, v in Net(tie=c["tie"]).state_dict().items()}
 
 
 def check_parity(c: Dict[str, Any], zero2: Any, rank: int, world_size: int) -> None:
@@ -378,17 +338,8 @@ def test_abandoned_forward_then_step() -> None:
 # ------------------------------------------------------------------------------------------------------ validation
 
 
-def _expect_value_error(make: Callable[[], FSDP], *needles: str) -> str:
-    """Build and run one step; the ValueError may come at construction or at lazy init, on every rank."""
-    try:
-        model = make()
-        mb_loss(model(torch.randn(2, DIM_IN))).backward()
-    except ValueError as e:
-        msg = str(e)
-        for needle in needles:
-            assert needle in msg, f"{needle!r} not in the error: {msg}"
-        return msg
-    raise AssertionError("a misconfigured zero2_process_group was accepted")
+# Every misconfiguration is refused with a ValueError on every rank.
+_expect_value_error = functools.partial(expect_value_error, option="zero2_process_group")
 
 
 def _nested(zero2: Any, process_group: Optional[Any] = None) -> FSDP:
