@@ -9,6 +9,7 @@ gradients in another order) close. The examples of docs/checkpointing.rst's OSS 
 """
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -18,10 +19,15 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal import collectives
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS, oss_dcp
+
+# The frame shared by the DCP tests lives next to FSDP's; that folder is on sys.path however this file is run.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "nn", "data_parallel"))
+import _dcp_harness  # noqa: E402
+from _dcp_harness import assert_close, assert_same, assert_same_optim, run_named_cases  # noqa: E402
 
 try:
     from torch.distributed.checkpoint import state_dict as torch_dsd
@@ -106,28 +112,6 @@ def gathered(osd: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def assert_same(actual: Dict[str, Tensor], expected: Dict[str, Tensor], what: str) -> None:
-    assert sorted(actual) == sorted(expected), f"{what}: keys {sorted(actual)} != {sorted(expected)}"
-    for key, value in expected.items():
-        assert torch.equal(actual[key], value), f"{what}: {key} differs by {(actual[key] - value).abs().max()}"
-
-
-def assert_close(actual: Dict[str, Tensor], expected: Dict[str, Tensor], what: str) -> None:
-    assert sorted(actual) == sorted(expected), f"{what}: keys differ"
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
-
-
-def assert_same_optim(actual: Dict[str, Any], expected: Dict[str, Any], what: str) -> None:
-    assert sorted(actual) == sorted(expected), f"{what}: parameters {sorted(actual)} != {sorted(expected)}"
-    for name, entry in expected.items():
-        assert sorted(actual[name]) == sorted(entry), f"{what}: {name} keys {sorted(actual[name])} != {sorted(entry)}"
-        for key, value in entry.items():
-            got = actual[name][key]
-            same = torch.equal(got, value) if isinstance(value, Tensor) else got == value
-            assert same, f"{what}: {name}[{key!r}] = {got} != {value}"
-
-
 def load_into(model: nn.Module, optim: OSS, path: str) -> None:
     """The documented recipe: the model's own state dicts as templates, dcp.load, then set."""
     model_sd, optim_sd = oss_dcp.get_state_dict(model, optim)
@@ -140,15 +124,10 @@ def load_into(model: nn.Module, optim: OSS, path: str) -> None:
 
 
 @dataclass
-class Saved:
-    root: str
-    model: Dict[str, Dict[str, Tensor]]  # per kind: the model at the checkpoint
-    optim: Dict[str, Dict[str, Any]]  # per kind: the optimizer state by name, with the groups
-    after: Dict[str, Dict[str, Tensor]]  # per kind: the model after the uninterrupted run
-    keys: Dict[str, List[List[str]]]  # per kind: each rank's state names
+class Saved(_dcp_harness.Saved):
+    """The shared record, per optimizer kind (``model``, ``optim`` and ``after`` are keyed by kind first)."""
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.root, name)
+    keys: Dict[str, List[List[str]]]  # per kind: each rank's state names
 
 
 def _save_reference(rank: int, world_size: int, root: str) -> Dict[str, Any]:
@@ -169,8 +148,7 @@ def _save_reference(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     root = str(tmp_path_factory.mktemp("oss_dcp"))
-    out = run_distributed(_save_reference, 2, root)[0]
-    return Saved(root, out["model"], out["optim"], out["after"], out["keys"])
+    return Saved(root, **run_distributed(_save_reference, 2, root)[0])
 
 
 def _resume(saved: Saved, rank: int, world_size: int, exact: bool) -> None:
@@ -338,11 +316,7 @@ def _two_ranks(rank: int, world_size: int, saved: Saved) -> None:
         _case_fresh_state_changes_nothing,
         _case_docs_examples,
     ]
-    run_cases([(case.__name__[len("_case_") :], _bind(case, saved, rank, world_size)) for case in cases])
-
-
-def _bind(case: Any, *args: Any) -> Any:
-    return lambda: case(*args)
+    run_named_cases(cases, saved, rank, world_size)
 
 
 def test_two_ranks(saved: Saved) -> None:

@@ -10,16 +10,16 @@ the parameters must be bit-exact, elsewhere (1 or 4 ranks: another reduction ord
 """
 
 import os
-from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dcp_harness import Saved, assert_close, assert_same, assert_same_optim, run_named_cases
 from _models import ModelWithBatchNorm, NestedWrappedModule, TransformerWithSharedParams, build, local_slice, wrap_model
 from torch import Tensor, nn
 
-from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.collectives import count_collectives
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import dcp as fsdp_dcp
@@ -101,71 +101,60 @@ def fsdp2_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any
 
 
 def fsdp2_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
-    """FSDP2's own path: torch's state-dict functions and dcp.load."""
+    """torch's own path (FSDP2 or a plain module): torch's state-dict functions and dcp.load."""
     state = fsdp2_state(model, optim)
     dcp.load(state, checkpoint_id=path)
     torch_dsd.set_model_state_dict(model, state["model"])
     torch_dsd.set_optimizer_state_dict(model, optim, state["optimizer"])
 
 
+def plain_model(seed: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """The unwrapped model (the same on every rank) and its Adam, whose lr and state come from the checkpoint."""
+    torch.manual_seed(seed)
+    model = MODEL()
+    return model, torch.optim.Adam(model.parameters(), lr=0.5)
+
+
+def load_plain_module(saved: Saved, name: str) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """The plain module resumes the checkpoint ``name`` through torch's own functions (DTensor-free: full tensors)."""
+    plain, plain_optim = plain_model(5)
+    fsdp2_load(plain, plain_optim, saved.path(name))
+    assert_same(plain.state_dict(), saved.model, "plain module: loaded")
+    assert_same_optim(full_optim(torch_dsd.get_optimizer_state_dict(plain, plain_optim)), saved.optim, "plain optim")
+    return plain, plain_optim
+
+
 def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-
-
-def assert_same(actual: Dict[str, Tensor], expected: Dict[str, Tensor], what: str) -> None:
-    """Same keys, bit-identical values."""
-    assert sorted(actual) == sorted(expected), f"{what}: keys {sorted(actual)} != {sorted(expected)}"
-    for key, value in expected.items():
-        assert actual[key].dtype == value.dtype, f"{what}: {key} dtype {actual[key].dtype} != {value.dtype}"
-        assert torch.equal(actual[key], value), f"{what}: {key} differs by {(actual[key] - value).abs().max()}"
-
-
-def assert_close(actual: Dict[str, Tensor], expected: Dict[str, Tensor], what: str) -> None:
-    assert sorted(actual) == sorted(expected), f"{what}: keys differ"
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
-
-
-def assert_same_optim(actual: Dict[str, Any], expected: Dict[str, Any], what: str) -> None:
-    assert sorted(actual) == sorted(expected), f"{what}: parameters {sorted(actual)} != {sorted(expected)}"
-    for name, entry in expected.items():
-        assert sorted(actual[name]) == sorted(entry), f"{what}: {name} keys {sorted(actual[name])} != {sorted(entry)}"
-        for key, value in entry.items():
-            got = actual[name][key]
-            same = torch.equal(got, value) if isinstance(value, Tensor) else got == value
-            assert same, f"{what}: {name}[{key!r}] = {got} != {value}"
 
 
 # ------------------------------------------------------------------------------------------------------ reference
 
 
-@dataclass
-class Saved:
-    root: str
-    model: Dict[str, Tensor]  # full model state at the checkpoint
-    optim: Dict[str, Any]  # full optimizer state at the checkpoint, by name
-    after: Dict[str, Tensor]  # full model state after the uninterrupted run
+def record_reference(fsdp: FSDP, path: str, rank: int, world_size: int) -> Dict[str, Any]:
+    """The reference run: Adam at ``LR`` for ``SAVED_AT`` steps, a DCP checkpoint at ``path``, on to ``STEPS``.
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.root, name)
-
-
-def _save_reference(rank: int, world_size: int, root: str) -> Dict[str, Any]:
-    fsdp, _ = fairscale_model(1, "nested")
+    Returns the fields of :class:`Saved` but the root: the full model and optimizer state at the checkpoint, and the
+    full model after the uninterrupted run.
+    """
     optim = torch.optim.Adam(fsdp.parameters(), lr=LR)
     train(fsdp, optim, range(SAVED_AT), rank, world_size)
-    fsdp_dcp.save(fsdp, optim, checkpoint_id=os.path.join(root, "fairscale-ws2"))
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
     model = fsdp.state_dict()
     optim_full = full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
     train(fsdp, optim, range(SAVED_AT, STEPS), rank, world_size)
     return {"model": model, "optim": optim_full, "after": fsdp.state_dict()}
 
 
+def _save_reference(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    fsdp, _ = fairscale_model(1, "nested")
+    return record_reference(fsdp, os.path.join(root, "fairscale-ws2"), rank, world_size)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     root = str(tmp_path_factory.mktemp("dcp"))
-    out = run_distributed(_save_reference, 2, root)[0]
-    return Saved(root, out["model"], out["optim"], out["after"])
+    return Saved(root, **run_distributed(_save_reference, 2, root)[0])
 
 
 # ------------------------------------------------------------------------------------------------------ 2 ranks
@@ -324,25 +313,33 @@ class WithScalar(nn.Module):
         return self.b(self.a(x) * self.scale)
 
 
-def _case_scalar_parameter(saved: Saved, rank: int, world_size: int) -> None:
-    """A 0-dim parameter is a Replicate DTensor; it and its optimizer state round-trip, flattened or not."""
+def check_scalar_parameter(
+    path: str, placements: Tuple[Any, ...], gen: Optional[torch.Generator], **kwargs: Any
+) -> None:
+    """A 0-dim parameter is a DTensor of ``placements``; it and its optimizer state round-trip through the
+    checkpoint ``path``, flattened or not. ``kwargs``: of both FSDP instances; ``gen``: of the training batch (None:
+    torch's default generator)."""
     torch.manual_seed(21)
-    fsdp = FSDP(WithScalar())
+    fsdp = FSDP(WithScalar(), **kwargs)
     optim = torch.optim.Adam(fsdp.parameters(), lr=0.1)
     optim.zero_grad()
-    fsdp(torch.randn(4, 3)).sum().backward()
+    fsdp(torch.randn(4, 3, generator=gen)).sum().backward()
     optim.step()
     msd = fsdp_dcp.get_model_state_dict(fsdp)
-    assert msd["scale"].placements == (Replicate(),) and msd["scale"].to_local().shape == ()
+    assert msd["scale"].placements == placements and msd["scale"].to_local().shape == ()
     expected, expected_optim = fsdp.state_dict(), full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
-    path = saved.path("scalar")
     fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
     torch.manual_seed(22)
-    other = FSDP(WithScalar(), flatten_parameters=False)
+    other = FSDP(WithScalar(), flatten_parameters=False, **kwargs)
     other_optim = torch.optim.Adam(other.parameters(), lr=0.5)
     fsdp_dcp.load(other, other_optim, checkpoint_id=path)
     assert_same(other.state_dict(), expected, "0-dim parameter")
     assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected_optim, "0-dim")
+
+
+def _case_scalar_parameter(saved: Saved, rank: int, world_size: int) -> None:
+    """A 0-dim parameter is a Replicate DTensor; it and its optimizer state round-trip, flattened or not."""
+    check_scalar_parameter(saved.path("scalar"), (Replicate(),), None)
 
 
 def _case_one_flat_parameter_at_a_time(saved: Saved, rank: int, world_size: int) -> None:
@@ -378,11 +375,7 @@ def _two_ranks(rank: int, world_size: int, saved: Saved) -> None:
         _case_scalar_parameter,
         _case_one_flat_parameter_at_a_time,
     ]
-    run_cases([(case.__name__[len("_case_") :], _bind(case, saved, rank, world_size)) for case in cases])
-
-
-def _bind(case: Any, *args: Any) -> Any:
-    return lambda: case(*args)
+    run_named_cases(cases, saved, rank, world_size)
 
 
 def test_two_ranks(saved: Saved) -> None:
@@ -398,16 +391,7 @@ def _one_rank(rank: int, world_size: int, saved: Saved) -> None:
     assert_same(fsdp.state_dict(), saved.model, "fairscale at 1 rank: loaded")
     assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim)), saved.optim, "1 rank: optimizer")
     train(fsdp, optim, range(SAVED_AT, STEPS), rank, world_size)
-    # The plain module, through torch's own functions.
-    torch.manual_seed(5)
-    plain = MODEL()
-    plain_optim = torch.optim.Adam(plain.parameters(), lr=0.5)
-    state = fsdp2_state(plain, plain_optim)
-    dcp.load(state, checkpoint_id=saved.path("fairscale-ws2"))
-    torch_dsd.set_model_state_dict(plain, state["model"])
-    torch_dsd.set_optimizer_state_dict(plain, plain_optim, state["optimizer"])
-    assert_same(plain.state_dict(), saved.model, "plain module: loaded")
-    assert_same_optim(full_optim(torch_dsd.get_optimizer_state_dict(plain, plain_optim)), saved.optim, "plain optim")
+    plain, plain_optim = load_plain_module(saved, "fairscale-ws2")
     train(plain, plain_optim, range(SAVED_AT, STEPS), rank, world_size)
     # One rank computes the same as the plain module; two ranks summed the gradients in another order.
     assert_same(fsdp.state_dict(), plain.state_dict(), "fairscale at 1 rank vs the plain module")

@@ -20,26 +20,25 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dcp_harness import Saved, assert_close, assert_same, assert_same_optim, run_named_cases
 from _models import build, wrap_model
 from test_fsdp_dcp import (
-    LR,
     MODEL,
     SAVED_AT,
     STEPS,
-    WithScalar,
-    assert_close,
-    assert_same,
-    assert_same_optim,
+    check_scalar_parameter,
     directory_bytes,
     fsdp2_load,
     fsdp2_state,
     full_model,
     full_optim,
+    load_plain_module,
+    record_reference,
     train,
 )
 from torch import Tensor, nn
 
-from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import dcp as fsdp_dcp
 from fairscale.nn.data_parallel import hybrid_groups
@@ -100,33 +99,15 @@ def optimizer_state(optim: torch.optim.Optimizer) -> Dict[Any, Dict[str, Tensor]
 # ------------------------------------------------------------------------------------------------------ reference
 
 
-@dataclass
-class Saved:
-    root: str
-    model: Dict[str, Tensor]  # full model state at the checkpoint
-    optim: Dict[str, Any]  # full optimizer state at the checkpoint, by name
-    after: Dict[str, Tensor]  # full model state after the uninterrupted run
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.root, name)
-
-
 def _save_reference(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     fsdp, _ = fairscale_model(1, "nested", hybrid_groups(RANKS_PER_NODE))
-    optim = torch.optim.Adam(fsdp.parameters(), lr=LR)
-    train(fsdp, optim, range(SAVED_AT), rank, world_size)
-    fsdp_dcp.save(fsdp, optim, checkpoint_id=os.path.join(root, "hybrid"))
-    model = fsdp.state_dict()
-    optim_full = full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
-    train(fsdp, optim, range(SAVED_AT, STEPS), rank, world_size)
-    return {"model": model, "optim": optim_full, "after": fsdp.state_dict()}
+    return record_reference(fsdp, os.path.join(root, "hybrid"), rank, world_size)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     root = str(tmp_path_factory.mktemp("dcp_hybrid"))
-    out = run_distributed(_save_reference, 4, root, timeout=TIMEOUT)[0]
-    return Saved(root, out["model"], out["optim"], out["after"])
+    return Saved(root, **run_distributed(_save_reference, 4, root, timeout=TIMEOUT)[0])
 
 
 # ------------------------------------------------------------------------------------------------------ 4 ranks
@@ -293,23 +274,10 @@ def _case_bad_dict_on_one_replica(w: World) -> None:
 
 def _case_scalar_parameter(w: World) -> None:
     """A 0-dim parameter is (Replicate(), Replicate()); it and its optimizer state round-trip, flattened or not."""
-    torch.manual_seed(21)
-    fsdp = FSDP(WithScalar(), process_group=w.hybrid[0], replicate_process_group=w.hybrid[1])
-    optim = torch.optim.Adam(fsdp.parameters(), lr=0.1)
-    optim.zero_grad()
-    fsdp(torch.randn(4, 3, generator=torch.Generator().manual_seed(w.rank))).sum().backward()
-    optim.step()
-    msd = fsdp_dcp.get_model_state_dict(fsdp)
-    assert msd["scale"].placements == (Replicate(), Replicate()) and msd["scale"].to_local().shape == ()
-    expected, expected_optim = fsdp.state_dict(), full_optim(fsdp_dcp.get_optimizer_state_dict(fsdp, optim))
-    path = w.saved.path("scalar")
-    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
-    torch.manual_seed(22)
-    other = FSDP(WithScalar(), process_group=w.hybrid[0], replicate_process_group=w.hybrid[1], flatten_parameters=False)
-    other_optim = torch.optim.Adam(other.parameters(), lr=0.5)
-    fsdp_dcp.load(other, other_optim, checkpoint_id=path)
-    assert_same(other.state_dict(), expected, "0-dim parameter")
-    assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected_optim, "0-dim")
+    groups = dict(process_group=w.hybrid[0], replicate_process_group=w.hybrid[1])
+    check_scalar_parameter(
+        w.saved.path("scalar"), (Replicate(), Replicate()), torch.Generator().manual_seed(w.rank), **groups
+    )
 
 
 def _four_ranks(rank: int, world_size: int, saved: Saved) -> None:
@@ -334,11 +302,7 @@ def _four_ranks(rank: int, world_size: int, saved: Saved) -> None:
         _case_bad_dict_on_one_replica,
         _case_scalar_parameter,
     ]
-    run_cases([(case.__name__[len("_case_") :], _bind(case, w)) for case in cases])
-
-
-def _bind(case: Any, *args: Any) -> Any:
-    return lambda: case(*args)
+    run_named_cases(cases, w)
 
 
 def test_four_ranks(saved: Saved) -> None:
@@ -363,16 +327,8 @@ def _two_ranks(rank: int, world_size: int, saved: Saved) -> None:
     assert abs(ours - one_replica) <= 0.05 * one_replica, (ours, one_replica)
     train(fsdp, optim, range(SAVED_AT, STEPS), rank, world_size)
     assert_close(fsdp.state_dict(), saved.after, "full sharding at 2 vs the hybrid run")
-    # The plain module on every rank, through torch's own functions (DTensor-free: full tensors).
-    torch.manual_seed(5)
-    plain = MODEL()
-    plain_optim = torch.optim.Adam(plain.parameters(), lr=0.5)
-    state = fsdp2_state(plain, plain_optim)
-    dcp.load(state, checkpoint_id=saved.path("hybrid"))
-    torch_dsd.set_model_state_dict(plain, state["model"])
-    torch_dsd.set_optimizer_state_dict(plain, plain_optim, state["optimizer"])
-    assert_same(plain.state_dict(), saved.model, "plain module: loaded")
-    assert_same_optim(full_optim(torch_dsd.get_optimizer_state_dict(plain, plain_optim)), saved.optim, "plain optim")
+    # The plain module on every rank.
+    plain, plain_optim = load_plain_module(saved, "hybrid")
     train(plain, plain_optim, range(SAVED_AT, STEPS), 0, 1)
     assert_close(plain.state_dict(), saved.after, "plain module vs the hybrid run")
 
