@@ -35,7 +35,7 @@ def _load_mallinfo2() -> Optional[Callable[[], Any]]:
     except (OSError, AttributeError):
         return None
     fn.restype = _MallInfo2
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _MALLINFO2 = _load_mallinfo2()

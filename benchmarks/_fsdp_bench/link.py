@@ -65,7 +65,7 @@ def _delayed_work(real: Any, deadline: float, tensors: Any) -> Any:
     Its future's value is the real work's (DDP's reducer reads the all-reduced tensors from it), or ``tensors`` (the
     op's outputs) for gloo works that have no future.
     """
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[Any] = torch.futures.Future()
     try:
         real_fut = real.get_future()
     except RuntimeError:  # "Work::getFuture not implemented" (some gloo collectives)
@@ -83,10 +83,11 @@ def _delayed_work(real: Any, deadline: float, tensors: Any) -> Any:
             fut.set_exception(exc)
 
     threading.Thread(target=finish, daemon=True, name="bench-link").start()
-    return torch._C._distributed_c10d._create_work_from_future(fut)
+    # A private c10d binding that torch's stubs do not declare.
+    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
-class LinkDelayMode(TorchDispatchMode):
+class LinkDelayMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated
     """Delays the completion of every c10d collective dispatched while active (see the module docstring).
 
     Args:
@@ -104,7 +105,7 @@ class LinkDelayMode(TorchDispatchMode):
         group_gbps: Optional[Dict[int, float]] = None,
         layout: Optional[NodeLayout] = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.bandwidth_gbps, self.latency_us = bandwidth_gbps, latency_us
         self.group_gbps = dict(group_gbps or {})
         self.layout = layout

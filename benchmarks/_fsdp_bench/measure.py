@@ -65,7 +65,7 @@ def _window(
             with phase("forward"), peer.forward_context():
                 loss = lm_loss(peer.model(tokens), targets) / spec.microbatches
             with phase("backward"), record_function(BACKWARD) if annotate else contextlib.nullcontext():
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         total += loss.detach()
     return total
 

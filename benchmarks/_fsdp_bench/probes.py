@@ -103,7 +103,7 @@ def summary_by_ranks(records: Iterable[Tuple[str, str, Sequence[int], int]]) -> 
     return out
 
 
-class CommSpy(TorchDispatchMode):
+class CommSpy(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated
     """Records every c10d collective dispatched on this thread: kind, phase, group size and full-buffer bytes.
 
     Bytes follow the fairscale counter's convention: the all-gather output, the reduce-scatter input, the
@@ -111,7 +111,7 @@ class CommSpy(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.records: List[Tuple[str, str, int, int]] = []
         # The same collectives with their group's global ranks (see summary_by_ranks).
         self.group_records: List[Tuple[str, str, Tuple[int, ...], int]] = []
