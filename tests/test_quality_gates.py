@@ -106,7 +106,11 @@ def test_black_formatting():
     )
 
 
+# pyproject's strict settings hold for the FSDP benchmark's package too: in the same run it costs about a second.
+MYPY_TARGETS = ("fairscale", os.path.join("benchmarks", "_fsdp_bench"))
+
+
 @pytest.mark.skipif(shutil.which("mypy") is None and not os.environ.get("CI"), reason="mypy not installed")
 def test_mypy_strict_on_package():
-    result = _run([sys.executable, "-m", "mypy", "fairscale"])
+    result = _run([sys.executable, "-m", "mypy", *MYPY_TARGETS])
     assert result.returncode == 0, "mypy found type errors:\n" + result.stdout[-6000:] + result.stderr[-2000:]
