@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _group_net import DIM_IN, Net, batch, expect_value_error, initial_params, mb_loss
+from _group_net import Net, batch, expect_value_error, initial_params, mb_loss
 from _models import DTYPES, ELEMENTWISE_TOL, UPDATE_REL, assert_update_close, gather_full_grads
 from torch import Tensor
 
-from fairscale.fair_dev.testing.engine import DistributedTestTimeout, run_cases, run_distributed
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal import collectives
 from fairscale.internal.collectives import count_collectives
 from fairscale.internal.parallel import ProcessGroupName
@@ -42,8 +42,7 @@ Groups = Tuple[Any, Any, Any]
 
 # ------------------------------------------------------------------------------------------------------ model
 
-# Net, batch, mb_loss and DIM_IN (unused here) come from _group_net; test_fsdp_hybrid_checkpoint.py imports them
-# from this module.
+# Net, batch and mb_loss come from _group_net (shared with the zero2 tests).
 
 
 def cfg(**overrides: Any) -> Dict[str, Any]:

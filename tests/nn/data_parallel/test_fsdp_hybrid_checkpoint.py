@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _models import ELEMENTWISE_TOL
-from test_fsdp_hybrid import DIM_IN, Net, batch, build, cfg, mb_loss
+from _group_net import DIM_IN, Net, batch, mb_loss
+from test_fsdp_hybrid import build, cfg
 from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
