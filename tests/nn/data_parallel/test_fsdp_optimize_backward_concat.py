@@ -584,3 +584,49 @@ def _partial_backward(rank: int, world_size: int) -> None:
 
 def test_partial_backward_matches_the_default_path() -> None:
     run_distributed(_partial_backward, 2, timeout=TIMEOUT)
+
+
+class _EmbeddingNet(nn.Module):
+    """An embedding with ``max_norm`` (renormalised in place by every forward) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # Rows far below max_norm: the renormalisation is an in-place op that changes no value, so the wrapped model
+        # and the plain one compute the same (FSDP renormalises the gathered copy, not its shards).
+        self.emb = nn.Embedding(11, 4, max_norm=100.0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.emb(tokens)).sum(dim=1)
+
+
+def _embedding_max_norm(rank: int, world_size: int) -> None:
+    """``F.embedding(..., max_norm=...)`` modifies its weight in place (under no_grad): with the flag the weight is an
+    output of the view function, which autograd refused to let anyone modify in place ("a function that returns
+    multiple views") until the views were detached. Gradients of a window match the plain module's on the whole batch.
+    """
+    ref = _EmbeddingNet()
+    model = FSDP(_EmbeddingNet(), optimize_backward_concat=True)
+    batches = [
+        torch.randint(0, 11, (world_size * 2, 5), generator=torch.Generator().manual_seed(mb)) for mb in range(3)
+    ]
+    for mb, tokens in enumerate(batches):
+        mine = tokens[rank * 2 : (rank + 1) * 2]
+        ctx = model.no_sync() if mb < len(batches) - 1 else contextlib.nullcontext()
+        with ctx:
+            model(mine).pow(2).mean().backward()
+        for r in range(world_size):  # the plain module sees every rank's slice; FSDP averages over the ranks
+            (ref(tokens[r * 2 : (r + 1) * 2]).pow(2).mean() / world_size).backward()
+    with torch.no_grad():
+        flat_grad = model.params[0].grad
+        assert flat_grad is not None, "no gradient after the window"
+        full = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # type: ignore[union-attr]
+        shard = full.new_zeros(flat_grad.numel() * world_size)
+        shard[: full.numel()] = full
+        expected = shard.chunk(world_size)[rank]
+        assert torch.allclose(flat_grad, expected, rtol=1e-5, atol=1e-6), f"rank {rank}: gradient shard differs"
+
+
+def test_embedding_with_max_norm() -> None:
+    run_distributed(_embedding_max_norm, 2, timeout=TIMEOUT)

@@ -133,7 +133,10 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
         # a partial backward that does not reach the anchor (see backward).
         ctx.set_materialize_grads(False)  # views that got no gradient arrive as None, not as zero tensors
         ctx.info = info
-        return info.plan.views(data)
+        # Detached: outputs of a custom Function that are views of one tensor may not be modified in place, not even
+        # under no_grad (autograd cannot rebase them), which broke F.embedding(..., max_norm=...): it renormalises
+        # the weight in place. Detached views share the storage (and version counter) but are not autograd views.
+        return tuple(v.detach() for v in info.plan.views(data))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor], None, None]:
