@@ -29,10 +29,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 PROBE_STEP = "bench::probe_step"
 BACKWARD = "bench::backward"
-#: Ops that concatenate. FSDP1/fairscale's flat parameters show up as ``aten::cat`` under
-#: ``SplitWithSizesBackward0``; FSDP2 packs its reduce-scatter input with ``aten::_chunk_cat``.
+#: Ops that concatenate. FSDP1's flat parameters show up as ``aten::cat`` under ``SplitWithSizesBackward0``,
+#: fairscale's under ``FlatParamViewsBackward``; FSDP2 packs its reduce-scatter input with ``aten::_chunk_cat``.
 CAT_OPS = ("aten::cat", "aten::_chunk_cat", "aten::concat", "aten::concatenate")
-_OP_OF_INTEREST = re.compile(r"cat|split", re.IGNORECASE)
+_OP_OF_INTEREST = re.compile(r"cat|split|FlatParamViews", re.IGNORECASE)
 
 
 def _kind(op_name: str) -> str:
@@ -178,7 +178,8 @@ def _outermost_ops(events: List[Any]) -> List[Tuple[int, str]]:
     """``(start_ns, name)`` of the cat/split ops that do not run inside the same op.
 
     An op re-dispatched through the spy's dispatch mode, or ``aten::_chunk_cat`` calling ``aten::cat``, shows up
-    nested in itself; such inner events are one op, not two. (A cat inside ``SplitWithSizesBackward0`` counts.)
+    nested in itself; such inner events are one op, not two. (A cat inside ``SplitWithSizesBackward0`` or
+    ``FlatParamViewsBackward`` counts.)
     """
     out: List[Tuple[int, str]] = []
     stacks: Dict[int, List[Any]] = {}
@@ -231,5 +232,6 @@ def cat_count(ops: Dict[str, int]) -> int:
 
 
 def split_backward_count(ops: Dict[str, int]) -> int:
-    """``SplitWithSizesBackward`` nodes (the flat-parameter view split) in one microbatch's backward."""
-    return sum(n for name, n in ops.items() if name.startswith("SplitWithSizesBackward"))
+    """Flat-parameter view nodes (``FlatParamViewsBackward``; ``SplitWithSizesBackward`` for split views) in one
+    microbatch's backward."""
+    return sum(n for name, n in ops.items() if name.startswith(("SplitWithSizesBackward", "FlatParamViewsBackward")))

@@ -19,6 +19,7 @@ from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # upstream imported it here
 
 from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
+from ._flatten.forward_views import forward_views
 from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups
 from ._flatten.state_dict_hooks import (
     _enable_pre_load_state_dict_hook,
@@ -198,20 +199,23 @@ class FlattenParamsWrapper(nn.Module):
         This is the single place where forward views are made, so the gradient path can be changed here (or by
         setting ``self._view_builder``, which replaces the default when not ``None``).
 
-        Default: ``flat_param.split(numels)`` then ``.view(shape)``, computed from the FlatParameter object itself
-        (not from ``.data``; inside FSDP ``.data`` holds the gathered full parameter at this point). Autograd
-        therefore records, per view::
+        Default (:func:`~fairscale.nn.misc._flatten.forward_views.forward_views`): the views
+        ``flat_param.split(numels)[i].view(shape)``, detached, as outputs of one autograd function computed from the
+        FlatParameter object itself (not from ``.data``; inside FSDP ``.data`` holds the gathered full parameter at
+        this point). Autograd therefore records, for all views of one flat parameter::
 
-            ViewBackward0 -> SplitWithSizesBackward0 -> AccumulateGrad(flat_param)
+            FlatParamViewsBackward -> AccumulateGrad(flat_param)
 
-        ``SplitWithSizesBackward0`` waits for the gradients of all views of this flat parameter and concatenates
+        ``FlatParamViewsBackward`` waits for the gradients of all views of this flat parameter and concatenates
         them (zeros for views that got none) into one flat gradient, which ``AccumulateGrad`` writes or adds into
-        ``flat_param.grad``; hooks on that ``AccumulateGrad`` node therefore run after the concatenation.
+        ``flat_param.grad``; hooks on that ``AccumulateGrad`` node therefore run after the concatenation. This is
+        upstream's ``ViewBackward0 -> SplitWithSizesBackward0`` path with the same arithmetic, except that a module
+        may change a view in place (``nn.Embedding(max_norm=...)`` does), which split views do not allow.
         """
         if self._view_builder is not None:
             views = list(self._view_builder(flat_param))
         else:
-            views = list(flat_param.get_param_views())
+            views = forward_views(flat_param)
         if len(views) != len(flat_param._param_infos):
             raise RuntimeError(
                 f"the view builder returned {len(views)} views for a flat parameter of "

@@ -382,7 +382,7 @@ def _backward_op_counts(loss: Tensor) -> Dict[str, int]:
     for e in prof.function_events:
         if e.name == "aten::cat":
             counts["cat"] += 1
-        elif e.name == "SplitWithSizesBackward0":
+        elif e.name in ("SplitWithSizesBackward0", "FlatParamViewsBackward"):  # the flat parameter's views node
             counts["split_backward"] += 1
     return counts
 

@@ -260,19 +260,55 @@ def test_forward_uses_data_swapped_into_flat_param() -> None:
 # --------------------------------------------------------------------------------------------- autograd path
 
 
-def test_view_autograd_path_is_view_split_accumulategrad() -> None:
+def test_view_autograd_path_is_one_views_node_then_accumulategrad() -> None:
     fpw: Any = FlattenParamsWrapper(make_seq())
     fpw(torch.randn(2, 2))
     view = fpw.module[0].weight
     assert not isinstance(view, nn.Parameter) and view.requires_grad
-    assert view.grad_fn is not None and view.grad_fn.name() == "ViewBackward0"
-    split_node = view.grad_fn.next_functions[0][0]
-    assert split_node.name() == "SplitWithSizesBackward0"
-    acc_node = split_node.next_functions[0][0]
+    assert view.grad_fn is not None and view.grad_fn.name() == "FlatParamViewsBackward"
+    assert view.data_ptr() == fpw.flat_param.data_ptr()  # the same storage, as a split view
+    acc_node = view.grad_fn.next_functions[0][0]
     assert acc_node.name().endswith("AccumulateGrad") and acc_node.variable is fpw.flat_param
-    # Every view of one flat parameter hangs off the same split node.
+    # Every view of one flat parameter hangs off the same node.
     for v in fpw.module._unflattened_param_views:
-        assert v.grad_fn.next_functions[0][0] is split_node
+        assert v.grad_fn is view.grad_fn
+
+
+def _flat_grads(fpw: Any, create_graph: bool) -> Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, requires_grad=create_graph)
+    loss = fpw(x).pow(2).sum()
+    if create_graph:  # a gradient penalty: double backward through the parameters' views
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        loss = loss + gx.pow(2).sum()
+    loss.backward()
+    grad = fpw.flat_param.grad.clone()
+    fpw.flat_param.grad = None
+    return grad
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_views_gradient_equals_the_split_path(create_graph: bool) -> None:
+    """The same flat gradient, bit for bit, as upstream's split views (their path rebuilt here by hand)."""
+    fpw: Any = FlattenParamsWrapper(make_seq())
+    ours = _flat_grads(fpw, create_graph)
+    fpw._view_builder = lambda flat: list(flat.get_param_views())  # upstream's split views
+    theirs = _flat_grads(fpw, create_graph)
+    assert torch.equal(ours, theirs)
+
+
+def test_views_may_be_changed_in_place_in_forward() -> None:
+    """Split views cannot be used after an in-place change ('a function that returns multiple views');
+    ``nn.Embedding(max_norm=...)`` renormalises its weight in place in every forward. The flat gradient then equals
+    the plain module's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(5, 3, max_norm=0.5), nn.Linear(3, 2))
+    fpw: Any = FlattenParamsWrapper(copy.deepcopy(plain))
+    tokens = torch.tensor([[0, 1, 4], [4, 2, 2]])
+    fpw(tokens).pow(2).sum().backward()
+    plain(tokens).pow(2).sum().backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])  # type: ignore[union-attr]
+    assert torch.equal(fpw.flat_param.grad, expected)
 
 
 def test_views_are_fresh_every_forward() -> None:

@@ -3,7 +3,7 @@
 
 Default autograd path of a flattened parameter (see FlattenParamsWrapper._views_for_forward)::
 
-    view -> SplitWithSizesBackward0 (concatenates all view grads into a new full-size tensor) -> AccumulateGrad(flat)
+    view -> FlatParamViewsBackward (concatenates all view grads into a new full-size tensor) -> AccumulateGrad(flat)
 
 With the flag, the views come out of :class:`_ViewsIntoFlatBuffer`, a custom autograd function whose backward runs
 once, when the gradients of all its views are ready, and adds each view's gradient into its slice of
