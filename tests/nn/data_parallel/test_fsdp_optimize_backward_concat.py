@@ -601,13 +601,14 @@ class _EmbeddingNet(nn.Module):
         return self.head(self.emb(tokens)).sum(dim=1)
 
 
-def _embedding_max_norm(rank: int, world_size: int) -> None:
-    """``F.embedding(..., max_norm=...)`` modifies its weight in place (under no_grad): with the flag the weight is an
-    output of the view function, which autograd refused to let anyone modify in place ("a function that returns
-    multiple views") until the views were detached. Gradients of a window match the plain module's on the whole batch.
+def _embedding_max_norm(rank: int, world_size: int, flag: bool) -> None:
+    """``F.embedding(..., max_norm=...)`` modifies its weight in place (under no_grad): the weight is an output of a
+    function returning several views of the flat parameter (split, or the flag's function), which autograd refused to
+    use after an in-place change ("a function that returns multiple views") until the views were detached. Gradients
+    of a window match the plain module's on the whole batch, flag on and off.
     """
     ref = _EmbeddingNet()
-    model = FSDP(_EmbeddingNet(), optimize_backward_concat=True)
+    model = FSDP(_EmbeddingNet(), optimize_backward_concat=flag)
     batches = [
         torch.randint(0, 11, (world_size * 2, 5), generator=torch.Generator().manual_seed(mb)) for mb in range(3)
     ]
@@ -628,5 +629,6 @@ def _embedding_max_norm(rank: int, world_size: int) -> None:
         assert torch.allclose(flat_grad, expected, rtol=1e-5, atol=1e-6), f"rank {rank}: gradient shard differs"
 
 
-def test_embedding_with_max_norm() -> None:
-    run_distributed(_embedding_max_norm, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("flag", [False, True], ids=["flag off", "flag on"])
+def test_embedding_with_max_norm(flag: bool) -> None:
+    run_distributed(_embedding_max_norm, 2, flag, timeout=TIMEOUT)
