@@ -6,8 +6,6 @@ runs, possibly at interpreter exit after ``destroy_process_group()``, where gloo
 tests/nn/data_parallel/test_sharded_ddp_cycles.py, which covers OSS together with ShardedDataParallel).
 """
 
-import gc
-import weakref
 from typing import Any, Dict, List
 
 import pytest
@@ -16,6 +14,7 @@ import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: o
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.fair_dev.testing.testing_memory import alive_without_cycle_collector
 from fairscale.optim import OSS
 
 TIMEOUT = 60.0
@@ -50,16 +49,7 @@ def _use(rank: int, case: str) -> Dict[str, Any]:
 
 
 def _freed_body(rank: int, world_size: int, case: str) -> List[str]:
-    objects = _use(rank, case)
-    refs = {name: weakref.ref(obj) for name, obj in objects.items()}
-    # Garbage from before (e.g. torch's own cycles while saving and loading state) must not be what keeps OSS alive.
-    gc.collect()
-    gc.disable()
-    try:
-        objects.clear()
-        return [name for name, ref in refs.items() if ref() is not None]
-    finally:
-        gc.enable()
+    return alive_without_cycle_collector(_use(rank, case))
 
 
 @pytest.mark.parametrize("case", ["plain", "fp16", "features"])

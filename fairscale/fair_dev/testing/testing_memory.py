@@ -9,12 +9,13 @@ import gc
 import os
 import subprocess
 import warnings
-from typing import List, Sequence
+import weakref
+from typing import Any, Dict, List, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["find_tensor_by_shape", "dump_all_tensors", "get_smi_memory"]
+__all__ = ["find_tensor_by_shape", "dump_all_tensors", "get_smi_memory", "alive_without_cycle_collector"]
 
 
 def _live_tensors() -> List[torch.Tensor]:
@@ -82,3 +83,20 @@ def get_smi_memory() -> float:
         if len(parts) == 2 and parts[0] == str(os.getpid()):
             return float(parts[1])
     return 0.0
+
+
+def alive_without_cycle_collector(objects: Dict[str, Any]) -> List[str]:
+    """Drop ``objects`` (the caller's only references, by name) with the cycle collector off; return the names of
+    those still alive, i.e. kept by a reference cycle (or a leak) instead of freed by reference counting.
+
+    Garbage from before (torch's own import-time or save/load cycles) is collected first, so that it is not what keeps
+    anything alive. The dict is emptied.
+    """
+    refs = {name: weakref.ref(obj) for name, obj in objects.items()}
+    gc.collect()
+    gc.disable()
+    try:
+        objects.clear()
+        return [name for name, ref in refs.items() if ref() is not None]
+    finally:
+        gc.enable()

@@ -7,8 +7,6 @@ the cycle collector; at interpreter exit that runs after ``destroy_process_group
 and its optimizer with the collector off and check weak references to them.
 """
 
-import gc
-import weakref
 from typing import Any, Dict, List
 
 import pytest
@@ -17,6 +15,7 @@ import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: o
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.fair_dev.testing.testing_memory import alive_without_cycle_collector
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
 TIMEOUT = 60.0
@@ -45,15 +44,7 @@ def _train(rank: int, nested: bool, accumulate: bool, obc: bool) -> Dict[str, An
 
 
 def _freed_body(rank: int, world_size: int, nested: bool, mode: str) -> List[str]:
-    objects = _train(rank, nested, mode != "step", mode == "no_sync obc")
-    refs = {name: weakref.ref(obj) for name, obj in objects.items()}
-    gc.collect()  # garbage from before (torch's own import-time cycles) must not be what keeps anything alive
-    gc.disable()
-    try:
-        objects.clear()
-        return [name for name, ref in refs.items() if ref() is not None]
-    finally:
-        gc.enable()
+    return alive_without_cycle_collector(_train(rank, nested, mode != "step", mode == "no_sync obc"))
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])

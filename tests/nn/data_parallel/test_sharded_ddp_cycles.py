@@ -9,12 +9,10 @@ the exit script below). These tests drop the objects with the collector off and 
 """
 
 import copy
-import gc
 import os
 import subprocess
 import sys
 import textwrap
-import weakref
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -24,6 +22,7 @@ import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: o
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.fair_dev.testing.testing_memory import alive_without_cycle_collector
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 
@@ -64,16 +63,7 @@ def _train(rank: int, buffer: int, case: str) -> Dict[str, Any]:
 
 
 def _freed_body(rank: int, world_size: int, buffer: int, case: str) -> List[str]:
-    objects = _train(rank, buffer, case)
-    refs = {name: weakref.ref(obj) for name, obj in objects.items()}
-    # Garbage from before (e.g. torch's own import-time cycles) must not be what keeps anything alive.
-    gc.collect()
-    gc.disable()
-    try:
-        objects.clear()
-        return [name for name, ref in refs.items() if ref() is not None]
-    finally:
-        gc.enable()
+    return alive_without_cycle_collector(_train(rank, buffer, case))
 
 
 @pytest.mark.parametrize(
