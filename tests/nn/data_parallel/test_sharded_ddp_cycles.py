@@ -4,16 +4,13 @@
 The wrapper used to sit in a reference cycle (wrapper -> gradient reducer -> the wrapper's bound
 ``_describe_reduction`` -> wrapper). Only the cycle collector freed it, and at interpreter exit that came after
 ``destroy_process_group()``: the wrapper's process group and buckets were then torn down during finalization, where
-gloo aborted the process now and then (``terminate called without an active exception``, about 1 run in 10 of
-the exit script below). These tests drop the objects with the collector off and check weak references to them.
+gloo aborted the process now and then (``terminate called without an active exception``). These tests drop the
+objects with the collector off and check weak references to them.
+A subprocess exit test was dropped: gloo's exit aborts now and then without any fairscale object alive too, so it
+could only be flaky.
 """
 
 import copy
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
@@ -27,7 +24,6 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 
 TIMEOUT = 60.0
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _mlp() -> nn.Sequential:
@@ -102,72 +98,6 @@ def test_dropped_wrapper_takes_its_hooks_off_the_parameters() -> None:
     params = len(list(_mlp().parameters()))
     for counts in run_distributed(_rewrap_body, 2, timeout=TIMEOUT):
         assert counts == [params, params, params, 0], counts
-
-
-# A user script as Lightning runs one: train in a function, destroy the group at exit, never call gc.collect().
-_EXIT_SCRIPT = textwrap.dedent("""
-    import atexit
-    import sys
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
-    from fairscale.nn.data_parallel import ShardedDataParallel
-    from fairscale.optim import OSS
-
-
-    def main(rank: int, store: str) -> None:
-        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-        atexit.register(dist.destroy_process_group)
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-        optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
-        wrapped = ShardedDataParallel(model, optimizer)
-        for _ in range(3):
-            wrapped(torch.randn(4, 8)).sum().backward()
-            optimizer.step()
-            wrapped.zero_grad()
-
-
-    main(int(sys.argv[1]), sys.argv[2])
-    """)
-
-# Each run costs two interpreter starts; the abort this guards against hit about 1 run in 10, so a few runs are a
-# smoke test, and the weak-reference tests above are what fails deterministically.
-EXIT_RUNS = 3
-
-
-def test_script_that_destroys_the_group_at_exit_exits_cleanly(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(_EXIT_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on few cores
-    for run in range(EXIT_RUNS):
-        store = tmp_path / f"store{run}"
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(rank), str(store)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(2)
-        ]
-        outputs = []
-        try:
-            for rank_process in ranks:
-                outputs.append(rank_process.communicate(timeout=120)[0])
-        finally:
-            for rank_process in ranks:
-                if rank_process.poll() is None:
-                    rank_process.kill()
-                    rank_process.wait()
-        codes = [rank_process.returncode for rank_process in ranks]
-        assert codes == [0, 0], f"run {run}: exit codes {codes}\n" + "\n".join(outputs)
 
 
 def test_deep_copy_still_works_and_describes_the_copy() -> None:
