@@ -272,12 +272,14 @@ def _check_overlap_defers_completion(rank: int, ws: int) -> None:
         (bucket,) = bucketer.buckets.values()
         assert bucket.offset > 0  # c is in the next fill while a+b's input is held by the pending reduction
         bucketer.reduce_scatter_async(chunk_and_pad(grads[3], ws), None, keep(3))
-        assert counter.count() == 2 and sorted(results) == [0, 1]  # d issued directly, then a+b completed
-        assert bucketer.pending  # d
+        # d is larger than the bucket (1 MiB): sent directly and completed at once, after a+b, so that no more
+        # than the bucket size is ever held by a pending reduction.
+        assert counter.count() == 2 and sorted(results) == [0, 1, 3]
+        assert not bucketer.pending
         with pytest.raises(RuntimeError, match="call flush"):
             bucketer.teardown()
         bucketer.reduce_scatter_async(chunk_and_pad(grads[4], ws), None, keep(4))
-        bucketer.flush()  # sends c+e, completes d, then c+e
+        bucketer.flush()  # sends c+e and completes it
         assert not bucketer.pending and sorted(results) == [0, 1, 2, 3, 4] and counter.count() == 3
         bucketer.flush()  # nothing left: no collective
         assert counter.count() == 3
@@ -369,8 +371,27 @@ def _check_overlap_hybrid(rank: int, ws: int) -> None:
     assert torch.equal(gathered[0], gathered[1])
 
 
+def _check_overlap_in_flight_cap(rank: int, ws: int) -> None:
+    """What a pending reduction may hold is bounded: an input up to bucket_cap_mb (25 MiB when bucketing is off)
+    is deferred, a larger one completes at once (its callback has run when the call returns)."""
+    for cap_mb, small_mib, large_mib in ((2, 1, 3), (0, 1, 26)):
+        bucketer = ReduceScatterBucketer(bucket_cap_mb=cap_mb, overlap=True)
+        bucketer.hold_floor_bytes = 0  # every input reaches the hold limit alone: sent at once
+        done: List[int] = []
+        assert bucketer.in_flight_cap_bytes == (cap_mb or 25) * MIB
+        for i, mib in enumerate((small_mib, large_mib)):
+            grad = _grad(rank, i, mib * MIB // 4 // ws * ws, torch.float32)
+            bucketer.reduce_scatter_flat_async(grad, None, callback_fn=lambda out, i=i: done.append(i))
+            if i == 0:
+                assert bucketer.pending and done == [], f"cap {cap_mb}: a {mib} MiB input must be deferred"
+        assert not bucketer.pending and done == [0, 1], f"cap {cap_mb}: a {large_mib} MiB input must complete"
+        bucketer.flush()
+        bucketer.teardown()
+
+
 def _overlap_body(rank: int, ws: int) -> None:
     _check_overlap_defers_completion(rank, ws)
+    _check_overlap_in_flight_cap(rank, ws)
     _check_overlap_flush_with_pending_and_discard(rank, ws)
     if ws >= 2:
         _check_overlap_does_not_block(rank, ws)

@@ -406,7 +406,10 @@ def _profiler_body(rank: int, world_size: int) -> None:
         assert units == 3
         for mb, (a, b) in enumerate(zip(on, off)):
             assert a == {"cat": 0, "split_backward": 0}, f"no_sync microbatch {mb} with the flag: {a}"
-            assert b["cat"] >= units and b["split_backward"] >= units, f"no_sync microbatch {mb} without: {b}"
+            assert b["split_backward"] >= units, f"no_sync microbatch {mb} without: {b}"
+            # Without the flag the views node concatenates while flat_param.grad does not exist yet (the first
+            # microbatch), then adds the view gradients into it in place (forward_views).
+            assert (b["cat"] >= units) if mb == 0 else (b["cat"] == 0), f"no_sync microbatch {mb} without: {b}"
         # The fork's goal: no concat in the synchronizing microbatch either (the bucketer copies into its bucket).
         assert sync_on == {"cat": 0, "split_backward": 0}, f"synchronizing microbatch with the flag: {sync_on}"
         assert sync_off["split_backward"] >= units
@@ -421,7 +424,8 @@ def _profiler_body(rank: int, world_size: int) -> None:
 
 
 def test_profiler_no_concat_in_no_sync_backward() -> None:
-    """Contract 1.1/1.3: 0 cat / SplitWithSizesBackward per no_sync backward with the flag, >= 1 per unit without."""
+    """Contract 1.1/1.3: 0 cat / views node per no_sync backward with the flag; without, >= 1 views node per unit
+    in every microbatch and >= 1 cat per unit in the first (later ones add into flat_param.grad in place)."""
     run_distributed(_profiler_body, 2, timeout=TIMEOUT)
 
 

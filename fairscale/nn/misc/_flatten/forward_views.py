@@ -8,9 +8,18 @@ under ``no_grad``; ``F.embedding(..., max_norm=...)`` renormalises its weight in
 and version counter, no autograd view), so an in-place change is an ordinary in-place op on a function's output.
 
 The gradient path is the one ``split`` had, with the same arithmetic: one node (``FlatParamViewsBackward``) that runs
-once every view's gradient is in, concatenates them into one flat gradient (zeros for a view that got none, as
-``SplitWithSizesBackward`` does) and hands it to the flat parameter's ``AccumulateGrad``. Under ``create_graph=True``
-the concatenation is recorded, so double backward works as before.
+once every view's gradient is in and hands one flat gradient to the flat parameter's ``AccumulateGrad``. Under
+``create_graph=True`` the node records a concatenation of the view gradients (zeros for a view that got none, as
+``SplitWithSizesBackward`` does), so double backward works as before.
+
+Accumulation (a plain backward into a flat parameter that already has a gradient: every microbatch of a window after
+the first) skips the concatenation, which would hold a second full-size copy of the unit's gradients at the busiest
+moment of the backward: the node adds each view's gradient into its slice of ``flat.grad`` in place (the elementwise
+sums ``AccumulateGrad`` would compute, so bitwise the same) and hands ``AccumulateGrad`` an expanded ``-0.0``, which
+it adds in place as well (``x + -0.0`` is ``x`` for every float, signed zeros and NaN included). ``AccumulateGrad``
+and its post-accumulate hooks (FSDP's post-backward point) run as before, on the same ``.grad`` tensor; a flat
+parameter with tensor hooks (``register_hook``, which would see the gradient before accumulation), a partial
+``autograd.grad`` and a ``.grad`` of another dtype, shape or layout keep the concatenation.
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -30,6 +39,7 @@ class FlatParamViews(torch.autograd.Function):
     def forward(ctx: Any, flat: Tensor, numels: Sequence[int], shapes: Sequence[torch.Size]) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)  # a view without a gradient arrives as None (zeros are made only then)
         ctx.numels = numels
+        ctx.shapes = shapes
         ctx.flat_shape = flat.shape
         return tuple(t.view(s).detach() for t, s in zip(torch.split(flat, list(numels)), shapes))
 
@@ -39,8 +49,37 @@ class FlatParamViews(torch.autograd.Function):
         if like is None:
             return None, None, None
         numels: Sequence[int] = ctx.numels
+        target = None if torch.is_grad_enabled() else _grad_to_add_into(ctx, like)
+        if target is not None:
+            # Slices shaped like the parameters: a gradient with other strides is added as it is, never copied.
+            slices = [t.view(s) for t, s in zip(torch.split(target, list(numels)), ctx.shapes)]
+            present = [(t, g) for t, g in zip(slices, grads) if g is not None]
+            torch._foreach_add_([t for t, _ in present], [g for _, g in present])
+            return like.new_full((), -0.0).expand(ctx.flat_shape), None, None
         pieces = [g.reshape(-1) if g is not None else like.new_zeros(n) for g, n in zip(grads, numels)]
         return torch.cat(pieces).view(ctx.flat_shape), None, None
+
+
+def _grad_to_add_into(ctx: Any, like: Tensor) -> Optional[Tensor]:
+    """``flat.grad`` flattened, when this backward may add the view gradients into it in place (module docstring)."""
+    node = ctx.next_functions[0][0]
+    flat: Optional[Tensor] = getattr(node, "variable", None)  # an AccumulateGrad node knows its leaf
+    if flat is None or flat._backward_hooks:
+        return None
+    grad = flat.grad
+    if grad is None:
+        return None
+    if grad.dtype != like.dtype or grad.device != like.device or grad.layout != torch.strided:
+        return None
+    if grad.shape != ctx.flat_shape or not grad.is_contiguous():
+        return None
+    try:
+        if not torch._C._will_engine_execute_node(node):  # backward(inputs=...) without the flat parameter
+            return None
+    except RuntimeError:  # autograd.grad() asking for the flat parameter: it is not accumulated into at all
+        return None
+    flat_grad: Tensor = grad.view(-1)
+    return flat_grad
 
 
 def forward_views(flat: Any) -> List[Tensor]:
