@@ -72,3 +72,43 @@ def _wrapped_finalizer_body(rank: int, world_size: int) -> int:
 
 def test_a_finalizer_replaced_before_the_first_forward_runs_every_backward() -> None:
     assert run_distributed(_wrapped_finalizer_body, 2, timeout=TIMEOUT) == [2, 2]
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise_in_backward(grad: torch.Tensor) -> None:
+    raise _Boom("backward aborted on purpose")
+
+
+def _hook_output_to_raise(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    out.register_hook(_raise_in_backward)
+
+
+def _aborted_body(rank: int, world_size: int) -> List[str]:
+    """A backward that raised after the inner unit handed its gradient to the bucketer (queued in a fill, or sent and
+    still pending on CPU): the dropped model is freed at once, not when the next forward would have discarded what
+    the bucketer holds (its callbacks point back at the unit)."""
+    model = FSDP(_model(True))
+    inner = model.module.module[1]  # type: ignore[index]
+    model.module.module[0].register_forward_hook(_hook_output_to_raise)  # type: ignore[index]
+    out = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))).sum()
+    held = []
+    try:
+        out.backward()
+    except _Boom:
+        assert model._tree is not None
+        buckets = model._tree.bucketer.buckets.values()
+        held.append(model._tree.bucketer.pending or any(b.callbacks for b in buckets))
+        del buckets
+    del out
+    assert held == [True], "the error must strike while the bucketer holds the inner unit's reduction"
+    objects = {"root": model, "inner": inner, "inner_unit": inner._fsdp_unit, "tree": model._fsdp_unit.tree}
+    del model, inner  # the dict holds the only references
+    return alive_without_cycle_collector(objects)
+
+
+def test_model_dropped_after_an_aborted_backward_is_freed_without_the_cycle_collector() -> None:
+    alive = run_distributed(_aborted_body, 2, timeout=TIMEOUT)
+    assert alive == [[], []], f"still alive after del with gc disabled (rank 0, rank 1): {alive}"

@@ -7,6 +7,7 @@ go through the tree's bucketer, which merges small gradients into fewer collecti
 """
 
 import functools
+import weakref
 
 import torch
 from torch import Tensor
@@ -108,7 +109,10 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
         grad = grad.to(h.param.dtype)
     if c.gradient_predivide_factor > 1:
         grad.div_(c.gradient_predivide_factor)
-    callback = functools.partial(_post_reduction, unit, h)
+    # Weak: the bucketer (held by the tree, which the unit holds) keeps this callback until the reduction completes;
+    # after a backward that raised that is the next forward, and a strong reference would keep a dropped model alive
+    # in a cycle (unit -> tree -> bucketer -> callback -> unit) until the cycle collector runs.
+    callback = functools.partial(_post_reduction_if_alive, weakref.ref(unit), weakref.ref(h))
     if not h.is_sharded:
         if c.replicate_size > 1:  # a one-rank shard group: hybrid sharding degenerates to DDP's all-reduce
             grad = grad.contiguous()
@@ -128,6 +132,14 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
         callback_fn=callback,
         replicate_group=c.replicate_process_group if c.replicate_size > 1 else None,
     )
+
+
+def _post_reduction_if_alive(
+    unit_ref: "weakref.ReferenceType[FSDPUnit]", h_ref: "weakref.ReferenceType[FlatHandle]", reduced: Tensor
+) -> None:
+    unit, h = unit_ref(), h_ref()
+    if unit is not None and h is not None:  # else the model was dropped: nobody can read this gradient
+        _post_reduction(unit, h, reduced)
 
 
 def _post_reduction(unit: FSDPUnit, h: FlatHandle, reduced: Tensor) -> None:
