@@ -19,7 +19,8 @@ sums ``AccumulateGrad`` would compute, so bitwise the same) and hands ``Accumula
 it adds in place as well (``x + -0.0`` is ``x`` for every float, signed zeros and NaN included). ``AccumulateGrad``
 and its post-accumulate hooks (FSDP's post-backward point) run as before, on the same ``.grad`` tensor; a flat
 parameter with tensor hooks (``register_hook``, which would see the gradient before accumulation), a partial
-``autograd.grad`` and a ``.grad`` of another dtype, shape or layout keep the concatenation.
+``autograd.grad`` and a ``.grad`` of another dtype, shape or layout keep the concatenation. (A pre-hook put on the
+``AccumulateGrad`` node itself, ``register_prehook``, is not looked for: it would see the ``-0.0``.)
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -74,9 +75,10 @@ def _grad_to_add_into(ctx: Any, like: Tensor) -> Optional[Tensor]:
     if grad.shape != ctx.flat_shape or not grad.is_contiguous():
         return None
     try:
-        if not torch._C._will_engine_execute_node(node):  # backward(inputs=...) without the flat parameter
+        # Defensive: without the flat parameter among backward(inputs=...) the engine does not run this node at all.
+        if not torch._C._will_engine_execute_node(node):
             return None
-    except RuntimeError:  # autograd.grad() asking for the flat parameter: it is not accumulated into at all
+    except RuntimeError:  # autograd.grad() asking for the flat parameter (it raises for a leaf): nothing accumulates
         return None
     flat_grad: Tensor = grad.view(-1)
     return flat_grad
