@@ -67,7 +67,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     again before its backward, the full parameters are rebuilt by an all-gather; after them they are freed, and the
     full gradients are reduce-scattered so every rank ends with the gradient of its shard. The optimizer is built
     on ``model.parameters()`` after wrapping and only ever sees shards. Nested instances (one per transformer block,
-    say) keep only one block's full parameters alive at a time.
+    say) keep at most two blocks' full parameters alive at a time: the one computing and the one prefetched.
 
     This distribution runs on CPU with the gloo backend as well as on CUDA with NCCL, and adds
     ``zero2_process_group``, ``optimize_backward_concat`` and hybrid sharding (``replicate_process_group``). Usage::
@@ -122,7 +122,10 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
             Only has an effect with ``flatten_parameters=True``; the rule is that every non-last microbatch runs its
             forward *and* backward inside ``root.no_sync()``.
         forward_prefetch: (fork) while this instance's forward computes, the all-gather of the unit that ran next in
-            the previous forward is already in flight (at most one unit ahead). Default ``False``.
+            the previous forward is already in flight (at most one unit ahead). ``True``: always; ``False``: never;
+            ``None`` (default): auto, on in a training forward (autograd recording) on CPU when ``backward_prefetch``
+            is on, where it does not raise a training step's peak memory; elsewhere off (on accelerators the
+            streams already overlap the next unit's gather with this one's compute). See "Communication overlap".
         backward_prefetch: (fork) at this instance's pre-backward point, issue the all-gather of the unit whose
             backward ran next in the previous backward. Changes timing only, never numerics; costs at most one
             extra unit's full parameters of memory. Default ``True`` (upstream has no prefetch). See the docs page
@@ -163,7 +166,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         allow_reset_parameters: bool = False,
         zero2_process_group: Optional[Any] = None,
         optimize_backward_concat: bool = False,
-        forward_prefetch: bool = False,
+        forward_prefetch: Optional[bool] = None,
         backward_prefetch: bool = True,
         replicate_process_group: Optional[Any] = None,
     ):

@@ -8,6 +8,9 @@
   collectives is the same, across reshard_after_forward, zero2, mixed precision, no_sync, optimize_backward_concat,
   checkpoint_wrapper (both nesting orders), shared parameters and a unit that runs twice per forward.
 * Bucket: the bucket holds storage only while it holds gradients and is exactly as large as what it holds.
+* Auto (``forward_prefetch=None``, the default): a training forward on CPU prefetches when ``backward_prefetch`` is
+  on, a forward without autograd or with ``backward_prefetch=False`` does not, and results are bitwise those of
+  ``forward_prefetch=False``.
 """
 
 import contextlib
@@ -75,14 +78,18 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def build(c: Dict[str, Any], prefetch: bool, zero2: Any) -> nn.Module:
+# ``forward`` passed as build()'s forward_prefetch: the same as ``prefetch`` unless given (``None`` is auto).
+SAME = "same"
+
+
+def build(c: Dict[str, Any], prefetch: bool, zero2: Any, forward: Any = SAME) -> nn.Module:
     torch.manual_seed(0)
     net = Net(tie=c.get("tie", False), twice=c.get("twice", False))
     kwargs: Dict[str, Any] = dict(
         reshard_after_forward=c.get("raf", True),
         optimize_backward_concat=c.get("obc", False),
         zero2_process_group=zero2 if c.get("zero2") else None,
-        forward_prefetch=prefetch,
+        forward_prefetch=prefetch if forward == SAME else forward,
         backward_prefetch=prefetch,
     )
     if c.get("prec") == "fp16":
@@ -105,8 +112,8 @@ def batch(step: int, mb: int, rank: int) -> Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + 10 * mb + rank))
 
 
-def train(c: Dict[str, Any], prefetch: bool, zero2: Any, rank: int) -> Dict[str, Any]:
-    model = build(c, prefetch, zero2)
+def train(c: Dict[str, Any], prefetch: bool, zero2: Any, rank: int, forward: Any = SAME) -> Dict[str, Any]:
+    model = build(c, prefetch, zero2, forward)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses: List[Tensor] = []
     num_mb = 2 if c.get("no_sync") else 1
@@ -303,3 +310,60 @@ def _order_change_body(rank: int, ws: int) -> None:
 
 def test_prefetch_order_change_warns_and_stays_exact() -> None:
     run_distributed(_order_change_body, WS, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------------------ auto
+
+
+def _auto_forward_probe(backward_prefetch: bool, grad: bool, rank: int) -> Dict[str, Any]:
+    """Build with the default ``forward_prefetch`` (auto), train one step (it records the order), then probe the next
+    forward: the forward gathers issued and the units gathered when each block starts, and the units left gathered."""
+    model = build({}, backward_prefetch, None, forward=None)
+    assert model.forward_prefetch is None  # the default is auto
+    blocks = [m for m in get_fsdp_instances(model) if m is not model]
+    numel = {f"b{i}": m._handles[0].shard_numel * WS for i, m in enumerate(blocks)}
+    model(batch(0, 0, rank)).sum().backward()
+    seen: Dict[str, Tuple[List[int], int]] = {}
+    with count_collectives() as counter:
+        PROBE[0] = lambda name, where: (
+            seen.__setitem__(name, (_gathers_so_far(counter, "forward"), _full_units(model)))
+            if where == "fwd"
+            else None
+        )
+        try:
+            with torch.set_grad_enabled(grad):
+                out = model(batch(1, 0, rank))
+        finally:
+            PROBE[0] = None
+    left_gathered = _full_units(model)
+    if grad:
+        out.sum().backward()
+    return {"numel": numel, "seen": seen, "left_gathered": left_gathered}
+
+
+def _auto_body(rank: int, ws: int) -> None:
+    names = [f"b{i}" for i in range(len(HIDDEN))]
+    # Training forward with backward prefetch on (the defaults): block i's forward starts with block i+1's gather
+    # issued, and never more than one block gathered ahead of the no-prefetch run.
+    on = _auto_forward_probe(True, True, rank)
+    for name, nxt in zip(names, names[1:]):
+        gathered, full = on["seen"][name]
+        assert on["numel"][nxt] in gathered, (name, gathered)
+        assert full <= 3, (name, full)  # root + this block + the next one
+    # The same forward without autograd (evaluation), or with backward prefetch off: nothing ahead.
+    for backward_prefetch, grad in ((True, False), (False, True)):
+        off = _auto_forward_probe(backward_prefetch, grad, rank)
+        for name, nxt in zip(names, names[1:]):
+            gathered, _ = off["seen"][name]
+            assert off["numel"][nxt] not in gathered, (backward_prefetch, grad, name, gathered)
+    assert _auto_forward_probe(True, False, rank)["left_gathered"] == 0  # an evaluation forward keeps nothing
+    # Results and collectives are those of forward_prefetch=False (bitwise), with and without no_sync.
+    for c in ({}, {"no_sync": True}, {"raf": False}):
+        auto, never = train(c, True, None, rank, forward=None), train(c, True, None, rank, forward=False)
+        for key in ("losses", "grads", "params"):
+            assert all(torch.equal(a, b) for a, b in zip(auto[key], never[key])), (c, key)
+        assert sorted(auto["kinds"]) == sorted(never["kinds"]), c
+
+
+def test_forward_prefetch_auto_on_cpu_training_forwards_only() -> None:
+    run_distributed(_auto_body, WS, timeout=TIMEOUT)

@@ -59,7 +59,7 @@ class FSDPConfig:
     zero2_rank: int
     zero2_size: int
     optimize_backward_concat: bool
-    forward_prefetch: bool
+    forward_prefetch: Optional[bool]  # None: auto (see prefetch.py)
     backward_prefetch: bool
     replicate_process_group: Any = None
     replicate_problem: Optional[str] = None
@@ -101,7 +101,7 @@ def make_config(
     allow_reset_parameters: bool,
     zero2_process_group: Any,
     optimize_backward_concat: bool,
-    forward_prefetch: bool,
+    forward_prefetch: Optional[bool],
     backward_prefetch: bool,
     replicate_process_group: Any = None,
 ) -> FSDPConfig:
@@ -178,7 +178,7 @@ def make_config(
         zero2_rank=zero2_rank,
         zero2_size=zero2_size,
         optimize_backward_concat=optimize_backward_concat,
-        forward_prefetch=bool(forward_prefetch),
+        forward_prefetch=None if forward_prefetch is None else bool(forward_prefetch),
         backward_prefetch=bool(backward_prefetch),
         replicate_process_group=replicate_process_group,
         replicate_problem=replicate_problem,

@@ -16,9 +16,25 @@ At most one unit is gathered ahead, so prefetch costs at most one extra unit's f
 gathered values are those the unit would gather itself: numerics are bitwise identical with prefetch on and off.
 On CPU/gloo the asynchronous work runs on gloo's threads; on accelerators it runs on the tree's all-gather stream
 and the compute stream waits for it (NCCL work handles order the waiting stream after the collective).
+
+``forward_prefetch=None`` (the default) is *auto*: a unit prefetches in the forward when its compute device is the
+CPU, its ``backward_prefetch`` is on and autograd records the forward (a training forward). Why only then:
+
+* On accelerators the forward overlaps without it: a unit's gather is queued on the all-gather stream and the CPU
+  goes on to queue the unit's compute and reach the next unit's gather while the device still computes, so the
+  next unit's parameters are already allocated and on the wire. On CPU a gloo gather blocks the thread that
+  computes, so without prefetch every forward gather waits for the slowest rank, once per unit (measured: most of
+  the gap between the benchmark's plain step and DDP's on CPU, see docs/benchmarks.rst).
+* It does not raise the peak of a training step: when unit *i* computes its forward with unit *i+1* gathered
+  ahead, the backward that follows holds at least as much when it reaches unit *i+1* with unit *i* prefetched
+  (both units' full parameters, the activations of every unit up to *i+1*, and the incoming gradient). With
+  ``backward_prefetch=False`` that argument does not hold, so auto stays off.
+* A forward without autograd (evaluation) has no backward to compare with: the extra unit would be its peak.
 """
 
 from typing import Optional
+
+import torch
 
 from fairscale.internal import collectives
 
@@ -32,10 +48,19 @@ def on_forward(unit: FSDPUnit) -> None:
     tree = unit.tree
     if tree is None or not tree.forward_running:
         return
-    enabled = unit.config.forward_prefetch
+    enabled = forward_prefetch_enabled(unit, tree)
     target = tree.forward_order.visit(unit, enabled)
     if enabled:
         prefetch(target, tree, "forward")
+
+
+def forward_prefetch_enabled(unit: FSDPUnit, tree: TreeState) -> bool:
+    """Whether ``unit``'s forward prefetches now: its ``forward_prefetch``, or the auto rule when that is ``None``
+    (module docstring)."""
+    setting = unit.config.forward_prefetch
+    if setting is not None:
+        return setting
+    return unit.config.backward_prefetch and not tree.device.is_accelerator and torch.is_grad_enabled()
 
 
 def on_pre_backward(unit: FSDPUnit) -> None:
