@@ -37,18 +37,25 @@ class FlatParamViews(torch.autograd.Function):
     """Detached views of a flat parameter shaped like its parameters; backward concatenates their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, flat: Tensor, numels: Sequence[int], shapes: Sequence[torch.Size]) -> Tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, flat: Tensor, numels: Sequence[int], shapes: Sequence[torch.Size], layout: Optional["_Layout"] = None
+    ) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)  # a view without a gradient arrives as None (zeros are made only then)
         ctx.numels = numels
         ctx.shapes = shapes
         ctx.flat_shape = flat.shape
+        if layout is not None and flat.dim() == 1 and flat.stride(0) == 1:
+            # One strided view per parameter, straight from the flat storage: the same elements, shapes and strides
+            # as split + view, in two ops per parameter instead of three (this runs for every unit in every forward).
+            base = flat.storage_offset()
+            return tuple(flat.as_strided(size, stride, base + offset).detach() for size, stride, offset in layout)
         return tuple(t.view(s).detach() for t, s in zip(torch.split(flat, list(numels)), shapes))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], None, None, None]:
         like = next((g for g in grads if g is not None), None)
         if like is None:
-            return None, None, None
+            return None, None, None, None
         numels: Sequence[int] = ctx.numels
         target = None if torch.is_grad_enabled() else _grad_to_add_into(ctx, like)
         if target is not None:
@@ -56,9 +63,9 @@ class FlatParamViews(torch.autograd.Function):
             slices = [t.view(s) for t, s in zip(torch.split(target, list(numels)), ctx.shapes)]
             present = [(t, g) for t, g in zip(slices, grads) if g is not None]
             torch._foreach_add_([t for t, _ in present], [g for _, g in present])
-            return like.new_full((), -0.0).expand(ctx.flat_shape), None, None
+            return like.new_full((), -0.0).expand(ctx.flat_shape), None, None, None
         pieces = [g.reshape(-1) if g is not None else like.new_zeros(n) for g, n in zip(grads, numels)]
-        return torch.cat(pieces).view(ctx.flat_shape), None, None
+        return torch.cat(pieces).view(ctx.flat_shape), None, None, None
 
 
 def _grad_to_add_into(ctx: Any, like: Tensor) -> Optional[Tensor]:
@@ -84,10 +91,36 @@ def _grad_to_add_into(ctx: Any, like: Tensor) -> Optional[Tensor]:
     return flat_grad
 
 
+# Per parameter: its shape, its contiguous strides and its offset in the flat parameter.
+_Layout = List[Tuple[torch.Size, Tuple[int, ...], int]]
+
+
+def _layout(flat: Any) -> _Layout:
+    """``flat``'s view layout, computed once per layout (cached on the flat parameter with the lists it came from, so
+    that replaced ``_param_numels``/``_param_shapes`` lists, as unpickling makes, are never read stale)."""
+    numels, shapes = flat._param_numels, flat._param_shapes
+    cached = getattr(flat, "_fpw_view_layout", None)
+    if cached is not None and cached[0] is numels and cached[1] is shapes:
+        layout: _Layout = cached[2]
+        return layout
+    layout, offset = [], 0
+    for numel, shape in zip(numels, shapes):
+        stride, step = [], 1
+        for dim in reversed(shape):
+            stride.append(step)
+            step *= max(dim, 1)
+        layout.append((shape, tuple(reversed(stride)), offset))
+        offset += numel
+    flat._fpw_view_layout = (numels, shapes, layout)
+    return layout
+
+
 def forward_views(flat: Any) -> List[Tensor]:
     """The views of ``flat`` (a FlatParameter) for a forward; plain views when no gradient can flow to it."""
     if not (torch.is_grad_enabled() and flat.requires_grad):
         return list(flat.get_param_views())
     if flat.numel() != sum(flat._param_numels):
         return list(flat.get_param_views())  # raises the size error FlatParameter words
-    return list(tensor_hooks.apply_function(FlatParamViews, flat, flat._param_numels, flat._param_shapes))
+    return list(
+        tensor_hooks.apply_function(FlatParamViews, flat, flat._param_numels, flat._param_shapes, _layout(flat))
+    )
