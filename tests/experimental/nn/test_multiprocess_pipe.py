@@ -158,7 +158,38 @@ def _check_multi_input_multi_output() -> None:
     torch.testing.assert_close(DistributedPipeline(traced, chunks=2)(x).to_here(), pipe(x).to_here())
 
 
+class _TracedWith(nn.Module):
+    """A traced forward that ``make_graph`` must reject, chosen by ``case``."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.a = RemoteModule(CPU_DEVICES[0], nn.Linear, (4, 4))
+        self.split = RemoteModule(CPU_DEVICES[1], _Split, ())
+        self.concat = RemoteModule(CPU_DEVICES[1], _Concat, ())
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.case == "constant":
+            return self.concat(x, 3)
+        if self.case == "keyword":
+            return self.a(input=x)
+        if self.case == "arithmetic":
+            return self.a(x) + 1
+        parts = self.split(x)  # "whole_and_index"
+        return self.concat(parts, parts[0])
+
+
 def _check_errors() -> None:
+    # make_graph's checks are explicit raises (upstream: bare asserts, gone under python -O), still AssertionErrors.
+    for case, match in [
+        ("constant", "called with 3"),
+        ("keyword", "keyword arguments \\['input'\\]"),
+        ("arithmetic", "neither a RemoteModule call"),
+        ("whole_and_index", "used both whole and by index"),
+    ]:
+        with pytest.raises(ValueError, match=match) as info:
+            make_graph(_TracedWith(case))
+        assert isinstance(info.value, AssertionError), case
     relu = RemoteModule(CPU_DEVICES[1], nn.ReLU, ())
     graph = PipelineModulesGraph()
     graph.add_layer(relu, [0])

@@ -15,6 +15,8 @@ import torch.fx
 import torch.nn as nn
 from torch.distributed.nn.api.remote_module import RemoteModule
 
+from fairscale.internal.errors import FairscaleValueError
+
 from .graph import PipelineModulesGraph
 
 __all__ = ["make_graph", "RemoteModuleTracer", "GraphCreator"]
@@ -74,12 +76,19 @@ class GraphCreator:
         num_outputs: Dict[int, Optional[int]] = {}
         whole_used: Dict[int, bool] = {}
         calls: List[Tuple[RemoteModule, List[Any]]] = []
+        names: Dict[int, str] = {}  # for messages (a RemoteModule has no repr)
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 sources[node] = self.arg_names.index(str(node.target))
             elif node.op == "call_module" and self.get_module(node) is not None:
                 module = self.get_module(node)
                 assert module is not None
+                if node.kwargs:
+                    raise FairscaleValueError(
+                        f"make_graph: {node.target} is called with keyword arguments {sorted(node.kwargs)}; pass a "
+                        "RemoteModule's inputs positionally"
+                    )
+                names[id(module)] = str(node.target)
                 calls.append((module, [self._source(a, sources, whole_used) for a in node.args]))
                 sources[node] = module
             elif node.op == "call_function" and node.target is operator.getitem and self._is_remote_output(node):
@@ -90,11 +99,19 @@ class GraphCreator:
             elif node.op == "output":
                 continue
             else:
-                raise AssertionError(f"Invalid node {node.name} ({node.op} {node.target})")
+                raise FairscaleValueError(
+                    f"make_graph: node {node.name} ({node.op} {node.target}) is neither a RemoteModule call, an index "
+                    "into a RemoteModule's output, an argument nor the output; move that computation into a "
+                    "RemoteModule"
+                )
         graph = PipelineModulesGraph()
         for module, inputs in calls:
             n = num_outputs.get(id(module))
-            assert not (n is not None and whole_used.get(id(module))), "a module's output is used whole and by index"
+            if n is not None and whole_used.get(id(module)):
+                raise FairscaleValueError(
+                    f"make_graph: the output of {names[id(module)]} is used both whole and by index; index every "
+                    "use of a multi-output module (out[0], out[1], ...)"
+                )
             graph.add_layer(module, inputs, n)
         return graph
 
@@ -104,7 +121,11 @@ class GraphCreator:
 
     @staticmethod
     def _source(arg: Any, sources: Dict[torch.fx.Node, Any], whole_used: Dict[int, bool]) -> Union[int, Any]:
-        assert isinstance(arg, torch.fx.Node) and arg in sources, f"Invalid node argument {arg}"
+        if not (isinstance(arg, torch.fx.Node) and arg in sources):
+            raise FairscaleValueError(
+                f"make_graph: a RemoteModule is called with {arg!r}; its arguments must be the forward's arguments or "
+                "outputs of other RemoteModules (no constants or computed values)"
+            )
         value = sources[arg]
         if isinstance(value, RemoteModule):
             whole_used[id(value)] = True
