@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
-from fairscale.internal.collectives import all_reduce
+from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.collectives import all_reduce, group_size
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
 
 __all__ = ["SyncBatchNorm"]
@@ -34,24 +35,57 @@ def _track_running_stats(
     running_var += momentum * (unbiased_var.reshape(-1) - running_var)
 
 
-def _calculate_stats(input: Tensor, eps: float, process_group: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Global ``(mean, var, invstd, total_count)`` of ``input`` over every dim except 1 and every rank."""
+# Codes of the input dtypes in the layout check (the statistics need a floating dtype; any other is 0).
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+
+
+def _calculate_stats(
+    input: Tensor, eps: float, process_group: Any, check_layout: bool
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Global ``(mean, var, invstd, total_count)`` of ``input`` over every dim except 1 and every rank.
+
+    The element count's all-reduce also carries ``(C, C**2, d, d**2)`` for this rank's channel count ``C`` and dtype
+    code ``d``. After the sum, ``sum(x)**2 == n * sum(x**2)`` holds for ``n`` ranks iff every rank sent the same ``x``
+    (Cauchy-Schwarz), and every rank reads the same sums: with ``check_layout`` all ranks raise together before the
+    statistics' all-reduce, whose sizes would differ (gloo aborts the process, NCCL hangs or corrupts memory). The
+    check costs no collective; reading the sums waits for the device, so on accelerators the caller asks for it on
+    the layer's first forward only.
+    """
     dim = [d for d in range(input.ndim) if d != 1]
-    # Counts in fp32 (upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
-    count = torch.full((1,), input.numel() // input.size(1), dtype=torch.float32, device=input.device)
-    total_count = count.clone()
-    count_work = all_reduce(total_count, group=process_group, async_op=True)
+    channels, code = input.size(1), _DTYPE_CODES.get(input.dtype, 0)
+    # float64: the count and the squares stay exact integers far beyond any real world size (fp32 counts would be
+    # exact to 2**24; upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
+    sums = torch.tensor(
+        [input.numel() // max(channels, 1), channels, channels**2, code, code**2],
+        dtype=torch.float64,
+        device=input.device,
+    )
+    count = sums[:1].to(torch.float32)
+    count_work = all_reduce(sums, group=process_group, async_op=True)
     mean = torch.mean(input, dim=dim, keepdim=True)
     meansqr = torch.mean(input * input, dim=dim, keepdim=True)
     vec = torch.cat([mean, meansqr])
-    assert count_work is not None
+    assert count_work is not None  # async_op=True always returns the handle
     count_work.wait()
+    if check_layout:
+        _check_same_layout(sums, channels, input.dtype, process_group)
+    total_count = sums[:1].to(torch.float32)
     vec = (vec * (count / total_count).to(vec.dtype)).contiguous()
     all_reduce(vec, group=process_group)
     mean, meansqr = vec.chunk(2)
     var = meansqr - mean * mean
     invstd = torch.rsqrt(var + eps)
     return mean, var, invstd, total_count
+
+
+def _check_same_layout(sums: Tensor, channels: int, dtype: torch.dtype, process_group: Any) -> None:
+    n = group_size(process_group)
+    _, c1, c2, d1, d2 = (int(v) for v in sums.tolist())
+    if c1 * c1 != n * c2 or d1 * d1 != n * d2:
+        raise RanksDisagreeError(
+            f"SyncBatchNorm: the {n} ranks of the process group disagree on the layer's channels or input dtype "
+            f"(this rank: {channels} channels, {dtype}); every rank must run the same model on inputs of one dtype"
+        )
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -132,6 +166,7 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
         # Tells fairscale.nn.checkpoint's batch-norm patching to leave this layer alone: it already updates its
         # running statistics only once per checkpointed step.
         self.disable_patch_batchnorm = True
+        self._layout_checked = False  # see forward: whether the ranks' channels and dtype were compared once
 
     def forward(self, input: Tensor) -> Tensor:
         if not dist.is_initialized() or not self.training:
@@ -148,7 +183,12 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
         recompute_phase = is_recomputing()
         if not recompute_phase:
             with torch.no_grad():
-                mean, var, invstd, total_count = _calculate_stats(input, self.eps, self._process_group)
+                # On CPU the layout check reads sums already in host memory; elsewhere it waits for the device, so
+                # there only the first forward checks (a layer's channels are fixed, and a dtype that differs
+                # between ranks usually does from the start).
+                check_layout = input.device.type == "cpu" or not getattr(self, "_layout_checked", False)
+                self._layout_checked = True
+                mean, var, invstd, total_count = _calculate_stats(input, self.eps, self._process_group, check_layout)
                 # Checked through the buffers, not ``track_running_stats``: a batch-norm patch that toggles the
                 # flag during no-grad passes must not stop this once-per-step update.
                 if self.running_mean is not None and self.running_var is not None:

@@ -3,7 +3,7 @@
 BatchNorm over the global batch, weight/bias gradients are the local contributions (their sum is the global
 gradient; torch.nn.SyncBatchNorm itself rejects CPU tensors, so the reference is BatchNorm1d/2d/3d), also under
 checkpoint_wrapper (upstream skipped those tests as "broken at head"), with three
-all-reduces per step; plus conversion, eval mode and single-process use.
+all-reduces per step; ranks that disagree on channels or dtype; plus conversion, eval mode and single-process use.
 """
 
 import copy
@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fairscale.experimental.nn import SyncBatchNorm
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_gather_into_flat, all_reduce, count_collectives
 from fairscale.nn.checkpoint import checkpoint_wrapper
 
@@ -94,6 +95,26 @@ def _check_eval_and_errors(rank: int, world_size: int) -> None:
         layer(torch.randn(2, 3, 4))
 
 
+def _check_ranks_disagree(rank: int, world_size: int) -> None:
+    """Other channels or another input dtype on one rank: the same RanksDisagreeError on every rank, carried by the
+    count's all-reduce (no extra collective), raised before anything changes; the group stays usable (gloo aborted
+    the process before)."""
+    for what, channels, dtype in [("channels", 3 + (rank == 1), torch.float32), ("dtype", 3, torch.float64)]:
+        layer = SyncBatchNorm(channels).to(dtype if rank == 1 else torch.float32)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        x = torch.randn(4, layer.num_features, 5, dtype=dtype if rank == 1 else torch.float32)
+        with count_collectives() as counter, pytest.raises(RanksDisagreeError, match="disagree on the layer's"):
+            layer(x)
+        assert counter.count("all_reduce") == 1, (what, counter.summary())
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, before[k]), (what, k)
+    # Nothing is left in flight: the next valid step runs normally.
+    layer = SyncBatchNorm(3)
+    with count_collectives() as counter:
+        layer(torch.randn(4, 3, 5, requires_grad=True)).sum().backward()
+    assert counter.count("all_reduce") == 3
+
+
 def _world_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], None]]] = []
     for dims in SHAPES:
@@ -104,6 +125,8 @@ def _world_body(rank: int, world_size: int) -> None:
     for wrap in ("checkpoint", "checkpoint_twice"):
         cases.append((wrap, lambda w=wrap: _check_parity(rank, world_size, "3d", True, w)))
     cases.append(("eval_and_errors", lambda: _check_eval_and_errors(rank, world_size)))
+    if world_size > 1:
+        cases.append(("ranks_disagree", lambda: _check_ranks_disagree(rank, world_size)))
     run_cases(cases)
 
 
