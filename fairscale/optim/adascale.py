@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
+from fairscale.internal.agreement import check_ranks_agree
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
@@ -96,6 +97,9 @@ class AdaScale(torch.optim.Optimizer):
             raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
 
         n_groups = len(optimizer.param_groups)
+        # The end of each accumulation window all-reduces one value per param group: ranks with other group counts
+        # or windows would meet in collectives of different sizes (gloo waits until its timeout) or not at all.
+        self._check_ranks_agree(n_groups)
         cast(Dict[Any, Any], optimizer.state).setdefault(
             _STATE_KEY, {"grad_sqr_avg": np.ones(n_groups), "grad_var_avg": np.zeros(n_groups)}
         )
@@ -349,9 +353,23 @@ class AdaScale(torch.optim.Optimizer):
             for group, lr in zip(self._optimizer.param_groups, saved):
                 group["lr"] = lr
 
+    def _check_ranks_agree(self, n_groups: int) -> None:
+        """Raise the same :class:`RanksDisagreeError` on every rank unless all of them have ``n_groups`` param groups,
+        the same ``num_gradients_to_accumulate`` and ``world_size`` (one small all-gather; none at world size 1)."""
+        if self._world_size > 1 and collectives.group_size(None) > 1:
+            check_ranks_agree(
+                "AdaScale: (param groups, num_gradients_to_accumulate, world_size)",
+                (n_groups, self._num_grads_to_accum, self._world_size),
+                hint="Build the optimizer from the same param groups and arguments on every rank.",
+            )
+
     def add_param_group(self, pg: Dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer, hook its parameters and extend the statistics by one entry."""
+        """Add a group to the wrapped optimizer, hook its parameters and extend the statistics by one entry.
+
+        Every rank must add a group (the call checks that the ranks agree, with one small all-gather).
+        """
         self._check_not_in_backward("Don't add param group in backward phase")
+        self._check_ranks_agree(len(self._optimizer.param_groups) + 1)
         self._optimizer.add_param_group(pg)
         self._hook()
         state = self._state

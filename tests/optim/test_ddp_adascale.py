@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import SGD
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import count_collectives
 from fairscale.optim import AdaScale
 
@@ -126,6 +127,20 @@ def _corr_mean_case(rank: int) -> None:
     assert [float(np.corrcoef(np.array(p))[0, 1]) for p in CORR_INPUTS[:2]] == pytest.approx([0.5, -1.0])
 
 
+def _disagree_case(rank: int) -> None:
+    """Other param groups or accumulation windows on one rank: the same RanksDisagreeError on every rank at
+    construction (before, the window's all-reduce of one value per group waited for gloo's timeout)."""
+    model = Linear(2, 2)
+    groups = [{"params": [model.weight]}, {"params": [model.bias]}] if rank == 1 else [{"params": model.parameters()}]
+    with pytest.raises(RanksDisagreeError, match="entry 0: 1 vs 2"):
+        AdaScale(SGD(groups, lr=0.1))
+    with pytest.raises(RanksDisagreeError, match="entry 1: 1 vs 2"):
+        AdaScale(SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=1 + rank)
+    optim = AdaScale(SGD([model.weight], lr=0.1))
+    optim.add_param_group({"params": [model.bias]})  # every rank adds one: they agree
+    assert len(optim.param_groups) == 2 and len(optim._state["grad_sqr_avg"]) == 2
+
+
 def _adascale_world_body(rank: int, world_size: int) -> None:
     cases = [(f"basic {i}", functools.partial(_basic_case, rank, i)) for i in range(len(BASIC_CASES))]
     cases += [
@@ -133,6 +148,7 @@ def _adascale_world_body(rank: int, world_size: int) -> None:
         ("momentum + smoothing", functools.partial(_momentum_case, rank, False)),
         ("AdaScale(OSS)", functools.partial(_momentum_case, rank, True)),
         ("intra-gradient correlation", functools.partial(_corr_mean_case, rank)),
+        ("ranks disagree", functools.partial(_disagree_case, rank)),
     ]
     run_cases(cases)
 
