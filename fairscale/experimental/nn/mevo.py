@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 __all__ = [
     "MemoryEfficientVocabOutput",
@@ -61,8 +62,13 @@ def get_data(
         ``input`` (tokens, d1) requiring grad, ``weight`` (vocab, d2) Parameter, ``target`` (tokens,) long.
     """
     (tokens, d1), (d2, vocab) = shape
-    assert d1 == d2, f"incorrect shape {d1} vs {d2}"
-    assert dtype in (torch.float16, torch.float32), f"unsupported dtype {dtype}"
+    if d1 != d2:
+        raise FairscaleValueError(
+            f"get_data: incorrect shape {d1} vs {d2}: the input's width {d1} must equal the weight's {d2}; "
+            "pass shape=((tokens, d), (d, vocab))"
+        )
+    if dtype not in (torch.float16, torch.float32):
+        raise FairscaleValueError(f"get_data: unsupported dtype {dtype}; pass torch.float16 or torch.float32")
     input = torch.rand(tokens, d1, device=device, dtype=dtype).requires_grad_(True)
     weight = nn.Linear(d2, vocab, bias=False, device=device, dtype=dtype).weight
     target = (torch.rand(tokens, device=device) * vocab).long()
@@ -74,7 +80,7 @@ def _next_power_of_2_or_max(n: int, max_n: int) -> int:
     if n == 0:
         return 1
     p = 1 << (n - 1).bit_length()
-    assert p & (p - 1) == 0, f"{p} is not a power of 2"
+    assert p & (p - 1) == 0, f"{p} is not a power of 2"  # an internal invariant of the shift above
     return min(p, max_n)
 
 
@@ -124,6 +130,15 @@ def _accumulate_weight_grad(kernel_obj: Any, w_grad: Tensor, w_idx: int, w_split
     weight.grad[start : start + w_grad.shape[0]] += w_grad.to(weight.grad.dtype)
 
 
+def _check_split_dim(split_dim: int, who: str) -> None:
+    # The tile Functions are public (upstream exported them), so a caller can pass any split_dim.
+    if split_dim != 0:
+        raise FairscaleValueError(
+            f"{who}: only splitting along dim 0 is supported, got split_dim={split_dim}; pass 0 (tiles are row "
+            "blocks of the input and of the weight)"
+        )
+
+
 class GetMaxFunction(torch.autograd.Function):
     """Per-token maximum logit of one (input tile, weight tile) pair, recomputed in backward."""
 
@@ -131,7 +146,7 @@ class GetMaxFunction(torch.autograd.Function):
     def forward(
         ctx: Any, i: Tensor, w: Tensor, tgt: Tensor, kernel_obj: Any, w_idx: int, w_split_size: int, split_dim: int
     ) -> Tensor:
-        assert split_dim == 0, "only splitting along dim 0 is supported"
+        _check_split_dim(split_dim, "GetMaxFunction")
         ctx.save_for_backward(i, w, tgt)
         ctx.kernel_obj, ctx.w_idx, ctx.w_split_size = kernel_obj, w_idx, w_split_size
         with torch.no_grad():
@@ -181,7 +196,7 @@ class GetSumFunction(torch.autograd.Function):
         w_split_size: int,
         split_dim: int,
     ) -> Tensor:
-        assert split_dim == 0, "only splitting along dim 0 is supported"
+        _check_split_dim(split_dim, "GetSumFunction")
         ctx.save_for_backward(i, w, tgt, maxs)
         ctx.kernel_obj, ctx.w_idx, ctx.w_split_size = kernel_obj, w_idx, w_split_size
         with torch.no_grad():
@@ -283,7 +298,11 @@ class BackwardTrigger(nn.Module):
 
     def __init__(self, linked_param: Tensor) -> None:
         super().__init__()
-        assert isinstance(linked_param, nn.Parameter), "BackwardTrigger needs an nn.Parameter"
+        if not isinstance(linked_param, nn.Parameter):
+            raise FairscaleTypeError(
+                f"BackwardTrigger needs an nn.Parameter, got {type(linked_param).__name__}; wrap the weight in "
+                "nn.Parameter (usually the embedding's weight)"
+            )
         self.trigger = nn.Parameter(torch.rand(1, dtype=linked_param.dtype, device=linked_param.device))
         # FSDP reads this attribute to handle the weight shared with the embedding.
         setattr(self.trigger, "_linked_param", linked_param)
@@ -330,7 +349,8 @@ class MemoryEfficientVocabOutput(nn.Module):
         self.fp_sum = True
         self.fp_target = True
         self.log_softmax = True
-        assert reduction in ["sum", "mean"], f"reduction must be 'sum' or 'mean', got {reduction!r}"
+        if reduction not in ["sum", "mean"]:
+            raise FairscaleValueError(f"MEVO: reduction must be 'sum' or 'mean', got {reduction!r}")
         self.reduction = reduction
         self.margin = margin
         self.scale = scale
@@ -352,16 +372,32 @@ class MemoryEfficientVocabOutput(nn.Module):
     def forward(self, input: Tensor, target: Optional[Tensor]) -> Tensor:
         if not self.training and target is None:
             return self.eval_forward(input)
-        assert isinstance(input, Tensor), "input must be a tensor"
-        assert isinstance(target, Tensor), "target must be a tensor (required in training mode)"
-        if torch.is_grad_enabled():
-            assert input.requires_grad, "input must require grad in training"
+        if not isinstance(input, Tensor):
+            raise FairscaleTypeError(f"MEVO.forward: input must be a tensor, got {type(input).__name__}")
+        if not isinstance(target, Tensor):
+            raise FairscaleTypeError(
+                f"MEVO.forward: target must be a tensor (required in training mode), got {type(target).__name__}; "
+                "pass the target token ids, or call .eval() to get the logits"
+            )
+        if torch.is_grad_enabled() and not input.requires_grad:
+            raise FairscaleValueError(
+                "MEVO.forward: input must require grad in training (while autograd is enabled); pass an input "
+                "that requires grad, or compute the loss under torch.no_grad()"
+            )
         input, target = _reshape_inputs(input, target)
         tokens, d_model = input.shape
         (t2,) = target.shape
         vocab, d2 = self.proj_weight.shape
-        assert d_model == d2, f"incorrect shape {d_model} vs {d2}"
-        assert tokens == t2, f"incorrect shape {tokens} vs {t2}"
+        if d_model != d2:
+            raise FairscaleValueError(
+                f"MEVO.forward: incorrect shape {d_model} vs {d2}: the input's last dimension ({d_model}) must equal "
+                f"the weight's d_model ({d2})"
+            )
+        if tokens != t2:
+            raise FairscaleValueError(
+                f"MEVO.forward: incorrect shape {tokens} vs {t2}: the input has {tokens} tokens but the target has "
+                f"{t2}; pass one target per token"
+            )
         s_in = _next_power_of_2_or_max(tokens // self.tf_in, tokens)
         s_w = _next_power_of_2_or_max(vocab // self.tf_w, vocab)
         _debug(f"mevo tiles: input {s_in} rows, weight {s_w} rows", input.device)
@@ -377,7 +413,7 @@ class MemoryEfficientVocabOutput(nn.Module):
             for w_idx, w_tile in enumerate(split_w):
                 tile_m = GetMaxFunction.apply(i, w_tile, tgt, self, w_idx, s_w, 0)
                 m = tile_m if m is None else torch.max(m, tile_m)
-            assert m is not None
+            assert m is not None  # split_w has at least one tile; narrows the type for mypy
             tile_maxs.append(m)
         maxs = torch.cat(tile_maxs)
 
@@ -387,7 +423,7 @@ class MemoryEfficientVocabOutput(nn.Module):
             for w_idx, w_tile in enumerate(split_w):
                 tile_s = GetSumFunction.apply(i, w_tile, tgt, m, self, w_idx, s_w, 0)
                 s = tile_s if s is None else s + tile_s
-            assert s is not None
+            assert s is not None  # as above
             tile_sums.append(s)
         sums = torch.cat(tile_sums)
 
@@ -439,8 +475,11 @@ class BaselineSoftmax(nn.Module):
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         input, target = _reshape_inputs(input, target)
-        if self.fp16:
-            assert input.dtype == torch.float16, "input must be fp16 when the weight is fp16"
+        if self.fp16 and input.dtype != torch.float16:
+            raise FairscaleTypeError(
+                f"BaselineSoftmax.forward: input must be fp16 when the weight is fp16, got {input.dtype}; "
+                "convert the input with .half()"
+            )
         logits = self.lmcl_pre_softmax(input, target) if self.scale is not None else self.fc(input)
         if self.log_softmax:
             return F.log_softmax(logits, dim=-1, dtype=torch.float32)

@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError, FairscaleValueError
+
 __all__ = ["Bucket", "ParamBucket", "GradBucket"]
 
 _Device = Union[torch.device, str]
@@ -40,18 +42,49 @@ class Bucket:
         non_blocking: bool = False,
         keep_param_alignment: bool = True,
     ) -> None:
-        """Move and/or cast the buffer (``keep_param_alignment`` is used by the subclasses)."""
-        assert self.buffer is not None, "Cannot move a collapsed bucket, please rebuild it"
-        self.buffer = self.buffer.to(device, dtype, non_blocking)
+        """Move and/or cast the buffer (``keep_param_alignment`` is used by the subclasses).
 
-    def _check_fits(self, tensor: Tensor, kind: str) -> None:
-        assert self.buffer is not None
-        assert (
-            tensor.dtype == self.buffer.dtype
-        ), f"Different types for the bucket and the {kind}, cannot proceed: {tensor.dtype} - {self.buffer.dtype}"
-        assert (
-            tensor.device == self.buffer.device
-        ), f"Different devices for the bucket and the {kind}, cannot proceed: {tensor.device} - {self.buffer.device}"
+        Raises:
+            FairscaleRuntimeError: the bucket has no buffer (``buffer`` was set to ``None``).
+        """
+        self.buffer = self._live_buffer(f"{type(self).__name__}.to").to(device, dtype, non_blocking)
+
+    def _live_buffer(self, who: str) -> Tensor:
+        """The buffer; a clear error instead of a failure on ``None`` (the module itself never sets ``None``, but
+        ``buffer`` is a public attribute)."""
+        if self.buffer is None:
+            raise FairscaleRuntimeError(
+                f"{who}: the bucket has no buffer (its buffer attribute is None); build a new "
+                f"{type(self).__name__} for these tensors"
+            )
+        return self.buffer
+
+    def _check_fits(self, tensor: Tensor, kind: str, who: str) -> Tensor:
+        """Check that ``tensor`` (a parameter; for a gradient, its parameter) can be a view of the buffer, whose
+        dtype and device it must have; returns the buffer."""
+        buffer = self._live_buffer(who)
+        if tensor.dtype != buffer.dtype:
+            raise FairscaleTypeError(
+                f"{who}: Different types for the bucket and the {kind}: the parameter is {tensor.dtype} but the "
+                f"bucket is {buffer.dtype}; use a bucket of the parameter's dtype"
+            )
+        if tensor.device != buffer.device:
+            raise FairscaleValueError(
+                f"{who}: Different devices for the bucket and the {kind}: the parameter is on {tensor.device} but "
+                f"the bucket is on {buffer.device}; use a bucket on the parameter's device (a tensor can only be a "
+                "view of a buffer on its own device: to move parameters, move them first and build a new bucket)"
+            )
+        return buffer
+
+    def _check_room(self, numel: int, buffer: Tensor, kind: str, who: str, hint: str) -> int:
+        """The end of the next free slice of ``numel`` elements; raises when the buffer has no room for it."""
+        end = self._fill + numel
+        if end > buffer.numel():
+            raise FairscaleValueError(
+                f"{who}: the {kind} does not fit in the bucket: it has {numel} elements but only "
+                f"{buffer.numel() - self._fill} of the bucket's {buffer.numel()} are free; {hint}"
+            )
+        return end
 
 
 class ParamBucket(Bucket):
@@ -91,36 +124,46 @@ class ParamBucket(Bucket):
     def add_param(self, param: Tensor) -> None:
         """Copy ``param``'s value into the next free slice and make ``param.data`` a view of that slice.
 
+        The errors are also ``AssertionError`` s, what upstream raised.
+
         Raises:
-            AssertionError: the parameter was added already, its dtype or device differ from the buffer's, or it
+            FairscaleValueError: the parameter was added already, its device differs from the buffer's, or it
                 does not fit.
+            FairscaleTypeError: its dtype differs from the buffer's.
+            FairscaleRuntimeError: the bucket has no buffer.
         """
-        assert id(param) not in self._param_ids, "The same param cannot be checked in twice"
-        self._add_param_as_view(param, keep_existing_value=True)
+        if id(param) in self._param_ids:
+            raise FairscaleValueError(
+                "ParamBucket.add_param: the parameter is already in the bucket and cannot be checked in twice; "
+                "add each parameter once"
+            )
+        self._add_param_as_view(param, keep_existing_value=True, who="ParamBucket.add_param")
         self._params.append(param)
         self._param_ids.append(id(param))
 
     @torch.no_grad()
-    def _add_param_as_view(self, param: Tensor, keep_existing_value: bool = True) -> None:
-        self._check_fits(param, "param")
-        assert self.buffer is not None
-        start, end = self._fill, self._fill + param.numel()
-        assert end <= self.buffer.numel()
+    def _add_param_as_view(self, param: Tensor, keep_existing_value: bool = True, *, who: str) -> None:
+        buffer = self._check_fits(param, "param", who)
+        start = self._fill
+        end = self._check_room(
+            param.numel(), buffer, "parameter", who, "create the bucket with at least the total size of its parameters"
+        )
         if keep_existing_value:
-            self.buffer[start:end].copy_(param.data.flatten())
-        param.data = self.buffer[start:end].view_as(param.data)
+            buffer[start:end].copy_(param.data.flatten())
+        param.data = buffer[start:end].view_as(param.data)
         self._fill = end
 
     @torch.no_grad()
     def _reattach_params(self) -> None:
         """Point every parameter at its slice of the (new) buffer, in check-in order, without copying values."""
+        # Only called by to(), right after it assigned a tensor to the buffer: narrows the type for mypy.
         assert self.buffer is not None
         self._fill = 0
         for param in self._params:
             # The values are already in the buffer; only the dtype of .data has to follow before the re-pointing.
             if param.dtype != self.buffer.dtype:
                 param.data = param.data.to(dtype=self.buffer.dtype)
-            self._add_param_as_view(param, keep_existing_value=False)
+            self._add_param_as_view(param, keep_existing_value=False, who="ParamBucket.to")
 
 
 class GradBucket(Bucket):
@@ -172,7 +215,7 @@ class GradBucket(Bucket):
             self.rebuild()
         super().to(device, dtype, non_blocking)
         if keep_param_alignment:
-            self._reattach_grads(copy_values=False)
+            self._reattach_grads(copy_values=False, who="GradBucket.to")
 
     def zero(self) -> None:
         """Set every gradient of the bucket to zero (in place)."""
@@ -183,25 +226,46 @@ class GradBucket(Bucket):
     def add_grad(self, param: Tensor) -> None:
         """Make ``param.grad`` a view of the next free slice (a zero gradient is created when there is none).
 
-        An existing gradient keeps its value and stays the same tensor object (its ``.data`` is swapped).
+        An existing gradient keeps its value and stays the same tensor object (its ``.data`` is swapped). The errors
+        are also ``AssertionError`` s, what upstream raised.
 
         Raises:
-            AssertionError: the gradient was added already, does not fit, or has another dtype or device.
+            FairscaleValueError: the gradient was added already, does not fit, or its parameter is on another
+                device.
+            FairscaleTypeError: its parameter has another dtype.
+            FairscaleRuntimeError: the bucket is collapsed (call :meth:`rebuild` first).
         """
-        assert id(param) not in self._param_ids, "The same gradients cannot be checked in twice"
+        if id(param) in self._param_ids:
+            raise FairscaleValueError(
+                "GradBucket.add_grad: the parameter's gradient is already in the bucket and cannot be checked in "
+                "twice; add each parameter once (can_add_grad_view(param) tells whether it may be added)"
+            )
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        self._add_grad_as_view(param, keep_existing_value=True)
+        self._add_grad_as_view(param, keep_existing_value=True, who="GradBucket.add_grad")
         self._params.append(param)
         self._param_ids.append(id(param))
 
     @torch.no_grad()
     def collapse(self) -> None:
-        """Release the buffer: gradients become ``None`` until :meth:`rebuild`."""
+        """Release the buffer: gradients become ``None`` until :meth:`rebuild`.
+
+        Raises:
+            FairscaleRuntimeError: a gradient of the bucket was set to ``None`` outside of it (nothing is released).
+        """
         if self._is_collapsed:
             return
+        # Checked for every gradient before releasing any, so that an error leaves the bucket as it was.
+        released = sum(1 for param in self._params if param.grad is None)
+        if released:
+            raise FairscaleRuntimeError(
+                f"GradBucket.collapse: cannot collapse, {released} gradient(s) of the bucket have already been "
+                "released (set to None outside the bucket, e.g. by zero_grad(set_to_none=True)); keep the "
+                "gradients of bucketed parameters until collapse(), or give one back first with "
+                "param.grad = bucket.slot(param).detach()"
+            )
         for param in self._params:
-            assert param.grad is not None, "Cannot collapse, the gradient has already been released"
+            assert param.grad is not None  # checked above; narrows the type for mypy
             param.grad.detach_()
             param.grad = None
         self.buffer = torch.zeros(0, dtype=self.buffer.dtype if self.buffer is not None else None)
@@ -211,40 +275,58 @@ class GradBucket(Bucket):
 
     @torch.no_grad()
     def rebuild(self) -> None:
-        """Allocate the buffer again after :meth:`collapse` and re-create the (zero) gradient views."""
-        assert len(self._params) > 0, "Cannot rebuild a buffer with no parameters"
+        """Allocate the buffer again after :meth:`collapse` and re-create the (zero) gradient views.
+
+        Raises:
+            FairscaleRuntimeError: the bucket holds no gradient (its dtype and device come from the first one).
+        """
+        if len(self._params) == 0:
+            raise FairscaleRuntimeError(
+                "GradBucket.rebuild: cannot rebuild a buffer with no parameters (the buffer takes the dtype and "
+                "device of the first one); add_grad() a parameter before rebuilding"
+            )
         if not self._is_collapsed:
             return
         first = self._params[0]
         self.buffer = torch.zeros(self._max_size, dtype=first.dtype, device=first.device)
-        self._reattach_grads(copy_values=False)
+        self._reattach_grads(copy_values=False, who="GradBucket.rebuild")
         self._is_collapsed = False
 
     @torch.no_grad()
     def shrink(self) -> None:
-        """Cut the buffer to the gradients it holds (freeing the rest of the storage); values are kept."""
-        assert self.buffer is not None and self.buffer.numel() > 0, "Cannot shrink a collapsed bucket, please rebuild"
+        """Cut the buffer to the gradients it holds (freeing the rest of the storage); values are kept.
+
+        Raises:
+            FairscaleRuntimeError: the bucket is collapsed (or has no buffer).
+        """
+        buffer = self._live_buffer("GradBucket.shrink")
+        if buffer.numel() == 0:
+            raise FairscaleRuntimeError(
+                "GradBucket.shrink: cannot shrink a collapsed bucket (its buffer is empty); call rebuild() first"
+            )
         # clone(): a slice would keep the whole original storage alive.
-        self.buffer = self.buffer[: self._fill].clone()
-        self._reattach_grads(copy_values=True)
+        self.buffer = buffer[: self._fill].clone()
+        self._reattach_grads(copy_values=True, who="GradBucket.shrink")
         self._max_size = self._fill
 
     @torch.no_grad()
-    def _reattach_grads(self, copy_values: bool) -> None:
+    def _reattach_grads(self, copy_values: bool, *, who: str) -> None:
         self._fill = 0
         for param in self._params:
-            self._add_grad_as_view(param, keep_existing_value=copy_values)
+            self._add_grad_as_view(param, keep_existing_value=copy_values, who=who)
 
     @torch.no_grad()
-    def _add_grad_as_view(self, param: Tensor, keep_existing_value: bool = True) -> None:
-        assert (
-            self.buffer is not None and self.buffer.numel() > 0
-        ), "Cannot add a gradient to a collapsed bucket, please rebuild"
-        assert param.dtype == self.buffer.dtype
-        assert param.device == self.buffer.device
-        start, end = self._fill, self._fill + param.numel()
-        assert end <= self.buffer.numel()
-        view = self.buffer[start:end].view_as(param)
+    def _add_grad_as_view(self, param: Tensor, keep_existing_value: bool = True, *, who: str) -> None:
+        if self.buffer is not None and self.buffer.numel() == 0:
+            raise FairscaleRuntimeError(
+                f"{who}: cannot add a gradient to a collapsed bucket (its buffer is empty); call rebuild() first"
+            )
+        buffer = self._check_fits(param, "gradient", who)
+        start = self._fill
+        end = self._check_room(
+            param.numel(), buffer, "gradient", who, "check can_add_grad_view(param) first, or use a bigger bucket"
+        )
+        view = buffer[start:end].view_as(param)
         self._offsets[id(param)] = start
         if param.grad is not None:
             if keep_existing_value:
@@ -255,7 +337,11 @@ class GradBucket(Bucket):
         self._fill = end
 
     def slot(self, param: Tensor) -> Tensor:
-        """The slice of the buffer that ``param``'s gradient should be a view of (shaped like ``param``)."""
-        assert self.buffer is not None
+        """The slice of the buffer that ``param``'s gradient should be a view of (shaped like ``param``).
+
+        Raises:
+            FairscaleRuntimeError: the bucket has no buffer.
+        """
+        buffer = self._live_buffer("GradBucket.slot")
         start = self._offsets[id(param)]
-        return self.buffer[start : start + param.numel()].view_as(param)
+        return buffer[start : start + param.numel()].view_as(param)
