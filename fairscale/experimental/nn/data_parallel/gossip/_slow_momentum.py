@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal.collectives import broadcast, reduce
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 from .utils.helpers import communicate
 
@@ -68,12 +69,26 @@ class SlowMomentum:
 
     def init_buffers(self, optimizer: torch.optim.Optimizer) -> None:
         """Allocate ``old_params`` (a copy of the owned slice) and a zero momentum buffer."""
-        self.initialized = True
         if not self.enabled:
+            self.initialized = True
             return
         params = [p for p, _ in self._params(optimizer)]
-        assert all(p.dtype == torch.float32 for p in params), "SlowMo needs fp32 optimizer parameters"
-        assert len({p.device for p in params}) <= 1, "SlowMo needs all optimizer parameters on one device"
+        # The optimizer is the caller's (SlowMoDistributedDataParallel.perform_slowmo passes it through). Marked
+        # initialized only once it passed, so a call after a rejected optimizer checks again instead of stepping
+        # without buffers.
+        if not all(p.dtype == torch.float32 for p in params):
+            dtypes = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+            raise FairscaleTypeError(
+                f"SlowMo needs fp32 optimizer parameters, got {', '.join(dtypes)}; give the optimizer fp32 "
+                "parameters (for an fp16 model, the fp32 master copies, and pass them as fp32_params)"
+            )
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise FairscaleValueError(
+                f"SlowMo needs all optimizer parameters on one device, got {', '.join(sorted(map(str, devices)))}; "
+                "move the optimizer's parameters to one device"
+            )
+        self.initialized = True
         total = sum(p.numel() for p in params)
         self.world_portion_length = math.ceil(total / self.num_shards)
         if not self.is_shard_owner:

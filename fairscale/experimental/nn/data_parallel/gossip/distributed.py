@@ -30,6 +30,7 @@ from torch.autograd import Variable
 
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 from ._sgp import SgpGossip
 from ._slow_momentum import SlowMomentum
@@ -117,11 +118,25 @@ class SlowMoDistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         # A blocking NCCL wait turns the gossip thread's pending receives into errors.
-        assert os.environ.get("NCCL_BLOCKING_WAIT", "0") == "0", "SlowMo needs NCCL_BLOCKING_WAIT unset or 0"
-        assert nprocs_per_node >= 1, f"nprocs_per_node must be at least 1, got {nprocs_per_node}"
+        blocking_wait = os.environ.get("NCCL_BLOCKING_WAIT", "0")
+        if blocking_wait != "0":
+            raise FairscaleRuntimeError(
+                f"SlowMoDistributedDataParallel: NCCL_BLOCKING_WAIT is {blocking_wait!r}, but a blocking NCCL wait "
+                "turns the gossip thread's pending receives into errors; unset it or set it to 0"
+            )
+        if nprocs_per_node < 1:
+            raise FairscaleValueError(
+                f"SlowMoDistributedDataParallel: nprocs_per_node must be at least 1, got {nprocs_per_node}; "
+                "pass the number of processes per node"
+            )
         self.nprocs_per_node = nprocs_per_node
         if process_world_size is None or process_rank is None:
-            assert dist.is_initialized(), "initialise torch.distributed or pass process_rank and process_world_size"
+            if not dist.is_initialized():
+                raise FairscaleRuntimeError(
+                    "SlowMoDistributedDataParallel: process_rank and process_world_size were not both given and "
+                    "torch.distributed is not initialised; call torch.distributed.init_process_group first, or pass "
+                    "process_rank and process_world_size"
+                )
             process_rank = dist.get_rank()
             process_world_size = dist.get_world_size()
         self.process_rank = process_rank
@@ -203,7 +218,13 @@ class SlowMoDistributedDataParallel(nn.Module):
         self.localsgd_frequency = localsgd_frequency
         self.overlap = overlap
         if self.master_group is None:
-            assert self.localsgd or self.sgp
+            # Upstream checks the algorithm only here (one node, no master group), and so does this: on several
+            # nodes an unknown value runs neither base algorithm.
+            if not (self.localsgd or self.sgp):
+                raise FairscaleValueError(
+                    f"SlowMoDistributedDataParallel: unknown slowmo_base_algorithm {slowmo_base_algorithm!r}; "
+                    "pass SlowMoBaseAlgorithm.LOCALSGD or SlowMoBaseAlgorithm.SGP"
+                )
             self.localsgd = self.sgp = False
             self.logger.warning("Disabling LocalSGD and SGP since a local allreduce will suffice")
         if self.slowmo and not self.localsgd and not self.sgp:
@@ -226,7 +247,11 @@ class SlowMoDistributedDataParallel(nn.Module):
     def _init_groups(self, global_group: Any, master_group: Any, local_node_group: Any) -> None:
         nppn, world = self.nprocs_per_node, self.process_world_size
         self.local_rank = self.process_rank % nppn
-        assert world % nppn == 0, f"world size {world} is not a multiple of nprocs_per_node {nppn}"
+        if world % nppn != 0:
+            raise FairscaleValueError(
+                f"SlowMoDistributedDataParallel: world size {world} is not a multiple of nprocs_per_node {nppn}; "
+                "pass nprocs_per_node that divides the world size"
+            )
         self.logical_world_size = world // nppn
         self.logical_rank = self.process_rank // nppn
         self.global_group = global_group if global_group is not None else create_process_group(range(world))
@@ -266,7 +291,10 @@ class SlowMoDistributedDataParallel(nn.Module):
         if mixing is None:
             mixing = UniformMixing(graph, self._comm_device)
         self.dist_config.update({"graph": graph, "mixing": mixing, "push_sum": push_sum})
-        assert not overlap, "overlapping SGP communication is not supported (overlap must be False)"
+        if overlap:
+            raise FairscaleValueError(
+                "SlowMoDistributedDataParallel: overlapping SGP communication is not supported; pass overlap=False"
+            )
         self._sgp = SgpGossip(
             self.module,
             graph,
@@ -287,7 +315,11 @@ class SlowMoDistributedDataParallel(nn.Module):
 
     @property
     def ps_weight(self) -> Tensor:
-        assert self._sgp is not None, "ps_weight only exists with the SGP base algorithm"
+        if self._sgp is None:
+            raise FairscaleRuntimeError(
+                "SlowMoDistributedDataParallel.ps_weight only exists with the SGP base algorithm, and this model "
+                "does not gossip; build it with slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP on more than one node"
+            )
         return self._sgp.ps_weight
 
     @property
@@ -345,9 +377,15 @@ class SlowMoDistributedDataParallel(nn.Module):
         if self._sgp is not None:
             ps_weight = state.pop("ps_weight")
             is_numerator = state.pop("is_sgp_ps_numerator")
+            # Checked before the module is loaded, so that a failed load changes nothing.
+            if ps_weight is None:
+                raise FairscaleValueError(
+                    "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is None; pass a state "
+                    "dict saved by an SGP model's state_dict() (its ps_weight is a one-element tensor)"
+                )
         result = super().load_state_dict(state, strict=True)
         if self._sgp is not None:
-            assert ps_weight is not None
+            assert ps_weight is not None  # checked above; narrows the type for mypy
             self._sgp.ps_weight.copy_(ps_weight.to(self._sgp.ps_weight.device))
             self._sgp.is_sgp_ps_numerator = bool(is_numerator)
         return result
@@ -489,7 +527,12 @@ class SlowMoDistributedDataParallel(nn.Module):
                 yield from zip(fp16_group, fp32_group)
         elif fp32_params is not None:
             if isinstance(fp32_params, dict):
-                assert len(fp32_params) == 1, "fp32_params as a dict must have exactly one entry"
+                if len(fp32_params) != 1:
+                    raise FairscaleValueError(
+                        f"SlowMoDistributedDataParallel.perform_slowmo: fp32_params as a dict must have exactly one "
+                        f"entry (fairseq style), got {len(fp32_params)}; pass a one-entry dict, a list aligned with "
+                        "self.parameters(), or one flat tensor"
+                    )
                 fp32_params = list(fp32_params.values())[0]
             if isinstance(fp32_params, list):
                 yield from zip(self.parameters(), fp32_params)

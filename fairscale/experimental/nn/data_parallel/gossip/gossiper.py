@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fairscale.internal.collectives import broadcast
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError, FairscaleValueError
 
 from .graph_manager import Edge, GraphManager
 from .mixing_manager import MixingManager, UniformMixing
@@ -53,24 +54,40 @@ class Gossiper:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
     ) -> None:
+        name = type(self).__name__
         if rank is None or world_size is None:
-            assert dist.is_initialized(), "torch.distributed must be initialised when rank/world_size are not given"
+            if not dist.is_initialized():
+                raise FairscaleRuntimeError(
+                    f"{name}: rank and world_size were not both given and torch.distributed is not initialised; "
+                    "pass rank= and world_size=, or call torch.distributed.init_process_group first"
+                )
             # Upstream's check, kept: the default backends are expected to pass rank and world size explicitly.
             backend = str(dist.get_backend())
-            assert backend != dist_backend.GLOO.value
-            assert backend != dist_backend.NCCL.value
+            if backend in (dist_backend.GLOO.value, dist_backend.NCCL.value):
+                raise FairscaleRuntimeError(
+                    f"{name}: rank and world_size are not taken from the default process group with the "
+                    f"{backend!r} backend; pass rank= (this process's rank) and world_size= (the logical world size)"
+                )
             rank = dist.get_rank()
             world_size = dist.get_world_size()
         self.rank = rank
         self.world_size = world_size
-        assert isinstance(graph, GraphManager), "graph must be a GraphManager"
+        if not isinstance(graph, GraphManager):
+            raise FairscaleTypeError(
+                f"{name}: graph must be a GraphManager, got {type(graph).__name__}; pass a topology such as "
+                "NPeerDynamicDirectedExponentialGraph"
+            )
         self._graph_manager = graph
         self.peers_per_itr_device = torch.tensor([self._graph_manager.peers_per_itr], device=device, dtype=msg.dtype)
         self.passive = self._graph_manager.is_passive()
         self.refresh_peers_(rotate=False)
         if mixing is None:
             mixing = UniformMixing(self._graph_manager, device)
-        assert isinstance(mixing, MixingManager), "mixing must be a MixingManager"
+        if not isinstance(mixing, MixingManager):
+            raise FairscaleTypeError(
+                f"{name}: mixing must be a MixingManager, got {type(mixing).__name__}; pass e.g. "
+                "UniformMixing(graph, device), or None for that default"
+            )
         self._mixing_manager = mixing
         self.refresh_mixing_weights_()
         self.regular = self._mixing_manager.is_regular()
@@ -110,7 +127,11 @@ class Gossiper:
         """Move to the next step's edges (``rotate`` defaults to whether the graph is dynamic)."""
         if rotate is None:
             rotate = self._graph_manager.is_dynamic_graph()
-        assert not (rotate and not self._graph_manager.is_dynamic_graph()), "cannot rotate a static graph"
+        if rotate and not self._graph_manager.is_dynamic_graph():
+            raise FairscaleValueError(
+                f"{type(self).__name__}.refresh_peers_: cannot rotate the static graph "
+                f"{type(self._graph_manager).__name__}; pass rotate=False (or None), or use a dynamic graph"
+            )
         self.out_edges, self.in_edges = self._graph_manager.get_edges(rotate)
 
     def refresh_mixing_weights_(self, residual_adjusted: bool = False) -> None:
@@ -154,6 +175,15 @@ class Gossiper:
         """One gossip round; returns the received ``(message, ps_weight)``."""
         raise NotImplementedError
 
+    def _check_out_msg(self, out_msg: Tensor) -> None:
+        # A ValueError, not a RuntimeError: SgpGossip's gossip thread treats RuntimeErrors in a round as
+        # communication failures and carries on, while a misplaced message is the caller's bug (as upstream's assert).
+        if out_msg.device.type != self.device.type:
+            raise FairscaleValueError(
+                f"{type(self).__name__}.mix: the message is on {out_msg.device.type} but the gossiper's device is "
+                f"{self.device.type}; move the message there (or build the gossiper with device={out_msg.device.type!r})"
+            )
+
     def _receive(self, in_edges: List[Edge]) -> None:
         if len(in_edges) == 1:
             broadcast(self.in_msg_buffer, src=in_edges[0].src, group=in_edges[0].process_group)
@@ -168,13 +198,18 @@ class PushSum(Gossiper):
     """Push-sum gossip: asynchronous sends to the out-peers, blocking receives from the in-peers."""
 
     def mix(self, out_msg: Tensor, ps_weight: Tensor) -> Tuple[Tensor, Tensor]:
-        assert out_msg.device.type == self.device.type, "the message must live on the gossiper's device"
+        self._check_out_msg(out_msg)
         if self.logger is not None:
             self.logger.debug("in/out -peers %s/%s", self.in_edges, self.out_edges)
         mixed_out_msgs = self.mix_out_msg_(out_msg, ps_weight)
         for out_edge in self.out_edges:
             msg = next(mixed_out_msgs)
-            assert self.rank == out_edge.src, f"rank {self.rank} is not the source of {out_edge}"
+            if self.rank != out_edge.src:
+                # ValueError for the same reason as in _check_out_msg: rank and graph disagree, a caller's bug.
+                raise FairscaleValueError(
+                    f"PushSum.mix: rank {self.rank} is not the source of its out edge {out_edge}; pass the process "
+                    "rank the graph was built for as rank= (the graph's logical rank times nprocs_per_node)"
+                )
             req = broadcast(msg, src=out_edge.src, group=out_edge.process_group, async_op=True)
             self.out_msg_buffer.append((req, msg))
         self._receive(self.in_edges)
@@ -187,7 +222,7 @@ class PushPull(Gossiper):
     """Push-pull gossip: blocking exchanges; active nodes send then receive, passive nodes the reverse."""
 
     def mix(self, out_msg: Tensor, ps_weight: Tensor) -> Tuple[Tensor, Tensor]:
-        assert out_msg.device.type == self.device.type, "the message must live on the gossiper's device"
+        self._check_out_msg(out_msg)
         if self.logger is not None:
             self.logger.debug("in/out -peers %s/%s", self.in_edges, self.out_edges)
         mixed_out_msgs = self.mix_out_msg_(out_msg, ps_weight)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fairscale.internal.collectives import all_reduce
+from fairscale.internal.errors import FairscaleValueError
 
 from .utils.helpers import _comm_device
 
@@ -58,7 +59,11 @@ class GraphManager(ABC):
     def __init__(
         self, rank: int, world_size: int, nprocs_per_node: int = 1, local_rank: int = 0, peers_per_itr: int = 1
     ) -> None:
-        assert int(peers_per_itr) >= 1, f"peers_per_itr must be at least 1, got {peers_per_itr}"
+        if int(peers_per_itr) < 1:
+            raise FairscaleValueError(
+                f"{type(self).__name__}: peers_per_itr must be at least 1, got {peers_per_itr}; pass the number of "
+                "out-peers per step (1 or more)"
+            )
         self.rank = rank
         self.world_size = world_size
         self.phone_book: List[List[Edge]] = [[] for _ in range(self.world_size)]

@@ -1,0 +1,316 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The checks of caller input in the SlowMo/gossip modules raise clear exceptions, also under ``python -O``.
+
+Upstream fairscale checked these with bare ``assert``; here each raises ``FairscaleValueError``,
+``FairscaleTypeError`` or ``FairscaleRuntimeError`` (also ``AssertionError``s, so upstream-style callers keep
+working) with a message that says what to change. Checks that fire before any process group is needed are
+triggered in this process; the others in real gloo worlds started by the test engine (module-level bodies, so the
+file also passes with ``FAIRSCALE_TEST_START_METHOD=spawn``).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any, List, Optional, Type, cast
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fairscale.experimental.nn.data_parallel import gossip
+from fairscale.experimental.nn.data_parallel.gossip import GraphManager, SlowMoBaseAlgorithm
+from fairscale.experimental.nn.data_parallel.gossip._slow_momentum import SlowMomentum
+from fairscale.experimental.nn.data_parallel.gossip.gossiper import Gossiper
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError, FairscaleValueError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+GOSSIPERS: List[Type[Gossiper]] = [gossip.PushSum, gossip.PushPull]
+
+
+def _raises(cls: Type[Exception], match: str) -> Any:
+    """``pytest.raises(cls, match=match)`` for one of the Fairscale*Error classes (checked to be an AssertionError)."""
+    assert issubclass(cls, AssertionError), cls
+    return pytest.raises(cls, match=match)
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+
+
+def _no_process_group() -> None:
+    assert not dist.is_initialized(), "these checks must run without a default process group"
+
+
+# ---- SlowMoDistributedDataParallel, no process group needed
+
+
+@pytest.mark.parametrize("value", ["1", "true"])
+def test_slowmo_rejects_nccl_blocking_wait(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("NCCL_BLOCKING_WAIT", value)
+    with _raises(FairscaleRuntimeError, f"NCCL_BLOCKING_WAIT is '{value}'.*unset it or set it to 0"):
+        gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, process_rank=0, process_world_size=1)
+
+
+@pytest.mark.parametrize("nprocs_per_node", [0, -2])
+def test_slowmo_rejects_nprocs_per_node_below_one(nprocs_per_node: int) -> None:
+    with _raises(FairscaleValueError, f"nprocs_per_node must be at least 1, got {nprocs_per_node}"):
+        gossip.SlowMoDistributedDataParallel(
+            _model(), nprocs_per_node=nprocs_per_node, process_rank=0, process_world_size=1
+        )
+
+
+@pytest.mark.parametrize("rank, world_size", [(None, None), (0, None), (None, 2)])
+def test_slowmo_needs_rank_and_world_size_without_process_group(rank: Optional[int], world_size: Optional[int]) -> None:
+    _no_process_group()
+    with _raises(FairscaleRuntimeError, "torch.distributed is not initialised; call .*init_process_group"):
+        gossip.SlowMoDistributedDataParallel(
+            _model(), nprocs_per_node=1, process_rank=rank, process_world_size=world_size
+        )
+
+
+def test_slowmo_rejects_world_size_not_multiple_of_nprocs_per_node() -> None:
+    _no_process_group()  # the check comes before any process group is created
+    with _raises(FairscaleValueError, "world size 6 is not a multiple of nprocs_per_node 4; pass nprocs_per_node"):
+        gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=4, process_rank=0, process_world_size=6)
+
+
+# ---- SlowMomentum (perform_slowmo hands it the caller's optimizer), no process group needed
+
+
+def _slow_momentum() -> SlowMomentum:
+    return SlowMomentum(
+        enabled=True,
+        momentum=0.5,
+        lr=1.0,
+        memory_efficient=False,
+        num_shards=1,
+        process_rank=0,
+        process_world_size=1,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_slow_momentum_needs_fp32_optimizer_parameters(dtype: torch.dtype) -> None:
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3, dtype=dtype))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    slow_momentum = _slow_momentum()
+    for _ in range(2):  # a rejected optimizer leaves the buffers uninitialised: the next call checks again
+        with _raises(FairscaleTypeError, f"SlowMo needs fp32 optimizer parameters, got {dtype};"):
+            slow_momentum.init_buffers(optimizer)
+        assert not slow_momentum.initialized
+
+
+def test_slow_momentum_needs_one_device() -> None:
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3, device="meta"))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    slow_momentum = _slow_momentum()
+    with _raises(FairscaleValueError, "SlowMo needs all optimizer parameters on one device, got cpu, meta"):
+        slow_momentum.init_buffers(optimizer)
+    assert not slow_momentum.initialized
+
+
+# ---- graphs and gossipers, no process group needed
+
+
+@pytest.mark.parametrize("graph_cls", [gossip.RingGraph, gossip.NPeerDynamicDirectedExponentialGraph])
+@pytest.mark.parametrize("peers_per_itr", [0, -1])
+def test_graph_rejects_peers_per_itr_below_one(graph_cls: Type[GraphManager], peers_per_itr: int) -> None:
+    _no_process_group()  # the check comes before any edge (and its process group) is made
+    with _raises(FairscaleValueError, f"{graph_cls.__name__}: peers_per_itr must be at least 1, got {peers_per_itr}"):
+        graph_cls(0, 2, peers_per_itr=peers_per_itr)
+
+
+@pytest.mark.parametrize("gossiper_cls", GOSSIPERS)
+@pytest.mark.parametrize("rank, world_size", [(None, None), (0, None), (None, 2)])
+def test_gossiper_needs_rank_and_world_size_without_process_group(
+    gossiper_cls: Type[Gossiper], rank: Optional[int], world_size: Optional[int]
+) -> None:
+    _no_process_group()
+    # A graph needs a process group; this check comes first, so the graph is never looked at.
+    graph = cast(GraphManager, None)
+    with _raises(FairscaleRuntimeError, f"{gossiper_cls.__name__}: .*torch.distributed is not initialised"):
+        gossiper_cls(torch.zeros(3), graph, rank=rank, world_size=world_size)
+
+
+@pytest.mark.parametrize("gossiper_cls", GOSSIPERS)
+def test_gossiper_graph_must_be_a_graph_manager(gossiper_cls: Type[Gossiper]) -> None:
+    not_a_graph = cast(GraphManager, {"rank": 0})
+    with _raises(FairscaleTypeError, f"{gossiper_cls.__name__}: graph must be a GraphManager, got dict"):
+        gossiper_cls(torch.zeros(3), not_a_graph, rank=0, world_size=1)
+
+
+# ---- gossipers in a gloo world of two (a graph's edges are process groups)
+
+
+def _ring_gossiper(
+    rank: int,
+    world_size: int,
+    gossiper_cls: Type[Gossiper] = gossip.PushSum,
+    gossiper_rank: Optional[int] = None,
+    mixing: Any = None,
+) -> Gossiper:
+    """A gossiper on this world's ring graph (told ``gossiper_rank`` as its rank, default the real one)."""
+    graph = gossip.RingGraph(rank, world_size)
+    gossiper_rank = rank if gossiper_rank is None else gossiper_rank
+    return gossiper_cls(
+        torch.zeros(3), graph, device=torch.device("cpu"), mixing=mixing, rank=gossiper_rank, world_size=world_size
+    )
+
+
+def _gossiper_default_backend(rank: int, world_size: int) -> None:
+    graph = gossip.RingGraph(rank, world_size)
+    with _raises(FairscaleRuntimeError, "'gloo' backend; pass rank= .* and world_size="):
+        gossip.PushSum(torch.zeros(3), graph)
+
+
+def test_gossiper_rejects_rank_from_default_backend() -> None:
+    run_distributed(_gossiper_default_backend, 2)
+
+
+def _gossiper_mixing_type(rank: int, world_size: int) -> None:
+    with _raises(FairscaleTypeError, "PushSum: mixing must be a MixingManager, got str"):
+        _ring_gossiper(rank, world_size, mixing="uniform")
+
+
+def test_gossiper_mixing_must_be_a_mixing_manager() -> None:
+    run_distributed(_gossiper_mixing_type, 2)
+
+
+def _gossiper_rotate_static(rank: int, world_size: int) -> None:
+    gossiper = _ring_gossiper(rank, world_size)
+    gossiper.refresh_peers_(rotate=False)  # fine: a static graph just keeps its edges
+    with _raises(FairscaleValueError, "cannot rotate the static graph RingGraph; pass rotate=False"):
+        gossiper.refresh_peers_(rotate=True)
+
+
+def test_gossiper_cannot_rotate_static_graph() -> None:
+    run_distributed(_gossiper_rotate_static, 2)
+
+
+def _gossiper_message_device(rank: int, world_size: int, gossiper_cls: Type[Gossiper]) -> None:
+    gossiper = _ring_gossiper(rank, world_size, gossiper_cls)
+    with _raises(FairscaleValueError, f"{gossiper_cls.__name__}.mix: the message is on meta .* device is cpu"):
+        gossiper.mix(torch.zeros(3, device="meta"), torch.ones(1))
+
+
+@pytest.mark.parametrize("gossiper_cls", GOSSIPERS)
+def test_gossiper_mix_rejects_message_on_other_device(gossiper_cls: Type[Gossiper]) -> None:
+    run_distributed(_gossiper_message_device, 2, gossiper_cls)
+
+
+def _push_sum_wrong_rank(rank: int, world_size: int) -> None:
+    # The ring graph is built for this rank, the gossiper is told the other one.
+    gossiper = _ring_gossiper(rank, world_size, gossiper_rank=1 - rank)
+    edge = f"Edge\\({rank} -> {1 - rank}\\)"
+    with _raises(FairscaleValueError, f"rank {1 - rank} is not the source of its out edge {edge}; pass the process"):
+        gossiper.mix(torch.zeros(3), torch.ones(1))
+
+
+def test_push_sum_rank_must_match_graph() -> None:
+    run_distributed(_push_sum_wrong_rank, 2)
+
+
+# ---- SlowMoDistributedDataParallel in gloo worlds
+
+
+def _slowmo_unknown_algorithm(rank: int, world_size: int) -> None:
+    # One node of two processes: no master group, where the base algorithm is checked.
+    with _raises(FairscaleValueError, "unknown slowmo_base_algorithm 'local_sgd'; pass SlowMoBaseAlgorithm.LOCALSGD"):
+        gossip.SlowMoDistributedDataParallel(
+            _model(), nprocs_per_node=2, slowmo_base_algorithm=cast(SlowMoBaseAlgorithm, "local_sgd")
+        )
+
+
+def test_slowmo_rejects_unknown_base_algorithm() -> None:
+    run_distributed(_slowmo_unknown_algorithm, 2)
+
+
+def _slowmo_overlap(rank: int, world_size: int) -> None:
+    with _raises(FairscaleValueError, "overlapping SGP communication is not supported; pass overlap=False"):
+        gossip.SlowMoDistributedDataParallel(
+            _model(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP, overlap=True
+        )
+
+
+def test_slowmo_rejects_overlap() -> None:
+    run_distributed(_slowmo_overlap, 2)
+
+
+def _slowmo_ps_weight_without_sgp(rank: int, world_size: int) -> None:
+    model = gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1)
+    assert not model.is_sgp_ps_numerator  # the other SGP properties answer for a LocalSGD model
+    with _raises(FairscaleRuntimeError, "ps_weight only exists with the SGP base algorithm"):
+        _ = model.ps_weight
+
+
+def test_slowmo_ps_weight_needs_sgp() -> None:
+    run_distributed(_slowmo_ps_weight_without_sgp, 1)
+
+
+def _slowmo_load_state_dict_without_ps_weight(rank: int, world_size: int) -> None:
+    inner = _model()
+    model = gossip.SlowMoDistributedDataParallel(
+        inner, nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP
+    )
+    state = model.state_dict()
+    before = {k: v.clone() for k, v in inner.state_dict().items()}
+    state["module.0.weight"] = torch.full_like(state["module.0.weight"], 7.0)
+    state["ps_weight"] = None
+    with _raises(FairscaleValueError, "load_state_dict: the state dict's 'ps_weight' is None"):
+        model.load_state_dict(state)
+    for k, v in inner.state_dict().items():  # checked before loading: a failed load changes nothing
+        assert torch.equal(v, before[k]), k
+
+
+def test_slowmo_load_state_dict_rejects_missing_ps_weight() -> None:
+    run_distributed(_slowmo_load_state_dict_without_ps_weight, 2)
+
+
+def _slowmo_fp32_params_dict(rank: int, world_size: int, entries: int) -> None:
+    model = gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fp32 = {f"group{i}": [p.detach().clone() for p in model.parameters()] for i in range(entries)}
+    with _raises(FairscaleValueError, f"fp32_params as a dict must have exactly one entry .*got {entries}"):
+        model.perform_slowmo(optimizer, fp32_params=fp32)
+
+
+@pytest.mark.parametrize("entries", [0, 2])
+def test_slowmo_fp32_params_dict_needs_one_entry(entries: int) -> None:
+    run_distributed(_slowmo_fp32_params_dict, 1, entries)
+
+
+# ---- python -O
+
+
+_UNDER_O = textwrap.dedent("""
+    import sys
+
+    import torch.nn as nn
+
+    from fairscale.experimental.nn.data_parallel.gossip import SlowMoDistributedDataParallel
+    from fairscale.internal.errors import FairscaleValueError
+
+    if not sys.flags.optimize:
+        raise SystemExit("the sample must run under python -O")
+    try:
+        SlowMoDistributedDataParallel(nn.Linear(2, 1), nprocs_per_node=4, process_rank=0, process_world_size=6)
+    except FairscaleValueError as e:
+        print("raised:", e)
+    else:
+        raise SystemExit("no exception under python -O")
+    """)
+
+
+def test_check_raises_under_python_dash_o() -> None:
+    env = dict(os.environ)
+    env.pop("PYTHONOPTIMIZE", None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, "-O", "-c", _UNDER_O], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "raised: SlowMoDistributedDataParallel: world size 6 is not a multiple of nprocs_per_node 4" in result.stdout
