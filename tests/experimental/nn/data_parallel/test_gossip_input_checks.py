@@ -24,6 +24,7 @@ from fairscale.experimental.nn.data_parallel.gossip import GraphManager, SlowMoB
 from fairscale.experimental.nn.data_parallel.gossip._slow_momentum import SlowMomentum
 from fairscale.experimental.nn.data_parallel.gossip.gossiper import Gossiper
 from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError, FairscaleValueError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
@@ -227,6 +228,27 @@ def _slowmo_unknown_algorithm(rank: int, world_size: int) -> None:
 
 def test_slowmo_rejects_unknown_base_algorithm() -> None:
     run_distributed(_slowmo_unknown_algorithm, 2)
+
+
+def _slowmo_ranks_disagree(rank: int, world_size: int, what: str) -> None:
+    """Another model or other settings on one rank: the same RanksDisagreeError on every rank at construction, before
+    any group is created (gloo aborted the process at the first collective, or group creation waited)."""
+    model = nn.Sequential(nn.Linear(2, 3 + (rank if what == "model" else 0)), nn.Linear(3, 1))
+    if what == "buffers" and rank == 1:
+        model.register_buffer("extra", torch.zeros(2))
+    kwargs = {"nprocs_per_node": 2 - (rank if what == "nprocs_per_node" else 0)}
+    if what == "frequency":
+        kwargs["localsgd_frequency"] = 3 + rank
+    expected = {"model": "entry 1: ", "buffers": "entry 1: ", "nprocs_per_node": "entry 0: ", "frequency": "entry 0: "}
+    with pytest.raises(RanksDisagreeError, match=f"SlowMoDistributedDataParallel: the settings.*{expected[what]}"):
+        gossip.SlowMoDistributedDataParallel(model, **kwargs)
+    # Nothing is left half-built between the ranks: the same model on every rank still works.
+    gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=2)(torch.ones(1, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("what", ["model", "buffers", "nprocs_per_node", "frequency"])
+def test_slowmo_ranks_must_agree(what: str) -> None:
+    run_distributed(_slowmo_ranks_disagree, 2, what)
 
 
 def _slowmo_overlap(rank: int, world_size: int) -> None:

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.autograd import Variable
 
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
@@ -141,6 +142,31 @@ class SlowMoDistributedDataParallel(nn.Module):
             process_world_size = dist.get_world_size()
         self.process_rank = process_rank
         self.process_world_size = process_world_size
+        if dist.is_initialized():
+            # What decides the groups and collectives, and the tensors they carry, must be the same on every rank:
+            # otherwise group creation waits forever or the first collective has other sizes (gloo aborts the
+            # process). One small all-gather, before any group is created.
+            settings = (
+                process_world_size,
+                nprocs_per_node,
+                str(slowmo_base_algorithm),
+                slowmo_lr != 1 or slowmo_momentum != 0,
+                slowmo_memory_efficient,
+                slowmo_frequency,
+                slowmo_num_shards,
+                localsgd_frequency,
+                broadcast_buffers,
+                synch_freq,
+            )
+            tensors = describe_tensors(list(module.named_parameters()) + list(module.named_buffers()))
+            check_ranks_agree(
+                "SlowMoDistributedDataParallel: the settings (world size, nprocs_per_node, base algorithm, slow "
+                "momentum on, memory efficient, slowmo/localsgd frequencies, shards, broadcast_buffers, synch_freq) "
+                "and the module's parameters and buffers (name, shape, dtype, requires_grad)",
+                (settings, tensors),
+                global_group,
+                hint="Build it with the same arguments around the same model on every rank.",
+            )
         self.logger = self._make_logger(verbose)
         self._init_groups(global_group, master_group, local_node_group)
 
