@@ -61,6 +61,7 @@ from fairscale.internal.agreement import check_outcome_agrees
 
 from ._fsdp import dcp_load, dcp_state, dcp_views
 from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
+from ._fsdp.dcp_metadata import UntrustedCheckpointError
 from ._fsdp.dcp_options import checked_options
 from ._fsdp.unit import FSDPUnit, unit_of
 
@@ -86,12 +87,15 @@ __all__ = [
     "async_save",
     "load",
     "CheckpointNotFoundError",
+    "UntrustedCheckpointError",
 ]
 
 Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
 # CheckpointNotFoundError (load's: no complete checkpoint at the path) and the keys and metadata file of a checkpoint
 # directory (MODEL_KEY, OPTIMIZER_KEY, METADATA_FILE) come from ._fsdp.dcp_load, which raises it; it is public here.
 CheckpointNotFoundError.__module__ = __name__
+# UntrustedCheckpointError (load's: the .metadata names something to run) comes from ._fsdp.dcp_metadata.
+UntrustedCheckpointError.__module__ = __name__
 
 
 class IncompatibleKeys(NamedTuple):
@@ -492,6 +496,8 @@ def load(
     Raises:
         CheckpointNotFoundError: no ``.metadata`` in the directory (no checkpoint, or a save that was interrupted
             or is still running); raised on every rank.
+        UntrustedCheckpointError: the ``.metadata`` names something a DCP checkpoint never contains (code to run
+            while unpickling it); it is read with a restricted unpickler, so nothing ran. Raised on every rank.
         RuntimeError: the checkpoint's keys do not match the model's (``strict``), it holds no optimizer state
             but optimizers were given, DCP could not read it into this model (other shapes; the message lists each
             failing rank's error), or the loaded state does not fit.

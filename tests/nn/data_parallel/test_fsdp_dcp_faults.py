@@ -8,9 +8,12 @@
 * A checkpoint of another model, a dict of the wrong shape on one rank only, missing keys, an optimizer dict that
   does not fit, ranks holding different kinds of values: every rank raises the same clear error, and the model and
   the optimizer are left exactly as they were on every rank.
+* A ``.metadata`` that would run code when unpickled: ``load`` raises ``UntrustedCheckpointError`` on every rank and
+  nothing runs (torch's reader would run it).
 """
 
 import os
+import pickle
 from typing import Any, Dict, Tuple
 
 import pytest
@@ -282,6 +285,49 @@ def _case_misuse(root: str) -> None:
     fsdp_dcp.set_model_state_dict(fsdp, msd)
 
 
+class _RunsCode:
+    """Unpickles into a call of ``os.mkdir(path)``: what a checkpoint from someone else could run instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (self.path,))
+
+
+def _case_metadata_that_runs_code(root: str) -> None:
+    fsdp, optim = trained()
+    path = os.path.join(root, "untrusted")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    marker = os.path.join(root, "code_ran")
+    if dist.get_rank() == 0:
+        control = os.path.join(root, "control")
+        pickle.loads(pickle.dumps(_RunsCode(control)))  # plain pickle (torch's reader) runs it
+        assert os.path.isdir(control)
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(_RunsCode(marker), f)
+    dist.barrier()
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    message = expect(
+        fsdp_dcp.UntrustedCheckpointError, "names posix.mkdir", fsdp_dcp.load, other, other_optim, checkpoint_id=path
+    )
+    assert "Nothing was loaded" in message and "rank 0" in message and "rank 1" in message, message
+    assert not os.path.exists(marker)
+    assert_unchanged(other, other_optim, before, "untrusted metadata")
+    # A user's own storage reader is used for the load; the keys are still read with the restricted unpickler.
+    expect(
+        fsdp_dcp.UntrustedCheckpointError,
+        "names posix.mkdir",
+        fsdp_dcp.load,
+        other,
+        other_optim,
+        checkpoint_id=path,
+        storage_reader=dcp.FileSystemReader(path),
+    )
+    assert not os.path.exists(marker)
+
+
 def _faults(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_interrupted_save,
@@ -292,6 +338,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_optimizer_dict_that_does_not_fit,
         _case_ranks_hold_different_kinds,
         _case_misuse,
+        _case_metadata_that_runs_code,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
 

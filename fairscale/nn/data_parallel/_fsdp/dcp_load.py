@@ -22,7 +22,7 @@ import torch
 
 from fairscale.internal import collectives
 
-from . import dcp_state
+from . import dcp_metadata, dcp_state
 from .unit import FSDPUnit
 
 try:  # torch >= 2.2
@@ -121,8 +121,8 @@ def load(
 
 
 class _Reader(FileSystemReader):
-    """DCP's reader of a directory, which reads its ``.metadata`` once for :func:`_saved_keys` and ``dcp.load``, and
-    reads each file's chunks large and small in turn.
+    """DCP's reader of a directory, which reads its ``.metadata`` once for :func:`_saved_keys` and ``dcp.load``, with
+    a restricted unpickler (:mod:`.dcp_metadata`), and reads each file's chunks large and small in turn.
 
     The metadata lists every saved chunk (for a box-chunked checkpoint, up to ``2 * ndim - 1`` per tensor and rank):
     unpickling it twice would cost a tenth of a load. DCP's reader loads every saved chunk whole and holds the last one
@@ -135,10 +135,11 @@ class _Reader(FileSystemReader):
         self._metadata: Any = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        # Never torch's pickle.load: the file could name code to run (see dcp_metadata).
         if args or kwargs:  # another file (a rank's own metadata)
-            return super().read_metadata(*args, **kwargs)
+            return dcp_metadata.read_metadata(self, kwargs.get("rank", args[0] if args else None))
         if self._metadata is None:
-            self._metadata = super().read_metadata()
+            self._metadata = dcp_metadata.read_metadata(self)
         elif getattr(self._metadata, "storage_meta", None) is not None:
             self._metadata.storage_meta.load_id = self.load_id  # as a fresh read would (reset() draws a new one)
         return self._metadata
@@ -171,8 +172,8 @@ def _plain_tensor_attributes() -> Any:
 
 
 def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) -> List[str]:
-    """The (flattened) keys of the checkpoint's ``.metadata`` (read with ``reader``, by default a new
-    ``FileSystemReader``); the same error on every rank if it cannot be read."""
+    """The (flattened) keys of the checkpoint's ``.metadata`` (read with ``reader``, by default a new :class:`_Reader`);
+    the same error on every rank if it cannot be read."""
     path = os.fspath(checkpoint_id)
     keys: List[str] = []
     problem: Optional[str] = None
@@ -180,7 +181,7 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) 
         problem = "missing"
     else:
         try:
-            keys = list((reader if reader is not None else FileSystemReader(path)).read_metadata().state_dict_metadata)
+            keys = list((reader if reader is not None else _Reader(path)).read_metadata().state_dict_metadata)
         except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
             problem = f"{type(e).__name__}: {e}"
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
@@ -192,6 +193,11 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) 
             "or has not finished: DCP writes it last). Nothing was loaded."
         )
     bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    untrusted = [(r, p) for r, p in bad if p.startswith(dcp_metadata.UntrustedCheckpointError.__name__)]
+    if untrusted:
+        raise dcp_metadata.UntrustedCheckpointError(
+            f"load: {'; '.join(f'rank {r}: {p}' for r, p in untrusted)}. Nothing was loaded."
+        )
     if bad:
         raise RuntimeError(
             f"load: the {METADATA_FILE} of {path!r} cannot be read ({'; '.join(f'rank {r}: {p}' for r, p in bad)}); "

@@ -1,0 +1,109 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Reading a DCP checkpoint's ``.metadata`` without running code from it.
+
+``torch.distributed.checkpoint`` writes the metadata with ``pickle`` and its ``FileSystemReader`` reads it back with
+``pickle.load``, which calls whatever the file names: a checkpoint directory from someone else could run code on
+every rank that loads it. :func:`fairscale.nn.data_parallel.dcp.load` reads it with :class:`MetadataUnpickler`
+instead, which resolves only what DCP's metadata is made of (its dataclasses and enums, ``torch.Size``, dtypes and
+layouts, paths and plain containers) and raises :class:`UntrustedCheckpointError` for anything else. The data files
+need nothing of the kind: DCP reads tensors as raw bytes and other objects with ``torch.load(weights_only=True)``.
+"""
+
+import dataclasses
+import enum
+import importlib
+import os
+import pickle
+from typing import IO, Any, FrozenSet, Optional, Tuple
+
+import torch
+
+from fairscale.internal.errors import FairscaleValueError
+
+__all__ = ["UntrustedCheckpointError", "MetadataUnpickler", "unpickle_metadata", "read_metadata"]
+
+# Modules whose dataclasses and enums make up DCP's metadata (Metadata, TensorStorageMetadata, ChunkStorageMetadata,
+# TensorProperties, StorageMeta, the memory-format enum ...; the file system reader's _StorageInfo).
+_DCP_MODULES: FrozenSet[str] = frozenset(
+    ["torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"]
+)
+
+# Other globals the metadata names: values and constructors that build data, never code to run.
+_ALLOWED_GLOBALS: FrozenSet[Tuple[str, str]] = frozenset(
+    [
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch.serialization", "_get_layout"),  # a layout (torch.strided) from its name
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("builtins", "complex"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    ]
+)
+
+
+class UntrustedCheckpointError(FairscaleValueError):
+    """A checkpoint file names something to unpickle that a DCP checkpoint never contains; nothing was run."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals a DCP ``.metadata`` is made of (module docstring); nothing else can be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        if module in _DCP_MODULES and "." not in name:
+            value = getattr(importlib.import_module(module), name, None)
+            if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
+                return value
+        raise UntrustedCheckpointError(
+            f"it names {module}.{name}, which is not part of a DCP checkpoint's metadata; it was not written by "
+            "torch.distributed.checkpoint, and fairscale never runs code from a checkpoint"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UntrustedCheckpointError("it refers to external (persistent) objects, which DCP's metadata never does")
+
+
+def unpickle_metadata(f: IO[bytes], path: str) -> Any:
+    """Unpickle a ``.metadata`` file with :class:`MetadataUnpickler`.
+
+    Raises:
+        UntrustedCheckpointError: the file names anything DCP's metadata is not made of.
+    """
+    try:
+        return MetadataUnpickler(f).load()
+    except UntrustedCheckpointError as e:
+        raise UntrustedCheckpointError(f"refusing {path!r}: {e}") from None
+
+
+def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
+    """What ``FileSystemReader.read_metadata`` returns, read with :class:`MetadataUnpickler`.
+
+    Args:
+        reader: a ``torch.distributed.checkpoint.FileSystemReader``.
+        rank: the rank whose own metadata file to read (DCP's argument), or ``None`` for the checkpoint's.
+    """
+    # As torch's reader does (the helpers are private, so each is looked up with a fallback for other versions).
+    get_path = getattr(reader, "_get_metadata_path", None)
+    if get_path is not None:
+        path = get_path(rank)
+    else:
+        path = os.path.join(os.fspath(reader.path), ".metadata")
+    fs = getattr(reader, "fs", None)
+    with fs.create_stream(path, "rb") if fs is not None else open(path, "rb") as f:
+        metadata = unpickle_metadata(f, os.fspath(path))
+    storage_meta_cls = getattr(importlib.import_module("torch.distributed.checkpoint.metadata"), "StorageMeta", None)
+    if storage_meta_cls is not None:
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = storage_meta_cls()
+        metadata.storage_meta.load_id = getattr(reader, "load_id", None)
+    return metadata
