@@ -23,9 +23,15 @@ from fairscale.internal.errors import FairscaleValueError
 __all__ = ["UntrustedCheckpointError", "MetadataUnpickler", "unpickle_metadata", "read_metadata"]
 
 # Modules whose dataclasses and enums make up DCP's metadata (Metadata, TensorStorageMetadata, ChunkStorageMetadata,
-# TensorProperties, StorageMeta, the memory-format enum ...; the file system reader's _StorageInfo).
+# TensorProperties, StorageMeta, the memory-format enum ...; the file system reader's _StorageInfo). Older torch
+# releases kept TensorProperties and its enum with the sharded-tensor metadata.
 _DCP_MODULES: FrozenSet[str] = frozenset(
-    ["torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"]
+    [
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed._shard.sharded_tensor.metadata",
+        "torch.distributed._shard.metadata",
+    ]
 )
 
 # Other globals the metadata names: values and constructors that build data, never code to run.
