@@ -287,10 +287,7 @@ class AsyncPipe(nn.Module):
         pipeline group other than gloo or MPI (an NCCL group carries RPC pipelines, whose stages may run ``forward``
         on an RPC thread, without the CUDA device that an NCCL object collective would need).
         """
-        if len(self.balance) != self.group.size() or not isinstance(self.group, dist.ProcessGroup):
-            return
-        backend = str(dist.get_backend(self.group))
-        if "gloo" not in backend and "mpi" not in backend:
+        if not self._group_can_agree():
             return
         tensors = (input,) if isinstance(input, torch.Tensor) else tuple(input)
         # A rank without a stage may get a 0-dim input (it returns it unchanged): it has no micro-batches.
@@ -310,6 +307,14 @@ class AsyncPipe(nn.Module):
             "same shape on every rank (only the first stage's values are used), in the same mode (train/eval, "
             "autograd on/off).",
         )
+
+    def _group_can_agree(self) -> bool:
+        """Whether every rank of the pipeline group holds a stage and can join an object collective (gloo or MPI;
+        see :meth:`_check_ranks_agree`)."""
+        if len(self.balance) != self.group.size() or not isinstance(self.group, dist.ProcessGroup):
+            return False
+        backend = str(dist.get_backend(self.group))
+        return "gloo" in backend or "mpi" in backend
 
     def back_helper(self, output: List[Batch]) -> None:
         """Kept for upstream compatibility: a no-op on non-final stages (their backward ran inside ``forward``)."""

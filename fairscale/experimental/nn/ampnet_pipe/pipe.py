@@ -1,8 +1,9 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """``AMPnetPipe``: asynchronous (AMPnet, stale weights) training over a multi-process pipeline."""
 
-from typing import Any, List
+from typing import Any, List, Optional
 
+from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree
 from fairscale.nn.pipe.async_pipe import AsyncPipe
 from fairscale.nn.pipe.async_schedule import PipelineAbortedError
 
@@ -68,13 +69,14 @@ class AMPnetPipe(AsyncPipe):
         Raises:
             ValueError: bad arguments (one stage, ``min_update_interval < 1``, a logger or optimizer lacking the
                 methods used, a loader without ``len``).
+            RanksDisagreeError: the stages' loaders have other lengths, or they differ in balance or chunks (raised on
+                every stage; checked when every rank of a gloo or MPI group holds a stage).
+            RuntimeError: another stage's arguments were bad (it raised the ``ValueError``).
             PipelineAbortedError: another stage failed.
         """
         if self.pipeline is None:
             return  # this rank holds no stage
-        _check_arguments(
-            self, lm_dataloader, optimizer, transform_logger_object, min_update_interval, weight_prediction
-        )
+        self._check_epoch(lm_dataloader, optimizer, transform_logger_object, min_update_interval, weight_prediction)
         event_loop = AsyncAMPnetEventLoop(
             self.partitions,
             self.group,
@@ -101,6 +103,30 @@ class AMPnetPipe(AsyncPipe):
             # Stop the other stages too: they would wait for this one's messages forever.
             event_loop.fail_over()
             raise
+
+    def _check_epoch(
+        self, lm_dataloader: Any, optimizer: Any, logger: Any, min_update_interval: int, weight_prediction: bool
+    ) -> None:
+        """Check the arguments here, then, where the group allows (as ``AsyncPipe``'s first step), that every stage
+        got good ones and loaders of one length: a stage waits for as many messages as its loader has batches, so
+        one that stopped or runs another count would leave the others waiting forever. Two small collectives per
+        epoch (none where the group cannot agree)."""
+        error: Optional[Exception] = None
+        try:
+            _check_arguments(self, lm_dataloader, optimizer, logger, min_update_interval, weight_prediction)
+        except ValueError as e:
+            error = e
+        if not self._group_can_agree():
+            if error is not None:
+                raise error
+            return
+        check_outcome_agrees("AMPnetPipe.interleave: the argument check", error, self.group)
+        check_ranks_agree(
+            "AMPnetPipe.interleave: the balance, chunks and loader length (micro-batches per epoch)",
+            [("balance", list(self.balance)), ("chunks", self.chunks), ("loader length", len(lm_dataloader))],
+            self.group,
+            hint="Give every stage a loader of the same length, and construct the pipe alike on every rank.",
+        )
 
 
 def _check_arguments(

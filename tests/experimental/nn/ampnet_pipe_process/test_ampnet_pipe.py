@@ -16,6 +16,7 @@ from torch import nn
 from fairscale.experimental.nn.ampnet_pipe.ampnet import AsyncAMPnetEventLoop
 from fairscale.experimental.nn.ampnet_pipe.pipe import AMPnetPipe
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.nn.pipe.async_schedule import PipelineAbortedError
 from fairscale.nn.pipe.messages import RpcTransport, SendRecvTransport
 
@@ -271,6 +272,17 @@ def _case_bad_input(rank: int) -> None:
     dist.barrier()
 
 
+def _case_stages_disagree(rank: int) -> None:
+    """Loaders of other lengths, or bad arguments on one stage only: every stage raises at the start of the epoch
+    (before, the others waited for messages that never came)."""
+    pipe = AMPnetPipe(module=_model(), balance=[2, 3], group=dist.group.WORLD, chunks=2)
+    optimizer = _PlainSGD(pipe.parameters(), lr=0.01)
+    with pytest.raises(RanksDisagreeError, match="loader length"):
+        pipe.interleave(_loader(samples=100 + 4 * rank), nn.MSELoss(), optimizer, _Logger())
+    with pytest.raises(ValueError if rank == 1 else RuntimeError, match="min_update_interval|failed on global rank 1"):
+        pipe.interleave(_loader(), nn.MSELoss(), optimizer, _Logger(), min_update_interval=1 - rank)
+
+
 class _FailingInputLogger(_Logger):
     """A logger whose ``transform_input`` raises on its ``fail_at``-th call (a failure on the head)."""
 
@@ -303,6 +315,7 @@ def _world_2(rank: int, world_size: int) -> None:
         ("simple", functools.partial(_case_simple, rank)),
         ("weight_prediction", functools.partial(_case_weight_prediction, rank)),
         ("bad_input", functools.partial(_case_bad_input, rank)),
+        ("stages_disagree", functools.partial(_case_stages_disagree, rank)),
         ("failure-tail", functools.partial(_case_failure, rank, 1)),
         ("failure-head", functools.partial(_case_failure, rank, 0)),
         # No message of the failed epochs is left in flight: training afterwards gives the same results.
