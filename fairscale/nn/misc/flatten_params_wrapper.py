@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # upstream imported it here
@@ -392,19 +393,29 @@ class FlattenParamsWrapper(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load either form; a dict with no ``flat_param*`` key is taken to hold the original names.
 
+        All or nothing: the load is first tried on shape-only tensors (:func:`fairscale.internal.dry_load`), so a
+        size mismatch, a value that is not a tensor or (``strict``) a missing or unexpected key raises before any
+        value changes (``nn.Module.load_state_dict`` copies the entries that fit first).
+
         Raises:
             ValueError: ``assign=True`` (the wrapped parameters must stay inside the flat parameters).
+            RuntimeError: the dict does not fit the module (torch's message); nothing was loaded.
         """
+        return self._load_state_dict(state_dict, strict, assign, checked=True)
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any], strict: bool, assign: bool, checked: bool) -> Any:
+        """:meth:`load_state_dict`; without ``checked``, no dry run (FSDP restores its shards itself on failure)."""
         if assign:
             raise ValueError(
                 "FlattenParamsWrapper.load_state_dict does not support assign=True: parameters must stay views "
                 "into the flat parameters; load with assign=False"
             )
         has_flat_keys = any(k == "flat_param" or k.startswith("flat_param_") for k in state_dict)
-        if self.num_params_managed > 0 and self.is_flattened and not has_flat_keys and self._auto_unflatten_state_dict:
-            with self.unflatten_params():
-                return super().load_state_dict(state_dict, strict)
-        return super().load_state_dict(state_dict, strict)
+        unflatten = self.num_params_managed > 0 and self.is_flattened and not has_flat_keys
+        with self.unflatten_params() if unflatten and self._auto_unflatten_state_dict else contextlib.nullcontext():
+            if checked:
+                dry_run_load(self, lambda: nn.Module.load_state_dict(self, state_dict, strict))
+            return super().load_state_dict(state_dict, strict)
 
 
 def _drop_attr(module: nn.Module, name: str) -> None:

@@ -192,7 +192,8 @@ def _load_local(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
 def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
     """Load through the wrapper; errors and missing/unexpected keys use the user's keys, not internal paths."""
     try:
-        result = unit.wrapped.load_state_dict(dict(sd), strict)
+        # No dry run of the wrapper's: a failed load is undone by _restore_on_failure, on every rank.
+        result = unit.wrapped._load_state_dict(dict(sd), strict, False, checked=False)
     except RuntimeError as e:
         message = clean_text(str(e)).replace("FlattenParamsWrapper", unit.name)
         raise RuntimeError(message + "\nThe model was left unchanged.") from e

@@ -1,0 +1,51 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Loading a state dict all or nothing: a dry run of ``nn.Module.load_state_dict`` on shape-only tensors.
+
+``nn.Module.load_state_dict`` copies every entry that fits and raises only at the end, for a size mismatch, a value
+that is not a tensor or (``strict``) a missing or unexpected key: a failed load leaves the model half loaded. Run
+first with every parameter and buffer of the module tree swapped for a ``meta`` tensor of the same shape and dtype,
+the same load makes torch's own checks (and the modules' load hooks) raise before anything is copied, without copying
+or allocating any tensor data; then the real load runs.
+"""
+
+import warnings
+from typing import Any, Callable, Dict, List, Tuple, TypeVar, cast
+
+import torch
+from torch import nn
+
+__all__ = ["dry_run_load"]
+
+_T = TypeVar("_T")
+
+
+def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
+    """Call ``load`` (a load of ``module``'s state) with the tree's parameters and buffers swapped for ``meta``
+    tensors, so that it raises whatever the real load would raise but copies nothing; the tensors are put back.
+
+    Args:
+        module: the module whose parameters and buffers (and its submodules') are swapped.
+        load: the load to try, e.g. ``lambda: nn.Module.load_state_dict(module, state_dict, strict)``.
+
+    Returns:
+        What ``load`` returned (for ``load_state_dict``: the missing and unexpected keys).
+    """
+    swapped: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
+    try:
+        for m in module.modules():
+            for registry in (cast(Dict[str, Any], m._parameters), cast(Dict[str, Any], m._buffers)):
+                for name, tensor in list(registry.items()):
+                    if tensor is None or tensor.is_meta:
+                        continue
+                    shape_only = torch.empty_like(tensor, device="meta")
+                    if isinstance(tensor, nn.Parameter):
+                        shape_only = nn.Parameter(shape_only, requires_grad=tensor.requires_grad)
+                    swapped.append((registry, name, tensor))
+                    registry[name] = shape_only
+        with warnings.catch_warnings():
+            # torch warns that copying into a meta tensor does nothing: here that is the point.
+            warnings.filterwarnings("ignore", message=".*non-meta parameter in the checkpoint to a meta parameter.*")
+            return load()
+    finally:
+        for registry, name, tensor in reversed(swapped):
+            registry[name] = tensor
