@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, List, Optional, Type, cast
+from typing import Any, List, Optional, Tuple, Type, cast
 
 import pytest
 import torch
@@ -290,6 +290,37 @@ def _slowmo_load_state_dict_without_ps_weight(rank: int, world_size: int) -> Non
 
 def test_slowmo_load_state_dict_rejects_missing_ps_weight() -> None:
     run_distributed(_slowmo_load_state_dict_without_ps_weight, 2)
+
+
+def _slowmo_failed_load_changes_nothing(rank: int, world_size: int) -> None:
+    """Dicts that do not fit (a missing SGP entry, a ps_weight of another size, a module entry of another shape listed
+    after one that fits): the same error as before, and no value of the module or the SGP state changes."""
+    inner = _model()
+    model = gossip.SlowMoDistributedDataParallel(
+        inner, nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP
+    )
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+    spoiled: List[Tuple[Any, str]] = []
+    for what in ("absent", "ps_size", "shape"):
+        state = {k: torch.full_like(v, 7.0) if isinstance(v, torch.Tensor) else v for k, v in before.items()}
+        if what == "absent":
+            del state["is_sgp_ps_numerator"]
+            spoiled.append((state, "lacks \\['is_sgp_ps_numerator'\\]"))
+        elif what == "ps_size":
+            state["ps_weight"] = torch.ones(2)
+            spoiled.append((state, "'ps_weight' is not a 1-element tensor"))
+        else:
+            state["module.1.weight"] = torch.ones(2, 3)  # 0.weight and 0.bias fit and come first
+            spoiled.append((state, "size mismatch for module.1.weight"))
+    for state, match in spoiled:
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            model.load_state_dict(state)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else v == before[k], (match, k)
+
+
+def test_slowmo_failed_load_changes_nothing() -> None:
+    run_distributed(_slowmo_failed_load_changes_nothing, 2)
 
 
 def _slowmo_fp32_params_dict(rank: int, world_size: int, entries: int) -> None:

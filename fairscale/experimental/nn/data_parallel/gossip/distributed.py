@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal.agreement import check_ranks_agree, describe_tensors
+from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
@@ -401,14 +402,28 @@ class SlowMoDistributedDataParallel(nn.Module):
         state = dict(state_dict)  # the caller's dict is left alone, and a failed load changes nothing
         ps_weight = is_numerator = None
         if self._sgp is not None:
+            # Checked before the module is loaded, so that a failed load changes nothing.
+            absent = [k for k in ("ps_weight", "is_sgp_ps_numerator") if k not in state]
+            if absent:
+                raise FairscaleValueError(
+                    f"SlowMoDistributedDataParallel.load_state_dict: the state dict lacks {absent}; pass a state dict "
+                    "saved by an SGP model's state_dict()"
+                )
             ps_weight = state.pop("ps_weight")
             is_numerator = state.pop("is_sgp_ps_numerator")
-            # Checked before the module is loaded, so that a failed load changes nothing.
             if ps_weight is None:
                 raise FairscaleValueError(
                     "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is None; pass a state "
                     "dict saved by an SGP model's state_dict() (its ps_weight is a one-element tensor)"
                 )
+            if not isinstance(ps_weight, Tensor) or ps_weight.numel() != self._sgp.ps_weight.numel():
+                raise FairscaleValueError(
+                    "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is not a "
+                    f"{self._sgp.ps_weight.numel()}-element tensor; pass a state dict saved by an SGP model's "
+                    "state_dict()"
+                )
+        # nn.Module's load copies what fits before it raises for what does not: tried on shape-only tensors first.
+        dry_run_load(self, lambda: nn.Module.load_state_dict(self, state, strict=True))
         result = super().load_state_dict(state, strict=True)
         if self._sgp is not None:
             assert ps_weight is not None  # checked above; narrows the type for mypy
