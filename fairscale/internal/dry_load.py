@@ -9,12 +9,12 @@ or allocating any tensor data; then the real load runs.
 """
 
 import warnings
-from typing import Any, Callable, Dict, List, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, List, Mapping, Tuple, TypeVar, cast
 
 import torch
 from torch import nn
 
-__all__ = ["dry_run_load"]
+__all__ = ["dry_run_load", "load_state_dict_all_or_nothing"]
 
 _T = TypeVar("_T")
 
@@ -49,3 +49,14 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
     finally:
         for registry, name, tensor in reversed(swapped):
             registry[name] = tensor
+
+
+def load_state_dict_all_or_nothing(module: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: bool) -> Any:
+    """``nn.Module.load_state_dict(module, ...)``, after a :func:`dry_run_load` of the same load.
+
+    For wrappers whose ``load_state_dict`` is otherwise torch's; ``assign`` is passed only when set (torch before 2.1
+    has no such argument).
+    """
+    kwargs = {"assign": True} if assign else {}
+    dry_run_load(module, lambda: nn.Module.load_state_dict(module, state_dict, strict, **kwargs))
+    return nn.Module.load_state_dict(module, state_dict, strict, **kwargs)

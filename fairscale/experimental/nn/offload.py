@@ -11,7 +11,7 @@ Streams and pinned memory go through :mod:`fairscale.internal.device`, so the sa
 """
 
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,7 @@ from fairscale.internal.device import (
     accelerator_rng_state,
     set_accelerator_rng_state,
 )
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 
 __all__ = ["OffloadModel", "ModelShard", "OffloadFunction", "ShardSyncLayer"]
 
@@ -353,6 +354,13 @@ class OffloadModel(nn.Module):
             raise RuntimeError("We currently only support microbatches with activation checkpointing.")
         self._checkpoint_activation = checkpoint_activation
         self._num_microbatches = num_microbatches
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: the load is tried on shape-only tensors first
+        (:mod:`fairscale.internal.dry_load`), so a dict that does not fit raises torch's error before any value
+        changes (``nn.Module`` copies the entries that fit, then raises).
+        """
+        return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def forward(self, *inputs: Any, **_: Any) -> Any:
         """Run the slices in order; keyword arguments are accepted and ignored (as upstream).

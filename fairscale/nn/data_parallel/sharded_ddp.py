@@ -8,7 +8,7 @@ Where DDP all-reduces every gradient, ShardedDataParallel *reduces* each gradien
 
 import contextlib
 import logging
-from typing import Any, Dict, Generator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Generator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import nn
 from fairscale.internal import collectives
 from fairscale.internal.collectives import WorkHandle
 from fairscale.internal.agreement import check_ranks_agree, describe_tensors
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
 from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
@@ -190,6 +191,13 @@ class ShardedDataParallel(nn.Module):
             self.sync_buffers(blocking=True)
         self._reducer.clear_counters(self.training)
         return self.module(*inputs, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: the load is tried on shape-only tensors first
+        (:mod:`fairscale.internal.dry_load`), so a dict that does not fit raises torch's error before any value
+        changes (``nn.Module`` copies the entries that fit, then raises).
+        """
+        return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def _detect_train_change(self) -> bool:
         mask = [p.requires_grad for p in self._all_params]

@@ -139,3 +139,20 @@ def test_bad_counts_are_refused_at_construction(kwargs: dict, error: type, text:
     # The same for a model given as its slices (num_slices is not used then, but a bad value is still a mistake).
     with pytest.raises(error, match=text):
         OffloadModel(list(_model()), torch.device("cpu"), **kwargs)
+
+
+def test_failed_load_changes_nothing() -> None:
+    """A dict with one entry of another shape (the last one: torch would have copied all the others first) raises
+    torch's error and leaves every slice as it was; a dict that fits loads."""
+    offload = OffloadModel(_model(), torch.device("cpu"), num_slices=3)
+    before = {k: v.clone() for k, v in offload.state_dict().items()}
+    spoiled = {k: torch.zeros_like(v) for k, v in before.items()}
+    last = list(spoiled)[-1]
+    spoiled[last] = torch.zeros(spoiled[last].numel() + 1)
+    with pytest.raises(RuntimeError, match=f"size mismatch for {last}"):
+        offload.load_state_dict(spoiled)
+    for key, value in offload.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    spoiled[last] = torch.zeros_like(before[last])
+    offload.load_state_dict(spoiled)
+    assert all(not v.any() for v in offload.state_dict().values())
