@@ -262,11 +262,14 @@ class GradBucket(Bucket):
                 f"GradBucket.collapse: cannot collapse, {released} gradient(s) of the bucket have already been "
                 "released (set to None outside the bucket, e.g. by zero_grad(set_to_none=True)); keep the "
                 "gradients of bucketed parameters until collapse(), or give one back first with "
-                "param.grad = bucket.slot(param).detach()"
+                "param.grad = bucket.slot(param)"
             )
         for param in self._params:
             assert param.grad is not None  # checked above; narrows the type for mypy
-            param.grad.detach_()
+            # A view (what ShardedDDP's reducer assigns: param.grad = slot(param)) cannot be detached in place;
+            # dropping the reference is what releases it.
+            if not param.grad._is_view():
+                param.grad.detach_()
             param.grad = None
         self.buffer = torch.zeros(0, dtype=self.buffer.dtype if self.buffer is not None else None)
         self._fill = 0

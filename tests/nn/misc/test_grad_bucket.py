@@ -86,3 +86,18 @@ def test_checked_in_counter():
     assert not bucket.sent and not bucket.all_checked_in
     bucket.params_checked_in = 2
     assert bucket.all_checked_in
+
+
+def test_collapse_after_the_reducer_reattached_a_view():
+    """ShardedDDP's reducer gives a gradient back as ``param.grad = bucket.slot(param)``, a view of the buffer, which
+    cannot be detached in place: collapse() releases it like the others (it raised "Can't detach views in-place")."""
+    bucket = GradBucket(10, torch.float32, "cpu", destination=0)
+    kept, reattached = _param_with_grad(3), _param_with_grad(2)
+    bucket.add_grad(kept)
+    bucket.add_grad(reattached)
+    reattached.grad = bucket.slot(reattached)
+    assert reattached.grad._is_view()
+    bucket.collapse()
+    assert kept.grad is None and reattached.grad is None and bucket.buffer.numel() == 0
+    bucket.rebuild()
+    assert reattached.grad is not None and reattached.grad.data_ptr() == bucket.buffer.data_ptr() + 3 * 4
