@@ -186,7 +186,7 @@ def _check_state_dict_and_errors(rank: int, world_size: int) -> None:
     assert all(k.startswith("module.") for k in state if k not in ("ps_weight", "is_sgp_ps_numerator"))
     sgp.load_state_dict(state)
     assert "ps_weight" in state  # the caller's dict is not consumed
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="lacks \\['ps_weight'\\]"):
         sgp.load_state_dict({k: v for k, v in state.items() if k != "ps_weight"})
     sgp.eval()
     assert not sgp.gossip_enable

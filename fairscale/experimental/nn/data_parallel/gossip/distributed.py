@@ -404,8 +404,8 @@ class SlowMoDistributedDataParallel(nn.Module):
         if self._sgp is not None:
             # Checked before the module is loaded, so that a failed load changes nothing.
             absent = [k for k in ("ps_weight", "is_sgp_ps_numerator") if k not in state]
-            if absent:
-                raise FairscaleValueError(
+            if absent:  # a KeyError, as upstream's lookup raised
+                raise KeyError(
                     f"SlowMoDistributedDataParallel.load_state_dict: the state dict lacks {absent}; pass a state dict "
                     "saved by an SGP model's state_dict()"
                 )
