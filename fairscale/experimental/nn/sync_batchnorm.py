@@ -55,11 +55,13 @@ def _calculate_stats(
     channels, code = input.size(1), _DTYPE_CODES.get(input.dtype, 0)
     # float64: the count and the squares stay exact integers far beyond any real world size (fp32 counts would be
     # exact to 2**24; upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
-    sums = torch.tensor(
-        [input.numel() // max(channels, 1), channels, channels**2, code, code**2],
-        dtype=torch.float64,
-        device=input.device,
-    )
+    values = (input.numel() // max(channels, 1), channels, channels**2, code, code**2)
+    if input.device.type == "cpu":
+        sums = torch.tensor(values, dtype=torch.float64)
+    else:  # filled on the device: a list copied to it would wait for the work queued there (a host sync)
+        sums = torch.empty(len(values), dtype=torch.float64, device=input.device)
+        for i, value in enumerate(values):
+            sums[i] = value
     count = sums[:1].to(torch.float32)
     count_work = all_reduce(sums, group=process_group, async_op=True)
     mean = torch.mean(input, dim=dim, keepdim=True)
