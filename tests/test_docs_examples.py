@@ -41,9 +41,9 @@ KINDS: Dict[str, List[str]] = {
     "docs/api.rst": [],
     "docs/architecture.rst": ["text", "text"],
     "docs/benchmarks.rst": ["shell", "shell", "text", "shell", "text", "text"]
-    # issue 28: latency run, instructions, train, the async reduce-scatter runs, the forward-prefetch runs, accum,
-    # targets, accum after
-    + ["shell", "text", "text", "text", "text", "text", "text", "text", "text"]
+    # issue 28: latency run, instructions, train, the async reduce-scatter runs, the forward-prefetch runs, the
+    # full run's targets and the phase timing of the plain step, accum, targets, accum after
+    + ["shell", "text", "text", "text", "text", "text", "text", "text", "text", "text", "text"]
     + ["shell", "text"]
     + ["shell", "text"],  # issue 29: the hybrid scenario's command and one run
     "docs/clients.rst": [],
