@@ -27,7 +27,7 @@ from fairscale.internal import collectives, tensor_hooks
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
-from . import hybrid, identity, prefetch, recovery, reduction, ties, zero2
+from . import hybrid, identity, layout_check, prefetch, recovery, reduction, ties, zero2
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor
 from .naming import clean_path
@@ -142,14 +142,18 @@ def check_zero2_groups_once(root: FSDPUnit) -> None:
     # On the compute device: NCCL object collectives allocate on the current device.
     with collectives.collective_phase("init"), root.device.as_current():
         token = identity.new_token()
-        named_units = [(clean_path(n), u.config) for n, u in root.named_units()]
+        tree = root.named_units()
+        named_units = [(clean_path(n), u.config) for n, u in tree]
         hybrid_views = hybrid.views_of_tree(named_units)
         group = hybrid.world_group() if hybrid_views else c.process_group
         if hybrid_views or c.world_size > 1:
             named = [(path, uc.zero2_process_group, uc.replicate_process_group) for path, uc in named_units]
-            token, views = zero2.check_same_setting(group, named, token, hybrid_views)
+            ranks = collectives.group_ranks(group)
+            layouts = [layout_check.describe(u, ranks) for _, u in tree]
+            token, views, layout_views = zero2.check_same_setting(group, named, token, hybrid_views, layouts)
             if hybrid_views:
                 hybrid.check_grid(views, collectives.group_size(group))
+            layout_check.check_agree([path for path, _ in named_units], layout_views, ranks)
         if root.ckpt_token is None:  # a load may have set one already, agreed the same way
             root.ckpt_token = token
         seen = set()

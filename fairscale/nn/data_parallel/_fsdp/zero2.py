@@ -39,8 +39,12 @@ def rank_and_size(zero2_group: Any, problem: Optional[str]) -> Tuple[int, int]:
 
 
 def check_same_setting(
-    process_group: Any, named_groups: List[Tuple[str, Any, Any]], token: Any = None, extra: Any = None
-) -> Tuple[Any, List[Any]]:
+    process_group: Any,
+    named_groups: List[Tuple[str, Any, Any]],
+    token: Any = None,
+    extra: Any = None,
+    layouts: Any = None,
+) -> Tuple[Any, List[Any], List[Any]]:
     """Collective over ``process_group`` (the root's, or the whole world with hybrid sharding) that every rank runs,
     zero2 or replicate group or not.
 
@@ -52,17 +56,18 @@ def check_same_setting(
 
     ``token`` and ``extra`` ride along in the same gather (no extra collective): the first rank's token is returned,
     so every rank ends up with the same one (the checkpoint identity's run token), with every rank's ``extra`` in
-    rank order.
+    rank order. ``layouts`` (one :func:`.layout_check.describe` per instance) ride along too and come back as the
+    third value, every rank's in rank order, for the caller to compare once the groups themselves are checked.
     """
     # Presence only: sizes and membership are the next checks' job, with a more precise message.
     mine = [(path or "<root>", zero2 is not None, replicate is not None) for path, zero2, replicate in named_groups]
-    gathered: List[Tuple[List[Tuple[str, bool, bool]], Any, Any]] = collectives.all_gather_object(
-        (mine, token, extra), group=process_group
+    gathered: List[Tuple[List[Tuple[str, bool, bool]], Any, Any, Any]] = collectives.all_gather_object(
+        (mine, token, extra, layouts), group=process_group
     )
-    views = [view for view, _, _ in gathered]
-    if all(view == views[0] for view in views):
-        return gathered[0][1], [e for _, _, e in gathered]
+    views = [view for view, _, _, _ in gathered]
     ranks = collectives.group_ranks(process_group)
+    if all(view == views[0] for view in views):
+        return gathered[0][1], [e for _, _, e, _ in gathered], [lay for _, _, _, lay in gathered]
     lines = []
     for rank, view in zip(ranks, views):
         with_zero2 = [path for path, has_group, _ in view if has_group]
