@@ -20,6 +20,7 @@ from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import count_collectives
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel import hybrid_groups
 
 WORLD = 2
 # Every world here either trains a few steps or raises at the first forward: a hang is the failure mode.
@@ -127,3 +128,19 @@ def _body(rank: int, world_size: int) -> None:
 
 def test_ranks_with_different_layouts_raise_the_same_error() -> None:
     run_distributed(_body, WORLD, timeout=TIMEOUT)
+
+
+def _hybrid_body(rank: int, world_size: int) -> None:
+    # Two "nodes" of two ranks: each node agrees with itself, but the second node's replicas have another hidden
+    # size. Only a gather over the whole world sees it (the shard groups alone would not); before, the replicate
+    # all-reduce of shards of other sizes aborted gloo.
+    shard, replicate = hybrid_groups(2)
+    kwargs = {"process_group": shard, "replicate_process_group": replicate}
+    shape = (8, 12) if rank < 2 else (8, 16)
+    model = _net(dict(kwargs), dict(kwargs), shape)
+    with pytest.raises(RanksDisagreeError, match=r"instance at 1 differs between global rank 0 and global rank 2"):
+        _step(model)
+
+
+def test_hybrid_replicas_with_different_layouts_raise_the_same_error() -> None:
+    run_distributed(_hybrid_body, 4, timeout=TIMEOUT)
