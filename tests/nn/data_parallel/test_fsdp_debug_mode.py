@@ -14,7 +14,7 @@ import copy
 import datetime
 import functools
 import os
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import run_ranks, use_loopback_for_gloo
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
-from fairscale.nn.data_parallel import ShardedDataParallel
+from fairscale.nn.data_parallel import ShardedDataParallel, hybrid_groups, zero2_groups
 from fairscale.optim import OSS
 
 WORLD = 2
@@ -31,7 +31,7 @@ TIMEOUT = 90.0
 STEPS, MICROBATCHES, BATCH = 2, 2, 3
 
 
-def _init_detail(directory: str, rank: int) -> None:
+def _init_detail(directory: str, rank: int, world_size: int = WORLD) -> None:
     """A gloo world with the debug level set before the groups exist (the env var is read at ``import torch``)."""
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     use_loopback_for_gloo()
@@ -39,7 +39,7 @@ def _init_detail(directory: str, rank: int) -> None:
         "gloo",
         init_method=f"file://{os.path.join(directory, 'store')}",
         rank=rank,
-        world_size=WORLD,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=30),
     )
 
@@ -53,28 +53,34 @@ def _data(step: int, mb: int, rank: int) -> Tensor:
     return torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(100 * step + 10 * mb + rank))
 
 
-def _reference() -> nn.Module:
+def _reference(world_size: int) -> nn.Module:
     """One process, the whole global batch: what every rank's model must equal after the same steps."""
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         for mb in range(MICROBATCHES):
-            for rank in range(WORLD):
-                (model(_data(step, mb, rank)).pow(2).sum() / WORLD).backward()
+            for rank in range(world_size):
+                (model(_data(step, mb, rank)).pow(2).sum() / world_size).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
     return model
 
 
-def _parity_body(directory: str, kind: str, rank: int) -> str:
-    _init_detail(directory, rank)
+def _parity_body(directory: str, kind: str, world_size: int, rank: int) -> str:
+    _init_detail(directory, rank, world_size)
     wrapper_type = type(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))).__name__
     net = _net()
     model: Any
-    if kind == "fsdp":
-        net[2] = FSDP(net[2], flatten_parameters=False)
-        model = FSDP(net, reshard_after_forward=True)
+    if kind.startswith("fsdp"):
+        groups: Dict[str, Any] = {}
+        if kind == "fsdp_zero2":
+            groups = {"zero2_process_group": zero2_groups(1)}
+        elif kind == "fsdp_hybrid":
+            shard, replicate = hybrid_groups(2)
+            groups = {"process_group": shard, "replicate_process_group": replicate}
+        net[2] = FSDP(net[2], flatten_parameters=False, **groups)
+        model = FSDP(net, reshard_after_forward=True, **groups)
         opt: Any = torch.optim.SGD(model.parameters(), lr=0.1)
         clip = model.clip_grad_norm_
     else:
@@ -89,21 +95,24 @@ def _parity_body(directory: str, kind: str, rank: int) -> str:
         clip(1.0)
         opt.step()
         opt.zero_grad()
-    if kind == "fsdp":
+    if kind.startswith("fsdp"):
         full = model.state_dict()
     else:
         opt.consolidate_state_dict(recipient_rank=0)  # OSS's own broadcasts, checked too
         full = net.state_dict()
-    for key, value in _reference().state_dict().items():
+    for key, value in _reference(world_size).state_dict().items():
         torch.testing.assert_close(full[key].float(), value, rtol=1e-5, atol=1e-6, msg=key)
     return wrapper_type
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "sharded_ddp_oss"])
-def test_training_under_the_collective_checker(tmp_path: Any, kind: str) -> None:
-    wrapper_types = run_ranks(functools.partial(_parity_body, str(tmp_path), kind), WORLD, timeout=TIMEOUT)
+@pytest.mark.parametrize(
+    "kind, world_size", [("fsdp", 2), ("fsdp_zero2", 2), ("fsdp_hybrid", 4), ("sharded_ddp_oss", 2)]
+)
+def test_training_under_the_collective_checker(tmp_path: Any, kind: str, world_size: int) -> None:
+    body = functools.partial(_parity_body, str(tmp_path), kind, world_size)
+    wrapper_types = run_ranks(body, world_size, timeout=TIMEOUT)
     # The checker really wrapped the groups (without it the backend would be ProcessGroupGloo).
-    assert wrapper_types == ["_ProcessGroupWrapper"] * WORLD, wrapper_types
+    assert wrapper_types == ["_ProcessGroupWrapper"] * world_size, wrapper_types
 
 
 def _diverging_body(directory: str, rank: int) -> str:
