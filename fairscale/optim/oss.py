@@ -118,7 +118,12 @@ class OSS(Optimizer):
         self._default_device = torch.device("cpu")
         # Before anything is partitioned or sent: ranks with other parameters would partition differently and then
         # broadcast buckets of other sizes (gloo aborts the process, NCCL hangs or corrupts memory).
-        self._check_ranks_agree(self._describe_params(self.param_groups), "")
+        # The broadcast arguments ride along: another wire dtype or consolidation path is another collective.
+        arguments: List[Any] = [
+            ("argument broadcast_fp16", bool(broadcast_fp16)),
+            ("argument force_broadcast_object", bool(force_broadcast_object)),
+        ]
+        self._check_ranks_agree(arguments + self._describe_params(self.param_groups), "")
         self._refresh_trainable()
 
     @staticmethod
@@ -133,11 +138,11 @@ class OSS(Optimizer):
     def _check_ranks_agree(self, description: List[Any], when: str) -> None:
         """One small all-gather: the same :class:`RanksDisagreeError` on every rank if the parameters differ."""
         check_ranks_agree(
-            f"OSS{when}: the parameters (shape, dtype, requires_grad)",
+            f"OSS{when}: the parameters (shape, dtype, requires_grad)" + ("" if when else " and broadcast arguments"),
             description,
             self.group,
             hint="Build OSS from the same model on every rank, with the same parameter groups and the same frozen "
-            "parameters (freeze or unfreeze on every rank alike).",
+            "parameters (freeze or unfreeze on every rank alike), and the same OSS arguments.",
         )
 
     def _global_rank_of(self, rank: int) -> int:

@@ -149,13 +149,25 @@ class ShardedDataParallel(nn.Module):
             names.get(id(p), f"(not in the module) parameter {i}") for i, p in enumerate(self._all_params)
         ]
         # Before the first collective: ranks with other models would broadcast or reduce tensors of other sizes
-        # (gloo aborts the process, NCCL hangs or corrupts memory).
+        # (gloo aborts the process, NCCL hangs or corrupts memory). The arguments that decide which collectives run
+        # (a buffer broadcast per forward, a startup broadcast, the reduce buckets and their dtype, a check per
+        # forward) ride along: a rank with another one would issue other collectives.
+        arguments: List[Any] = [
+            ("argument broadcast_buffers", bool(broadcast_buffers)),
+            ("argument sync_models_at_startup", bool(sync_models_at_startup)),
+            ("argument reduce_buffer_size (elements, as used)", self._buffer_max_size),
+            ("argument auto_refresh_trainable", bool(auto_refresh_trainable)),
+            ("argument reduce_fp16", bool(reduce_fp16)),
+        ]
         check_ranks_agree(
-            "ShardedDataParallel: the module's parameters (name, shape, dtype, requires_grad) and buffers",
-            describe_tensors(("parameter " + n, p) for n, p in self.module.named_parameters())
+            "ShardedDataParallel: the module's parameters (name, shape, dtype, requires_grad), buffers and arguments",
+            # Arguments first: a module with an extra tensor then still reads "N entries vs N+1".
+            arguments
+            + describe_tensors(("parameter " + n, p) for n, p in self.module.named_parameters())
             + describe_tensors(("buffer " + n, b) for n, b in self.module.named_buffers()),
             self._process_group,
-            hint="Wrap the same model on every rank, with the same parameters frozen.",
+            hint="Wrap the same model on every rank, with the same parameters frozen and the same "
+            "ShardedDataParallel arguments.",
         )
         # The reducer holds this bound method weakly: nothing refers back to the wrapper, which is therefore freed
         # (with its process group and optimizers) by reference counting when the user drops it, not at exit.

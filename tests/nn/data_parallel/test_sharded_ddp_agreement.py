@@ -50,7 +50,7 @@ def _construction_body(rank: int, world_size: int, case: str) -> str:
 @pytest.mark.parametrize(
     "case,where",
     [
-        ("buffer", "(8 entries vs 9; the first extra entry is ('buffer running'"),
+        ("buffer", "(13 entries vs 14; the first extra entry is ('buffer running'"),
         (
             "frozen",
             "('parameter 1.weight', (3, 3), 'torch.float32', True) vs "
@@ -65,6 +65,56 @@ def test_construction_with_another_module_on_one_rank(case: str, where: str) -> 
     assert messages[0].startswith("ShardedDataParallel: the module's parameters"), messages[0]
     assert "global rank 1" in messages[0] and "Wrap the same model on every rank" in messages[0]
     assert where in messages[0], messages[0]
+
+
+# The arguments of the optimizer (the others are ShardedDataParallel's).
+_OSS_ARGUMENTS = ("broadcast_fp16", "force_broadcast_object")
+
+
+def _arguments_body(rank: int, world_size: int, argument: str) -> str:
+    values = {
+        "broadcast_buffers": (True, False),
+        "sync_models_at_startup": (True, False),
+        "reduce_buffer_size": (0, 2**20),
+        "auto_refresh_trainable": (True, False),
+        "reduce_fp16": (False, True),
+        "broadcast_fp16": (False, True),
+        "force_broadcast_object": (False, True),
+    }[argument]
+    model = _mlp()
+    mine = {argument: values[rank]}
+    if argument == "reduce_fp16":  # only without reduce buckets (with them it is switched off, on every rank)
+        mine["reduce_buffer_size"] = 0
+    try:
+        oss = OSS(model.parameters(), lr=0.1, **(mine if argument in _OSS_ARGUMENTS else {}))
+        sdp = ShardedDataParallel(model, oss, **(mine if argument not in _OSS_ARGUMENTS else {}))
+        sdp(_batch(0, rank)).sum().backward()
+        oss.step()
+    except RanksDisagreeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "argument",
+    [
+        "broadcast_buffers",
+        "sync_models_at_startup",
+        "reduce_buffer_size",
+        "auto_refresh_trainable",
+        "reduce_fp16",
+        "broadcast_fp16",
+        "force_broadcast_object",
+    ],
+)
+def test_another_argument_on_one_rank(argument: str) -> None:
+    """Arguments that decide which collectives run (before: a gloo abort at the first broadcast or reduction, or a
+    rank waiting for a buffer broadcast the other never sends) are compared in the construction check."""
+    messages = run_distributed(_arguments_body, 2, argument, timeout=TIMEOUT)
+    assert messages[0] == messages[1], "the same error on every rank"
+    owner = "OSS" if argument in _OSS_ARGUMENTS else "ShardedDataParallel"
+    assert messages[0].startswith(owner), messages[0]
+    assert f"('argument {argument}" in messages[0], messages[0]
 
 
 def _freeze_body(rank: int, world_size: int, buffer: int, auto_refresh: bool, both: bool) -> Optional[str]:
