@@ -29,7 +29,7 @@ Import the names from this package; the modules are its layout, not its API.
 from ..collective_counter import CollectiveCounter, CollectiveRecord, collective_phase, count_collectives
 from .all_to_all import all_to_all_single
 from .flat import all_gather_into_flat, reduce_scatter_from_flat
-from .groups import group_rank, group_ranks, group_size
+from .groups import group_backend, group_rank, group_ranks, group_size
 from .inplace import all_reduce, broadcast, reduce
 from .objects import all_gather_object, barrier, broadcast_object_list
 from .p2p import irecv, isend, recv, send
@@ -55,6 +55,7 @@ __all__ = [
     "all_gather_object",
     "barrier",
     "group_size",
+    "group_backend",
     "group_rank",
     "group_ranks",
     "reduce",

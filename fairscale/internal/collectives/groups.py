@@ -75,6 +75,12 @@ def group_size(group: Optional[ProcessGroup] = None) -> int:
     return _group_info(group).size
 
 
+def group_backend(group: Optional[ProcessGroup] = None) -> str:
+    """The backend of ``group`` as torch names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``; ``"local"``
+    without torch.distributed)."""
+    return _group_info(group).backend
+
+
 def group_rank(group: Optional[ProcessGroup] = None) -> int:
     """This process's rank inside ``group`` (-1 if it is not a member)."""
     return _group_info(group).rank

@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from fairscale.internal import collectives
+from fairscale.internal.agreement import check_ranks_agree
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 # Upstream's module namespace has it (importers may reach it here); the grid check below says more on failure.
@@ -92,6 +94,14 @@ def initialize_model_parallel(
         )
     world_size = torch.distributed.get_world_size()
     model_parallel_size = int(min(model_parallel_size_, world_size))
+    # Before any group exists and before the rank-local checks below: ranks that asked for other sizes or backends,
+    # or of which only some already hold groups, would create other groups, and new_group() would wait for the
+    # missing ranks forever (its store wait does not end at the group timeout). One small gather on the default
+    # group; the same RanksDisagreeError on every rank instead. Only where object collectives run on the CPU
+    # (gloo): on an NCCL-only default group the gather would run on the current CUDA device, and callers such as
+    # Llama's reference code select their device only after this call (every rank would use cuda:0).
+    if "gloo" in collectives.group_backend(None):
+        _check_ranks_agree(model_parallel_size, pipeline_length, model_parallel_backend, pipeline_backend, ddp_backend)
     _check_grid(world_size, model_parallel_size, pipeline_length)
     rank = torch.distributed.get_rank()
     data_parallel_size = world_size // (model_parallel_size * pipeline_length)
@@ -122,6 +132,20 @@ def initialize_model_parallel(
         if rank in ranks:
             _PIPELINE_PARALLEL_GROUP = group
             _PIPELINE_PARALLEL_RANKS = ranks
+
+
+def _check_ranks_agree(
+    mp: int, pp: int, mp_backend: Optional[str], pp_backend: Optional[str], dp: Optional[str]
+) -> None:
+    """The same ``RanksDisagreeError`` on every rank unless all of them passed these arguments and hold no groups
+    yet, or all of them hold groups (then the rank-local "already initialized" error follows on every rank)."""
+    check_ranks_agree(
+        "initialize_model_parallel: (model parallel size as clamped, pipeline_length, model_parallel_backend, "
+        "pipeline_backend, ddp_backend, groups already initialized)",
+        (mp, pp, mp_backend, pp_backend, dp, model_parallel_is_initialized()),
+        hint="Call it once on every rank with the same arguments (destroy_model_parallel() on every rank first to "
+        "start again).",
+    )
 
 
 class _Grid:

@@ -13,6 +13,7 @@ import torch
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.nn.model_parallel import initialize as mpu
 
 
@@ -89,6 +90,40 @@ def _layouts_body(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_initialize_model_parallel(world_size: int) -> None:
     run_distributed(_layouts_body, world_size)
+
+
+def _case_other_sizes(rank: int) -> None:
+    # Rank 0 asks for model parallel size 1, the other rank for 2: before, the ranks created other groups and
+    # new_group() waited forever (the group timeout did not end it).
+    with pytest.raises(RanksDisagreeError, match=r"initialize_model_parallel: .* differ between ranks"):
+        mpu.initialize_model_parallel(1 if rank == 0 else 2)
+    assert not mpu.model_parallel_is_initialized()
+
+
+def _case_initialized_on_some_ranks(rank: int) -> None:
+    mpu.initialize_model_parallel(2)
+    if rank == 0:
+        mpu.destroy_model_parallel()  # local: rank 0 alone forgets its groups
+    try:
+        # Before: rank 1 raised "already initialized" while rank 0 went on creating groups and waited forever.
+        with pytest.raises(RanksDisagreeError, match=r"groups already initialized\) differ between ranks"):
+            mpu.initialize_model_parallel(2)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _disagreement_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            ("other sizes", lambda: _case_other_sizes(rank)),
+            ("initialized on some ranks", lambda: _case_initialized_on_some_ranks(rank)),
+            ("the same arguments still work", lambda: _check_layout(rank, world_size, 2, 1)),
+        ]
+    )
+
+
+def test_ranks_that_disagree_raise_the_same_error() -> None:
+    run_distributed(_disagreement_body, 2, timeout=60)
 
 
 class _MockDistributed:
