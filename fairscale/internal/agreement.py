@@ -13,14 +13,17 @@ rank, so that every rank raises the same :class:`RanksDisagreeError` naming the 
 becomes an exception on all of them instead of a peer left waiting in its next collective.
 """
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from . import collectives
+from .device import DeviceHandle
 from .errors import FairscaleValueError
 
-__all__ = ["RanksDisagreeError", "check_ranks_agree", "check_outcome_agrees", "describe_tensors"]
+__all__ = ["RanksDisagreeError", "check_ranks_agree", "check_outcome_agrees", "describe_tensors", "first_device"]
 
 # At most this many characters of each differing value go into the message.
 _SHOWN_CHARS = 300
@@ -39,6 +42,15 @@ def describe_tensors(named: Iterable[Tuple[str, Tensor]]) -> List[Tuple[str, Tup
     return [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in named]
 
 
+def first_device(tensors: Iterable[Any]) -> Optional[torch.device]:
+    """The device of the first tensor in ``tensors`` (``None`` if there is none): the ``device`` to pass to
+    :func:`check_ranks_agree` for a model or an optimizer."""
+    for t in tensors:
+        if isinstance(t, Tensor):
+            return t.device
+    return None
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
@@ -55,7 +67,22 @@ def _first_difference(a: Any, b: Any) -> str:
     return f"{_shown(a)} vs {_shown(b)}"
 
 
-def check_ranks_agree(what: str, value: Any, group: Optional[Any] = None, hint: str = "") -> None:
+def _on_device(device: Optional[Union[str, torch.device]]) -> ContextManager[None]:
+    """The object gather's device context: NCCL object collectives place their buffers on the *current* CUDA
+    device, which is ``cuda:0`` on every rank of a process that never called ``torch.cuda.set_device`` (NCCL then
+    fails with a duplicate-GPU error or hangs). The caller's tensors' device is the one this rank uses."""
+    if device is None:
+        return contextlib.nullcontext()
+    return DeviceHandle.for_device(device).as_current()
+
+
+def check_ranks_agree(
+    what: str,
+    value: Any,
+    group: Optional[Any] = None,
+    hint: str = "",
+    device: Optional[Union[str, torch.device]] = None,
+) -> None:
     """Raise :class:`RanksDisagreeError` on every rank of ``group`` unless all of them passed an equal ``value``.
 
     One ``all_gather_object`` (skipped at world size 1). Every rank of ``group`` must call it at the same point.
@@ -65,6 +92,9 @@ def check_ranks_agree(what: str, value: Any, group: Optional[Any] = None, hint: 
         value (Any): this rank's description: small, picklable, comparable with ``==``.
         group (Optional[Any]): the process group, ``None`` for the default world group.
         hint (str): what the user should do, appended to the message.
+        device (Optional[Union[str, torch.device]]): the device this rank's tensors (and hence its NCCL
+            collectives) use, made current for the gather; ``None`` keeps the current one. Pass it whenever the
+            group may be NCCL.
 
     Raises:
         RanksDisagreeError: the values differ; the message names the first rank that differs from the group's
@@ -72,7 +102,8 @@ def check_ranks_agree(what: str, value: Any, group: Optional[Any] = None, hint: 
     """
     if collectives.group_size(group) == 1:
         return
-    gathered = collectives.all_gather_object(value, group)
+    with _on_device(device):
+        gathered = collectives.all_gather_object(value, group)
     for i, other in enumerate(gathered[1:], start=1):
         if other != gathered[0]:
             ranks = collectives.group_ranks(group)
@@ -83,7 +114,12 @@ def check_ranks_agree(what: str, value: Any, group: Optional[Any] = None, hint: 
             )
 
 
-def check_outcome_agrees(what: str, error: Optional[BaseException], group: Optional[Any] = None) -> None:
+def check_outcome_agrees(
+    what: str,
+    error: Optional[BaseException],
+    group: Optional[Any] = None,
+    device: Optional[Union[str, torch.device]] = None,
+) -> None:
     """Make a failure on any rank of ``group`` a failure on all of them.
 
     Every rank calls this after a step that may have failed locally, with the exception it caught (or ``None``).
@@ -94,13 +130,15 @@ def check_outcome_agrees(what: str, error: Optional[BaseException], group: Optio
         what (str): the step, for the message.
         error (Optional[BaseException]): this rank's exception, or ``None`` if the step succeeded here.
         group (Optional[Any]): the process group, ``None`` for the default world group.
+        device (Optional[Union[str, torch.device]]): as for :func:`check_ranks_agree`.
     """
     if collectives.group_size(group) == 1:
         if error is not None:
             raise error
         return
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes: Sequence[Optional[str]] = collectives.all_gather_object(mine, group)
+    with _on_device(device):
+        outcomes: Sequence[Optional[str]] = collectives.all_gather_object(mine, group)
     if error is not None:
         raise error
     ranks = collectives.group_ranks(group)

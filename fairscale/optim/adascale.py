@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_ranks_agree
+from fairscale.internal.agreement import check_ranks_agree, first_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
@@ -361,6 +361,7 @@ class AdaScale(torch.optim.Optimizer):
                 "AdaScale: (param groups, num_gradients_to_accumulate, world_size)",
                 (n_groups, self._num_grads_to_accum, self._world_size),
                 hint="Build the optimizer from the same param groups and arguments on every rank.",
+                device=first_device(p for group in self._optimizer.param_groups for p in group["params"]),
             )
 
     def add_param_group(self, pg: Dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_ranks_agree, describe_tensors
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
@@ -143,6 +143,7 @@ class OSS(Optimizer):
             self.group,
             hint="Build OSS from the same model on every rank, with the same parameter groups and the same frozen "
             "parameters (freeze or unfreeze on every rank alike), and the same OSS arguments.",
+            device=first_device(p for group in self.param_groups for p in group["params"]),
         )
 
     def _global_rank_of(self, rank: int) -> int:

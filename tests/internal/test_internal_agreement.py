@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from fairscale.fair_dev.testing import run_distributed
-from fairscale.internal.agreement import RanksDisagreeError, check_outcome_agrees, check_ranks_agree, describe_tensors
+from fairscale.internal.agreement import (
+    RanksDisagreeError,
+    check_outcome_agrees,
+    check_ranks_agree,
+    describe_tensors,
+    first_device,
+)
 
 
 def _agree_body(rank: int, world_size: int, differ_on: Optional[int]) -> str:
@@ -52,3 +58,43 @@ def test_world_size_one_without_distributed() -> None:
     check_ranks_agree("x", [1, 2])
     with pytest.raises(KeyError):
         check_outcome_agrees("x", KeyError("k"))
+
+
+def test_first_device() -> None:
+    assert first_device([]) is None
+    assert first_device(["not a tensor", torch.zeros(1, device="meta"), torch.zeros(1)]) == torch.device("meta")
+
+
+def _on_cpu_device_body(rank: int, world_size: int) -> str:
+    check_ranks_agree("the settings", [1, 2], device="cpu")
+    try:
+        check_ranks_agree("the settings", [rank], device=torch.device("cpu"))
+    except RanksDisagreeError as e:
+        check_outcome_agrees("the step", None, device="cpu")
+        return str(e)
+    return "ok"
+
+
+def test_device_argument_on_cpu() -> None:
+    messages = run_distributed(_on_cpu_device_body, 2)
+    assert messages[0] == messages[1] and "global rank 1" in messages[0]
+
+
+def _cuda_current_device_zero_body(rank: int, world_size: int) -> str:
+    # A process that never selected its GPU: the current device is cuda:0 on every rank, while its tensors (and its
+    # NCCL communicator) are on cuda:<rank>. Without the device argument both ranks' object gather would allocate on
+    # cuda:0 and NCCL would reject the duplicate GPU (or hang).
+    torch.cuda.set_device(0)
+    mine = torch.device("cuda", rank)
+    check_ranks_agree("the settings", [1, 2], device=mine)
+    check_outcome_agrees("the step", None, device=mine)
+    try:
+        check_ranks_agree("the settings", [rank], device=mine)
+    except RanksDisagreeError as e:
+        return str(e)
+    return "ok"
+
+
+def test_cuda_gather_uses_the_given_device_not_the_current_one() -> None:
+    messages = run_distributed(_cuda_current_device_zero_body, 2, device="cuda", timeout=120.0)
+    assert messages[0] == messages[1] and "global rank 1" in messages[0]

@@ -7,6 +7,7 @@ Where DDP all-reduces every gradient, ShardedDataParallel *reduces* each gradien
 """
 
 import contextlib
+import itertools
 import logging
 from typing import Any, Dict, Generator, List, Mapping, Optional, Tuple, Union, cast
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from fairscale.internal import collectives
 from fairscale.internal.collectives import WorkHandle
-from fairscale.internal.agreement import check_ranks_agree, describe_tensors
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
@@ -168,6 +169,7 @@ class ShardedDataParallel(nn.Module):
             self._process_group,
             hint="Wrap the same model on every rank, with the same parameters frozen and the same "
             "ShardedDataParallel arguments.",
+            device=first_device(itertools.chain(self.module.parameters(), self.module.buffers())),
         )
         # The reducer holds this bound method weakly: nothing refers back to the wrapper, which is therefore freed
         # (with its process group and optimizers) by reference counting when the user drops it, not at exit.

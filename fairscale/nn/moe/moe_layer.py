@@ -168,13 +168,14 @@ class MOELayer(Module):
         if error is None and all(row == rows[0] for row in rows):
             return
         # Every rank saw the same rows, so every rank takes this path and joins the same collectives below.
-        check_outcome_agrees("MOELayer forward", error, self.group)
+        check_outcome_agrees("MOELayer forward", error, self.group, device=device)
         check_ranks_agree(
             "MOELayer: the all-to-all inputs (tokens, experts, capacity, model_dim, dtype)",
             _description(input, dispatched),
             self.group,
             "Every rank must feed MOELayer the same number of tokens (sequence * tokens) of the same model dim and "
             "dtype, with a gate of the same number of experts: pad the batches of all ranks to a common length.",
+            device=device,
         )
         # Equal descriptions but different rows cannot happen (the rows encode the descriptions); be loud if it does.
         raise RanksDisagreeError(f"MOELayer: the ranks' all-to-all inputs differ: {rows}")

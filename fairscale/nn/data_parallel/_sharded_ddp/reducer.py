@@ -254,7 +254,7 @@ class GradReducer:
             "Freeze or unfreeze parameters on every rank alike, and call refresh_trainable() on every rank (or keep "
             "auto_refresh_trainable=True): every rank must reduce the same gradients."
         )
-        check_ranks_agree(what, description, self.group, hint)
+        check_ranks_agree(what, description, self.group, hint, device=device)
         raise RanksDisagreeError(f"{what} differ between ranks. {hint}")  # pragma: no cover - raised above
 
     def _reduce_direct(self, param: torch.Tensor) -> None:

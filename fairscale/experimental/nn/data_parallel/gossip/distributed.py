@@ -17,6 +17,7 @@ Usage::
         model.perform_slowmo(optimizer)
 """
 
+import itertools
 import logging
 import os
 from enum import Enum
@@ -28,7 +29,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.autograd import Variable
 
-from fairscale.internal.agreement import check_ranks_agree, describe_tensors
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
@@ -167,6 +168,7 @@ class SlowMoDistributedDataParallel(nn.Module):
                 (settings, tensors),
                 global_group,
                 hint="Build it with the same arguments around the same model on every rank.",
+                device=first_device(itertools.chain(module.parameters(), module.buffers())),
             )
         self.logger = self._make_logger(verbose)
         self._init_groups(global_group, master_group, local_node_group)
