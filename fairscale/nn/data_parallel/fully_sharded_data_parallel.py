@@ -8,6 +8,7 @@ The docs page "Architecture" draws the objects.
 """
 
 import contextlib
+import copy
 from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
@@ -27,7 +28,7 @@ from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
 from ._fsdp.io import cast_inputs
 from ._fsdp.naming import clean_path
 from ._fsdp.state import HandleState, TrainingState
-from ._fsdp.unit import UNIT_ATTR, FSDPUnit
+from ._fsdp.unit import UNIT_ATTR, FSDPUnit, keeping_process_groups, process_groups_of
 
 # Names that upstream code imports from this module (upstream defined or imported them here); re-exported so that
 # such imports keep working. Checked by tests/test_upstream_api.py.
@@ -212,7 +213,11 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
                 "own FullyShardedDataParallel instance, or pass flatten_parameters=False."
             ) from e
         if flatten_parameters:
-            fsdp_ties.mark_flattened(p for _, p in params)
+            fpw = self._fsdp_wrapped_module
+            fsdp_ties.mark_flattened(
+                (p for _, p in params),
+                [m for _, m, _ in fpw._param_infos] + [info[2] for info in fpw._shared_param_infos],
+            )
         del module  # reachable only through the wrapper from here on
         flat = list(self._fsdp_wrapped_module.flat_params)
         kept = [(n, p) for n, p in params if not flatten_parameters]
@@ -350,6 +355,11 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
         The norm is computed over the sharded gradients and combined across ranks, so the result equals
         ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
+
+        Raises:
+            ValueError: ``max_norm`` is negative or NaN, or ``norm_type`` is not a positive number or inf.
+            RuntimeError: called after a backward inside :meth:`no_sync` whose gradients are not reduced yet (call
+                it after the accumulation window's last backward), or on a nested instance.
         """
         runtime.lazy_init(self._fsdp_unit)
         grads = [p.grad for p in self.params_with_grad if p.grad is not None]
@@ -358,6 +368,9 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Set the pre- and post-reduction divide factors (optionally for every nested instance)."""
         self.assert_state(TrainingState.IDLE)
+        for name, value in (("pre", pre), ("post", post)):
+            if not (isinstance(value, (int, float)) and 0 < float(value) < float("inf")):
+                raise ValueError(f"set_gradient_divide_factors: {name} must be a positive finite number, got {value!r}")
         targets = get_fsdp_instances(self) if recursive else [self]
         for m in targets:
             m.assert_state(TrainingState.IDLE)
@@ -504,6 +517,25 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> Dict[str, Any]:
         return dict(self.__dict__)  # the unit drops what cannot cross processes (process groups, tree)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FullyShardedDataParallel":
+        """``copy.deepcopy``: an independent model on the same process groups (e.g. an EMA copy), usable at once.
+
+        Every rank must copy alike (the copy's forward communicates like the original's). Only between steps: a copy
+        of a model whose forward's backward is pending, or that is inside a forward or backward, is refused.
+        """
+        unit = self._fsdp_unit
+        runtime.check_copyable(unit)
+        # Groups are process-local handles: the copy shares them (a pickle, which crosses processes, drops them).
+        for u in unit.tree_units():
+            for group in process_groups_of(u):
+                memo.setdefault(id(group), group)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        with keeping_process_groups():
+            state = copy.deepcopy(self.__getstate__(), memo)
+        new.__setstate__(state)
+        return new
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         cast(Any, super()).__setstate__(state)

@@ -4,7 +4,7 @@
 Before the first-forward check described them, each of these cases ended in a gloo abort of the whole process
 (SIGABRT: another hidden size, ``flatten_parameters``, ``mixed_precision``, ``fp32_reduce_scatter``), a hang
 (``reshard_after_forward`` or the prefetch flags on a nested instance) or, with the same number of elements in other
-shapes, in silently wrong training. The check rides in the root's existing first-forward gather: the control case
+shapes, in silently wrong training; a layer frozen on one rank only hung or aborted too. The check rides in the root's existing first-forward gather: the control case
 counts the collectives.
 """
 
@@ -82,6 +82,18 @@ def _case_same_numel_other_shapes() -> None:
     _expect_disagreement({}, {}, "instance at 1", "original shapes", shape=shape)
 
 
+def _case_frozen_on_one_rank() -> None:
+    # The nested block frozen on rank 1 only: its gradient would be reduce-scattered on rank 0 alone (a hang until
+    # the timeout, or a gloo abort when the next collective meets it).
+    torch.manual_seed(0)
+    block = _Block((8, 12))
+    if dist.get_rank() == 1:
+        block.requires_grad_(False)
+    model = FSDP(nn.Sequential(nn.Linear(4, 8), FSDP(block), nn.Linear(8, 2)))
+    with pytest.raises(RanksDisagreeError, match=r"instance at 1 .*requires_grad True vs False \(frozen on one rank"):
+        _step(model)
+
+
 def _case_same_everything_trains() -> None:
     model = _net({"flatten_parameters": False, "mixed_precision": True}, {"mixed_precision": True})
     with count_collectives() as counter:
@@ -120,6 +132,7 @@ def _body(rank: int, world_size: int) -> None:
             ("bucket_cap_mb", functools.partial(_case_setting, "root", "bucket_cap_mb", (0, 25))),
             ("backward_prefetch", functools.partial(_case_setting, "inner", "backward_prefetch", (True, False))),
             ("forward_prefetch", functools.partial(_case_setting, "root", "forward_prefetch", (True, False))),
+            ("frozen on one rank", _case_frozen_on_one_rank),
             ("same settings: trains, no extra collective", _case_same_everything_trains),
             ("rank-local instances may differ", _case_rank_local_instances_may_differ),
         ]

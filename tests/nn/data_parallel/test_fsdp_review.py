@@ -74,7 +74,8 @@ def _deepcopy_returns_an_fsdp_instance_body(rank: int, ws: int) -> None:
     clone = copy.deepcopy(fsdp)
     assert type(clone) is FSDP, f"deepcopy(FSDP) returned a {type(clone).__name__}"
     assert len(get_fsdp_instances(clone)) == 3, "nested instances were not copied as FSDP instances"
-    assert clone.process_group == "MISSING"  # as pickling: process groups are not copied
+    # Unlike upstream (and pickling), an in-process copy keeps the process groups: it is usable at once.
+    assert clone.process_group is fsdp.process_group
     for p, q in zip(fsdp.parameters(), clone.parameters()):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
     parent = copy.deepcopy(nn.Sequential(fsdp))

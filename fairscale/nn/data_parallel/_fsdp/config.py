@@ -4,6 +4,8 @@ that resolve them, with upstream's defaults."""
 
 import dataclasses
 import logging
+import math
+import numbers
 from typing import Any, Iterable, Optional, Tuple
 
 import torch
@@ -118,6 +120,13 @@ def make_config(
             "FullyShardedDataParallel needs torch.distributed to be initialized (e.g. "
             "dist.init_process_group('gloo') on CPU or 'nccl' on CUDA), or an explicit process_group."
         )
+    if process_group is not None and not _is_group_like(process_group):
+        raise TypeError(
+            "FullyShardedDataParallel: process_group must be a torch.distributed ProcessGroup (e.g. from "
+            f"dist.new_group(ranks)) or None for the default group, got {type(process_group).__name__}: "
+            f"{process_group!r}"
+        )
+    validate_numbers(bucket_cap_mb, gradient_predivide_factor, buffer_dtype)
     group = process_group if process_group is not None else get_process_group_cached()
     check_group_membership(group, process_group_reduce_scatter)
     world_size = group.size()
@@ -125,6 +134,15 @@ def make_config(
         raise ValueError("fp32_reduce_scatter=True needs mixed_precision=True (fp32 params already reduce in fp32)")
     resolved_dtype = resolve_compute_dtype(mixed_precision, compute_dtype)
     params = list(params)
+    if any(p.device.type == "meta" for p in params):
+        # Nothing to shard: the first forward would fail copying out of them ("Cannot copy out of meta tensor").
+        raise ValueError(
+            "FullyShardedDataParallel: the module has parameters on the meta device (built under "
+            "torch.device('meta')?); materialise them before wrapping (module.to_empty(device=...), then initialise "
+            "them, e.g. with reset_parameters() or a checkpoint)"
+        )
+    if compute_device is not None and torch.device(compute_device).type == "meta":
+        raise ValueError("FullyShardedDataParallel: compute_device cannot be 'meta'; pass the device to compute on")
     device = resolve_compute_device(params, compute_device)
     grads_to_cpu = move_params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
     validate_grad_placement(device, move_params_to_cpu, grads_to_cpu)
@@ -185,6 +203,36 @@ def make_config(
         replicate_rank=replicate_rank,
         replicate_size=replicate_size,
     )
+
+
+def _is_group_like(value: Any) -> bool:
+    """A ProcessGroup, what ``dist.new_group`` returns outside its ranks (the membership check names that), or what
+    upstream's tests pass for one (an object with ``rank()`` and ``size()``)."""
+    if isinstance(value, int) and value == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+        return True
+    return isinstance(value, dist.ProcessGroup) or (
+        callable(getattr(value, "rank", None)) and callable(getattr(value, "size", None))
+    )
+
+
+def validate_numbers(bucket_cap_mb: Any, predivide: Optional[float], buffer_dtype: Optional[torch.dtype]) -> None:
+    """Raise ``ValueError`` for settings no step could honour (a NaN bucket size compares unequal to itself, so the
+    first forward's check reported ranks that "disagree"; a zero pre-divide factor divided by zero)."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) or math.isnan(bucket_cap_mb):
+        raise ValueError(
+            "FullyShardedDataParallel: bucket_cap_mb must be a number of MiB (<= 0 reduces each gradient on its "
+            f"own), got {bucket_cap_mb!r}"
+        )
+    if predivide is not None and not (isinstance(predivide, numbers.Real) and 0 < predivide < float("inf")):
+        raise ValueError(
+            "FullyShardedDataParallel: gradient_predivide_factor must be a positive finite number (None: upstream's "
+            f"default for the world size), got {predivide!r}"
+        )
+    if buffer_dtype is not None and not (isinstance(buffer_dtype, torch.dtype) and buffer_dtype.is_floating_point):
+        raise ValueError(
+            "FullyShardedDataParallel: buffer_dtype must be a floating-point torch.dtype (floating buffers are cast "
+            f"to it; integer buffers keep theirs), got {buffer_dtype!r}"
+        )
 
 
 def resolve_reduce_scatter_group(value: Any, process_group: Any) -> Any:

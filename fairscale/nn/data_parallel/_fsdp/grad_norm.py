@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Gradient clipping over sharded gradients: the norm of the whole model, combined across ranks."""
 
+import math
 from typing import List
 
 import torch
@@ -19,6 +20,16 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
     if not root.is_root:
         raise FairscaleRuntimeError("clip_grad_norm_ should only be called on the root (not nested) FSDP instance")
     root.assert_state([TrainingState.IDLE])
+    _check_arguments(max_norm, norm_type)
+    unreduced = [h.name for u in root.tree_units() for h in u.handles if h.holds_unreduced_grad()]
+    if unreduced:
+        # Each rank holds its own full-size gradients there: their combined norm is neither the norm of the
+        # averaged gradient nor the same clip on every rank.
+        raise FairscaleRuntimeError(
+            "clip_grad_norm_ after a backward inside no_sync(): the gradients are not reduced yet (unreduced on "
+            f"{unreduced[:3]}{' ...' if len(unreduced) > 3 else ''}). Call it after the last backward of the "
+            "accumulation window, the one outside no_sync()."
+        )
     if len({id(u.config.process_group) for u in root.tree_units() if u.handles}) > 1:
         raise NotImplementedError("clip_grad_norm_ with nested instances on different process groups")
     c = root.config
@@ -46,3 +57,14 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         for g in grads:
             g.detach().mul_(clip_coef.to(g.device, g.dtype))
     return total
+
+
+def _check_arguments(max_norm: float, norm_type: float) -> None:
+    # A negative max_norm would flip every gradient's sign and NaN would skip clipping, both silently; torch computes
+    # order 0 and negative orders differently from this sum-of-powers combination across ranks.
+    if math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be a non-negative number, got {max_norm}")
+    if math.isnan(norm_type) or norm_type <= 0:
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be a positive number or inf (e.g. 2.0 or float('inf')), got {norm_type}"
+        )

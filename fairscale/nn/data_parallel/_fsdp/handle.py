@@ -227,6 +227,20 @@ class FlatHandle:
     def is_assigned_grad(self, grad: Tensor) -> bool:
         return self._assigned_grad is not None and self._assigned_grad() is grad
 
+    def holds_unreduced_grad(self) -> bool:
+        """Whether this rank holds a gradient of a ``no_sync()`` backward that was not reduce-scattered yet (a
+        full-size ``p.grad``, or an ``optimize_backward_concat`` window buffer); never at world size 1."""
+        if not self.is_sharded:
+            return False
+        if self.grad_accum_flat is not None:
+            return True
+        g = self.param.grad
+        if g is None or self.is_assigned_grad(g):
+            return False
+        # As in park_grad_for_backward: the shard shape alone is ambiguous when it equals the full shape.
+        assert self.fp32_shard is not None
+        return not (g.shape == self.fp32_shard.shape and g.shape != self.orig_size)
+
     # ------------------------------------------------------------------ views
     @property
     def has_full_buffer(self) -> bool:

@@ -38,9 +38,13 @@ _SETTINGS = (
     "backward_prefetch",
 )
 
-#: One instance's description: ((setting name, value) pairs, (parameter name, shape, dtype, original shapes) per
-#: flat parameter), or ``None`` for an instance whose collectives do not involve the gathering group.
-Layout = Optional[Tuple[Tuple[Tuple[str, Any], ...], Tuple[Tuple[str, Tuple[int, ...], str, Tuple[Any, ...]], ...]]]
+#: One instance's description: ((setting name, value) pairs, (parameter name, shape, dtype, original shapes,
+#: requires_grad) per flat parameter), or ``None`` for an instance whose collectives do not involve the gathering group.
+#: ``requires_grad`` decides whether the parameter's gradient is reduce-scattered at all: a rank that froze a layer
+#: alone would skip a reduce-scatter its peers issue.
+Layout = Optional[
+    Tuple[Tuple[Tuple[str, Any], ...], Tuple[Tuple[str, Tuple[int, ...], str, Tuple[Any, ...], bool], ...]]
+]
 
 
 def describe(unit: FSDPUnit, group_ranks: Sequence[int]) -> Layout:
@@ -63,6 +67,7 @@ def describe(unit: FSDPUnit, group_ranks: Sequence[int]) -> Layout:
             tuple(h.orig_size),
             str(h.param.dtype),
             tuple(tuple(s) for s in getattr(h.param, "_param_shapes", ())),
+            bool(h.param.requires_grad),
         )
         for h in unit.handles
     )
@@ -87,8 +92,9 @@ def check_agree(paths: Sequence[str], views: Sequence[Sequence[Layout]], ranks: 
                 raise RanksDisagreeError(
                     f"FullyShardedDataParallel: the instance at {path or '<root>'} differs between global rank "
                     f"{ranks[0]} and global rank {rank} ({what}); their all-gathers and "
-                    "reduce-scatters would not match (gloo aborts the process, NCCL hangs). Build the same model and "
-                    "pass the same FullyShardedDataParallel arguments on every rank of the group."
+                    "reduce-scatters would not match (gloo aborts the process, NCCL hangs). Build the same model, "
+                    "freeze the same parameters and pass the same FullyShardedDataParallel arguments on every rank of "
+                    "the group."
                 )
 
 
@@ -103,6 +109,8 @@ def _what_differs(a: Layout, b: Layout) -> str:
         return f"{len(ha)} flat parameters vs {len(hb)}"
     for x, y in zip(ha, hb):
         if x != y:
+            if x[:4] == y[:4]:
+                return f"parameter {x[0]}: requires_grad {x[4]} vs {y[4]} (frozen on one rank only)"
             return (
                 f"parameter {x[0]}: shape {x[1]} {x[2]} (original shapes {list(x[3])}) vs {y[0]}: shape {y[1]} {y[2]} "
                 f"(original shapes {list(y[3])})"

@@ -214,6 +214,13 @@ def get_shard_from_optim_state_dict(fsdp: FSDPUnit, full_optim_state_dict: Mappi
     """See :meth:`FullyShardedDataParallel.get_shard_from_optim_state_dict`."""
     layouts = _layouts(fsdp)
     full = full_optim_state_dict
+    if not isinstance(full, Mapping):
+        # gather_full_optim_state_dict() returns None on the ranks other than the recipient.
+        raise TypeError(
+            "get_shard_from_optim_state_dict expects the dict that gather_full_optim_state_dict() returned on its "
+            f"recipient rank (None elsewhere), got {type(full).__name__}. Load (or broadcast) that dict on every "
+            "rank, then call this on every rank."
+        )
     for key in ("state", "param_groups", "param_id_map"):
         if key not in full:
             raise ValueError(
@@ -259,6 +266,11 @@ def _resolved_param_id_map(given: Mapping[Any, Any], layouts: List[_Layout]) -> 
 def _check_shapes(state: Mapping[Any, Any], layouts: List[_Layout], uncollected: set) -> None:  # type: ignore[type-arg]
     by_gid = {g: (lay, i) for lay in layouts for i, g in enumerate(lay.gids)}
     for g, entry in state.items():
+        if int(g) not in by_gid:
+            raise ValueError(
+                f"the optimizer state dict has state for parameter {int(g)}, but this model's parameters are "
+                f"0..{len(by_gid) - 1}; was it saved from another model, or with another wrapping?"
+            )
         lay, i = by_gid[int(g)]
         if lay.local in uncollected:
             continue

@@ -38,9 +38,36 @@ from .unit import FSDPUnit
 # ---------------------------------------------------------------------------------------------------- lazy init
 
 
+def check_copyable(unit: FSDPUnit) -> None:
+    """Raise unless ``copy.deepcopy`` of the tree can give a usable model: idle, with no backward pending."""
+    unit.assert_idle_tree("copy.deepcopy")
+    tree = unit.tree
+    if tree is not None and tree.backward_pending:
+        raise FairscaleRuntimeError(
+            "copy.deepcopy of a FullyShardedDataParallel model between a forward and its backward: the copy could "
+            "not run that backward. Copy it after the backward (or after a forward under torch.no_grad())."
+        )
+
+
+def _check_has_groups(unit: FSDPUnit) -> None:
+    for u in unit.tree_units():
+        c = u.config
+        names = ("process_group", "process_group_reduce_scatter", "zero2_process_group", "replicate_process_group")
+        missing = [name for name in names if isinstance(getattr(c, name), str)]
+        if missing:
+            raise FairscaleRuntimeError(
+                "this FullyShardedDataParallel model was unpickled (pickle, torch.load of a whole model, or a copy "
+                f"made in another process): its {', '.join(missing)} did not cross processes. Set them again on "
+                "every FullyShardedDataParallel instance of it (e.g. m.process_group = group, as upstream's tests "
+                "do), or load its state_dict() into a model wrapped in this process (copy.deepcopy in the same "
+                "process keeps the groups)."
+            )
+
+
 def lazy_init(unit: FSDPUnit) -> None:
     """Materialise handles, find the root and share the tree state. Cheap after the first call."""
     if unit.is_root is None:
+        _check_has_groups(unit)
         # Every unit of the tree, before anything is materialised or communicated: a tie error then leaves the
         # model as it was and is raised on every rank at the same point.
         for u in unit.tree_units():
@@ -198,6 +225,15 @@ def before_move(unit: FSDPUnit) -> List[FSDPUnit]:
         The units of the tree, for :func:`after_move`.
     """
     unit.assert_idle_tree("_apply (.to/.half/.float)")
+    tree = unit.tree
+    if tree is not None and tree.backward_pending:
+        # The pending backward would gather shards that no longer exist in that dtype/device (and lazy init is
+        # forgotten below): it used to fail in the pre-backward hook with a bare assertion.
+        raise FairscaleRuntimeError(
+            "_apply (.to/.half/.float/.cuda) called between a forward and its backward: the pending backward needs "
+            "the parameters as the forward used them. Run the backward first (or the forward under torch.no_grad()), "
+            "then move or cast the model."
+        )
     units = unit.tree_units()
     for u in units:
         u.release_all()

@@ -22,14 +22,25 @@ from torch import nn
 _FLATTENED_ATTR = "_fsdp_flattened_away"
 
 
-def mark_flattened(params: Iterable[nn.Parameter]) -> None:
-    """Remember that ``params`` were copied into a flat parameter (their objects no longer train)."""
+# Set on the modules whose parameters an FSDP instance flattened: their weights are views of that instance's flat
+# parameter, valid only inside its forward.
+_FLATTENED_MODULE_ATTR = "_fsdp_params_flattened_away"
+
+
+def mark_flattened(params: Iterable[nn.Parameter], modules: Iterable[nn.Module] = ()) -> None:
+    """Remember that ``params`` (held by ``modules``) were copied into a flat parameter (their objects no longer
+    train, and the modules' weights become views of the flat parameter)."""
     for p in params:
         setattr(p, _FLATTENED_ATTR, True)
+    for m in modules:
+        setattr(m, _FLATTENED_MODULE_ATTR, True)
 
 
 def _modules_outside_nested(module: nn.Module, fsdp_cls: type) -> List[Tuple[str, nn.Module]]:
     """``(path, module)`` of ``module`` and its descendants, not descending into nested FSDP instances."""
+    if isinstance(module, fsdp_cls):
+        # FSDP(FSDP(m)): the wrapped instance owns everything it holds (its own flat parameters included).
+        return []
     out: List[Tuple[str, nn.Module]] = []
     stack: List[Tuple[str, nn.Module]] = [("", module)]
     seen: Set[int] = set()
@@ -58,6 +69,15 @@ def find_unhonourable_ties(module: nn.Module, nested_owned: Set[int], fsdp_cls: 
     """
     problems: List[str] = []
     for path, m in _modules_outside_nested(module, fsdp_cls):
+        if getattr(m, _FLATTENED_MODULE_ATTR, False):
+            # FSDP(n) twice, or one module in two sibling instances: its parameters already left it (flattened into
+            # the first instance), so nothing here would own them and its forward would read a freed view.
+            problems.append(
+                f"module {path or '<root>'!r} ({type(m).__name__}) is already wrapped by another "
+                "FullyShardedDataParallel instance, which flattened its parameters: wrap each module in one "
+                "instance only (nest the instances instead, or share weights with append_shared_param)"
+            )
+            continue
         for name, p in m._parameters.items():
             if p is None:
                 continue

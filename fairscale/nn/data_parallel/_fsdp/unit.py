@@ -11,6 +11,7 @@ modules carry their unit under :data:`UNIT_ATTR`, which :func:`unit_of` reads, s
 front class itself.
 """
 
+import contextlib
 import enum
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Tuple
@@ -74,6 +75,27 @@ class StateDictType(enum.Enum):
     LOCAL = enum.auto()  # this rank's padded flat shards (``local_state_dict``)
 
 
+# Non-empty while copy.deepcopy of an FSDP model runs (see :func:`keeping_process_groups`).
+_KEEP_GROUPS: List[bool] = []
+
+
+@contextlib.contextmanager
+def keeping_process_groups() -> Iterator[None]:
+    """Within: units pickle with their process groups (for ``copy.deepcopy``, whose memo holds the groups)."""
+    _KEEP_GROUPS.append(True)
+    try:
+        yield
+    finally:
+        _KEEP_GROUPS.pop()
+
+
+def process_groups_of(unit: "FSDPUnit") -> List[Any]:
+    """The process groups ``unit``'s config refers to (what a deep copy must keep by reference)."""
+    c = unit.config
+    groups = (c.process_group, c.process_group_reduce_scatter, c.zero2_process_group, c.replicate_process_group)
+    return [g for g in groups if g is not None and not isinstance(g, str)]
+
+
 class FSDPUnit:
     """Runtime state of one FSDP instance.
 
@@ -129,7 +151,9 @@ class FSDPUnit:
     def __getstate__(self) -> Any:
         state = dict(self.__dict__)
         state["_owner_ref"] = None  # the front re-links its unit (a weak reference cannot be pickled)
-        state["config"] = self.config.without_groups()
+        # An in-process deep copy (copy.deepcopy of the model, e.g. an EMA copy) keeps the process groups: the copy
+        # lives on the same ranks. A pickle crosses processes, where the groups mean nothing.
+        state["config"] = self.config if _KEEP_GROUPS else self.config.without_groups()
         state["tree"] = None
         state["is_root"] = None
         return state

@@ -1,0 +1,256 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""FullyShardedDataParallel used the way users get it wrong (found by probing, session 9): each either works as a
+fairscale user would expect or raises a clear error, instead of a bare assertion, a cryptic internal error, or a
+silently wrong result.
+
+* ``.to()/.half()`` between a forward and its backward (was a bare ``AssertionError`` in the backward);
+* ``clip_grad_norm_`` after a ``no_sync()`` backward (was a silently wrong norm: each rank's full unreduced gradient),
+  with a negative or NaN ``max_norm`` (flipped or skipped silently), with ``norm_type`` 0 (``ZeroDivisionError``);
+* ``FSDP(FSDP(module))`` (was a misleading tied-weights error; upstream supports it) and one module wrapped by two
+  instances (was "setStorage ... out of bounds" in its forward);
+* ``copy.deepcopy`` of a model (e.g. an EMA copy: the copy had no process groups and failed with "got str:
+  'MISSING'"), and a pickled model used without its groups;
+* constructor arguments no step can honour, and ``get_shard_from_optim_state_dict`` with what
+  ``gather_full_optim_state_dict`` returns on the other ranks (``None``) or with state for an unknown parameter.
+"""
+
+import copy
+import functools
+import pickle
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+WORLD = 2
+TIMEOUT = 120.0
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _nested(**kwargs: object) -> FSDP:
+    torch.manual_seed(0)
+    net = _Net()
+    net.a = FSDP(net.a, **kwargs)  # type: ignore[assignment]
+    return FSDP(net, **kwargs)
+
+
+def _input(step: int = 0) -> torch.Tensor:
+    # The same on every rank: the averaged gradient then equals the single-process one.
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _full(model: FSDP) -> Dict[str, torch.Tensor]:
+    with model.summon_full_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(model: nn.Module, steps: int = 2) -> None:
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        model(_input(step)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _reference_after_training(steps: int = 2) -> Dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ref = _Net()
+    _train(ref, steps)
+    return {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _assert_equal_to_reference(got: Dict[str, torch.Tensor], steps: int = 2) -> None:
+    expected = _reference_after_training(steps)
+    assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------------------------- wrong state
+
+
+def _case_move_between_forward_and_backward() -> None:
+    model = _nested()
+    out = model(_input())
+    with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        model.double()
+    out.pow(2).sum().backward()  # the refused move changed nothing: the backward runs
+    model.double()  # and after the backward the move works
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+def _case_clip_after_no_sync_backward(obc: bool) -> None:
+    model = _nested(optimize_backward_concat=obc)
+    with model.no_sync():
+        model(_input()).pow(2).sum().backward()
+        with pytest.raises(RuntimeError, match="inside no_sync"):
+            model.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="not reduced yet"):
+        model.clip_grad_norm_(1.0)  # outside the context too, until the synchronizing backward
+    model(_input()).pow(2).sum().backward()
+    # After the window: the norm of the averaged gradient of both microbatches, as torch computes it unsharded.
+    torch.manual_seed(0)
+    ref = _Net()
+    for _ in range(2):
+        ref(_input()).pow(2).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    torch.testing.assert_close(model.clip_grad_norm_(1.0), expected, rtol=1e-5, atol=1e-6)
+
+
+def _case_clip_arguments() -> None:
+    model = _nested()
+    model(_input()).pow(2).sum().backward()
+    before = _full_grads(model)
+    for max_norm, norm_type, needle in (
+        (-1.0, 2.0, "max_norm must be a non-negative number"),
+        (float("nan"), 2.0, "max_norm must be a non-negative number"),
+        (1.0, 0, "norm_type must be a positive number or inf"),
+        (1.0, -2.0, "norm_type must be a positive number or inf"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            model.clip_grad_norm_(max_norm, norm_type)
+    after = _full_grads(model)
+    assert all(torch.equal(before[n], after[n]) for n in before), "a refused clip changed the gradients"
+
+
+def _full_grads(model: FSDP) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ----------------------------------------------------------------------------------------------- wrapping
+
+
+def _case_fsdp_of_fsdp_trains_like_the_module() -> None:
+    torch.manual_seed(0)
+    model = FSDP(FSDP(_Net()))
+    _train(model)
+    got = _full(model)
+    assert sorted(model.state_dict()) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    _assert_equal_to_reference(got)
+
+
+def _case_one_module_in_two_instances() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    first = FSDP(net)
+    second = FSDP(net)
+    with pytest.raises(ValueError, match=r"module 'a' \(Linear\) is already wrapped by another"):
+        second(_input())
+    _train(first)  # the first wrapping is unharmed
+    _assert_equal_to_reference(_full(first))
+
+
+# -------------------------------------------------------------------------------------------------- copies
+
+
+def _case_deepcopy_is_an_independent_working_model() -> None:
+    model = _nested()
+    _train(model, 1)
+    clone = copy.deepcopy(model)
+    trained_once = _full(model)
+    # The copy trains on as the original would have (equal to the single-process reference), and leaves it alone.
+    optim = torch.optim.SGD(clone.parameters(), lr=0.1)
+    clone(_input(1)).pow(2).sum().backward()
+    optim.step()
+    _assert_equal_to_reference(_full(clone), steps=2)
+    assert all(torch.equal(trained_once[n], v) for n, v in _full(model).items()), "the copy's step moved the original"
+    out = model(_input())
+    with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        copy.deepcopy(model)
+    out.sum().backward()
+
+
+def _case_unpickled_model_needs_its_groups() -> None:
+    model = _nested()
+    _train(model, 1)
+    clone = pickle.loads(pickle.dumps(model))
+    with pytest.raises(RuntimeError, match=r"was unpickled .* process_group, process_group_reduce_scatter"):
+        clone(_input(1))
+    for m in clone.modules():  # as upstream's serialization tests do
+        if isinstance(m, FSDP):
+            m.process_group = dist.group.WORLD
+            m.process_group_reduce_scatter = dist.group.WORLD
+    optim = torch.optim.SGD(clone.parameters(), lr=0.1)
+    clone(_input(1)).pow(2).sum().backward()
+    optim.step()
+    _assert_equal_to_reference(_full(clone), steps=2)
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def _case_constructor_arguments() -> None:
+    for kwargs, error, needle in (
+        ({"process_group": "gloo"}, TypeError, "process_group must be a torch.distributed ProcessGroup"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a number"),
+        ({"gradient_predivide_factor": 0.0}, ValueError, "gradient_predivide_factor must be a positive"),
+        ({"buffer_dtype": torch.int64}, ValueError, "buffer_dtype must be a floating-point"),
+        ({"compute_device": torch.device("meta")}, ValueError, "compute_device cannot be 'meta'"),
+    ):
+        with pytest.raises(error, match=needle):
+            FSDP(_Net(), **kwargs)  # type: ignore[arg-type]
+    with torch.device("meta"):
+        on_meta = _Net()
+    with pytest.raises(ValueError, match="parameters on the meta device"):
+        FSDP(on_meta)
+    model = _nested()
+    with pytest.raises(ValueError, match="pre must be a positive finite number"):
+        model.set_gradient_divide_factors(0.0, 2.0, recursive=True)
+    _train(model)  # nothing was changed by the refused call
+    _assert_equal_to_reference(_full(model))
+
+
+def _case_optim_shard_from_the_wrong_input() -> None:
+    model = _nested()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(_input()).pow(2).sum().backward()
+    optim.step()
+    full = model.gather_full_optim_state_dict(optim)  # None on rank 1
+    if dist.get_rank() == 1:
+        with pytest.raises(TypeError, match="returned on its recipient rank"):
+            model.get_shard_from_optim_state_dict(full)  # type: ignore[arg-type]
+        return
+    assert full is not None
+    bad = dict(full, state=dict(full["state"]))
+    bad["state"][99] = bad["state"][0]
+    with pytest.raises(ValueError, match="state for parameter 99"):
+        model.get_shard_from_optim_state_dict(bad)
+    model.get_shard_from_optim_state_dict(full)  # the real one still shards
+
+
+def _body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            (".to() between forward and backward", _case_move_between_forward_and_backward),
+            ("clip after no_sync", functools.partial(_case_clip_after_no_sync_backward, False)),
+            (
+                "clip after no_sync, optimize_backward_concat",
+                functools.partial(_case_clip_after_no_sync_backward, True),
+            ),
+            ("clip arguments", _case_clip_arguments),
+            ("FSDP(FSDP(m))", _case_fsdp_of_fsdp_trains_like_the_module),
+            ("one module in two instances", _case_one_module_in_two_instances),
+            ("deepcopy", _case_deepcopy_is_an_independent_working_model),
+            ("unpickled", _case_unpickled_model_needs_its_groups),
+            ("constructor arguments", _case_constructor_arguments),
+            ("optim shard input", _case_optim_shard_from_the_wrong_input),
+        ]
+    )
+
+
+def test_misuse_works_or_raises_clearly() -> None:
+    run_distributed(_body, WORLD, timeout=TIMEOUT)
