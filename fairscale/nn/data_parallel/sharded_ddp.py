@@ -43,8 +43,9 @@ class ShardedDataParallel(nn.Module):
 
     Args:
         module (nn.Module): the model to wrap; all its parameters on one device type.
-        sharded_optimizer (OSS or list of OSS): the optimizer(s) owning the parameters; parameters in no OSS
-            are not reduced.
+        sharded_optimizer (OSS or list of OSS): the optimizer(s) owning the parameters, all of them the module's;
+            parameters in no OSS are not reduced. Groups added later with ``OSS.add_param_group`` are reduced from
+            the next forward on (with ``auto_refresh_trainable=False``: after :meth:`refresh_trainable`).
         process_group (Optional[ProcessGroup]): the data-parallel group (default: the world group); the same as the
             optimizers'.
         broadcast_buffers (bool): broadcast the module's buffers from group rank 0 at every forward (not inside
@@ -52,23 +53,29 @@ class ShardedDataParallel(nn.Module):
         sync_models_at_startup (bool): broadcast parameters and buffers from group rank 0 now. Default ``True``.
         reduce_buffer_size (int): the element capacity of each gradient bucket; small gradients of the same owner
             are reduced together. ``0`` disables buckets. Default ``2**23``.
-        auto_refresh_trainable (bool): check at every forward whether parameters were frozen/unfrozen or the
-            train/eval mode changed, and rebuild hooks and buckets if so. Default ``True``; with ``False`` call
-            :meth:`refresh_trainable` after such a change.
+        auto_refresh_trainable (bool): check at every forward whether parameters were frozen/unfrozen or added to
+            the optimizers, or the train/eval mode changed, and rebuild hooks and buckets if so. Default ``True``;
+            with ``False`` call :meth:`refresh_trainable` after such a change (a training forward raises
+            ``RuntimeError`` when trainable parameters were added to an optimizer since).
         reduce_fp16 (bool): reduce fp32 gradients as fp16 (only without buckets; ignored with a warning
             otherwise). Default ``False``.
         warn_on_trainable_params_changed (bool): log a warning when a trainability change is detected.
             Default ``True``.
 
     Raises:
+        TypeError: an optimizer is not an :class:`~fairscale.optim.OSS` (e.g. a plain ``torch.optim.SGD``).
+        ValueError: an optimizer holds parameters that are not the module's, or two optimizers hold the same
+            parameter (at construction, or at the refresh after ``add_param_group``).
         RanksDisagreeError: (a ``ValueError``, the same on every rank) at construction, when the ranks wrap modules
             with other parameters (names, shapes, dtypes, ``requires_grad``) or buffers; in ``backward()``, when
             the ranks would reduce different parameters (one rank froze or unfroze a parameter alone, or called
             :meth:`refresh_trainable` alone). The first costs one small all-gather; the second one all-reduce of two
             integers before the first reduction of each backward (none inside :meth:`no_sync`).
 
-    .. warning:: Every rank must run the same graph (the same parameters get gradients, in the same order): the
-        reductions are matched by order.
+    .. warning:: Every rank must run the same forward and backward, in the same mode (``train()``/``eval()``, in
+        or out of :meth:`no_sync`), with the same parameters getting gradients, in the same order: the reductions
+        are matched by order. A rank that skips a layer, or runs a forward the others do not, makes gloo abort the
+        process or the ranks hang (see "When ranks disagree" in the FSDP page for ``TORCH_DISTRIBUTED_DEBUG``).
     """
 
     def __init__(
@@ -85,9 +92,7 @@ class ShardedDataParallel(nn.Module):
     ):
         super().__init__()
         self.module = module
-        self._sharded_optimizers: List[OSS] = (
-            sharded_optimizer if isinstance(sharded_optimizer, list) else [sharded_optimizer]
-        )
+        self._sharded_optimizers: List[OSS] = _check_optimizers(sharded_optimizer)
         self._enable_broadcast_buffers = broadcast_buffers
         self._auto_refresh_trainable = auto_refresh_trainable
         self._warn_on_trainable_params_changed = warn_on_trainable_params_changed
@@ -125,14 +130,12 @@ class ShardedDataParallel(nn.Module):
                     f"over {optim.world_size}; build OSS with the same group"
                 )
 
-        # Every parameter the optimizers manage: per optimizer, per device, owner by owner (each by size).
-        self._all_params: List[torch.Tensor] = [
-            p
-            for optim in self._sharded_optimizers
-            for per_rank in optim._per_device_params.values()
-            for params in per_rank
-            for p in params
-        ]
+        # Every parameter the optimizers manage (see _optimizer_params), re-read when their groups change: a group
+        # added to an OSS after wrapping (unfreezing a backbone) is reduced from the next refresh on.
+        self._all_params: List[torch.Tensor] = []
+        self._all_param_names: List[str] = []
+        self._groups_seen: Optional[List[List[int]]] = None
+        self._update_params()
         self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
 
         model_size = sum(p.numel() for p in self.module.parameters())
@@ -145,10 +148,6 @@ class ShardedDataParallel(nn.Module):
                 self._buffer_max_size / 2**20, model_size / 2**20
             )
         )
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        self._all_param_names = [
-            names.get(id(p), f"(not in the module) parameter {i}") for i, p in enumerate(self._all_params)
-        ]
         # Before the first collective: ranks with other models would broadcast or reduce tensors of other sizes
         # (gloo aborts the process, NCCL hangs or corrupts memory). The arguments that decide which collectives run
         # (a buffer broadcast per forward, a startup broadcast, the reduce buckets and their dtype, a check per
@@ -179,6 +178,79 @@ class ShardedDataParallel(nn.Module):
         if sync_models_at_startup:
             self._sync_params_and_buffers()
 
+    def _groups_signature(self) -> List[List[int]]:
+        """The number of parameters in each group of each optimizer: a change means ``add_param_group`` (the only
+        way OSS takes new parameters) ran since. Cheap enough for every forward (no walk over the parameters)."""
+        return [[len(group["params"]) for group in optim.param_groups] for optim in self._sharded_optimizers]
+
+    def _optimizer_params(self) -> List[torch.Tensor]:
+        """Every parameter the optimizers manage: per optimizer, per device, owner by owner (each by size)."""
+        return [
+            p
+            for optim in self._sharded_optimizers
+            for per_rank in optim._per_device_params.values()
+            for params in per_rank
+            for p in params
+        ]
+
+    def _update_params(self) -> bool:
+        """Re-read the optimizers' parameters if their groups changed since they were last read.
+
+        Returns:
+            bool: whether they changed (the hooks and buckets then need a refresh).
+
+        Raises:
+            ValueError: an optimizer holds a parameter that is not the module's, or two optimizers hold the same
+                parameter; nothing is changed then.
+        """
+        signature = self._groups_signature()
+        if signature == self._groups_seen:
+            return False
+        params = self._optimizer_params()
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        foreign = [p for p in params if id(p) not in names]
+        if foreign:
+            # Before anything is hooked: such a parameter would be "reduced" while the module's own parameters in
+            # no optimizer never train, silently (an OSS built over another model, or a group added from one).
+            shapes = ", ".join(str(list(p.shape)) for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ValueError(
+                f"ShardedDataParallel: the optimizers hold {len(foreign)} parameter(s) that are not parameters of the "
+                f"wrapped module (shapes {shapes}). Build OSS over the parameters of the module you wrap, e.g. "
+                "OSS(module.parameters(), optim=torch.optim.SGD, lr=0.1), and add_param_group() only that module's "
+                "parameters; an OSS over a subset of them is fine."
+            )
+        seen: Dict[int, int] = {}
+        for p in params:
+            seen[id(p)] = seen.get(id(p), 0) + 1
+        shared = [names[id(p)] for p in params if seen.pop(id(p), 1) > 1]
+        if shared:
+            # Its hook would be registered once per optimizer: its gradient reduced (and scaled) twice.
+            raise ValueError(
+                f"ShardedDataParallel: parameter(s) {', '.join(shared)} are held by more than one optimizer. Give "
+                "each parameter to one OSS only (several OSS must hold disjoint parts of the module's parameters)."
+            )
+        self._all_params = params
+        self._all_param_names = [names[id(p)] for p in params]
+        self._groups_seen = signature
+        return True
+
+    def _check_no_unreduced_group(self) -> None:
+        """With ``auto_refresh_trainable=False``: refuse to train parameters added to an optimizer since the last
+        :meth:`refresh_trainable` (they would get no hook: each rank would step its own, unaveraged gradient)."""
+        if self._groups_signature() == self._groups_seen:
+            return
+        known = {id(p) for p in self._all_params}
+        added = [p for p in self._optimizer_params() if id(p) not in known]
+        if any(p.requires_grad for p in added):
+            raise RuntimeError(
+                f"ShardedDataParallel: {len(added)} parameter(s) were added to the optimizers (add_param_group) "
+                "since the gradient hooks were built, and auto_refresh_trainable=False: their gradients would not "
+                "be reduced. Call refresh_trainable() on every rank after add_param_group(), or build "
+                "ShardedDataParallel with auto_refresh_trainable=True."
+            )
+        # Frozen for now: nothing to reduce yet. refresh_trainable(), which unfreezing them needs, hooks them.
+        self._update_params()
+
     def _describe_reduction(self) -> List[Any]:
         """What every rank's backward must agree on: each managed parameter's name, ``requires_grad`` flag and
         whether it is hooked for reduction (see :class:`GradReducer`)."""
@@ -199,6 +271,8 @@ class ShardedDataParallel(nn.Module):
         needs_setup = self._reducer.state == HookState.NONE and self.training
         if self._auto_refresh_trainable:
             needs_setup |= self._detect_train_change()
+        elif self.training and not needs_setup:
+            self._check_no_unreduced_group()
         if needs_setup:
             self.refresh_trainable()
         if self._enable_broadcast_buffers and not self._reducer.accumulating:
@@ -214,10 +288,16 @@ class ShardedDataParallel(nn.Module):
         return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def _detect_train_change(self) -> bool:
+        added = self._update_params()
+        if added and self._warn_on_trainable_params_changed:
+            logging.warning("ShardedDDP detected that parameters were added to the optimizers (add_param_group).")
         mask = [p.requires_grad for p in self._all_params]
         changed = mask != self._reference_trainable_mask or (
             not self.training and self._reducer.state == HookState.READY
         )
+        if added:
+            self._reference_trainable_mask = mask
+            return True
         if changed:
             if self._warn_on_trainable_params_changed:
                 logging.warning(
@@ -234,7 +314,16 @@ class ShardedDataParallel(nn.Module):
 
         Called automatically when ``auto_refresh_trainable`` is set; ownership of the parameters never changes.
         Otherwise call it on every rank: the next backward checks that the ranks reduce the same parameters.
+        Parameters added to an optimizer since (``OSS.add_param_group``, e.g. to unfreeze a backbone) are reduced
+        from then on, like the others.
+
+        Raises:
+            ValueError: an optimizer now holds a parameter that is not the wrapped module's, or two optimizers hold
+                the same parameter.
         """
+        if self._update_params():
+            # The automatic check compares with this mask: the new parameters are taken into account here.
+            self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
         if self._reducer.has_pending:
             logging.warning(
                 "Grads waiting to be reduced. If this is on purpose (grad accumulation), please use a no_sync() context"
@@ -275,7 +364,10 @@ class ShardedDataParallel(nn.Module):
             set_to_none (bool): release the gradients instead of zeroing them, except those of trainable bucketed
                 parameters, which stay views of their bucket (zeroed).
         """
-        self._reducer.zero_grad(set_to_none, self._all_params)
+        # Parameters added to an optimizer since the last forward are zeroed too (read without refreshing: the next
+        # forward, or refresh_trainable(), does that).
+        params = self._all_params if self._groups_signature() == self._groups_seen else self._optimizer_params()
+        self._reducer.zero_grad(set_to_none, params)
 
     def sync_buffers(self, blocking: bool = False) -> None:
         """Broadcast the module's buffers from group rank 0.
@@ -346,6 +438,22 @@ class ShardedDataParallel(nn.Module):
         self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
         return self
+
+
+def _check_optimizers(sharded_optimizer: Any) -> List[OSS]:
+    """The optimizers as a list, after checking that they are OSS (ShardedDataParallel reads their sharding)."""
+    optimizers = sharded_optimizer if isinstance(sharded_optimizer, list) else [sharded_optimizer]
+    for optim in optimizers:
+        if not isinstance(optim, OSS):
+            kind = type(optim)
+            several = " (several OSS optimizers go in a list, not a tuple)" if isinstance(optim, tuple) else ""
+            raise TypeError(
+                "ShardedDataParallel needs fairscale.optim.OSS optimizers: it reduces each gradient to the rank whose "
+                f"OSS shard owns the parameter. Got {kind.__module__}.{kind.__qualname__}{several}. Wrap the torch "
+                "optimizer class in OSS, e.g. OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1), and pass it "
+                "(or a list of them) to ShardedDataParallel."
+            )
+    return optimizers
 
 
 def _world_group() -> Any:
