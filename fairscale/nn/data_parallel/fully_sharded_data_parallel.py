@@ -217,6 +217,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
             fsdp_ties.mark_flattened(
                 (p for _, p in params),
                 [m for _, m, _ in fpw._param_infos] + [info[2] for info in fpw._shared_param_infos],
+                sharded=config.world_size > 1,
             )
         del module  # reachable only through the wrapper from here on
         flat = list(self._fsdp_wrapped_module.flat_params)

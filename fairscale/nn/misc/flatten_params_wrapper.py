@@ -8,7 +8,7 @@ Public front: :class:`FlatParameter`, :class:`FlattenParamsWrapper`, ``_enable_p
 import contextlib
 import copy
 from itertools import chain
-from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -157,16 +157,24 @@ class FlattenParamsWrapper(nn.Module):
         self.is_flattened = True
         self._unflatten_params_as_views()
 
-    def _unflatten_params(self, external_data: Optional[List[Tensor]] = None) -> None:
+    def _unflatten_params(self, external_data: Optional[List[Tensor]] = None) -> List["_GivenParam"]:
         """Give the wrapped module real ``nn.Parameter`` objects again, aliasing the flat data (or ``external_data``)
-        and remove the flat parameters from the wrapper."""
+        and remove the flat parameters from the wrapper.
+
+        Returns:
+            What each module was given (see :func:`_copy_back_rebound`).
+        """
         if not self.is_flattened:
             raise RuntimeError("FlattenParamsWrapper is not flattened")
         with torch.no_grad():
             views = list(self.get_param_views(external_data))
-        for (_, m, n), view, flat in zip(self._param_infos, views, self._owner_of_each_param()):
+        given: List[_GivenParam] = []
+        for (mname, m, n), view, flat in zip(self._param_infos, views, self._owner_of_each_param()):
             _drop_attr(m, n)
-            m.register_parameter(n, nn.Parameter(view, requires_grad=flat.requires_grad))
+            param = nn.Parameter(view, requires_grad=flat.requires_grad)
+            m.register_parameter(n, param)
+            name = (f"{mname}.{n}" if mname else n).replace("_fpw_module.", "")
+            given.append(_GivenParam(name, m, n, param, view))
         for _, _, m, n, shared_m, shared_n in self._shared_param_infos:
             _drop_attr(m, n)
             m.register_parameter(n, getattr(shared_m, shared_n))
@@ -175,6 +183,7 @@ class FlattenParamsWrapper(nn.Module):
         for name in self.flat_param_names:
             delattr(self, name)
         self.is_flattened = False
+        return given
 
     def _restore_param_order(self) -> None:
         """Put re-registered parameters back in their original order in each module (upstream did not)."""
@@ -248,8 +257,10 @@ class FlattenParamsWrapper(nn.Module):
         """Context manager: the wrapped module has its original ``nn.Parameter`` attributes inside.
 
         The parameters alias the flat parameters' storage (or ``flat_params``), so in-place changes made inside
-        are kept. On exit (also on an exception) the original flat parameters are restored and the module gets
-        views again. Does nothing when the wrapper is already unflattened.
+        are kept; a parameter rebound inside (``m.weight.data = t``, ``m.weight = nn.Parameter(t)``) is copied back
+        when ``t`` has its shape. On exit (also on an exception) the original flat parameters are restored and the
+        module gets views again. A forward with autograd inside is refused (its gradients would be lost). Does
+        nothing when the wrapper is already unflattened.
 
         Args:
             flat_params (Optional[List[Tensor]]): one tensor per flat parameter, each with the flat parameter's
@@ -257,7 +268,8 @@ class FlattenParamsWrapper(nn.Module):
 
         Raises:
             ValueError: ``flat_params`` is given while the wrapper is not flattened, or has the wrong length or
-                sizes.
+                sizes; or, on exit, a parameter was replaced by a value of another shape (or ``None``), which
+                cannot be written back (the others are written back).
         """
         if flat_params is not None and not self.is_flattened:
             raise ValueError("unflatten_params(flat_params) needs a flattened wrapper; this one is unflattened")
@@ -265,11 +277,21 @@ class FlattenParamsWrapper(nn.Module):
             yield
             return
         orig_flat_params = self.flat_params
-        self._unflatten_params(flat_params)
+        given = self._unflatten_params(flat_params)
+        problems: List[str] = []
+        self.__dict__["_unflattened_by_context"] = True
         try:
             yield
         finally:
+            self.__dict__["_unflattened_by_context"] = False
+            problems = _copy_back_rebound(given)
             self._flatten_params(orig_flat_params)
+        if problems:
+            raise ValueError(
+                "unflatten_params: parameters were replaced inside the context by tensors that cannot be written back "
+                f"into the flat parameters ({'; '.join(problems)}); their values were dropped. Edit parameters in "
+                "place (p.copy_(...)), or replace them by tensors of the same shape."
+            )
 
     def get_param_views(self, external_data_list: Optional[Sequence[Optional[Tensor]]] = None) -> Iterator[Tensor]:
         """Views of the original shapes into every flat parameter (or into ``external_data_list``), in order.
@@ -302,6 +324,12 @@ class FlattenParamsWrapper(nn.Module):
         """Refresh the views (so autograd connects them to the flat parameters) and run the wrapped module."""
         if self.is_flattened:
             self._unflatten_params_as_views()
+        elif self.__dict__.get("_unflattened_by_context") and torch.is_grad_enabled():
+            # The module holds temporary Parameters here: their gradients would never reach the flat parameters.
+            raise RuntimeError(
+                "FlattenParamsWrapper: forward with autograd inside unflatten_params(): the gradients would go to "
+                "temporary parameters and be lost. Run the forward outside the context (or under torch.no_grad())."
+            )
         return self.module(*inputs, **kwinputs)
 
     def __getattr__(self, name: str) -> Any:
@@ -418,6 +446,34 @@ class FlattenParamsWrapper(nn.Module):
             return super().load_state_dict(state_dict, strict)
 
 
+class _GivenParam(NamedTuple):
+    """A parameter :meth:`FlattenParamsWrapper.unflatten_params` handed to a module, and the flat view it aliases."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    param: nn.Parameter
+    view: Tensor
+
+
+@torch.no_grad()
+def _copy_back_rebound(given: List[_GivenParam]) -> List[str]:
+    """Write into the flat views what the user rebound inside ``unflatten_params`` (``m.weight = nn.Parameter(t)``,
+    ``m.weight.data = t``): in-place edits reach the flat parameter through the alias, rebinds would be dropped
+    silently when the views are reinstalled. Returns what could not be written back (a missing or misshapen value)."""
+    problems: List[str] = []
+    for g in given:
+        current = g.module._parameters.get(g.attr, getattr(g.module, g.attr, None))
+        if current is g.param and current.data_ptr() == g.view.data_ptr() and current.shape == g.view.shape:
+            continue  # untouched, or edited in place (already in the flat parameter)
+        if not isinstance(current, Tensor) or current.shape != g.view.shape:
+            shape = tuple(current.shape) if isinstance(current, Tensor) else type(current).__name__
+            problems.append(f"{g.name}: {shape} where {tuple(g.view.shape)} was expected")
+            continue
+        g.view.copy_(current.detach())
+    return problems
+
+
 def _drop_attr(module: nn.Module, name: str) -> None:
     """Delete ``module.<name>`` (parameter or plain attribute) if it exists."""
     if hasattr(module, name):
@@ -443,6 +499,14 @@ def _set_plain_tensor(module: nn.Module, name: str, value: Tensor) -> None:
     ):
         object.__setattr__(module, name, value)
     else:
+        if name in d["_parameters"] and not isinstance(value, nn.Parameter):
+            # Only a parameter registered after wrapping gets here: the flat parameter owns this name.
+            raise ValueError(
+                f"{type(module).__name__}.{name} was registered as a parameter again after FlattenParamsWrapper "
+                "flattened it (its values live in the flat parameter, which this module's forward reads). Change it "
+                "in place (module.weight.data.copy_(...)), or inside unflatten_params() / summon_full_params(), or "
+                "replace it before wrapping."
+            )
         setattr(module, name, value)
 
 

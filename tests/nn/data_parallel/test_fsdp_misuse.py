@@ -8,6 +8,8 @@ silently wrong result.
   with a negative or NaN ``max_norm`` (flipped or skipped silently), with ``norm_type`` 0 (``ZeroDivisionError``);
 * ``FSDP(FSDP(module))`` (was a misleading tied-weights error; upstream supports it) and one module wrapped by two
   instances (was "setStorage ... out of bounds" in its forward);
+* parameters rebound inside ``summon_full_params()`` (``m.weight.data = t``, ``m.bias = nn.Parameter(t)``: were
+  dropped silently; in-place edits were kept);
 * ``copy.deepcopy`` of a model (e.g. an EMA copy: the copy had no process groups and failed with "got str:
   'MISSING'"), and a pickled model used without its groups;
 * constructor arguments no step can honour, and ``get_shard_from_optim_state_dict`` with what
@@ -190,6 +192,22 @@ def _case_unpickled_model_needs_its_groups() -> None:
     _assert_equal_to_reference(_full(clone), steps=2)
 
 
+def _case_rebinds_inside_summon_are_written_back() -> None:
+    model = _nested()
+    with model.summon_full_params():
+        model.module.b.weight.data = torch.full((3, 6), 0.5)
+        model.module.b.bias = nn.Parameter(torch.full((3,), -1.0))
+    full = _full(model)
+    assert torch.equal(full["b.weight"], torch.full((3, 6), 0.5)) and torch.equal(
+        full["b.bias"], torch.full((3,), -1.0)
+    )
+    with pytest.raises(ValueError, match=r"b\.bias: NoneType where \(3,\) was expected"):
+        with model.summon_full_params():
+            model.module.b.bias = None
+    assert all(torch.equal(full[n], v) for n, v in _full(model).items()), "a refused write-back changed the model"
+    model(_input()).sum().backward()  # and it still trains
+
+
 # ---------------------------------------------------------------------------------------------- arguments
 
 
@@ -232,6 +250,17 @@ def _case_optim_shard_from_the_wrong_input() -> None:
     model.get_shard_from_optim_state_dict(full)  # the real one still shards
 
 
+def _case_consolidate_with_one_ranks_dicts() -> None:
+    model = _nested()
+    weights, meta = model.local_state_dict(), model.local_metadata_dict()
+    with pytest.raises(TypeError, match="shard_weights must be a list with one dict per rank"):
+        FSDP.consolidate_shard_weights(weights, meta)  # type: ignore[arg-type]
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, (weights, meta))
+    full = FSDP.consolidate_shard_weights([w for w, _ in everyone], [m for _, m in everyone])
+    assert sorted(full) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
@@ -244,10 +273,12 @@ def _body(rank: int, world_size: int) -> None:
             ("clip arguments", _case_clip_arguments),
             ("FSDP(FSDP(m))", _case_fsdp_of_fsdp_trains_like_the_module),
             ("one module in two instances", _case_one_module_in_two_instances),
+            ("rebinds inside summon_full_params", _case_rebinds_inside_summon_are_written_back),
             ("deepcopy", _case_deepcopy_is_an_independent_working_model),
             ("unpickled", _case_unpickled_model_needs_its_groups),
             ("constructor arguments", _case_constructor_arguments),
             ("optim shard input", _case_optim_shard_from_the_wrong_input),
+            ("consolidate with one rank's dicts", _case_consolidate_with_one_ranks_dicts),
         ]
     )
 

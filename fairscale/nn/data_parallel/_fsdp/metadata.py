@@ -164,6 +164,13 @@ def consolidate_shard_weights(
         KeyError: with ``strict=True``, a listed entry is missing from rank 0's weights, or any rank lacks a
             shard that rank 0 has.
     """
+    for what, given in (("shard_weights", shard_weights), ("shard_metadata", shard_metadata)):
+        if isinstance(given, Mapping) or not isinstance(given, Sequence):
+            # One rank's dict passed as is: its keys would be counted as ranks.
+            raise TypeError(
+                f"consolidate_shard_weights: {what} must be a list with one dict per rank, in rank order (e.g. "
+                f"[ckpt['weights'] for ckpt in per_rank_checkpoints]), got a {type(given).__name__}"
+            )
     if len(shard_weights) != len(shard_metadata) or len(shard_weights) == 0:
         raise ValueError(
             "consolidate_shard_weights needs one local state dict and one metadata dict per rank, in rank order; got "

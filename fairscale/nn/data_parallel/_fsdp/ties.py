@@ -27,13 +27,15 @@ _FLATTENED_ATTR = "_fsdp_flattened_away"
 _FLATTENED_MODULE_ATTR = "_fsdp_params_flattened_away"
 
 
-def mark_flattened(params: Iterable[nn.Parameter], modules: Iterable[nn.Module] = ()) -> None:
+def mark_flattened(params: Iterable[nn.Parameter], modules: Iterable[nn.Module] = (), sharded: bool = True) -> None:
     """Remember that ``params`` (held by ``modules``) were copied into a flat parameter (their objects no longer
-    train, and the modules' weights become views of the flat parameter)."""
+    train, and the modules' weights become views of the flat parameter, freed outside the owner's forward when it
+    is ``sharded``; at world size 1 they alias the whole parameter, which stays, so using them elsewhere works)."""
     for p in params:
         setattr(p, _FLATTENED_ATTR, True)
-    for m in modules:
-        setattr(m, _FLATTENED_MODULE_ATTR, True)
+    if sharded:
+        for m in modules:
+            setattr(m, _FLATTENED_MODULE_ATTR, True)
 
 
 def _modules_outside_nested(module: nn.Module, fsdp_cls: type) -> List[Tuple[str, nn.Module]]:
