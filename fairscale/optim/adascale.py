@@ -26,6 +26,7 @@ end-of-backward callback queued so that it runs after DDP's own reduction.
 """
 
 import functools
+import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, cast
 
@@ -54,16 +55,19 @@ class AdaScale(torch.optim.Optimizer):
         optimizer (torch.optim.Optimizer): the optimizer to wrap (e.g. SGD, or OSS for sharded training).
         world_size (Optional[int]): number of data-parallel workers; default the default group's size when
             torch.distributed is initialised, else 1.
-        scale (Optional[float]): batch-size ratio to the single-worker baseline; default
+        scale (Optional[float]): batch-size ratio to the single-worker baseline, a finite number >= 1; default
             ``world_size * num_gradients_to_accumulate``.
-        smoothing (Optional[float]): factor of the moving averages; default ``max(1 - scale_default / 1000, 0)``.
-        num_gradients_to_accumulate (int): backward passes per optimizer step. Default: 1.
+        smoothing (Optional[float]): factor of the moving averages, in ``[0, 1)`` (``1`` too with
+            ``debias_ewma=False``: a plain running mean); default ``max(1 - scale_default / 1000, 0)``.
+        num_gradients_to_accumulate (int): backward passes per optimizer step, a whole number >= 1. Default: 1.
         is_scaled_loss (bool): whether each micro-batch's loss is divided by ``num_gradients_to_accumulate``
             (the gradients then sum to the mean). Default: ``True``.
         debias_ewma (bool): debias the moving averages (each starts at the first value). Default: ``True``.
 
     Raises:
         RuntimeError: a single worker without gradient accumulation (no gradient noise to measure).
+        ValueError: ``scale`` below 1 or not finite, ``num_gradients_to_accumulate`` not a whole number >= 1 (both
+            also ``AssertionError``, as upstream asserted), or ``smoothing`` out of range.
     """
 
     def __init__(
@@ -92,7 +96,7 @@ class AdaScale(torch.optim.Optimizer):
 
         self.set_num_gradients_to_accumulate(num_gradients_to_accumulate, update_smoothing=True)
         if smoothing is not None:
-            self._smoothing = float(smoothing)
+            self._smoothing = _checked_smoothing(smoothing, debias_ewma)
         if self._world_size * self._num_grads_to_accum <= 1:
             raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
 
@@ -174,13 +178,19 @@ class AdaScale(torch.optim.Optimizer):
         """Set the batch-size scale ``S``.
 
         Args:
-            scale (float): the new scale, at least 1.
+            scale (float): the new scale, a finite number >= 1.
             update_estimate (bool): rescale the stored variance estimate to the new scale (it is measured per
                 ``S`` samples). Default: ``True``.
+
+        Raises:
+            ValueError: (also an ``AssertionError``) ``scale`` below 1, or not finite (an infinite scale made the
+                gain, and so the learning rate, NaN).
         """
         self._check_not_in_backward("Don't change scale in backward phase")
         if not scale >= 1:
             raise FairscaleValueError(f"AdaScale: Scale must be at least 1, got {scale}")
+        if not math.isfinite(scale):
+            raise FairscaleValueError(f"AdaScale: Scale must be a finite number >= 1, got {scale}")
         if update_estimate:
             ratio = self._scale / scale
             state = self._state
@@ -194,13 +204,27 @@ class AdaScale(torch.optim.Optimizer):
         """Set the number of backward passes per step.
 
         Args:
-            num_gradients_to_accumulate (int): at least 1.
+            num_gradients_to_accumulate (int): a whole number, at least 1.
             update_smoothing (bool): reset the smoothing factor to ``max(1 - world_size * n / 1000, 0)``.
+
+        Raises:
+            ValueError: (also an ``AssertionError``) not a whole number >= 1 (a fraction such as 2.5 never ends an
+                accumulation window).
         """
         self._check_not_in_backward("Don't change num_grad_to_accum in backward phase")
         if not num_gradients_to_accumulate >= 1:
             raise FairscaleValueError(
                 f"AdaScale: Invalid value {num_gradients_to_accumulate}: num_gradients_to_accumulate must be at least 1"
+            )
+        # An integral float (2.0) stays accepted, as upstream accepted it; a fraction is never reached by counting.
+        try:
+            whole = float(num_gradients_to_accumulate) % 1 == 0  # inf % 1 is NaN: not whole
+        except (TypeError, ValueError):
+            whole = False
+        if not whole:
+            raise FairscaleValueError(
+                f"AdaScale: Invalid value {num_gradients_to_accumulate!r}: num_gradients_to_accumulate must be a whole "
+                "number of backward passes (an int >= 1)"
             )
         self._num_grads_to_accum = num_gradients_to_accumulate
         if update_smoothing:
@@ -402,9 +426,22 @@ class AdaScale(torch.optim.Optimizer):
         return self._optimizer.state_dict()
 
     def load_state_dict(self, data: Dict[str, Any]) -> None:
-        """Load a state dict written by :meth:`state_dict` into the wrapped optimizer."""
+        """Load a state dict written by :meth:`state_dict` into the wrapped optimizer.
+
+        A state dict without AdaScale statistics (a plain optimizer's, e.g. to go on with AdaScale from a checkpoint
+        of training without it) loads too: the statistics start afresh, as when AdaScale wraps an optimizer, and a
+        warning says so (upstream loaded it, then failed in ``gain()`` and ``step()`` with ``KeyError``).
+        """
         self._check_not_in_backward("Don't load checkpoint in backward phase")
         self._optimizer.load_state_dict(data)
+        state = cast(Dict[Any, Any], self._optimizer.state)
+        if _STATE_KEY not in state:
+            warnings.warn(
+                "AdaScale.load_state_dict: the state dict holds no AdaScale statistics (state['adascale']); "
+                "they start afresh (gain 1 until the next step's backward passes are measured)."
+            )
+            n_groups = len(self._optimizer.param_groups)
+            state[_STATE_KEY] = {"grad_sqr_avg": np.ones(n_groups), "grad_var_avg": np.zeros(n_groups)}
 
     def __repr__(self) -> str:
         return f"AdaScale(scale={self._scale}, world_size={self._world_size}, optimizer={self._optimizer!r})"
@@ -438,6 +475,24 @@ class AdaScale(torch.optim.Optimizer):
         corr = torch.corrcoef(gathered.view(self._world_size, -1))
         upper = torch.triu_indices(self._world_size, self._world_size, offset=1, device=corr.device)
         return corr[upper[0], upper[1]].mean()
+
+
+def _checked_smoothing(smoothing: Any, debias_ewma: bool) -> float:
+    """``smoothing`` as a float, if it is a factor the moving averages can use."""
+    try:
+        value = float(smoothing)
+    except (TypeError, ValueError):
+        raise TypeError(f"AdaScale: smoothing must be a number in [0, 1), got {type(smoothing).__name__}") from None
+    # A factor outside [0, 1] makes the averages grow without bound or flip sign; 1 never lets a measurement in
+    # (with debiasing the average is then 0 / 0).
+    upper_ok = value <= 1.0 if not debias_ewma else value < 1.0
+    if not (value >= 0.0 and upper_ok):
+        allowed = "[0, 1)" if debias_ewma else "[0, 1]"
+        raise ValueError(
+            f"AdaScale: smoothing must be in {allowed} (the weight of the previous average), got {smoothing}"
+            + ("; 1 is allowed with debias_ewma=False only (a running mean)" if value == 1.0 else "")
+        )
+    return value
 
 
 def _group_grad_sqr(params: List[Tensor]) -> float:

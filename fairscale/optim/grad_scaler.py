@@ -12,6 +12,7 @@ all deliberate:
   skipping a step. Any nonzero flag counts as an overflow.
 """
 
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -35,6 +36,25 @@ _SUPPORTED_DEVICE_TYPES = ("cuda", "xla", "cpu", "xpu", "hpu", "mps")
 def _refresh_per_optimizer_state() -> Dict[str, Any]:
     """A fresh per-optimizer record: stage ``READY`` and no inf/nan checks yet."""
     return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+def _check_init_scale(who: str, init_scale: Any) -> None:
+    """Raise ``ValueError`` unless ``init_scale`` is a positive finite number.
+
+    torch accepts any value; a scale of 0 (or a negative one) makes the unscale divide by it (or flip the gradients'
+    signs), and the scale never recovers: the first step writes NaN into every weight, silently.
+    """
+    try:
+        value = float(init_scale)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{who}: init_scale must be a positive finite number, got {type(init_scale).__name__}"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{who}: init_scale must be a positive finite number (the initial loss scale, e.g. 2.0**16), got "
+            f"{init_scale}"
+        )
 
 
 class _GeneralMultiDeviceReplicator:
@@ -71,6 +91,8 @@ class _ScalerBase(CudaAmpGradScaler):
         enabled: bool,
         device: Optional[str],
     ) -> None:
+        if enabled:
+            _check_init_scale(type(self).__name__, init_scale)
         if device_generic_amp_scaler():
             device_type = amp_scaler_device_type() if device is None else str(device)
             # Skips torch.cuda.amp.GradScaler.__init__ on purpose: it only forwards with device "cuda" and a
@@ -101,13 +123,17 @@ class GradScaler(_ScalerBase):
     :class:`fairscale.optim.Adam` and ``precision=Precision.PURE_FP16``).
 
     Args:
-        init_scale (float): initial scale factor. Default: ``2.0**16``.
+        init_scale (float): initial scale factor, a positive finite number. Default: ``2.0**16``.
         growth_factor (float): factor the scale grows by after ``growth_interval`` steps without inf/nan.
         backoff_factor (float): factor the scale shrinks by after a step with inf/nan.
         growth_interval (int): number of consecutive clean steps before the scale grows.
         enabled (bool): ``False`` makes every method a pass-through.
         device (Optional[str]): device type of the scale (fairscale addition, keyword only); default the current
             accelerator's type, else ``"cpu"``.
+
+    Raises:
+        ValueError: enabled, with an ``init_scale`` that is 0, negative or not finite (torch accepts it, and the
+            first step turns every weight into NaN).
     """
 
     def __init__(
@@ -142,7 +168,7 @@ class ShardedGradScaler(_ScalerBase):
             scaler.update()
 
     Args:
-        init_scale (float): initial scale factor. Default: ``2.0**16``.
+        init_scale (float): initial scale factor, a positive finite number. Default: ``2.0**16``.
         growth_factor (float): factor the scale grows by after ``growth_interval`` steps without inf/nan.
         backoff_factor (float): factor the scale shrinks by after a step with inf/nan.
         growth_interval (int): number of consecutive clean steps before the scale grows.
@@ -151,6 +177,10 @@ class ShardedGradScaler(_ScalerBase):
             model/optimizer (default: the world group).
         device (Optional[str]): device type of the scale (fairscale addition, keyword only); default the current
             accelerator's type, else ``"cpu"``.
+
+    Raises:
+        ValueError: enabled, with an ``init_scale`` that is 0, negative or not finite (torch accepts it, and the
+            first step turns every weight into NaN).
     """
 
     def __init__(

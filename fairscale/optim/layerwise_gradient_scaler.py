@@ -24,7 +24,10 @@ except the root, containers included, in that order; the scheme is exact only wh
 step; and a container's scale also divides its children's gradients.
 """
 
+import enum
 import logging
+import math
+import numbers
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -79,6 +82,19 @@ class GradientHelper:
         return tuple(None if g is None else g * factor for g in inputs)
 
 
+class _Stage(enum.Enum):
+    """Where a :class:`LayerwiseGradientScaler` is in its ``scale()`` / backward / ``unscale()`` / ``step()`` cycle.
+
+    The methods divide or multiply the gradients in place and register hooks, so a call out of turn is not a no-op:
+    a second ``scale()`` registered every hook twice (gradients scaled twice over), an ``unscale()`` without
+    ``scale()``, or a second one, divided gradients that were not scaled.
+    """
+
+    READY = "ready"  # no hooks: scale() next (or step() without scaling)
+    SCALED = "scaled"  # hooks registered: the backward, then unscale()
+    UNSCALED = "unscaled"  # gradients divided back, hooks removed: step() (or scale() again)
+
+
 class LayerwiseGradientScaler:
     """Per-layer gradient scales with dynamic backoff and growth.
 
@@ -94,7 +110,15 @@ class LayerwiseGradientScaler:
 
     Raises:
         ValueError: (also an ``AssertionError``, as upstream asserted) with scaling enabled, ``growth_factor <= 1``
-            or ``backoff_factor >= 1``.
+            or ``backoff_factor >= 1``; and (a plain ``ValueError``) a scale in ``layer_scale_dict`` that is not a
+            positive finite number (0 divided by zero in :meth:`scale`, NaN or inf poisoned the gradients), or a
+            name the model does not have.
+        TypeError: a scale that is not a number.
+
+    With scaling enabled, the calls must come in the order ``scale()``, backward, ``unscale()``, ``step()``:
+    ``scale()`` twice in a row, ``unscale()`` without a ``scale()`` before it, and ``step()`` between ``scale()`` and
+    ``unscale()`` raise ``RuntimeError`` and change nothing (they used to scale or unscale the gradients twice, or to
+    step with scaled gradients). ``step()`` without any ``scale()`` still steps as upstream did.
     """
 
     def __init__(
@@ -116,12 +140,15 @@ class LayerwiseGradientScaler:
         self._max_scale = max_scale
         self._apply_layerwise_scaling = bool(layer_scale_dict)
         self._handles: List[Any] = []
+        self._stage = _Stage.READY
         self.layer_info: List[LayerInfo] = []
         if self._apply_layerwise_scaling:
             if not self._growth_factor > 1.0:
                 raise FairscaleValueError(f"The growth factor must be > 1.0, got {self._growth_factor}.")
             if not self._backoff_factor < 1.0:
                 raise FairscaleValueError(f"The backoff factor must be < 1.0, got {self._backoff_factor}.")
+            for name, scale in layer_scale_dict.items():
+                _check_scale(name, scale)
             self.layer_info = self._build_layer_info()
 
     def _build_layer_info(self) -> List[LayerInfo]:
@@ -139,18 +166,43 @@ class LayerwiseGradientScaler:
         return infos
 
     def scale(self) -> None:
-        """Register the scaling hooks for the next backward (call before the forward)."""
+        """Register the scaling hooks for the next backward (call before the forward).
+
+        Raises:
+            RuntimeError: :meth:`scale` was already called and :meth:`unscale` not since (the hooks are in place).
+        """
         if not self._apply_layerwise_scaling:
             return
+        if self._stage is _Stage.SCALED:
+            raise RuntimeError(
+                "LayerwiseGradientScaler.scale: already called, and unscale() not since: the hooks are in place, a "
+                "second set would scale the gradients twice. Run the backward, then unscale() and step() (after a "
+                "forward or backward that raised, unscale() removes the hooks)."
+            )
+        self._stage = _Stage.SCALED
         for idx, info in enumerate(self.layer_info):
             inputs_multiplier = 1.0 if idx == 0 else self.layer_info[idx - 1].scaling_factor
             helper = GradientHelper(info.layer_name, inputs_multiplier, 1.0 / info.scaling_factor)
             self._handles.append(info.layer.register_full_backward_hook(helper.scale_gradients))
 
     def unscale(self) -> None:
-        """Divide each layer's parameter gradients by its scale and remove the hooks (call after backward)."""
+        """Divide each layer's parameter gradients by its scale and remove the hooks (call after backward).
+
+        Raises:
+            RuntimeError: :meth:`scale` was not called before (or this :meth:`unscale` already ran after it): the
+                gradients are not scaled, dividing them would make them wrong.
+        """
         if not self._apply_layerwise_scaling:
             return
+        if self._stage is not _Stage.SCALED:
+            again = self._stage is _Stage.UNSCALED
+            raise RuntimeError(
+                "LayerwiseGradientScaler.unscale: "
+                + ("already called since the last scale()" if again else "scale() was not called before")
+                + ": the gradients are not scaled, and dividing them by the scales would make them wrong. Call scale() "
+                "before the forward, then the backward, unscale() once, and step()."
+            )
+        self._stage = _Stage.UNSCALED
         with torch.no_grad():
             for info in self.layer_info:
                 if info.found_inf_or_nan:
@@ -172,10 +224,20 @@ class LayerwiseGradientScaler:
                     break
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer`` unless a layer's gradients hold inf/nan, then update the scales."""
+        """Step ``optimizer`` unless a layer's gradients hold inf/nan, then update the scales.
+
+        Raises:
+            RuntimeError: between :meth:`scale` and :meth:`unscale` (the gradients are still scaled).
+        """
         if not self._apply_layerwise_scaling:
             optimizer.step()
             return
+        if self._stage is _Stage.SCALED:
+            raise RuntimeError(
+                "LayerwiseGradientScaler.step: scale() was called and unscale() not since: the gradients are still "
+                "scaled. Call unscale() after the backward, then step()."
+            )
+        self._stage = _Stage.READY
         self._check_for_inf_or_nan()
         if not any(info.found_inf_or_nan for info in self.layer_info):
             optimizer.step()
@@ -205,3 +267,17 @@ class LayerwiseGradientScaler:
     def get_backward_hooks(self) -> List[Tuple[str, Any]]:
         """``(name, backward hooks)`` of every non-root module (to check that :meth:`unscale` removed them)."""
         return [(name, layer._get_backward_hooks()) for name, layer in self._model.named_modules() if name != ""]
+
+
+def _check_scale(name: str, scale: Any) -> None:
+    """Raise unless ``scale``, the initial scale of layer ``name``, is a positive finite number."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(
+            f"LayerwiseGradientScaler: the scale of layer {name!r} must be a number, got {type(scale).__name__} "
+            f"{scale!r}"
+        )
+    if not (math.isfinite(scale) and float(scale) > 0):
+        raise ValueError(
+            f"LayerwiseGradientScaler: the scale of layer {name!r} must be a positive finite number, got {scale}; "
+            "leave a layer out of layer_scale_dict to keep its gradients unscaled (scale 1)"
+        )

@@ -7,9 +7,12 @@ After the owners' step the new values are broadcast from their owners. Parameter
 (:meth:`OSS.partition_parameters`) is upstream fairscale's, so checkpoints interoperate.
 """
 
+import functools
 import logging
+import math
+import re
 from math import inf  # noqa: F401  # upstream's module namespace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,47 @@ __all__ = ["OSS"]
 
 _NOT_CONSOLIDATED = "Optimizer state has not been consolidated on this rank. \
                 Please call `consolidate_state_dict()` on all ranks beforehand if you meant to save the global state"
+
+
+# A memory address in a repr (``<function f at 0x7f...>``): different in every process even for the same value.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+# Hyper-parameter tensors up to this many elements are compared by value, larger ones by shape and dtype only.
+_COMPARED_ELEMENTS = 64
+
+
+def _comparable(value: Any) -> str:
+    """A description of a hyper-parameter that two ranks can compare: equal when the values are equal.
+
+    Reprs, so that any value can be compared, but exact for tensors (whose repr rounds to four digits) and without
+    the memory addresses that the repr of a function or of an arbitrary object carries.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() <= _COMPARED_ELEMENTS:
+            return f"tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    return _ADDRESS.sub(" at 0x...", repr(value))
+
+
+def _callable_name(fn: Any) -> str:
+    """``module.qualname`` of the wrapped optimizer's class (or factory), the same on every rank that passes it."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_callable_name(fn.func)})"
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None:
+        return f"an instance of {type(fn).__module__}.{type(fn).__qualname__}"
+    return f"{getattr(fn, '__module__', '?')}.{qualname}"
+
+
+def _describe_hyper_parameters(groups: List[Dict[str, Any]], first_group: int = 0) -> List[Tuple[str, Any]]:
+    """``(group, ((name, value), ...))`` of every group's hyper-parameters, values as :func:`_comparable` reprs."""
+    return [
+        (
+            f"group {first_group + g} hyper-parameters",
+            tuple(sorted((str(k), _comparable(v)) for k, v in group.items() if k != "params")),
+        )
+        for g, group in enumerate(groups)
+    ]
 
 
 def _broadcast_object(
@@ -72,7 +116,9 @@ class OSS(Optimizer):
 
     Raises:
         RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks passed parameters of other shapes,
-            dtypes or ``requires_grad`` flags (checked with one small all-gather at construction).
+            dtypes or ``requires_grad`` flags, another ``optim``, other hyper-parameters (``**default`` or those of
+            the parameter groups) or other ``broadcast_fp16`` / ``force_broadcast_object`` values (checked with one
+            small all-gather at construction).
 
     .. warning:: Every rank must call :meth:`step`, :meth:`consolidate_state_dict`, :meth:`clip_grad_norm`,
         :meth:`add_param_group` and :meth:`refresh_trainable` together (they communicate), with the same parameters
@@ -119,10 +165,14 @@ class OSS(Optimizer):
         # Before anything is partitioned or sent: ranks with other parameters would partition differently and then
         # broadcast buckets of other sizes (gloo aborts the process, NCCL hangs or corrupts memory).
         # The broadcast arguments ride along: another wire dtype or consolidation path is another collective.
+        # So do the optimizer class and the hyper-parameters: ranks that step their shards with another optimizer or
+        # learning rate train replicas that silently drift apart.
         arguments: List[Any] = [
             ("argument broadcast_fp16", bool(broadcast_fp16)),
             ("argument force_broadcast_object", bool(force_broadcast_object)),
+            ("argument optim", _callable_name(optim)),
         ]
+        arguments += _describe_hyper_parameters(self.param_groups)
         self._check_ranks_agree(arguments + self._describe_params(self.param_groups), "")
         self._refresh_trainable()
 
@@ -137,14 +187,22 @@ class OSS(Optimizer):
 
     def _check_ranks_agree(self, description: List[Any], when: str) -> None:
         """One small all-gather: the same :class:`RanksDisagreeError` on every rank if the parameters differ."""
+        arguments = {
+            "": ", the optimizer, hyper-parameters and broadcast arguments",
+            ".add_param_group": " and hyper-parameters",
+        }
         check_ranks_agree(
-            f"OSS{when}: the parameters (shape, dtype, requires_grad)" + ("" if when else " and broadcast arguments"),
+            f"OSS{when}: the parameters (shape, dtype, requires_grad)" + arguments.get(when, ""),
             description,
             self.group,
             hint="Build OSS from the same model on every rank, with the same parameter groups and the same frozen "
-            "parameters (freeze or unfreeze on every rank alike), and the same OSS arguments.",
-            device=first_device(p for group in self.param_groups for p in group["params"]),
+            "parameters (freeze or unfreeze on every rank alike), and the same OSS arguments and hyper-parameters.",
+            device=self._params_device(),
         )
+
+    def _params_device(self) -> Optional[torch.device]:
+        """The device of the first parameter: where this rank's object collectives run (see check_ranks_agree)."""
+        return first_device(p for group in self.param_groups for p in group["params"])
 
     def _global_rank_of(self, rank: int) -> int:
         if not dist.is_initialized():
@@ -246,15 +304,28 @@ class OSS(Optimizer):
         gradients are scaled: after :meth:`step` only owned gradients matter.
 
         Args:
-            max_norm (float or int): the maximum norm of the gradients.
-            norm_type (float or int): the p of the p-norm (``inf`` for the max norm).
+            max_norm (float or int): the maximum norm of the gradients, at least 0.
+            norm_type (float or int): the p of the p-norm, a positive number (``inf`` for the max norm). Unlike
+                ``torch.nn.utils.clip_grad_norm_``, 0 and negative values (``-inf``) are refused: upstream divided
+                by zero or returned meaningless norms for them.
             filter_params_fn (callable): optional filter applied to the owned parameters before measuring.
 
         Returns:
             torch.Tensor: the total norm of the gradients (before clipping).
+
+        Raises:
+            ValueError: ``max_norm`` is negative or NaN (a negative one flipped the gradients' signs, NaN skipped
+                clipping silently), or ``norm_type`` is not a positive number; raised before any communication.
         """
         max_norm = float(max_norm)
         norm_type = float(norm_type)
+        if math.isnan(max_norm) or max_norm < 0:
+            raise ValueError(f"OSS.clip_grad_norm: max_norm must be a number >= 0, got {max_norm}")
+        if not norm_type > 0:  # NaN included
+            raise ValueError(
+                f"OSS.clip_grad_norm: norm_type must be a positive number or inf (the p of the p-norm), got "
+                f"{norm_type}; 0 and negative norms are not supported"
+            )
         local_params = filter_params_fn(self._local_params) if filter_params_fn is not None else self._local_params
         local_norm = calc_grad_norm(cast(List[torch.nn.Parameter], local_params), norm_type).to(self._default_device)
         world = dist.group.WORLD if dist.is_initialized() else None
@@ -284,7 +355,23 @@ class OSS(Optimizer):
 
         Args:
             recipient_rank (int): the rank, inside ``group``, that receives the state; ``-1`` for all ranks.
+
+        Raises:
+            RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks passed different
+                ``recipient_rank`` values (checked with one small all-gather first; the gathers that follow would
+                otherwise never match up and hang).
+            ValueError: ``recipient_rank`` is out of range (on every rank alike).
         """
+        # Which rank sends in which round, and how, depends on these: ranks that disagree would wait in different
+        # rounds forever. Checked before the range, so that a rank with a bad value does not leave the others
+        # waiting in this gather.
+        check_ranks_agree(
+            "OSS.consolidate_state_dict: the recipient rank and the transport (force_broadcast_object)",
+            [("recipient_rank", recipient_rank), ("force_broadcast_object", bool(self.force_broadcast_object))],
+            self.group,
+            hint="Call consolidate_state_dict() with the same recipient_rank on every rank.",
+            device=self._params_device(),
+        )
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be in [-1, {self.world_size - 1}], got {recipient_rank}")
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
@@ -347,17 +434,56 @@ class OSS(Optimizer):
         have more elements than the parameter), and with the wrapped optimizer's own checks
         when it has them (fairscale Adam), so that every rank raises the same error.
 
+        With ``optim`` exactly ``torch.optim.SGD``, ``Adam``, ``AdamW`` or ``fairscale.optim.Adam``, the state must
+        also be that optimizer's: a per-parameter state holding names the class does not use (another optimizer's
+        state, e.g. an SGD ``momentum_buffer`` loaded into Adam, or Adam's moments into SGD, which torch accepts and
+        then ignores), a non-empty Adam state without ``step``, ``exp_avg`` or ``exp_avg_sq``, or a group without
+        the hyper-parameters the class reads, is refused. If the wrapped optimizer's own loader raises nonetheless
+        (another optimizer class), OSS and the wrapped optimizer are put back as they were before the call, on the
+        ranks that raised: those that own a parameter whose state does not fit.
+
         Raises:
-            ValueError: different group count or sizes (e.g. a per-rank shard), unknown parameter indices, or
-                state shaped for other parameters (the message names the parameter and both shapes).
+            TypeError: not a state dict, or one whose ``state``, ``param_groups``, groups or ``params`` are not of
+                the types of an optimizer state dict.
+            ValueError: different group count or sizes (e.g. a per-rank shard), unknown parameter indices, state
+                shaped for other parameters (the message names the parameter and both shapes), state of another
+                optimizer class (the message names the keys), or a dict the wrapped optimizer's loader refused (its
+                error is chained; a ``ValueError`` or ``TypeError`` of that loader is raised as it is).
             KeyError: ``optim=fairscale.optim.Adam`` and the dict has no ``optim_scale``.
         """
         _state.check_loadable(state_dict, self.param_groups)
+        _state.check_inner_state(state_dict, type(self.optim))
         # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's shard,
         # and a check that fails on the owning rank alone would leave the other ranks going on with the old state.
         inner_check = getattr(type(self.optim), "_check_loadable_state_dict", None)
         if inner_check is not None:
             inner_check(state_dict, self.param_groups)
+        # What the loads below replace or change in place, to put back if one of them raises (an optimizer whose
+        # state names are not known here can still refuse the dict in its own loader, after torch changed part).
+        own_attributes = dict(self.__dict__)
+        inner_attributes = dict(self.optim.__dict__)
+        own_groups = [dict(group) for group in self.param_groups]
+        inner_groups = [dict(group) for group in self.optim.param_groups]
+        try:
+            self._load_checked_state_dict(state_dict)
+        except BaseException as error:
+            for obj, attributes in ((self, own_attributes), (self.optim, inner_attributes)):
+                obj.__dict__.clear()
+                obj.__dict__.update(attributes)
+            for group, saved in zip(self.param_groups + self.optim.param_groups, own_groups + inner_groups):
+                group.clear()
+                group.update(saved)
+            if isinstance(error, (ValueError, TypeError)) or not isinstance(error, Exception):
+                raise
+            # Typically a KeyError from deep inside torch (a state name the optimizer's loader expects): say where.
+            raise ValueError(
+                f"OSS.load_state_dict: the wrapped optimizer ({_callable_name(type(self.optim))}) could not load its "
+                f"part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, load one "
+                "written by the same optimizer class. Nothing was changed."
+            ) from error
+
+    def _load_checked_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """:meth:`load_state_dict` once the dict passed the checks."""
         saved_groups = state_dict["param_groups"]
         saved_ids = [pid for g in saved_groups for pid in g["params"]]
         shard = _state.shard_for_rank(
@@ -417,20 +543,40 @@ class OSS(Optimizer):
             param_group (dict): the parameters and group-specific hyper-parameters.
 
         Raises:
-            RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks add different parameters;
-                nothing is changed then.
+            RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks add different parameters or
+                other hyper-parameters; nothing is changed then.
+            TypeError: ``param_group`` is not a dict (on every rank alike).
+            ValueError: ``param_group`` has no ``"params"`` entry (on every rank alike).
         """
         if self.in_super_constructor:
             super().add_param_group(param_group)
             return
-        if "params" in param_group:  # torch's add_param_group raises the error for a group without parameters
+        is_dict = isinstance(param_group, dict)
+        has_params = is_dict and "params" in param_group
+        if has_params:
             params = param_group["params"]
             # Listed once: a generator would be used up by the check.
             param_group = {**param_group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+        first_group = len(self.param_groups)
+        described = [param_group] if is_dict else []
+        # The group's own hyper-parameters: the others come from the defaults, compared at construction. What is
+        # wrong with the argument is compared too, and raised after the gather, so that every rank raises.
         self._check_ranks_agree(
-            self._describe_params([{"params": param_group.get("params", [])}], first_group=len(self.param_groups)),
+            self._describe_params([{"params": param_group["params"] if has_params else []}], first_group)
+            + _describe_hyper_parameters(described, first_group)
+            + [("param_group", type(param_group).__name__, has_params)],
             ".add_param_group",
         )
+        if not is_dict:
+            raise TypeError(
+                f"OSS.add_param_group expects a dict such as {{'params': [...], 'lr': 0.1}}, got "
+                f"{type(param_group).__name__}"
+            )
+        if not has_params:
+            raise ValueError(
+                f"OSS.add_param_group: the group has no 'params' entry (it has {sorted(map(str, param_group))}); "
+                "pass the parameters to add as {'params': [...], ...}"
+            )
         super().add_param_group(param_group)
         self._clear_cache()
         local_groups = self.partition_parameters()[self.rank]

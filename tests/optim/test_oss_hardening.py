@@ -85,7 +85,8 @@ def test_construction_with_other_parameters_on_one_rank(case: str, where: str) -
     messages = run_distributed(_disagree_body, 2, case, timeout=TIMEOUT)
     assert messages[0] == messages[1], "the same error on every rank"
     assert (
-        "OSS: the parameters (shape, dtype, requires_grad) and broadcast arguments differ between ranks" in messages[0]
+        "OSS: the parameters (shape, dtype, requires_grad), the optimizer, hyper-parameters and broadcast arguments "
+        "differ between ranks" in messages[0]
     )
     assert "global rank 1" in messages[0] and "freeze or unfreeze on every rank alike" in messages[0]
     assert where in messages[0], messages[0]

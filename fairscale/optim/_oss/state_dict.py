@@ -10,7 +10,7 @@ Formats (upstream's):
 """
 
 import io
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ __all__ = [
     "gather_shards",
     "merge_shards",
     "check_loadable",
+    "check_inner_state",
     "shard_for_rank",
     "global_index_map",
 ]
@@ -182,7 +183,8 @@ def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
     """Raise a clear error if ``state_dict`` cannot be loaded into OSS groups ``param_groups``; changes nothing.
 
     Raises:
-        TypeError: not a state-dict mapping.
+        TypeError: not a state-dict mapping, or its ``state`` is not a mapping, its ``param_groups`` not a list of
+            mappings, or a group's ``params`` not a list.
         ValueError: missing keys, a different number of groups or of parameters in a group (with a hint when it
             looks like an unconsolidated per-rank shard), unknown parameter indices, or state tensors whose shape
             cannot belong to the parameter (the rule of :mod:`fairscale.optim._param_state`).
@@ -192,6 +194,7 @@ def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
     missing = [k for k in ("state", "param_groups") if k not in state_dict]
     if missing:
         raise ValueError(f"OSS.load_state_dict: the state dict has no {missing} entry; pass an optimizer state dict")
+    _check_types(state_dict)
     saved_groups = state_dict["param_groups"]
     saved_total = sum(len(g.get("params", ())) for g in saved_groups)
     total = sum(len(g["params"]) for g in param_groups)
@@ -222,6 +225,115 @@ def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
                 f"OSS.load_state_dict: the state has an entry for parameter {key}, which no parameter group lists"
             )
         check_param_state("OSS.load_state_dict", key, value, index_to_param[key])
+
+
+def _check_types(state_dict: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` unless the containers of ``state_dict`` are those of an optimizer state dict."""
+    hint = "pass a state dict written by an optimizer's state_dict()"
+    state = state_dict["state"]
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"OSS.load_state_dict: the state dict's 'state' must be a dict of per-parameter states, got "
+            f"{type(state).__name__}; {hint}"
+        )
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(
+            f"OSS.load_state_dict: the state dict's 'param_groups' must be a list of parameter groups, got "
+            f"{type(groups).__name__}; {hint}"
+        )
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping):
+            raise TypeError(
+                f"OSS.load_state_dict: parameter group {i} of the state dict must be a dict, got "
+                f"{type(group).__name__}; {hint}"
+            )
+        if "params" in group and not isinstance(group["params"], (list, tuple)):
+            raise TypeError(
+                f"OSS.load_state_dict: 'params' of parameter group {i} of the state dict must be a list of "
+                f"parameter indices, got {type(group['params']).__name__}; {hint}"
+            )
+
+
+class _InnerState(NamedTuple):
+    """What one optimizer class keeps per parameter and needs in each parameter group."""
+
+    used: FrozenSet[str]  # every per-parameter state name the class reads or writes
+    required: Tuple[str, ...]  # names a non-empty per-parameter state must hold (its step reads them unguarded)
+    group_keys: Tuple[str, ...]  # hyper-parameters every group must hold (its step reads them unguarded)
+
+
+def _known_inner_states() -> Dict[type, _InnerState]:
+    """The optimizer classes whose state names are known, with the names every PyTorch release used."""
+    from ..adam import Adam as FairscaleAdam  # here: fairscale.optim imports this module before adam
+
+    adam = _InnerState(
+        frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+        ("step", "exp_avg", "exp_avg_sq"),
+        ("lr", "betas", "eps", "weight_decay"),
+    )
+    return {
+        torch.optim.SGD: _InnerState(
+            frozenset({"momentum_buffer"}), (), ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+        ),
+        torch.optim.Adam: adam,
+        torch.optim.AdamW: adam,
+        # Its own loader checks the required names and the groups (OSS runs it on every parameter too).
+        FairscaleAdam: _InnerState(frozenset({"step", "exp_avg", "exp_avg_sq"}), (), ()),
+    }
+
+
+def check_inner_state(state_dict: Mapping[str, Any], optim_type: type) -> None:
+    """Raise a clear ``ValueError`` unless ``state_dict`` holds state of the wrapped optimizer's class.
+
+    Only for the classes whose state names are known (exactly ``torch.optim.SGD``, ``Adam``, ``AdamW`` and
+    ``fairscale.optim.Adam``; subclasses and other optimizers may keep other names): every parameter's state may
+    only hold names the class uses, a non-empty state must hold those its step reads (Adam: ``step``, ``exp_avg``,
+    ``exp_avg_sq``, and ``max_exp_avg_sq`` in a group with ``amsgrad``), and every group must hold the
+    hyper-parameters its step reads. Such a dict of another optimizer used to fail deep inside torch's loader after
+    part of it was loaded, or to be accepted and its state ignored. ``state_dict`` passed :func:`check_loadable`.
+
+    Args:
+        state_dict: the state dict to load.
+        optim_type: the class of the wrapped optimizer.
+    """
+    known: Optional[_InnerState] = _known_inner_states().get(optim_type)
+    if known is None:
+        return
+    name = f"{optim_type.__module__}.{optim_type.__qualname__}"
+    advice = f"load a state dict written by {optim_type.__name__} (the class passed as `optim=`)"
+    stepped = {
+        key: entry
+        for key, entry in state_dict["state"].items()
+        # Not a wrapper's entry, nor a parameter that never stepped (check_loadable checked the entries' type).
+        if isinstance(key, int) and isinstance(entry, Mapping) and entry
+    }
+    # Foreign names first: they tell best where the dict comes from.
+    for key, entry in stepped.items():
+        unused = sorted(str(k) for k in entry if k not in known.used)
+        if unused:
+            raise ValueError(
+                f"OSS.load_state_dict: the state of parameter {key} holds {unused}, which {name} does not use (it "
+                f"keeps {sorted(known.used)}); the state dict was written by another optimizer: {advice}"
+            )
+    amsgrad_ids = set()
+    for i, group in enumerate(state_dict["param_groups"]):
+        missing = [k for k in known.group_keys if k not in group]
+        if missing:
+            raise ValueError(
+                f"OSS.load_state_dict: parameter group {i} of the state dict has no {missing}, which {name} reads at "
+                f"every step; the state dict was written by another optimizer or edited: {advice}"
+            )
+        if group.get("amsgrad", False):
+            amsgrad_ids.update(group["params"])
+    for key, entry in stepped.items():
+        required = known.required + (("max_exp_avg_sq",) if key in amsgrad_ids and known.required else ())
+        missing = [k for k in required if k not in entry]
+        if missing:
+            raise ValueError(
+                f"OSS.load_state_dict: the state of parameter {key} has no {missing}; a stepped parameter's state of "
+                f"{name} holds {list(required)}: {advice}"
+            )
 
 
 def global_index_map(saved_groups: Sequence[Mapping[str, Any]], param_groups: List[ParamGroup]) -> Dict[Any, Any]:
