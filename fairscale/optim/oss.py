@@ -7,12 +7,10 @@ After the owners' step the new values are broadcast from their owners. Parameter
 (:meth:`OSS.partition_parameters`) is upstream fairscale's, so checkpoints interoperate.
 """
 
-import functools
 import logging
 import math
-import re
 from math import inf  # noqa: F401  # upstream's module namespace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Type, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Type, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +23,7 @@ from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
 from fairscale.nn.misc.param_bucket import ParamBucket  # noqa: F401  # upstream's module namespace
 
+from ._oss import describe as _describe
 from ._oss import partition as _partition
 from ._oss import state_dict as _state
 from ._oss.buckets import Buckets, broadcast_buckets, build_buckets
@@ -34,47 +33,6 @@ __all__ = ["OSS"]
 
 _NOT_CONSOLIDATED = "Optimizer state has not been consolidated on this rank. \
                 Please call `consolidate_state_dict()` on all ranks beforehand if you meant to save the global state"
-
-
-# A memory address in a repr (``<function f at 0x7f...>``): different in every process even for the same value.
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-# Hyper-parameter tensors up to this many elements are compared by value, larger ones by shape and dtype only.
-_COMPARED_ELEMENTS = 64
-
-
-def _comparable(value: Any) -> str:
-    """A description of a hyper-parameter that two ranks can compare: equal when the values are equal.
-
-    Reprs, so that any value can be compared, but exact for tensors (whose repr rounds to four digits) and without
-    the memory addresses that the repr of a function or of an arbitrary object carries.
-    """
-    if isinstance(value, torch.Tensor):
-        if value.numel() <= _COMPARED_ELEMENTS:
-            return f"tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
-        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
-    return _ADDRESS.sub(" at 0x...", repr(value))
-
-
-def _callable_name(fn: Any) -> str:
-    """``module.qualname`` of the wrapped optimizer's class (or factory), the same on every rank that passes it."""
-    if isinstance(fn, functools.partial):
-        return f"functools.partial({_callable_name(fn.func)})"
-    qualname = getattr(fn, "__qualname__", None)
-    if qualname is None:
-        return f"an instance of {type(fn).__module__}.{type(fn).__qualname__}"
-    return f"{getattr(fn, '__module__', '?')}.{qualname}"
-
-
-def _describe_hyper_parameters(groups: List[Dict[str, Any]], first_group: int = 0) -> List[Tuple[str, Any]]:
-    """``(group, ((name, value), ...))`` of every group's hyper-parameters, values as :func:`_comparable` reprs."""
-    return [
-        (
-            f"group {first_group + g} hyper-parameters",
-            tuple(sorted((str(k), _comparable(v)) for k, v in group.items() if k != "params")),
-        )
-        for g, group in enumerate(groups)
-    ]
 
 
 def _broadcast_object(
@@ -170,9 +128,9 @@ class OSS(Optimizer):
         arguments: List[Any] = [
             ("argument broadcast_fp16", bool(broadcast_fp16)),
             ("argument force_broadcast_object", bool(force_broadcast_object)),
-            ("argument optim", _callable_name(optim)),
+            ("argument optim", _describe.callable_name(optim)),
         ]
-        arguments += _describe_hyper_parameters(self.param_groups)
+        arguments += _describe.describe_hyper_parameters(self.param_groups)
         self._check_ranks_agree(arguments + self._describe_params(self.param_groups), "")
         self._refresh_trainable()
 
@@ -477,7 +435,7 @@ class OSS(Optimizer):
                 raise
             # Typically a KeyError from deep inside torch (a state name the optimizer's loader expects): say where.
             raise ValueError(
-                f"OSS.load_state_dict: the wrapped optimizer ({_callable_name(type(self.optim))}) could not load its "
+                f"OSS.load_state_dict: the wrapped optimizer ({_describe.callable_name(type(self.optim))}) could not load its "
                 f"part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, load one "
                 "written by the same optimizer class. Nothing was changed."
             ) from error
@@ -563,7 +521,7 @@ class OSS(Optimizer):
         # wrong with the argument is compared too, and raised after the gather, so that every rank raises.
         self._check_ranks_agree(
             self._describe_params([{"params": param_group["params"] if has_params else []}], first_group)
-            + _describe_hyper_parameters(described, first_group)
+            + _describe.describe_hyper_parameters(described, first_group)
             + [("param_group", type(param_group).__name__, has_params)],
             ".add_param_group",
         )

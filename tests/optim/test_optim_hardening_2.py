@@ -324,7 +324,7 @@ def test_add_param_group_with_other_hyper_parameters_or_without_params() -> None
 
 
 def test_hyper_parameter_descriptions_are_exact_and_free_of_addresses() -> None:
-    from fairscale.optim.oss import _comparable
+    from fairscale.optim._oss.describe import comparable as _comparable
 
     assert _comparable(torch.tensor(0.1)) != _comparable(torch.tensor(0.1 + 1e-6))
     assert _comparable(0.1) == "0.1"

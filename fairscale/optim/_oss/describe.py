@@ -1,0 +1,55 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What OSS's rank-agreement checks compare beyond the parameters: the optimizer and its hyper-parameters.
+
+Every rank of an OSS group must step its shard with the same optimizer class and hyper-parameters, or the replicas
+drift apart silently. The descriptions here ride in OSS's existing construction (and ``add_param_group``) gather, so
+they must compare equal across processes exactly when the values are equal.
+"""
+
+import functools
+import re
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+__all__ = ["comparable", "callable_name", "describe_hyper_parameters"]
+
+# A memory address in a repr (``<function f at 0x7f...>``): different in every process even for the same value.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+# Hyper-parameter tensors up to this many elements are compared by value, larger ones by shape and dtype only.
+_COMPARED_ELEMENTS = 64
+
+
+def comparable(value: Any) -> str:
+    """A description of a hyper-parameter that two ranks can compare: equal when the values are equal.
+
+    Reprs, so that any value can be compared, but exact for tensors (whose repr rounds to four digits) and without
+    the memory addresses that the repr of a function or of an arbitrary object carries.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() <= _COMPARED_ELEMENTS:
+            return f"tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    return _ADDRESS.sub(" at 0x...", repr(value))
+
+
+def callable_name(fn: Any) -> str:
+    """``module.qualname`` of the wrapped optimizer's class (or factory), the same on every rank that passes it."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({callable_name(fn.func)})"
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None:
+        return f"an instance of {type(fn).__module__}.{type(fn).__qualname__}"
+    return f"{getattr(fn, '__module__', '?')}.{qualname}"
+
+
+def describe_hyper_parameters(groups: List[Dict[str, Any]], first_group: int = 0) -> List[Tuple[str, Any]]:
+    """``(group, ((name, value), ...))`` of every group's hyper-parameters, values as :func:`comparable` reprs."""
+    return [
+        (
+            f"group {first_group + g} hyper-parameters",
+            tuple(sorted((str(k), comparable(v)) for k, v in group.items() if k != "params")),
+        )
+        for g, group in enumerate(groups)
+    ]
