@@ -38,15 +38,21 @@ from .unit import FSDPUnit
 # ---------------------------------------------------------------------------------------------------- lazy init
 
 
-def check_copyable(unit: FSDPUnit) -> None:
-    """Raise unless ``copy.deepcopy`` of the tree can give a usable model: idle, with no backward pending."""
-    unit.assert_idle_tree("copy.deepcopy")
+def _assert_between_steps(unit: FSDPUnit, what: str, why: str) -> None:
+    """Raise unless every unit of the tree is idle and no forward's backward is pending (``why`` says what the
+    pending backward would lack)."""
+    unit.assert_idle_tree(what)
     tree = unit.tree
     if tree is not None and tree.backward_pending:
         raise FairscaleRuntimeError(
-            "copy.deepcopy of a FullyShardedDataParallel model between a forward and its backward: the copy could "
-            "not run that backward. Copy it after the backward (or after a forward under torch.no_grad())."
+            f"{what} called between a forward and its backward: {why}. Run the backward first (or the forward under "
+            "torch.no_grad()), then call it."
         )
+
+
+def check_copyable(unit: FSDPUnit) -> None:
+    """Raise unless ``copy.deepcopy`` of the tree can give a usable model: idle, with no backward pending."""
+    _assert_between_steps(unit, "copy.deepcopy", "the copy could not run that backward")
 
 
 def _check_has_groups(unit: FSDPUnit) -> None:
@@ -224,16 +230,11 @@ def before_move(unit: FSDPUnit) -> List[FSDPUnit]:
     Returns:
         The units of the tree, for :func:`after_move`.
     """
-    unit.assert_idle_tree("_apply (.to/.half/.float)")
-    tree = unit.tree
-    if tree is not None and tree.backward_pending:
-        # The pending backward would gather shards that no longer exist in that dtype/device (and lazy init is
-        # forgotten below): it used to fail in the pre-backward hook with a bare assertion.
-        raise FairscaleRuntimeError(
-            "_apply (.to/.half/.float/.cuda) called between a forward and its backward: the pending backward needs "
-            "the parameters as the forward used them. Run the backward first (or the forward under torch.no_grad()), "
-            "then move or cast the model."
-        )
+    # The pending backward would gather shards that no longer exist in that dtype/device (and lazy init is forgotten
+    # below): it used to fail in the pre-backward hook with a bare assertion.
+    _assert_between_steps(
+        unit, "_apply (.to/.half/.float/.cuda)", "the pending backward needs the parameters as the forward used them"
+    )
     units = unit.tree_units()
     for u in units:
         u.release_all()
