@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Helpers for data parallelism: sharding layout and cached process groups."""
 
+import atexit
 import datetime
 import sys
 from enum import Enum
@@ -112,6 +113,14 @@ _GroupKey = Tuple[ProcessGroupName, Optional[Tuple[int, ...]], Optional[datetime
 _group_cache: Dict[_GroupKey, Any] = {}
 # The default group the cache was filled under: a new world (destroy + init) invalidates it.
 _cache_world: List[Any] = [None]
+
+
+@atexit.register
+def _release_cached_groups() -> None:
+    # As fairscale.internal.collectives.groups: groups still held at interpreter finalization made gloo abort now
+    # and then at exit.
+    _group_cache.clear()
+    _cache_world[0] = None
 
 
 def get_process_group_cached(
