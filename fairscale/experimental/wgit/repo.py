@@ -212,7 +212,7 @@ class Repo:
         print(f"wgit log of the file: {file}" if file else "wgit log")
 
     def checkout(self, sha1: str) -> None:
-        raise NotImplementedError
+        raise NotImplementedError("wgit checkout is not implemented (upstream's raised NotImplementedError too)")
 
     def checkout_by_steps(self) -> None:
         raise NotImplementedError
@@ -236,10 +236,14 @@ class Repo:
                 metadata = json.load(f)
             except json.JSONDecodeError:
                 return False
-        if not isinstance(metadata, dict) or REL_PATH_KEY not in metadata:
+        if not isinstance(metadata, dict) or not isinstance(metadata.get(REL_PATH_KEY), str):
             return False  # not a metadata file wgit wrote: nothing to compare
         tracked = Path(metadata[REL_PATH_KEY])
-        return tracked.stat().st_mtime != metadata.get(LAST_MODIFIED_TS_KEY)
+        try:
+            modified = tracked.stat().st_mtime
+        except FileNotFoundError:
+            return True  # the tracked checkpoint was deleted or moved: a change not added (git's "deleted")
+        return modified != metadata.get(LAST_MODIFIED_TS_KEY)
 
     def _metadata_path(self, rel_path: Path) -> Path:
         """``.wgit/<rel_path>``, refused if it leaves ``.wgit``, lands on a reserved entry or passes a link."""

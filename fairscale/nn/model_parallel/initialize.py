@@ -93,6 +93,15 @@ def initialize_model_parallel(
             "torch.distributed.init_process_group(...) on every rank first"
         )
     world_size = torch.distributed.get_world_size()
+    if (
+        isinstance(model_parallel_size_, bool)
+        or not float(model_parallel_size_).is_integer()
+        or model_parallel_size_ < 1
+    ):
+        # A fraction was truncated silently (1.5 gave 1); an integral float (2.0) stays accepted, as upstream.
+        raise FairscaleValueError(
+            f"initialize_model_parallel: model_parallel_size_ must be a whole number >= 1, got {model_parallel_size_!r}"
+        )
     model_parallel_size = int(min(model_parallel_size_, world_size))
     # Before any group exists and before the rank-local checks below: ranks that asked for other sizes or backends,
     # or of which only some already hold groups, would create other groups, and new_group() would wait for the

@@ -32,13 +32,13 @@ __all__ = ["VocabParallelEmbedding", "ParallelEmbedding", "ColumnParallelLinear"
 InitMethod = Callable[[Tensor], Tensor]
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def _divide(numerator: int, denominator: int, what: str, by: str = "model-parallel world size") -> int:
     """``numerator // denominator``; the error (an AssertionError, as upstream) keeps upstream's leading text and says
-    what to change."""
+    what to change (``by`` names the denominator)."""
     if numerator % denominator != 0:
         raise FairscaleValueError(
-            f"{numerator} is not divisible by {denominator}: {what} ({numerator}) must be a multiple of the "
-            f"model-parallel world size ({denominator})"
+            f"{numerator} is not divisible by {denominator}: {what} ({numerator}) must be a multiple of the {by} "
+            f"({denominator})"
         )
     return numerator // denominator
 
@@ -69,7 +69,9 @@ def _initialize_affine_weight(
     # Every rank draws the whole master from the same RNG state, so the partitions agree across ranks.
     master_weight = torch.empty(out_features, in_features, dtype=weight.dtype, requires_grad=False)
     init_method(master_weight)
-    per_partition_per_stride_size = _divide(per_partition_size, stride, "the partition size")
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise FairscaleValueError(f"stride must be a positive int (the number of interleaved blocks), got {stride!r}")
+    per_partition_per_stride_size = _divide(per_partition_size, stride, "the partition size", "stride")
     chunks = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
     mine = chunks[get_model_parallel_rank() :: world_size]
     with torch.no_grad():

@@ -81,6 +81,13 @@ class MOELayer(Module):
         self.group = group if group is not None else dist.group.WORLD
         for p in experts.parameters():
             p.expert = True  # type: ignore[attr-defined]
+        if collectives.group_rank(self.group) < 0:
+            # dist.new_group(ranks) on a rank outside `ranks`: every forward would fail in its all-to-alls.
+            raise ValueError(
+                f"MOELayer: this process (global rank {dist.get_rank()}) is not a member of `group` (what "
+                "dist.new_group(ranks) returns outside `ranks`); build the layer only on the group's ranks, or pass a "
+                "group that contains this rank"
+            )
         self.world_size = dist.get_world_size(self.group)
         self.num_local_experts = len(self.experts)
 
@@ -117,6 +124,15 @@ class MOELayer(Module):
         dispatched_input = dispatched_input.reshape(self.world_size, self.num_local_experts, -1, d_model)
         chunks = dispatched_input.chunk(self.num_local_experts, dim=1)
         expert_outputs = [expert(chunk) for chunk, expert in zip(chunks, self.experts)]
+        for i, (chunk, out) in enumerate(zip(chunks, expert_outputs)):
+            if not isinstance(out, Tensor) or out.shape != chunk.shape:
+                # The second all-to-all sends what the experts return: another shape on some rank aborts gloo (or
+                # hangs NCCL), and on every rank it failed in the combining einsum with a cryptic message.
+                got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                raise ValueError(
+                    f"MOELayer: local expert {i} returned {got} for an input of shape {tuple(chunk.shape)}; an expert "
+                    "must return a tensor of its input's shape (same model dim)"
+                )
         expert_output = torch.cat(expert_outputs, dim=1)
         expert_output = _AllToAll.apply(self.group, expert_output)
         expert_output = expert_output.reshape(self.world_size * self.num_local_experts, -1, d_model)

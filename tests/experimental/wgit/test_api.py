@@ -39,13 +39,25 @@ def test_api_life_cycle(repo_dir: Path) -> None:
     assert repo.add("checkpoint_1.pt", per_tensor=False) is None
     with pytest.raises(ValueError, match="Only support sparsity"):
         repo.add("checkpoint_2.pt", per_tensor=False, sparsify=True)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="checkout is not implemented"):
         repo.checkout("0" * 40)
     # Identical tensors are stored once.
     repo.add("checkpoint_2.pt")
     repo.add("checkpoint_3.pt")
     head = (repo_dir / ".wgit" / ".git" / "logs" / "HEAD").read_text().splitlines()[0]
     assert head.split()[-1] == "first"
+
+
+def test_status_of_a_deleted_checkpoint_or_a_foreign_metadata_file(repo_dir: Path) -> None:
+    # A deleted (or moved) checkpoint is a change not added, as git reports a deleted file; it raised
+    # FileNotFoundError. A metadata file whose path is not a string is not wgit's: nothing to compare (was TypeError).
+    repo = Repo(repo_dir, init=True)
+    repo.add("checkpoint_0.pt")
+    repo.commit("first")
+    os.remove(repo_dir / "checkpoint_0.pt")
+    assert repo.status() == {"wgit_testing/checkpoint_0.pt": RepoStatus.CHANGES_NOT_ADDED}
+    (repo_dir / ".wgit" / "wgit_testing" / "checkpoint_0.pt").write_text('{"SHA1": "x", "file_path": 42}')
+    assert repo.status()["wgit_testing/checkpoint_0.pt"] != RepoStatus.CHANGES_NOT_ADDED
 
 
 def test_cli(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:

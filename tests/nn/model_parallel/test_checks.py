@@ -170,3 +170,25 @@ def test_checks_hold_under_python_O(tmp_path: Path) -> None:
         assert results[name] is not None, f"{name}: no error under python -O"
         kind, _, message = results[name]
         assert kind_expected in kind and text in message, f"{name}: {kind}: {message}"
+
+
+def _stride_and_fraction_body(rank: int, world_size: int) -> List[str]:
+    messages = []
+    with pytest.raises(ValueError, match=r"whole number >= 1, got 1\.5"):
+        mpu.initialize_model_parallel(1.5)  # was truncated to 1, silently
+    mpu.initialize_model_parallel(2.0)  # an integral float, as upstream accepted
+    try:
+        with pytest.raises(ValueError, match=r"must be a multiple of the stride \(3\)") as info:
+            layers.ColumnParallelLinear(8, 4, stride=3)  # the message named the world size (2) as the divisor
+        messages.append(str(info.value))
+        for bad in (0, -1):  # were ZeroDivisionError and torch's "split expects split_size be non-negative"
+            with pytest.raises(ValueError, match="stride must be a positive int"):
+                layers.RowParallelLinear(8, 4, stride=bad)
+        assert layers.ColumnParallelLinear(8, 4, stride=2).weight.shape == (2, 8)
+    finally:
+        mpu.destroy_model_parallel()
+    return messages
+
+
+def test_stride_and_fractional_model_parallel_size_are_refused_clearly() -> None:
+    assert run_distributed(_stride_and_fraction_body, 2, timeout=60)[0]

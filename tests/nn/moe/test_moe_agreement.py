@@ -110,3 +110,38 @@ def test_bad_construction_is_refused_with_what_to_do() -> None:
         MOELayer(None, nn.Linear(MODEL_DIM, MODEL_DIM))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty ModuleList"):
         MOELayer(Top2Gate(MODEL_DIM, 2), nn.ModuleList())
+
+
+class _Widen(nn.Module):
+    """An expert that returns another model dim (a user bug): the second all-to-all must not see it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, x], dim=-1)
+
+
+def _bad_expert_or_group_body(rank: int, world_size: int) -> List[str]:
+    seen = []
+    torch.manual_seed(0)
+    widening = MOELayer(Top2Gate(MODEL_DIM, world_size), _Widen())
+    with pytest.raises(ValueError, match=r"local expert 0 returned \(.*16\) for an input of shape \(.*8\)"):
+        widening(torch.randn(2, 4, MODEL_DIM))
+    seen.append("expert shape refused")
+    only_rank_0 = torch.distributed.new_group([0])
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"global rank 1\) is not a member of `group`"):
+            MOELayer(Top2Gate(MODEL_DIM, 1), _Identity(), group=only_rank_0)
+        seen.append("non-member refused")
+    else:
+        out = MOELayer(Top2Gate(MODEL_DIM, 1), _Identity(), group=only_rank_0)(torch.randn(2, 4, MODEL_DIM))
+        seen.append(f"member runs {tuple(out.shape)}")
+    return seen
+
+
+def test_expert_of_another_shape_and_non_member_group_are_refused() -> None:
+    """An expert returning another shape aborted gloo in the second all-to-all (or failed in the combining einsum
+    with a cryptic message); a layer built on a rank outside its group failed with "negative dimension -6"."""
+    results = run_distributed(_bad_expert_or_group_body, 2, timeout=60)
+    assert results == [
+        ["expert shape refused", "member runs (2, 4, 8)"],
+        ["expert shape refused", "non-member refused"],
+    ]
