@@ -31,8 +31,10 @@ def _track_running_stats(
     running_mean: Tensor, running_var: Tensor, momentum: float, mean: Tensor, var: Tensor, total_count: Tensor
 ) -> None:
     unbiased_var = var * (total_count / (total_count - 1))
-    running_mean += momentum * (mean.reshape(-1) - running_mean)
-    running_var += momentum * (unbiased_var.reshape(-1) - running_var)
+    # Nothing measured (every rank's batch empty): the running statistics stay as they are (on the device, no sync).
+    step = momentum * (total_count > 0).to(running_mean.dtype)
+    running_mean += step * (mean.reshape(-1) - running_mean)
+    running_var += step * (unbiased_var.reshape(-1) - running_var)
 
 
 # Codes of the input dtypes in the layout check (the statistics need a floating dtype; any other is 0).
@@ -64,15 +66,22 @@ def _calculate_stats(
             sums[i] = value
     count = sums[:1].to(torch.float32)
     count_work = all_reduce(sums, group=process_group, async_op=True)
-    mean = torch.mean(input, dim=dim, keepdim=True)
-    meansqr = torch.mean(input * input, dim=dim, keepdim=True)
+    if values[0] > 0:
+        mean = torch.mean(input, dim=dim, keepdim=True)
+        meansqr = torch.mean(input * input, dim=dim, keepdim=True)
+    else:
+        # An empty batch on this rank contributes nothing (the mean of nothing is NaN, which the all-reduce spread to
+        # every rank's statistics and output).
+        mean = meansqr = torch.zeros(
+            [channels if d == 1 else 1 for d in range(input.ndim)], dtype=input.dtype, device=input.device
+        )
     vec = torch.cat([mean, meansqr])
     assert count_work is not None  # async_op=True always returns the handle
     count_work.wait()
     if check_layout:
         _check_same_layout(sums, channels, input.dtype, process_group)
     total_count = sums[:1].to(torch.float32)
-    vec = (vec * (count / total_count).to(vec.dtype)).contiguous()
+    vec = (vec * (count / total_count.clamp(min=1)).to(vec.dtype)).contiguous()
     all_reduce(vec, group=process_group)
     mean, meansqr = vec.chunk(2)
     var = meansqr - mean * mean

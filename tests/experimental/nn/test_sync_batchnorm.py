@@ -174,3 +174,27 @@ def _torch_syncbn_body(rank: int, world_size: int) -> None:
 
 def test_parity_vs_torch_syncbn_cuda() -> None:
     run_distributed(_torch_syncbn_body, WORLD, device="cuda")  # skips without two GPUs
+
+
+def _empty_batch_body(rank: int, world_size: int) -> None:
+    # Rank 1's batch is empty: the statistics are rank 0's alone (were NaN on both ranks: the mean of nothing).
+    x = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0)) * 2 + 1
+    local = x if rank == 0 else x[:0]
+    torch.manual_seed(0)
+    sbn, ref = SyncBatchNorm(4), nn.BatchNorm2d(4)
+    out = sbn(local)
+    expected = ref(x)
+    if rank == 0:
+        torch.testing.assert_close(out, expected)
+    else:
+        assert out.shape == (0, 4, 3, 3)
+    torch.testing.assert_close(sbn.running_mean, ref.running_mean)
+    torch.testing.assert_close(sbn.running_var, ref.running_var)
+    # Every rank empty: nothing to measure, the running statistics stay as they were.
+    before = (sbn.running_mean.clone(), sbn.running_var.clone())
+    assert sbn(x[:0]).shape == (0, 4, 3, 3)
+    assert torch.equal(sbn.running_mean, before[0]) and torch.equal(sbn.running_var, before[1])
+
+
+def test_empty_batches_contribute_nothing() -> None:
+    run_distributed(_empty_batch_body, WORLD, timeout=60)
