@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
+from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
@@ -382,7 +382,9 @@ class OSS(Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a consolidated OSS state dict, or a plain torch optimizer's, on this rank's shard.
 
-        Every rank loads the same dict; each keeps the state of the parameters it owns. As upstream, the
+        Every rank loads the same dict (every rank must call this); each keeps the state of the parameters it owns.
+        The ranks agree first, in two small all-gathers: a check that fails on one rank fails on every rank, and
+        dicts whose parameter groups (sizes, hyper-parameters) differ between ranks raise ``RanksDisagreeError``. As upstream, the
         per-parameter entries of the parameters this rank does not own are replaced by ``{}`` in ``state_dict``
         (pass a copy to keep it intact). A dict that does not fit raises and changes nothing.
 
@@ -397,10 +399,13 @@ class OSS(Optimizer):
         state, e.g. an SGD ``momentum_buffer`` loaded into Adam, or Adam's moments into SGD, which torch accepts and
         then ignores), a non-empty Adam state without ``step``, ``exp_avg`` or ``exp_avg_sq``, or a group without
         the hyper-parameters the class reads, is refused. If the wrapped optimizer's own loader raises nonetheless
-        (another optimizer class), OSS and the wrapped optimizer are put back as they were before the call, on the
-        ranks that raised: those that own a parameter whose state does not fit.
+        (another optimizer class), OSS and the wrapped optimizer are put back as they were before the call, on every
+        rank.
 
         Raises:
+            RanksDisagreeError: (a ``ValueError``, on every rank) the ranks' dicts have other parameter groups.
+            RuntimeError: on the other ranks, when the dict failed a check or the load on some rank (which raises
+                its own error, below); the message names that rank and its error.
             TypeError: not a state dict, or one whose ``state``, ``param_groups``, groups or ``params`` are not of
                 the types of an optimizer state dict.
             ValueError: different group count or sizes (e.g. a per-rank shard), unknown parameter indices, state
@@ -409,35 +414,58 @@ class OSS(Optimizer):
                 error is chained; a ``ValueError`` or ``TypeError`` of that loader is raised as it is).
             KeyError: ``optim=fairscale.optim.Adam`` and the dict has no ``optim_scale``.
         """
-        _state.check_loadable(state_dict, self.param_groups)
-        _state.check_inner_state(state_dict, type(self.optim))
-        # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's shard,
-        # and a check that fails on the owning rank alone would leave the other ranks going on with the old state.
-        inner_check = getattr(type(self.optim), "_check_loadable_state_dict", None)
-        if inner_check is not None:
-            inner_check(state_dict, self.param_groups)
-        # What the loads below replace or change in place, to put back if one of them raises (an optimizer whose
-        # state names are not known here can still refuse the dict in its own loader, after torch changed part).
+        device = self._params_device()
+        error: Optional[Exception] = None
+        try:
+            _state.check_loadable(state_dict, self.param_groups)
+            _state.check_inner_state(state_dict, type(self.optim))
+            # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's
+            # shard, and a check that fails on the owning rank alone would leave the other ranks going on with the
+            # old state.
+            inner_check = getattr(type(self.optim), "_check_loadable_state_dict", None)
+            if inner_check is not None:
+                inner_check(state_dict, self.param_groups)
+        except Exception as e:  # noqa: B902  # re-raised below, once every rank knows
+            error = e
+        # Ranks given different dicts (another learning rate, another checkpoint) raised on some ranks only, or
+        # loaded apart silently: the outcome of the checks and the dict's layout are agreed on first (two small
+        # all-gathers per load, none at world size 1).
+        check_outcome_agrees("OSS.load_state_dict: the checks of the state dict", error, self.group, device=device)
+        check_ranks_agree(
+            "OSS.load_state_dict: the state dicts' parameter groups (sizes and hyper-parameters)",
+            _state.describe_for_agreement(state_dict, _describe.comparable),
+            self.group,
+            hint="Load the same state dict on every rank (e.g. the one consolidate_state_dict() wrote).",
+            device=device,
+        )
+        # What the loads below replace or change in place, to put back if one of them raises on any rank (an
+        # optimizer whose state names are not known here can still refuse the dict in its own loader, after torch
+        # changed part of it, and only on the ranks that own the parameters concerned).
         own_attributes = dict(self.__dict__)
         inner_attributes = dict(self.optim.__dict__)
         own_groups = [dict(group) for group in self.param_groups]
         inner_groups = [dict(group) for group in self.optim.param_groups]
+        error = None
         try:
             self._load_checked_state_dict(state_dict)
-        except BaseException as error:
+        except Exception as e:  # noqa: B902  # every rank puts its optimizer back below
+            error = e
+        try:
+            check_outcome_agrees("OSS.load_state_dict", error, self.group, device=device)
+        except Exception as failure:
             for obj, attributes in ((self, own_attributes), (self.optim, inner_attributes)):
                 obj.__dict__.clear()
                 obj.__dict__.update(attributes)
             for group, saved in zip(self.param_groups + self.optim.param_groups, own_groups + inner_groups):
                 group.clear()
                 group.update(saved)
-            if isinstance(error, (ValueError, TypeError)) or not isinstance(error, Exception):
-                raise
+            if failure is not error or isinstance(error, (ValueError, TypeError)):
+                raise  # another rank's failure (its rank and error named), or a clear error of the loader
             # Typically a KeyError from deep inside torch (a state name the optimizer's loader expects): say where.
             raise ValueError(
-                f"OSS.load_state_dict: the wrapped optimizer ({_describe.callable_name(type(self.optim))}) could not load its "
-                f"part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, load one "
-                "written by the same optimizer class. Nothing was changed."
+                f"OSS.load_state_dict: the wrapped optimizer ({_describe.callable_name(type(self.optim))}) could not "
+                f"load its part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, "
+                "load one written by the same optimizer class. Nothing was changed, on any rank."
             ) from error
 
     def _load_checked_state_dict(self, state_dict: Dict[str, Any]) -> None:

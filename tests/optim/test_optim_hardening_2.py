@@ -100,6 +100,48 @@ def test_consolidate_with_another_recipient_on_each_rank_raises_on_every_rank() 
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# OSS.load_state_dict of different dicts on different ranks
+
+
+def _different_dicts_body(rank: int, world_size: int) -> List[str]:
+    model = _model()
+    oss = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    _train(model, oss, rank, world_size, range(1))
+    saved = _trained_state(torch.optim.Adam, 0, world_size)  # the same on every rank
+    before = _snapshot(oss)
+    messages = []
+    # Another learning rate on rank 1: loaded apart silently before (each rank trained with its own).
+    other_lr = copy.deepcopy(saved)
+    if rank == 1:
+        other_lr["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(RanksDisagreeError) as info:
+        oss.load_state_dict(other_lr)
+    messages.append(str(info.value))
+    # State that fails the checks on rank 1 only: rank 0 used to load it and go on.
+    bad_shape = copy.deepcopy(saved)
+    if rank == 1:
+        bad_shape["state"][0]["exp_avg"] = torch.zeros(3)
+    with pytest.raises((RuntimeError, ValueError)) as failure:
+        oss.load_state_dict(bad_shape)
+    messages.append(type(failure.value).__name__)
+    assert _same(_snapshot(oss), before), "a refused load changed the optimizer"
+    # The same dict on every rank loads, also a second time (a load empties the entries of the other ranks'
+    # parameters in the caller's dict, so the ranks' copies differ there afterwards).
+    same = copy.deepcopy(saved)
+    oss.load_state_dict(same)
+    oss.load_state_dict(same)
+    assert oss.param_groups[0]["lr"] == saved["param_groups"][0]["lr"]
+    return messages
+
+
+def test_ranks_loading_different_state_dicts_raise_on_every_rank() -> None:
+    results = run_distributed(_different_dicts_body, 2, timeout=TIMEOUT)
+    assert results[0][0] == results[1][0] and "('group 0', 'lr', '0.01') vs ('group 0', 'lr', '0.5')" in results[0][0]
+    # Rank 1 raises its own check's error, rank 0 names rank 1's failure.
+    assert results[0][1] == "RuntimeError" and results[1][1] == "FairscaleValueError", results
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # OSS.load_state_dict of another optimizer's state dict
 
 

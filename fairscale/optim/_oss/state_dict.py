@@ -255,6 +255,22 @@ def _check_types(state_dict: Mapping[str, Any]) -> None:
             )
 
 
+def describe_for_agreement(state_dict: Mapping[str, Any], comparable: Callable[[Any], str]) -> List[Any]:
+    """What every rank's copy of a state dict to load must share, small enough for one object gather: each group's
+    size and hyper-parameters (through ``comparable``). Not the per-parameter state: a load replaces the entries of
+    the parameters other ranks own by ``{}`` in the caller's dict, so a dict loaded twice differs between ranks
+    there, legitimately (and hashing the state's contents would cost a pass over all of it at every load); state of
+    other shapes fails the checks on some rank, which the caller makes an error on every rank.
+    ``state_dict`` passed :func:`check_loadable`."""
+    # One entry per value, so that the error names the first group and key that differ.
+    return [
+        entry
+        for i, g in enumerate(state_dict["param_groups"])
+        for entry in [(f"group {i}", "number of parameters", len(g.get("params", ())))]
+        + sorted((f"group {i}", str(k), comparable(v)) for k, v in g.items() if k != "params")
+    ]
+
+
 class _InnerState(NamedTuple):
     """What one optimizer class keeps per parameter and needs in each parameter group."""
 
