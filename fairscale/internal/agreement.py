@@ -69,7 +69,7 @@ def _first_difference(a: Any, b: Any) -> str:
 
 def _on_device(device: Optional[Union[str, torch.device]]) -> ContextManager[None]:
     """The object gather's device context: NCCL object collectives place their buffers on the *current* CUDA
-    device, which is ``cuda:0`` on every rank of a process that never called ``torch.cuda.set_device`` (NCCL then
+    device, which is ``cuda:0`` on every rank of a process that never selected its GPU (``set_device``) (NCCL then
     fails with a duplicate-GPU error or hangs). The caller's tensors' device is the one this rank uses."""
     if device is None:
         return contextlib.nullcontext()
