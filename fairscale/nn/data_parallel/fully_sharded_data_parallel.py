@@ -18,7 +18,7 @@ from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
-from ._fsdp import batchnorm_wrap, construction, grad_accum, grad_norm, metadata, optim_state, runtime
+from ._fsdp import batchnorm_wrap, construction, grad_accum, grad_norm, metadata, optim_state, pickling, runtime
 from ._fsdp import state_dict as fsdp_state_dict
 from ._fsdp import summon
 from ._fsdp import ties as fsdp_ties
@@ -516,6 +516,13 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         return optim_state.get_shard_from_optim_state_dict(self._fsdp_unit, full_optim_state_dict)
 
     # ------------------------------------------------------------------ pickling
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling (``torch.save(model)``): writes a deep copy without the stale parameter views (see
+        ``_fsdp/pickling.py``); process groups do not cross (set them again after loading). Only between steps."""
+        if pickling.is_copy_for_pickling(self):
+            return super().__reduce_ex__(protocol)
+        return pickling.reduce_to_copy(self, self._fsdp_unit)
+
     def __getstate__(self) -> Dict[str, Any]:
         return dict(self.__dict__)  # the unit drops what cannot cross processes (process groups, tree)
 
@@ -541,6 +548,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         cast(Any, super()).__setstate__(state)
         self._fsdp_unit.relink(self)
+        # Copies and pickles of a parameter drop its hooks: the copy's parameters get their own.
+        runtime.register_post_backward_hooks(self._fsdp_unit)
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:

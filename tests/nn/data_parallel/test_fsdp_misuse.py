@@ -18,6 +18,7 @@ silently wrong result.
 
 import copy
 import functools
+import io
 import pickle
 from typing import Dict
 
@@ -167,6 +168,7 @@ def _case_deepcopy_is_an_independent_working_model() -> None:
     # The copy trains on as the original would have (equal to the single-process reference), and leaves it alone.
     optim = torch.optim.SGD(clone.parameters(), lr=0.1)
     clone(_input(1)).pow(2).sum().backward()
+    assert _full_buffers_freed(clone), "the copy's backward kept its full parameters (no gradient hooks)"
     optim.step()
     _assert_equal_to_reference(_full(clone), steps=2)
     assert all(torch.equal(trained_once[n], v) for n, v in _full(model).items()), "the copy's step moved the original"
@@ -182,14 +184,56 @@ def _case_unpickled_model_needs_its_groups() -> None:
     clone = pickle.loads(pickle.dumps(model))
     with pytest.raises(RuntimeError, match=r"was unpickled .* process_group, process_group_reduce_scatter"):
         clone(_input(1))
-    for m in clone.modules():  # as upstream's serialization tests do
-        if isinstance(m, FSDP):
-            m.process_group = dist.group.WORLD
-            m.process_group_reduce_scatter = dist.group.WORLD
+    _set_groups(clone)
     optim = torch.optim.SGD(clone.parameters(), lr=0.1)
     clone(_input(1)).pow(2).sum().backward()
     optim.step()
     _assert_equal_to_reference(_full(clone), steps=2)
+
+
+def _full_buffers_freed(model: FSDP) -> bool:
+    """Whether every instance freed its full parameters (as a backward whose gradient hooks ran leaves them)."""
+    handles = [h for m in model.modules() if isinstance(m, FSDP) for h in m._fsdp_unit.handles]
+    return all(h.full_padded is None or h.full_padded.untyped_storage().nbytes() == 0 for h in handles)
+
+
+def _set_groups(model: nn.Module) -> None:
+    for m in model.modules():  # as upstream's serialization tests do
+        if isinstance(m, FSDP):
+            m.process_group = dist.group.WORLD
+            m.process_group_reduce_scatter = dist.group.WORLD
+
+
+def _case_torch_save_of_the_whole_model(mixed_precision: bool) -> None:
+    # torch.save(model) after a step wrote views of freed buffers that torch.load could not rebuild ("Trying to
+    # resize storage that is not resizable"); copies and unpickled models had no gradient hooks (their backward kept
+    # every full parameter and reduced late).
+    model = _nested(mixed_precision=mixed_precision)
+    _train(model, 1)
+    with torch.no_grad():
+        model(_input(5))  # an evaluation forward before saving, as in a validation loop
+    out = model(_input(1))
+    with pytest.raises(RuntimeError, match=r"pickling \(torch.save .*between a forward and its backward"):
+        torch.save(model, io.BytesIO())
+    out.sum().backward()  # the refused save left the step alone
+    model.zero_grad()
+    trained_once = _full(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    _set_groups(loaded)
+    tags = [(p._is_sharded, p._orig_size) for p in loaded.parameters()]  # upstream's parameter attributes
+    assert tags == [(p._is_sharded, p._orig_size) for p in model.parameters()] and all(s for s, _ in tags), tags
+    assert all(torch.equal(trained_once[n], v) for n, v in _full(loaded).items())
+    optim = torch.optim.SGD(loaded.parameters(), lr=0.1)
+    loaded(_input(1)).pow(2).sum().backward()
+    assert _full_buffers_freed(loaded), "the loaded model's backward kept its full parameters (no gradient hooks)"
+    optim.step()
+    if not mixed_precision:
+        _assert_equal_to_reference(_full(loaded), steps=2)
+    assert all(torch.equal(trained_once[n], v) for n, v in _full(model).items()), "saving changed the original"
+    _train(model, 1)  # and the saved model trains on
 
 
 def _case_rebinds_inside_summon_are_written_back() -> None:
@@ -276,6 +320,8 @@ def _body(rank: int, world_size: int) -> None:
             ("rebinds inside summon_full_params", _case_rebinds_inside_summon_are_written_back),
             ("deepcopy", _case_deepcopy_is_an_independent_working_model),
             ("unpickled", _case_unpickled_model_needs_its_groups),
+            ("torch.save of the model", functools.partial(_case_torch_save_of_the_whole_model, False)),
+            ("torch.save of the model, mixed precision", functools.partial(_case_torch_save_of_the_whole_model, True)),
             ("constructor arguments", _case_constructor_arguments),
             ("optim shard input", _case_optim_shard_from_the_wrong_input),
             ("consolidate with one rank's dicts", _case_consolidate_with_one_ranks_dicts),

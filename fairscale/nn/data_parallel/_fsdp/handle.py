@@ -19,7 +19,7 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,19 @@ def alloc_storage_(data: Tensor, size: Union[int, torch.Size]) -> None:
     if storage.nbytes() != nbytes:
         assert storage.nbytes() == 0, "alloc_storage_ on a storage that is neither freed nor the right size"
         storage.resize_(nbytes)
+
+
+class _FreedBuffer(NamedTuple):
+    """A full buffer whose storage is freed, as pickled: its size, dtype and device."""
+
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def make(self) -> Tensor:
+        buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        free_storage_(buffer)
+        return buffer
 
 
 def is_storage_allocated(tensor: Tensor) -> bool:
@@ -153,7 +166,28 @@ class FlatHandle:
         state = dict(self.__dict__)
         state["_assigned_grad"] = None  # a weak reference cannot be pickled; it is only a hint
         state["_full_view"] = state["_full_view_of"] = None  # a cache, remade from full_padded
+        # Copies and pickles of a parameter drop its hooks (torch keeps them on the original only): the copy's
+        # next backward registers its own, or it would reduce every gradient late and keep full parameters.
+        state["_post_hook_registered"] = False
+        full = self.full_padded
+        if full is not None and full.untyped_storage().nbytes() == 0:
+            # A freed buffer is a tensor larger than its storage, which torch.load cannot rebuild: keep its recipe.
+            state["full_padded"] = _FreedBuffer(full.numel(), full.dtype, full.device)
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # Upstream's parameter attributes do not survive every copy (nn.Parameter's deepcopy drops a parameter's
+        # attributes, a FlatParameter pickles in upstream's format without them): set them again.
+        self.param._is_sharded = self.is_sharded  # type: ignore[attr-defined]
+        self.param._orig_size = self.orig_size  # type: ignore[attr-defined]
+        full = self.full_padded
+        if isinstance(full, _FreedBuffer):
+            self.full_padded = full.make()
+        elif full is not None and not full.untyped_storage().resizable():
+            # torch.load gives storages that cannot be resized, and the full buffer is freed and regrown in place at
+            # every step: give it a storage of its own.
+            self.full_padded = full.clone()
 
     def finish_gather(self) -> None:
         """Wait for a prefetched all-gather into the full buffer, if one is in flight (else a no-op)."""

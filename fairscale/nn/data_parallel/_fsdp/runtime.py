@@ -50,9 +50,9 @@ def _assert_between_steps(unit: FSDPUnit, what: str, why: str) -> None:
         )
 
 
-def check_copyable(unit: FSDPUnit) -> None:
-    """Raise unless ``copy.deepcopy`` of the tree can give a usable model: idle, with no backward pending."""
-    _assert_between_steps(unit, "copy.deepcopy", "the copy could not run that backward")
+def check_copyable(unit: FSDPUnit, what: str = "copy.deepcopy") -> None:
+    """Raise unless a copy of the tree (``what`` makes it) can be a usable model: idle, with no backward pending."""
+    _assert_between_steps(unit, what, "the copy could not run that backward")
 
 
 def _check_has_groups(unit: FSDPUnit) -> None:

@@ -1,0 +1,48 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Pickling a whole FSDP model (``torch.save(model)``, ``pickle.dumps(model)``): what is written is a copy.
+
+Between steps the wrapped modules' parameter attributes are views of freed full buffers: tensors larger than their
+storage, which ``torch.load`` cannot rebuild ("Trying to resize storage that is not resizable"). A deep copy of the
+model (``FullyShardedDataParallel.__deepcopy__``) has no such views (its next forward makes them), so pickling an
+instance pickles a deep copy of it instead. The copy costs the memory of the instance's shards while it is written.
+"""
+
+import copy
+import weakref
+from typing import Any, Callable, Tuple
+
+from torch import nn
+
+from . import runtime
+from .unit import UNIT_ATTR, FSDPUnit
+
+# Instances made by reduce_to_copy(): pickled as they are. Weak: a copy lives only as long as its pickling.
+_COPIES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def is_copy_for_pickling(model: nn.Module) -> bool:
+    """Whether ``model`` is (part of) a copy made by :func:`reduce_to_copy`."""
+    return model in _COPIES
+
+
+def _itself(model: nn.Module) -> nn.Module:
+    """Unpickling side of :func:`reduce_to_copy`: the copy is the model."""
+    return model
+
+
+def reduce_to_copy(model: nn.Module, unit: FSDPUnit) -> Tuple[Callable[[nn.Module], nn.Module], Tuple[Any, ...]]:
+    """``__reduce_ex__`` of an FSDP instance (``model``, whose unit is ``unit``): pickle a view-free deep copy.
+
+    The copy is an argument of the reduction, not just its state: the pickler then holds it until it is written
+    (module hooks refer to their module weakly) and memoizes it like any object.
+
+    Raises:
+        RuntimeError: inside a forward or backward, or between a forward and its backward (the copy could not run
+            that backward).
+    """
+    runtime.check_copyable(unit, "pickling (torch.save or pickle.dumps of the model)")
+    clone = copy.deepcopy(model)
+    for m in clone.modules():
+        if hasattr(m, UNIT_ATTR):
+            _COPIES.add(m)
+    return _itself, (clone,)
