@@ -130,6 +130,26 @@ def _case_clip_arguments() -> None:
     assert all(torch.equal(before[n], after[n]) for n in before), "a refused clip changed the gradients"
 
 
+def _case_clip_arguments_differ_between_ranks() -> None:
+    # Another norm_type on one rank combined its part of the norm by another rule (or joined a max with a sum) and
+    # another max_norm clipped its shard by another factor, both silently: the arguments ride in the norm's gather.
+    model = _nested()
+    model(_input()).pow(2).sum().backward()
+    before = _full_grads(model)
+    for max_norm, norm_type in ((1.0, 3.0), (2.0, 2.0), (1.0, float("inf"))):
+        mine = (max_norm, norm_type) if dist.get_rank() == 1 else (1.0, 2.0)
+        with pytest.raises(ValueError, match=r"clip_grad_norm_: \(max_norm, norm_type\) differ between ranks"):
+            model.clip_grad_norm_(*mine)
+    assert all(torch.equal(before[n], v) for n, v in _full_grads(model).items()), "a refused clip changed gradients"
+    torch.manual_seed(0)
+    ref = _Net()
+    ref(_input()).pow(2).sum().backward()
+    for norm_type in (2.0, float("inf")):
+        norms = [torch.linalg.vector_norm(p.grad, norm_type) for p in ref.parameters() if p.grad is not None]
+        expected = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        torch.testing.assert_close(model.clip_grad_norm_(1e9, norm_type), expected, rtol=1e-5, atol=1e-6)
+
+
 def _full_grads(model: FSDP) -> Dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -315,6 +335,7 @@ def _body(rank: int, world_size: int) -> None:
                 functools.partial(_case_clip_after_no_sync_backward, True),
             ),
             ("clip arguments", _case_clip_arguments),
+            ("clip arguments differ between ranks", _case_clip_arguments_differ_between_ranks),
             ("FSDP(FSDP(m))", _case_fsdp_of_fsdp_trains_like_the_module),
             ("one module in two instances", _case_one_module_in_two_instances),
             ("rebinds inside summon_full_params", _case_rebinds_inside_summon_are_written_back),
