@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_ranks_agree, first_device
+from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree, first_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
@@ -291,18 +291,38 @@ class AdaScale(torch.optim.Optimizer):
         if (calls - last) % accum != 0:
             return  # still accumulating
         work = None
+        payload = self._local_grad_sqr
         if self._world_size > 1:
-            work = collectives.all_reduce(self._local_grad_sqr, op="sum", async_op=True)
+            # The window length rides along, as n and n * n (exact in fp32): a rank with another
+            # num_gradients_to_accumulate reaches this all-reduce at another backward, which paired statistics of
+            # different windows silently and left one all-reduce unmatched at the end (a hang).
+            payload = torch.cat([payload, payload.new_tensor([float(accum), float(accum * accum)])])
+            work = collectives.all_reduce(payload, op="sum", async_op=True)
         total = np.array([_group_grad_sqr(group["params"]) for group in self.param_groups])
+        self._last_final_backward_call = calls
+        self._local_grad_sqr = None
         if work is not None:
             work.wait()
+            self._check_same_window(payload[-2:].tolist())
+            payload = payload[:-2]
         # The local squared norms stay fp32 through the accumulation correction, the reduced ones are fp32 per
         # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
         # reproduced to the last bit.
-        local = self._local_grad_sqr.cpu().numpy()
-        self._update_statistics(local, total)
-        self._last_final_backward_call = calls
-        self._local_grad_sqr = None
+        self._update_statistics(payload.cpu().numpy(), total)
+
+    def _check_same_window(self, sums: List[float]) -> None:
+        """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's window length is this one's.
+
+        ``sums`` are the group's sums of n and n * n: both equal the group size times this rank's n, n * n only when
+        every rank has the same n (their variance is then 0), so no rank passes when any differs.
+        """
+        size, accum = collectives.group_size(None), self._num_grads_to_accum
+        if sums != [size * accum, size * accum * accum]:
+            raise RanksDisagreeError(
+                f"AdaScale: num_gradients_to_accumulate differs between ranks: this rank has {accum}, the mean over "
+                f"the {size} ranks is {sums[0] / size:g}. Call set_num_gradients_to_accumulate() with the same value "
+                "on every rank. This step's statistics were not updated."
+            )
 
     def _update_statistics(self, local_sqr: "np.ndarray[Any, Any]", total_sqr: "np.ndarray[Any, Any]") -> None:
         """Unbiased estimates of ``|g|^2`` and the gradient variance from the local and reduced squared norms."""

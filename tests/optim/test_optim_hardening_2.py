@@ -6,8 +6,9 @@
   of another optimizer class raised from deep inside torch after part of it was loaded, or was accepted and ignored;
   badly typed state dicts gave ``AttributeError``; ``clip_grad_norm`` accepted a negative or NaN ``max_norm`` and
   ``norm_type`` 0 or ``-inf``.
-* AdaScale accepted an infinite scale, a fractional accumulation count and smoothing factors outside ``[0, 1)``, and
-  loaded a plain optimizer's state dict only to fail at the next ``gain()``.
+* AdaScale accepted an infinite scale, a fractional accumulation count and smoothing factors outside ``[0, 1)``,
+  loaded a plain optimizer's state dict only to fail at the next ``gain()``, and hung when one rank changed its
+  accumulation count.
 * LayerwiseGradientScaler scaled or unscaled twice when its calls came out of order, and divided by a scale of 0.
 * GradScaler / ShardedGradScaler accepted an ``init_scale`` of 0 or below and turned the weights into NaN.
 
@@ -444,6 +445,34 @@ def test_adascale_loads_a_plain_optimizer_state_dict_with_fresh_statistics() -> 
     _accumulate(model, optim)
     _accumulate(fresh_model, fresh)
     assert optim.gain() == fresh.gain() and optim.gain() > 1.0
+
+
+def _window_body(rank: int, world_size: int) -> List[str]:
+    # set_num_gradients_to_accumulate(2) on rank 1 only: its all-reduce of statistics came one backward later than
+    # rank 0's, paired statistics of different windows silently and left one all-reduce unmatched (a hang).
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    optim = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=1)
+    # The same data on both ranks stands in for DDP's averaged gradients (AdaScale reads the reduced ones).
+    x = torch.randn(3, 2, generator=torch.Generator().manual_seed(0))
+    model(x).sum().backward()  # the same window on both ranks: statistics as before
+    optim.step()
+    gain = optim.gain()
+    optim.zero_grad()
+    if rank == 1:
+        optim.set_num_gradients_to_accumulate(2)
+        model(x).sum().backward()  # still accumulating: no all-reduce yet
+    with pytest.raises(RanksDisagreeError, match="num_gradients_to_accumulate differs between ranks") as info:
+        model(x).sum().backward()
+    assert optim.gain() == gain, "statistics of mismatched windows were used"
+    return [f"{gain:.12g}", str(info.value)]
+
+
+def test_adascale_window_length_differing_between_ranks_raises_on_every_rank() -> None:
+    results = run_distributed(_window_body, 2, timeout=TIMEOUT)
+    assert results[0][0] == results[1][0], "the ranks' gains differ before the mismatch"
+    assert "this rank has 1, the mean over the 2 ranks is 1.5" in results[0][1]
+    assert "this rank has 2, the mean over the 2 ranks is 1.5" in results[1][1]
 
 
 # ------------------------------------------------------------------------------------------------------------------
