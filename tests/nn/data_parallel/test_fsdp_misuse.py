@@ -256,6 +256,27 @@ def _case_torch_save_of_the_whole_model(mixed_precision: bool) -> None:
     _train(model, 1)  # and the saved model trains on
 
 
+def _case_full_state_dicts_differing_between_ranks() -> None:
+    # Each rank keeps its own slice of the full dict it loads: dicts with the same keys and shapes but other values
+    # (another checkpoint on one rank, or a checkpoint read by rank 0 only) mixed silently into one model.
+    model = _nested()
+    _train(model, 1)
+    saved = model.state_dict()
+    before = _full(model)
+    for key, names in (("b.bias", "b.weight, b.bias"), ("a.weight", "a.weight, a.bias")):
+        other = {k: v.clone() for k, v in saved.items()}
+        if dist.get_rank() == 1:
+            other[key].add_(1.0)
+        with pytest.raises(
+            RuntimeError, match=rf"the ranks loaded different full state dicts \(the values of {names} differ"
+        ):
+            model.load_state_dict(other)
+        assert all(torch.equal(before[n], v) for n, v in _full(model).items()), "a refused load changed the model"
+    changed = {k: v + 1.0 for k, v in saved.items()}
+    model.load_state_dict(changed)  # the same dict on every rank loads as before
+    assert all(torch.equal(before[n] + 1.0, v) for n, v in _full(model).items())
+
+
 def _case_rebinds_inside_summon_are_written_back() -> None:
     model = _nested()
     with model.summon_full_params():
@@ -341,6 +362,7 @@ def _body(rank: int, world_size: int) -> None:
             ("rebinds inside summon_full_params", _case_rebinds_inside_summon_are_written_back),
             ("deepcopy", _case_deepcopy_is_an_independent_working_model),
             ("unpickled", _case_unpickled_model_needs_its_groups),
+            ("full state dicts differing between ranks", _case_full_state_dicts_differing_between_ranks),
             ("torch.save of the model", functools.partial(_case_torch_save_of_the_whole_model, False)),
             ("torch.save of the model, mixed precision", functools.partial(_case_torch_save_of_the_whole_model, True)),
             ("constructor arguments", _case_constructor_arguments),

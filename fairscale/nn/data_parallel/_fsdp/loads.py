@@ -5,15 +5,19 @@ A rank-local all-or-nothing load is not enough: with a bad dict on one rank only
 others load, leaving a model that is half old, half new, with buffers that differ between ranks. So each rank
 loads under a snapshot of its shards and buffers, then the ranks agree in one small ``all_gather_object`` (each
 rank's error, if any, the checkpoint id of the local dict it loaded, and a fresh token). When any rank failed, or
-the ranks loaded local shards of different checkpoints, every rank restores its snapshot and raises the same
-error; nothing that the load could change is visible to the caller before the agreement.
+the ranks loaded local shards of different checkpoints, or full dicts with different parameter values (compared by
+fingerprint), every rank restores its snapshot and raises the same error; nothing that the load could change is
+visible to the caller before the agreement.
 """
 
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
+import torch
+
 from fairscale.internal import collectives
 
 from . import hybrid, identity
+from .naming import clean_path
 from .unit import FSDPUnit
 
 # Exception types a failing rank's error is re-created as on every rank (others become RuntimeError).
@@ -25,7 +29,12 @@ _REBUILDABLE: Dict[str, Type[Exception]] = {
 
 
 def load_collectively(
-    unit: FSDPUnit, what: str, load: Callable[[], Any], loaded: Optional[Mapping[str, Any]], restore: Any
+    unit: FSDPUnit,
+    what: str,
+    load: Callable[[], Any],
+    loaded: Optional[Mapping[str, Any]],
+    restore: Any,
+    fingerprints: Optional[List[Tuple[str, int]]] = None,
 ) -> Any:
     """Run ``load`` on this rank, agree with every rank of the unit's process group, roll back everywhere on failure.
 
@@ -35,6 +44,8 @@ def load_collectively(
         load: performs the rank-local load and returns its result (raises on bad input).
         loaded: the checkpoint identity of the loaded local dict (``None`` for full dicts and upstream files).
         restore: a context manager factory that snapshots shards and buffers and restores them if its body raises.
+        fingerprints: filled by ``load`` with :func:`parameter_fingerprints` of what it loaded (full dicts): ranks
+            whose fingerprints differ loaded different values, each keeping its own slice of them.
 
     Returns:
         ``load()``'s result, on every rank, when every rank succeeded.
@@ -51,12 +62,13 @@ def load_collectively(
         except Exception as e:  # every rank must reach the agreement, whatever went wrong here
             error = e
         token = identity.new_token()
-        mine = (None if error is None else (_kind(error), _message(error)), _id(loaded), token)
+        prints = tuple(fingerprints) if fingerprints else None
+        mine = (None if error is None else (_kind(error), _message(error)), _id(loaded), token, prints)
         # On the compute device: NCCL object collectives allocate on the current device.
         # With hybrid sharding every replica loads too: a load that failed on one replica only must roll back all.
         group = hybrid.world_group() if unit.config.replicate_process_group is not None else unit.config.process_group
         with collectives.collective_phase("load"), unit.device.as_current():
-            views: List[Tuple[Any, Optional[str], str]] = collectives.all_gather_object(mine, group=group)
+            views: List[Tuple[Any, Optional[str], str, Any]] = collectives.all_gather_object(mine, group=group)
         ranks = list(collectives.group_ranks(group))
         failed = [(rank, view[0]) for rank, view in zip(ranks, views) if view[0] is not None]
         if failed:
@@ -68,10 +80,41 @@ def load_collectively(
                 f"{what}: the ranks loaded shards of different checkpoints ({listing}); every rank restored its "
                 "previous state. Load every rank's file of one checkpoint."
             )
+        for rank, view in zip(ranks[1:], views[1:]):
+            if view[3] != views[0][3]:
+                name = next((a[0] for a, b in zip(views[0][3] or (), view[3] or ()) if a != b), "the parameters")
+                raise RuntimeError(
+                    f"{what}: the ranks loaded different full state dicts (the values of {name} differ between rank "
+                    f"{ranks[0]} and rank {rank}); every rank restored its previous state. Each rank keeps its slice of "
+                    "the dict it loads, so every rank must load the same one (e.g. torch.load the same file, or "
+                    "broadcast what one rank read)."
+                )
     unit.ckpt_token = views[0][2]
     if loaded is not None and loaded.get("step") is not None:
         unit.ckpt_step = int(loaded["step"])
     return result
+
+
+# Integer views of each element size: fingerprints sum bit patterns, which is exact and the same on any CPU or
+# accelerator (a float sum depends on the order of the additions).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def parameter_fingerprints(unit: FSDPUnit) -> List[Tuple[str, int]]:
+    """``(name, fingerprint)`` of every full parameter of the tree; call inside ``summon_full_params``.
+
+    The fingerprint is the wrapped-around sum of the values' bit patterns: one reduction per parameter, about the
+    cost of the copy the load made, to compare what the ranks loaded without sending it.
+    """
+    out = []
+    for path, u in unit.named_units():
+        for h, names in zip(u.handles, u.param_name_groups):
+            if not h.borrowed:
+                data = h.param.data.detach().reshape(-1)
+                words = data.view(_WORDS.get(data.element_size(), torch.uint8))
+                shown = ", ".join(clean_path(f"{path}.{n}" if path else n) for n in names[:3])
+                out.append((shown + (", ..." if len(names) > 3 else ""), int(words.sum(dtype=torch.int64))))
+    return out
 
 
 def _id(loaded: Optional[Mapping[str, Any]]) -> Optional[str]:

@@ -155,12 +155,16 @@ def load_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
     if unit.state_dict_type == StateDictType.LOCAL:
         return _load_local(unit, sd, strict)
 
+    fingerprints: List[Tuple[str, int]] = []
+
     def load() -> Any:
         with summon_full_params(unit, recurse=True, volatile=False):
-            return _load_with_clean_errors(unit, sd, strict)
+            result = _load_with_clean_errors(unit, sd, strict)
+            fingerprints[:] = loads.parameter_fingerprints(unit)
+            return result
 
     with lazy_init_for_call(unit):
-        return loads.load_collectively(unit, "load_state_dict", load, None, _restore_on_failure)
+        return loads.load_collectively(unit, "load_state_dict", load, None, _restore_on_failure, fingerprints)
 
 
 def load_local_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
