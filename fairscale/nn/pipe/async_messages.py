@@ -4,7 +4,8 @@
 * :class:`Location` and :class:`Invocation` place each run of a partition (stage, position, order, where its input
   comes from and its output goes); :class:`ModuleWrapper` is a stage's partition with its invocations.
 * :class:`AsyncMessageBody` is the header of an event-loop message (:class:`AsyncMessageType`: activations,
-  gradients, or the abort that ends waiting stages with :class:`PipelineAbortedError`).
+  gradients, or the abort that ends waiting stages with :class:`PipelineAbortedError`). It also describes the
+  sender's step (:class:`StepDisagreement` and :class:`StagesDisagreeError` when the receiver's does not match).
 * :class:`AutogradWithoutActivations` and :class:`AsyncRecvOperator` are the autograd ends of an activation
   message: the sender keeps a scalar stand-in whose backward takes the gradients that come back, the receiver's
   backward sends them.
@@ -19,6 +20,8 @@ from typing import Any, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from fairscale.internal.agreement import RanksDisagreeError
 
 from .messages import Transport
 from .microbatch import Batch
@@ -93,13 +96,72 @@ class PipelineAbortedError(RuntimeError):
     """Another stage of the pipeline failed; this stage stopped waiting for it."""
 
 
+# What the fields of a step's description (see AsyncMessageBody) mean, for the error message.
+_STEP_FIELDS = {
+    "step": "the step number (calls of forward on this AsyncPipe that ran the pipeline)",
+    "training": "whether gradients come back (training mode with autograd on)",
+    "num_microbatches": "the number of micro-batches",
+}
+
+
+@dataclass(frozen=True)
+class StepDisagreement:
+    """What a stage found when a message's header did not describe its own step (carried by the abort it sends).
+
+    ``differences`` holds ``(field, sender's value, receiver's value)`` per differing field of
+    :class:`AsyncMessageBody` (``step``, ``training``, ``num_microbatches``); stages are pipeline ranks, ``ranks``
+    the global ranks of ``(sender, receiver)``.
+    """
+
+    sender: int
+    receiver: int
+    ranks: Tuple[int, int]
+    differences: Tuple[Tuple[str, Any, Any], ...]
+
+    def message(self) -> str:
+        """The error message, the same on every stage that raises it."""
+        what = "; ".join(
+            f"{_STEP_FIELDS.get(field, field)}: {sent!r} on stage {self.sender}, {own!r} on stage {self.receiver}"
+            for field, sent, own in self.differences
+        )
+        return (
+            f"AsyncPipe: pipeline stages {self.sender} and {self.receiver} (global ranks {self.ranks[0]} and "
+            f"{self.ranks[1]}) run steps that do not match ({what}). A stage waits for as many messages as it has "
+            "micro-batches, and for gradients only in training: the stages would wait for each other forever or use "
+            "gradients of another step. Call forward on every stage once per step, in the same mode (train()/eval() "
+            "and autograd on/off on every rank), with an input that splits into the same number of micro-batches "
+            "(same batch size and chunks). Only the first step is checked with a collective; later steps are checked "
+            "through the headers of the pipeline's messages, so a stage that waits for no message in that step (an "
+            "earlier stage in eval mode) returns normally."
+        )
+
+
+class StagesDisagreeError(RanksDisagreeError):
+    """The stages of an :class:`~fairscale.nn.pipe.AsyncPipe` ran a step that does not match (mode, number of
+    micro-batches or step number): raised by the stage that received a message of another kind of step, and by
+    every stage that waited for it."""
+
+
 @dataclass(frozen=True)
 class AsyncMessageBody:
+    """The header of an event-loop message.
+
+    The last fields are fork additions. ``step``, ``training`` and ``num_microbatches`` describe the sender's step
+    (its step number, whether gradients come back, its number of micro-batches); the receiver checks them against
+    its own before it uses the message (``None``: not described, not checked). Only the first step is checked with
+    a collective: a few integers in a header that travels anyway check every later step at no extra message or
+    synchronisation. ``disagreement`` (aborts only) tells the stopped stages why.
+    """
+
     message_type: AsyncMessageType
     microbatch_index: int
     source: Location
     dest: Location
     order: int
+    step: Optional[int] = None
+    training: Optional[bool] = None
+    num_microbatches: Optional[int] = None
+    disagreement: Optional[StepDisagreement] = None
 
 
 class AutogradWithoutActivations(torch.autograd.Function):
@@ -162,8 +224,16 @@ class AsyncRecvOperator(torch.autograd.Function):
             g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
             for g, (shape, dtype, device) in zip(grad, ctx.meta)
         )
+        # The step described by the activations' header, which this stage checked against its own.
         body = AsyncMessageBody(
-            AsyncMessageType.Gradients, ctx.index, source=ctx.args.dest, dest=ctx.args.source, order=ctx.args.order - 1
+            AsyncMessageType.Gradients,
+            ctx.index,
+            source=ctx.args.dest,
+            dest=ctx.args.source,
+            order=ctx.args.order - 1,
+            step=ctx.args.step,
+            training=ctx.args.training,
+            num_microbatches=ctx.args.num_microbatches,
         )
         ctx.transport.send_message(
             PipeMessage(ctx.dest, ctx.src, queue_name=ctx.queue_name, args=body, tensors=grads), sync=True
@@ -183,6 +253,8 @@ for _cls in (
     ModuleWrapper,
     AsyncMessageType,
     PipelineAbortedError,
+    StepDisagreement,
+    StagesDisagreeError,
     AsyncMessageBody,
     AutogradWithoutActivations,
     AsyncRecvOperator,

@@ -244,7 +244,9 @@ class AsyncPipe(nn.Module):
         """Run this stage on a mini-batch.
 
         At the first call, when every rank of the (gloo) group holds a stage, the ranks check that they agree on the
-        shape of the step (one small collective), see :meth:`_check_ranks_agree`.
+        shape of the step (one small collective), see :meth:`_check_ranks_agree`. Every step, each stage checks that
+        the messages it receives describe its own step (number, mode, number of micro-batches), at no extra cost:
+        the message headers carry them.
 
         Args:
             input (torch.Tensor or Tuple[torch.Tensor, ...]): the mini-batch; only the first stage's values are
@@ -258,7 +260,10 @@ class AsyncPipe(nn.Module):
 
         Raises:
             RanksDisagreeError: at the first call, the stages differ in balance, chunks, number of micro-batches,
-                batch size or mode (raised on every rank).
+                batch size or mode (raised on every rank). At a later call, the stages differ in mode or number of
+                micro-batches, or one ran more steps (``StagesDisagreeError``, a ``RanksDisagreeError``, raised by
+                every stage that receives or waits for a message of that step; an earlier stage in eval mode, which
+                waits for none, returns normally).
             PipelineAbortedError: another stage failed.
         """
         microbatch.check(input)
@@ -282,10 +287,14 @@ class AsyncPipe(nn.Module):
 
         A stage waits for as many messages as it has micro-batches, and for gradients only in training: ranks
         that differ there would wait for each other forever. Checked once, at the first step (one
-        ``all_gather_object`` on the pipeline group); later steps are not checked. Not checked when some ranks of
-        the group hold no stage (those need not call ``forward`` at all, so they cannot be asked to join), nor on a
-        pipeline group other than gloo or MPI (an NCCL group carries RPC pipelines, whose stages may run ``forward``
-        on an RPC thread, without the CUDA device that an NCCL object collective would need).
+        ``all_gather_object`` on the pipeline group). Not checked when some ranks of the group hold no stage (those
+        need not call ``forward`` at all, so they cannot be asked to join), nor on a pipeline group other than gloo
+        or MPI (an NCCL group carries RPC pipelines, whose stages may run ``forward`` on an RPC thread, without the
+        CUDA device that an NCCL object collective would need).
+
+        Every step, the first one included and whatever the group, is also checked without a collective: each
+        message header carries the sender's step number, mode and number of micro-batches, which the receiver
+        compares with its own (see ``AsyncEventLoop.check_header``). That finds the stages concerned, not every rank.
         """
         if not self._group_can_agree():
             return

@@ -4,7 +4,7 @@
 from threading import Event
 from typing import Any, Dict, List, Optional
 
-from .async_schedule import AsyncEventLoop, ModuleWrapper, PipelineAbortedError, _TailBackward
+from .async_schedule import AsyncEventLoop, ModuleWrapper, PipelineAbortedError, StagesDisagreeError, _TailBackward
 from .messages import MakeTransport, Transport, use_rpc_by_default
 from .microbatch import Batch
 from .skip.layout import SkipLayout
@@ -56,6 +56,9 @@ class AsyncPipeline:
         self.num_stages = num_stages
         # The last stage: the backward of the previous mini-batch's outputs, which the earlier stages wait for.
         self._tail_backward: Optional[_TailBackward] = None
+        # Steps run so far. Every message header carries its step's number, so that a stage that runs a step the
+        # others do not (or skips one) is caught at its next message instead of using another step's messages.
+        self.steps = 0
 
     @property
     def checkpoint_stop(self) -> int:
@@ -78,6 +81,9 @@ class AsyncPipeline:
 
         Raises:
             PipelineAbortedError: another stage failed.
+            StagesDisagreeError: the stages run steps that do not match (mode, number of micro-batches, or step
+                number); raised by the stage that received a message of the other kind of step and by the stages
+                that waited for it.
             RuntimeError: on the last stage, the previous output's backward did not run (the earlier stages, which
                 waited for it, are stopped with ``PipelineAbortedError``).
         """
@@ -90,10 +96,14 @@ class AsyncPipeline:
                 "for forward-only passes use eval mode or torch.no_grad() on every stage"
             )
         self.training = training
+        # Counted once the step really starts, on every stage alike: a last stage that refused to run above did not
+        # start its step, and the stages it stopped did not finish theirs (they counted it).
+        self.steps += 1
         m = len(batches)
         skip_trackers = [SkipTrackerThroughPotals(self.skip_layout, i) for i in range(m)]
         rank = self.group.rank()
         event_loop = AsyncEventLoop(self.partitions, self.group, self.transport, self.training, self.checkpoint_stop)
+        event_loop.step = self.steps
         if self.num_stages is not None:
             event_loop.num_stages = self.num_stages
         try:
@@ -103,7 +113,8 @@ class AsyncPipeline:
                 event_loop.event_loop_tail(batches, skip_trackers)
             else:
                 event_loop.event_loop(m, skip_trackers)
-        except PipelineAbortedError:
+        except (PipelineAbortedError, StagesDisagreeError):
+            # The stages concerned were told already (and what they still sent was received).
             raise
         except Exception:
             # Stop every stage, not only this one: the others would wait for its messages forever.

@@ -33,6 +33,8 @@ from .async_messages import (
     Location,
     ModuleWrapper,
     PipelineAbortedError,
+    StagesDisagreeError,
+    StepDisagreement,
     TailBackwardContext,
 )
 from .async_tail import _abandon_unfinished_tails as _abandon_unfinished_tails
@@ -56,6 +58,8 @@ __all__ = [
     "AsyncRecvOperator",
     "AsyncEventLoop",
     "PipelineAbortedError",
+    "StagesDisagreeError",
+    "StepDisagreement",
 ]
 
 # How long a stage that stops with an error waits for its abort messages to reach the stages waiting for it. They
@@ -120,6 +124,9 @@ class AsyncEventLoop:
         self.invocations, self.activations = self.get_invocations_and_activations()
         # Stages that take part (ranks past the balance hold none); set by the pipeline.
         self.num_stages: int = len(self.ranks)
+        # This mini-batch's number among the pipeline's steps (set by the pipeline; ``None``: not checked). With
+        # ``training`` and ``num_microbatch`` it describes the step in every message header (see check_header).
+        self.step: Optional[int] = None
         # Message counts of this mini-batch, for a clean stop when a stage fails (see fail_over).
         self.num_microbatch = 0
         self.activations_received = 0
@@ -200,7 +207,14 @@ class AsyncEventLoop:
         """Send ``result`` to global rank ``dst_rank``; return its stand-in (kept for the backward)."""
         assert invocation.dest is not None
         body = AsyncMessageBody(
-            AsyncMessageType.Activations, result.index, invocation.this, invocation.dest, invocation.order + 1
+            AsyncMessageType.Activations,
+            result.index,
+            invocation.this,
+            invocation.dest,
+            invocation.order + 1,
+            step=self.step,
+            training=self.training,
+            num_microbatches=self.num_microbatch,
         )
         message = PipeMessage(
             self.ranks[self.rank], dst_rank, queue_name=EVENT_LOOP_QUEUE, args=body, tensors=tuple(result)
@@ -265,14 +279,23 @@ class AsyncEventLoop:
             )
 
     def recv_header(self) -> PipeMessage:
-        """The next event-loop message; raises :class:`PipelineAbortedError` when another stage failed."""
+        """The next event-loop message.
+
+        Raises:
+            PipelineAbortedError: another stage failed.
+            StagesDisagreeError: the message describes a step that does not match this stage's (see
+                :meth:`check_header`), or another stage found such a message.
+        """
         message = self.transport.recv_message_header(EVENT_LOOP_QUEUE)
         kind = message.args.message_type
         if kind is AsyncMessageType.Abort:
             origin = message.args.source.stage
+            disagreement = message.args.disagreement
             # Pass the stop on, in the direction it travels, behind the messages already sent that way.
             from_previous = self.ranks.index(message.src) < self.rank
-            self._send_aborts(origin, forward=from_previous, backward=not from_previous)
+            self._send_aborts(origin, forward=from_previous, backward=not from_previous, disagreement=disagreement)
+            if disagreement is not None:
+                raise StagesDisagreeError(disagreement.message())
             raise PipelineAbortedError(
                 f"pipeline stage {origin} failed; stage {self.rank} stopped waiting for it (see that rank's error)"
             )
@@ -280,7 +303,83 @@ class AsyncEventLoop:
             self.activations_received += 1
         else:
             self.gradients_received += 1
+        self.check_header(message)
         return message
+
+    def check_header(self, message: PipeMessage) -> None:
+        """Raise :class:`StagesDisagreeError` unless ``message`` (activations or gradients) describes this step.
+
+        The stages of a step must agree on its number, its mode (whether gradients come back) and its number of
+        micro-batches, or they wait for messages that never come, or use those of another step. Only the first step
+        is checked with a collective; the later ones are checked here, on the headers that travel anyway (no extra
+        collective or message per step). The first message from a neighbour in a step is the one that differs: every
+        header of a stage's step describes it alike.
+
+        Before raising, the stage receives the rest of what the previous stage sends in its step (its sender thread
+        would block on them) and stops, with the same error, the stages that wait for this one: the next stage (it
+        waits for activations this stage never sent) and the previous one when it waits for gradients (as the
+        header of its activations says). An earlier stage that waits for nothing (eval mode) returns normally from
+        its step.
+
+        Args:
+            message (PipeMessage): a received activations or gradients message, whose tensors were not received.
+
+        Raises:
+            StagesDisagreeError: the header's step, mode or number of micro-batches is not this stage's.
+        """
+        header: AsyncMessageBody = message.args
+        expected = {"step": self.step, "training": self.training, "num_microbatches": self.num_microbatch}
+        differences = tuple(
+            (field, getattr(header, field), mine)
+            for field, mine in expected.items()
+            if mine is not None and getattr(header, field) is not None and getattr(header, field) != mine
+        )
+        if not differences:
+            return
+        sender = self.ranks.index(message.src)
+        disagreement = StepDisagreement(sender, self.rank, (message.src, self.ranks[self.rank]), differences)
+        try:
+            self.transport.recv_message_tensors(message)
+        except Exception:  # noqa: B902 - best effort: the disagreement is the error to report
+            pass
+        if header.message_type is AsyncMessageType.Activations:
+            # The previous stage sends all the micro-batches of its own step, then waits for their gradients if it
+            # trains (whatever this stage does). Found at its first message: this stage has sent nothing yet.
+            total, previous_trains = header.num_microbatches, bool(header.training)
+        else:
+            # Gradients of another step (not seen unless a step went wrong before): this stage's own counts apply
+            # (the first stage receives no activations).
+            total, previous_trains = (self.num_microbatch if self.rank > 0 else 0), self.training
+        previous_stopped = self._drain_activations(total)
+        self._send_aborts(
+            self.rank,
+            forward=True,
+            backward=True,
+            disagreement=disagreement,
+            previous_waits=previous_trains and not previous_stopped,
+        )
+        raise StagesDisagreeError(disagreement.message())
+
+    def _drain_activations(self, total: Optional[int]) -> bool:
+        """Receive (and drop) the previous stage's activations of its step, up to ``total`` in all (other messages
+        that come meanwhile are dropped too).
+
+        Returns:
+            bool: whether the previous stage sent an abort instead (it stopped: it waits for nothing any more).
+        """
+        remaining = (total if total is not None else self.num_microbatch) - self.activations_received
+        try:
+            while remaining > 0:
+                message = self.transport.recv_message_header(EVENT_LOOP_QUEUE)
+                if message.args.message_type is AsyncMessageType.Abort:
+                    return self.ranks.index(message.src) < self.rank
+                self.transport.recv_message_tensors(message)
+                if message.args.message_type is AsyncMessageType.Activations:
+                    self.activations_received += 1
+                    remaining -= 1
+        except Exception:  # noqa: B902 - best effort: the disagreement is the error to report
+            pass
+        return False
 
     def fail_over(self) -> None:
         """After this stage failed: let no peer wait for it forever, and leave no send blocked.
@@ -309,17 +408,33 @@ class AsyncEventLoop:
             pass
         self._send_aborts(self.rank, forward=True, backward=True)
 
-    def _send_aborts(self, origin: int, *, forward: bool, backward: bool) -> None:
+    def _send_aborts(
+        self,
+        origin: int,
+        *,
+        forward: bool,
+        backward: bool,
+        disagreement: Optional[StepDisagreement] = None,
+        previous_waits: Optional[bool] = None,
+    ) -> None:
+        """Send an abort (of stage ``origin``; with ``disagreement`` when that is why) to the neighbours that wait.
+
+        ``previous_waits`` says whether the previous stage waits for gradients (``None``: when this one trains).
+        """
         m = self.num_microbatch
         targets = []
         # The next stage waits for activations until it got all of them.
         if forward and self.rank < self.num_stages - 1 and self.activations_sent < m:
             targets.append(self.rank + 1)
         # In training, the previous stage waits for gradients until it got all of them.
-        if backward and self.training and self.rank > 0 and self.gradients_sent < m:
+        if previous_waits is None:
+            previous_waits = self.training
+        if backward and previous_waits and self.rank > 0 and self.gradients_sent < m:
             targets.append(self.rank - 1)
         for stage in targets:
-            body = AsyncMessageBody(AsyncMessageType.Abort, -1, Location(origin, 0), Location(stage, 0), -1)
+            body = AsyncMessageBody(
+                AsyncMessageType.Abort, -1, Location(origin, 0), Location(stage, 0), -1, disagreement=disagreement
+            )
             message = PipeMessage(self.ranks[self.rank], self.ranks[stage], queue_name=EVENT_LOOP_QUEUE, args=body)
             try:
                 self.transport.send_message(message, sync=False)
