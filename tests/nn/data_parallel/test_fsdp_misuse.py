@@ -277,6 +277,24 @@ def _case_full_state_dicts_differing_between_ranks() -> None:
     assert all(torch.equal(before[n] + 1.0, v) for n, v in _full(model).items())
 
 
+def _case_parent_module_loads_differing_dicts() -> None:
+    # A plain parent's load_state_dict (as Lightning loads a LightningModule holding FSDP models) goes through the
+    # instances' load hooks, not FSDP.load_state_dict: the ranks compare what they loaded there.
+    parent = nn.Sequential(_nested(), nn.Linear(3, 3))
+    saved = parent.state_dict()
+    other = {k: v.clone() for k, v in saved.items()}
+    if dist.get_rank() == 1:
+        other["0.a.bias"].add_(1.0)
+    with pytest.raises(
+        RuntimeError, match=r"the ranks loaded different full state dicts \(the values of a.weight, a.b"
+    ):
+        parent.load_state_dict(other)
+    changed = {k: v + 1.0 for k, v in saved.items()}
+    parent.load_state_dict(changed)  # the same dict on every rank loads as before
+    assert all(torch.equal(changed[k], v) for k, v in parent.state_dict().items())
+    _train(parent[0], 1)
+
+
 def _case_rebinds_inside_summon_are_written_back() -> None:
     model = _nested()
     with model.summon_full_params():
@@ -363,6 +381,7 @@ def _body(rank: int, world_size: int) -> None:
             ("deepcopy", _case_deepcopy_is_an_independent_working_model),
             ("unpickled", _case_unpickled_model_needs_its_groups),
             ("full state dicts differing between ranks", _case_full_state_dicts_differing_between_ranks),
+            ("a parent module loads differing dicts", _case_parent_module_loads_differing_dicts),
             ("torch.save of the model", functools.partial(_case_torch_save_of_the_whole_model, False)),
             ("torch.save of the model, mixed precision", functools.partial(_case_torch_save_of_the_whole_model, True)),
             ("constructor arguments", _case_constructor_arguments),

@@ -80,15 +80,7 @@ def load_collectively(
                 f"{what}: the ranks loaded shards of different checkpoints ({listing}); every rank restored its "
                 "previous state. Load every rank's file of one checkpoint."
             )
-        for rank, view in zip(ranks[1:], views[1:]):
-            if view[3] != views[0][3]:
-                name = next((a[0] for a, b in zip(views[0][3] or (), view[3] or ()) if a != b), "the parameters")
-                raise RuntimeError(
-                    f"{what}: the ranks loaded different full state dicts (the values of {name} differ between rank "
-                    f"{ranks[0]} and rank {rank}); every rank restored its previous state. Each rank keeps its slice of "
-                    "the dict it loads, so every rank must load the same one (e.g. torch.load the same file, or "
-                    "broadcast what one rank read)."
-                )
+        _check_same_values(what, ranks, [view[3] for view in views], "every rank restored its previous state")
     unit.ckpt_token = views[0][2]
     if loaded is not None and loaded.get("step") is not None:
         unit.ckpt_step = int(loaded["step"])
@@ -115,6 +107,36 @@ def parameter_fingerprints(unit: FSDPUnit) -> List[Tuple[str, int]]:
                 shown = ", ".join(clean_path(f"{path}.{n}" if path else n) for n in names[:3])
                 out.append((shown + (", ..." if len(names) > 3 else ""), int(words.sum(dtype=torch.int64))))
     return out
+
+
+def check_loaded_same_values(unit: FSDPUnit, what: str, fingerprints: List[Tuple[str, int]]) -> None:
+    """After a full load that did not go through :func:`load_collectively` (a plain parent module's
+    ``load_state_dict``): raise the same ``RuntimeError`` on every rank unless every rank loaded the same values.
+
+    One ``all_gather_object`` of the :func:`parameter_fingerprints` each rank took. A rank whose load failed part way
+    (torch copies what fits and reports the rest at the end) differs too, so every rank fails with it.
+    """
+    group = hybrid.world_group() if unit.config.replicate_process_group is not None else unit.config.process_group
+    with collectives.collective_phase("load"), unit.device.as_current():
+        prints: List[Any] = collectives.all_gather_object(tuple(fingerprints), group=group)
+    _check_same_values(
+        what,
+        list(collectives.group_ranks(group)),
+        prints,
+        "the model holds what each rank loaded; load the same dict on every rank again",
+    )
+
+
+def _check_same_values(what: str, ranks: List[int], prints: List[Any], outcome: str) -> None:
+    """Raise ``RuntimeError`` naming the first parameters whose fingerprints differ from the first rank's."""
+    for rank, mine in zip(ranks[1:], prints[1:]):
+        if mine != prints[0]:
+            name = next((a[0] for a, b in zip(prints[0] or (), mine or ()) if a != b), "the parameters")
+            raise RuntimeError(
+                f"{what}: the ranks loaded different full state dicts (the values of {name} differ between rank "
+                f"{ranks[0]} and rank {rank}); {outcome}. Each rank keeps its slice of the dict it loads, so every "
+                "rank must load the same one (e.g. torch.load the same file, or broadcast what one rank read)."
+            )
 
 
 def _id(loaded: Optional[Mapping[str, Any]]) -> Optional[str]:

@@ -98,9 +98,13 @@ def _post_load_state_dict_hook(module: nn.Module, incompatible_keys: Any) -> Non
     pending, unit.pending_load_summon = unit.pending_load_summon, None
     if pending is not None:
         stack, was_uninitialized = pending
-        stack.close()
+        try:
+            fingerprints = loads.parameter_fingerprints(unit)  # inside the summon: what this rank loaded
+        finally:
+            stack.close()
         if was_uninitialized and unit.is_root:
             _reset_tree(unit)
+        loads.check_loaded_same_values(unit, "load_state_dict", fingerprints)
     incompatible_keys.missing_keys[:] = [clean_text(k) for k in incompatible_keys.missing_keys]
     incompatible_keys.unexpected_keys[:] = [clean_text(k) for k in incompatible_keys.unexpected_keys]
 
