@@ -12,7 +12,15 @@ from torch import Tensor
 from torch._utils import _unflatten_dense_tensors
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["register_grad_hook", "register_post_accumulate_grad_hook", "apply_function", "unflatten_like"]
+__all__ = [
+    "register_grad_hook",
+    "register_post_accumulate_grad_hook",
+    "current_graph_task",
+    "grad_accumulator",
+    "will_run_in_this_backward",
+    "apply_function",
+    "unflatten_like",
+]
 
 # Built once: a subscripted Callable in a cast() is evaluated at every call (FSDP registers a hook per unit and step).
 _AddHook = Callable[[Callable[[Tensor], None]], RemovableHandle]
@@ -28,6 +36,38 @@ def register_post_accumulate_grad_hook(param: Tensor, hook: Callable[[Tensor], N
     """``param.register_post_accumulate_grad_hook(hook)``: ``hook(param)`` runs after ``param.grad`` was updated."""
     add = cast(_AddHook, param.register_post_accumulate_grad_hook)
     return add(hook)
+
+
+def current_graph_task() -> int:
+    """The id of the autograd graph task running on this thread (-1 outside a backward, and on a torch that does
+    not expose it): a reentrant checkpoint's nested backward has its own."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if get is None else int(get())
+
+
+def grad_accumulator(param: Tensor) -> Any:
+    """The autograd node that accumulates into ``param.grad`` (``None`` for a tensor that does not require grad).
+
+    Keep a reference: torch holds it weakly and makes a new one when none is alive.
+    """
+    if not param.requires_grad:
+        return None
+    with torch.enable_grad():  # backward hooks run without grad mode, where a view has no grad_fn
+        grad_fn = param.view_as(param).grad_fn
+    return None if grad_fn is None else grad_fn.next_functions[0][0]
+
+
+def will_run_in_this_backward(node: Any) -> bool:
+    """Whether the running backward (graph task) will execute ``node``; call from a hook during backward. False on a
+    torch that cannot tell."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    if check is None:
+        return False
+    try:
+        return bool(check(node))
+    except RuntimeError:
+        # torch.autograd.grad() refuses the question for a leaf's accumulator: it accumulates into no leaf.
+        return False
 
 
 def apply_function(function: type, *args: Any) -> Any:

@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from fairscale.internal import collectives
+from fairscale.internal import collectives, tensor_hooks
 
 from .handle import FlatHandle
 from .state import TrainingState
@@ -39,7 +39,12 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
         raise RuntimeError(f"post-backward of {h.name} in unexpected state {unit.training_state.name}")
     tree.any_post_backward = True
     unit.transition(TrainingState.BACKWARD_POST)
-    if unit.defer_post_backward:
+    if unit.defer_post_backward or (
+        unit.outer_task_uses_params and tensor_hooks.current_graph_task() != unit.backward_task
+    ):
+        # A reentrant checkpoint's nested backward over part of the unit: keep the full parameters (the outer
+        # backward still reads them) and let the gradient accumulate; the outer task's hook reduces the whole of it.
+        # (A checkpoint around the whole unit leaves the outer task no use of them: reduced here, as before.)
         return False
     if sync or unit.reshard_after_forward:
         h.free_full()

@@ -72,6 +72,17 @@ def _check_has_groups(unit: FSDPUnit) -> None:
 
 def lazy_init(unit: FSDPUnit) -> None:
     """Materialise handles, find the root and share the tree state. Cheap after the first call."""
+    if torch.is_inference_mode_enabled():
+        # What lazy init makes (full buffers, moved shards, cast buffers) lives across steps: made as inference
+        # tensors under a first forward in torch.inference_mode() (a validation sanity check before training), no
+        # later training step could write them.
+        with torch.inference_mode(False):
+            _lazy_init(unit)
+    else:
+        _lazy_init(unit)
+
+
+def _lazy_init(unit: FSDPUnit) -> None:
     if unit.is_root is None:
         _check_has_groups(unit)
         # Every unit of the tree, before anything is materialised or communicated: a tie error then leaves the
@@ -355,6 +366,8 @@ def pre_backward(unit: FSDPUnit) -> None:
         # Park reduced shard gradients of earlier backwards so autograd can write full-size ones.
         h.park_grad_for_backward(unit.config.compute_device)
     unit.transition(TrainingState.BACKWARD_PRE)
+    unit.backward_task = tensor_hooks.current_graph_task()
+    unit.outer_task_uses_params = any(h.used_by_this_backward() for h in unit.handles)
     prefetch.on_pre_backward(unit)
 
 

@@ -130,6 +130,13 @@ class FSDPUnit:
         self.has_fsdp_parent = False
         # Activation checkpointing covers only part of this unit: its reduction waits for the end of backward.
         self.defer_post_backward = False
+        # The autograd graph task of this unit's backward, and whether that task accumulates into the unit's
+        # parameters itself (set at its pre-backward point). A parameter gradient that arrives in another task comes
+        # from a nested backward (torch.utils.checkpoint with use_reentrant=True); when the outer task uses the
+        # parameters too, the region covers only part of the unit, whose full parameters the outer backward still
+        # reads.
+        self.backward_task = -1
+        self.outer_task_uses_params = False
         # Whether every unit of the tree shares the root's process group (set on the root at lazy init).
         self.children_share_process_group = True
         # Parameters owned by a sibling instance found in this one's module, and ties FSDP cannot honour
