@@ -17,7 +17,7 @@ __all__ = [
     "register_post_accumulate_grad_hook",
     "current_graph_task",
     "grad_accumulator",
-    "will_run_in_this_backward",
+    "will_engine_execute_node",
     "apply_function",
     "unflatten_like",
 ]
@@ -38,11 +38,13 @@ def register_post_accumulate_grad_hook(param: Tensor, hook: Callable[[Tensor], N
     return add(hook)
 
 
-def current_graph_task() -> int:
-    """The id of the autograd graph task running on this thread (-1 outside a backward, and on a torch that does
-    not expose it): a reentrant checkpoint's nested backward has its own."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if get is None else int(get())
+# Bound once: FSDP asks these per unit and step (a wrapper function would add a Python call each time).
+# current_graph_task(): the id of the autograd graph task running on this thread (-1 outside a backward); a reentrant
+# checkpoint's nested backward has its own.
+current_graph_task: Callable[[], int] = torch._C._current_graph_task_id
+# will_engine_execute_node(node): whether the running graph task will execute ``node`` (call from a backward hook;
+# raises RuntimeError for a leaf's accumulator under torch.autograd.grad(), which accumulates into no leaf).
+will_engine_execute_node = cast(Callable[[Any], bool], torch._C._will_engine_execute_node)
 
 
 def grad_accumulator(param: Tensor) -> Any:
@@ -55,19 +57,6 @@ def grad_accumulator(param: Tensor) -> Any:
     with torch.enable_grad():  # backward hooks run without grad mode, where a view has no grad_fn
         grad_fn = param.view_as(param).grad_fn
     return None if grad_fn is None else grad_fn.next_functions[0][0]
-
-
-def will_run_in_this_backward(node: Any) -> bool:
-    """Whether the running backward (graph task) will execute ``node``; call from a hook during backward. False on a
-    torch that cannot tell."""
-    check = getattr(torch._C, "_will_engine_execute_node", None)
-    if check is None:
-        return False
-    try:
-        return bool(check(node))
-    except RuntimeError:
-        # torch.autograd.grad() refuses the question for a leaf's accumulator: it accumulates into no leaf.
-        return False
 
 
 def apply_function(function: type, *args: Any) -> Any:

@@ -92,7 +92,6 @@ class FlatHandle:
     _full_view: Optional[Tensor] = None
     _full_view_of: Optional[Tensor] = None
     _shard_is_gather_input = False
-    _grad_acc: Any = None
 
     def __init__(
         self, param: nn.Parameter, name: str, world_size: int, rank: int, padding: int, borrowed: bool = False
@@ -120,8 +119,6 @@ class FlatHandle:
         self.borrowed = borrowed
         # Whether the persistent post-accumulate-grad hook is on the parameter (registered once per handle).
         self._post_hook_registered = False
-        # The parameter's gradient accumulator node (made on first use, see used_by_this_backward).
-        self._grad_acc: Any = None
         # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
         self.grad_accum_flat: Optional[Tensor] = None
         self.grad_accum_views: List[Tensor] = []
@@ -172,7 +169,6 @@ class FlatHandle:
         # Copies and pickles of a parameter drop its hooks (torch keeps them on the original only): the copy's
         # next backward registers its own, or it would reduce every gradient late and keep full parameters.
         state["_post_hook_registered"] = False
-        state["_grad_acc"] = None  # an autograd node of the original parameter
         full = self.full_padded
         if full is not None and full.untyped_storage().nbytes() == 0:
             # A freed buffer is a tensor larger than its storage, which torch.load cannot rebuild: keep its recipe.
@@ -340,12 +336,6 @@ class FlatHandle:
         self.set_state(HandleState.FULL)
         if work is not None:
             self.pending_gather = (work, source)
-
-    def used_by_this_backward(self) -> bool:
-        """Whether the running backward will accumulate into this parameter (call from a backward hook)."""
-        if self._grad_acc is None and self.param.requires_grad:
-            self._grad_acc = tensor_hooks.grad_accumulator(self.param)
-        return self._grad_acc is not None and tensor_hooks.will_run_in_this_backward(self._grad_acc)
 
     def install_post_backward_hook(self, make_hook: Callable[[], Callable[[Tensor], None]]) -> None:
         """Put the post-accumulate-grad hook ``make_hook()`` on the parameter, once per handle (hooks are

@@ -72,17 +72,6 @@ def _check_has_groups(unit: FSDPUnit) -> None:
 
 def lazy_init(unit: FSDPUnit) -> None:
     """Materialise handles, find the root and share the tree state. Cheap after the first call."""
-    if torch.is_inference_mode_enabled():
-        # What lazy init makes (full buffers, moved shards, cast buffers) lives across steps: made as inference
-        # tensors under a first forward in torch.inference_mode() (a validation sanity check before training), no
-        # later training step could write them.
-        with torch.inference_mode(False):
-            _lazy_init(unit)
-    else:
-        _lazy_init(unit)
-
-
-def _lazy_init(unit: FSDPUnit) -> None:
     if unit.is_root is None:
         _check_has_groups(unit)
         # Every unit of the tree, before anything is materialised or communicated: a tie error then leaves the
@@ -92,20 +81,36 @@ def _lazy_init(unit: FSDPUnit) -> None:
                 _check_foreign_params(u)
     c = unit.config
     for h in unit.handles:
-        h.materialize(unit.device, c.compute_dtype, c.move_params_to_cpu)
+        if h.fp32_shard is None:  # not materialized yet
+            with outside_inference_mode():
+                h.materialize(unit.device, c.compute_dtype, c.move_params_to_cpu)
     if unit.foreign_params or unit.tie_problems:
         _check_foreign_params(unit)
     if unit.is_root is None:
-        _become_root(unit)
-        # Once per lazy-init cycle: `.to()`/`_apply` resets lazy init, so buffers are re-cast after a move.
-        for u in unit.tree_units():
-            u.cast_buffers()
+        with outside_inference_mode():
+            _become_root(unit)
+            # Once per lazy-init cycle: `.to()`/`_apply` resets lazy init, so buffers are re-cast after a move.
+            for u in unit.tree_units():
+                u.cast_buffers()
+
+
+@contextlib.contextmanager
+def outside_inference_mode() -> Iterator[None]:
+    """Make what lazy init makes as normal tensors. Under a first forward in torch.inference_mode() (a validation
+    sanity check before training) the full buffers, moved shards and cast buffers, which last across steps, would be
+    inference tensors that no later training step could write."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            yield
+    else:
+        yield
 
 
 def reset_lazy_init(unit: FSDPUnit) -> None:
     """Forget lazy-init results so the model can be moved/changed as before the first forward."""
     unit.is_root = None
     unit.tree = None
+    unit.grad_accs = None
     for h in unit.handles:
         h.reset()
 
@@ -367,7 +372,13 @@ def pre_backward(unit: FSDPUnit) -> None:
         h.park_grad_for_backward(unit.config.compute_device)
     unit.transition(TrainingState.BACKWARD_PRE)
     unit.backward_task = tensor_hooks.current_graph_task()
-    unit.outer_task_uses_params = any(h.used_by_this_backward() for h in unit.handles)
+    accs = unit.grad_accs
+    if accs is None:
+        accs = unit.grad_accs = [a for a in map(tensor_hooks.grad_accumulator, unit.params) if a is not None]
+    try:
+        unit.outer_task_uses_params = any(map(tensor_hooks.will_engine_execute_node, accs))
+    except RuntimeError:  # torch.autograd.grad(): no leaf accumulates, no gradient hook comes
+        unit.outer_task_uses_params = False
     prefetch.on_pre_backward(unit)
 
 

@@ -137,6 +137,9 @@ class FSDPUnit:
         # reads.
         self.backward_task = -1
         self.outer_task_uses_params = False
+        # The gradient accumulator nodes of the trainable parameters, made at the first backward (autograd nodes:
+        # not copied or pickled).
+        self.grad_accs: Optional[List[Any]] = None
         # Whether every unit of the tree shares the root's process group (set on the root at lazy init).
         self.children_share_process_group = True
         # Parameters owned by a sibling instance found in this one's module, and ties FSDP cannot honour
@@ -163,6 +166,7 @@ class FSDPUnit:
         state["config"] = self.config if _KEEP_GROUPS else self.config.without_groups()
         state["tree"] = None
         state["is_root"] = None
+        state["grad_accs"] = None
         return state
 
     def relink(self, owner: nn.Module) -> None:
