@@ -23,7 +23,14 @@ from . import collectives
 from .device import DeviceHandle
 from .errors import FairscaleValueError
 
-__all__ = ["RanksDisagreeError", "check_ranks_agree", "check_outcome_agrees", "describe_tensors", "first_device"]
+__all__ = [
+    "RanksDisagreeError",
+    "check_ranks_agree",
+    "check_gathered_agree",
+    "check_outcome_agrees",
+    "describe_tensors",
+    "first_device",
+]
 
 # At most this many characters of each differing value go into the message.
 _SHOWN_CHARS = 300
@@ -104,6 +111,21 @@ def check_ranks_agree(
         return
     with _on_device(device):
         gathered = collectives.all_gather_object(value, group)
+    check_gathered_agree(what, gathered, group, hint)
+
+
+def check_gathered_agree(what: str, gathered: Sequence[Any], group: Optional[Any] = None, hint: str = "") -> None:
+    """:func:`check_ranks_agree` for values the caller gathered itself, riding in a collective it makes anyway.
+
+    Args:
+        what (str): what the values describe, for the message.
+        gathered (Sequence[Any]): one value per rank of ``group``, in group-rank order (the same on every rank).
+        group (Optional[ProcessGroup]): the group they were gathered over (``None``: the default group).
+        hint (str): appended to the message: what to do about it.
+
+    Raises:
+        RanksDisagreeError: the values differ (on every rank, as each sees the same ``gathered``).
+    """
     for i, other in enumerate(gathered[1:], start=1):
         if other != gathered[0]:
             ranks = collectives.group_ranks(group)

@@ -138,7 +138,7 @@ def _case_clip_arguments_differ_between_ranks() -> None:
     before = _full_grads(model)
     for max_norm, norm_type in ((1.0, 3.0), (2.0, 2.0), (1.0, float("inf"))):
         mine = (max_norm, norm_type) if dist.get_rank() == 1 else (1.0, 2.0)
-        with pytest.raises(ValueError, match=r"clip_grad_norm_: \(max_norm, norm_type\) differ between ranks"):
+        with pytest.raises(ValueError, match=r"clip_grad_norm_: \(norm_type, max_norm\) differ between ranks"):
             model.clip_grad_norm_(*mine)
     assert all(torch.equal(before[n], v) for n, v in _full_grads(model).items()), "a refused clip changed gradients"
     torch.manual_seed(0)

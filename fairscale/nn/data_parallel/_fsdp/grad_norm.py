@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.agreement import check_gathered_agree
 from fairscale.internal.errors import FairscaleRuntimeError
 
 from .state import TrainingState
@@ -71,15 +71,7 @@ def _gather_with_arguments(local: Tensor, max_norm: float, norm_type: float, gro
     gathered = mine.new_empty(size * 3)
     collectives.all_gather_into_flat(gathered, mine, group=group)
     rows = gathered.view(size, 3)
-    arguments = rows[:, 1:].tolist()
-    for i, other in enumerate(arguments[1:], start=1):
-        if other != arguments[0]:
-            ranks = collectives.group_ranks(group)
-            raise RanksDisagreeError(
-                f"clip_grad_norm_: (max_norm, norm_type) differ between ranks: global rank {ranks[i]} passed "
-                f"{tuple(other)}, global rank {ranks[0]} {tuple(arguments[0])}. Every rank must clip with the same "
-                "arguments."
-            )
+    check_gathered_agree("clip_grad_norm_: (norm_type, max_norm)", rows[:, 1:].tolist(), group)
     return rows[:, 0]
 
 
