@@ -43,8 +43,11 @@ def register_post_accumulate_grad_hook(param: Tensor, hook: Callable[[Tensor], N
 # checkpoint's nested backward has its own.
 current_graph_task: Callable[[], int] = torch._C._current_graph_task_id
 # will_engine_execute_node(node): whether the running graph task will execute ``node`` (call from a backward hook;
-# raises RuntimeError for a leaf's accumulator under torch.autograd.grad(), which accumulates into no leaf).
-will_engine_execute_node = cast(Callable[[Any], bool], torch._C._will_engine_execute_node)
+# raises RuntimeError for a leaf's accumulator under torch.autograd.grad(), which accumulates into no leaf). A torch
+# without it answers False: FSDP then treats reentrant checkpoints as before (correct around whole units).
+will_engine_execute_node = cast(
+    Callable[[Any], bool], getattr(torch._C, "_will_engine_execute_node", lambda node: False)
+)
 
 
 def grad_accumulator(param: Tensor) -> Any:
