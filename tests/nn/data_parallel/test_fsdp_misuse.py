@@ -289,10 +289,26 @@ def _case_parent_module_loads_differing_dicts() -> None:
         RuntimeError, match=r"the ranks loaded different full state dicts \(the values of a.weight, a.b"
     ):
         parent.load_state_dict(other)
+    restored = parent[0].state_dict()
+    assert all(torch.equal(saved["0." + k], v) for k, v in restored.items()), "the refused load changed the model"
     changed = {k: v + 1.0 for k, v in saved.items()}
     parent.load_state_dict(changed)  # the same dict on every rank loads as before
     assert all(torch.equal(changed[k], v) for k, v in parent.state_dict().items())
     _train(parent[0], 1)
+
+
+def _case_failed_load_before_the_first_forward_changes_nothing() -> None:
+    # Before the first forward the nested instances are not materialized: the snapshot missed their shards, and a
+    # load failing on a later key left the nested instance with the dict's values.
+    model = _nested()
+    before = model.state_dict()
+    bad = {k: v + 1.0 for k, v in before.items()}
+    bad["b.weight"] = torch.zeros(2, 2)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict(bad)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the failed load changed the model"
+    _train(model)
+    _assert_equal_to_reference(_full(model))
 
 
 def _case_rebinds_inside_summon_are_written_back() -> None:
@@ -382,6 +398,7 @@ def _body(rank: int, world_size: int) -> None:
             ("unpickled", _case_unpickled_model_needs_its_groups),
             ("full state dicts differing between ranks", _case_full_state_dicts_differing_between_ranks),
             ("a parent module loads differing dicts", _case_parent_module_loads_differing_dicts),
+            ("failed load before the first forward", _case_failed_load_before_the_first_forward_changes_nothing),
             ("torch.save of the model", functools.partial(_case_torch_save_of_the_whole_model, False)),
             ("torch.save of the model, mixed precision", functools.partial(_case_torch_save_of_the_whole_model, True)),
             ("constructor arguments", _case_constructor_arguments),

@@ -123,7 +123,7 @@ def check_loaded_same_values(unit: FSDPUnit, what: str, fingerprints: List[Tuple
         what,
         list(collectives.group_ranks(group)),
         prints,
-        "the model holds what each rank loaded; load the same dict on every rank again",
+        "every rank restored the previous parameters and buffers of its FSDP instances",
     )
 
 

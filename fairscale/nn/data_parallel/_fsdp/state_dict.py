@@ -21,8 +21,9 @@ from fairscale.internal.state_dict import replace_by_prefix_
 from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
 
 from . import identity, loads
+from .handle import FlatHandle
 from .naming import clean_text
-from .runtime import lazy_init_for_call, reset_lazy_init
+from .runtime import lazy_init_for_call
 from .state import TrainingState
 from .summon import summon_full_params
 from .unit import FSDPUnit, StateDictType, unit_of
@@ -85,9 +86,14 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
     unit = _unit(module)
     if unit.state_dict_type == StateDictType.FULL and unit.training_state == TrainingState.IDLE:
         _check_loadable(unit, "load_state_dict")
-        stack = contextlib.ExitStack()
-        unit.pending_load_summon = (stack, unit.is_root is None)
-        stack.enter_context(summon_full_params(unit, recurse=True, volatile=False))
+        with contextlib.ExitStack() as outer:
+            # Closed by the post-load hook, outer last: the snapshot restores what the summon wrote back if the
+            # ranks did not load the same values, then lazy init is undone if the load did it.
+            outer.enter_context(lazy_init_for_call(unit))
+            outer.enter_context(_restore_on_failure(unit))
+            with contextlib.ExitStack() as inner:
+                inner.enter_context(summon_full_params(unit, recurse=True, volatile=False))
+                unit.pending_load_summon = (outer.pop_all(), inner.pop_all())
     if _PRE_LOAD_HOOK_ENABLED[0]:
         replace_by_prefix_(state_dict, prefix, prefix + "_fsdp_wrapped_module.")
 
@@ -97,21 +103,15 @@ def _post_load_state_dict_hook(module: nn.Module, incompatible_keys: Any) -> Non
     unit = _unit(module)
     pending, unit.pending_load_summon = unit.pending_load_summon, None
     if pending is not None:
-        stack, was_uninitialized = pending
-        try:
-            fingerprints = loads.parameter_fingerprints(unit)  # inside the summon: what this rank loaded
-        finally:
-            stack.close()
-        if was_uninitialized and unit.is_root:
-            _reset_tree(unit)
-        loads.check_loaded_same_values(unit, "load_state_dict", fingerprints)
+        outer, inner = pending
+        with outer:
+            try:
+                fingerprints = loads.parameter_fingerprints(unit)  # inside the summon: what this rank loaded
+            finally:
+                inner.close()  # writes the loaded full parameters back into the shards
+            loads.check_loaded_same_values(unit, "load_state_dict", fingerprints)
     incompatible_keys.missing_keys[:] = [clean_text(k) for k in incompatible_keys.missing_keys]
     incompatible_keys.unexpected_keys[:] = [clean_text(k) for k in incompatible_keys.unexpected_keys]
-
-
-def _reset_tree(unit: FSDPUnit) -> None:
-    for u in unit.tree_units():
-        reset_lazy_init(u)
 
 
 # ---------------------------------------------------------------------------------------------------- saving
@@ -273,20 +273,29 @@ def _buffers_in_fp32(unit: FSDPUnit) -> Generator[None, None, None]:
 
 @contextlib.contextmanager
 def _restore_on_failure(unit: FSDPUnit) -> Generator[None, None, None]:
-    """Snapshot shards and buffers; put them back if the body raises (a failed load loses no data)."""
-    shards: List[Tuple[Tensor, Tensor]] = []
-    for u in unit.tree_units():
-        for h in u.handles:
-            if h.fp32_shard is not None:
-                shards.append((h.fp32_shard, h.fp32_shard.detach().clone()))
-    buffers = [(b, b.detach().clone()) for b in unit.owner.buffers()]
+    """Snapshot shards and buffers; put them back if the body raises (a failed load loses no data).
+
+    Looked up again on restore: before the first forward the nested units are not materialized yet (the load's
+    summon does it, and may move a shard to the compute device or pin it), and lazy init may re-cast buffers.
+    """
+    shards = [(h, _shard_of(h).detach().clone()) for u in unit.tree_units() for h in u.handles if not h.borrowed]
+    buffers = [
+        (m, name, b.detach().clone()) for m in unit.owner.modules() for name, b in m.named_buffers(recurse=False)
+    ]
     try:
         yield
     except BaseException:
         with torch.no_grad():
-            for live, copy in shards + buffers:
-                live.copy_(copy)
+            for h, copy in shards:
+                _shard_of(h).copy_(copy)
+            for m, name, copy in buffers:
+                getattr(m, name).copy_(copy)
         raise
+
+
+def _shard_of(h: FlatHandle) -> Tensor:
+    """A handle's fp32 shard; before materialization the parameter's data is that shard."""
+    return h.fp32_shard if h.fp32_shard is not None else h.param.data
 
 
 def _check_local_shapes(unit: FSDPUnit, sd: Mapping[str, Any]) -> None:

@@ -153,9 +153,9 @@ class FSDPUnit:
         self.ckpt_token: Optional[str] = None
         self.ckpt_step = 0
         self.state_dict_type = StateDictType.FULL
-        # A plain parent module loading a full dict into this instance: the summon opened by the pre-load hook and
-        # whether that load initialised the tree (closed by the post-load hook, see state_dict.py).
-        self.pending_load_summon: Optional[Tuple[Any, bool]] = None
+        # A plain parent module loading a full dict into this instance: the contexts the pre-load hook opened, (lazy
+        # init and snapshot, summon), closed by the post-load hook (see state_dict.py).
+        self.pending_load_summon: Optional[Tuple[Any, Any]] = None
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> Any:
