@@ -1,8 +1,12 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Point-to-point (pipeline parallelism, :mod:`fairscale.nn.pipe`): send / recv between two ranks of a group."""
+"""Point-to-point (pipeline parallelism, :mod:`fairscale.nn.pipe`): send / recv between two ranks of a group, and
+the group that should carry them (:func:`p2p_group`)."""
 
-from typing import Optional
+import atexit
+import datetime
+from typing import Any, Dict, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -10,6 +14,95 @@ from .checks import _check_contiguous
 from .groups import ProcessGroup, _dist_ready, _GroupInfo, _member_info
 from .recording import _record
 from .work import WorkHandle
+
+# Point-to-point twins of the groups that PyTorch's collective checker wraps, by group; see p2p_group.
+_twins: Dict[Any, Any] = {}
+# Released at exit while the interpreter is whole, for the reason groups._group_cache is.
+atexit.register(_twins.clear)
+
+
+def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
+    """The group that should carry the point-to-point traffic between ranks of ``group``.
+
+    ``group`` itself, unless PyTorch's collective checker wraps it (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, see
+    :func:`checked_by_torch`). The checker compares a sequence number of the group across its ranks before every
+    collective, and each send or receive advances that number on the two ranks concerned only: after a pipeline's
+    messages the ranks of its group hold other numbers, and the next collective on the group (a barrier, an
+    agreement check) fails with "Detected mismatch between collectives" although every rank calls it. A checked
+    group therefore gets a twin for its point-to-point traffic: a new group of the same ranks, backend and timeout,
+    on which no collective ever runs, so that the sequence numbers of ``group`` count its collectives only.
+
+    The twin is created at the first call for ``group`` and cached, so that every later call is local. That first
+    call is collective over the ranks of ``group``: every one of them must make it, at the same point of its program
+    (with respect to its other ``new_group`` calls). When ``group`` spans the world it is a plain ``new_group``, named
+    by torch's group counter like the caller's own groups; otherwise only the members take part
+    (``use_local_synchronization=True``). Without the checker nothing is created and nothing is communicated.
+
+    Args:
+        group (Optional[ProcessGroup]): the group, ``None`` for the default world group.
+
+    Returns:
+        Optional[ProcessGroup]: ``group`` (``None`` stays ``None``), or its twin.
+
+    Raises:
+        ValueError: this process is not a member of ``group``.
+    """
+    if not _dist_ready() or (group is not None and not isinstance(group, dist.ProcessGroup)):
+        return group  # no torch.distributed, or a stand-in (fair_dev.testing.DummyProcessGroup): nothing checks it
+    info = _member_info(group, "p2p_group")
+    if not _checked_by_torch(info.pg):
+        return group
+    twin: Optional[ProcessGroup] = _twins.get(info.pg)
+    if twin is None:
+        twin = dist.new_group(
+            ranks=list(info.ranks),
+            backend=info.backend,
+            timeout=_timeout_of(info.pg),
+            use_local_synchronization=len(info.ranks) < dist.get_world_size(),
+        )
+        _twins[info.pg] = twin
+    return twin
+
+
+def checked_by_torch(group: Optional[ProcessGroup] = None) -> bool:
+    """Whether PyTorch's collective checker wraps ``group`` (``None``: the default world group).
+
+    The checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``torch.distributed.set_debug_level(DebugLevel.DETAIL)``)
+    wraps the groups created while it is on; it compares every collective across the ranks first and raises
+    "Detected mismatch between collectives" on all of them when they differ. ``False`` without torch.distributed.
+    """
+    if not _dist_ready():
+        return False
+    return _checked_by_torch(dist.group.WORLD if group is None else group)
+
+
+def _checked_by_torch(pg: Any) -> bool:
+    """Whether ``pg`` is wrapped by PyTorch's collective checker (decided when the group was created, from the debug
+    level then: the level now may differ)."""
+    wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
+    get_backend = getattr(pg, "_get_backend", None)
+    if wrapper is None or get_backend is None:  # pragma: no cover - torch without gloo or per-device backends
+        return False
+    for device in ("cpu", "cuda"):
+        try:
+            if isinstance(get_backend(torch.device(device)), wrapper):
+                return True
+        except (RuntimeError, ValueError):  # no backend for this device type
+            continue
+    return False
+
+
+def _timeout_of(pg: Any) -> Optional[datetime.timedelta]:
+    """The collective timeout ``pg`` was created with, so that a receive on its twin gives up as late as one on
+    ``pg`` would (``None``, the backend's default, when torch does not tell)."""
+    for device in ("cpu", "cuda"):
+        try:
+            value = getattr(getattr(pg._get_backend(torch.device(device)), "options", None), "_timeout", None)
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+        if isinstance(value, datetime.timedelta):
+            return value
+    return None
 
 
 def _check_peer(what: str, peer: int, info: _GroupInfo) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.internal import collectives
 from fairscale.internal.agreement import check_ranks_agree
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
@@ -20,7 +21,7 @@ from ._checks import balance_entries
 from .async_pipeline import AsyncPipeline
 from .async_schedule import Invocation, Location, ModuleWrapper
 from .batchnorm import DeferredBatchNorm
-from .messages import SendRecvTransport
+from .messages import use_rpc_by_default
 from .microbatch import Batch
 from .skip.layout import SkipLayout
 from .skip.skippable import Skippable
@@ -80,6 +81,10 @@ class AsyncPipe(nn.Module):
         out = model(x)
         if model.final_stage:
             loss_fn(out, y).backward()
+
+    Under PyTorch's collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) the send/recv messages travel on a twin of
+    the pipeline group, so that the group's own collectives stay comparable across its ranks; the constructor creates
+    it, collectively over the group: construct the pipe on every rank of the group then, those without a stage too.
 
     Args:
         module (nn.Sequential or List[LazyModule]): the model; with ``LazyModule`` entries, each process builds
@@ -148,6 +153,12 @@ class AsyncPipe(nn.Module):
         rank = self.group.rank()
         self.final_stage = rank == len(self.balance) - 1
         self.partitions: List[ModuleWrapper] = []
+        # Under PyTorch's collective checker the stages' messages travel on a twin of the pipeline group (see
+        # collectives.p2p_group), and creating it is collective over the group: every rank creates it here, at the
+        # same point, the ranks without a stage included; the stages' transports then find it made. Without the
+        # checker nothing happens here.
+        if collectives.checked_by_torch(self.group) and self._messages_on_group():
+            collectives.p2p_group(self.group)
         if rank >= len(self.balance):
             warnings.warn("More ranks than partitions, some ranks unused")
             self.partition: Optional[nn.Sequential] = None
@@ -195,8 +206,26 @@ class AsyncPipe(nn.Module):
         )
         return [ModuleWrapper(nn.Sequential(layers), location, [invocation])]
 
+    def _messages_on_group(self) -> bool:
+        """Whether the stages' messages go point-to-point over the pipeline group (the send/recv transport, on a gloo
+        or MPI group: ``create_pipeline`` refuses any other backend for it)."""
+        if use_rpc_by_default(self.worker_map) or not isinstance(self.group, dist.ProcessGroup):
+            return False
+        backend = str(dist.get_backend(self.group))
+        return "gloo" in backend or "mpi" in backend
+
     def create_pipeline(self) -> None:
         checkpoint_stop = {"always": self.chunks, "except_last": self.chunks - 1, "never": 0}[self.checkpoint]
+        # Checked before the pipeline is built: under PyTorch's collective checker its send/recv transport looks for
+        # a twin of the group (collectives.p2p_group), which __init__ made only for a backend that can carry it.
+        if not use_rpc_by_default(self.worker_map) and isinstance(self.group, dist.ProcessGroup):
+            backend = str(dist.get_backend(self.group))
+            if "gloo" not in backend and "mpi" not in backend:
+                raise ValueError(
+                    f"AsyncPipe's send/recv transport needs a gloo (or MPI) pipeline group, not {backend!r}: a stage "
+                    "receives from any neighbour, which NCCL cannot do. Create the pipeline group with gloo (e.g. "
+                    "initialize_model_parallel(..., pipeline_backend='gloo')) or use RPC (rpc.init_rpc and worker_map)"
+                )
         self.pipeline = AsyncPipeline(
             self.partitions,
             self._skip_layout,
@@ -207,14 +236,6 @@ class AsyncPipe(nn.Module):
             final_stage=self.final_stage,
             num_stages=len(self.balance),
         )
-        if isinstance(self.pipeline.transport, SendRecvTransport) and isinstance(self.group, dist.ProcessGroup):
-            backend = str(dist.get_backend(self.group))
-            if "gloo" not in backend and "mpi" not in backend:
-                raise ValueError(
-                    f"AsyncPipe's send/recv transport needs a gloo (or MPI) pipeline group, not {backend!r}: a stage "
-                    "receives from any neighbour, which NCCL cannot do. Create the pipeline group with gloo (e.g. "
-                    "initialize_model_parallel(..., pipeline_backend='gloo')) or use RPC (rpc.init_rpc and worker_map)"
-                )
 
     def __len__(self) -> int:
         """The number of this rank's layers."""

@@ -4,7 +4,9 @@
 * :class:`SendRecvTransport`: point-to-point send/recv on the pipeline process group (through
   :mod:`fairscale.internal.collectives`). The header travels as a fixed-size pickled ``uint8`` tensor tagged with
   the queue id and is received from any rank; tensor ``k`` follows with tag ``message.tag + k``. Receiving from
-  any rank needs gloo (or MPI): NCCL groups must use RPC.
+  any rank needs gloo (or MPI): NCCL groups must use RPC. Under PyTorch's collective checker
+  (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) the messages travel on a twin of the pipeline group instead, so that they
+  leave the sequence numbers of its collectives alone (see :func:`fairscale.internal.collectives.p2p_group`).
 * :class:`RpcTransport`: ``torch.distributed.rpc`` pushes the whole message (tensors on CPU) onto the receiver's
   in-process queues. Needs ``rpc.init_rpc`` on every rank and a ``worker_map`` of rank to worker name.
 """
@@ -226,7 +228,20 @@ def _sender(group: Any) -> _Sender:
 
 @dataclass(frozen=True)
 class SendRecvTransport(Transport):
+    """Point-to-point messages between the stages (see the module docstring).
+
+    Attributes:
+        group: the pipeline process group.
+        p2p_group: the group that carries the messages: ``group`` when ``None``, else its twin from
+            :func:`fairscale.internal.collectives.p2p_group` (which :func:`MakeTransport` chooses).
+    """
+
     group: Any = None
+    p2p_group: Any = None
+
+    @property
+    def _wire(self) -> Any:
+        return self.group if self.p2p_group is None else self.p2p_group
 
     def send_message(self, message: PipeMessage, sync: bool = False, skip_header: bool = False) -> None:
         """Queue ``message`` on this process's sender thread (see :class:`_Sender`); ``sync`` does not block."""
@@ -241,24 +256,24 @@ class SendRecvTransport(Transport):
             header.tensors = tuple()
             items.append((_pickle_header(header), message.queue_name))
         items.extend((tensor, message.tag + index) for index, tensor in enumerate(tensors))
-        _sender(self.group).put(message.dest, items)
+        _sender(self._wire).put(message.dest, items)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Block until every message this process sent on the group was received (see :meth:`_Sender.flush`)."""
-        return _sender(self.group).flush(timeout)
+        return _sender(self._wire).flush(timeout)
 
     def recv_message_header(self, queue_name: int, nowait: bool = False) -> PipeMessage:
         if nowait:
             raise Empty()
         buffer = torch.empty(MESSAGE_TENSOR_SIZE, dtype=torch.uint8)
-        collectives.recv(buffer, None, group=self.group, tag=queue_name)
+        collectives.recv(buffer, None, group=self._wire, tag=queue_name)
         return _unpickle_header(buffer)
 
     def recv_message_tensors(self, message: PipeMessage) -> PipeMessage:
         tensors = []
         for index, (shape, dtype) in enumerate(zip(message.tensor_shapes, message.tensor_dtypes)):
             t = torch.empty(shape, dtype=dtype)
-            collectives.recv(t, message.src, group=self.group, tag=message.tag + index)
+            collectives.recv(t, message.src, group=self._wire, tag=message.tag + index)
             tensors.append(t)
         message.tensors = to_input_device(tuple(tensors), self.input_device)
         return message
@@ -325,7 +340,12 @@ def _rpc_initialized() -> bool:
 def MakeTransport(
     use_rpc: bool, worker_map: Optional[Dict[int, str]], input_device: InputDevice, group: Any = None
 ) -> Transport:
-    """Build the transport: RPC (needs ``worker_map``) or send/recv on ``group``."""
+    """Build the transport: RPC (needs ``worker_map``) or send/recv on ``group``.
+
+    Where PyTorch's collective checker wraps ``group``, the send/recv transport carries the messages on a twin of it
+    (:func:`fairscale.internal.collectives.p2p_group`), created at the first call for the group: that one is
+    collective over the group (``AsyncPipe``'s constructor makes it on every rank of the group beforehand).
+    """
     if use_rpc:
         if worker_map is None:
             raise ValueError(
@@ -334,4 +354,5 @@ def MakeTransport(
                 f"{TRANSPORT_ENV}=sendrecv for point-to-point send/recv on a gloo pipeline group"
             )
         return RpcTransport(worker_map, input_device)
-    return SendRecvTransport(worker_map, input_device, group)
+    wire = collectives.p2p_group(group)
+    return SendRecvTransport(worker_map, input_device, group, None if wire is group else wire)
