@@ -78,6 +78,10 @@ class Gossiper:
                 "NPeerDynamicDirectedExponentialGraph"
             )
         self._graph_manager = graph
+        # Under PyTorch's collective checker (TORCH_DISTRIBUTED_DEBUG=DETAIL) every collective, an async one too,
+        # first waits on a barrier of its group's other member, so the ranks' exchanges must follow one order.
+        self._checked = any(edge.checked for book in graph.phone_book for edge in book)
+        self._edges_in_agreed_order: Optional[List[Tuple[Edge, bool]]] = None
         self.peers_per_itr_device = torch.tensor([self._graph_manager.peers_per_itr], device=device, dtype=msg.dtype)
         self.passive = self._graph_manager.is_passive()
         self.refresh_peers_(rotate=False)
@@ -133,6 +137,9 @@ class Gossiper:
                 f"{type(self._graph_manager).__name__}; pass rotate=False (or None), or use a dynamic graph"
             )
         self.out_edges, self.in_edges = self._graph_manager.get_edges(rotate)
+        if self._checked:
+            # Taken now, with the edges: the graph is shared by the gossipers of all dtypes, and moves on with each.
+            self._edges_in_agreed_order = self._graph_manager.get_edges_in_agreed_order()
 
     def refresh_mixing_weights_(self, residual_adjusted: bool = False) -> None:
         self.mixing_weights = self._mixing_manager.get_mixing_weights(residual_adjusted)
@@ -201,21 +208,48 @@ class PushSum(Gossiper):
         self._check_out_msg(out_msg)
         if self.logger is not None:
             self.logger.debug("in/out -peers %s/%s", self.in_edges, self.out_edges)
-        mixed_out_msgs = self.mix_out_msg_(out_msg, ps_weight)
         for out_edge in self.out_edges:
-            msg = next(mixed_out_msgs)
+            # Checked before any message moves: in the agreed order a peer may already wait to receive from here.
             if self.rank != out_edge.src:
                 # ValueError for the same reason as in _check_out_msg: rank and graph disagree, a caller's bug.
                 raise FairscaleValueError(
                     f"PushSum.mix: rank {self.rank} is not the source of its out edge {out_edge}; pass the process "
                     "rank the graph was built for as rank= (the graph's logical rank times nprocs_per_node)"
                 )
-            req = broadcast(msg, src=out_edge.src, group=out_edge.process_group, async_op=True)
-            self.out_msg_buffer.append((req, msg))
-        self._receive(self.in_edges)
+        mixed_out_msgs = self.mix_out_msg_(out_msg, ps_weight)
+        if self._edges_in_agreed_order is None:
+            for out_edge in self.out_edges:
+                self._send(out_edge, next(mixed_out_msgs))
+            self._receive(self.in_edges)
+        else:
+            self._exchange_in_agreed_order(self._edges_in_agreed_order, mixed_out_msgs)
         self.refresh_peers_()
         self.clean_msg_buffers_()
         return self.parse_in_msg_buffer()
+
+    def _send(self, out_edge: Edge, msg: Tensor) -> None:
+        req = broadcast(msg, src=out_edge.src, group=out_edge.process_group, async_op=True)
+        self.out_msg_buffer.append((req, msg))
+
+    def _exchange_in_agreed_order(self, edges: List[Tuple[Edge, bool]], mixed_out_msgs: Iterator[Tensor]) -> None:
+        """The sends and receives of one round in the order all ranks share (under the collective checker).
+
+        All sends first, then the receives, is faster, but the checker's barrier turns each async send into a wait
+        for the peer: with every rank sending first, on a ring, each waits for a peer that waits for the next one.
+        In the shared order some rank receives first and each wait ends. The messages, and the order in which the
+        in-messages are summed (that of ``in_edges``), are those of the other path, so the results are identical.
+        """
+        single = len(self.in_edges) == 1
+        if not single:
+            self.in_msg_buffer.zero_()
+        for edge, is_out_edge in edges:
+            if is_out_edge:
+                self._send(edge, next(mixed_out_msgs))
+            elif single:
+                broadcast(self.in_msg_buffer, src=edge.src, group=edge.process_group)
+            else:
+                broadcast(self.placeholder, src=edge.src, group=edge.process_group)
+                self.in_msg_buffer.add_(self.placeholder)
 
 
 class PushPull(Gossiper):

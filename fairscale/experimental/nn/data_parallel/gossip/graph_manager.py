@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from fairscale.internal.collectives import all_reduce
+from fairscale.internal.collectives import all_reduce, checked_by_torch
 from fairscale.internal.errors import FairscaleValueError
 
 from .utils.helpers import _comm_device
@@ -30,12 +30,18 @@ __all__ = [
 
 
 class Edge:
-    """A directed edge ``src -> dest`` (process ranks) with its two-process group, warmed up by its node masters."""
+    """A directed edge ``src -> dest`` (process ranks) with its two-process group, warmed up by its node masters.
+
+    ``checked`` says whether torch wrapped the group in its collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    """
 
     def __init__(self, local_master_rank: int, dest: int, src: int, local_rank: int) -> None:
         self.src = src
         self.dest = dest
         self.process_group = dist.new_group([src, dest])
+        # Whether torch wrapped the group in its collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, decided at
+        # creation): PushSum then needs another order of its sends and receives.
+        self.checked = checked_by_torch(self.process_group)
         if local_master_rank in (src, dest) and local_rank == 0:
             device = _comm_device()
             for dtype in (torch.float32, torch.float16):
@@ -139,6 +145,24 @@ class GraphManager(ABC):
                 if edge.dest == self.rank * self.nprocs_per_node:
                     in_edges.append(edge)
         return out_edges, in_edges
+
+    def get_edges_in_agreed_order(self) -> List[Tuple[Edge, bool]]:
+        """This rank's edges of the current step (no rotation) as ``(edge, is_out_edge)``, in an order all ranks share.
+
+        The order is by out-peer slot, then by the edge's source rank: within the out-edges and within the in-edges
+        it is the order of :meth:`get_edges`. An exchange that waits for the peer at every edge, taken in this order
+        by every rank, cannot deadlock: the smallest edge not yet done always has both of its ranks waiting at it.
+        """
+        me = self.rank * self.nprocs_per_node
+        ordered: List[Tuple[Edge, bool]] = []
+        for gi in self._group_indices:
+            for r in range(self.world_size):
+                edge = self.phone_book[r][gi]
+                if r == self.rank:
+                    ordered.append((edge, True))
+                elif edge.dest == me:
+                    ordered.append((edge, False))
+        return ordered
 
     def _rotate_group_indices(self) -> None:
         book_len = len(self.phone_book[self.rank])
