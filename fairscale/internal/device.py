@@ -423,6 +423,21 @@ CudaAmpGradScaler = torch.cuda.amp.GradScaler
 AmpOptState = torch.cuda.amp.grad_scaler.OptState  # type: ignore[attr-defined]
 
 
+def amp_custom_fwd_bwd(device_type: str = "cuda") -> "tuple[Any, Any]":
+    """torch's ``(custom_fwd, custom_bwd)`` decorators for autograd Functions under autocast, for ``device_type``.
+
+    ``torch.amp.custom_fwd(device_type=...)`` on torch >= 2.4; before that only the CUDA ones existed
+    (``torch.cuda.amp.custom_fwd``), which the newer torch deprecates.
+    """
+    amp = torch.amp
+    if hasattr(amp, "custom_fwd") and hasattr(amp, "custom_bwd"):
+        fwd, bwd = amp.custom_fwd, amp.custom_bwd
+        return fwd(device_type=device_type), bwd(device_type=device_type)
+    if device_type != "cuda":  # pragma: no cover - torch < 2.4 decorates for CUDA autocast only
+        raise ValueError(f"torch {torch.__version__} has custom_fwd/custom_bwd for CUDA only, not {device_type!r}")
+    return torch.cuda.amp.custom_fwd, torch.cuda.amp.custom_bwd
+
+
 def device_generic_amp_scaler() -> bool:
     """Whether torch's AMP grad scaler takes a device type (torch >= 2.3), so that it also scales on the CPU."""
     amp = getattr(torch, "amp", None)

@@ -21,6 +21,7 @@ from fairscale.internal.device import (
     DeviceHandle,
     accelerator_available,
     accelerator_rng_state,
+    amp_custom_fwd_bwd,
     set_accelerator_rng_state,
 )
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
@@ -32,13 +33,16 @@ _FnT = TypeVar("_FnT", bound=Callable[..., Any])
 _PREFIX = "fairscale.experimental.nn.offload:"
 
 
+_CUSTOM_FWD, _CUSTOM_BWD = amp_custom_fwd_bwd("cuda")
+
+
 def _amp_fwd(fn: _FnT) -> _FnT:
     # Records the autocast state of forward so that backward's recomputation runs under the same state.
-    return cast(_FnT, torch.amp.custom_fwd(device_type="cuda")(fn))
+    return cast(_FnT, _CUSTOM_FWD(fn))
 
 
 def _amp_bwd(fn: _FnT) -> _FnT:
-    return cast(_FnT, torch.amp.custom_bwd(device_type="cuda")(fn))
+    return cast(_FnT, _CUSTOM_BWD(fn))
 
 
 def _split(modules: nn.Sequential, number_splits: int) -> List[List[nn.Module]]:

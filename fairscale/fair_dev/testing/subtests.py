@@ -151,8 +151,12 @@ class _CaseAgreement:
         short = (failure or "").splitlines()[0][:300] if failure else ""
         self.store.set(f"{self.prefix}/{index}/{self.rank}", f"{outcome}|{name}|{short}")
         keys = [f"{self.prefix}/{index}/{r}" for r in range(self.world_size)]
+        # A counter of the ranks that published, read with add(0): every store has add (torch 2.1's PrefixStore,
+        # the default group's, has no check()).
+        published = f"{self.prefix}/{index}/published"
+        self.store.add(published, 1)
         deadline = time.monotonic() + (_FAILED_RANK_WAIT_S if failure is not None else _PASSED_RANK_WAIT_S)
-        while not self.store.check(keys):
+        while self.store.add(published, 0) < self.world_size:
             if time.monotonic() > deadline:
                 if failure is not None:
                     raise AssertionError(

@@ -83,7 +83,7 @@ def _reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Errors a backend raises, before any communication, for a variant or dtype it lacks. Only
 # these trigger a fallback: anything else (a dead peer, a timeout) must surface unchanged.
-_UNSUPPORTED = re.compile(r"not support|unsupported|not implemented|no kernel|invalid scalar type", re.I)
+_UNSUPPORTED = re.compile(r"not support|no support|unsupported|not implemented|no kernel|invalid scalar type", re.I)
 
 _Strategy = Tuple[str, Callable[[], WorkHandle]]
 # Collectives read it directly once a strategy is known: (backend, kind, dtype) -> "tensor" lets them call torch's

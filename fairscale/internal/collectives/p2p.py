@@ -54,11 +54,13 @@ def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
         return group
     twin: Optional[ProcessGroup] = _twins.get(info.pg)
     if twin is None:
+        timeout = _timeout_of(info.pg)
         twin = dist.new_group(
             ranks=list(info.ranks),
             backend=info.backend,
-            timeout=_timeout_of(info.pg),
             use_local_synchronization=len(info.ranks) < dist.get_world_size(),
+            # torch 2.1 refuses timeout=None (its default is a timedelta): leave it out when unknown.
+            **({} if timeout is None else {"timeout": timeout}),
         )
         _twins[info.pg] = twin
     return twin

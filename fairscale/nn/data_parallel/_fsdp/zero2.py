@@ -144,7 +144,9 @@ def zero2_groups(
     for start in range(0, len(all_ranks), ranks_per_group):
         block = all_ranks[start : start + ranks_per_group]
         # Like FSDP's cached groups, inherit the default group's timeout (new_group alone uses the backend's).
-        group = dist.new_group(ranks=block, timeout=timeout if timeout is not None else default_group_timeout())
+        timeout = timeout if timeout is not None else default_group_timeout()
+        # torch 2.1 refuses timeout=None (its default is a timedelta): leave it out when unknown.
+        group = dist.new_group(ranks=block, **({} if timeout is None else {"timeout": timeout}))
         if me in block:
             mine = group
     if mine is None:
