@@ -83,8 +83,8 @@ def _delayed_work(real: Any, deadline: float, tensors: Any) -> Any:
             fut.set_exception(exc)
 
     threading.Thread(target=finish, daemon=True, name="bench-link").start()
-    # A private c10d binding that torch's stubs do not declare.
-    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+    # A private c10d binding that torch's stubs do not declare (newer torch's do: hence unused-ignore).
+    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined, unused-ignore]
 
 
 class LinkDelayMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated

@@ -9,6 +9,7 @@ the way that implementation's users do it (``no_sync()``, ``set_requires_gradien
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
@@ -110,6 +111,11 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         return "this fairscale's FullyShardedDataParallel has no replicate_process_group (hybrid sharding)"
     if spec.peer == "ddp" and spec.hybrid:
         return "DDP replicates everything; it has no hybrid mode"
+    if spec.peer == "fsdp1" and cfg.device == "cpu" and not _cpu_streams_take_priority():
+        # Measured on torch 2.1: FSDP1's lazy init makes its streams with torch.cpu.Stream(priority=...).
+        return f"torch {torch.__version__}'s FSDP1 cannot run on the CPU (torch.cpu.Stream takes no priority)"
+    if spec.peer == "fsdp1" and spec.hybrid and not _has_device_mesh():
+        return f"torch {torch.__version__} has no DeviceMesh (FSDP1's hybrid mesh needs torch >= 2.2)"
     if spec.peer == "fsdp1" and not isinstance(spec.reshard, bool):
         return "FSDP1 has no reshard-to-a-subgroup mode (HYBRID_SHARD replicates instead)"
     if spec.peer == "fsdp1" and cfg.checkpoint_activations and cfg.auto_wrap_policy != "block":
@@ -117,6 +123,20 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         # block's recomputation then reads freed storage.
         return "FSDP1 fails with checkpointed blocks inside a bigger unit; use --auto-wrap-policy block"
     return None
+
+
+def _cpu_streams_take_priority() -> bool:
+    """Whether ``torch.cpu.Stream(priority=0)`` works, as FSDP1's lazy init on the CPU needs (not on torch 2.1)."""
+    try:
+        getattr(torch.cpu, "Stream")(priority=0)  # the stubs of some torch versions declare no arguments
+    except TypeError:
+        return False
+    return True
+
+
+def _has_device_mesh() -> bool:
+    """Whether this torch has ``torch.distributed.device_mesh`` (torch >= 2.2)."""
+    return importlib.util.find_spec("torch.distributed.device_mesh") is not None
 
 
 def _has_hybrid() -> bool:

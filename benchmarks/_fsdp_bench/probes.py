@@ -75,7 +75,8 @@ _RANKS_BY_NAME: Dict[str, Tuple[int, ...]] = {}
 
 def group_ranks(group: Any) -> Tuple[int, ...]:
     """The sorted global ranks of a c10d process group (cached by the group's name, unique in a world)."""
-    name = str(group.group_name)
+    # torch 2.1's ProcessGroup has no group_name; c10d's table names it there.
+    name = str(getattr(group, "group_name", None) or dist.distributed_c10d._get_process_group_name(group))
     ranks = _RANKS_BY_NAME.get(name)
     if ranks is None:
         ranks = _RANKS_BY_NAME[name] = tuple(sorted(dist.get_process_group_ranks(group)))
@@ -165,8 +166,17 @@ def quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
+def _start_ns(e: Any) -> int:
+    # torch 2.1's profiler events have microseconds only (start_us, duration_us).
+    return int(e.start_ns()) if hasattr(e, "start_ns") else int(e.start_us()) * 1000
+
+
+def _end_ns(e: Any) -> int:
+    return int(e.end_ns()) if hasattr(e, "end_ns") else (int(e.start_us()) + int(e.duration_us())) * 1000
+
+
 def _ranges(events: List[Any], name: str) -> List[Tuple[int, int]]:
-    found = [(e.start_ns(), e.end_ns()) for e in events if e.name() == name]
+    found = [(_start_ns(e), _end_ns(e)) for e in events if e.name() == name]
     return sorted(found)
 
 
@@ -183,13 +193,13 @@ def _outermost_ops(events: List[Any]) -> List[Tuple[int, str]]:
     """
     out: List[Tuple[int, str]] = []
     stacks: Dict[int, List[Any]] = {}
-    for e in sorted(events, key=lambda e: (e.start_ns(), -e.end_ns())):
+    for e in sorted(events, key=lambda e: (_start_ns(e), -_end_ns(e))):
         stack = stacks.setdefault(e.start_thread_id(), [])
-        while stack and stack[-1].end_ns() < e.start_ns():
+        while stack and _end_ns(stack[-1]) < _start_ns(e):
             stack.pop()
         name = e.name()
         if _OP_OF_INTEREST.search(name) and not any(_same_op(name, s.name()) for s in stack):
-            out.append((e.start_ns(), name))
+            out.append((_start_ns(e), name))
         stack.append(e)
     return out
 
@@ -211,7 +221,7 @@ def analyze_profile(prof: Any, microbatches: int, track_memory: bool) -> Dict[st
     memory: Optional[Dict[str, int]] = None
     if track_memory and probe:
         start, end = probe[-1]
-        allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        allocs = sorted((_start_ns(e), e.nbytes()) for e in events if e.name() == "[memory]")
         live, steady, peak = 0, 0, 0
         for t, nbytes in allocs:
             if t > end:

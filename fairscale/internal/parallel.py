@@ -26,6 +26,7 @@ __all__ = [
     "ProcessGroupName",
     "get_process_group_cached",
     "default_group_timeout",
+    "new_group_with_timeout",
 ]
 
 
@@ -174,15 +175,17 @@ def get_process_group_cached(
     if not _group_cache:
         # The first call on every rank creates the all-ranks default group, so the sequence of
         # new_group() calls (which must match across ranks) starts the same everywhere.
-        _group_cache[(ProcessGroupName.default, None, inherited)] = _new_group(None, inherited)
+        _group_cache[(ProcessGroupName.default, None, inherited)] = new_group_with_timeout(None, inherited)
     chosen = timeout if timeout is not None else inherited
     key: _GroupKey = (ProcessGroupName(name), None if ranks is None else tuple(sorted(set(ranks))), chosen)
     if key not in _group_cache:
-        _group_cache[key] = _new_group(None if ranks is None else list(ranks), chosen)
+        _group_cache[key] = new_group_with_timeout(None if ranks is None else list(ranks), chosen)
     return _group_cache[key]
 
 
-def _new_group(ranks: Optional[List[int]], timeout: Optional[datetime.timedelta]) -> Any:
+def new_group_with_timeout(ranks: Optional[List[int]], timeout: Optional[datetime.timedelta]) -> Any:
+    """``dist.new_group(ranks)`` with ``timeout``, or with the backend's default when ``timeout`` is ``None`` (torch
+    2.1 refuses ``timeout=None``: its default is a timedelta)."""
     if timeout is None:
         return dist.new_group(ranks=ranks)
     return dist.new_group(ranks=ranks, timeout=timeout)

@@ -25,6 +25,7 @@ from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.formula import compare, cost_model, padded_numel, zero3_per_step  # noqa: E402
 from _fsdp_bench.model import build_model, unit_param_numels, wrap_plan  # noqa: E402
+from _fsdp_bench.peers import _cpu_streams_take_priority, _fully_shard  # noqa: E402
 
 TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32", "--batch", "2"]
 
@@ -140,11 +141,19 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return data
 
 
+# The peers this torch runs on the CPU (torch 2.1: neither FSDP2, which it lacks, nor FSDP1, which needs CUDA there).
+PEERS = (
+    {"fairscale", "ddp"}
+    | ({"fsdp2"} if _fully_shard() else set())
+    | ({"fsdp1"} if _cpu_streams_take_priority() else set())
+)
+
+
 def test_json_has_every_field(report: dict) -> None:
     assert TOP_FIELDS <= set(report)
     assert report["worlds"] == {"train": 2, "accum": 2, "zero2": 4, "latency": 2, "hybrid": 4}
     ran = [r for r in report["runs"] if not r["skipped"]]
-    assert {r["peer"] for r in ran if r["scenario"] == "train"} == {"fairscale", "fsdp2", "fsdp1", "ddp"}
+    assert {r["peer"] for r in ran if r["scenario"] == "train"} == PEERS
     for r in ran:
         missing = RUN_FIELDS - set(r)
         assert not missing, f"{r['key']} lacks {sorted(missing)}"
@@ -165,7 +174,7 @@ def test_json_has_every_field(report: dict) -> None:
 
 def test_latency_scenario_reports_cpu_calls_and_collective_overhead(report: dict) -> None:
     latency = report["latency"]
-    assert set(latency["runs"]) == {"fairscale raf=True", "fsdp2 raf=True", "fsdp1 raf=True", "ddp"}
+    assert set(latency["runs"]) == {p if p == "ddp" else f"{p} raf=True" for p in PEERS}
     for label, row in latency["runs"].items():
         assert row["units"] == 3 + 1, label  # the tiny blocks and the root
         assert row["median_cpu_s"] > 0 and row["cpu_s_per_unit"] > 0, label
@@ -192,6 +201,8 @@ def test_loss_finite_and_matching_across_peers(report: dict) -> None:
 
 
 def test_counter_and_spy_agree_on_fairscale_all_gathers(report: dict) -> None:
+    if not hasattr(torch.distributed.ProcessGroup, "unbox"):
+        pytest.skip(f"torch {torch.__version__} cannot unbox a c10d op's group: the spy sees no group sizes")
     for r in report["runs"]:
         if r["peer"] != "fairscale" or r["skipped"]:
             continue

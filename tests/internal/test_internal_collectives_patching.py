@@ -83,12 +83,20 @@ def _list_fallback(world_size: int) -> None:
 
 def _patched_worlds(rank: int, world_size: int) -> None:
     cases: Dict[str, Callable[[], None]] = {}
+    # Which variant this torch's gloo takes (torch 2.1's has no flat all-gather or reduce-scatter: the list variant
+    # then runs, and the flat names are never called).
+    collectives.all_gather_into_flat(torch.empty(world_size), torch.ones(1))
+    collectives.reduce_scatter_from_flat(torch.empty(1), torch.ones(world_size))
+    flat = {
+        kind: collectives._chosen.get(("gloo", kind, torch.float32)) == "tensor"
+        for kind in ("all_gather", "reduce_scatter")
+    }
     # The newest name, and the older names that upstream-era code patches (torch keeps them as wrappers).
     for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
-        if hasattr(dist, name):
+        if hasattr(dist, name) and flat["all_gather"]:
             cases[f"all_gather via {name}"] = functools.partial(_all_gather, name, world_size)
     for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
-        if hasattr(dist, name):
+        if hasattr(dist, name) and flat["reduce_scatter"]:
             cases[f"reduce_scatter via {name}"] = functools.partial(_reduce_scatter, name, world_size)
     cases["all_reduce, broadcast, barrier, object collectives"] = functools.partial(_others, world_size)
     cases["list fallback"] = functools.partial(_list_fallback, world_size)

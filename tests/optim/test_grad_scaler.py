@@ -25,7 +25,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.collectives import count_collectives
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.internal.device import device_generic_amp_scaler
 from fairscale.optim.grad_scaler import GradScaler, OptState, ShardedGradScaler
+
+if not device_generic_amp_scaler():  # before the annotations below, which name torch.amp.GradScaler
+    pytest.skip(
+        f"torch {torch.__version__} has no device-generic torch.amp.GradScaler (torch >= 2.3): its scalers, and "
+        "fairscale's, are CUDA-only and disabled on the CPU",
+        allow_module_level=True,
+    )
 
 WORLD = 2
 DEVICES = ["cpu", "cuda"]

@@ -29,6 +29,7 @@ from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.device import device_generic_amp_scaler
 from fairscale.optim import OSS, AdaScale
 from fairscale.optim.grad_scaler import GradScaler, ShardedGradScaler
 from fairscale.optim.layerwise_gradient_scaler import LayerwiseGradientScaler
@@ -221,10 +222,39 @@ def _foreign_state_body(rank: int, world_size: int, case: str) -> str:
     ],
 )
 def test_state_dict_of_another_optimizer_is_refused_and_changes_nothing(case: str, expected: str) -> None:
+    if case == "rmsprop_step_missing" and _torch_loads_rmsprop_without_step():
+        pytest.skip(
+            f"torch {torch.__version__}'s own RMSprop loader accepts a state without 'step' (OSS knows no names)"
+        )
     messages = run_distributed(_foreign_state_body, 2, case, timeout=TIMEOUT)
     assert messages[0] == messages[1], messages
+    if case == "plain_sgd_into_adam" and _plain_sgd_keeps_a_momentum_buffer():
+        # Older torch (2.1) keeps momentum_buffer=None per parameter even without momentum: the state tells first.
+        expected = "the state of parameter 0 holds ['momentum_buffer'], which torch.optim.adam.Adam does not use"
     assert expected in messages[0], messages[0]
     assert messages[0].endswith("KeyError" if case == "rmsprop_step_missing" else "NoneType")
+
+
+def _plain_sgd_keeps_a_momentum_buffer() -> bool:
+    p = nn.Parameter(torch.ones(1))
+    p.grad = torch.ones(1)
+    sgd = torch.optim.SGD([p], lr=0.1)
+    sgd.step()
+    return bool(sgd.state_dict()["state"])
+
+
+def _torch_loads_rmsprop_without_step() -> bool:
+    p = nn.Parameter(torch.ones(1))
+    p.grad = torch.ones(1)
+    rmsprop = torch.optim.RMSprop([p], lr=0.1)
+    rmsprop.step()
+    state = copy.deepcopy(rmsprop.state_dict())
+    del state["state"][0]["step"]
+    try:
+        torch.optim.RMSprop([nn.Parameter(torch.ones(1))], lr=0.1).load_state_dict(state)
+    except KeyError:
+        return False
+    return True
 
 
 def _badly_typed_body(rank: int, world_size: int) -> List[str]:
@@ -545,4 +575,5 @@ def test_grad_scalers_refuse_an_init_scale_that_is_not_positive_and_finite(
         scaler_class(init_scale=init_scale, device="cpu")
     # A disabled scaler never uses it (as torch's); a valid one is built as before.
     scaler_class(init_scale=init_scale, enabled=False, device="cpu")
-    assert scaler_class(init_scale=8.0, device="cpu").get_scale() == 8.0
+    if device_generic_amp_scaler():  # torch < 2.3: CPU scalers are disabled (scale 1.0), as torch's are
+        assert scaler_class(init_scale=8.0, device="cpu").get_scale() == 8.0

@@ -133,6 +133,11 @@ def _dispatch(
     for name, run in strategies:
         try:
             handle = run()
+            if device_type == "cpu" and handle._work is not None:
+                # gloo reports some gaps only when the work runs (torch 2.1: a bf16 broadcast fails in wait() with
+                # "Invalid scalar type"): the first call for this (backend, kind, dtype) waits here, so that such a
+                # gap falls back like one raised by the call. Every rank finds the same gap (the dtype is the same).
+                handle._work.wait()
         except _NotApplicable:
             continue
         except (RuntimeError, NotImplementedError) as exc:

@@ -4,6 +4,7 @@
 import pickle
 from typing import Any, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from .checks import _check_src
@@ -25,7 +26,8 @@ def broadcast_object_list(objects: List[Any], src: int = 0, group: Optional[Proc
     _check_src("broadcast_object_list", src, info)
     _record("broadcast_object", info, None, 0, 0)
     if info.size > 1:
-        dist.broadcast_object_list(objects, src=src, group=info.pg)
+        with torch.inference_mode(False):  # see all_gather_object
+            dist.broadcast_object_list(objects, src=src, group=info.pg)
 
 
 def all_gather_object(obj: Any, group: Optional[ProcessGroup] = None) -> List[Any]:
@@ -44,7 +46,10 @@ def all_gather_object(obj: Any, group: Optional[ProcessGroup] = None) -> List[An
         # A pickle round trip keeps the multi-rank semantics: a copy, and unpicklable input fails.
         return [pickle.loads(pickle.dumps(obj))]
     gathered: List[Any] = [None] * info.size
-    dist.all_gather_object(gathered, obj, group=info.pg)
+    # torch 2.1's object collectives write into tensors in place, which fails under torch.inference_mode() (an
+    # agreement check in a first forward under it, as in a validation sanity check).
+    with torch.inference_mode(False):
+        dist.all_gather_object(gathered, obj, group=info.pg)
     return gathered
 
 

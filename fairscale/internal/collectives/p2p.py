@@ -4,7 +4,7 @@ the group that should carry them (:func:`p2p_group`)."""
 
 import atexit
 import datetime
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -52,18 +52,18 @@ def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
     info = _member_info(group, "p2p_group")
     if not _checked_by_torch(info.pg):
         return group
-    twin: Optional[ProcessGroup] = _twins.get(info.pg)
+    twin: Any = _twins.get(info.pg)
     if twin is None:
         timeout = _timeout_of(info.pg)
-        twin = dist.new_group(
-            ranks=list(info.ranks),
-            backend=info.backend,
-            use_local_synchronization=len(info.ranks) < dist.get_world_size(),
-            # torch 2.1 refuses timeout=None (its default is a timedelta): leave it out when unknown.
-            **({} if timeout is None else {"timeout": timeout}),
-        )
+        local = len(info.ranks) < dist.get_world_size()
+        if timeout is None:  # torch 2.1 refuses timeout=None (its default is a timedelta)
+            twin = dist.new_group(ranks=list(info.ranks), backend=info.backend, use_local_synchronization=local)
+        else:
+            twin = dist.new_group(
+                ranks=list(info.ranks), backend=info.backend, timeout=timeout, use_local_synchronization=local
+            )
         _twins[info.pg] = twin
-    return twin
+    return cast(Optional[ProcessGroup], twin)
 
 
 def checked_by_torch(group: Optional[ProcessGroup] = None) -> bool:

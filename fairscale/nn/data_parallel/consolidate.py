@@ -48,7 +48,7 @@ __all__ = [
 _RANK_IN_NAME = re.compile(r"(?:rank|shard)[-_]?(\d+)", re.IGNORECASE)
 _KEY_PAIRS = (("weights", "meta"), ("model", "shard_metadata"))
 # torch names the first global its weights-only unpickler refused like this.
-_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_REFUSED_GLOBAL = re.compile(r"(?:GLOBAL|Unsupported class) ([\w.]+)")  # newer torch | torch 2.1
 
 
 class CheckpointFileError(ValueError):

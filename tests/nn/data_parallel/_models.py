@@ -36,6 +36,18 @@ MIXED = {
 }
 
 
+def _cpu_half_matmul() -> bool:
+    try:
+        torch.ones(1, 1, dtype=torch.float16) @ torch.ones(1, 1, dtype=torch.float16)
+    except RuntimeError:  # torch 2.1: "addmm_impl_cpu_" not implemented for 'Half'
+        return False
+    return True
+
+
+#: Whether this torch multiplies fp16 matrices on the CPU (torch 2.1 does not).
+CPU_HALF_MATMUL = _cpu_half_matmul()
+
+
 # ------------------------------------------------------------------------------------------------------ models
 
 

@@ -8,7 +8,7 @@ from typing import Any, List
 
 import pytest
 import torch
-from _models import MIXED, NestedWrappedModule, assert_idle, full_params, train_and_compare
+from _models import CPU_HALF_MATMUL, MIXED, NestedWrappedModule, assert_idle, full_params, train_and_compare
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
@@ -80,8 +80,8 @@ def _uneven_parity_body(rank: int, ws: int) -> None:
     # Padding at every world size is covered by the parity matrix; here: empty and odd local batches, and
     # parameters smaller than the world (Tiny).
     combos = [(Tiny, "fp32", mode) for mode in ("nested", "leaf")] + [
-        (NestedWrappedModule, mp, "nested") for mp in ("fp32", "fp16")
-    ]
+        (NestedWrappedModule, mp, "nested") for mp in (("fp32", "fp16") if CPU_HALF_MATMUL else ("fp32",))
+    ]  # torch 2.1 has no fp16 matmul on the CPU, and there a rank with rows fails where the others do not
     for (model_cls, mp, mode), flatten, global_n in itertools.product(combos, (True, False), (1, 2 * ws + 1)):
         # global_n=1: one rank has the only row, the others run on empty batches.
         kwargs = dict(flatten_parameters=flatten, **MIXED[mp])

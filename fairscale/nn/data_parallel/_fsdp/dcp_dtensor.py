@@ -147,7 +147,7 @@ def _as_dtensor(local: Tensor, p: OrigParam, meshes: _Meshes) -> Any:
     if _DIRECT_DTENSOR[0]:
         try:
             spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(p.shape, stride, local.dtype))
-            return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+            return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call, unused-ignore]
         except TypeError:  # pragma: no cover - the private constructor changed: the public path from now on
             _DIRECT_DTENSOR[0] = False
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=stride)

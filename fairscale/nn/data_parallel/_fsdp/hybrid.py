@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from fairscale.internal import collectives
-from fairscale.internal.parallel import default_group_timeout, get_process_group_cached
+from fairscale.internal.parallel import default_group_timeout, get_process_group_cached, new_group_with_timeout
 
 #: One rank's view of one FSDP instance with a replicate group: (path, shard group ranks, replicate group ranks, this
 #: rank's index in the shard group, problem seen locally or None). Ranks are global, in group order.
@@ -195,19 +195,17 @@ def hybrid_groups(
     if not isinstance(ranks_per_node, int) or ranks_per_node <= 0 or world % ranks_per_node != 0:
         raise ValueError(f"hybrid_groups: ranks_per_node={ranks_per_node!r} must divide the world size ({world})")
     timeout = timeout if timeout is not None else default_group_timeout()
-    # torch 2.1 refuses timeout=None (its default is a timedelta): leave it out when unknown.
-    timeout_kw = {} if timeout is None else {"timeout": timeout}
     me = dist.get_rank()
     nodes = world // ranks_per_node
     blocks: List[List[int]] = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(nodes)]
     strides: List[List[int]] = [list(range(i, world, ranks_per_node)) for i in range(ranks_per_node)]
     shard = replicate = None
     for ranks in blocks:
-        group = dist.new_group(ranks=ranks, **timeout_kw)
+        group = new_group_with_timeout(ranks, timeout)
         if me in ranks:
             shard = group
     for ranks in strides:
-        group = dist.new_group(ranks=ranks, **timeout_kw)
+        group = new_group_with_timeout(ranks, timeout)
         if me in ranks:
             replicate = group
     return shard, replicate

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from fairscale.internal import collectives
-from fairscale.internal.parallel import default_group_timeout
+from fairscale.internal.parallel import default_group_timeout, new_group_with_timeout
 
 
 def local_problem(zero2_group: Any, process_group: Any) -> Optional[str]:
@@ -145,8 +145,7 @@ def zero2_groups(
         block = all_ranks[start : start + ranks_per_group]
         # Like FSDP's cached groups, inherit the default group's timeout (new_group alone uses the backend's).
         timeout = timeout if timeout is not None else default_group_timeout()
-        # torch 2.1 refuses timeout=None (its default is a timedelta): leave it out when unknown.
-        group = dist.new_group(ranks=block, **({} if timeout is None else {"timeout": timeout}))
+        group = new_group_with_timeout(block, timeout)
         if me in block:
             mine = group
     if mine is None:

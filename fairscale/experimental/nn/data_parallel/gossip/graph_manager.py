@@ -7,7 +7,7 @@ edge is a two-process group and ``dist.new_group`` must be called by all process
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ class Edge:
     def __init__(self, local_master_rank: int, dest: int, src: int, local_rank: int) -> None:
         self.src = src
         self.dest = dest
-        self.process_group = dist.new_group([src, dest])
+        self.process_group: Any = cast(Any, dist.new_group([src, dest]))  # newer stubs add a non-member sentinel
         # Whether torch wrapped the group in its collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, decided at
         # creation): PushSum then needs another order of its sends and receives.
         self.checked = checked_by_torch(self.process_group)

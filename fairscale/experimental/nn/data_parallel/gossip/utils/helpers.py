@@ -4,7 +4,7 @@
 import collections
 import logging
 import sys
-from typing import Any, Callable, DefaultDict, Dict, List, MutableMapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, DefaultDict, Dict, List, MutableMapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,7 @@ def create_process_group(ranks: Sequence[int]) -> Any:
 
     Every process must call this for every group, in the same order (``new_group`` is collective).
     """
-    group = dist.new_group(list(ranks))
+    group: Any = cast(Any, dist.new_group(list(ranks)))  # newer torch's stubs add a non-member sentinel
     device = _comm_device()
     if dist.get_rank() in ranks:
         for dtype in (torch.float32, torch.float16):
