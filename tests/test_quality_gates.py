@@ -15,6 +15,8 @@ import tokenize
 
 import pytest
 
+from fairscale.internal import torch_version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "fairscale")
 
@@ -111,6 +113,10 @@ MYPY_TARGETS = ("fairscale", os.path.join("benchmarks", "_fsdp_bench"))
 
 
 @pytest.mark.skipif(shutil.which("mypy") is None and not os.environ.get("CI"), reason="mypy not installed")
+@pytest.mark.skipif(
+    torch_version() < (2, 13, 0),
+    reason="strict mypy follows the type stubs of torch >= 2.13 (CI's release); older stubs lack or mistype names",
+)
 def test_mypy_strict_on_package():
     result = _run([sys.executable, "-m", "mypy", *MYPY_TARGETS])
     assert result.returncode == 0, "mypy found type errors:\n" + result.stdout[-6000:] + result.stderr[-2000:]

@@ -187,7 +187,8 @@ def test_latency_scenario_reports_cpu_calls_and_collective_overhead(report: dict
     assert set(overhead["real"]) == {"raw", "ours", "ours_counted", "raw_plus_10us"}
     assert set(overhead["dispatch_only"]) - {"method"} == {"all_reduce", "all_gather", "reduce_scatter"}
     latency_targets = [t for t in report["targets"] if t["issue"] == 28]
-    assert any(t["target"].startswith("latency: CPU time per step") for t in latency_targets)
+    if "fsdp2" in PEERS:  # the target is a ratio to FSDP2's CPU time
+        assert any(t["target"].startswith("latency: CPU time per step") for t in latency_targets)
 
 
 def test_loss_finite_and_matching_across_peers(report: dict) -> None:

@@ -7,6 +7,7 @@ collective lists its strategies; ``_dispatch`` runs the first one the backend ac
 """
 
 import contextlib
+import datetime
 import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -131,13 +132,15 @@ def _dispatch(
         raise ValueError(f"unknown {kind} strategy {wanted!r}")
     errors: List[str] = []
     for name, run in strategies:
+        if device_type == "cpu" and "gloo" in info.backend and name != "fp32" and not _gloo_has_dtype(dtype):
+            # gloo reports a dtype it has no kernels for only when the work runs, in wait() ("Invalid scalar type":
+            # bf16 on torch 2.1, uint32 or float8 on later ones), after this search, and a wait here would block
+            # this rank's other collectives: asked of gloo alone beforehand (_gloo_has_dtype), it skips to the fp32
+            # wire format, where one applies, or to the error below, the same on every rank.
+            errors.append(f"{name}: gloo has no {dtype} kernels")
+            continue
         try:
             handle = run()
-            if device_type == "cpu" and handle._work is not None:
-                # gloo reports some gaps only when the work runs (torch 2.1: a bf16 broadcast fails in wait() with
-                # "Invalid scalar type"): the first call for this (backend, kind, dtype) waits here, so that such a
-                # gap falls back like one raised by the call. Every rank finds the same gap (the dtype is the same).
-                handle._work.wait()
         except _NotApplicable:
             continue
         except (RuntimeError, NotImplementedError) as exc:
@@ -150,6 +153,29 @@ def _dispatch(
     raise RuntimeError(
         f"{kind} of {dtype} tensors is not supported by backend {info.backend!r}; tried " + "; ".join(errors)
     )
+
+
+_gloo_dtypes: Dict[torch.dtype, bool] = {}
+_PROBE_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def _gloo_has_dtype(dtype: torch.dtype) -> bool:
+    """Whether this torch's gloo has kernels for ``dtype``: a broadcast on a private one-rank gloo group (no peer, no
+    communication; gloo checks the type on any group size), once per dtype. ``True`` when the probe itself cannot
+    run (the call then finds out as before)."""
+    known = _gloo_dtypes.get(dtype)
+    if known is None:
+        known = True
+        try:
+            # Looked up by name: torch's stubs do not export HashStore, nor ProcessGroupGloo's collectives.
+            group: Any = getattr(dist, "ProcessGroupGloo")(getattr(dist, "HashStore")(), 0, 1, _PROBE_TIMEOUT)
+            group.broadcast([torch.zeros(1, dtype=dtype)]).wait()
+        except RuntimeError as exc:
+            known = not _UNSUPPORTED.search(str(exc))
+        except Exception:  # noqa: B902  # no gloo, no local device: no answer, no guess
+            pass
+        _gloo_dtypes[dtype] = known
+    return known
 
 
 def _via_fp32(out: Tensor, inp: Tensor, run: Callable[[Tensor, Tensor], WorkHandle]) -> WorkHandle:
