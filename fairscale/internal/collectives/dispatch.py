@@ -155,7 +155,11 @@ def _dispatch(
     )
 
 
-_gloo_dtypes: Dict[torch.dtype, bool] = {}
+# gloo has had kernels for these since before torch 2.1: no probe (which costs a one-rank gloo group) for them.
+_gloo_dtypes: Dict[torch.dtype, bool] = {
+    dtype: True
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32, torch.int64)
+}
 _PROBE_TIMEOUT = datetime.timedelta(seconds=30)
 
 
