@@ -14,6 +14,7 @@ becomes an exception on all of them instead of a peer left waiting in its next c
 """
 
 import contextlib
+import json
 from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "RanksDisagreeError",
     "check_ranks_agree",
     "check_gathered_agree",
+    "check_world_agrees_through_store",
     "check_outcome_agrees",
     "describe_tensors",
     "first_device",
@@ -134,6 +136,43 @@ def check_gathered_agree(what: str, gathered: Sequence[Any], group: Optional[Any
                 f"({_first_difference(gathered[0], other)}). Every rank of the group must pass the same."
                 + (f" {hint}" if hint else "")
             )
+
+
+def check_world_agrees_through_store(what: str, value: Any, hint: str = "") -> None:
+    """:func:`check_ranks_agree` over the default group, made through its rendezvous store instead of a collective.
+
+    For checks that run before a rank may have selected its device (the object gather of an NCCL group would then
+    run on ``cuda:0`` on every rank), and before any group of the caller exists: the store works the same on every
+    backend and touches no device. Global rank 0 compares; every rank raises the same error.
+
+    Args:
+        what (str): what ``value`` describes, for the message.
+        value (Any): this rank's description: numbers, strings, ``None``, lists, tuples (other objects are compared
+            by their ``repr``).
+        hint (str): what the user should do, appended to the message.
+
+    Raises:
+        RanksDisagreeError: the values differ (on every rank).
+        FairscaleRuntimeError: a rank did not make the call within the store's timeout.
+    """
+    # JSON rather than pickle: rank 0 decodes what other processes wrote. Tuples come back as lists on every rank.
+    verdict = collectives.decide_through_store(
+        "check_world_agrees",
+        json.dumps(value, default=repr),
+        lambda texts: _disagreement([json.loads(t) for t in texts], what, hint),
+        what,
+    )
+    if verdict:  # None: world size 1 (nothing to compare), or a torch that keeps no default store
+        raise RanksDisagreeError(verdict)
+
+
+def _disagreement(gathered: Sequence[Any], what: str, hint: str) -> str:
+    """The message :func:`check_gathered_agree` would raise for ``gathered``, or ``""`` when the values agree."""
+    try:
+        check_gathered_agree(what, gathered, None, hint)
+    except RanksDisagreeError as e:
+        return str(e)
+    return ""
 
 
 def check_outcome_agrees(

@@ -22,8 +22,8 @@ One concept per module, each importing only downward (``work`` and ``groups`` at
 ``checks`` and ``dispatch``, then the collectives themselves): ``work`` (:class:`WorkHandle`), ``groups`` (group
 sizes, ranks, membership), ``recording`` (counter and simulated link), ``checks`` (argument checks), ``dispatch``
 (torch function lookup, fallback strategies), ``flat`` (all-gather / reduce-scatter of flat buffers), ``inplace``
-(all-reduce, broadcast, reduce), ``all_to_all``, ``objects`` (object collectives, barrier) and ``p2p`` (send / recv,
-and the group that carries them). Import the names from this package; the modules are its layout, not its API.
+(all-reduce, broadcast, reduce), ``all_to_all``, ``objects`` (object collectives, barrier), ``p2p`` (send / recv,
+and the group that carries them) and ``store`` (decisions through the default group's rendezvous store). Import the names from this package; the modules are its layout, not its API.
 """
 
 from ..collective_counter import CollectiveCounter, CollectiveRecord, collective_phase, count_collectives
@@ -33,6 +33,7 @@ from .groups import group_backend, group_rank, group_ranks, group_size
 from .inplace import all_reduce, broadcast, reduce
 from .objects import all_gather_object, barrier, broadcast_object_list
 from .p2p import checked_by_torch, irecv, isend, p2p_group, recv, send
+from .store import decide_through_store
 from .work import WorkHandle
 
 # Private names that tests use (one live object each: ``_chosen`` is the dispatch module's dict, mutated in place).
@@ -54,6 +55,7 @@ __all__ = [
     "broadcast_object_list",
     "all_gather_object",
     "barrier",
+    "decide_through_store",
     "group_size",
     "group_backend",
     "group_rank",

@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 import torch
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_ranks_agree
+from fairscale.internal.agreement import check_world_agrees_through_store
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 # Upstream's module namespace has it (importers may reach it here); the grid check below says more on failure.
@@ -84,7 +84,9 @@ def initialize_model_parallel(
 
     Raises:
         FairscaleRuntimeError: ``torch.distributed`` is not initialised, or the groups already exist (call
-            :func:`destroy_model_parallel` first); an ``AssertionError`` as upstream.
+            :func:`destroy_model_parallel` first); an ``AssertionError`` as upstream. Also when another rank does
+            not make this call within ``init_process_group``'s timeout.
+        RanksDisagreeError: the ranks passed other arguments, or only some of them hold groups (on every rank).
         AssertionError: the world size is not divisible by the model-parallel size times ``pipeline_length``.
     """
     if not torch.distributed.is_initialized():
@@ -93,24 +95,28 @@ def initialize_model_parallel(
             "torch.distributed.init_process_group(...) on every rank first"
         )
     world_size = torch.distributed.get_world_size()
-    if (
-        isinstance(model_parallel_size_, bool)
-        or not float(model_parallel_size_).is_integer()
-        or model_parallel_size_ < 1
-    ):
+    size = model_parallel_size_
+    valid = isinstance(size, (int, float)) and not isinstance(size, bool) and float(size).is_integer() and size >= 1
+    # Clamped: 4 and 8 on two ranks are the same request.
+    model_parallel_size = int(min(model_parallel_size_, world_size)) if valid else 0
+    # Before any group exists, and before the rank-local checks below (a rank that raised alone would leave the
+    # others waiting): ranks that asked for other sizes or backends, or of which only some already hold groups, would
+    # create other groups, and new_group() would wait for the missing ranks forever (its store wait does not end at
+    # the group timeout). The same RanksDisagreeError on every rank instead. Through the rendezvous store, not an
+    # object gather: on an NCCL group that gather would run on the current CUDA device, and callers such as Llama's
+    # reference code select their device only after this call (every rank would use cuda:0).
+    _check_ranks_agree(
+        model_parallel_size if valid else repr(model_parallel_size_),
+        pipeline_length,
+        model_parallel_backend,
+        pipeline_backend,
+        ddp_backend,
+    )
+    if not valid:
         # A fraction was truncated silently (1.5 gave 1); an integral float (2.0) stays accepted, as upstream.
         raise FairscaleValueError(
             f"initialize_model_parallel: model_parallel_size_ must be a whole number >= 1, got {model_parallel_size_!r}"
         )
-    model_parallel_size = int(min(model_parallel_size_, world_size))
-    # Before any group exists and before the rank-local checks below: ranks that asked for other sizes or backends,
-    # or of which only some already hold groups, would create other groups, and new_group() would wait for the
-    # missing ranks forever (its store wait does not end at the group timeout). One small gather on the default
-    # group; the same RanksDisagreeError on every rank instead. Only where object collectives run on the CPU
-    # (gloo): on an NCCL-only default group the gather would run on the current CUDA device, and callers such as
-    # Llama's reference code select their device only after this call (every rank would use cuda:0).
-    if "gloo" in collectives.group_backend(None):
-        _check_ranks_agree(model_parallel_size, pipeline_length, model_parallel_backend, pipeline_backend, ddp_backend)
     _check_grid(world_size, model_parallel_size, pipeline_length)
     rank = torch.distributed.get_rank()
     data_parallel_size = world_size // (model_parallel_size * pipeline_length)
@@ -144,14 +150,14 @@ def initialize_model_parallel(
 
 
 def _check_ranks_agree(
-    mp: int, pp: int, mp_backend: Optional[str], pp_backend: Optional[str], dp: Optional[str]
+    mp: Any, pp: Any, mp_backend: Optional[str], pp_backend: Optional[str], dp: Optional[str]
 ) -> None:
     """The same ``RanksDisagreeError`` on every rank unless all of them passed these arguments and hold no groups
     yet, or all of them hold groups (then the rank-local "already initialized" error follows on every rank)."""
-    check_ranks_agree(
+    check_world_agrees_through_store(
         "initialize_model_parallel: (model parallel size as clamped, pipeline_length, model_parallel_backend, "
         "pipeline_backend, ddp_backend, groups already initialized)",
-        (mp, pp, mp_backend, pp_backend, dp, model_parallel_is_initialized()),
+        [mp, pp, mp_backend, pp_backend, dp, model_parallel_is_initialized()],
         hint="Call it once on every rank with the same arguments (destroy_model_parallel() on every rank first to "
         "start again).",
     )

@@ -95,8 +95,19 @@ def test_initialize_model_parallel(world_size: int) -> None:
 def _case_other_sizes(rank: int) -> None:
     # Rank 0 asks for model parallel size 1, the other rank for 2: before, the ranks created other groups and
     # new_group() waited forever (the group timeout did not end it).
-    with pytest.raises(RanksDisagreeError, match=r"initialize_model_parallel: .* differ between ranks"):
-        mpu.initialize_model_parallel(1 if rank == 0 else 2)
+    with collectives.count_collectives() as counter:
+        with pytest.raises(RanksDisagreeError, match=r"initialize_model_parallel: .* differ between ranks"):
+            mpu.initialize_model_parallel(1 if rank == 0 else 2)
+    assert not mpu.model_parallel_is_initialized()
+    # Compared through the rendezvous store, not a collective: an NCCL group's object gather would run on the
+    # current CUDA device, cuda:0 on every rank of Llama's code, which calls this before selecting its GPU.
+    assert counter.count() == 0, counter
+
+
+def _case_an_invalid_size_on_one_rank(rank: int) -> None:
+    # Before: rank 0 raised its ValueError alone and rank 1 waited in the comparison for it.
+    with pytest.raises(RanksDisagreeError, match=r"entry 0: 2 vs '1.5'"):
+        mpu.initialize_model_parallel(1.5 if rank == 1 else 2)
     assert not mpu.model_parallel_is_initialized()
 
 
@@ -116,6 +127,7 @@ def _disagreement_body(rank: int, world_size: int) -> None:
     run_cases(
         [
             ("other sizes", lambda: _case_other_sizes(rank)),
+            ("an invalid size on one rank", lambda: _case_an_invalid_size_on_one_rank(rank)),
             ("initialized on some ranks", lambda: _case_initialized_on_some_ranks(rank)),
             ("the same arguments still work", lambda: _check_layout(rank, world_size, 2, 1)),
         ]
