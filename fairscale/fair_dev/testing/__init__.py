@@ -12,6 +12,7 @@ from .engine import (
     seed_everything,
     subtest,
     use_loopback_for_gloo,
+    init_gloo_world,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "seed_everything",
     "subtest",
     "use_loopback_for_gloo",
+    "init_gloo_world",
 ]

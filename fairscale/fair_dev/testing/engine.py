@@ -76,6 +76,7 @@ from .engine_rank import (
     rebuild_exception,
     seed_everything,
     use_loopback_for_gloo,
+    init_gloo_world,
 )
 from .subtests import run_cases, subtest
 
@@ -91,6 +92,7 @@ __all__ = [
     "subtest",
     "seed_everything",
     "use_loopback_for_gloo",
+    "init_gloo_world",
 ]
 
 #: Seconds a world may run before it is killed and reported as a timeout.

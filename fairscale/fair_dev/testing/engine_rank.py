@@ -7,8 +7,8 @@ the pickled result, or a :class:`RemoteFailure` from which the parent rebuilds t
 :class:`ProcessGroupBody` is the body :func:`~fairscale.fair_dev.testing.engine.run_distributed`
 gives every rank: init the default group, run the test function, barrier, destroy the group.
 
-Only :data:`SEED`, :data:`START_METHOD_ENV`, :func:`seed_everything` and :func:`use_loopback_for_gloo`
-are public (re-exported by :mod:`fairscale.fair_dev.testing.engine`); the rest is the engine's.
+Only :data:`SEED`, :data:`START_METHOD_ENV`, :func:`seed_everything`, :func:`use_loopback_for_gloo` and
+:func:`init_gloo_world` are public (re-exported by :mod:`fairscale.fair_dev.testing.engine`); the rest is the engine's.
 """
 
 import datetime
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fairscale.internal.device import CPU_ONLY_ENV
 
-__all__ = ["SEED", "START_METHOD_ENV", "seed_everything", "use_loopback_for_gloo"]
+__all__ = ["SEED", "START_METHOD_ENV", "seed_everything", "use_loopback_for_gloo", "init_gloo_world"]
 
 #: Seed given to torch, ``random`` and numpy on every rank before the test body runs.
 SEED = 0
@@ -63,6 +63,40 @@ def use_loopback_for_gloo() -> None:
     """
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def init_gloo_world(
+    directory: str,
+    rank: int,
+    world_size: int,
+    debug_level: Optional[Any] = None,
+    timeout_s: float = 30.0,
+) -> None:
+    """Open a gloo default group on loopback, rendezvousing through a file store in ``directory``.
+
+    For bodies run by :func:`~fairscale.fair_dev.testing.engine.run_ranks` that need a say in how the world is made,
+    e.g. PyTorch's collective checker: ``debug_level`` (``dist.DebugLevel.DETAIL`` or ``OFF``) is set before the
+    group exists, because torch reads it when it creates a group (and ``TORCH_DISTRIBUTED_DEBUG`` only at
+    ``import torch``); ``None`` keeps the process's level.
+
+    Args:
+        directory (str): a directory all ranks share (the store file goes there).
+        rank (int): this rank.
+        world_size (int): the number of ranks.
+        debug_level (Optional[dist.DebugLevel]): the debug level to set first, or ``None``.
+        timeout_s (float): the group's collective timeout.
+    """
+    if debug_level is not None:
+        # Re-exported by torch.distributed at run time but absent from its type stubs.
+        getattr(dist, "set_debug_level")(debug_level)
+    use_loopback_for_gloo()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(directory, 'store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:

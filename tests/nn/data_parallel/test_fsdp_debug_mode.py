@@ -11,7 +11,6 @@ single-process reference) and that a diverging rank is then an error on every ra
 
 import atexit
 import copy
-import datetime
 import functools
 import os
 from typing import Any, Dict, List
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fairscale.fair_dev.testing.engine import run_ranks, use_loopback_for_gloo
+from fairscale.fair_dev.testing.engine import init_gloo_world, run_ranks
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import ShardedDataParallel, hybrid_groups, zero2_groups
 from fairscale.optim import OSS
@@ -33,15 +32,7 @@ STEPS, MICROBATCHES, BATCH = 2, 2, 3
 
 def _init_detail(directory: str, rank: int, world_size: int = WORLD) -> None:
     """A gloo world with the debug level set before the groups exist (the env var is read at ``import torch``)."""
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    use_loopback_for_gloo()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'store')}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo_world(directory, rank, world_size, dist.DebugLevel.DETAIL)
 
 
 def _net() -> nn.Module:

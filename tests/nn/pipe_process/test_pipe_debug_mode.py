@@ -12,9 +12,7 @@ that the groups really are wrapped, and that the messages then travel on a twin 
 Bodies are module-level functions (the suite also runs with ``FAIRSCALE_TEST_START_METHOD=spawn``).
 """
 
-import datetime
 import functools
-import os
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -23,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fairscale.experimental.nn.ampnet_pipe.pipe import AMPnetPipe
-from fairscale.fair_dev.testing.engine import run_ranks, use_loopback_for_gloo
+from fairscale.fair_dev.testing.engine import init_gloo_world, run_ranks
 from fairscale.internal import collectives
 from fairscale.nn.pipe import AsyncPipe
 from fairscale.nn.pipe.messages import SendRecvTransport
@@ -36,15 +34,7 @@ Params = Dict[str, Tensor]
 def _init(directory: str, rank: int, world_size: int, detail: bool) -> str:
     """A gloo world with the debug level set before the groups exist (the env var is read at ``import torch``, so
     it is set here explicitly either way); returns the class name of the default group's CPU backend."""
-    dist.set_debug_level(dist.DebugLevel.DETAIL if detail else dist.DebugLevel.OFF)
-    use_loopback_for_gloo()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'store')}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo_world(directory, rank, world_size, dist.DebugLevel.DETAIL if detail else dist.DebugLevel.OFF)
     return _backend_class(dist.group.WORLD)
 
 

@@ -9,9 +9,7 @@ with the checker on and off and require the same result, with a world timeout so
 minute instead of hanging.
 """
 
-import datetime
 import functools
-import os
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -20,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fairscale.experimental.nn.data_parallel import gossip
-from fairscale.fair_dev.testing.engine import run_ranks, use_loopback_for_gloo
+from fairscale.fair_dev.testing.engine import init_gloo_world, run_ranks
 
 TIMEOUT = 60.0  # seconds per world; the fixed gossip takes a few
 STEPS, BATCH = 4, 3
@@ -65,15 +63,7 @@ def _train(directory: str, detail: bool, setting: str, rank: int) -> Tuple[Dict[
     world_size, kwargs, graph_cls = SETTINGS[setting]
     # Set explicitly both ways, before any group exists (torch reads the level when it creates a group): a run of
     # the suite with TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment must still have a reference without it.
-    dist.set_debug_level(dist.DebugLevel.DETAIL if detail else dist.DebugLevel.OFF)
-    use_loopback_for_gloo()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'store')}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo_world(directory, rank, world_size, dist.DebugLevel.DETAIL if detail else dist.DebugLevel.OFF)
     net = _net()
     with torch.no_grad():  # different parameters on every rank, so that gossip and averaging have work to do
         for p in net.parameters():
