@@ -17,8 +17,8 @@ __all__ = ["main"]
 def main(argv: Optional[List[str]] = None) -> None:
     """Run a wgit sub-command (``version``, ``init``, ``status``, ``add``, ``commit``, ``checkout``, ``log``).
 
-    A refusal (see :mod:`fairscale.experimental.wgit.safety`) or bad input prints ``fatal: <reason>`` to stderr and
-    exits with status 1.
+    A refusal (see :mod:`fairscale.experimental.wgit.safety`), bad input or a sub-command that is not implemented
+    (``checkout``, as upstream) prints ``fatal: <reason>`` to stderr and exits with status 1.
     """
     desc = "WeiGit: A git-like tool for model weight tracking"
     parser = argparse.ArgumentParser(description=desc)
@@ -40,9 +40,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         _run(args)
-    except (ValueError, FairscaleTypeError) as e:
-        # wgit's refusals (a planted link, a checkpoint that would run code, bad input): one line, like git's
-        # "fatal:" messages, instead of a traceback.
+    except (ValueError, FairscaleTypeError, NotImplementedError) as e:
+        # wgit's refusals (a planted link, a checkpoint that would run code, bad input) and its sub-commands that
+        # do nothing yet (checkout): one line, like git's "fatal:" messages, instead of a traceback.
         sys.stderr.write(f"fatal: {e}\n")
         sys.exit(1)
 

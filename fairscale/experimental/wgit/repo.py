@@ -151,13 +151,16 @@ class Repo:
             UntrustedContentError: the file is not a ``torch.save`` checkpoint of tensors and plain containers.
             UnsafeRepositoryError: the metadata file (or a directory on its way) is a symbolic link, or would land
                 outside ``.wgit`` or in one of its reserved entries.
-            FairscaleValueError: with ``per_tensor``, the checkpoint is not a dict or a list (``AssertionError``).
+            FairscaleValueError: with ``per_tensor``, the checkpoint is not a dict or a list (``AssertionError``); the
+                file is not under the directory that holds ``.wgit``; or its metadata file already tracks another
+                checkpoint.
         """
         self._sanity_check()
         if sparsify and not per_tensor:
             raise ValueError("Only support sparsity when per_tensor is true")
         file_path = Path(in_file_path)
-        metadata_file = self._metadata_path(self._rel_file_path(file_path))
+        metadata_file = self._metadata_path(self._rel_file_path(self._inside_working_tree(file_path)))
+        self._check_not_tracking_another(metadata_file, file_path)
         ret_state_dict = None
         to_store: Any = file_path
         if per_tensor:
@@ -258,6 +261,39 @@ class Repo:
         }
         data = json.dumps(metadata, ensure_ascii=False, indent=4).encode("utf-8")
         replace_file(metadata_file, lambda f: f.write(data))
+
+    def _inside_working_tree(self, file_path: Path) -> Path:
+        """``file_path``, refused unless it resolves to a file under the directory that holds ``.wgit``.
+
+        Upstream's naming rule (:meth:`_rel_file_path`) keeps the last parts of a path without comparing them with
+        the repository's: a checkpoint outside the repository was tracked under the name of another one inside it
+        (``/elsewhere/run/ck.pt`` as ``run/ck.pt`` of ``/work/run``), or under a name ``status`` never lists.
+        """
+        tree = self._wgit_parent.resolve()
+        resolved = file_path.resolve()
+        if tree not in resolved.parents:
+            raise FairscaleValueError(
+                f"wgit add: {file_path} (resolved: {resolved}) is not inside the repository's directory {tree}; "
+                "wgit tracks the checkpoints under the directory that holds .wgit: copy or move it there first"
+            )
+        return file_path
+
+    @staticmethod
+    def _check_not_tracking_another(metadata_file: Path, file_path: Path) -> None:
+        """Refuse to overwrite the metadata of another checkpoint that the naming rule maps to the same file."""
+        if not metadata_file.is_file():
+            return
+        try:
+            with open(metadata_file) as f:
+                tracked = json.load(f).get(REL_PATH_KEY)
+        except (ValueError, AttributeError):  # not a metadata file wgit wrote: add writes a proper one over it
+            return
+        if isinstance(tracked, str) and Path(tracked).resolve() != file_path.resolve():
+            raise FairscaleValueError(
+                f"wgit add: {file_path} would be tracked in {metadata_file}, which already tracks {tracked}; two "
+                "checkpoints whose paths end alike cannot both be tracked from this directory: run wgit from the "
+                "repository's directory, or give the checkpoints other names"
+            )
 
     @staticmethod
     def _rel_file_path(filepath: Path) -> Path:

@@ -171,7 +171,15 @@ class SHA1_Store:
 
     def _load_json_dict(self) -> None:
         with open(self._metadata_file_path, "r") as f:
-            self._json_dict = json.load(f)
+            try:
+                self._json_dict = json.load(f)
+            except json.JSONDecodeError as e:
+                # Every command reads it: without the file's name the user sees only a JSON parser's position.
+                raise FairscaleValueError(
+                    f"{self._metadata_file_path} is not valid JSON ({e}): the SHA1 store's metadata is damaged. "
+                    "Restore the file from a backup, or start a new repository (wgit init in a new directory) and "
+                    "add the checkpoints again"
+                ) from e
 
     def _store_json_dict(self) -> None:
         check_not_link(self._metadata_file_path, "the SHA1 store's metadata.json")

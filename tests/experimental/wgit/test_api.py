@@ -13,6 +13,7 @@ pytest.importorskip("pygit2")
 
 from fairscale.experimental.wgit import cli  # noqa: E402
 from fairscale.experimental.wgit.repo import Repo, RepoStatus  # noqa: E402
+from fairscale.internal.errors import FairscaleValueError  # noqa: E402
 
 
 @pytest.fixture
@@ -76,3 +77,67 @@ def test_cli(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
 def test_no_repo_exits(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         Repo(tmp_path)
+
+
+def test_add_refuses_a_checkpoint_outside_the_repository(repo_dir: Path) -> None:
+    # Upstream's naming rule keeps the last parts of the path: /elsewhere/wgit_testing/checkpoint_0.pt was tracked as
+    # wgit_testing/checkpoint_0.pt, over the repository's own checkpoint_0.pt; ../outside.pt under a name that
+    # status never listed.
+    repo = Repo(repo_dir, init=True)
+    repo.add("checkpoint_0.pt")
+    repo.commit("first")
+    metadata = repo_dir / ".wgit" / "wgit_testing" / "checkpoint_0.pt"
+    tracked = metadata.read_bytes()
+    elsewhere = repo_dir.parent / "elsewhere" / "wgit_testing"
+    elsewhere.mkdir(parents=True)
+    torch.save({"w": torch.zeros(2)}, elsewhere / "checkpoint_0.pt")
+    torch.save({"w": torch.zeros(2)}, repo_dir.parent / "outside.pt")
+    for path in (str(elsewhere / "checkpoint_0.pt"), "../outside.pt"):
+        with pytest.raises(FairscaleValueError, match=r"is not inside the repository's directory .*copy or move it"):
+            repo.add(path)
+    assert metadata.read_bytes() == tracked
+    assert sorted(p.name for p in (repo_dir / ".wgit").iterdir()) == [
+        ".git",
+        ".gitignore",
+        "sha1_store",
+        "wgit_testing",
+    ]
+    assert repo.status() == {"wgit_testing/checkpoint_0.pt": RepoStatus.CLEAN}
+
+
+def test_add_refuses_a_checkpoint_that_would_take_the_name_of_another(
+    repo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Run from a directory as deep as the checkpoints, the naming rule keeps only their file names: the second
+    # would have replaced the first one's metadata.
+    for run in ("a", "b"):
+        (repo_dir / run / "run").mkdir(parents=True)
+        torch.save({"w": torch.full((2,), float(ord(run)))}, repo_dir / run / "run" / "ck.pt")
+    deep = repo_dir / "q" / "w" / "e"
+    deep.mkdir(parents=True)
+    repo = Repo(repo_dir, init=True)
+    monkeypatch.chdir(deep)
+    repo.add(str(repo_dir / "a" / "run" / "ck.pt"))
+    metadata = repo_dir / ".wgit" / "ck.pt"
+    tracked = metadata.read_bytes()
+    with pytest.raises(FairscaleValueError, match=r"ck.pt, which already tracks .*a/run/ck.pt"):
+        repo.add(str(repo_dir / "b" / "run" / "ck.pt"))
+    assert metadata.read_bytes() == tracked
+    repo.add(str(repo_dir / "a" / "run" / "ck.pt"))  # the same checkpoint again is an update, as before
+
+
+def test_cli_reports_checkout_and_a_damaged_store_in_one_line(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    cli.main(["init"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["checkout", "0" * 40])
+    err = capsys.readouterr().err
+    assert (
+        info.value.code == 1
+        and err == "fatal: wgit checkout is not implemented (upstream's raised NotImplementedError too)\n"
+    )
+    store_metadata = repo_dir / ".wgit" / "sha1_store" / "metadata.json"
+    store_metadata.write_text("garbage{")
+    with pytest.raises(SystemExit):
+        cli.main(["status"])
+    err = capsys.readouterr().err
+    assert err.startswith(f"fatal: {store_metadata} is not valid JSON") and "Restore the file from a backup" in err
