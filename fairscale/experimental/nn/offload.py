@@ -332,12 +332,15 @@ class OffloadModel(nn.Module):
         num_microbatches: int = 1,
     ) -> None:
         super().__init__()
-        if not model:
+        if model is None:
             raise TypeError("`model` argument to `OffloadModel` cannot be None.")
         if not device:
             raise TypeError("`device` argument to `OffloadModel` cannot be None.")
         if not (isinstance(model, nn.Sequential) or type(model) == list):
             raise TypeError("`model` argument to `OffloadModel` must be of type `nn.Sequential`.")
+        if len(model) == 0:
+            # A TypeError as upstream's (whose falsiness test took an empty model for None), with a message that fits.
+            raise TypeError("`model` argument to `OffloadModel` has no layers: pass an nn.Sequential of at least one.")
         device = torch.device(device)
         if device.type != "cpu" and not accelerator_available():
             raise TypeError("CUDA must be available as one of the compute devices for `OffloadModel`.")

@@ -80,7 +80,7 @@ def init_gloo_world(
     ``import torch``); ``None`` keeps the process's level.
 
     Args:
-        directory (str): a directory all ranks share (the store file goes there).
+        directory (str): a directory all ranks share (the store file goes there; created if missing).
         rank (int): this rank.
         world_size (int): the number of ranks.
         debug_level (Optional[dist.DebugLevel]): the debug level to set first, or ``None``.
@@ -90,6 +90,8 @@ def init_gloo_world(
         # Re-exported by torch.distributed at run time but absent from its type stubs.
         getattr(dist, "set_debug_level")(debug_level)
     use_loopback_for_gloo()
+    # Made here if missing: a file store in a missing directory is never created, and the ranks would wait for it.
+    os.makedirs(directory, exist_ok=True)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.path.join(directory, 'store')}",
