@@ -12,7 +12,8 @@ legitimate state, including optimizers it does not know, so it is:
   the parameter's shape;
 * any other tensor with more than one element must not have more elements than the parameter: per-parameter
   statistics are at most as large as the parameter, factored ones (Adafactor's row and column variances) smaller;
-* tensors with at most one element (``step``, ``eta``, ``mu_product`` ...) and non-tensor values are not checked.
+* tensors with at most one element (``eta``, ``mu_product`` ...) and non-tensor values are not checked, except
+  ``step``, which torch's loader casts for every optimizer: a number or a one-element tensor.
 
 A per-element tensor of the right shape can still have a crafted layout (a stride-0 view of one element, a
 transposed one) that a fused kernel, which walks the memory of the parameter and its state in step, would read or
@@ -66,6 +67,15 @@ def check_param_state(who: str, key: Any, entry: Any, param: torch.Tensor) -> No
             f"{who}: the state of parameter {key} is a {type(entry).__name__}, not a dict of state values; "
             "pass a state dict written by an optimizer's state_dict()"
         )
+    step = entry.get("step")
+    if step is not None and not _is_count(step):
+        # torch's loader casts a "step" of any optimizer; anything else failed there with a message about a
+        # generator object, far from the cause.
+        raise FairscaleValueError(
+            f"{who}: state 'step' of parameter {key} is {_shown(step)}, but it must be a number or a one-element "
+            "tensor (the steps taken); the state dict was edited or written by something else. Load the state dict "
+            "saved with this model's optimizer."
+        )
     for name, value in entry.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -83,6 +93,17 @@ def check_param_state(who: str, key: Any, entry: Any, param: torch.Tensor) -> No
                 "the state dict belongs to a different model (or lists the parameters in another order). Load the "
                 "state dict saved with this model's optimizer."
             )
+
+
+def _is_count(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def laid_out_like(entry: Any, param: torch.Tensor) -> Any:

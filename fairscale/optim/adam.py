@@ -349,6 +349,9 @@ def _check_hyper_parameters(lr: float, betas: Tuple[float, float], eps: float, w
         raise ValueError(f"Invalid learning rate: {lr}; it must be >= 0")
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}; it must be >= 0")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        # Only the step read betas[1]: (0.9,) was accepted and failed there with an IndexError.
+        raise ValueError(f"Invalid betas: {betas!r}; pass two decay rates (beta1, beta2), e.g. (0.9, 0.999)")
     for i, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}; it must be in [0, 1)")

@@ -44,6 +44,21 @@ __all__ = ["AdaScale", "AdaScaleWrapper"]
 _STATE_KEY = "adascale"
 
 
+def _check_statistics(data: Any) -> None:
+    """The AdaScale statistics of a state dict, if it has any, hold one value per param group of the dict."""
+    if not isinstance(data, dict) or not isinstance(data.get("state"), dict) or _STATE_KEY not in data["state"]:
+        return  # torch's load checks the rest; a dict without statistics starts them afresh
+    stats, groups = data["state"][_STATE_KEY], data.get("param_groups")
+    n_groups = len(groups) if isinstance(groups, list) else None
+    for key in ("grad_sqr_avg", "grad_var_avg"):
+        value = stats.get(key) if isinstance(stats, dict) else None
+        if value is None or np.ndim(value) != 1 or (n_groups is not None and len(value) != n_groups):
+            raise FairscaleValueError(
+                f"AdaScale.load_state_dict: state['{_STATE_KEY}']['{key}'] must hold one value per param group "
+                f"({n_groups}), got {value!r}: the dict is not one AdaScale.state_dict() wrote for these groups"
+            )
+
+
 class AdaScale(torch.optim.Optimizer):
     """Wraps an optimizer and adapts its learning rate to the gradient noise of large-batch training.
 
@@ -87,6 +102,9 @@ class AdaScale(torch.optim.Optimizer):
         self._callback_queued = False
         if world_size is None:
             world_size = collectives.group_size(None)
+        if isinstance(world_size, bool) or not float(world_size).is_integer() or world_size < 1:
+            # 0 or a negative count was caught only by the single-worker check below, whose message misled.
+            raise FairscaleValueError(f"AdaScale: world_size must be a whole number >= 1 (or None), got {world_size!r}")
         self._world_size = int(world_size)
         self._num_backward_calls = 0
         self._last_final_backward_call = 0
@@ -453,7 +471,11 @@ class AdaScale(torch.optim.Optimizer):
         warning says so (upstream loaded it, then failed in ``gain()`` and ``step()`` with ``KeyError``).
         """
         self._check_not_in_backward("Don't load checkpoint in backward phase")
+        _check_statistics(data)  # before anything loads: a failed load leaves the optimizer as it was
         self._optimizer.load_state_dict(data)
+        # torch's load rebinds the wrapped optimizer's param_groups to a new list: share it again, or an LR scheduler
+        # built on AdaScale before the load would change a list that no step reads any more.
+        self.param_groups = self._optimizer.param_groups
         state = cast(Dict[Any, Any], self._optimizer.state)
         if _STATE_KEY not in state:
             warnings.warn(

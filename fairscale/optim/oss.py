@@ -386,7 +386,8 @@ class OSS(Optimizer):
         The ranks agree first, in two small all-gathers: a check that fails on one rank fails on every rank, and
         dicts whose parameter groups (sizes, hyper-parameters) differ between ranks raise ``RanksDisagreeError``. As upstream, the
         per-parameter entries of the parameters this rank does not own are replaced by ``{}`` in ``state_dict``
-        (pass a copy to keep it intact). A dict that does not fit raises and changes nothing.
+        (pass a copy to keep it intact) once every rank loaded it. A dict that does not fit raises and changes nothing,
+        neither the optimizer nor the dict, on any rank.
 
         The wrapped optimizer's own top-level entries (fairscale Adam's ``optim_scale``) are passed on to it. Every
         state tensor is checked against its parameter first, on every rank for every parameter (a per-element
@@ -467,6 +468,7 @@ class OSS(Optimizer):
                 f"load its part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, "
                 "load one written by the same optimizer class. Nothing was changed, on any rank."
             ) from error
+        self._empty_entries_of_other_ranks(state_dict)
 
     def _load_checked_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """:meth:`load_state_dict` once the dict passed the checks."""
@@ -489,12 +491,16 @@ class OSS(Optimizer):
                 if key != "params":  # the same parameters, in the same order (check_loadable made sure)
                     held[key] = value
         self.param_groups = held_groups
-        index_to_param = _state.global_index_map(saved_groups, self.param_groups)
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    def _empty_entries_of_other_ranks(self, state_dict: Dict[str, Any]) -> None:
+        """Upstream's side effect of a load, made once every rank loaded: the per-parameter entries of the
+        parameters other ranks own become ``{}`` in the caller's dict (a failed load leaves the dict intact)."""
+        index_to_param = _state.global_index_map(state_dict["param_groups"], self.param_groups)
         for key in list(state_dict["state"]):
             if isinstance(key, int) and self._param_to_rank[index_to_param[key]] != self.rank:
                 state_dict["state"][key] = {}
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
 
     # ------------------------------------------------------------------------------------------------
     # Structure changes

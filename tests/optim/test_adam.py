@@ -247,6 +247,8 @@ def test_errors() -> None:
         Adam(fp32, amsgrad=True)
     with pytest.raises(ValueError, match="beta"):
         Adam(fp32, betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match=r"Invalid betas: \(0.9,\); pass two decay rates"):
+        Adam(fp32, betas=(0.9,))  # accepted before, then an IndexError in step()
     with pytest.raises(ValueError, match="weight_decay"):
         Adam(fp32, weight_decay=-0.1)
     with pytest.raises(ValueError, match="empty"):

@@ -243,6 +243,42 @@ def _plain_sgd_keeps_a_momentum_buffer() -> bool:
     return bool(sgd.state_dict()["state"])
 
 
+def _failed_load_body(rank: int, world_size: int, case: str) -> str:
+    """A load that fails on one rank only (or on every rank) leaves the caller's dict intact on every rank."""
+    valid = _trained_state(torch.optim.RMSprop, rank, world_size)
+    state = copy.deepcopy(valid)
+    if case == "step_missing_on_one_parameter":
+        del state["state"][0]["step"]  # torch's RMSprop loader fails on the rank that owns parameter 0 only
+    else:
+        state["state"][3]["step"] = "x"
+    given = copy.deepcopy(state)
+    model = _model()
+    oss = OSS(model.parameters(), optim=torch.optim.RMSprop, lr=0.05)
+    _train(model, oss, rank, world_size, range(1))
+    before = _snapshot(oss)
+    try:
+        oss.load_state_dict(state)
+        message = "no error"
+    except (ValueError, RuntimeError) as e:
+        message = f"{type(e).__name__}: {e}"
+    # Before: the ranks whose own load went through had emptied the entries they do not own in the caller's dict.
+    assert _same(state, given), "a failed load changes the caller's dict"
+    assert _same(_snapshot(oss), before), "a failed load changes the optimizer"
+    return message
+
+
+@pytest.mark.parametrize("case", ["step_missing_on_one_parameter", "step_not_a_number"])
+def test_a_failed_load_leaves_the_dict_intact_on_every_rank(case: str) -> None:
+    if case == "step_missing_on_one_parameter" and _torch_loads_rmsprop_without_step():
+        pytest.skip(f"torch {torch.__version__}'s own RMSprop loader accepts a state without 'step'")
+    messages = run_distributed(_failed_load_body, 2, case, timeout=TIMEOUT)
+    assert all(m != "no error" for m in messages), messages
+    if case == "step_not_a_number":
+        # Before: "could not convert string to float: '<generator object ...>'" from inside torch, on one rank.
+        for m in messages:
+            assert "state 'step' of parameter 3 is 'x', but it must be a number or a one-element tensor" in m, m
+
+
 def _torch_loads_rmsprop_without_step() -> bool:
     p = nn.Parameter(torch.ones(1))
     p.grad = torch.ones(1)

@@ -330,3 +330,50 @@ def test_zero_grad_between_backward_passes_still_raises() -> None:
     first(torch.tensor([1.0, 1.0])).sum().backward()
     with pytest.raises(AssertionError, match="zero_grad in backward phase.*1 of the 2 backward passes"):
         optim.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_scheduler_built_before_a_load_still_sets_the_lr_that_steps_use() -> None:
+    # torch's load rebinds the wrapped optimizer's param_groups: AdaScale's shared list went stale, and a scheduler
+    # built on AdaScale before loading moved an lr that no step read (upstream did the same).
+    torch.manual_seed(0)
+    model = Linear(2, 2)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2)
+    scheduler = LambdaLR(optim, lambda epoch: 0.5**epoch)
+    saved = copy.deepcopy(optim.state_dict())
+    saved["param_groups"][0]["lr"] = 0.4
+    optim.load_state_dict(saved)
+    assert optim.param_groups is optim._optimizer.param_groups and optim.param_groups[0]["lr"] == 0.4
+    scheduler.step()
+    assert optim._optimizer.param_groups[0]["lr"] == pytest.approx(0.05)  # the scheduler's base lr times 0.5
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda stats: stats.pop("grad_var_avg"),
+        lambda stats: stats.update(grad_sqr_avg=np.ones(3)),
+        lambda stats: stats.update(grad_var_avg=None),
+    ],
+    ids=["missing", "wrong length", "none"],
+)
+def test_damaged_statistics_are_refused_before_anything_loads(damage: Any) -> None:
+    # Before: a dict without grad_var_avg loaded, then gain() raised KeyError; arrays of another length loaded silently.
+    torch.manual_seed(0)
+    model = Linear(2, 2)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1, momentum=0.9), world_size=1, num_gradients_to_accumulate=2)
+    before = copy.deepcopy(optim.state_dict())
+    saved = copy.deepcopy(before)
+    saved["param_groups"][0]["lr"] = 0.4
+    damage(saved["state"]["adascale"])
+    with pytest.raises(
+        ValueError, match=r"state\['adascale'\]\['grad_(sqr|var)_avg'\] must hold one value per param group"
+    ):
+        optim.load_state_dict(saved)
+    assert optim.param_groups[0]["lr"] == 0.1 and optim.state_dict()["param_groups"] == before["param_groups"]
+
+
+@pytest.mark.parametrize("world_size", [0, -2, 1.5])
+def test_world_size_below_one_or_fractional_is_named(world_size: Any) -> None:
+    with pytest.raises(ValueError, match=r"world_size must be a whole number >= 1"):
+        AdaScale(SGD(Linear(2, 2).parameters(), lr=0.1), world_size=world_size, num_gradients_to_accumulate=2)

@@ -96,6 +96,14 @@ class ShardedDataParallel(nn.Module):
         self._enable_broadcast_buffers = broadcast_buffers
         self._auto_refresh_trainable = auto_refresh_trainable
         self._warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        size = reduce_buffer_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not float(size).is_integer() or size < 0:
+            # A negative size was taken for "no buckets" silently (min() with the model size).
+            raise FairscaleValueError(
+                f"ShardedDataParallel: reduce_buffer_size must be a whole number >= 0 (elements per gradient bucket; "
+                f"0 disables the buckets), got {reduce_buffer_size!r}"
+            )
+        reduce_buffer_size = int(size)
         if reduce_fp16 and reduce_buffer_size > 0:
             logging.warning(
                 "fp16 gradient reduction is not compatible with reduction buffers, which are requested. "

@@ -332,9 +332,19 @@ def _fp16_with_buckets_case() -> None:
     assert any("fp16 gradient reduction is not compatible" in m for m in records.messages)
 
 
+def _bucket_size_case() -> None:
+    model = _mlp()
+    for size in (-5, 1.5, "big"):  # -5 was taken for "no buckets" silently
+        with pytest.raises(ValueError, match=r"reduce_buffer_size must be a whole number >= 0"):
+            ShardedDataParallel(model, OSS(model.parameters(), lr=0.1), reduce_buffer_size=size)
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1), reduce_buffer_size=float(2**10))
+    assert isinstance(sdp._buffer_max_size, int)
+
+
 def _world1_body(rank: int, world_size: int) -> None:
     run_cases(
         [
+            ("bucket_size", _bucket_size_case),
             ("ddp_attributes", _attributes_case),
             ("catch_grad_grad", _grad_grad_case),
             ("mixed_types", _mixed_types_case),
