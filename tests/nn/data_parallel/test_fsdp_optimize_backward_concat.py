@@ -196,7 +196,13 @@ def check_window_buffers(model: FSDP, expect_some: bool) -> None:
     seen = 0
     for m in get_fsdp_instances(model):
         for h in m._handles[: len(m._fsdp_wrapped_module.flat_params)]:
-            assert h.param.grad is None, f"{h.name}: flat_param.grad was written during the window"
+            # No flat-level gradient of its own: p.grad shows the window's sum as a view of the buffer (so that
+            # zero_grad() inside the window clears it, as with the flag off), or is None.
+            g = h.param.grad
+            buf = h.grad_accum_flat
+            assert g is None or (
+                buf is not None and g.data_ptr() == buf.data_ptr() and g.numel() == h.numel
+            ), f"{h.name}: flat_param.grad was written during the window"
             if h.grad_accum_flat is not None:
                 seen += 1
                 padded = h.shard_numel * h.world_size if h.is_sharded else h.numel  # the reduce-scatter input, as is
@@ -459,6 +465,9 @@ def _buffer_snapshot(model: FSDP) -> Dict[str, Any]:
                 "numel": h.numel,
                 "padded": h.shard_numel * h.world_size if h.is_sharded else h.numel,
                 "grad": None if h.param.grad is None else tuple(h.param.grad.shape),
+                "grad_in_buffer": buf is not None
+                and h.param.grad is not None
+                and h.param.grad.data_ptr() == buf.data_ptr(),
                 "state": h.state,
             }
     return out
@@ -473,9 +482,10 @@ def _collectives_body(rank: int, world_size: int) -> None:
             assert on[mb] == off[mb], f"no_sync microbatch {mb}: flag on {on[mb]} != flag off {off[mb]}"
             assert on[mb]["rs"] == 0
             for key, s in snaps_on[mb].items():
-                # One flat buffer per unit in the compute dtype, and no flat-level AccumulateGrad (grad stays None).
+                # One flat buffer per unit in the compute dtype, and no flat-level AccumulateGrad: p.grad shows the
+                # window's sum as a view of the buffer, shaped as the flag-off path's full-size p.grad.
                 assert s["buf"] == (s["padded"], accum_dtype), f"microbatch {mb}, {key}: buffer {s['buf']}"
-                assert s["grad"] is None, f"microbatch {mb}, {key}: flat grad {s['grad']} was written"
+                assert s["grad"] == (s["numel"],) and s["grad_in_buffer"], f"microbatch {mb}, {key}: flat grad {s}"
                 assert s["state"] == snaps_off[mb][key]["state"], f"microbatch {mb}, {key}: handle states differ"
                 assert snaps_off[mb][key]["buf"] is None and snaps_off[mb][key]["grad"] == (s["numel"],)
         # Synchronizing microbatch: exactly one reduce-scatter per unit (bucketing off), buffers released.

@@ -33,6 +33,18 @@ from .state import _LEGAL, HandleState, check_handle_transition
 # these run several times per unit and step.
 
 
+def set_grad_of_other_shape(param: Tensor, grad: Tensor) -> None:
+    """``param.grad = grad`` while ``param.data`` is the shard: torch checks the shape against ``param.data``, so
+    the data is pointed at ``grad`` for the assignment (metadata only), as the default path leaves a full-size
+    gradient on a sharded parameter after a ``no_sync()`` backward."""
+    data = param.data
+    param.data = grad
+    try:
+        param.grad = grad
+    finally:
+        param.data = data
+
+
 def free_storage_(data: Tensor) -> None:
     """Release a tensor's storage without changing its metadata (views stay valid objects)."""
     storage = data.untyped_storage()
@@ -123,6 +135,10 @@ class FlatHandle:
         self.grad_accum_flat: Optional[Tensor] = None
         self.grad_accum_views: List[Tensor] = []
         self.grad_window = 0
+        # The gradient a no_sync() backward left in p.grad (the full-size accumulation, or the window buffer's view
+        # with optimize_backward_concat), held weakly, with its version: zero_grad() inside an accumulation window
+        # shows as a change of it at the next backward (see drop_window_if_cleared).
+        self._window_grad: Optional[Tuple["weakref.ref[Tensor]", int]] = None
         # The reduced shard last handed to p.grad, held weakly: after optimizer.zero_grad() it must be freed.
         self._assigned_grad: Optional["weakref.ref[Tensor]"] = None
         # Versions of (param, fp32 shard) when the full buffer was last gathered from the shard: a later in-place
@@ -165,6 +181,13 @@ class FlatHandle:
         self.finish_gather()
         state = dict(self.__dict__)
         state["_assigned_grad"] = None  # a weak reference cannot be pickled; it is only a hint
+        state["_window_grad"] = None  # likewise
+        # A copy carries no gradient, as torch's copy of a parameter carries no .grad: neither the reduced shard of
+        # earlier windows nor an accumulation window's sum (before, the optimize_backward_concat buffer went along and
+        # the default path's did not, so a copy made inside a window had other gradients with the flag on and off).
+        state["saved_grad_shard"] = None
+        state["grad_accum_flat"] = None
+        state["grad_accum_views"] = []
         state["_full_view"] = state["_full_view_of"] = None  # a cache, remade from full_padded
         # Copies and pickles of a parameter drop its hooks (torch keeps them on the original only): the copy's
         # next backward registers its own, or it would reduce every gradient late and keep full parameters.
@@ -399,6 +422,7 @@ class FlatHandle:
         Raises:
             RuntimeError: ``p.grad`` has neither the full shape nor the shard shape (assigned by hand).
         """
+        self.drop_window_if_cleared()
         p, g = self.param, self.param.grad
         self.grad_before_backward = (self.saved_grad_shard, None)
         self.keep_intact = self.saved_grad_shard
@@ -423,6 +447,51 @@ class FlatHandle:
                 f"{self.name}: found a gradient of shape {tuple(g.shape)} that is neither the full shape "
                 f"{tuple(self.orig_size)} nor the shard shape; was p.grad assigned by hand?"
             )
+
+    def leave_window_grad(self) -> None:
+        """A ``no_sync()`` backward ended: show its accumulated gradient in ``p.grad`` and remember it.
+
+        The default path's full-size ``p.grad`` is that gradient already. With ``optimize_backward_concat`` the sum
+        lives in the window buffer, which is given to ``p.grad`` as a view, so that the user sees (and clears) the
+        same gradient with the flag on and off.
+        """
+        p = self.param
+        if self.grad_accum_flat is not None:
+            view = self.grad_accum_flat[: self.numel].view(self.orig_size)
+            if p.grad is not view:
+                set_grad_of_other_shape(p, view)
+        g = p.grad
+        if g is not None and self.is_sharded and not self.is_assigned_grad(g) and g.shape == self.orig_size:
+            self._window_grad = (weakref.ref(g), g._version)
+
+    def drop_window_if_cleared(self) -> None:
+        """Forget what FSDP keeps of this step's gradient if the user cleared ``p.grad`` since the last ``no_sync()``
+        backward (``zero_grad()`` inside an accumulation window, e.g. to drop a microbatch).
+
+        Besides the window's sum (in ``p.grad`` or the window buffer), FSDP keeps the reduced shard of earlier
+        windows of the step aside while a window runs; both went on being summed after the user's ``zero_grad()``.
+        Cleared means ``p.grad`` is ``None``, or is the gradient FSDP left there, changed in place and now all zero
+        (``zero_grad(set_to_none=False)``; the check reads the gradient only when its version changed).
+        """
+        left, self._window_grad = self._window_grad, None
+        if left is None:
+            return
+        ref, version = left
+        g = self.param.grad
+        if g is None:
+            cleared = True
+        elif g is ref() and g._version != version:
+            cleared = not bool(g.any())
+        else:
+            return  # unchanged, or replaced by hand (the default path then accumulates into the replacement)
+        if not cleared:
+            return
+        self.saved_grad_shard = None
+        if self.grad_accum_flat is not None:
+            if g is not None:
+                self.param.grad = None  # a view of the buffer dropped here
+            self.grad_accum_flat = None
+            self.grad_accum_views = []
 
     def accumulate_reduced(self, shard_grad: Tensor) -> None:
         """Add one reduced gradient shard (shaped like the fp32 shard) to what this step reduced so far."""
@@ -489,4 +558,9 @@ class FlatHandle:
         self.grad_accum_flat = None
         self.grad_accum_views = []
         self.grad_window += 1
+        # p.grad showed the buffer (leave_window_grad), or, in a model copied inside the window, a copy of it: the
+        # buffer is the sum, and a full-size p.grad left beside it would be reduced a second time.
+        g = self.param.grad
+        if g is not None and not self.is_assigned_grad(g) and g.shape == self.orig_size:
+            self.param.grad = None
         return buf

@@ -175,6 +175,8 @@ def reduce_leftover_grads(unit: FSDPUnit) -> None:
 
 def _reduce_leftover_grads(unit: FSDPUnit) -> None:
     for h in unit.iter_materialized():
+        # A unit without a gradient in the synchronizing microbatch was not parked: its window may have been cleared.
+        h.drop_window_if_cleared()
         if h.grad_accum_flat is not None:
             reduce_accumulated(unit, h)
         g = h.param.grad

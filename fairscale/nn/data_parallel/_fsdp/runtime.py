@@ -443,4 +443,6 @@ def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool) -> None:
         h.use_shard()
         if syncing:
             h.hand_reduced_grad_to_param(to_cpu)
+        else:
+            h.leave_window_grad()
     unit.transition(TrainingState.IDLE)

@@ -1,0 +1,107 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Clearing or copying gradients inside a ``no_sync()`` accumulation window, with ``optimize_backward_concat`` on
+and off.
+
+``zero_grad()`` between two microbatches of a window (to drop a microbatch whose loss was not finite, say) must clear
+everything FSDP accumulated for the step: the window's sum and the reduced shard of earlier windows that FSDP keeps
+aside while a window runs. Before, the flag-on path kept its window buffer (twice the gradient) and both paths kept
+the earlier windows' shard (three and four times). A copy of the model made inside a window carries no gradient, as
+torch's copy of a parameter carries no ``.grad`` (before: with the flag on it carried the window's sum, with it off
+not). Every case is compared with the same model trained on the microbatches that should count only: bitwise equal,
+on the same machine.
+"""
+
+import copy
+import functools
+from typing import Callable, List
+
+import pytest
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+WORLD, TIMEOUT = 2, 120.0
+
+
+def _build(flag: bool) -> FSDP:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+    net[2] = FSDP(net[2], optimize_backward_concat=flag)
+    return FSDP(net, optimize_backward_concat=flag)
+
+
+def _backward(model: FSDP, mb: int, rank: int, sync: bool) -> None:
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(10 * mb + rank))
+    if sync:
+        model(x).pow(2).sum().backward()
+    else:
+        with model.no_sync():
+            model(x).pow(2).sum().backward()
+
+
+def _grads(model: FSDP) -> List[Tensor]:
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _only(rank: int, flag: bool, microbatches: List[int]) -> List[Tensor]:
+    """The gradients of a fresh model that ran just ``microbatches`` (the last one synchronizing)."""
+    model = _build(flag)
+    for i, mb in enumerate(microbatches):
+        _backward(model, mb, rank, sync=i == len(microbatches) - 1)
+    return _grads(model)
+
+
+def _clear(model: FSDP, how: str) -> None:
+    if how == "optimizer, set_to_none":
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)
+    elif how == "optimizer, in place":
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    else:
+        model.zero_grad()
+
+
+def _zero_grad_in_window(rank: int, flag: bool, how: str, earlier_window: bool) -> None:
+    model = _build(flag)
+    if earlier_window:  # a whole window without zero_grad after it: its reduced shard is kept aside in the next
+        _backward(model, 0, rank, sync=False)
+        _backward(model, 1, rank, sync=True)
+    _backward(model, 2, rank, sync=False)
+    _clear(model, how)
+    _backward(model, 3, rank, sync=False)
+    _backward(model, 4, rank, sync=True)
+    for got, want in zip(_grads(model), _only(rank, flag, [3, 4])):
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
+def _copy_in_window(rank: int, flag: bool) -> None:
+    model = _build(flag)
+    _backward(model, 0, rank, sync=True)
+    _backward(model, 1, rank, sync=False)
+    clone = copy.deepcopy(model)
+    _backward(clone, 2, rank, sync=True)
+    for got, want in zip(_grads(clone), _only(rank, flag, [2])):
+        assert torch.equal(got, want), (got - want).abs().max()
+    _backward(model, 2, rank, sync=True)  # the original keeps everything it accumulated
+    reference = _build(flag)
+    for mb, sync in ((0, True), (1, False), (2, True)):
+        _backward(reference, mb, rank, sync)
+    for got, want in zip(_grads(model), _grads(reference)):
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
+def _body(rank: int, world_size: int, flag: bool) -> None:
+    cases: List[tuple] = []
+    for how in ("optimizer, set_to_none", "optimizer, in place", "module"):
+        for earlier in (False, True):
+            body: Callable[[], None] = functools.partial(_zero_grad_in_window, rank, flag, how, earlier)
+            cases.append((f"zero_grad ({how}) in a window{' after a whole window' if earlier else ''}", body))
+    cases.append(("deepcopy in a window", functools.partial(_copy_in_window, rank, flag)))
+    run_cases(cases)
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["default", "optimize_backward_concat"])
+def test_zero_grad_and_copies_inside_an_accumulation_window(flag: bool) -> None:
+    run_distributed(_body, WORLD, flag, timeout=TIMEOUT)
