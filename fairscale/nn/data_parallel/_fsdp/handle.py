@@ -134,6 +134,8 @@ class FlatHandle:
         # optimize_backward_concat: unsharded gradient sum of the current accumulation window, and the window's id.
         self.grad_accum_flat: Optional[Tensor] = None
         self.grad_accum_views: List[Tensor] = []
+        # The buffer's unpadded part shaped as the full parameter: what p.grad shows between microbatches.
+        self.grad_accum_grad: Optional[Tensor] = None
         self.grad_window = 0
         # The gradient a no_sync() backward left in p.grad (the full-size accumulation, or the window buffer's view
         # with optimize_backward_concat), held weakly, with its version: zero_grad() inside an accumulation window
@@ -188,6 +190,7 @@ class FlatHandle:
         state["saved_grad_shard"] = None
         state["grad_accum_flat"] = None
         state["grad_accum_views"] = []
+        state["grad_accum_grad"] = None
         state["_full_view"] = state["_full_view_of"] = None  # a cache, remade from full_padded
         # Copies and pickles of a parameter drop its hooks (torch keeps them on the original only): the copy's
         # next backward registers its own, or it would reduce every gradient late and keep full parameters.
@@ -457,7 +460,9 @@ class FlatHandle:
         """
         p = self.param
         if self.grad_accum_flat is not None:
-            view = self.grad_accum_flat[: self.numel].view(self.orig_size)
+            view = self.grad_accum_grad
+            if view is None:  # once per window
+                view = self.grad_accum_grad = self.grad_accum_flat[: self.numel].view(self.orig_size)
             if p.grad is not view:
                 set_grad_of_other_shape(p, view)
         g = p.grad
@@ -492,6 +497,7 @@ class FlatHandle:
                 self.param.grad = None  # a view of the buffer dropped here
             self.grad_accum_flat = None
             self.grad_accum_views = []
+            self.grad_accum_grad = None
 
     def accumulate_reduced(self, shard_grad: Tensor) -> None:
         """Add one reduced gradient shard (shaped like the fp32 shard) to what this step reduced so far."""
@@ -548,6 +554,7 @@ class FlatHandle:
         buf = torch.empty(self.padded_numel if self.is_sharded else self.numel, dtype=dtype, device=device)
         buf[self.numel :].zero_()
         self.grad_accum_flat = buf
+        self.grad_accum_grad = None
         self.grad_accum_views = list(make_views(buf[: self.numel]))
         return self.grad_accum_views
 
@@ -557,6 +564,7 @@ class FlatHandle:
         assert buf is not None
         self.grad_accum_flat = None
         self.grad_accum_views = []
+        self.grad_accum_grad = None
         self.grad_window += 1
         # p.grad showed the buffer (leave_window_grad), or, in a model copied inside the window, a copy of it: the
         # buffer is the sum, and a full-size p.grad left beside it would be reduced a second time.
