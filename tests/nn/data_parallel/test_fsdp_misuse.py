@@ -333,6 +333,10 @@ def _case_rebinds_inside_summon_are_written_back() -> None:
 def _case_constructor_arguments() -> None:
     for kwargs, error, needle in (
         ({"process_group": "gloo"}, TypeError, "process_group must be a torch.distributed ProcessGroup"),
+        # Accepted before, then the first forward blamed an unpickled model or the ranks' membership.
+        ({"zero2_process_group": "x"}, TypeError, "zero2_process_group must be a torch.distributed ProcessGroup"),
+        ({"zero2_process_group": [0, 1]}, TypeError, r"zero2_process_group .* got list: \[0, 1\]"),
+        ({"replicate_process_group": 3}, TypeError, r"replicate_process_group .*hybrid_groups.* got int: 3"),
         ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a number"),
         ({"gradient_predivide_factor": 0.0}, ValueError, "gradient_predivide_factor must be a positive"),
         ({"buffer_dtype": torch.int64}, ValueError, "buffer_dtype must be a floating-point"),

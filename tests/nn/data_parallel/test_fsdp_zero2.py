@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import count_collectives
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import get_fsdp_instances, zero2_groups
@@ -419,9 +420,9 @@ def _zero2_on_some_ranks_only(rank: int, world_size: int) -> None:
     half_a, half_b = dist.new_group([0, 1]), dist.new_group([2, 3])
     # Ranks 0 and 1 pass their node's group, ranks 2 and 3 forgot it: without a check on every rank, the first two
     # would validate and gather over {0, 1} while the others gather over the world, and nothing would ever match.
-    msg = _expect_value_error(lambda: _nested(half_a if rank < 2 else None), "differs across ranks")
-    assert "rank 0: 2 instances, zero2_process_group on ['blocks.0']" in msg, msg
-    assert "rank 3: 2 instances, zero2_process_group on none" in msg, msg
+    msg = _expect_value_error(lambda: _nested(half_a if rank < 2 else None), "differs between ranks")
+    assert "rank 0: zero2_process_group on ['blocks.0']" in msg, msg
+    assert "rank 3: zero2_process_group on none" in msg, msg
     del half_b
 
 
@@ -438,7 +439,13 @@ def _different_wrapping(rank: int, world_size: int) -> None:
             net.blocks[0] = FSDP(net.blocks[0])
         return FSDP(net)
 
-    _expect_value_error(make, "differs across ranks", "rank 0: 2 instances", "rank 1: 1 instances")
+    with pytest.raises(RanksDisagreeError) as info:  # the agreement error every other check raises
+        mb_loss(make()(torch.randn(2, DIM_IN))).backward()
+    msg = str(info.value)
+    assert "the FSDP instances (the modules wrapped, and their nesting) differ between ranks" in msg, msg
+    # The groups are not blamed: none was passed.
+    assert "rank 0: 2 instances ['<root>', 'blocks.0']" in msg and "rank 1: 1 instances ['<root>']" in msg, msg
+    assert "zero2" not in msg, msg
 
 
 def test_different_wrapping_across_ranks() -> None:

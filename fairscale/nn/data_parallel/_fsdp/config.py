@@ -126,6 +126,17 @@ def make_config(
             f"dist.new_group(ranks)) or None for the default group, got {type(process_group).__name__}: "
             f"{process_group!r}"
         )
+    for name, value, maker in (
+        ("zero2_process_group", zero2_process_group, "zero2_groups(ranks_per_group)"),
+        ("replicate_process_group", replicate_process_group, "hybrid_groups(shard_size)"),
+    ):
+        if value is not None and not _is_group_like(value):
+            # Before: accepted here, then the first forward blamed an unpickled model (a string) or rank membership
+            # (an int, a list of ranks).
+            raise TypeError(
+                f"FullyShardedDataParallel: {name} must be a torch.distributed ProcessGroup (e.g. from "
+                f"fairscale.nn.data_parallel.{maker}) or None, got {type(value).__name__}: {value!r}"
+            )
     validate_numbers(bucket_cap_mb, gradient_predivide_factor, buffer_dtype)
     group = process_group if process_group is not None else get_process_group_cached()
     check_group_membership(group, process_group_reduce_scatter)

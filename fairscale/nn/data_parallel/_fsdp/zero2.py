@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.parallel import default_group_timeout, new_group_with_timeout
 
 
@@ -51,7 +52,7 @@ def check_same_setting(
     ``named_groups`` lists ``(path, zero2_process_group, replicate_process_group)`` of every FSDP instance of the
     tree. Every rank must have the same FSDP instances with the same zero2 and replicate settings: otherwise the
     ranks with such a group would run the next checks and then gather or reduce over it while the others use
-    ``process_group``, and the collectives would never match. Raises the same ``ValueError`` on every rank when
+    ``process_group``, and the collectives would never match. Raises the same ``RanksDisagreeError`` on every rank when
     they differ.
 
     ``token`` and ``extra`` ride along in the same gather (no extra collective): the first rank's token is returned,
@@ -68,20 +69,34 @@ def check_same_setting(
     ranks = collectives.group_ranks(process_group)
     if all(view == views[0] for view in views):
         return gathered[0][1], [e for _, _, e, _ in gathered], [lay for _, _, _, lay in gathered]
+    paths = [[path for path, _, _ in view] for view in views]
+    if any(p != paths[0] for p in paths):
+        # Another nesting on some rank: the groups are beside the point, and the user may have passed none.
+        lines = [f"rank {rank}: {len(p)} instances {_shown(p)}" for rank, p in zip(ranks, paths)]
+        raise RanksDisagreeError(
+            "the FSDP instances (the modules wrapped, and their nesting) differ between ranks: "
+            + "; ".join(lines)
+            + ". Wrap the same modules on every rank (the same auto_wrap policy and module tree)."
+        )
     lines = []
     for rank, view in zip(ranks, views):
         with_zero2 = [path for path, has_group, _ in view if has_group]
         with_replicate = [path for path, _, has_group in view if has_group]
         lines.append(
-            f"rank {rank}: {len(view)} instances, zero2_process_group on {with_zero2 or 'none'}, "
+            f"rank {rank}: zero2_process_group on {with_zero2 or 'none'}, "
             f"replicate_process_group on {with_replicate or 'none'}"
         )
-    raise ValueError(
-        "zero2_process_group or replicate_process_group differs across ranks (or the FSDP instances do): "
+    raise RanksDisagreeError(
+        "zero2_process_group or replicate_process_group differs between ranks: "
         + "; ".join(lines)
         + ". Pass such a group on every rank (each rank its own, e.g. from zero2_groups() or hybrid_groups()) or on "
-        "none, and wrap the same modules on every rank."
+        "none."
     )
+
+
+def _shown(paths: List[str]) -> str:
+    text = repr(paths)
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def check_partition(process_group: Any, zero2_group: Any, problem: Optional[str]) -> None:
