@@ -171,6 +171,12 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         backward_prefetch: bool = True,
         replicate_process_group: Optional[Any] = None,
     ):
+        if not isinstance(module, nn.Module):
+            # Before: an AttributeError about .modules() from inside the parameter collection.
+            raise TypeError(
+                f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}: {module!r}; wrap a "
+                "function in a module first"
+            )
         super().__init__()
         params, foreign_params, tie_problems = construction.collect_params_to_own(module, FullyShardedDataParallel)
         config = make_config(
@@ -359,9 +365,12 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
         Raises:
             ValueError: ``max_norm`` is negative or NaN, or ``norm_type`` is not a positive number or inf.
+            TypeError: ``max_norm`` or ``norm_type`` is a ``bool``.
             RuntimeError: called after a backward inside :meth:`no_sync` whose gradients are not reduced yet (call
                 it after the accumulation window's last backward), or on a nested instance.
         """
+        if isinstance(max_norm, bool) or isinstance(norm_type, bool):  # True was taken for 1.0
+            raise TypeError(f"clip_grad_norm_: max_norm and norm_type must be numbers, got {max_norm!r}, {norm_type!r}")
         runtime.lazy_init(self._fsdp_unit)
         grads = [p.grad for p in self.params_with_grad if p.grad is not None]
         return grad_norm.clip_grad_norm_(self._fsdp_unit, grads, float(max_norm), float(norm_type))

@@ -126,6 +126,8 @@ def _case_clip_arguments() -> None:
     ):
         with pytest.raises(ValueError, match=needle):
             model.clip_grad_norm_(max_norm, norm_type)
+    with pytest.raises(TypeError, match="max_norm and norm_type must be numbers, got True"):
+        model.clip_grad_norm_(True)  # type: ignore[arg-type]  # taken for 1.0 before
     after = _full_grads(model)
     assert all(torch.equal(before[n], after[n]) for n in before), "a refused clip changed the gradients"
 
@@ -344,6 +346,8 @@ def _case_constructor_arguments() -> None:
     ):
         with pytest.raises(error, match=needle):
             FSDP(_Net(), **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="FullyShardedDataParallel wraps an nn.Module, got function"):
+        FSDP(lambda x: x)  # type: ignore[arg-type]  # an AttributeError about .modules() before
     with torch.device("meta"):
         on_meta = _Net()
     with pytest.raises(ValueError, match="parameters on the meta device"):
