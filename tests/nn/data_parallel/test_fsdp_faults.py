@@ -191,18 +191,11 @@ def _timed_out_after(fn: Any) -> float:
 
 
 def _timeout_body(directory: str, rank: int) -> List[float]:
-    from fairscale.fair_dev.testing.engine import use_loopback_for_gloo
+    from fairscale.fair_dev.testing.engine import init_gloo_world
     from fairscale.internal import collectives
     from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
 
-    use_loopback_for_gloo()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'store')}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S),
-    )
+    init_gloo_world(directory, rank, WORLD, timeout_s=SHORT_TIMEOUT_S)
     # Both ranks create FSDP's groups (new_group is collective), then rank 1 stays alive without joining.
     model = FSDP(nn.Linear(3, 3), compute_device=torch.device("cpu"))
     user_group = get_process_group_cached(
