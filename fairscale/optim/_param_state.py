@@ -21,6 +21,7 @@ write out of bounds or misaligned. :func:`laid_out_like` gives such tensors the 
 loaded (a copy only when the layout differs).
 """
 
+import numbers
 from typing import Any, Mapping
 
 import torch
@@ -98,7 +99,8 @@ def check_param_state(who: str, key: Any, entry: Any, param: torch.Tensor) -> No
 def _is_count(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # numbers.Real: numpy scalars too (torch's loaders take them).
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _shown(value: Any) -> str:

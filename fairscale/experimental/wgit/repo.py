@@ -288,7 +288,9 @@ class Repo:
                 tracked = json.load(f).get(REL_PATH_KEY)
         except (ValueError, AttributeError):  # not a metadata file wgit wrote: add writes a proper one over it
             return
-        if isinstance(tracked, str) and Path(tracked).resolve() != file_path.resolve():
+        # The path is recorded as given, relative to the directory wgit ran from then: only a recorded file that is
+        # found, and is another file, is another checkpoint (re-adding one from another directory stays allowed).
+        if isinstance(tracked, str) and Path(tracked).is_file() and Path(tracked).resolve() != file_path.resolve():
             raise FairscaleValueError(
                 f"wgit add: {file_path} would be tracked in {metadata_file}, which already tracks {tracked}; two "
                 "checkpoints whose paths end alike cannot both be tracked from this directory: run wgit from the "

@@ -65,13 +65,19 @@ def decide_through_store(tag: str, text: str, judge: Callable[[List[str]], str],
     """
     if not _dist_ready() or dist.get_world_size() == 1:
         return None
+    if dist.get_backend() == "fake":
+        # torch's single-process stand-in for a world (tracing, tests): no other rank will ever write its text.
+        return None
     store = _default_store()
     if store is None:  # pragma: no cover - see _default_store
         return None
     generation = next(_generations.setdefault(tag, itertools.count()))
     prefix = f"fairscale/decide/{tag}/{generation}"
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    store.set(f"{prefix}/{rank}", text)
+    try:
+        store.set(f"{prefix}/{rank}", text)
+    except RuntimeError:  # a store that cannot be written (torch's FakeStore): nothing can be decided through it
+        return None
     if rank == 0:
         texts = [_read(store, f"{prefix}/{r}", what, f"global rank {r}'s call") for r in range(world_size)]
         try:

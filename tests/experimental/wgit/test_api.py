@@ -141,3 +141,18 @@ def test_cli_reports_checkout_and_a_damaged_store_in_one_line(repo_dir: Path, ca
         cli.main(["status"])
     err = capsys.readouterr().err
     assert err.startswith(f"fatal: {store_metadata} is not valid JSON") and "Restore the file from a backup" in err
+
+
+def test_the_same_checkpoint_added_again_from_another_directory(
+    repo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The metadata keeps the path as given: from another directory it does not name a file there, so it is not taken
+    # for another checkpoint.
+    (repo_dir / "run").mkdir()
+    (repo_dir / "other").mkdir()
+    torch.save({"w": torch.zeros(2)}, repo_dir / "run" / "ck.pt")
+    repo = Repo(repo_dir, init=True)
+    monkeypatch.chdir(repo_dir / "run")
+    repo.add("ck.pt")
+    monkeypatch.chdir(repo_dir / "other")
+    repo.add("../run/ck.pt")

@@ -11,7 +11,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed, run_ranks
 from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.nn.model_parallel import initialize as mpu
@@ -187,3 +187,22 @@ def test_adjacency(monkeypatch: Any) -> None:
 def test_eight_rank_example() -> None:
     """The docstring's example, ws=8, mp=2, pp=2, from the grid formula."""
     assert _expected_groups(8, 2, 2, 5) == {"mp": [4, 5], "pp": [5, 7], "dp": [1, 5]}
+
+
+def _fake_world_body(rank: int) -> int:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # torch's single-process stand-in for a world of 4 (tracing, tests): no other rank exists to compare with.
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mpu.initialize_model_parallel(2)
+        return mpu.get_model_parallel_world_size()
+    finally:
+        mpu.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def test_the_fake_backend_skips_the_comparison() -> None:
+    # The store comparison raised from torch's FakeStore ("Not implemented"); a store of one process would wait.
+    pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    assert run_ranks(_fake_world_body, 1) == [2]

@@ -464,10 +464,23 @@ class FlatHandle:
             if view is None:  # once per window
                 view = self.grad_accum_grad = self.grad_accum_flat[: self.numel].view(self.orig_size)
             if p.grad is not view:
+                self._absorb_full_grad(self.grad_accum_flat)
                 set_grad_of_other_shape(p, view)
         g = p.grad
-        if g is not None and self.is_sharded and not self.is_assigned_grad(g) and g.shape == self.orig_size:
+        if g is not None and not self.is_assigned_grad(g) and g.shape == self.orig_size:
             self._window_grad = (weakref.ref(g), g._version)
+
+    def _absorb_full_grad(self, buf: Tensor) -> None:
+        """Add a full-size ``p.grad`` that is not the buffer's view into the window buffer, and take it out of p.grad.
+
+        ``backward(inputs=...)`` answers the flat parameter as the default path does (a full-size ``p.grad``, no
+        buffer); a window with the flag holds its sum in one place, the buffer.
+        """
+        g = self.param.grad
+        if g is None or g is self.grad_accum_grad or self.is_assigned_grad(g) or g.shape != self.orig_size:
+            return
+        buf[: self.numel].add_(g.reshape(-1))
+        self.param.grad = None
 
     def drop_window_if_cleared(self) -> None:
         """Forget what FSDP keeps of this step's gradient if the user cleared ``p.grad`` since the last ``no_sync()``
@@ -476,9 +489,11 @@ class FlatHandle:
         Besides the window's sum (in ``p.grad`` or the window buffer), FSDP keeps the reduced shard of earlier
         windows of the step aside while a window runs; both went on being summed after the user's ``zero_grad()``.
         Cleared means ``p.grad`` is ``None``, or is the gradient FSDP left there, changed in place and now all zero
-        (``zero_grad(set_to_none=False)``; the check reads the gradient only when its version changed).
+        (``zero_grad(set_to_none=False)``; the check reads the gradient only when its version changed). What FSDP
+        left stays remembered until a backward completes (:meth:`leave_window_grad`, :meth:`close_window`): after a
+        backward that raised, a ``zero_grad()`` is seen at the next one.
         """
-        left, self._window_grad = self._window_grad, None
+        left = self._window_grad
         if left is None:
             return
         ref, version = left
@@ -487,10 +502,13 @@ class FlatHandle:
             cleared = True
         elif g is ref() and g._version != version:
             cleared = not bool(g.any())
+            if not cleared:  # changed by a backward that raised, or scaled by hand: read it once only
+                self._window_grad = (ref, g._version)
         else:
             return  # unchanged, or replaced by hand (the default path then accumulates into the replacement)
         if not cleared:
             return
+        self._window_grad = None
         self.saved_grad_shard = None
         if self.grad_accum_flat is not None:
             if g is not None:
@@ -498,6 +516,13 @@ class FlatHandle:
             self.grad_accum_flat = None
             self.grad_accum_views = []
             self.grad_accum_grad = None
+
+    def close_window(self) -> None:
+        """The window's gradient goes to its reduction (or was reduced): nothing of it is left for the user to clear.
+
+        After a synchronizing backward that raised once a unit's reduction had started, a ``zero_grad()`` is
+        therefore not seen for that unit (its window's sum was lost with the failed reduction anyway)."""
+        self._window_grad = None
 
     def accumulate_reduced(self, shard_grad: Tensor) -> None:
         """Add one reduced gradient shard (shaped like the fp32 shard) to what this step reduced so far."""
@@ -562,13 +587,15 @@ class FlatHandle:
         """Hand the window's buffer to the reduction and open a new window."""
         buf = self.grad_accum_flat
         assert buf is not None
+        view = self.grad_accum_grad
         self.grad_accum_flat = None
         self.grad_accum_views = []
         self.grad_accum_grad = None
         self.grad_window += 1
-        # p.grad showed the buffer (leave_window_grad), or, in a model copied inside the window, a copy of it: the
-        # buffer is the sum, and a full-size p.grad left beside it would be reduced a second time.
-        g = self.param.grad
-        if g is not None and not self.is_assigned_grad(g) and g.shape == self.orig_size:
+        # p.grad showed the buffer (leave_window_grad): the buffer is the sum. Another full-size p.grad (from a
+        # backward(inputs=...)) joins it rather than being reduced on its own.
+        if self.param.grad is view:
             self.param.grad = None
+        self._absorb_full_grad(buf)
+        self.close_window()  # FSDP itself took the window's gradient: a None p.grad is not the user's zero_grad()
         return buf

@@ -72,6 +72,7 @@ def _on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
     if sync:  # else (no_sync) the full-size gradient stays in p.grad and accumulates
         grad = param.grad
         param.grad = None
+        h.close_window()  # FSDP itself took the window's gradient out of p.grad: not the user's zero_grad()
         start_reduction(unit, h, grad)
 
 
@@ -175,12 +176,15 @@ def reduce_leftover_grads(unit: FSDPUnit) -> None:
 
 def _reduce_leftover_grads(unit: FSDPUnit) -> None:
     for h in unit.iter_materialized():
-        # A unit without a gradient in the synchronizing microbatch was not parked: its window may have been cleared.
-        h.drop_window_if_cleared()
+        if h.grad_before_backward is None:
+            # Not parked by this backward (no gradient in the synchronizing microbatch): its window may have been
+            # cleared since the last one.
+            h.drop_window_if_cleared()
         if h.grad_accum_flat is not None:
             reduce_accumulated(unit, h)
         g = h.param.grad
         if g is not None and not h.is_assigned_grad(g) and g.shape == h.orig_size:
             h.param.grad = None
+            h.close_window()
             h.use_shard()
             start_reduction(unit, h, g)

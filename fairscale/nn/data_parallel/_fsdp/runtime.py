@@ -442,6 +442,7 @@ def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool) -> None:
         h.drop_zero2_slice()
         h.use_shard()
         if syncing:
+            h.close_window()
             h.hand_reduced_grad_to_param(to_cpu)
         else:
             h.leave_window_grad()
