@@ -22,6 +22,7 @@ A file that cannot be used (empty, truncated, not a checkpoint, holding other ob
 
 import argparse
 import glob
+import math
 import os
 import pickle
 import re
@@ -217,7 +218,10 @@ def _is_param_info(info: Any) -> bool:
     if not len(info["names"]) == len(shapes) == len(numels):
         return False
     shapes_ok = all(isinstance(s, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes)
-    return shapes_ok and all(isinstance(n, int) and n >= 0 for n in numels)
+    if not (shapes_ok and all(isinstance(n, int) and n >= 0 for n in numels)):
+        return False
+    # Each shape holds its numel (a shape of 10^12 elements for 21 values failed deep in a reshape); names unique.
+    return all(math.prod(s) == n for s, n in zip(shapes, numels)) and len(set(info["names"])) == len(info["names"])
 
 
 def load_rank_checkpoints(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -277,10 +281,27 @@ def save_resharded(
     out_dir: str,
     prefix: str = "checkpoint",
 ) -> List[str]:
-    """:func:`reshard_checkpoint` and save rank ``r``'s dict as ``out_dir/<prefix>-rank-<r>.pt``; returns the paths."""
+    """:func:`reshard_checkpoint` and save rank ``r``'s dict as ``out_dir/<prefix>-rank-<r>.pt``; returns the paths.
+
+    Everything is computed before the first file is written, into a directory that holds no per-rank files of
+    ``prefix`` yet (new files beside old ones of another world size would be consolidated together).
+
+    Raises:
+        ValueError: ``prefix`` is not a plain file name part, or ``out_dir`` already holds ``<prefix>-rank-*.pt``.
+    """
+    if not prefix or os.sep in prefix or (os.altsep and os.altsep in prefix) or prefix in (".", ".."):
+        raise ValueError(f"the prefix must be a plain file name part (no directory), got {prefix!r}; use --out-dir")
+    existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(prefix)}-rank-*.pt")))
+    if existing:
+        raise ValueError(
+            f"{out_dir} already holds per-rank files of prefix {prefix!r} ({', '.join(map(os.path.basename, existing))}"
+            "); write the new checkpoint to an empty directory (or remove those files): new files beside old ones "
+            "would be consolidated together"
+        )
+    dicts = reshard_checkpoint(full_state_dict, metadata, world_size)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for rank, ckpt in enumerate(reshard_checkpoint(full_state_dict, metadata, world_size)):
+    for rank, ckpt in enumerate(dicts):
         path = os.path.join(out_dir, f"{prefix}-rank-{rank}.pt")
         torch.save(ckpt, path)
         paths.append(path)
@@ -347,8 +368,20 @@ def _error(path: str, problem: str) -> None:
     print(f"error: {path}: {' '.join(str(problem).split())}", file=sys.stderr)
 
 
+def _check_output(output: str, inputs: Sequence[str]) -> None:
+    """Before anything is read: the output must not replace an input file, and its directory must exist."""
+    if os.path.realpath(output) in {os.path.realpath(p) for p in inputs}:
+        raise CheckpointFileError(
+            output, "is one of the per-rank files being consolidated; write the full state " "dict to another file"
+        )
+    parent = os.path.dirname(output) or "."
+    if not os.path.isdir(parent):
+        raise CheckpointFileError(output, f"its directory {parent} does not exist; create it first")
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "consolidate":
+        _check_output(args.output, find_rank_files(args.directory, args.pattern))
         full = consolidate_checkpoint_dir(
             args.directory, args.pattern, with_module_buffers=not args.no_buffers, strict=not args.non_strict
         )

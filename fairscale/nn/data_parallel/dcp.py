@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_outcome_agrees
+from fairscale.internal.agreement import check_gathered_agree, check_outcome_agrees
 
 from ._fsdp import dcp_load, dcp_state, dcp_views
 from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
@@ -331,10 +331,24 @@ def set_state_dict(
 # ---------------------------------------------------------------------------------------------------- directories
 
 
-def _any_rank(unit: FSDPUnit, flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank of the default group (checkpoint directories are the world's)."""
+def _same_directory_on_every_rank(unit: FSDPUnit, checkpoint_id: Any, flag: bool, what: str) -> bool:
+    """Whether ``flag`` holds on any rank of the default group (checkpoint directories are the world's), in the one
+    gather that also compares the ranks' ``checkpoint_id``.
+
+    Ranks given other directories saved a checkpoint that cannot load (each rank's shards in its own directory,
+    ``.metadata`` in rank 0's only), or loaded a model that was part one checkpoint, part another, without an error.
+
+    Raises:
+        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank).
+    """
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
-        return any(collectives.all_gather_object(bool(flag)))
+        gathered = collectives.all_gather_object((os.fspath(checkpoint_id), bool(flag)))
+    check_gathered_agree(
+        f"{what}: the checkpoint_id",
+        [path for path, _ in gathered],
+        hint="Pass the same checkpoint directory on every rank (a path every rank can reach, e.g. on shared storage).",
+    )
+    return any(f for _, f in gathered)
 
 
 def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...], values: str) -> Dict[str, Any]:
@@ -350,7 +364,7 @@ def _prepare_directory(
 ) -> None:
     """Refuse, or make unloadable, an existing checkpoint before anything of the new one is written."""
     metadata = dcp_load.metadata_path(checkpoint_id)
-    if not _any_rank(unit, os.path.exists(metadata)):
+    if not _same_directory_on_every_rank(unit, checkpoint_id, os.path.exists(metadata), what):
         return
     if not overwrite:
         raise FileExistsError(
@@ -406,6 +420,7 @@ def save(
 
     Raises:
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false (on every rank).
+        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is written).
         RuntimeError: DCP failed to write the checkpoint (on every rank; the message lists each failing rank's
             error). The directory then holds no loadable checkpoint.
     """
@@ -449,6 +464,7 @@ def async_save(
 
     Raises:
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false.
+        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is written).
     """
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
@@ -494,6 +510,7 @@ def load(
         The model's ``IncompatibleKeys``.
 
     Raises:
+        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is read).
         CheckpointNotFoundError: no ``.metadata`` in the directory (no checkpoint, or a save that was interrupted
             or is still running); raised on every rank.
         UntrustedCheckpointError: the ``.metadata`` names something a DCP checkpoint never contains (code to run
@@ -505,5 +522,6 @@ def load(
     _options(None, "load")
     unit = _root_unit(model, "load")
     optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
+    _same_directory_on_every_rank(unit, checkpoint_id, False, "load")
     missing, unexpected = dcp_load.load(unit, optims, checkpoint_id, storage_reader, strict)
     return IncompatibleKeys(missing, unexpected)

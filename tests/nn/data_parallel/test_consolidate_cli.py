@@ -154,3 +154,45 @@ def test_command_line_in_a_fresh_interpreter(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "refused" in _one_error_line(done.stderr, path)
     assert not os.path.exists(marker)
+
+
+def test_outputs_never_replace_inputs_nor_leave_their_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    real = tmp_path / "real"
+    run_distributed(_layouts_body, 2, str(real))
+    shards = real / "0"
+    before = {p.name: p.read_bytes() for p in shards.iterdir()}
+    # consolidate over one of its own inputs (it wrote the full dict over rank 0's shard and exited 0), and into a
+    # missing directory (a traceback).
+    assert main(["consolidate", str(shards), str(shards / "ckpt-rank-0.pt")]) == 1
+    assert "is one of the per-rank files being consolidated" in _one_error_line(
+        capsys.readouterr().err, shards / "ckpt-rank-0.pt"
+    )
+    assert main(["consolidate", str(shards), str(tmp_path / "no" / "full.pt")]) == 1
+    assert "does not exist; create it first" in _one_error_line(capsys.readouterr().err, tmp_path / "no" / "full.pt")
+    full = tmp_path / "full.pt"
+    assert main(["consolidate", str(shards), str(full)]) == 0
+    capsys.readouterr()
+    meta = ["--meta", str(shards / "ckpt-rank-0.pt")]
+    # reshard: a prefix that leaves --out-dir, an --out-dir that holds per-rank files already (old and new files would
+    # be consolidated together; here they were the inputs), a full dict of another shape (it wrote shards that
+    # disagreed with their metadata and exited 0), and a value that is not a tensor.
+    for extra, needle in (
+        (["--out-dir", str(tmp_path / "o1"), "--prefix", "../escaped"], "must be a plain file name part"),
+        (["--out-dir", str(shards), "--prefix", "ckpt"], "already holds per-rank files of prefix 'ckpt'"),
+    ):
+        assert main(["reshard", str(full), *meta, "--world-size", "3", *extra]) == 1
+        assert needle in _one_error_line(capsys.readouterr().err, full)
+    state = torch.load(full, weights_only=True)
+    key = next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    for name, value, needle in (
+        ("shape", torch.zeros(1, 1), "has shape (1, 1), but the metadata records"),
+        ("int", 3, "is a int, not a tensor"),
+    ):
+        bad = tmp_path / f"full_{name}.pt"
+        torch.save({**state, key: value}, bad)
+        out = tmp_path / f"out_{name}"
+        assert main(["reshard", str(bad), *meta, "--world-size", "2", "--out-dir", str(out)]) == 1
+        assert needle in _one_error_line(capsys.readouterr().err, bad)
+        assert not out.exists(), "a refused reshard wrote files"
+    assert {p.name: p.read_bytes() for p in shards.iterdir()} == before
+    assert not (tmp_path / "escaped-rank-0.pt").exists()

@@ -24,6 +24,7 @@ from _models import ModelWithBatchNorm, NestedWrappedModule, build, wrap_model
 from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import DistributedTestError, run_cases, run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import dcp as fsdp_dcp
 
@@ -217,6 +218,25 @@ def _case_bad_value_on_one_rank(root: str) -> None:
     assert_unchanged(other, other_optim, before, "after a bad model dict with a good optimizer dict")
 
 
+def _case_other_directory_on_one_rank(root: str) -> None:
+    # Before: a save wrote each rank's shards into its own directory and .metadata into rank 0's only (a checkpoint
+    # that cannot load), and a load read part of the model from each checkpoint, both without an error.
+    fsdp, optim = trained()
+    for step in ("step1", "step2"):
+        fsdp_dcp.save(fsdp, optim, checkpoint_id=os.path.join(root, "dirs", step))
+    mine = os.path.join(root, "dirs", f"step{dist.get_rank() + 1}")
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    message = expect(
+        RanksDisagreeError, "load: the checkpoint_id differ", fsdp_dcp.load, other, other_optim, checkpoint_id=mine
+    )
+    assert "global rank 1" in message and "step2" in message, message
+    assert_unchanged(other, other_optim, before, "after a load of other directories")
+    target = os.path.join(root, "dirs", f"new{dist.get_rank()}")
+    expect(RanksDisagreeError, "save: the checkpoint_id differ", fsdp_dcp.save, fsdp, optim, checkpoint_id=target)
+    assert not os.path.exists(target), "a refused save created its directory"
+
+
 def _case_missing_keys(root: str) -> None:
     fsdp, optim = trained()
     msd = fsdp_dcp.get_model_state_dict(fsdp)
@@ -334,6 +354,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_interrupted_overwrite,
         _case_checkpoint_of_another_model,
         _case_bad_value_on_one_rank,
+        _case_other_directory_on_one_rank,
         _case_missing_keys,
         _case_optimizer_dict_that_does_not_fit,
         _case_ranks_hold_different_kinds,

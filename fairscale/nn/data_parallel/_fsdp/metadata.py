@@ -304,7 +304,8 @@ def reshard_full_state_dict(
         ``(weights, metadata)``: one local state dict and one metadata dict per rank.
 
     Raises:
-        ValueError: ``world_size < 1``.
+        ValueError: ``world_size < 1``, or a parameter of another shape than the metadata records.
+        TypeError: a parameter that is not a tensor.
         KeyError: a parameter or buffer the metadata lists is missing from ``full_state_dict``.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -332,7 +333,9 @@ def reshard_full_state_dict(
         path = entry["fsdp_path"]
         per_rank: List[Dict[str, Any]] = [{} for _ in range(world_size)]
         for backing, info in entry["params"].items():
-            full = torch.cat([_full_value(full_state_dict, _join(path, n)).reshape(-1) for n in info["names"]])
+            full = torch.cat(
+                [_full_param(full_state_dict, _join(path, n), shape) for n, shape in zip(info["names"], info["shapes"])]
+            )
             if entry["no_broadcast_optim_state"] or world_size == 1:
                 # Unsharded: every rank holds the whole tensor; a non-flattened parameter keeps its shape.
                 unflattened = len(info["names"]) == 1 and backing == info["names"][0]
@@ -361,6 +364,23 @@ def _full_value(full_state_dict: Mapping[str, Any], key: str) -> Any:
     if key not in full_state_dict:
         raise KeyError(f"reshard_full_state_dict: the full state dict has no {key!r}, which the metadata lists")
     return full_state_dict[key]
+
+
+def _full_param(full_state_dict: Mapping[str, Any], key: str, shape: Any) -> Tensor:
+    """The flattened value of parameter ``key``, which must be a tensor of the shape the metadata records (another
+    shape was cut into shards that disagree with their metadata, a checkpoint no load accepts)."""
+    value = _full_value(full_state_dict, key)
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"reshard_full_state_dict: {key!r} of the full state dict is a {type(value).__name__}, not a tensor; "
+            "pass the model's full state dict"
+        )
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"reshard_full_state_dict: {key!r} of the full state dict has shape {tuple(value.shape)}, but the metadata "
+            f"records {tuple(shape)}; the full state dict and the metadata are of different models"
+        )
+    return value.reshape(-1)
 
 
 def _shard_all(full: Tensor, world_size: int) -> Tuple[List[Tensor], List[int]]:
