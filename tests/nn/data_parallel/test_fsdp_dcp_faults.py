@@ -218,6 +218,21 @@ def _case_bad_value_on_one_rank(root: str) -> None:
     assert_unchanged(other, other_optim, before, "after a bad model dict with a good optimizer dict")
 
 
+def _case_other_hyper_parameters_on_one_rank(root: str) -> None:
+    # Before: accepted, and the ranks' shards went on training at other learning rates.
+    fsdp, optim = trained()
+    osd = fsdp_dcp.get_optimizer_state_dict(fsdp, optim)
+    if dist.get_rank() == 1:
+        osd["param_groups"][0]["lr"] = 0.5
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    message = expect(
+        RanksDisagreeError, "optimizer hyper-parameters", fsdp_dcp.set_optimizer_state_dict, other, other_optim, osd
+    )
+    assert "('optimizer 0, param group 0, lr', '0.01') vs ('optimizer 0, param group 0, lr', '0.5')" in message, message
+    assert_unchanged(other, other_optim, before, "after a load with another lr on one rank")
+
+
 def _case_other_directory_on_one_rank(root: str) -> None:
     # Before: a save wrote each rank's shards into its own directory and .metadata into rank 0's only (a checkpoint
     # that cannot load), and a load read part of the model from each checkpoint, both without an error.
@@ -355,6 +370,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_checkpoint_of_another_model,
         _case_bad_value_on_one_rank,
         _case_other_directory_on_one_rank,
+        _case_other_hyper_parameters_on_one_rank,
         _case_missing_keys,
         _case_optimizer_dict_that_does_not_fit,
         _case_ranks_hold_different_kinds,

@@ -11,6 +11,7 @@ for ``optimizer.load_state_dict``.
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -210,13 +211,30 @@ class _OptimPlan:
     entries: Dict[int, Dict[str, Tuple[str, Any]]] = field(default_factory=dict)
 
     def signature(self) -> Any:
-        out = []
+        out: List[Any] = []
         for i in sorted(self.entries):
             keys = []
             for key, (kind, v) in sorted(self.entries[i].items()):
                 keys.append((key, kind, [None if x is None else x[0] for x in v] if kind == "param" else None))
             out.append((i, keys))
         return out
+
+    def hyper_parameters(self, k: int) -> List[Tuple[str, str]]:
+        """The hyper-parameters this rank will load, one entry each (so that a difference names its key): ranks
+        given another lr would train their shards at other rates."""
+        return [
+            (f"optimizer {k}, param group {gi}, {key}", _comparable(value))
+            for gi, group in enumerate(self.groups)
+            for key, value in sorted(group.items(), key=lambda kv: str(kv[0]))
+            if key != "params"
+        ]
+
+
+def _comparable(value: Any) -> str:
+    """A hyper-parameter as two ranks can compare it: exact for small tensors (whose repr rounds)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.detach().cpu().tolist()!r})" if value.numel() <= 16 else f"tensor{tuple(value.shape)}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", " at 0x...", repr(value))  # an object's address differs between ranks
 
 
 def _is_flattened_osd(osd: Mapping[str, Any]) -> bool:

@@ -74,7 +74,8 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
     """Every rank must hold the same kinds of values (the exchanges that follow depend on them)."""
     with unit.device.as_current():
         check_ranks_agree(
-            f"{what}: the keys and kinds of the values (DTensor chunks, full tensors, absent)",
+            f"{what}: the keys and kinds of the values (DTensor chunks, full tensors, absent) and the optimizer "
+            "hyper-parameters",
             signature,
             layout.agree_group,  # the whole world with hybrid sharding: every replica loads
             hint="Pass every rank a state dict of the same structure (e.g. all from get_*_state_dict and dcp.load).",
@@ -232,7 +233,8 @@ def set_state_dict(
             return model_plan, optim_plans
 
         model_plan, optim_plans = loads.load_collectively(unit, what, plan, None, _nothing_to_restore)
-        signature = (None if model_plan is None else model_plan.signature(), [p.signature() for p in optim_plans])
+        signature = [None if model_plan is None else model_plan.signature(), [p.signature() for p in optim_plans]]
+        signature += [entry for k, p in enumerate(optim_plans) for entry in p.hyper_parameters(k)]
         _agree(unit, layout, what, signature)
         # Past the agreement only collectives of agreed sizes and local copies run.
         if model_plan is not None:
