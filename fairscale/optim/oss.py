@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.grad_norm import total_norm_across_ranks
 from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
 from fairscale.nn.misc.param_bucket import ParamBucket  # noqa: F401  # upstream's module namespace
@@ -274,6 +275,9 @@ class OSS(Optimizer):
         Raises:
             ValueError: ``max_norm`` is negative or NaN (a negative one flipped the gradients' signs, NaN skipped
                 clipping silently), or ``norm_type`` is not a positive number; raised before any communication.
+            RanksDisagreeError: (a ``ValueError``) the ranks passed different ``max_norm`` or ``norm_type``; raised
+                on every rank, gradients unchanged (the norm's parts travel with both arguments, in the one
+                collective the norm needs anyway).
         """
         max_norm = float(max_norm)
         norm_type = float(norm_type)
@@ -287,13 +291,7 @@ class OSS(Optimizer):
         local_params = filter_params_fn(self._local_params) if filter_params_fn is not None else self._local_params
         local_norm = calc_grad_norm(cast(List[torch.nn.Parameter], local_params), norm_type).to(self._default_device)
         world = dist.group.WORLD if dist.is_initialized() else None
-        if norm_type == float("inf"):
-            total_norm = local_norm.clone()
-            collectives.all_reduce(total_norm, group=world, op="max")
-        else:
-            total_norm = local_norm**norm_type
-            collectives.all_reduce(total_norm, group=world)
-            total_norm = total_norm ** (1.0 / norm_type)
+        total_norm = total_norm_across_ranks(local_norm, max_norm, norm_type, world, "OSS.clip_grad_norm")
         clip_coef = torch.tensor(max_norm, dtype=total_norm.dtype, device=total_norm.device) / (total_norm + 1e-6)
         if clip_coef < 1:
             for per_rank in self._per_device_params.values():

@@ -5,7 +5,8 @@
   optimizer class or other hyper-parameters (or adding a group with other ones) trained apart silently; a state dict
   of another optimizer class raised from deep inside torch after part of it was loaded, or was accepted and ignored;
   badly typed state dicts gave ``AttributeError``; ``clip_grad_norm`` accepted a negative or NaN ``max_norm`` and
-  ``norm_type`` 0 or ``-inf``.
+  ``norm_type`` 0 or ``-inf``, and clipped silently apart when one rank passed another ``norm_type`` or
+  ``max_norm``.
 * AdaScale accepted an infinite scale, a fractional accumulation count and smoothing factors outside ``[0, 1)``,
   loaded a plain optimizer's state dict only to fail at the next ``gain()``, and hung when one rank changed its
   accumulation count.
@@ -356,6 +357,44 @@ def test_clip_grad_norm_refuses_negative_or_nan_max_norm_and_non_positive_norm_t
     for message, shown in zip(messages[0][2:], ["0.0", "-1.0", "-inf", "nan"]):
         assert message.startswith("OSS.clip_grad_norm: norm_type must be a positive number or inf"), message
         assert f"got {shown};" in message
+
+
+def _clip_disagree_body(rank: int, world_size: int, case: str) -> str:
+    model = _model()
+    oss = OSS(model.parameters(), lr=0.1)
+    model(_data(0, rank)).pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    max_norm, norm_type = 1e-3, 2.0
+    if rank == 1:
+        if case == "norm_type":  # its part would have joined a sum as a max
+            norm_type = math.inf
+        else:  # it would have clipped its shard by another factor
+            max_norm = 1e-2
+    try:
+        oss.clip_grad_norm(max_norm, norm_type=norm_type)
+        message = "no error"
+    except RanksDisagreeError as e:
+        message = str(e)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads)), "nothing clipped"
+    # The ranks are still in step: the same call on every rank clips to the norm of all gradients.
+    total = oss.clip_grad_norm(1e-3, norm_type=2.0)
+    dist.all_reduce(total)
+    assert total > 0
+    return message
+
+
+@pytest.mark.parametrize(
+    "case,where",
+    [
+        ("norm_type", "('norm_type', 2.0) vs ('norm_type', inf)"),
+        ("max_norm", "('max_norm', 0.001) vs ('max_norm', 0.01)"),
+    ],
+)
+def test_clip_grad_norm_with_another_norm_type_or_max_norm_on_one_rank(case: str, where: str) -> None:
+    messages = run_distributed(_clip_disagree_body, 2, case, timeout=TIMEOUT)
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("OSS.clip_grad_norm: (norm_type, max_norm) differ between ranks"), messages[0]
+    assert where in messages[0], messages[0]
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -368,6 +368,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
             TypeError: ``max_norm`` or ``norm_type`` is a ``bool``.
             RuntimeError: called after a backward inside :meth:`no_sync` whose gradients are not reduced yet (call
                 it after the accumulation window's last backward), or on a nested instance.
+            RanksDisagreeError: (a ``ValueError``) the ranks passed different ``max_norm`` or ``norm_type``; on
+                every rank, gradients unchanged.
         """
         if isinstance(max_norm, bool) or isinstance(norm_type, bool):  # True was taken for 1.0
             raise TypeError(f"clip_grad_norm_: max_norm and norm_type must be numbers, got {max_norm!r}, {norm_type!r}")

@@ -2,14 +2,13 @@
 """Gradient clipping over sharded gradients: the norm of the whole model, combined across ranks."""
 
 import math
-from typing import Any, List
+from typing import List
 
 import torch
 from torch import Tensor
 
-from fairscale.internal import collectives
-from fairscale.internal.agreement import check_gathered_agree
 from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.grad_norm import total_norm_across_ranks
 
 from .state import TrainingState
 from .unit import FSDPUnit
@@ -43,11 +42,7 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         local = torch.stack(
             [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device) for g in grads]
         ).norm(norm_type)
-    local = local.to(torch.float32)
-    if norm_type != float("inf"):
-        local = local**norm_type
-    parts = _gather_with_arguments(local, max_norm, norm_type, c.process_group)
-    total = (parts.max() if norm_type == float("inf") else parts.sum() ** (1.0 / norm_type)).to(torch.float32)
+    total = total_norm_across_ranks(local.to(torch.float32), max_norm, norm_type, c.process_group, "clip_grad_norm_")
     if c.move_grads_to_cpu:
         total = total.cpu()
     clip_coef = torch.tensor(max_norm, dtype=total.dtype, device=total.device) / (total + 1e-6)
@@ -55,24 +50,6 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         for g in grads:
             g.detach().mul_(clip_coef.to(g.device, g.dtype))
     return total
-
-
-def _gather_with_arguments(local: Tensor, max_norm: float, norm_type: float, group: Any) -> Tensor:
-    """Every rank's ``local`` part of the norm, gathered with its ``max_norm`` and ``norm_type``; raise the same
-    :class:`RanksDisagreeError` on every rank when those differ.
-
-    One all-gather of three numbers per rank, in place of the all-reduce of ``local`` it replaces: another
-    ``norm_type`` on one rank combined its part by another rule (or joined a max with a sum), another ``max_norm``
-    clipped its shard by another factor, both silently.
-    """
-    mine = torch.tensor([0.0, norm_type, max_norm], dtype=torch.float64, device=local.device)
-    mine[0] = local
-    size = collectives.group_size(group)
-    gathered = mine.new_empty(size * 3)
-    collectives.all_gather_into_flat(gathered, mine, group=group)
-    rows = gathered.view(size, 3)
-    check_gathered_agree("clip_grad_norm_: (norm_type, max_norm)", rows[:, 1:].tolist(), group)
-    return rows[:, 0]
 
 
 def _check_arguments(max_norm: float, norm_type: float) -> None:
