@@ -24,7 +24,8 @@ from ._fsdp import summon
 from ._fsdp import ties as fsdp_ties
 from ._fsdp.config import make_config
 from ._fsdp.front_attributes import UnitAttributes
-from ._fsdp.handle import FlatHandle, alloc_storage_, free_storage_
+from ._fsdp.handle import FlatHandle
+from ._fsdp.storage import alloc_storage_, free_storage_
 from ._fsdp.io import cast_inputs
 from ._fsdp.naming import clean_path
 from ._fsdp.state import HandleState, TrainingState

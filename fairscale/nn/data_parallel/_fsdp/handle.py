@@ -19,7 +19,7 @@ Tensors, by role:
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +28,9 @@ from fairscale.internal import tensor_hooks
 from fairscale.internal.device import DeviceHandle
 
 from .state import _LEGAL, HandleState, check_handle_transition
+from .storage import FreedBuffer, alloc_storage_, free_storage_, is_storage_allocated
 
-# Storage sizes are read with nbytes() (C++), not size(): UntypedStorage.size() is a Python wrapper around it, and
-# these run several times per unit and step.
+_FreedBuffer = FreedBuffer  # the name models pickled by earlier versions of this package refer to
 
 
 def set_grad_of_other_shape(param: Tensor, grad: Tensor) -> None:
@@ -43,48 +43,6 @@ def set_grad_of_other_shape(param: Tensor, grad: Tensor) -> None:
         param.grad = grad
     finally:
         param.data = data
-
-
-def free_storage_(data: Tensor) -> None:
-    """Release a tensor's storage without changing its metadata (views stay valid objects)."""
-    storage = data.untyped_storage()
-    if storage.nbytes() > 0:
-        # The tensor must be the sole owner of the storage's start, or other views would silently lose their data.
-        assert data.storage_offset() == 0, "free_storage_ needs a tensor that starts its storage"
-        storage.resize_(0)
-
-
-def alloc_storage_(data: Tensor, size: Union[int, torch.Size]) -> None:
-    """Re-grow a storage freed by :func:`free_storage_` to hold ``size`` elements of the tensor's dtype.
-
-    Args:
-        data (Tensor): the tensor whose storage was freed.
-        size (Union[int, torch.Size]): a shape (as upstream passes it) or a number of elements.
-    """
-    numel = size if isinstance(size, int) else torch.Size(size).numel()
-    storage = data.untyped_storage()
-    nbytes = numel * data.element_size()
-    if storage.nbytes() != nbytes:
-        assert storage.nbytes() == 0, "alloc_storage_ on a storage that is neither freed nor the right size"
-        storage.resize_(nbytes)
-
-
-class _FreedBuffer(NamedTuple):
-    """A full buffer whose storage is freed, as pickled: its size, dtype and device."""
-
-    numel: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def make(self) -> Tensor:
-        buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        free_storage_(buffer)
-        return buffer
-
-
-def is_storage_allocated(tensor: Tensor) -> bool:
-    """Whether a tensor's storage currently holds memory."""
-    return tensor.untyped_storage().nbytes() > 0
 
 
 class FlatHandle:
@@ -198,7 +156,7 @@ class FlatHandle:
         full = self.full_padded
         if full is not None and full.untyped_storage().nbytes() == 0:
             # A freed buffer is a tensor larger than its storage, which torch.load cannot rebuild: keep its recipe.
-            state["full_padded"] = _FreedBuffer(full.numel(), full.dtype, full.device)
+            state["full_padded"] = FreedBuffer(full.numel(), full.dtype, full.device)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -208,7 +166,7 @@ class FlatHandle:
         self.param._is_sharded = self.is_sharded  # type: ignore[attr-defined]
         self.param._orig_size = self.orig_size  # type: ignore[attr-defined]
         full = self.full_padded
-        if isinstance(full, _FreedBuffer):
+        if isinstance(full, FreedBuffer):
             self.full_padded = full.make()
         elif full is not None and not full.untyped_storage().resizable():
             # torch.load gives storages that cannot be resized, and the full buffer is freed and regrown in place at
