@@ -8,7 +8,8 @@ aside while a window runs. Before, the flag-on path kept its window buffer (twic
 the earlier windows' shard (three and four times). A copy of the model made inside a window carries no gradient, as
 torch's copy of a parameter carries no ``.grad`` (before: with the flag on it carried the window's sum, with it off
 not). Also after a backward that raised, and at world size 1; a ``backward(inputs=...)`` microbatch's full-size
-gradient joins the flag's buffer. Every case is compared with the same model trained on the microbatches that should count only: bitwise equal,
+gradient joins the flag's buffer. ``optimizer.step()`` inside a window raises FSDP's error (torch's size mismatch
+before) and changes nothing. Every case is compared with the same model trained on the microbatches that should count only: bitwise equal,
 on the same machine.
 """
 
@@ -138,6 +139,31 @@ def _backward_with_inputs_in_a_window(rank: int) -> List[List[Tensor]]:
     return results
 
 
+def _step_in_window(rank: int, world_size: int, flag: bool) -> None:
+    """``optimizer.step()`` inside a window failed inside torch ("The size of tensor a ... must match"); it raises
+    FSDP's error, changes nothing, and an optimizer of other parameters still steps there."""
+    model = _build(flag)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = nn.Linear(2, 2)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    _backward(model, 0, rank, sync=False)
+    other(torch.ones(1, 2)).sum().backward()
+    other_optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    if world_size > 1:
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside a no_sync\(\) accumulation window: FSDP "):
+            optimizer.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the refused step changed nothing"
+    _backward(model, 1, rank, sync=True)
+    for got, want in zip(_grads(model), _only(rank, flag, [0, 1])):
+        assert torch.equal(got, want), (got - want).abs().max()
+    optimizer.step()  # after the window, as before
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    _backward(model, 2, rank, sync=False)
+    model.zero_grad()  # a cleared window holds nothing: the step is allowed (and moves nothing)
+    optimizer.step()
+
+
 def _body(rank: int, world_size: int, flag: bool) -> None:
     cases: List[tuple] = []
     for how in ("optimizer, set_to_none", "optimizer, in place", "module"):
@@ -151,6 +177,7 @@ def _body(rank: int, world_size: int, flag: bool) -> None:
             functools.partial(_zero_grad_after_a_backward_that_raised, rank, flag),
         )
     )
+    cases.append(("optimizer.step() in a window", functools.partial(_step_in_window, rank, world_size, flag)))
     if flag:
         cases.append(("backward(inputs=...) in a window", functools.partial(_backward_with_inputs_in_a_window, rank)))
     run_cases(cases)

@@ -27,7 +27,7 @@ from fairscale.internal import collectives, tensor_hooks
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
-from . import hybrid, identity, layout_check, prefetch, recovery, reduction, ties, zero2
+from . import hybrid, identity, layout_check, prefetch, recovery, reduction, step_guard, ties, zero2
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor
 from .naming import clean_path
@@ -426,6 +426,8 @@ def finalize_backward(root: FSDPUnit) -> None:
     keep_full = not tree.any_post_backward
     for u in units:
         _finalize_unit(u, syncing, keep_full)
+    if not syncing:
+        step_guard.watch(root)
     tree.final_callback_queued = False
     tree.any_post_backward = False
     tree.backward_order.finish()

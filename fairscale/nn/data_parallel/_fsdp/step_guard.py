@@ -1,0 +1,80 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""A clear error for ``optimizer.step()`` inside a ``no_sync()`` accumulation window.
+
+Inside a window a sharded parameter holds this rank's unreduced, full-size gradient (or, with
+``optimize_backward_concat``, a view of the window's buffer) next to its shard. An optimizer step then failed inside
+torch with "The size of tensor a ... must match the size of tensor b", which names neither FSDP nor the window. FSDP
+does not see the optimizer's call, so a global optimizer pre-step hook (torch's, registered once, on the first
+backward that leaves a gradient unreduced) asks the trees that did so whether the stepped parameters hold one.
+
+Cost: every optimizer step of the process calls the hook; without a watched tree it returns at once. A watched tree
+is looked at in the next step only, and forgotten once none of its parameters holds an unreduced gradient.
+"""
+
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fairscale.internal.errors import FairscaleRuntimeError
+
+from .handle import FlatHandle
+from .unit import FSDPUnit
+
+# Roots whose last backward left gradients unreduced (weak: a dropped model is no longer watched).
+_watched: "weakref.WeakSet[FSDPUnit]" = weakref.WeakSet()
+_registered = False
+
+
+def watch(root: FSDPUnit) -> None:
+    """Note that ``root``'s tree left gradients unreduced (a ``no_sync()`` backward)."""
+    global _registered
+    if not _registered:
+        register_optimizer_step_pre_hook(_before_step)
+        _registered = True
+    _watched.add(root)
+
+
+def _unreduced(root: FSDPUnit) -> Dict[int, Tuple[FSDPUnit, FlatHandle]]:
+    # A gradient cleared to None inside the window (zero_grad()) is skipped by the optimizer: nothing to refuse.
+    return {
+        id(h.param): (root, h)
+        for u in root.tree_units()
+        for h in u.handles
+        if h.param.grad is not None and h.holds_unreduced_grad()
+    }
+
+
+def _path(root: FSDPUnit, handle: FlatHandle) -> str:
+    """The parameter's name as the root's ``named_parameters()`` gives it (the error path only)."""
+    for path, unit in root.named_units():
+        if any(h is handle for h in unit.handles):
+            return f"{path}.{handle.name}" if path else handle.name
+    return handle.name
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
+    if not _watched:
+        return None
+    unreduced: Dict[int, Tuple[FSDPUnit, FlatHandle]] = {}
+    for root in list(_watched):
+        held = _unreduced(root)
+        if held:
+            unreduced.update(held)
+        else:
+            _watched.discard(root)  # its window was reduced or cleared
+    if not unreduced:
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found = unreduced.get(id(p))
+            if found is not None:
+                raise FairscaleRuntimeError(
+                    f"optimizer.step() inside a no_sync() accumulation window: FSDP parameter {_path(*found)!r} holds "
+                    "this rank's unreduced, full-size gradient of the window's backward passes, which the optimizer "
+                    "cannot apply to the parameter's shard. Step after the window's last backward, the one outside "
+                    "no_sync(), or drop the window's gradients first with zero_grad() (set_to_none=True); nothing "
+                    "was changed."
+                )
+    return None
