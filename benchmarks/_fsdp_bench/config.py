@@ -3,6 +3,8 @@
 
 import argparse
 import dataclasses
+import math
+import os
 from typing import List, Optional, Sequence, Tuple, Union
 
 PEERS = ("fairscale", "fsdp2", "fsdp1", "ddp")
@@ -423,7 +425,12 @@ def validate(cfg: BenchConfig) -> List[str]:
         out += _hybrid_problems(cfg)
     if cfg.threads < 0:
         out.append(f"--threads must be >= 0 (got {cfg.threads})")
-    if cfg.intra_node_gbps <= 0 or cfg.inter_node_gbps <= 0:
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        out.append(f"--lr must be a finite number > 0 (got {cfg.lr})")
+    if not cfg.timeout > 0:
+        out.append(f"--timeout must be > 0 seconds (got {cfg.timeout})")
+    out += _output_problems(cfg)
+    if not (cfg.intra_node_gbps > 0 and cfg.inter_node_gbps > 0):
         out.append("--intra-node-gbps and --inter-node-gbps must be > 0")
     for name in ("link_gbps", "link_intra_gbps"):
         value = getattr(cfg, name)
@@ -431,7 +438,7 @@ def validate(cfg: BenchConfig) -> List[str]:
             out.append(f"--{name.replace('_', '-')} must be > 0 GB/s (omit it for no simulated link; got {value})")
     if cfg.link_intra_gbps is not None and cfg.link_gbps is None:
         out.append("--link-intra-gbps needs --link-gbps (the bandwidth of the full group)")
-    if cfg.link_latency_us < 0:
+    if not cfg.link_latency_us >= 0:
         out.append(f"--link-latency-us must be >= 0 (got {cfg.link_latency_us})")
     if not cfg.overlap_gbps or any(not g > 0 for g in cfg.overlap_gbps):
         out.append(f"--overlap-gbps takes bandwidths > 0 GB/s (got {list(cfg.overlap_gbps)})")
@@ -439,6 +446,22 @@ def validate(cfg: BenchConfig) -> List[str]:
         out.append(f"--cost-model-unit-ms must be > 0 (got {cfg.cost_model_unit_ms})")
     if cfg.overlap_steps < 1:
         out.append(f"--overlap-steps must be >= 1 (got {cfg.overlap_steps})")
+    return out
+
+
+def _output_problems(cfg: BenchConfig) -> List[str]:
+    """--out and --plot are written after the whole run: a path that cannot be written is refused before it."""
+    out: List[str] = []
+    for flag, path in (("--out", cfg.out), ("--plot", cfg.plot)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            out.append(f"{flag} {path} is a directory; pass a file name ('' to skip)")
+        elif not os.path.isdir(folder):
+            out.append(f"{flag} {path}: the folder {folder} does not exist; create it or pass '' to skip")
+        elif not os.access(folder, os.W_OK):
+            out.append(f"{flag} {path}: the folder {folder} is not writable; pass another path or '' to skip")
     return out
 
 

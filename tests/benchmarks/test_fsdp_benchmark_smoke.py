@@ -276,6 +276,12 @@ def test_wrap_plan_units_cover_every_parameter() -> None:
         (["--scenario", "zero2", "--zero2-group-size", "4"], "--zero2-group-size (4) must divide"),
         (["--scenario", "accum", "--accum-batch", "0"], "--accum-batch must be >= 1 (got 0)"),
         (["--accum-reshard-after-forward", "2"], "expected true or false, got '2'"),
+        # Refused before the run: they failed in a rank (--lr nan), as a timeout (--timeout 0), or after the whole
+        # run, when its report was written (--out into a missing folder).
+        (["--lr", "nan"], "--lr must be a finite number > 0 (got nan)"),
+        (["--timeout", "0"], "--timeout must be > 0 seconds (got 0.0)"),
+        (["--out", "/nonexistent-folder/x.json"], "--out /nonexistent-folder/x.json: the folder /nonexistent-folder"),
+        (["--plot", "."], "--plot . is a directory"),
     ],
 )
 def test_bad_options_say_what_to_change(argv: list, message: str, capsys: pytest.CaptureFixture) -> None:
