@@ -240,7 +240,6 @@ def _checkpointed_forward(
     offload = _offload_saved_tensors() if offload_to_cpu else contextlib.nullcontext()
     with offload:
         output_tensors = torch_checkpoint(run, grad_anchor, *input_tensors, use_reentrant=True, preserve_rng_state=True)
-    assert run.output_spec is not None  # set by the first pass, which has run by now
     return _unflatten(run.output_spec, list(output_tensors))
 
 
@@ -252,20 +251,29 @@ class _RunForward:
         self.forward = forward
         self.input_spec = input_spec
         # Structure (and non-tensor values) of the first pass's output; recomputed non-tensor
-        # outputs are discarded, as the caller already has those.
-        self.output_spec: Optional[Any] = None
+        # outputs are discarded, as the caller already has those. A forward may return None: whether the first
+        # pass ran is its own flag.
+        self.first_pass_done = False
+        self.output_spec: Any = None
         self.num_output_tensors = 0
 
     def __call__(self, _grad_anchor: torch.Tensor, *input_tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         args, kwargs = _unflatten(self.input_spec, list(input_tensors))
-        first_pass = self.output_spec is None
+        first_pass = not self.first_pass_done
         with enable_checkpointing() if first_pass else enable_recomputing():
             outputs = self.forward(*args, **kwargs)
         output_tensors, output_spec = _flatten(outputs)
         if first_pass:
+            self.first_pass_done = True
             self.output_spec = output_spec
             self.num_output_tensors = len(output_tensors)
-        elif len(output_tensors) != self.num_output_tensors:
+            # The checkpoint's autograd function makes its outputs its own (it sets their grad_fn). A tensor the
+            # forward returns as it is, a parameter or a buffer of the module, would be changed in place: a
+            # parameter stopped being a leaf and backward called the checkpoint's node over and over (a hang). An
+            # alias of each output is what the caller gets instead; the recomputation returns the real tensors,
+            # so a returned parameter still gets its gradient.
+            return tuple(t.detach() for t in output_tensors)
+        if len(output_tensors) != self.num_output_tensors:
             raise RuntimeError(
                 f"checkpoint_wrapper: the recomputed forward returned {len(output_tensors)} tensors but the "
                 f"first forward returned {self.num_output_tensors}; a checkpointed forward must be "

@@ -402,3 +402,51 @@ def test_with_flatten_params_wrapper(checkpoint_outside: bool) -> None:
     assert spy.calls == [FIRST_PASS, RECOMPUTE]
     expected = torch.cat([p.grad.flatten() for p in plain.parameters()])  # type: ignore[union-attr]
     torch.testing.assert_close(wrapped.flat_param.grad, expected)
+
+
+class _ReturnsOwnTensors(nn.Module):
+    """Returns a parameter and a buffer of its own as they are (a bias added later, a positional table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.lin.bias, self.table
+
+
+@pytest.mark.timeout(60)  # the backward below never finished before
+def test_a_returned_parameter_or_buffer_is_left_as_it_is() -> None:
+    torch.manual_seed(0)
+    plain = _ReturnsOwnTensors()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(3, 4)
+    grads = []
+    for m in (plain, wrapped):
+        y, bias, table = m(x)
+        # The checkpoint's node made the parameter a non-leaf and the buffer a tensor with its grad_fn.
+        assert m.lin.bias.is_leaf and m.lin.bias.grad_fn is None
+        assert m.table.grad_fn is None and not m.table.requires_grad
+        (y.pow(2).sum() + (bias * 10).sum() + (table * y).sum()).backward()
+        grads.append([p.grad for p in m.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want)
+
+
+class _ReturnsNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.seen = self.lin(x)
+        return None
+
+
+def test_a_forward_that_returns_none() -> None:
+    # It raised a bare AssertionError (None was also the "first pass not run" mark).
+    m = checkpoint_wrapper(_ReturnsNone())
+    assert m(torch.randn(2, 4, requires_grad=True)) is None
+    assert m.seen is not None and m.seen.shape == (2, 4)
