@@ -7,7 +7,8 @@ Under :func:`fairscale.nn.checkpoint.checkpoint_wrapper` the statistics are comp
 and reused by the recomputation, so neither the collectives nor the running-statistics update happen twice.
 """
 
-from typing import Any, List, Optional, Tuple
+import copy
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from fairscale.internal import torch_version as torch_version  # noqa: F401  # u
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_reduce, group_size
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
+from fairscale.nn.checkpoint.checkpoint_activations import current_call_stash
 
 __all__ = ["SyncBatchNorm"]
 
@@ -64,28 +66,35 @@ def _calculate_stats(
         sums = torch.empty(len(values), dtype=torch.float64, device=input.device)
         for i, value in enumerate(values):
             sums[i] = value
-    count = sums[:1].to(torch.float32)
+    count = sums[:1].clone()
     count_work = all_reduce(sums, group=process_group, async_op=True)
     if values[0] > 0:
-        mean = torch.mean(input, dim=dim, keepdim=True)
-        meansqr = torch.mean(input * input, dim=dim, keepdim=True)
+        # Each rank's statistics centred on its own mean (var_mean accumulates stably), combined as mean and mean of
+        # squares in float64. Upstream's E[x^2] - E[x]^2 in the input dtype lost the variance to cancellation for
+        # inputs far from zero (mean 100, std 0.01 gave NaN in fp32); the float64 combination keeps about 16 digits
+        # of E[x^2], so the variance keeps its digits unless the mean is ~10^8 times the spread.
+        local_var, local_mean = torch.var_mean(input, dim=dim, correction=0, keepdim=True)
+        mean64 = local_mean.to(torch.float64)
+        vec = torch.cat([mean64, local_var.to(torch.float64) + mean64 * mean64])
     else:
         # An empty batch on this rank contributes nothing (the mean of nothing is NaN, which the all-reduce spread to
         # every rank's statistics and output).
-        mean = meansqr = torch.zeros(
-            [channels if d == 1 else 1 for d in range(input.ndim)], dtype=input.dtype, device=input.device
+        vec = torch.zeros(
+            [2 if d == 0 else channels if d == 1 else 1 for d in range(input.ndim)],
+            dtype=torch.float64,
+            device=input.device,
         )
-    vec = torch.cat([mean, meansqr])
     assert count_work is not None  # async_op=True always returns the handle
     count_work.wait()
     if check_layout:
         _check_same_layout(sums, channels, input.dtype, process_group)
     total_count = sums[:1].to(torch.float32)
-    vec = (vec * (count / total_count.clamp(min=1)).to(vec.dtype)).contiguous()
+    vec = (vec * (count / sums[:1].clamp(min=1))).contiguous()
     all_reduce(vec, group=process_group)
-    mean, meansqr = vec.chunk(2)
-    var = meansqr - mean * mean
-    invstd = torch.rsqrt(var + eps)
+    mean64, meansqr64 = vec.chunk(2)
+    var64 = (meansqr64 - mean64 * mean64).clamp(min=0)
+    mean, var = mean64.to(input.dtype), var64.to(input.dtype)
+    invstd = torch.rsqrt(var64 + eps).to(input.dtype)
     return mean, var, invstd, total_count
 
 
@@ -166,18 +175,30 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
 
     Args:
         *args: ``BatchNorm2d``'s arguments (``num_features, eps, momentum, affine, track_running_stats``).
-        process_group (Optional[ProcessGroup]): the group to synchronise over (default: the world group).
+        process_group (Optional[ProcessGroup]): the group to synchronise over (default: the default group, looked
+            up at each call, so that the layer can be copied and saved whole).
         **kwargs: ``BatchNorm2d``'s keyword arguments.
     """
 
     def __init__(self, *args: Any, process_group: Optional[Any] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._process_group = process_group if process_group is not None else dist.group.WORLD
+        # None: the default group, resolved at each call (upstream stored dist.group.WORLD, which made the layer
+        # impossible to deepcopy or save whole, unlike torch's SyncBatchNorm).
+        self._process_group = process_group
         self.saved_for_2nd_fwd: List[Tuple[Tensor, Tensor, Tensor]] = []
         # Tells fairscale.nn.checkpoint's batch-norm patching to leave this layer alone: it already updates its
         # running statistics only once per checkpointed step.
         self.disable_patch_batchnorm = True
         self._layout_checked = False  # see forward: whether the ranks' channels and dtype were compared once
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SyncBatchNorm":
+        # A copy (an EMA model, a reference model) synchronises over the same group: process groups cannot be copied.
+        if self._process_group is not None:
+            memo[id(self._process_group)] = self._process_group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def forward(self, input: Tensor) -> Tensor:
         if not dist.is_initialized() or not self.training:
@@ -208,13 +229,22 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
                             "SyncBatchNorm does not support momentum=None (cumulative average); pass a float"
                         )
                     _track_running_stats(self.running_mean, self.running_var, self.momentum, mean, var, total_count)
+        # Under checkpoint_wrapper the statistics are kept with the checkpointed call (its stash lives as long as the
+        # call's graph): a forward whose backward never runs left them in saved_for_2nd_fwd for the next
+        # recomputation to take, and two checkpointed calls of one layer, recomputed in reverse order, took each
+        # other's. saved_for_2nd_fwd (upstream's list) serves code that sets the flags by hand.
+        stash = current_call_stash()
+        if stash is not None:
+            saved = stash.setdefault(("SyncBatchNorm", id(self)), [])
+        else:
+            saved = self.saved_for_2nd_fwd
         if wait_phase:
-            self.saved_for_2nd_fwd.append((mean, invstd, total_count))
+            saved.append((mean, invstd, total_count))
             return _forward(input, self.affine, mean, invstd, self.weight, self.bias)
         if recompute_phase:
-            if not self.saved_for_2nd_fwd:
+            if not saved:
                 raise RuntimeError("SyncBatchNorm: recomputation without statistics saved by the checkpointed pass")
-            mean, invstd, total_count = self.saved_for_2nd_fwd.pop(0)
+            mean, invstd, total_count = saved.pop(0)
         out: Tensor = _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, self.affine, mean, invstd, total_count, self._process_group
         )

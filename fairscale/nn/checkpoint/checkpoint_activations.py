@@ -84,6 +84,27 @@ _flags = thread_local
 _ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 
+class _CallStash(threading.local):
+    """The stash of the checkpointed call whose forward (first pass or recomputation) runs on this thread."""
+
+    current: Optional[Dict[Any, Any]] = None
+
+
+_call_stash = _CallStash()
+
+
+def current_call_stash() -> Optional[Dict[Any, Any]]:
+    """A dict that belongs to the checkpointed call running now, the same object in its first pass and in its
+    recomputation (``None`` outside a :func:`checkpoint_wrapper` forward).
+
+    For layers that compute something once in the first pass and reuse it when the call is recomputed
+    (``SyncBatchNorm``'s statistics). It lives as long as that call's autograd graph: a forward whose backward never
+    runs leaves nothing behind, and two checkpointed calls never see each other's values, whatever order backward
+    recomputes them in.
+    """
+    return _call_stash.current
+
+
 @contextlib.contextmanager
 def _set_flag(name: str, value: bool) -> Iterator[None]:
     previous = getattr(_flags, name)
@@ -256,12 +277,17 @@ class _RunForward:
         self.first_pass_done = False
         self.output_spec: Any = None
         self.num_output_tensors = 0
+        self.stash: Dict[Any, Any] = {}  # see current_call_stash
 
     def __call__(self, _grad_anchor: torch.Tensor, *input_tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         args, kwargs = _unflatten(self.input_spec, list(input_tensors))
         first_pass = not self.first_pass_done
-        with enable_checkpointing() if first_pass else enable_recomputing():
-            outputs = self.forward(*args, **kwargs)
+        outer_stash, _call_stash.current = _call_stash.current, self.stash
+        try:
+            with enable_checkpointing() if first_pass else enable_recomputing():
+                outputs = self.forward(*args, **kwargs)
+        finally:
+            _call_stash.current = outer_stash
         output_tensors, output_spec = _flatten(outputs)
         if first_pass:
             self.first_pass_done = True
