@@ -18,7 +18,8 @@ from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
-from ._fsdp import batchnorm_wrap, construction, grad_accum, grad_norm, metadata, optim_state, pickling, runtime
+from ._fsdp import batchnorm_wrap, compile_support, construction, grad_accum, grad_norm, metadata, optim_state, pickling
+from ._fsdp import runtime
 from ._fsdp import state_dict as fsdp_state_dict
 from ._fsdp import summon
 from ._fsdp import ties as fsdp_ties
@@ -178,6 +179,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
                 f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}: {module!r}; wrap a "
                 "function in a module first"
             )
+        construction.refuse_unsupported_layers(module)
         super().__init__()
         params, foreign_params, tie_problems = construction.collect_params_to_own(module, FullyShardedDataParallel)
         config = make_config(
@@ -308,7 +310,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
     # ------------------------------------------------------------------ forward and backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return runtime.forward(self._fsdp_unit, args, kwargs)
+        return compile_support.forward(self._fsdp_unit, args, kwargs)
 
     def _lazy_init(self) -> None:
         runtime.lazy_init(self._fsdp_unit)

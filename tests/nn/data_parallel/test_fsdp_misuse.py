@@ -352,6 +352,17 @@ def _case_constructor_arguments() -> None:
         on_meta = _Net()
     with pytest.raises(ValueError, match="parameters on the meta device"):
         FSDP(on_meta)
+    # Sparse gradients failed in the first backward ("reshape is not implemented for sparse tensors").
+    for sparse_layer in (nn.Embedding(5, 3, sparse=True), nn.EmbeddingBag(5, 3, sparse=True)):
+        with pytest.raises(ValueError, match=r"does not support sparse gradients: 0 is an Embedding.* sparse=False"):
+            FSDP(nn.Sequential(sparse_layer, nn.Linear(3, 2)))
+    frozen = nn.Embedding(5, 3, sparse=True)
+    frozen.weight.requires_grad_(False)  # makes no gradient: accepted
+    FSDP(nn.Sequential(frozen, nn.Linear(3, 2)), flatten_parameters=False)
+    with_meta_buffer = _Net()
+    with_meta_buffer.register_buffer("table", torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="buffer table is on the meta device"):  # "Cannot copy out of meta tensor"
+        FSDP(with_meta_buffer)
     model = _nested()
     with pytest.raises(ValueError, match="pre must be a positive finite number"):
         model.set_gradient_divide_factors(0.0, 2.0, recursive=True)

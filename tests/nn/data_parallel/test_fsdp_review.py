@@ -189,6 +189,25 @@ def test_gradient_penalty_on_a_single_instance() -> None:
     run_distributed(_gradient_penalty_on_a_single_instance_body, 2)
 
 
+def _gradient_penalty_on_nested_resharding_instances_body(rank: int, ws: int) -> None:
+    net = _net()
+    ref = copy.deepcopy(net)
+    model = _wrap_nested(net)  # the nested instance reshards after forward
+    for i, x in enumerate(_batches(ws, 2)):
+        _gradient_penalty_step(model, _mine(x, rank, ws), 1.0)
+        assert_idle(model)  # the penalty's backward freed what the first call kept
+        _gradient_penalty_step(ref, x, float(ws))
+        _assert_grads_match(model, ref, f"gradient penalty, step {i}")
+
+
+def test_gradient_penalty_on_nested_resharding_instances() -> None:
+    """The same with a nested instance that reshards after forward (its default): the first call's end of backward
+    freed its full parameters, which the graph built with ``create_graph=True`` reads, and the second backward failed
+    with 'setStorage ... storage of size 0'. A backward that builds a graph and reaches no parameter keeps them."""
+
+    run_distributed(_gradient_penalty_on_nested_resharding_instances_body, 2)
+
+
 def _forward_under_no_grad_keeps_no_zero2_slice_body(rank: int, ws: int) -> None:
     net = _net()
     zero2 = dist.new_group(list(range(ws)))

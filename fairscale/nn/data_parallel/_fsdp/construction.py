@@ -14,6 +14,30 @@ from .unit import unit_of
 NamedParams = List[Tuple[str, nn.Parameter]]
 
 
+def refuse_unsupported_layers(module: nn.Module) -> None:
+    """Raise at wrapping for what would fail later inside FSDP with torch's words.
+
+    * A layer that makes sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``): FSDP flattens, shards
+      and reduce-scatters dense gradients (before: "reshape is not implemented for sparse tensors" in the first
+      backward). A frozen one makes no gradient and is accepted.
+    * A buffer on the meta device (parameters there are refused by the configuration): the first forward failed
+      moving it, with "Cannot copy out of meta tensor" and no name.
+    """
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(
+                f"FullyShardedDataParallel does not support sparse gradients: {name or 'the module'} is an "
+                f"{type(m).__name__} with sparse=True. Build it with sparse=False (FSDP shards and reduces dense "
+                "gradients), or keep it out of FSDP."
+            )
+    for name, b in module.named_buffers():
+        if b.device.type == "meta":
+            raise ValueError(
+                f"FullyShardedDataParallel: buffer {name} is on the meta device; materialise it before wrapping "
+                "(module.to_empty(device=...), then initialise it)"
+            )
+
+
 def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParams, NamedParams, List[str]]:
     """Parameters of ``module`` not yet owned by a nested FSDP instance, parameters owned by a sibling, tie problems.
 

@@ -422,10 +422,12 @@ def finalize_backward(root: FSDPUnit) -> None:
     if syncing:
         root.ckpt_step += 1  # the "step" of the checkpoint identity
     # autograd.grad() (e.g. a gradient penalty built with create_graph=True) runs no post-backward point; the graph it
-    # built still reads the full parameters of units that keep them after forward.
+    # built still reads the full parameters of units that keep them after forward, and, when it built a graph of its
+    # own, of the resharding units too (the penalty's backward reads them; they are freed at its end).
     keep_full = not tree.any_post_backward
+    keep_resharded = keep_full and tree.backward_builds_graph
     for u in units:
-        _finalize_unit(u, syncing, keep_full)
+        _finalize_unit(u, syncing, keep_full, keep_resharded)
     if not syncing:
         step_guard.watch(root)
     tree.final_callback_queued = False
@@ -433,13 +435,13 @@ def finalize_backward(root: FSDPUnit) -> None:
     tree.backward_order.finish()
 
 
-def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool) -> None:
+def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool, keep_resharded: bool) -> None:
     to_cpu = unit.config.move_grads_to_cpu
     for h in unit.handles:
         h.end_backward()
         if not h.materialized:
             continue  # this unit never ran a forward since its lazy init
-        if (syncing and not keep_full) or unit.reshard_after_forward:
+        if (syncing and not keep_full) or (unit.reshard_after_forward and not keep_resharded):
             h.free_full()
         h.drop_zero2_slice()
         h.use_shard()

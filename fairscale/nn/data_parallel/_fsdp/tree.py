@@ -5,6 +5,7 @@ import inspect
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
+import torch
 from torch import Tensor
 from torch.autograd import Variable
 
@@ -47,6 +48,9 @@ class TreeState:
         self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         # Whether any post-backward point ran in the current backward (autograd.grad() runs none).
         self.any_post_backward = False
+        # Whether the current backward builds a graph of its own (create_graph=True, as a gradient penalty's
+        # autograd.grad does): the engine runs it with grad mode on. That graph reads the full parameters.
+        self.backward_builds_graph = False
         # Unit orders of the previous forward and backward, for prefetch (see _fsdp/prefetch.py).
         self.forward_order = ExecutionOrder("forward")
         self.backward_order = ExecutionOrder("backward")
@@ -84,6 +88,7 @@ class TreeState:
         if self.final_callback_queued or fn is None:
             return
         self.final_callback_queued = True
+        self.backward_builds_graph = torch.is_grad_enabled()
         Variable._execution_engine.queue_callback(fn)
 
     def hold_until_reduced(self, grad: Tensor) -> None:

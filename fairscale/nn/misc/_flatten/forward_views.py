@@ -118,7 +118,11 @@ def _layout(flat: Any) -> _Layout:
 def forward_views(flat: Any) -> List[Tensor]:
     """The views of ``flat`` (a FlatParameter) for a forward; plain views when no gradient can flow to it."""
     if not (torch.is_grad_enabled() and flat.requires_grad):
-        return list(flat.get_param_views())
+        # Cut from a detached alias (same storage): nothing flows back, and the views must not lead to the flat
+        # parameter itself. Under FSDP its data is the full parameter while its .grad is still the reduced shard, and
+        # torch.compile, which copies a view's base with that base's .grad, failed on the mismatch ("attempting to
+        # assign a gradient of size [55] to a tensor of size [110]") in an evaluation forward after a step.
+        return list(flat.get_param_views(flat.detach()))
     if flat.numel() != sum(flat._param_numels):
         return list(flat.get_param_views())  # raises the size error FlatParameter words
     return list(
