@@ -111,6 +111,21 @@ def _split_nodes(traced: torch.fx.GraphModule, shard_count: int = 3) -> Dict[str
     return assignment
 
 
+def _check_output_is_last_value(traced: torch.fx.GraphModule) -> None:
+    """Each stage hands on the last value it computes, so chaining the stages returns the model's output only when
+    that output is the model's last computed value. Upstream's stages silently returned that last value instead (a
+    statistic computed after the result, one element of a returned tuple)."""
+    nodes = list(traced.graph.nodes)
+    output, last = nodes[-1], nodes[-2] if len(nodes) > 1 else None
+    if output.op == "output" and output.args[0] is not last:
+        raise ValueError(
+            "shard_model: the model's output is not the last value its forward computes (it returns "
+            f"{output.args[0]!r}, computed before {last!r}, or several values): the stages pass on one value each, so "
+            "chaining them would not return the model's output. Return a single tensor computed last (compute "
+            "auxiliary values before it)."
+        )
+
+
 def shard_model(model: nn.Module, shard_count: int = 3) -> List[torch.fx.GraphModule]:
     """Split ``model`` into a list of ``torch.fx.GraphModule`` stages of about equal parameter count.
 
@@ -126,11 +141,13 @@ def shard_model(model: nn.Module, shard_count: int = 3) -> List[torch.fx.GraphMo
         List[torch.fx.GraphModule]: the stages, in order.
 
     Raises:
-        ValueError: ``shard_count`` is not a positive integer.
+        ValueError: ``shard_count`` is not a positive integer, or the model's output is not the last value its
+            forward computes (several returned values, or something computed after the result).
     """
     if not isinstance(shard_count, int) or shard_count < 1:
         raise ValueError(f"shard_count must be a positive integer, got {shard_count!r}")
     traced = _trace(model)
+    _check_output_is_last_value(traced)
     assignment = _split_nodes(traced, shard_count)
     shards: List[torch.fx.GraphModule] = []
     graph = torch.fx.Graph()

@@ -61,6 +61,13 @@ class DynamicLossScaler(object):
         threshold: Optional[float] = None,
         min_loss_scale: float = 1e-4,
     ) -> None:
+        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+            # 0 failed at the first update() with "integer modulo by zero".
+            raise ValueError(f"DynamicLossScaler: scale_window must be an int >= 1 (iterations), got {scale_window!r}")
+        if not (isinstance(init_scale, (int, float)) and 0 < init_scale < float("inf")):
+            raise ValueError(f"DynamicLossScaler: init_scale must be a finite number > 0, got {init_scale!r}")
+        if not (isinstance(scale_factor, (int, float)) and 0 < scale_factor < float("inf")):
+            raise ValueError(f"DynamicLossScaler: scale_factor must be a finite number > 0, got {scale_factor!r}")
         self.loss_scale: Optional[float] = init_scale
         self.scale_factor = scale_factor
         self.scale_window = scale_window
@@ -118,7 +125,14 @@ class DynamicLossScaler(object):
             raise OverflowError("setting loss scale to: " + str(self.loss_scale))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide every gradient of ``optimizer`` by the loss scale (``step`` does this itself)."""
+        """Divide every gradient of ``optimizer`` by the loss scale, once per iteration.
+
+        :meth:`step` unscales what was not unscaled yet, so gradient clipping may come in between
+        (``unscale_``, clip, ``step``), as with torch's ``GradScaler``.
+
+        Raises:
+            RuntimeError: called twice for ``optimizer`` in one iteration, or after its :meth:`step`.
+        """
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -131,6 +145,7 @@ class DynamicLossScaler(object):
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad.mul_(inv_scale)
+        optimizer_state["stage"] = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale and step ``optimizer`` unless a group's gradient norm is inf/nan.
@@ -149,8 +164,16 @@ class DynamicLossScaler(object):
                 self._check_overflow(self._get_gradients_norm(group["params"]))
             except OverflowError:
                 return None
-        self.unscale_(optimizer)
-        return optimizer.step(*args, **kwargs)
+        # Upstream unscaled here whatever unscale_() had done already (the gradients were divided twice, silently)
+        # and never recorded the stage, so its "already unscaled" and "after step" errors could not fire.
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called on this optimizer since the last update().")
+        if optimizer_state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        result = optimizer.step(*args, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return result
 
     def update(self) -> None:
         """End the iteration: grow the scale after ``scale_window`` iterations without overflow."""

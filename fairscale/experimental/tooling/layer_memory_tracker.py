@@ -230,9 +230,15 @@ class LayerwiseMemoryTracker:
         self._pending = []
 
     def monitor(self, model: nn.Module) -> None:
-        """Install the hooks on every module of ``model`` (root included) and start measuring."""
-        param = next(model.parameters(), None)
-        self._probe = probe_for(param.device if param is not None else torch.device("cpu"))
+        """Install the hooks on every module of ``model`` (root included) and start measuring.
+
+        Several models (or parts of one) may be monitored by one tracker: they share its memory probe. (A second call
+        made a second probe before, and the first one's CPU profiler session was never stopped: a later tracker then
+        read 0 bytes everywhere.)
+        """
+        if self._probe is None:
+            param = next(model.parameters(), None)
+            self._probe = probe_for(param.device if param is not None else torch.device("cpu"))
         for name, m in model.named_modules():
             self._hooks.append(m.register_forward_pre_hook(self._create_pre_forward_hook(name)))
             self._hooks.append(m.register_forward_hook(self._create_post_forward_hook(name)))

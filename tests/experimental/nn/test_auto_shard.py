@@ -3,8 +3,9 @@
 threshold, edge collapsing, untraceable sub-modules as leaves, nn.Sequential root naming) give upstream's counts."""
 
 import math
-from typing import List
+from typing import List, Tuple
 
+import pytest
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -136,3 +137,32 @@ def test_boundary_rules() -> None:
     shards = shard_model(seq, 3)
     assert len(shards) == 6  # "_0", "_1", ... fall back to the root's count: one stage per layer
     torch.testing.assert_close(_chain(shards, x), seq(x))
+
+
+class _StatisticAfterResult(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(x)
+        z = self.second(y)
+        self.last_mean = y.mean()  # computed after the result
+        return z
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        z = self.second(self.first(x))
+        return z, z.sum()
+
+
+@pytest.mark.parametrize("model", [_StatisticAfterResult, _TwoOutputs])
+def test_an_output_that_is_not_the_last_value_is_refused(model: type) -> None:
+    # Upstream's chained stages returned the last computed value (a scalar here) instead of the model's output.
+    with pytest.raises(ValueError, match="the model's output is not the last value its forward computes"):
+        shard_model(model(), shard_count=1)

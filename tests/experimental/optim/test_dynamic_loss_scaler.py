@@ -87,8 +87,22 @@ def test_unscale_and_state_dict() -> None:
     p.grad = torch.full((2,), 8.0)
     scaler.unscale_(optim)
     assert p.grad.tolist() == [2.0, 2.0]
-    scaler.step(optim)  # upstream behaviour: step unscales again
-    assert p.grad.tolist() == [0.5, 0.5]
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(optim)
+    scaler.step(optim)  # unscale_, clip, step (torch's GradScaler order): divided once (upstream: twice, silently)
+    assert p.grad.tolist() == [2.0, 2.0]
+    assert torch.allclose(p.detach(), torch.full((2,), 0.8))
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step\\(\\)"):
+        scaler.unscale_(optim)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(optim)
+    scaler.update()
+    p.grad = torch.full((2,), 8.0)
+    scaler.step(optim)  # a new iteration: step unscales itself
+    assert p.grad.tolist() == [2.0, 2.0]
+    for bad in ({"scale_window": 0}, {"init_scale": 0.0}, {"scale_factor": float("nan")}):
+        with pytest.raises(ValueError, match="DynamicLossScaler: "):
+            DynamicLossScaler(**bad)  # type: ignore[arg-type]
     assert scaler.state_dict() == {"loss_scale": 4}
     other = DynamicLossScaler()
     other.load_state_dict({})

@@ -121,6 +121,29 @@ def test_byte_rule_nested_outputs_and_empty_traces() -> None:
         LayerwiseMemoryTracker().summary
 
 
+def test_monitoring_two_models_with_one_tracker() -> None:
+    # The second monitor() made a second probe: the first CPU profiler session was never stopped, and a later
+    # tracker read 0 bytes for every layer.
+    from torch.autograd import profiler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model[0])
+    tracker.monitor(model[2])
+    model(x).sum().backward()
+    tracker.stop()
+    assert not profiler._is_profiler_enabled
+    assert [t.module_name for t in tracker.forward_traces] == ["", ""]  # each monitored root has the empty name
+    later = LayerwiseMemoryTracker()
+    later.monitor(model)
+    model(x).sum().backward()
+    later.stop()
+    if not accelerator_available():  # the CPU probe: the profiler's memory events
+        assert later.summary.max_memory_allocated > 0
+
+
 def test_plots_capture() -> None:
     pytest.importorskip("matplotlib")
     pytest.importorskip("PIL")
