@@ -45,6 +45,11 @@ def set_grad_of_other_shape(param: Tensor, grad: Tensor) -> None:
         param.data = data
 
 
+def _resizable(t: Tensor) -> bool:
+    resizable = getattr(t.untyped_storage(), "resizable", None)
+    return bool(resizable()) if resizable is not None else False  # torch < 2.2 cannot tell: take it as not
+
+
 class FlatHandle:
     """State and tensors of one parameter owned by an FSDP instance.
 
@@ -168,7 +173,7 @@ class FlatHandle:
         full = self.full_padded
         if isinstance(full, FreedBuffer):
             self.full_padded = full.make()
-        elif full is not None and not full.untyped_storage().resizable():
+        elif full is not None and not _resizable(full):
             # torch.load gives storages that cannot be resized, and the full buffer is freed and regrown in place at
             # every step: give it a storage of its own.
             self.full_padded = full.clone()
