@@ -427,8 +427,8 @@ def validate(cfg: BenchConfig) -> List[str]:
         out.append(f"--threads must be >= 0 (got {cfg.threads})")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         out.append(f"--lr must be a finite number > 0 (got {cfg.lr})")
-    if not cfg.timeout > 0:
-        out.append(f"--timeout must be > 0 seconds (got {cfg.timeout})")
+    if not (cfg.timeout > 0 and math.isfinite(cfg.timeout)):
+        out.append(f"--timeout must be a finite number > 0 of seconds (got {cfg.timeout})")
     out += _output_problems(cfg)
     if not (cfg.intra_node_gbps > 0 and cfg.inter_node_gbps > 0):
         out.append("--intra-node-gbps and --inter-node-gbps must be > 0")

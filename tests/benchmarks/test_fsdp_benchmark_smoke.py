@@ -279,7 +279,8 @@ def test_wrap_plan_units_cover_every_parameter() -> None:
         # Refused before the run: they failed in a rank (--lr nan), as a timeout (--timeout 0), or after the whole
         # run, when its report was written (--out into a missing folder).
         (["--lr", "nan"], "--lr must be a finite number > 0 (got nan)"),
-        (["--timeout", "0"], "--timeout must be > 0 seconds (got 0.0)"),
+        (["--timeout", "0"], "--timeout must be a finite number > 0 of seconds (got 0.0)"),
+        (["--timeout", "inf"], "--timeout must be a finite number > 0 of seconds (got inf)"),
         (["--out", "/nonexistent-folder/x.json"], "--out /nonexistent-folder/x.json: the folder /nonexistent-folder"),
         (["--plot", "."], "--plot . is a directory"),
     ],

@@ -265,6 +265,7 @@ class LayerwiseMemoryTracker:
         if self._probe is not None:
             self._resolve()
             self._probe.stop()
+            self._probe = None  # a later monitor() may be of a model on another device
         self._previous_module_name = None
         self._memory_pre_forward = None
         self._last_all_gather_memory = 0

@@ -298,7 +298,7 @@ class _RunForward:
             # parameter stopped being a leaf and backward called the checkpoint's node over and over (a hang). An
             # alias of each output is what the caller gets instead; the recomputation returns the real tensors,
             # so a returned parameter still gets its gradient.
-            return tuple(t.detach() for t in output_tensors)
+            return tuple(_alias(t) for t in output_tensors)
         if len(output_tensors) != self.num_output_tensors:
             raise RuntimeError(
                 f"checkpoint_wrapper: the recomputed forward returned {len(output_tensors)} tensors but the "
@@ -306,6 +306,15 @@ class _RunForward:
                 "deterministic in its output structure."
             )
         return tuple(output_tensors)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor the checkpoint's node may make its output without changing ``t``: a leaf that requires grad (a
+    parameter) gets a view, so that an in-place change of it still fails as it does without checkpointing ("a view
+    of a leaf Variable that requires grad is being used in an in-place operation"); anything else a detached alias."""
+    if t.is_leaf and t.requires_grad:
+        return t.view_as(t)
+    return t.detach()
 
 
 def _may_need_grad(module: nn.Module, input_tensors: List[torch.Tensor]) -> bool:

@@ -181,6 +181,39 @@ def _step_in_window(rank: int, world_size: int, flag: bool) -> None:
     _backward(model, 2, rank, sync=False)
     model.zero_grad()  # a cleared window holds nothing: the step is allowed (and moves nothing)
     optimizer.step()
+    # A tree whose handles a move reset inside a window must not break the steps of other optimizers (a bare
+    # AssertionError in every optimizer.step() of the process, in review).
+    _backward(model, 3, rank, sync=False)
+    model.float()
+    other_optimizer.step()
+
+
+class _Scale(nn.Module):
+    """One 1-element parameter: at world size 2 its shard has its full shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((1,), 2.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+def _step_after_replacing_a_reduced_gradient(rank: int, world_size: int, flag: bool) -> None:
+    """``p.grad = p.grad * 0.5`` after the window's synchronizing backward (averaging over the accumulation steps)
+    replaces FSDP's reduced shard by another tensor of the same shape; with a shard of the full shape that was taken
+    for an unreduced window gradient, and every later step raised."""
+    model = FSDP(_Scale(), optimize_backward_concat=flag)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.ones(2, 1) * (rank + 1)
+        with model.no_sync():
+            model(x).sum().backward()
+        model(x).sum().backward()
+        for p in model.parameters():
+            p.grad = p.grad * 0.5
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def _body(rank: int, world_size: int, flag: bool) -> None:
@@ -197,6 +230,12 @@ def _body(rank: int, world_size: int, flag: bool) -> None:
         )
     )
     cases.append(("optimizer.step() in a window", functools.partial(_step_in_window, rank, world_size, flag)))
+    cases.append(
+        (
+            "optimizer.step() after replacing a reduced gradient",
+            functools.partial(_step_after_replacing_a_reduced_gradient, rank, world_size, flag),
+        )
+    )
     if flag:
         cases.append(("backward(inputs=...) in a window", functools.partial(_backward_with_inputs_in_a_window, rank)))
     run_cases(cases)

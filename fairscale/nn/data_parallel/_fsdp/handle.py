@@ -257,11 +257,15 @@ class FlatHandle:
             return False
         if self.grad_accum_flat is not None:
             return True
+        if self._window_grad is None or self.fp32_shard is None:
+            # No no_sync() backward left a gradient since the last reduction (or the handle was reset by a move):
+            # whatever p.grad is now, the reduced shard or a tensor the user assigned since, it is not unreduced. The
+            # shapes alone cannot tell when the shard has the full shape (a 1-element parameter at world size 2).
+            return False
         g = self.param.grad
         if g is None or self.is_assigned_grad(g):
             return False
         # As in park_grad_for_backward: the shard shape alone is ambiguous when it equals the full shape.
-        assert self.fp32_shard is not None
         return not (g.shape == self.fp32_shard.shape and g.shape != self.orig_size)
 
     # ------------------------------------------------------------------ views

@@ -12,7 +12,7 @@ is looked at in the next step only, and forgotten once none of its parameters ho
 """
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Set, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -36,14 +36,18 @@ def watch(root: FSDPUnit) -> None:
     _watched.add(root)
 
 
-def _unreduced(root: FSDPUnit) -> Dict[int, Tuple[FSDPUnit, FlatHandle]]:
-    # A gradient cleared to None inside the window (zero_grad()) is skipped by the optimizer: nothing to refuse.
-    return {
-        id(h.param): (root, h)
-        for u in root.tree_units()
-        for h in u.handles
-        if h.param.grad is not None and h.holds_unreduced_grad()
-    }
+def _unreduced(root: FSDPUnit, stepped: Set[int]) -> Tuple[bool, Optional[Tuple[FSDPUnit, FlatHandle]]]:
+    """Whether ``root``'s tree still holds an unreduced gradient, and the first such handle whose parameter is among
+    ``stepped`` (ids of the optimizer's parameters)."""
+    held, found = False, None
+    for u in root.tree_units():
+        for h in u.handles:
+            # A gradient cleared to None inside the window (zero_grad()) is skipped by the optimizer: nothing to refuse.
+            if h.param.grad is not None and h.holds_unreduced_grad():
+                held = True
+                if id(h.param) in stepped:
+                    return True, (root, h)
+    return held, found
 
 
 def _path(root: FSDPUnit, handle: FlatHandle) -> str:
@@ -57,24 +61,17 @@ def _path(root: FSDPUnit, handle: FlatHandle) -> str:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
     if not _watched:
         return None
-    unreduced: Dict[int, Tuple[FSDPUnit, FlatHandle]] = {}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for root in list(_watched):
-        held = _unreduced(root)
-        if held:
-            unreduced.update(held)
-        else:
+        held, found = _unreduced(root, stepped)
+        if found is not None:
+            raise FairscaleRuntimeError(
+                f"optimizer.step() inside a no_sync() accumulation window: FSDP parameter {_path(*found)!r} holds "
+                "this rank's unreduced, full-size gradient of the window's backward passes, which the optimizer "
+                "cannot apply to the parameter's shard. Step after the window's last backward, the one outside "
+                "no_sync(), or drop the window's gradients first with zero_grad() (set_to_none=True); nothing "
+                "was changed."
+            )
+        if not held:
             _watched.discard(root)  # its window was reduced or cleared
-    if not unreduced:
-        return None
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            found = unreduced.get(id(p))
-            if found is not None:
-                raise FairscaleRuntimeError(
-                    f"optimizer.step() inside a no_sync() accumulation window: FSDP parameter {_path(*found)!r} holds "
-                    "this rank's unreduced, full-size gradient of the window's backward passes, which the optimizer "
-                    "cannot apply to the parameter's shard. Step after the window's last backward, the one outside "
-                    "no_sync(), or drop the window's gradients first with zero_grad() (set_to_none=True); nothing "
-                    "was changed."
-                )
     return None
