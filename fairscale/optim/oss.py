@@ -522,6 +522,10 @@ class OSS(Optimizer):
             self._clear_cache()
             self.optim = self._optim_constructor(self.partition_parameters()[self.rank], **self._optim_defaults)
             self._sync_param_groups(self.optim.param_groups, self.param_groups)
+            # The wrapped optimizer's own defaults (AdamW's betas, SGD's momentum) join OSS's, which held only what
+            # was passed: torch's OneCycleLR and CyclicLR read optimizer.defaults and refused OSS(optim=AdamW).
+            for key, value in self.optim.defaults.items():
+                self.defaults.setdefault(key, value)
         self._default_device = next(iter(self._per_device_params))
         self._setup_flat_buffers()
 

@@ -652,3 +652,30 @@ def test_grad_scalers_refuse_an_init_scale_that_is_not_positive_and_finite(
     scaler_class(init_scale=init_scale, enabled=False, device="cpu")
     if device_generic_amp_scaler():  # torch < 2.3: CPU scalers are disabled (scale 1.0), as torch's are
         assert scaler_class(init_scale=8.0, device="cpu").get_scale() == 8.0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Schedulers that read optimizer.defaults
+
+
+def _one_cycle_body(rank: int, world_size: int) -> None:
+    # OSS.defaults held only the arguments given (upstream): OneCycleLR(cycle_momentum=True) and CyclicLR refused
+    # OSS(optim=AdamW) ("optimizer must support momentum or beta1").
+    model, reference = _model(), _model()
+    oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.01, total_steps=10) for o in (oss, plain)]
+    for step in range(3):
+        for m, o, s in ((model, oss, schedulers[0]), (reference, plain, schedulers[1])):
+            o.zero_grad()
+            m(_data(step, 0)).pow(2).mean().backward()
+            o.step()
+            s.step()
+    assert oss.param_groups[0]["betas"] == plain.param_groups[0]["betas"]
+    assert oss.param_groups[0]["lr"] == plain.param_groups[0]["lr"]
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_one_cycle_lr_on_oss_of_adamw() -> None:
+    run_distributed(_one_cycle_body, 2, timeout=TIMEOUT)

@@ -96,7 +96,9 @@ def _single_rank_body(rank: int, world_size: int) -> None:
 def _case_create() -> None:
     o = OSS([torch.rand(1, requires_grad=True)], lr=0.1)
     assert o.world_size == 1 and o.rank == 0 and o.global_rank == 0
-    assert o.defaults == {"lr": 0.1}
+    # The arguments given, then the wrapped optimizer's own defaults (upstream: the arguments only; torch's
+    # OneCycleLR and CyclicLR read momentum or betas there).
+    assert o.defaults["lr"] == 0.1 and o.defaults["momentum"] == 0 and list(o.defaults)[0] == "lr"
     assert set(o.param_groups[0]) >= {"params", "lr", "momentum", "dampening", "nesterov", "weight_decay"}
     with pytest.raises(ValueError, match="empty parameter list"):
         OSS([], lr=0.1)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.internal import collectives
+from fairscale.internal.compiler import call_outside_compiler
 from fairscale.internal.collectives import WorkHandle
 from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
@@ -274,8 +275,26 @@ class ShardedDataParallel(nn.Module):
                 raise
             return getattr(self.module, name)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # Reached by copy.deepcopy and pickling. The wrapper is bound to its OSS optimizers and process group, which
+        # cannot be copied (before: "cannot pickle 'ProcessGroup' object", from inside the copy).
+        raise TypeError(
+            "ShardedDataParallel cannot be copied or pickled: it is bound to its OSS optimizers and process group. "
+            "Copy or save the wrapped module instead (copy.deepcopy(model.module), AveragedModel(model.module), "
+            "torch.save(model.module.state_dict(), ...))."
+        )
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module, after (re)building the gradient hooks if trainability or the mode changed."""
+        """Run the wrapped module, after (re)building the gradient hooks if trainability or the mode changed.
+
+        Under ``torch.compile`` the preparation runs outside the compiler (a graph break) and the wrapped module is
+        traced: traced, the preparation re-pointed the parameters into OSS's broadcast buckets only in the captured
+        graph, and the ranks drifted apart from the first step, silently.
+        """
+        call_outside_compiler(self._prepare_forward)
+        return self.module(*inputs, **kwargs)
+
+    def _prepare_forward(self) -> None:
         needs_setup = self._reducer.state == HookState.NONE and self.training
         if self._auto_refresh_trainable:
             needs_setup |= self._detect_train_change()
@@ -286,7 +305,6 @@ class ShardedDataParallel(nn.Module):
         if self._enable_broadcast_buffers and not self._reducer.accumulating:
             self.sync_buffers(blocking=True)
         self._reducer.clear_counters(self.training)
-        return self.module(*inputs, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, all or nothing: the load is tried on shape-only tensors first

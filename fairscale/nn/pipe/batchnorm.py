@@ -109,6 +109,20 @@ class DeferredBatchNorm(_BatchNorm):
         """
         if isinstance(module, DeferredBatchNorm) and module.chunks is chunks:
             return module
+        compiled = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(compiled, nn.Module) and any(
+            isinstance(m, _BatchNorm)
+            and m.track_running_stats
+            and not (isinstance(m, DeferredBatchNorm) and m.chunks == chunks)
+            for m in compiled.modules()
+        ):
+            # Its compiled code calls the batch norm it was compiled with: a replacement inside would never run, and
+            # the running statistics would move once per micro-batch, silently.
+            raise FairscaleValueError(
+                f"{type(compiled).__name__} was compiled (torch.compile) before its batch norms were made deferred: "
+                "convert first, then compile (DeferredBatchNorm.convert_deferred_batch_norm(layer, chunks), then "
+                "torch.compile), or compile only layers without batch norm"
+            )
 
         module_output: nn.Module = module
         if isinstance(module, _BatchNorm) and module.track_running_stats:

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union, cast
 import torch
 from torch import Tensor, nn
 
+from fairscale.internal.compiler import call_outside_compiler
 from fairscale.internal.device import accelerator_device_count
 from fairscale.internal.version import torch_version as torch_version
 
@@ -121,6 +122,13 @@ def split_module(
 
     del devices[j:]
     return nn.ModuleList(partitions), balance, devices
+
+
+_COMPILE_WARNING = (
+    "torch.compile reached a fairscale Pipe: the pipeline's schedule runs outside the compiler, and so do its "
+    "partitions unless they were compiled themselves. Compile the partitions (the layers of the nn.Sequential) "
+    "before building the Pipe to get compiled code."
+)
 
 
 class Pipe(nn.Module):
@@ -279,6 +287,12 @@ class Pipe(nn.Module):
         Raises:
             TypeError: the input (or a partition's output) is not a tensor or a tuple of tensors.
         """
+        # The schedule (micro-batches on worker threads, phony dependencies) cannot be traced: under torch.compile
+        # it runs outside the compiler (it failed with the compiler's internal error), and partitions compiled on
+        # their own still run compiled.
+        return call_outside_compiler(self._forward, input, warning=_COMPILE_WARNING)
+
+    def _forward(self, input: TensorOrTensors) -> TensorOrTensors:
         microbatch.check(input)
         if not self.devices:
             # An empty sequential module is an identity.

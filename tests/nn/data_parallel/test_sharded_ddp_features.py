@@ -4,6 +4,7 @@ changes, attributes, error cases, process sub-groups. Real gloo worlds on CPU.""
 
 import copy
 import gc
+import io
 import logging
 import weakref
 from typing import Any, List, Tuple
@@ -341,9 +342,21 @@ def _bucket_size_case() -> None:
     assert isinstance(sdp._buffer_max_size, int)
 
 
+def _copy_case() -> None:
+    # "cannot pickle 'ProcessGroup' object" from inside the copy before (AveragedModel deep-copies its module).
+    model = nn.Linear(3, 2)
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    for attempt in (lambda: copy.deepcopy(sdp), lambda: torch.save(sdp, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"ShardedDataParallel cannot be copied or pickled.*copy.deepcopy\(model"):
+            attempt()
+    averaged = torch.optim.swa_utils.AveragedModel(sdp.module)  # what the message suggests
+    assert averaged.module is not model
+
+
 def _world1_body(rank: int, world_size: int) -> None:
     run_cases(
         [
+            ("copies", _copy_case),
             ("bucket_size", _bucket_size_case),
             ("ddp_attributes", _attributes_case),
             ("catch_grad_grad", _grad_grad_case),
