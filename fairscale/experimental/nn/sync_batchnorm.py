@@ -18,7 +18,7 @@ from fairscale.internal import torch_version as torch_version  # noqa: F401  # u
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_reduce, group_size
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
-from fairscale.nn.checkpoint.checkpoint_activations import current_call_stash
+from fairscale.nn.checkpoint.checkpoint_activations import current_call_stash, enclosing_call_stash
 
 __all__ = ["SyncBatchNorm"]
 
@@ -233,11 +233,18 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
         # call's graph): a forward whose backward never runs left them in saved_for_2nd_fwd for the next
         # recomputation to take, and two checkpointed calls of one layer, recomputed in reverse order, took each
         # other's. saved_for_2nd_fwd (upstream's list) serves code that sets the flags by hand.
+        key = ("SyncBatchNorm", id(self))
         stash = current_call_stash()
-        if stash is not None:
-            saved = stash.setdefault(("SyncBatchNorm", id(self)), [])
-        else:
-            saved = self.saved_for_2nd_fwd
+        saved = stash.setdefault(key, []) if stash is not None else self.saved_for_2nd_fwd
+        if wait_phase and recompute_phase:
+            # The first pass of a checkpointed call nested in another one's recomputation: the statistics are those
+            # the outer first pass computed (in the enclosing call's stash); this call's recomputation needs them too.
+            # (Before: no statistics at all, "UnboundLocalError: 'mean'".)
+            enclosing = enclosing_call_stash()
+            source = enclosing.setdefault(key, []) if enclosing is not None else saved
+            if not source:
+                raise RuntimeError("SyncBatchNorm: recomputation without statistics saved by the checkpointed pass")
+            mean, invstd, total_count = source.pop(0)
         if wait_phase:
             saved.append((mean, invstd, total_count))
             return _forward(input, self.affine, mean, invstd, self.weight, self.bias)

@@ -85,9 +85,11 @@ _ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 
 class _CallStash(threading.local):
-    """The stash of the checkpointed call whose forward (first pass or recomputation) runs on this thread."""
+    """The stashes of the checkpointed calls whose forwards (first pass or recomputation) run on this thread, outer
+    first (a checkpointed call inside another one's recomputation makes two)."""
 
-    current: Optional[Dict[Any, Any]] = None
+    def __init__(self) -> None:
+        self.stack: List[Dict[Any, Any]] = []
 
 
 _call_stash = _CallStash()
@@ -102,7 +104,19 @@ def current_call_stash() -> Optional[Dict[Any, Any]]:
     runs leaves nothing behind, and two checkpointed calls never see each other's values, whatever order backward
     recomputes them in.
     """
-    return _call_stash.current
+    stack = _call_stash.stack
+    return stack[-1] if stack else None
+
+
+def enclosing_call_stash() -> Optional[Dict[Any, Any]]:
+    """The stash of the checkpointed call around the current one (``None`` if there is none).
+
+    A checkpointed call nested in another runs its first pass plainly inside the outer call's first pass (no grad
+    there), and for real inside the outer call's recomputation: what its layers computed in the outer first pass is
+    in the enclosing call's stash.
+    """
+    stack = _call_stash.stack
+    return stack[-2] if len(stack) > 1 else None
 
 
 @contextlib.contextmanager
@@ -282,12 +296,12 @@ class _RunForward:
     def __call__(self, _grad_anchor: torch.Tensor, *input_tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         args, kwargs = _unflatten(self.input_spec, list(input_tensors))
         first_pass = not self.first_pass_done
-        outer_stash, _call_stash.current = _call_stash.current, self.stash
+        _call_stash.stack.append(self.stash)
         try:
             with enable_checkpointing() if first_pass else enable_recomputing():
                 outputs = self.forward(*args, **kwargs)
         finally:
-            _call_stash.current = outer_stash
+            _call_stash.stack.pop()
         output_tensors, output_spec = _flatten(outputs)
         if first_pass:
             self.first_pass_done = True

@@ -242,6 +242,31 @@ def _checkpointed_calls_body(rank: int, world_size: int) -> None:
         torch.testing.assert_close(a, b)
 
 
+def _nested(wrap: bool) -> nn.Module:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Conv2d(2, 2, 1), SyncBatchNorm(2))
+    outer = nn.Sequential(checkpoint_wrapper(inner) if wrap else inner, nn.Conv2d(2, 2, 1))
+    return checkpoint_wrapper(outer) if wrap else outer
+
+
+def _nested_checkpoints_body(rank: int, world_size: int) -> None:
+    # The inner call's first pass runs inside the outer recomputation with both flags set: it computed no statistics
+    # ("UnboundLocalError: 'mean'"); it takes those of the outer first pass.
+    x = torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(40 + rank))
+    grads = []
+    for wrap in (False, True):
+        model = _nested(wrap)
+        inp = x.clone().requires_grad_()
+        model(inp).pow(2).sum().backward()
+        grads.append([inp.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_nested_checkpointed_calls() -> None:
+    run_distributed(_nested_checkpoints_body, WORLD, timeout=60)
+
+
 def test_statistics_belong_to_their_checkpointed_call() -> None:
     run_distributed(_checkpointed_calls_body, WORLD, timeout=60)
 
