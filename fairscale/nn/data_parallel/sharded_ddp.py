@@ -276,8 +276,12 @@ class ShardedDataParallel(nn.Module):
             return getattr(self.module, name)
 
     def __getstate__(self) -> Dict[str, Any]:
-        # Reached by copy.deepcopy and pickling. The wrapper is bound to its OSS optimizers and process group, which
-        # cannot be copied (before: "cannot pickle 'ProcessGroup' object", from inside the copy).
+        # Reached by copy.deepcopy and pickling. A wrapper bound to a process group cannot be copied (before:
+        # "cannot pickle 'ProcessGroup' object", from inside the copy); one without (a single process without
+        # torch.distributed) copies as before.
+        if self._process_group is None:
+            state: Dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call,unused-ignore]
+            return state
         raise TypeError(
             "ShardedDataParallel cannot be copied or pickled: it is bound to its OSS optimizers and process group. "
             "Copy or save the wrapped module instead (copy.deepcopy(model.module), AveragedModel(model.module), "
