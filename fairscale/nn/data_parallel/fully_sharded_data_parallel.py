@@ -14,6 +14,7 @@ from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional, Tupl
 import torch
 from torch import Tensor, nn
 
+from fairscale.internal.compiler import is_compiling
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
@@ -310,7 +311,9 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
     # ------------------------------------------------------------------ forward and backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return compile_support.forward(self._fsdp_unit, args, kwargs)
+        if is_compiling():  # one call per unit and forward when not compiling (this runs for every unit)
+            return compile_support.forward_outside_compiler(self._fsdp_unit, args, kwargs)
+        return runtime.forward(self._fsdp_unit, args, kwargs)
 
     def _lazy_init(self) -> None:
         runtime.lazy_init(self._fsdp_unit)

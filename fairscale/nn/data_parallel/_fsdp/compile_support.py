@@ -25,6 +25,6 @@ _WARNING = (
 )
 
 
-def forward(unit: FSDPUnit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """FSDP's forward; under the compiler's tracing, a call it does not trace."""
+def forward_outside_compiler(unit: FSDPUnit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """FSDP's forward as a call the compiler does not trace (the caller checked that it is tracing)."""
     return call_outside_compiler(runtime.forward, unit, args, kwargs, warning=_WARNING)

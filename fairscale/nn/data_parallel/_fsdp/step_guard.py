@@ -36,18 +36,18 @@ def watch(root: FSDPUnit) -> None:
     _watched.add(root)
 
 
-def _unreduced(root: FSDPUnit, stepped: Set[int]) -> Tuple[bool, Optional[Tuple[FSDPUnit, FlatHandle]]]:
+def _unreduced(root: FSDPUnit, stepped: Set[int]) -> Tuple[bool, Optional[FlatHandle]]:
     """Whether ``root``'s tree still holds an unreduced gradient, and the first such handle whose parameter is among
     ``stepped`` (ids of the optimizer's parameters)."""
-    held, found = False, None
+    held = False
     for u in root.tree_units():
         for h in u.handles:
             # A gradient cleared to None inside the window (zero_grad()) is skipped by the optimizer: nothing to refuse.
             if h.param.grad is not None and h.holds_unreduced_grad():
-                held = True
                 if id(h.param) in stepped:
-                    return True, (root, h)
-    return held, found
+                    return True, h
+                held = True
+    return held, None
 
 
 def _path(root: FSDPUnit, handle: FlatHandle) -> str:
@@ -66,7 +66,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Op
         held, found = _unreduced(root, stepped)
         if found is not None:
             raise FairscaleRuntimeError(
-                f"optimizer.step() inside a no_sync() accumulation window: FSDP parameter {_path(*found)!r} holds "
+                f"optimizer.step() inside a no_sync() accumulation window: FSDP parameter {_path(root, found)!r} holds "
                 "this rank's unreduced, full-size gradient of the window's backward passes, which the optimizer "
                 "cannot apply to the parameter's shard. Step after the window's last backward, the one outside "
                 "no_sync(), or drop the window's gradients first with zero_grad() (set_to_none=True); nothing "
