@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import _check_pair
-from .dispatch import _dispatch
+from .dispatch import _dispatch, _via_fp32
 from .flat import _all_gather
 from .groups import ProcessGroup, _GroupInfo, _member_info
 from .recording import _record
@@ -22,8 +22,8 @@ def all_to_all_single(
 
     After the call, block ``i`` of ``output`` on rank ``j`` is block ``j`` of ``input`` on rank ``i``
     (torch's ``all_to_all_single`` with equal splits). A backend without all-to-all for the tensor
-    falls back to torch's list variant, then to an all-gather of every input (``size`` x the traffic,
-    but available everywhere).
+    falls back to torch's list variant, then (for fp16/bf16 without kernels) to fp32 blocks, then to an
+    all-gather of every input (``size`` x the traffic, but available everywhere).
 
     Args:
         output (Tensor): contiguous, same shape, dtype and device as ``input``; receives the blocks.
@@ -70,5 +70,15 @@ def _all_to_all(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> W
         out.view(info.size, -1).copy_(mine)
         return WorkHandle()
 
-    strategies = [("tensor", tensor_variant), ("list", list_variant), ("all_gather", all_gather_variant)]
+    def fp32_variant() -> WorkHandle:
+        # A backend without kernels for the dtype (torch 2.1's gloo has no bf16): the blocks travel as fp32, which
+        # holds every fp16/bf16 value exactly, so the exchange is unchanged.
+        return _via_fp32(out, inp, lambda o, i: _all_to_all(o, i, info, async_op))
+
+    strategies = [
+        ("tensor", tensor_variant),
+        ("list", list_variant),
+        ("fp32", fp32_variant),
+        ("all_gather", all_gather_variant),
+    ]
     return _dispatch("all_to_all", info, out.dtype, strategies, out.device.type)

@@ -197,6 +197,11 @@ def _all_to_all_strategies(rank: int, world: int) -> None:
                 raise
         assert torch.equal(out, expected), strategy
         assert counter.count("all_to_all") == 1 and counter.total_bytes("all_to_all") == inp.numel() * 4
+    # bf16 blocks through fp32 (torch 2.1's gloo has no bf16 all-to-all: the natural choice there): exact.
+    out = torch.empty_like(inp, dtype=torch.bfloat16)
+    with collectives._force_strategy("all_to_all", "fp32", torch.bfloat16):
+        collectives.all_to_all_single(out, inp.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
     with pytest.raises(ValueError, match="must divide into"):
         collectives.all_to_all_single(torch.empty(world + 1), torch.empty(world + 1))
     # The MoE layer through the all-gather fallback equals the default path.
