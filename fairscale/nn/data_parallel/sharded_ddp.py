@@ -322,8 +322,11 @@ class ShardedDataParallel(nn.Module):
         if added and self._warn_on_trainable_params_changed:
             logging.warning("ShardedDDP detected that parameters were added to the optimizers (add_param_group).")
         mask = [p.requires_grad for p in self._all_params]
+        # An eval() forward takes the hooks off (a backward after it leaves gradients local), unless a training
+        # forward's backward is still to come: an evaluation between a forward and its backward (logging) must not
+        # cancel that backward's reduction.
         changed = mask != self._reference_trainable_mask or (
-            not self.training and self._reducer.state == HookState.READY
+            not self.training and self._reducer.state == HookState.READY and not self._reducer.awaiting_backward
         )
         if added:
             self._reference_trainable_mask = mask

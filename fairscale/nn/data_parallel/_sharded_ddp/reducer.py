@@ -7,6 +7,13 @@ small gradients travel together in a :class:`GradBucket` per (device, owner, dty
 gradients are in; the others are reduced one by one. An end-of-backward callback sends what is left (buckets with
 unused parameters) and waits for every reduction, so gradients are final when ``backward()`` returns.
 
+A backward that reaches gradients which already hold this step's reduced values (gradient accumulation without
+``no_sync()``: forward, backward, forward, backward; or two forwards, then two backwards) adds to them the average of
+its own gradients, as torch's DDP does: before autograd accumulates into such a gradient, a pre-hook moves the reduced
+value aside ("parks" it) so that only the new local gradient is reduced, and the reduction's completion adds the
+parked value back. A reduced value is recognised by identity and version counter (recorded when its reduction
+completed), so a gradient the user released, zeroed or replaced since is never parked.
+
 Every rank must produce the same reductions in the same order, i.e. run the same graph. Which parameters are
 reduced follows each rank's own ``requires_grad`` flags, so the first reduction of every backward is preceded by one
 all-reduce of two integers (a fingerprint of the flags) that checks that the ranks agree: a rank that froze a layer
@@ -44,6 +51,43 @@ def _dispatch_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", param: tor
     reducer = reducer_ref()
     if reducer is not None:
         reducer._on_grad_ready(param)
+
+
+def _dispatch_pre_hook(
+    reducer_ref: "weakref.ReferenceType[GradReducer]", param_ref: "weakref.ReferenceType[torch.Tensor]", _: Any
+) -> None:
+    reducer = reducer_ref()
+    # Cheap when nothing holds a reduced value (the usual loop releases gradients before the next backward).
+    if reducer is not None and (reducer._reduced_marks or reducer._bucket_marks):
+        param = param_ref()
+        if param is not None:
+            reducer._before_accumulate(param)
+
+
+def _grad_accumulator(param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node of a leaf."""
+    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if get_edge is not None:
+        return get_edge(param).node
+    with torch.enable_grad():  # torch < 2.2: through a view's graph
+        return cast(Any, param.view_as(param).grad_fn).next_functions[0][0]
+
+
+def _will_accumulate(param: torch.Tensor) -> bool:
+    """Whether this backward accumulates into ``param.grad`` (``autograd.grad()`` runs leaf hooks but never does)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(_grad_accumulator(param)))
+    except RuntimeError:  # torch refuses the question for a leaf inside autograd.grad(): no accumulation there
+        return False
+
+
+def _reduced_mark(tensor: torch.Tensor) -> Tuple["weakref.ReferenceType[torch.Tensor]", int]:
+    """What identifies ``tensor`` holding a reduction's result: the object (weakly) and its version counter."""
+    return weakref.ref(tensor), tensor._version
+
+
+def _still_marked(tensor: Optional[torch.Tensor], mark: Tuple["weakref.ReferenceType[torch.Tensor]", int]) -> bool:
+    return tensor is not None and tensor is mark[0]() and tensor._version == mark[1]
 
 
 class _WeakMethod:
@@ -130,6 +174,17 @@ class GradReducer:
         self._handles: Deque[Workhandle] = collections.deque()
         self._hook_handles: List[Any] = []
         self._callback_queued = False
+        #: Whether the last forward ran in training mode (its backward, and a later one of it, reduce).
+        self._forward_training = False
+        #: A training forward with grad ran and its backward has not finished yet.
+        self.awaiting_backward = False
+        # Gradients holding a completed reduction's result, by id(param) (unbucketed) or id(bucket): see the module
+        # docstring. Never reassigned, only changed: completion callbacks hold the dicts, not the reducer.
+        self._reduced_marks: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
+        self._bucket_marks: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
+        # Reduced values moved aside by a later backward until its own reduction completes (owner ranks only).
+        self._parked: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, reduced gradient)
+        self._parked_buckets: Dict[int, Tuple[GradBucket, torch.Tensor]] = {}  # id(bucket) -> (bucket, copy)
 
     # ------------------------------------------------------------------------------------------------
     # Set-up
@@ -137,6 +192,7 @@ class GradReducer:
     def setup(self, trainable: Sequence[torch.Tensor], owners: Dict[int, Tuple[int, bool]], training: bool) -> None:
         """Rebuild buckets and hooks for ``trainable`` (sorted by size); ``owners``: ``{id: (dst, mine)}``."""
         self.remove_hooks()
+        self._restore_parked()
         self.trainable = list(trainable)
         self._owner = {pid: dst for pid, (dst, _) in owners.items()}
         self._is_owner = {pid: mine for pid, (_, mine) in owners.items()}
@@ -156,6 +212,10 @@ class GradReducer:
             # The parameter (held by C++ autograd) must not keep the reducer alive: a dropped wrapper stops
             # reducing, and a model wrapped again is reduced by its new wrapper only.
             self._hook_handles.append(register(functools.partial(_dispatch_hook, weakref.ref(self))))
+            # Runs before autograd accumulates into the gradient (it may park a reduced value first). The parameter
+            # is held weakly: the hook is stored on it.
+            pre_hook = functools.partial(_dispatch_pre_hook, weakref.ref(self), weakref.ref(param))
+            self._hook_handles.append(cast(Any, param).register_hook(pre_hook))
         self.state = HookState.READY
 
     def _setup_buckets(self) -> None:
@@ -199,8 +259,10 @@ class GradReducer:
 
     def clear_counters(self, training: bool) -> None:
         """A forward starts: every trainable parameter is to be reduced in the coming backward."""
+        self._forward_training = training
         if training:
             self._pending = {id(p): True for p in self.trainable}
+            self.awaiting_backward = self.awaiting_backward or torch.is_grad_enabled()
         self._callback_queued = False
         self._agreement_checked = False
         for bucket in self.buckets:
@@ -210,9 +272,62 @@ class GradReducer:
     def has_pending(self) -> bool:
         return any(self._pending.values())
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.accumulating or not self._pending.get(id(param), False):
+    def _restore_parked(self) -> None:
+        """Put parked reduced values back where they came from (the hooks and buckets are about to change)."""
+        with torch.no_grad():
+            for param, reduced in self._parked.values():
+                param.grad = reduced if param.grad is None else param.grad.add_(reduced)
+            for bucket, reduced in self._parked_buckets.values():
+                _buffer(bucket).add_(reduced)
+        self._parked.clear()
+        self._parked_buckets.clear()
+        self._reduced_marks.clear()
+        self._bucket_marks.clear()
+
+    @torch.no_grad()
+    def _before_accumulate(self, param: torch.Tensor) -> None:
+        """Autograd is about to accumulate into ``param.grad``: park the reduced value it may hold (see module doc)."""
+        pid = id(param)
+        bucket = self._bucket_of.get(pid)
+        if bucket is None:
+            mark = self._reduced_marks.pop(pid, None)
+            if mark is None or not _still_marked(param.grad, mark):
+                return  # released, zeroed or replaced since its reduction: nothing of it is owed
+            if not _will_accumulate(param):
+                self._reduced_marks[pid] = mark  # autograd.grad(): .grad stays as it is
+                return
+            self._parked[pid] = (param, cast(torch.Tensor, param.grad))
+            param.grad = None  # autograd then stores the new gradient alone
             return
+        mark = self._bucket_marks.pop(id(bucket), None)
+        buffer = _buffer(bucket)
+        if mark is None or not _still_marked(buffer, mark):
+            return
+        grad = param.grad
+        if grad is None or grad.data_ptr() != bucket.slot(param).data_ptr():
+            return  # the gradients were released (a new one will be copied into the bucket)
+        if not _will_accumulate(param):
+            self._bucket_marks[id(bucket)] = mark
+            return
+        if self._is_owner[pid]:
+            self._parked_buckets[id(bucket)] = (bucket, buffer.clone())
+        # On other ranks the bucket holds the reduction's scratch, which must not be sent again.
+        buffer.zero_()
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.accumulating:
+            return
+        pending = self._pending.get(id(param))
+        if not pending:
+            if pending is None or self._callback_queued or not self._forward_training:
+                # Not hooked for this forward, reduced already in this backward, or a backward after an eval()
+                # forward (gradients stay local, as documented).
+                return
+            # A new backward after this forward's gradients were reduced (two forwards then two backwards, or
+            # backward(retain_graph=True) twice): it is reduced too, and adds to the earlier result.
+            self._pending = {id(p): True for p in self.trainable}
+            for each in self.buckets:
+                each.reset_checked_in()
         if not self._agreement_checked:
             self._agreement_checked = True
             self._check_ranks_agree(param.device)
@@ -264,13 +379,20 @@ class GradReducer:
         mine = self._is_owner[id(param)]
         wire = grad.half() if self.reduce_fp16 and grad.dtype == torch.float32 else grad
         handle = collectives.reduce(wire, dst, group=self.group, async_op=True)
+        parked, marks = self._parked, self._reduced_marks  # not self: a pending callback must not hold the reducer
 
         def done() -> None:
             if not mine:
                 # The reduced value lives on the owner only; dropping it here is what saves the memory.
                 param.grad = None
-            elif wire is not grad:
+                return
+            if wire is not grad:
                 grad.copy_(wire)
+            earlier = parked.pop(id(param), None)
+            if earlier is not None:
+                grad.add_(earlier[1])
+            if param.grad is grad:
+                marks[id(param)] = _reduced_mark(grad)
 
         self._handles.append(Workhandle(handle, done))
 
@@ -293,7 +415,8 @@ class GradReducer:
         buffer.mul_(self.scaling)
         bucket.sent = True
         handle = collectives.reduce(buffer, bucket.destination, group=self.group, async_op=True)
-        self._handles.append(Workhandle(handle, None))
+        done = functools.partial(_bucket_reduced, bucket, buffer, self._parked_buckets, self._bucket_marks)
+        self._handles.append(Workhandle(handle, done))
 
     def _consume_completed(self) -> None:
         while self._handles and self._handles[0].handle.is_completed():
@@ -314,6 +437,7 @@ class GradReducer:
             self._finish(self._handles.popleft())
         self._callback_queued = False
         self._agreement_checked = False
+        self.awaiting_backward = False
 
     def manual_reduce(self) -> None:
         """Reduce everything still pending now (after a backward run inside ``no_sync()``)."""
@@ -334,6 +458,10 @@ class GradReducer:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool, params: Sequence[torch.Tensor]) -> None:
         """Zero (or release) the gradients of ``params``; bucketed trainable ones stay views, zeroed."""
+        self._parked.clear()  # nothing reduced earlier is owed any more
+        self._parked_buckets.clear()
+        self._reduced_marks.clear()
+        self._bucket_marks.clear()
         for param in params:
             in_bucket = id(param) in self._bucket_of and param.requires_grad
             if set_to_none and not in_bucket:
@@ -355,3 +483,17 @@ class GradReducer:
 
     def is_bucketed(self, param: torch.Tensor) -> Optional[GradBucket]:
         return self._bucket_of.get(id(param))
+
+
+@torch.no_grad()
+def _bucket_reduced(
+    bucket: GradBucket,
+    buffer: torch.Tensor,
+    parked: Dict[int, Tuple[GradBucket, torch.Tensor]],
+    marks: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]],
+) -> None:
+    """A bucket's reduction completed: add back what an earlier reduction left there, and mark the result."""
+    earlier = parked.pop(id(bucket), None)
+    if earlier is not None:
+        buffer.add_(earlier[1])
+    marks[id(bucket)] = _reduced_mark(buffer)
