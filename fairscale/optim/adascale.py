@@ -21,14 +21,17 @@ Typical use, with DDP::
         loss.backward()
         optim.step()
 
-The statistics are gathered by tensor hooks on every parameter (the local gradient, before DDP averages it) and an
-end-of-backward callback queued so that it runs after DDP's own reduction.
+The statistics are gathered by tensor hooks on every parameter that requires grad (the local gradient, before DDP
+averages it) and an end-of-backward callback queued so that it runs after DDP's own reduction. Frozen parameters
+are accepted and left out of the statistics; one unfrozen later is hooked when AdaScale first sees its gradient, and
+that step's statistics are left out. So are those of a step whose gradients are not finite (the step an AMP grad
+scaler skips), on every rank alike.
 """
 
 import functools
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 import torch
@@ -97,6 +100,9 @@ class AdaScale(torch.optim.Optimizer):
     ) -> None:
         # First, so that a half-built object can still be deleted (``__del__`` unhooks).
         self._hook_handles: List[Any] = []
+        self._hooked: Set[int] = set()  # ids of the hooked parameters
+        self._hooks_enabled = False  # False after unhook(): then nothing is hooked behind the user's back
+        self._calls_at_last_step = 0
         self._optimizer = optimizer
         self._local_grad_sqr: Optional[Tensor] = None
         self._callback_queued = False
@@ -134,7 +140,7 @@ class AdaScale(torch.optim.Optimizer):
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes AdaScale does not have (``state``, ``defaults`` ...).
-        if name.startswith("__") or name in ("_optimizer", "_hook_handles"):
+        if name.startswith("__") or name in ("_optimizer", "_hook_handles", "_hooked", "_hooks_enabled"):
             raise AttributeError(name)
         return getattr(self._optimizer, name)
 
@@ -269,17 +275,62 @@ class AdaScale(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------
     # Hooks and gradient statistics
 
-    def _hook(self) -> None:
+    def _register_hooks(self, groups: Sequence[Sequence[Any]]) -> Tuple[List[Any], Set[int]]:
+        """Hook every parameter of ``groups`` that requires grad (a frozen one cannot take a tensor hook).
+
+        Returns the new handles and the ids of the hooked parameters; on an error, the hooks registered so far are
+        removed again, so that a failed call leaves no hook behind. Entries that are not tensors are skipped: the
+        wrapped optimizer's ``add_param_group`` reports them in its own words.
+        """
+        handles: List[Any] = []
+        hooked: Set[int] = set()
+        try:
+            for idx, params in enumerate(groups):
+                for param in params:
+                    if isinstance(param, Tensor) and param.requires_grad and id(param) not in hooked:
+                        hook = functools.partial(self._backward_hook, idx)
+                        handles.append(cast(Any, param).register_hook(hook))  # torch leaves it untyped
+                        hooked.add(id(param))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles, hooked
+
+    def _use_hooks(self, handles: List[Any], hooked: Set[int]) -> None:
+        """Replace the current hooks by ``handles`` (from :meth:`_register_hooks`)."""
         self.unhook()
+        self._hook_handles, self._hooked, self._hooks_enabled = handles, hooked, True
+
+    def _hook(self) -> None:
+        # Registered before the old hooks go: an error leaves the old ones in place.
+        self._use_hooks(*self._register_hooks([group["params"] for group in self._optimizer.param_groups]))
+
+    def _hook_unfrozen(self) -> List[str]:
+        """Hook the parameters that require grad but have no hook (frozen when AdaScale hooked them).
+
+        Returns where those of them that already hold a gradient are (``"group 0, param 3"``): AdaScale did not
+        measure that gradient. Nothing is hooked after :meth:`unhook`.
+        """
+        if not self._hooks_enabled:
+            return []
+        measured_without_hook = []
         for idx, group in enumerate(self._optimizer.param_groups):
-            for param in group["params"]:
-                self._hook_handles.append(param.register_hook(functools.partial(self._backward_hook, idx)))
+            for pos, param in enumerate(group["params"]):
+                if param.requires_grad and id(param) not in self._hooked:
+                    self._hook_handles.append(param.register_hook(functools.partial(self._backward_hook, idx)))
+                    self._hooked.add(id(param))
+                    if param.grad is not None:
+                        measured_without_hook.append(f"group {idx}, param {pos}")
+        return measured_without_hook
 
     def unhook(self) -> None:
         """Remove the gradient hooks (AdaScale stops measuring; ``gain()`` keeps its last value)."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._hooked = set()
+        self._hooks_enabled = False
 
     def __del__(self) -> None:
         if "_hook_handles" in self.__dict__:
@@ -310,19 +361,28 @@ class AdaScale(torch.optim.Optimizer):
             return  # still accumulating
         work = None
         payload = self._local_grad_sqr
+        # Before the all-reduce, so that what this rank alone sees travels in it (no extra collective): a window with
+        # a non-finite reduced gradient (the step an AMP grad scaler skips) or with a gradient that no hook measured
+        # (a parameter unfrozen since AdaScale hooked the parameters) is marked NaN, so that every rank leaves it out
+        # of the statistics. Non-finite local statistics need no mark: the sum carries them to every rank.
+        total = np.array([self._group_grad_sqr(group["params"]) for group in self.param_groups])
+        unmeasured = self._hook_unfrozen()
+        if unmeasured or not np.isfinite(total).all():
+            payload = torch.full_like(payload, math.nan)
         if self._world_size > 1:
             # The window length rides along, as n and n * n (exact in fp32): a rank with another
             # num_gradients_to_accumulate reaches this all-reduce at another backward, which paired statistics of
             # different windows silently and left one all-reduce unmatched at the end (a hang).
             payload = torch.cat([payload, payload.new_tensor([float(accum), float(accum * accum)])])
             work = collectives.all_reduce(payload, op="sum", async_op=True)
-        total = np.array([_group_grad_sqr(group["params"]) for group in self.param_groups])
         self._last_final_backward_call = calls
         self._local_grad_sqr = None
         if work is not None:
             work.wait()
             self._check_same_window(payload[-2:].tolist())
             payload = payload[:-2]
+        if unmeasured:
+            warnings.warn(_unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
         # The local squared norms stay fp32 through the accumulation correction, the reduced ones are fp32 per
         # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
         # reproduced to the last bit.
@@ -342,8 +402,24 @@ class AdaScale(torch.optim.Optimizer):
                 "on every rank. This step's statistics were not updated."
             )
 
+    def _group_grad_sqr(self, params: List[Tensor]) -> float:
+        """Sum of the squared norms of the (reduced, accumulated) gradients of one group's hooked parameters that
+        require grad (the local statistics measure no others): fp32 per parameter, float64 across parameters."""
+        total = 0.0
+        for p in params:
+            if p.grad is not None and p.requires_grad and id(p) in self._hooked:
+                total += float(p.grad.detach().float().pow(2).sum().item())
+        return total
+
     def _update_statistics(self, local_sqr: "np.ndarray[Any, Any]", total_sqr: "np.ndarray[Any, Any]") -> None:
-        """Unbiased estimates of ``|g|^2`` and the gradient variance from the local and reduced squared norms."""
+        """Unbiased estimates of ``|g|^2`` and the gradient variance from the local and reduced squared norms.
+
+        A window whose statistics are not finite leaves the averages as they are: folded in, one overflow made the
+        gain NaN for good (and with it every later learning rate). Every rank has the same all-reduced values, so
+        every rank decides alike.
+        """
+        if not (np.isfinite(local_sqr).all() and np.isfinite(total_sqr).all()):
+            return
         c, n, s = self._num_grads_to_accum, self._world_size, self._scale
         cn = c * n
         if c > 1:
@@ -357,6 +433,8 @@ class AdaScale(torch.optim.Optimizer):
         grad_sqr = total_sqr - grad_var / s
         grad_var = np.maximum(grad_var, 1e-6)
         grad_sqr = np.maximum(grad_sqr, 0.0)
+        if not (np.isfinite(grad_var).all() and np.isfinite(grad_sqr).all()):
+            return  # finite but huge squared norms overflowed float32 in the accumulation correction
         self._update_avg("grad_sqr_avg", grad_sqr, self._smoothing)
         self._update_avg("grad_var_avg", grad_var, self._smoothing)
 
@@ -400,6 +478,9 @@ class AdaScale(torch.optim.Optimizer):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Step the wrapped optimizer with every group's ``lr`` multiplied by its gain (restored afterwards).
 
+        When no hooked parameter had a gradient since the last step but a parameter unfrozen since AdaScale hooked
+        the parameters has one, that parameter is hooked now, with a warning (the step used the last gain).
+
         Raises:
             RuntimeError (an ``AssertionError`` too): the step's backward passes are not all done, or the last
                 backward raised (call :meth:`zero_grad` first).
@@ -410,10 +491,18 @@ class AdaScale(torch.optim.Optimizer):
             saved.append(group["lr"])
             group["lr"] = group["lr"] * self.gain(idx)
         try:
-            return self._optimizer.step(*args, **kwargs)
+            result = self._optimizer.step(*args, **kwargs)
         finally:
             for group, lr in zip(self._optimizer.param_groups, saved):
                 group["lr"] = lr
+        if self._num_backward_calls == self._calls_at_last_step:
+            # No hooked gradient since the last step, so no window end looked for unfrozen parameters: a model whose
+            # parameters were all frozen when AdaScale hooked them would otherwise never be measured.
+            unmeasured = self._hook_unfrozen()
+            if unmeasured:
+                warnings.warn(_unmeasured_message(unmeasured, "this step used the last gain"))
+        self._calls_at_last_step = self._num_backward_calls
+        return result
 
     def _check_ranks_agree(self, n_groups: int) -> None:
         """Raise the same :class:`RanksDisagreeError` on every rank unless all of them have ``n_groups`` param groups,
@@ -429,12 +518,34 @@ class AdaScale(torch.optim.Optimizer):
     def add_param_group(self, pg: Dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer, hook its parameters and extend the statistics by one entry.
 
-        Every rank must add a group (the call checks that the ranks agree, with one small all-gather).
+        Every rank must add a group (the call checks that the ranks agree, with one small all-gather). The group may
+        hold frozen parameters (they are not hooked, as at construction). All or nothing: if the call raises,
+        neither AdaScale nor the wrapped optimizer has changed. Like the constructor, it (re)hooks the parameters of
+        every group, also after :meth:`unhook`.
         """
         self._check_not_in_backward("Don't add param group in backward phase")
         self._check_ranks_agree(len(self._optimizer.param_groups) + 1)
-        self._optimizer.add_param_group(pg)
-        self._hook()
+        new_params: List[Any] = []
+        if isinstance(pg, dict) and "params" in pg:
+            params = pg["params"]
+            if isinstance(params, Tensor):
+                new_params = [params]
+            elif not isinstance(params, (set, frozenset)):  # the optimizer refuses a set (no order), in its words
+                # Listed once, in the group itself (as torch does): a generator would be used up by the hooking.
+                new_params = list(params)
+                pg["params"] = new_params
+        # The hooks first, as they are AdaScale's own and can be removed again; the wrapped optimizer's add, which
+        # may refuse the group, last; the statistics' extension after it cannot fail.
+        handles, hooked = self._register_hooks(
+            [group["params"] for group in self._optimizer.param_groups] + [new_params]
+        )
+        try:
+            self._optimizer.add_param_group(pg)
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        self._use_hooks(handles, hooked)
         state = self._state
         for name, value in list(state.items()):
             if name.endswith("_count") or not isinstance(value, np.ndarray) or value.ndim != 1:
@@ -537,14 +648,12 @@ def _checked_smoothing(smoothing: Any, debias_ewma: bool) -> float:
     return value
 
 
-def _group_grad_sqr(params: List[Tensor]) -> float:
-    """Sum of the squared norms of the (reduced, accumulated) gradients of one group: fp32 per parameter,
-    float64 across parameters."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().float().pow(2).sum().item())
-    return total
+def _unmeasured_message(where: List[str], consequence: str) -> str:
+    return (
+        f"AdaScale: parameters with a gradient but without AdaScale's hook ({'; '.join(where)}): they did not require "
+        f"grad when AdaScale hooked the parameters (unfrozen since). They are hooked now; {consequence}, and later "
+        "steps measure them."
+    )
 
 
 class AdaScaleWrapper(AdaScale):
