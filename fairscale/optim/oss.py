@@ -27,7 +27,7 @@ from fairscale.nn.misc.param_bucket import ParamBucket  # noqa: F401  # upstream
 from ._oss import describe as _describe
 from ._oss import partition as _partition
 from ._oss import state_dict as _state
-from ._oss.buckets import Buckets, broadcast_buckets, build_buckets
+from ._oss.buckets import Backing, Buckets, broadcast_buckets, build_buckets
 from ._oss.partition import ParamGroup
 
 __all__ = ["OSS"]
@@ -102,6 +102,10 @@ class OSS(Optimizer):
         self.in_super_constructor = False
 
         self._partition_parameters: List[List[ParamGroup]] = []
+        # {param: owning rank}: assigned once per parameter and never changed (the ranks' optimizers hold the
+        # state of what they own); everything else about the partition is derived from it. Keyed by the tensors
+        # (hashed by identity), as _param_to_rank.
+        self._owners: Dict[torch.Tensor, int] = {}
         self.__param_to_rank: Dict[torch.Tensor, int] = {}
         self.__per_device_params: Dict[Any, List[List[torch.Tensor]]] = {}
         self.__param_to_index: Dict[int, int] = {}
@@ -119,6 +123,7 @@ class OSS(Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
         self.buckets: Buckets = {}
+        self._backing = Backing([])
         self._all_states: List[Dict[str, Any]] = []
         self._default_device = torch.device("cpu")
         # Before anything is partitioned or sent: ranks with other parameters would partition differently and then
@@ -172,14 +177,21 @@ class OSS(Optimizer):
     # Partition
 
     def partition_parameters(self) -> List[List[Dict[str, Any]]]:
-        """Partition the parameters over the ranks (computed once, then cached).
+        """Partition the parameters over the ranks.
+
+        Each parameter is given an owner once and keeps it. Walking the groups in order, a parameter goes to the
+        rank with the fewest trainable elements so far (ties: the lowest rank; a frozen parameter counts one);
+        parameters added by :meth:`add_param_group` are placed continuing from the current loads, and freezing or
+        unfreezing parameters moves none (upstream re-partitioned every group with the current trainability there,
+        while the wrapped optimizers kept their old shards).
 
         Returns:
             For each rank, one dict per parameter group holding the parameters that rank owns (lists may be empty).
             This rank's dicts are the wrapped optimizer's own ``param_groups``.
         """
         if not self._partition_parameters:
-            self._partition_parameters = _partition.partition_param_groups(self.param_groups, self.world_size)
+            self._owners = _partition.assign_owners(self.param_groups, self.world_size, self._owners)
+            self._partition_parameters = _partition.split_by_owner(self.param_groups, self.world_size, self._owners)
         return self._partition_parameters
 
     @property
@@ -210,7 +222,8 @@ class OSS(Optimizer):
         return [p for per_rank in self._per_device_params.values() for p in per_rank[self.rank] if p.grad is not None]
 
     def _clear_cache(self) -> None:
-        self._partition_parameters.clear()
+        """Forget what is derived from the parameters' devices and positions. The ownership and the shard groups
+        stay: they never change, and this rank's shard groups are the wrapped optimizer's own groups."""
         self.__param_to_rank.clear()
         self.__per_device_params.clear()
         self.__param_to_index.clear()
@@ -221,7 +234,10 @@ class OSS(Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:  # type: ignore
         """Step the owned parameters with the wrapped optimizer, then share them with every rank.
 
-        Every rank must call it (it broadcasts), including ranks that own nothing.
+        Every rank must call it (it broadcasts), including ranks that own nothing. If the parameters stopped being
+        views of the broadcast buckets since the last step (the model was moved or converted, e.g.
+        ``model.double()``, or a ``param.data`` was replaced; every rank alike), the buckets are rebuilt first from
+        the parameters' current values, with the same owners and the optimizer state as it is.
 
         Args:
             closure (callable): re-evaluates the model and returns the loss (optional for most optimizers).
@@ -229,12 +245,19 @@ class OSS(Optimizer):
 
         Returns:
             The wrapped optimizer's return value (the loss when a closure is given).
+
+        Raises:
+            TypeError: (also an ``AssertionError``) after a conversion, one owner's trainable parameters on one
+                device have several dtypes (e.g. one layer converted alone); on every rank, before any stepping.
         """
         # Hyper-parameters may have been changed on OSS's groups (e.g. by an LR scheduler).
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         first_param = self.param_groups[0]["params"][0]
-        if self._default_device.type != first_param.device.type:
-            logging.info("OSS detected that the parameter changed devices, re-allocating buffers")
+        # The broadcast writes the buckets: a parameter that is no longer a view of its bucket (the model was moved
+        # or converted, e.g. model.double(), or a .data was replaced) would not receive its owner's update, and the
+        # ranks would drift apart silently. Upstream only noticed a change of device type.
+        if first_param.device != self._default_device or not self._backing.intact():
+            logging.info("OSS detected that the parameters changed device, dtype or storage, re-allocating buffers")
             self._clear_cache()
             self._refresh_trainable()
         if closure is not None:
@@ -506,7 +529,8 @@ class OSS(Optimizer):
     def refresh_trainable(self) -> None:
         """Rebuild the broadcast buckets after parameters were frozen or unfrozen. Every rank must call it.
 
-        Ownership does not change (it was fixed when OSS was built); only which parameters are broadcast does.
+        Ownership does not change (a parameter keeps its owner for good); only which parameters are broadcast
+        does.
 
         Raises:
             RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks do not have the same
@@ -531,14 +555,17 @@ class OSS(Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group (on every rank, with the same parameters); its parameters are partitioned with
-        the same greedy rule, continuing from the current loads.
+        the same greedy rule, continuing from the current loads (trainable elements per rank, with the current
+        ``requires_grad`` flags). The parameters already there keep their owner, also after a change of
+        trainability (upstream re-partitioned them, and the parameters that changed owner were no longer stepped).
 
         Args:
             param_group (dict): the parameters and group-specific hyper-parameters.
 
         Raises:
             RanksDisagreeError: (a ``ValueError``, the same on every rank) the ranks add different parameters or
-                other hyper-parameters; nothing is changed then.
+                other hyper-parameters, or do not have the same parameters frozen (the new parameters' owners
+                depend on it); nothing is changed then.
             TypeError: ``param_group`` is not a dict (on every rank alike).
             ValueError: ``param_group`` has no ``"params"`` entry (on every rank alike).
         """
@@ -554,9 +581,12 @@ class OSS(Optimizer):
         first_group = len(self.param_groups)
         described = [param_group] if is_dict else []
         # The group's own hyper-parameters: the others come from the defaults, compared at construction. What is
-        # wrong with the argument is compared too, and raised after the gather, so that every rank raises.
+        # wrong with the argument is compared too, and raised after the gather, so that every rank raises. The
+        # parameters already there are compared as well: the new ones are placed by the current loads, which
+        # depend on their requires_grad flags, and ranks placing them differently would broadcast other buckets.
         self._check_ranks_agree(
-            self._describe_params([{"params": param_group["params"] if has_params else []}], first_group)
+            self._describe_params(self.param_groups)
+            + self._describe_params([{"params": param_group["params"] if has_params else []}], first_group)
             + _describe.describe_hyper_parameters(described, first_group)
             + [("param_group", type(param_group).__name__, has_params)],
             ".add_param_group",
@@ -571,15 +601,19 @@ class OSS(Optimizer):
                 f"OSS.add_param_group: the group has no 'params' entry (it has {sorted(map(str, param_group))}); "
                 "pass the parameters to add as {'params': [...], ...}"
             )
+        partition = self.partition_parameters()  # the groups there before, with their owners
         super().add_param_group(param_group)
+        # Only the new parameters get an owner; the shard groups of the old ones stay the wrapped optimizers' own.
+        self._owners = _partition.assign_owners(self.param_groups, self.world_size, self._owners)
+        shares = _partition.split_by_owner(self.param_groups[-1:], self.world_size, self._owners)
+        for rank_groups, share in zip(partition, shares):
+            rank_groups.extend(share)
         self._clear_cache()
-        local_groups = self.partition_parameters()[self.rank]
-        if len(local_groups) == len(self.optim.param_groups) + 1:
-            self.optim.add_param_group(local_groups[-1])
+        self.optim.add_param_group(partition[self.rank][-1])
         self._setup_flat_buffers()
 
     def _setup_flat_buffers(self) -> None:
-        self.buckets = build_buckets(self._per_device_params, self.buckets)
+        self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets)
 
     @staticmethod
     def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None:

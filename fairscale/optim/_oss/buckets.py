@@ -11,20 +11,68 @@ from fairscale.internal.collectives import WorkHandle
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 from fairscale.nn.misc.param_bucket import ParamBucket
 
-__all__ = ["Buckets", "build_buckets", "broadcast_buckets"]
+__all__ = ["Buckets", "Backing", "build_buckets", "broadcast_buckets"]
 
 # {device: {owner rank: bucket}}, the layout upstream exposes as ``OSS.buckets``.
 Buckets = Dict[torch.device, Dict[int, ParamBucket]]
 
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class Backing:
+    """Which parameters the buckets were built for, to tell cheaply whether they are still views of them.
+
+    A parameter stops being a view of its bucket when its ``.data`` is replaced: ``model.double()``, ``model.to()``
+    or ``param.data = ...``. The broadcast then writes the bucket and not the parameter, and the ranks drift apart
+    silently, so OSS checks this before every step. The check compares the address of every bucketed parameter
+    with its slice of the bucket (one C call per parameter, no tensor operation) and the dtype and device of each
+    bucket's first parameter with the bucket's (two tensors on different devices could share an address).
+
+    Args:
+        entries: ``(bucket, parameters in check-in order)`` for every bucket that backs parameters.
+    """
+
+    def __init__(self, entries: List[Tuple[ParamBucket, List[torch.Tensor]]]) -> None:
+        self._entries: List[Tuple[ParamBucket, List[torch.Tensor], List[int]]] = []
+        for bucket, params in entries:
+            offsets = [0]
+            for param in params[:-1]:
+                offsets.append(offsets[-1] + param.numel())
+            self._entries.append((bucket, params, offsets))
+        # Per bucket: the buffer's address and the addresses expected from it. A broadcast_fp16 step swaps the
+        # buffer for a new one (with the parameters re-pointed into it), so they are recomputed when it moved.
+        self._expected: List[Tuple[int, List[int]]] = [(-1, []) for _ in self._entries]
+
+    def intact(self) -> bool:
+        """Whether every parameter is still a view of its slice of its bucket (of the bucket's dtype and device)."""
+        for i, (bucket, params, offsets) in enumerate(self._entries):
+            buffer = bucket.buffer
+            if buffer is None:  # pragma: no cover - OSS never collapses its buckets
+                return False
+            if params[0].dtype != buffer.dtype or params[0].device != buffer.device:
+                return False
+            base = buffer.data_ptr()
+            if self._expected[i][0] != base:
+                size = buffer.element_size()
+                self._expected[i] = (base, [base + offset * size for offset in offsets])
+            if list(map(_DATA_PTR, params)) != self._expected[i][1]:
+                return False
+        return True
+
 
 @torch.no_grad()
-def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buckets) -> Buckets:
+def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buckets) -> Tuple[Buckets, Backing]:
     """(Re)build the buckets for the current trainability.
 
     Frozen parameters get a private copy of their storage (they may still be views of an older bucket, which must
     not keep them alive or overwrite them). An owner whose parameters on a device are all frozen gets no new
-    bucket, but keeps the one it had (upstream keeps it too, and it is broadcast as before: every rank keeps
-    the same set of buckets, which is what the broadcasts require).
+    bucket, but keeps one of the size, dtype and device of the one it had (upstream keeps it too, and it is
+    broadcast as before: every rank keeps the same set of buckets, which is what the broadcasts require). That
+    bucket backs no parameter: upstream's still held the frozen parameters, and a ``broadcast_fp16`` step, which
+    re-points a bucket's parameters into its buffer, put them back to their values of when they were frozen.
+
+    Returns:
+        The buckets, ``{device: {owner: bucket}}``, and the :class:`Backing` of the parameters they back.
 
     Raises:
         TypeError: (also an ``AssertionError``, as upstream asserted) one owner's trainable parameters on one device
@@ -32,6 +80,7 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
     """
     _check_one_dtype_per_bucket(per_device)
     buckets: Buckets = {}
+    backed: List[Tuple[ParamBucket, List[torch.Tensor]]] = []
     for device, per_rank in per_device.items():
         device_buckets: Dict[int, ParamBucket] = dict(previous.get(device, {}))
         for owner, params in enumerate(per_rank):
@@ -47,8 +96,14 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
             for param in trainable:
                 bucket.add_param(param)
             device_buckets[owner] = bucket
+            backed.append((bucket, trainable))
+        rebuilt = {id(bucket) for bucket, _ in backed}
+        for owner, bucket in list(device_buckets.items()):
+            if id(bucket) not in rebuilt:
+                kept = _buffer(bucket)
+                device_buckets[owner] = ParamBucket(kept.numel(), kept.dtype, kept.device)
         buckets[device] = device_buckets
-    return buckets
+    return buckets, Backing(backed)
 
 
 def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]]) -> None:

@@ -3,14 +3,26 @@
 
 The assignment is upstream's, exactly: checkpoints store the optimizer state by global parameter index, but each
 rank's shard numbers its own parameters, so a different assignment would scatter a loaded state onto the wrong
-parameters (and change which rank's numerics produce which parameter).
+parameters (and change which rank's numerics produce which parameter). One deliberate difference: a parameter keeps
+its owner for good. Upstream re-ran the greedy walk over all groups in ``add_param_group`` with the current
+``requires_grad`` flags, so after a parameter was frozen or unfrozen some parameters changed owner while the ranks'
+optimizers kept their old shares (they were then stepped by nobody); here only the new parameters are placed
+(:func:`assign_owners`), which gives upstream's assignment whenever the flags did not change.
 """
 
 from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["ParamGroup", "partition_param_groups", "per_device_params", "param_to_rank", "param_to_index"]
+__all__ = [
+    "ParamGroup",
+    "partition_param_groups",
+    "assign_owners",
+    "split_by_owner",
+    "per_device_params",
+    "param_to_rank",
+    "param_to_index",
+]
 
 ParamGroup = Dict[str, Any]
 
@@ -30,14 +42,68 @@ def partition_param_groups(param_groups: List[ParamGroup], world_size: int) -> L
         For each rank, one dict per group: a shallow copy of the group whose ``params`` are the rank's share
         (possibly empty, so that every rank has the same number of groups).
     """
+    return split_by_owner(param_groups, world_size, assign_owners(param_groups, world_size, {}))
+
+
+def _load(param: torch.Tensor) -> int:
+    """What a parameter adds to its owner's load: its elements if trainable, else one."""
+    return param.numel() if param.requires_grad else 1
+
+
+def assign_owners(
+    param_groups: List[ParamGroup], world_size: int, owners: Dict[torch.Tensor, int]
+) -> Dict[torch.Tensor, int]:
+    """Keep the owners of the parameters in ``owners``; give the others one with the greedy rule.
+
+    The loads start from the kept assignment, measured with the current ``requires_grad`` flags, then the new
+    parameters are placed in group order as in :func:`partition_param_groups`. When the flags did not change since
+    the kept assignment was made, the result is what :func:`partition_param_groups` gives for all groups at once
+    (the greedy walk over the old parameters replays the same choices); when they did, the old parameters still keep
+    their owner: the ranks' optimizers hold their state, and moving them would leave them stepped by nobody.
+
+    The walk only reads lists in order and the flags, which every rank has alike: every rank gets the same owners.
+
+    Args:
+        param_groups: the optimizer's global parameter groups.
+        world_size: number of ranks.
+        owners: ``{param: rank}`` of the parameters already assigned (not modified).
+
+    Returns:
+        ``{param: rank}`` for every parameter of ``param_groups``.
+    """
     loads = [0] * world_size
+    params = [param for group in param_groups for param in group["params"]]
+    for param in params:
+        if param in owners:
+            loads[owners[param]] += _load(param)
+    assigned = dict(owners)
+    for param in params:
+        if param not in assigned:
+            rank = loads.index(min(loads))  # index() finds the first minimum: ties go to the lowest rank
+            assigned[param] = rank
+            loads[rank] += _load(param)
+    return assigned
+
+
+def split_by_owner(
+    param_groups: List[ParamGroup], world_size: int, owners: Dict[torch.Tensor, int]
+) -> List[List[ParamGroup]]:
+    """Each rank's share of every group, parameters in group order.
+
+    Args:
+        param_groups: the optimizer's global parameter groups.
+        world_size: number of ranks.
+        owners: ``{param: rank}`` covering every parameter of ``param_groups``.
+
+    Returns:
+        For each rank, one dict per group: a shallow copy of the group whose ``params`` are the rank's share
+        (possibly empty, so that every rank has the same number of groups).
+    """
     partition: List[List[ParamGroup]] = [[] for _ in range(world_size)]
     for group in param_groups:
         shares: List[List[torch.Tensor]] = [[] for _ in range(world_size)]
         for param in group["params"]:
-            rank = loads.index(min(loads))  # index() finds the first minimum: ties go to the lowest rank
-            shares[rank].append(param)
-            loads[rank] += param.numel() if param.requires_grad else 1
+            shares[owners[param]].append(param)
         for rank, share in enumerate(shares):
             shard_group = dict(group)
             shard_group["params"] = share
