@@ -247,7 +247,8 @@ def test_default_divide_factor_table() -> None:
 
 def _divide_factors_do_not_change_the_average_body(rank: int, ws: int) -> None:
     cases = []
-    for pre, mp in itertools.product((1.0, 2.0, 4.0), ("fp32", "fp16")):
+    # 0.5 and 8.0 (more than the world size: a post factor below 1) were silently not divided by upstream's rule.
+    for pre, mp in list(itertools.product((1.0, 2.0, 4.0), ("fp32", "fp16"))) + [(0.5, "fp32"), (8.0, "fp32")]:
         kwargs = dict(gradient_predivide_factor=pre, **MIXED[mp])
         cases.append(
             (f"pre={pre},{mp}", lambda k=kwargs: train_and_compare(rank, ws, NestedWrappedModule, k, "nested"))

@@ -113,7 +113,9 @@ def _reduce_grad(unit: FSDPUnit, h: FlatHandle, grad: Tensor) -> None:
     c = unit.config
     if c.fp32_reduce_scatter and grad.dtype != h.param.dtype:
         grad = grad.to(h.param.dtype)
-    if c.gradient_predivide_factor > 1:
+    # != 1, not > 1: a factor below 1 (or a post factor below 1, when the pre factor exceeds the world size) must
+    # divide as well, or the gradients come out scaled (upstream skipped those silently).
+    if c.gradient_predivide_factor != 1:
         grad.div_(c.gradient_predivide_factor)
     # Weak: the bucketer (held by the tree, which the unit holds) keeps this callback until the reduction completes;
     # after a backward that raised that is the next forward, and a strong reference would keep a dropped model alive
@@ -149,7 +151,7 @@ def _post_reduction_if_alive(
 
 
 def _post_reduction(unit: FSDPUnit, h: FlatHandle, reduced: Tensor) -> None:
-    if unit.config.gradient_postdivide_factor > 1:
+    if unit.config.gradient_postdivide_factor != 1:
         reduced.div_(unit.config.gradient_postdivide_factor)
     dtype = h.param.dtype
     shard_grad = reduced if reduced.dtype is dtype else reduced.to(dtype)
