@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import TrainingState, get_fsdp_instances, zero2_groups
 from fairscale.nn.data_parallel._fsdp.state import HandleState
@@ -54,7 +55,15 @@ class Net(nn.Module):
 
 def cfg(**overrides: Any) -> Dict[str, Any]:
     base = dict(
-        prec="fp32", raf=True, root_reshards=False, flatten=True, cpu=False, obc=False, zero2=False, nested=True
+        prec="fp32",
+        raf=True,
+        root_reshards=False,
+        flatten=True,
+        cpu=False,
+        obc=False,
+        zero2=False,
+        nested=True,
+        ckpt=False,  # checkpoint_wrapper around each block, inside its unit: backward recomputes from the views
     )
     base.update(overrides)
     return base
@@ -72,6 +81,9 @@ def build(c: Dict[str, Any], zero2: Any) -> FSDP:
         optimize_backward_concat=c["obc"],
         zero2_process_group=zero2 if c["zero2"] else None,
     )
+    if c["ckpt"]:
+        for i in range(len(net.blocks)):
+            net.blocks[i] = checkpoint_wrapper(net.blocks[i])
     if c["nested"]:
         for i in range(len(net.blocks)):
             net.blocks[i] = FSDP(net.blocks[i], **kwargs)
@@ -262,6 +274,11 @@ CONFIGS: List[Tuple[str, Dict[str, Any]]] = [
     ("optimize_backward_concat", cfg(obc=True)),
     ("optimize_backward_concat_bf16_zero2", cfg(obc=True, prec="bf16", zero2=True)),
     ("flatten_false", cfg(flatten=False)),
+    # A checkpointed region recomputed by the pending backward read the views that leaving the summon made (of the
+    # summoned fp32 copy): a dtype error under bf16, gradients lost or wrong with optimize_backward_concat.
+    ("checkpoint_bf16", cfg(ckpt=True, prec="bf16")),
+    ("checkpoint_optimize_backward_concat", cfg(ckpt=True, obc=True)),
+    ("checkpoint_unnested_optimize_backward_concat", cfg(ckpt=True, obc=True, nested=False)),
 ]
 
 
@@ -360,7 +377,36 @@ def _idle_cases(rank: int, world_size: int) -> None:
         model.load_state_dict(twin.state_dict())
         assert_same([p.detach() for p in model.parameters()], [p.detach() for p in twin.parameters()], "load")
 
-    run_cases([("before_first_forward", before_first_forward), ("load_when_idle", load_when_idle)])
+    def modules_keep_their_tensors() -> None:
+        """state_dict() and summon_full_params() between steps leave the modules' tensors as they were: leaving the
+        summon used to give them views of the gathered fp32 copy, which stayed alive until the next forward."""
+        model = build(cfg(root_reshards=True), None)
+        mb_loss(model(batch(0, 0, rank))).backward()
+
+        def held() -> List[Tuple[int, int]]:
+            out = []
+            for m in model.modules():
+                for name in ("weight", "bias"):
+                    t = m.__dict__.get(name)
+                    if isinstance(t, Tensor):
+                        out.append((t.untyped_storage().data_ptr(), t.untyped_storage().size()))
+            return out
+
+        before = held()
+        assert before, "the modules hold views between steps"
+        model.state_dict()
+        assert held() == before, "state_dict() changed what the modules hold"
+        with model.summon_full_params():
+            pass
+        assert held() == before, "summon_full_params() changed what the modules hold"
+
+    run_cases(
+        [
+            ("before_first_forward", before_first_forward),
+            ("load_when_idle", load_when_idle),
+            ("modules_keep_their_tensors", modules_keep_their_tensors),
+        ]
+    )
 
 
 def test_idle_state_dict_and_load() -> None:

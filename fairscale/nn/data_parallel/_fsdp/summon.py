@@ -8,13 +8,14 @@ promised, and memory returns to where it was.
 """
 
 import contextlib
-from typing import Iterator, List
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.nn.misc.flatten_params_wrapper import _set_plain_tensor
 
 from .handle import FlatHandle
 from .runtime import lazy_init
@@ -31,6 +32,36 @@ def _gather_fp32(unit: FSDPUnit, h: FlatHandle) -> Tensor:
     out = torch.empty(h.padded_numel, dtype=shard.dtype, device=shard.device)
     collectives.all_gather_into_flat(out, shard, unit.config.process_group)
     return out
+
+
+_ViewSnapshot = Tuple[List[Tuple[Any, str, Any]], Any]
+
+
+def _snapshot_views(fpw: Any) -> _ViewSnapshot:
+    """The tensors the wrapped modules hold under their parameters' names (the views the last forward made)."""
+    attrs = []
+    for flat in fpw.flat_params:
+        for _, m, n in flat._param_infos:
+            attrs.append((m, n, m.__dict__.get(n)))
+        for _, _, m, n, _, _ in flat._shared_param_infos:
+            attrs.append((m, n, m.__dict__.get(n)))
+    return attrs, getattr(fpw._fpw_module, "_unflattened_param_views", None)
+
+
+def _restore_views(fpw: Any, snapshot: _ViewSnapshot) -> None:
+    """Give the modules back the views of :func:`_snapshot_views`.
+
+    Leaving the unflattened context makes fresh views of the flat parameters, whose data is the summoned copy at that
+    moment: a checkpointed region recomputed by the pending backward then read those (fp32 under mixed precision:
+    a dtype error; outside the optimize_backward_concat graph: gradients silently lost), and they kept the fp32 copy
+    of every unit alive until the next forward.
+    """
+    attrs, views = snapshot
+    for m, n, value in attrs:
+        if value is not None:
+            _set_plain_tensor(m, n, value)
+    if views is not None:
+        setattr(fpw._fpw_module, "_unflattened_param_views", views)
 
 
 @contextlib.contextmanager
@@ -50,12 +81,14 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
     with collectives.collective_phase("summon"):
         fulls: List[Tensor] = [_gather_fp32(unit, h) for h in handles]
     unit.transition(TrainingState.SUMMON_FULL_PARAMS)
+    snapshot: Optional[_ViewSnapshot] = None
+    fpw = unit.wrapped
     try:
         for h, full in zip(handles, fulls):
             h.param.data = full[: h.numel].view(h.orig_size)
-        fpw = unit.wrapped
         if getattr(fpw, "is_flattened", False) and unit.num_flatten_params > 0:
             flat = [h.param.data for h in handles[: unit.num_flatten_params]]
+            snapshot = _snapshot_views(fpw)
             with fpw.unflatten_params(flat_params=flat):
                 yield
         else:
@@ -67,6 +100,8 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
         finally:
             for h, data in zip(handles, previous_data):
                 h.param.data = data
+            if snapshot is not None:
+                _restore_views(fpw, snapshot)
             unit.transition(TrainingState.IDLE)
 
 
