@@ -29,6 +29,7 @@ from ._flatten.state_dict_hooks import (
     post_state_dict_hook,
     pre_load_state_dict_hook,
 )
+from ._flatten.view_release import release_views_on_collection
 
 __all__ = ["FlatParameter", "FlattenParamsWrapper", "_enable_pre_load_state_dict_hook", "fpw_pre_load_hook_disabled"]
 
@@ -47,6 +48,9 @@ class FlattenParamsWrapper(nn.Module):
     accepts either. A parent module containing the wrapper also loads either form (original names are folded
     into the flat entry by the load pre hook), and missing/unexpected keys are reported under the names of the
     given dict. Use :func:`fpw_pre_load_hook_disabled` to load dicts holding the raw ``_fpw_module.`` paths.
+    When the wrapper is freed, the views its modules hold are replaced by detached aliases, so that the flat
+    parameters and modules are freed with it (a wrapped module kept alone keeps its values but no longer sends
+    gradients to a flat parameter).
 
     Args:
         module (nn.Module): the module to wrap.
@@ -102,6 +106,9 @@ class FlattenParamsWrapper(nn.Module):
         self.num_params_managed = sum(len(layout.param_infos) for layout in layouts)
 
         self._flatten_params(self.flat_params)
+        # The views' autograd graph holds the flat parameters, which hold the modules, from C++: the cycle collector
+        # cannot free them, so the views are detached when the wrapper goes (see _flatten/view_release.py).
+        release_views_on_collection(self)
 
         register_state_dict_hooks(self, post_state_dict_hook, pre_load_state_dict_hook, post_load_state_dict_hook)
 
@@ -356,6 +363,7 @@ class FlattenParamsWrapper(nn.Module):
         finally:
             for attrs, name, value in stash:
                 attrs[name] = value
+        release_views_on_collection(new)
         new._rebuild_default_views()
         return new
 
@@ -364,6 +372,7 @@ class FlattenParamsWrapper(nn.Module):
         # copying its data), so make fresh ones.
         # nn.Module.__setstate__ is unannotated in torch; the cast states its signature.
         cast(Callable[[Dict[str, Any]], None], super().__setstate__)(state)
+        release_views_on_collection(self)
         self._rebuild_default_views()
 
     def _rebuild_default_views(self) -> None:

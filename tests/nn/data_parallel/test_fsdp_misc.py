@@ -456,11 +456,14 @@ def _collected_after_del(rank: int, ws: int) -> None:
             model(torch.randn(3, 4)).sum().backward()
         model(torch.randn(3, 4)).sum().backward()
         instances = [weakref.ref(m) for m in get_fsdp_instances(model)]
+        # The wrapped modules and flat parameters too: the views' autograd edge to their FlatParameter, whose
+        # _param_infos point back at the modules, is cut when the wrapper goes (tests/nn/misc/test_flatten_params_leak).
+        inner = [weakref.ref(m) for m in net.modules() if isinstance(m, nn.Linear)]
+        flats = [weakref.ref(p) for p in model.parameters()]
         del model, net
         gc.collect()
-        # Known limit: the wrapped module's last views keep an autograd edge to their FlatParameter, whose
-        # _param_infos point back at the modules, so those (and the flat shards) stay until the process ends.
         assert all(r() is None for r in instances), f"obc={obc}: an FSDP instance outlived its model"
+        assert all(r() is None for r in inner + flats), f"obc={obc}: a wrapped module or flat parameter outlived it"
 
 
 def test_dropped_model_is_garbage_collected() -> None:
