@@ -111,6 +111,7 @@ def reset_lazy_init(unit: FSDPUnit) -> None:
     unit.is_root = None
     unit.tree = None
     unit.grad_accs = None
+    unit.forward_grad_accs = None
     for h in unit.handles:
         h.reset()
 
@@ -324,15 +325,35 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
         prefetch.on_forward(unit)
     unit.use_full_params()
     outputs = unit.wrapped(*args, **kwargs)
+    # Before the full parameters are freed (a view of a freed one fails) and before use_fp32_shards (see below).
+    accs = _forward_grad_accumulators(unit) if torch.is_grad_enabled() else []
     if (unit.reshard_after_forward or grad_off) and not recomputing:
         unit.reshard(after_forward=not grad_off)
     unit.use_fp32_shards()
     if torch.is_grad_enabled():
-        outputs = _register_pre_backward_hooks(unit, outputs)
+        outputs = _register_pre_backward_hooks(unit, outputs, accs)
     return outputs
 
 
-def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any) -> Any:
+def _forward_grad_accumulators(unit: FSDPUnit) -> List[Any]:
+    """The accumulator nodes this forward's graph leads to, for parameters whose full and shard tensors differ in
+    dtype or device (empty otherwise, which is the common fp32 case: nothing is looked up).
+
+    Pointing ``param.data`` back at the shard (another dtype or device) makes autograd drop the parameter's
+    accumulator; the one this forward made is then reachable only through its graph, so it is taken now, while
+    ``param.data`` is still the full parameter and autograd still hands it out.
+    """
+    accs: List[Any] = []
+    for h in unit.handles:
+        p, shard = h.param, h.fp32_shard
+        if shard is not None and p.requires_grad and (p.dtype is not shard.dtype or p.device != shard.device):
+            acc = tensor_hooks.grad_accumulator(p)
+            if acc is not None:
+                accs.append(acc)
+    return accs
+
+
+def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any, accs: List[Any]) -> Any:
     tree = unit.tree
     assert tree is not None
     token = tree.new_pending_backward()
@@ -350,6 +371,10 @@ def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any) -> Any:
     for_each_tensor(outputs, register)
     if not registered[0]:
         token.done = True
+    elif accs:
+        if unit.forward_grad_accs is None:
+            unit.forward_grad_accs = weakref.WeakKeyDictionary()
+        unit.forward_grad_accs[token] = accs  # dropped with the token, i.e. with this forward's graph
     return outputs
 
 
@@ -376,7 +401,11 @@ def pre_backward(unit: FSDPUnit) -> None:
     if accs is None:
         accs = unit.grad_accs = [a for a in map(tensor_hooks.grad_accumulator, unit.params) if a is not None]
     try:
-        unit.outer_task_uses_params = any(map(tensor_hooks.will_engine_execute_node, accs))
+        uses = any(map(tensor_hooks.will_engine_execute_node, accs))
+        if not uses and unit.forward_grad_accs:  # see FSDPUnit.forward_grad_accs
+            will_execute = tensor_hooks.will_engine_execute_node
+            uses = any(will_execute(a) for per_forward in list(unit.forward_grad_accs.values()) for a in per_forward)
+        unit.outer_task_uses_params = uses
     except RuntimeError:  # torch.autograd.grad(): no leaf accumulates, no gradient hook comes
         unit.outer_task_uses_params = False
     prefetch.on_pre_backward(unit)

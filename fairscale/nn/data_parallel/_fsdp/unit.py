@@ -28,7 +28,7 @@ from . import identity
 from .config import FSDPConfig
 from .handle import FlatHandle
 from .state import _TRAINING_LEGAL, HandleState, TrainingState, check_training_transition
-from .tree import TreeState
+from .tree import PendingBackward, TreeState
 
 # The attribute of an FSDP front module that holds its unit.
 UNIT_ATTR = "_fsdp_unit"
@@ -140,6 +140,12 @@ class FSDPUnit:
         # The gradient accumulator nodes of the trainable parameters, made at the first backward (autograd nodes:
         # not copied or pickled).
         self.grad_accs: Optional[List[Any]] = None
+        # Per forward whose backward may still run (its PendingBackward token, which dies with the forward's graph):
+        # the accumulator nodes that forward's graph leads to, when they are not ``grad_accs``. Assigning
+        # ``param.data`` a tensor of another dtype or device (mixed precision's compute copy, or a full parameter on
+        # another device than the shard) makes autograd drop the parameter's accumulator, so each such forward
+        # reaches the parameter through a node of its own; asked about ``grad_accs``, the engine would answer no.
+        self.forward_grad_accs: Optional["weakref.WeakKeyDictionary[PendingBackward, List[Any]]"] = None
         # Whether every unit of the tree shares the root's process group (set on the root at lazy init).
         self.children_share_process_group = True
         # Parameters owned by a sibling instance found in this one's module, and ties FSDP cannot honour
@@ -167,6 +173,7 @@ class FSDPUnit:
         state["tree"] = None
         state["is_root"] = None
         state["grad_accs"] = None
+        state["forward_grad_accs"] = None
         return state
 
     def relink(self, owner: nn.Module) -> None:

@@ -1,0 +1,132 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` around part of an FSDP unit under mixed precision.
+
+With ``mixed_precision=True`` the first backward failed with "setStorage: ... out of bounds for storage of size 0":
+the unit asked the engine whether the outer backward accumulates into its parameters through the parameter's
+current accumulator node, but pointing ``param.data`` back at the fp32 shard after a bf16 forward makes autograd
+drop that node, so the forward's graph reached the parameter through another one, the engine answered no, and the
+checkpoint's nested backward freed the full parameters that the outer backward still read.
+
+Layouts: every layer checkpointed under one FSDP unit ("layers"), and one checkpointed sub-layer in each block of
+nested units ("sub-layer"). Each case trains 2 SGD steps on 2 gloo ranks, each rank on its own half of the batch:
+
+* fp32: compared with the plain module trained on the whole batch (mean loss), within fp32 rounding;
+* bf16: compared with the same FSDP model trained without checkpointing. The recomputation repeats the same bf16
+  operations on the same inputs, and the gradient pieces of the nested and the outer backward cover disjoint parts
+  of the flat gradient (the other entries are exact zeros), so the parameters are expected to be bitwise equal; an
+  fp32 reference would differ by bf16 rounding and could not tell a missing gradient piece from rounding.
+"""
+
+import functools
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+WORLD = 2
+TIMEOUT = 120.0
+BATCH = 4  # per rank
+
+
+class _Layers(nn.Module):
+    """Every layer after the input layer checkpointed, all under one unit (HuggingFace's layout)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)  # not checkpointed: the checkpoints' input requires grad
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch_checkpoint.checkpoint(layer, x, use_reentrant=True) if self.checkpointed else layer(x)
+        return x
+
+
+class _Block(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.inner = nn.Linear(8, 8)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        return x + (
+            torch_checkpoint.checkpoint(self.inner, h, use_reentrant=True) if self.checkpointed else self.inner(h)
+        )
+
+
+def _model(layout: str, checkpointed: bool) -> nn.Module:
+    """The plain module, initialized the same way every time."""
+    torch.manual_seed(0)
+    if layout == "layers":
+        return _Layers(checkpointed)
+    return nn.Sequential(nn.Linear(8, 8), *[_Block(checkpointed) for _ in range(2)])
+
+
+def _wrap(layout: str, module: nn.Module, fsdp_kwargs: Dict[str, object]) -> FSDP:
+    if layout == "sub-layer":
+        assert isinstance(module, nn.Sequential)
+        for i in range(1, len(module)):
+            module[i] = FSDP(module[i], **fsdp_kwargs)
+    return FSDP(module, **fsdp_kwargs)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s half of step ``step``'s batch (``rank=-1``: the whole batch)."""
+    whole = torch.randn(WORLD * BATCH, 8, generator=torch.Generator().manual_seed(100 + step))
+    return whole if rank < 0 else whole[rank * BATCH : (rank + 1) * BATCH]
+
+
+def _train(model: nn.Module, rank: int, steps: int = 2) -> Dict[str, torch.Tensor]:
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        model(_batch(step, rank)).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    if isinstance(model, FSDP):
+        handles = [h for m in model.modules() if isinstance(m, FSDP) for h in m._fsdp_unit.handles]
+        assert all(
+            h.full_padded is None or h.full_padded.untyped_storage().nbytes() == 0 for h in handles
+        ), "full parameters kept after the step"
+        with model.summon_full_params():
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _case(layout: str, mixed_precision: bool) -> None:
+    rank = dist.get_rank()
+    kwargs: Dict[str, object] = {}
+    if mixed_precision:
+        kwargs = {"mixed_precision": True, "compute_dtype": torch.bfloat16}
+    got = _train(_wrap(layout, _model(layout, True), kwargs), rank)
+    if mixed_precision:
+        expected = _train(_wrap(layout, _model(layout, False), kwargs), rank)
+        rtol, atol = 0.0, 0.0  # the same bf16 computation (see the module docstring)
+    else:
+        # Each rank's FSDP gradient is the mean over its half; FSDP averages the two halves: the whole batch's mean.
+        expected = _train(_model(layout, False), -1)
+        rtol, atol = 1e-5, 1e-6
+    assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _body(rank: int, world_size: int) -> None:
+    cases = []
+    for layout in ("layers", "sub-layer"):
+        for mixed in (False, True):
+            name = f"reentrant checkpoint of {layout}, mixed_precision={mixed}"
+            cases.append((name, functools.partial(_case, layout, mixed)))
+    run_cases(cases)
+
+
+def test_reentrant_checkpoint_of_part_of_a_unit() -> None:
+    run_distributed(_body, WORLD, timeout=TIMEOUT)
