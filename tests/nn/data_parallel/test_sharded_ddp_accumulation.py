@@ -83,10 +83,9 @@ def _pattern_body(rank: int, world_size: int, pattern: str, bucket: int, zero: s
                 loss.backward(retain_graph=True)
                 loss.backward()
                 batches = [x1, x1]
-            else:  # "then_no_sync": a reduced backward, then a no_sync() window closed by a reduced backward
+            else:  # "three": three forward/backward pairs
                 _loss(sdp, x1).backward()
-                with sdp.no_sync():
-                    _loss(sdp, x2).backward()
+                _loss(sdp, x2).backward()
                 _loss(sdp, x3).backward()
                 batches = [x1, x2, x3]
         reduces.append(float(counter.count("reduce")))
@@ -110,7 +109,7 @@ def _pattern_body(rank: int, world_size: int, pattern: str, bucket: int, zero: s
         ("accumulate", "zeros"),
         ("two_forwards", "wrapper"),
         ("retain_graph", "optimizer"),
-        ("then_no_sync", "zeros"),
+        ("three", "zeros"),
     ],
 )
 def test_backwards_add_up_like_ddp(pattern: str, zero: str, bucket: int) -> None:
@@ -118,9 +117,10 @@ def test_backwards_add_up_like_ddp(pattern: str, zero: str, bucket: int) -> None
     for gaps_and_counts in results:
         gaps, reduces = gaps_and_counts[:3], gaps_and_counts[3:]
         assert max(gaps) < 1e-6, gaps
-        # Every backward outside no_sync() reduces (4 parameters, or 1 bucket per owner rank): two per step.
+        # Every backward outside no_sync() reduces (4 parameters, or 1 bucket per owner rank).
         per_backward = 4 if bucket == 0 else 2
-        assert reduces == [2.0 * per_backward] * 3, reduces
+        backwards = 3 if pattern == "three" else 2
+        assert reduces == [float(backwards * per_backward)] * 3, reduces
 
 
 def _eval_between_body(rank: int, world_size: int, auto_refresh: bool, bucket: int) -> float:
@@ -147,6 +147,37 @@ def _eval_between_body(rank: int, world_size: int, auto_refresh: bool, bucket: i
 @pytest.mark.parametrize("auto_refresh", [True, False], ids=["auto_refresh", "manual_refresh"])
 def test_eval_forward_before_backward_keeps_the_reduction(auto_refresh: bool, bucket: int) -> None:
     gaps = run_distributed(_eval_between_body, 2, auto_refresh, bucket, timeout=TIMEOUT)
+    assert max(gaps) < 1e-6, gaps
+
+
+def _no_sync_after_reduced_body(rank: int, world_size: int, bucket: int) -> float:
+    """A reduced backward, then one inside ``no_sync()``, then the step: as with DDP, each owner steps with the
+    average of the first backward plus its own local gradient of the second (nothing is set aside inside no_sync)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
+    x1, x2 = _batch(0, rank), _batch(1, rank)
+    _loss(sdp, x1).backward()
+    with sdp.no_sync():
+        _loss(sdp, x2).backward()
+    opt.step()
+    owner = opt._param_to_rank
+    params = list(ref.parameters())
+    first = torch.autograd.grad(_loss(ref, x1), params)
+    second = torch.autograd.grad(_loss(ref, x2), params)
+    with torch.no_grad():
+        for p, mine, g1, g2 in zip(params, model.parameters(), first, second):
+            dist.all_reduce(g1)
+            local = g2.clone() if owner[mine] == rank else torch.zeros_like(g2)
+            dist.all_reduce(local)  # the owner's own local gradient, on every rank
+            p.sub_(0.1 * (g1 / world_size + local))
+    return _gap(model, ref)
+
+
+@pytest.mark.parametrize("bucket", BUCKETS, ids=["unbucketed", "bucketed"])
+def test_no_sync_backward_after_a_reduced_one(bucket: int) -> None:
+    gaps = run_distributed(_no_sync_after_reduced_body, 2, bucket, timeout=TIMEOUT)
     assert max(gaps) < 1e-6, gaps
 
 

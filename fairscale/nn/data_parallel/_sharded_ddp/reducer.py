@@ -57,8 +57,9 @@ def _dispatch_pre_hook(
     reducer_ref: "weakref.ReferenceType[GradReducer]", param_ref: "weakref.ReferenceType[torch.Tensor]", _: Any
 ) -> None:
     reducer = reducer_ref()
-    # Cheap when nothing holds a reduced value (the usual loop releases gradients before the next backward).
-    if reducer is not None and (reducer._reduced_marks or reducer._bucket_marks):
+    # Cheap when nothing holds a reduced value (the usual loop releases gradients before the next backward). Inside
+    # no_sync() nothing is parked: no reduction of this backward would add it back.
+    if reducer is not None and (reducer._reduced_marks or reducer._bucket_marks) and not reducer.accumulating:
         param = param_ref()
         if param is not None:
             reducer._before_accumulate(param)
@@ -288,6 +289,8 @@ class GradReducer:
     def _before_accumulate(self, param: torch.Tensor) -> None:
         """Autograd is about to accumulate into ``param.grad``: park the reduced value it may hold (see module doc)."""
         pid = id(param)
+        if not self._pending.get(pid, False) and not self._starts_new_round(pid):
+            return  # this backward will not reduce the parameter: what it holds must stay where it is
         bucket = self._bucket_of.get(pid)
         if bucket is None:
             mark = self._reduced_marks.pop(pid, None)
@@ -314,17 +317,28 @@ class GradReducer:
         # On other ranks the bucket holds the reduction's scratch, which must not be sent again.
         buffer.zero_()
 
+    def _starts_new_round(self, pid: int) -> bool:
+        """Whether a gradient of an already reduced parameter starts a new round of reductions: the first one of a new
+        backward, after a training forward whose hooked parameters were all reduced (two forwards then two
+        backwards over the same parameters, or ``backward(retain_graph=True)`` twice). A backward that reaches only
+        some of them again (another loss head, a parameter used inside and outside a reentrant checkpoint) is left as
+        upstream left it: not reduced again."""
+        return (
+            pid in self._pending
+            and not self._callback_queued
+            and self._forward_training
+            and not any(self._pending.values())
+        )
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.accumulating:
             return
-        pending = self._pending.get(id(param))
-        if not pending:
-            if pending is None or self._callback_queued or not self._forward_training:
-                # Not hooked for this forward, reduced already in this backward, or a backward after an eval()
-                # forward (gradients stay local, as documented).
+        if not self._pending.get(id(param), False):
+            if not self._starts_new_round(id(param)):
+                # Not hooked for this forward, reduced already in this backward or round, or a backward after an
+                # eval() forward (gradients stay local, as documented).
                 return
-            # A new backward after this forward's gradients were reduced (two forwards then two backwards, or
-            # backward(retain_graph=True) twice): it is reduced too, and adds to the earlier result.
+            # It is reduced too, and adds to the earlier result.
             self._pending = {id(p): True for p in self.trainable}
             for each in self.buckets:
                 each.reset_checked_in()
