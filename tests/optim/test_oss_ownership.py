@@ -169,8 +169,8 @@ def _ownership_body(rank: int, world_size: int) -> None:
     )
 
 
-def _case_unfreeze_then_add(rank: int, world_size: int) -> None:
-    """A layer frozen when OSS was built is unfrozen, then a head is added: the reference is torch's Adam."""
+def _frozen_layer_setup() -> Tuple[nn.Module, nn.Module, List[List[Any]], OSS, torch.optim.Adam]:
+    """The model and its reference; OSS and torch's Adam over the first and third layers, the first one frozen."""
     model = _model()
     reference = copy.deepcopy(model)
     body = [list(m[0].parameters()) + list(m[2].parameters()) for m in (model, reference)]
@@ -178,6 +178,12 @@ def _case_unfreeze_then_add(rank: int, world_size: int) -> None:
         params[0].requires_grad_(False)
     oss = OSS(body[0], optim=torch.optim.Adam, lr=0.05)
     ref = torch.optim.Adam(body[1], lr=0.05)
+    return model, reference, body, oss, ref
+
+
+def _case_unfreeze_then_add(rank: int, world_size: int) -> None:
+    """A layer frozen when OSS was built is unfrozen, then a head is added: the reference is torch's Adam."""
+    model, reference, body, oss, ref = _frozen_layer_setup()
     before = _owners(oss, body[0])
     _oss_step(model, oss, rank, world_size, 0)
     _reference_step(reference, ref, world_size, 0)
@@ -274,13 +280,7 @@ def test_ownership_never_changes() -> None:
 
 def _sharded_ddp_body(rank: int, world_size: int, reduce_buffer_size: int) -> None:
     """The same with ShardedDataParallel, which picks up the unfrozen layer and the new group at the forward."""
-    model = _model()
-    reference = copy.deepcopy(model)
-    body = [list(m[0].parameters()) + list(m[2].parameters()) for m in (model, reference)]
-    for params in body:
-        params[0].requires_grad_(False)
-    oss = OSS(body[0], optim=torch.optim.Adam, lr=0.05)
-    ref = torch.optim.Adam(body[1], lr=0.05)
+    model, reference, body, oss, ref = _frozen_layer_setup()
     sharded = ShardedDataParallel(model, oss, reduce_buffer_size=reduce_buffer_size)
     before = _owners(oss, body[0])
     for params in body:
