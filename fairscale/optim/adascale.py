@@ -41,25 +41,10 @@ from torch.autograd import Variable
 from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree, first_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+from fairscale.optim._adascale import statistics
+from fairscale.optim._adascale.statistics import STATE_KEY
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
-
-_STATE_KEY = "adascale"
-
-
-def _check_statistics(data: Any) -> None:
-    """The AdaScale statistics of a state dict, if it has any, hold one value per param group of the dict."""
-    if not isinstance(data, dict) or not isinstance(data.get("state"), dict) or _STATE_KEY not in data["state"]:
-        return  # torch's load checks the rest; a dict without statistics starts them afresh
-    stats, groups = data["state"][_STATE_KEY], data.get("param_groups")
-    n_groups = len(groups) if isinstance(groups, list) else None
-    for key in ("grad_sqr_avg", "grad_var_avg"):
-        value = stats.get(key) if isinstance(stats, dict) else None
-        if value is None or np.ndim(value) != 1 or (n_groups is not None and len(value) != n_groups):
-            raise FairscaleValueError(
-                f"AdaScale.load_state_dict: state['{_STATE_KEY}']['{key}'] must hold one value per param group "
-                f"({n_groups}), got {value!r}: the dict is not one AdaScale.state_dict() wrote for these groups"
-            )
 
 
 class AdaScale(torch.optim.Optimizer):
@@ -120,7 +105,7 @@ class AdaScale(torch.optim.Optimizer):
 
         self.set_num_gradients_to_accumulate(num_gradients_to_accumulate, update_smoothing=True)
         if smoothing is not None:
-            self._smoothing = _checked_smoothing(smoothing, debias_ewma)
+            self._smoothing = statistics.checked_smoothing(smoothing, debias_ewma)
         if self._world_size * self._num_grads_to_accum <= 1:
             raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
 
@@ -128,9 +113,7 @@ class AdaScale(torch.optim.Optimizer):
         # The end of each accumulation window all-reduces one value per param group: ranks with other group counts
         # or windows would meet in collectives of different sizes (gloo waits until its timeout) or not at all.
         self._check_ranks_agree(n_groups)
-        cast(Dict[Any, Any], optimizer.state).setdefault(
-            _STATE_KEY, {"grad_sqr_avg": np.ones(n_groups), "grad_var_avg": np.zeros(n_groups)}
-        )
+        cast(Dict[Any, Any], optimizer.state).setdefault(STATE_KEY, statistics.fresh(n_groups))
         self._scale = 1.0
         self.set_scale(self._world_size * self._num_grads_to_accum if scale is None else scale)
         self._hook()
@@ -146,7 +129,7 @@ class AdaScale(torch.optim.Optimizer):
 
     @property
     def _state(self) -> Dict[str, Any]:
-        return cast(Dict[str, Any], cast(Dict[Any, Any], self._optimizer.state)[_STATE_KEY])
+        return cast(Dict[str, Any], cast(Dict[Any, Any], self._optimizer.state)[STATE_KEY])
 
     @property
     def scale(self) -> float:
@@ -216,12 +199,7 @@ class AdaScale(torch.optim.Optimizer):
         if not math.isfinite(scale):
             raise FairscaleValueError(f"AdaScale: Scale must be a finite number >= 1, got {scale}")
         if update_estimate:
-            ratio = self._scale / scale
-            state = self._state
-            state["grad_var_avg"] *= ratio
-            extra = "grad_var_avg_biased" if self._debias_ewma else "grad_var_avg_total"
-            if extra in state:
-                state[extra] *= ratio
+            statistics.rescale_variance(self._state, self._scale / scale, self._debias_ewma)
         self._scale = scale
 
     def set_num_gradients_to_accumulate(self, num_gradients_to_accumulate: int, update_smoothing: bool = True) -> None:
@@ -412,51 +390,16 @@ class AdaScale(torch.optim.Optimizer):
         return total
 
     def _update_statistics(self, local_sqr: "np.ndarray[Any, Any]", total_sqr: "np.ndarray[Any, Any]") -> None:
-        """Unbiased estimates of ``|g|^2`` and the gradient variance from the local and reduced squared norms.
-
-        A window whose statistics are not finite leaves the averages as they are: folded in, one overflow made the
-        gain NaN for good (and with it every later learning rate). Every rank has the same all-reduced values, so
-        every rank decides alike.
-        """
-        if not (np.isfinite(local_sqr).all() and np.isfinite(total_sqr).all()):
+        """Fold one window's estimates into the moving averages; a window whose values are not finite leaves them as
+        they are (every rank has the same all-reduced values, so every rank decides alike)."""
+        estimates = statistics.estimate(
+            local_sqr, total_sqr, self._num_grads_to_accum, self._world_size, self._scale, self._is_scaled_loss
+        )
+        if estimates is None:
             return
-        c, n, s = self._num_grads_to_accum, self._world_size, self._scale
-        cn = c * n
-        if c > 1:
-            if self._is_scaled_loss:
-                local_sqr = local_sqr * (c * c)
-            else:
-                total_sqr = total_sqr / (c * c)
-        local_sqr = local_sqr.astype(np.float64)
-        total_sqr = total_sqr.astype(np.float64)
-        grad_var = local_sqr * (s / cn) / (cn - 1) - total_sqr * s / (cn - 1)
-        grad_sqr = total_sqr - grad_var / s
-        grad_var = np.maximum(grad_var, 1e-6)
-        grad_sqr = np.maximum(grad_sqr, 0.0)
-        if not (np.isfinite(grad_var).all() and np.isfinite(grad_sqr).all()):
-            return  # finite but huge squared norms overflowed float32 in the accumulation correction
-        self._update_avg("grad_sqr_avg", grad_sqr, self._smoothing)
-        self._update_avg("grad_var_avg", grad_var, self._smoothing)
-
-    def _update_avg(self, name: str, value: "np.ndarray[Any, Any]", factor: float) -> None:
-        state = self._state
-        if self._debias_ewma:
-            # Per-group vectors: a group added later starts its own debiasing at 0.
-            biased = state.get(name + "_biased", np.zeros_like(value)) * factor + (1.0 - factor) * value
-            unbias = state.get(name + "_unbias", np.zeros_like(value)) * factor + (1.0 - factor)
-            state[name + "_biased"] = biased
-            state[name + "_unbias"] = unbias
-            state[name] = biased / unbias
-            return
-        count = state.setdefault(name + "_count", np.zeros(1))
-        count += 1
-        window = float("inf") if factor >= 1.0 else 1.0 / (1.0 - factor)
-        if count[0] < window:
-            total = state.get(name + "_total", 0.0) + value
-            state[name + "_total"] = total
-            state[name] = total / count
-        else:
-            state[name] = factor * state[name] + (1.0 - factor) * value
+        grad_sqr, grad_var = estimates
+        statistics.update_average(self._state, "grad_sqr_avg", grad_sqr, self._smoothing, self._debias_ewma)
+        statistics.update_average(self._state, "grad_var_avg", grad_var, self._smoothing, self._debias_ewma)
 
     # ------------------------------------------------------------------------------------------
     # Optimizer interface
@@ -467,13 +410,7 @@ class AdaScale(torch.optim.Optimizer):
         Args:
             pg_idx (Optional[int]): a param group's index, or ``None`` for the sums over all groups.
         """
-        var = self._state["grad_var_avg"]
-        sqr = self._state["grad_sqr_avg"]
-        if pg_idx is None:
-            var, sqr = np.sum(var), np.sum(sqr)
-        else:
-            var, sqr = var[pg_idx], sqr[pg_idx]
-        return float((var + sqr) / (var / self._scale + sqr))
+        return statistics.gain(self._state, self._scale, pg_idx)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Step the wrapped optimizer with every group's ``lr`` multiplied by its gain (restored afterwards).
@@ -546,11 +483,7 @@ class AdaScale(torch.optim.Optimizer):
                 handle.remove()
             raise
         self._use_hooks(handles, hooked)
-        state = self._state
-        for name, value in list(state.items()):
-            if name.endswith("_count") or not isinstance(value, np.ndarray) or value.ndim != 1:
-                continue
-            state[name] = np.append(value, 1.0 if name == "grad_sqr_avg" else 0.0)
+        statistics.add_group(self._state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (``set_to_none=False``) or drop the gradients through the wrapped optimizer.
@@ -582,19 +515,18 @@ class AdaScale(torch.optim.Optimizer):
         warning says so (upstream loaded it, then failed in ``gain()`` and ``step()`` with ``KeyError``).
         """
         self._check_not_in_backward("Don't load checkpoint in backward phase")
-        _check_statistics(data)  # before anything loads: a failed load leaves the optimizer as it was
+        statistics.check_loadable(data)  # before anything loads: a failed load leaves the optimizer as it was
         self._optimizer.load_state_dict(data)
         # torch's load rebinds the wrapped optimizer's param_groups to a new list: share it again, or an LR scheduler
         # built on AdaScale before the load would change a list that no step reads any more.
         self.param_groups = self._optimizer.param_groups
         state = cast(Dict[Any, Any], self._optimizer.state)
-        if _STATE_KEY not in state:
+        if STATE_KEY not in state:
             warnings.warn(
                 "AdaScale.load_state_dict: the state dict holds no AdaScale statistics (state['adascale']); "
                 "they start afresh (gain 1 until the next step's backward passes are measured)."
             )
-            n_groups = len(self._optimizer.param_groups)
-            state[_STATE_KEY] = {"grad_sqr_avg": np.ones(n_groups), "grad_var_avg": np.zeros(n_groups)}
+            state[STATE_KEY] = statistics.fresh(len(self._optimizer.param_groups))
 
     def __repr__(self) -> str:
         return f"AdaScale(scale={self._scale}, world_size={self._world_size}, optimizer={self._optimizer!r})"
@@ -628,24 +560,6 @@ class AdaScale(torch.optim.Optimizer):
         corr = torch.corrcoef(gathered.view(self._world_size, -1))
         upper = torch.triu_indices(self._world_size, self._world_size, offset=1, device=corr.device)
         return corr[upper[0], upper[1]].mean()
-
-
-def _checked_smoothing(smoothing: Any, debias_ewma: bool) -> float:
-    """``smoothing`` as a float, if it is a factor the moving averages can use."""
-    try:
-        value = float(smoothing)
-    except (TypeError, ValueError):
-        raise TypeError(f"AdaScale: smoothing must be a number in [0, 1), got {type(smoothing).__name__}") from None
-    # A factor outside [0, 1] makes the averages grow without bound or flip sign; 1 never lets a measurement in
-    # (with debiasing the average is then 0 / 0).
-    upper_ok = value <= 1.0 if not debias_ewma else value < 1.0
-    if not (value >= 0.0 and upper_ok):
-        allowed = "[0, 1)" if debias_ewma else "[0, 1]"
-        raise ValueError(
-            f"AdaScale: smoothing must be in {allowed} (the weight of the previous average), got {smoothing}"
-            + ("; 1 is allowed with debias_ewma=False only (a running mean)" if value == 1.0 else "")
-        )
-    return value
 
 
 def _unmeasured_message(where: List[str], consequence: str) -> str:
