@@ -234,6 +234,28 @@ class GetSumFunction(torch.autograd.Function):
         return (i.grad, None, None, maxs.grad) + (None,) * 4
 
 
+def _check_targets(target: Tensor, vocab: int) -> None:
+    """Raise unless ``target`` holds class indices in ``[0, vocab)``.
+
+    The target logits are gathered by indexing the weight, which reads a negative index from the end: -1 (a common
+    padding value) silently scored the last vocabulary row. One reduction and one host sync per forward, as
+    ``F.cross_entropy``'s own bounds check costs; MEVO has no ``ignore_index``.
+    """
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise FairscaleTypeError(
+            f"MEVO.forward: target must hold integer class indices, got dtype {target.dtype}; pass token ids"
+        )
+    if target.numel() == 0:
+        return
+    out_of_range = (target < 0) | (target >= vocab)
+    if bool(out_of_range.any()):
+        first = int(target[out_of_range][0])
+        raise FairscaleValueError(
+            f"MEVO.forward: target {first} is out of bounds: class indices must be in [0, {vocab}) (the weight's "
+            "vocabulary); MEVO has no ignore_index: drop padding tokens from input and target before the loss"
+        )
+
+
 def _target_score(i: Tensor, w: Tensor, target: Tensor, full_precision: bool, margin: float, scale: Any) -> Tensor:
     if full_precision:
         i, w = i.float(), w.float()
@@ -398,6 +420,7 @@ class MemoryEfficientVocabOutput(nn.Module):
                 f"MEVO.forward: incorrect shape {tokens} vs {t2}: the input has {tokens} tokens but the target has "
                 f"{t2}; pass one target per token"
             )
+        _check_targets(target, vocab)
         s_in = _next_power_of_2_or_max(tokens // self.tf_in, tokens)
         s_w = _next_power_of_2_or_max(vocab // self.tf_w, vocab)
         _debug(f"mevo tiles: input {s_in} rows, weight {s_w} rows", input.device)

@@ -32,7 +32,9 @@ def _forward(input: Tensor, affine: bool, mean: Tensor, invstd: Tensor, weight: 
 def _track_running_stats(
     running_mean: Tensor, running_var: Tensor, momentum: float, mean: Tensor, var: Tensor, total_count: Tensor
 ) -> None:
-    unbiased_var = var * (total_count / (total_count - 1))
+    # Bessel's factor in float64: the count arrives as fp32, whose factor put fp32 rounding into float64 buffers.
+    count = total_count.to(torch.float64)
+    unbiased_var = (var.to(torch.float64) * (count / (count - 1))).to(running_var.dtype)
     # Nothing measured (every rank's batch empty): the running statistics stay as they are (on the device, no sync).
     step = momentum * (total_count > 0).to(running_mean.dtype)
     running_mean += step * (mean.reshape(-1) - running_mean)

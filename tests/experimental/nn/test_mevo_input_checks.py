@@ -74,6 +74,24 @@ def _forward_token_mismatch() -> None:
     MEVO(w)(x, y[:4])
 
 
+def _forward_negative_target() -> None:
+    # -1 (a common padding id) indexed the weight from its end: it scored the last vocabulary row, silently.
+    x, w, y = _data()
+    y[3] = -1
+    MEVO(w)(x, y)
+
+
+def _forward_target_past_vocab() -> None:
+    x, w, y = _data()
+    y[0] = 5
+    MEVO(w)(x, y)
+
+
+def _forward_float_target() -> None:
+    x, w, y = _data()
+    MEVO(w)(x, y.float())
+
+
 def _baseline_fp32_input_fp16_weight() -> None:
     x, w, y = _data()
     BaselineSoftmax(nn.Parameter(w.detach().half()))(x, y)
@@ -127,6 +145,24 @@ CASES = [
         ValueError,
         r"MEVO.forward: incorrect shape 6 vs 4: the input has 6 tokens but the target has 4",
         id="tokens",
+    ),
+    pytest.param(
+        _forward_negative_target,
+        ValueError,
+        r"MEVO.forward: target -1 is out of bounds: class indices must be in \[0, 5\)",
+        id="target-negative",
+    ),
+    pytest.param(
+        _forward_target_past_vocab,
+        ValueError,
+        r"MEVO.forward: target 5 is out of bounds: class indices must be in \[0, 5\)",
+        id="target-past-vocab",
+    ),
+    pytest.param(
+        _forward_float_target,
+        TypeError,
+        r"MEVO.forward: target must hold integer class indices, got dtype torch.float32",
+        id="target-dtype",
     ),
     pytest.param(
         _baseline_fp32_input_fp16_weight,

@@ -116,6 +116,18 @@ def _check_ranks_disagree(rank: int, world_size: int) -> None:
     assert counter.count("all_reduce") == 3
 
 
+def _check_float64_running_var(rank: int, world_size: int) -> None:
+    """float64 running statistics get float64's digits: the Bessel factor was fp32 (1e-7 relative off)."""
+    torch.manual_seed(0)
+    ref = nn.BatchNorm1d(3).double()
+    layer = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+    inputs = [x.double() for x in _inputs((5, 3, 7), world_size)]
+    layer(inputs[rank])
+    ref(torch.cat(inputs))
+    torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(layer.running_var, ref.running_var, rtol=1e-13, atol=1e-13)
+
+
 def _world_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], None]]] = []
     for dims in SHAPES:
@@ -126,6 +138,7 @@ def _world_body(rank: int, world_size: int) -> None:
     for wrap in ("checkpoint", "checkpoint_twice"):
         cases.append((wrap, lambda w=wrap: _check_parity(rank, world_size, "3d", True, w)))
     cases.append(("eval_and_errors", lambda: _check_eval_and_errors(rank, world_size)))
+    cases.append(("float64_running_var", lambda: _check_float64_running_var(rank, world_size)))
     if world_size > 1:
         cases.append(("ranks_disagree", lambda: _check_ranks_disagree(rank, world_size)))
     run_cases(cases)
