@@ -14,7 +14,7 @@
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Deque, Generator, List, Optional, Protocol, Tuple, Union
+from typing import Any, Deque, Generator, Iterable, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -26,6 +26,13 @@ from .microbatch import Batch
 from .phony import get_phony
 
 __all__ = ["is_checkpointing", "is_recomputing"]
+
+_GRAD_UNSUPPORTED = (
+    "Pipe: a checkpointed pipeline's gradients only reach the parameters and inputs through a plain backward "
+    "(loss.backward() or torch.autograd.backward without inputs=): {what} would silently miss the gradients of the "
+    "checkpointed micro-batches (their backward recomputes the partition and back-propagates into .grad). Call "
+    "loss.backward() and read .grad, or build the pipeline with checkpoint='never'."
+)
 
 Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -158,7 +165,8 @@ def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:
 @contextmanager
 def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Generator[None, None, None]:
     """Run the block with the RNG states saved by :func:`save_rng_states`; the global streams are left as they were."""
-    cpu_state, device_state = rng_states.pop()
+    # Read, not taken: a second backward through the same graph (retain_graph=True) recomputes with the same states.
+    cpu_state, device_state = rng_states[-1]
     forked: List[torch.device] = [device] if device_state is not None else []
     with torch.random.fork_rng(forked, device_type=device.type if forked else "cuda"):
         torch.set_rng_state(cpu_state)
@@ -231,3 +239,44 @@ class Recompute(torch.autograd.Function):
         grad_input: List[None] = [None, None, None, None, None]
         grad_input.extend(None for _ in ctx.saved_tensors)
         return tuple(grad_input)
+
+
+class _CheckpointGuard(torch.autograd.Function):
+    """Identity on a checkpointed pipeline's output whose backward refuses what checkpointing cannot serve.
+
+    It sits where every gradient of the pipeline passes, above the micro-batches, and takes the partitions'
+    parameters as inputs too (it returns no gradient for them): ``torch.autograd.grad`` and ``backward(inputs=...)``
+    run only the nodes on a path to the requested tensors, and the checkpointed micro-batches' parameters (used under
+    ``no_grad`` in the forward) were on none, so their gradients went missing without an error (or torch said they
+    were not used in the graph). With ``create_graph=True`` the recomputed graph is back-propagated without a graph
+    of its own: the gradients would not be differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, n_outputs: int, *tensors: Tensor) -> Tensors:
+        ctx.n_params = len(tensors) - n_outputs
+        return tensors[:n_outputs]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tuple[Optional[Tensor], ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(_GRAD_UNSUPPORTED.format(what="torch.autograd.grad() or backward(inputs=...)"))
+        if torch.is_grad_enabled():
+            raise RuntimeError(_GRAD_UNSUPPORTED.format(what="a backward with create_graph=True (double backward)"))
+        return (None,) + grads + (None,) * ctx.n_params
+
+
+def guard_checkpointed_output(output: TensorOrTensors, parameters: Iterable[Tensor]) -> TensorOrTensors:
+    """``output`` (a pipeline's gathered output, some of whose micro-batches were checkpointed) behind
+    :class:`_CheckpointGuard`, with the ``parameters`` of the partitions that computed it; tensors that do not
+    require grad pass as they are."""
+    outputs: Tensors = output if isinstance(output, tuple) else (output,)
+    positions = [i for i, t in enumerate(outputs) if t.requires_grad]
+    if not positions:
+        return output
+    params = [p for p in parameters if p.requires_grad]
+    guarded = _CheckpointGuard.apply(len(positions), *(outputs[i] for i in positions), *params)
+    result = list(outputs)
+    for i, t in zip(positions, guarded):
+        result[i] = t
+    return tuple(result) if isinstance(output, tuple) else result[0]

@@ -15,6 +15,7 @@ from fairscale.internal.version import torch_version as torch_version
 from . import microbatch
 from ._checks import balance_entries
 from .batchnorm import DeferredBatchNorm
+from .checkpoint import guard_checkpointed_output
 from .pipeline import Pipeline
 from .skip.layout import inspect_skip_layout
 from .skip.skippable import verify_skippables
@@ -299,4 +300,7 @@ class Pipe(nn.Module):
             return input
         batches = microbatch.scatter(input, self.chunks)
         self.pipeline.run(batches)
-        return microbatch.gather(batches)
+        output = microbatch.gather(batches)
+        if self.pipeline.checkpoint_stop > 0 and self.training and torch.is_grad_enabled():
+            return guard_checkpointed_output(output, self.parameters())
+        return output

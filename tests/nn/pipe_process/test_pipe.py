@@ -113,6 +113,23 @@ def _case_checkpoint_modes() -> None:
         AsyncPipe(nn.Sequential(nn.Linear(1, 1)), [1], group=_world(), chunks=1, checkpoint=mode)
 
 
+def _case_checkpoint_gradient_calls() -> None:
+    """autograd.grad through checkpointed micro-batches raises (their gradients went missing silently); a retained
+    graph's second backward adds up as for the plain Sequential (it failed with an IndexError)."""
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    pipe = AsyncPipe(model, [5], group=_world(), chunks=2, checkpoint="except_last")
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match=r"torch.autograd.grad\(\) or backward\(inputs=...\)"):
+        torch.autograd.grad(pipe(x).sum(), list(pipe.parameters()))
+    out, ref_out = pipe(x).pow(2).sum(), reference(x).pow(2).sum()
+    for loss in (out, out, ref_out, ref_out):
+        loss.backward(retain_graph=True)
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        _assert_close(p.grad, q.grad)
+
+
 def _case_inputs() -> None:
     class Two(nn.Module):
         def __init__(self) -> None:
@@ -196,6 +213,7 @@ def _single_rank(rank: int, world_size: int) -> None:
             ("errors", _case_errors),
             ("balance_entries", _case_balance_entries),
             ("checkpoint_modes", _case_checkpoint_modes),
+            ("checkpoint_gradient_calls", _case_checkpoint_gradient_calls),
             ("inputs", _case_inputs),
             ("exception", _case_exception),
             ("no_grad", _case_no_grad),
