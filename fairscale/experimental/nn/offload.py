@@ -10,12 +10,14 @@ Streams and pinned memory go through :mod:`fairscale.internal.device`, so the sa
 ``device == offload_device == cpu`` (then every move is a no-op and the result is plain sequential training).
 """
 
+import contextlib
 import logging
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fairscale.internal.device import (
     DeviceHandle,
@@ -177,18 +179,44 @@ class ShardSyncLayer(torch.autograd.Function):
     @staticmethod
     @_amp_bwd
     def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
+        # Only this call's ctx is read: ``model_instance._activations`` belongs to the latest forward, which may be
+        # another call (or a failed one) by the time this backward runs. Autograd keeps the tensors the slices'
+        # backward needs itself, so the bookkeeping copies are not moved here (upstream moved them, to no effect).
         load, drop = ctx.index, ctx.index + 1
         slices: List[ModelShard] = ctx.model_slices
-        activations: List[Tuple[Any, ...]] = ctx.model_instance._activations
         if drop < len(slices):
             with torch.autograd.profiler.record_function(_PREFIX + "backward_drop"):
                 slices[drop].backward_drop()
-            activations[drop] = _to(activations[drop], torch.device("cpu"))
         if load >= 0:
             with torch.autograd.profiler.record_function(_PREFIX + "backward_load"):
                 slices[load].backward_load()
-            activations[load] = _to(activations[load], slices[load].device)
         return (None, None, None, None) + tuple(grad_outputs)
+
+
+@contextlib.contextmanager
+def _running_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """Keep the batch-norm layers of ``module`` from updating their running statistics inside the block.
+
+    The recomputation in backward repeats a forward whose statistics update already happened (in the first pass,
+    as in the plain model, so that a forward without backward, or one under ``no_grad``, updates them too). A layer
+    in training mode with ``track_running_stats`` off still normalises with the batch statistics, so the recomputed
+    output is unchanged; only the buffers are left alone. The flags are restored even if the block raises.
+
+    ``fairscale.nn.checkpoint``'s ``patch_batchnorm`` is not used: it skips the update in every no-grad pass, which
+    here is the first pass, so a forward whose backward never runs (validation in training mode, an abandoned
+    forward) would leave the statistics as they were, unlike the plain model. It also keeps hooks on the layers.
+
+    Args:
+        module (nn.Module): the slice being recomputed.
+    """
+    frozen = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    for m in frozen:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in frozen:
+            m.track_running_stats = True
 
 
 class OffloadFunction(torch.autograd.Function):
@@ -197,35 +225,49 @@ class OffloadFunction(torch.autograd.Function):
     Forward runs every slice under ``no_grad`` on ``num_microbatches`` chunks and keeps the slice inputs as CPU
     copies. Backward re-loads the slices in reverse order, recomputes each chunk with grad enabled (restoring the
     RNG state the slice's forward started from, CPU and device, so dropout masks repeat) and backpropagates it.
+
+    Everything the backward reads (slice inputs, RNG states, slices, micro-batch count) is kept on this call's
+    ``ctx``, so other forwards of the same model before this backward (a second batch accumulated into one loss, a
+    ``no_grad`` validation pass) cannot change its gradients. Batch-norm running statistics are updated by the
+    forward only, once per chunk, as a plain model run chunk by chunk would.
     """
 
     @staticmethod
     @_amp_fwd
     def forward(ctx: Any, inputs: Any, dummy_input: Tensor, model_instance: Any) -> Any:
         inputs_tuple = inputs if isinstance(inputs, tuple) else (inputs,)
-        ctx.inputs = inputs_tuple
-        ctx.grad_requirements = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs_tuple)
-        ctx.model_instance = model_instance
-        ctx.rng_states = []
         device: torch.device = model_instance.device
         nmb: int = model_instance._num_microbatches
-        model_instance._activations = [inputs_tuple]
-        for index, shard in enumerate(model_instance.model_slices):
+        slices: List[ModelShard] = list(model_instance.model_slices)
+        ctx.grad_requirements = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs_tuple)
+        ctx.device = device
+        ctx.num_microbatches = nmb
+        ctx.model_slices = slices
+        ctx.rng_states = []
+        activations: List[Tuple[Any, ...]] = [inputs_tuple]
+        for index, shard in enumerate(slices):
             with torch.autograd.profiler.record_function(_PREFIX + "forward_load"):
-                model_instance._activations[index] = _to(model_instance._activations[index], device)
+                activations[index] = _to(activations[index], device)
                 shard.forward_load()
             ctx.rng_states.append((torch.get_rng_state(), accelerator_rng_state(device)))
+            last = index == len(slices) - 1
             with torch.autograd.profiler.record_function(_PREFIX + "no_grad_forward_pass"):
                 with torch.no_grad():
                     outputs = []
-                    for x in model_instance._activations[index]:
-                        chunks = [shard(c) for c in torch.chunk(x, nmb)]
-                        outputs.append(torch.cat(chunks).squeeze(-1))
+                    for x in activations[index]:
+                        out = torch.cat([shard(c) for c in torch.chunk(x, nmb)])
+                        # Upstream squeezes every slice output, which breaks a width-1 boundary between slices
+                        # (the next slice gets (N,) instead of (N, 1)); only the model output keeps that squeeze.
+                        outputs.append(out.squeeze(-1) if last else out)
             with torch.autograd.profiler.record_function(_PREFIX + "forward_drop"):
-                model_instance._activations[index] = _to(model_instance._activations[index], torch.device("cpu"))
-                model_instance._activations.append(tuple(outputs))
+                activations[index] = _to(activations[index], torch.device("cpu"))
+                activations.append(tuple(outputs))
                 shard.forward_drop()
-        result = [r.to(device) for r in model_instance._activations[-1]]
+        # The slice inputs (not the model output: keeping it on ctx would make a reference cycle through its
+        # grad_fn) belong to this call; the attribute is kept as upstream's inspection point only.
+        ctx.activations = activations[:-1]
+        model_instance._activations = activations
+        result = [r.to(device) for r in activations[-1]]
         for r in result:
             if r.is_floating_point():
                 r.requires_grad = True
@@ -236,26 +278,33 @@ class OffloadFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
-        model_instance = ctx.model_instance
-        device: torch.device = model_instance.device
-        nmb: int = model_instance._num_microbatches
         grads: Tuple[Any, ...] = tuple(grad_outputs)
-        slices: List[ModelShard] = model_instance.model_slices
+        slices: List[ModelShard] = ctx.model_slices
         for index in reversed(range(len(slices))):
-            grads = _backward_slice(ctx, index, grads, slices[index], device, nmb)
+            grads = _backward_slice(ctx, index, grads, last=index == len(slices) - 1)
         # The first slice's input gradients belong to the model inputs (upstream returned None here).
         input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
         first = input_grads[0] if input_grads else None
         return (first, None, None)
 
 
-def _backward_slice(
-    ctx: Any, index: int, grads: Tuple[Any, ...], shard: ModelShard, device: torch.device, nmb: int
-) -> Tuple[Any, ...]:
-    """Recompute slice ``index`` chunk by chunk and backpropagate ``grads``; return the gradients of its inputs."""
-    model_instance = ctx.model_instance
+def _backward_slice(ctx: Any, index: int, grads: Tuple[Any, ...], last: bool) -> Tuple[Any, ...]:
+    """Recompute slice ``index`` chunk by chunk and backpropagate ``grads``; return the gradients of its inputs.
+
+    Args:
+        ctx: the :class:`OffloadFunction` call's context (slice inputs, RNG states, slices, micro-batch count).
+        index (int): the slice.
+        grads (Tuple[Any, ...]): gradients of the slice's outputs.
+        last (bool): whether this is the last slice, whose output the forward squeezed.
+
+    Returns:
+        Tuple[Any, ...]: gradients of the slice's inputs (``None`` where an input takes none).
+    """
+    device: torch.device = ctx.device
+    nmb: int = ctx.num_microbatches
+    shard: ModelShard = ctx.model_slices[index]
     with torch.autograd.profiler.record_function(_PREFIX + "backward_load"):
-        acts = tuple(a.to(device).detach() if isinstance(a, Tensor) else a for a in model_instance._activations[index])
+        acts = tuple(a.to(device).detach() if isinstance(a, Tensor) else a for a in ctx.activations[index])
         shard.backward_load()
     cpu_state, device_state = torch.get_rng_state(), accelerator_rng_state(device)
     fwd_cpu_state, fwd_device_state = ctx.rng_states[index]
@@ -269,8 +318,9 @@ def _backward_slice(
             if x_chunk.dtype != torch.long and x_chunk.is_floating_point():
                 x_chunk = x_chunk.detach().requires_grad_(True)
             with torch.autograd.profiler.record_function(_PREFIX + "forward_pass_with_enable_grad"):
-                with torch.enable_grad():
-                    out = shard(x_chunk).squeeze(-1)
+                with torch.enable_grad(), _running_stats_frozen(shard):
+                    out = shard(x_chunk)
+                    out = out.squeeze(-1) if last else out
             with torch.autograd.profiler.record_function(_PREFIX + "backward_pass"):
                 torch.autograd.backward(out, g_chunk)
             collected.append(x_chunk.grad if x_chunk.requires_grad else None)
@@ -313,6 +363,7 @@ class OffloadModel(nn.Module):
             most one slice per layer is made).
         checkpoint_activation (bool): recompute each slice in backward instead of keeping its activations.
         num_microbatches (int): chunks each slice's batch is split into when checkpointing (default: 1; at least 1).
+            BatchNorm layers then see each chunk as a batch (statistics and running-stat updates per chunk).
 
     Raises:
         TypeError: ``model`` or ``device`` is missing, ``model`` is not an ``nn.Sequential`` or a list,
@@ -374,6 +425,7 @@ class OffloadModel(nn.Module):
 
         Returns:
             The last slice's output on ``device``: one tensor, or a tuple (a list with checkpointing) of several.
+            With checkpointing the output's last dim is squeezed when it is 1 (upstream's ``squeeze(-1)``).
         """
         if self._checkpoint_activation:
             return OffloadFunction.apply(*inputs, torch.tensor([], requires_grad=True), self)

@@ -156,3 +156,109 @@ def test_failed_load_changes_nothing() -> None:
     spoiled[last] = torch.zeros_like(before[last])
     offload.load_state_dict(spoiled)
     assert all(not v.any() for v in offload.state_dict().values())
+
+
+def _bn_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def _plain(model: nn.Module, x: Tensor, nmb: int) -> Tensor:
+    """The plain model run the way OffloadModel runs it: chunk by chunk along the batch (BatchNorm sees chunks)."""
+    return torch.cat([model(c) for c in torch.chunk(x, nmb)])
+
+
+def _assert_same_state(ref: nn.Module, offload: OffloadModel) -> None:
+    """Parameters, their gradients and the buffers (BatchNorm running statistics) equal the plain model's."""
+    for (name, p), q in zip(offload.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=name)
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=f"grad of {name}")
+    for (name, b), c in zip(offload.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+
+
+@pytest.mark.parametrize("nmb", [1, 2])
+@pytest.mark.parametrize("between", ["no_grad_forward", "second_loss"])
+def test_checkpoint_backward_uses_its_own_forward(between: str, nmb: int) -> None:
+    """Another forward between a forward and its backward (a no_grad validation pass; a second batch whose loss is
+    added to the first) leaves that backward's gradients as the plain model's: each call keeps its own state."""
+    ref = _bn_model()
+    offload = OffloadModel(
+        _bn_model(), torch.device("cpu"), num_slices=3, checkpoint_activation=True, num_microbatches=nmb
+    )
+    x1, x2 = torch.randn(8, 3, generator=torch.Generator().manual_seed(1)), torch.randn(8, 3)
+    outs = []
+    for model, run in ((ref, lambda m, x: _plain(m, x, nmb)), (offload, lambda m, x: m(x))):
+        y1 = run(model, x1)
+        if between == "no_grad_forward":
+            with torch.no_grad():
+                y2 = run(model, x2)
+            y1.sum().backward()
+        else:
+            y2 = run(model, x2)
+            (y1.sum() + y2.pow(2).sum()).backward()
+        outs.append((y1.detach(), y2.detach()))
+    torch.testing.assert_close(outs[0], outs[1])
+    _assert_same_state(ref, offload)
+
+
+@pytest.mark.parametrize("nmb", [1, 2])
+def test_checkpoint_batchnorm_statistics_updated_once_per_forward(nmb: int) -> None:
+    """The recomputation in backward does not update BatchNorm's running statistics a second time; an eval forward
+    does not update them at all."""
+    ref = _bn_model()
+    offload = OffloadModel(
+        _bn_model(), torch.device("cpu"), num_slices=2, checkpoint_activation=True, num_microbatches=nmb
+    )
+    for model, run in ((ref, lambda m, x: _plain(m, x, nmb)), (offload, lambda m, x: m(x))):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(8, 3, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            run(model, x).pow(2).sum().backward()
+            opt.step()
+    _assert_same_state(ref, offload)
+    bn = [m for m in offload.modules() if isinstance(m, nn.BatchNorm1d)][0]
+    assert bn.num_batches_tracked.item() == 3 * nmb
+    offload.eval()
+    ref.eval()
+    x = torch.randn(8, 3)
+    torch.testing.assert_close(offload(x), ref(x))
+    assert bn.num_batches_tracked.item() == 3 * nmb
+    assert bn.track_running_stats  # restored after each recomputation
+
+
+@pytest.mark.parametrize("nmb", [1, 2])
+def test_checkpoint_width1_boundary_between_slices(nmb: int) -> None:
+    """A slice whose output has last dim 1 feeds the next slice unchanged (upstream squeezed every slice output)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 1), nn.Linear(1, 4), nn.Linear(4, 1))
+    offload = OffloadModel(
+        copy.deepcopy(ref), torch.device("cpu"), num_slices=3, checkpoint_activation=True, num_microbatches=nmb
+    )
+    assert [len(s.model_shard) for s in offload.model_slices] == [1, 1, 1]
+    x = torch.randn(6, 3, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, out_ref = offload(x), ref(x_ref)
+    # Only the model output keeps upstream's squeeze(-1) in checkpoint mode.
+    assert out.shape == (6,)
+    torch.testing.assert_close(out, out_ref.squeeze(-1))
+    out.pow(2).sum().backward()
+    out_ref.pow(2).sum().backward()
+    _assert_same_state(ref, offload)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_failed_forward_leaves_pending_backward_alone() -> None:
+    """Without checkpointing too, a later forward (here one that fails half way) does not break the backward of an
+    earlier one: the sync layers' backward reads only its own call's state."""
+    ref = _bn_model()
+    offload = OffloadModel(_bn_model(), torch.device("cpu"), num_slices=3)
+    x = torch.randn(8, 3)
+    y = offload(x)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        offload(torch.randn(8, 4))
+    y.sum().backward()
+    ref(x).sum().backward()
+    _assert_same_state(ref, offload)
