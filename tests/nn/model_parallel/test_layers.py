@@ -148,6 +148,18 @@ def _stride() -> None:
     assert torch.equal(layer.get_master_weight(), master)
     row = RowParallelLinear(2 * p, 3, keep_master_weight_for_test=True)
     assert torch.equal(row.get_master_weight(), row.master_weight)
+    # The forward is upstream's (checkpoints trained with it give the same outputs): gather_output=True concatenates
+    # the ranks' slices rank by rank, and input_is_parallel=False splits the input contiguously, so the dense
+    # weight they apply is the rank-blocked one, not get_master_weight()'s (docs/model_parallel.rst).
+    x = _data(2, 3, salt=5)
+    blocked = torch.cat([chunks[q] for rank in range(p) for q in (rank, rank + p)])
+    _close(layer(x), F.linear(x, blocked), "stride-2 gathered output")  # the bias starts at zero
+    torch.manual_seed(SEED)
+    row = RowParallelLinear(4 * p, 3, bias=False, stride=2, keep_master_weight_for_test=True)
+    row_chunks = row.master_weight.split(2, dim=1)
+    row_blocked = torch.cat([row_chunks[q] for rank in range(p) for q in (rank, rank + p)], dim=1)
+    h = _data(2, 4 * p, salt=6)
+    _close(row(h), F.linear(h, row_blocked), "stride-2 row output")
 
 
 def _embeddings() -> None:
