@@ -1,5 +1,13 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""A small wrapper around a ``pygit2`` repository whose work tree is wgit's ``.wgit`` directory."""
+"""A small wrapper around a ``pygit2`` repository whose work tree is wgit's ``.wgit`` directory.
+
+The repository is ``.wgit/.git`` itself and nothing else. Git can be sent elsewhere without a symbolic link: a
+``gitdir:`` file in place of the directory, a ``commondir`` file naming another repository, ``objects/info/alternates``,
+or the config's ``core.worktree``, ``core.bare`` and ``include`` settings. A ``.wgit`` from someone else could use any
+of them to make ``wgit add``/``commit`` write into another repository (move its branch, write its objects), so they
+are refused with :class:`~fairscale.experimental.wgit.safety.UnsafeRepositoryError` before git opens the repository
+(the config settings, which only git's resolution tells, right after: before anything is written).
+"""
 
 import os
 import subprocess
@@ -8,6 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from fairscale.internal.errors import FairscaleRuntimeError
+
+from .safety import check_not_link, unsafe
 
 __all__ = ["PyGit"]
 
@@ -19,6 +29,67 @@ def import_pygit2() -> Any:
     except ImportError as e:
         raise ImportError("Error: please pip install pygit2 module to use wgit") from e
     return pygit2
+
+
+# libgit2's GIT_REPOSITORY_OPEN_NO_SEARCH: open the given directory only, never walk up to a parent's repository.
+_OPEN_NO_SEARCH = 1
+
+
+def _open(pygit2: Any, git_dir: Path, work_tree: Path) -> Optional[Any]:
+    """The repository at ``git_dir``, ``None`` when there is none yet (no ``.git``, or an empty directory: a
+    half-made repository, created afresh).
+
+    Raises:
+        UnsafeRepositoryError: ``git_dir`` is not a real directory, holds something that sends git elsewhere, is not
+            a git repository, or git resolves it to another git directory or work tree.
+    """
+    if not os.path.lexists(git_dir):
+        return None
+    _check_git_dir(git_dir)
+    if not any(git_dir.iterdir()):
+        return None
+    try:
+        repo = pygit2.Repository(str(git_dir), _OPEN_NO_SEARCH)
+    except pygit2.GitError as e:
+        # Creating a repository over it could keep whatever it holds: refused rather than repaired.
+        raise unsafe(git_dir, f"it is not a git repository that wgit can open ({e})") from None
+    _check_resolution(pygit2, repo, git_dir, work_tree)
+    return repo
+
+
+def _check_git_dir(git_dir: Path) -> None:
+    """Refuse what makes git use files outside ``git_dir``, read before git opens it."""
+    check_not_link(git_dir, ".wgit/.git")
+    if not git_dir.is_dir():
+        raise unsafe(
+            git_dir,
+            "it is not a directory (a 'gitdir:' file points git to a repository elsewhere, which wgit would write "
+            "into)",
+        )
+    redirects = {
+        "commondir": "it names another repository, whose branches, objects and logs git would write instead",
+        "objects/info/alternates": "it makes git read objects from other repositories",
+    }
+    for name, why in redirects.items():
+        if os.path.lexists(git_dir / name):
+            raise unsafe(git_dir / name, why)
+
+
+def _check_resolution(pygit2: Any, repo: Any, git_dir: Path, work_tree: Path) -> None:
+    """Refuse a repository that git resolved to another git directory or work tree (config settings)."""
+    if Path(repo.path).resolve() != git_dir.resolve():
+        raise unsafe(git_dir, f"git resolves it to the repository {repo.path}, which wgit would write into")
+    if repo.is_bare or repo.workdir is None:
+        raise unsafe(git_dir / "config", "it sets core.bare: git would not treat .wgit as the repository's work tree")
+    if Path(repo.workdir).resolve() != work_tree.resolve():
+        raise unsafe(
+            git_dir / "config",
+            f"it sets core.worktree to {repo.workdir}: git would read and write files there instead of in {work_tree}",
+        )
+    local = pygit2.Config(str(git_dir / "config")) if (git_dir / "config").is_file() else []
+    for entry in local:
+        if entry.name.lower().startswith(("include.", "includeif.")):
+            raise unsafe(git_dir / "config", f"it includes other configuration files ({entry.name} = {entry.value})")
 
 
 class PyGit:
@@ -37,12 +108,8 @@ class PyGit:
         self._parent_path = Path(parent_path)
         self.name, self.email = self._set_author_config(name, email)
         self.path = self._parent_path.joinpath(".git")
-        discovered = pygit2.discover_repository(str(self._parent_path))
-        self.repo: Optional[Any] = None
-        if discovered is not None:
-            repo = pygit2.Repository(discovered)
-            if repo.workdir is not None and Path(repo.workdir).resolve() == self._parent_path.resolve():
-                self.repo = repo
+        # Only .wgit/.git (never a repository found in a parent directory, nor one it points to).
+        self.repo: Optional[Any] = _open(pygit2, self.path, self._parent_path)
         if self.repo is None:
             gitignore_path = self._parent_path.joinpath(".gitignore")
             # lexists: a dangling link counts (writing through it would create its target, wherever it points).

@@ -19,7 +19,7 @@ from torch import Tensor
 from fairscale.internal.errors import FairscaleValueError
 
 from .pygit import PyGit, import_pygit2
-from .safety import check_tree, contained, load_checkpoint, replace_file
+from .safety import check_tree, contained, load_checkpoint, open_regular, replace_file
 from .sha1_store import SHA1_Store
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
@@ -234,10 +234,11 @@ class Repo:
 
     @staticmethod
     def _is_file_modified(metadata_file: Path) -> bool:
-        with open(metadata_file) as f:
+        # open_regular: a named pipe swapped in after the repository was checked would block status forever.
+        with open_regular(metadata_file, "a metadata file") as f:
             try:
                 metadata = json.load(f)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON (or not UTF-8): not a metadata file wgit wrote
                 return False
         if not isinstance(metadata, dict) or not isinstance(metadata.get(REL_PATH_KEY), str):
             return False  # not a metadata file wgit wrote: nothing to compare

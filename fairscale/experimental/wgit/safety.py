@@ -4,31 +4,39 @@
 A ``.wgit`` directory may come from someone else (a shared drive, an archive, a copied experiment), and so may the
 checkpoints one adds. wgit therefore:
 
-* writes only real files inside the repository's ``.wgit`` directory: a symbolic link anywhere inside ``.wgit``
-  (the directory itself, ``.git``, the SHA1 store, its sub-directories, a metadata file), a ``..`` or an absolute
-  part in a path built from stored data, or an object key that is not a SHA1 is refused with
-  :class:`UnsafeRepositoryError` before anything is written. Files are replaced (written beside, then renamed), so
-  a hard link planted inside ``.wgit`` cannot carry a write to the file it shares with;
+* reads and writes only real files inside the repository's ``.wgit`` directory: a symbolic link anywhere inside
+  ``.wgit`` (the directory itself, ``.git``, the SHA1 store, its sub-directories, a metadata file), an entry that is
+  not a regular file or a directory (a named pipe, whose reading blocks forever, a device, a socket), a ``..`` or
+  an absolute part in a path built from stored data, or an object key that is not a SHA1 is refused with
+  :class:`UnsafeRepositoryError` before anything is written. So is a ``.git`` that sends git elsewhere (see
+  :mod:`fairscale.experimental.wgit.pygit`). Files are replaced (written beside, then renamed), so a hard link
+  planted inside ``.wgit`` cannot carry a write to the file it shares with;
 * loads checkpoints with ``torch.load(weights_only=True)`` and its own store objects with an unpickler that accepts
   numpy arrays, plain containers and wgit's own record type only, so a file whose pickle would run code is refused
-  with :class:`UntrustedContentError` and the code never runs.
+  with :class:`UntrustedContentError` and the code never runs; a store object whose bytes do not hash to its key,
+  or a store ``metadata.json`` of the wrong shape, is refused with :class:`CorruptStoreError`.
 
 It does not defend against another process changing ``.wgit`` while wgit runs (a check-then-write race), nor does it
 hide the modification time of the files one adds.
 """
 
+import errno
+import gzip
+import hashlib
 import os
 import pickle
+import stat
 import uuid
+import zlib
 import warnings
 from pathlib import Path
-from typing import IO, Any, Callable, FrozenSet, Iterable, Optional, Tuple
+from typing import IO, Any, BinaryIO, Callable, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 
 from fairscale.internal.errors import FairscaleValueError
 
-__all__ = ["WgitSafetyError", "UnsafeRepositoryError", "UntrustedContentError"]
+__all__ = ["WgitSafetyError", "UnsafeRepositoryError", "UntrustedContentError", "CorruptStoreError"]
 
 
 class WgitSafetyError(ValueError):
@@ -36,7 +44,8 @@ class WgitSafetyError(ValueError):
 
 
 class UnsafeRepositoryError(WgitSafetyError):
-    """A path inside ``.wgit`` is a symbolic link, or a stored path or key would lead outside the repository."""
+    """A path inside ``.wgit`` is a symbolic link or not a regular file, ``.git`` sends git to another repository,
+    or a stored path or key would lead outside the repository."""
 
 
 class UntrustedContentError(WgitSafetyError, FairscaleValueError):
@@ -46,7 +55,22 @@ class UntrustedContentError(WgitSafetyError, FairscaleValueError):
     """
 
 
+class CorruptStoreError(WgitSafetyError, FairscaleValueError):
+    """The SHA1 store's bytes are not what wgit wrote: an object that does not hash to its key, or a ``metadata.json``
+    that is not valid JSON or not of the shape wgit writes. Also an ``AssertionError``, like the store's other
+    refusals of bad metadata."""
+
+
 _REMOVE_HINT = "remove it (or the whole .wgit directory if you did not create it) and retry"
+
+
+def unsafe(path: Path, why: str) -> UnsafeRepositoryError:
+    """The :class:`UnsafeRepositoryError` refusing ``path`` because ``why`` (what it is, and what it would make wgit
+    do), with the promise wgit keeps and what to do."""
+    return UnsafeRepositoryError(
+        f"wgit: refusing to use {path}: {why}. wgit only reads and writes real files inside the repository's .wgit "
+        f"directory; {_REMOVE_HINT}"
+    )
 
 
 def _link_error(path: Path, what: str) -> UnsafeRepositoryError:
@@ -54,10 +78,22 @@ def _link_error(path: Path, what: str) -> UnsafeRepositoryError:
         target = f" (to {os.readlink(path)})"
     except OSError:
         target = ""
-    return UnsafeRepositoryError(
-        f"wgit: refusing to use {path}: {what} is a symbolic link{target}. wgit only reads and writes real files "
-        f"inside the repository's .wgit directory, and a link there could make it write outside; {_REMOVE_HINT}"
-    )
+    return unsafe(path, f"{what} is a symbolic link{target}, and a link there could make wgit write outside")
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device file"
+    return "not a regular file"
+
+
+def _special_error(path: Path, what: str, mode: int) -> UnsafeRepositoryError:
+    # wgit never creates these; reading a named pipe blocks until someone writes to it (forever, for a planted one).
+    return unsafe(path, f"{what} is {_kind(mode)}, not a regular file, and reading it could block forever")
 
 
 def check_not_link(path: Path, what: str) -> None:
@@ -67,19 +103,64 @@ def check_not_link(path: Path, what: str) -> None:
 
 
 def check_tree(root: Path, what: str) -> None:
-    """Raise :class:`UnsafeRepositoryError` if anything inside ``root`` (or ``root`` itself) is a symbolic link.
+    """Raise :class:`UnsafeRepositoryError` if anything inside ``root`` (or ``root`` itself) is a symbolic link, or
+    anything else than a regular file or a directory (a named pipe, a device, a socket).
 
-    wgit never creates links, so one found there was planted. The walk reads directory entries only (no ``stat`` per
-    file where the file system reports entry types), and does not follow links.
+    wgit never creates such entries, so one found there was planted. The walk reads directory entries only (no
+    ``stat`` per file where the file system reports entry types), does not follow links, and skips a directory it
+    cannot list (as ``os.walk`` does).
     """
     check_not_link(root, what)
     if not root.is_dir():
         return
-    for directory, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in dirnames + filenames:
-            path = Path(directory, name)
-            if path.is_symlink():
-                raise _link_error(path, f"{path.relative_to(root)} inside {what}")
+    pending = [root]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            inside = f"{path.relative_to(root)} inside {what}"
+            if entry.is_symlink():
+                raise _link_error(path, inside)
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(path)
+            elif not entry.is_file(follow_symlinks=False):
+                raise _special_error(path, inside, entry.stat(follow_symlinks=False).st_mode)
+
+
+def open_regular(path: Path, what: str) -> BinaryIO:
+    """``path`` opened for binary reading, refused with :class:`UnsafeRepositoryError` unless it is a regular file.
+
+    Checked before opening (``lstat``: nothing is opened for a link, a named pipe or a device) and again on the open
+    file: it is opened without following a final link and without waiting for a pipe's writer, then ``fstat``-ed, so
+    an entry swapped in between is refused too, and never blocks.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        UnsafeRepositoryError: ``path`` is a symbolic link or not a regular file.
+    """
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise _link_error(path, what)
+    if not stat.S_ISREG(mode):
+        raise _special_error(path, what, mode)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link swapped in after the lstat
+            raise _link_error(path, what) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _special_error(path, what, mode)
+        return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file's reads
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def contained(root: Path, parts: Iterable[str], what: str, reserved: FrozenSet[str] = frozenset()) -> Path:
@@ -205,21 +286,64 @@ class _StoreUnpickler(pickle.Unpickler):
         raise UntrustedContentError("it refers to external (persistent) objects, which wgit never writes")
 
 
-def load_store_object(f: IO[bytes], what: str) -> Any:
+class _HashingReader:
+    """What the unpickler reads from ``f``, fed to a SHA1 on the way: checking an object's key costs no second read."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._sha1 = hashlib.sha1()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._sha1.update(data)
+        return data
+
+    def readline(self) -> bytes:
+        data = self._f.readline()
+        self._sha1.update(data)
+        return data
+
+    def hexdigest(self) -> str:
+        """The SHA1 of all of ``f``: what the unpickler read, and what it left after the pickle's end."""
+        while self.read(1024 * 1024):
+            pass
+        return self._sha1.hexdigest()
+
+
+def load_store_object(f: IO[bytes], what: str, sha1: Optional[str] = None) -> Any:
     """Unpickle one SHA1 store object from ``f`` with the restricted unpickler.
+
+    Args:
+        f (IO[bytes]): the object's (uncompressed) bytes.
+        what (str): what it is, for the messages.
+        sha1 (Optional[str]): its key, the SHA1 of those bytes: checked against what was read (and the rest of ``f``).
 
     Raises:
         UntrustedContentError: the object names anything but numpy arrays, plain containers and wgit records, or
             is not a valid pickle.
+        CorruptStoreError: the bytes do not hash to ``sha1``.
     """
+    reader = _HashingReader(f)
     try:
-        return _StoreUnpickler(f).load()
+        # Unpickled before the hash is known: the restricted unpickler runs nothing, so tampered bytes are harmless
+        # until the check below, and a hostile pickle is named as such.
+        obj = _StoreUnpickler(reader).load()
+        actual = reader.hexdigest() if sha1 is not None else None
     except UntrustedContentError as e:
         raise UntrustedContentError(
             f"wgit: refusing {what}: {e}. wgit never runs code from its store; this object was not written by wgit"
         ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None
+    except (gzip.BadGzipFile, zlib.error) as e:  # a compressed object with damaged or foreign bytes
+        raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None
+    if actual != sha1:
+        raise CorruptStoreError(
+            f"wgit: {what} is corrupted: its content hashes to {actual}, not to its key, so it is not the object that "
+            "was stored (the file was changed after wgit wrote it). The SHA1 store is damaged: restore the object "
+            "file from a backup, or add the checkpoint again in a new repository"
+        )
+    return obj
 
 
 def check_sha1(sha1: Any) -> Optional[str]:

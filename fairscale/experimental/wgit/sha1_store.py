@@ -10,7 +10,9 @@ format); numpy is imported when an object is added or read.
 What it trusts (see :mod:`fairscale.experimental.wgit.safety`): files are added with ``torch.load(weights_only=True)``
 and objects are read back with an unpickler that accepts numpy arrays, plain containers and wgit's records only;
 every path is built from a validated SHA1 and refused when a component below the store directory is a symbolic link;
-files are replaced (written beside, then renamed), never written into.
+files are read only when they are regular files (never a named pipe, which would block) and replaced (written beside,
+then renamed), never written into. An object is checked against its key as it is read, and ``metadata.json`` against
+the shape wgit writes each time it is read: a store changed behind wgit's back raises ``CorruptStoreError``.
 """
 
 import contextlib
@@ -19,6 +21,7 @@ import hashlib
 import json
 import logging
 import pickle
+import reprlib
 import shutil
 import time
 import uuid
@@ -33,7 +36,16 @@ from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 # Upstream's module also exposes these names (ExitCode and the container converters it imported).
 from fairscale.internal.containers import from_np as from_np, to_np as to_np  # noqa: F401
 
-from .safety import check_not_link, check_sha1, contained, load_checkpoint, load_store_object, replace_file
+from .safety import (
+    CorruptStoreError,
+    check_not_link,
+    check_sha1,
+    contained,
+    load_checkpoint,
+    load_store_object,
+    open_regular,
+    replace_file,
+)
 from .utils import ExitCode as ExitCode  # noqa: F401
 
 __all__ = ["SHA1_Store"]
@@ -54,6 +66,45 @@ ENTRY_DS_KEY = "deduped_size"
 ENTRY_CS_KEY = "compressed_size"
 ENTRY_COMP_KEY = "compressed"
 ENTRY_NAMES_KEY = "names"
+_TOTAL_KEYS = (STORE_OS_KEY, STORE_DS_KEY, STORE_CS_KEY)
+_ENTRY_COUNT_KEYS = (ENTRY_RF_KEY, ENTRY_OS_KEY, ENTRY_DS_KEY, ENTRY_CS_KEY)
+# Bad values in messages: long enough for a whole SHA1 key, short for whatever else a damaged file holds.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _metadata_problem(data: Any) -> Optional[str]:
+    """What is wrong with the content of a ``metadata.json`` (``None``: the shape wgit writes).
+
+    The header keys and totals must be there; an entry's fields may be missing (they default to zero / empty), but
+    those present must have wgit's types, since every method does arithmetic on them.
+    """
+    short = _SHORT.repr
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__} ({short(data)}), not an object"
+    if STORE_CREATE_DATE_KEY not in data:
+        return f"the header key {STORE_CREATE_DATE_KEY!r} is missing: it is not a SHA1 store header"
+    for key in _TOTAL_KEYS:
+        if not _is_count(data.get(key)):
+            return f"the store total {key!r} is {short(data.get(key))}, not a non-negative integer"
+    for key, entry in data.items():
+        if key == STORE_CREATE_DATE_KEY or key in _TOTAL_KEYS:
+            continue
+        if not isinstance(entry, dict):
+            return f"the entry {short(key)} is {short(entry)}, not an object"
+        for field in _ENTRY_COUNT_KEYS:
+            if field in entry and not _is_count(entry[field]):
+                return f"the entry {short(key)} has {field} {short(entry[field])}, not a non-negative integer"
+        if ENTRY_COMP_KEY in entry and not isinstance(entry[ENTRY_COMP_KEY], bool):
+            return f"the entry {short(key)} has {ENTRY_COMP_KEY} {short(entry[ENTRY_COMP_KEY])}, not true or false"
+        names = entry.get(ENTRY_NAMES_KEY, {})
+        if not isinstance(names, dict) or not all(_is_count(count) for count in names.values()):
+            return f"the entry {short(key)} has {ENTRY_NAMES_KEY} {short(names)}, not an object of counts"
+    return None
 
 
 def _to_np(obj: Any) -> Any:
@@ -138,9 +189,7 @@ class SHA1_Store:
             )
         if not self._metadata_file_path.exists():
             raise FairscaleValueError(f"{self._metadata_file_path} is missing: {self._path} is not a SHA1 store")
-        self._load_json_dict()
-        if not isinstance(self._json_dict, dict) or STORE_CREATE_DATE_KEY not in self._json_dict:
-            raise FairscaleValueError(f"{self._metadata_file_path} is not a SHA1 store header")
+        self._load_json_dict()  # refuses a file that is not a store header
         if tmp_dir:
             if not Path(tmp_dir).is_dir():
                 raise FairscaleValueError(f"tmp_dir {tmp_dir} must be an existing directory")
@@ -170,16 +219,34 @@ class SHA1_Store:
         yield
 
     def _load_json_dict(self) -> None:
-        with open(self._metadata_file_path, "r") as f:
+        """Read ``metadata.json`` into ``_json_dict``, checking its shape (on every read: another process, or a
+        hand edit, may have changed it since the constructor's).
+
+        Raises:
+            CorruptStoreError: the file is not valid JSON or not of the shape wgit writes (an ``AssertionError``).
+            UnsafeRepositoryError: it is a symbolic link or not a regular file (e.g. a named pipe).
+        """
+        path = self._metadata_file_path
+        restore = (
+            "Restore the file from a backup, or start a new repository (wgit init in a new directory) and add the "
+            "checkpoints again"
+        )
+        with open_regular(path, "the SHA1 store's metadata.json") as f:
             try:
-                self._json_dict = json.load(f)
-            except json.JSONDecodeError as e:
+                data = json.load(f)
+            except (ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8; RecursionError: deep nesting
                 # Every command reads it: without the file's name the user sees only a JSON parser's position.
-                raise FairscaleValueError(
-                    f"{self._metadata_file_path} is not valid JSON ({e}): the SHA1 store's metadata is damaged. "
-                    "Restore the file from a backup, or start a new repository (wgit init in a new directory) and "
-                    "add the checkpoints again"
-                ) from e
+                reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
+                raise CorruptStoreError(
+                    f"{path} is not valid JSON ({reason}): the SHA1 store's metadata is damaged. {restore}"
+                ) from None
+        problem = _metadata_problem(data)
+        if problem is not None:
+            raise CorruptStoreError(
+                f"{path} is not SHA1 store metadata as wgit writes it: {problem}. The SHA1 store's metadata is "
+                f"damaged. {restore}"
+            )
+        self._json_dict = data
 
     def _store_json_dict(self) -> None:
         check_not_link(self._metadata_file_path, "the SHA1 store's metadata.json")
@@ -297,19 +364,21 @@ class SHA1_Store:
             ValueError: ``sha1`` is not a SHA1, or not in the store.
             UntrustedContentError: the stored bytes name anything but numpy arrays, plain containers and wgit's
                 records (they were not written by wgit; nothing in them runs).
-            UnsafeRepositoryError: a path inside the store is a symbolic link.
+            CorruptStoreError: the stored bytes do not hash to ``sha1`` (the file was changed, e.g. replaced by
+                another array's), or ``metadata.json`` is damaged.
+            UnsafeRepositoryError: a path inside the store is a symbolic link or not a regular file.
         """
         path = self._sha1_path(sha1)
         if not path.exists():
             raise ValueError(f"Try to get SHA1 {sha1} but it is not found")
         self._load_json_dict()
-        what = f"SHA1 store object {sha1}"
-        if self._entry(sha1)[ENTRY_COMP_KEY]:
-            with _gzip_open(path, "rb", self._pgzip_threads, self._pgzip_block_size) as f:
-                obj = load_store_object(f, what)
-        else:
-            with open(path, "rb") as f:
-                obj = load_store_object(f, what)
+        what = f"SHA1 store object {sha1} ({path})"
+        with open_regular(path, what) as raw:
+            if self._entry(sha1)[ENTRY_COMP_KEY]:
+                with _gzip_open(path, "rb", self._pgzip_threads, self._pgzip_block_size, fileobj=raw) as f:
+                    obj = load_store_object(f, what, sha1)
+            else:
+                obj = load_store_object(raw, what, sha1)
         return _from_np(obj)
 
     def delete(self, sha1: str) -> None:

@@ -3,13 +3,17 @@
 
 Each attack plants something in a repository (symbolic links inside ``.wgit``, a store key with ``..``, a pickle
 whose ``__reduce__`` creates a marker directory) and checks that wgit refuses with a clear error, that the marker
-never appears, and that nothing outside the repository (nor the user's checkpoint) changed. The store and
-repository-opening checks need no optional package; the end-to-end ``wgit add`` checks need pygit2.
+never appears, and that nothing outside the repository (nor the user's checkpoint) changed. Without links: a
+``.git`` that sends git to another repository, and named pipes in place of files wgit reads (which used to block it
+forever). The store and repository-opening checks need no optional package; the end-to-end ``wgit`` checks need pygit2.
 """
 
 import hashlib
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Tuple
 
@@ -17,8 +21,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+import fairscale
 from fairscale.experimental.wgit.repo import Repo
-from fairscale.experimental.wgit.safety import UnsafeRepositoryError, UntrustedContentError
+from fairscale.experimental.wgit.safety import UnsafeRepositoryError, UntrustedContentError, check_tree
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 
 
@@ -271,3 +276,123 @@ def test_wgit_add_refuses_a_planted_link_and_changes_nothing_outside(
     assert "symbolic link" in capsys.readouterr().err
     assert _snapshot(outside) == before
     assert (repo_dir / "checkpoint_0.pt").read_bytes() == checkpoint_bytes
+
+
+# ------------------------------------------------------------------------------------------ a .git that leads elsewhere
+
+
+def _redirect_git(how: str, git_dir: Path, outside: Path) -> None:
+    """Make ``.wgit/.git`` send git to ``outside`` the way a hostile ``.wgit`` could, with no symbolic link."""
+    import pygit2
+
+    victim = outside / "victim"
+    pygit2.init_repository(str(victim), False)  # a project repository whose branch wgit must not move
+    if how == "commondir":  # a linked-worktree git dir whose refs and objects are the victim's
+        shutil.rmtree(git_dir)
+        git_dir.mkdir()
+        (git_dir / "HEAD").write_text("ref: refs/heads/master\n")
+        (git_dir / "commondir").write_text(f"{victim / '.git'}\n")
+    elif how == "gitfile":  # the repository moved outside, a "gitdir:" file left in its place
+        moved = outside / "moved.git"
+        shutil.move(str(git_dir), str(moved))
+        pygit2.Repository(str(moved)).config["core.worktree"] = str(git_dir.parent)
+        git_dir.write_text(f"gitdir: {moved}\n")
+    elif how == "alternates":
+        (git_dir / "objects" / "info").mkdir(parents=True, exist_ok=True)
+        (git_dir / "objects" / "info" / "alternates").write_text(f"{victim / '.git' / 'objects'}\n")
+    elif how == "worktree":
+        pygit2.Repository(str(git_dir)).config["core.worktree"] = str(victim)
+    elif how == "bare":
+        pygit2.Repository(str(git_dir)).config["core.bare"] = True
+    elif how == "include":
+        (outside / "extra.config").write_text("[user]\n\tname = someone\n")
+        with open(git_dir / "config", "a") as f:
+            f.write(f"[include]\n\tpath = {outside / 'extra.config'}\n")
+
+
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("commondir", "commondir: it names another repository"),
+        ("gitfile", r"\.git: it is not a directory"),
+        ("alternates", "alternates: it makes git read objects from other repositories"),
+        ("worktree", "core.worktree"),
+        ("bare", "core.bare"),
+        ("include", "includes other configuration files"),
+    ],
+)
+def test_wgit_refuses_a_git_dir_that_sends_git_elsewhere(
+    repo_dir: Path, outside: Path, capsys: pytest.CaptureFixture, how: str, reason: str
+) -> None:
+    """No link anywhere, yet git would have moved another repository's branch or written its objects."""
+    from fairscale.experimental.wgit import cli
+
+    cli.main(["init"])
+    _redirect_git(how, repo_dir / ".wgit" / ".git", outside)
+    before = _snapshot(outside)
+    with pytest.raises(UnsafeRepositoryError, match=reason):
+        Repo(repo_dir)
+    for argv in (["add", "checkpoint_0.pt"], ["commit", "-m", "by wgit"], ["status"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and err.startswith("fatal: wgit: refusing") and "Traceback" not in err, err
+    assert _snapshot(outside) == before
+
+
+# ------------------------------------------------------------------------------------------ files that block
+
+
+_FIFO_SCRIPT = """
+import os, sys, torch
+from pathlib import Path
+from fairscale.experimental.wgit.repo import Repo
+from fairscale.experimental.wgit.sha1_store import SHA1_Store
+
+def attempt(label, fn):
+    try:
+        fn()
+        print(label, "accepted")
+    except Exception as e:
+        print(label, type(e).__name__, "named pipe" in str(e))
+
+root = Path(sys.argv[1])
+store = SHA1_Store(root / "store", init=True)
+key = store.add(torch.ones(2), compress=False)
+obj = root / "store" / key[:2] / key[2:4] / key
+obj.unlink()
+os.mkfifo(obj)
+attempt("object", lambda: store.get(key))
+os.unlink(root / "store" / "metadata.json")
+os.mkfifo(root / "store" / "metadata.json")
+attempt("metadata", lambda: SHA1_Store(root / "store"))
+attempt("repo", lambda: Repo(root / "work"))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_named_pipes_are_refused_without_blocking(tmp_path: Path) -> None:
+    """A named pipe planted in place of a file wgit reads: opening it for reading used to block forever."""
+    _fake_wgit(tmp_path / "work" / ".wgit")
+    # Opening a repository checks all of .wgit first (nothing is opened: this cannot block).
+    os.mkfifo(tmp_path / "work" / ".wgit" / ".git" / "HEAD")
+    with pytest.raises(UnsafeRepositoryError, match=r"\.git/HEAD inside \.wgit is a named pipe \(FIFO\)"):
+        check_tree(tmp_path / "work" / ".wgit", ".wgit")
+    os.unlink(tmp_path / "work" / ".wgit" / ".git" / "HEAD")
+    os.unlink(tmp_path / "work" / ".wgit" / "sha1_store" / "metadata.json")
+    os.mkfifo(tmp_path / "work" / ".wgit" / "sha1_store" / "metadata.json")
+    # In a child process: without the check it blocks, and only a process can be stopped after a timeout.
+    root = str(Path(fairscale.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _FIFO_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=180, env=env
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("wgit blocked reading a named pipe")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == [
+        "object UnsafeRepositoryError True",
+        "metadata UnsafeRepositoryError True",
+        "repo UnsafeRepositoryError True",
+    ], out.stdout

@@ -1,14 +1,18 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """SHA1_Store (no optional package needed: stdlib gzip stands in for pgzip): dedup and reference counts, sizes,
-names, compression, get/delete and their errors, the plain-pickle rejection, and the first add's format winning."""
+names, compression, get/delete and their errors, the plain-pickle rejection, the first add's format winning, and
+the refusal of a store changed behind its back (an object that does not hash to its key, damaged metadata)."""
 
+import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
+from fairscale.experimental.wgit.safety import CorruptStoreError
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 
 pytest.importorskip("numpy")
@@ -79,3 +83,65 @@ def test_readonly_json_ctx_gives_the_reference_counts(tmp_path: Path) -> None:
     with other._readonly_json_ctx:
         entry = other._json_dict[sha1]
     assert entry["ref_count"] == 2, entry
+
+
+def _object_file(store_dir: Path, key: str) -> Path:
+    return store_dir / key[:2] / key[2:4] / key
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_get_refuses_an_object_that_does_not_hash_to_its_key(tmp_path: Path, compress: bool) -> None:
+    """Another array's valid object file in place of this one's: only its hash tells them apart."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = store.add(torch.arange(4.0), compress=compress)
+    other = store.add(torch.full((4,), 666.0), compress=compress)
+    original = _object_file(tmp_path / "store", key).read_bytes()
+    _object_file(tmp_path / "store", key).write_bytes(_object_file(tmp_path / "store", other).read_bytes())
+    with pytest.raises(CorruptStoreError, match=f"object {key} .* is corrupted: its content hashes to {other}"):
+        store.get(key)
+    if not compress:  # bytes after the pickle's end are not the stored object either
+        _object_file(tmp_path / "store", key).write_bytes(original + b"\0")
+        with pytest.raises(CorruptStoreError, match="corrupted"):
+            store.get(key)
+    assert torch.equal(store.get(other), torch.full((4,), 666.0))
+
+
+_BAD_ENTRIES = [
+    ({"KEY": 5}, "the entry 'KEY' is 5, not an object"),
+    ({"KEY": [1, 2]}, "the entry 'KEY' is [1, 2], not an object"),
+    ({"KEY": {"ref_count": "x"}}, "the entry 'KEY' has ref_count 'x', not a non-negative integer"),
+    ({"KEY": {"original_size": -3}}, "the entry 'KEY' has original_size -3, not a non-negative integer"),
+    ({"KEY": {"compressed": "yes"}}, "the entry 'KEY' has compressed 'yes', not true or false"),
+    ({"KEY": {"names": {"w": "x"}}}, "the entry 'KEY' has names {'w': 'x'}, not an object of counts"),
+    ({"deduped_size": None}, "the store total 'deduped_size' is None, not a non-negative integer"),
+]
+
+
+@pytest.mark.parametrize("patch, message", _BAD_ENTRIES)
+def test_damaged_metadata_entries_are_named_on_every_read(tmp_path: Path, patch: dict, message: str) -> None:
+    """The file changes after the store was opened: each method reads it again and names the bad entry."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = store.add(torch.arange(4.0))
+    metadata_file = tmp_path / "store" / "metadata.json"
+    metadata = json.loads(metadata_file.read_text())
+    metadata.update(json.loads(json.dumps(patch).replace("KEY", key)))
+    metadata_file.write_text(json.dumps(metadata))
+    expected = f"{metadata_file} is not SHA1 store metadata as wgit writes it: {message.replace('KEY', key)}"
+    calls = [lambda: store.get(key), lambda: store.delete(key), lambda: store.add(torch.ones(2))]
+    calls += [lambda: store.size_info(key), lambda: store.names(key), lambda: SHA1_Store(tmp_path / "store")]
+    for call in calls:
+        with pytest.raises(CorruptStoreError, match=re.escape(expected)):
+            call()
+    with pytest.raises(AssertionError):  # as the store's other refusals of bad metadata
+        store.size_info()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("[1, 2]", "it holds a JSON list"), ("[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)")],
+)
+def test_metadata_that_is_not_a_store_header(tmp_path: Path, text: str, message: str) -> None:
+    store = SHA1_Store(tmp_path / "store", init=True)
+    (tmp_path / "store" / "metadata.json").write_text(text)
+    with pytest.raises(CorruptStoreError, match=re.escape(message)):
+        store.size_info()
