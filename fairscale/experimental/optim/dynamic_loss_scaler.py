@@ -13,8 +13,9 @@ without overflow. Usage mirrors ``torch.amp.GradScaler``::
         scaler.step(optimizer)   # skipped (returns None) when the gradients overflowed
         scaler.update()
 
-As upstream, no per-optimizer stage is recorded: :meth:`step` always unscales the gradients, so do not call
-:meth:`unscale_` yourself before :meth:`step` (the gradients would be divided twice).
+Each optimizer's stage of the iteration is recorded (:class:`OptState`), as in ``torch.amp.GradScaler``: call
+:meth:`unscale_` before :meth:`step` to clip the true gradients, and :meth:`step` unscales only what was not
+unscaled yet. (Upstream recorded no stage, so that order divided the gradients twice; see docs/differences.rst.)
 """
 
 from collections import defaultdict

@@ -13,7 +13,9 @@ gradients. On top of torch's function this module adds what fairscale users rely
 * parameters get gradients even when no input requires grad;
 * thread-local flags (:func:`is_checkpointing`, :func:`is_recomputing`) tell code inside the
   module (for instance a nested ``FullyShardedDataParallel``) which pass is running;
-* batch-norm running statistics are updated once per step, not twice (see ``patch_batchnorm``);
+* batch-norm running statistics are updated once per step, not twice (see ``patch_batchnorm``). The update
+  happens in the recomputation, which backward runs in reverse order: a wrapped module called twice in a step
+  updates them with its second call's batch first (as upstream; momentum makes the order matter);
 * optional offload of the saved inputs to CPU memory between forward and backward.
 """
 

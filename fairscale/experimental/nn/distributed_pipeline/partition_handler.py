@@ -41,7 +41,8 @@ result raises it (the original exception, not upstream's ``TypeError`` from re-r
 
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed.rpc as rpc
@@ -49,6 +50,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.futures import Future
 from torch.utils.checkpoint import checkpoint
+
+from fairscale.nn.pipe.checkpoint import RNGStates, restore_rng_states, save_rng_states
 
 from .data import DataConsumer
 
@@ -112,6 +115,33 @@ def _feed_rref(record: rpc.RRef[Any], chunk: int, input_idx: int, value: Any, an
 
 
 _RRefConsumer = DataConsumer[rpc.RRef[Any]]
+
+
+#: Held while a partition draws from this process's random generators. Micro-batches are computed on the RPC threads
+#: that deliver their inputs, so several run at once, and a checkpointed one's recomputation must replay exactly the
+#: draws of its forward: with the generators shared, another micro-batch's dropout between the saving of the states
+#: and this one's draws (or between their restoring and the replay) gave the recomputation another mask, and the
+#: gradients were silently those of another forward. The lock is held for compute only (never across a wait for
+#: another message), so the pipeline's "no handler waits" design holds.
+_RANDOMNESS_LOCK = threading.RLock()
+
+
+class _ReplayRandomness:
+    """Calls ``module``: the first call (the forward) records the random states it starts from, a later one (the
+    recomputation in backward) runs from them again; each call holds :data:`_RANDOMNESS_LOCK`."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self.states: Deque[RNGStates] = deque(maxlen=1)
+
+    def __call__(self, *inputs: Any) -> Any:
+        with _RANDOMNESS_LOCK:
+            if not self.states:
+                save_rng_states(self.device, self.states)
+                return self.module(*inputs)
+            with restore_rng_states(self.device, self.states):
+                return self.module(*inputs)
 
 
 class DistributedPipelineRecord:
@@ -203,8 +233,12 @@ class DistributedPipelineRecord:
         if chunk < self.checkpoint_stop and self.module.training and torch.is_grad_enabled():
             # Non-reentrant checkpointing recomputes inside the same backward, so the gradients land in the
             # distributed autograd context (upstream's checkpointed micro-batches wrote the local .grad instead).
-            return checkpoint(self.module, *inputs, use_reentrant=False)
-        return self.module(*inputs)
+            # The random states are saved and replayed by _ReplayRandomness under the process's lock, not by torch
+            # (whose save and replay other threads' draws can fall between).
+            call = _ReplayRandomness(self.module, self.device)
+            return checkpoint(call, *inputs, use_reentrant=False, preserve_rng_state=False)
+        with _RANDOMNESS_LOCK:
+            return self.module(*inputs)
 
     def outputs_future(self) -> "Future[List[Any]]":
         """A future of every micro-batch's result (a ``_Failure`` for a failed one), done with the last one."""
