@@ -10,7 +10,9 @@ Modes (``precision``):
 
 * ``FULL_PRECISION``: fp32 parameters and state. Inferred for fp32 parameters.
 * ``MIXED_PRECISION``: fp16 parameters, fp32 master copies (``fp32_param_groups``) and fp32 state; the fp16
-  parameters receive the rounded masters after each step. Inferred for fp16 parameters.
+  parameters receive the rounded masters after each step. Inferred for fp16 parameters. A parameter written outside
+  the optimizer (``model.load_state_dict``, ``copy_`` under ``no_grad``, ``p.data = t``) is noticed at the next
+  step, and its master re-read from it; ``load_state_dict`` re-reads every master (see :class:`Adam`).
 * ``MEMORY_EFFICIENT_MIXED_PRECISION``: fp16 parameters, fp32 state, no master copies (the update is computed in
   fp32 from the fp16 values).
 * ``PURE_FP16``: fp16 parameters and fp16 state; the state is stored multiplied by a dynamic optimizer-state scale
@@ -35,6 +37,8 @@ from ._param_state import check_param_state
 __all__ = ["Adam", "Precision"]
 
 _MAX_OPTIM_SCALE = 2.0**16
+# A parameter as the optimizer last left it (see _mark).
+_Mark = Tuple[int, int, torch.Size, Tuple[int, ...]]
 
 
 class Precision(Enum):
@@ -65,6 +69,15 @@ class Adam(torch.optim.Optimizer):
     with the bias-corrected step size (neither torch's L2 ``Adam`` nor its ``AdamW``). ``eps`` is added to
     ``sqrt(v)`` before the bias correction (``eps_inside_sqrt=True``: inside the square root).
 
+    In ``MIXED_PRECISION`` the fp32 masters follow the parameters: at each step, a parameter written since the
+    optimizer's last write (an in-place write such as ``model.load_state_dict()`` or ``p.copy_()`` under
+    ``torch.no_grad()``, or ``p.data = t``) has its master re-read from it wherever its value is no longer the
+    rounded master (the re-read elements lose the master's extra precision; the others keep it). Unchanged
+    parameters cost a few attribute reads, no tensor work. An in-place write through ``p.data`` (``p.data.copy_()``)
+    bypasses the parameter's version counter and is not noticed: write under ``torch.no_grad()`` instead.
+    :meth:`load_state_dict` re-reads every master from its parameter, as a new optimizer would build it.
+    :meth:`add_param_group` builds masters for the new group as the constructor does.
+
     Args:
         params: parameters or param-group dicts.
         lr (float): learning rate. Default: 1e-3.
@@ -81,7 +94,9 @@ class Adam(torch.optim.Optimizer):
     Raises:
         ValueError: (also an ``AssertionError``, as upstream asserted) a mode other than ``FULL_PRECISION`` with
             parameters that are not fp16.
-        RuntimeError: ``amsgrad=True``.
+        RuntimeError: ``amsgrad=True``; at :meth:`step`, in ``MIXED_PRECISION``, a parameter whose shape or
+            device changed since it was given to the optimizer (its master and moments no longer fit: build a new
+            optimizer).
         ValueError: an invalid learning rate, beta, epsilon or weight decay.
     """
 
@@ -123,20 +138,29 @@ class Adam(torch.optim.Optimizer):
             weight_decay=weight_decay,
             max_grad_norm=max_grad_norm,
         )
+        # Filled by add_param_group, which torch's constructor calls for each group.
+        self.fp32_param_groups: List[Dict[str, Any]] = []
+        self._written: Dict[Tensor, _Mark] = {}  # in MIXED_PRECISION: each parameter as the optimizer last left it
         super().__init__(parameters, defaults)
         self.eps_mode = 0 if eps_inside_sqrt else 1
-        self.fp32_param_groups: List[Dict[str, Any]] = []
-        if self.mixed_precision:
-            self._build_fp32_params()
 
-    def _build_fp32_params(self) -> None:
-        # One group of fp32 masters per param group (upstream built one group: the only case it supported).
-        for group in self.param_groups:
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group (torch's ``add_param_group``); in ``MIXED_PRECISION`` also its fp32 masters.
+
+        Args:
+            param_group (dict): the group's ``params`` and hyper-parameters (the missing ones from the defaults).
+        """
+        super().add_param_group(param_group)
+        if self.mixed_precision:
+            # One group of fp32 masters per param group, built like the constructor's (upstream built a single
+            # group at construction only, so its next step after add_param_group failed with an IndexError).
+            group = self.param_groups[-1]
             masters = []
             for p in group["params"]:
                 master = torch.nn.Parameter(p.detach().clone().float())
                 master.grad = torch.zeros_like(master)
                 masters.append(master)
+                self._written[p] = _mark(p)
             self.fp32_param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
 
     @property
@@ -165,13 +189,21 @@ class Adam(torch.optim.Optimizer):
         it was. Each parameter's state must be empty (never stepped) or hold ``step`` (a non-negative number)
         and ``exp_avg`` / ``exp_avg_sq`` tensors of exactly the parameter's shape.
 
+        In ``MIXED_PRECISION`` every fp32 master is re-read from its parameter (the state dict holds no masters): the
+        optimizer then steps exactly as one built on the current parameters and given this state dict, also when
+        the model's weights were loaded after the optimizer was built.
+
         Raises:
             KeyError: the dict has no ``"optim_scale"`` (it was not written by this optimizer).
             ValueError: (also an ``AssertionError``) another number of parameter groups or of parameters in a
                 group, an invalid ``optim_scale``, or a parameter's state that cannot be this optimizer's state of
                 that parameter (e.g. moments shaped for another model); the message names the parameter.
+            RuntimeError: in ``MIXED_PRECISION``, a parameter whose shape or device changed since it was given to
+                the optimizer.
         """
         self._check_loadable_state_dict(state_dict, self.param_groups)
+        for p, master in self._masters():
+            _check_master_fits(p, master)
         super().load_state_dict(state_dict)
         self._optim_scale = float(state_dict["optim_scale"])
         # torch casts floating state to each parameter's dtype (fp16 here in the mixed modes): re-read the saved
@@ -187,6 +219,32 @@ class Adam(torch.optim.Optimizer):
                     # crafted layout (stride 0, transposed) must not make them read or write out of bounds.
                     moment = torch.empty_like(param, dtype=self.optim_type)
                     self.state[param][key] = moment.copy_(saved[key])
+        # The usual resume loads the model's weights after the optimizer was built: without this, the next step
+        # would write the masters of the initial weights back over the loaded ones.
+        with torch.no_grad():
+            for p, master in self._masters():
+                master.copy_(p)
+                self._written[p] = _mark(p)
+
+    def _masters(self) -> List[Tuple[Tensor, Tensor]]:
+        """``(parameter, fp32 master)`` of every parameter (empty unless ``MIXED_PRECISION``)."""
+        return [
+            (p, master)
+            for group, fp32_group in zip(self.param_groups, self.fp32_param_groups)
+            for p, master in zip(group["params"], fp32_group["params"])
+        ]
+
+    def _read_changed_parameters(self) -> None:
+        """Re-read the master of each parameter written since the optimizer last wrote it."""
+        for p, master in self._masters():
+            if self._written[p] == _mark(p):
+                continue  # the common case: no tensor work
+            _check_master_fits(p, master)
+            # The version counter also moves for writes that keep the values (an EMA swapped in and out, a view
+            # of a buffer written elsewhere), and a partial write (a pruning mask) leaves most elements alone:
+            # keep the master's extra precision wherever the parameter still holds the rounded master.
+            unchanged = p == master.to(p.dtype)
+            master.copy_(torch.where(unchanged, master, p.to(master.dtype)))
 
     @staticmethod
     def _check_loadable_state_dict(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> None:
@@ -203,19 +261,32 @@ class Adam(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One Adam step over every parameter with a gradient.
 
+        In ``MIXED_PRECISION`` the masters of the parameters written outside the optimizer since its last step are
+        re-read first (see :class:`Adam`).
+
         Args:
             closure (Optional[Callable]): re-evaluates the model and returns the loss (called with gradients on).
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            RuntimeError: a sparse gradient; the fp16 optimizer-state scale fell below 1; in ``MIXED_PRECISION``, a
+                parameter whose shape or device changed since it was given to the optimizer.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.mixed_precision:
+            self._read_changed_parameters()
         for idx, group in enumerate(self.param_groups):
             found_inf = self._step_group(idx, group)
             self._after_group(found_inf)
+        # Marked after all groups: parameters that are views of one buffer share a version counter, which the
+        # write-back of every group moves.
+        for p, _ in self._masters():
+            self._written[p] = _mark(p)
         return loss
 
     def _step_group(self, idx: int, group: Dict[str, Any]) -> bool:
@@ -281,6 +352,26 @@ class Adam(torch.optim.Optimizer):
             self._steps_since_optim_scale_change = 0
             if self._optim_scale < _MAX_OPTIM_SCALE:
                 self._optim_scale *= 2
+
+
+def _mark(p: Tensor) -> _Mark:
+    """What changes when ``p`` is written, read without touching its values.
+
+    ``_version`` counts in-place writes to ``p`` and to the tensors sharing its memory (``copy_`` under
+    ``no_grad``, ``Module.load_state_dict``); ``p.data = t`` keeps the counter but replaces the memory, seen in the
+    address, the shape and the strides.
+    """
+    return (p._version, p.data_ptr(), p.shape, p.stride())
+
+
+def _check_master_fits(p: Tensor, master: Tensor) -> None:
+    if master.shape != p.shape or master.device != p.device:
+        raise RuntimeError(
+            f"Adam: a parameter is now {tuple(p.shape)} on {p.device} but was {tuple(master.shape)} on "
+            f"{master.device} when it was given to the optimizer (e.g. replaced through p.data, or moved after the "
+            "optimizer was built); its fp32 master and moments no longer fit: build the optimizer after changing "
+            "the parameters"
+        )
 
 
 def _saved_id_to_param(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> Dict[Any, Tensor]:
