@@ -363,6 +363,35 @@ def _case_metadata_that_runs_code(root: str) -> None:
     assert not os.path.exists(marker)
 
 
+def _case_metadata_with_uncovered_elements(root: str) -> None:
+    """Chunks missing from a (tampered or badly merged) .metadata: the load read into uninitialised staging tensors
+    and copied whatever memory held into the model and optimizer (off by 1e31), silently."""
+    fsdp, optim = trained()
+    path = os.path.join(root, "uncovered")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    for what, change, match in (
+        ("a chunk dropped", lambda chunks: chunks.pop(), "part of it was never saved"),
+        ("a chunk repeated", lambda chunks: chunks.append(chunks[0]), "overlap"),
+    ):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = pickle.load(f)  # the test's own checkpoint
+            entries = [e for k, e in metadata.state_dict_metadata.items() if k.startswith("optimizer.state.")]
+            entry = next(e for e in entries if getattr(e, "chunks", None) and len(e.chunks) > 1)
+            change(entry.chunks)
+            with open(os.path.join(path, ".metadata.tampered"), "wb") as f:
+                pickle.dump(metadata, f)
+            os.replace(os.path.join(path, ".metadata.tampered"), os.path.join(path, ".metadata"))
+        dist.barrier()
+        other, other_optim = fresh()
+        before = snapshot(other, other_optim)
+        message = expect(RuntimeError, match, fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+        assert "Nothing was loaded" in message and "rank 1" in message, (what, message)
+        assert_unchanged(other, other_optim, before, what)
+        fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True)
+
+
 def _faults(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_interrupted_save,
@@ -376,6 +405,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_ranks_hold_different_kinds,
         _case_misuse,
         _case_metadata_that_runs_code,
+        _case_metadata_with_uncovered_elements,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
 

@@ -181,7 +181,9 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) 
         problem = "missing"
     else:
         try:
-            keys = list((reader if reader is not None else _Reader(path)).read_metadata().state_dict_metadata)
+            metadata = (reader if reader is not None else _Reader(path)).read_metadata()
+            keys = list(metadata.state_dict_metadata)
+            problem = dcp_metadata.coverage_problem(metadata)
         except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
             problem = f"{type(e).__name__}: {e}"
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
@@ -200,7 +202,7 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) 
         )
     if bad:
         raise RuntimeError(
-            f"load: the {METADATA_FILE} of {path!r} cannot be read ({'; '.join(f'rank {r}: {p}' for r, p in bad)}); "
+            f"load: the {METADATA_FILE} of {path!r} is not usable ({'; '.join(f'rank {r}: {p}' for r, p in bad)}); "
             "it is not a complete DCP checkpoint. Nothing was loaded."
         )
     return keys

@@ -20,7 +20,7 @@ import torch
 
 from fairscale.internal.errors import FairscaleValueError
 
-__all__ = ["UntrustedCheckpointError", "MetadataUnpickler", "unpickle_metadata", "read_metadata"]
+__all__ = ["UntrustedCheckpointError", "MetadataUnpickler", "unpickle_metadata", "read_metadata", "coverage_problem"]
 
 # Modules whose dataclasses and enums make up DCP's metadata (Metadata, TensorStorageMetadata, ChunkStorageMetadata,
 # TensorProperties, StorageMeta, the memory-format enum ...; the file system reader's _StorageInfo). Older torch
@@ -113,3 +113,51 @@ def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
             metadata.storage_meta = storage_meta_cls()
         metadata.storage_meta.load_id = getattr(reader, "load_id", None)
     return metadata
+
+
+# Above this many saved chunks of one tensor, the pairwise overlap test is skipped (its cost grows with the square);
+# the volume and bounds checks still run. DCP writes at most ``2 * ndim - 1`` chunks per tensor and rank.
+_MAX_CHUNKS_FOR_OVERLAP_TEST = 64
+
+
+def coverage_problem(metadata: Any) -> Optional[str]:
+    """What is wrong with the saved chunks of the checkpoint's tensors, or ``None`` when each tensor's chunks tile it.
+
+    A load reads into staging tensors that are not initialised (a copy of the shards would cost a full extra pass),
+    and DCP's reader fills only what the saved chunks cover: an element no chunk covers (a chunk removed or shrunk in
+    a tampered or badly merged ``.metadata``) was loaded as whatever memory held, silently. Each tensor's chunks must
+    lie inside it, not overlap (up to :data:`_MAX_CHUNKS_FOR_OVERLAP_TEST` chunks) and add up to its size.
+    """
+    for key, entry in getattr(metadata, "state_dict_metadata", {}).items():
+        chunks = getattr(entry, "chunks", None)
+        size = getattr(entry, "size", None)
+        if chunks is None or size is None:
+            continue  # not a tensor (bytes: read whole)
+        shape = [int(d) for d in size]
+        numel = 1
+        for d in shape:
+            numel *= d
+        volume = 0
+        boxes = []
+        for chunk in chunks:
+            offsets, sizes = [int(o) for o in chunk.offsets], [int(n) for n in chunk.sizes]
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
+                return f"{key}: a saved chunk has {len(offsets)} dimensions, the tensor {len(shape)}"
+            if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                return f"{key}: a saved chunk (offsets {offsets}, sizes {sizes}) lies outside the tensor {shape}"
+            box = 1
+            for n in sizes:
+                box *= n
+            volume += box
+            boxes.append((offsets, sizes))
+        if len(boxes) <= _MAX_CHUNKS_FOR_OVERLAP_TEST:
+            for i, (o1, n1) in enumerate(boxes):
+                for o2, n2 in boxes[i + 1 :]:
+                    if all(a < b + m and b < a + n for a, n, b, m in zip(o1, n1, o2, n2)):
+                        return f"{key}: the saved chunks at offsets {o1} and {o2} overlap"
+        if volume != numel:
+            return (
+                f"{key}: the saved chunks cover {volume} of the tensor's {numel} elements (shape {shape}); part of it "
+                "was never saved"
+            )
+    return None
