@@ -78,7 +78,8 @@ def load_collectively(
             listing = ", ".join(f"rank {rank}: {view[1]!r}" for rank, view in zip(ranks, views))
             raise RuntimeError(
                 f"{what}: the ranks loaded shards of different checkpoints ({listing}); every rank restored its "
-                "previous state. Load every rank's file of one checkpoint."
+                "previous state. Load every rank's file of one checkpoint (each call of reshard_checkpoint or "
+                "reshard_full_state_dict makes a new one: re-shard once and give every rank its part of that result)."
             )
         _check_same_values(what, ranks, [view[3] for view in views], "every rank restored its previous state")
     unit.ckpt_token = views[0][2]
