@@ -116,9 +116,17 @@ class ParamBucket(Bucket):
                 buffer). With ``False`` the parameters keep their old storage, e.g. to communicate a low-precision
                 copy of the buffer and convert it back afterwards.
         """
+        previous = self.buffer
         super().to(device, dtype, non_blocking)
         if keep_param_alignment:
-            self._reattach_params()
+            try:
+                self._reattach_params()
+            except BaseException:
+                # The parameters go back into the old buffer (still holding their values): a failed call must not
+                # leave some parameters outside the buffer that is meant to hold them.
+                self.buffer = previous
+                self._reattach_params()
+                raise
 
     @torch.no_grad()
     def add_param(self, param: Tensor) -> None:
@@ -211,11 +219,22 @@ class GradBucket(Bucket):
     ) -> None:
         """Move and/or cast the buffer (rebuilding a collapsed one); with ``keep_param_alignment`` the gradients
         follow it (without copying their values)."""
-        if self._is_collapsed:
+        was_collapsed = self._is_collapsed
+        if was_collapsed:
             self.rebuild()
+        previous = self.buffer
         super().to(device, dtype, non_blocking)
         if keep_param_alignment:
-            self._reattach_grads(copy_values=False, who="GradBucket.to")
+            try:
+                self._reattach_grads(copy_values=False, who="GradBucket.to")
+            except BaseException:
+                # The gradients go back to being views of the old buffer (which still holds their values): after a
+                # failed call, a reduction of the buffer must still reach every gradient.
+                self.buffer = previous
+                self._reattach_grads(copy_values=False, who="GradBucket.to")
+                if was_collapsed:
+                    self.collapse()
+                raise
 
     def zero(self) -> None:
         """Set every gradient of the bucket to zero (in place)."""

@@ -101,3 +101,25 @@ def test_collapse_after_the_reducer_reattached_a_view():
     assert kept.grad is None and reattached.grad is None and bucket.buffer.numel() == 0
     bucket.rebuild()
     assert reattached.grad is not None and reattached.grad.data_ptr() == bucket.buffer.data_ptr() + 3 * 4
+
+
+@pytest.mark.parametrize("collapsed", [False, True])
+def test_failed_to_leaves_the_bucket_as_it_was(collapsed):
+    """A cast the gradients cannot follow raises; the gradients stay views of the bucket's buffer (the buffer was
+    replaced before the check, so a later reduction of it no longer reached them)."""
+    bucket = GradBucket(100, torch.float32, "cpu", destination=0)
+    param = _param_with_grad(3)
+    value = param.grad.clone()
+    bucket.add_grad(param)
+    if collapsed:
+        bucket.collapse()
+    with pytest.raises(TypeError, match="Different types for the bucket and the gradient"):
+        bucket.to("cpu", torch.float16)
+    assert bucket.buffer.dtype == torch.float32
+    if collapsed:
+        assert param.grad is None
+        bucket.rebuild()
+    else:
+        torch.testing.assert_close(param.grad, value)
+    bucket.buffer.fill_(5.0)
+    assert torch.equal(param.grad, torch.full((3,), 5.0))
