@@ -21,7 +21,7 @@ from ._checks import balance_entries
 from .async_pipeline import AsyncPipeline
 from .async_schedule import Invocation, Location, ModuleWrapper
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import guard_checkpointed_output
+from .checkpoint import guard_checkpointed
 from .messages import use_rpc_by_default
 from .microbatch import Batch
 from .skip.layout import SkipLayout
@@ -301,10 +301,9 @@ class AsyncPipe(nn.Module):
             batches = microbatch.scatter(input, self.chunks)
             self.pipeline.run(training, batches, event)
             if self.final_stage:
-                output = microbatch.gather(batches)
-                if training and self.pipeline.checkpoint_stop > 0:
-                    return guard_checkpointed_output(output, self.parameters())
-                return output
+                if training:
+                    guard_checkpointed(batches, self.pipeline.checkpoint_nodes)
+                return microbatch.gather(batches)
             return batches
 
     def _check_ranks_agree(self, input: TensorOrTensors, training: bool) -> None:

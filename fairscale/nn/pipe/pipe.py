@@ -15,7 +15,7 @@ from fairscale.internal.version import torch_version as torch_version
 from . import microbatch
 from ._checks import balance_entries
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import guard_checkpointed_output
+from .checkpoint import guard_checkpointed
 from .pipeline import Pipeline
 from .skip.layout import inspect_skip_layout
 from .skip.skippable import verify_skippables
@@ -300,7 +300,6 @@ class Pipe(nn.Module):
             return input
         batches = microbatch.scatter(input, self.chunks)
         self.pipeline.run(batches)
-        output = microbatch.gather(batches)
-        if self.pipeline.checkpoint_stop > 0 and self.training and torch.is_grad_enabled():
-            return guard_checkpointed_output(output, self.parameters())
-        return output
+        if torch.is_grad_enabled():
+            guard_checkpointed(batches, self.pipeline.checkpoint_nodes)
+        return microbatch.gather(batches)

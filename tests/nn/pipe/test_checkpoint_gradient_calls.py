@@ -4,8 +4,10 @@
 A checkpointed micro-batch back-propagates its recomputed graph into ``.grad`` from inside the outer backward.
 ``torch.autograd.grad`` and ``backward(inputs=...)`` run only the nodes on a path to the requested tensors, and the
 checkpointed micro-batches' parameters (used under ``no_grad``) are on none: their share went missing, silently
-(off by up to 2.0 here). Those calls, and double backward, now raise; a second backward through a retained graph
-works (it failed with ``IndexError: pop from an empty deque``).
+(off by up to 2.0 here). Such requests for parameters, and double backward, now raise; requests for the input's
+gradient run every checkpoint node and are served. A second backward through a retained graph works (it failed with
+``IndexError: pop from an empty deque``). The guard leaves the output a plain tensor (in-place operations work) and
+the parameters' hooks alone.
 """
 
 import copy
@@ -33,18 +35,55 @@ def _grads(module: nn.Module) -> List[torch.Tensor]:
     return [p.grad.clone() for p in module.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_autograd_grad_raises(checkpoint: str) -> None:
-    pipe, _ = _models(checkpoint)
-    with pytest.raises(RuntimeError, match=r"torch.autograd.grad\(\) or backward\(inputs=...\) would silently miss"):
+def test_autograd_grad_of_parameters_raises() -> None:
+    """'except_last': the last micro-batch reaches the parameters, the checkpointed ones' share went missing."""
+    pipe, _ = _models("except_last")
+    with pytest.raises(RuntimeError, match=r"backward\(inputs=...\) of parameters would silently miss"):
         torch.autograd.grad(pipe(_input()).sum(), list(pipe.parameters()))
-
-
-@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_backward_with_inputs_raises(checkpoint: str) -> None:
-    pipe, _ = _models(checkpoint)
+    pipe, _ = _models("except_last")
     with pytest.raises(RuntimeError, match="checkpoint='never'"):
         pipe(_input()).sum().backward(inputs=list(pipe.parameters()))
+
+
+def test_always_keeps_parameters_out_of_the_graph() -> None:
+    """'always': no micro-batch's graph holds the parameters (torch's own error; inputs= leaves them untouched)."""
+    pipe, _ = _models("always")
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(pipe(_input()).sum(), list(pipe.parameters()))
+    pipe(_input()).sum().backward(inputs=list(pipe.parameters()))
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_input_gradients_are_served(checkpoint: str) -> None:
+    """Gradients of the input run every checkpoint node: served, equal to the plain module's (saliency maps, vjp)."""
+    pipe, reference = _models(checkpoint)
+    x = _input().requires_grad_()
+    (got,) = torch.autograd.grad(pipe(x).pow(2).sum(), x)
+    (expected,) = torch.autograd.grad(reference(x).pow(2).sum(), x)
+    torch.testing.assert_close(got, expected)
+    y = _input().requires_grad_()
+    pipe(y).pow(2).sum().backward(inputs=[y])
+    torch.testing.assert_close(y.grad, expected)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_output_is_a_plain_tensor(checkpoint: str) -> None:
+    """In-place operations on the output work (a guard returning its input made the output a view, which refused
+    them), and parameter hooks see gradients only (a guard taking the parameters gave them None)."""
+    pipe, reference = _models(checkpoint)
+    seen: List[object] = []
+    for p in pipe.parameters():
+        p.register_hook(lambda g: seen.append(g))
+    out = pipe(_input())
+    out.relu_()
+    ref_out = reference(_input()).relu_()
+    torch.testing.assert_close(out, ref_out)
+    out.sum().backward()
+    ref_out.sum().backward()
+    assert seen and all(isinstance(g, torch.Tensor) for g in seen)
+    for mine, expected in zip(_grads(pipe), _grads(reference)):
+        torch.testing.assert_close(mine, expected)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
