@@ -241,9 +241,11 @@ def _check_targets(target: Tensor, vocab: int) -> None:
     padding value) silently scored the last vocabulary row. One reduction and one host sync per forward, as
     ``F.cross_entropy``'s own bounds check costs; MEVO has no ``ignore_index``.
     """
-    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+    # int64/int32 only: indexing reads a uint8 (or bool) tensor as a mask (a silently wrong loss) and refuses int8.
+    if target.dtype not in (torch.int64, torch.int32):
         raise FairscaleTypeError(
-            f"MEVO.forward: target must hold integer class indices, got dtype {target.dtype}; pass token ids"
+            f"MEVO.forward: target must hold integer class indices (int64 or int32), got dtype {target.dtype}; pass "
+            "token ids (e.g. target.long())"
         )
     if target.numel() == 0:
         return

@@ -265,7 +265,7 @@ class OffloadFunction(torch.autograd.Function):
                 shard.forward_drop()
         # The slice inputs (not the model output: keeping it on ctx would make a reference cycle through its
         # grad_fn) belong to this call; the attribute is kept as upstream's inspection point only.
-        ctx.activations = activations[:-1]
+        _save_slice_inputs(ctx, activations[:-1])
         model_instance._activations = activations
         result = [r.to(device) for r in activations[-1]]
         for r in result:
@@ -280,20 +280,60 @@ class OffloadFunction(torch.autograd.Function):
             raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
         grads: Tuple[Any, ...] = tuple(grad_outputs)
         slices: List[ModelShard] = ctx.model_slices
+        slice_inputs = _saved_slice_inputs(ctx)
         for index in reversed(range(len(slices))):
-            grads = _backward_slice(ctx, index, grads, last=index == len(slices) - 1)
+            grads = _backward_slice(ctx, index, slice_inputs[index], grads, last=index == len(slices) - 1)
         # The first slice's input gradients belong to the model inputs (upstream returned None here).
         input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
         first = input_grads[0] if input_grads else None
         return (first, None, None)
 
 
-def _backward_slice(ctx: Any, index: int, grads: Tuple[Any, ...], last: bool) -> Tuple[Any, ...]:
+def _save_slice_inputs(ctx: Any, activations: List[Tuple[Any, ...]]) -> None:
+    """Keep each slice's inputs for the backward: the tensors through ``save_for_backward`` (autograd frees them
+    after a backward that does not retain the graph, as a plain attribute it did not: every kept loss held a copy of
+    every slice's inputs), the other values and the layout on ``ctx``."""
+    tensors: List[Tensor] = []
+    layout: List[Tuple[Any, ...]] = []
+    for inputs in activations:
+        entry = []
+        for value in inputs:
+            if isinstance(value, Tensor):
+                entry.append(_SavedTensor(len(tensors)))
+                tensors.append(value)
+            else:
+                entry.append(value)
+        layout.append(tuple(entry))
+    ctx.save_for_backward(*tensors)
+    ctx.slice_input_layout = layout
+
+
+def _saved_slice_inputs(ctx: Any) -> List[Tuple[Any, ...]]:
+    """The slice inputs :func:`_save_slice_inputs` kept (raises torch's error after the graph was freed)."""
+    tensors = ctx.saved_tensors
+    return [
+        tuple(tensors[v.index] if isinstance(v, _SavedTensor) else v for v in entry) for entry in ctx.slice_input_layout
+    ]
+
+
+class _SavedTensor:
+    """Where a saved tensor goes back in a slice's inputs."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _backward_slice(
+    ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: Tuple[Any, ...], last: bool
+) -> Tuple[Any, ...]:
     """Recompute slice ``index`` chunk by chunk and backpropagate ``grads``; return the gradients of its inputs.
 
     Args:
-        ctx: the :class:`OffloadFunction` call's context (slice inputs, RNG states, slices, micro-batch count).
+        ctx: the :class:`OffloadFunction` call's context (RNG states, slices, micro-batch count).
         index (int): the slice.
+        slice_input (Tuple[Any, ...]): the slice's inputs kept by the forward.
         grads (Tuple[Any, ...]): gradients of the slice's outputs.
         last (bool): whether this is the last slice, whose output the forward squeezed.
 
@@ -304,7 +344,7 @@ def _backward_slice(ctx: Any, index: int, grads: Tuple[Any, ...], last: bool) ->
     nmb: int = ctx.num_microbatches
     shard: ModelShard = ctx.model_slices[index]
     with torch.autograd.profiler.record_function(_PREFIX + "backward_load"):
-        acts = tuple(a.to(device).detach() if isinstance(a, Tensor) else a for a in ctx.activations[index])
+        acts = tuple(a.to(device).detach() if isinstance(a, Tensor) else a for a in slice_input)
         shard.backward_load()
     cpu_state, device_state = torch.get_rng_state(), accelerator_rng_state(device)
     fwd_cpu_state, fwd_device_state = ctx.rng_states[index]

@@ -92,6 +92,12 @@ def _forward_float_target() -> None:
     MEVO(w)(x, y.float())
 
 
+def _forward_uint8_target() -> None:
+    # Indexing reads a uint8 tensor as a mask: a silently wrong loss.
+    x, w, y = _data()
+    MEVO(w)(x, y.to(torch.uint8))
+
+
 def _baseline_fp32_input_fp16_weight() -> None:
     x, w, y = _data()
     BaselineSoftmax(nn.Parameter(w.detach().half()))(x, y)
@@ -161,8 +167,14 @@ CASES = [
     pytest.param(
         _forward_float_target,
         TypeError,
-        r"MEVO.forward: target must hold integer class indices, got dtype torch.float32",
+        r"MEVO.forward: target must hold integer class indices \(int64 or int32\), got dtype torch.float32",
         id="target-dtype",
+    ),
+    pytest.param(
+        _forward_uint8_target,
+        TypeError,
+        r"MEVO.forward: target must hold integer class indices \(int64 or int32\), got dtype torch.uint8",
+        id="target-uint8",
     ),
     pytest.param(
         _baseline_fp32_input_fp16_weight,

@@ -262,3 +262,18 @@ def test_failed_forward_leaves_pending_backward_alone() -> None:
     y.sum().backward()
     ref(x).sum().backward()
     _assert_same_state(ref, offload)
+
+
+def test_checkpoint_backward_frees_the_slice_inputs() -> None:
+    """The slice inputs a checkpointed call keeps for its backward are freed by it (a plain ctx attribute kept them,
+    and every loss kept for logging held a copy of every slice's inputs); retain_graph keeps them for a second one."""
+    torch.manual_seed(0)
+    offload = OffloadModel(_model(), device=torch.device("cpu"), num_slices=3, checkpoint_activation=True)
+    loss = offload(torch.randn(4, 2)).sum()
+    node = loss.grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "OffloadFunctionBackward" and len(node.saved_tensors) == 3
+    loss.backward(retain_graph=True)
+    assert len(node.saved_tensors) == 3
+    loss.backward()
+    with pytest.raises(RuntimeError, match="freed"):
+        node.saved_tensors
