@@ -103,10 +103,12 @@ def check_not_link(path: Path, what: str) -> None:
 
 
 def check_tree(root: Path, what: str) -> None:
-    """Raise :class:`UnsafeRepositoryError` if anything inside ``root`` (or ``root`` itself) is a symbolic link, or
-    anything else than a regular file or a directory (a named pipe, a device, a socket).
+    """Raise :class:`UnsafeRepositoryError` if anything inside ``root`` (or ``root`` itself) is a symbolic link, a
+    named pipe or a device.
 
-    wgit never creates such entries, so one found there was planted. The walk reads directory entries only (no
+    wgit never creates such entries, so one found there was planted (a pipe blocks whoever reads it). Sockets pass:
+    git's file-system monitor keeps one in ``.git`` on some systems, and opening a socket fails at once, never blocks
+    (:func:`open_regular` refuses it as any other non-regular file). The walk reads directory entries only (no
     ``stat`` per file where the file system reports entry types), does not follow links, and skips a directory it
     cannot list (as ``os.walk`` does).
     """
@@ -127,7 +129,9 @@ def check_tree(root: Path, what: str) -> None:
             if entry.is_dir(follow_symlinks=False):
                 pending.append(path)
             elif not entry.is_file(follow_symlinks=False):
-                raise _special_error(path, inside, entry.stat(follow_symlinks=False).st_mode)
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if not stat.S_ISSOCK(mode):
+                    raise _special_error(path, inside, mode)
 
 
 def open_regular(path: Path, what: str) -> BinaryIO:

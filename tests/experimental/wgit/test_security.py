@@ -12,6 +12,7 @@ import hashlib
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch.nn as nn
 
 import fairscale
 from fairscale.experimental.wgit.repo import Repo
-from fairscale.experimental.wgit.safety import UnsafeRepositoryError, UntrustedContentError, check_tree
+from fairscale.experimental.wgit.safety import UnsafeRepositoryError, UntrustedContentError, check_tree, open_regular
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 
 
@@ -396,3 +397,18 @@ def test_named_pipes_are_refused_without_blocking(tmp_path: Path) -> None:
         "metadata UnsafeRepositoryError True",
         "repo UnsafeRepositoryError True",
     ], out.stdout
+
+
+def test_a_socket_in_the_git_dir_is_accepted(tmp_path: Path) -> None:
+    """git's file-system monitor keeps a socket in .git on some systems: opening one fails at once (it cannot block
+    as a pipe does), so the tree check lets it pass; reading one as a file is still refused."""
+    _fake_wgit(tmp_path / "work" / ".wgit")
+    path = tmp_path / "work" / ".wgit" / ".git" / "fsmonitor--daemon.ipc"
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(path))
+        check_tree(tmp_path / "work" / ".wgit", ".wgit")
+        with pytest.raises(UnsafeRepositoryError, match="socket"):
+            open_regular(path, "the monitor's socket")
+    finally:
+        server.close()
