@@ -441,3 +441,23 @@ def test_killed_save_leaves_no_checkpoint(tmp_path: Any) -> None:
     files = os.listdir(path)
     assert "__1_0.distcp" in files and ".metadata" not in files, files
     run_distributed(_load_after_kill, 1, path)
+
+
+def test_coverage_check_of_chunk_layouts() -> None:
+    """The tiling check on metadata alone: FSDP2's Shard(0) rows, box chunks, empty and 0-d tensors pass; a hole
+    hidden by an overlap of the same size, a chunk outside the tensor and a missing chunk are named."""
+    from types import SimpleNamespace
+
+    from fairscale.nn.data_parallel._fsdp.dcp_metadata import coverage_problem
+
+    def metadata(shape: Tuple[int, ...], *chunks: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> Any:
+        entry = SimpleNamespace(size=torch.Size(shape), chunks=[SimpleNamespace(offsets=o, sizes=s) for o, s in chunks])
+        return SimpleNamespace(state_dict_metadata={"w": entry, "blob": SimpleNamespace()})
+
+    assert coverage_problem(metadata((5, 3), ((0, 0), (3, 3)), ((3, 0), (2, 3)))) is None
+    assert coverage_problem(metadata((4, 4), ((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3)))) is None
+    assert coverage_problem(metadata((0, 3), ((0, 0), (0, 3)))) is None
+    assert coverage_problem(metadata((), ((), ()))) is None
+    assert "overlap" in str(coverage_problem(metadata((4,), ((0,), (2,)), ((1,), (2,)))))
+    assert "lies outside" in str(coverage_problem(metadata((4,), ((0,), (2,)), ((3,), (2,)))))
+    assert "never saved" in str(coverage_problem(metadata((4, 2), ((0, 0), (3, 2)))))

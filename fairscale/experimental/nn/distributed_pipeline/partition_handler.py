@@ -121,8 +121,10 @@ _RRefConsumer = DataConsumer[rpc.RRef[Any]]
 #: that deliver their inputs, so several run at once, and a checkpointed one's recomputation must replay exactly the
 #: draws of its forward: with the generators shared, another micro-batch's dropout between the saving of the states
 #: and this one's draws (or between their restoring and the replay) gave the recomputation another mask, and the
-#: gradients were silently those of another forward. The lock is held for compute only (never across a wait for
-#: another message), so the pipeline's "no handler waits" design holds.
+#: gradients were silently those of another forward. It is taken by the forwards of pipelines that checkpoint (all
+#: their micro-batches: an unreplayed one's draws must not fall between another's save and its draws either), and
+#: held for compute only (never across a wait for another message), so the pipeline's "no handler waits" design
+#: holds; a partition whose forward itself waits for an RPC needs checkpoint="never".
 _RANDOMNESS_LOCK = threading.RLock()
 
 
@@ -230,7 +232,9 @@ class DistributedPipelineRecord:
             self._all_done.set_result(list(self.outputs))
 
     def _run(self, chunk: int, inputs: List[Any]) -> Any:
-        if chunk < self.checkpoint_stop and self.module.training and torch.is_grad_enabled():
+        if not (self.checkpoint_stop > 0 and self.module.training and torch.is_grad_enabled()):
+            return self.module(*inputs)  # nothing of this forward is replayed: its draws need no lock
+        if chunk < self.checkpoint_stop:
             # Non-reentrant checkpointing recomputes inside the same backward, so the gradients land in the
             # distributed autograd context (upstream's checkpointed micro-batches wrote the local .grad instead).
             # The random states are saved and replayed by _ReplayRandomness under the process's lock, not by torch

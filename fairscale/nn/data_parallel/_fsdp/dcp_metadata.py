@@ -14,7 +14,7 @@ import enum
 import importlib
 import os
 import pickle
-from typing import IO, Any, FrozenSet, Optional, Tuple
+from typing import IO, Any, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -115,9 +115,10 @@ def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
     return metadata
 
 
-# Above this many saved chunks of one tensor, the pairwise overlap test is skipped (its cost grows with the square);
-# the volume and bounds checks still run. DCP writes at most ``2 * ndim - 1`` chunks per tensor and rank.
-_MAX_CHUNKS_FOR_OVERLAP_TEST = 64
+# At most this many pairs of chunks of one tensor are compared for overlap (chunks whose first-dimension ranges
+# overlap: none for FSDP2's Shard(0) layout, a few per rank for box chunks); beyond it the volume and bounds checks
+# alone stand.
+_MAX_OVERLAP_PAIRS = 20_000
 
 
 def coverage_problem(metadata: Any) -> Optional[str]:
@@ -126,38 +127,52 @@ def coverage_problem(metadata: Any) -> Optional[str]:
     A load reads into staging tensors that are not initialised (a copy of the shards would cost a full extra pass),
     and DCP's reader fills only what the saved chunks cover: an element no chunk covers (a chunk removed or shrunk in
     a tampered or badly merged ``.metadata``) was loaded as whatever memory held, silently. Each tensor's chunks must
-    lie inside it, not overlap (up to :data:`_MAX_CHUNKS_FOR_OVERLAP_TEST` chunks) and add up to its size.
+    lie inside it, add up to its size and not overlap (compared in a sweep along the first dimension).
     """
     for key, entry in getattr(metadata, "state_dict_metadata", {}).items():
         chunks = getattr(entry, "chunks", None)
         size = getattr(entry, "size", None)
         if chunks is None or size is None:
             continue  # not a tensor (bytes: read whole)
-        shape = [int(d) for d in size]
-        numel = 1
-        for d in shape:
-            numel *= d
-        volume = 0
-        boxes = []
-        for chunk in chunks:
-            offsets, sizes = [int(o) for o in chunk.offsets], [int(n) for n in chunk.sizes]
-            if len(offsets) != len(shape) or len(sizes) != len(shape):
-                return f"{key}: a saved chunk has {len(offsets)} dimensions, the tensor {len(shape)}"
-            if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
-                return f"{key}: a saved chunk (offsets {offsets}, sizes {sizes}) lies outside the tensor {shape}"
-            box = 1
-            for n in sizes:
-                box *= n
+        problem = _tiling_problem([int(d) for d in size], chunks)
+        if problem is not None:
+            return f"{key}: {problem}"
+    return None
+
+
+def _tiling_problem(shape: List[int], chunks: Any) -> Optional[str]:
+    numel = 1
+    for d in shape:
+        numel *= d
+    volume = 0
+    boxes: List[Tuple[List[int], List[int]]] = []
+    for chunk in chunks:
+        offsets, sizes = [int(o) for o in chunk.offsets], [int(n) for n in chunk.sizes]
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return f"a saved chunk has {len(offsets)} dimensions, the tensor {len(shape)}"
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            return f"a saved chunk (offsets {offsets}, sizes {sizes}) lies outside the tensor {shape}"
+        box = 1
+        for n in sizes:
+            box *= n
+        if box:
             volume += box
             boxes.append((offsets, sizes))
-        if len(boxes) <= _MAX_CHUNKS_FOR_OVERLAP_TEST:
-            for i, (o1, n1) in enumerate(boxes):
-                for o2, n2 in boxes[i + 1 :]:
-                    if all(a < b + m and b < a + n for a, n, b, m in zip(o1, n1, o2, n2)):
-                        return f"{key}: the saved chunks at offsets {o1} and {o2} overlap"
-        if volume != numel:
-            return (
-                f"{key}: the saved chunks cover {volume} of the tensor's {numel} elements (shape {shape}); part of it "
-                "was never saved"
-            )
+    if volume < numel:
+        return f"the saved chunks cover {volume} of the tensor's {numel} elements (shape {shape}); part of it was never saved"
+    if volume > numel:
+        return f"the saved chunks hold {volume} elements for the tensor's {numel} (shape {shape}): some of them overlap"
+    if shape and len(boxes) > 1:
+        boxes.sort(key=lambda b: b[0][0])
+        active: List[Tuple[List[int], List[int]]] = []  # boxes whose first-dimension range reaches the current one
+        compared = 0
+        for offsets, sizes in boxes:
+            active = [box for box in active if box[0][0] + box[1][0] > offsets[0]]
+            for other_offsets, other_sizes in active:
+                if all(a < b + m and b < a + k for a, k, b, m in zip(offsets, sizes, other_offsets, other_sizes)):
+                    return f"the saved chunks at offsets {other_offsets} and {offsets} overlap"
+            compared += len(active)
+            if compared > _MAX_OVERLAP_PAIRS:
+                break
+            active.append((offsets, sizes))
     return None
