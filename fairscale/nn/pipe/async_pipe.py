@@ -301,8 +301,8 @@ class AsyncPipe(nn.Module):
             batches = microbatch.scatter(input, self.chunks)
             self.pipeline.run(training, batches, event)
             if self.final_stage:
-                if training:
-                    guard_checkpointed(batches, self.pipeline.checkpoint_nodes)
+                if training and self.pipeline.checkpoint_stop > 0:
+                    guard_checkpointed(batches)
                 return microbatch.gather(batches)
             return batches
 

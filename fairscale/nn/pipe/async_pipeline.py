@@ -102,10 +102,7 @@ class AsyncPipeline:
         m = len(batches)
         skip_trackers = [SkipTrackerThroughPotals(self.skip_layout, i) for i in range(m)]
         rank = self.group.rank()
-        #: The autograd nodes of this run's checkpointed tasks on this stage.
-        self.checkpoint_nodes: List[Any] = []
         event_loop = AsyncEventLoop(self.partitions, self.group, self.transport, self.training, self.checkpoint_stop)
-        event_loop.checkpoint_nodes = self.checkpoint_nodes
         event_loop.step = self.steps
         if self.num_stages is not None:
             event_loop.num_stages = self.num_stages

@@ -74,10 +74,8 @@ def create_task(
     batch: Batch,
     partition: nn.Sequential,
     skip_trackers: List[SkipTrackerThroughPotals],
-    checkpoint_nodes: Optional[List[Any]] = None,
 ) -> Task:
-    """A task running ``partition`` on ``batch`` (checkpointed when ``chunk_id < checkpoint_stop``, its autograd node
-    then added to ``checkpoint_nodes`` if given); no stream."""
+    """A task running ``partition`` on ``batch`` (checkpointed when ``chunk_id < checkpoint_stop``); no stream."""
 
     def function(input: TensorOrTensors) -> TensorOrTensors:
         with use_skip_tracker(skip_trackers[chunk_id]), record_function(f"chunk{chunk_id}-part{part_id}"):
@@ -90,7 +88,7 @@ def create_task(
         return output
 
     if chunk_id < checkpoint_stop:
-        chk = Checkpointing(function, batch, checkpoint_nodes)
+        chk = Checkpointing(function, batch)
         return Task(None, compute=chk.checkpoint, finalize=chk.recompute)
 
     def compute() -> Batch:
@@ -116,8 +114,6 @@ class AsyncEventLoop:
     ) -> None:
         self.training = training
         self.checkpoint_stop = checkpoint_stop
-        #: Where the checkpointed tasks' autograd nodes go (the pipeline's list for this run).
-        self.checkpoint_nodes: List[Any] = []
         self.transport = transport
         self.group = group
         self.partitions = partitions
@@ -172,9 +168,7 @@ class AsyncEventLoop:
         Returns:
             The output, or its scalar stand-in when it was sent to another stage.
         """
-        task = create_task(
-            self.checkpoint_stop, batch.index, self.rank, batch, partition.module, skip_trackers, self.checkpoint_nodes
-        )
+        task = create_task(self.checkpoint_stop, batch.index, self.rank, batch, partition.module, skip_trackers)
         result = task.compute()
         task.finalize(result)
         dest = invocation.dest

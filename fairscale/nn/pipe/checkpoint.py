@@ -28,10 +28,10 @@ from .phony import get_phony
 __all__ = ["is_checkpointing", "is_recomputing"]
 
 _GRAD_UNSUPPORTED = (
-    "Pipe: a checkpointed pipeline's gradients reach the parameters through a plain backward only (loss.backward() "
-    "or torch.autograd.backward without inputs=): {what} would silently miss the gradients of the checkpointed "
-    "micro-batches (their backward recomputes the partition and back-propagates into .grad). Call loss.backward() "
-    "and read .grad, or build the pipeline with checkpoint='never'."
+    "Pipe: a training forward that checkpointed micro-batches supports a plain backward only (loss.backward() or "
+    "torch.autograd.backward without inputs=): with {what}, the checkpointed micro-batches' backward (a recomputation "
+    "back-propagated into .grad) would silently miss the requested gradients or write .grad. Call loss.backward() and "
+    "read .grad, or build the pipeline with checkpoint='never' (or run it in eval mode)."
 )
 
 Tensors = Tuple[Tensor, ...]
@@ -118,11 +118,9 @@ class Checkpointing:
         batch (Batch): its input micro-batch.
     """
 
-    def __init__(self, function: Function, batch: Batch, nodes: Optional[List[Any]] = None) -> None:
+    def __init__(self, function: Function, batch: Batch) -> None:
         self.function = function
         self.batch = batch
-        #: Where the checkpoint's autograd node goes (see :func:`guard_checkpointed`), if given.
-        self.nodes = nodes
         # Shared by the pair: Recompute fills them, Checkpoint empties them.
         self.recomputed: Deque[Recomputed] = deque(maxlen=1)
         self.rng_states: Deque[RNGStates] = deque(maxlen=1)
@@ -135,10 +133,6 @@ class Checkpointing:
         # (and the recomputation of parameters' gradients) always happens.
         phony = get_phony(self.batch[0].device, requires_grad=True)
         output = Checkpoint.apply(phony, self.recomputed, self.rng_states, self.function, input_atomic, *input)
-        if self.nodes is not None:
-            first = output[0] if isinstance(output, tuple) else output
-            if first.grad_fn is not None:
-                self.nodes.append(first.grad_fn)
         if isinstance(output, tuple):
             output = tuple(x if x.is_floating_point() else x.detach() for x in output)
         return Batch(output, self.batch.index)
@@ -248,48 +242,42 @@ class Recompute(torch.autograd.Function):
 
 
 class _CheckpointGuard(torch.autograd.Function):
-    """Identity on one micro-batch's output of a pipeline some of whose micro-batches were checkpointed; its backward
+    """Identity on one micro-batch's output of a training forward that checkpointed micro-batches; its backward
     refuses what checkpointing cannot serve.
 
-    ``torch.autograd.grad`` and ``backward(inputs=...)`` run only the nodes on a path to the requested tensors. The
-    checkpointed micro-batches' parameters (used under ``no_grad`` in the forward) are on none: when the request does
-    not make every checkpoint node run (gradients of parameters, not of the input), their share of the gradients went
-    missing without an error. A request that runs them all (the input's gradient) is served. With
-    ``create_graph=True`` the recomputed graph is back-propagated without a graph of its own: the gradients would not
-    be differentiable. Every micro-batch's output is guarded, as a request may reach the pipeline through any of them.
+    A checkpointed micro-batch's backward back-propagates its recomputed graph with a plain backward of its own, into
+    ``.grad``. ``torch.autograd.grad`` and ``backward(inputs=...)`` run only the nodes on a path to the requested
+    tensors: asked for parameters, the checkpointed micro-batches' share went missing without an error; asked for the
+    input, the answer was right but every parameter's ``.grad`` got the checkpointed micro-batches' partial gradients.
+    Both are refused, as torch's reentrant checkpoint refuses them. With ``create_graph=True`` the recomputed graph is
+    back-propagated without a graph of its own: the gradients would not be differentiable. Every micro-batch's output
+    is guarded, as a request may reach the pipeline through any of them.
     """
 
     @staticmethod
-    def forward(ctx: Any, nodes: List[Any], *tensors: Tensor) -> Tensors:
-        ctx.nodes = nodes
+    def forward(ctx: Any, *tensors: Tensor) -> Tensors:
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, *grads: Tensor) -> Tensors:
         if torch.is_grad_enabled():
             raise RuntimeError(_GRAD_UNSUPPORTED.format(what="a backward with create_graph=True (double backward)"))
         if not torch.autograd._is_checkpoint_valid():
-            # Only meaningful inside a backward with inputs: then the engine knows which nodes it will run.
-            if not all(torch._C._will_engine_execute_node(node) for node in ctx.nodes):
-                raise RuntimeError(
-                    _GRAD_UNSUPPORTED.format(what="torch.autograd.grad() or backward(inputs=...) of parameters")
-                )
-        return (None,) + grads
+            raise RuntimeError(_GRAD_UNSUPPORTED.format(what="torch.autograd.grad() or backward(inputs=...)"))
+        return grads
 
 
-def guard_checkpointed(batches: List[Batch], nodes: List[Any]) -> None:
-    """Put every micro-batch output of ``batches`` (in place) behind a :class:`_CheckpointGuard` that knows the
-    checkpoint ``nodes`` of this forward; outputs that do not require grad pass as they are.
+def guard_checkpointed(batches: List[Batch]) -> None:
+    """Put every micro-batch output of ``batches`` (in place) behind a :class:`_CheckpointGuard`; outputs that do not
+    require grad pass as they are.
 
     Guarding the micro-batches rather than the gathered output keeps the output a fresh tensor (``torch.cat``'s):
     a custom function's output that is its input is a view, which in-place operations on the output refuse.
     """
-    if not nodes:
-        return
     for batch in batches:
         positions = [i for i, t in enumerate(batch) if t.requires_grad]
         if not positions:
             continue
-        guarded = _CheckpointGuard.apply(nodes, *(batch[i] for i in positions))
+        guarded = _CheckpointGuard.apply(*(batch[i] for i in positions))
         for i, t in zip(positions, guarded):
             batch[i] = t

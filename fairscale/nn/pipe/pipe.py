@@ -300,6 +300,6 @@ class Pipe(nn.Module):
             return input
         batches = microbatch.scatter(input, self.chunks)
         self.pipeline.run(batches)
-        if torch.is_grad_enabled():
-            guard_checkpointed(batches, self.pipeline.checkpoint_nodes)
+        if self.pipeline.checkpoint_stop > 0 and self.training and torch.is_grad_enabled():
+            guard_checkpointed(batches)
         return microbatch.gather(batches)

@@ -8,7 +8,7 @@ partition process the micro-batches in reverse order.
 """
 
 import os
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -105,8 +105,6 @@ class Pipeline:
         m = len(batches)
         n = len(self.partitions)
         skip_trackers = [SkipTrackerThroughPotals(self.skip_layout, i) for i in range(m)]
-        #: The autograd nodes of this run's checkpointed tasks (appended by the worker threads).
-        self.checkpoint_nodes: List[Any] = []
         for schedule in clock_cycles(m, n):
             self.fence(batches, schedule, skip_trackers)
             self.compute(batches, schedule, skip_trackers)
@@ -140,8 +138,7 @@ class Pipeline:
             batch = batches[i]
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
-            nodes = self.checkpoint_nodes if i < checkpoint_stop else None
-            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, nodes)
+            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, i < checkpoint_stop)
             self.in_queues[j].put(task)
 
         exc_info: Optional[ExcInfo] = None
@@ -173,11 +170,8 @@ def _make_task(
     stream: AbstractStream,
     chunk_id: int,
     part_id: int,
-    checkpoint_nodes: Optional[List[Any]],
+    checkpoint: bool,
 ) -> Task:
-    """A task running ``partition`` on ``batch``; checkpointed when ``checkpoint_nodes`` is given (the list its
-    checkpoint's autograd node is added to)."""
-
     def function(input: TensorOrTensors) -> TensorOrTensors:
         with use_skip_tracker(skip_tracker), record_function(f"chunk{chunk_id}-part{part_id}"):
             output = partition(input)
@@ -185,8 +179,8 @@ def _make_task(
         _check_output(output, part_id)
         return output
 
-    if checkpoint_nodes is not None:
-        chk = Checkpointing(function, batch, checkpoint_nodes)
+    if checkpoint:
+        chk = Checkpointing(function, batch)
         return Task(stream, compute=chk.checkpoint, finalize=chk.recompute)
 
     def compute() -> Batch:

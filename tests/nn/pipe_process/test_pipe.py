@@ -121,7 +121,7 @@ def _case_checkpoint_gradient_calls() -> None:
     reference = copy.deepcopy(model)
     pipe = AsyncPipe(model, [5], group=_world(), chunks=2, checkpoint="except_last")
     x = torch.randn(4, 3)
-    with pytest.raises(RuntimeError, match=r"backward\(inputs=...\) of parameters would silently miss"):
+    with pytest.raises(RuntimeError, match=r"torch.autograd.grad\(\) or backward\(inputs=...\)"):
         torch.autograd.grad(pipe(x).sum(), list(pipe.parameters()))
     out, ref_out = pipe(x).pow(2).sum(), reference(x).pow(2).sum()
     for loss in (out, out, ref_out, ref_out):
