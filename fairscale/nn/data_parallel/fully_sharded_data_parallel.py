@@ -318,6 +318,19 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     def _lazy_init(self) -> None:
         runtime.lazy_init(self._fsdp_unit)
 
+    def _reset_lazy_init(self) -> None:
+        """Forget this instance's lazy initialisation (whether it is the root, its tree, its materialised shards), as
+        before its first forward; the next forward or call redoes it.
+
+        Upstream's private hook, which fairseq calls on every instance inside a module before wrapping that module in
+        a new root (``fsdp_wrap``) and vissl after loading a checkpoint into a model that ran forward already.
+
+        Raises:
+            ValueError: a forward or backward of this instance's tree is in progress.
+            RuntimeError: a forward's backward is still to run (it would find the instance uninitialised).
+        """
+        runtime.reset_lazy_init_between_steps(self._fsdp_unit)
+
     def _finalize_backward(self) -> None:
         """The end-of-backward callback the tree queues (looked up at lazy init, so it can be wrapped)."""
         runtime.finalize_backward(self._fsdp_unit)

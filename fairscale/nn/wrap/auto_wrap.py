@@ -195,12 +195,14 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
 
 
 def _check_not_wrapped(module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
-    """Refuse a tree that already contains a wrapper: wrapping it again would nest wrappers around
-    parameters the existing wrapper already manages."""
+    """Refuse a tree that already contains an instance of ``wrapper_cls`` (as upstream).
+
+    Subtrees wrapped otherwise (FSDP instances made by another factory: vissl wraps batch norms first, then auto-wraps
+    the block with a class whose ``__new__`` returns FSDP) are allowed: :meth:`ConfigAutoWrap.recursive_wrap` leaves
+    them alone.
+    """
     for name, sub in module.named_modules():
-        params = list(sub.parameters())
-        is_wrapper = isinstance(wrapper_cls, type) and isinstance(sub, wrapper_cls)
-        if is_wrapper or (params and all(hasattr(p, "_is_sharded") for p in params)):
+        if isinstance(wrapper_cls, type) and isinstance(sub, wrapper_cls):
             where = f"submodule '{name}'" if name else "the root module"
             raise FairscaleValueError(  # also an AssertionError, as upstream
                 f"auto_wrap: {where} ({type(sub).__name__}) is already wrapped. Call auto_wrap on the "
@@ -278,7 +280,12 @@ class ConfigAutoWrap:
             are now inside wrappers.
         """
         # Parameters already managed by a wrapper (marked by FSDP) do not count towards the size.
-        num_params = sum(p.numel() for p in module.parameters() if not hasattr(p, "_is_sharded"))
+        params = list(module.parameters())
+        if params and all(hasattr(p, "_is_sharded") for p in params):
+            # Wrapped already (an FSDP instance, or a module inside one): neither looked into nor wrapped again, which
+            # would nest a wrapper around parameters another one manages. Upstream asked the policy, which could.
+            return module, 0
+        num_params = sum(p.numel() for p in params if not hasattr(p, "_is_sharded"))
         if not auto_wrap_policy(
             module=module, recurse=True, unwrapped_params=num_params, module_is_root=module_is_root
         ):

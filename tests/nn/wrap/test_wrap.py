@@ -285,13 +285,16 @@ def test_auto_wrap_refuses_already_wrapped_trees() -> None:
             auto_wrap(model, auto_wrap_policy=size_policy(1))
         with pytest.raises(ValueError, match="the root module"):
             auto_wrap(inner, auto_wrap_policy=size_policy(1))
-    # Parameters marked as sharded belong to a wrapper of another kind (e.g. FSDP): also refused.
+    # Parameters marked as sharded belong to a wrapper of another kind (e.g. FSDP made by another factory, as vissl
+    # does): that subtree is left alone (neither looked into nor wrapped again), the rest is wrapped.
     model = nested_model()
     for p in model[2].parameters():
         p._is_sharded = True
+    inner_before = list(model[2].modules())
     with enable_wrap(wrapper_cls=Recorder):
-        with pytest.raises(ValueError, match="submodule '2' "):
-            auto_wrap(model, auto_wrap_policy=size_policy(1))
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(1))
+    assert isinstance(wrapped[0], Recorder) and isinstance(wrapped[1], Recorder)
+    assert list(wrapped[2].modules()) == inner_before  # untouched
 
 
 def test_sharded_parameters_do_not_count_towards_the_size() -> None:

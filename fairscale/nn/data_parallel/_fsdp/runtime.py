@@ -116,6 +116,12 @@ def reset_lazy_init(unit: FSDPUnit) -> None:
         h.reset()
 
 
+def reset_lazy_init_between_steps(unit: FSDPUnit) -> None:
+    """:func:`reset_lazy_init` as a user's call (``FSDP._reset_lazy_init``): refused during a step."""
+    _assert_between_steps(unit, "_reset_lazy_init", "that backward would find the instance uninitialised")
+    reset_lazy_init(unit)
+
+
 @contextlib.contextmanager
 def lazy_init_for_call(unit: FSDPUnit) -> Iterator[None]:
     """Lazy init for one call (state_dict, load, apply...) that leaves the model as uninitialised as it found it.
