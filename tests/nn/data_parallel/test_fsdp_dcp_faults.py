@@ -459,5 +459,8 @@ def test_coverage_check_of_chunk_layouts() -> None:
     assert coverage_problem(metadata((0, 3), ((0, 0), (0, 3)))) is None
     assert coverage_problem(metadata((), ((), ()))) is None
     assert "overlap" in str(coverage_problem(metadata((4,), ((0,), (2,)), ((1,), (2,)))))
+    # Column chunks (cut along dim 1): swept along that dimension; a duplicate is named whatever the count.
+    assert "overlap" in str(coverage_problem(metadata((2, 6), ((0, 0), (2, 2)), ((0, 2), (2, 2)), ((0, 3), (2, 2)))))
+    assert "appears twice" in str(coverage_problem(metadata((2, 4), ((0, 0), (2, 2)), ((0, 0), (2, 2)))))
     assert "lies outside" in str(coverage_problem(metadata((4,), ((0,), (2,)), ((3,), (2,)))))
     assert "never saved" in str(coverage_problem(metadata((4, 2), ((0, 0), (3, 2)))))

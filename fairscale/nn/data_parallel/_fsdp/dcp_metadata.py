@@ -115,9 +115,9 @@ def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
     return metadata
 
 
-# At most this many pairs of chunks of one tensor are compared for overlap (chunks whose first-dimension ranges
-# overlap: none for FSDP2's Shard(0) layout, a few per rank for box chunks); beyond it the volume and bounds checks
-# alone stand.
+# At most this many pairs of chunks of one tensor are compared for overlap (chunks whose ranges along the swept
+# dimension overlap: none for FSDP2's Shard(0) layout, a few per rank for box chunks); beyond it the volume, bounds
+# and duplicate checks alone stand.
 _MAX_OVERLAP_PAIRS = 20_000
 
 
@@ -127,7 +127,7 @@ def coverage_problem(metadata: Any) -> Optional[str]:
     A load reads into staging tensors that are not initialised (a copy of the shards would cost a full extra pass),
     and DCP's reader fills only what the saved chunks cover: an element no chunk covers (a chunk removed or shrunk in
     a tampered or badly merged ``.metadata``) was loaded as whatever memory held, silently. Each tensor's chunks must
-    lie inside it, add up to its size and not overlap (compared in a sweep along the first dimension).
+    lie inside it, add up to its size and not overlap (compared in a sweep along one dimension).
     """
     for key, entry in getattr(metadata, "state_dict_metadata", {}).items():
         chunks = getattr(entry, "chunks", None)
@@ -163,11 +163,16 @@ def _tiling_problem(shape: List[int], chunks: Any) -> Optional[str]:
     if volume > numel:
         return f"the saved chunks hold {volume} elements for the tensor's {numel} (shape {shape}): some of them overlap"
     if shape and len(boxes) > 1:
-        boxes.sort(key=lambda b: b[0][0])
-        active: List[Tuple[List[int], List[int]]] = []  # boxes whose first-dimension range reaches the current one
+        if len({(tuple(o), tuple(n)) for o, n in boxes}) < len(boxes):
+            return "a saved chunk appears twice: the saved chunks overlap"
+        # Swept along the dimension the chunks are cut most along (the first for FSDP2's Shard(0), another for
+        # column-wise chunks), so that few pairs share a range of it.
+        dim = max(range(len(shape)), key=lambda d: len({o[d] for o, _ in boxes}))
+        boxes.sort(key=lambda b: b[0][dim])
+        active: List[Tuple[List[int], List[int]]] = []  # boxes whose range along ``dim`` reaches the current one
         compared = 0
         for offsets, sizes in boxes:
-            active = [box for box in active if box[0][0] + box[1][0] > offsets[0]]
+            active = [box for box in active if box[0][dim] + box[1][dim] > offsets[dim]]
             for other_offsets, other_sizes in active:
                 if all(a < b + m and b < a + k for a, k, b, m in zip(offsets, sizes, other_offsets, other_sizes)):
                     return f"the saved chunks at offsets {other_offsets} and {offsets} overlap"
