@@ -300,6 +300,7 @@ class Pipe(nn.Module):
             return input
         batches = microbatch.scatter(input, self.chunks)
         self.pipeline.run(batches)
-        if self.pipeline.checkpoint_stop > 0 and self.training and torch.is_grad_enabled():
+        # The pipeline's own condition for checkpointing (the first partition's mode, not the Pipe's own flag).
+        if self.pipeline.checkpoint_stop > 0 and self.pipeline.partitions[0].training and torch.is_grad_enabled():
             guard_checkpointed(batches)
         return microbatch.gather(batches)

@@ -144,3 +144,14 @@ def test_a_non_float_first_output_does_not_disable_the_guard() -> None:
     assert ids.dtype == torch.int64
     with pytest.raises(RuntimeError, match=r"torch.autograd.grad\(\) or backward\(inputs=...\)"):
         torch.autograd.grad(hidden.sum(), list(pipe.parameters()))
+
+
+def test_guarded_exactly_when_micro_batches_were_checkpointed() -> None:
+    """The pipeline checkpoints by its first partition's mode: a frozen stem in eval() checkpoints nothing, and
+    nothing is refused then."""
+    pipe, reference = _models("always")
+    pipe.partitions[0].eval()
+    x = _input().requires_grad_()
+    (got,) = torch.autograd.grad(pipe(x).sum(), [x])
+    (expected,) = torch.autograd.grad(reference(x).sum(), [x])
+    torch.testing.assert_close(got, expected)
