@@ -34,6 +34,7 @@ from fairscale.nn.model_parallel.random import model_parallel_cuda_manual_seed a
 from fairscale.nn.model_parallel.initialize import model_parallel_is_initialized
 
 from fairscale.internal.device import accelerator_available
+from fairscale.internal.dummy_process_group import DummyProcessGroup as DummyProcessGroup
 
 from .engine import DEFAULT_TIMEOUT, run_distributed, run_ranks, seed_everything, use_loopback_for_gloo
 
@@ -353,32 +354,6 @@ class _RankCall:
             destroy_model_parallel()
         # Graceful only after success: it waits for every peer (a failed rank ends the world instead).
         rpc.shutdown(graceful=True)
-
-
-class DummyProcessGroup:
-    """A stand-in process group that only knows its rank and size (no communication).
-
-    Args:
-        rank: the rank to report.
-        size: the size to report.
-    """
-
-    def __init__(self, rank: int, size: int) -> None:
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"DummyProcessGroup needs size >= 1 and 0 <= rank < size, got rank={rank}, size={size}")
-        self._rank = rank
-        self._size = size
-
-    def rank(self) -> int:
-        """The rank given at construction."""
-        return self._rank
-
-    def size(self) -> int:
-        """The size given at construction."""
-        return self._size
-
-    def __repr__(self) -> str:
-        return f"DummyProcessGroup(rank={self._rank}, size={self._size})"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""``fairscale.utils``: the helper modules under their names before 0.4.7 (fairseq's and metaseq's imports)."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fairscale.utils
+from fairscale.fair_dev.testing import testing as dev_testing
+from fairscale.nn import FullyShardedDataParallel as FSDP
+
+
+@pytest.mark.parametrize("old_name", sorted(fairscale.utils.MOVED_MODULES))
+def test_old_name_is_the_moved_module_itself(old_name: str) -> None:
+    new_name = fairscale.utils.MOVED_MODULES[old_name]
+    moved = importlib.import_module(new_name)
+    old = importlib.import_module(f"fairscale.utils.{old_name}")
+    assert old is moved and getattr(fairscale.utils, old_name) is moved
+    # The alias leaves the module's identity alone: pickles, reload() and repr keep naming the new place.
+    assert moved.__name__ == new_name and moved.__spec__ is not None and moved.__spec__.name == new_name
+    assert importlib.reload(old) is moved and moved.__spec__.name == new_name
+
+
+def test_classes_are_shared_across_the_two_names() -> None:
+    from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer as New
+    from fairscale.utils.reduce_scatter_bucketer import ReduceScatterBucketer as Old
+
+    assert Old is New
+
+
+def test_names_that_never_existed_still_fail() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("fairscale.utils.no_such_module")
+    with pytest.raises(ImportError):
+        exec("from fairscale.utils.testing import no_such_helper", {})
+
+
+def test_testing_forwards_upstream_helpers() -> None:
+    from fairscale.utils import testing
+
+    assert testing.DummyProcessGroup is dev_testing.DummyProcessGroup
+    assert testing.dist_init is dev_testing.dist_init and testing.objects_are_equal is dev_testing.objects_are_equal
+
+
+def test_dummy_process_group_imports_without_pytest() -> None:
+    # metaseq imports it inside the try that decides whether FSDP is available: without pytest (a training
+    # machine) the import must still work, and must not drag in the test tooling.
+    code = (
+        "import sys\n"
+        "sys.modules['pytest'] = None\n"  # `import pytest` raises ImportError from here on
+        "from fairscale.utils.testing import DummyProcessGroup\n"
+        "assert DummyProcessGroup(rank=0, size=1).size() == 1\n"
+        "assert 'fairscale.fair_dev.testing.engine' not in sys.modules\n"
+        "try:\n"
+        "    from fairscale.utils.testing import dist_init\n"
+        "except ImportError:\n"
+        "    print('helpers need pytest')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "helpers need pytest"
+
+
+def test_fsdp_on_one_process_with_the_dummy_group_trains_as_the_plain_model() -> None:
+    # fairseq's fsdp_enable_wrap on one process without torch.distributed: process_group=DummyProcessGroup(0, 1).
+    from fairscale.utils.testing import DummyProcessGroup
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    wrapped = FSDP(
+        nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)),
+        process_group=DummyProcessGroup(rank=0, size=1),
+    )
+    wrapped.load_state_dict(plain.state_dict())
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_wrapped = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((plain, opt_plain), (wrapped, opt_wrapped)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    assert not torch.distributed.is_initialized()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(wrapped.state_dict()[key], value)
