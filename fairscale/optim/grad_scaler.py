@@ -22,6 +22,7 @@ from fairscale.internal import collectives
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
 from fairscale.internal.device import AmpOptState as OptState
 from fairscale.internal.device import CudaAmpGradScaler, amp_scaler_device_type, device_generic_amp_scaler
+from fairscale.internal.errors import FairscaleRuntimeError
 
 try:
     from torch.distributed import ProcessGroup
@@ -32,13 +33,16 @@ __all__ = ["GradScaler", "ShardedGradScaler", "OptState"]
 
 _SUPPORTED_DEVICE_TYPES = ("cuda", "xla", "cpu", "xpu", "hpu", "mps")
 
+# What torch's GradScaler.state_dict() holds, all read by its load_state_dict().
+_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
 
 def _refresh_per_optimizer_state() -> Dict[str, Any]:
     """A fresh per-optimizer record: stage ``READY`` and no inf/nan checks yet."""
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _check_init_scale(who: str, init_scale: Any) -> None:
+def _check_init_scale(who: str, init_scale: Any, what: str = "init_scale") -> None:
     """Raise ``ValueError`` unless ``init_scale`` is a positive finite number.
 
     torch accepts any value; a scale of 0 (or a negative one) makes the unscale divide by it (or flip the gradients'
@@ -47,13 +51,10 @@ def _check_init_scale(who: str, init_scale: Any) -> None:
     try:
         value = float(init_scale)
     except (TypeError, ValueError):
-        raise TypeError(
-            f"{who}: init_scale must be a positive finite number, got {type(init_scale).__name__}"
-        ) from None
+        raise TypeError(f"{who}: {what} must be a positive finite number, got {type(init_scale).__name__}") from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(
-            f"{who}: init_scale must be a positive finite number (the initial loss scale, e.g. 2.0**16), got "
-            f"{init_scale}"
+            f"{who}: {what} must be a positive finite number (the loss scale, e.g. 2.0**16), got " f"{init_scale}"
         )
 
 
@@ -114,6 +115,46 @@ class _ScalerBase(CudaAmpGradScaler):
     ) -> Dict[torch.device, Tensor]:
         # fp16 gradients are legitimate here (fairscale Adam's PURE_FP16, FSDP/ShardedDDP fp16 reductions).
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+    def update(self, new_scale: Optional[Any] = None) -> None:
+        """Update the scale (torch's ``update``); see ``torch.amp.GradScaler.update``.
+
+        Raises:
+            FairscaleRuntimeError: enabled, without ``new_scale``, and no ``step()`` (or ``unscale_()``) since the
+                last update: there is no inf/nan result to update from. torch checks this with an ``assert`` on older
+                versions, which ``python -O`` removes (an ``IndexError`` follows there).
+        """
+        if self._enabled and new_scale is None:
+            recorded = any(state["found_inf_per_device"] for state in self._per_optimizer_states.values())
+            if not recorded:
+                raise FairscaleRuntimeError(
+                    f"{type(self).__name__}.update() without a step(optimizer) or unscale_(optimizer) since the last "
+                    "update(): no inf/nan check was recorded to update the scale from (call scaler.step(optimizer) "
+                    "first, or pass new_scale)"
+                )
+        super().update(new_scale)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a scaler state; nothing changes when it is refused.
+
+        Args:
+            state_dict (Dict[str, Any]): what :meth:`state_dict` returned.
+
+        Raises:
+            RuntimeError: enabled, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
+            KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
+            ValueError: enabled, and the saved scale is not a positive finite number.
+            TypeError: enabled, and the saved scale is not a number.
+        """
+        if self._enabled and state_dict:
+            missing = [key for key in _STATE_KEYS if key not in state_dict]
+            if missing:
+                raise KeyError(
+                    f"{type(self).__name__}.load_state_dict: the state dict lacks {missing} (it has "
+                    f"{sorted(state_dict)}); nothing was loaded"
+                )
+            _check_init_scale(f"{type(self).__name__}.load_state_dict", state_dict["scale"], "the saved scale")
+        super().load_state_dict(state_dict)
 
 
 class GradScaler(_ScalerBase):

@@ -134,6 +134,49 @@ def test_scaler_state_dict_and_signature() -> None:
     _run_scaler(ShardedGradScaler(), inf_steps=[1])
 
 
+@pytest.mark.parametrize("cls", [GradScaler, ShardedGradScaler])
+def test_update_without_a_step_raises_and_changes_nothing(cls: type) -> None:
+    scaler = cls(init_scale=8.0)
+    model = _net()
+    scaler.scale(_loss(model, _batch(0, 0))).backward()
+    # torch asserted here on older versions (gone under python -O, where an IndexError followed).
+    with pytest.raises(RuntimeError, match=r"update\(\) without a step") as info:
+        scaler.update()
+    assert isinstance(info.value, AssertionError)  # upstream callers catching the assert still do
+    assert scaler.get_scale() == 8.0
+    scaler.update(new_scale=4.0)  # an explicit scale needs no inf check
+    assert scaler.get_scale() == 4.0
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler.update()
+    assert scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize("scale_used", [False, True])
+def test_refused_load_state_dict_changes_nothing(scale_used: bool) -> None:
+    scaler = ShardedGradScaler(init_scale=8.0, growth_interval=3)
+    if scale_used:  # the scale tensor exists: torch filled it before reading the next key
+        _run_scaler(scaler, inf_steps=[])
+    before = scaler.state_dict()
+    good = GradScaler(init_scale=2.0, growth_factor=4.0, growth_interval=9).state_dict()
+    for key in good:
+        partial = {k: v for k, v in good.items() if k != key}
+        with pytest.raises(KeyError, match=f"lacks \\['{key}'\\].*nothing was loaded"):
+            scaler.load_state_dict(partial)
+        assert scaler.state_dict() == before, key
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="the saved scale must be a positive finite number"):
+            scaler.load_state_dict({**good, "scale": bad})
+        assert scaler.state_dict() == before, bad
+    with pytest.raises(TypeError, match="the saved scale must be a positive finite number, got str"):
+        scaler.load_state_dict({**good, "scale": "big"})
+    with pytest.raises(RuntimeError, match="empty"):  # torch's own check, kept
+        scaler.load_state_dict({})
+    assert scaler.state_dict() == before
+    scaler.load_state_dict(good)
+    assert scaler.state_dict() == good
+    GradScaler(enabled=False).load_state_dict({"anything": 1})  # a disabled scaler ignores it, as torch's
+
+
 # ----------------------------------------------------------------------------------------------
 # Worlds
 
