@@ -8,8 +8,8 @@ inputs; during backward the forward runs again with grad enabled (replaying the 
 state of the first pass) and a nested backward through that recomputed graph produces the
 gradients. On top of torch's function this module adds what fairscale users rely on:
 
-* keyword arguments and tensors nested in lists, tuples and dicts are real inputs (they get
-  gradients), and outputs may be any nesting of those containers with non-tensor leaves;
+* keyword arguments and tensors nested in lists, tuples, dicts and dataclass instances are real inputs
+  (they get gradients), and outputs may be any nesting of those containers with non-tensor leaves;
 * parameters get gradients even when no input requires grad;
 * thread-local flags (:func:`is_checkpointing`, :func:`is_recomputing`) tell code inside the
   module (for instance a nested ``FullyShardedDataParallel``) which pass is running;
@@ -21,12 +21,12 @@ gradients. On top of torch's function this module adds what fairscale users rely
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import threading
 import types
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclasses.dataclass
 class ThreadLocalCheckpointingState(threading.local):
     """Per-thread checkpointing flags (the type of :data:`thread_local`).
 
@@ -379,7 +379,7 @@ class _Slot:
 
 
 def _map_structure(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
-    """Rebuild ``obj`` (nested tuples, namedtuples, lists and dicts) with ``fn`` applied to its leaves
+    """Rebuild ``obj`` (nested tuples, namedtuples, lists, dicts and dataclasses) with ``fn`` applied to its leaves
     for which ``is_leaf`` holds; every other value is kept as is."""
     if is_leaf(obj):
         return fn(obj)
@@ -393,6 +393,14 @@ def _map_structure(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], 
         new = copy.copy(obj)
         for key, value in obj.items():
             new[key] = _map_structure(value, fn, is_leaf)
+        return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # A dataclass instance (an argument object, a model-output record): its tensors are inputs and outputs
+        # like any other. Untraversed, an output's tensors came from the no-grad first pass without a graph.
+        # A shallow copy, fields set past __init__ and frozen=True, keeps its type, init=False fields and extras.
+        new = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(new, field.name, _map_structure(getattr(obj, field.name), fn, is_leaf))
         return new
     return obj
 

@@ -2,6 +2,7 @@
 """Tests of checkpoint_wrapper: parity with the plain module, input/output structures, flags, memory."""
 
 import copy
+import dataclasses
 import gc
 import pickle
 import weakref
@@ -174,6 +175,57 @@ def test_tensors_nested_in_list_and_dict_inputs_get_grads() -> None:
         w = torch.randn(3, requires_grad=True)
         model(xs, {"w": w}).sum().backward()
         grads.append([x.grad for x in xs] + [w.grad])
+    assert ckpt.calls == [FIRST_PASS, RECOMPUTE]
+    for got, want in zip(grads[1], grads[0]):
+        assert got is not None
+        torch.testing.assert_close(got, want)
+    assert_same_grads(plain, ckpt.module)
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """An argument object, frozen, with a field __init__ does not take."""
+
+    hidden: torch.Tensor
+    scale: float
+    extra: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    note: str = dataclasses.field(init=False, default="kept")
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A model-output record (not a dict: HF's ModelOutput is one and already worked)."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor]
+    tag: str
+
+
+class DataclassInOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, features: Features) -> Prediction:
+        h = self.proj(features.hidden) * features.scale + sum(features.extra)
+        assert features.note == "kept"
+        return Prediction(h.tanh(), h.pow(2).mean(), tag="out")
+
+
+def test_tensors_in_dataclass_inputs_and_outputs_get_grads() -> None:
+    torch.manual_seed(0)
+    plain = DataclassInOut()
+    ckpt = checkpoint_wrapper(Spy(copy.deepcopy(plain)))
+    grads = []
+    for model in (plain, ckpt):
+        torch.manual_seed(1)
+        hidden = torch.randn(3, 4, requires_grad=True)
+        extra = torch.randn(4, requires_grad=True)
+        out = model(Features(hidden * 1.0, 0.5, [extra]))
+        assert type(out) is Prediction and out.tag == "out"
+        assert out.logits.requires_grad and out.loss is not None and out.loss.requires_grad
+        (out.logits.sum() + out.loss).backward()
+        grads.append([hidden.grad, extra.grad])
     assert ckpt.calls == [FIRST_PASS, RECOMPUTE]
     for got, want in zip(grads[1], grads[0]):
         assert got is not None
