@@ -398,10 +398,10 @@ def _map_structure(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], 
         # A dataclass instance (an argument object, a model-output record): its tensors are inputs and outputs
         # like any other. Untraversed, an output's tensors came from the no-grad first pass without a graph.
         # A shallow copy, fields set past __init__ and frozen=True, keeps its type, init=False fields and extras.
-        new = copy.copy(obj)
+        record = copy.copy(obj)
         for field in dataclasses.fields(obj):
-            object.__setattr__(new, field.name, _map_structure(getattr(obj, field.name), fn, is_leaf))
-        return new
+            object.__setattr__(record, field.name, _map_structure(getattr(obj, field.name), fn, is_leaf))
+        return record
     return obj
 
 
