@@ -163,6 +163,7 @@ def _run(argv: List[str], cwd: str) -> "subprocess.CompletedProcess[str]":
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.skip_under_python_O
 def test_maintaining_commands(tmp_path: Any) -> None:
     """The commands of docs/maintaining.rst, with this interpreter standing in for the throwaway environment."""
     venv, dump, compare_block, check, fixtures = _maintaining_blocks()

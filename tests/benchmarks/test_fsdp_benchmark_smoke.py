@@ -149,6 +149,7 @@ PEERS = (
 )
 
 
+@pytest.mark.skip_under_python_O
 def test_json_has_every_field(report: dict) -> None:
     assert TOP_FIELDS <= set(report)
     assert report["worlds"] == {"train": 2, "accum": 2, "zero2": 4, "latency": 2, "hybrid": 4}
@@ -172,6 +173,7 @@ def test_json_has_every_field(report: dict) -> None:
     assert all({"target", "value", "met"} <= set(t) for t in report["targets"])
 
 
+@pytest.mark.skip_under_python_O
 def test_latency_scenario_reports_cpu_calls_and_collective_overhead(report: dict) -> None:
     latency = report["latency"]
     assert set(latency["runs"]) == {p if p == "ddp" else f"{p} raf=True" for p in PEERS}
@@ -191,6 +193,7 @@ def test_latency_scenario_reports_cpu_calls_and_collective_overhead(report: dict
         assert any(t["target"].startswith("latency: CPU time per step") for t in latency_targets)
 
 
+@pytest.mark.skip_under_python_O
 def test_loss_finite_and_matching_across_peers(report: dict) -> None:
     for r in report["runs"]:
         if r["skipped"]:
@@ -201,6 +204,7 @@ def test_loss_finite_and_matching_across_peers(report: dict) -> None:
     assert len({r["loss_reference"] for r in train}) == 1  # every peer compared with the same run
 
 
+@pytest.mark.skip_under_python_O
 def test_counter_and_spy_agree_on_fairscale_all_gathers(report: dict) -> None:
     if not hasattr(torch.distributed.ProcessGroup, "unbox"):
         pytest.skip(f"torch {torch.__version__} cannot unbox a c10d op's group: the spy sees no group sizes")

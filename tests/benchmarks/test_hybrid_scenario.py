@@ -226,6 +226,7 @@ def _tiny_report(tmp_path: Any) -> Dict[str, Any]:
     return data
 
 
+@pytest.mark.skip_under_python_O
 def test_tiny_run(tmp_path: Any) -> None:
     report = _tiny_report(tmp_path)
     assert report["worlds"] == {"hybrid": 4}

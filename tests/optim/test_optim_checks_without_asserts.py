@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SAMPLE = textwrap.dedent("""
     import sys
 
@@ -74,6 +76,7 @@ _SAMPLE = textwrap.dedent("""
     """)
 
 
+@pytest.mark.skip_under_python_O
 def test_checks_raise_under_python_dash_o() -> None:
     env = dict(os.environ)
     env.pop("PYTHONOPTIMIZE", None)

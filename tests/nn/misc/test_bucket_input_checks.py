@@ -296,6 +296,7 @@ _OPTIMIZED_SCRIPT = textwrap.dedent("""
     """)
 
 
+@pytest.mark.skip_under_python_O
 def test_param_bucket_check_survives_python_O() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)

@@ -152,6 +152,7 @@ _NOT_ASSERTIONS = {
 }
 
 
+@pytest.mark.skip_under_python_O
 def test_checks_hold_under_python_O(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = tmp_path / "sample.py"

@@ -358,6 +358,7 @@ _UNDER_O = textwrap.dedent("""
     """)
 
 
+@pytest.mark.skip_under_python_O
 def test_check_raises_under_python_dash_o() -> None:
     env = dict(os.environ)
     env.pop("PYTHONOPTIMIZE", None)
