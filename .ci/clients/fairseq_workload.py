@@ -16,7 +16,9 @@ Steps (all in a temporary folder):
      checkpoint_last.pt must log the same losses and gradient norms for the second half, bit for bit, and end on
      the same weights as the uninterrupted run: once with fairseq's default consolidated checkpoint (fairscale's
      gather_full_optim_state_dict / get_shard_from_optim_state_dict), once with --use-sharded-state (each rank
-     saves and loads its own shard: local_state_dict / load_local_state_dict).
+     saves and loads its own shard: local_state_dict / load_local_state_dict);
+  4. one process without torchrun (no torch.distributed): fully_sharded, which fairseq builds on
+     fairscale.utils.testing.DummyProcessGroup, against the same training without FSDP, as in step 2.
 
 Prints one result line per comparison, `fairseq: ... (ok)` or `(MISMATCH)`; exits non-zero on any mismatch or
 failed command.
@@ -124,15 +126,17 @@ def run(cmd: list, log: str, env: dict = None) -> None:
         )
 
 
-def train(workdir: str, name: str, backend: str, updates: int, save_dir: str, extra: list = ()) -> list:
-    """One torchrun training of 2 ranks; returns its per-update stats (rank 0), full precision."""
+def train(
+    workdir: str, name: str, backend: str, updates: int, save_dir: str, extra: list = (), one_process: bool = False
+) -> list:
+    """One torchrun training of 2 ranks (or one process without torchrun); returns its per-update stats (rank 0)."""
     stats = os.path.join(workdir, name + ".jsonl")
     env = dict(os.environ, CLIENTS_FAIRSEQ_STATS=stats, OMP_NUM_THREADS="1")
+    launcher = (
+        [sys.executable] if one_process else [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    )
     cmd = [
-        os.path.join(BIN, "torchrun"),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        *launcher,
         LAUNCH,
         "train",
         os.path.join(workdir, "data-bin"),
@@ -257,6 +261,24 @@ def main() -> int:
                 f"({'ok' if good else 'MISMATCH'})",
                 flush=True,
             )
+
+        # One process, no torch.distributed: fairseq's fsdp_enable_wrap then passes
+        # fairscale.utils.testing.DummyProcessGroup(rank=0, size=1) as the process group (an ImportError with
+        # upstream 0.4.13, which has no fairscale.utils). The same training without FSDP is the reference.
+        single = train(workdir, "one-process", "legacy_ddp", args.updates, os.path.join(workdir, "ck-one"), (), True)
+        single_fs = train(
+            workdir, "one-process-fsdp", "fully_sharded", args.updates, os.path.join(workdir, "ck-one-fsdp"), fsdp, True
+        )
+        dloss, dnorm = compare_updates(single_fs, single)
+        dw = max_diff(weights(os.path.join(workdir, "ck-one-fsdp")), weights(os.path.join(workdir, "ck-one")))
+        good = dloss <= args.loss_tol and dw <= args.weight_tol and dnorm <= args.gnorm_rtol
+        ok &= good
+        print(
+            f"fairseq: one process (DummyProcessGroup) fully_sharded vs legacy_ddp over {args.updates} updates: "
+            f"max|dloss| = {dloss:.3g}, final max|dw| = {dw:.3g}, gnorm max rel diff = {dnorm:.2g} "
+            f"({'ok' if good else 'MISMATCH'})",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

@@ -4,14 +4,29 @@
 import importlib
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Dict
 
 import pytest
 import torch
-from torch import nn
 
 import fairscale.utils
 from fairscale.fair_dev.testing import testing as dev_testing
-from fairscale.nn import FullyShardedDataParallel as FSDP
+
+# A fresh interpreter's prologue: `import pytest` fails, as on a training machine, and "pytest" stays out of
+# sys.modules (fairscale, like upstream, looks there; sys.modules["pytest"] = None would put it in).
+_WITHOUT_PYTEST = textwrap.dedent("""
+    import sys
+
+    class _NoPytest:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("pytest", "_pytest"):
+                raise ImportError(f"{name} is not installed here")
+            return None
+
+    sys.meta_path.insert(0, _NoPytest())
+""")
 
 
 @pytest.mark.parametrize("old_name", sorted(fairscale.utils.MOVED_MODULES))
@@ -50,9 +65,7 @@ def test_dummy_process_group_imports_without_pytest() -> None:
     # metaseq imports it inside the try that decides whether FSDP is available: without pytest (a training
     # machine) the import must still work, and must not drag in the test tooling.
     code = (
-        "import sys\n"
-        "sys.modules['pytest'] = None\n"  # `import pytest` raises ImportError from here on
-        "from fairscale.utils.testing import DummyProcessGroup\n"
+        _WITHOUT_PYTEST + "from fairscale.utils.testing import DummyProcessGroup\n"
         "assert DummyProcessGroup(rank=0, size=1).size() == 1\n"
         "assert 'fairscale.fair_dev.testing.engine' not in sys.modules\n"
         "try:\n"
@@ -65,25 +78,45 @@ def test_dummy_process_group_imports_without_pytest() -> None:
     assert done.stdout.strip() == "helpers need pytest"
 
 
-def test_fsdp_on_one_process_with_the_dummy_group_trains_as_the_plain_model() -> None:
-    # fairseq's fsdp_enable_wrap on one process without torch.distributed: process_group=DummyProcessGroup(0, 1).
+# fairseq's fsdp_enable_wrap on one process without torch.distributed: process_group=DummyProcessGroup(0, 1), and the
+# default process_group_reduce_scatter (which asked torch.distributed for a group, upstream as well). Source text, so
+# that it runs the same here (unwrapped, the reference) and in a fresh interpreter without pytest (wrapped).
+_ONE_PROCESS_TRAINING = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from fairscale.nn import FullyShardedDataParallel as FSDP
     from fairscale.utils.testing import DummyProcessGroup
 
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    wrapped = FSDP(
-        nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)),
-        process_group=DummyProcessGroup(rank=0, size=1),
-    )
-    wrapped.load_state_dict(plain.state_dict())
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
-    opt_wrapped = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
-        for model, opt in ((plain, opt_plain), (wrapped, opt_wrapped)):
+    def one_process_training(wrap):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        if wrap:
+            model = FSDP(model, process_group=DummyProcessGroup(rank=0, size=1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
             opt.zero_grad()
             model(x).pow(2).sum().backward()
             opt.step()
-    assert not torch.distributed.is_initialized()
-    for key, value in plain.state_dict().items():
-        torch.testing.assert_close(wrapped.state_dict()[key], value)
+        assert not torch.distributed.is_initialized()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+""")
+
+
+def test_fsdp_on_one_process_with_the_dummy_group_trains_as_the_plain_model(tmp_path: Path) -> None:
+    # In a fresh interpreter without pytest: fairscale (as upstream) returns no reduce-scatter group when
+    # torch.distributed is off and pytest is imported, so a run inside pytest would not see the failure.
+    code = (
+        _WITHOUT_PYTEST
+        + _ONE_PROCESS_TRAINING
+        + f"torch.save(one_process_training(True), {str(tmp_path / 'fsdp.pt')!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    wrapped = torch.load(tmp_path / "fsdp.pt")
+    namespace: Dict[str, Any] = {}
+    exec(_ONE_PROCESS_TRAINING, namespace)
+    plain = namespace["one_process_training"](False)
+    assert wrapped.keys() == plain.keys()
+    for key, value in plain.items():
+        torch.testing.assert_close(wrapped[key], value)

@@ -90,9 +90,9 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         module: the module to wrap.
         process_group: the sharding group. ``None`` uses a cached group over all ranks.
         process_group_reduce_scatter: group for the gradient reduce-scatter. ``ProcessGroupName.reduce_scatter``
-            (default) creates a second cached all-ranks group so reductions can overlap gathers;
-            ``ProcessGroupName.default`` reuses ``process_group``; a ``ProcessGroup`` is used as is. A group whose
-            size differs from ``process_group`` falls back to ``process_group`` with a warning (as upstream).
+            (default) creates a second cached all-ranks group so reductions can overlap gathers (a stand-in group,
+            ``DummyProcessGroup``, is reused); ``ProcessGroupName.default`` reuses ``process_group``; a ``ProcessGroup``
+            is used as is. A group of another size than ``process_group`` falls back to it with a warning (as upstream).
         reshard_after_forward: free the full parameters after forward and gather again in backward (ZeRO-3).
             ``False`` keeps them until the end of backward (no second gather).
         disable_reshard_on_root: the root instance never reshards after forward (its backward comes first).

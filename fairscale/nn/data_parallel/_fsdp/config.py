@@ -251,6 +251,11 @@ def resolve_reduce_scatter_group(value: Any, process_group: Any) -> Any:
     if value == ProcessGroupName.default or value is None:
         return process_group
     if value == ProcessGroupName.reduce_scatter:
+        if not isinstance(process_group, dist.ProcessGroup):
+            # A stand-in group (DummyProcessGroup: fairseq and metaseq on one process, without torch.distributed)
+            # has no communicator to duplicate. Upstream asked torch.distributed for one and raised, except when
+            # pytest was imported (so its tests passed, and fairseq's one-process FSDP failed).
+            return process_group
         group = get_process_group_cached(ProcessGroupName.reduce_scatter)
         if group is None:
             return process_group
