@@ -428,6 +428,32 @@ def test_nested_in_parent_round_trip_both_forms() -> None:
     assert torch.equal(c[1].flat_param, a[1].flat_param)
 
 
+@pytest.mark.parametrize("given", ["both", "first only", "second only"])
+def test_nested_in_parent_tied_names_load_as_nn_module_does(given: str) -> None:
+    # A checkpoint of an untied model (two values) into a tied one: nn.Module loads each name in turn, the last
+    # present wins, and a name absent from the dict is reported missing even when its tied twin gave the value.
+    def build(wrap: bool) -> Any:
+        torch.manual_seed(0)
+        tied = Tied()
+        return nn.Sequential(FlattenParamsWrapper(tied) if wrap else tied)
+
+    plain, wrapped = build(False), build(True)
+    names = [k for k, _ in plain.named_parameters(remove_duplicate=False) if k.endswith("weight")]
+    assert len(names) == 2 and plain.get_parameter(names[0]) is plain.get_parameter(names[1])
+    values = {names[0]: torch.full_like(plain.get_parameter(names[0]), 1.0)}
+    values[names[1]] = torch.full_like(values[names[0]], 2.0)
+    dropped = {"first only": [names[1]], "second only": [names[0]]}.get(given, [])
+    sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    sd.update(values)
+    for k in dropped:
+        del sd[k]
+    results = [m.load_state_dict(dict(sd), strict=False) for m in (plain, wrapped)]
+    assert sorted(results[1].missing_keys) == sorted(results[0].missing_keys) == sorted(dropped)
+    assert results[1].unexpected_keys == results[0].unexpected_keys == []
+    assert_state_dicts_equal(wrapped.state_dict(), plain.state_dict())
+    assert plain.get_parameter(names[0])[0, 0].item() == (1.0 if given == "first only" else 2.0)
+
+
 def test_pre_load_hook_can_be_disabled() -> None:
     fpw: Any = FlattenParamsWrapper(make_seq(), param_list=[])
     src: Any = make_seq()

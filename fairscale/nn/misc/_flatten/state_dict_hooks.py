@@ -180,7 +180,8 @@ def _fold_original_keys(
     This is what lets a parent module load a wrapper nested in it from original names (the wrapper's own
     ``load_state_dict``, which unflattens instead, is not called then). A group is folded when the wrapper is
     flattened, the flat key is absent and at least one original name is present; absent names keep the current
-    values and are reported missing, as a plain module would. Skipped when a flat parameter does not hold its full
+    values and are reported missing, as a plain module would; of a tied parameter's names, the last one present
+    gives the value, as a plain module loads them in turn. Skipped when a flat parameter does not hold its full
     size (a shard inside FSDP), which this hook cannot produce: the caller then sees the plain missing/unexpected
     keys.
     """
@@ -191,18 +192,34 @@ def _fold_original_keys(
         if prefix + flat_name in state_dict or flat.numel() != sum(flat._param_numels):
             continue
         keys = [f"{prefix}{mname}.{pname}" for mname, _, pname in flat._param_infos]
+        given = {k for k in keys if k in state_dict}
+        # A tied parameter's further names: nn.Module loads every name in turn (pre-order, the order of
+        # _shared_param_infos), so the last one present in the dict wins, also over the first owner's name.
+        source = {k: k for k in keys}
+        aliases_absent = []
+        for mname, shared_mname, _, pname, _, shared_pname in flat._shared_param_infos:
+            alias = f"{prefix}{mname}.{pname}"
+            if alias in state_dict:
+                owner = f"{prefix}{shared_mname}.{shared_pname}"
+                state_dict[owner] = state_dict.pop(alias)
+                source[owner] = alias
+            else:
+                aliases_absent.append(alias)
         if not any(k in state_dict for k in keys):
             continue
+        absent.extend(aliases_absent)
         with torch.no_grad():
             pieces = list(torch.split(flat.detach(), flat._param_numels))
             for i, (key, shape) in enumerate(zip(keys, flat._param_shapes)):
+                if key not in given:
+                    absent.append(key)  # reported missing as nn.Module does, even when a tied name gave the value
                 if key not in state_dict:
-                    absent.append(key)
                     continue
                 value = state_dict.pop(key)
                 if not isinstance(value, Tensor) or value.shape != shape:
                     got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                    shown = prefix + key[len(prefix + FPW_MODULE + ".") :] if rewritten else key
+                    named = source[key]
+                    shown = prefix + named[len(prefix + FPW_MODULE + ".") :] if rewritten else named
                     error_msgs.append(
                         f"size mismatch for {shown}: copying a param with shape {got} from checkpoint, "
                         f"the shape in current model is {tuple(shape)}."
