@@ -20,6 +20,9 @@ import sys
 from types import ModuleType
 from typing import Optional, Sequence
 
+# The package itself exported this (`from fairscale.utils import torch_version`, in the code of that time).
+from fairscale.internal.version import torch_version as torch_version
+
 # Old module name (under fairscale.utils) -> where the module lives now.
 MOVED_MODULES = {
     "containers": "fairscale.internal.containers",
