@@ -35,6 +35,16 @@ _SUPPORTED_DEVICE_TYPES = ("cuda", "xla", "cpu", "xpu", "hpu", "mps")
 
 # What torch's GradScaler.state_dict() holds, all read by its load_state_dict().
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+# The attributes torch's load_state_dict sets (the two tensors are filled in place).
+_LOADED_ATTRIBUTES = (
+    "_init_scale",
+    "_scale",
+    "_growth_factor",
+    "_backoff_factor",
+    "_growth_interval",
+    "_init_growth_tracker",
+    "_growth_tracker",
+)
 
 
 def _refresh_per_optimizer_state() -> Dict[str, Any]:
@@ -56,6 +66,40 @@ def _check_init_scale(who: str, init_scale: Any, what: str = "init_scale") -> No
         raise ValueError(
             f"{who}: {what} must be a positive finite number (the loss scale, e.g. 2.0**16), got " f"{init_scale}"
         )
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (a bool is not one), or a tensor holding one (0-dim, as ``fill_`` takes it)."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
+    """Raise unless every entry of a scaler state dict is one torch's scaler can take and use.
+
+    torch stores the values without looking at them (while its scale tensor does not exist yet), and a bad one
+    fails later, in the middle of a step, or silently (a backoff factor of 0 zeroes the scale).
+    """
+    if not _is_number(state_dict["scale"]):
+        raise TypeError(f"{who}: the saved scale must be a number (or a 0-dim tensor), got {state_dict['scale']!r}")
+    _check_init_scale(who, state_dict["scale"], "the saved scale")
+    factors = {name: state_dict[name] for name in ("growth_factor", "backoff_factor")}
+    for name, value in factors.items():
+        if not _is_number(value) or not math.isfinite(float(value)):
+            raise TypeError(f"{who}: {name} must be a finite number, got {value!r}")
+    if not float(factors["growth_factor"]) > 1.0:
+        raise ValueError(
+            f"{who}: growth_factor must be > 1.0 (as the constructor requires), got {factors['growth_factor']}"
+        )
+    if not 0.0 < float(factors["backoff_factor"]) < 1.0:
+        raise ValueError(f"{who}: backoff_factor must be in (0, 1), got {factors['backoff_factor']}")
+    for name, low in (("growth_interval", 1), ("_growth_tracker", 0)):
+        value = state_dict[name]
+        if isinstance(value, Tensor) and _is_number(value) and not value.is_floating_point():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise TypeError(f"{who}: {name} must be an integer >= {low}, got {value!r}")
 
 
 class _GeneralMultiDeviceReplicator:
@@ -143,8 +187,10 @@ class _ScalerBase(CudaAmpGradScaler):
         Raises:
             RuntimeError: enabled, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
             KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
-            ValueError: enabled, and the saved scale is not a positive finite number.
-            TypeError: enabled, and the saved scale is not a number.
+            ValueError: enabled, and the saved scale is not a positive finite number, or a factor is out of its
+                range (growth above 1, backoff in (0, 1)).
+            TypeError: enabled, and an entry is not a number of the kind torch keeps there (a 0-dim tensor is
+                taken for a number; the interval and the tracker are integers).
         """
         if self._enabled and state_dict:
             missing = [key for key in _STATE_KEYS if key not in state_dict]
@@ -153,8 +199,19 @@ class _ScalerBase(CudaAmpGradScaler):
                     f"{type(self).__name__}.load_state_dict: the state dict lacks {missing} (it has "
                     f"{sorted(state_dict)}); nothing was loaded"
                 )
-            _check_init_scale(f"{type(self).__name__}.load_state_dict", state_dict["scale"], "the saved scale")
-        super().load_state_dict(state_dict)
+            _check_loadable(f"{type(self).__name__}.load_state_dict", state_dict)
+        # torch assigns entry after entry: a value it cannot take (a growth tracker that is not a number, a scale
+        # tensor of another shape) fails after the first ones changed. Put them back then.
+        saved = {name: getattr(self, name, None) for name in _LOADED_ATTRIBUTES}
+        tensors = {name: value.clone() for name, value in saved.items() if isinstance(value, Tensor)}
+        try:
+            super().load_state_dict(state_dict)
+        except BaseException:
+            for name, value in saved.items():
+                setattr(self, name, value)
+            for name, copy in tensors.items():
+                getattr(self, name).copy_(copy)
+            raise
 
 
 class GradScaler(_ScalerBase):

@@ -167,8 +167,27 @@ def test_refused_load_state_dict_changes_nothing(scale_used: bool) -> None:
         with pytest.raises(ValueError, match="the saved scale must be a positive finite number"):
             scaler.load_state_dict({**good, "scale": bad})
         assert scaler.state_dict() == before, bad
-    with pytest.raises(TypeError, match="the saved scale must be a positive finite number, got str"):
+    with pytest.raises(TypeError, match="the saved scale must be a number .*, got .big."):
         scaler.load_state_dict({**good, "scale": "big"})
+    # Values torch stores without a look (or takes half-way, after the entries before them) and fails on later.
+    for bad_entry, error in (
+        ({"_growth_tracker": None}, TypeError),
+        ({"_growth_tracker": -1}, TypeError),
+        ({"scale": torch.tensor([2.0, 3.0])}, TypeError),
+        ({"growth_interval": object()}, TypeError),
+        ({"growth_interval": 0}, TypeError),
+        ({"growth_factor": "2"}, TypeError),
+        ({"growth_factor": 1.0}, ValueError),
+        ({"backoff_factor": 0.0}, ValueError),  # would zero the scale at the first overflow
+        ({"backoff_factor": float("nan")}, TypeError),
+    ):
+        with pytest.raises(error):
+            scaler.load_state_dict({**good, **bad_entry})
+        assert scaler.state_dict() == before, bad_entry
+    # What torch's own scaler writes, and 0-dim tensors for its numbers, are taken.
+    scaler.load_state_dict({**good, "scale": torch.tensor(4.0), "_growth_tracker": torch.tensor(3)})
+    assert scaler.get_scale() == 4.0
+    scaler.load_state_dict(before)
     with pytest.raises(RuntimeError, match="empty"):  # torch's own check, kept
         scaler.load_state_dict({})
     assert scaler.state_dict() == before

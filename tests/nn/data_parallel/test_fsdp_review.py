@@ -539,11 +539,11 @@ def test_nested_reshard_flags_with_no_sync_and_clipping() -> None:
     run_distributed(_nested_reshard_flags_with_no_sync_and_clipping_body, 2)
 
 
-def _live_tensors(samples: int) -> int:
+def _live_tensors() -> int:
     # The least of a few counts: gloo's worker thread drops its reference to a finished collective's tensors a moment
     # after the call returns (a fresh tensor all-gathered in the step can still be alive here); a leak stays.
     counts = []
-    for _ in range(samples):
+    for _ in range(3):
         gc.collect()
         counts.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
         time.sleep(0.01)
@@ -565,8 +565,8 @@ def _assert_nothing_left(model: FSDP) -> None:
 def _memory_case(kwargs: Dict[str, Any]) -> None:
     model = _wrap_nested(_net(), **kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-
-    def step_and_count(samples: int) -> int:
+    counts = []
+    for step in range(3):
         x = torch.randn(3, 4)
         with model.no_sync():
             _loss(model(x)).backward()
@@ -576,15 +576,9 @@ def _memory_case(kwargs: Dict[str, Any]) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         _assert_nothing_left(model)
-        return _live_tensors(samples) if samples else 0
-
-    step_and_count(0)  # Adam creates its state at the first step; from then on nothing may accumulate
-    # One count per step is enough when they agree (a full heap scan costs about a second in a forked rank); a
-    # difference may be gloo's late release, so two more steps are counted carefully before it counts as a leak.
-    counts = [step_and_count(1), step_and_count(1)]
-    if counts[0] != counts[1]:
-        counts = [step_and_count(3), step_and_count(3)]
-    assert counts[0] == counts[1], f"live tensors after two consecutive steps: {counts}"
+        if step > 0:  # Adam creates its state at the first step; from then on nothing may accumulate
+            counts.append(_live_tensors())
+    assert counts[0] == counts[1], f"live tensors after steps 2 and 3: {counts}"
 
 
 def _nothing_stays_allocated_after_a_step_body(rank: int, ws: int) -> None:
