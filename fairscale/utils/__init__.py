@@ -66,6 +66,18 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader())
 
 
+def __getattr__(name: str) -> ModuleType:
+    # `import fairscale.utils` then `fairscale.utils.containers`: the old package had its modules as attributes once
+    # anything had imported them (fairscale.nn did), so code could reach them without importing each.
+    if name in MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # Appended (not prepended): real files of this package, such as testing.py, are found first by the path finder.
-if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+# Looked up by name, not class: importlib.reload() of this package makes a new class.
+if not any(
+    type(finder).__module__ == __name__ and type(finder).__qualname__ == "_MovedModuleFinder"
+    for finder in sys.meta_path
+):
     sys.meta_path.append(_MovedModuleFinder())

@@ -68,21 +68,55 @@ def test_testing_forwards_upstream_helpers() -> None:
     assert testing.dist_init is dev_testing.dist_init and testing.objects_are_equal is dev_testing.objects_are_equal
 
 
-def test_dummy_process_group_imports_without_pytest() -> None:
-    # metaseq imports it inside the try that decides whether FSDP is available: without pytest (a training
-    # machine) the import must still work, and must not drag in the test tooling.
-    code = (
-        _WITHOUT_PYTEST + "from fairscale.utils.testing import DummyProcessGroup\n"
-        "assert DummyProcessGroup(rank=0, size=1).size() == 1\n"
-        "assert 'fairscale.fair_dev.testing.engine' not in sys.modules\n"
-        "try:\n"
-        "    from fairscale.utils.testing import dist_init\n"
-        "except ImportError:\n"
-        "    print('helpers need pytest')\n"
-    )
+_WITHOUT_PYTEST_CHECKS = textwrap.dedent("""
+    import importlib
+    import fairscale.utils
+    from fairscale.utils.testing import DummyProcessGroup
+    assert DummyProcessGroup(rank=0, size=1).size() == 1
+    assert "fairscale.fair_dev.testing.engine" not in sys.modules
+    from fairscale.utils import testing
+    # A helper needs pytest: missing, the way hasattr/getattr(default) expect, with a message that says why.
+    assert not hasattr(testing, "dist_init") and getattr(testing, "dist_init", None) is None
+    try:
+        testing.dist_init
+    except AttributeError as e:
+        assert "need pytest" in str(e), e
+    try:
+        from fairscale.utils.testing import dist_init
+    except ImportError:
+        pass  # the import system words it ("cannot import name"); getattr gives the reason
+    else:
+        raise AssertionError("dist_init imported without pytest")
+    namespace = {}
+    exec("from fairscale.utils.testing import *", namespace)
+    assert [n for n in namespace if not n.startswith("__")] == ["DummyProcessGroup"], sorted(namespace)
+    # The package's other old modules need no pytest either, and are attributes of the package on first use.
+    import fairscale.utils.golden_testing_data
+    assert fairscale.utils.containers is importlib.import_module("fairscale.internal.containers")
+    finders = len(sys.meta_path)
+    importlib.reload(fairscale.utils)
+    assert len(sys.meta_path) == finders, "a reload added a second finder"
+    print("ok")
+""")
+
+
+def test_without_pytest() -> None:
+    # metaseq imports DummyProcessGroup inside the try that decides whether FSDP is available: without pytest (a
+    # training machine) the import must still work, and must not drag in the test tooling.
+    code = _WITHOUT_PYTEST + _WITHOUT_PYTEST_CHECKS
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "helpers need pytest"
+    assert done.stdout.strip() == "ok"
+
+
+def test_star_import_and_dir_with_pytest() -> None:
+    namespace: Dict[str, Any] = {}
+    exec("from fairscale.utils.testing import *", namespace)
+    assert namespace["DummyProcessGroup"] is dev_testing.DummyProcessGroup
+    assert namespace["dist_init"] is dev_testing.dist_init
+    from fairscale.utils import testing
+
+    assert {"DummyProcessGroup", "dist_init", "objects_are_equal"} <= set(dir(testing))
 
 
 # fairseq's fsdp_enable_wrap on one process without torch.distributed: process_group=DummyProcessGroup(0, 1), and the

@@ -1,19 +1,22 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Test tooling: the multi-process engine (re-exported here) and upstream's helpers in ``.testing``."""
+"""Test tooling: the multi-process engine (re-exported here on first use) and upstream's helpers in ``.testing``."""
 
-from .engine import (
-    DEFAULT_TIMEOUT,
-    SEED,
-    DistributedTestError,
-    DistributedTestTimeout,
-    run_cases,
-    run_distributed,
-    run_ranks,
-    seed_everything,
-    subtest,
-    use_loopback_for_gloo,
-    init_gloo_world,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported on first use below: the engine needs pytest, the package's other modules do not
+    from .engine import (
+        DEFAULT_TIMEOUT,
+        SEED,
+        DistributedTestError,
+        DistributedTestTimeout,
+        run_cases,
+        run_distributed,
+        run_ranks,
+        seed_everything,
+        subtest,
+        use_loopback_for_gloo,
+        init_gloo_world,
+    )
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -28,3 +31,13 @@ __all__ = [
     "use_loopback_for_gloo",
     "init_gloo_world",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily, so that importing a module of this package (golden_testing_data, testing_memory, also under their old
+    # fairscale.utils names) does not need pytest, which only the engine uses.
+    if name in __all__:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -380,27 +380,39 @@ class _Slot:
 
 def _map_structure(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
     """Rebuild ``obj`` (nested tuples, namedtuples, lists, dicts and dataclasses) with ``fn`` applied to its leaves
-    for which ``is_leaf`` holds; every other value is kept as is."""
+    for which ``is_leaf`` holds; every other value is kept as is.
+
+    A container none of whose leaves changed is returned itself, not a copy: an argument the checkpointed forward
+    writes into (a list or a context object collecting auxiliary losses) is the caller's, as without checkpointing.
+    """
     if is_leaf(obj):
         return fn(obj)
-    if isinstance(obj, tuple):
+    if isinstance(obj, (tuple, list)):
         items = [_map_structure(x, fn, is_leaf) for x in obj]
+        if all(new is old for new, old in zip(items, obj)):
+            return obj
+        if isinstance(obj, list):
+            return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [_map_structure(x, fn, is_leaf) for x in obj]
     if isinstance(obj, dict):
+        values = {key: _map_structure(value, fn, is_leaf) for key, value in obj.items()}
+        if all(values[key] is value for key, value in obj.items()):
+            return obj
         # A shallow copy keeps the dict's type and extra state (OrderedDict, model-output classes).
         new = copy.copy(obj)
-        for key, value in obj.items():
-            new[key] = _map_structure(value, fn, is_leaf)
+        new.update(values)
         return new
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         # A dataclass instance (an argument object, a model-output record): its tensors are inputs and outputs
         # like any other. Untraversed, an output's tensors came from the no-grad first pass without a graph.
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        mapped = {name: _map_structure(value, fn, is_leaf) for name, value in fields.items()}
+        if all(mapped[name] is value for name, value in fields.items()):
+            return obj
         # A shallow copy, fields set past __init__ and frozen=True, keeps its type, init=False fields and extras.
         record = copy.copy(obj)
-        for field in dataclasses.fields(obj):
-            object.__setattr__(record, field.name, _map_structure(getattr(obj, field.name), fn, is_leaf))
+        for name, value in mapped.items():
+            object.__setattr__(record, name, value)
         return record
     return obj
 

@@ -233,6 +233,39 @@ def test_tensors_in_dataclass_inputs_and_outputs_get_grads() -> None:
     assert_same_grads(plain, ckpt.module)
 
 
+@dataclasses.dataclass
+class Context:
+    """A context object the forward writes into (auxiliary losses), beside a tensor."""
+
+    hidden: torch.Tensor
+    aux: List[str] = dataclasses.field(default_factory=list)
+
+
+class WritesIntoItsArguments(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, ctx: Context, log: List[str], seen: Dict[str, Any]) -> torch.Tensor:
+        ctx.aux.append("aux")
+        log.append("called")
+        seen["ctx"], seen["log"] = ctx, log
+        return self.proj(ctx.hidden)
+
+
+def test_arguments_without_tensors_are_the_callers_own() -> None:
+    # Containers that hold no tensor reach the forward as they are (so its writes reach the caller, twice with the
+    # recomputation, as upstream); one that holds a tensor is a shallow copy (its other fields are the caller's).
+    model = checkpoint_wrapper(WritesIntoItsArguments())
+    ctx, log, seen = Context(torch.randn(2, 4, requires_grad=True)), [], {}
+    out = model(ctx, log, seen)
+    assert seen["log"] is log and log == ["called"]
+    assert seen["ctx"] is not ctx and seen["ctx"].aux is ctx.aux and ctx.aux == ["aux"]
+    out.sum().backward()
+    assert log == ["called", "called"] and ctx.aux == ["aux", "aux"]
+    assert ctx.hidden.grad is not None
+
+
 def test_output_requires_grad_only_when_something_does() -> None:
     torch.manual_seed(0)
     frozen = checkpoint_wrapper(Spy(mlp().requires_grad_(False)))
