@@ -2,13 +2,16 @@
 """``FSDP._reset_lazy_init()``, upstream's private hook that real clients call.
 
 * fairseq's ``fsdp_wrap`` calls it on every FSDP instance inside a module before wrapping that module in a new root;
-* vissl calls it after ``load_local_state_dict`` on instances that ran a forward already (``_is_root`` set).
+* vissl calls it after ``load_local_state_dict`` on instances that ran a forward already (``_is_root`` set);
+* fairseq's checkpoint upgrades call it on one inner instance after loading its weights in ``summon_full_params``:
+  the whole tree starts again (the instance alone became a second root, and the root warned that its order changed).
 
 Both must then train exactly as a model that never ran before (compared with one built fresh, over two SGD steps at
 world size 2), and a call between a forward and its backward is refused (that backward failed with a bare
 ``AssertionError``).
 """
 
+import warnings
 from typing import Callable, Dict, List
 
 import pytest
@@ -77,6 +80,30 @@ def _case_vissl_reset_after_load(rank: int) -> None:
     _assert_same(_train(target, rank), expected)
 
 
+def _case_child_reset_inside_a_live_tree(rank: int) -> None:
+    """fairseq's checkpoint upgrade: a child loads weights inside summon_full_params, then resets, mid-training."""
+    source = FSDP(_inner(1))
+    with source.summon_full_params():
+        layer = {k: v.clone() for k, v in source.module[2].state_dict().items()}
+    reference = FSDP(_inner(2))
+    _train(reference, rank, steps=1)
+    with reference.module[2].summon_full_params():
+        reference.module[2].load_state_dict(layer)
+    expected = _train(reference, rank)
+    target = FSDP(_inner(2))
+    _train(target, rank, steps=1)
+    child = target.module[2]
+    with child.summon_full_params():
+        child.load_state_dict(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "order changed" warning: the child did not become a root of its own
+        child._reset_lazy_init()
+        assert target._is_root is None and child._is_root is None  # the whole tree starts again
+        got = _train(target, rank)
+    assert target._is_root is True and child._is_root is False
+    _assert_same(got, expected)
+
+
 def _case_refused_while_a_backward_is_pending(rank: int) -> None:
     model = FSDP(_inner())
     out = model(torch.randn(3, 4))
@@ -91,9 +118,15 @@ def _body(rank: int, world_size: int) -> None:
     cases: List[Callable[[], None]] = [
         lambda: _case_fairseq_rewrap(rank),
         lambda: _case_vissl_reset_after_load(rank),
+        lambda: _case_child_reset_inside_a_live_tree(rank),
         lambda: _case_refused_while_a_backward_is_pending(rank),
     ]
-    names = ["fairseq_rewrap", "vissl_reset_after_load", "refused_while_a_backward_is_pending"]
+    names = [
+        "fairseq_rewrap",
+        "vissl_reset_after_load",
+        "child_reset_inside_a_live_tree",
+        "refused_while_a_backward_is_pending",
+    ]
     run_cases(list(zip(names, cases)))
 
 

@@ -117,9 +117,19 @@ def reset_lazy_init(unit: FSDPUnit) -> None:
 
 
 def reset_lazy_init_between_steps(unit: FSDPUnit) -> None:
-    """:func:`reset_lazy_init` as a user's call (``FSDP._reset_lazy_init``): refused during a step."""
+    """:func:`reset_lazy_init` as a user's call (``FSDP._reset_lazy_init``): refused during a step.
+
+    On a unit inside an initialised tree (not its root) the whole tree is reset: forgotten alone, the unit would make
+    itself the root of its subtree at its next forward, beside the tree's root, whose recorded execution order would
+    then change (spurious "order changed" warnings, prefetch off its plan). The next forward of the root, or of the
+    unit if it is now used on its own, initialises again what it runs.
+    """
     _assert_between_steps(unit, "_reset_lazy_init", "that backward would find the instance uninitialised")
-    reset_lazy_init(unit)
+    tree = unit.tree
+    root = tree.root() if tree is not None and unit.is_root is False and tree.root is not None else None
+    for u in root.tree_units() if isinstance(root, FSDPUnit) else [unit]:
+        if u is unit or u.tree is tree:
+            reset_lazy_init(u)
 
 
 @contextlib.contextmanager
@@ -162,6 +172,7 @@ def _bucket_cap_for_tree(unit: FSDPUnit) -> float:
 def _become_root(unit: FSDPUnit) -> None:
     unit.is_root = True
     tree = TreeState(unit.device, _bucket_cap_for_tree(unit))
+    tree.root = weakref.ref(unit)
     # The front's method, looked up now (not at construction) so that it can be wrapped before the first forward.
     tree.set_finalizer(getattr(unit.owner, "_finalize_backward"))
     unit.tree = tree

@@ -155,6 +155,17 @@ def local_state_dict(unit: FSDPUnit, *args: Any, **kwargs: Any) -> Dict[str, Any
 
 def load_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
     """See :meth:`FullyShardedDataParallel.load_state_dict`."""
+    if _inside_own_summon(unit):
+        # `with m.summon_full_params(): m.load_state_dict(sd)` (fairseq's wav2vec2 loads its FSDP layers so, one at a
+        # time): the load writes the summoned full parameters, which the summon writes back into the shards on exit.
+        # Undone on failure: those parameters are what the summon writes back.
+        return loads.load_collectively(
+            unit,
+            "load_state_dict",
+            lambda: _load_with_clean_errors(unit, sd, strict),
+            None,
+            _restore_summoned_on_failure,
+        )
     _check_loadable(unit, "load_state_dict")
     if unit.state_dict_type == StateDictType.LOCAL:
         return _load_local(unit, sd, strict)
@@ -208,6 +219,44 @@ def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool)
     result.missing_keys[:] = [clean_text(k) for k in result.missing_keys]
     result.unexpected_keys[:] = [clean_text(k) for k in result.unexpected_keys]
     return result
+
+
+def _inside_own_summon(unit: FSDPUnit) -> bool:
+    """Whether a full load may go into the full parameters of an enclosing ``summon_full_params()`` (upstream's way).
+
+    Raises:
+        RuntimeError: inside a summon that would discard the load (``volatile=True``), one that left units of the
+            tree out (``recurse=False``), a local (sharded) load, or between a forward and its backward.
+    """
+    units = unit.tree_units()
+    if unit.training_state != TrainingState.SUMMON_FULL_PARAMS:
+        return False
+    problem = None
+    if any(u.training_state != TrainingState.SUMMON_FULL_PARAMS for u in units):
+        problem = "an instance inside it is not summoned (summon_full_params(recurse=False)); use recurse=True"
+    elif any(u.summon_volatile for u in units):
+        problem = "the summon is volatile, so the loaded values would be discarded on exit; use volatile=False"
+    elif unit.state_dict_type != StateDictType.FULL:
+        problem = "a local (sharded) state dict loads into the shards, not into summoned parameters; load it outside"
+    elif unit.tree is not None and unit.tree.backward_pending:
+        problem = "a backward is pending, which would use weights that no longer exist; run it first"
+    if problem is not None:
+        raise RuntimeError(f"load_state_dict() inside summon_full_params(): {problem}. The model was left unchanged.")
+    return True
+
+
+@contextlib.contextmanager
+def _restore_summoned_on_failure(unit: FSDPUnit) -> Generator[None, None, None]:
+    """:func:`_restore_on_failure` inside a summon: the summoned parameters (written back on exit) and buffers."""
+    tensors = [t for m in unit.owner.modules() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    saved = [(t, t.detach().clone()) for t in tensors if t is not None]
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for t, copy in saved:
+                t.copy_(copy)
+        raise
 
 
 def _check_loadable(unit: FSDPUnit, what: str) -> None:

@@ -81,6 +81,7 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
     with collectives.collective_phase("summon"):
         fulls: List[Tensor] = [_gather_fp32(unit, h) for h in handles]
     unit.transition(TrainingState.SUMMON_FULL_PARAMS)
+    unit.summon_volatile = volatile
     snapshot: Optional[_ViewSnapshot] = None
     fpw = unit.wrapped
     try:

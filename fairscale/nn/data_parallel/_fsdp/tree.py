@@ -40,6 +40,8 @@ class TreeState:
         # overlap: on CPU a reduce-scatter is waited only when the next is issued (gloo blocks the caller meanwhile).
         self.bucketer = ReduceScatterBucketer(bucket_cap_mb, overlap=True)  # type: ignore[arg-type]
         self.final_callback_queued = False
+        # The root unit (a weak reference: the unit holds this state), for a reset of one unit of the tree.
+        self.root: Optional["weakref.ref[Any]"] = None
         # One token per forward that registered pre-backward hooks. The hooks' closures hold it, and autograd holds
         # the hooks with the graph: a token dies with its graph (an abandoned forward) and is marked done when its
         # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.

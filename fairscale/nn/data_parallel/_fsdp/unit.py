@@ -162,6 +162,8 @@ class FSDPUnit:
         # A plain parent module loading a full dict into this instance: the contexts the pre-load hook opened, (lazy
         # init and snapshot, summon), closed by the post-load hook (see state_dict.py).
         self.pending_load_summon: Optional[Tuple[Any, Any]] = None
+        # Inside summon_full_params: whether that summon discards edits on exit (volatile=True).
+        self.summon_volatile = False
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> Any:
