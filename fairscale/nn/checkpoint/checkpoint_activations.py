@@ -287,6 +287,10 @@ class _RunForward:
     def __init__(self, forward: Callable[..., Any], input_spec: Any) -> None:
         self.forward = forward
         self.input_spec = input_spec
+        # The recomputation runs on the arguments as they were before the first pass: that pass gets the caller's
+        # own containers (its writes reach the caller, once, as without checkpointing), and a forward that consumes
+        # an argument (opts.pop("scale")) must not recompute another function from what the first pass left.
+        self.recompute_spec = _map_structure(input_spec, lambda x: x, lambda x: False, always_copy=True)
         # Structure (and non-tensor values) of the first pass's output; recomputed non-tensor
         # outputs are discarded, as the caller already has those. A forward may return None: whether the first
         # pass ran is its own flag.
@@ -296,8 +300,8 @@ class _RunForward:
         self.stash: Dict[Any, Any] = {}  # see current_call_stash
 
     def __call__(self, _grad_anchor: torch.Tensor, *input_tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        args, kwargs = _unflatten(self.input_spec, list(input_tensors))
         first_pass = not self.first_pass_done
+        args, kwargs = _unflatten(self.input_spec if first_pass else self.recompute_spec, list(input_tensors))
         _call_stash.stack.append(self.stash)
         try:
             with enable_checkpointing() if first_pass else enable_recomputing():
@@ -378,36 +382,45 @@ class _Slot:
         self.index = index
 
 
-def _map_structure(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
+def _map_structure(
+    obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool], always_copy: bool = False
+) -> Any:
     """Rebuild ``obj`` (nested tuples, namedtuples, lists, dicts and dataclasses) with ``fn`` applied to its leaves
     for which ``is_leaf`` holds; every other value is kept as is.
 
-    A container none of whose leaves changed is returned itself, not a copy: an argument the checkpointed forward
-    writes into (a list or a context object collecting auxiliary losses) is the caller's, as without checkpointing.
+    A container none of whose leaves changed is returned itself, not a copy (unless ``always_copy``): an argument the
+    checkpointed forward writes into (a list or a context object collecting auxiliary losses) is the caller's, as
+    without checkpointing.
     """
     if is_leaf(obj):
         return fn(obj)
+
+    def same(pairs: Iterator[Tuple[Any, Any]]) -> bool:
+        return not always_copy and all(new is old for new, old in pairs)
+
     if isinstance(obj, (tuple, list)):
-        items = [_map_structure(x, fn, is_leaf) for x in obj]
-        if all(new is old for new, old in zip(items, obj)):
+        items = [_map_structure(x, fn, is_leaf, always_copy) for x in obj]
+        if same(zip(items, obj)):
             return obj
         if isinstance(obj, list):
             return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
-        values = {key: _map_structure(value, fn, is_leaf) for key, value in obj.items()}
-        if all(values[key] is value for key, value in obj.items()):
+        values = {key: _map_structure(value, fn, is_leaf, always_copy) for key, value in obj.items()}
+        if same((values[key], value) for key, value in obj.items()):
             return obj
-        # A shallow copy keeps the dict's type and extra state (OrderedDict, model-output classes).
+        # A shallow copy keeps the dict's type and extra state (OrderedDict, model-output classes); item by item,
+        # through the class's own __setitem__ (HF's ModelOutput refuses update() and keeps attributes in step).
         new = copy.copy(obj)
-        new.update(values)
+        for key, value in values.items():
+            new[key] = value
         return new
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         # A dataclass instance (an argument object, a model-output record): its tensors are inputs and outputs
         # like any other. Untraversed, an output's tensors came from the no-grad first pass without a graph.
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        mapped = {name: _map_structure(value, fn, is_leaf) for name, value in fields.items()}
-        if all(mapped[name] is value for name, value in fields.items()):
+        mapped = {name: _map_structure(value, fn, is_leaf, always_copy) for name, value in fields.items()}
+        if same((mapped[name], value) for name, value in fields.items()):
             return obj
         # A shallow copy, fields set past __init__ and frozen=True, keeps its type, init=False fields and extras.
         record = copy.copy(obj)

@@ -254,16 +254,73 @@ class WritesIntoItsArguments(nn.Module):
 
 
 def test_arguments_without_tensors_are_the_callers_own() -> None:
-    # Containers that hold no tensor reach the forward as they are (so its writes reach the caller, twice with the
-    # recomputation, as upstream); one that holds a tensor is a shallow copy (its other fields are the caller's).
+    # The first pass gets the caller's containers (a container holding a tensor is a shallow copy whose other fields
+    # are the caller's), so its writes reach the caller once, as without checkpointing; the recomputation runs on a
+    # copy of the arguments as they were before the first pass.
     model = checkpoint_wrapper(WritesIntoItsArguments())
     ctx, log, seen = Context(torch.randn(2, 4, requires_grad=True)), [], {}
     out = model(ctx, log, seen)
     assert seen["log"] is log and log == ["called"]
     assert seen["ctx"] is not ctx and seen["ctx"].aux is ctx.aux and ctx.aux == ["aux"]
     out.sum().backward()
-    assert log == ["called", "called"] and ctx.aux == ["aux", "aux"]
+    assert log == ["called"] and ctx.aux == ["aux"]
     assert ctx.hidden.grad is not None
+
+
+class ConsumesItsOptions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, opts: Dict[str, float]) -> torch.Tensor:
+        scale = opts.pop("scale", 1.0)  # gone after the first pass: the recomputation must not see that
+        return self.proj(x) * scale
+
+
+def test_a_forward_that_consumes_an_argument_recomputes_the_same_function() -> None:
+    torch.manual_seed(0)
+    plain = ConsumesItsOptions()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(3, 4)
+    for model in (plain, ckpt):
+        opts = {"scale": 10.0}
+        model(x, opts).pow(2).sum().backward()
+        assert opts == {}
+    assert_same_grads(plain, ckpt)
+
+
+class NoUpdateDict(OrderedDict):
+    """Like HF's ModelOutput: ``update`` is refused, ``__setitem__`` keeps an attribute in step."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("update() is not allowed")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+class ReturnsNoUpdateDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> NoUpdateDict:
+        out = NoUpdateDict()
+        out["logits"] = self.proj(x)
+        return out
+
+
+def test_model_output_like_dicts_are_rebuilt_item_by_item() -> None:
+    torch.manual_seed(0)
+    plain = ReturnsNoUpdateDict()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(3, 4, requires_grad=True)
+    for model in (plain, ckpt):
+        out = model(x)
+        assert type(out) is NoUpdateDict and out.logits is out["logits"]
+        out.logits.sum().backward()
+    assert_same_grads(plain, ckpt)
 
 
 def test_output_requires_grad_only_when_something_does() -> None:
