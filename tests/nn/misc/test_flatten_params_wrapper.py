@@ -454,6 +454,34 @@ def test_nested_in_parent_tied_names_load_as_nn_module_does(given: str) -> None:
     assert plain.get_parameter(names[0])[0, 0].item() == (1.0 if given == "first only" else 2.0)
 
 
+@pytest.mark.parametrize("bad", ["first", "second"])
+def test_nested_in_parent_tied_names_are_each_checked(bad: str) -> None:
+    # Every tied name present is checked, and a mismatch is reported under its own name, as nn.Module does.
+    def build(wrap: bool) -> Any:
+        torch.manual_seed(0)
+        tied = Tied()
+        return nn.Sequential(FlattenParamsWrapper(tied) if wrap else tied)
+
+    plain, wrapped = build(False), build(True)
+    sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    key = "0.a.weight" if bad == "first" else "0.b.weight"
+    sd[key] = torch.zeros(3, 3)
+    for model in (plain, wrapped):
+        with pytest.raises(RuntimeError, match=f"size mismatch for {key}:"):
+            model.load_state_dict(dict(sd))
+    # Missing names in module order, as nn.Module lists them (a bias present, so the group is loaded by name).
+    for model in (plain, wrapped):
+        inner = model[0].module if isinstance(model[0], FlattenParamsWrapper) else model[0]
+        assert inner.a.bias is None
+    torch.manual_seed(0)
+    with_bias = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, bias=False))
+    with_bias[1].weight = with_bias[0].weight
+    twins = [nn.Sequential(copy.deepcopy(with_bias)), nn.Sequential(FlattenParamsWrapper(copy.deepcopy(with_bias)))]
+    partial = {"0.0.bias": torch.ones(2)}
+    results = [m.load_state_dict(dict(partial), strict=False) for m in twins]
+    assert results[1].missing_keys == results[0].missing_keys == ["0.0.weight", "0.1.weight"]
+
+
 def test_pre_load_hook_can_be_disabled() -> None:
     fpw: Any = FlattenParamsWrapper(make_seq(), param_list=[])
     src: Any = make_seq()

@@ -16,7 +16,7 @@ internal ``_fpw_module.`` level.
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, NamedTuple, Protocol
+from typing import Any, Dict, Iterator, List, NamedTuple, Protocol, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -188,6 +188,47 @@ def _fold_original_keys(
     absent: List[str] = []
     if not module.is_flattened:
         return absent
+    # Missing names are reported in module order, as nn.Module finds them.
+    module_order = {name: i for i, (name, _) in enumerate(cast(nn.Module, module).named_modules())}
+
+    def shown(key: str) -> str:
+        return prefix + key[len(prefix + FPW_MODULE + ".") :] if rewritten else key
+
+    for flat_name, flat in zip(module.flat_param_names, module.flat_params):
+        if prefix + flat_name in state_dict or flat.numel() != sum(flat._param_numels):
+            continue
+        # Every name of each parameter, in module (pre-)order: the first owner's, then its tied names'. nn.Module
+        # loads them in turn: each one present is checked, and the last valid one gives the value.
+        names: List[List[Tuple[int, str]]] = [
+            [(module_order.get(mname, len(module_order)), f"{prefix}{mname}.{pname}")]
+            for mname, _, pname in flat._param_infos
+        ]
+        owner_index = {(mname, pname): i for i, (mname, _, pname) in enumerate(flat._param_infos)}
+        for mname, shared_mname, _, pname, _, shared_pname in flat._shared_param_infos:
+            i = owner_index[(shared_mname, shared_pname)]
+            names[i].append((module_order.get(mname, len(module_order)), f"{prefix}{mname}.{pname}"))
+        if not any(key in state_dict for per_param in names for _, key in per_param):
+            continue
+        missing: List[Tuple[int, str]] = []
+        with torch.no_grad():
+            pieces = list(torch.split(flat.detach(), flat._param_numels))
+            for i, (per_param, shape) in enumerate(zip(names, flat._param_shapes)):
+                for position, key in per_param:
+                    if key not in state_dict:
+                        missing.append((position, key))
+                        continue
+                    value = state_dict.pop(key)
+                    if not isinstance(value, Tensor) or value.shape != shape:
+                        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                        error_msgs.append(
+                            f"size mismatch for {shown(key)}: copying a param with shape {got} from checkpoint, "
+                            f"the shape in current model is {tuple(shape)}."
+                        )
+                        continue
+                    pieces[i] = value.detach().reshape(-1).to(dtype=flat.dtype, device=flat.device)
+            state_dict[prefix + flat_name] = torch.cat(pieces)
+        absent.extend(key for _, key in sorted(missing, key=lambda entry: entry[0]))
+    return absent
     for flat_name, flat in zip(module.flat_param_names, module.flat_params):
         if prefix + flat_name in state_dict or flat.numel() != sum(flat._param_numels):
             continue
