@@ -13,6 +13,7 @@ all deliberate:
 """
 
 import math
+import numbers
 from typing import Any, Dict, Optional
 
 import torch
@@ -34,6 +35,7 @@ __all__ = ["GradScaler", "ShardedGradScaler", "OptState"]
 _SUPPORTED_DEVICE_TYPES = ("cuda", "xla", "cpu", "xpu", "hpu", "mps")
 
 # What torch's GradScaler.state_dict() holds, all read by its load_state_dict().
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 # The attributes torch's load_state_dict sets (the two tensors are filled in place).
 _LOADED_ATTRIBUTES = (
@@ -52,7 +54,7 @@ def _refresh_per_optimizer_state() -> Dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _check_init_scale(who: str, init_scale: Any, what: str = "init_scale") -> None:
+def _check_init_scale(who: str, init_scale: Any) -> None:
     """Raise ``ValueError`` unless ``init_scale`` is a positive finite number.
 
     torch accepts any value; a scale of 0 (or a negative one) makes the unscale divide by it (or flip the gradients'
@@ -61,45 +63,47 @@ def _check_init_scale(who: str, init_scale: Any, what: str = "init_scale") -> No
     try:
         value = float(init_scale)
     except (TypeError, ValueError):
-        raise TypeError(f"{who}: {what} must be a positive finite number, got {type(init_scale).__name__}") from None
+        raise TypeError(f"{who}: init_scale must be a positive finite number, got {type(init_scale).__name__}") from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(
-            f"{who}: {what} must be a positive finite number (the loss scale, e.g. 2.0**16), got " f"{init_scale}"
+            f"{who}: init_scale must be a positive finite number (the initial loss scale, e.g. 2.0**16), got "
+            f"{init_scale}"
         )
 
 
-def _is_number(value: Any) -> bool:
-    """A real number (a bool is not one), or a tensor holding one (0-dim, as ``fill_`` takes it)."""
+def _as_real(value: Any) -> Optional[float]:
+    """``value`` as a float when it is a real number (numpy scalars too; not a bool) or a 0-dim real tensor."""
     if isinstance(value, Tensor):
-        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            return None
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
     """Raise unless every entry of a scaler state dict is one torch's scaler can take and use.
 
     torch stores the values without looking at them (while its scale tensor does not exist yet), and a bad one
-    fails later, in the middle of a step, or silently (a backoff factor of 0 zeroes the scale).
+    fails later, in the middle of a step (a scale beyond float32), or silently (a backoff factor of 0 zeroes the
+    scale). What torch's own scalers write (numpy scalars and 0-dim tensors included) is accepted.
     """
-    if not _is_number(state_dict["scale"]):
-        raise TypeError(f"{who}: the saved scale must be a number (or a 0-dim tensor), got {state_dict['scale']!r}")
-    _check_init_scale(who, state_dict["scale"], "the saved scale")
-    factors = {name: state_dict[name] for name in ("growth_factor", "backoff_factor")}
-    for name, value in factors.items():
-        if not _is_number(value) or not math.isfinite(float(value)):
-            raise TypeError(f"{who}: {name} must be a finite number, got {value!r}")
-    if not float(factors["growth_factor"]) > 1.0:
+    values: Dict[str, float] = {}
+    for name in _STATE_KEYS:
+        value = _as_real(state_dict[name])
+        if value is None or not math.isfinite(value):
+            raise TypeError(f"{who}: {name} must be a finite real number, got {state_dict[name]!r}")
+        values[name] = value
+    if not 0.0 < values["scale"] <= _FLOAT32_MAX:
         raise ValueError(
-            f"{who}: growth_factor must be > 1.0 (as the constructor requires), got {factors['growth_factor']}"
+            f"{who}: the saved scale must be a positive number within float32's range, got {values['scale']}"
         )
-    if not 0.0 < float(factors["backoff_factor"]) < 1.0:
-        raise ValueError(f"{who}: backoff_factor must be in (0, 1), got {factors['backoff_factor']}")
-    for name, low in (("growth_interval", 1), ("_growth_tracker", 0)):
-        value = state_dict[name]
-        if isinstance(value, Tensor) and _is_number(value) and not value.is_floating_point():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise TypeError(f"{who}: {name} must be an integer >= {low}, got {value!r}")
+    if not values["backoff_factor"] > 0.0:
+        raise ValueError(f"{who}: backoff_factor must be positive (0 zeroes the scale), got {values['backoff_factor']}")
+    for name in ("growth_interval", "_growth_tracker"):
+        if not (values[name] >= 0 and values[name].is_integer()):
+            raise TypeError(f"{who}: {name} must be a non-negative integer, got {state_dict[name]!r}")
 
 
 class _GeneralMultiDeviceReplicator:
@@ -187,10 +191,10 @@ class _ScalerBase(CudaAmpGradScaler):
         Raises:
             RuntimeError: enabled, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
             KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
-            ValueError: enabled, and the saved scale is not a positive finite number, or a factor is out of its
-                range (growth above 1, backoff in (0, 1)).
-            TypeError: enabled, and an entry is not a number of the kind torch keeps there (a 0-dim tensor is
-                taken for a number; the interval and the tracker are integers).
+            ValueError: enabled, and the saved scale is not positive or beyond float32's range, or the backoff
+                factor is not positive.
+            TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), or
+                the interval or the tracker is not a non-negative integer.
         """
         if self._enabled and state_dict:
             missing = [key for key in _STATE_KEYS if key not in state_dict]

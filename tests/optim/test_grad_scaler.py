@@ -14,6 +14,7 @@ import copy
 import functools
 from typing import Dict, List
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: once here, not once per forked rank
@@ -163,30 +164,34 @@ def test_refused_load_state_dict_changes_nothing(scale_used: bool) -> None:
         with pytest.raises(KeyError, match=f"lacks \\['{key}'\\].*nothing was loaded"):
             scaler.load_state_dict(partial)
         assert scaler.state_dict() == before, key
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="the saved scale must be a positive finite number"):
-            scaler.load_state_dict({**good, "scale": bad})
-        assert scaler.state_dict() == before, bad
-    with pytest.raises(TypeError, match="the saved scale must be a number .*, got .big."):
-        scaler.load_state_dict({**good, "scale": "big"})
     # Values torch stores without a look (or takes half-way, after the entries before them) and fails on later.
-    for bad_entry, error in (
-        ({"_growth_tracker": None}, TypeError),
-        ({"_growth_tracker": -1}, TypeError),
-        ({"scale": torch.tensor([2.0, 3.0])}, TypeError),
-        ({"growth_interval": object()}, TypeError),
-        ({"growth_interval": 0}, TypeError),
-        ({"growth_factor": "2"}, TypeError),
-        ({"growth_factor": 1.0}, ValueError),
-        ({"backoff_factor": 0.0}, ValueError),  # would zero the scale at the first overflow
-        ({"backoff_factor": float("nan")}, TypeError),
+    for bad_entry, error, message in (
+        ({"scale": 0.0}, ValueError, "the saved scale must be a positive number"),
+        ({"scale": -1.0}, ValueError, "the saved scale must be a positive number"),
+        ({"scale": 1e39}, ValueError, "within float32's range"),  # the first scale() failed on it
+        ({"scale": float("nan")}, TypeError, "scale must be a finite real number"),
+        ({"scale": float("inf")}, TypeError, "scale must be a finite real number"),
+        ({"scale": "big"}, TypeError, "scale must be a finite real number, got 'big'"),
+        ({"scale": torch.tensor([2.0, 3.0])}, TypeError, "scale must be a finite real number"),
+        ({"_growth_tracker": None}, TypeError, "_growth_tracker must be a finite real number"),
+        ({"_growth_tracker": -1}, TypeError, "_growth_tracker must be a non-negative integer"),
+        ({"_growth_tracker": 2.5}, TypeError, "_growth_tracker must be a non-negative integer"),
+        ({"growth_interval": object()}, TypeError, "growth_interval must be a finite real number"),
+        ({"growth_factor": "2"}, TypeError, "growth_factor must be a finite real number"),
+        ({"backoff_factor": 0.0}, ValueError, "backoff_factor must be positive"),  # zeroes the scale at an overflow
+        ({"backoff_factor": float("nan")}, TypeError, "backoff_factor must be a finite real number"),
     ):
-        with pytest.raises(error):
+        with pytest.raises(error, match=message):
             scaler.load_state_dict({**good, **bad_entry})
         assert scaler.state_dict() == before, bad_entry
-    # What torch's own scaler writes, and 0-dim tensors for its numbers, are taken.
-    scaler.load_state_dict({**good, "scale": torch.tensor(4.0), "_growth_tracker": torch.tensor(3)})
-    assert scaler.get_scale() == 4.0
+    # What torch's own scaler writes or takes: numpy scalars, 0-dim tensors, an integral float tracker, interval 0.
+    for accepted in (
+        {"scale": np.float32(1024.0), "growth_interval": np.int64(100), "_growth_tracker": np.int64(3)},
+        {"scale": torch.tensor(4.0), "_growth_tracker": torch.tensor(3)},
+        {"_growth_tracker": 3.0, "growth_interval": 0, "growth_factor": 1.0},
+    ):
+        scaler.load_state_dict({**good, **accepted})
+        assert scaler.get_scale() == float(accepted.get("scale", good["scale"]))
     scaler.load_state_dict(before)
     with pytest.raises(RuntimeError, match="empty"):  # torch's own check, kept
         scaler.load_state_dict({})
@@ -194,6 +199,25 @@ def test_refused_load_state_dict_changes_nothing(scale_used: bool) -> None:
     scaler.load_state_dict(good)
     assert scaler.state_dict() == good
     GradScaler(enabled=False).load_state_dict({"anything": 1})  # a disabled scaler ignores it, as torch's
+
+
+def test_a_failure_inside_torchs_loader_puts_the_scaler_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No input passing the checks above is known to make torch's loader fail half-way; should one (a later torch),
+    # what torch assigned before failing is put back. torch's loader is replaced by one that fails half-way.
+    scaler = GradScaler(init_scale=8.0, growth_interval=3)
+    _run_scaler(scaler, inf_steps=[])  # the scale and tracker tensors exist: torch fills them in place
+    before = (scaler.state_dict(), scaler._init_scale, scaler._init_growth_tracker)
+
+    def assign_half_then_fail(self: torch.amp.GradScaler, state_dict: Dict[str, object]) -> None:
+        self._init_scale = state_dict["scale"]
+        self._scale.fill_(state_dict["scale"])  # type: ignore[union-attr]
+        self._growth_factor = state_dict["growth_factor"]
+        raise RuntimeError("failed half-way")
+
+    monkeypatch.setattr(torch.amp.GradScaler, "load_state_dict", assign_half_then_fail)
+    with pytest.raises(RuntimeError, match="failed half-way"):
+        scaler.load_state_dict(GradScaler(init_scale=2.0, growth_factor=4.0).state_dict())
+    assert (scaler.state_dict(), scaler._init_scale, scaler._init_growth_tracker) == before
 
 
 # ----------------------------------------------------------------------------------------------
