@@ -90,6 +90,8 @@ _WITHOUT_PYTEST_CHECKS = textwrap.dedent("""
     namespace = {}
     exec("from fairscale.utils.testing import *", namespace)
     assert [n for n in namespace if not n.startswith("__")] == ["DummyProcessGroup"], sorted(namespace)
+    import fairscale.fair_dev.testing as dev
+    assert not hasattr(dev, "run_distributed") and "run_distributed" in dir(dev)
     # The package's other old modules need no pytest either, and are attributes of the package on first use.
     import fairscale.utils.golden_testing_data
     assert fairscale.utils.containers is importlib.import_module("fairscale.internal.containers")
