@@ -63,7 +63,9 @@ def _check_init_scale(who: str, init_scale: Any) -> None:
     try:
         value = float(init_scale)
     except (TypeError, ValueError):
-        raise TypeError(f"{who}: init_scale must be a positive finite number, got {type(init_scale).__name__}") from None
+        raise TypeError(
+            f"{who}: init_scale must be a positive finite number, got {type(init_scale).__name__}"
+        ) from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(
             f"{who}: init_scale must be a positive finite number (the initial loss scale, e.g. 2.0**16), got "
