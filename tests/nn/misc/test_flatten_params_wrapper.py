@@ -482,6 +482,56 @@ def test_nested_in_parent_tied_names_are_each_checked(bad: str) -> None:
     assert results[1].missing_keys == results[0].missing_keys == ["0.0.weight", "0.1.weight"]
 
 
+def _twice_registered() -> nn.Module:
+    # One linear under two names ("0" and "2"): nn.Module saves and loads it under both.
+    torch.manual_seed(0)
+    shared = nn.Linear(2, 2)
+    return nn.Sequential(nn.Sequential(shared, nn.ReLU(), shared))
+
+
+@pytest.mark.parametrize("given", ["both", "first only", "second only"])
+def test_nested_in_parent_twice_registered_submodule_loads_as_nn_module_does(given: str) -> None:
+    plain = _twice_registered()
+    wrapped: Any = _twice_registered()
+    wrapped[0] = FlattenParamsWrapper(wrapped[0])
+    assert (
+        list(wrapped.state_dict()) == list(plain.state_dict()) == ["0.0.weight", "0.0.bias", "0.2.weight", "0.2.bias"]
+    )
+    sd = {k: torch.full_like(v, float(i + 1)) for i, (k, v) in enumerate(plain.state_dict().items())}
+    for k in {"first only": ["0.2.weight", "0.2.bias"], "second only": ["0.0.weight", "0.0.bias"]}.get(given, []):
+        del sd[k]
+    results = [m.load_state_dict(dict(sd), strict=False) for m in (plain, wrapped)]
+    assert results[1].missing_keys == results[0].missing_keys
+    assert results[1].unexpected_keys == results[0].unexpected_keys == []
+    assert_state_dicts_equal(wrapped.state_dict(), plain.state_dict())
+    x = torch.randn(3, 2)
+    assert torch.equal(wrapped(x), plain(x))
+
+
+def test_nested_in_parent_absent_group_reported_by_original_names() -> None:
+    # Two flat groups, the dict (original names) holds only the first: the second is reported as nn.Module would
+    # report it (its original names), not as a missing flat entry, and keeps its values.
+    def build(wrap: bool) -> Any:
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+        if wrap:
+            seq = FlattenParamsWrapper(seq, param_list=[list(seq[0].parameters()), list(seq[1].parameters())])
+        return nn.Sequential(seq)
+
+    plain, wrapped = build(False), build(True)
+    before = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    sd = {k: torch.ones_like(v) for k, v in plain.state_dict().items() if k.startswith("0.0.")}
+    results = [m.load_state_dict(dict(sd), strict=False) for m in (plain, wrapped)]
+    assert results[1].missing_keys == results[0].missing_keys == ["0.1.weight", "0.1.bias"]
+    assert results[1].unexpected_keys == results[0].unexpected_keys == []
+    assert_state_dicts_equal(wrapped.state_dict(), plain.state_dict())
+    assert torch.equal(wrapped.state_dict()["0.1.weight"], before["0.1.weight"])
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"0\.1\.weight\", \"0\.1\.bias\""):
+        wrapped.load_state_dict(dict(sd))
+    # A dict without any of the wrapper's names still reports the flat entries (nothing says which form it has).
+    assert wrapped.load_state_dict({}, strict=False).missing_keys == ["0.flat_param_0", "0.flat_param_1"]
+
+
 def test_pre_load_hook_can_be_disabled() -> None:
     fpw: Any = FlattenParamsWrapper(make_seq(), param_list=[])
     src: Any = make_seq()

@@ -180,36 +180,44 @@ def _fold_original_keys(
     This is what lets a parent module load a wrapper nested in it from original names (the wrapper's own
     ``load_state_dict``, which unflattens instead, is not called then). A group is folded when the wrapper is
     flattened, the flat key is absent and at least one original name is present; absent names keep the current
-    values and are reported missing, as a plain module would; of a tied parameter's names, the last one present
-    gives the value, as a plain module loads them in turn. Skipped when a flat parameter does not hold its full
-    size (a shard inside FSDP), which this hook cannot produce: the caller then sees the plain missing/unexpected
-    keys.
+    values and are reported missing, as a plain module would; of a parameter's names (tied weights, or a
+    submodule registered under two names), the last one present in module order gives the value, as a plain
+    module loads them in turn. A group none of whose names is present, when another group of this wrapper was
+    given by original names, is reported by its original names too (the dict is in that form), not as a missing
+    flat entry. Skipped when a flat parameter does not hold its full size (a shard inside FSDP), which this hook
+    cannot produce: the caller then sees the plain missing/unexpected keys.
     """
-    absent: List[str] = []
     if not module.is_flattened:
-        return absent
-    # Missing names are reported in module order, as nn.Module finds them.
-    module_order = {name: i for i, (name, _) in enumerate(cast(nn.Module, module).named_modules())}
+        return []
+    # Every path of every module, in the order nn.Module visits them when loading: a submodule registered under
+    # two names is loaded (and saved) under both, although named_modules() lists it once.
+    paths: Dict[int, List[Tuple[int, str]]] = {}
+    for position, (mname, sub) in enumerate(cast(nn.Module, module).named_modules(remove_duplicate=False)):
+        paths.setdefault(id(sub), []).append((position, mname))
 
     def shown(key: str) -> str:
         return prefix + key[len(prefix + FPW_MODULE + ".") :] if rewritten else key
 
+    def keys_of(owner: nn.Module, pname: str) -> List[Tuple[int, str]]:
+        return [(position, f"{prefix}{mname}.{pname}") for position, mname in paths.get(id(owner), [])]
+
+    missing: List[Tuple[int, str]] = []
+    unnamed: List[Tuple[str, FlatParameter, List[List[Tuple[int, str]]]]] = []
+    folded_any = False
     for flat_name, flat in zip(module.flat_param_names, module.flat_params):
         if prefix + flat_name in state_dict or flat.numel() != sum(flat._param_numels):
             continue
-        # Every name of each parameter, in module (pre-)order: the first owner's, then its tied names'. nn.Module
-        # loads them in turn: each one present is checked, and the last valid one gives the value.
-        names: List[List[Tuple[int, str]]] = [
-            [(module_order.get(mname, len(module_order)), f"{prefix}{mname}.{pname}")]
-            for mname, _, pname in flat._param_infos
-        ]
+        # Every name of each parameter: its first owner's and its tied owners' names under every path of those
+        # modules, sorted into module order (stable, so two names in one module keep their registration order).
+        names: List[List[Tuple[int, str]]] = [keys_of(owner, pname) for _, owner, pname in flat._param_infos]
         owner_index = {(mname, pname): i for i, (mname, _, pname) in enumerate(flat._param_infos)}
-        for mname, shared_mname, _, pname, _, shared_pname in flat._shared_param_infos:
-            i = owner_index[(shared_mname, shared_pname)]
-            names[i].append((module_order.get(mname, len(module_order)), f"{prefix}{mname}.{pname}"))
+        for _, shared_mname, owner, pname, _, shared_pname in flat._shared_param_infos:
+            names[owner_index[(shared_mname, shared_pname)]].extend(keys_of(owner, pname))
+        names = [sorted(dict.fromkeys(per_param), key=lambda entry: entry[0]) for per_param in names]
         if not any(key in state_dict for per_param in names for _, key in per_param):
+            unnamed.append((flat_name, flat, names))
             continue
-        missing: List[Tuple[int, str]] = []
+        folded_any = True
         with torch.no_grad():
             pieces = list(torch.split(flat.detach(), flat._param_numels))
             for i, (per_param, shape) in enumerate(zip(names, flat._param_shapes)):
@@ -227,5 +235,10 @@ def _fold_original_keys(
                         continue
                     pieces[i] = value.detach().reshape(-1).to(dtype=flat.dtype, device=flat.device)
             state_dict[prefix + flat_name] = torch.cat(pieces)
-        absent.extend(key for _, key in sorted(missing, key=lambda entry: entry[0]))
-    return absent
+    if folded_any:
+        # The dict names this wrapper's parameters by their original names: report a wholly absent group the
+        # same way. Its flat entry is its current value, so loading it changes nothing.
+        for flat_name, flat, names in unnamed:
+            state_dict[prefix + flat_name] = flat.detach().clone()
+            missing.extend(entry for per_param in names for entry in per_param)
+    return [key for _, key in sorted(missing, key=lambda entry: entry[0])]
