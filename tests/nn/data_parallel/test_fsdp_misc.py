@@ -154,6 +154,35 @@ def test_pickling_with_a_dummy_group_needs_no_world() -> None:
     assert torch.equal(clone.params[0], fsdp.params[0])
 
 
+def test_clip_grad_norm_with_one_stand_in_group_per_instance() -> None:
+    """On one process, nested instances each given their own DummyProcessGroup (groups of one rank differ in
+    identity only) clip as torch clips the plain model; before, the different group objects were refused."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+
+    def group() -> Dict[str, Any]:
+        return dict(
+            process_group=DummyProcessGroup(rank=0, size=1), process_group_reduce_scatter=ProcessGroupName.default
+        )
+
+    plain, model = build(), build()
+    model[1] = FSDP(model[1], **group())
+    fsdp = FSDP(model, **group())
+    x = torch.randn(3, 4)
+    for m in (plain, fsdp):
+        (m(x) ** 2).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    got = fsdp.clip_grad_norm_(0.1)
+    torch.testing.assert_close(got, want)
+    # The gradients were scaled as torch scaled the plain model's (the values, compared in sorted order since the
+    # flat parameters hold them in another order).
+    clipped = torch.cat([p.grad.reshape(-1) for p in fsdp.parameters()])  # type: ignore[union-attr]
+    reference = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(clipped.sort().values, reference.sort().values)
+
+
 def _named_parameters_and_repr_body(rank: int, ws: int) -> None:
     model, ref = build(NestedWrappedModule)
     flat = wrap_model(model, {}, "nested")
