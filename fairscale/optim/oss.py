@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree, describe_tensors, first_device
+from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.grad_norm import total_norm_across_ranks
 from fairscale.internal.params import calc_grad_norm, get_global_rank
@@ -25,6 +25,7 @@ from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # 
 from fairscale.nn.misc.param_bucket import ParamBucket  # noqa: F401  # upstream's module namespace
 
 from ._oss import describe as _describe
+from ._oss import loading as _loading
 from ._oss import partition as _partition
 from ._oss import state_dict as _state
 from ._oss.buckets import Backing, Buckets, broadcast_buckets, build_buckets
@@ -436,92 +437,7 @@ class OSS(Optimizer):
                 error is chained; a ``ValueError`` or ``TypeError`` of that loader is raised as it is).
             KeyError: ``optim=fairscale.optim.Adam`` and the dict has no ``optim_scale``.
         """
-        device = self._params_device()
-        error: Optional[Exception] = None
-        try:
-            _state.check_loadable(state_dict, self.param_groups)
-            _state.check_inner_state(state_dict, type(self.optim))
-            # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's
-            # shard, and a check that fails on the owning rank alone would leave the other ranks going on with the
-            # old state.
-            inner_check = getattr(type(self.optim), "_check_loadable_state_dict", None)
-            if inner_check is not None:
-                inner_check(state_dict, self.param_groups)
-        except Exception as e:  # noqa: B902  # re-raised below, once every rank knows
-            error = e
-        # Ranks given different dicts (another learning rate, another checkpoint) raised on some ranks only, or
-        # loaded apart silently: the outcome of the checks and the dict's layout are agreed on first (two small
-        # all-gathers per load, none at world size 1).
-        check_outcome_agrees("OSS.load_state_dict: the checks of the state dict", error, self.group, device=device)
-        check_ranks_agree(
-            "OSS.load_state_dict: the state dicts' parameter groups (sizes and hyper-parameters)",
-            _state.describe_for_agreement(state_dict, _describe.comparable),
-            self.group,
-            hint="Load the same state dict on every rank (e.g. the one consolidate_state_dict() wrote).",
-            device=device,
-        )
-        # What the loads below replace or change in place, to put back if one of them raises on any rank (an
-        # optimizer whose state names are not known here can still refuse the dict in its own loader, after torch
-        # changed part of it, and only on the ranks that own the parameters concerned).
-        own_attributes = dict(self.__dict__)
-        inner_attributes = dict(self.optim.__dict__)
-        own_groups = [dict(group) for group in self.param_groups]
-        inner_groups = [dict(group) for group in self.optim.param_groups]
-        error = None
-        try:
-            self._load_checked_state_dict(state_dict)
-        except Exception as e:  # noqa: B902  # every rank puts its optimizer back below
-            error = e
-        try:
-            check_outcome_agrees("OSS.load_state_dict", error, self.group, device=device)
-        except Exception as failure:
-            for obj, attributes in ((self, own_attributes), (self.optim, inner_attributes)):
-                obj.__dict__.clear()
-                obj.__dict__.update(attributes)
-            for group, saved in zip(self.param_groups + self.optim.param_groups, own_groups + inner_groups):
-                group.clear()
-                group.update(saved)
-            if failure is not error or isinstance(error, (ValueError, TypeError)):
-                raise  # another rank's failure (its rank and error named), or a clear error of the loader
-            # Typically a KeyError from deep inside torch (a state name the optimizer's loader expects): say where.
-            raise ValueError(
-                f"OSS.load_state_dict: the wrapped optimizer ({_describe.callable_name(type(self.optim))}) could not "
-                f"load its part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, "
-                "load one written by the same optimizer class. Nothing was changed, on any rank."
-            ) from error
-        self._empty_entries_of_other_ranks(state_dict)
-
-    def _load_checked_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """:meth:`load_state_dict` once the dict passed the checks."""
-        saved_groups = state_dict["param_groups"]
-        saved_ids = [pid for g in saved_groups for pid in g["params"]]
-        shard = _state.shard_for_rank(
-            state_dict, self.partition_parameters()[self.rank], self._param_to_index, saved_ids
-        )
-        self.optim.load_state_dict(shard)
-        # OSS's own state keeps only what belongs to no parameter (a wrapper's entry): per-parameter state lives
-        # in the shard, and a duplicate here would be stale after the next step.
-        own_state = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}
-        held_groups = self.param_groups
-        super().load_state_dict({"state": own_state, "param_groups": saved_groups})
-        # torch's load builds new group dicts. Other objects may hold the old ones: an LR scheduler of the optimizer
-        # whose groups OSS was built from (Lightning's sharded strategies do that), or user code. Update the held
-        # dicts in place and keep them, so that a schedule set on them still reaches OSS after a resume.
-        for held, loaded in zip(held_groups, self.param_groups):
-            for key, value in loaded.items():
-                if key != "params":  # the same parameters, in the same order (check_loadable made sure)
-                    held[key] = value
-        self.param_groups = held_groups
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
-
-    def _empty_entries_of_other_ranks(self, state_dict: Dict[str, Any]) -> None:
-        """Upstream's side effect of a load, made once every rank loaded: the per-parameter entries of the
-        parameters other ranks own become ``{}`` in the caller's dict (a failed load leaves the dict intact)."""
-        index_to_param = _state.global_index_map(state_dict["param_groups"], self.param_groups)
-        for key in list(state_dict["state"]):
-            if isinstance(key, int) and self._param_to_rank[index_to_param[key]] != self.rank:
-                state_dict["state"][key] = {}
+        _loading.load_on_every_rank(self, state_dict)
 
     # ------------------------------------------------------------------------------------------------
     # Structure changes

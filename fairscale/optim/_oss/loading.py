@@ -1,0 +1,132 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""Loading a consolidated state dict into OSS: check, agree across ranks, load the shard, undo on any failure.
+
+The protocol of :meth:`fairscale.optim.OSS.load_state_dict` (documented there): every rank checks the whole dict,
+the ranks agree on the outcome and on the dict's layout (two small all-gathers), each rank loads the state of the
+parameters it owns, and a load that fails on any rank puts OSS and its wrapped optimizer back on every rank.
+"""
+
+from typing import Any, Dict, List, Optional, Protocol
+
+import torch
+from torch.optim import Optimizer
+
+from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree
+
+from . import describe as _describe
+from . import state_dict as _state
+
+__all__ = ["load_on_every_rank"]
+
+
+class _OSSLike(Protocol):
+    """What the load reads and writes of ``OSS`` (described structurally: the front imports this module)."""
+
+    optim: Optimizer
+    group: Any
+    rank: int
+    param_groups: List[Dict[str, Any]]
+
+    def _params_device(self) -> Optional[torch.device]: ...
+
+    def partition_parameters(self) -> List[List[Dict[str, Any]]]: ...
+
+    @property
+    def _param_to_index(self) -> Dict[int, int]: ...
+
+    @property
+    def _param_to_rank(self) -> Dict[torch.Tensor, int]: ...
+
+    @staticmethod
+    def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None: ...
+
+
+def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
+    """:meth:`OSS.load_state_dict` (see there for what is checked and raised)."""
+    device = oss._params_device()
+    error: Optional[Exception] = None
+    try:
+        _state.check_loadable(state_dict, oss.param_groups)
+        _state.check_inner_state(state_dict, type(oss.optim))
+        # The wrapped optimizer's own checks, against all parameters: its load below only sees this rank's
+        # shard, and a check that fails on the owning rank alone would leave the other ranks going on with the
+        # old state.
+        inner_check = getattr(type(oss.optim), "_check_loadable_state_dict", None)
+        if inner_check is not None:
+            inner_check(state_dict, oss.param_groups)
+    except Exception as e:  # noqa: B902  # re-raised below, once every rank knows
+        error = e
+    # Ranks given different dicts (another learning rate, another checkpoint) raised on some ranks only, or
+    # loaded apart silently: the outcome of the checks and the dict's layout are agreed on first (two small
+    # all-gathers per load, none at world size 1).
+    check_outcome_agrees("OSS.load_state_dict: the checks of the state dict", error, oss.group, device=device)
+    check_ranks_agree(
+        "OSS.load_state_dict: the state dicts' parameter groups (sizes and hyper-parameters)",
+        _state.describe_for_agreement(state_dict, _describe.comparable),
+        oss.group,
+        hint="Load the same state dict on every rank (e.g. the one consolidate_state_dict() wrote).",
+        device=device,
+    )
+    # What the loads below replace or change in place, to put back if one of them raises on any rank (an
+    # optimizer whose state names are not known here can still refuse the dict in its own loader, after torch
+    # changed part of it, and only on the ranks that own the parameters concerned).
+    own_attributes = dict(oss.__dict__)
+    inner_attributes = dict(oss.optim.__dict__)
+    own_groups = [dict(group) for group in oss.param_groups]
+    inner_groups = [dict(group) for group in oss.optim.param_groups]
+    error = None
+    try:
+        _load_checked(oss, state_dict)
+    except Exception as e:  # noqa: B902  # every rank puts its optimizer back below
+        error = e
+    try:
+        check_outcome_agrees("OSS.load_state_dict", error, oss.group, device=device)
+    except Exception as failure:
+        for obj, attributes in ((oss, own_attributes), (oss.optim, inner_attributes)):
+            obj.__dict__.clear()
+            obj.__dict__.update(attributes)
+        for group, saved in zip(oss.param_groups + oss.optim.param_groups, own_groups + inner_groups):
+            group.clear()
+            group.update(saved)
+        if failure is not error or isinstance(error, (ValueError, TypeError)):
+            raise  # another rank's failure (its rank and error named), or a clear error of the loader
+        # Typically a KeyError from deep inside torch (a state name the optimizer's loader expects): say where.
+        raise ValueError(
+            f"OSS.load_state_dict: the wrapped optimizer ({_describe.callable_name(type(oss.optim))}) could not "
+            f"load its part of the state dict ({type(error).__name__}: {error}); the state dict does not fit it, "
+            "load one written by the same optimizer class. Nothing was changed, on any rank."
+        ) from error
+    _empty_entries_of_other_ranks(oss, state_dict)
+
+
+def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
+    """The load itself, once the dict passed the checks."""
+    saved_groups = state_dict["param_groups"]
+    saved_ids = [pid for g in saved_groups for pid in g["params"]]
+    shard = _state.shard_for_rank(state_dict, oss.partition_parameters()[oss.rank], oss._param_to_index, saved_ids)
+    oss.optim.load_state_dict(shard)
+    # OSS's own state keeps only what belongs to no parameter (a wrapper's entry): per-parameter state lives
+    # in the shard, and a duplicate here would be stale after the next step.
+    own_state = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}
+    held_groups = oss.param_groups
+    # OSS is an Optimizer; its own load_state_dict is the caller.
+    Optimizer.load_state_dict(oss, {"state": own_state, "param_groups": saved_groups})  # type: ignore[arg-type]
+    # torch's load builds new group dicts. Other objects may hold the old ones: an LR scheduler of the optimizer
+    # whose groups OSS was built from (Lightning's sharded strategies do that), or user code. Update the held
+    # dicts in place and keep them, so that a schedule set on them still reaches OSS after a resume.
+    for held, loaded in zip(held_groups, oss.param_groups):
+        for key, value in loaded.items():
+            if key != "params":  # the same parameters, in the same order (check_loadable made sure)
+                held[key] = value
+    oss.param_groups = held_groups
+    oss._sync_param_groups(oss.param_groups, oss.optim.param_groups)
+    oss._sync_param_groups(oss.optim.param_groups, oss.param_groups)
+
+
+def _empty_entries_of_other_ranks(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
+    """Upstream's side effect of a load, made once every rank loaded: the per-parameter entries of the
+    parameters other ranks own become ``{}`` in the caller's dict (a failed load leaves the dict intact)."""
+    index_to_param = _state.global_index_map(state_dict["param_groups"], oss.param_groups)
+    for key in list(state_dict["state"]):
+        if isinstance(key, int) and oss._param_to_rank[index_to_param[key]] != oss.rank:
+            state_dict["state"][key] = {}
