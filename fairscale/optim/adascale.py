@@ -41,6 +41,7 @@ from torch.autograd import Variable
 from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree, first_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+from fairscale.optim._adascale import correlation as _correlation
 from fairscale.optim._adascale import statistics
 from fairscale.optim._adascale.statistics import STATE_KEY
 
@@ -536,15 +537,7 @@ class AdaScale(torch.optim.Optimizer):
 
     def _gather_flat_grad(self) -> Tensor:
         """All gradients, flattened and concatenated in group order (zeros for parameters without one)."""
-        parts = []
-        for group in self._optimizer.param_groups:
-            for p in group["params"]:
-                grad = p.grad
-                if grad is None:
-                    parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
-                else:
-                    parts.append((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
-        return torch.cat(parts)
+        return _correlation.flat_grad(self._optimizer.param_groups)
 
     def _compute_intra_grad_corr_mean(self) -> Tensor:
         """Mean Pearson correlation between the workers' flat gradients (mean of the strict upper triangle).
@@ -552,14 +545,7 @@ class AdaScale(torch.optim.Optimizer):
         Call after backward and before the gradients are averaged across workers (e.g. inside DDP's
         ``no_sync()``); every rank gets the same value.
         """
-        if self._world_size <= 1:
-            raise FairscaleRuntimeError("AdaScale._compute_intra_grad_corr_mean: only for distributed training")
-        flat = self._gather_flat_grad().float().contiguous()
-        gathered = torch.empty(self._world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        collectives.all_gather_into_flat(gathered, flat)
-        corr = torch.corrcoef(gathered.view(self._world_size, -1))
-        upper = torch.triu_indices(self._world_size, self._world_size, offset=1, device=corr.device)
-        return corr[upper[0], upper[1]].mean()
+        return _correlation.intra_grad_corr_mean(self._optimizer.param_groups, self._world_size)
 
 
 def _unmeasured_message(where: List[str], consequence: str) -> str:
