@@ -8,7 +8,6 @@ The docs page "Architecture" draws the objects.
 """
 
 import contextlib
-import copy
 from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
@@ -23,7 +22,6 @@ from ._fsdp import batchnorm_wrap, compile_support, construction, grad_accum, gr
 from ._fsdp import runtime
 from ._fsdp import state_dict as fsdp_state_dict
 from ._fsdp import summon
-from ._fsdp import ties as fsdp_ties
 from ._fsdp.config import make_config
 from ._fsdp.front_attributes import UnitAttributes
 from ._fsdp.handle import FlatHandle
@@ -31,7 +29,7 @@ from ._fsdp.storage import alloc_storage_, free_storage_
 from ._fsdp.io import cast_inputs
 from ._fsdp.naming import clean_path
 from ._fsdp.state import HandleState, TrainingState
-from ._fsdp.unit import UNIT_ATTR, FSDPUnit, keeping_process_groups, process_groups_of
+from ._fsdp.unit import UNIT_ATTR, FSDPUnit
 
 # Names that upstream code imports from this module (upstream defined or imported them here); re-exported so that
 # such imports keep working. Checked by tests/test_upstream_api.py.
@@ -212,23 +210,9 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
             backward_prefetch,
             replicate_process_group,
         )
-        to_flatten = [p for _, p in params] if flatten_parameters else []
-        try:
-            self._fsdp_wrapped_module = FlattenParamsWrapper(
-                module, param_list=to_flatten, optimize_backward_concat=optimize_backward_concat
-            )
-        except ValueError as e:
-            raise ValueError(
-                f"{e}\nWith FullyShardedDataParallel: wrap the parameters that differ (e.g. the frozen part) in their "
-                "own FullyShardedDataParallel instance, or pass flatten_parameters=False."
-            ) from e
-        if flatten_parameters:
-            fpw = self._fsdp_wrapped_module
-            fsdp_ties.mark_flattened(
-                (p for _, p in params),
-                [m for _, m, _ in fpw._param_infos] + [info[2] for info in fpw._shared_param_infos],
-                sharded=config.world_size > 1,
-            )
+        self._fsdp_wrapped_module = construction.flatten(
+            module, [p for _, p in params], config, flatten_parameters, optimize_backward_concat
+        )
         del module  # reachable only through the wrapper from here on
         flat = list(self._fsdp_wrapped_module.flat_params)
         kept = [(n, p) for n, p in params if not flatten_parameters]
@@ -562,18 +546,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         Every rank must copy alike (the copy's forward communicates like the original's). Only between steps: a copy
         of a model whose forward's backward is pending, or that is inside a forward or backward, is refused.
         """
-        unit = self._fsdp_unit
-        runtime.check_copyable(unit)
-        # Groups are process-local handles: the copy shares them (a pickle, which crosses processes, drops them).
-        for u in unit.tree_units():
-            for group in process_groups_of(u):
-                memo.setdefault(id(group), group)
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        with keeping_process_groups():
-            state = copy.deepcopy(self.__getstate__(), memo)
-        new.__setstate__(state)
-        return new
+        return cast(FullyShardedDataParallel, pickling.deep_copy(self, self._fsdp_unit, memo))
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         cast(Any, super()).__setstate__(state)

@@ -6,12 +6,41 @@ from typing import List, Set, Tuple
 import torch
 from torch import nn
 
+from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
+
 from . import ties
 from .config import FSDPConfig
 from .handle import FlatHandle
 from .unit import unit_of
 
 NamedParams = List[Tuple[str, nn.Parameter]]
+
+
+def flatten(
+    module: nn.Module,
+    owned: List[nn.Parameter],
+    config: FSDPConfig,
+    flatten_parameters: bool,
+    optimize_backward_concat: bool,
+) -> FlattenParamsWrapper:
+    """Wrap ``module`` in the FlattenParamsWrapper that FSDP holds, flattening ``owned`` when
+    ``flatten_parameters`` (otherwise nothing is flattened), and mark the flattened parameters' tied owners."""
+    try:
+        fpw = FlattenParamsWrapper(
+            module, param_list=owned if flatten_parameters else [], optimize_backward_concat=optimize_backward_concat
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{e}\nWith FullyShardedDataParallel: wrap the parameters that differ (e.g. the frozen part) in their "
+            "own FullyShardedDataParallel instance, or pass flatten_parameters=False."
+        ) from e
+    if flatten_parameters:
+        ties.mark_flattened(
+            owned,
+            [m for _, m, _ in fpw._param_infos] + [info[2] for info in fpw._shared_param_infos],
+            sharded=config.world_size > 1,
+        )
+    return fpw
 
 
 def refuse_unsupported_layers(module: nn.Module) -> None:

@@ -9,12 +9,12 @@ instance pickles a deep copy of it instead. The copy costs the memory of the ins
 
 import copy
 import weakref
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Dict, Tuple, cast
 
 from torch import nn
 
 from . import runtime
-from .unit import UNIT_ATTR, FSDPUnit
+from .unit import UNIT_ATTR, FSDPUnit, keeping_process_groups, process_groups_of
 
 # Instances made by reduce_to_copy(): pickled as they are. Weak: a copy lives only as long as its pickling.
 _COPIES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -46,3 +46,20 @@ def reduce_to_copy(model: nn.Module, unit: FSDPUnit) -> Tuple[Callable[[nn.Modul
         if hasattr(m, UNIT_ATTR):
             _COPIES.add(m)
     return _itself, (clone,)
+
+
+def deep_copy(module: Any, unit: FSDPUnit, memo: Dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` of the FSDP instance ``module`` (whose unit is ``unit``): an independent model on the same
+    process groups, usable at once. Refused while a step is under way (see ``runtime.check_copyable``)."""
+    runtime.check_copyable(unit)
+    # Groups are process-local handles: the copy shares them (a pickle, which crosses processes, drops them).
+    for u in unit.tree_units():
+        for group in process_groups_of(u):
+            memo.setdefault(id(group), group)
+    cls: Any = type(module)
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    with keeping_process_groups():
+        state = copy.deepcopy(module.__getstate__(), memo)
+    new.__setstate__(state)
+    return cast(nn.Module, new)
