@@ -20,6 +20,7 @@ from fairscale.internal import collectives
 from fairscale.internal.device import DeviceHandle
 
 from .._param_state import check_param_state, laid_out_like
+from . import loading
 
 __all__ = [
     "unwrap",
@@ -297,7 +298,10 @@ def commit(optim: Any, names: Mapping[torch.Tensor, str], hyper: List[Dict[str, 
         # The current keys first: a checkpoint of another torch version may lack an option a step reads.
         current = {k: v for k, v in inner_group.items() if k != _PARAMS}
         inner_groups.append({**current, **copy.deepcopy(saved), _PARAMS: ids})
-    optim.optim.load_state_dict({_STATE: state, _GROUPS: inner_groups})
+    shard = {_STATE: state, _GROUPS: inner_groups}
+    optim.optim.load_state_dict(shard)
+    if loading.keeps_saved_dtypes(optim.optim):  # as OSS.load_state_dict: the saved dtypes, not the parameters'
+        loading.restore_saved_dtypes(optim.optim, shard)
     # In place: an LR scheduler (or user code) may hold OSS's group dicts.
     for group, saved in zip(optim.param_groups, hyper):
         for key, value in saved.items():

@@ -9,6 +9,7 @@ parameters it owns, and a load that fails on any rank puts OSS and its wrapped o
 from typing import Any, Dict, List, Optional, Protocol
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree
@@ -16,7 +17,7 @@ from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree
 from . import describe as _describe
 from . import state_dict as _state
 
-__all__ = ["load_on_every_rank"]
+__all__ = ["load_on_every_rank", "keeps_saved_dtypes", "restore_saved_dtypes"]
 
 
 class _OSSLike(Protocol):
@@ -105,6 +106,8 @@ def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
     shard = _state.shard_for_rank(state_dict, oss.partition_parameters()[oss.rank], oss._param_to_index, saved_ids)
     oss.optim.load_state_dict(shard)
+    if keeps_saved_dtypes(oss.optim):
+        restore_saved_dtypes(oss.optim, shard)
     # OSS's own state keeps only what belongs to no parameter (a wrapper's entry): per-parameter state lives
     # in the shard, and a duplicate here would be stale after the next step.
     own_state = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}
@@ -121,6 +124,42 @@ def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
     oss.param_groups = held_groups
     oss._sync_param_groups(oss.param_groups, oss.optim.param_groups)
     oss._sync_param_groups(oss.optim.param_groups, oss.param_groups)
+
+
+def keeps_saved_dtypes(optim: Optimizer) -> bool:
+    """Whether the loaded state keeps the dtype it was saved in (upstream's rule: it assigned each state tensor as
+    saved, moved to the parameter's device) rather than the parameter's dtype (torch's loader casts).
+
+    Clients rely on upstream's rule: fairseq's memory-efficient fp16/bf16 keeps fp32 moments for fp16/bf16
+    parameters and switches its own repair of torch's cast off under OSS, so a cast silently lost the moments'
+    precision at every resume (an fp32 second moment of 1e-8 is 0 in fp16). Two exceptions: an optimizer with its
+    own ``load_state_dict`` (fairscale's Adam) decides its state dtype itself, and torch's own optimizers, whose
+    kernels need state in the parameter's dtype (torch's Adam fails at the next step otherwise, as under upstream),
+    keep torch's cast.
+    """
+    cls = type(optim)
+    if cls.load_state_dict is not Optimizer.load_state_dict:
+        return False
+    return not any(c is not Optimizer and c.__module__.startswith("torch.optim") for c in cls.__mro__)
+
+
+def restore_saved_dtypes(optim: Optimizer, shard: Dict[str, Any]) -> None:
+    """Give every floating state tensor that torch's loader cast its saved dtype back (on the device torch chose)."""
+    local_ids = [i for group in shard["param_groups"] for i in group["params"]]
+    params = [p for group in optim.param_groups for p in group["params"]]
+    for local_id, param in zip(local_ids, params):
+        saved, loaded = shard["state"].get(local_id), optim.state.get(param)
+        if not isinstance(saved, dict) or not isinstance(loaded, dict):
+            continue
+        for key, value in saved.items():
+            current = loaded.get(key)
+            if (
+                isinstance(value, Tensor)
+                and isinstance(current, Tensor)
+                and value.is_floating_point()
+                and current.dtype != value.dtype
+            ):
+                loaded[key] = value.to(device=current.device)
 
 
 def _empty_entries_of_other_ranks(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
