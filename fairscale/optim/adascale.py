@@ -545,7 +545,9 @@ class AdaScale(torch.optim.Optimizer):
         Call after backward and before the gradients are averaged across workers (e.g. inside DDP's
         ``no_sync()``); every rank gets the same value.
         """
-        return _correlation.intra_grad_corr_mean(self._optimizer.param_groups, self._world_size)
+        if self._world_size <= 1:  # before gathering: the gradients are not needed then
+            raise FairscaleRuntimeError("AdaScale._compute_intra_grad_corr_mean: only for distributed training")
+        return _correlation.intra_grad_corr_mean(self._gather_flat_grad(), self._world_size)
 
 
 def _unmeasured_message(where: List[str], consequence: str) -> str:

@@ -437,7 +437,7 @@ class OSS(Optimizer):
                 error is chained; a ``ValueError`` or ``TypeError`` of that loader is raised as it is).
             KeyError: ``optim=fairscale.optim.Adam`` and the dict has no ``optim_scale``.
         """
-        _loading.load_on_every_rank(self, state_dict)
+        _loading.load_on_every_rank(self, state_dict, super().load_state_dict)
 
     # ------------------------------------------------------------------------------------------------
     # Structure changes

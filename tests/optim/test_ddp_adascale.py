@@ -125,6 +125,22 @@ def _corr_mean_case(rank: int) -> None:
         got = optim._compute_intra_grad_corr_mean()
         assert got.item() == pytest.approx(want, rel=1e-5), (pair, got)
     assert [float(np.corrcoef(np.array(p))[0, 1]) for p in CORR_INPUTS[:2]] == pytest.approx([0.5, -1.0])
+    # A subclass's _gather_flat_grad (upstream's method name) is what gets correlated.
+    flipping = _SignFlippingAdaScale(SGD(model.parameters(), lr=0.1))
+    flipping.sign = -1.0 if rank == 1 else 1.0
+    pair = CORR_INPUTS[0]
+    flipping.zero_grad()
+    with model.no_sync():
+        model(torch.tensor([pair[rank]])).sum().backward()
+    got = flipping._compute_intra_grad_corr_mean()
+    assert got.item() == pytest.approx(-float(np.corrcoef(np.array(pair))[0, 1]), rel=1e-5)
+
+
+class _SignFlippingAdaScale(AdaScale):
+    sign = 1.0
+
+    def _gather_flat_grad(self) -> torch.Tensor:
+        return super()._gather_flat_grad() * self.sign
 
 
 def _disagree_case(rank: int) -> None:

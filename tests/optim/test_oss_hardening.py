@@ -285,3 +285,33 @@ def _crafted_layout_body(rank: int, world_size: int) -> None:
 
 def test_state_with_a_crafted_layout_gets_the_parameters_layout() -> None:
     run_distributed(_crafted_layout_body, 1, timeout=TIMEOUT)
+
+
+class _RecordingLoad(torch.optim.Optimizer):
+    """A mixin between OSS and torch's Optimizer in a subclass's class order, with its own load_state_dict."""
+
+    loads: List[List[str]] = []
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        type(self).loads.append(sorted(state_dict))
+        super().load_state_dict(state_dict)
+
+
+class _OSSWithMixin(OSS, _RecordingLoad):
+    pass
+
+
+def _mixin_load_body(rank: int, ws: int) -> None:
+    model = nn.Linear(2, 2)
+    oss = _OSSWithMixin(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    model(torch.ones(3, 2)).sum().backward()
+    oss.step()
+    oss.consolidate_state_dict(recipient_rank=-1)
+    _RecordingLoad.loads.clear()
+    oss.load_state_dict(oss.state_dict())
+    # OSS loads its own groups through the next load_state_dict in the class order (the mixin's), as super() does.
+    assert _RecordingLoad.loads == [["param_groups", "state"]], _RecordingLoad.loads
+
+
+def test_load_goes_through_a_subclass_mixin() -> None:
+    run_distributed(_mixin_load_body, 2, timeout=TIMEOUT)

@@ -7,7 +7,6 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
-from fairscale.internal.errors import FairscaleRuntimeError
 
 __all__ = ["flat_grad", "intra_grad_corr_mean"]
 
@@ -25,15 +24,14 @@ def flat_grad(param_groups: List[Dict[str, Any]]) -> Tensor:
     return torch.cat(parts)
 
 
-def intra_grad_corr_mean(param_groups: List[Dict[str, Any]], world_size: int) -> Tensor:
+def intra_grad_corr_mean(flat: Tensor, world_size: int) -> Tensor:
     """Mean of the strict upper triangle of the workers' gradient correlation matrix (one all-gather).
 
-    Raises:
-        FairscaleRuntimeError: ``world_size`` is 1 (there is nothing to correlate).
+    Args:
+        flat: this worker's gradients as one vector (:func:`flat_grad`, or a subclass's ``_gather_flat_grad``).
+        world_size: the number of workers (more than one: the caller checks).
     """
-    if world_size <= 1:
-        raise FairscaleRuntimeError("AdaScale._compute_intra_grad_corr_mean: only for distributed training")
-    flat = flat_grad(param_groups).float().contiguous()
+    flat = flat.float().contiguous()
     gathered = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
     collectives.all_gather_into_flat(gathered, flat)
     corr = torch.corrcoef(gathered.view(world_size, -1))

@@ -6,7 +6,7 @@ the ranks agree on the outcome and on the dict's layout (two small all-gathers),
 parameters it owns, and a load that fails on any rank puts OSS and its wrapped optimizer back on every rank.
 """
 
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -42,8 +42,12 @@ class _OSSLike(Protocol):
     def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None: ...
 
 
-def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
-    """:meth:`OSS.load_state_dict` (see there for what is checked and raised)."""
+def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Callable[[Dict[str, Any]], None]) -> None:
+    """:meth:`OSS.load_state_dict` (see there for what is checked and raised).
+
+    ``load_own`` is the next ``load_state_dict`` after OSS's in the instance's class order (``super()``'s, usually
+    torch's ``Optimizer.load_state_dict``; a mixin's in a subclass): it loads OSS's own groups and state.
+    """
     device = oss._params_device()
     error: Optional[Exception] = None
     try:
@@ -77,7 +81,7 @@ def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
     inner_groups = [dict(group) for group in oss.optim.param_groups]
     error = None
     try:
-        _load_checked(oss, state_dict)
+        _load_checked(oss, state_dict, load_own)
     except Exception as e:  # noqa: B902  # every rank puts its optimizer back below
         error = e
     try:
@@ -100,7 +104,7 @@ def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
     _empty_entries_of_other_ranks(oss, state_dict)
 
 
-def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
+def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Callable[[Dict[str, Any]], None]) -> None:
     """The load itself, once the dict passed the checks."""
     saved_groups = state_dict["param_groups"]
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
@@ -112,8 +116,7 @@ def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any]) -> None:
     # in the shard, and a duplicate here would be stale after the next step.
     own_state = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}
     held_groups = oss.param_groups
-    # OSS is an Optimizer; its own load_state_dict is the caller.
-    Optimizer.load_state_dict(oss, {"state": own_state, "param_groups": saved_groups})  # type: ignore[arg-type]
+    load_own({"state": own_state, "param_groups": saved_groups})
     # torch's load builds new group dicts. Other objects may hold the old ones: an LR scheduler of the optimizer
     # whose groups OSS was built from (Lightning's sharded strategies do that), or user code. Update the held
     # dicts in place and keep them, so that a schedule set on them still reaches OSS after a resume.

@@ -11,6 +11,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+import torch.distributed as dist
 from _models import (
     MIXED,
     DtypeRecorder,
@@ -181,6 +182,29 @@ def test_clip_grad_norm_with_one_stand_in_group_per_instance() -> None:
     clipped = torch.cat([p.grad.reshape(-1) for p in fsdp.parameters()])  # type: ignore[union-attr]
     reference = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])  # type: ignore[union-attr]
     torch.testing.assert_close(clipped.sort().values, reference.sort().values)
+
+
+def _clip_grad_norm_root_group_counts_body(rank: int, ws: int) -> None:
+    # Children on one-rank groups (each rank's gradients its own) under a root without parameters on the world group:
+    # the norm would be combined over the root's group, mixing independent models. Refused, gradients unchanged.
+    kw = dict(process_group_reduce_scatter=ProcessGroupName.default)
+    solo_a = [dist.new_group([r]) for r in range(ws)]
+    solo_b = [dist.new_group([r]) for r in range(ws)]
+    for second in (solo_a, solo_b):  # children on two groups, then both on the same one
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0] = FSDP(model[0], process_group=solo_a[rank], **kw)
+        model[1] = FSDP(model[1], process_group=second[rank], **kw)
+        root = FSDP(model)
+        (root(torch.randn(3, 4) * (1 + rank)) ** 2).sum().backward()
+        grads = [p.grad.clone() for p in root.parameters()]  # type: ignore[union-attr]
+        with pytest.raises(NotImplementedError, match="different process groups"):
+            root.clip_grad_norm_(1e-3)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, root.parameters()))
+
+
+def test_clip_grad_norm_counts_the_roots_group() -> None:
+    run_distributed(_clip_grad_norm_root_group_counts_body, 2)
 
 
 def _named_parameters_and_repr_body(rank: int, ws: int) -> None:

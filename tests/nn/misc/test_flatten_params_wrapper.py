@@ -398,6 +398,21 @@ def test_load_wrong_keys_reports_them() -> None:
         fpw.load_state_dict(make_seq().state_dict(), assign=True)
 
 
+def test_parent_load_with_assign_is_refused_before_the_wrapper_changes() -> None:
+    # torch would register the loaded tensor in place of the flat parameter, unseen by the wrapper's views: the
+    # load was lost silently ("All keys matched"). Refused with a message; the wrapper keeps its parameters.
+    parent: Any = nn.Sequential(FlattenParamsWrapper(make_seq()))
+    flat = parent[0].flat_param
+    before = flat.detach().clone()
+    source = nn.Sequential(make_seq()).state_dict()
+    with pytest.raises(ValueError, match="assign=True.*FlattenParamsWrapper at '0'"):
+        parent.load_state_dict({k: torch.zeros_like(v) for k, v in source.items()}, assign=True)
+    assert parent[0].flat_param is flat and parent[0]._parameters["flat_param_0"] is flat
+    assert torch.equal(flat, before)
+    parent.load_state_dict({k: torch.zeros_like(v) for k, v in source.items()})  # assign=False loads
+    assert not flat.any()
+
+
 def test_legacy_flat_param_key_loads() -> None:
     src: Any = FlattenParamsWrapper(make_seq())
     legacy = {"flat_param": src.flat_state_dict()["flat_param_0"]}

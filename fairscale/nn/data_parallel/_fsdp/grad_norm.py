@@ -30,9 +30,11 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
             f"{unreduced[:3]}{' ...' if len(unreduced) > 3 else ''}). Call it after the last backward of the "
             "accumulation window, the one outside no_sync()."
         )
-    configs = [u.config for u in root.tree_units() if u.handles]
-    # Groups of one rank (e.g. a DummyProcessGroup per instance, as on one process without torch.distributed)
-    # communicate nothing, so they differ in identity only: the local norm is the total either way.
+    # The root's group (over which the norm is combined below, even when the root owns no parameter) and the group
+    # of every instance that owns parameters. Groups of one rank (e.g. a DummyProcessGroup per instance, as on one
+    # process without torch.distributed) communicate nothing, so they differ in identity only: the local norm is
+    # the total either way, and nothing is combined.
+    configs = [root.config] + [u.config for u in root.tree_units() if u.handles]
     all_local = all(c.world_size == 1 and c.replicate_size == 1 for c in configs)
     if len({id(c.process_group) for c in configs}) > 1 and not all_local:
         raise NotImplementedError("clip_grad_norm_ with nested instances on different process groups")

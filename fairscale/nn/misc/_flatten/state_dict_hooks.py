@@ -129,7 +129,19 @@ def pre_load_state_dict_hook(
     unexpected_keys: List[str],
     error_msgs: List[str],
 ) -> None:
-    """``nn.Module`` load pre hook (registered with the module): map saved keys back to the module's paths."""
+    """``nn.Module`` load pre hook (registered with the module): map saved keys back to the module's paths.
+
+    Raises:
+        ValueError: a parent's ``load_state_dict(..., assign=True)`` reached a flattened wrapper: torch would register
+            the loaded tensor in place of the flat parameter, which the wrapper's views and ``flat_params`` would
+            not see (the load would be lost, silently). Raised before this wrapper changes.
+    """
+    if module.is_flattened and local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError(
+            f"load_state_dict(assign=True) cannot load into the FlattenParamsWrapper at '{prefix[:-1] or '(root)'}': "
+            "its parameters must stay views into its flat parameters; load with assign=False (modules loaded "
+            "before it in this call were already assigned)"
+        )
     if module.is_flattened and _DEFAULT_FLAT_KEY in module.flat_param_names:
         if prefix + _LEGACY_FLAT_KEY in state_dict and prefix + _DEFAULT_FLAT_KEY not in state_dict:
             _rename_key_(state_dict, prefix + _LEGACY_FLAT_KEY, prefix + _DEFAULT_FLAT_KEY)
