@@ -24,6 +24,9 @@ Written for this repository's `clients` CI stage (.ci/clients/run); docs/clients
    then abort the process (SIGABRT, "terminate called without an active exception"); an atexit handler destroys
    it while Python is still whole.
 
+6. bf16 on CPU: fairseq 0.12.2 makes --bf16 (and --memory-efficient-bf16) imply --tpu, i.e. torch_xla. The parsed
+   arguments get tpu=False back, so bf16 training runs on the CPU as it would on a GPU.
+
 Not a workaround: with CLIENTS_FAIRSEQ_STATS=path, rank 0 appends one JSON line per update to that file, with the
 update's loss and gradient norm at full precision (fairseq's own log rounds them to 3 decimals), for the comparisons
 of .ci/clients/fairseq_workload.py.
@@ -92,6 +95,19 @@ def _record_update_stats(path: str) -> None:
     Trainer._reduce_and_log_stats = reduce_and_log_stats
 
 
+def _bf16_without_tpu() -> None:
+    from fairseq import options
+
+    original = options.parse_args_and_arch
+
+    def parse_args_and_arch(*args, **kwargs):
+        parsed = original(*args, **kwargs)
+        parsed.tpu = False  # fairseq sets it for --bf16; there is no TPU here
+        return parsed
+
+    options.parse_args_and_arch = parse_args_and_arch
+
+
 def _destroy_process_group_at_exit() -> None:
     import atexit
 
@@ -111,6 +127,8 @@ def main() -> None:
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     _allow_dataclass_instance_defaults()
     _cpu_grad_norm()
+    if tool == "train":
+        _bf16_without_tpu()
     _destroy_process_group_at_exit()
     if os.environ.get("CLIENTS_FAIRSEQ_STATS"):
         _record_update_stats(os.environ["CLIENTS_FAIRSEQ_STATS"])

@@ -1,4 +1,5 @@
-"""Client workload: fairseq 0.12.2 `transformer_lm` with --ddp-backend fully_sharded (fairscale FSDP) on 2 CPU ranks.
+"""Client workload: fairseq 0.12.2 `transformer_lm` with fairscale FSDP (--ddp-backend fully_sharded) and OSS
+(--zero-sharding os) on 2 CPU ranks.
 
 Written for this repository's `clients` CI stage (.ci/clients/run); see docs/clients.rst. Run it with the python of
 a venv that has fairseq 0.12.2 and this repository installed; every fairseq command goes through fairseq_launch.py
@@ -17,7 +18,10 @@ Steps (all in a temporary folder):
      the same weights as the uninterrupted run: once with fairseq's default consolidated checkpoint (fairscale's
      gather_full_optim_state_dict / get_shard_from_optim_state_dict), once with --use-sharded-state (each rank
      saves and loads its own shard: local_state_dict / load_local_state_dict);
-  4. one process without torchrun (no torch.distributed): fully_sharded, which fairseq builds on
+  4. --zero-sharding os (fairseq's optimizer inside fairscale's OSS) against legacy_ddp, bit-exact; then with
+     --memory-efficient-bf16 (bf16 parameters, fp32 Adam moments in the consolidated optimizer state), a resume
+     after half the updates against the uninterrupted run, bit-exact;
+  5. one process without torchrun (no torch.distributed): fully_sharded, which fairseq builds on
      fairscale.utils.testing.DummyProcessGroup, against the same training without FSDP, as in step 2.
 
 Prints one result line per comparison, `fairseq: ... (ok)` or `(MISMATCH)`; exits non-zero on any mismatch or
@@ -261,6 +265,37 @@ def main() -> int:
                 f"({'ok' if good else 'MISMATCH'})",
                 flush=True,
             )
+
+        # --zero-sharding os: fairseq's optimizer wrapped in fairscale's OSS (consolidated optimizer state in its
+        # checkpoints). Against legacy_ddp without it; then with --memory-efficient-bf16 (bf16 parameters, fp32 Adam
+        # moments that OSS must load back in fp32: fairseq turns its own repair of torch's cast off under OSS), a
+        # resume against the uninterrupted run.
+        oss = ["--zero-sharding", "os"]
+        os_run = train(workdir, "zero-sharding-os", "legacy_ddp", args.updates, os.path.join(workdir, "ck-os"), oss)
+        dloss, dnorm = compare_updates(os_run, ddp)
+        dw = max_diff(weights(os.path.join(workdir, "ck-os")), weights(os.path.join(workdir, "ck-ddp")))
+        good = dloss == 0 and dnorm == 0 and dw == 0
+        ok &= good
+        print(
+            f"fairseq: --zero-sharding os vs legacy_ddp over {args.updates} updates: max|dloss| = {dloss:.3g}, "
+            f"max rel |dgnorm| = {dnorm:.3g}, final max|dw| = {dw:.3g} ({'ok' if good else 'MISMATCH'})",
+            flush=True,
+        )
+        bf16 = oss + ["--memory-efficient-bf16"]
+        full = train(workdir, "os-bf16", "legacy_ddp", args.updates, os.path.join(workdir, "ck-os-bf16"), bf16)
+        save_dir = os.path.join(workdir, "ck-os-bf16-resume")
+        first_half = train(workdir, "half-os-bf16", "legacy_ddp", half, save_dir, bf16)
+        second_half = train(workdir, "resumed-os-bf16", "legacy_ddp", args.updates, save_dir, bf16)
+        dloss, dnorm = compare_updates(first_half + second_half, full)
+        dw = max_diff(weights(save_dir), weights(os.path.join(workdir, "ck-os-bf16")))
+        good = dloss == 0 and dnorm == 0 and dw == 0 and second_half[0]["update"] == half + 1
+        ok &= good
+        print(
+            f"fairseq: --zero-sharding os --memory-efficient-bf16 resume after {half}/{args.updates} updates vs "
+            f"uninterrupted: max|dloss| = {dloss:.3g}, max rel |dgnorm| = {dnorm:.3g}, final max|dw| = {dw:.3g} "
+            f"({'ok' if good else 'MISMATCH'})",
+            flush=True,
+        )
 
         # One process, no torch.distributed: fairseq's fsdp_enable_wrap then passes
         # fairscale.utils.testing.DummyProcessGroup(rank=0, size=1) as the process group (an ImportError with
