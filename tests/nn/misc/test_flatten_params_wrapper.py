@@ -392,7 +392,9 @@ def test_load_wrong_keys_reports_them() -> None:
     assert result.missing_keys == ["1.1.0.weight"] and result.unexpected_keys == []
     assert torch.equal(parent[1].module[0].bias, sd["1.0.bias"])  # the present names were loaded
     sd["1.0.bias"] = torch.zeros(4)
-    with pytest.raises(RuntimeError, match=r"size mismatch for 1\.0\.bias: copying a param with shape \(4,\)"):
+    with pytest.raises(
+        RuntimeError, match=r"size mismatch for 1\.0\.bias: copying a param with shape torch\.Size\(\[4\]\)"
+    ):
         parent.load_state_dict(sd, strict=False)
     with pytest.raises(ValueError, match="assign=True"):
         fpw.load_state_dict(make_seq().state_dict(), assign=True)
@@ -411,6 +413,37 @@ def test_parent_load_with_assign_is_refused_before_the_wrapper_changes() -> None
     assert torch.equal(flat, before)
     parent.load_state_dict({k: torch.zeros_like(v) for k, v in source.items()})  # assign=False loads
     assert not flat.any()
+
+
+class _WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+
+def test_nested_in_parent_checks_values_as_nn_module_does() -> None:
+    # A 0-dim parameter accepts a 1-dim value (torch's rule for old checkpoints); a non-tensor value and a wrong shape
+    # give nn.Module's own messages.
+    def build(wrap: bool) -> Any:
+        torch.manual_seed(0)
+        inner = _WithScalar()
+        return nn.Sequential(FlattenParamsWrapper(inner) if wrap else inner)
+
+    plain, wrapped = build(False), build(True)
+    sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    sd["0.scale"] = torch.tensor([5.0])
+    for model in (plain, wrapped):
+        model.load_state_dict(dict(sd))
+    assert_state_dicts_equal(wrapped.state_dict(), plain.state_dict())
+    assert wrapped.state_dict()["0.scale"].item() == 5.0
+    for bad, message in ((3.0, "expected torch.Tensor or Tensor-like object"), (torch.zeros(2, 3), "size mismatch")):
+        errors = []
+        for model in (plain, wrapped):
+            with pytest.raises(RuntimeError, match=message) as info:
+                model.load_state_dict({**sd, "0.linear.weight": bad})
+            errors.append(str(info.value))
+        assert errors[0] == errors[1]
 
 
 def test_legacy_flat_param_key_loads() -> None:

@@ -238,11 +238,19 @@ def _fold_original_keys(
                         missing.append((position, key))
                         continue
                     value = state_dict.pop(key)
-                    if not isinstance(value, Tensor) or value.shape != shape:
-                        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    # nn.Module's checks and messages, in its order.
+                    if not isinstance(value, Tensor):
                         error_msgs.append(
-                            f"size mismatch for {shown(key)}: copying a param with shape {got} from checkpoint, "
-                            f"the shape in current model is {tuple(shape)}."
+                            f'While copying the parameter named "{shown(key)}", expected torch.Tensor or Tensor-like '
+                            f"object from checkpoint but received {type(value)}"
+                        )
+                        continue
+                    if len(shape) == 0 and value.dim() == 1:  # torch's rule for 0-dim parameters saved as 1-dim
+                        value = value[0]
+                    if value.shape != shape:
+                        error_msgs.append(
+                            f"size mismatch for {shown(key)}: copying a param with shape {value.shape} from "
+                            f"checkpoint, the shape in current model is {torch.Size(shape)}."
                         )
                         continue
                     pieces[i] = value.detach().reshape(-1).to(dtype=flat.dtype, device=flat.device)
