@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _fsdp_bench.heap import HEAP_METHOD_PREFIX, HeapSampler, heap_in_use  # noqa: E402
 from _fsdp_bench.model import GPT  # noqa: E402
+from _fsdp_bench.peers import fsdp2_cpu_problem  # noqa: E402
 from _fsdp_bench.scenario_args import split_scenario_args  # noqa: E402
 from _fsdp_bench.worlds import run_function  # noqa: E402
 from fairscale.internal import collectives  # noqa: E402
@@ -344,6 +345,10 @@ def format_table(result: Dict[str, Any], cfg: DcpConfig) -> str:
 def run(argv: Sequence[str]) -> int:
     """Run the scenario with the command line ``argv``; returns the exit code."""
     cfg = parse_args(argv)
+    problem = fsdp2_cpu_problem()
+    if problem is not None:  # every row of this scenario is measured side by side with FSDP2's
+        print(f"the dcp scenario compares with FSDP2, and {problem}; nothing was measured", file=sys.stderr)
+        return 2
     directory = cfg.directory or tempfile.mkdtemp(prefix="dcp_benchmark_")
     os.makedirs(directory, exist_ok=True)
     try:

@@ -19,6 +19,7 @@ Run through the main job (``python benchmarks/fsdp.py --scenario pipe``) or alon
 (``python benchmarks/pipe_scenario.py --layers 4 --steps 5``). The world has 2 ranks.
 """
 
+import inspect
 import json
 import os
 import statistics
@@ -77,7 +78,9 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, clock: "StageClock", edge: str) -> Tensor:
         ctx.clock, ctx.edge = clock, edge
-        return x.view_as(x)
+        # A new tensor on the same storage (no copy) that is not a view: torch 2.6's pipelining detaches the last
+        # stage's outputs in place, which views refuse ("Can't detach views in-place").
+        return x.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None, None]:
@@ -195,7 +198,14 @@ def _make_step(variant: str, model: nn.Sequential, chunks: int, rank: int, devic
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     stage = PipelineStage(model[rank], rank, STAGES, device)
-    schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=lm_loss)
+    # torch >= 2.7 divides the summed micro-batch gradients by their number (scale_grads, on by default), as Pipe's
+    # mean loss does; before, it summed them: there each micro-batch's loss is divided here instead.
+    per_chunk = 1 if "scale_grads" in inspect.signature(ScheduleGPipe.__init__).parameters else chunks
+
+    def loss_fn(out: Tensor, targets: Tensor) -> Tensor:
+        return lm_loss(out, targets) / per_chunk
+
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=loss_fn)
 
     def torch_step(inputs: Tensor, targets: Tensor) -> Optional[float]:
         if rank == 0:
@@ -203,7 +213,7 @@ def _make_step(variant: str, model: nn.Sequential, chunks: int, rank: int, devic
             return None
         step_losses: List[Tensor] = []
         schedule.step(target=targets, losses=step_losses)
-        return float(torch.stack(step_losses).mean())
+        return float(torch.stack(step_losses).mean()) * per_chunk
 
     return torch_step
 

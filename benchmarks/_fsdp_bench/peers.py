@@ -104,6 +104,8 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
     every rank, before anything collective happens."""
     if spec.peer == "fsdp2" and _fully_shard() is None:
         return f"torch {torch.__version__} has no fully_shard (FSDP2 needs torch >= 2.4)"
+    if spec.peer == "fsdp2" and cfg.device == "cpu" and fsdp2_cpu_problem() is not None:
+        return fsdp2_cpu_problem()
     nodes, rest = divmod(cfg.world_size, cfg.hybrid_ranks_per_node)
     if spec.hybrid and (rest or nodes < 2):
         return f"a world of {cfg.world_size} ranks is not >= 2 nodes of {cfg.hybrid_ranks_per_node} ranks"
@@ -122,6 +124,16 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         # Measured: FSDP1 frees a unit's parameters after the first recomputed block's backward, and the next
         # block's recomputation then reads freed storage.
         return "FSDP1 fails with checkpointed blocks inside a bigger unit; use --auto-wrap-policy block"
+    return None
+
+
+def fsdp2_cpu_problem() -> Optional[str]:
+    """Why torch's FSDP2 cannot train on the CPU with this torch, or ``None`` when it can."""
+    if _fully_shard() is None:
+        return f"torch {torch.__version__} has no fully_shard (FSDP2 needs torch >= 2.4)"
+    if not hasattr(torch.cpu.Stream, "record_event"):
+        # Measured on torch 2.6: FSDP2's first all-gather records an event on its CPU stream.
+        return f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)"
     return None
 
 

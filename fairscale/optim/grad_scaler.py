@@ -14,6 +14,7 @@ all deliberate:
 
 import math
 import numbers
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -190,14 +191,28 @@ class _ScalerBase(CudaAmpGradScaler):
         Args:
             state_dict (Dict[str, Any]): what :meth:`state_dict` returned.
 
+        An empty ``state_dict`` (what a disabled scaler saves) loaded into a scaler enabled on another device than
+        CUDA keeps the current state, with a warning: upstream's scalers, and ``torch.cuda.amp.GradScaler``, are
+        disabled without CUDA, so every checkpoint they wrote on such a machine holds ``{}``, which this scaler
+        (enabled there) has to resume from.
+
         Raises:
-            RuntimeError: enabled, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
+            RuntimeError: enabled on CUDA, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
             KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
             ValueError: enabled, and the saved scale is not positive or beyond float32's range, or the backoff
                 factor is not positive.
             TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), or
                 the interval or the tracker is not a non-negative integer.
         """
+        if self._enabled and not state_dict and getattr(self, "_device", "cuda") != "cuda":
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: the state dict is empty, saved by a disabled scaler "
+                "(upstream fairscale's and torch.cuda.amp's scalers are disabled without CUDA); this scaler, enabled "
+                f"on {self._device}, keeps its current state (scale {self.get_scale()})",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         if self._enabled and state_dict:
             missing = [key for key in _STATE_KEYS if key not in state_dict]
             if missing:

@@ -25,7 +25,7 @@ from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.formula import compare, cost_model, padded_numel, zero3_per_step  # noqa: E402
 from _fsdp_bench.model import build_model, unit_param_numels, wrap_plan  # noqa: E402
-from _fsdp_bench.peers import _cpu_streams_take_priority, _fully_shard  # noqa: E402
+from _fsdp_bench.peers import _cpu_streams_take_priority, fsdp2_cpu_problem  # noqa: E402
 
 TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32", "--batch", "2"]
 
@@ -141,10 +141,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return data
 
 
-# The peers this torch runs on the CPU (torch 2.1: neither FSDP2, which it lacks, nor FSDP1, which needs CUDA there).
+# The peers this torch runs on the CPU (torch 2.1: neither FSDP2, which it lacks, nor FSDP1, which needs CUDA there;
+# torch 2.6: no FSDP2, whose CPU streams cannot record events).
 PEERS = (
     {"fairscale", "ddp"}
-    | ({"fsdp2"} if _fully_shard() else set())
+    | ({"fsdp2"} if fsdp2_cpu_problem() is None else set())
     | ({"fsdp1"} if _cpu_streams_take_priority() else set())
 )
 

@@ -193,12 +193,24 @@ def test_refused_load_state_dict_changes_nothing(scale_used: bool) -> None:
         scaler.load_state_dict({**good, **accepted})
         assert scaler.get_scale() == float(accepted.get("scale", good["scale"]))
     scaler.load_state_dict(before)
-    with pytest.raises(RuntimeError, match="empty"):  # torch's own check, kept
-        scaler.load_state_dict({})
     assert scaler.state_dict() == before
     scaler.load_state_dict(good)
     assert scaler.state_dict() == good
     GradScaler(enabled=False).load_state_dict({"anything": 1})  # a disabled scaler ignores it, as torch's
+
+
+def test_an_empty_state_from_a_disabled_scaler_keeps_the_cpu_scalers_state() -> None:
+    # Upstream's scalers and torch.cuda.amp's are disabled without CUDA: their checkpoints there hold {} (ESPnet's
+    # --use_amp on CPU, resumed with --sharded_ddp). This scaler is enabled on the CPU and resumes from them.
+    if not device_generic_amp_scaler():
+        pytest.skip("torch < 2.3: the scalers are CUDA-only, disabled on the CPU (any state is ignored)")
+    scaler = ShardedGradScaler(init_scale=8.0, growth_interval=3)
+    _run_scaler(scaler, inf_steps=[])
+    before = scaler.state_dict()
+    with pytest.warns(UserWarning, match="saved by a disabled scaler.*keeps its current state"):
+        scaler.load_state_dict({})
+    assert scaler.is_enabled() and scaler.state_dict() == before
+    _run_scaler(scaler, inf_steps=[])  # and it goes on scaling
 
 
 def test_a_failure_inside_torchs_loader_puts_the_scaler_back(monkeypatch: pytest.MonkeyPatch) -> None:

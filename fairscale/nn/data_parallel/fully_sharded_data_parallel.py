@@ -296,7 +296,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     # ------------------------------------------------------------------ forward and backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if is_compiling():  # one call per unit and forward when not compiling (this runs for every unit)
-            return compile_support.forward_outside_compiler(self._fsdp_unit, args, kwargs)
+            return compile_support.forward_outside_compiler(self, args, kwargs)
         return runtime.forward(self._fsdp_unit, args, kwargs)
 
     def _lazy_init(self) -> None:

@@ -408,28 +408,37 @@ class ShardedDataParallel(nn.Module):
         Args:
             blocking (bool): wait for the broadcasts to finish.
         """
-        handles: List[WorkHandle] = []
-        for buffer in self.module.buffers(recurse=True):
-            handle = collectives.broadcast(
-                buffer.data, src=self._reference_global_rank, group=self._process_group, async_op=True
-            )
-            handles.append(cast(WorkHandle, handle))  # async_op=True: always a handle
-        if blocking:
-            for handle in handles:
-                handle.wait()
+        self._broadcast_from_reference([b.data for b in self.module.buffers(recurse=True)], blocking)
 
     def _sync_params_and_buffers(self) -> None:
         """Make every rank start from group rank 0's parameters and buffers."""
-        handles: List[WorkHandle] = []
         with torch.no_grad():
-            for tensor in self.module.state_dict().values():
-                if isinstance(tensor, torch.Tensor):
-                    handle = collectives.broadcast(
-                        tensor, src=self._reference_global_rank, group=self._process_group, async_op=True
-                    )
-                    handles.append(cast(WorkHandle, handle))  # async_op=True: always a handle
-        for handle in handles:
+            tensors = [t for t in self.module.state_dict().values() if isinstance(t, torch.Tensor)]
+            self._broadcast_from_reference(tensors, blocking=True)
+
+    def _broadcast_from_reference(self, tensors: List[torch.Tensor], blocking: bool) -> None:
+        """Broadcast ``tensors`` in place from group rank 0; wait for them when ``blocking``."""
+        handles: List[WorkHandle] = []
+        staged: List[Tuple[torch.Tensor, torch.Tensor, WorkHandle]] = []
+        for tensor in tensors:
+            # Collectives need dense memory. A non-contiguous tensor (a buffer registered transposed, as ESPnet's
+            # mel filterbank is) goes through a contiguous copy, written back once it arrived (torch's DDP syncs
+            # such buffers too). Those few are waited for here even when not blocking: the copy-back needs them.
+            target = tensor if tensor.is_contiguous() else tensor.contiguous()
+            handle = collectives.broadcast(
+                target, src=self._reference_global_rank, group=self._process_group, async_op=True
+            )
+            handle = cast(WorkHandle, handle)  # async_op=True: always a handle
+            if target is tensor:
+                handles.append(handle)
+            else:
+                staged.append((tensor, target, handle))
+        for tensor, target, handle in staged:
             handle.wait()
+            tensor.copy_(target)
+        if blocking:
+            for handle in handles:
+                handle.wait()
 
     def to(  # type: ignore[override]
         self,

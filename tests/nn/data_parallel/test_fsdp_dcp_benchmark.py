@@ -26,6 +26,9 @@ except ImportError:  # pragma: no cover - torch without FSDP2
     _rank_body = None
 
 pytestmark = pytest.mark.skipif(_rank_body is None, reason="needs torch with FSDP2 (fully_shard)")
+if _rank_body is not None:
+    from _fsdp_bench.peers import fsdp2_cpu_problem  # noqa: E402
+
 
 TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "64", "--repeats", "1"]
 TINY += ["--memory-passes", "1"]
@@ -42,6 +45,8 @@ def test_options() -> None:
 
 
 def test_tiny_run(tmp_path: Any) -> None:
+    if fsdp2_cpu_problem() is not None:
+        pytest.skip(str(fsdp2_cpu_problem()))
     cfg = parse_args(TINY)
     per_rank = run_distributed(_rank_body, 2, cfg, str(tmp_path))
     result = summarize(per_rank, cfg)

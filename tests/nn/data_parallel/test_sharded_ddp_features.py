@@ -246,6 +246,22 @@ def _rewrap_case(rank: int) -> None:
     assert counter.count("reduce") == len(list(model.parameters())), counter.summary()
 
 
+def _non_contiguous_buffer_case(rank: int) -> None:
+    # ESPnet registers its mel filterbank transposed: collectives refuse non-contiguous memory, torch's DDP syncs it.
+    model = nn.Linear(4, 3)
+    model.register_buffer("filterbank", torch.full((3, 5), float(rank)).t())
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    # The startup sync gave every rank rank 0's values, in the buffer's own (still transposed) storage.
+    assert torch.equal(model.filterbank, torch.zeros(5, 3)) and not model.filterbank.is_contiguous()
+    with torch.no_grad():
+        model.filterbank.fill_(float(rank + 1))  # the ranks drift apart
+    sdp(torch.randn(2, 4)).sum().backward()  # the forward broadcasts the buffers again
+    assert torch.equal(model.filterbank, torch.ones(5, 3)), model.filterbank
+    model.filterbank.fill_(float(rank + 5))
+    sdp.sync_buffers()  # not blocking: the staged copy is written back before it returns
+    assert torch.equal(model.filterbank, torch.full((5, 3), 5.0)), model.filterbank
+
+
 def _world2_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Any]] = []
     for broadcast_buffers in (True, False):
@@ -267,6 +283,7 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("refresh_count,no_warn", lambda: _refresh_count_case(rank, False)),
         ("dtype_change", lambda: _dtype_change_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
+        ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),
     ]
     run_cases(cases)
 

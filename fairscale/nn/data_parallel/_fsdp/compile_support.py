@@ -11,7 +11,7 @@ graph break, :mod:`fairscale.internal.compiler`), so such a model trains as with
 says where compiling pays.
 """
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Protocol, Tuple
 
 from fairscale.internal.compiler import call_outside_compiler
 
@@ -25,6 +25,19 @@ _WARNING = (
 )
 
 
-def forward_outside_compiler(unit: FSDPUnit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """FSDP's forward as a call the compiler does not trace (the caller checked that it is tracing)."""
-    return call_outside_compiler(runtime.forward, unit, args, kwargs, warning=_WARNING)
+class _HasUnit(Protocol):
+    @property
+    def _fsdp_unit(self) -> FSDPUnit: ...
+
+
+def _forward_of(front: _HasUnit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    return runtime.forward(front._fsdp_unit, args, kwargs)
+
+
+def forward_outside_compiler(front: _HasUnit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """FSDP's forward as a call the compiler does not trace (the caller checked that it is tracing).
+
+    Takes the front module, not its unit: even the lookup of the unit (``self.__dict__[...]`` in a property) stays out
+    of the compiler, whose tracing of it recursed without end on torch 2.6.
+    """
+    return call_outside_compiler(_forward_of, front, args, kwargs, warning=_WARNING)

@@ -100,11 +100,14 @@ def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
     """
     # As torch's reader does (the helpers are private, so each is looked up with a fallback for other versions).
     get_path = getattr(reader, "_get_metadata_path", None)
+    fs = getattr(reader, "fs", None)
     if get_path is not None:
         path = get_path(rank)
+    elif fs is not None and hasattr(fs, "concat_path"):
+        # torch 2.4-2.6: the reader's file system opens what its own concat_path makes (a Path; a str has no .open).
+        path = fs.concat_path(reader.path, ".metadata")
     else:
         path = os.path.join(os.fspath(reader.path), ".metadata")
-    fs = getattr(reader, "fs", None)
     with fs.create_stream(path, "rb") if fs is not None else open(path, "rb") as f:
         metadata = unpickle_metadata(f, os.fspath(path))
     storage_meta_cls = getattr(importlib.import_module("torch.distributed.checkpoint.metadata"), "StorageMeta", None)
