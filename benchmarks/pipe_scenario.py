@@ -151,7 +151,8 @@ def _run_variant(variant: str, cfg: BenchConfig, chunks: int, rank: int) -> Dict
     times: List[float] = []
     busy: List[List[float]] = []  # per step: compute seconds of each stage hosted here
     handle.reset_peak_memory_stats()
-    step_fn = _make_step(variant, model, chunks, rank, device)
+    first_micro_batch = corpus.batch(0, 0, 0, 1, cfg.batch)[0].to(device).tensor_split(chunks)[0]
+    step_fn = _make_step(variant, model, chunks, rank, device, first_micro_batch)
     for step in range(cfg.warmup + cfg.steps):
         inputs, targets = (t.to(device) for t in corpus.batch(step, 0, 0, 1, cfg.batch))
         collectives.barrier()
@@ -170,7 +171,9 @@ def _run_variant(variant: str, cfg: BenchConfig, chunks: int, rank: int) -> Dict
     return {"times": times, "busy": busy, "losses": losses, "peak_bytes": peak}
 
 
-def _make_step(variant: str, model: nn.Sequential, chunks: int, rank: int, device: torch.device) -> Any:
+def _make_step(
+    variant: str, model: nn.Sequential, chunks: int, rank: int, device: torch.device, first_micro_batch: Tensor
+) -> Any:
     balance = [1, 1]
     if variant == "Pipe":
         if rank != 0:
@@ -197,7 +200,16 @@ def _make_step(variant: str, model: nn.Sequential, chunks: int, rank: int, devic
         return async_step
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    stage = PipelineStage(model[rank], rank, STAGES, device)
+    kwargs: Dict[str, Any] = {}
+    input_args = inspect.signature(PipelineStage.__init__).parameters.get("input_args")
+    if input_args is not None and input_args.default is inspect.Parameter.empty:
+        # torch 2.4's stages take example inputs and outputs instead of learning the shapes from the first step
+        # (without outputs it runs the stage on uninitialised inputs: token ids out of the vocabulary).
+        with torch.no_grad():
+            hidden = model[0](first_micro_batch)
+            kwargs["input_args"] = (first_micro_batch if rank == 0 else hidden,)
+            kwargs["output_args"] = (hidden if rank == 0 else model[1](hidden),)
+    stage = PipelineStage(model[rank], rank, STAGES, device, **kwargs)
     # torch >= 2.7 divides the summed micro-batch gradients by their number (scale_grads, on by default), as Pipe's
     # mean loss does; before, it summed them: there each micro-batch's loss is divided here instead.
     per_chunk = 1 if "scale_grads" in inspect.signature(ScheduleGPipe.__init__).parameters else chunks

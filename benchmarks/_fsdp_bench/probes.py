@@ -172,7 +172,11 @@ def _start_ns(e: Any) -> int:
 
 
 def _end_ns(e: Any) -> int:
-    return int(e.end_ns()) if hasattr(e, "end_ns") else (int(e.start_us()) + int(e.duration_us())) * 1000
+    if hasattr(e, "end_ns"):
+        return int(e.end_ns())
+    if hasattr(e, "duration_ns"):  # torch 2.4: start and duration in nanoseconds, no end
+        return int(e.start_ns()) + int(e.duration_ns())
+    return (int(e.start_us()) + int(e.duration_us())) * 1000
 
 
 def _ranges(events: List[Any], name: str) -> List[Tuple[int, int]]:

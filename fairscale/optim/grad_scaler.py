@@ -15,7 +15,7 @@ all deliberate:
 import math
 import numbers
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -204,7 +204,8 @@ class _ScalerBase(CudaAmpGradScaler):
             TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), or
                 the interval or the tracker is not a non-negative integer.
         """
-        if self._enabled and not state_dict and getattr(self, "_device", "cuda") != "cuda":
+        empty = isinstance(state_dict, Mapping) and len(state_dict) == 0  # None stays torch's TypeError
+        if self._enabled and empty and torch.device(getattr(self, "_device", "cuda")).type != "cuda":
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: the state dict is empty, saved by a disabled scaler "
                 "(upstream fairscale's and torch.cuda.amp's scalers are disabled without CUDA); this scaler, enabled "

@@ -211,6 +211,8 @@ def test_an_empty_state_from_a_disabled_scaler_keeps_the_cpu_scalers_state() -> 
         scaler.load_state_dict({})
     assert scaler.is_enabled() and scaler.state_dict() == before
     _run_scaler(scaler, inf_steps=[])  # and it goes on scaling
+    with pytest.raises(TypeError):  # no state at all (a checkpoint without the entry) is not an empty one
+        scaler.load_state_dict(None)  # type: ignore[arg-type]
 
 
 def test_a_failure_inside_torchs_loader_puts_the_scaler_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -406,7 +406,8 @@ class ShardedDataParallel(nn.Module):
         """Broadcast the module's buffers from group rank 0.
 
         Args:
-            blocking (bool): wait for the broadcasts to finish.
+            blocking (bool): wait for the broadcasts to finish (those of non-contiguous buffers, which go through a
+                contiguous copy, are always waited for).
         """
         self._broadcast_from_reference([b.data for b in self.module.buffers(recurse=True)], blocking)
 
