@@ -436,7 +436,7 @@ class ShardedDataParallel(nn.Module):
                 staged.append((tensor, target, handle))
         for tensor, target, handle in staged:
             handle.wait()
-            tensor.copy_(target)
+            _write_back(tensor, target)
         if blocking:
             for handle in handles:
                 handle.wait()
@@ -505,3 +505,17 @@ def _world_group() -> Any:
 
 def _global_rank(group: Any, rank: int) -> int:
     return get_global_rank(group, rank) if dist.is_initialized() else rank
+
+
+def _write_back(tensor: torch.Tensor, received: torch.Tensor) -> None:
+    """Copy ``received`` (a dense copy of ``tensor`` as group rank 0 holds it) into ``tensor``'s own memory.
+
+    A dimension of stride 0 (a buffer made with ``expand``) repeats one slice of memory: torch refuses to copy into
+    it element by element, so only index 0 of such dimensions is written (all the memory there is; rank 0's tensor,
+    expanded alike, holds the same values at every index). Other overlapping layouts (``as_strided`` windows) take
+    the copy as it is: the elements sharing memory receive equal values from rank 0's tensor of the same layout.
+    """
+    for dim in range(tensor.dim()):
+        if tensor.stride(dim) == 0 and tensor.size(dim) > 1:
+            tensor, received = tensor.narrow(dim, 0, 1), received.narrow(dim, 0, 1)
+    tensor.copy_(received)

@@ -262,6 +262,28 @@ def _non_contiguous_buffer_case(rank: int) -> None:
     assert torch.equal(model.filterbank, torch.full((5, 3), 5.0)), model.filterbank
 
 
+def _expanded_buffer_case(rank: int) -> None:
+    # A buffer made with expand() has stride 0: its memory is one row, which the write-back fills once.
+    model = nn.Linear(4, 3)
+    row = torch.full((1, 3), float(rank))
+    model.register_buffer("expanded", row.expand(4, 3))
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    assert torch.equal(model.expanded, torch.zeros(4, 3)) and model.expanded.stride() == (0, 1)
+    row.fill_(float(rank + 1))
+    sdp(torch.randn(2, 4)).sum().backward()
+    assert torch.equal(model.expanded, torch.ones(4, 3)) and model.expanded.data_ptr() == row.data_ptr()
+
+
+def _overlapping_buffer_case(rank: int) -> None:
+    # Windows over one storage (as_strided, elements shared without a stride of 0) take rank 0's values as well.
+    model = nn.Linear(4, 3)
+    storage = torch.arange(4.0) + 10 * rank
+    model.register_buffer("windows", storage.as_strided((3, 2), (1, 1)))
+    ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    assert torch.equal(storage, torch.arange(4.0)), storage
+    assert torch.equal(model.windows, torch.tensor([[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]])), model.windows
+
+
 def _world2_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Any]] = []
     for broadcast_buffers in (True, False):
@@ -284,6 +306,8 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("dtype_change", lambda: _dtype_change_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
         ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),
+        ("expanded_buffer", lambda: _expanded_buffer_case(rank)),
+        ("overlapping_buffer", lambda: _overlapping_buffer_case(rank)),
     ]
     run_cases(cases)
 
