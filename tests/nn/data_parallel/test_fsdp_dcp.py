@@ -65,15 +65,16 @@ def fairscale_model(seed: int, mode: str, **kwargs: Any) -> Tuple[FSDP, torch.op
     return fsdp, torch.optim.Adam(fsdp.parameters(), lr=0.5)  # lr and state come from the checkpoint
 
 
-def fsdp2_runs_on_cpu() -> bool:
-    """Whether torch's FSDP2 can run a forward on the CPU: its streams there must record events (torch 2.6's
-    ``torch.cpu.Stream`` has no ``record_event``; FSDP2's first all-gather fails on it)."""
-    return fully_shard is not None and hasattr(torch.cpu.Stream, "record_event")
+def skip_unless_fsdp2_runs_on_cpu() -> None:
+    """Skip the case unless torch's FSDP2 can run a forward on the CPU: its streams there must record events (torch
+    2.6's ``torch.cpu.Stream`` has no ``record_event``; FSDP2's first all-gather fails on it). The same answer on
+    every rank: each skips the case."""
+    if fully_shard is None or not hasattr(torch.cpu.Stream, "record_event"):
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
 
 
 def fsdp2_model(seed: int, world_size: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    if not fsdp2_runs_on_cpu():  # the same answer on every rank: each skips this case
-        pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
+    skip_unless_fsdp2_runs_on_cpu()
     torch.manual_seed(seed)
     model = MODEL()
     mesh = init_device_mesh("cpu", (world_size,))

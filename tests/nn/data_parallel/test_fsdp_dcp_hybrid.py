@@ -29,12 +29,12 @@ from test_fsdp_dcp import (
     check_scalar_parameter,
     directory_bytes,
     fsdp2_load,
-    fsdp2_runs_on_cpu,
     fsdp2_state,
     full_model,
     full_optim,
     load_plain_module,
     record_reference,
+    skip_unless_fsdp2_runs_on_cpu,
     train,
 )
 from torch import Tensor, nn
@@ -75,8 +75,7 @@ def fairscale_model(seed: int, mode: str, groups: Groups, **kwargs: Any) -> Tupl
 
 def fsdp2_model(seed: int, mesh: Any) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP2 over ``mesh``: 1-D (full sharding) or 2-D ``("replicate", "shard")`` (HSDP)."""
-    if not fsdp2_runs_on_cpu():  # the same answer on every rank: each skips this case
-        pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
+    skip_unless_fsdp2_runs_on_cpu()
     torch.manual_seed(seed)
     model = MODEL()
     for path in MODEL.NESTED:
