@@ -41,12 +41,19 @@ def _python_files():
                 yield os.path.relpath(path, ROOT), path
 
 
+# Python 3.12 tokenizes an f-string into pieces (PEP 701): its literal text comes as FSTRING_MIDDLE tokens (3.14 adds
+# template strings, TSTRING_MIDDLE); the expressions in its braces stay code.
+_PROSE_TOKENS = {tokenize.STRING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE} | {
+    getattr(tokenize, name) for name in ("FSTRING_MIDDLE", "TSTRING_MIDDLE") if hasattr(tokenize, name)
+}
+
+
 def _code_lines(path):
     """Each line's code with strings, docstrings and comments removed (so prose may name torch.cuda)."""
     lines = {}
     with open(path) as f:
         for tok in tokenize.generate_tokens(f.readline):
-            if tok.type in (tokenize.STRING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE):
+            if tok.type in _PROSE_TOKENS:
                 continue
             lines.setdefault(tok.start[0], []).append(tok.string)
     return {n: "".join(parts) for n, parts in lines.items()}
@@ -94,6 +101,22 @@ def test_collectives_owner_is_the_package_only():
     assert _is_owner(CUDA_OWNER, CUDA_OWNER) and not _is_owner(CUDA_OWNER + "x", CUDA_OWNER)
     offending = {"dist.all_reduce(t)", "torch.distributed.send(t, 1)", "dist.barrier()"}
     assert all(COLLECTIVE_PATTERN.search(code) for code in offending)
+
+
+def test_code_lines_skip_prose(tmp_path):
+    """Strings, f-strings' literal text (separate tokens since Python 3.12) and comments are prose; an f-string's
+    expressions are code."""
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "x = 1  # torch.cuda in a comment\n"
+        "s = 'torch.cuda in a string'\n"
+        'f = f"""torch.cuda in an f-string {x}\n'
+        'torch.cuda on its second line"""\n'
+        "g = f'{torch.cuda.is_available()}'\n"
+    )
+    offending = {n: code for n, code in _code_lines(str(source)).items() if CUDA_PATTERN.search(code)}
+    # Before 3.12 an f-string is one STRING token, expressions included: the gate cannot see code inside one there.
+    assert list(offending) == ([5] if sys.version_info >= (3, 12) else []), offending
 
 
 def _missing(module: str) -> bool:

@@ -91,6 +91,16 @@ def test_signature_rules(candidate: Dict[str, Any], problem: Any) -> None:
         assert [d.key for d in diffs] == ["signature fairscale.m:f"] and problem in diffs[0].detail, diffs
 
 
+def test_module_defaults_compare_by_name() -> None:
+    # A module's repr names its file, which depends on the Python version and install (upstream's snapshot was taken
+    # on 3.11; Python 3.12 then saw a difference in RemoteModuleTracer's `autowrap_modules=(math,)`).
+    reference = _dump({"f": _fn(("m", P, "(<module 'math' from '/py3.11/math.cpython-311.so'>,)"))})
+    assert cmp.compare(reference, _dump({"f": _fn(("m", P, "(<module 'math' from '/py3.12/m.so'>,)"))})) == []
+    diffs = cmp.compare(reference, _dump({"f": _fn(("m", P, "(<module 'cmath' from '/py3.12/m.so'>,)"))}))
+    assert len(diffs) == 1 and "'m' defaults to (<module 'cmath'>,), upstream (<module 'math'>,)" in diffs[0].detail
+    assert surface._stable_repr((surface,)) == "(<module 'tools.upstream_api.surface'>,)"
+
+
 def test_names_members_and_allowlist(tmp_path: Any) -> None:
     cls = {"kind": "class", "mro": [], "signature": [], "members": {"step": _fn(("self", P))}}
     reference = _dump({"f": _fn(), "C": cls, "E": {"kind": "enum", "enum_members": ["A", "B"]}, "torch": _fn()})

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .surface import stable_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SNAPSHOT = os.path.join(HERE, "upstream-0.4.13.json")
 ALLOWLIST = os.path.join(HERE, "allowlist.txt")
@@ -119,8 +121,8 @@ def signature_problem(reference: Optional[List[List[str]]], candidate: Optional[
             return f"position {i} is {cand[0]!r}, upstream {ref[0]!r}"
         if cand[1] != ref[1] and (ref[1], cand[1]) not in _COMPATIBLE_KINDS:
             return f"{ref[0]!r} is {cand[1]}, upstream {ref[1]}"
-        ref_default = ref[2] if len(ref) > 2 else None
-        cand_default = cand[2] if len(cand) > 2 else None
+        ref_default = stable_text(ref[2]) if len(ref) > 2 else None
+        cand_default = stable_text(cand[2]) if len(cand) > 2 else None
         if ref_default != cand_default:
             return f"{ref[0]!r} defaults to {cand_default or '<required>'}, upstream {ref_default or '<required>'}"
     for extra in candidate[len(reference) :]:

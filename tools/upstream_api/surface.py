@@ -38,6 +38,9 @@ PACKAGE = "fairscale"
 FORMAT = 1
 _CONSTANT_TYPES = (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset, type(None))
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# A module's repr names its file, which depends on the Python version and install (``<module 'math' from
+# '/usr/lib/python3.12/lib-dynload/math.cpython-312-x86_64-linux-gnu.so'>``): the name alone is kept.
+_MODULE_FILE = re.compile(r"(<module '[^']*') from '[^']*'>")
 _FLAT_LIST = re.compile(r"\[[^\[\]{}]*\]")
 
 Param = List[Any]  # [name, kind] or [name, kind, default repr]
@@ -56,7 +59,13 @@ def _stable_repr(value: Any) -> str:
     torch_module = sys.modules.get("torch")
     if isinstance(value, str) and torch_module is not None and value == getattr(torch_module, "__version__", None):
         return "torch.__version__"  # a default such as torch_version(version=torch.__version__) varies by build
-    return _ADDRESS.sub("", text)
+    return stable_text(text)
+
+
+def stable_text(text: str) -> str:
+    """A default's repr without what varies between machines of the same code: memory addresses, module files.
+    Applied to both sides of a comparison too, so that dumps written before a rule was added still compare."""
+    return _MODULE_FILE.sub(r"\1>", _ADDRESS.sub("", text))
 
 
 def signature_of(obj: Any) -> Optional[List[Param]]:
