@@ -30,6 +30,44 @@ from fairscale.nn.data_parallel.consolidate import (
 
 Size = torch.Size
 
+
+class _Part(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed
+        self.layer = nn.Linear(6, 5)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.layer(self.embed_tokens(tokens))
+
+
+class SharedSubmoduleModel(nn.Module):
+    """An encoder and a decoder holding one embedding module under two names (torchscale's
+    ``share_all_embeddings``): a state dict names its weight twice, ``named_modules()`` lists the module once."""
+
+    NESTED = ("encoder.layer", "decoder.layer")
+    LEAF = NESTED
+    BATCH_DEPENDENT = False
+    VOCAB = 9
+
+    def __init__(self) -> None:
+        super().__init__()
+        embed = nn.Embedding(self.VOCAB, 6)
+        self.encoder = _Part(embed)
+        self.decoder = _Part(embed)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.encoder(tokens) * self.decoder(tokens.flip(-1))
+
+    @classmethod
+    def sample(cls, n: int, gen: torch.Generator) -> Tuple[Tensor]:
+        return (torch.randint(cls.VOCAB, (n, 4), generator=gen),)
+
+    @staticmethod
+    def per_sample_loss(out: Tensor) -> Tensor:
+        return (out.float() - 0.5).pow(2).mean((-1, -2))
+
+
 # name -> (model class, wrap mode, extra FSDP kwargs)
 CASES: Dict[str, Tuple[Callable[[], nn.Module], str, Dict[str, Any]]] = {
     "nested-flat": (NestedWrappedModule, "nested", {}),
@@ -39,11 +77,13 @@ CASES: Dict[str, Tuple[Callable[[], nn.Module], str, Dict[str, Any]]] = {
     "shared-flat": (TransformerWithSharedParams, "nested", {}),
     "shared-nonflat": (TransformerWithSharedParams, "nested", {"flatten_parameters": False}),
     "bn-mixed": (ModelWithBatchNorm, "nested", {"mixed_precision": True}),
+    "shared-module-flat": (SharedSubmoduleModel, "nested", {}),
+    "shared-module-nonflat": (SharedSubmoduleModel, "one", {"flatten_parameters": False}),
 }
 CASES_BY_WORLD = {
     1: ["nested-flat", "nested-nonflat", "shared-flat"],
     2: list(CASES),
-    3: ["nested-flat", "leaf-nonflat", "shared-nonflat", "bn-mixed"],
+    3: ["nested-flat", "leaf-nonflat", "shared-nonflat", "bn-mixed", "shared-module-flat"],
     4: ["nested-flat", "nested-nonflat"],
 }
 
@@ -190,7 +230,9 @@ def test_consolidate_equals_full_state_dict(world_size: int) -> None:
         plain = CASES[name][0]()
         plain.load_state_dict(consolidated, strict=True)
         _assert_same_values(plain.state_dict(), full, f"{name} (plain module)")
-        if name.startswith("shared"):
+        if name.startswith("shared-module"):
+            assert consolidated["decoder.embed_tokens.weight"] is consolidated["encoder.embed_tokens.weight"]
+        elif name.startswith("shared"):
             assert consolidated["output_proj.weight"] is consolidated["embed_tokens.weight"]
         without_buffers = FSDP.consolidate_shard_weights(
             [r[name][1] for r in results], [r[name][2] for r in results], with_module_buffers=False

@@ -100,11 +100,12 @@ def _instance_entry(m: FSDPUnit, fsdp_path: str) -> Dict[str, Any]:
 def _shared_param_pairs(m: FSDPUnit, flat_params: List[Any]) -> List[Tuple[str, str]]:
     """``(src, dst)`` pairs, relative to the instance: ``dst`` is another name of the parameter saved as ``src``."""
     if flat_params:
-        return [
+        pairs = [
             (_clean(_join(src_mod, src_name)), _clean(_join(dst_mod, dst_name)))
             for flat in flat_params
             for dst_mod, src_mod, _, dst_name, _, src_name in flat._shared_param_infos
         ]
+        return list(dict.fromkeys(pairs + _repeated_module_aliases(m.wrapped, flat_params)))
     # Non-flattened: the FlattenParamsWrapper does not track aliases, so find the names under which an owned
     # parameter appears more than once (tied weights), skipping nested instances, which report their own.
     owned = {id(h.param) for h in m.handles if not h.borrowed}
@@ -119,6 +120,31 @@ def _shared_param_pairs(m: FSDPUnit, flat_params: List[Any]) -> List[Tuple[str, 
         else:
             first[id(p)] = clean
     return pairs
+
+
+def _repeated_module_aliases(fpw: nn.Module, flat_params: List[Any]) -> List[Tuple[str, str]]:
+    """``(src, dst)`` pairs for the further paths of submodules registered under two names.
+
+    A state dict holds such a module's parameters under each of its paths (torchscale's shared embeddings:
+    ``decoder.embed_tokens`` is ``encoder.embed_tokens``), but the flattening records each module once
+    (``named_modules()`` drops repeats).
+    """
+    paths: Dict[int, List[str]] = {}
+    for mod_path, sub in fpw.named_modules(remove_duplicate=False):
+        if "_fsdp_wrapped_module" not in mod_path.split("."):  # nested instances report their own
+            paths.setdefault(id(sub), []).append(mod_path)
+    aliases: List[Tuple[str, str]] = []
+    for flat in flat_params:
+        # (module, the path the flattening recorded for it, the parameter's name there, the name saved as source)
+        holders = [(mod, path, name, _join(path, name)) for path, mod, name in flat._param_infos]
+        holders += [
+            (mod, path, name, _join(src_path, src_name))
+            for path, src_path, mod, name, _, src_name in flat._shared_param_infos
+        ]
+        for owner, recorded, name, src in holders:
+            others = [other for other in paths.get(id(owner), []) if other != recorded]
+            aliases += [(_clean(src), _clean(_join(other, name))) for other in others]
+    return aliases
 
 
 def _persistent_buffer_names(fsdp: nn.Module) -> List[str]:
