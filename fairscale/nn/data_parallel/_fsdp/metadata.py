@@ -100,12 +100,12 @@ def _instance_entry(m: FSDPUnit, fsdp_path: str) -> Dict[str, Any]:
 def _shared_param_pairs(m: FSDPUnit, flat_params: List[Any]) -> List[Tuple[str, str]]:
     """``(src, dst)`` pairs, relative to the instance: ``dst`` is another name of the parameter saved as ``src``."""
     if flat_params:
-        pairs = [
+        tied = [
             (_clean(_join(src_mod, src_name)), _clean(_join(dst_mod, dst_name)))
             for flat in flat_params
             for dst_mod, src_mod, _, dst_name, _, src_name in flat._shared_param_infos
         ]
-        return list(dict.fromkeys(pairs + _repeated_module_aliases(m.wrapped, flat_params)))
+        return list(dict.fromkeys(tied + _repeated_module_aliases(m.wrapped, flat_params)))
     # Non-flattened: the FlattenParamsWrapper does not track aliases, so find the names under which an owned
     # parameter appears more than once (tied weights), skipping nested instances, which report their own.
     owned = {id(h.param) for h in m.handles if not h.borrowed}
