@@ -464,3 +464,18 @@ def test_coverage_check_of_chunk_layouts() -> None:
     assert "appears twice" in str(coverage_problem(metadata((2, 4), ((0, 0), (2, 2)), ((0, 0), (2, 2)))))
     assert "lies outside" in str(coverage_problem(metadata((4,), ((0,), (2,)), ((3,), (2,)))))
     assert "never saved" in str(coverage_problem(metadata((4, 2), ((0, 0), (3, 2)))))
+
+
+def test_metadata_paths_of_any_python() -> None:
+    """Python 3.13 pickles path objects as ``pathlib._local.PosixPath`` (DCP's metadata holds the checkpoint's path):
+    such a file reads on every Python, as ``pathlib``'s class; other names of that module stay refused."""
+    import io
+    import pathlib
+
+    from fairscale.nn.data_parallel._fsdp.dcp_metadata import UntrustedCheckpointError, unpickle_metadata
+
+    written_by_313 = b"cpathlib._local\nPurePosixPath\n(S'/ckpt/step-10'\ntR."
+    path = unpickle_metadata(io.BytesIO(written_by_313), "x/.metadata")
+    assert type(path) is pathlib.PurePosixPath and str(path) == "/ckpt/step-10"
+    with pytest.raises(UntrustedCheckpointError, match="refusing 'x/.metadata': it names pathlib._local.os"):
+        unpickle_metadata(io.BytesIO(b"cpathlib._local\nos\n."), "x/.metadata")

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import importlib
 import os
+import pathlib
 import pickle
 from typing import IO, Any, FrozenSet, List, Optional, Tuple
 
@@ -64,6 +65,10 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
+        if module == "pathlib._local" and ("pathlib", name) in _ALLOWED_GLOBALS:
+            # Python 3.13 moved the path classes into pathlib._local (pickles written there name it); pathlib
+            # still exports them, and earlier Pythons have no such module: read them from pathlib.
+            return getattr(pathlib, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
         if module in _DCP_MODULES and "." not in name:
