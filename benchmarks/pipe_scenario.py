@@ -171,6 +171,30 @@ def _run_variant(variant: str, cfg: BenchConfig, chunks: int, rank: int) -> Dict
     return {"times": times, "busy": busy, "losses": losses, "peak_bytes": peak}
 
 
+def _match_link_opening_dtypes(stage: Any) -> None:
+    """Make the dummy tensors a torch pipelining stage sends to open its links match the ones its peers receive.
+
+    Before torch 2.10 (pytorch/pytorch#165143, fixed by #165539) a stage sends its index as an int64 scalar into its
+    neighbour's ``torch.zeros(1)`` (the default dtype): NCCL does not check the sizes (undefined behaviour), gloo
+    aborts both processes ("8 vs 4. Received data size doesn't match expected size"). Such an integer send is cast
+    to the default dtype here, the receiving buffer's on those releases (every rank of the benchmark shares it); torch
+    >= 2.10 sends and receives float32, and releases without this step (2.6 and before) have nothing to change.
+    """
+    make_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if make_ops is None:
+        return
+
+    def matched_ops() -> List[Any]:
+        ops = make_ops()
+        for op in ops:
+            # Only the int64 index is wrong; a floating buffer (every receive, and the sends of torch >= 2.10) is kept.
+            if not op.tensor.is_floating_point():
+                op.tensor = op.tensor.to(torch.get_default_dtype())
+        return ops
+
+    stage._get_init_p2p_neighbors_ops = matched_ops
+
+
 def _make_step(
     variant: str, model: nn.Sequential, chunks: int, rank: int, device: torch.device, first_micro_batch: Tensor
 ) -> Any:
@@ -210,6 +234,7 @@ def _make_step(
             kwargs["input_args"] = (first_micro_batch if rank == 0 else hidden,)
             kwargs["output_args"] = (hidden if rank == 0 else model[1](hidden),)
     stage = PipelineStage(model[rank], rank, STAGES, device, **kwargs)
+    _match_link_opening_dtypes(stage)
     # torch >= 2.7 divides the summed micro-batch gradients by their number (scale_grads, on by default), as Pipe's
     # mean loss does; before, it summed them: there each micro-batch's loss is divided here instead.
     per_chunk = 1 if "scale_grads" in inspect.signature(ScheduleGPipe.__init__).parameters else chunks

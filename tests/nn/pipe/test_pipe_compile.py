@@ -60,9 +60,10 @@ def test_deferred_batch_norm_inside_a_compiled_layer() -> None:
     seq[1] = torch.compile(seq[1], backend="aot_eager")
     with pytest.raises(ValueError, match="was compiled \\(torch.compile\\) before its batch norms were made deferred"):
         _pipe(seq)
-    # Converted first, then compiled: the same as the uncompiled pipe (checked on torch 2.13 and 2.14; torch 2.1's
-    # compiler gives other running statistics for a compiled DeferredBatchNorm, with or without Pipe).
-    if torch_version() < (2, 13, 0):
+    # Converted first, then compiled: the same as the uncompiled pipe (checked on torch 2.6, 2.9, 2.11, 2.13 and
+    # 2.14; the compilers of torch 2.1 and 2.4 give other running statistics for a compiled DeferredBatchNorm, with or
+    # without Pipe; 2.5 is unchecked).
+    if torch_version() < (2, 6, 0):
         pytest.skip(f"torch {torch.__version__}'s compiler does not keep DeferredBatchNorm's running statistics")
     plain = _pipe(_sequential())
     expected = _train(plain, list(plain.parameters()))
