@@ -5,6 +5,7 @@ plain LocalSGD, DDP-like intra-node averaging for one node), then SGP gossip at 
 verified values, the phone books of every topology and the mixing weights."""
 
 import copy
+import logging
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fairscale.experimental.nn.data_parallel import gossip
+from fairscale.experimental.nn.data_parallel.gossip.utils import MultiProcessAdapter
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.collectives import count_collectives
 
@@ -273,3 +275,12 @@ def _world4(rank: int, world_size: int) -> None:
 
 def test_sgp_world_of_four_and_topologies() -> None:
     run_distributed(_world4, 4)
+
+
+def test_multi_process_adapter_prefixes_and_extra_is_optional(caplog: Any) -> None:
+    """``MultiProcessAdapter(logger)`` works on every supported Python (3.9's LoggerAdapter required ``extra``)."""
+    logger = logging.getLogger("fairscale.test.multi_process_adapter")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        MultiProcessAdapter(logger, {"process_num": 3}).info("hello")
+        MultiProcessAdapter(logger).info("no extra")
+    assert [r.getMessage() for r in caplog.records] == ["process: 3 hello", "process: None no extra"]

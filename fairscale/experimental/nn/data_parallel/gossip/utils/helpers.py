@@ -4,7 +4,7 @@
 import collections
 import logging
 import sys
-from typing import Any, Callable, DefaultDict, Dict, List, MutableMapping, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, DefaultDict, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -107,7 +107,18 @@ def create_process_group(ranks: Sequence[int]) -> Any:
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Prefixes every message with ``process: <process_num>``."""
+    """Prefixes every message with ``process: <process_num>``.
+
+    Args:
+        logger: the logger to write to.
+        extra: a mapping with the key ``process_num`` (``None`` logs ``process: None``).
+        **kwargs: passed on to ``logging.LoggerAdapter`` (``merge_extra`` from Python 3.13).
+    """
+
+    # Python 3.9's LoggerAdapter requires ``extra`` (its default came in 3.10): defined here so that
+    # ``MultiProcessAdapter(logger)`` works on every supported Python, as it does upstream on 3.10+.
+    def __init__(self, logger: logging.Logger, extra: Optional[Mapping[str, object]] = None, **kwargs: Any) -> None:
+        super().__init__(logger, extra, **kwargs)
 
     def process(self, msg: str, kwargs: MutableMapping[str, Any]) -> Tuple[str, MutableMapping[str, Any]]:
         extra: Dict[str, Any] = dict(self.extra or {})
