@@ -9,9 +9,30 @@ from torch import Tensor
 from fairscale.internal import collectives
 
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
-from .utils import VocabUtility
 
 __all__ = ["vocab_parallel_cross_entropy"]
+
+
+def _row_max_and_vocab_range(logits: Tensor, rank: int, world_size: int, group: Any) -> Tuple[Tensor, Tensor, Tensor]:
+    """The row maxima over the whole vocabulary, and the range of ids ``[start, end)`` this rank's slice holds.
+
+    Upstream took the range as ``rank * size`` from this rank's own slice size: slices of different sizes (a
+    vocabulary split unevenly by hand) got ranges that overlap or leave gaps, and a wrong loss with no error. Here
+    the ranks' sizes ride in the max all-reduce the loss makes anyway (each rank puts its size at its own index after
+    the row maxima, zeros elsewhere: the max gathers them), so the range is the sum of the sizes before this rank's,
+    computed on the device: no extra collective and no host sync. The packed tensor is fp32 or wider, exact for the
+    maxima (logits of a dtype it holds) and for sizes below 2**24 (float64 above); the maxima go back to the logits'
+    dtype, so even slices give upstream's values bit for bit.
+    """
+    size = logits.size()[-1]
+    local_max = torch.max(logits, dim=-1)[0]
+    wide = torch.promote_types(logits.dtype, torch.float32 if size < 2**24 else torch.float64)
+    sizes = torch.zeros(world_size, dtype=wide, device=logits.device)
+    sizes[rank] = size
+    packed = torch.cat([local_max.reshape(-1).to(wide), sizes])
+    collectives.all_reduce(packed, group=group, op="max")
+    end = packed[-world_size:].cumsum(0)[rank].to(torch.long)
+    return packed[:-world_size].view_as(local_max).to(local_max.dtype), end - size, end
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -26,14 +47,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, vocab_parallel_logits: Tensor, target: Tensor) -> Tensor:
         group = get_model_parallel_group()
-        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
-        collectives.all_reduce(logits_max, group=group, op="max")
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        logits_max, vocab_start_index, vocab_end_index = _row_max_and_vocab_range(
+            vocab_parallel_logits, get_model_parallel_rank(), get_model_parallel_world_size(), group
+        )
         vocab_parallel_logits.sub_(logits_max.unsqueeze(dim=-1))
 
-        partition_vocab_size = vocab_parallel_logits.size()[-1]
-        vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, get_model_parallel_rank(), get_model_parallel_world_size()
-        )
         target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
         masked_target = target.clone() - vocab_start_index
         masked_target[target_mask] = 0
@@ -71,7 +90,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor) 
     """Per-element cross entropy of logits split along the vocabulary over the model-parallel group.
 
     Equals ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none").view_as(target)``
-    for the logits gathered along the last dimension. No reduction, ``ignore_index`` or label
+    for the logits gathered along the last dimension. The ranks' slices may differ in size (a vocabulary split
+    unevenly by hand; upstream's loss was wrong then): each rank's ids follow those of the ranks before it. No reduction, ``ignore_index`` or label
     smoothing. A target outside ``[0, V)`` is owned by no rank: its loss is the log-sum-exp of the
     shifted logits and no error is raised (upstream's behaviour).
 

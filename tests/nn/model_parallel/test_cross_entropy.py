@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal import collectives
 from fairscale.nn.model_parallel import initialize as mpu
 from fairscale.nn.model_parallel import vocab_parallel_cross_entropy
 from fairscale.nn.model_parallel.mappings import scatter_to_model_parallel_region
@@ -71,6 +72,34 @@ def _shifts_input_in_place() -> None:
     assert not torch.equal(local, before)  # upstream's in-place shift (and reuse for the softmax)
 
 
+def _uneven_slices() -> None:
+    # A vocabulary split unevenly by hand (model-parallel rank r holds VOCAB_PER + r ids): before, every rank took its
+    # id range as rank * its own slice size, and the loss was wrong with no error. No collective is added for it.
+    mp, mp_rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
+    widths = [VOCAB_PER + r for r in range(mp)]
+    g = torch.Generator().manual_seed(99 + mpu.get_data_parallel_rank())
+    logits = torch.randn(BATCH, SEQ, sum(widths), generator=g)
+    target = torch.randint(0, sum(widths), (BATCH, SEQ), generator=g)
+    target.view(-1)[: sum(widths)] = torch.arange(sum(widths))  # every id, the slices' edges included
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.view(-1, sum(widths)), target.view(-1), reduction="none").view_as(target)
+    ref.mean().backward()
+    leaf = logits[..., sum(widths[:mp_rank]) : sum(widths[: mp_rank + 1])].clone().requires_grad_()
+    with collectives.count_collectives() as counter:
+        loss = vocab_parallel_cross_entropy(leaf.clone(), target)
+    assert counter.count() == counter.count("all_reduce") == 3, counter
+    loss.mean().backward()
+    _assert_close(loss, ref.detach(), what="uneven slices: loss")
+    _assert_close(leaf.grad, ref_logits.grad[..., sum(widths[:mp_rank]) : sum(widths[: mp_rank + 1])], what="grad")
+
+
+def _three_all_reduces() -> None:
+    logits, target = _inputs(1.0)
+    with collectives.count_collectives() as counter:
+        vocab_parallel_cross_entropy(scatter_to_model_parallel_region(logits).clone(), target)
+    assert counter.count() == counter.count("all_reduce") == 3, counter  # the check adds no collective
+
+
 def _ce_body(rank: int, world_size: int) -> None:
     for mp in [s for s in (4, 2, 1) if s <= world_size]:
         mpu.initialize_model_parallel(mp)
@@ -81,7 +110,9 @@ def _ce_body(rank: int, world_size: int) -> None:
                     (f"mp={mp}:parity_large_logits", lambda: _parity(1000.0)),
                     (f"mp={mp}:out_of_range_target", _out_of_range_target),
                     (f"mp={mp}:shifts_input_in_place", _shifts_input_in_place),
+                    (f"mp={mp}:three_all_reduces", _three_all_reduces),
                 ]
+                + [(f"mp={mp}:uneven_slices", _uneven_slices)]
             )
         finally:
             mpu.destroy_model_parallel()
