@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.collectives import count_collectives
+from fairscale.internal.version import torch_version
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import dcp as fsdp_dcp
 from fairscale.nn.data_parallel import get_fsdp_instances
@@ -28,7 +29,7 @@ from fairscale.nn.data_parallel import get_fsdp_instances
 try:
     from torch.distributed.checkpoint import state_dict as torch_dsd
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - torch without FSDP2
     fully_shard = None
@@ -73,14 +74,25 @@ def skip_unless_fsdp2_runs_on_cpu() -> None:
         pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
 
 
+def shard_like_fairscale(model: nn.Module, mesh: Any) -> None:
+    """``fully_shard`` each of ``MODEL.NESTED``, then the root. Before torch 2.9 gloo's reduce-scatter sums for
+    ``ReduceOp.AVG`` (pytorch/pytorch#162338), FSDP2's op for fp32 gradients, so its gradients came out world-size
+    times too large; there FSDP2 is told to reduce with SUM and divide by the data-parallel size itself, which gives
+    the same bits as AVG (SUM, then a division by a power of two)."""
+    for path in MODEL.NESTED:
+        fully_shard(model.get_submodule(path), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if torch_version() < (2, 9):
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+
+
 def fsdp2_model(seed: int, world_size: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
     skip_unless_fsdp2_runs_on_cpu()
     torch.manual_seed(seed)
     model = MODEL()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for path in MODEL.NESTED:
-        fully_shard(model.get_submodule(path), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_like_fairscale(model, init_device_mesh("cpu", (world_size,)))
     return model, torch.optim.Adam(model.parameters(), lr=0.5)
 
 

@@ -34,6 +34,7 @@ from test_fsdp_dcp import (
     full_optim,
     load_plain_module,
     record_reference,
+    shard_like_fairscale,
     skip_unless_fsdp2_runs_on_cpu,
     train,
 )
@@ -78,9 +79,7 @@ def fsdp2_model(seed: int, mesh: Any) -> Tuple[nn.Module, torch.optim.Optimizer]
     skip_unless_fsdp2_runs_on_cpu()
     torch.manual_seed(seed)
     model = MODEL()
-    for path in MODEL.NESTED:
-        fully_shard(model.get_submodule(path), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_like_fairscale(model, mesh)
     return model, torch.optim.Adam(model.parameters(), lr=0.5)
 
 
