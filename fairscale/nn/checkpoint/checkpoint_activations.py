@@ -270,7 +270,7 @@ def _checkpointed_forward(
         # cost a second forward (and would skip the batch-norm statistics update of this step).
         return forward(*args, **kwargs)
 
-    run = _RunForward(forward, input_spec)
+    run = _RunForward(forward, input_spec, (args, kwargs), input_tensors)
     # torch's reentrant checkpoint only tracks gradients if one of its inputs requires grad; the
     # parameters used inside are invisible to it, so this empty tensor stands in for them.
     grad_anchor = torch.empty((0,), requires_grad=True)
@@ -284,9 +284,20 @@ class _RunForward:
     """The function handed to torch's checkpoint: unpacks the flat tensor inputs, runs the module's
     forward under the flag of the current pass, and returns the output tensors as a flat tuple."""
 
-    def __init__(self, forward: Callable[..., Any], input_spec: Any) -> None:
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        input_spec: Any,
+        caller_arguments: Tuple[Tuple[Any, ...], Dict[str, Any]],
+        caller_tensors: List[torch.Tensor],
+    ) -> None:
         self.forward = forward
         self.input_spec = input_spec
+        # The first pass gets the caller's own arguments, containers and all (rebuilt from the spec, a list holding a
+        # tensor would be a copy, and what the forward appends to it would not reach the caller), as long as torch
+        # hands it the caller's tensors themselves (its reentrant checkpoint does). Dropped after that pass.
+        self.caller_arguments: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = caller_arguments
+        self.caller_tensors: List[torch.Tensor] = caller_tensors
         # The recomputation runs on the arguments as they were before the first pass: that pass gets the caller's
         # own containers (its writes reach the caller, once, as without checkpointing), and a forward that consumes
         # an argument (opts.pop("scale")) must not recompute another function from what the first pass left.
@@ -301,7 +312,15 @@ class _RunForward:
 
     def __call__(self, _grad_anchor: torch.Tensor, *input_tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         first_pass = not self.first_pass_done
-        args, kwargs = _unflatten(self.input_spec if first_pass else self.recompute_spec, list(input_tensors))
+        caller, caller_tensors = self.caller_arguments, self.caller_tensors
+        self.caller_arguments, self.caller_tensors = None, []
+        same_tensors = len(input_tensors) == len(caller_tensors) and all(
+            a is b for a, b in zip(input_tensors, caller_tensors)
+        )
+        if first_pass and caller is not None and same_tensors:
+            args, kwargs = caller
+        else:
+            args, kwargs = _unflatten(self.input_spec if first_pass else self.recompute_spec, list(input_tensors))
         _call_stash.stack.append(self.stash)
         try:
             with enable_checkpointing() if first_pass else enable_recomputing():
@@ -404,6 +423,10 @@ def _map_structure(
             return obj
         if isinstance(obj, list):
             return items
+        if hasattr(obj, "_make"):
+            # A namedtuple by its fields, past the class's own __new__, which may check them: PackedSequence's
+            # refuses the placeholders a spec holds (the fields were checked when the caller built it).
+            return type(obj)._make(items)
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
         values = {key: _map_structure(value, fn, is_leaf, always_copy) for key, value in obj.items()}

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from fairscale.fair_dev.testing import run_distributed
 from fairscale.nn.checkpoint import checkpoint_wrapper, is_checkpointing, is_recomputing
@@ -71,7 +72,7 @@ def test_fp32_parity_and_recomputation(input_requires_grad: bool) -> None:
     out_ckpt.square().sum().backward()
     assert ckpt.calls == [FIRST_PASS, RECOMPUTE]
     assert not is_checkpointing() and not is_recomputing()
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
     if input_requires_grad:
         assert x.grad is not None
         torch.testing.assert_close(x2.grad, x.grad)
@@ -87,7 +88,7 @@ def test_bf16_autocast_is_replayed() -> None:
     # backward runs outside autocast: the recomputation must still use bf16 to give the same grads
     out_plain.float().sum().backward()
     out_ckpt.float().sum().backward()
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
 
 
 def test_dropout_rng_is_replayed() -> None:
@@ -99,7 +100,7 @@ def test_dropout_rng_is_replayed() -> None:
     torch.manual_seed(123)
     ckpt(x).sum().backward()
     after_ckpt = torch.rand(4)
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
     # The recomputation replays the forward's RNG state without consuming the caller's stream.
     torch.testing.assert_close(after_ckpt, after_plain)
 
@@ -117,7 +118,7 @@ def test_bypassed_without_grad_and_when_disabled() -> None:
     out.sum().backward()
     plain(x).sum().backward()
     assert ckpt.calls == [PLAIN_WITH_GRAD]  # no first pass under no_grad, no recomputation
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
 
 
 class MultiIO(nn.Module):
@@ -179,7 +180,7 @@ def test_tensors_nested_in_list_and_dict_inputs_get_grads() -> None:
     for got, want in zip(grads[1], grads[0]):
         assert got is not None
         torch.testing.assert_close(got, want)
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +231,7 @@ def test_tensors_in_dataclass_inputs_and_outputs_get_grads() -> None:
     for got, want in zip(grads[1], grads[0]):
         assert got is not None
         torch.testing.assert_close(got, want)
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
 
 
 @dataclasses.dataclass
@@ -253,18 +254,80 @@ class WritesIntoItsArguments(nn.Module):
         return self.proj(ctx.hidden)
 
 
-def test_arguments_without_tensors_are_the_callers_own() -> None:
-    # The first pass gets the caller's containers (a container holding a tensor is a shallow copy whose other fields
-    # are the caller's), so its writes reach the caller once, as without checkpointing; the recomputation runs on a
-    # copy of the arguments as they were before the first pass.
+def test_arguments_are_the_callers_own() -> None:
+    # The first pass gets the caller's arguments themselves, containers that hold tensors included, so its writes
+    # reach the caller once, as without checkpointing; the recomputation runs on a copy of the arguments as they were
+    # before the first pass.
     model = checkpoint_wrapper(WritesIntoItsArguments())
     ctx, log, seen = Context(torch.randn(2, 4, requires_grad=True)), [], {}
     out = model(ctx, log, seen)
     assert seen["log"] is log and log == ["called"]
-    assert seen["ctx"] is not ctx and seen["ctx"].aux is ctx.aux and ctx.aux == ["aux"]
+    assert seen["ctx"] is ctx and ctx.aux == ["aux"]
     out.sum().backward()
     assert log == ["called"] and ctx.aux == ["aux"]
     assert ctx.hidden.grad is not None
+
+
+class CollectsAuxiliaryLosses(nn.Module):
+    """Stacked layers appending to one shared list (MoE-style auxiliary losses), and a dict of extras."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, aux: List[torch.Tensor], extra: Dict[str, Any]) -> torch.Tensor:
+        y = self.proj(x)
+        aux.append(y.pow(2).mean())
+        extra[f"ran{len(aux)}"] = True
+        return y
+
+
+def test_writes_into_containers_that_hold_tensors_reach_the_caller() -> None:
+    # Before, a list or dict holding a tensor reached the first pass as a copy: the second layer's auxiliary loss
+    # and the extras were lost (plain PyTorch and upstream pass them on).
+    torch.manual_seed(0)
+    plain = nn.ModuleList([CollectsAuxiliaryLosses(), CollectsAuxiliaryLosses()])
+    ckpt = nn.ModuleList([checkpoint_wrapper(copy.deepcopy(layer)) for layer in plain])
+    results = []
+    for layers in (plain, ckpt):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        aux: List[torch.Tensor] = []
+        extra: Dict[str, Any] = {"mask": torch.ones(2)}
+        y = x
+        for layer in layers:
+            y = layer(y, aux, extra)
+        y.sum().backward()
+        results.append((len(aux), sorted(extra), [t.item() for t in aux], x.grad, [t.requires_grad for t in aux]))
+    assert results[1][:3] == results[0][:3] == (2, ["mask", "ran1", "ran2"], results[0][2])
+    # Written by the first pass, which runs without grad: values to log, not losses to train on (as upstream).
+    assert results[0][4] == [True, True] and results[1][4] == [False, False]
+    torch.testing.assert_close(results[1][3], results[0][3], rtol=0, atol=0)
+    assert_same_grads(plain, ckpt)
+
+
+class PackedEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+
+    def forward(self, packed: PackedSequence) -> torch.Tensor:
+        out, _ = self.lstm(packed)
+        return pad_packed_sequence(out, batch_first=True)[0]
+
+
+def test_packed_sequence_argument() -> None:
+    # An RNN encoder fed pack_padded_sequence(...): before, rebuilding the PackedSequence around placeholders failed
+    # in its constructor ("'_Slot' object has no attribute 'device'"). Its data is tracked like any tensor argument.
+    torch.manual_seed(0)
+    plain = PackedEncoder()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    grads = []
+    for model in (plain, ckpt):
+        x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        model(pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True)).sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert_same_grads(plain, ckpt)
 
 
 class ConsumesItsOptions(nn.Module):
@@ -386,7 +449,7 @@ def test_same_module_called_several_times_before_backward() -> None:
     (plain(plain(x1)).sum() + plain(x2).sum()).backward()
     (ckpt(ckpt(x1)).sum() + ckpt(x2).sum()).backward()
     assert ckpt.calls.count(FIRST_PASS) == 3 and ckpt.calls.count(RECOMPUTE) == 3
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
 
 
 def test_nested_checkpoint_wrappers() -> None:
@@ -414,7 +477,7 @@ def test_backward_twice_with_retain_graph() -> None:
         out_p.sum().backward(retain_graph=True)
         out_c.sum().backward(retain_graph=True)
     assert ckpt.calls == [FIRST_PASS, RECOMPUTE, RECOMPUTE]
-    assert_same_grads(plain, ckpt.module)
+    assert_same_grads(plain, ckpt)
 
 
 def saved_bytes(fn: Any) -> int:
