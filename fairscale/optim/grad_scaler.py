@@ -145,6 +145,11 @@ class _ScalerBase(CudaAmpGradScaler):
     ) -> None:
         if enabled:
             _check_init_scale(type(self).__name__, init_scale)
+            # What load_state_dict refuses is refused here too: a scaler built with backoff_factor=0 zeroed its scale
+            # at the first overflow and wrote NaN into the weights from then on, and its state dict did not load back.
+            settings: Dict[str, Any] = {"scale": init_scale, "growth_factor": growth_factor, "_growth_tracker": 0}
+            settings.update(backoff_factor=backoff_factor, growth_interval=growth_interval)
+            _check_loadable(type(self).__name__, settings)
         if device_generic_amp_scaler():
             device_type = amp_scaler_device_type() if device is None else str(device)
             # Skips torch.cuda.amp.GradScaler.__init__ on purpose: it only forwards with device "cuda" and a

@@ -654,6 +654,30 @@ def test_grad_scalers_refuse_an_init_scale_that_is_not_positive_and_finite(
         assert scaler_class(init_scale=8.0, device="cpu").get_scale() == 8.0
 
 
+@pytest.mark.parametrize("scaler_class", [GradScaler, ShardedGradScaler])
+@pytest.mark.parametrize(
+    "setting,value,error,message",
+    [
+        ("backoff_factor", 0.0, ValueError, "backoff_factor must be positive"),
+        ("backoff_factor", -0.5, ValueError, "backoff_factor must be positive"),
+        ("growth_interval", -1, TypeError, "growth_interval must be a non-negative integer"),
+        ("growth_interval", 2.5, TypeError, "growth_interval must be a non-negative integer"),
+        ("growth_factor", math.inf, TypeError, "growth_factor must be a finite real number"),
+    ],
+)
+def test_grad_scalers_refuse_settings_their_state_dict_could_not_load(
+    scaler_class: Any, setting: str, value: Any, error: type, message: str
+) -> None:
+    # Before: accepted (as torch and upstream do); backoff_factor=0 zeroed the scale at the first overflow and every
+    # later step wrote NaN into the weights, and the scaler's own state dict was refused by its load_state_dict.
+    with pytest.raises(error, match=f"{scaler_class.__name__}: {message}"):
+        scaler_class(device="cpu", **{setting: value})
+    scaler_class(enabled=False, device="cpu", **{setting: value})  # a disabled scaler never uses them (as torch's)
+    if device_generic_amp_scaler():  # torch < 2.3: CPU scalers are disabled, as torch's are
+        scaler = scaler_class(device="cpu", growth_interval=0, backoff_factor=0.25, growth_factor=3.0)
+        scaler_class(device="cpu").load_state_dict(scaler.state_dict())  # what it accepts, it loads back
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Schedulers that read optimizer.defaults
 
