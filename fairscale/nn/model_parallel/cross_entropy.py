@@ -13,6 +13,9 @@ from .initialize import get_model_parallel_group, get_model_parallel_rank, get_m
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
+_SIZE_SPLIT = 4096  # a slice size rides as (size // 4096, size % 4096): both exact in fp32 up to 2**36
+
+
 def _row_max_and_vocab_range(logits: Tensor, rank: int, world_size: int, group: Any) -> Tuple[Tensor, Tensor, Tensor]:
     """The row maxima over the whole vocabulary, and the range of ids ``[start, end)`` this rank's slice holds.
 
@@ -20,19 +23,21 @@ def _row_max_and_vocab_range(logits: Tensor, rank: int, world_size: int, group: 
     vocabulary split unevenly by hand) got ranges that overlap or leave gaps, and a wrong loss with no error. Here
     the ranks' sizes ride in the max all-reduce the loss makes anyway (each rank puts its size at its own index after
     the row maxima, zeros elsewhere: the max gathers them), so the range is the sum of the sizes before this rank's,
-    computed on the device: no extra collective and no host sync. The packed tensor is fp32 or wider, exact for the
-    maxima (logits of a dtype it holds) and for sizes below 2**24 (float64 above); the maxima go back to the logits'
-    dtype, so even slices give upstream's values bit for bit.
+    computed on the device: no extra collective and no host sync. The packed tensor is fp32, or fp64 for fp64
+    logits: it holds the maxima exactly (logits of a dtype it holds), and they go back to the logits' dtype, so even
+    slices give upstream's values bit for bit. A size travels as two numbers below 2**12 and 2**24 (``size // 4096``,
+    ``size % 4096``), exact in fp32 whatever the size, so the dtype never depends on a rank's own size.
     """
     size = logits.size()[-1]
     local_max = torch.max(logits, dim=-1)[0]
-    wide = torch.promote_types(logits.dtype, torch.float32 if size < 2**24 else torch.float64)
-    sizes = torch.zeros(world_size, dtype=wide, device=logits.device)
-    sizes[rank] = size
-    packed = torch.cat([local_max.reshape(-1).to(wide), sizes])
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    sizes = torch.zeros(world_size, 2, dtype=wide, device=logits.device)
+    sizes[rank, 0], sizes[rank, 1] = divmod(size, _SIZE_SPLIT)
+    packed = torch.cat([local_max.reshape(-1).to(wide), sizes.view(-1)])
     collectives.all_reduce(packed, group=group, op="max")
-    end = packed[-world_size:].cumsum(0)[rank].to(torch.long)
-    return packed[:-world_size].view_as(local_max).to(local_max.dtype), end - size, end
+    high_low = packed[-2 * world_size :].view(world_size, 2).to(torch.long)
+    end = (high_low[:, 0] * _SIZE_SPLIT + high_low[:, 1]).cumsum(0)[rank]
+    return packed[: -2 * world_size].view_as(local_max).to(local_max.dtype), end - size, end
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
