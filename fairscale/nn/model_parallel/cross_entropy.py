@@ -9,6 +9,7 @@ from torch import Tensor
 from fairscale.internal import collectives
 
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
+from .utils import VocabUtility  # noqa: F401  # upstream's module namespace has it
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
