@@ -67,9 +67,10 @@ def _check_init_scale(who: str, init_scale: Any) -> None:
         raise TypeError(
             f"{who}: init_scale must be a positive finite number, got {type(init_scale).__name__}"
         ) from None
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and 0 < value <= _FLOAT32_MAX):
         raise ValueError(
-            f"{who}: init_scale must be a positive finite number (the initial loss scale, e.g. 2.0**16), got "
+            f"{who}: init_scale must be a positive finite number within float32's range (the initial loss scale, "
+            f"e.g. 2.0**16), got "
             f"{init_scale}"
         )
 
@@ -104,9 +105,11 @@ def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
         )
     if not values["backoff_factor"] > 0.0:
         raise ValueError(f"{who}: backoff_factor must be positive (0 zeroes the scale), got {values['backoff_factor']}")
-    for name in ("growth_interval", "_growth_tracker"):
-        if not (values[name] >= 0 and values[name].is_integer()):
-            raise TypeError(f"{who}: {name} must be a non-negative integer, got {state_dict[name]!r}")
+    # A negative growth interval is torch's way to never grow the scale (the tracker never reaches it): accepted.
+    if not values["growth_interval"].is_integer():
+        raise TypeError(f"{who}: growth_interval must be an integer, got {state_dict['growth_interval']!r}")
+    if not (values["_growth_tracker"] >= 0 and values["_growth_tracker"].is_integer()):
+        raise TypeError(f"{who}: _growth_tracker must be a non-negative integer, got {state_dict['_growth_tracker']!r}")
 
 
 class _GeneralMultiDeviceReplicator:

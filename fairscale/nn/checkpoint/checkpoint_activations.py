@@ -327,6 +327,8 @@ class _RunForward:
                 outputs = self.forward(*args, **kwargs)
         finally:
             _call_stash.stack.pop()
+        if first_pass:
+            _warn_about_tensors_stored_in_arguments(self.forward, (args, kwargs), input_tensors)
         output_tensors, output_spec = _flatten(outputs)
         if first_pass:
             self.first_pass_done = True
@@ -345,6 +347,29 @@ class _RunForward:
                 "deterministic in its output structure."
             )
         return tuple(output_tensors)
+
+
+def _warn_about_tensors_stored_in_arguments(
+    forward: Callable[..., Any], arguments: Any, input_tensors: Tuple[torch.Tensor, ...]
+) -> None:
+    """Warn when the first pass left tensors in the caller's arguments that were not among its inputs.
+
+    The first pass runs without grad: a tensor it appends to a list argument (a dense block's features, a
+    load-balancing loss) or puts in a dict has no graph, and whatever the caller computes from it gets no gradient
+    into this module, silently. Plain PyTorch would train on it; upstream had the same silent gap.
+    """
+    inputs = {id(t) for t in input_tensors}
+    stored, _ = _flatten(arguments)
+    # A tensor that requires grad came from outside the pass (a parameter); an integer one never carries a gradient.
+    if any(id(t) not in inputs and not t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in stored):
+        owner = getattr(forward, "__self__", forward)
+        warnings.warn(
+            f"checkpoint_wrapper: the forward of {type(owner).__name__} stored new tensors in its arguments (a list "
+            "or dict it was given). They come from the checkpoint's first pass, which runs without grad: nothing "
+            "computed from them back-propagates into this module. Return them from the forward to train on them; "
+            "values kept only to be logged are fine (this warning is shown once per module class).",
+            stacklevel=2,
+        )
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -425,8 +450,12 @@ def _map_structure(
             return items
         if hasattr(obj, "_make"):
             # A namedtuple by its fields, past the class's own __new__, which may check them: PackedSequence's
-            # refuses the placeholders a spec holds (the fields were checked when the caller built it).
-            return type(obj)._make(items)
+            # refuses the placeholders a spec holds (the fields were checked when the caller built it). Attributes a
+            # subclass's __new__ set on the instance are carried over, as that __new__ does not run.
+            rebuilt = type(obj)._make(items)
+            if getattr(obj, "__dict__", None):
+                rebuilt.__dict__.update(obj.__dict__)
+            return rebuilt
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
         values = {key: _map_structure(value, fn, is_leaf, always_copy) for key, value in obj.items()}

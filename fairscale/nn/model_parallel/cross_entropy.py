@@ -54,6 +54,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, vocab_parallel_logits: Tensor, target: Tensor) -> Tensor:
         group = get_model_parallel_group()
         partition_vocab_size = vocab_parallel_logits.size()[-1]
+        # The id range is a tensor on the logits' device: a target elsewhere (CPU ids, CUDA logits) is moved there.
+        target = target.to(vocab_parallel_logits.device)
         logits_max, vocab_start_index, vocab_end_index = _row_max_and_vocab_range(
             vocab_parallel_logits, get_model_parallel_rank(), get_model_parallel_world_size(), group
         )

@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import gc
 import pickle
+import warnings
 import weakref
 from collections import OrderedDict, namedtuple
 from typing import Any, Dict, List, Optional, Tuple
@@ -294,14 +295,52 @@ def test_writes_into_containers_that_hold_tensors_reach_the_caller() -> None:
         aux: List[torch.Tensor] = []
         extra: Dict[str, Any] = {"mask": torch.ones(2)}
         y = x
-        for layer in layers:
-            y = layer(y, aux, extra)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for layer in layers:
+                y = layer(y, aux, extra)
+        stored = [w for w in caught if "stored new tensors in its arguments" in str(w.message)]
+        assert len(stored) == (2 if layers is ckpt else 0), [str(w.message) for w in caught]
+        assert "the forward of CollectsAuxiliaryLosses" in str(stored[0].message) if stored else True
         y.sum().backward()
         results.append((len(aux), sorted(extra), [t.item() for t in aux], x.grad, [t.requires_grad for t in aux]))
     assert results[1][:3] == results[0][:3] == (2, ["mask", "ran1", "ran2"], results[0][2])
     # Written by the first pass, which runs without grad: values to log, not losses to train on (as upstream).
     assert results[0][4] == [True, True] and results[1][4] == [False, False]
     torch.testing.assert_close(results[1][3], results[0][3], rtol=0, atol=0)
+    assert_same_grads(plain, ckpt)
+
+
+class TaggedPair(namedtuple("TaggedPair", ["a", "b"])):
+    """A namedtuple whose __new__ sets an attribute: a rebuilt copy must keep it."""
+
+    def __new__(cls, a: torch.Tensor, b: torch.Tensor) -> "TaggedPair":
+        pair = super().__new__(cls, a, b)
+        pair.scale = 3.0
+        return pair
+
+
+class UsesTheTag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, pair: TaggedPair) -> TaggedPair:
+        return TaggedPair(self.proj(pair.a) * getattr(pair, "scale", 1.0), pair.b)
+
+
+def test_namedtuple_subclass_keeps_attributes_set_in_new() -> None:
+    # Rebuilt by _make (past __new__), the recomputation's argument lost the attribute and computed another function.
+    torch.manual_seed(0)
+    plain = UsesTheTag()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    outs = []
+    for model in (plain, ckpt):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = model(TaggedPair(x, x))
+        out.a.sum().backward()
+        outs.append(out)
+    assert getattr(outs[1], "scale", None) == 3.0  # the output keeps it too
     assert_same_grads(plain, ckpt)
 
 
