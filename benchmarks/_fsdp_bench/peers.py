@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.internal.version import torch_version
 from fairscale.nn.data_parallel import FullyShardedDataParallel, zero2_groups
 from fairscale.nn.wrap import auto_wrap, enable_wrap
 
@@ -106,6 +107,10 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         return f"torch {torch.__version__} has no fully_shard (FSDP2 needs torch >= 2.4)"
     if spec.peer == "fsdp2" and cfg.device == "cpu" and fsdp2_cpu_problem() is not None:
         return fsdp2_cpu_problem()
+    if spec.peer == "fsdp2" and spec.hybrid and cfg.device == "cpu" and torch_version() < (2, 8):
+        # Measured on torch 2.7.1: HSDP's post-backward asserts that its all-reduce recorded an event, and
+        # torch.cpu.Stream.record_event returns None (torch 2.8 skips the assert on the CPU).
+        return f"torch {torch.__version__}'s FSDP2 HSDP cannot run on the CPU (needs torch >= 2.8)"
     nodes, rest = divmod(cfg.world_size, cfg.hybrid_ranks_per_node)
     if spec.hybrid and (rest or nodes < 2):
         return f"a world of {cfg.world_size} ranks is not >= 2 nodes of {cfg.hybrid_ranks_per_node} ranks"
@@ -277,6 +282,13 @@ def _fsdp2(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
     # disable_reshard_on_root; with reshard False it is False everywhere.
     root_kwargs = dict(kwargs, **({"reshard_after_forward": False} if spec.reshard is False else {}))
     fully_shard(model, **root_kwargs)
+    sum_then_divide = device.type == "cpu" and torch_version() < (2, 9)
+    if sum_then_divide:
+        # gloo's reduce-scatter sums for ReduceOp.AVG before torch 2.9 (pytorch/pytorch#162338): FSDP2's gradients
+        # came out world-size times too large; it sums and divides itself instead (torch 2.8 has the switch).
+        for sub in [*inner, model]:
+            if hasattr(sub, "set_force_sum_reduction_for_comms"):
+                sub.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     keep_full_in_no_sync = spec.reshard is False
 
     @contextlib.contextmanager
@@ -295,6 +307,8 @@ def _fsdp2(model: nn.Module, plan: List[str], spec: RunSpec, cfg: BenchConfig, d
         f"{', mesh=' + str(tuple(kwargs['mesh'].shape)) + ' (replicate, shard)' if spec.hybrid else ''}) on "
         f"{len(plan)} units + root; set_requires_gradient_sync/set_reshard_after_backward per microbatch"
     ]
+    if sum_then_divide:
+        notes.append("set_force_sum_reduction_for_comms(True): gloo averages wrongly before torch 2.9")
     return Peer(model, microbatch, notes=notes)
 
 

@@ -72,6 +72,10 @@ def skip_unless_fsdp2_runs_on_cpu() -> None:
     every rank: each skips the case."""
     if fully_shard is None or not hasattr(torch.cpu.Stream, "record_event"):
         pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
+    if torch_version() < (2, 9) and not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        # torch 2.7: gloo sums for AVG (pytorch/pytorch#162338), gloo's all-reduce refuses AVG (HSDP), and FSDP2 has
+        # no switch to SUM (set_reduce_scatter_divide_factor is NCCL's PreMulSum): no correct FSDP2 on gloo.
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot average gradients on gloo (no SUM switch before 2.8)")
 
 
 def shard_like_fairscale(model: nn.Module, mesh: Any) -> None:
