@@ -1,0 +1,93 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The arguments and outputs of a checkpointed forward as a flat list of tensors plus a spec to rebuild them from.
+
+Tuples, namedtuples, lists, dicts and dataclass instances are walked; every other value is kept as it is.
+"""
+
+import copy
+import dataclasses
+from typing import Any, Callable, Iterator, List, Tuple
+
+import torch
+
+
+class _Slot:
+    """Placeholder for the i-th tensor in a flattened structure."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _map_structure(
+    obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool], always_copy: bool = False
+) -> Any:
+    """Rebuild ``obj`` (nested tuples, namedtuples, lists, dicts and dataclasses) with ``fn`` applied to its leaves
+    for which ``is_leaf`` holds; every other value is kept as is.
+
+    A container none of whose leaves changed is returned itself, not a copy (unless ``always_copy``): an argument the
+    checkpointed forward writes into (a list or a context object collecting auxiliary losses) is the caller's, as
+    without checkpointing.
+    """
+    if is_leaf(obj):
+        return fn(obj)
+
+    def same(pairs: Iterator[Tuple[Any, Any]]) -> bool:
+        return not always_copy and all(new is old for new, old in pairs)
+
+    if isinstance(obj, (tuple, list)):
+        items = [_map_structure(x, fn, is_leaf, always_copy) for x in obj]
+        if same(zip(items, obj)):
+            return obj
+        if isinstance(obj, list):
+            return items
+        if hasattr(obj, "_make"):
+            # A namedtuple by its fields, past the class's own __new__, which may check them: PackedSequence's
+            # refuses the placeholders a spec holds (the fields were checked when the caller built it). Attributes a
+            # subclass's __new__ set on the instance are carried over, as that __new__ does not run.
+            rebuilt = type(obj)._make(items)
+            if getattr(obj, "__dict__", None):
+                rebuilt.__dict__.update(obj.__dict__)
+            return rebuilt
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        values = {key: _map_structure(value, fn, is_leaf, always_copy) for key, value in obj.items()}
+        if same((values[key], value) for key, value in obj.items()):
+            return obj
+        # A shallow copy keeps the dict's type and extra state (OrderedDict, model-output classes); item by item,
+        # through the class's own __setitem__ (HF's ModelOutput refuses update() and keeps attributes in step).
+        new = copy.copy(obj)
+        for key, value in values.items():
+            new[key] = value
+        return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # A dataclass instance (an argument object, a model-output record): its tensors are inputs and outputs
+        # like any other. Untraversed, an output's tensors came from the no-grad first pass without a graph.
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        mapped = {name: _map_structure(value, fn, is_leaf, always_copy) for name, value in fields.items()}
+        if same((mapped[name], value) for name, value in fields.items()):
+            return obj
+        # A shallow copy, fields set past __init__ and frozen=True, keeps its type, init=False fields and extras.
+        record = copy.copy(obj)
+        for name, value in mapped.items():
+            object.__setattr__(record, name, value)
+        return record
+    return obj
+
+
+def _flatten(obj: Any) -> Tuple[List[torch.Tensor], Any]:
+    """Split ``obj`` into its tensors (in traversal order) and a spec with a ``_Slot`` for each."""
+    tensors: List[torch.Tensor] = []
+
+    def to_slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _Slot(len(tensors) - 1)
+
+    spec = _map_structure(obj, to_slot, lambda x: isinstance(x, torch.Tensor))
+    return tensors, spec
+
+
+def _unflatten(spec: Any, tensors: List[torch.Tensor]) -> Any:
+    """Inverse of :func:`_flatten`."""
+    return _map_structure(spec, lambda slot: tensors[slot.index], lambda x: isinstance(x, _Slot))
