@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Cross entropy over logits whose vocabulary dimension is split over the model-parallel group."""
 
+import math
 from typing import Any, Tuple
 
 import torch
@@ -30,7 +31,9 @@ def _row_max_and_vocab_range(logits: Tensor, rank: int, world_size: int, group: 
     ``size % 4096``), exact in fp32 whatever the size, so the dtype never depends on a rank's own size.
     """
     size = logits.size()[-1]
-    local_max = torch.max(logits, dim=-1)[0]
+    # An empty slice (more ranks than ids, or a split by hand) has no maximum of its own: -inf leaves the others'.
+    # torch.max would raise on this rank alone while the others wait in the all-reduce.
+    local_max = torch.max(logits, dim=-1)[0] if size else logits.new_full(logits.shape[:-1], float("-inf"))
     wide = torch.promote_types(logits.dtype, torch.float32)
     sizes = torch.zeros(world_size, 2, dtype=wide, device=logits.device)
     sizes[rank, 0], sizes[rank, 1] = divmod(size, _SIZE_SPLIT)
@@ -65,11 +68,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         masked_target = target.clone() - vocab_start_index
         masked_target[target_mask] = 0
 
-        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        # The rows named: view(-1, 0) cannot infer them for an empty slice.
+        logits_2d = vocab_parallel_logits.view(math.prod(vocab_parallel_logits.shape[:-1]), partition_vocab_size)
         masked_target_1d = masked_target.view(-1)
-        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
-        predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
-        predicted_logits[target_mask] = 0.0
+        if partition_vocab_size:
+            arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+            predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
+            predicted_logits[target_mask] = 0.0
+        else:  # an empty slice owns no target: it adds 0, as a rank that does not own a row's target does
+            predicted_logits = vocab_parallel_logits.new_zeros(target.shape)
         collectives.all_reduce(predicted_logits, group=group)
 
         exp_logits = vocab_parallel_logits
@@ -87,9 +94,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, target_mask, masked_target_1d = ctx.saved_tensors
         grad_input = softmax
         partition_vocab_size = softmax.size()[-1]
-        grad_2d = grad_input.view(-1, partition_vocab_size)
-        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
-        grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+        if partition_vocab_size:  # an empty slice's gradient is empty: nothing to subtract
+            grad_2d = grad_input.view(-1, partition_vocab_size)
+            arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+            grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
         grad_input.mul_(grad_output.unsqueeze(dim=-1))
         return grad_input, None
 
@@ -99,7 +107,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor) 
 
     Equals ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none").view_as(target)``
     for the logits gathered along the last dimension. The ranks' slices may differ in size (a vocabulary split
-    unevenly by hand; upstream's loss was wrong then): each rank's ids follow those of the ranks before it. No reduction, ``ignore_index`` or label
+    unevenly by hand; upstream's loss was wrong then): each rank's ids follow those of the ranks before it. A slice
+    may be empty (upstream raised on that rank alone and the others waited). No reduction, ``ignore_index`` or label
     smoothing. A target outside ``[0, V)`` is owned by no rank: its loss is the log-sum-exp of the
     shifted logits and no error is raised (upstream's behaviour).
 

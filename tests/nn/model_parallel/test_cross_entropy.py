@@ -74,16 +74,20 @@ def _shifts_input_in_place() -> None:
     assert not torch.equal(local, before)  # upstream's in-place shift (and reuse for the softmax)
 
 
-def _uneven_slices(first_width: int) -> None:
+def _uneven_slices(first_width: int, empty_rank: int = -1) -> None:
     # A vocabulary split unevenly by hand (model-parallel rank r holds VOCAB_PER + r ids): before, every rank took its
     # id range as rank * its own slice size, and the loss was wrong with no error. No collective is added for it.
+    # An empty slice (``empty_rank``) raised in torch.max on that rank alone while the others waited.
     mp, mp_rank = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
-    widths = [first_width + r for r in range(mp)]  # from 4097 on, a width's high part (// 4096) is not 0
+    # From 4097 on, a width's high part (// 4096) is not 0.
+    widths = [0 if r == empty_rank else first_width + r for r in range(mp)]
     g = torch.Generator().manual_seed(99 + mpu.get_data_parallel_rank())
     logits = torch.randn(BATCH, SEQ, sum(widths), generator=g)
     target = torch.randint(0, sum(widths), (BATCH, SEQ), generator=g)
     bounds = [sum(widths[: r + 1]) for r in range(mp)]
-    edges = sorted({i for b in bounds for i in (0, b - 1, b) if i < sum(widths)})  # each slice's first and last ids
+    edges = sorted(
+        {i for b in bounds for i in (0, b - 1, b) if 0 <= i < sum(widths)}
+    )  # each slice's first and last ids
     target.view(-1)[: len(edges)] = torch.tensor(edges)
     ref_logits = logits.clone().requires_grad_()
     ref = F.cross_entropy(ref_logits.view(-1, sum(widths)), target.view(-1), reduction="none").view_as(target)
@@ -117,6 +121,11 @@ def _ce_body(rank: int, world_size: int) -> None:
                     (f"mp={mp}:three_all_reduces", _three_all_reduces),
                 ]
                 + [(f"mp={mp}:uneven_slices_{w}", functools.partial(_uneven_slices, w)) for w in (VOCAB_PER, 4097)]
+                + [
+                    (f"mp={mp}:empty_slice_{r}", functools.partial(_uneven_slices, VOCAB_PER, r))
+                    for r in range(mp)
+                    if mp > 1
+                ]
             )
         finally:
             mpu.destroy_model_parallel()
