@@ -9,7 +9,8 @@ state of the first pass) and a nested backward through that recomputed graph pro
 gradients. On top of torch's function this module adds what fairscale users rely on:
 
 * keyword arguments and tensors nested in lists, tuples, dicts and dataclass instances are real inputs
-  (they get gradients), and outputs may be any nesting of those containers with non-tensor leaves;
+  (they get gradients), and outputs may be any nesting of those containers with non-tensor leaves (a generator
+  is consumed in the pass and returned as a tuple);
 * parameters get gradients even when no input requires grad;
 * thread-local flags (:func:`is_checkpointing`, :func:`is_recomputing`) tell code inside the
   module (for instance a nested ``FullyShardedDataParallel``) which pass is running;
@@ -325,6 +326,11 @@ class _RunForward:
         try:
             with enable_checkpointing() if first_pass else enable_recomputing():
                 outputs = self.forward(*args, **kwargs)
+                if isinstance(outputs, types.GeneratorType):
+                    # A forward written as a generator runs its body only when consumed: left lazy, it would run
+                    # after the checkpoint, unchecked, and the recomputation would have nothing to return. It is
+                    # run here, in this pass, and the caller gets a tuple (upstream's type for it too).
+                    outputs = tuple(outputs)
         finally:
             _call_stash.stack.pop()
         if first_pass:

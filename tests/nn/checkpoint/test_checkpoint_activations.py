@@ -8,7 +8,7 @@ import pickle
 import warnings
 import weakref
 from collections import OrderedDict, namedtuple
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -365,6 +365,39 @@ def test_packed_sequence_argument() -> None:
         x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(2), requires_grad=True)
         model(pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True)).sum().backward()
         grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert_same_grads(plain, ckpt)
+
+
+class YieldsItsOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        self.calls += 1
+        h = self.proj(x)
+        for i in range(3):
+            yield h * i
+
+
+def test_a_generator_output_is_checkpointed_and_returned_as_a_tuple() -> None:
+    # Before, the generator came back from the no-grad first pass unconsumed: its body ran later, outside the
+    # checkpoint (nothing was recomputed, so nothing was saved), and a second pass had nothing to return.
+    torch.manual_seed(0)
+    plain = YieldsItsOutputs()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    grads = []
+    for model in (plain, ckpt):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        outs = model(x)
+        if model is ckpt:
+            assert isinstance(outs, tuple) and len(outs) == 3  # upstream's type for it
+            assert model.calls == 1
+        sum(o.pow(2).sum() for o in outs).backward()
+        grads.append(x.grad)
+    assert ckpt.calls == 2  # the first pass, then the recomputation in backward
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
     assert_same_grads(plain, ckpt)
 
