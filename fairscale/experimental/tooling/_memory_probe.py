@@ -84,6 +84,7 @@ class CpuProfilerProbe(MemoryProbe):
         # Bytes allocated at every marker of finished profiler sessions, and the running total at their end.
         self._resolved: Dict[str, int] = {}
         self._offset = 0
+        self._warned_lost = False
 
     def start(self) -> None:
         if self._profile is not None:
@@ -100,6 +101,10 @@ class CpuProfilerProbe(MemoryProbe):
 
     def mark(self) -> MemoryMark:
         name = f"{_MARKER_PREFIX}{next(self._counter)}"
+        if self._session_lost():
+            # Another profiler ended this session (see _session_lost): measure again from here on.
+            self._finish_session()
+            self.start()
         if self._profile is None:
             return MemoryMark(0, 0, name)
         with profiler.record_function(name):
@@ -118,8 +123,27 @@ class CpuProfilerProbe(MemoryProbe):
             value = self._resolved.get(m.marker or "", 0)
             m.allocated, m.reserved = value, value
 
+    def _session_lost(self) -> bool:
+        """Whether another profiler ended this probe's session.
+
+        Profilers do not nest: a ``torch.profiler.profile()`` entered while this probe measures takes over the one
+        profiling session, and its exit ends it, with every event this probe had collected: nothing is left to read.
+        """
+        return self._profile is not None and not profiler._is_profiler_enabled
+
     def _finish_session(self) -> None:
         if self._profile is None:
+            return
+        if self._session_lost():
+            self._profile = None
+            if not self._warned_lost:
+                self._warned_lost = True
+                warnings.warn(
+                    "LayerwiseMemoryTracker: another profiler (torch.profiler.profile) ran while the tracker measured "
+                    "CPU memory and ended its profiling session: the CPU memory values (allocated, reserved, "
+                    "memory_diff) of the traces recorded before that profiler ended read 0, and later values count "
+                    "from there. Do not profile while a tracker monitors a CPU model (or stop() it first)."
+                )
             return
         prof, self._profile = self._profile, None
         prof.__exit__(None, None, None)

@@ -144,7 +144,11 @@ class ProcessGroupTracker:
         self.listener = listener
 
     def __getattr__(self, item: str) -> Any:
-        # Only called for attributes not found on the proxy itself.
+        # Only called for attributes not found on the proxy itself. Its own fields and dunders are not forwarded:
+        # copy and pickle look them up on an instance whose __init__ has not run, and forwarding them to the
+        # missing ``group`` recursed without end.
+        if item in ("group", "listener") or item.startswith("__"):
+            raise AttributeError(item)
         if item in ("allgather", "_allgather_base"):
             return self._build_wrapper(getattr(self.group, item))
         return getattr(self.group, item)
@@ -325,7 +329,8 @@ class LayerwiseMemoryTracker:
 
     def _create_pre_forward_hook(self, name: str) -> Callable[..., None]:
         def _pre_forward_hook(module: nn.Module, inputs: Any) -> None:
-            assert self._probe is not None
+            if self._probe is None:  # stopped (see _backward_hook)
+                return
             self._probe.sync()
             self._previous_module_name = name
             self._memory_pre_forward = self._probe.mark()
@@ -336,7 +341,8 @@ class LayerwiseMemoryTracker:
 
     def _create_post_forward_hook(self, name: str) -> Callable[..., None]:
         def _post_forward_hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
-            assert self._probe is not None
+            if self._probe is None:  # stopped (see _backward_hook)
+                return
             self._probe.sync()
             if _is_fsdp(module) and self._cumul_all_gather_memory:
                 self._cumul_all_gather_memory.pop()
@@ -365,11 +371,16 @@ class LayerwiseMemoryTracker:
 
     def _create_backward_hook(self, name: str) -> Callable[..., None]:
         def _backward_hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            assert self._probe is not None
+            # A forward run while monitoring attached this hook to its graph: it still fires in a backward after
+            # stop(), which removed only the module's handles. That backward is not measured (it used to fail).
+            if self._probe is None:
+                return
             self._probe.sync()
             if name not in self._traced_module_names:
                 return
-            activations = _tensor_bytes(_new_tensors(grad_input, grad_output))
+            # Upstream's value: the gradients this module receives (grad_output) that are not also among those it
+            # passes on, as the forward counts the outputs that are not inputs.
+            activations = _tensor_bytes(_new_tensors(grad_output, grad_input))
             trace = LayerMemoryTrace(
                 module_name=name,
                 module_params=_tensor_bytes(list(module.parameters())),

@@ -3,6 +3,7 @@
 (from the profiler's memory events), summary, save/load, plots, the all-gather listener in a gloo world, and the
 checkpoint suggestions. The CUDA variant checks the allocator-backed numbers."""
 
+import copy
 import os
 import tempfile
 import warnings
@@ -142,6 +143,64 @@ def test_monitoring_two_models_with_one_tracker() -> None:
     later.stop()
     if not accelerator_available():  # the CPU probe: the profiler's memory events
         assert later.summary.max_memory_allocated > 0
+
+
+def test_backward_trace_counts_the_gradients_a_layer_receives() -> None:
+    # Upstream's value (checked against 0.4.13): the bytes of grad_output not shared with grad_input; before, the
+    # gradients the layer passed on (its weight and bias gradients) were counted: 72 bytes here instead of 24.
+    model = nn.Sequential(nn.Linear(8, 2))
+    tracker = _track(model, torch.randn(3, 8, requires_grad=True))
+    (trace,) = [t for t in tracker.backward_traces if t.module_name == "0"]
+    assert trace.event.memory_activations == 3 * 2 * 4
+
+
+def test_stop_between_forward_and_backward() -> None:
+    # The forward attached the backward hooks to its graph; after stop() they fired on a stopped tracker and the
+    # backward failed (a bare assert; AttributeError under python -O) with no gradient written.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    reference = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    loss = model(x).sum()
+    tracker.stop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy module backward hook's deprecation
+        loss.backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert tracker.backward_traces == []  # not measured after stop()
+    assert [t.module_name for t in tracker.forward_traces] == ["0", "1", "2"]
+
+
+@pytest.mark.skipif(accelerator_available(), reason="the CPU probe: the profiler's memory events")
+def test_a_user_profiler_during_monitoring_warns_and_measuring_goes_on() -> None:
+    # Profilers do not nest: the user's profiler ended the tracker's session and every CPU value read 0, silently.
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 2))
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randn(32, 64)).sum().backward()
+        with torch.profiler.profile(profile_memory=True):
+            model(torch.randn(32, 64)).sum().backward()
+    with pytest.warns(UserWarning, match="another profiler"):
+        model(torch.randn(32, 64)).sum().backward()
+        tracker.stop()
+    last_step = tracker.forward_traces[-3:]
+    assert [t.module_name for t in last_step] == ["0", "1", "2"]
+    assert all(t.allocated > 0 for t in last_step)  # measured again after the user's profiler
+
+
+def test_process_group_tracker_copies() -> None:
+    tracker = ProcessGroupTracker("group", None)
+    clone = copy.copy(tracker)  # before: RecursionError in __getattr__ (upstream too)
+    assert clone.group == "group" and clone.listener is None
+    with pytest.raises(AttributeError):
+        ProcessGroupTracker.__new__(ProcessGroupTracker).group
 
 
 def test_plots_capture() -> None:
