@@ -88,8 +88,10 @@ def _split_nodes(traced: torch.fx.GraphModule, shard_count: int = 3) -> Dict[str
             order.append(node.name)
         elif node.op in ("get_attr", "call_function", "call_method", "call_module"):
             min_shard, min_name = shard_id, ""
-            for arg in node.args:
-                if not isinstance(arg, Node) or arg.name not in assignment:
+            # Every node it reads, also inside lists and keyword arguments (``torch.cat([x, h])``): upstream looked
+            # at direct positional arguments only, so such a skip crossed a boundary and the stage failed.
+            for arg in node.all_input_nodes:
+                if arg.name not in assignment:
                     continue
                 if order and arg.name == order[-1]:
                     continue
@@ -111,13 +113,27 @@ def _split_nodes(traced: torch.fx.GraphModule, shard_count: int = 3) -> Dict[str
     return assignment
 
 
+def _updates_in_place(traced: torch.fx.GraphModule, node: Any, value: Any) -> bool:
+    """Whether ``node`` changes ``value`` in place and returns it (``h.relu_()``, ``F.relu(h, inplace=True)``, an
+    ``nn.ReLU(inplace=True)``): the last stage then hands on the model's output itself."""
+    if not isinstance(node, Node) or not node.args or node.args[0] is not value:
+        return False
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("__")
+    if node.op == "call_function":
+        return node.kwargs.get("inplace") is True
+    if node.op == "call_module":
+        return getattr(traced.get_submodule(str(node.target)), "inplace", False) is True
+    return False
+
+
 def _check_output_is_last_value(traced: torch.fx.GraphModule) -> None:
     """Each stage hands on the last value it computes, so chaining the stages returns the model's output only when
     that output is the model's last computed value. Upstream's stages silently returned that last value instead (a
     statistic computed after the result, one element of a returned tuple)."""
     nodes = list(traced.graph.nodes)
     output, last = nodes[-1], nodes[-2] if len(nodes) > 1 else None
-    if output.op == "output" and output.args[0] is not last:
+    if output.op == "output" and output.args[0] is not last and not _updates_in_place(traced, last, output.args[0]):
         raise ValueError(
             "shard_model: the model's output is not the last value its forward computes (it returns "
             f"{output.args[0]!r}, computed before {last!r}, or several values): the stages pass on one value each, so "

@@ -166,3 +166,77 @@ def test_an_output_that_is_not_the_last_value_is_refused(model: type) -> None:
     # Upstream's chained stages returned the last computed value (a scalar here) instead of the model's output.
     with pytest.raises(ValueError, match="the model's output is not the last value its forward computes"):
         shard_model(model(), shard_count=1)
+
+
+class _InPlaceTail(nn.Module):
+    """Ends with an in-place op on the tensor it returns, in one of three spellings."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c(self.b(self.a(x)))
+        if self.how == "method":
+            h.relu_()
+        elif self.how == "function":
+            torch.nn.functional.relu(h, inplace=True)
+        else:
+            self.act(h)
+        return h
+
+
+@pytest.mark.parametrize("how", ["method", "function", "module"])
+def test_an_in_place_op_on_the_output_is_its_last_value(how: str) -> None:
+    # Refused before ("not the last value"): the in-place op returns the output itself (upstream shards it).
+    torch.manual_seed(0)
+    model = _InPlaceTail(how)
+    x = torch.randn(3, 4)
+    shards = shard_model(model, 3)
+    assert len(shards) == 2
+    assert torch.equal(_chain(shards, x), model(x))
+
+
+class _InPlaceOnAnother(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        aux = h.sum()
+        aux.add_(1.0)  # in place, but not on the output: the last stage would hand on aux
+        return h
+
+
+def test_an_in_place_op_on_another_value_is_still_refused() -> None:
+    with pytest.raises(ValueError, match="the model's output is not the last value"):
+        shard_model(_InPlaceOnAnother(), shard_count=1)
+
+
+class _SkipInAListOrKeyword(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.d = nn.Linear(8 if how == "list" else 4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c(self.b(self.a(x)))
+        if self.how == "list":
+            return self.d(torch.cat([x, h], dim=-1))
+        return self.d(torch.add(h, other=x))
+
+
+@pytest.mark.parametrize("how", ["list", "keyword"])
+def test_a_skip_inside_a_list_or_keyword_argument_stays_in_one_stage(how: str) -> None:
+    # The skip edge from x was not seen (only direct positional arguments were): shard_model failed inside fx
+    # ("does not belong to this Graph"); upstream's stage failed when called.
+    torch.manual_seed(0)
+    model = _SkipInAListOrKeyword(how)
+    x = torch.randn(3, 4)
+    shards = shard_model(model, 4)
+    assert len(shards) == 2  # a, b, c are pulled back to x's stage; d follows
+    assert torch.equal(_chain(shards, x), model(x))
