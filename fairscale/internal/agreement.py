@@ -131,10 +131,11 @@ def check_gathered_agree(what: str, gathered: Sequence[Any], group: Optional[Any
     for i, other in enumerate(gathered[1:], start=1):
         if other != gathered[0]:
             ranks = collectives.group_ranks(group)
+            # The caller's hint says what to do; without one, the generic advice.
+            advice = hint or "Every rank of the group must pass the same."
             raise RanksDisagreeError(
-                f"{what} differ between ranks: global rank {ranks[i]} has not the same as global rank {ranks[0]} "
-                f"({_first_difference(gathered[0], other)}). Every rank of the group must pass the same."
-                + (f" {hint}" if hint else "")
+                f"{what} differ between ranks: global rank {ranks[i]} differs from global rank {ranks[0]} "
+                f"({_first_difference(gathered[0], other)}). {advice}"
             )
 
 

@@ -51,20 +51,21 @@ class MOELayer(Module):
 
     Args:
         gate (Module): returns ``(l_aux, combine_weights, dispatch_mask)`` for ``[tokens, model_dim]``,
-            e.g. :class:`~fairscale.nn.moe.Top2Gate`.
+            e.g. :class:`~fairscale.nn.moe.Top2Gate`; any callable works, as upstream.
         experts (Union[Module, ModuleList]): this rank's experts; a module that is not exactly a
             ``ModuleList`` is one expert.
         group (Optional[Any]): the process group of the all-to-all (default: the world).
 
     Raises:
-        TypeError: ``gate`` or ``experts`` is not a module (a plain list of experts, say).
+        TypeError: ``gate`` is not callable, or ``experts`` is not a module (a plain list of experts, say).
         ValueError: ``experts`` is an empty ``ModuleList``.
     """
 
     def __init__(self, gate: Module, experts: Union[Module, ModuleList], group: Optional[Any] = None) -> None:
         super().__init__()
-        if not isinstance(gate, Module):
-            raise TypeError(f"MOELayer: gate must be an nn.Module (e.g. Top2Gate), got {type(gate).__name__}")
+        # Any callable, as upstream (a plain function of the input works; only a module's parameters train).
+        if not callable(gate):
+            raise TypeError(f"MOELayer: gate must be callable (e.g. a Top2Gate), got {type(gate).__name__}")
         if not isinstance(experts, Module):
             hint = "; wrap a list of experts in nn.ModuleList" if isinstance(experts, (list, tuple)) else ""
             raise TypeError(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 __all__ = ["Top2Gate", "top2gating", "one_hot", "gumbel_rsample"]
 
@@ -62,6 +62,11 @@ def _check_logits(logits: Tensor) -> None:
     if not isinstance(logits, Tensor) or logits.dim() != 2:
         got = f"shape {tuple(logits.shape)}" if isinstance(logits, Tensor) else type(logits).__name__
         raise FairscaleValueError(f"top2gating: logits must be a 2-D [tokens, experts] tensor, got {got}")
+    if not logits.is_floating_point():
+        # Integer logits were silently wrong: the combine weights went back to the integer dtype (all 0).
+        raise FairscaleTypeError(
+            f"top2gating: logits must be floating point, got {logits.dtype}; the gate's weights are probabilities"
+        )
     num_tokens, num_experts = logits.shape
     if num_experts == 0:
         raise FairscaleValueError("top2gating: got logits for 0 experts; the gate needs at least one expert")

@@ -106,7 +106,7 @@ def test_bad_construction_is_refused_with_what_to_do() -> None:
     """Checked before the process group is looked up, so no world is needed."""
     with pytest.raises(TypeError, match="wrap a list of experts in nn.ModuleList"):
         MOELayer(Top2Gate(MODEL_DIM, 2), [nn.Linear(MODEL_DIM, MODEL_DIM)])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="gate must be an nn.Module"):
+    with pytest.raises(TypeError, match="gate must be callable"):
         MOELayer(None, nn.Linear(MODEL_DIM, MODEL_DIM))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty ModuleList"):
         MOELayer(Top2Gate(MODEL_DIM, 2), nn.ModuleList())
@@ -145,3 +145,19 @@ def test_expert_of_another_shape_and_non_member_group_are_refused() -> None:
         ["expert shape refused", "member runs (2, 4, 8)"],
         ["expert shape refused", "non-member refused"],
     ]
+
+
+def _function_gate_body(rank: int, world_size: int) -> None:
+    # A plain function as the gate, as upstream allows (it was refused: "gate must be an nn.Module").
+    moe = _layer(world_size)
+    gate = moe.gate
+    functional = MOELayer(lambda tokens: gate(tokens), moe.experts)  # type: ignore[arg-type]
+    x = torch.randn(2, 4, MODEL_DIM, generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(1)  # the gate's Gumbel noise
+    expected = moe(x)
+    torch.manual_seed(1)
+    assert torch.equal(functional(x), expected)
+
+
+def test_a_function_gate() -> None:
+    run_distributed(_function_gate_body, 1, timeout=60)

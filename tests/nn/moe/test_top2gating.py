@@ -91,6 +91,8 @@ def test_bad_token_counts() -> None:
         top2gating(torch.randn(6, 4))
     with pytest.raises(AssertionError, match="num_classes must be a positive integer"):
         one_hot(torch.tensor([0]), 0)
+    with pytest.raises(TypeError, match="logits must be floating point, got torch.int64"):
+        top2gating(torch.ones(4, 2, dtype=torch.long))  # the combine weights were cast back to int64: all 0
 
 
 def test_gumbel_matches_torch_distribution() -> None:
