@@ -18,6 +18,7 @@ Example::
 """
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, Generator, Optional, Set, Tuple, Type, cast
 
 from torch import nn
@@ -190,8 +191,34 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
         return module
     _check_not_wrapped(module, ConfigAutoWrap.wrapper_cls)
     policy = auto_wrap_policy if auto_wrap_policy is not None else ConfigAutoWrap.auto_wrap_policy
-    wrapped, _ = ConfigAutoWrap.recursive_wrap(module, auto_wrap_policy=policy, module_is_root=True, **kwargs)
+    try:
+        wrapped, _ = ConfigAutoWrap.recursive_wrap(module, auto_wrap_policy=policy, module_is_root=True, **kwargs)
+    except Exception as e:
+        _note_partly_wrapped(e, module, ConfigAutoWrap.wrapper_cls)
+        raise
     return wrapped
+
+
+def _note_partly_wrapped(error: Exception, module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
+    """Say which submodules a failed :func:`auto_wrap` had wrapped already (upstream left that unsaid).
+
+    They cannot be unwrapped: a wrapper such as FSDP changed them when it was built (it flattened their parameters),
+    and a second ``auto_wrap`` refuses the tree. So the error says to build the model anew.
+    """
+    if not isinstance(wrapper_cls, type):
+        return
+    names = [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, wrapper_cls)]
+    if not names:
+        return
+    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    note = (
+        f"auto_wrap failed after wrapping {shown} in {wrapper_cls.__name__}; those stay wrapped (the wrapper changed "
+        "them). Build the model anew before calling auto_wrap again."
+    )
+    if hasattr(error, "add_note"):  # Python 3.11+: printed with the traceback
+        error.add_note(note)
+    else:
+        warnings.warn(note)
 
 
 def _check_not_wrapped(module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
@@ -206,7 +233,8 @@ def _check_not_wrapped(module: nn.Module, wrapper_cls: Optional[Callable[..., nn
             where = f"submodule '{name}'" if name else "the root module"
             raise FairscaleValueError(  # also an AssertionError, as upstream
                 f"auto_wrap: {where} ({type(sub).__name__}) is already wrapped. Call auto_wrap on the "
-                "unwrapped model, or wrap the remaining submodules individually with wrap()."
+                "unwrapped model (after a failed auto_wrap, build it anew), or wrap the remaining submodules "
+                "individually with wrap()."
             )
 
 

@@ -11,8 +11,10 @@ import copy
 import functools
 import os
 import re
+import warnings
 from typing import Any, Callable, Dict, List, Tuple
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -212,6 +214,27 @@ def _kwargs_and_wrapper_config(rank: int) -> None:
     _train_and_compare(rank, model, ref, mixed=True)
 
 
+def _failed_auto_wrap_names_what_it_wrapped(rank: int) -> None:
+    """FSDP refuses the second child (mixed requires_grad in one flat parameter) after wrapping the first: the
+    error says which submodules stay wrapped and to build the model anew (before: nothing said so, and the retry
+    was refused as "already wrapped" with no hint why)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].weight.requires_grad_(False)
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=1)
+    with warnings.catch_warnings(record=True) as caught:  # Python < 3.11 has no exception notes: a warning
+        warnings.simplefilter("always")
+        with enable_wrap(wrapper_cls=FSDP):
+            with pytest.raises(ValueError, match="mixes requires_grad") as error:
+                auto_wrap(model, auto_wrap_policy=policy)
+    said = "\n".join(getattr(error.value, "__notes__", []) + [str(w.message) for w in caught])
+    assert "auto_wrap failed after wrapping '0' in FullyShardedDataParallel" in said, said
+    assert "Build the model anew" in said
+    model[1].weight.requires_grad_(True)
+    with enable_wrap(wrapper_cls=FSDP):
+        with pytest.raises(ValueError, match="after a failed auto_wrap, build it anew"):
+            auto_wrap(model, auto_wrap_policy=policy)
+
+
 def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], None]]] = [
         ("blocks at block size", lambda: _blocks_at_block_size(rank)),
@@ -219,6 +242,7 @@ def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
         ("force-leaf override", lambda: _force_leaf_override(rank)),
         ("ModuleList excluded, root wrapped", lambda: _module_list_excluded_root_wrapped(rank)),
         ("kwargs and wrapper_config", lambda: _kwargs_and_wrapper_config(rank)),
+        ("failed auto_wrap names what it wrapped", lambda: _failed_auto_wrap_names_what_it_wrapped(rank)),
     ]
     run_cases(cases)
 
