@@ -157,9 +157,12 @@ def shard_model(model: nn.Module, shard_count: int = 3) -> List[torch.fx.GraphMo
         List[torch.fx.GraphModule]: the stages, in order.
 
     Raises:
+        TypeError: ``model`` is not a module.
         ValueError: ``shard_count`` is not a positive integer, or the model's output is not the last value its
             forward computes (several returned values, or something computed after the result).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard_model: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(shard_count, int) or shard_count < 1:
         raise ValueError(f"shard_count must be a positive integer, got {shard_count!r}")
     traced = _trace(model)

@@ -240,6 +240,8 @@ class LayerwiseMemoryTracker:
         made a second probe before, and the first one's CPU profiler session was never stopped: a later tracker then
         read 0 bytes everywhere.)
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"LayerwiseMemoryTracker.monitor: model must be an nn.Module, got {type(model).__name__}")
         if self._probe is None:
             param = next(model.parameters(), None)
             self._probe = probe_for(param.device if param is not None else torch.device("cpu"))

@@ -240,3 +240,8 @@ def test_a_skip_inside_a_list_or_keyword_argument_stays_in_one_stage(how: str) -
     shards = shard_model(model, 4)
     assert len(shards) == 2  # a, b, c are pulled back to x's stage; d follows
     assert torch.equal(_chain(shards, x), model(x))
+
+
+def test_a_model_that_is_not_a_module_is_refused() -> None:
+    with pytest.raises(TypeError, match="model must be an nn.Module, got NoneType"):
+        shard_model(None)  # type: ignore[arg-type]  # before: AttributeError from deep inside

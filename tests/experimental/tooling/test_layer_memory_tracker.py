@@ -195,6 +195,11 @@ def test_a_user_profiler_during_monitoring_warns_and_measuring_goes_on() -> None
     assert all(t.allocated > 0 for t in last_step)  # measured again after the user's profiler
 
 
+def test_monitor_refuses_what_is_not_a_module() -> None:
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+        LayerwiseMemoryTracker().monitor("abc")  # type: ignore[arg-type]  # before: AttributeError from inside
+
+
 def test_process_group_tracker_copies() -> None:
     tracker = ProcessGroupTracker("group", None)
     clone = copy.copy(tracker)  # before: RecursionError in __getattr__ (upstream too)
