@@ -244,6 +244,10 @@ class OffloadFunction(torch.autograd.Function):
         ctx.num_microbatches = nmb
         ctx.model_slices = slices
         ctx.rng_states = []
+        # The model outputs' shapes before the squeeze: the backward gives their gradients these shapes back, so
+        # that each micro-batch's recomputed output meets its own gradient whatever the squeeze did to the whole
+        # (a 1-D output, whose 1-row micro-batch a per-chunk squeeze would make 0-d; a batch of one).
+        ctx.output_shapes = []
         activations: List[Tuple[Any, ...]] = [inputs_tuple]
         for index, shard in enumerate(slices):
             with torch.autograd.profiler.record_function(_PREFIX + "forward_load"):
@@ -259,6 +263,8 @@ class OffloadFunction(torch.autograd.Function):
                         # Upstream squeezes every slice output, which breaks a width-1 boundary between slices
                         # (the next slice gets (N,) instead of (N, 1)); only the model output keeps that squeeze.
                         outputs.append(out.squeeze(-1) if last else out)
+                        if last:
+                            ctx.output_shapes.append(out.shape)
             with torch.autograd.profiler.record_function(_PREFIX + "forward_drop"):
                 activations[index] = _to(activations[index], torch.device("cpu"))
                 activations.append(tuple(outputs))
@@ -278,11 +284,13 @@ class OffloadFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
-        grads: Tuple[Any, ...] = tuple(grad_outputs)
+        grads: Tuple[Any, ...] = tuple(
+            g.reshape(shape) if isinstance(g, Tensor) else g for g, shape in zip(grad_outputs, ctx.output_shapes)
+        )
         slices: List[ModelShard] = ctx.model_slices
         slice_inputs = _saved_slice_inputs(ctx)
         for index in reversed(range(len(slices))):
-            grads = _backward_slice(ctx, index, slice_inputs[index], grads, last=index == len(slices) - 1)
+            grads = _backward_slice(ctx, index, slice_inputs[index], grads)
         # The first slice's input gradients belong to the model inputs (upstream returned None here).
         input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
         first = input_grads[0] if input_grads else None
@@ -325,9 +333,7 @@ class _SavedTensor:
         self.index = index
 
 
-def _backward_slice(
-    ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: Tuple[Any, ...], last: bool
-) -> Tuple[Any, ...]:
+def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: Tuple[Any, ...]) -> Tuple[Any, ...]:
     """Recompute slice ``index`` chunk by chunk and backpropagate ``grads``; return the gradients of its inputs.
 
     Args:
@@ -335,7 +341,6 @@ def _backward_slice(
         index (int): the slice.
         slice_input (Tuple[Any, ...]): the slice's inputs kept by the forward.
         grads (Tuple[Any, ...]): gradients of the slice's outputs.
-        last (bool): whether this is the last slice, whose output the forward squeezed.
 
     Returns:
         Tuple[Any, ...]: gradients of the slice's inputs (``None`` where an input takes none).
@@ -360,7 +365,6 @@ def _backward_slice(
             with torch.autograd.profiler.record_function(_PREFIX + "forward_pass_with_enable_grad"):
                 with torch.enable_grad(), _running_stats_frozen(shard):
                     out = shard(x_chunk)
-                    out = out.squeeze(-1) if last else out
             with torch.autograd.profiler.record_function(_PREFIX + "backward_pass"):
                 torch.autograd.backward(out, g_chunk)
             collected.append(x_chunk.grad if x_chunk.requires_grad else None)
@@ -432,6 +436,14 @@ class OffloadModel(nn.Module):
         if len(model) == 0:
             # A TypeError as upstream's (whose falsiness test took an empty model for None), with a message that fits.
             raise TypeError("`model` argument to `OffloadModel` has no layers: pass an nn.Sequential of at least one.")
+        if isinstance(model, list):
+            # A list is taken as the slices themselves (upstream's form): each must be a module.
+            for i, part in enumerate(model):
+                if not isinstance(part, nn.Module):
+                    raise TypeError(
+                        f"`model` argument to `OffloadModel`: a list must hold the slices as nn.Modules; item {i} "
+                        f"is a {type(part).__name__}"
+                    )
         device = torch.device(device)
         if device.type != "cpu" and not accelerator_available():
             raise TypeError("CUDA must be available as one of the compute devices for `OffloadModel`.")

@@ -113,6 +113,8 @@ def test_bad_arguments() -> None:
         OffloadModel(_model(), None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be of type"):
         OffloadModel(nn.Linear(2, 2), torch.device("cpu"))
+    with pytest.raises(TypeError, match="item 1 is a int"):
+        OffloadModel([nn.Linear(2, 2), 3], torch.device("cpu"))  # type: ignore[list-item]
     with pytest.raises(RuntimeError, match="only support microbatches with activation checkpointing"):
         OffloadModel(_model(), torch.device("cpu"), num_microbatches=2)
     if not accelerator_available():
@@ -244,6 +246,26 @@ def test_checkpoint_width1_boundary_between_slices(nmb: int) -> None:
     # Only the model output keeps upstream's squeeze(-1) in checkpoint mode.
     assert out.shape == (6,)
     torch.testing.assert_close(out, out_ref.squeeze(-1))
+    out.pow(2).sum().backward()
+    out_ref.pow(2).sum().backward()
+    _assert_same_state(ref, offload)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("batch, nmb", [(3, 2), (7, 3), (1, 1)])
+def test_checkpoint_one_dimensional_output_with_a_one_row_micro_batch(batch: int, nmb: int) -> None:
+    """A 1-D model output (``Flatten(0)``) whose last micro-batch has one row: its recomputation was squeezed to 0-d
+    and backward failed ("Mismatch in shape"), upstream trained; a batch of one failed in both ("chunk expects at
+    least a 1-dimensional tensor")."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1), nn.Flatten(0))
+    offload = OffloadModel(
+        copy.deepcopy(ref), torch.device("cpu"), num_slices=2, checkpoint_activation=True, num_microbatches=nmb
+    )
+    x = torch.randn(batch, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, out_ref = offload(x), ref(x_ref)
+    torch.testing.assert_close(out.reshape(-1), out_ref)  # a batch of one comes back 0-d: upstream's squeeze(-1)
     out.pow(2).sum().backward()
     out_ref.pow(2).sum().backward()
     _assert_same_state(ref, offload)
