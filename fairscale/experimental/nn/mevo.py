@@ -123,6 +123,10 @@ def _tile_logits(
 
 def _accumulate_weight_grad(kernel_obj: Any, w_grad: Tensor, w_idx: int, w_split_size: int) -> None:
     weight: Tensor = kernel_obj.proj_weight
+    if not weight.requires_grad:
+        # A frozen weight (a tied embedding the user froze) gets no gradient, as autograd gives none: written here,
+        # an optimizer holding it would have changed it. (Upstream asserted requires_grad.)
+        return
     if weight.grad is None:
         # Upstream relied on TargetScoreFunction's backward running first; do not.
         weight.grad = torch.zeros_like(weight)
@@ -367,6 +371,9 @@ class MemoryEfficientVocabOutput(nn.Module):
         scale: Optional[float] = None,
     ) -> None:
         super().__init__()
+        if isinstance(tile_factor, bool) or not isinstance(tile_factor, int) or tile_factor < 1:
+            # 0 divided by zero in the first forward, a float failed inside, a negative was taken silently.
+            raise FairscaleValueError(f"MEVO: tile_factor must be a positive integer, got {tile_factor!r}")
         self.proj_weight = proj_weight
         self.tf_in, self.tf_w = tile_factor, tile_factor
         self.fp_max = True

@@ -84,6 +84,20 @@ def test_gradients_accumulate_and_3d_inputs() -> None:
     assert mevo.trigger.trigger._linked_param is w
 
 
+def test_a_frozen_weight_gets_no_gradient() -> None:
+    # A tied embedding the user froze: MEVO wrote its .grad (autograd gives none), and an optimizer holding the weight
+    # changed it. The input's gradient is unchanged.
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(11, 4), requires_grad=False)
+    x = torch.randn(6, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    target = torch.randint(0, 11, (6,))
+    MEVO(weight, tile_factor=2)(x, target).backward()
+    F.cross_entropy(x_ref @ weight.T, target, reduction="sum").backward()
+    assert weight.grad is None
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
 def test_large_logit_gap_stays_exact() -> None:
     """Upstream formed exp(t - max) / sum and returned inf once the target logit was ~104 below the max."""
     x = torch.tensor([[1.0]], requires_grad=True)

@@ -49,6 +49,11 @@ def _mevo_reduction() -> None:
     MEVO(_data()[1], reduction="none")
 
 
+def _mevo_tile_factor(value: Any) -> Callable[[], None]:
+    # 0 divided by zero in the first forward, 2.5 failed inside ('float' has no bit_length), -1 was taken silently.
+    return lambda: MEVO(_data()[1], tile_factor=value)
+
+
 def _forward_input_not_tensor() -> None:
     _, w, y = _data()
     MEVO(w)([[1.0, 2.0, 3.0]], y)
@@ -127,6 +132,12 @@ CASES = [
         _trigger_of_plain_tensor, TypeError, r"BackwardTrigger needs an nn.Parameter, got Tensor", id="trigger-param"
     ),
     pytest.param(_mevo_reduction, ValueError, r"MEVO: reduction must be 'sum' or 'mean', got 'none'", id="reduction"),
+    *[
+        pytest.param(
+            _mevo_tile_factor(v), ValueError, rf"MEVO: tile_factor must be a positive integer, got {v}", id=f"tf={v}"
+        )
+        for v in (0, -1, 2.5)
+    ],
     pytest.param(_forward_input_not_tensor, TypeError, r"MEVO.forward: input must be a tensor, got list", id="input"),
     pytest.param(
         _forward_target_none_in_training,
