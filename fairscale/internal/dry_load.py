@@ -31,8 +31,10 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
         What ``load`` returned (for ``load_state_dict``: the missing and unexpected keys).
     """
     swapped: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
+    hooks: List[Any] = []
     try:
         for m in module.modules():
+            names: List[str] = []
             for registry in (cast(Dict[str, Any], m._parameters), cast(Dict[str, Any], m._buffers)):
                 for name, tensor in list(registry.items()):
                     if tensor is None or tensor.is_meta:
@@ -42,13 +44,39 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
                         shape_only = nn.Parameter(shape_only, requires_grad=tensor.requires_grad)
                     swapped.append((registry, name, tensor))
                     registry[name] = shape_only
+                    names.append(name)
+            if names:
+                hooks.append(m._register_load_state_dict_pre_hook(_refuse_meta_values(names), with_module=True))
         with warnings.catch_warnings():
             # torch warns that copying into a meta tensor does nothing: here that is the point.
             warnings.filterwarnings("ignore", message=".*non-meta parameter in the checkpoint to a meta parameter.*")
             return load()
     finally:
+        for handle in hooks:
+            handle.remove()
         for registry, name, tensor in reversed(swapped):
             registry[name] = tensor
+
+
+def _refuse_meta_values(names: List[str]) -> Callable[..., None]:
+    """A load pre-hook for the dry run: a ``meta`` value (no data) for a tensor that holds data is an error.
+
+    Copying meta into the dry run's meta stand-ins works, so the dry run passed and the real load failed partway
+    ("Cannot copy out of meta tensor"), after copying the entries before it. The error goes where torch collects its
+    own (``error_msgs``), so the load raises torch's ``RuntimeError`` with it, before anything is copied.
+    """
+
+    def hook(module: nn.Module, state_dict: Any, prefix: str, metadata: Any, strict: bool, *lists: Any) -> None:
+        error_msgs = lists[-1]
+        for name in names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                error_msgs.append(
+                    f"{prefix + name}: the state dict holds a meta tensor (a shape without data); load one with "
+                    "data (e.g. a checkpoint saved from a materialized model)"
+                )
+
+    return hook
 
 
 def load_state_dict_all_or_nothing(module: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: bool) -> Any:

@@ -155,6 +155,12 @@ def test_failed_load_changes_nothing() -> None:
         offload.load_state_dict(spoiled)
     for key, value in offload.state_dict().items():
         assert torch.equal(value, before[key]), key
+    # A meta value (a shape without data) passed the shape-only dry run and failed partway in the real load.
+    spoiled[last] = torch.zeros_like(before[last], device="meta")
+    with pytest.raises(RuntimeError, match=f"{last}: the state dict holds a meta tensor"):
+        offload.load_state_dict(spoiled)
+    for key, value in offload.state_dict().items():
+        assert torch.equal(value, before[key]), key
     spoiled[last] = torch.zeros_like(before[last])
     offload.load_state_dict(spoiled)
     assert all(not v.any() for v in offload.state_dict().values())

@@ -400,6 +400,25 @@ def test_load_wrong_keys_reports_them() -> None:
         fpw.load_state_dict(make_seq().state_dict(), assign=True)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_meta_value_is_refused_before_anything_is_loaded(flat: bool) -> None:
+    # A meta tensor (a shape without data) passed the shape-only dry run, and the real load failed partway ("Cannot
+    # copy out of meta tensor") after copying the entries before it.
+    fpw: Any = FlattenParamsWrapper(make_seq())
+    before = {k: v.clone() for k, v in fpw.state_dict().items()}
+    if flat:  # the flat parameter's key, first, then the original names of the rest
+        sd = {"flat_param_0": torch.empty(fpw.flat_param.numel(), device="meta")}
+        sd.update({k: v + 1 for k, v in before.items() if k in dict(fpw.named_buffers())})
+    else:  # the original names, the last one without data
+        sd = {k: v + 1 for k, v in before.items()}
+        last = list(sd)[-1]
+        sd[last] = torch.empty_like(sd[last], device="meta")
+    with pytest.raises(RuntimeError, match=r"the state dict holds a meta tensor"):
+        fpw.load_state_dict(sd)
+    for key, value in fpw.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def test_parent_load_with_assign_is_refused_before_the_wrapper_changes() -> None:
     # torch would register the loaded tensor in place of the flat parameter, unseen by the wrapper's views: the
     # load was lost silently ("All keys matched"). Refused with a message; the wrapper keeps its parameters.
