@@ -46,7 +46,9 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
                     registry[name] = shape_only
                     names.append(name)
             if names:
-                hooks.append(m._register_load_state_dict_pre_hook(_refuse_meta_values(names), with_module=True))
+                # The private registration (untyped in the stubs): it takes this hook form on every supported torch.
+                register = cast(Any, m)._register_load_state_dict_pre_hook
+                hooks.append(register(_refuse_meta_values(names), with_module=True))
         with warnings.catch_warnings():
             # torch warns that copying into a meta tensor does nothing: here that is the point.
             warnings.filterwarnings("ignore", message=".*non-meta parameter in the checkpoint to a meta parameter.*")
