@@ -34,9 +34,10 @@ def _track_running_stats(
 ) -> None:
     # Bessel's factor in float64: the count arrives as fp32, whose factor put fp32 rounding into float64 buffers.
     count = total_count.to(torch.float64)
-    unbiased_var = (var.to(torch.float64) * (count / (count - 1))).to(running_var.dtype)
-    # Nothing measured (every rank's batch empty): the running statistics stay as they are (on the device, no sync).
-    step = momentum * (total_count > 0).to(running_mean.dtype)
+    unbiased_var = (var.to(torch.float64) * (count / (count - 1).clamp(min=1))).to(running_var.dtype)
+    # Nothing measured, or one value per channel (no variance: Bessel's factor is infinite, and running_var became
+    # NaN): the running statistics stay as they are (on the device, no sync).
+    step = momentum * (total_count > 1).to(running_mean.dtype)
     running_mean += step * (mean.reshape(-1) - running_mean)
     running_var += step * (unbiased_var.reshape(-1) - running_var)
 
@@ -61,7 +62,8 @@ def _calculate_stats(
     channels, code = input.size(1), _DTYPE_CODES.get(input.dtype, 0)
     # float64: the count and the squares stay exact integers far beyond any real world size (fp32 counts would be
     # exact to 2**24; upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
-    values = (input.numel() // max(channels, 1), channels, channels**2, code, code**2)
+    # The last value is 0: a rank whose input failed its own check sends 1 there (see _join_and_raise).
+    values = (input.numel() // max(channels, 1), channels, channels**2, code, code**2, 0)
     if input.device.type == "cpu":
         sums = torch.tensor(values, dtype=torch.float64)
     else:  # filled on the device: a list copied to it would wait for the work queued there (a host sync)
@@ -100,13 +102,36 @@ def _calculate_stats(
     return mean, var, invstd, total_count
 
 
+def _join_and_raise(error: Exception, device: torch.device, process_group: Any) -> None:
+    """Raise ``error`` (this rank's input failed a check of its own) after taking part in the count all-reduce, whose
+    last place carries a 1 from this rank: where the other ranks read the sums (on the CPU always, on accelerators at
+    the layer's first forward) they raise too, before the statistics' all-reduce, instead of waiting in it for this
+    rank until the group's timeout. (Reading them at every forward on an accelerator would wait for the device.)
+    """
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    sums[5] = 1
+    all_reduce(sums, group=process_group)
+    raise error
+
+
 def _check_same_layout(sums: Tensor, channels: int, dtype: torch.dtype, process_group: Any) -> None:
     n = group_size(process_group)
-    _, c1, c2, d1, d2 = (int(v) for v in sums.tolist())
+    count, c1, c2, d1, d2, failed = (int(v) for v in sums.tolist())
+    if failed:
+        raise RuntimeError(
+            f"SyncBatchNorm: the input of {failed} other rank(s) of the process group failed its own check (that "
+            "rank raised why); every rank stops here instead of waiting for it"
+        )
     if c1 * c1 != n * c2 or d1 * d1 != n * d2:
         raise RanksDisagreeError(
             f"SyncBatchNorm: the {n} ranks of the process group disagree on the layer's channels or input dtype "
             f"(this rank: {channels} channels, {dtype}); every rank must run the same model on inputs of one dtype"
+        )
+    if count == 1:
+        # torch's BatchNorm refuses it too: the variance of one value is 0 and the output would be the bias alone.
+        raise ValueError(
+            "SyncBatchNorm: expected more than 1 value per channel when training, got 1 over the whole process "
+            "group; use a larger batch (or eval mode)"
         )
 
 
@@ -202,17 +227,23 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
         copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return copied
 
-    def forward(self, input: Tensor) -> Tensor:
-        if not dist.is_initialized() or not self.training:
-            return super().forward(input)
+    def _input_problem(self, input: Tensor) -> Optional[Exception]:
+        """What is wrong with this rank's call on its own (``None`` if nothing)."""
         if input.ndim < 2:
-            raise ValueError(
+            return ValueError(
                 f"SyncBatchNorm expects an input with at least 2 dims (channels in dim 1), got {input.ndim}"
             )
         if input.size(1) != self.num_features:
-            raise ValueError(
+            return ValueError(
                 f"SyncBatchNorm: input has {input.size(1)} channels in dim 1 but the layer has {self.num_features}"
             )
+        if self.running_mean is not None and self.running_var is not None and self.momentum is None:
+            return RuntimeError("SyncBatchNorm does not support momentum=None (cumulative average); pass a float")
+        return None
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not dist.is_initialized() or not self.training:
+            return super().forward(input)
         wait_phase = is_checkpointing()
         recompute_phase = is_recomputing()
         if not recompute_phase:
@@ -222,14 +253,15 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
                 # between ranks usually does from the start).
                 check_layout = input.device.type == "cpu" or not getattr(self, "_layout_checked", False)
                 self._layout_checked = True
+                problem = self._input_problem(input)
+                if problem is not None:
+                    # Raised alone, before the collectives, it left the other ranks waiting in them.
+                    _join_and_raise(problem, input.device, self._process_group)
                 mean, var, invstd, total_count = _calculate_stats(input, self.eps, self._process_group, check_layout)
                 # Checked through the buffers, not ``track_running_stats``: a batch-norm patch that toggles the
                 # flag during no-grad passes must not stop this once-per-step update.
                 if self.running_mean is not None and self.running_var is not None:
-                    if self.momentum is None:
-                        raise RuntimeError(
-                            "SyncBatchNorm does not support momentum=None (cumulative average); pass a float"
-                        )
+                    assert self.momentum is not None  # refused by _input_problem; narrows the type for mypy
                     _track_running_stats(self.running_mean, self.running_var, self.momentum, mean, var, total_count)
         # Under checkpoint_wrapper the statistics are kept with the checkpointed call (its stash lives as long as the
         # call's graph): a forward whose backward never runs left them in saved_for_2nd_fwd for the next

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairscale.experimental.nn import SyncBatchNorm
+from fairscale.experimental.nn.sync_batchnorm import _track_running_stats
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_gather_into_flat, all_reduce, count_collectives
@@ -116,6 +117,50 @@ def _check_ranks_disagree(rank: int, world_size: int) -> None:
     assert counter.count("all_reduce") == 3
 
 
+def _check_one_rank_input_fails(rank: int, world_size: int) -> None:
+    """A call that fails a check of its own on one rank (other channels, a 1-D input, momentum=None): that rank raised
+    before the collectives and the others waited in them until the group's timeout. Now it takes part in the count's
+    all-reduce with a flag, and every other rank raises too, at once."""
+    for what in ("channels", "ndim", "momentum"):
+        layer = SyncBatchNorm(3)
+        if what == "momentum" and rank == 1:
+            layer.momentum = None
+        x = torch.randn(4, 3, 5)
+        if rank == 1 and what == "channels":
+            x = torch.randn(4, 4, 5)
+        elif rank == 1 and what == "ndim":
+            x = torch.randn(4)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        if rank == 1:
+            expected = {"channels": "4 channels in dim 1", "ndim": "at least 2 dims", "momentum": "momentum=None"}
+            with pytest.raises((ValueError, RuntimeError), match=expected[what]):
+                layer(x)
+        else:
+            with pytest.raises(RuntimeError, match="the input of 1 other rank.* failed its own check"):
+                layer(x)
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, before[k]), (what, k)
+    layer = SyncBatchNorm(3)  # nothing left in flight
+    with count_collectives() as counter:
+        layer(torch.randn(4, 3, 5, requires_grad=True)).sum().backward()
+    assert counter.count("all_reduce") == 3
+
+
+def _check_one_value_per_channel(rank: int, world_size: int) -> None:
+    """One value per channel over the whole group: torch's BatchNorm refuses it; the running variance became NaN."""
+    layer = SyncBatchNorm(3)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(1 if rank == 0 else 0, 3)
+    with pytest.raises(ValueError, match="expected more than 1 value per channel when training, got 1"):
+        layer(x)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # Where the count is not read (accelerators after the first forward), the update skips it instead of NaN.
+    running_mean, running_var = torch.zeros(3), torch.ones(3)
+    _track_running_stats(running_mean, running_var, 0.1, torch.ones(3), torch.zeros(3), torch.ones(1))
+    assert torch.equal(running_mean, torch.zeros(3)) and torch.equal(running_var, torch.ones(3))
+
+
 def _check_float64_running_var(rank: int, world_size: int) -> None:
     """float64 running statistics get float64's digits: the Bessel factor was fp32 (1e-7 relative off)."""
     torch.manual_seed(0)
@@ -141,6 +186,8 @@ def _world_body(rank: int, world_size: int) -> None:
     cases.append(("float64_running_var", lambda: _check_float64_running_var(rank, world_size)))
     if world_size > 1:
         cases.append(("ranks_disagree", lambda: _check_ranks_disagree(rank, world_size)))
+        cases.append(("one_rank_input_fails", lambda: _check_one_rank_input_fails(rank, world_size)))
+        cases.append(("one_value_per_channel", lambda: _check_one_value_per_channel(rank, world_size)))
     run_cases(cases)
 
 
