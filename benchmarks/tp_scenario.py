@@ -39,6 +39,7 @@ from _fsdp_bench.scenario_args import split_scenario_args  # noqa: E402
 from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.model import GPT, build_model, lm_loss  # noqa: E402
+from _fsdp_bench.peers import _fully_shard  # noqa: E402
 
 from _fsdp_bench.worlds import run_function  # noqa: E402
 from fairscale.internal import collectives  # noqa: E402
@@ -119,7 +120,6 @@ def _build_fairscale(cfg: BenchConfig, device: torch.device, dp: int) -> nn.Modu
 
 def _build_torch(cfg: BenchConfig, device: torch.device, dp: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     # Same layout as fairscale's grid: model-parallel pairs are consecutive ranks.
@@ -130,6 +130,11 @@ def _build_torch(cfg: BenchConfig, device: torch.device, dp: int) -> nn.Module:
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], plan)
     if dp > 1:
+        # Looked up only here: FSDP2 is public in torch.distributed.fsdp from 2.6 (under _composable in 2.4/2.5), and
+        # the 2-rank run (dp == 1) needs none.
+        fully_shard = _fully_shard()
+        if fully_shard is None:
+            raise SystemExit("the tp scenario's torch peer needs FSDP2 (fully_shard) with more than 2 ranks")
         fully_shard(model, mesh=mesh["dp"])
     return model
 

@@ -248,6 +248,10 @@ def _all_gather_body(rank: int, world_size: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ddp(torch.randn(3, 4)).sum().backward()
+    # DDP waits for its gloo all-reduce's future, which completes before gloo's worker thread ends the collective's
+    # profiler record: stopping the profiler at once raced with that thread, and torch 2.5 crashed (SIGSEGV/SIGABRT in
+    # the event parsing, 1 run in 4). A barrier waits for the group's earlier work, callbacks included.
+    dist.barrier()
     tracker.stop()
     names = [f"module.{i}" for i in range(5)]
     assert [t.module_name for t in tracker.forward_traces] == names

@@ -29,10 +29,12 @@ try:  # torch >= 2.2
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 except ImportError:  # pragma: no cover - old torch: dcp._options refuses every call first
     FileSystemReader = object  # type: ignore[assignment,misc]
+    DefaultLoadPlanner = object  # type: ignore[assignment,misc]
 
 __all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "METADATA_FILE", "CheckpointNotFoundError", "load", "error_summary"]
 
@@ -101,7 +103,7 @@ def load(
         # DCP's default planner drops a ShardedTensor without local shards (a parameter that lies in other ranks'
         # shards only), and a key of the checkpoint that is then absent from the dict makes it flatten the dict as
         # torch 2.3 did, which no longer matches the checkpoint. Such tensors are only read by the ranks that hold them.
-        planner = DefaultLoadPlanner(flatten_sharded_tensors=False)
+        planner = _SizeCheckingPlanner(flatten_sharded_tensors=False)
         with _plain_tensor_attributes():
             _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
     except (Exception, CheckpointException) as e:
@@ -118,6 +120,21 @@ def load(
     except BaseException:
         _forget_created_state(optims, fresh)
         raise
+
+
+class _SizeCheckingPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, refusing a saved tensor whose size differs from the live one's, as torch 2.6 and
+    later do: torch 2.5's read the overlap of the saved and the live boxes and left the rest as it was, without a
+    word (a checkpoint of another model loaded partly; found by the torch 2.5 run)."""
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()  # (it may flatten self.state_dict for a checkpoint of older torch)
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and md.size != obj.size():
+                raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+        return plan
 
 
 class _Reader(FileSystemReader):
