@@ -783,6 +783,8 @@ def test_wrapper_validation_errors_name_the_params() -> None:
         FlattenParamsWrapper(m, param_list=[nn.Parameter(torch.ones(2))])
     with pytest.raises(ValueError, match="not a mix"):
         FlattenParamsWrapper(m, param_list=[m[0].weight, [m[0].bias]])
+    with pytest.raises(ValueError, match=r"not a mapping; pass list\(d.values\(\)\)"):
+        FlattenParamsWrapper(m, param_list=dict(m.named_parameters()))  # was "not a mix ... ['str']"
     with pytest.raises(ValueError, match="2 entries but there are 1"):
         FlattenParamsWrapper(make_seq(), flat_param_names=["a", "b"])
     with pytest.raises(ValueError, match="unique"):

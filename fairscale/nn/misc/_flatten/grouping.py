@@ -13,7 +13,7 @@ Two steps, both pure (nothing is modified):
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch.nn as nn
 from torch import Tensor
@@ -77,6 +77,12 @@ def normalize_param_groups(module: nn.Module, param_list: Any) -> List[List[nn.P
         return [list(module.parameters())] if any(True for _ in module.parameters()) else []
     if isinstance(param_list, Tensor):
         raise ValueError("param_list must be a list of parameters (or a list of such lists), not a single tensor")
+    if isinstance(param_list, Mapping):
+        # Iterating a dict (named_parameters() made into one) gives its names: "not a mix ... ['str']" misled.
+        raise ValueError(
+            "param_list must be a list of parameters (or a list of such lists), not a mapping; pass "
+            "list(d.values()) for a dict of name to parameter"
+        )
     items = list(param_list)
     if all(isinstance(p, Tensor) for p in items):
         raw_groups: List[List[Any]] = [items] if items else []
