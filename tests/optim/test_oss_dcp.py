@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fairscale.fair_dev.testing.engine import run_distributed
-from fairscale.internal import collectives
+from fairscale.internal import collectives, torch_version
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS, oss_dcp
 
@@ -201,6 +201,11 @@ def _case_sharded_ddp_resumes(saved: Saved, rank: int, world_size: int) -> None:
 
 def _case_torch_helpers_interoperate(saved: Saved, rank: int, world_size: int) -> None:
     """torch's helpers with a plain optimizer load OSS's checkpoint; OSS loads theirs; both continue bit-exactly."""
+    if (2, 3, 0) <= torch_version() < (2, 4, 0):
+        pytest.skip(
+            f"torch {torch.__version__}'s dcp.load drops the non-tensor values of its own helpers' optimizer state "
+            "dict (the groups' lr; pytorch/pytorch#129079, fixed in 2.4)"
+        )
     for kind in KINDS:
         model = DDP(make_net(5))
         plain = make_plain(model.parameters(), kind, 0.5)

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fairscale.internal import collectives
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.version import torch_version
 
 from .._param_state import check_param_state, laid_out_like
 from . import loading
@@ -145,6 +146,31 @@ def _copy(value: Any, cpu_offload: bool) -> Any:
     return copy.deepcopy(value)
 
 
+class _LoadedInPlace(Dict[str, Any]):
+    """The dict :func:`build_state_dict` returns on torch 2.3, whose ``dcp.load`` drops the non-tensor values.
+
+    That release's load planner (``_init_state_dict``) rebuilds the containers of the dict it is given with
+    ``torch.utils._pytree`` and writes what it reads as bytes (the parameter groups, with their ``lr``...) into the
+    rebuilt ones, which ``dcp.load`` then drops: tensors loaded in place, but the hyper-parameters stayed the
+    template's, silently (pytorch/pytorch#129079, fixed in 2.4). pytree keeps an instance of a dict subclass as a
+    leaf (the same object), so what is read under it is written into this very dict. A dict without tensors (no
+    optimizer state) is read as one value, which replaces the dict itself: as a top-level value of the dict given to
+    ``dcp.load`` (the documented recipe) it is ``Stateful``, so ``dcp.load`` hands it what it read.
+    """
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if state_dict is not self:
+            self.clear()
+            self.update(state_dict)
+
+
+# torch 2.3.x only: the planner change came in 2.3.0, its fix in 2.4.0.
+_DCP_LOAD_DROPS_NON_TENSORS = (2, 3, 0) <= torch_version() < (2, 4, 0)
+
+
 def build_state_dict(optim: Any, names: Mapping[torch.Tensor, str], cpu_offload: bool) -> Dict[str, Any]:
     """Torch's name-keyed format over this rank's owned parameters (copies) and all parameter groups."""
     state: Dict[str, Any] = {}
@@ -156,6 +182,8 @@ def build_state_dict(optim: Any, names: Mapping[torch.Tensor, str], cpu_offload:
         {**{k: copy.deepcopy(v) for k, v in group.items() if k != _PARAMS}, _PARAMS: [names[p] for p in group[_PARAMS]]}
         for group in optim.param_groups
     ]
+    if _DCP_LOAD_DROPS_NON_TENSORS:
+        return _LoadedInPlace({_STATE: state, _GROUPS: groups})
     return {_STATE: state, _GROUPS: groups}
 
 

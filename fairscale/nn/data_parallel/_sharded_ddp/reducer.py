@@ -68,10 +68,12 @@ def _dispatch_pre_hook(
 def _grad_accumulator(param: torch.Tensor) -> Any:
     """The ``AccumulateGrad`` node of a leaf."""
     get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    if get_edge is not None:
-        return get_edge(param).node
-    with torch.enable_grad():  # torch < 2.2: through a view's graph
-        return cast(Any, param.view_as(param).grad_fn).next_functions[0][0]
+    # Grad mode on: the caller runs in a backward hook under no_grad, and torch < 2.4's get_gradient_edge reaches a
+    # leaf's node through a view it builds without enabling grad (the view then has no grad_fn).
+    with torch.enable_grad():
+        if get_edge is not None:
+            return get_edge(param).node
+        return cast(Any, param.view_as(param).grad_fn).next_functions[0][0]  # torch < 2.2: no get_gradient_edge
 
 
 def _will_accumulate(param: torch.Tensor) -> bool:
