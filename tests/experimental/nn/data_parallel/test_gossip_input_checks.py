@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, List, Optional, Tuple, Type, cast
+from typing import Any, Dict, List, Optional, Tuple, Type, cast
 
 import pytest
 import torch
@@ -219,11 +219,44 @@ def test_push_sum_rank_must_match_graph() -> None:
 
 
 def _slowmo_unknown_algorithm(rank: int, world_size: int) -> None:
-    # One node of two processes: no master group, where the base algorithm is checked.
-    with _raises(FairscaleValueError, "unknown slowmo_base_algorithm 'local_sgd'; pass SlowMoBaseAlgorithm.LOCALSGD"):
+    # One node of two processes (no master group), and two nodes of one: there an unknown value ran neither base
+    # algorithm and the ranks never synchronised (upstream checked it on one node only).
+    for nprocs_per_node in (2, 1):
+        with _raises(
+            FairscaleValueError, "unknown slowmo_base_algorithm 'local_sgd'; pass SlowMoBaseAlgorithm.LOCALSGD"
+        ):
+            gossip.SlowMoDistributedDataParallel(
+                _model(), nprocs_per_node=nprocs_per_node, slowmo_base_algorithm=cast(SlowMoBaseAlgorithm, "local_sgd")
+            )
+
+
+def _slowmo_bad_counts(rank: int, world_size: int) -> None:
+    # slowmo_num_shards=-1 looped without end at the first slow-momentum step; 0 there, and the frequencies 0,
+    # divided by zero; a negative localsgd_frequency averaged every update.
+    for name, value in [("slowmo_num_shards", -1), ("slowmo_num_shards", 0), ("slowmo_frequency", 0)] + [
+        ("localsgd_frequency", 0),
+        ("localsgd_frequency", -1),
+    ]:
+        with _raises(FairscaleValueError, f"{name} must be a positive integer, got {value}"):
+            gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, slowmo_lr=0.5, **{name: value})
+    # A count the configuration never reads is still accepted (slow momentum off: no shards, no slowmo steps).
+    gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, slowmo_momentum=0.0, slowmo_num_shards=0)
+
+
+def test_slowmo_rejects_bad_counts() -> None:
+    run_distributed(_slowmo_bad_counts, 2)
+
+
+def _slowmo_push_pull_needs_bipartite_graph(rank: int, world_size: int) -> None:
+    # Every rank of the default exponential graph sends first: all of them blocked (300 s, then "Gossip flag timeout").
+    with _raises(FairscaleValueError, "push_sum=False \\(PushPull\\) needs a bipartite graph"):
         gossip.SlowMoDistributedDataParallel(
-            _model(), nprocs_per_node=2, slowmo_base_algorithm=cast(SlowMoBaseAlgorithm, "local_sgd")
+            _model(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP, push_sum=False
         )
+
+
+def test_slowmo_push_pull_needs_bipartite_graph() -> None:
+    run_distributed(_slowmo_push_pull_needs_bipartite_graph, 2, timeout=60)
 
 
 def test_slowmo_rejects_unknown_base_algorithm() -> None:
@@ -236,17 +269,26 @@ def _slowmo_ranks_disagree(rank: int, world_size: int, what: str) -> None:
     model = nn.Sequential(nn.Linear(2, 3 + (rank if what == "model" else 0)), nn.Linear(3, 1))
     if what == "buffers" and rank == 1:
         model.register_buffer("extra", torch.zeros(2))
-    kwargs = {"nprocs_per_node": 2 - (rank if what == "nprocs_per_node" else 0)}
+    kwargs: Dict[str, Any] = {"nprocs_per_node": 2 - (rank if what == "nprocs_per_node" else 0)}
     if what == "frequency":
         kwargs["localsgd_frequency"] = 3 + rank
-    expected = {"model": "entry 1: ", "buffers": "entry 1: ", "nprocs_per_node": "entry 0: ", "frequency": "entry 0: "}
-    with pytest.raises(RanksDisagreeError, match=f"SlowMoDistributedDataParallel: the settings.*{expected[what]}"):
+    # The next three ran silently apart (slowmo_lr) or waited in different collectives (averaging through the master
+    # group on one rank only; overlap refused on one rank only).
+    if what == "slowmo_lr":
+        kwargs["slowmo_lr"] = 1.0 + rank
+    if what in ("average", "overlap"):
+        kwargs.update(nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP)
+        kwargs["slowmo_sgp_average_params" if what == "average" else "overlap"] = rank == 0
+    expected = {"model": "entry 1: ", "buffers": "entry 1: "}.get(what, "entry 0: ")
+    with pytest.raises(RanksDisagreeError, match=f"SlowMoDistributedDataParallel: the settings.*{expected}"):
         gossip.SlowMoDistributedDataParallel(model, **kwargs)
     # Nothing is left half-built between the ranks: the same model on every rank still works.
     gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=2)(torch.ones(1, 2)).sum().backward()
 
 
-@pytest.mark.parametrize("what", ["model", "buffers", "nprocs_per_node", "frequency"])
+@pytest.mark.parametrize(
+    "what", ["model", "buffers", "nprocs_per_node", "frequency", "slowmo_lr", "average", "overlap"]
+)
 def test_slowmo_ranks_must_agree(what: str) -> None:
     run_distributed(_slowmo_ranks_disagree, 2, what)
 

@@ -148,28 +148,48 @@ class SlowMoDistributedDataParallel(nn.Module):
             # What decides the groups and collectives, and the tensors they carry, must be the same on every rank:
             # otherwise group creation waits forever or the first collective has other sizes (gloo aborts the
             # process). One small all-gather, before any group is created.
+            # The slow momentum's values and the SGP options too: ranks with other values diverged silently (lr,
+            # momentum) or waited in different collectives (one rank averaging parameters through the master group
+            # while another gossips; overlap or push_sum on one rank only).
             settings = (
                 process_world_size,
                 nprocs_per_node,
                 str(slowmo_base_algorithm),
-                slowmo_lr != 1 or slowmo_momentum != 0,
+                float(slowmo_lr),
+                float(slowmo_momentum),
                 slowmo_memory_efficient,
                 slowmo_frequency,
                 slowmo_num_shards,
                 localsgd_frequency,
                 broadcast_buffers,
                 synch_freq,
+                bool(slowmo_sgp_average_params),
+                bool(overlap),
+                bool(push_sum),
+                type(graph).__name__ if graph is not None else None,
+                type(mixing).__name__ if mixing is not None else None,
             )
             tensors = describe_tensors(list(module.named_parameters()) + list(module.named_buffers()))
             check_ranks_agree(
-                "SlowMoDistributedDataParallel: the settings (world size, nprocs_per_node, base algorithm, slow "
-                "momentum on, memory efficient, slowmo/localsgd frequencies, shards, broadcast_buffers, synch_freq) "
+                "SlowMoDistributedDataParallel: the settings (world size, nprocs_per_node, base algorithm, "
+                "slowmo_lr, slowmo_momentum, memory efficient, slowmo/localsgd frequencies, shards, "
+                "broadcast_buffers, synch_freq, slowmo_sgp_average_params, overlap, push_sum, graph and mixing "
+                "classes) "
                 "and the module's parameters and buffers (name, shape, dtype, requires_grad)",
                 (settings, tensors),
                 global_group,
                 hint="Build it with the same arguments around the same model on every rank.",
                 device=first_device(itertools.chain(module.parameters(), module.buffers())),
             )
+        # After the agreement check: a value refused on one rank only is a disagreement, raised on every rank there.
+        _check_algorithm_settings(
+            slowmo_base_algorithm,
+            slowmo_lr != 1 or slowmo_momentum != 0,
+            slowmo_memory_efficient,
+            slowmo_frequency,
+            localsgd_frequency,
+            slowmo_num_shards,
+        )
         self.logger = self._make_logger(verbose)
         self._init_groups(global_group, master_group, local_node_group)
 
@@ -247,13 +267,6 @@ class SlowMoDistributedDataParallel(nn.Module):
         self.localsgd_frequency = localsgd_frequency
         self.overlap = overlap
         if self.master_group is None:
-            # Upstream checks the algorithm only here (one node, no master group), and so does this: on several
-            # nodes an unknown value runs neither base algorithm.
-            if not (self.localsgd or self.sgp):
-                raise FairscaleValueError(
-                    f"SlowMoDistributedDataParallel: unknown slowmo_base_algorithm {slowmo_base_algorithm!r}; "
-                    "pass SlowMoBaseAlgorithm.LOCALSGD or SlowMoBaseAlgorithm.SGP"
-                )
             self.localsgd = self.sgp = False
             self.logger.warning("Disabling LocalSGD and SGP since a local allreduce will suffice")
         if self.slowmo and not self.localsgd and not self.sgp:
@@ -323,6 +336,14 @@ class SlowMoDistributedDataParallel(nn.Module):
         if overlap:
             raise FairscaleValueError(
                 "SlowMoDistributedDataParallel: overlapping SGP communication is not supported; pass overlap=False"
+            )
+        if not push_sum and not graph.is_bipartite_graph():
+            # PushPull sends before it receives on every active rank: on a graph where every rank is active (the
+            # default exponential graph) all ranks block in their first send.
+            raise FairscaleValueError(
+                f"SlowMoDistributedDataParallel: push_sum=False (PushPull) needs a bipartite graph, got "
+                f"{type(graph).__name__}; pass graph=DynamicBipartiteExponentialGraph(...) or "
+                "DynamicBipartiteLinearGraph(...), or push_sum=True"
             )
         self._sgp = SgpGossip(
             self.module,
@@ -595,3 +616,28 @@ def _flatten(output: Any) -> List[Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in _flatten(o)]
     return []
+
+
+def _check_algorithm_settings(
+    algorithm: Any, slowmo: bool, memory_efficient: bool, slowmo_frequency: Any, localsgd_frequency: Any, shards: Any
+) -> None:
+    """Refuse what would hang or be ignored silently (upstream checked the algorithm on one node only; the counts
+    divided by zero at the first slow-momentum step, or, for a negative shard count, looped without end). A count
+    is checked only where it is used, so that a value the configuration never reads is still accepted."""
+    if algorithm not in (SlowMoBaseAlgorithm.LOCALSGD, SlowMoBaseAlgorithm.SGP):
+        # On several nodes an unknown value (a typo such as "local_sgd") ran neither base algorithm: the ranks never
+        # synchronised.
+        raise FairscaleValueError(
+            f"SlowMoDistributedDataParallel: unknown slowmo_base_algorithm {algorithm!r}; "
+            "pass SlowMoBaseAlgorithm.LOCALSGD or SlowMoBaseAlgorithm.SGP"
+        )
+    counts = [("slowmo_frequency", slowmo_frequency)] if slowmo else []
+    if algorithm == SlowMoBaseAlgorithm.LOCALSGD:
+        counts.append(("localsgd_frequency", localsgd_frequency))
+    if slowmo and memory_efficient:
+        counts.append(("slowmo_num_shards", shards))
+    for name, value in counts:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FairscaleValueError(
+                f"SlowMoDistributedDataParallel: {name} must be a positive integer, got {value!r}"
+            )
