@@ -31,6 +31,38 @@ def test_blockpartition_zeros():
     ]
 
 
+@pytest.mark.parametrize(
+    "costs, partitions, expected",
+    [
+        # Upstream's heuristic loops forever on these (a few heavy layers among light ones: measured layer times).
+        ([1, 1, 1, 1, 1000000, 7], 5, [1, 1, 2, 1, 1]),
+        ([1, 7, 7, 1, 1, 1, 7, 7, 1, 7, 7], 9, [1, 1, 1, 3, 1, 1, 1, 1, 1]),
+        # ... and ends with an empty block (which Pipe refuses) or boundaries out of order on these.
+        ([7, 7, 7, 7, 1000000, 1000000], 4, [2, 2, 1, 1]),
+        ([20, 1, 2, 8, 16, 1, 1, 14, 17, 6, 18, 5], 11, [1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1]),
+    ],
+)
+def test_blockpartition_falls_back_to_the_exact_partition(costs, partitions, expected):
+    blocks = blockpartition.solve(costs, partitions)
+    assert [len(b) for b in blocks] == expected and sum(blocks, []) == costs
+    # The exact min-max partition: no split into non-empty blocks has a smaller largest sum.
+    assert max(sum(b) for b in blocks) == max(sum(b) for b in blockpartition._min_max_blocks(costs, partitions))
+
+
+def test_blockpartition_min_max_blocks_is_optimal():
+    import itertools
+
+    costs = [5, 1, 9, 2, 2, 8, 1, 3]
+    for partitions in range(1, len(costs) + 1):
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0,) + cuts, cuts + (len(costs),)))
+            for cuts in itertools.combinations(range(1, len(costs)), partitions - 1)
+        )
+        blocks = blockpartition._min_max_blocks(costs, partitions)
+        assert len(blocks) == partitions and all(blocks) and sum(blocks, []) == costs
+        assert max(sum(b) for b in blocks) == best
+
+
 def test_blockpartition_non_positive_partitions():
     with pytest.raises(ValueError, match=r"partitions must be a positive integer \(0 < 1\)"):
         blockpartition.solve([42], partitions=0)
