@@ -343,7 +343,7 @@ def _slowmo_failed_load_changes_nothing(rank: int, world_size: int) -> None:
     )
     before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
     spoiled: List[Tuple[Any, str]] = []
-    for what in ("absent", "ps_size", "shape"):
+    for what in ("absent", "ps_size", "shape", "ps_meta", "numerator"):
         state = {k: torch.full_like(v, 7.0) if isinstance(v, torch.Tensor) else v for k, v in before.items()}
         if what == "absent":
             del state["is_sgp_ps_numerator"]
@@ -351,6 +351,12 @@ def _slowmo_failed_load_changes_nothing(rank: int, world_size: int) -> None:
         elif what == "ps_size":
             state["ps_weight"] = torch.ones(2)
             spoiled.append((state, "'ps_weight' is not a 1-element tensor"))
+        elif what == "ps_meta":  # failed in the copy, after the module was loaded
+            state["ps_weight"] = torch.ones(1, device="meta")
+            spoiled.append((state, "'ps_weight' is not a 1-element tensor with data"))
+        elif what == "numerator":  # bool() failed after the module and ps_weight were loaded
+            state["is_sgp_ps_numerator"] = torch.tensor([True, False])
+            spoiled.append((state, "'is_sgp_ps_numerator' is not a bool"))
         else:
             state["module.1.weight"] = torch.ones(2, 3)  # 0.weight and 0.bias fit and come first
             spoiled.append((state, "size mismatch for module.1.weight"))
@@ -363,6 +369,35 @@ def _slowmo_failed_load_changes_nothing(rank: int, world_size: int) -> None:
 
 def test_slowmo_failed_load_changes_nothing() -> None:
     run_distributed(_slowmo_failed_load_changes_nothing, 2)
+
+
+def _slowmo_as_a_submodule_saves_under_its_prefix(rank: int, world_size: int) -> None:
+    """Two SGP models in one parent: their SGP entries went to the same top-level keys (one overwrote the other) and
+    the parent's dict did not load back ("Unexpected key(s) ps_weight")."""
+    parent = nn.ModuleDict(
+        {
+            name: gossip.SlowMoDistributedDataParallel(
+                _model(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP
+            )
+            for name in ("a", "b")
+        }
+    )
+    parent["b"]._sgp.ps_weight.fill_(0.25)
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in parent.state_dict().items()}
+    assert {k for k in state if "ps" in k} == {
+        "a.ps_weight",
+        "a.is_sgp_ps_numerator",
+        "b.ps_weight",
+        "b.is_sgp_ps_numerator",
+    }
+    assert state["a.ps_weight"].item() == 1.0 and state["b.ps_weight"].item() == 0.25
+    parent["a"]._sgp.ps_weight.fill_(3.0)
+    parent.load_state_dict(state)
+    assert parent["a"]._sgp.ps_weight.item() == 1.0 and parent["b"]._sgp.ps_weight.item() == 0.25
+
+
+def test_slowmo_as_a_submodule_saves_under_its_prefix() -> None:
+    run_distributed(_slowmo_as_a_submodule_saves_under_its_prefix, 2)
 
 
 def _slowmo_fp32_params_dict(rank: int, world_size: int, entries: int) -> None:

@@ -417,42 +417,66 @@ class SlowMoDistributedDataParallel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         state: Dict[str, Any] = super().state_dict(*args, **kwargs)
         if self._sgp is not None:
-            state["ps_weight"] = self._sgp.ps_weight.cpu()
-            state["is_sgp_ps_numerator"] = self._sgp.is_sgp_ps_numerator
+            # Under the prefix torch gives (this model as a submodule): without it two SGP models in one parent
+            # wrote the same top-level keys, and the parent's dict did not load back.
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            state[prefix + "ps_weight"] = self._sgp.ps_weight.cpu()
+            state[prefix + "is_sgp_ps_numerator"] = self._sgp.is_sgp_ps_numerator
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         state = dict(state_dict)  # the caller's dict is left alone, and a failed load changes nothing
-        ps_weight = is_numerator = None
-        if self._sgp is not None:
-            # Checked before the module is loaded, so that a failed load changes nothing.
-            absent = [k for k in ("ps_weight", "is_sgp_ps_numerator") if k not in state]
-            if absent:  # a KeyError, as upstream's lookup raised
-                raise KeyError(
-                    f"SlowMoDistributedDataParallel.load_state_dict: the state dict lacks {absent}; pass a state dict "
-                    "saved by an SGP model's state_dict()"
-                )
-            ps_weight = state.pop("ps_weight")
-            is_numerator = state.pop("is_sgp_ps_numerator")
-            if ps_weight is None:
-                raise FairscaleValueError(
-                    "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is None; pass a state "
-                    "dict saved by an SGP model's state_dict() (its ps_weight is a one-element tensor)"
-                )
-            if not isinstance(ps_weight, Tensor) or ps_weight.numel() != self._sgp.ps_weight.numel():
-                raise FairscaleValueError(
-                    "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is not a "
-                    f"{self._sgp.ps_weight.numel()}-element tensor; pass a state dict saved by an SGP model's "
-                    "state_dict()"
-                )
+        sgp_values = self._pop_sgp_values(state, "")
         # nn.Module's load copies what fits before it raises for what does not: tried on shape-only tensors first.
         dry_run_load(self, lambda: nn.Module.load_state_dict(self, state, strict=True))
         result = super().load_state_dict(state, strict=True)
-        if self._sgp is not None:
-            assert ps_weight is not None  # checked above; narrows the type for mypy
-            self._sgp.ps_weight.copy_(ps_weight.to(self._sgp.ps_weight.device))
-            self._sgp.is_sgp_ps_numerator = bool(is_numerator)
+        self._set_sgp_values(sgp_values)
         return result
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # Loaded as a submodule (a parent's load_state_dict): torch's working copy holds the SGP entries under the
+        # prefix (load_state_dict above took them out already when this model is the one loaded).
+        sgp_values = self._pop_sgp_values(state_dict, prefix) if prefix + "ps_weight" in state_dict else None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._set_sgp_values(sgp_values)
+
+    def _pop_sgp_values(self, state: Dict[str, Any], prefix: str) -> Optional[Tuple[Tensor, bool]]:
+        """Take the SGP entries out of ``state`` and check them, before anything is loaded: the values to set."""
+        if self._sgp is None:
+            return None
+        names = [prefix + "ps_weight", prefix + "is_sgp_ps_numerator"]
+        absent = [k for k in names if k not in state]
+        if absent:  # a KeyError, as upstream's lookup raised
+            raise KeyError(
+                f"SlowMoDistributedDataParallel.load_state_dict: the state dict lacks {absent}; pass a state dict "
+                "saved by an SGP model's state_dict()"
+            )
+        ps_weight, is_numerator = state.pop(names[0]), state.pop(names[1])
+        if ps_weight is None:
+            raise FairscaleValueError(
+                "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is None; pass a state "
+                "dict saved by an SGP model's state_dict() (its ps_weight is a one-element tensor)"
+            )
+        expected = self._sgp.ps_weight
+        if not isinstance(ps_weight, Tensor) or ps_weight.numel() != expected.numel() or ps_weight.is_meta:
+            # A meta tensor (no data) failed in the copy after the module was loaded.
+            raise FairscaleValueError(
+                "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is not a "
+                f"{expected.numel()}-element tensor with data; pass a state dict saved by an SGP model's state_dict()"
+            )
+        if isinstance(is_numerator, Tensor) and is_numerator.numel() != 1:
+            # bool() of it failed after the weights and ps_weight were loaded.
+            raise FairscaleValueError(
+                "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'is_sgp_ps_numerator' is not a "
+                f"bool (a {is_numerator.numel()}-element tensor); pass a state dict saved by an SGP model's "
+                "state_dict()"
+            )
+        return ps_weight.detach().to(device=expected.device, dtype=expected.dtype), bool(is_numerator)
+
+    def _set_sgp_values(self, values: Optional[Tuple[Tensor, bool]]) -> None:
+        if self._sgp is not None and values is not None:
+            self._sgp.ps_weight.copy_(values[0])
+            self._sgp.is_sgp_ps_numerator = values[1]
 
     # ---- hooks
 
