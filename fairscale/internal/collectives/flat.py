@@ -6,6 +6,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import Tensor
 
+from ..version import torch_version
 from .checks import _check_pair, _reduce_op
 from .dispatch import (
     _all_gather_function,
@@ -15,11 +16,17 @@ from .dispatch import (
     _reduce_scatter_tensor,
     _chosen,
     _forced,
+    _NotApplicable,
     _via_fp32,
 )
 from .groups import ProcessGroup, _GroupInfo, _member_info
 from .recording import ACTIVE_COUNTERS, LINKS, _record
 from .work import WorkHandle, _copy_back, _finish
+
+# torch 2.2's gloo reduce-scatters a flat tensor by a fallback that all-reduces the input in place (the caller's
+# buffer then holds the whole sum), reduces a strided input's memory as if it were contiguous (wrong sums) and
+# refuses async_op=True. torch 2.1 has no such variant, 2.3 a correct one: on 2.2, gloo takes the all-reduce strategy.
+_GLOO_FLAT_REDUCE_SCATTER_BROKEN = (2, 2, 0) <= torch_version() < (2, 3, 0)
 
 
 def all_gather_into_flat(
@@ -131,6 +138,8 @@ def _reduce_scatter(out: Tensor, inp: Tensor, op: Any, info: _GroupInfo, async_o
         return WorkHandle()
 
     def tensor_variant() -> WorkHandle:
+        if _GLOO_FLAT_REDUCE_SCATTER_BROKEN and "gloo" in info.backend and out.device.type == "cpu":
+            raise _NotApplicable()
         return WorkHandle(_reduce_scatter_tensor(out, inp, op=op, group=info.pg, async_op=async_op))
 
     def list_variant() -> WorkHandle:
