@@ -44,7 +44,8 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
                         shape_only = nn.Parameter(shape_only, requires_grad=tensor.requires_grad)
                     swapped.append((registry, name, tensor))
                     registry[name] = shape_only
-                    names.append(name)
+                    if name not in m._non_persistent_buffers_set:  # torch ignores a value given for those
+                        names.append(name)
             if names:
                 # The private registration (untyped in the stubs): it takes this hook form on every supported torch.
                 register = cast(Any, m)._register_load_state_dict_pre_hook
@@ -69,6 +70,8 @@ def _refuse_meta_values(names: List[str]) -> Callable[..., None]:
     """
 
     def hook(module: nn.Module, state_dict: Any, prefix: str, metadata: Any, strict: bool, *lists: Any) -> None:
+        if metadata and metadata.get("assign_to_params_buffers"):
+            return  # load_state_dict(assign=True) puts the meta tensor in place: nothing is copied, nothing fails
         error_msgs = lists[-1]
         for name in names:
             value = state_dict.get(prefix + name)

@@ -161,6 +161,11 @@ class _LoadedInPlace(Dict[str, Any]):
     def state_dict(self) -> Dict[str, Any]:
         return self
 
+    def __reduce__(self) -> Any:
+        # Pickled (torch.save of the returned dict) or copied as the plain dict it stands for: a file that names this
+        # class would not load with torch.load(weights_only=True).
+        return (dict, (dict(self),))
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if state_dict is not self:
             self.clear()

@@ -438,7 +438,10 @@ class SlowMoDistributedDataParallel(nn.Module):
         # prefix (load_state_dict above took them out already when this model is the one loaded).
         sgp_values = self._pop_sgp_values(state_dict, prefix) if prefix + "ps_weight" in state_dict else None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._set_sgp_values(sgp_values)
+        # Not during a parent's dry run (its parameters are meta stand-ins then): ps_weight is no buffer, so that run
+        # would set it for real even when the load then fails.
+        if not any(p.is_meta for p in self.module.parameters()):
+            self._set_sgp_values(sgp_values)
 
     def _pop_sgp_values(self, state: Dict[str, Any], prefix: str) -> Optional[Tuple[Tensor, bool]]:
         """Take the SGP entries out of ``state`` and check them, before anything is loaded: the values to set."""
@@ -647,7 +650,8 @@ def _check_algorithm_settings(
 ) -> None:
     """Refuse what would hang or be ignored silently (upstream checked the algorithm on one node only; the counts
     divided by zero at the first slow-momentum step, or, for a negative shard count, looped without end). A count
-    is checked only where it is used, so that a value the configuration never reads is still accepted."""
+    is checked only where the configuration can use it (localsgd_frequency with LocalSGD, even on one node, where
+    the groups built later turn LocalSGD off), so that a value it never reads is still accepted."""
     if algorithm not in (SlowMoBaseAlgorithm.LOCALSGD, SlowMoBaseAlgorithm.SGP):
         # On several nodes an unknown value (a typo such as "local_sgd") ran neither base algorithm: the ranks never
         # synchronised.
