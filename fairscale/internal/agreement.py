@@ -28,6 +28,7 @@ __all__ = [
     "RanksDisagreeError",
     "check_ranks_agree",
     "check_gathered_agree",
+    "gather_from_ranks",
     "check_world_agrees_through_store",
     "check_outcome_agrees",
     "describe_tensors",
@@ -114,6 +115,29 @@ def check_ranks_agree(
     with _on_device(device):
         gathered = collectives.all_gather_object(value, group)
     check_gathered_agree(what, gathered, group, hint)
+
+
+def gather_from_ranks(
+    value: Any, group: Optional[Any] = None, device: Optional[Union[str, torch.device]] = None
+) -> List[Any]:
+    """Every rank's ``value``, in group-rank order: one ``all_gather_object`` (``[value]`` at world size 1).
+
+    For checks of values that differ by design (a rank number): every rank then sees the same list and can raise
+    the same error. Pass what must be equal in the same value and check it with :func:`check_gathered_agree`, so
+    that one collective does both.
+
+    Args:
+        value (Any): this rank's value: small and picklable.
+        group (Optional[Any]): the process group, ``None`` for the default world group.
+        device (Optional[Union[str, torch.device]]): as for :func:`check_ranks_agree`.
+
+    Returns:
+        List[Any]: one value per rank of ``group``.
+    """
+    if collectives.group_size(group) == 1:
+        return [value]
+    with _on_device(device):
+        return list(collectives.all_gather_object(value, group))
 
 
 def check_gathered_agree(what: str, gathered: Sequence[Any], group: Optional[Any] = None, hint: str = "") -> None:

@@ -125,6 +125,51 @@ def test_graph_rejects_peers_per_itr_below_one(graph_cls: Type[GraphManager], pe
         graph_cls(0, 2, peers_per_itr=peers_per_itr)
 
 
+@pytest.mark.parametrize(
+    "graph_cls",
+    [
+        gossip.RingGraph,
+        gossip.NPeerDynamicDirectedExponentialGraph,
+        gossip.DynamicDirectedExponentialGraph,
+        gossip.DynamicDirectedLinearGraph,
+        gossip.DynamicBipartiteExponentialGraph,
+        gossip.DynamicBipartiteLinearGraph,
+    ],
+)
+def test_graph_needs_two_nodes(graph_cls: Type[GraphManager]) -> None:
+    # Upstream: "math domain error" or an IndexError from building the graph.
+    _no_process_group()
+    with _raises(FairscaleValueError, f"{graph_cls.__name__}: a gossip graph needs at least 2 nodes, got world_size 1"):
+        graph_cls(0, 1)
+
+
+def _slowmo_sgp_on_one_process(rank: int, world_size: int) -> None:
+    """SGP on one node of one process: upstream built a gossip graph of one node and failed ("math domain error");
+    now, as upstream did for one node of several processes, the base algorithm is off and training runs."""
+    model = gossip.SlowMoDistributedDataParallel(
+        _model(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP
+    )
+    assert not model.sgp and not model.localsgd
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = _model()
+    reference.load_state_dict(model.module.state_dict())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.ones(4, 2)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.perform_slowmo(optimizer)
+        reference(torch.ones(4, 2)).sum().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for p, q in zip(model.module.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_slowmo_sgp_on_one_process_trains_locally() -> None:
+    run_distributed(_slowmo_sgp_on_one_process, 1)
+
+
 @pytest.mark.parametrize("gossiper_cls", GOSSIPERS)
 @pytest.mark.parametrize("rank, world_size", [(None, None), (0, None), (None, 2)])
 def test_gossiper_needs_rank_and_world_size_without_process_group(
@@ -293,6 +338,37 @@ def test_slowmo_ranks_must_agree(what: str) -> None:
     run_distributed(_slowmo_ranks_disagree, 2, what)
 
 
+def _slowmo_lr_not_a_number(rank: int, world_size: int) -> None:
+    """A string slowmo_lr on one rank: float() of it raised there alone, before the agreement all-gather, and the
+    other rank waited in it. Now both ranks raise the same disagreement; a string on every rank is a TypeError."""
+    with pytest.raises(RanksDisagreeError, match="the settings .*slowmo_lr.*entry 0: "):
+        gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, slowmo_lr=cast(float, "x") if rank else 0.5)
+    with _raises(FairscaleTypeError, "slowmo_lr must be a real number, got 'x'"):
+        gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, slowmo_lr=cast(float, "x"))
+
+
+def test_slowmo_lr_must_be_a_number_on_every_rank() -> None:
+    run_distributed(_slowmo_lr_not_a_number, 2, timeout=60)
+
+
+def _slowmo_process_ranks(rank: int, world_size: int) -> None:
+    """Two ranks given the same process_rank (or one outside the world) built node groups and masters that did not
+    match: the same error on every rank now, from the agreement gather, before any group is created."""
+    for ranks, problem in [((0, 0), "0 is given to several ranks"), ((0, 2), "2 is not a rank")]:
+        with pytest.raises(
+            RanksDisagreeError, match=f"process_rank values are \\[{ranks[0]}, {ranks[1]}\\], but {problem}"
+        ):
+            gossip.SlowMoDistributedDataParallel(
+                _model(), nprocs_per_node=1, process_rank=ranks[rank], process_world_size=world_size
+            )
+    # Distinct ranks, even not the global ones, are accepted.
+    gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, process_rank=1 - rank, process_world_size=2)
+
+
+def test_slowmo_process_ranks_must_be_distinct() -> None:
+    run_distributed(_slowmo_process_ranks, 2, timeout=60)
+
+
 def _slowmo_overlap(rank: int, world_size: int) -> None:
     with _raises(FairscaleValueError, "overlapping SGP communication is not supported; pass overlap=False"):
         gossip.SlowMoDistributedDataParallel(
@@ -398,6 +474,83 @@ def _slowmo_as_a_submodule_saves_under_its_prefix(rank: int, world_size: int) ->
 
 def test_slowmo_as_a_submodule_saves_under_its_prefix() -> None:
     run_distributed(_slowmo_as_a_submodule_saves_under_its_prefix, 2)
+
+
+def _slowmo_non_strict_load(rank: int, world_size: int) -> None:
+    """strict=False is honoured (upstream loaded strictly whatever it said): absent entries, the SGP ones too, are
+    reported as missing keys and keep their values; unexpected ones are reported. strict=True still raises KeyError
+    for absent SGP entries, as upstream."""
+    model = gossip.SlowMoDistributedDataParallel(
+        _model(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP
+    )
+    model._sgp.ps_weight.fill_(0.5)
+    state = {k: torch.full_like(v, 3.0) if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+    for key in ("ps_weight", "is_sgp_ps_numerator", "module.1.bias"):
+        del state[key]
+    state["extra"] = torch.ones(1)
+    with pytest.raises(KeyError, match="lacks \\['ps_weight', 'is_sgp_ps_numerator'\\].*or strict=False"):
+        model.load_state_dict(state)
+    result = model.load_state_dict(state, strict=False)
+    assert sorted(result.missing_keys) == ["is_sgp_ps_numerator", "module.1.bias", "ps_weight"]
+    assert result.unexpected_keys == ["extra"]
+    assert torch.equal(model.module[0].weight, torch.full_like(model.module[0].weight, 3.0))
+    assert not torch.equal(model.module[1].bias, torch.full_like(model.module[1].bias, 3.0))
+    assert model._sgp.ps_weight.item() == 0.5
+
+
+def test_slowmo_load_state_dict_honours_strict_false() -> None:
+    run_distributed(_slowmo_non_strict_load, 2)
+
+
+def _slowmo_parent_load_reports_missing_sgp_entries(rank: int, world_size: int) -> None:
+    """An SGP model inside a parent: a parent dict without its SGP entries loaded silently (ps_weight kept its value,
+    nothing reported); now they are missing keys, so the parent's strict load raises and a non-strict one lists them."""
+    parent = nn.ModuleDict(
+        {
+            "a": gossip.SlowMoDistributedDataParallel(
+                _model(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP
+            )
+        }
+    )
+    state = parent.state_dict()
+    del state["a.ps_weight"]
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "a.ps_weight"'):
+        parent.load_state_dict(state)
+    result = parent.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["a.ps_weight"] and result.unexpected_keys == []
+
+
+def test_slowmo_parent_load_reports_missing_sgp_entries() -> None:
+    run_distributed(_slowmo_parent_load_reports_missing_sgp_entries, 2)
+
+
+def _slowmo_fp32_params_sizes(rank: int, world_size: int) -> None:
+    """fp32_params that do not match the parameters: upstream zipped them, so a short list left the last parameters
+    without error feedback and a long flat tensor's tail was never used; a shape that broadcasts was mixed silently."""
+    model = gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, localsgd_frequency=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = [p.detach().clone() for p in model.parameters()]
+    total = sum(p.numel() for p in params)
+    cases: List[Tuple[Any, str]] = [
+        (params[:-1], "fp32_params has 3 entries but the model has 4 parameters"),
+        (params[:-1] + [params[-1].view(1, 1)], "fp32_params\\[3\\] is \\(1, 1\\), but parameter 3 has shape \\(1,\\)"),
+        (
+            {"p": torch.zeros(total + 1)},
+            f"flat fp32_params has {total + 1} elements but the model's parameters have {total}",
+        ),
+        ("params", "fp32_params is a str"),
+    ]
+    for fp32, match in cases:
+        with _raises(FairscaleValueError, match):
+            model.perform_slowmo(optimizer, fp32_params=fp32)
+    assert model.num_updates == 0  # refused before anything was communicated or counted
+    flat = torch.cat([p.reshape(-1) for p in params])
+    model.perform_slowmo(optimizer, fp32_params=flat)  # the right size works (one process: the average is itself)
+    assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
+def test_slowmo_fp32_params_must_match_the_parameters() -> None:
+    run_distributed(_slowmo_fp32_params_sizes, 1)
 
 
 def _slowmo_fp32_params_dict(rank: int, world_size: int, entries: int) -> None:

@@ -17,11 +17,10 @@ Usage::
         model.perform_slowmo(optimizer)
 """
 
-import itertools
 import logging
 import os
 from enum import Enum
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,23 +28,27 @@ import torch.nn as nn
 from torch import Tensor
 from torch.autograd import Variable
 
-from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
+from ._fp32_masters import fp16_fp32_pairs, subtract_before_communication
+from ._groups import build_groups
+from ._settings import as_shared_value, check_construction_agrees, check_counts, check_real_numbers
 from ._sgp import SgpGossip
+from ._sgp_state_dict import add_sgp_entries, set_sgp_values, take_sgp_entries
 from ._slow_momentum import SlowMomentum
 from .graph_manager import GraphManager, NPeerDynamicDirectedExponentialGraph
 from .mixing_manager import MixingManager, UniformMixing
 from .utils.cuda_metering import create_event_recorder
-from .utils.helpers import MultiProcessAdapter, communicate, create_process_group
+from .utils.helpers import MultiProcessAdapter, communicate
 
 # Upstream's module also exposes these names (it imports them for its own use); re-exported for old imports.
 from .gossiper import Gossiper as Gossiper, PushPull as PushPull, PushSum as PushSum  # noqa: F401
 from .graph_manager import NPeerDynamicDirectedExponentialGraph as NPDDEGraph  # noqa: F401  # upstream's short name
 from .utils.cuda_metering import EventRecorder as EventRecorder  # noqa: F401
+from .utils.helpers import create_process_group as create_process_group  # noqa: F401
 from .utils.helpers import flatten_tensors as flatten_tensors  # noqa: F401
 from .utils.helpers import group_by_dtype as group_by_dtype  # noqa: F401
 from .utils.helpers import make_logger as make_logger  # noqa: F401
@@ -151,37 +154,27 @@ class SlowMoDistributedDataParallel(nn.Module):
             # The slow momentum's values and the SGP options too: ranks with other values diverged silently (lr,
             # momentum) or waited in different collectives (one rank averaging parameters through the master group
             # while another gossips; overlap or push_sum on one rank only).
-            settings = (
-                process_world_size,
-                nprocs_per_node,
-                str(slowmo_base_algorithm),
-                float(slowmo_lr),
-                float(slowmo_momentum),
-                slowmo_memory_efficient,
-                slowmo_frequency,
-                slowmo_num_shards,
-                localsgd_frequency,
-                broadcast_buffers,
-                synch_freq,
-                bool(slowmo_sgp_average_params),
-                bool(overlap),
-                bool(push_sum),
-                type(graph).__name__ if graph is not None else None,
-                type(mixing).__name__ if mixing is not None else None,
-            )
-            tensors = describe_tensors(list(module.named_parameters()) + list(module.named_buffers()))
-            check_ranks_agree(
-                "SlowMoDistributedDataParallel: the settings (world size, nprocs_per_node, base algorithm, "
-                "slowmo_lr, slowmo_momentum, memory efficient, slowmo/localsgd frequencies, shards, "
-                "broadcast_buffers, synch_freq, slowmo_sgp_average_params, overlap, push_sum, graph and mixing "
-                "classes) "
-                "and the module's parameters and buffers (name, shape, dtype, requires_grad)",
-                (settings, tensors),
-                global_group,
-                hint="Build it with the same arguments around the same model on every rank.",
-                device=first_device(itertools.chain(module.parameters(), module.buffers())),
-            )
+            settings = [
+                ("world size", process_world_size),
+                ("nprocs_per_node", nprocs_per_node),
+                ("base algorithm", str(slowmo_base_algorithm)),
+                ("slowmo_lr", as_shared_value(slowmo_lr)),
+                ("slowmo_momentum", as_shared_value(slowmo_momentum)),
+                ("memory efficient", slowmo_memory_efficient),
+                ("slowmo_frequency", slowmo_frequency),
+                ("slowmo_num_shards", slowmo_num_shards),
+                ("localsgd_frequency", localsgd_frequency),
+                ("broadcast_buffers", broadcast_buffers),
+                ("synch_freq", synch_freq),
+                ("slowmo_sgp_average_params", bool(slowmo_sgp_average_params)),
+                ("overlap", bool(overlap)),
+                ("push_sum", bool(push_sum)),
+                ("graph class", type(graph).__name__ if graph is not None else None),
+                ("mixing class", type(mixing).__name__ if mixing is not None else None),
+            ]
+            check_construction_agrees(module, settings, process_rank, process_world_size, global_group)
         # After the agreement check: a value refused on one rank only is a disagreement, raised on every rank there.
+        check_real_numbers(slowmo_lr=slowmo_lr, slowmo_momentum=slowmo_momentum)
         _check_algorithm_settings(
             slowmo_base_algorithm,
             slowmo_lr != 1 or slowmo_momentum != 0,
@@ -229,6 +222,7 @@ class SlowMoDistributedDataParallel(nn.Module):
             slowmo_sgp_average_params,
         )
         self._sgp: Optional[SgpGossip] = None
+        self._sgp_entries_taken = False  # during this model's own load_state_dict
         if self.sgp:
             self._sgp_init(graph, mixing, push_sum, overlap, synch_freq, use_streams, verbose)
         self._backward_queued = False
@@ -266,7 +260,9 @@ class SlowMoDistributedDataParallel(nn.Module):
         self.sgp = slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP
         self.localsgd_frequency = localsgd_frequency
         self.overlap = overlap
-        if self.master_group is None:
+        if self.master_group is None or self.logical_world_size == 1:
+            # One node (upstream disabled these only for one node of several processes; one process built a
+            # gossip graph of one node, which failed with "math domain error").
             self.localsgd = self.sgp = False
             self.logger.warning("Disabling LocalSGD and SGP since a local allreduce will suffice")
         if self.slowmo and not self.localsgd and not self.sgp:
@@ -287,34 +283,18 @@ class SlowMoDistributedDataParallel(nn.Module):
         )
 
     def _init_groups(self, global_group: Any, master_group: Any, local_node_group: Any) -> None:
-        nppn, world = self.nprocs_per_node, self.process_world_size
-        self.local_rank = self.process_rank % nppn
-        if world % nppn != 0:
-            raise FairscaleValueError(
-                f"SlowMoDistributedDataParallel: world size {world} is not a multiple of nprocs_per_node {nppn}; "
-                "pass nprocs_per_node that divides the world size"
-            )
-        self.logical_world_size = world // nppn
-        self.logical_rank = self.process_rank // nppn
-        self.global_group = global_group if global_group is not None else create_process_group(range(world))
-        self.process_group = self.global_group
-        if nppn == 1:
-            self.local_node_group = None
-        elif local_node_group is not None:
-            self.local_node_group = local_node_group
-        else:
-            self.local_node_group = None
-            for node in range(self.logical_world_size):
-                group = create_process_group(range(node * nppn, (node + 1) * nppn))
-                if node == self.logical_rank:
-                    self.local_node_group = group
-        if master_group is not None:
-            self.master_group = master_group
-        elif nppn > 1:
-            masters = [r for r in range(world) if r % nppn == 0]
-            self.master_group = create_process_group(masters) if len(masters) > 1 else None
-        else:
-            self.master_group = self.global_group
+        groups = build_groups(
+            self.process_rank,
+            self.process_world_size,
+            self.nprocs_per_node,
+            global_group,
+            master_group,
+            local_node_group,
+        )
+        self.local_rank, self.logical_rank = groups.local_rank, groups.logical_rank
+        self.logical_world_size = groups.logical_world_size
+        self.global_group = self.process_group = groups.global_group
+        self.local_node_group, self.master_group = groups.local_node_group, groups.master_group
 
     def _sgp_init(
         self,
@@ -417,69 +397,52 @@ class SlowMoDistributedDataParallel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         state: Dict[str, Any] = super().state_dict(*args, **kwargs)
         if self._sgp is not None:
-            # Under the prefix torch gives (this model as a submodule): without it two SGP models in one parent
-            # wrote the same top-level keys, and the parent's dict did not load back.
-            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-            state[prefix + "ps_weight"] = self._sgp.ps_weight.cpu()
-            state[prefix + "is_sgp_ps_numerator"] = self._sgp.is_sgp_ps_numerator
+            # Under the prefix torch gives (this model as a submodule).
+            add_sgp_entries(self._sgp, state, kwargs.get("prefix", args[1] if len(args) > 1 else ""))
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a dict saved by :meth:`state_dict`; with ``strict=False`` absent entries (SGP ones too) are reported
+        in the result's ``missing_keys`` instead of raised (upstream loaded strictly whatever ``strict`` said)."""
         state = dict(state_dict)  # the caller's dict is left alone, and a failed load changes nothing
-        sgp_values = self._pop_sgp_values(state, "")
-        # nn.Module's load copies what fits before it raises for what does not: tried on shape-only tensors first.
-        dry_run_load(self, lambda: nn.Module.load_state_dict(self, state, strict=True))
-        result = super().load_state_dict(state, strict=True)
-        self._set_sgp_values(sgp_values)
+        sgp_missing: List[str] = []
+        sgp_values = None
+        if self._sgp is not None:
+            sgp_values = take_sgp_entries(self._sgp, state, "", None if strict else sgp_missing)
+        self._sgp_entries_taken = True  # the SGP entries are out of ``state``: _load_from_state_dict must not look
+        try:
+            # nn.Module's load copies what fits before it raises for what does not: tried on shape-only tensors.
+            dry_run_load(self, lambda: nn.Module.load_state_dict(self, state, strict=strict))
+            result = super().load_state_dict(state, strict=strict)
+        finally:
+            self._sgp_entries_taken = False
+        if self._sgp is not None:
+            set_sgp_values(self._sgp, sgp_values)
+        result.missing_keys.extend(sgp_missing)
         return result
 
-    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: Dict[str, Any],
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
         # Loaded as a submodule (a parent's load_state_dict): torch's working copy holds the SGP entries under the
-        # prefix (load_state_dict above took them out already when this model is the one loaded).
-        sgp_values = self._pop_sgp_values(state_dict, prefix) if prefix + "ps_weight" in state_dict else None
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # prefix; absent ones are reported as missing keys, for the parent's load to raise when strict.
+        sgp_values = None
+        if self._sgp is not None and not self._sgp_entries_taken:
+            sgp_values = take_sgp_entries(self._sgp, state_dict, prefix, missing_keys)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         # Not during a parent's dry run (its parameters are meta stand-ins then): ps_weight is no buffer, so that run
         # would set it for real even when the load then fails.
-        if not any(p.is_meta for p in self.module.parameters()):
-            self._set_sgp_values(sgp_values)
-
-    def _pop_sgp_values(self, state: Dict[str, Any], prefix: str) -> Optional[Tuple[Tensor, bool]]:
-        """Take the SGP entries out of ``state`` and check them, before anything is loaded: the values to set."""
-        if self._sgp is None:
-            return None
-        names = [prefix + "ps_weight", prefix + "is_sgp_ps_numerator"]
-        absent = [k for k in names if k not in state]
-        if absent:  # a KeyError, as upstream's lookup raised
-            raise KeyError(
-                f"SlowMoDistributedDataParallel.load_state_dict: the state dict lacks {absent}; pass a state dict "
-                "saved by an SGP model's state_dict()"
-            )
-        ps_weight, is_numerator = state.pop(names[0]), state.pop(names[1])
-        if ps_weight is None:
-            raise FairscaleValueError(
-                "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is None; pass a state "
-                "dict saved by an SGP model's state_dict() (its ps_weight is a one-element tensor)"
-            )
-        expected = self._sgp.ps_weight
-        if not isinstance(ps_weight, Tensor) or ps_weight.numel() != expected.numel() or ps_weight.is_meta:
-            # A meta tensor (no data) failed in the copy after the module was loaded.
-            raise FairscaleValueError(
-                "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'ps_weight' is not a "
-                f"{expected.numel()}-element tensor with data; pass a state dict saved by an SGP model's state_dict()"
-            )
-        if isinstance(is_numerator, Tensor) and is_numerator.numel() != 1:
-            # bool() of it failed after the weights and ps_weight were loaded.
-            raise FairscaleValueError(
-                "SlowMoDistributedDataParallel.load_state_dict: the state dict's 'is_sgp_ps_numerator' is not a "
-                f"bool (a {is_numerator.numel()}-element tensor); pass a state dict saved by an SGP model's "
-                "state_dict()"
-            )
-        return ps_weight.detach().to(device=expected.device, dtype=expected.dtype), bool(is_numerator)
-
-    def _set_sgp_values(self, values: Optional[Tuple[Tensor, bool]]) -> None:
-        if self._sgp is not None and values is not None:
-            self._sgp.ps_weight.copy_(values[0])
-            self._sgp.is_sgp_ps_numerator = values[1]
+        if self._sgp is not None and not any(p.is_meta for p in self.module.parameters()):
+            set_sgp_values(self._sgp, sgp_values)
 
     # ---- hooks
 
@@ -544,7 +507,7 @@ class SlowMoDistributedDataParallel(nn.Module):
         should_allreduce = (self.sgp and should_slowmo and self.slowmo_sgp_average_params) or (
             should_localsgd and not skip_avg
         )
-        pairs = list(self._fp16_fp32_iterator(optimizer, fp32_params))
+        pairs = fp16_fp32_pairs(list(self.parameters()), optimizer, fp32_params)
         if n == 0 and fp32_params is None and not hasattr(optimizer, "_amp_stash"):
             if any(p.dtype == torch.float16 for p in self.parameters()):
                 self.logger.warning(
@@ -552,7 +515,7 @@ class SlowMoDistributedDataParallel(nn.Module):
                 )
         communicating = bool(pairs) and (should_sgp or should_allreduce)
         if communicating:
-            self._error_feedback_pre(pairs, should_allreduce)
+            subtract_before_communication(pairs, self.logical_world_size if should_allreduce else None)
         if should_sgp and not should_allreduce:
             self._timed("sgp", self._sgp_round)
         if should_allreduce:
@@ -602,38 +565,6 @@ class SlowMoDistributedDataParallel(nn.Module):
         )
         self._sync_comm_device()
 
-    def _error_feedback_pre(self, pairs: List[Tuple[Tensor, Tensor]], should_allreduce: bool) -> None:
-        with torch.no_grad():
-            for fp16, fp32 in pairs:
-                if should_allreduce:
-                    # Quantise like the all-reduce will (divide then multiply in fp16).
-                    fp16.div_(self.logical_world_size).mul_(self.logical_world_size)
-                fp32.sub_(fp16.float())
-
-    def _fp16_fp32_iterator(self, optimizer: torch.optim.Optimizer, fp32_params: Optional[Any]) -> Iterator[Any]:
-        """``(fp16 parameter, fp32 master)`` pairs from apex's ``_amp_stash`` or fairseq's ``fp32_params``."""
-        stash = getattr(optimizer, "_amp_stash", None)
-        if stash is not None:
-            for fp16_group, fp32_group in zip(stash.fp16_groups, stash.fp32_from_fp16_groups):
-                yield from zip(fp16_group, fp32_group)
-        elif fp32_params is not None:
-            if isinstance(fp32_params, dict):
-                if len(fp32_params) != 1:
-                    raise FairscaleValueError(
-                        f"SlowMoDistributedDataParallel.perform_slowmo: fp32_params as a dict must have exactly one "
-                        f"entry (fairseq style), got {len(fp32_params)}; pass a one-entry dict, a list aligned with "
-                        "self.parameters(), or one flat tensor"
-                    )
-                fp32_params = list(fp32_params.values())[0]
-            if isinstance(fp32_params, list):
-                yield from zip(self.parameters(), fp32_params)
-            else:
-                flat = cast(Tensor, fp32_params)
-                offset = 0
-                for p in self.parameters():
-                    yield p, flat[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
-
 
 def _flatten(output: Any) -> List[Tensor]:
     if isinstance(output, Tensor):
@@ -664,8 +595,4 @@ def _check_algorithm_settings(
         counts.append(("localsgd_frequency", localsgd_frequency))
     if slowmo and memory_efficient:
         counts.append(("slowmo_num_shards", shards))
-    for name, value in counts:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise FairscaleValueError(
-                f"SlowMoDistributedDataParallel: {name} must be a positive integer, got {value!r}"
-            )
+    check_counts(*counts)

@@ -70,6 +70,12 @@ class GraphManager(ABC):
                 f"{type(self).__name__}: peers_per_itr must be at least 1, got {peers_per_itr}; pass the number of "
                 "out-peers per step (1 or more)"
             )
+        if int(world_size) < 2:
+            # Upstream failed in the graph's construction ("math domain error", an IndexError).
+            raise FairscaleValueError(
+                f"{type(self).__name__}: a gossip graph needs at least 2 nodes, got world_size {world_size}; pass "
+                "the number of nodes (logical ranks)"
+            )
         self.rank = rank
         self.world_size = world_size
         self.phone_book: List[List[Edge]] = [[] for _ in range(self.world_size)]
