@@ -132,6 +132,20 @@ def test_balance_by_size_requires_cuda():
         balance_by_size(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1), device="cpu")
 
 
+def test_balance_by_size_without_gpu_is_a_clear_error(monkeypatch):
+    # torch's "Torch not compiled with CUDA enabled" (an AssertionError) came from the first allocation count.
+    monkeypatch.setenv("FAIRSCALE_CPU_ONLY", "1")
+    with pytest.raises(ValueError, match="balance_by_size: device cuda is not available on this host.*balance_by_time"):
+        balance_by_size(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1))
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 0.5, True, "x"])
+def test_balance_by_size_chunks_must_be_positive(chunks):
+    # 0 divided by zero; a negative count made every activation size negative (checked before the device).
+    with pytest.raises(ValueError, match=f"chunks must be a positive integer, got {chunks!r}"):
+        balance_by_size(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1), chunks=chunks)
+
+
 @NEEDS_CUDA
 def test_balance_by_size_latent():
     class Expand(nn.Module):

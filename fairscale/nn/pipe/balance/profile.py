@@ -3,12 +3,12 @@
 
 import copy
 import time
-from typing import Generator, List, Tuple, Union
+from typing import Any, Generator, List, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from fairscale.internal.device import DeviceHandle
+from fairscale.internal.device import DeviceHandle, current_accelerator_device
 
 from ..microbatch import Batch
 
@@ -64,12 +64,35 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
     return [sum(int(t * us) for t in buf) for buf in time_bufs]
 
 
+def _micro_batches(chunks: Any) -> int:
+    """``chunks`` as Pipe takes it (``int(chunks)``), checked: 0 divided by zero; a negative count made every
+    activation size negative."""
+    try:
+        count = int(chunks) if not isinstance(chunks, bool) else 0
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1:
+        raise ValueError(
+            f"balance_by_size: chunks must be a positive integer, got {chunks!r}; pass the number of micro-batches "
+            "the Pipe will use"
+        )
+    return count
+
+
 def profile_sizes(
     module: nn.Sequential, input: TensorOrTensors, chunks: int, param_scale: float, device: torch.device
 ) -> List[int]:
     """Bytes of each layer: activations of one sample scaled to a micro-batch, plus ``param_scale`` x parameters."""
     if device.type != "cuda":
         raise ValueError("size profiler supports only CUDA device")
+    chunks = _micro_batches(chunks)
+    available = current_accelerator_device()
+    if available is None or available.type != "cuda":
+        # torch's own error was "Torch not compiled with CUDA enabled", from the first allocation count.
+        raise ValueError(
+            f"balance_by_size: device {device} is not available on this host (the size profiler measures CUDA "
+            "allocations); run it on a CUDA host, or balance by time: balance_by_time(..., device='cpu')"
+        )
     handle = DeviceHandle.for_device(device)
 
     batch = Batch(input, 0)
