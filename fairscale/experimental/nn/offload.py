@@ -451,6 +451,15 @@ class OffloadModel(nn.Module):
         # here, or accepted a count that only failed in the first forward.
         _check_count("num_slices", num_slices)
         _check_count("num_microbatches", num_microbatches)
+        if not isinstance(checkpoint_activation, (bool, int)) or checkpoint_activation not in (0, 1):
+            # A string such as "no" was truthy: upstream checkpointed when asked not to.
+            raise TypeError(
+                f"`checkpoint_activation` argument to `OffloadModel` must be a bool, got {checkpoint_activation!r}"
+            )
+        checkpoint_activation = bool(checkpoint_activation)
+        if not checkpoint_activation and num_microbatches > 1:
+            # Before the split too: the model's parameters were pinned before this was refused.
+            raise RuntimeError("We currently only support microbatches with activation checkpointing.")
         self.device = device
         self.offload_device = torch.device(offload_device)
         if isinstance(model, nn.Sequential):
@@ -460,8 +469,6 @@ class OffloadModel(nn.Module):
         self.model_slices = [ModelShard(s, self.device, self.offload_device, i) for i, s in enumerate(slices)]
         self._model = nn.Sequential(*self.model_slices)
         self._activations: List[Tuple[Any, ...]] = []
-        if not checkpoint_activation and num_microbatches > 1:
-            raise RuntimeError("We currently only support microbatches with activation checkpointing.")
         self._checkpoint_activation = checkpoint_activation
         self._num_microbatches = num_microbatches
 

@@ -158,6 +158,12 @@ class MOELayer(Module):
                 f"must be a multiple of the {self.num_local_experts} local experts"
             )
         d_model = input[0].shape[2]
+        if d_model == 0:
+            # reshape(-1, 0) failed: "cannot reshape tensor of 0 elements ... ambiguous".
+            raise FairscaleValueError(
+                f"MOELayer: the input's model dimension (its last) is 0 (shape {tuple(input[0].shape)}); pass "
+                "[sequence, tokens, model_dim] with model_dim >= 1"
+            )
         reshaped_input = input[0].reshape(-1, d_model)
         self.l_aux, combine_weights, dispatch_mask = self.gate(reshaped_input)
         self._check_expert_count(combine_weights.shape[1])

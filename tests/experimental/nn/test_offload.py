@@ -132,6 +132,9 @@ def test_bad_arguments() -> None:
         (dict(num_microbatches=-1, checkpoint_activation=True), ValueError, "num_microbatches must be a positive"),
         (dict(num_microbatches=0), ValueError, "num_microbatches must be a positive integer, got 0"),
         (dict(num_microbatches="2", checkpoint_activation=True), TypeError, "num_microbatches must be an int"),
+        # A string was truthy: "no" checkpointed.
+        (dict(checkpoint_activation="no"), TypeError, "`checkpoint_activation` .* must be a bool, got 'no'"),
+        (dict(checkpoint_activation=2), TypeError, "`checkpoint_activation` .* must be a bool, got 2"),
     ],
 )
 def test_bad_counts_are_refused_at_construction(kwargs: dict, error: type, text: str) -> None:

@@ -161,3 +161,21 @@ def _function_gate_body(rank: int, world_size: int) -> None:
 
 def test_a_function_gate() -> None:
     run_distributed(_function_gate_body, 1, timeout=60)
+
+
+def _unreachable_gate(x: Tensor) -> None:
+    raise AssertionError("the gate must not be reached")
+
+
+def _zero_model_dim_body(rank: int, world_size: int) -> str:
+    moe = MOELayer(_unreachable_gate, _Identity())  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"MOELayer: the input's model dimension \(its last\) is 0 \(shape \(2, 4, 0\)\)"
+    ):
+        moe(torch.randn(2, 4, 0))
+    return "refused"
+
+
+def test_zero_model_dim_is_refused() -> None:
+    """torch's reshape(-1, 0) failed ("cannot reshape tensor of 0 elements ... ambiguous") before the gate ran."""
+    assert run_distributed(_zero_model_dim_body, 1, timeout=60) == ["refused"]
