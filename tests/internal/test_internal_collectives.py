@@ -296,7 +296,7 @@ def _fast_path_body(rank: int, ws: int) -> None:
     for name, fn in calls.items():
         fn()  # the first call of a (backend, kind, dtype) picks the strategy
         kind = name.split()[0]
-        if kind in ("all_gather", "reduce_scatter") and C._chosen.get(("gloo", kind, torch.float32)) != "tensor":
+        if kind in ("all_gather", "reduce_scatter") and C._chosen.get(("gloo", kind, torch.float32, "cpu")) != "tensor":
             continue  # torch 2.1's gloo has no flat all-gather: the fast path is for torch's tensor variant only
         ran = _python_calls(fn)
         assert not slow & set(ran), (name, ran)
@@ -361,7 +361,7 @@ def test_fallback_discovery_is_cached_per_backend_kind_dtype() -> None:
         C._dispatch("reduce_scatter", info, torch.float16, strategies)
         C._dispatch("reduce_scatter", info, torch.float16, strategies)
         assert tried == ["tensor", "list", "list"]  # the rejection is remembered
-        assert C._chosen[("test-backend", "reduce_scatter", torch.float16)] == "list"
+        assert C._chosen[("test-backend", "reduce_scatter", torch.float16, "cpu")] == "list"
 
         def broken() -> WorkHandle:
             raise RuntimeError("Connection closed by peer")
@@ -372,6 +372,33 @@ def test_fallback_discovery_is_cached_per_backend_kind_dtype() -> None:
             C._dispatch("all_reduce", info, torch.float32, [("tensor", rejecting)])
     finally:
         for key in [k for k in C._chosen if k[0] == "test-backend"]:
+            del C._chosen[key]
+
+
+def test_choice_for_one_device_type_is_not_taken_for_another() -> None:
+    """One group may hold two backends ("cpu:gloo,cuda:nccl"): the variant NCCL accepted for CUDA tensors was
+    remembered per backend string and then taken for CPU tensors too, which gloo lacks (or, on torch 2.2, runs
+    wrongly). The choice is remembered per device type."""
+    info = C._GroupInfo(pg=None, size=2, rank=0, ranks=(0, 1), backend="cpu:test,cuda:test")
+    tried: List[str] = []
+
+    def tensor_variant() -> WorkHandle:
+        tried.append("tensor")
+        if device == "cpu":
+            raise RuntimeError("ProcessGroupTest does not support reduce_scatter_tensor")
+        return WorkHandle()
+
+    def list_variant() -> WorkHandle:
+        tried.append("list")
+        return WorkHandle()
+
+    strategies = [("tensor", tensor_variant), ("list", list_variant)]
+    try:
+        for device in ("cuda", "cpu", "cuda", "cpu"):
+            C._dispatch("reduce_scatter", info, torch.float32, strategies, device)
+        assert tried == ["tensor", "tensor", "list", "tensor", "list"]
+    finally:
+        for key in [k for k in C._chosen if k[0] == info.backend]:
             del C._chosen[key]
 
 
@@ -392,7 +419,7 @@ def test_no_fallback_for_accelerator_tensors() -> None:
     try:
         with pytest.raises(RuntimeError, match="operation not supported"):
             C._dispatch("all_gather", info, torch.bfloat16, [("tensor", cuda_error), ("list", other)], "cuda")
-        assert tried == ["tensor"] and ("undefined", "all_gather", torch.bfloat16) not in C._chosen
+        assert tried == ["tensor"] and ("undefined", "all_gather", torch.bfloat16, "cuda") not in C._chosen
         C._dispatch("all_gather", info, torch.bfloat16, [("tensor", cuda_error), ("list", other)], "cpu")
         assert tried == ["tensor", "tensor", "list"]  # CPU tensors (gloo's gaps) still fall back
     finally:

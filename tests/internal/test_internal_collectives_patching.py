@@ -88,7 +88,7 @@ def _patched_worlds(rank: int, world_size: int) -> None:
     collectives.all_gather_into_flat(torch.empty(world_size), torch.ones(1))
     collectives.reduce_scatter_from_flat(torch.empty(1), torch.ones(world_size))
     flat = {
-        kind: collectives._chosen.get(("gloo", kind, torch.float32)) == "tensor"
+        kind: collectives._chosen.get(("gloo", kind, torch.float32, "cpu")) == "tensor"
         for kind in ("all_gather", "reduce_scatter")
     }
     # The newest name, and the older names that upstream-era code patches (torch keeps them as wrappers).

@@ -3,7 +3,7 @@
 
 A backend may reject a variant of a collective (no tensor reduce-scatter, no bf16/fp16 support ...). Each
 collective lists its strategies; ``_dispatch`` runs the first one the backend accepts and remembers it per
-``(backend, collective, dtype)`` in ``_chosen``. ``_force_strategy`` lets tests pick one.
+``(backend, collective, dtype, device type)`` in ``_chosen``. ``_force_strategy`` lets tests pick one.
 """
 
 import contextlib
@@ -87,9 +87,11 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _UNSUPPORTED = re.compile(r"not support|no support|unsupported|not implemented|no kernel|invalid scalar type", re.I)
 
 _Strategy = Tuple[str, Callable[[], WorkHandle]]
-# Collectives read it directly once a strategy is known: (backend, kind, dtype) -> "tensor" lets them call torch's
-# tensor variant without building their strategy list (and without a call to _dispatch).
-_chosen: Dict[Tuple[str, str, torch.dtype], str] = {}
+# Collectives read it directly once a strategy is known: (backend, kind, dtype, device type) -> "tensor" lets them
+# call torch's tensor variant without building their strategy list (and without a call to _dispatch). The device
+# type is part of the key: one group can hold two backends ("cpu:gloo,cuda:nccl"), and a variant NCCL took must not
+# be taken for CPU tensors that gloo handles (torch 2.2's gloo reduce-scatter sums wrongly).
+_chosen: Dict[Tuple[str, str, torch.dtype, str], str] = {}
 # Tests force a strategy to exercise fallbacks that the installed torch does not need.
 _forced: Dict[Tuple[str, Optional[torch.dtype]], str] = {}
 
@@ -116,7 +118,7 @@ def _force_strategy(kind: str, name: str, dtype: Optional[torch.dtype] = None) -
 def _dispatch(
     kind: str, info: _GroupInfo, dtype: torch.dtype, strategies: Sequence[_Strategy], device_type: str = "cpu"
 ) -> WorkHandle:
-    """Run the first strategy the backend accepts for ``(backend, kind, dtype)``; remember it.
+    """Run the first strategy the backend accepts for ``(backend, kind, dtype, device_type)``; remember it.
 
     Fallbacks are for CPU tensors only (gloo's gaps). Accelerator backends (NCCL) support every variant and dtype, so
     an error there is a real failure (a CUDA error can read "operation not supported") and retrying another variant
@@ -124,7 +126,7 @@ def _dispatch(
     reads "undefined" or "cpu:gloo,cuda:nccl" for groups created without an explicit backend.
     """
     forced = _forced.get((kind, dtype)) or _forced.get((kind, None))
-    wanted = forced or _chosen.get((info.backend, kind, dtype))
+    wanted = forced or _chosen.get((info.backend, kind, dtype, device_type))
     if wanted is not None:
         for name, run in strategies:
             if name == wanted:
@@ -148,7 +150,7 @@ def _dispatch(
                 raise
             errors.append(f"{name}: {str(exc).strip().splitlines()[0]}")
             continue
-        _chosen[(info.backend, kind, dtype)] = name
+        _chosen[(info.backend, kind, dtype, device_type)] = name
         return handle
     raise RuntimeError(
         f"{kind} of {dtype} tensors is not supported by backend {info.backend!r}; tried " + "; ".join(errors)

@@ -63,7 +63,7 @@ def all_gather_into_flat(
     # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
     # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
     if ready_at is None and info.size > 1 and not _forced:
-        if _chosen.get((info.backend, "all_gather", out.dtype)) == "tensor":
+        if _chosen.get((info.backend, "all_gather", out.dtype, out.device.type)) == "tensor":
             work = _all_gather_function()(out, inp, group=info.pg, async_op=async_op)
             return WorkHandle(work) if async_op else None
     return _finish(_all_gather(out, inp, info, async_op), async_op, ready_at)
@@ -125,7 +125,7 @@ def reduce_scatter_from_flat(
     # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
     # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
     if ready_at is None and info.size > 1 and not _forced:
-        if _chosen.get((info.backend, "reduce_scatter", out.dtype)) == "tensor":
+        if _chosen.get((info.backend, "reduce_scatter", out.dtype, out.device.type)) == "tensor":
             work = _reduce_scatter_function()(out, inp, op=reduce_op, group=info.pg, async_op=async_op)
             return WorkHandle(work) if async_op else None
     return _finish(_reduce_scatter(out, inp, reduce_op, info, async_op), async_op, ready_at)

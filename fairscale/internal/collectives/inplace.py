@@ -36,7 +36,7 @@ def all_reduce(
     # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
     # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
     if ready_at is None and info.size > 1 and not _forced:
-        if _chosen.get((info.backend, "all_reduce", tensor.dtype)) == "tensor":
+        if _chosen.get((info.backend, "all_reduce", tensor.dtype, tensor.device.type)) == "tensor":
             work = dist.all_reduce(tensor, op=reduce_op, group=info.pg, async_op=async_op)
             return WorkHandle(work) if async_op else None
     return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op, ready_at)
@@ -79,7 +79,7 @@ def broadcast(
     # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
     # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
     if ready_at is None and info.size > 1 and not _forced:
-        if _chosen.get((info.backend, "broadcast", tensor.dtype)) == "tensor":
+        if _chosen.get((info.backend, "broadcast", tensor.dtype, tensor.device.type)) == "tensor":
             work = dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op)
             return WorkHandle(work) if async_op else None
     return _finish(_broadcast(tensor, src, info, async_op), async_op, ready_at)
