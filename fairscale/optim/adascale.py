@@ -30,6 +30,7 @@ scaler skips), on every rank alike.
 
 import functools
 import math
+import numbers
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
@@ -113,10 +114,11 @@ class AdaScale(torch.optim.Optimizer):
         n_groups = len(optimizer.param_groups)
         # The end of each accumulation window all-reduces one value per param group: ranks with other group counts
         # or windows would meet in collectives of different sizes (gloo waits until its timeout) or not at all.
-        self._check_ranks_agree(n_groups)
+        initial_scale = self._world_size * self._num_grads_to_accum if scale is None else scale
+        self._check_ranks_agree(n_groups, initial_scale)
         cast(Dict[Any, Any], optimizer.state).setdefault(STATE_KEY, statistics.fresh(n_groups))
         self._scale = 1.0
-        self.set_scale(self._world_size * self._num_grads_to_accum if scale is None else scale)
+        self.set_scale(initial_scale)
         self._hook()
 
     # ------------------------------------------------------------------------------------------
@@ -349,6 +351,7 @@ class AdaScale(torch.optim.Optimizer):
         if unmeasured or not np.isfinite(total).all():
             payload = torch.full_like(payload, math.nan)
         if self._world_size > 1:
+            self._check_group_size()
             # The window length rides along, as n and n * n (exact in fp32): a rank with another
             # num_gradients_to_accumulate reaches this all-reduce at another backward, which paired statistics of
             # different windows silently and left one all-reduce unmatched at the end (a hang).
@@ -366,6 +369,22 @@ class AdaScale(torch.optim.Optimizer):
         # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
         # reproduced to the last bit.
         self._update_statistics(payload.cpu().numpy(), total)
+
+    def _check_group_size(self) -> None:
+        """Raise unless the default group has ``world_size`` ranks: the statistics are all-reduced over it.
+
+        Upstream failed here without torch.distributed; in a group of another size (and in this fork without
+        torch.distributed, where the all-reduce is a no-op) the statistics were computed for workers that did not
+        exist, and the gain stayed 1 for good, silently. ``world_size`` agreed between the ranks at construction and
+        the group's size is the same on each, so every rank raises alike.
+        """
+        size = collectives.group_size(None)
+        if size != self._world_size:
+            raise FairscaleValueError(
+                f"AdaScale: world_size is {self._world_size} but the default process group has {size} rank(s) (1 "
+                "without torch.distributed); the statistics are all-reduced over the default group: pass "
+                "world_size=None (its size), or 1 for a rank on its own (with num_gradients_to_accumulate > 1)"
+            )
 
     def _check_same_window(self, sums: List[float]) -> None:
         """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's window length is this one's.
@@ -442,13 +461,14 @@ class AdaScale(torch.optim.Optimizer):
         self._calls_at_last_step = self._num_backward_calls
         return result
 
-    def _check_ranks_agree(self, n_groups: int) -> None:
+    def _check_ranks_agree(self, n_groups: int, scale: Any) -> None:
         """Raise the same :class:`RanksDisagreeError` on every rank unless all of them have ``n_groups`` param groups,
-        the same ``num_gradients_to_accumulate`` and ``world_size`` (one small all-gather; none at world size 1)."""
+        the same ``num_gradients_to_accumulate``, ``world_size``, ``scale`` and smoothing (one small all-gather; none
+        at world size 1). Ranks with another scale or smoothing trained with other learning rates, silently."""
         if self._world_size > 1 and collectives.group_size(None) > 1:
             check_ranks_agree(
-                "AdaScale: (param groups, num_gradients_to_accumulate, world_size)",
-                (n_groups, self._num_grads_to_accum, self._world_size),
+                "AdaScale: (param groups, num_gradients_to_accumulate, world_size, scale, smoothing)",
+                (n_groups, self._num_grads_to_accum, self._world_size, _shared(scale), _shared(self._smoothing)),
                 hint="Build the optimizer from the same param groups and arguments on every rank.",
                 device=first_device(p for group in self._optimizer.param_groups for p in group["params"]),
             )
@@ -462,7 +482,7 @@ class AdaScale(torch.optim.Optimizer):
         every group, also after :meth:`unhook`.
         """
         self._check_not_in_backward("Don't add param group in backward phase")
-        self._check_ranks_agree(len(self._optimizer.param_groups) + 1)
+        self._check_ranks_agree(len(self._optimizer.param_groups) + 1, self._scale)
         new_params: List[Any] = []
         if isinstance(pg, dict) and "params" in pg:
             params = pg["params"]
@@ -592,3 +612,9 @@ class AdaScaleWrapper(AdaScale):
             num_gradients_to_accumulate=num_gradients_to_accumulate,
             debias_ewma=debias_ewma,
         )
+
+
+def _shared(value: Any) -> str:
+    """``value`` as the ranks compare it: a real number by its float's repr (4 and 4.0 agree, NaN agrees with NaN,
+    so that the value's own check raises the clearer error after the comparison), anything else by its repr."""
+    return repr(float(value)) if isinstance(value, numbers.Real) else repr(value)

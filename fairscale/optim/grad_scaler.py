@@ -103,8 +103,18 @@ def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
         raise ValueError(
             f"{who}: the saved scale must be a positive number within float32's range, got {values['scale']}"
         )
-    if not values["backoff_factor"] > 0.0:
-        raise ValueError(f"{who}: backoff_factor must be positive (0 zeroes the scale), got {values['backoff_factor']}")
+    # A growth factor below 1 shrank the scale at every clean interval, 0 at once: the next step multiplied the
+    # gradients by 1/0 and wrote NaN into every weight, silently. A backoff factor of 1 or above never lets an
+    # overflowing scale come down: every step was skipped. (1 as growth factor, a scale that never grows, is taken
+    # as torch's load takes it; torch's constructor refuses it.)
+    if not 0.0 < values["backoff_factor"] < 1.0:
+        raise ValueError(
+            f"{who}: backoff_factor must be in (0, 1) (0 zeroes the scale), got {values['backoff_factor']}"
+        )
+    if not values["growth_factor"] >= 1.0:
+        raise ValueError(
+            f"{who}: growth_factor must be at least 1 (below, it shrinks the scale to 0), got {values['growth_factor']}"
+        )
     # A negative growth interval is torch's way to never grow the scale (the tracker never reaches it): accepted.
     if not values["growth_interval"].is_integer():
         raise TypeError(f"{who}: growth_interval must be an integer, got {state_dict['growth_interval']!r}")
@@ -207,8 +217,8 @@ class _ScalerBase(CudaAmpGradScaler):
         Raises:
             RuntimeError: enabled on CUDA, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
             KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
-            ValueError: enabled, and the saved scale is not positive or beyond float32's range, or the backoff
-                factor is not positive.
+            ValueError: enabled, and the saved scale is not positive or beyond float32's range, the backoff
+                factor is not in (0, 1), or the growth factor is below 1.
             TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), or
                 the interval or the tracker is not a non-negative integer.
         """

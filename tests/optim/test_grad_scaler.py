@@ -178,7 +178,12 @@ def test_refused_load_state_dict_changes_nothing(scale_used: bool) -> None:
         ({"_growth_tracker": 2.5}, TypeError, "_growth_tracker must be a non-negative integer"),
         ({"growth_interval": object()}, TypeError, "growth_interval must be a finite real number"),
         ({"growth_factor": "2"}, TypeError, "growth_factor must be a finite real number"),
-        ({"backoff_factor": 0.0}, ValueError, "backoff_factor must be positive"),  # zeroes the scale at an overflow
+        ({"backoff_factor": 0.0}, ValueError, "backoff_factor must be in"),  # zeroes the scale at an overflow
+        # 1 or more never let an overflowing scale come down (every step skipped); a growth factor of 0 zeroed the
+        # scale after one clean interval and the next step wrote NaN into every weight, silently.
+        ({"backoff_factor": 1.0}, ValueError, "backoff_factor must be in \\(0, 1\\)"),
+        ({"growth_factor": 0.0}, ValueError, "growth_factor must be at least 1"),
+        ({"growth_factor": 0.5}, ValueError, "growth_factor must be at least 1"),
         ({"backoff_factor": float("nan")}, TypeError, "backoff_factor must be a finite real number"),
     ):
         with pytest.raises(error, match=message):

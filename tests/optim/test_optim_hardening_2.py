@@ -658,8 +658,9 @@ def test_grad_scalers_refuse_an_init_scale_that_is_not_positive_and_finite(
 @pytest.mark.parametrize(
     "setting,value,error,message",
     [
-        ("backoff_factor", 0.0, ValueError, "backoff_factor must be positive"),
-        ("backoff_factor", -0.5, ValueError, "backoff_factor must be positive"),
+        ("backoff_factor", 0.0, ValueError, "backoff_factor must be in \\(0, 1\\)"),
+        ("backoff_factor", -0.5, ValueError, "backoff_factor must be in \\(0, 1\\)"),
+        ("growth_factor", 0.5, ValueError, "growth_factor must be at least 1"),
         ("growth_interval", 2.5, TypeError, "growth_interval must be an integer"),
         ("init_scale", 1e39, ValueError, "init_scale must be a positive finite number within float32's range"),
         ("growth_factor", math.inf, TypeError, "growth_factor must be a finite real number"),

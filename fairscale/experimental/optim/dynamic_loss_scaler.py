@@ -18,6 +18,8 @@ Each optimizer's stage of the iteration is recorded (:class:`OptState`), as in `
 unscaled yet. (Upstream recorded no stage, so that order divided the gradients twice; see docs/differences.rst.)
 """
 
+import math
+import numbers
 from collections import defaultdict
 from enum import Enum
 from typing import Any, Dict, Optional
@@ -190,6 +192,18 @@ class DynamicLossScaler(object):
         return {"loss_scale": self.loss_scale}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore the loss scale (when the dict has one)."""
+        """Restore the loss scale (when the dict has one).
+
+        Raises:
+            ValueError: the saved loss scale is not a finite number > 0 (the scale is left as it was). Upstream took
+                any value: inf or NaN skipped every later step, silently, and 0 failed at the first step with a
+                ``ZeroDivisionError``.
+        """
         if "loss_scale" in state_dict:
-            self.loss_scale = state_dict["loss_scale"]
+            value = state_dict["loss_scale"]
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+                raise ValueError(
+                    f"DynamicLossScaler.load_state_dict: loss_scale must be a finite number > 0, got {value!r}; pass "
+                    "a state dict saved by DynamicLossScaler.state_dict()"
+                )
+            self.loss_scale = value  # type: ignore[assignment]  # a Real: int, float or numpy scalar, as saved

@@ -87,9 +87,12 @@ def estimate(
             local_sqr = local_sqr * (c * c)
         else:
             total_sqr = total_sqr / (c * c)
-    local_sqr = local_sqr.astype(np.float64)
+    # The local term in float32 (the all-reduced squared norms' dtype), the rest in float64: upstream's roundings
+    # (numpy keeps an fp32 array fp32 when multiplied or divided by a Python number), so that its gains are
+    # reproduced to the last bit whatever s / cn and cn - 1 are.
+    local_term = (local_sqr.astype(np.float32) * np.float32(s / cn)) / np.float32(cn - 1)
     total_sqr = total_sqr.astype(np.float64)
-    grad_var = local_sqr * (s / cn) / (cn - 1) - total_sqr * s / (cn - 1)
+    grad_var = local_term.astype(np.float64) - total_sqr * s / (cn - 1)
     grad_sqr = total_sqr - grad_var / s
     grad_var = np.maximum(grad_var, 1e-6)
     grad_sqr = np.maximum(grad_sqr, 0.0)

@@ -2,6 +2,8 @@
 """DynamicLossScaler: training through it converges, and its scale schedule is upstream's (expected values were
 produced by running upstream fairscale 0.4.13 on the same sequences)."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +111,14 @@ def test_unscale_and_state_dict() -> None:
     assert other.loss_scale == 2.0**15
     other.load_state_dict(scaler.state_dict())
     assert other.loss_scale == 4
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0, -2.0, None, "1024", True])
+def test_load_state_dict_refuses_a_loss_scale_that_cannot_work(bad: Any) -> None:
+    """Upstream took any value: inf or NaN skipped every later step, silently; 0 failed at the first step."""
+    scaler = DynamicLossScaler(init_scale=8.0)
+    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+        scaler.load_state_dict({"loss_scale": bad})
+    assert scaler.loss_scale == 8.0
+    scaler.load_state_dict({"loss_scale": 4})
+    assert scaler.state_dict() == {"loss_scale": 4}

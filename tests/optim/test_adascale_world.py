@@ -1,0 +1,91 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""AdaScale's world: the group its statistics are all-reduced over, the settings its ranks must share, and its
+gains' roundings.
+
+* ``world_size=N > 1`` where the default group has another size (or without ``torch.distributed``, where the
+  all-reduce does nothing) computed the statistics for workers that did not exist: the gain stayed 1 for good,
+  silently (upstream: the same in a group of another size; without ``torch.distributed`` it failed at the first
+  backward). The first window's end raises now, on every rank alike.
+* Ranks with another ``scale`` or smoothing trained with other learning rates, silently: the construction's
+  agreement check covers them.
+* The gains are upstream's to the last bit also where ``scale / (c * N)`` and ``c * N - 1`` are not exact in binary.
+"""
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import SGD
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.errors import FairscaleValueError
+from fairscale.optim import AdaScale
+
+TIMEOUT = 90.0
+
+
+def test_world_size_without_torch_distributed_is_refused_at_the_first_window_end() -> None:
+    model = nn.Linear(2, 1)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1), world_size=2)  # building it alone still works, as upstream
+    assert optim.scale == 2
+    with pytest.raises(FairscaleValueError, match="world_size is 2 but the default process group has 1 rank"):
+        model(torch.ones(1, 2)).sum().backward()
+
+
+def _world_body(rank: int, world_size: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    model = nn.Linear(2, 1)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1), world_size=4)
+    try:
+        model(torch.ones(1, 2)).sum().backward()
+    except FairscaleValueError as e:
+        seen["world_size"] = str(e)
+    for name, kwargs in [("scale", {"scale": 2.0 + rank}), ("smoothing", {"smoothing": 0.5 + rank / 4})]:
+        try:
+            AdaScale(SGD(nn.Linear(2, 1).parameters(), lr=0.1), **kwargs)
+        except RanksDisagreeError as e:
+            seen[name] = str(e)
+    # The same scale written as an int on one rank and a float on the other agrees.
+    AdaScale(SGD(nn.Linear(2, 1).parameters(), lr=0.1), scale=4 if rank else 4.0)
+    return seen
+
+
+def test_ranks_raise_alike_for_another_world_size_scale_or_smoothing() -> None:
+    first, second = run_distributed(_world_body, 2, timeout=TIMEOUT)
+    assert first == second
+    assert "world_size is 4 but the default process group has 2 rank(s)" in first["world_size"]
+    assert "scale, smoothing" in first["scale"] and "entry 3: '2.0' vs '3.0'" in first["scale"]
+    assert "entry 4: '0.5' vs '0.75'" in first["smoothing"]
+
+
+def _gains(accum: int, scale: Any) -> List[str]:
+    """Two steps on gradients that are exact small integers (a bias-free layer at zero): every rounding is then one
+    of the statistics' elementwise operations, the same on any CPU."""
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    optim = AdaScale(SGD(model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=accum, scale=scale)
+    inputs = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 1.0], [1.0, 3.0], [0.0, 2.0]]
+    gains = []
+    for step in range(2):
+        for i in range(accum):
+            model(torch.tensor([inputs[(i + step) % len(inputs)]])).sum().backward()
+        optim.step()
+        optim.zero_grad()
+        gains.append(float(optim.gain()).hex())
+    return gains
+
+
+@pytest.mark.parametrize(
+    "accum, scale, want",
+    [  # produced by upstream fairscale 0.4.13 on the same inputs
+        (3, None, ["0x1.8000000000000p+0", "0x1.626f2acfab7b4p+0"]),
+        (3, 5.0, ["0x1.0000000000000p+1", "0x1.c4de559f56f66p+0"]),
+        (6, None, ["0x1.8cf19f293a7cbp+0", "0x1.8cf19f293a7cap+0"]),
+        (5, 7.0, ["0x1.d60864b8a7de7p+0", "0x1.ae36343d2c42ap+0"]),
+    ],
+)
+def test_gains_are_upstreams_to_the_last_bit(accum: int, scale: Any, want: List[str]) -> None:
+    assert _gains(accum, scale) == want
