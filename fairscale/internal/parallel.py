@@ -30,6 +30,10 @@ __all__ = [
 ]
 
 
+class _ChunkCountError(RuntimeError, ValueError):
+    """A chunk count below 1."""
+
+
 def chunk_and_pad(tensor: Tensor, num_chunks: int) -> List[Tensor]:
     """Split a tensor into ``num_chunks`` equal 1-D chunks, zero-padding the tail.
 
@@ -48,7 +52,8 @@ def chunk_and_pad(tensor: Tensor, num_chunks: int) -> List[Tensor]:
         of ``tensor``; padded ones are new tensors.
     """
     if num_chunks <= 0:
-        raise ValueError(f"chunk_and_pad: num_chunks must be positive, got {num_chunks}")
+        # A RuntimeError, as torch's chunk raised it upstream (callers may catch that), and a ValueError.
+        raise _ChunkCountError(f"chunk_and_pad: num_chunks must be positive, got {num_chunks}")
     chunks = list(torch.flatten(tensor).chunk(num_chunks))
     if not chunks:  # a zero-element tensor: torch.chunk returns an empty tuple on some versions
         chunks = [tensor.new_empty(0)]
