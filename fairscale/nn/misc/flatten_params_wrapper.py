@@ -294,10 +294,10 @@ class FlattenParamsWrapper(nn.Module):
             problems = _copy_back_rebound(given)
             self._flatten_params(orig_flat_params)
         if problems:
-            raise ValueError(
+            raise _UnwritableRebind(
                 "unflatten_params: parameters were replaced inside the context by tensors that cannot be written back "
-                f"into the flat parameters ({'; '.join(problems)}); their values were dropped. Edit parameters in "
-                "place (p.copy_(...)), or replace them by tensors of the same shape."
+                f"into the flat parameters ({'; '.join(problems)}); no replacement was written back. Edit parameters "
+                "in place (p.copy_(...)), or replace them by tensors of the same shape."
             )
 
     def get_param_views(self, external_data_list: Optional[Sequence[Optional[Tensor]]] = None) -> Iterator[Tensor]:
@@ -469,8 +469,10 @@ class _GivenParam(NamedTuple):
 def _copy_back_rebound(given: List[_GivenParam]) -> List[str]:
     """Write into the flat views what the user rebound inside ``unflatten_params`` (``m.weight = nn.Parameter(t)``,
     ``m.weight.data = t``): in-place edits reach the flat parameter through the alias, rebinds would be dropped
-    silently when the views are reinstalled. Returns what could not be written back (a missing or misshapen value)."""
+    silently when the views are reinstalled. All or nothing: returns what could not be written back (a missing or
+    misshapen value), and then writes back nothing."""
     problems: List[str] = []
+    updates: List[Tuple[Tensor, Tensor]] = []
     for g in given:
         current = g.module._parameters.get(g.attr, getattr(g.module, g.attr, None))
         if current is g.param and current.data_ptr() == g.view.data_ptr() and current.shape == g.view.shape:
@@ -479,8 +481,16 @@ def _copy_back_rebound(given: List[_GivenParam]) -> List[str]:
             shape = tuple(current.shape) if isinstance(current, Tensor) else type(current).__name__
             problems.append(f"{g.name}: {shape} where {tuple(g.view.shape)} was expected")
             continue
-        g.view.copy_(current.detach())
+        updates.append((g.view, current.detach()))
+    if not problems:
+        for view, value in updates:
+            view.copy_(value)
     return problems
+
+
+class _UnwritableRebind(ValueError):
+    """A parameter rebound inside ``unflatten_params`` to what cannot be written back (FSDP's summon then writes
+    back nothing either)."""
 
 
 def _drop_attr(module: nn.Module, name: str) -> None:

@@ -313,8 +313,11 @@ def _case_failed_load_before_the_first_forward_changes_nothing() -> None:
     _assert_equal_to_reference(_full(model))
 
 
-def _case_rebinds_inside_summon_are_written_back() -> None:
-    model = _nested()
+def _case_rebinds_inside_summon_are_written_back(flatten: bool) -> None:
+    """With flatten_parameters=False the parameters are the modules' own: a rebind was dropped silently (``.data``),
+    or left a plain parameter in the module that FSDP neither sharded nor reduced (the ranks then trained apart)."""
+    model = _nested(flatten_parameters=flatten)
+    bias = model.module.b.bias
     with model.summon_full_params():
         model.module.b.weight.data = torch.full((3, 6), 0.5)
         model.module.b.bias = nn.Parameter(torch.full((3,), -1.0))
@@ -322,11 +325,51 @@ def _case_rebinds_inside_summon_are_written_back() -> None:
     assert torch.equal(full["b.weight"], torch.full((3, 6), 0.5)) and torch.equal(
         full["b.bias"], torch.full((3,), -1.0)
     )
-    with pytest.raises(ValueError, match=r"b\.bias: NoneType where \(3,\) was expected"):
-        with model.summon_full_params():
-            model.module.b.bias = None
-    assert all(torch.equal(full[n], v) for n, v in _full(model).items()), "a refused write-back changed the model"
-    model(_input()).sum().backward()  # and it still trains
+    assert model.module.b.bias is bias  # FSDP's own parameter again: sharded, reduced, in the optimizer
+    for bad, shape in [(None, "NoneType"), (nn.Parameter(torch.zeros(3, 2)), "\\(3, 2\\)")]:
+        with pytest.raises(ValueError, match=rf"b\.bias: {shape} where \(3,\) was expected"):
+            with model.summon_full_params():
+                model.module.b.weight.data = torch.full((3, 6), 9.0)  # fits, but the summon is all or nothing
+                model.module.b.bias = bad
+        assert all(torch.equal(full[n], v) for n, v in _full(model).items()), "a refused write-back changed the model"
+    if not flatten:  # the module's parameters are FSDP's again (with flattening they are views, not registered)
+        assert model.module.b.bias is bias
+    # And it still trains like the module with the rebound values.
+    _train(model)
+    torch.manual_seed(0)
+    reference = _Net()
+    with torch.no_grad():
+        reference.b.weight.fill_(0.5)
+        reference.b.bias.fill_(-1.0)
+    _train(reference)
+    got = _full(model)
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _case_optimizer_built_before_wrapping() -> None:
+    """The optimizer holds the original parameters, which FSDP copied into its flat parameters: every step did
+    nothing, silently (upstream the same). Now the first step raises, on every rank, before changing anything."""
+    torch.manual_seed(0)
+    net = _Net()
+    optim = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = FSDP(net)
+    model(_input()).sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): 4 of the optimizer's 4 parameters .* were flattened into"):
+        optim.step()
+    model.zero_grad(set_to_none=True)
+    _train(model)  # an optimizer built after wrapping trains as before
+    _assert_equal_to_reference(_full(model))
+    # Without flattening the original parameters are FSDP's: an optimizer built before wrapping works.
+    torch.manual_seed(0)
+    net = _Net()
+    optim = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = FSDP(net, flatten_parameters=False)
+    for step in range(2):
+        model(_input(step)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    _assert_equal_to_reference(_full(model))
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -412,7 +455,15 @@ def _body(rank: int, world_size: int) -> None:
             ("clip arguments differ between ranks", _case_clip_arguments_differ_between_ranks),
             ("FSDP(FSDP(m))", _case_fsdp_of_fsdp_trains_like_the_module),
             ("one module in two instances", _case_one_module_in_two_instances),
-            ("rebinds inside summon_full_params", _case_rebinds_inside_summon_are_written_back),
+            (
+                "rebinds inside summon_full_params",
+                functools.partial(_case_rebinds_inside_summon_are_written_back, True),
+            ),
+            (
+                "rebinds inside summon_full_params, not flattened",
+                functools.partial(_case_rebinds_inside_summon_are_written_back, False),
+            ),
+            ("optimizer built before wrapping", _case_optimizer_built_before_wrapping),
             ("deepcopy", _case_deepcopy_is_an_independent_working_model),
             ("unpickled", _case_unpickled_model_needs_its_groups),
             ("full state dicts differing between ranks", _case_full_state_dicts_differing_between_ranks),

@@ -8,7 +8,7 @@ from torch import nn
 
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
-from . import ties
+from . import step_guard, ties
 from .config import FSDPConfig
 from .handle import FlatHandle
 from .unit import unit_of
@@ -35,6 +35,8 @@ def flatten(
             "own FullyShardedDataParallel instance, or pass flatten_parameters=False."
         ) from e
     if flatten_parameters:
+        if owned:
+            step_guard.guard_flattened_parameters()
         ties.mark_flattened(
             owned,
             [m for _, m, _ in fpw._param_infos] + [info[2] for info in fpw._shared_param_infos],

@@ -1,5 +1,6 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""A clear error for ``optimizer.step()`` inside a ``no_sync()`` accumulation window.
+"""Clear errors for two ``optimizer.step()`` mistakes: a step inside a ``no_sync()`` accumulation window, and an
+optimizer built on parameters that FSDP flattened away.
 
 Inside a window a sharded parameter holds this rank's unreduced, full-size gradient (or, with
 ``optimize_backward_concat``, a view of the window's buffer) next to its shard. An optimizer step then failed inside
@@ -9,6 +10,12 @@ backward that leaves a gradient unreduced) asks the trees that did so whether th
 
 Cost: every optimizer step of the process calls the hook; without a watched tree it returns at once. A watched tree
 is looked at in the next step only, and forgotten once none of its parameters holds an unreduced gradient.
+
+An optimizer built before wrapping (``opt = SGD(model.parameters()); model = FSDP(model)``) holds the original
+parameters, which ``flatten_parameters=True`` copied into flat parameters: they get no gradient, so every step did
+nothing, silently (upstream the same). Once an instance has flattened parameters, a second hook looks at each
+optimizer's parameters once (again when their count changes: ``add_param_group``) and raises when one of them was
+flattened away. Per step it costs a lookup and a count of the parameter groups.
 """
 
 import weakref
@@ -20,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fairscale.internal.errors import FairscaleRuntimeError
 
 from .handle import FlatHandle
+from .ties import is_flattened_away
 from .unit import FSDPUnit
 
 # Roots whose last backward left gradients unreduced (weak: a dropped model is no longer watched).
@@ -74,4 +82,43 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Op
             )
         if not held:
             _watched.discard(root)  # its window was reduced or cleared
+    return None
+
+
+# Optimizers already looked at, with their parameter count then (weak: a dropped optimizer is forgotten).
+_checked_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_flattened_guard_registered = False
+
+
+def guard_flattened_parameters() -> None:
+    """Refuse, from now on, an optimizer step over parameters that an FSDP instance flattened away (registered once,
+    when an instance first flattens parameters)."""
+    global _flattened_guard_registered
+    if not _flattened_guard_registered:
+        register_optimizer_step_pre_hook(_before_step_flattened)
+        _flattened_guard_registered = True
+
+
+def _before_step_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _checked_optimizers.get(optimizer) == count:
+        return None
+    dead = [
+        (g, i)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if is_flattened_away(p)
+    ]
+    if dead:
+        g, i = dead[0]
+        raise FairscaleRuntimeError(
+            f"{type(optimizer).__name__}.step(): {len(dead)} of the optimizer's {count} parameters (the first: param "
+            f"group {g}, index {i}) were flattened into FullyShardedDataParallel's flat parameters: they get no "
+            "gradient, so this step would change nothing. Build the optimizer on the wrapped model's parameters, "
+            "after wrapping: optimizer = SGD(fsdp_model.parameters(), ...); nothing was changed."
+        )
+    try:
+        _checked_optimizers[optimizer] = count
+    except TypeError:  # pragma: no cover - an optimizer class that cannot be weakly referenced: checked every step
+        pass
     return None

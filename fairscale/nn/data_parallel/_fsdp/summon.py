@@ -11,16 +11,16 @@ import contextlib
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError
-from fairscale.nn.misc.flatten_params_wrapper import _set_plain_tensor
+from fairscale.nn.misc.flatten_params_wrapper import _set_plain_tensor, _UnwritableRebind
 
 from .handle import FlatHandle
 from .runtime import lazy_init
 from .state import HandleState, TrainingState
-from .unit import FSDPUnit
+from .unit import FSDPUnit, unit_of
 
 
 def _gather_fp32(unit: FSDPUnit, h: FlatHandle) -> Tensor:
@@ -78,25 +78,40 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
     unit.device.synchronize()
     handles = [h for h in unit.handles if not h.borrowed]
     previous_data = [h.param.data for h in handles]
+    fpw = unit.wrapped
+    flattened = getattr(fpw, "is_flattened", False) and unit.num_flatten_params > 0
+    # The parameters FlattenParamsWrapper does not unflatten (all of them with flatten_parameters=False) are the
+    # modules' own: a rebind of one inside the summon is taken back here, on exit (the flattened ones: by the wrapper).
+    plain = handles[unit.num_flatten_params :] if flattened else handles
+    places = _places(fpw, plain) if plain else []
     with collectives.collective_phase("summon"):
         fulls: List[Tensor] = [_gather_fp32(unit, h) for h in handles]
     unit.transition(TrainingState.SUMMON_FULL_PARAMS)
     unit.summon_volatile = volatile
     snapshot: Optional[_ViewSnapshot] = None
-    fpw = unit.wrapped
+    problems: List[str] = []
+    refused = False  # the wrapper refused a rebind of a flattened parameter: nothing is written back then
     try:
         for h, full in zip(handles, fulls):
             h.param.data = full[: h.numel].view(h.orig_size)
-        if getattr(fpw, "is_flattened", False) and unit.num_flatten_params > 0:
+        if flattened:
             flat = [h.param.data for h in handles[: unit.num_flatten_params]]
             snapshot = _snapshot_views(fpw)
-            with fpw.unflatten_params(flat_params=flat):
-                yield
+            try:
+                with fpw.unflatten_params(flat_params=flat):
+                    yield
+            except _UnwritableRebind:
+                refused = True
+                raise
         else:
             yield
     finally:
         try:
-            if not volatile:
+            updates, problems = _take_back_rebinds(plain, fulls[len(handles) - len(plain) :], places)
+            if not volatile and not problems and not refused:
+                with torch.no_grad():
+                    for view, value in updates:
+                        view.copy_(value)
                 _write_back(unit, handles, fulls)
         finally:
             for h, data in zip(handles, previous_data):
@@ -104,6 +119,60 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
             if snapshot is not None:
                 _restore_views(fpw, snapshot)
             unit.transition(TrainingState.IDLE)
+    if problems and not volatile:
+        raise ValueError(
+            "summon_full_params: parameters were replaced inside the context by tensors that cannot be written back "
+            f"({'; '.join(problems)}); nothing was written back, the model keeps its values. Edit parameters in "
+            "place (p.copy_(...)), or replace them by tensors of the same shape."
+        )
+
+
+_Place = Tuple[nn.Module, str]
+
+
+def _places(module: nn.Module, handles: List[FlatHandle]) -> List[List[_Place]]:
+    """Where each handle's parameter is registered: ``(module, attribute)`` pairs (several for a tied parameter)."""
+    index = {id(h.param): i for i, h in enumerate(handles)}
+    places: List[List[_Place]] = [[] for _ in handles]
+    stack = [module]
+    while stack:  # not into nested instances: they hold none of these (and summon their own)
+        m = stack.pop()
+        stack.extend(child for child in m.children() if unit_of(child) is None)
+        for attr, p in m._parameters.items():
+            i = index.get(id(p)) if p is not None else None
+            if i is not None:
+                places[i].append((m, attr))
+    return places
+
+
+def _take_back_rebinds(
+    handles: List[FlatHandle], fulls: List[Tensor], places: List[List[_Place]]
+) -> Tuple[List[Tuple[Tensor, Tensor]], List[str]]:
+    """Give every module its FSDP parameter back and say what the user rebound inside the summon.
+
+    A rebind (``m.weight.data = t``, ``m.weight = nn.Parameter(t)``, ``= None``) was dropped silently before, or left
+    a plain parameter in the module that FSDP neither sharded nor reduced (the ranks then trained apart).
+
+    Returns:
+        ``(full view, value)`` pairs to copy (a rebind to a tensor of the parameter's shape, any dtype), and what
+        cannot be written back (no tensor, or another shape).
+    """
+    updates: List[Tuple[Tensor, Tensor]] = []
+    problems: List[str] = []
+    for h, full, where in zip(handles, fulls, places):
+        view = full[: h.numel].view(h.orig_size)
+        for m, attr in where:
+            current = m._parameters[attr] if attr in m._parameters else m.__dict__.get(attr)
+            value = h.param.data if current is h.param else current
+            if not isinstance(value, Tensor) or value.shape != view.shape:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                problems.append(f"{h.name}: {shape} where {tuple(view.shape)} was expected")
+            elif value.data_ptr() != view.data_ptr():
+                updates.append((view, value.detach()))
+            if current is not h.param:
+                m.__dict__.pop(attr, None)  # a plain attribute set after ``del m.weight``
+                m._parameters[attr] = h.param
+    return updates, problems
 
 
 @torch.no_grad()

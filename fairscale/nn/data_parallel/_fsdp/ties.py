@@ -27,6 +27,11 @@ _FLATTENED_ATTR = "_fsdp_flattened_away"
 _FLATTENED_MODULE_ATTR = "_fsdp_params_flattened_away"
 
 
+def is_flattened_away(param: object) -> bool:
+    """Whether ``param`` is an original parameter that an FSDP instance copied into a flat parameter."""
+    return bool(getattr(param, _FLATTENED_ATTR, False))
+
+
 def mark_flattened(params: Iterable[nn.Parameter], modules: Iterable[nn.Module] = (), sharded: bool = True) -> None:
     """Remember that ``params`` (held by ``modules``) were copied into a flat parameter (their objects no longer
     train, and the modules' weights become views of the flat parameter, freed outside the owner's forward when it
