@@ -347,6 +347,20 @@ def _case_rebinds_inside_summon_are_written_back(flatten: bool) -> None:
         torch.testing.assert_close(got[name], value.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _case_keys_naming_the_wrappers() -> None:
+    """A key written with FSDP's internal path never loads: it was reported cleaned, as "Missing key(s): 0.weight"
+    and "Unexpected key(s): 0.weight" at once. It is named as written now."""
+    model = _nested()
+    state = model.state_dict()
+    before = _full(model)
+    bad = {("a._fsdp_wrapped_module.weight" if k == "a.weight" else k): v for k, v in state.items()}
+    with pytest.raises(RuntimeError, match=r"the keys \['a\._fsdp_wrapped_module\.weight'\] name FullyShardedDataPar"):
+        model.load_state_dict(bad)
+    result = model.load_state_dict(bad, strict=False)
+    assert result.missing_keys == ["a.weight"] and result.unexpected_keys == ["a._fsdp_wrapped_module.weight"]
+    assert all(torch.equal(before[n], v) for n, v in _full(model).items())
+
+
 def _case_optimizer_built_before_wrapping() -> None:
     """The optimizer holds the original parameters, which FSDP copied into its flat parameters: every step did
     nothing, silently (upstream the same). Now the first step raises, on every rank, before changing anything."""
@@ -464,6 +478,7 @@ def _body(rank: int, world_size: int) -> None:
                 functools.partial(_case_rebinds_inside_summon_are_written_back, False),
             ),
             ("optimizer built before wrapping", _case_optimizer_built_before_wrapping),
+            ("keys naming the wrappers", _case_keys_naming_the_wrappers),
             ("deepcopy", _case_deepcopy_is_an_independent_working_model),
             ("unpickled", _case_unpickled_model_needs_its_groups),
             ("full state dicts differing between ranks", _case_full_state_dicts_differing_between_ranks),

@@ -162,7 +162,7 @@ def load_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
         return loads.load_collectively(
             unit,
             "load_state_dict",
-            lambda: _load_with_clean_errors(unit, sd, strict),
+            lambda: _load_with_clean_errors(unit, sd, strict, full=True),
             None,
             _restore_summoned_on_failure,
         )
@@ -174,7 +174,7 @@ def load_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
 
     def load() -> Any:
         with summon_full_params(unit, recurse=True, volatile=False):
-            result = _load_with_clean_errors(unit, sd, strict)
+            result = _load_with_clean_errors(unit, sd, strict, full=True)
             fingerprints[:] = loads.parameter_fingerprints(unit)
             return result
 
@@ -208,8 +208,24 @@ def _load_local(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
                     h.drop_zero2_slice()
 
 
-def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
-    """Load through the wrapper; errors and missing/unexpected keys use the user's keys, not internal paths."""
+def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool, full: bool = False) -> Any:
+    """Load through the wrapper; errors and missing/unexpected keys use the user's keys, not internal paths.
+
+    A full dict's keys are the module's own names: one that names FSDP's wrappers (``0._fsdp_wrapped_module.weight``)
+    never loads, and was reported cleaned, as "missing 0.weight" and "unexpected 0.weight" at once. It is named as
+    written: refused first when ``strict``, an unexpected key otherwise.
+    """
+    # Inside no_pre_load_state_dict_hook() the keys are raw paths by design.
+    raw_expected = not _PRE_LOAD_HOOK_ENABLED[0]
+    internal = [k for k in sd if isinstance(k, str) and clean_text(k) != k] if full and not raw_expected else []
+    if internal and strict:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {unit.name}: the keys {internal[:3]}"
+            f"{' ...' if len(internal) > 3 else ''} name FullyShardedDataParallel's internal wrappers "
+            "('_fsdp_wrapped_module.', '_fpw_module.'); a full state dict uses the module's own names, as state_dict() "
+            "writes them: drop those components from the keys (or load a dict of raw paths inside "
+            "no_pre_load_state_dict_hook()).\nThe model was left unchanged."
+        )
     try:
         # No dry run of the wrapper's: a failed load is undone by _restore_on_failure, on every rank.
         result = unit.wrapped._load_state_dict(dict(sd), strict, False, checked=False)
@@ -218,6 +234,9 @@ def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool)
         raise RuntimeError(message + "\nThe model was left unchanged.") from e
     result.missing_keys[:] = [clean_text(k) for k in result.missing_keys]
     result.unexpected_keys[:] = [clean_text(k) for k in result.unexpected_keys]
+    if internal:
+        cleaned = {clean_text(k) for k in internal}
+        result.unexpected_keys[:] = [k for k in result.unexpected_keys if k not in cleaned] + internal
     return result
 
 
