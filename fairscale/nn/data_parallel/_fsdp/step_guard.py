@@ -101,8 +101,11 @@ def guard_flattened_parameters() -> None:
 
 def _before_step_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _checked_optimizers.get(optimizer) == count:
-        return None
+    try:
+        if _checked_optimizers.get(optimizer) == count:
+            return None
+    except TypeError:  # pragma: no cover - an optimizer class that cannot be weakly referenced: checked every step
+        pass
     dead = [
         (g, i)
         for g, group in enumerate(optimizer.param_groups)
