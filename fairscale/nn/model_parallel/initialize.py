@@ -105,9 +105,13 @@ def initialize_model_parallel(
     # the group timeout). The same RanksDisagreeError on every rank instead. Through the rendezvous store, not an
     # object gather: on an NCCL group that gather would run on the current CUDA device, and callers such as Llama's
     # reference code select their device only after this call (every rank would use cuda:0).
+    stages = pipeline_length
+    stages_valid = (
+        isinstance(stages, (int, float)) and not isinstance(stages, bool) and float(stages).is_integer() and stages >= 1
+    )
     _check_ranks_agree(
         model_parallel_size if valid else repr(model_parallel_size_),
-        pipeline_length,
+        int(stages) if stages_valid else repr(stages),
         model_parallel_backend,
         pipeline_backend,
         ddp_backend,
@@ -117,6 +121,12 @@ def initialize_model_parallel(
         raise FairscaleValueError(
             f"initialize_model_parallel: model_parallel_size_ must be a whole number >= 1, got {model_parallel_size_!r}"
         )
+    if not stages_valid:
+        # A float failed in a reshape, a string in a comparison, with Python's words (upstream the same).
+        raise FairscaleValueError(
+            f"initialize_model_parallel: pipeline_length must be a whole number >= 1, got {pipeline_length!r}"
+        )
+    pipeline_length = int(pipeline_length)  # an integral float (2.0) is taken, as model_parallel_size_ is
     _check_grid(world_size, model_parallel_size, pipeline_length)
     rank = torch.distributed.get_rank()
     data_parallel_size = world_size // (model_parallel_size * pipeline_length)

@@ -62,6 +62,9 @@ def _initialize_affine_weight(
         Optional[Tensor]: the master weight when ``return_master_weight`` (the parameter itself at
         model-parallel world size 1), else ``None``.
     """
+    # At every size (upstream ignored it at size 1, where get_master_weight() then failed with torch's words).
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise FairscaleValueError(f"stride must be a positive int (the number of interleaved blocks), got {stride!r}")
     world_size = get_model_parallel_world_size()
     if world_size == 1:
         init_method(weight)
@@ -69,8 +72,6 @@ def _initialize_affine_weight(
     # Every rank draws the whole master from the same RNG state, so the partitions agree across ranks.
     master_weight = torch.empty(out_features, in_features, dtype=weight.dtype, requires_grad=False)
     init_method(master_weight)
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-        raise FairscaleValueError(f"stride must be a positive int (the number of interleaved blocks), got {stride!r}")
     per_partition_per_stride_size = _divide(per_partition_size, stride, "the partition size", "stride")
     chunks = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
     mine = chunks[get_model_parallel_rank() :: world_size]

@@ -193,3 +193,27 @@ def _stride_and_fraction_body(rank: int, world_size: int) -> List[str]:
 
 def test_stride_and_fractional_model_parallel_size_are_refused_clearly() -> None:
     assert run_distributed(_stride_and_fraction_body, 2, timeout=60)[0]
+
+
+def _pipeline_length_and_stride_at_size_one_body(rank: int, world_size: int) -> List[str]:
+    messages = []
+    # A float failed in a reshape and a string in a comparison, with Python's words naming neither (upstream the same).
+    for bad in (1.5, "2", 0, True):
+        with pytest.raises(ValueError, match=f"pipeline_length must be a whole number >= 1, got {bad!r}"):
+            mpu.initialize_model_parallel(1, pipeline_length=bad)
+    mpu.initialize_model_parallel(1, pipeline_length=2.0)  # an integral float, as model_parallel_size_ takes it
+    try:
+        assert mpu.get_pipeline_parallel_group() is not None and len(mpu.get_pipeline_parallel_ranks()) == 2
+        # At model-parallel size 1 the stride was not checked, and get_master_weight() failed with torch's words.
+        for bad in (0, 2.5):
+            with pytest.raises(ValueError, match="stride must be a positive int") as info:
+                layers.ColumnParallelLinear(4, 8, stride=bad)
+            messages.append(str(info.value))
+        assert layers.ColumnParallelLinear(4, 8, stride=2).get_master_weight().shape == (8, 4)
+    finally:
+        mpu.destroy_model_parallel()
+    return messages
+
+
+def test_pipeline_length_and_stride_at_size_one_are_refused_clearly() -> None:
+    assert run_distributed(_pipeline_length_and_stride_at_size_one_body, 2, timeout=60)[0]
