@@ -354,15 +354,19 @@ class AdaScale(torch.optim.Optimizer):
             self._check_group_size()
             # The window length rides along, as n and n * n (exact in fp32): a rank with another
             # num_gradients_to_accumulate reaches this all-reduce at another backward, which paired statistics of
-            # different windows silently and left one all-reduce unmatched at the end (a hang).
-            payload = torch.cat([payload, payload.new_tensor([float(accum), float(accum * accum)])])
+            # different windows silently and left one all-reduce unmatched at the end (a hang). The scale rides along
+            # the same way: set_scale() on some ranks only trained them with other learning rates, silently.
+            scale = float(self._scale)
+            extra = [float(accum), float(accum * accum), scale, scale * scale]
+            payload = torch.cat([payload, payload.new_tensor(extra)])
             work = collectives.all_reduce(payload, op="sum", async_op=True)
         self._last_final_backward_call = calls
         self._local_grad_sqr = None
         if work is not None:
             work.wait()
-            self._check_same_window(payload[-2:].tolist())
-            payload = payload[:-2]
+            self._check_same_window(payload[-4:-2].tolist())
+            self._check_same_scale(payload[-2:].tolist())
+            payload = payload[:-4]
         if unmeasured:
             warnings.warn(_unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
         # The local squared norms stay fp32 through the accumulation correction, the reduced ones are fp32 per
@@ -384,6 +388,19 @@ class AdaScale(torch.optim.Optimizer):
                 f"AdaScale: world_size is {self._world_size} but the default process group has {size} rank(s) (1 "
                 "without torch.distributed); the statistics are all-reduced over the default group: pass "
                 "world_size=None (its size), or 1 for a rank on its own (with num_gradients_to_accumulate > 1)"
+            )
+
+    def _check_same_scale(self, sums: List[float]) -> None:
+        """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's scale is (to fp32's precision)
+        this one's: ``sums`` are the group's sums of the scale and its square, whose variance is 0 only when all agree.
+        """
+        size = collectives.group_size(None)
+        mean = sums[0] / size
+        if sums[1] / size - mean * mean > 1e-5 * mean * mean:
+            raise RanksDisagreeError(
+                f"AdaScale: the scale differs between ranks: this rank has {self._scale:g}, the mean over the {size} "
+                f"ranks is {mean:g}. Call set_scale() with the same value on every rank. This step's statistics were "
+                "not updated."
             )
 
     def _check_same_window(self, sums: List[float]) -> None:

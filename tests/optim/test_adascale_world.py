@@ -7,7 +7,7 @@ gains' roundings.
   silently (upstream: the same in a group of another size; without ``torch.distributed`` it failed at the first
   backward). The first window's end raises now, on every rank alike.
 * Ranks with another ``scale`` or smoothing trained with other learning rates, silently: the construction's
-  agreement check covers them.
+  agreement check covers them, and the scale rides in every window's all-reduce (``set_scale()`` on one rank).
 * The gains are upstream's to the last bit also where ``scale / (c * N)`` and ``c * N - 1`` are not exact in binary.
 """
 
@@ -48,7 +48,19 @@ def _world_body(rank: int, world_size: int) -> Dict[str, Any]:
         except RanksDisagreeError as e:
             seen[name] = str(e)
     # The same scale written as an int on one rank and a float on the other agrees.
-    AdaScale(SGD(nn.Linear(2, 1).parameters(), lr=0.1), scale=4 if rank else 4.0)
+    model = nn.Linear(2, 1)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1), scale=4 if rank else 4.0)
+    # set_scale() on one rank only, later: the scale rides in the window's all-reduce.
+    if rank == 1:
+        optim.set_scale(5.0)
+    try:
+        model(torch.ones(1, 2)).sum().backward()
+    except RanksDisagreeError as e:
+        seen["set_scale"] = str(e).replace("this rank has 5, ", "this rank has 4, ")
+    optim.zero_grad()
+    optim.set_scale(4.0)
+    model(torch.ones(1, 2)).sum().backward()  # agreeing again: the next window works
+    optim.step()
     return seen
 
 
@@ -58,6 +70,7 @@ def test_ranks_raise_alike_for_another_world_size_scale_or_smoothing() -> None:
     assert "world_size is 4 but the default process group has 2 rank(s)" in first["world_size"]
     assert "scale, smoothing" in first["scale"] and "entry 3: '2.0' vs '3.0'" in first["scale"]
     assert "entry 4: '0.5' vs '0.75'" in first["smoothing"]
+    assert "the scale differs between ranks: this rank has 4, the mean over the 2 ranks is 4.5" in first["set_scale"]
 
 
 def _gains(accum: int, scale: Any) -> List[str]:
