@@ -15,6 +15,7 @@ becomes an exception on all of them instead of a peer left waiting in its next c
 
 import contextlib
 import json
+import numbers
 from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "RanksDisagreeError",
     "check_ranks_agree",
     "check_gathered_agree",
+    "comparable_number",
     "gather_from_ranks",
     "check_world_agrees_through_store",
     "check_outcome_agrees",
@@ -115,6 +117,14 @@ def check_ranks_agree(
     with _on_device(device):
         gathered = collectives.all_gather_object(value, group)
     check_gathered_agree(what, gathered, group, hint)
+
+
+def comparable_number(value: Any) -> str:
+    """``value`` as ranks compare it in an agreement check: a real number by its float's ``repr`` (4 and 4.0 agree,
+    and NaN agrees with NaN, so that the value's own check raises its clearer error after the comparison), anything
+    else by its ``repr`` (``float()`` of a string raised on that rank alone, before the gather, and left the others
+    waiting in it)."""
+    return repr(float(value)) if isinstance(value, numbers.Real) else repr(value)
 
 
 def gather_from_ranks(

@@ -30,7 +30,6 @@ scaler skips), on every rank alike.
 
 import functools
 import math
-import numbers
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
@@ -40,9 +39,10 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree, first_device
+from fairscale.internal.agreement import check_ranks_agree, comparable_number, first_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.optim._adascale import correlation as _correlation
+from fairscale.optim._adascale import rank_checks
 from fairscale.optim._adascale import statistics
 from fairscale.optim._adascale.statistics import STATE_KEY
 
@@ -351,7 +351,7 @@ class AdaScale(torch.optim.Optimizer):
         if unmeasured or not np.isfinite(total).all():
             payload = torch.full_like(payload, math.nan)
         if self._world_size > 1:
-            self._check_group_size()
+            rank_checks.check_group_size(self._world_size)
             # The window length rides along, as n and n * n (exact in fp32): a rank with another
             # num_gradients_to_accumulate reaches this all-reduce at another backward, which paired statistics of
             # different windows silently and left one all-reduce unmatched at the end (a hang). The scale rides along
@@ -364,8 +364,8 @@ class AdaScale(torch.optim.Optimizer):
         self._local_grad_sqr = None
         if work is not None:
             work.wait()
-            self._check_same_window(payload[-4:-2].tolist())
-            self._check_same_scale(payload[-2:].tolist())
+            rank_checks.check_same_window(payload[-4:-2].tolist(), self._num_grads_to_accum)
+            rank_checks.check_same_scale(payload[-2:].tolist(), self._scale)
             payload = payload[:-4]
         if unmeasured:
             warnings.warn(_unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
@@ -373,49 +373,6 @@ class AdaScale(torch.optim.Optimizer):
         # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
         # reproduced to the last bit.
         self._update_statistics(payload.cpu().numpy(), total)
-
-    def _check_group_size(self) -> None:
-        """Raise unless the default group has ``world_size`` ranks: the statistics are all-reduced over it.
-
-        Upstream failed here without torch.distributed; in a group of another size (and in this fork without
-        torch.distributed, where the all-reduce is a no-op) the statistics were computed for workers that did not
-        exist, and the gain stayed 1 for good, silently. ``world_size`` agreed between the ranks at construction and
-        the group's size is the same on each, so every rank raises alike.
-        """
-        size = collectives.group_size(None)
-        if size != self._world_size:
-            raise FairscaleValueError(
-                f"AdaScale: world_size is {self._world_size} but the default process group has {size} rank(s) (1 "
-                "without torch.distributed); the statistics are all-reduced over the default group: pass "
-                "world_size=None (its size), or 1 for a rank on its own (with num_gradients_to_accumulate > 1)"
-            )
-
-    def _check_same_scale(self, sums: List[float]) -> None:
-        """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's scale is (to fp32's precision)
-        this one's: ``sums`` are the group's sums of the scale and its square, whose variance is 0 only when all agree.
-        """
-        size = collectives.group_size(None)
-        mean = sums[0] / size
-        if sums[1] / size - mean * mean > 1e-5 * mean * mean:
-            raise RanksDisagreeError(
-                f"AdaScale: the scale differs between ranks: this rank has {self._scale:g}, the mean over the {size} "
-                f"ranks is {mean:g}. Call set_scale() with the same value on every rank. This step's statistics were "
-                "not updated."
-            )
-
-    def _check_same_window(self, sums: List[float]) -> None:
-        """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's window length is this one's.
-
-        ``sums`` are the group's sums of n and n * n: both equal the group size times this rank's n, n * n only when
-        every rank has the same n (their variance is then 0), so no rank passes when any differs.
-        """
-        size, accum = collectives.group_size(None), self._num_grads_to_accum
-        if sums != [size * accum, size * accum * accum]:
-            raise RanksDisagreeError(
-                f"AdaScale: num_gradients_to_accumulate differs between ranks: this rank has {accum}, the mean over "
-                f"the {size} ranks is {sums[0] / size:g}. Call set_num_gradients_to_accumulate() with the same value "
-                "on every rank. This step's statistics were not updated."
-            )
 
     def _group_grad_sqr(self, params: List[Tensor]) -> float:
         """Sum of the squared norms of the (reduced, accumulated) gradients of one group's hooked parameters that
@@ -485,7 +442,13 @@ class AdaScale(torch.optim.Optimizer):
         if self._world_size > 1 and collectives.group_size(None) > 1:
             check_ranks_agree(
                 "AdaScale: (param groups, num_gradients_to_accumulate, world_size, scale, smoothing)",
-                (n_groups, self._num_grads_to_accum, self._world_size, _shared(scale), _shared(self._smoothing)),
+                (
+                    n_groups,
+                    self._num_grads_to_accum,
+                    self._world_size,
+                    comparable_number(scale),
+                    comparable_number(self._smoothing),
+                ),
                 hint="Build the optimizer from the same param groups and arguments on every rank.",
                 device=first_device(p for group in self._optimizer.param_groups for p in group["params"]),
             )
@@ -629,9 +592,3 @@ class AdaScaleWrapper(AdaScale):
             num_gradients_to_accumulate=num_gradients_to_accumulate,
             debias_ewma=debias_ewma,
         )
-
-
-def _shared(value: Any) -> str:
-    """``value`` as the ranks compare it: a real number by its float's repr (4 and 4.0 agree, NaN agrees with NaN,
-    so that the value's own check raises the clearer error after the comparison), anything else by its repr."""
-    return repr(float(value)) if isinstance(value, numbers.Real) else repr(value)

@@ -43,6 +43,11 @@ _PIPELINE_PARALLEL_GROUP: Optional[Any] = None
 _PIPELINE_PARALLEL_RANKS: Optional[List[int]] = None
 
 
+def _whole_number_at_least_one(value: Any) -> bool:
+    """An int, or an integral float (2.0, as upstream took for the model-parallel size), of at least 1."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() and value >= 1
+
+
 def _check_grid(world_size: int, model_parallel_size: int, pipeline_length: int) -> None:
     if model_parallel_size < 1 or pipeline_length < 1:
         raise ValueError(
@@ -96,7 +101,7 @@ def initialize_model_parallel(
         )
     world_size = torch.distributed.get_world_size()
     size = model_parallel_size_
-    valid = isinstance(size, (int, float)) and not isinstance(size, bool) and float(size).is_integer() and size >= 1
+    valid = _whole_number_at_least_one(size)
     # Clamped: 4 and 8 on two ranks are the same request.
     model_parallel_size = int(min(model_parallel_size_, world_size)) if valid else 0
     # Before any group exists, and before the rank-local checks below (a rank that raised alone would leave the
@@ -106,9 +111,7 @@ def initialize_model_parallel(
     # object gather: on an NCCL group that gather would run on the current CUDA device, and callers such as Llama's
     # reference code select their device only after this call (every rank would use cuda:0).
     stages = pipeline_length
-    stages_valid = (
-        isinstance(stages, (int, float)) and not isinstance(stages, bool) and float(stages).is_integer() and stages >= 1
-    )
+    stages_valid = _whole_number_at_least_one(stages)
     _check_ranks_agree(
         model_parallel_size if valid else repr(model_parallel_size_),
         int(stages) if stages_valid else repr(stages),

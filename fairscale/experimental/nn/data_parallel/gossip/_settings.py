@@ -21,18 +21,7 @@ from fairscale.internal.agreement import (
 )
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
-__all__ = ["as_shared_value", "check_construction_agrees", "check_counts", "check_real_numbers"]
-
-
-def as_shared_value(value: Any) -> Any:
-    """``value`` as it goes into the gathered settings: a float for a real number, else its ``repr``.
-
-    ``float()`` of a string raised on that rank alone, before the all-gather, and left the other ranks waiting in
-    it; the value is refused after the gather instead, on every rank (:func:`check_real_numbers`).
-    """
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return repr(value)
+__all__ = ["check_construction_agrees", "check_counts", "check_real_numbers"]
 
 
 def check_construction_agrees(

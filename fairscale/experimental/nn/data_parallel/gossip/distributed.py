@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.autograd import Variable
 
+from fairscale.internal.agreement import comparable_number
 from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
@@ -35,7 +36,7 @@ from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 from ._fp32_masters import fp16_fp32_pairs, subtract_before_communication
 from ._groups import build_groups
-from ._settings import as_shared_value, check_construction_agrees, check_counts, check_real_numbers
+from ._settings import check_construction_agrees, check_counts, check_real_numbers
 from ._sgp import SgpGossip
 from ._sgp_state_dict import add_sgp_entries, set_sgp_values, take_sgp_entries
 from ._slow_momentum import SlowMomentum
@@ -158,8 +159,8 @@ class SlowMoDistributedDataParallel(nn.Module):
                 ("world size", process_world_size),
                 ("nprocs_per_node", nprocs_per_node),
                 ("base algorithm", str(slowmo_base_algorithm)),
-                ("slowmo_lr", as_shared_value(slowmo_lr)),
-                ("slowmo_momentum", as_shared_value(slowmo_momentum)),
+                ("slowmo_lr", comparable_number(slowmo_lr)),
+                ("slowmo_momentum", comparable_number(slowmo_momentum)),
                 ("memory efficient", slowmo_memory_efficient),
                 ("slowmo_frequency", slowmo_frequency),
                 ("slowmo_num_shards", slowmo_num_shards),

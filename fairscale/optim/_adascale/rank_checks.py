@@ -1,0 +1,58 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What AdaScale's ranks must share at each window's end, checked from values that ride in the window's all-reduce.
+
+Every rank sees the same all-reduced sums, so every rank decides alike and raises the same error: no extra collective,
+and no rank left waiting.
+"""
+
+from typing import List
+
+from fairscale.internal import collectives
+from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.errors import FairscaleValueError
+
+__all__ = ["check_group_size", "check_same_scale", "check_same_window"]
+
+
+def check_group_size(world_size: int) -> None:
+    """Raise unless the default group has ``world_size`` ranks: the statistics are all-reduced over it.
+
+    Upstream failed here without torch.distributed; in a group of another size (and in this fork without
+    torch.distributed, where the all-reduce is a no-op) the statistics were computed for workers that did not exist,
+    and the gain stayed 1 for good, silently. ``world_size`` agreed between the ranks at construction and the group's
+    size is the same on each, so every rank raises alike.
+    """
+    size = collectives.group_size(None)
+    if size != world_size:
+        raise FairscaleValueError(
+            f"AdaScale: world_size is {world_size} but the default process group has {size} rank(s) (1 without "
+            "torch.distributed); the statistics are all-reduced over the default group: pass world_size=None (its "
+            "size), or 1 for a rank on its own (with num_gradients_to_accumulate > 1)"
+        )
+
+
+def check_same_window(sums: List[float], accum: int) -> None:
+    """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's window length is ``accum``.
+
+    ``sums`` are the group's sums of n and n * n: both equal the group size times this rank's n, n * n only when every
+    rank has the same n (their variance is then 0), so no rank passes when any differs.
+    """
+    size = collectives.group_size(None)
+    if sums != [size * accum, size * accum * accum]:
+        raise RanksDisagreeError(
+            f"AdaScale: num_gradients_to_accumulate differs between ranks: this rank has {accum}, the mean over the "
+            f"{size} ranks is {sums[0] / size:g}. Call set_num_gradients_to_accumulate() with the same value on every "
+            "rank. This step's statistics were not updated."
+        )
+
+
+def check_same_scale(sums: List[float], scale: float) -> None:
+    """Raise the same :class:`RanksDisagreeError` on every rank unless every rank's scale is (to fp32's precision)
+    ``scale``: ``sums`` are the group's sums of the scale and its square, whose variance is 0 only when all agree."""
+    size = collectives.group_size(None)
+    mean = sums[0] / size
+    if sums[1] / size - mean * mean > 1e-5 * mean * mean:
+        raise RanksDisagreeError(
+            f"AdaScale: the scale differs between ranks: this rank has {scale:g}, the mean over the {size} ranks is "
+            f"{mean:g}. Call set_scale() with the same value on every rank. This step's statistics were not updated."
+        )
