@@ -178,7 +178,7 @@ def test_black_formatting():
 
 
 # pyproject's strict settings hold for the FSDP benchmark's package too: in the same run it costs about a second.
-MYPY_TARGETS = ("fairscale", os.path.join("benchmarks", "_fsdp_bench"))
+MYPY_TARGETS = ("fairscale", os.path.join("benchmarks", "_fsdp_bench"), os.path.join("benchmarks", "unit_profile.py"))
 
 
 @pytest.mark.skipif(_missing("mypy"), reason="mypy not installed for this interpreter")

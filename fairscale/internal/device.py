@@ -299,6 +299,12 @@ class DeviceHandle:
         if self._module is not None and hasattr(self._module, "reset_peak_memory_stats"):
             self._mod.reset_peak_memory_stats(self.device)
 
+    def name(self) -> str:
+        """The device's model name (e.g. ``"NVIDIA H200"``), or its type (``"cpu"``) where the backend has none."""
+        if self._module is not None and hasattr(self._module, "get_device_name"):
+            return str(self._mod.get_device_name(self.device))
+        return self.device.type
+
     def __repr__(self) -> str:
         return f"DeviceHandle({self.device})"
 

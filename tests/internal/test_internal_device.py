@@ -42,6 +42,7 @@ def test_cpu_handle_is_inert_and_cached() -> None:
     assert torch.equal(t, torch.full((3,), 2.0))
     assert handle.memory_allocated() == 0 and handle.max_memory_allocated() == 0
     handle.reset_peak_memory_stats()
+    assert handle.name() == "cpu"
 
 
 @no_accelerator
@@ -120,6 +121,7 @@ def _streams_order_work(rank: int, world_size: int) -> None:
     assert handle.memory_allocated() > 0 and handle.max_memory_allocated() >= handle.memory_allocated()
     pinned = handle.pin_memory(torch.ones(4))
     assert pinned.is_pinned()
+    assert handle.name() == torch.cuda.get_device_name(device) and handle.name() != "cuda"  # the model, for reports
 
 
 def test_accelerator_streams_order_work() -> None:
