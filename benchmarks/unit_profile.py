@@ -10,22 +10,23 @@ One process, the main job's GPT (``--layers --hidden ...``, one unit per block p
 * ``prefetch``: a training step of one microbatch of ``--batch`` sequences, ``reshard_after_forward=True`` (every
   all-gather and hook runs), fairscale with ``forward_prefetch``/``backward_prefetch`` both off and both on, and FSDP2;
 * ``bitwise``: a real 1-rank group (NCCL on CUDA, gloo on CPU): the gradients after one window with the flag off and
-  on, compared bit for bit, and the concatenations each window's backward runs.
+  on, compared bit for bit under deterministic kernels (math attention; a second flag-off run is the control), and
+  the concatenations each window's backward runs.
 
 The first two run on a group of torch's "fake" backend at ``--world-size`` ranks: every sharded code path runs (the
 gathers and reduce-scatters are issued, nothing is communicated), so a figure is what the wrapper itself costs and no
-other rank's timing enters it; one GPU is enough. The numbers are meaningless as values (the gathered shards of the
-other ranks are uninitialised memory): only costs are measured there. Per variant: median window/step wall time
-(device synchronized), CPU time (the process's and this thread's), CUDA kernel launches, memcpy/memset calls and
-device kernels per window/step (torch profiler, one extra step), ``aten::cat`` ops, and the peak of the device's
-caching allocator over the timed steps (CPU: not measured). "Per unit" divides by the FSDP instances and, for the
-window, by its microbatches.
+other rank's timing enters it; one GPU is enough. The numbers computed there mean nothing (no other rank's shard is
+real): only costs are measured. Per variant: median window/step wall time (device synchronized), CPU time to issue it
+(the process's and this thread's, up to the final synchronize, whose wait spins on a core), CUDA kernel launches,
+memcpy/memset calls and device kernels per window/step (torch profiler, one extra step), ``aten::cat`` ops, and the
+peak of the device's caching allocator over the timed steps (CPU: not measured). "Per unit" divides by the FSDP
+instances and, for the window, by its microbatches.
 
     python benchmarks/unit_profile.py                   # CPU, a small model (~20 s on 2 cores)
     python benchmarks/unit_profile.py --device cuda --layers 8 --hidden 1024 --heads 16 --seq-len 512 \\
         --vocab 32000 --mixed-precision bf16            # what .ci/cuda-checks runs
 
-docs/benchmarks.rst ("Kernel launches and CPU time per unit") has a run on an H200.
+docs/benchmarks.rst ("On one GPU: NVIDIA H200 (issue 31)") has a run.
 """
 
 import argparse
@@ -38,9 +39,12 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Deterministic cuBLAS (the bitwise part) needs a fixed workspace, set before cuBLAS starts; 8 x 4 MiB is about the
+# default's size, so the timed parts are not affected.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -144,10 +148,12 @@ def measure(variant: Variant, cfg: BenchConfig, device: torch.device, steps: int
     for step in range(steps):
         c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
         _window(peer, cfg, spec, batch, warmup + step, device)
-        handle.synchronize()
-        wall.append(time.perf_counter() - w0)
+        # CPU time up to here: what the host spent issuing the window. The synchronize below spins on a CPU core
+        # while the GPU finishes (the first H200 run counted it: CPU time equal to wall time).
         cpu.append(time.process_time() - c0)
         own.append(time.thread_time() - t0)
+        handle.synchronize()
+        wall.append(time.perf_counter() - w0)
         peer.model.zero_grad(set_to_none=True)
     peak = handle.max_memory_allocated() - base if on_device else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -176,28 +182,55 @@ def measure(variant: Variant, cfg: BenchConfig, device: torch.device, steps: int
     }
 
 
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic kernels, and the math attention kernel: the fused attention backwards of CUDA accumulate with
+    atomics, so two runs of the *same* configuration can differ in their last bits."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError:  # torch < 2.3: the default selection (deterministic mode still applies)
+            math_only: ContextManager[Any] = contextlib.nullcontext()
+        else:
+            math_only = sdpa_kernel(SDPBackend.MATH)
+        with math_only:
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _window_gradients(cfg: BenchConfig, device: torch.device, obc: bool) -> Tuple[List[torch.Tensor], int]:
+    """The gradients after the second window of a fresh model, and the concatenations that window ran."""
+    spec = RunSpec("accum", "fairscale", False, cfg.accum_microbatches, obc)
+    peer = build_peer(spec, cfg, device)
+    _window(peer, cfg, spec, cfg.accum_batch, 0, device)  # the first window: lazy init and its checks
+    peer.model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _window(peer, cfg, spec, cfg.accum_batch, 1, device)
+    grads = [p.grad.detach().clone() for p in peer.model.parameters() if p.grad is not None]
+    return grads, _profile_counts(prof)["cat_ops"]
+
+
+def _same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+    return len(a) == len(b) > 0 and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
 def bitwise(cfg: BenchConfig, device: torch.device) -> Dict[str, Any]:
-    """Gradients after one window, flag off vs on, on a real 1-rank group (the default group at this point)."""
-    grads: Dict[bool, List[torch.Tensor]] = {}
-    cats: Dict[bool, int] = {}
-    for obc in (False, True):
-        spec = RunSpec("accum", "fairscale", False, cfg.accum_microbatches, obc)
-        peer = build_peer(spec, cfg, device)
-        _window(peer, cfg, spec, cfg.accum_batch, 0, device)  # the first window: lazy init and its checks
-        peer.model.zero_grad(set_to_none=True)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _window(peer, cfg, spec, cfg.accum_batch, 1, device)
-        cats[obc] = _profile_counts(prof)["cat_ops"]
-        grads[obc] = [p.grad.detach().clone() for p in peer.model.parameters() if p.grad is not None]
-        del peer
-    equal = len(grads[False]) == len(grads[True]) > 0 and all(
-        a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(grads[False], grads[True])
-    )
+    """Gradients after one window, flag off vs on, on a real 1-rank group (the default group at this point), with
+    deterministic kernels; a second flag-off run is the control (it must equal the first for the check to mean
+    anything)."""
+    with _deterministic():
+        off, cat_off = _window_gradients(cfg, device, False)
+        control, _ = _window_gradients(cfg, device, False)
+        on, cat_on = _window_gradients(cfg, device, True)
     return {
-        "gradients": len(grads[False]),
-        "bitwise_equal": equal,
-        "cat_ops_off": cats[False],
-        "cat_ops_on": cats[True],
+        "gradients": len(off),
+        "control_equal": _same(off, control),
+        "bitwise_equal": _same(off, on),
+        "cat_ops_off": cat_off,
+        "cat_ops_on": cat_on,
     }
 
 
@@ -236,7 +269,7 @@ def run(cfg: BenchConfig, steps: int, warmup: int) -> Dict[str, Any]:
         dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as tmp:
         _init_single(device, os.path.join(tmp, "rendezvous"))
-        exact: Dict[str, Any] = {"gradients": 0, "bitwise_equal": False, "cat_ops_off": -1, "cat_ops_on": -1}
+        exact: Dict[str, Any] = {"gradients": 0, "control_equal": False, "bitwise_equal": False}
         try:
             exact = bitwise(cfg, device)
         except Exception as e:
@@ -279,8 +312,9 @@ def text(doc: Dict[str, Any]) -> str:
         lines.append(f"FAILED {key}: {error}")
     b = doc["bitwise"]
     lines.append(
-        f"1-rank window, obc off vs on: {b['gradients']} gradients bitwise equal: {b['bitwise_equal']}; "
-        f"cat ops in the window {b['cat_ops_off']} (off) vs {b['cat_ops_on']} (on)"
+        f"1-rank window, deterministic kernels: off vs off (control) bitwise equal: {b['control_equal']}; "
+        f"obc off vs on: {b['gradients']} gradients bitwise equal: {b['bitwise_equal']}; "
+        f"cat ops in the window {b.get('cat_ops_off')} (off) vs {b.get('cat_ops_on')} (on)"
     )
     return "\n".join(lines)
 
@@ -334,7 +368,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if out:
         with open(out, "w") as f:
             json.dump(doc, f, indent=1)
-    return 0 if doc["bitwise"]["bitwise_equal"] and not doc["errors"] else 1
+    ok = doc["bitwise"]["bitwise_equal"] and doc["bitwise"]["control_equal"] and not doc["errors"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

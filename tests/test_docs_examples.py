@@ -41,6 +41,7 @@ KINDS: Dict[str, List[str]] = {
     "docs/api.rst": [],
     "docs/architecture.rst": ["text", "text"],
     "docs/benchmarks.rst": ["shell", "shell", "text", "shell", "text", "text"]
+    + ["text", "text"]  # issue 31: the H200 run's train table and its unit profile
     # issue 28: latency run, instructions, train, the async reduce-scatter runs, the forward-prefetch runs, the
     # full run's targets and the phase timing of the plain step, accum, targets, accum after
     + ["shell", "text", "text", "text", "text", "text", "text", "text", "text", "text", "text"]

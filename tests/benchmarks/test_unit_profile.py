@@ -41,6 +41,6 @@ def test_unit_profile_runs_and_reports(tmp_path: Path) -> None:
         assert row["kernel_launches"] == 0 and row["peak_bytes"] is None  # CPU: no launches, no device allocator
         assert row["microbatches"] == (3 if row["part"] == "obc" else 1)
     exact = doc["bitwise"]
-    assert exact["bitwise_equal"] and exact["gradients"] > 0
+    assert exact["bitwise_equal"] and exact["control_equal"] and exact["gradients"] > 0
     assert exact["cat_ops_off"] == 3 and exact["cat_ops_on"] == 0  # one per flat parameter without the flag
     assert "obc on" in proc.stdout and "bitwise equal: True" in proc.stdout

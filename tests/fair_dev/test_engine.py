@@ -8,7 +8,7 @@ that each test runs the same under fork (CPU worlds) and spawn (CUDA worlds, ``F
 import functools
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -350,19 +350,22 @@ def test_spawn_needs_picklable_body(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_start_method_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA worlds always spawn; CPU worlds fork unless this process initialised CUDA; the variable forces."""
+    """CUDA worlds always spawn; CPU worlds fork where no CUDA device is visible, else use the fork server (a forked
+    child's backward fails there once this process ran one); the variable forces."""
     monkeypatch.delenv(START_METHOD_ENV, raising=False)
     initialised, devices = [False], [0]
     monkeypatch.setattr(engine, "accelerator_initialized", lambda: initialised[0])
     monkeypatch.setattr(engine, "_cuda_device_count", lambda: devices[0])
     # A machine without GPUs: CPU worlds and run_ranks bodies fork; a CUDA world (skipped there) would spawn.
     assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["fork", "fork", "spawn"]
-    # A GPU machine whose test process never used CUDA: only what may use the GPU spawns.
+    # A GPU machine whose test process never used CUDA: what may use the GPU spawns, CPU worlds use the fork server.
     devices[0] = 1
-    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["fork", "spawn", "spawn"]
-    # The test process initialised CUDA: nothing forks any more.
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["forkserver", "spawn", "spawn"]
+    # The test process initialised CUDA: nothing forks from it any more.
     initialised[0] = True
-    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["spawn"] * 3
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["forkserver", "spawn", "spawn"]
+    devices[0] = 0  # (CUDA initialised with no device left visible: the same rule)
+    assert [engine._start_method(kind) for kind in ("cpu", None, "cuda")] == ["forkserver", "spawn", "spawn"]
     # Forced: spawn and forkserver everywhere, fork for CPU worlds only (a forked CUDA rank could not work).
     for forced in ("spawn", "forkserver"):
         monkeypatch.setenv(START_METHOD_ENV, forced)
@@ -378,10 +381,11 @@ def test_start_method_follows_the_real_device_state(monkeypatch: pytest.MonkeyPa
         assert not torch.cuda.is_initialized(), "something in this pytest process initialised CUDA"
     else:
         monkeypatch.setattr(engine, "accelerator_initialized", lambda: False)
-    assert engine._start_method("cpu") == "fork" and engine._start_method("cuda") == "spawn"
+    cpu_world = "forkserver" if torch.cuda.device_count() > 0 else "fork"  # next to a GPU: the fork server
+    assert engine._start_method("cpu") == cpu_world and engine._start_method("cuda") == "spawn"
     with monkeypatch.context() as patch:  # undone before the suite's own check that no test initialised CUDA
         patch.setattr(torch.cuda, "is_initialized", lambda: True)  # what the device layer reads
-        assert engine._start_method("cpu") == "spawn"
+        assert engine._start_method("cpu") == "forkserver"
 
 
 def _cpu_only_flag(rank: int, world_size: int) -> Dict[str, Any]:
@@ -550,3 +554,33 @@ def test_forked_ranks_do_not_inherit_model_parallel_groups(tmp_path: Any) -> Non
         assert run_distributed(_initialize_model_parallel_in_rank, 2) == [1, 1]
     finally:
         destroy_model_parallel()
+
+
+def _backward_in_rank(rank: int, world_size: int) -> float:
+    w = torch.ones(3, requires_grad=True)
+    (w * (rank + 1)).sum().backward()
+    assert w.grad is not None
+    return float(w.grad.sum())
+
+
+def test_forkserver_world_runs_autograd_after_this_process_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start method of CPU worlds next to a GPU: ranks forked by the (torch-preloaded) fork server run autograd
+    although this process already did (which, with a CUDA device present, makes plain forked children refuse it)."""
+    w = torch.ones(2, requires_grad=True)
+    w.sum().backward()  # this process's autograd engine is started
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    assert engine._start_method("cpu") == "forkserver"
+    assert run_distributed(_backward_in_rank, 2) == [3.0, 6.0]
+
+
+def _probe_env(rank: int, world_size: int) -> Optional[str]:
+    return os.environ.get("FAIRSCALE_TEST_ENGINE_PROBE")
+
+
+def test_forkserver_ranks_see_the_current_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server keeps the environment it started with; ranks get the test process's as it is now."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    monkeypatch.delenv("FAIRSCALE_TEST_ENGINE_PROBE", raising=False)
+    assert run_distributed(_probe_env, 2) == [None, None]  # the server is up now
+    monkeypatch.setenv("FAIRSCALE_TEST_ENGINE_PROBE", "set later")
+    assert run_distributed(_probe_env, 2) == ["set later"] * 2

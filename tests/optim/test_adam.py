@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from fairscale.internal.device import device_generic_amp_scaler
+from fairscale.internal.device import accelerator_available, device_generic_amp_scaler
 from fairscale.optim import Adam, GradScaler, Precision
 
 SHAPES = [(3, 4), (5,)]
@@ -362,7 +362,7 @@ def test_loaded_moments_get_the_parameters_layout() -> None:
         assert optim.state[p][key].stride() == p.stride() and torch.equal(optim.state[p][key], want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not accelerator_available(), reason="needs CUDA")  # FAIRSCALE_CPU_ONLY keeps the suite off it
 @pytest.mark.parametrize(
     "dtype,precision,atol",
     [

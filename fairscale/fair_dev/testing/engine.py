@@ -20,9 +20,11 @@ How a world is started and ended:
   before any rank starts, so a closure fails on CPU too, with a message that says what to change.
 * How ranks start: a CUDA world always **spawns** them (a fresh interpreter per rank, about 2 s):
   a forked child cannot use CUDA once its parent has touched it, and on a GPU machine even
-  ``torch.cuda.is_available()`` marks the parent so. A CPU world **forks** (tens of milliseconds)
-  unless this process has initialised CUDA, in which case it spawns too. :func:`run_ranks`, whose
-  body may set up NCCL itself, spawns whenever a CUDA device is visible.
+  ``torch.cuda.is_available()`` marks the parent so. A CPU world **forks** (tens of milliseconds) on a
+  machine without CUDA devices; with one, its ranks come from a **fork server** (a fresh process with
+  torch preloaded), because after any backward in this process torch refuses autograd in forked
+  children there. :func:`run_ranks`, whose body may set up NCCL itself, spawns whenever a CUDA device
+  is visible.
   ``FAIRSCALE_TEST_START_METHOD=spawn`` (or ``forkserver``) forces a method for every world; ``fork``
   forces it for CPU worlds only. Running the suite with ``spawn`` on CPU is how CI proves, without a
   GPU, that every test body can start on a GPU machine.
@@ -267,8 +269,16 @@ def _start_method(device_type: Optional[str]) -> str:
         return "fork"
     if forced:
         return forced
-    # CPU ranks never use CUDA, but a forked copy of a process holding a CUDA context is not safe to run either.
-    return "spawn" if accelerator_initialized() else "fork"
+    # CPU ranks never use CUDA, but a forked copy of a process holding a CUDA context is not safe to run either. And
+    # on a machine with a CUDA device, the first backward of this process (on CPU tensors too) starts autograd's
+    # per-device threads, after which torch refuses every backward in a forked child ("Unable to handle autograd's
+    # threading in combination with fork-based multiprocessing": the whole suite next to an H200 failed so). Ranks
+    # then come from a fork server, a fresh process that never ran autograd (fork-fast, with torch preloaded).
+    return CPU_WORLD_METHOD_NEXT_TO_GPU if accelerator_initialized() or _cuda_device_count() > 0 else "fork"
+
+
+#: How a CPU world's ranks start on a machine with a CUDA device (see :func:`_start_method`).
+CPU_WORLD_METHOD_NEXT_TO_GPU = "forkserver"
 
 
 def _cuda_device_count() -> int:
@@ -314,6 +324,12 @@ def _run_world(
     method = _start_method(device_type)
     payload = _pickled_body(body, method)
     ctx: Any = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # Loaded once in the server, inherited by every rank it forks: a rank starts in milliseconds, not seconds.
+        ctx.set_forkserver_preload(["torch", "fairscale.fair_dev.testing.engine_rank"])
+    # A forked or spawned rank starts with this process's environment as it is now; one from the fork server would
+    # start with the server's, from when it was started (a test's monkeypatch.setenv would not reach it).
+    environ = dict(os.environ) if method == "forkserver" else None
     deadline = time.monotonic() + timeout
     ranks: List[_RankProcess] = []
     try:
@@ -322,7 +338,7 @@ def _run_world(
             stack_path = os.path.join(directory, f"stack_rank{rank}.txt")
             process = ctx.Process(
                 target=rank_main,
-                args=(rank, writer, body if payload is None else payload, os.getpid(), stack_path, method),
+                args=(rank, writer, body if payload is None else payload, os.getpid(), stack_path, method, environ),
                 name=f"fairscale-test-rank{rank}",
             )
             _start(process, method)

@@ -241,13 +241,23 @@ def _forget_inherited_model_parallel() -> None:
 
 
 def rank_main(
-    rank: int, conn: Any, body: Union[Callable[[int], Any], bytes], parent_pid: int, stack_path: str, method: str
+    rank: int,
+    conn: Any,
+    body: Union[Callable[[int], Any], bytes],
+    parent_pid: int,
+    stack_path: str,
+    method: str,
+    environ: Optional[Dict[str, str]] = None,
 ) -> None:
     """Entry point of every rank process: prepare the process, run ``body``, send one report.
 
     ``body`` comes pickled (bytes) to spawned ranks: each rank then unpickles a private copy of the arguments, as a
-    forked rank has, instead of tensors in memory shared with its peers and the test process.
+    forked rank has, instead of tensors in memory shared with its peers and the test process. ``environ`` is the test
+    process's environment when the rank comes from the fork server (which has its own, from when it started).
     """
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     _die_with_parent(parent_pid, method)
     # Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

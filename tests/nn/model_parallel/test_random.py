@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal import collectives
+from fairscale.internal.device import rng_device, rng_get_state, rng_set_state
 from fairscale.nn.model_parallel import initialize as mpu
 from fairscale.nn.model_parallel import random
 from fairscale.nn.model_parallel.random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
@@ -23,46 +24,50 @@ from fairscale.nn.model_parallel.random import checkpoint, get_cuda_rng_tracker,
 
 @contextlib.contextmanager
 def _fresh_rng() -> Iterator[None]:
-    """Leave the process's generator and the tracker as they were (these tests run in the pytest process)."""
-    state = torch.get_rng_state()
+    """Leave the process's generators and the tracker as they were (these tests run in the pytest process)."""
+    state, device_state = torch.get_rng_state(), rng_get_state()
     tracker_states = get_cuda_rng_tracker().get_states()
     try:
         yield
     finally:
         torch.set_rng_state(state)
+        rng_set_state(device_state)
         get_cuda_rng_tracker().reset()
         get_cuda_rng_tracker().set_states(tracker_states)
 
 
 def test_set_cuda_rng_state() -> None:
+    # The tracker's generator is the accelerator's where there is one (.ci/cuda-checks runs this next to a GPU with
+    # FAIRSCALE_CPU_ONLY=0), else the CPU's: draw where it draws.
+    device = rng_device()
     with _fresh_rng():
         saved = random._get_rng_state()
         saved_copy = saved.clone()
-        first = [torch.randn(123) for _ in range(5)]
+        first = [torch.randn(123, device=device) for _ in range(5)]
         assert not torch.equal(random._get_rng_state(), saved)
         for _ in range(2):
             random._set_cuda_rng_state(saved)
-            again = [torch.randn(123) for _ in range(5)]
+            again = [torch.randn(123, device=device) for _ in range(5)]
             assert all(torch.equal(a, b) for a, b in zip(first, again))
         assert torch.equal(saved, saved_copy)  # the caller's state is not modified
 
 
 def test_cuda_rng_tracker() -> None:
-    seed_1, seed_2, size = 1234, 4321, (12, 21)
+    seed_1, seed_2, size, device = 1234, 4321, (12, 21), rng_device()
     with _fresh_rng():
         torch.manual_seed(seed_1)
-        stream_1 = [torch.randn(size) for _ in range(3)]
+        stream_1 = [torch.randn(size, device=device) for _ in range(3)]
         torch.manual_seed(seed_2)
-        stream_2 = [torch.randn(size) for _ in range(3)]
+        stream_2 = [torch.randn(size, device=device) for _ in range(3)]
         torch.manual_seed(seed_1)
         tracker = get_cuda_rng_tracker()
         tracker.reset()
         tracker.add("test", seed_2)
         interleaved_1, interleaved_2 = [], []
         for _ in range(3):
-            interleaved_1.append(torch.randn(size))
+            interleaved_1.append(torch.randn(size, device=device))
             with tracker.fork("test"):
-                interleaved_2.append(torch.randn(size))
+                interleaved_2.append(torch.randn(size, device=device))
         assert all(torch.equal(a, b) for a, b in zip(stream_1, interleaved_1))
         assert all(torch.equal(a, b) for a, b in zip(stream_2, interleaved_2))
         assert not torch.equal(stream_1[0], stream_2[0])

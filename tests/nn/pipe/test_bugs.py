@@ -84,7 +84,9 @@ def test_tuple_wait():
     b = torch.rand(1024, 3, 32, 32, requires_grad=True)
     y = model((a, b))
     y.norm().backward()
-    assert torch.isclose(b.grad.norm(), torch.tensor(5.000))
+    # 5 = |d(a + 5b)/db| under the norm; the CPU and the GPU sum the 3M squares in different orders (4.9999 on an
+    # H200 run): a tolerance reordered fp32 sums allow.
+    torch.testing.assert_close(b.grad.norm(), torch.tensor(5.0), rtol=1e-4, atol=0.0)
 
 
 def test_parallel_randoms():
