@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from _fsdp_bench.config import BenchConfig  # noqa: E402
+from _fsdp_bench.config import BenchConfig, validate  # noqa: E402
 from _fsdp_bench.model import lm_loss  # noqa: E402
 from _fsdp_bench.peers import Peer, RunSpec, build_peer, skip_reason  # noqa: E402
 from fairscale.internal.device import DeviceHandle  # noqa: E402
@@ -356,6 +356,9 @@ def parse(argv: Optional[Sequence[str]]) -> Tuple[BenchConfig, int, int, str]:
         out=a.out or None,
         plot=None,
     )
+    problems = validate(cfg)  # the main job's checks (sizes, heads dividing hidden, ...)
+    if problems:
+        p.error("; ".join(problems))
     return cfg, a.steps, a.warmup, a.out
 
 

@@ -44,3 +44,15 @@ def test_unit_profile_runs_and_reports(tmp_path: Path) -> None:
     assert exact["bitwise_equal"] and exact["control_equal"] and exact["gradients"] > 0
     assert exact["cat_ops_off"] == 3 and exact["cat_ops_on"] == 0  # one per flat parameter without the flag
     assert "obc on" in proc.stdout and "bitwise equal: True" in proc.stdout
+
+
+def test_unit_profile_refuses_bad_options() -> None:
+    script = str(ROOT / "benchmarks" / "unit_profile.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for bad, says in (
+        (["--heads", "3"], "--heads (3) must divide --hidden (128)"),
+        (["--world-size", "1"], "--world-size must be >= 2"),
+        (["--steps", "0"], "--steps and --warmup must be >= 1"),
+    ):
+        proc = subprocess.run([sys.executable, script, *bad], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr, (bad, proc.stderr)
