@@ -365,8 +365,9 @@ _CPU_NOMINAL_CYCLES_PER_MS = 1_000_000.0
 
 @functools.lru_cache(maxsize=None)
 def get_cycles_per_ms() -> float:
-    """GPU cycles per millisecond for ``torch.cuda._sleep``; a nominal ``1e6`` without CUDA."""
-    if not torch.cuda.is_available():
+    """GPU cycles per millisecond for ``torch.cuda._sleep``; a nominal ``1e6`` without CUDA (or under
+    ``FAIRSCALE_CPU_ONLY``, which the test suite's own process sets: measuring would create a CUDA context there)."""
+    if not accelerator_available():
         return _CPU_NOMINAL_CYCLES_PER_MS
     cycles = 1_000_000
     rates = []
