@@ -277,8 +277,9 @@ def _start_method(device_type: Optional[str]) -> str:
     return CPU_WORLD_METHOD_NEXT_TO_GPU if accelerator_initialized() or _cuda_device_count() > 0 else "fork"
 
 
-#: How a CPU world's ranks start on a machine with a CUDA device (see :func:`_start_method`).
-CPU_WORLD_METHOD_NEXT_TO_GPU = "forkserver"
+#: How a CPU world's ranks start on a machine with a CUDA device (see :func:`_start_method`); spawn where the
+#: platform has no fork server.
+CPU_WORLD_METHOD_NEXT_TO_GPU = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _cuda_device_count() -> int:
