@@ -79,6 +79,20 @@ def _no_cuda_context_in_the_pytest_process(request: pytest.FixtureRequest) -> It
         )
 
 
+@pytest.fixture
+def torch_sees_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test that runs torch's own machinery in this process: hide the GPU from torch.
+
+    FAIRSCALE_CPU_ONLY reaches fairscale's device layer, not torch: the compiler, for one, saves the CUDA generator's
+    state and asks for the accelerator's current stream whenever a GPU is visible, which creates a CUDA context here.
+    Both of torch's answers are hidden (``torch.cuda`` and, where it exists, ``torch.accelerator``).
+    """
+    if _PARENT_OFF_GPU:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "is_available"):
+            monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+
+
 # torch's own gaps, not fairscale's: torch 2.1 has no fp16 matrix multiply on the CPU, and torch 2.1 and 2.2 no fp16
 # layer norm there. A test whose every failure is one of this torch's missing kernels (an fp16 case of a parity
 # matrix, an fp16 model on the CPU) is reported as skipped; a test that also fails otherwise stays failed, and on a

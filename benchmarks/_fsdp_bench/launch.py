@@ -39,6 +39,8 @@ def threads_per_rank(cfg: BenchConfig, world_size: int) -> int:
 
 def _device(cfg: BenchConfig, local_rank: int) -> torch.device:
     if cfg.device == "cpu":
+        # fairscale's device layer would otherwise see the machine's GPUs (default devices, pinned memory).
+        os.environ["FAIRSCALE_CPU_ONLY"] = "1"
         return torch.device("cpu")
     if not hasattr(torch, "accelerator") or not torch.accelerator.is_available():
         raise RuntimeError("--device cuda was asked for but no CUDA device is available; run with --device cpu")

@@ -185,7 +185,8 @@ def test_a_user_profiler_during_monitoring_warns_and_measuring_goes_on() -> None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model(torch.randn(32, 64)).sum().backward()
-        with torch.profiler.profile(profile_memory=True):
+        # CPU only: by default a profiler on a GPU machine also traces CUDA, and its exit creates a CUDA context here.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
             model(torch.randn(32, 64)).sum().backward()
     with pytest.warns(UserWarning, match="another profiler"):
         model(torch.randn(32, 64)).sum().backward()

@@ -100,7 +100,7 @@ def _compiler_traces_weights_that_are_views() -> bool:
     return flat.grad is not None
 
 
-def test_blocks_compiled_before_wrapping_train_and_evaluate() -> None:
+def test_blocks_compiled_before_wrapping_train_and_evaluate(torch_sees_no_gpu: None) -> None:
     if not _compiler_traces_weights_that_are_views():
         pytest.skip(f"torch {torch.__version__}'s compiler cannot trace modules whose weights are views of a tensor")
     run_distributed(_compiled_blocks_body, 2, timeout=TIMEOUT)

@@ -40,7 +40,7 @@ def _pipe(seq: nn.Sequential) -> Pipe:
     return Pipe(seq, balance=[2, 1], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
 
 
-def test_compiling_the_whole_pipe_trains_as_without() -> None:
+def test_compiling_the_whole_pipe_trains_as_without(torch_sees_no_gpu: None) -> None:
     plain = _pipe(_sequential())
     expected = _train(plain, list(plain.parameters()))
     torch._dynamo.reset()
@@ -55,7 +55,7 @@ def test_compiling_the_whole_pipe_trains_as_without() -> None:
         assert torch.equal(a, b)
 
 
-def test_deferred_batch_norm_inside_a_compiled_layer() -> None:
+def test_deferred_batch_norm_inside_a_compiled_layer(torch_sees_no_gpu: None) -> None:
     seq = _sequential()
     seq[1] = torch.compile(seq[1], backend="aot_eager")
     with pytest.raises(ValueError, match="was compiled \\(torch.compile\\) before its batch norms were made deferred"):
