@@ -7,7 +7,7 @@ largest ``OffloadModel`` that trains in a fixed device-memory budget.
   (defaults: the benchmark GPT's hidden size 256 and a 32k vocabulary; try ``--vocab 262144``). Reports the peak
   bytes allocated above the inputs for both, the logits' size, and ``extra / logits`` where ``extra`` is the peak
   minus the weight gradient (which both allocate). Target: MEVO's ratio at most 0.25. On CUDA the allocator's peak
-  is used; on the CPU the profiler's memory events (the peak of their running sum).
+  is used; on the CPU the profiler's allocation events (the peak of their running sum, in time order).
 * ``offload`` (CUDA only): for growing depths of a stack of ``Linear(width, width)`` layers, whether one SGD step
   fits in ``--budget-mib`` of device memory without offload and with ``OffloadModel`` (``--slices`` slices,
   activation checkpointing); reports the largest depth of each.
@@ -19,11 +19,12 @@ import argparse
 import itertools
 import json
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._C._profiler import _EventType
 
 from fairscale.experimental.nn import MEVO, OffloadModel
 from fairscale.internal.device import DeviceHandle, accelerator_available, current_accelerator_device
@@ -39,14 +40,27 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
         fn()
         handle.synchronize()
         return handle.max_memory_allocated() - base
-    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=True) as prof:
+    return _cpu_peak_bytes(fn)
+
+
+def _cpu_peak_bytes(fn: Callable[[], None]) -> int:
+    """The peak of the running sum of the CPU allocator's allocations and frees (negative sizes), in time order.
+
+    Each allocation is a profiler event of its own; summing the ops' ``self_cpu_memory_usage`` in the ops' start
+    order instead counted a free at the start of the op that did it, before the allocations of that op's children
+    (an autograd Function's backward freeing its temporary): it missed MEVO's two weight-sized temporaries.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    deltas = [
-        int(e.self_cpu_memory_usage)
-        for e in sorted(prof.function_events, key=lambda e: e.time_range.start)
-        if e.self_cpu_memory_usage
-    ]
-    return max(itertools.accumulate(deltas), default=0)
+    events: List[Tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    events.sort()
+    return max(itertools.accumulate(size for _, size in events), default=0)
 
 
 def bench_mevo(tokens: int, hidden: int, vocab: int, tile_factor: int, device: torch.device) -> Dict[str, float]:

@@ -263,12 +263,34 @@ def _check_targets(target: Tensor, vocab: int) -> None:
 
 
 def _target_score(i: Tensor, w: Tensor, target: Tensor, full_precision: bool, margin: float, scale: Any) -> Tensor:
+    return _score_rows(i, w[target], full_precision, margin, scale)
+
+
+def _score_rows(i: Tensor, rows: Tensor, full_precision: bool, margin: float, scale: Any) -> Tensor:
+    """Per-token logit of the target class, given each token's target row of the weight (already gathered)."""
     if full_precision:
-        i, w = i.float(), w.float()
-    rows = w[target]
+        # Cast after the gather: ``w.float()`` first would copy the whole (vocab x d) weight.
+        i, rows = i.float(), rows.float()
     if scale is not None:
         return ((F.normalize(i, dim=1) * F.normalize(rows, dim=1)).sum(dim=1) - margin) * scale
     return (i * rows).sum(dim=1)
+
+
+def _accumulate_row_grads(kernel_obj: Any, rows_grad: Tensor, target: Tensor) -> None:
+    """Add each token's target-row gradient into ``proj_weight.grad`` at its row.
+
+    Autograd through ``w[target]`` would build a zero (vocab x d) gradient and scatter into it (800 MiB for a
+    50k x 4096 fp32 head, on top of the gradient itself). Here repeated targets are summed first in the rows'
+    precision (fp32 under ``fp_target``, as autograd summed them), then one ``index_add_`` writes the unique rows.
+    """
+    weight: Tensor = kernel_obj.proj_weight
+    if not weight.requires_grad:
+        return  # see _accumulate_weight_grad
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    unique, inverse = torch.unique(target, return_inverse=True)
+    sums = rows_grad.new_zeros(unique.shape[0], rows_grad.shape[1]).index_add_(0, inverse, rows_grad)
+    weight.grad.index_add_(0, unique, sums.to(weight.grad.dtype))
 
 
 class TargetScoreFunction(torch.autograd.Function):
@@ -295,11 +317,17 @@ class TargetScoreFunction(torch.autograd.Function):
         (grad,) = args
         i, w, target = ctx.saved_tensors
         k = ctx.kernel_obj
-        i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        # Differentiate with respect to the gathered rows (tokens x d), not the whole weight: see
+        # _accumulate_row_grads.
+        # Under fp_target the rows are fp32 leaves, so that repeated targets sum in fp32 as they did through autograd.
+        rows = w.detach()[target]
+        rows = (rows.float() if k.fp_target else rows).requires_grad_(True)
+        i = i.detach().requires_grad_(True)
         with torch.enable_grad():
-            t = TargetScoreFunction.get_target_score(i, w, target, k.fp_target, k.margin, k.scale)
+            t = _score_rows(i, rows, k.fp_target, k.margin, k.scale)
         torch.autograd.backward(t, grad)
-        _accumulate_weight_grad(k, w.grad, 0, 0)
+        if rows.grad is not None:
+            _accumulate_row_grads(k, rows.grad, target)
         return i.grad, None, None, None
 
 
@@ -309,6 +337,9 @@ class BackwardTriggerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, w: Tensor, trigger_tensor: Tensor) -> Tensor:
         ctx.save_for_backward(trigger_tensor)
+        # The tiles give the weight no gradient (they write proj_weight.grad themselves); left materialised, autograd
+        # would allocate a zero (vocab x d) gradient for this output on every backward, only for it to be ignored.
+        ctx.set_materialize_grads(False)
         return w.view_as(w)
 
     @staticmethod

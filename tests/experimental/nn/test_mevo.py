@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fairscale.experimental.nn import MEVO, BaselineSoftmaxNllLoss
 from fairscale.experimental.nn.mevo import _next_power_of_2_or_max, get_data
@@ -71,6 +72,60 @@ def test_no_logit_matrix_is_saved() -> None:
         saved.clear()
         F.cross_entropy(x @ w.T, y, reduction="sum")
     assert max(saved) == tokens * vocab  # what the dense reference keeps alive
+
+
+class _LargestNewTensor(TorchDispatchMode):
+    """Records the largest op output that is not a view of ``existing`` (the weight, or its gradient written in
+    place)."""
+
+    def __init__(self, *existing: Tensor) -> None:
+        super().__init__()
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in self.existing:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_target_score_backward_builds_no_weight_sized_gradient(dtype) -> None:
+    # Two (vocab x d) temporaries were built on every backward: the target logits' backward differentiated through
+    # w[target] (a zero weight-sized gradient scattered into), and autograd materialised a zero gradient for the
+    # trigger's weight-shaped output, which no tile gives one: 800 MiB each beside the gradient for a 50k x 4096
+    # fp32 head. Many tokens share a target here, so the sums of repeated rows are checked too.
+    tokens, d, vocab = 48, 8, 512
+    x, w, _ = _data(tokens, d, vocab)
+    w = nn.Parameter(w.detach().to(dtype))
+    x = x.detach().to(dtype).requires_grad_()
+    y = torch.randint(4, (tokens,), generator=torch.Generator().manual_seed(1)) * 7
+    mevo = MEVO(w, tile_factor=8)
+    if dtype == torch.float16 and not _fp16_matmul_on_cpu():
+        pytest.skip("this torch has no fp16 matmul on the CPU")
+    mevo(x, y).backward()  # the weight's gradient now exists: the second backward only adds into it
+    first = w.grad.clone()
+    loss = mevo(x, y)
+    with _LargestNewTensor(w, w.grad) as mode:
+        loss.backward()
+    # Tiles are vocab / 8 rows; nothing else is near the weight's size.
+    assert mode.largest <= vocab * d // 8, mode.largest
+    # fp16: each tile's contribution is added into the fp16 gradient, so the second pass rounds differently.
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(w.grad, 2 * first, **tol)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    F.cross_entropy(x32 @ w32.T, y, reduction="sum").backward()
+    torch.testing.assert_close(first.float(), w32.grad, **tol)
+
+
+def _fp16_matmul_on_cpu() -> bool:
+    try:
+        torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
+        return True
+    except RuntimeError:
+        return False
 
 
 def test_gradients_accumulate_and_3d_inputs() -> None:
