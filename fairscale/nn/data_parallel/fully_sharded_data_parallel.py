@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from fairscale.internal.compiler import is_compiling
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+from fairscale.internal.forwarding import refuse_shadowing_assignment
 from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
@@ -267,6 +268,12 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
             if (name.startswith("__") and name.endswith("__")) or name == "_fsdp_wrapped_module":
                 raise  # protocol lookups (__deepcopy__, __getstate__...) must not find the wrapper's
             return getattr(self._fsdp_wrapped_module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        wrapped = self._modules.get("_fsdp_wrapped_module") if "_modules" in self.__dict__ else None
+        if wrapped is not None:
+            refuse_shadowing_assignment(self, wrapped, name, value, "FullyShardedDataParallel")
+        super().__setattr__(name, value)
 
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)

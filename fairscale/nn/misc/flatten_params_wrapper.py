@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.forwarding import refuse_shadowing_assignment
 from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # upstream imported it here
 
@@ -347,6 +348,12 @@ class FlattenParamsWrapper(nn.Module):
             if name == "_fpw_module":  # not yet set (construction, unpickling): do not recurse
                 raise
             return getattr(self.module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        wrapped = self._modules.get("_fpw_module") if "_modules" in self.__dict__ else None
+        if wrapped is not None:
+            refuse_shadowing_assignment(self, wrapped, name, value, "FlattenParamsWrapper")
+        super().__setattr__(name, value)
 
     def __getitem__(self, key: Any) -> Any:
         """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""

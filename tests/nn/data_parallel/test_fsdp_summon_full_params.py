@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """summon_full_params: full fp32 parameters with their original names, write-back unless volatile, freed after."""
 
+import contextlib
 import gc
 import itertools
 import time
@@ -268,3 +269,46 @@ def test_summon_edit_after_a_forward_without_backward() -> None:
     the full parameters gathered before a summon_full_params edit."""
 
     run_distributed(_summon_edit_after_a_forward_without_backward_body, 2)
+
+
+def _assigning_a_forwarded_name_raises_body(rank: int, ws: int) -> None:
+    cases = []
+    for flatten, in_summon in itertools.product((True, False), (True, False)):
+
+        def case(flatten: bool = flatten, in_summon: bool = in_summon) -> None:
+            model, ref = build(NestedWrappedModule)
+            fsdp = wrap_model(model, dict(flatten_parameters=flatten), "leaf")
+            leaf = fsdp.module.module.layers[0] if flatten else fsdp.module.layers[0]
+            assert isinstance(leaf, FSDP)
+            x = torch.randn(2, 7)
+            with fsdp.summon_full_params() if in_summon else contextlib.nullcontext():
+                # `leaf.weight` reads the Linear's weight. Assigning a Parameter failed in torch with
+                # KeyError("attribute 'weight' already exists"); a tensor was stored on the wrapper, where it hid
+                # the real weight from every later read while the Linear kept its own.
+                for value in (nn.Parameter(torch.zeros(5, 7)), torch.zeros(5, 7)):
+                    with pytest.raises(AttributeError, match="cannot assign .* to 'weight': it belongs to the wrapped"):
+                        leaf.weight = value
+                with pytest.raises(AttributeError, match="to 'layers'"):
+                    fsdp.layers = nn.ModuleList()
+                # Names the wrapped module does not have, or plain values, are stored on the wrapper as before.
+                leaf.my_tensor = torch.ones(1)
+                leaf.weight_decay_note = "none"
+                assert leaf.__dict__["my_tensor"] is not None and leaf.weight_decay_note == "none"
+                if in_summon:
+                    # What the message says to do instead: rebind on the owner (written back on exit).
+                    # (FSDP always wraps the module in a FlattenParamsWrapper, flattening or not.)
+                    with pytest.raises(AttributeError, match="`model.module.module.weight = ...`"):
+                        leaf.weight = torch.zeros(5, 7)
+                    owner = leaf.module.module
+                    owner.weight = nn.Parameter(torch.full((5, 7), 0.5))
+                    with torch.no_grad():
+                        ref.layers[0].weight.fill_(0.5)
+            assert "weight" not in leaf.__dict__
+            torch.testing.assert_close(fsdp(x), ref(x))
+
+        cases.append((f"flatten={flatten},in_summon={in_summon}", case))
+    run_cases(cases)
+
+
+def test_assigning_a_forwarded_name_raises() -> None:
+    run_distributed(_assigning_a_forwarded_name_raises_body, 2)

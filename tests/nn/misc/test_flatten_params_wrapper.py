@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Tests for FlattenParamsWrapper and FlatParameter (single process, CPU; accelerator variants when present)."""
 
+import contextlib
 import copy
 import pickle
 from typing import Any, Callable, Dict, List, Tuple
@@ -804,3 +805,20 @@ def test_nested_wrapper_rejected_unless_excluded() -> None:
     expected = outer_module[1](inner(x))
     assert torch.equal(outer(x), expected)
     assert list(outer.state_dict().keys()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+@pytest.mark.parametrize("unflattened", [False, True])
+def test_assigning_a_forwarded_name_raises(unflattened: bool) -> None:
+    # fpw.weight reads the wrapped Linear's weight; assigning there failed with torch's KeyError (a Parameter) or
+    # stored a tensor on the wrapper that hid the real weight from later reads.
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2)
+    fpw = FlattenParamsWrapper(copy.deepcopy(ref))
+    x = torch.randn(4, 3)
+    with fpw.unflatten_params() if unflattened else contextlib.nullcontext():
+        for value in (nn.Parameter(torch.zeros(2, 3)), torch.zeros(2, 3)):
+            with pytest.raises(AttributeError, match="FlattenParamsWrapper: cannot assign .* to 'weight'"):
+                fpw.weight = value
+        fpw.extra = torch.ones(1)  # not a name of the wrapped module: stored on the wrapper, as before
+    assert "weight" not in fpw.__dict__ and torch.equal(fpw.extra, torch.ones(1))
+    torch.testing.assert_close(fpw(x), ref(x))
