@@ -320,6 +320,27 @@ def _plain_parent_loads_body(rank: int, ws: int) -> None:
     _assert_same_sd(other.state_dict(), ref.state_dict(), "plain parent after loading")
 
 
+def _plain_parent_size_mismatch_names_user_keys_body(rank: int, ws: int) -> None:
+    # torch words a wrong shape with the path it loads into; inside FSDP that was
+    # `layers.1._fsdp_wrapped_module._fpw_module.0.weight`. The message now names the dict's key.
+    parent, _ = _parent_holding_fsdp_children(1)
+    sd = parent.state_dict()
+    sd["layers.1.0.weight"] = torch.zeros(3, 3)  # in a flattened child
+    sd["layers.2.0.weight"] = torch.zeros(3, 3)  # in a child with flatten_parameters=False
+    with pytest.raises(RuntimeError) as info:
+        parent.load_state_dict(sd)
+    message = str(info.value)
+    assert "size mismatch for layers.1.0.weight:" in message, message
+    assert "size mismatch for layers.2.0.weight:" in message, message
+    assert "_fsdp_wrapped_module" not in message and "_fpw_module" not in message, message
+    # The parent still works (a plain parent's load is torch's, not all or nothing: the other keys loaded).
+    NestedWrappedModule.per_sample_loss(parent(global_batch(parent, 0, 2)[0])).mean().backward()
+
+
+def test_plain_parent_size_mismatch_names_user_keys() -> None:
+    run_distributed(_plain_parent_size_mismatch_names_user_keys_body, 2)
+
+
 def test_plain_parent_loads_full_state_dict_into_fsdp_children() -> None:
     """Issue 5: "a plain parent module holding FSDP children saves *and loads* the same clean keys".
 

@@ -84,6 +84,8 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
     """Add ``_fsdp_wrapped_module.`` to this instance's keys; when a plain parent module loads a full dict into this
     instance, summon its full parameters first (released by :func:`_post_load_state_dict_hook`)."""
     unit = _unit(module)
+    error_msgs = args[-1] if args and isinstance(args[-1], list) else None
+    unit.pending_load_errors = None if error_msgs is None else (error_msgs, len(error_msgs))
     if unit.state_dict_type == StateDictType.FULL and unit.training_state == TrainingState.IDLE:
         _check_loadable(unit, "load_state_dict")
         with contextlib.ExitStack() as outer:
@@ -101,6 +103,12 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
 def _post_load_state_dict_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Write the loaded full parameters back into the shards, and report the user's key names."""
     unit = _unit(module)
+    errors, unit.pending_load_errors = unit.pending_load_errors, None
+    if errors is not None:
+        # torch words a wrong shape with the path it loaded into (`b._fsdp_wrapped_module._fpw_module.weight`):
+        # name the key of the user's dict instead, as the missing and unexpected keys below are.
+        error_msgs, start = errors
+        error_msgs[start:] = [clean_text(m) for m in error_msgs[start:]]
     pending, unit.pending_load_summon = unit.pending_load_summon, None
     if pending is not None:
         outer, inner = pending

@@ -162,6 +162,9 @@ class FSDPUnit:
         # A plain parent module loading a full dict into this instance: the contexts the pre-load hook opened, (lazy
         # init and snapshot, summon), closed by the post-load hook (see state_dict.py).
         self.pending_load_summon: Optional[Tuple[Any, Any]] = None
+        # A load in progress: torch's error list and its length when this instance's entries started loading, so
+        # that the post-load hook can name the user's keys in the errors its subtree added (see state_dict.py).
+        self.pending_load_errors: Optional[Tuple[List[str], int]] = None
         # Inside summon_full_params: whether that summon discards edits on exit (volatile=True).
         self.summon_volatile = False
 
