@@ -183,6 +183,9 @@ def _reduce_leftover_grads(unit: FSDPUnit) -> None:
             # cleared since the last one.
             h.drop_window_if_cleared()
         if h.grad_accum_flat is not None:
+            # On its shard first, as every other reduction is: the reduction reads the parameter's dtype (the fp32
+            # shard's, not the compute copy's) to cast for fp32_reduce_scatter and to store the reduced shard.
+            h.use_shard()
             reduce_accumulated(unit, h)
         g = h.param.grad
         if g is not None and not h.is_assigned_grad(g) and g.shape == h.orig_size:
