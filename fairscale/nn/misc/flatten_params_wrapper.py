@@ -331,6 +331,8 @@ class FlattenParamsWrapper(nn.Module):
     def forward(self, *inputs: Any, **kwinputs: Any) -> Any:
         """Refresh the views (so autograd connects them to the flat parameters) and run the wrapped module."""
         if self.is_flattened:
+            if not torch.is_grad_enabled():
+                return self._forward_without_grad(inputs, kwinputs)
             self._unflatten_params_as_views()
         elif self.__dict__.get("_unflattened_by_context") and torch.is_grad_enabled():
             # The module holds temporary Parameters here: their gradients would never reach the flat parameters.
@@ -339,6 +341,25 @@ class FlattenParamsWrapper(nn.Module):
                 "temporary parameters and be lost. Run the forward outside the context (or under torch.no_grad())."
             )
         return self.module(*inputs, **kwinputs)
+
+    def _forward_without_grad(self, inputs: Tuple[Any, ...], kwinputs: Dict[str, Any]) -> Any:
+        """A forward under ``no_grad`` (an evaluation or logging pass), with fresh views, after which the modules get
+        back the views of the last forward that recorded a graph.
+
+        A checkpointed region (``checkpoint_wrapper``) recomputes its forward in the backward from the views its
+        modules hold then. Left with this forward's views, which have no path to the flat parameters, an evaluation
+        between a training forward and its backward made the region's gradients vanish silently (zero, or ``None``
+        for a unit holding only checkpointed layers).
+        """
+        views = self._fpw_module.__dict__.get("_unflattened_param_views")
+        # One view answers for all: a forward makes every view in the same grad mode.
+        kept = self._snapshot_views() if views and views[0].grad_fn is not None else None
+        self._unflatten_params_as_views()
+        try:
+            return self.module(*inputs, **kwinputs)
+        finally:
+            if kept is not None:
+                self._restore_views(kept)
 
     def __getattr__(self, name: str) -> Any:
         """Forward unknown attributes to the wrapped module."""
@@ -395,6 +416,21 @@ class FlattenParamsWrapper(nn.Module):
             self._unflatten_params_as_views()
         finally:
             self._view_builder = builder
+
+    def _snapshot_views(self) -> "_ViewSnapshot":
+        """The tensors the wrapped modules hold under their flattened names (the views the last forward made)."""
+        attrs = [(m, n, m.__dict__.get(n)) for _, m, n in self._param_infos]
+        attrs += [(m, n, m.__dict__.get(n)) for _, _, m, n, _, _ in self._shared_param_infos]
+        return attrs, self._fpw_module.__dict__.get("_unflattened_param_views")
+
+    def _restore_views(self, snapshot: "_ViewSnapshot") -> None:
+        """Give the modules back the views of :meth:`_snapshot_views`."""
+        attrs, views = snapshot
+        for m, n, value in attrs:
+            if value is not None:
+                _set_plain_tensor(m, n, value)
+        if views is not None:
+            setattr(self._fpw_module, "_unflattened_param_views", views)
 
     def _stash_views(self) -> List[Tuple[Dict[str, Any], str, Any]]:
         """Remove the view attributes from the wrapped modules; return ``(module.__dict__, name, value)``."""
@@ -504,6 +540,10 @@ def _drop_attr(module: nn.Module, name: str) -> None:
     """Delete ``module.<name>`` (parameter or plain attribute) if it exists."""
     if hasattr(module, name):
         delattr(module, name)
+
+
+#: ``([(module, name, tensor or None)], the module's _unflattened_param_views)``.
+_ViewSnapshot = Tuple[List[Tuple[nn.Module, str, Any]], Any]
 
 
 def _set_plain_tensor(module: nn.Module, name: str, value: Tensor) -> None:

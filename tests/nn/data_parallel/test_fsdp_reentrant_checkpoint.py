@@ -18,6 +18,7 @@ nested units ("sub-layer"). Each case trains 2 SGD steps on 2 gloo ranks, each r
 """
 
 import functools
+import itertools
 from typing import Dict
 
 import torch
@@ -85,10 +86,14 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return whole if rank < 0 else whole[rank * BATCH : (rank + 1) * BATCH]
 
 
-def _train(model: nn.Module, rank: int, steps: int = 2) -> Dict[str, torch.Tensor]:
+def _train(model: nn.Module, rank: int, steps: int = 2, eval_between: bool = False) -> Dict[str, torch.Tensor]:
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
-        model(_batch(step, rank)).float().pow(2).mean().backward()
+        out = model(_batch(step, rank))
+        if eval_between:  # an evaluation (or logging) forward before the training forward's backward
+            with torch.no_grad():
+                model(_batch(step + 50, rank))
+        out.float().pow(2).mean().backward()
         optim.step()
         optim.zero_grad()
     if isinstance(model, FSDP):
@@ -130,3 +135,31 @@ def _body(rank: int, world_size: int) -> None:
 
 def test_reentrant_checkpoint_of_part_of_a_unit() -> None:
     run_distributed(_body, WORLD, timeout=TIMEOUT)
+
+
+def _eval_between_case(layout: str, fsdp_kwargs: Dict[str, object]) -> None:
+    # The recomputation in the backward reads the views the modules hold then. A no_grad forward in between left
+    # them its own views, which have no path to the flat parameters: the checkpointed layers' gradients were lost
+    # silently (zero under one unit, None for a unit holding only checkpointed layers).
+    rank = dist.get_rank()
+    expected = _train(_wrap(layout, _model(layout, True), fsdp_kwargs), rank)
+    got = _train(_wrap(layout, _model(layout, True), fsdp_kwargs), rank, eval_between=True)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name}: max diff {(got[name] - value).abs().max()}"
+
+
+def _eval_between_body(rank: int, world_size: int) -> None:
+    cases = []
+    for layout in ("layers", "sub-layer"):
+        for mixed, obc, raf in itertools.product((False, True), (False, True), (True, False)):
+            kwargs: Dict[str, object] = dict(reshard_after_forward=raf, optimize_backward_concat=obc)
+            if mixed:
+                kwargs.update(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+            cases.append(
+                (f"{layout},mixed={mixed},obc={obc},raf={raf}", functools.partial(_eval_between_case, layout, kwargs))
+            )
+    run_cases(cases)
+
+
+def test_no_grad_forward_before_the_backward_keeps_checkpointed_gradients() -> None:
+    run_distributed(_eval_between_body, WORLD, timeout=TIMEOUT)

@@ -822,3 +822,30 @@ def test_assigning_a_forwarded_name_raises(unflattened: bool) -> None:
         fpw.extra = torch.ones(1)  # not a name of the wrapped module: stored on the wrapper, as before
     assert "weight" not in fpw.__dict__ and torch.equal(fpw.extra, torch.ones(1))
     torch.testing.assert_close(fpw(x), ref(x))
+
+
+class _CheckpointedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.b, self.a(x), use_reentrant=True)
+
+
+def test_no_grad_forward_before_the_backward_keeps_checkpointed_gradients() -> None:
+    # The checkpointed layer is recomputed in the backward from the views its module holds then; a no_grad forward in
+    # between left it views without a path to the flat parameter, and its gradient was lost (zero), silently.
+    torch.manual_seed(0)
+    ref = _CheckpointedPair()
+    fpw = FlattenParamsWrapper(copy.deepcopy(ref))
+    x, other = torch.randn(4, 3), torch.randn(2, 3)
+    for model in (ref, fpw):
+        out = model(x)
+        with torch.no_grad():
+            model(other)
+        out.pow(2).sum().backward()
+    flat_grad = fpw.flat_param.grad
+    expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    assert torch.count_nonzero(flat_grad[-12:]) > 0  # b's weight and bias: the checkpointed layer
+    torch.testing.assert_close(flat_grad, expected)

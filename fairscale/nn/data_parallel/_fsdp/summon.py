@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError
-from fairscale.nn.misc.flatten_params_wrapper import _set_plain_tensor, _UnwritableRebind
+from fairscale.nn.misc.flatten_params_wrapper import _ViewSnapshot, _UnwritableRebind
 
 from .handle import FlatHandle
 from .runtime import lazy_init
@@ -32,36 +32,6 @@ def _gather_fp32(unit: FSDPUnit, h: FlatHandle) -> Tensor:
     out = torch.empty(h.padded_numel, dtype=shard.dtype, device=shard.device)
     collectives.all_gather_into_flat(out, shard, unit.config.process_group)
     return out
-
-
-_ViewSnapshot = Tuple[List[Tuple[Any, str, Any]], Any]
-
-
-def _snapshot_views(fpw: Any) -> _ViewSnapshot:
-    """The tensors the wrapped modules hold under their parameters' names (the views the last forward made)."""
-    attrs = []
-    for flat in fpw.flat_params:
-        for _, m, n in flat._param_infos:
-            attrs.append((m, n, m.__dict__.get(n)))
-        for _, _, m, n, _, _ in flat._shared_param_infos:
-            attrs.append((m, n, m.__dict__.get(n)))
-    return attrs, getattr(fpw._fpw_module, "_unflattened_param_views", None)
-
-
-def _restore_views(fpw: Any, snapshot: _ViewSnapshot) -> None:
-    """Give the modules back the views of :func:`_snapshot_views`.
-
-    Leaving the unflattened context makes fresh views of the flat parameters, whose data is the summoned copy at that
-    moment: a checkpointed region recomputed by the pending backward then read those (fp32 under mixed precision:
-    a dtype error; outside the optimize_backward_concat graph: gradients silently lost), and they kept the fp32 copy
-    of every unit alive until the next forward.
-    """
-    attrs, views = snapshot
-    for m, n, value in attrs:
-        if value is not None:
-            _set_plain_tensor(m, n, value)
-    if views is not None:
-        setattr(fpw._fpw_module, "_unflattened_param_views", views)
 
 
 @contextlib.contextmanager
@@ -88,6 +58,10 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
         fulls: List[Tensor] = [_gather_fp32(unit, h) for h in handles]
     unit.transition(TrainingState.SUMMON_FULL_PARAMS)
     unit.summon_volatile = volatile
+    # Leaving the unflattened context makes fresh views of the flat parameters, whose data is the summoned copy at
+    # that moment: a checkpointed region recomputed by a pending backward would read those (fp32 under mixed
+    # precision: a dtype error; outside the optimize_backward_concat graph: gradients silently lost), and they kept
+    # the fp32 copy of every unit alive until the next forward. The views of the last forward are put back.
     snapshot: Optional[_ViewSnapshot] = None
     problems: List[str] = []
     refused = False  # the wrapper refused a rebind of a flattened parameter: nothing is written back then
@@ -96,7 +70,7 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
             h.param.data = full[: h.numel].view(h.orig_size)
         if flattened:
             flat = [h.param.data for h in handles[: unit.num_flatten_params]]
-            snapshot = _snapshot_views(fpw)
+            snapshot = fpw._snapshot_views()
             try:
                 with fpw.unflatten_params(flat_params=flat):
                     yield
@@ -117,7 +91,7 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
             for h, data in zip(handles, previous_data):
                 h.param.data = data
             if snapshot is not None:
-                _restore_views(fpw, snapshot)
+                fpw._restore_views(snapshot)
             unit.transition(TrainingState.IDLE)
     if problems and not volatile:
         raise ValueError(
