@@ -12,9 +12,11 @@
   nothing runs (torch's reader would run it).
 """
 
+import dataclasses
 import os
+import pathlib
 import pickle
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from fairscale.nn.data_parallel import dcp as fsdp_dcp
 
 try:
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - old torch
@@ -392,6 +395,135 @@ def _case_metadata_with_uncovered_elements(root: str) -> None:
         fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True)
 
 
+def _tamper_metadata(path: str, change: Any) -> None:
+    """On rank 0, rewrite ``path``'s ``.metadata`` with ``change(metadata)`` applied; every rank waits for it."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = pickle.load(f)  # the test's own checkpoint
+        change(metadata)
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+    dist.barrier()
+
+
+def _point_at(fqn_prefix: str, relative_path: str, length: Optional[int] = None) -> Any:
+    """A metadata change: the first chunk of the first entry under ``fqn_prefix`` is read from ``relative_path``."""
+
+    def change(metadata: Any) -> None:
+        index = next(i for i in metadata.storage_data if i.fqn.startswith(fqn_prefix))
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = dataclasses.replace(
+            info,
+            relative_path=relative_path,
+            offset=0 if length is not None else info.offset,
+            length=info.length if length is None else length,
+        )
+
+    return change
+
+
+def _case_saved_object_that_runs_code(root: str) -> None:
+    """DCP's planner reads a saved object (an optimizer's lr, betas) with torch.load(weights_only=False): a checkpoint
+    from someone else ran code on every rank that loaded it, before any check (found by a security review)."""
+    fsdp, optim = trained()
+    path = os.path.join(root, "object_runs_code")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    marker = os.path.join(root, "object_code_ran")
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "evil.distcp"), "wb") as f:
+            torch.save(_RunsCode(marker), f)
+    size = os.path.getsize(os.path.join(path, "evil.distcp")) if dist.get_rank() == 0 else 0
+    sizes = [0, 0]
+    dist.all_gather_object(sizes, size)
+    _tamper_metadata(path, _point_at("optimizer.param_groups.0.lr", "evil.distcp", sizes[0]))
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    message = expect(RuntimeError, "it is not plain data", fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+    assert "nothing was loaded" in message, message
+    assert not os.path.exists(marker)
+    assert_unchanged(other, other_optim, before, "saved object that runs code")
+    # A tensor entry recorded as a saved object is refused before anything is read.
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True)
+
+    def as_object(metadata: Any) -> None:
+        key = next(k for k in metadata.state_dict_metadata if k.startswith("model."))
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+
+    _tamper_metadata(path, as_object)
+    expect(
+        RuntimeError,
+        "saved .* as an object, but the model's .* is a tensor",
+        fsdp_dcp.load,
+        other,
+        other_optim,
+        checkpoint_id=path,
+    )
+    assert_unchanged(other, other_optim, before, "a tensor saved as an object")
+
+
+def _case_data_files_outside_the_checkpoint(root: str) -> None:
+    """DCP's reader opened whatever path the metadata named: another file's values loaded into the model without a
+    word (found by a security review); a pipe or /dev/zero would block it or fill the memory."""
+    fsdp, optim = trained()
+    path = os.path.join(root, "paths")
+    outside = os.path.join(root, "outside.distcp")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        with open(outside, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.symlink(outside, os.path.join(path, "link.distcp"))
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    for relative_path, length, match in (
+        ("../outside.distcp", None, "never a path"),
+        (outside, None, "never a path"),
+        ("link.distcp", None, "not a regular file"),
+        ("missing.distcp", None, "cannot be read"),
+        (None, 10**9, "the checkpoint is truncated or damaged"),
+    ):
+        fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True)
+        dist.barrier()
+        name = relative_path
+        if name is None:  # the chunk's own file, read far past its end
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                name = next(i for i in pickle.load(f).storage_data.values()).relative_path
+        _tamper_metadata(path, _point_at("model.", name, length))
+        message = expect(RuntimeError, match, fsdp_dcp.load, other, other_optim, checkpoint_id=path)
+        assert "nothing was loaded" in message, message
+        assert_unchanged(other, other_optim, before, f"data file {relative_path!r}")
+
+
+def _case_metadata_that_sets_class_attributes(root: str) -> None:
+    """pickle's BUILD on a class sets attributes on that class for the whole process: a .metadata could make
+    Path.is_symlink answer anything, and every later symlink check with it (found by a security review)."""
+    fsdp, optim = trained()
+    path = os.path.join(root, "build")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            genuine = f.read()
+        # GLOBAL pathlib.Path; (None, {"is_symlink": frozenset}); BUILD; POP; then the genuine metadata.
+        patch = b"\x80\x02cpathlib\nPath\nN}X\x0a\x00\x00\x00is_symlinkcbuiltins\nfrozenset\ns\x86b0"
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            f.write(patch + genuine)
+    dist.barrier()
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    is_symlink = pathlib.Path.is_symlink
+    expect(
+        fsdp_dcp.UntrustedCheckpointError,
+        "sets the state of a builtins.type",
+        fsdp_dcp.load,
+        other,
+        other_optim,
+        checkpoint_id=path,
+    )
+    assert pathlib.Path.is_symlink is is_symlink
+    assert_unchanged(other, other_optim, before, "metadata that sets class attributes")
+
+
 def _faults(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_interrupted_save,
@@ -406,6 +538,9 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_misuse,
         _case_metadata_that_runs_code,
         _case_metadata_with_uncovered_elements,
+        _case_saved_object_that_runs_code,
+        _case_data_files_outside_the_checkpoint,
+        _case_metadata_that_sets_class_attributes,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
 

@@ -14,8 +14,10 @@ reader, :class:`_Reader`), and a failed one changes nothing: its staging is drop
 
 import contextlib
 import dataclasses
+import io
 import itertools
 import os
+import stat
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -29,7 +31,7 @@ try:  # torch >= 2.2
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 except ImportError:  # pragma: no cover - old torch: dcp._options refuses every call first
@@ -134,7 +136,26 @@ class _SizeCheckingPlanner(DefaultLoadPlanner):
             md = saved.get(fqn)
             if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and md.size != obj.size():
                 raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+            if isinstance(md, BytesStorageMetadata) and isinstance(obj, torch.Tensor):
+                raise ValueError(f"the checkpoint saved {fqn} as an object, but the model's {fqn} is a tensor")
         return plan
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        # DCP's planner reads a saved object (an optimizer's lr or betas, any non-tensor entry) with
+        # torch.load(weights_only=False): a checkpoint from someone else would run code on every rank that loads it.
+        # Read it with the restricted unpickler, and hand DCP's planner that object, saved again by torch.save, so it
+        # files it where it belongs (its private mappings differ between torch releases).
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise dcp_metadata.UntrustedCheckpointError(
+                f"refusing the saved object {read_item.dest_index.fqn!r}: it is not plain data (tensors, numbers, "
+                f"strings and their containers) and fairscale never runs code from a checkpoint ({e})"
+            ) from None
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
 
 
 class _Reader(FileSystemReader):
@@ -165,6 +186,12 @@ class _Reader(FileSystemReader):
         per_file: Dict[str, List[Any]] = {}  # DCP reads file by file, in the plan's order within each
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            end = max(
+                self.storage_data[item.storage_index].offset + self.storage_data[item.storage_index].length
+                for item in items
+            )
+            _check_data_file(os.fspath(self.path), relative_path, end)
         order: List[Any] = []
         for items in per_file.values():
             # Only a tensor replaces the chunk DCP holds (objects are read apart): they go first, in their order.
@@ -175,6 +202,38 @@ class _Reader(FileSystemReader):
             pairs = itertools.zip_longest(by_size[:half], reversed(by_size[half:]))  # largest, smallest, 2nd largest
             order.extend(item for pair in pairs for item in pair if item is not None)
         return super().read_data(dataclasses.replace(plan, items=order), planner)
+
+
+def _check_data_file(directory: str, relative_path: Any, end: int) -> None:
+    """Raise unless ``relative_path`` (from the checkpoint's metadata) names a regular file of ``directory`` itself, at
+    least ``end`` bytes long.
+
+    DCP's reader opens whatever the metadata names: ``../x``, an absolute path or a symlink read another file into the
+    model, a pipe or ``/dev/stdin`` blocked the load, and ``/dev/zero`` with a huge length filled the memory. DCP's
+    writer only ever writes plain file names into the checkpoint's directory.
+    """
+    name = relative_path if isinstance(relative_path, str) else None
+    if name is None or name in ("", ".", "..") or "\0" in name or os.path.basename(name) != name or "\\" in name:
+        raise dcp_metadata.UntrustedCheckpointError(
+            f"refusing the data file {relative_path!r} named by the checkpoint's metadata: DCP writes plain file names "
+            "inside the checkpoint directory, never a path"
+        )
+    path = os.path.join(directory, name)
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise dcp_metadata.UntrustedCheckpointError(
+            f"the checkpoint's data file {name!r} cannot be read: {e}"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise dcp_metadata.UntrustedCheckpointError(
+            f"refusing the checkpoint's data file {name!r}: it is not a regular file (a symlink, pipe or device)"
+        )
+    if info.st_size < end:
+        raise dcp_metadata.UntrustedCheckpointError(
+            f"the checkpoint's data file {name!r} has {info.st_size} bytes, but its metadata reads up to byte {end}: "
+            "the checkpoint is truncated or damaged"
+        )
 
 
 def _plain_tensor_attributes() -> Any:
