@@ -134,13 +134,15 @@ def find_rank_files(directory: str, pattern: str = "*.pt") -> List[str]:
         pattern: glob pattern of the per-rank files inside ``directory``.
 
     Raises:
-        ValueError: no file matches, a file name carries no rank, or the ranks are not exactly ``0..n-1``.
+        ValueError: no file matches, a file name carries no rank, the ranks are not exactly ``0..n-1``, or a match
+            leads out of ``directory`` (a symlink to a file elsewhere, a pattern with ``..``) or is not a file.
     """
     paths = sorted(glob.glob(os.path.join(directory, pattern)))
     if not paths:
         raise ValueError(f"no file matches {pattern!r} in {directory!r}")
     by_rank: Dict[int, str] = {}
     for path in paths:
+        _check_inside(directory, path)
         found = _RANK_IN_NAME.findall(os.path.basename(path))
         if not found:
             raise ValueError(
@@ -154,6 +156,24 @@ def find_rank_files(directory: str, pattern: str = "*.pt") -> List[str]:
     if sorted(by_rank) != list(range(len(by_rank))):
         raise ValueError(f"the per-rank files must cover ranks 0..{len(by_rank) - 1}; found ranks {sorted(by_rank)}")
     return [by_rank[r] for r in range(len(by_rank))]
+
+
+def _check_inside(directory: str, path: str) -> None:
+    """Raise unless ``path`` is a regular file whose real location is inside ``directory``.
+
+    A checkpoint directory received from someone else could hold ``ckpt-rank-1.pt`` as a symlink to a file of the
+    user's own (another checkpoint, a key): it was read and merged into the output without a word.
+    """
+    real_dir = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real_dir, real]) != real_dir:
+        raise CheckpointFileError(
+            path,
+            f"leads out of the checkpoint directory (to {real}); the per-rank files must be in {directory} itself: "
+            "copy the file in if it is yours",
+        )
+    if not os.path.isfile(real):
+        raise CheckpointFileError(path, "is not a regular file (a directory, pipe or device)")
 
 
 def _split_checkpoint(ckpt: Any, path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fairscale.fair_dev.testing.engine import run_distributed
-from fairscale.nn.data_parallel.consolidate import main
+from fairscale.nn.data_parallel.consolidate import find_rank_files, main
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -196,3 +196,27 @@ def test_outputs_never_replace_inputs_nor_leave_their_directory(tmp_path: Path, 
         assert not out.exists(), "a refused reshard wrote files"
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before
     assert not (tmp_path / "escaped-rank-0.pt").exists()
+
+
+def test_rank_files_must_be_inside_the_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # A received checkpoint directory whose ckpt-rank-1.pt is a symlink to a file of the user's own: it was read and
+    # merged into the output without a word (found by a security review).
+    received, private = tmp_path / "received", tmp_path / "private.pt"
+    received.mkdir()
+    private.write_bytes(_torch_save_bytes({"weights": {"secret": torch.tensor([42.0])}, "meta": {}}))
+    (received / "ckpt-rank-0.pt").write_bytes(_torch_save_bytes({}))
+    os.symlink(private, received / "ckpt-rank-1.pt")
+    out = tmp_path / "full.pt"
+    assert main(["consolidate", str(received), str(out)]) == 1
+    assert "leads out of the checkpoint directory" in _one_error_line(
+        capsys.readouterr().err, received / "ckpt-rank-1.pt"
+    )
+    assert not out.exists()
+    # A symlink that stays inside the directory is followed, and a match that is not a file is refused.
+    os.remove(received / "ckpt-rank-1.pt")
+    os.rename(received / "ckpt-rank-0.pt", received / "store.bin")
+    os.symlink(received / "store.bin", received / "ckpt-rank-0.pt")
+    assert find_rank_files(str(received)) == [str(received / "ckpt-rank-0.pt")]
+    (received / "ckpt-rank-1.pt").mkdir()
+    with pytest.raises(ValueError, match="is not a regular file"):
+        find_rank_files(str(received))
