@@ -253,11 +253,13 @@ class OSS(Optimizer):
         """
         # Hyper-parameters may have been changed on OSS's groups (e.g. by an LR scheduler).
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        first_param = self.param_groups[0]["params"][0]
+        # The first parameter of any group: the first group may be empty (upstream read its first entry, an
+        # IndexError on every step).
+        device = self._params_device()
         # The broadcast writes the buckets: a parameter that is no longer a view of its bucket (the model was moved
         # or converted, e.g. model.double(), or a .data was replaced) would not receive its owner's update, and the
         # ranks would drift apart silently. Upstream only noticed a change of device type.
-        if first_param.device != self._default_device or not self._backing.intact():
+        if (device is not None and device != self._default_device) or not self._backing.intact():
             logging.info("OSS detected that the parameters changed device, dtype or storage, re-allocating buffers")
             self._clear_cache()
             self._refresh_trainable()

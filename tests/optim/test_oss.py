@@ -741,6 +741,33 @@ def test_force_broadcast_object() -> None:
     run_distributed(_force_broadcast_object_body, 2, timeout=TIMEOUT)
 
 
+def _empty_first_group_body(rank: int, world_size: int) -> None:
+    """An empty first parameter group, which torch's optimizers accept: every step() raised IndexError (it read the
+    first group's first parameter to detect a device change; found by a review)."""
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    oss = OSS([{"params": [], "lr": 0.3}, {"params": list(model.parameters())}], optim=torch.optim.SGD, lr=0.05)
+    ref_opt = torch.optim.SGD([{"params": [], "lr": 0.3}, {"params": list(ref.parameters())}], lr=0.05)
+    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + r)) for r in range(world_size)]
+    for step in range(2):
+        oss.zero_grad()
+        model(batches[rank] * (step + 1)).sum().backward()
+        for p in model.parameters():  # average as DDP would
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        oss.step()
+        ref_opt.zero_grad()
+        (sum(ref(b * (step + 1)).sum() for b in batches) / world_size).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_empty_first_group() -> None:
+    run_distributed(_empty_first_group_body, 2, timeout=TIMEOUT)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Accelerator only
 
