@@ -17,8 +17,8 @@ __all__ = ["main"]
 def main(argv: Optional[List[str]] = None) -> None:
     """Run a wgit sub-command (``version``, ``init``, ``status``, ``add``, ``commit``, ``checkout``, ``log``).
 
-    A refusal (see :mod:`fairscale.experimental.wgit.safety`), bad input or a sub-command that is not implemented
-    (``checkout``, as upstream) prints ``fatal: <reason>`` to stderr and exits with status 1.
+    A refusal (see :mod:`fairscale.experimental.wgit.safety`), bad input, a file that cannot be read or a sub-command
+    that is not implemented (``checkout``, as upstream) prints ``fatal: <reason>`` to stderr and exits with status 1.
     """
     desc = "WeiGit: A git-like tool for model weight tracking"
     parser = argparse.ArgumentParser(description=desc)
@@ -43,6 +43,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     except (ValueError, FairscaleTypeError, NotImplementedError) as e:
         # wgit's refusals (a planted link, a checkpoint that would run code, bad input) and its sub-commands that
         # do nothing yet (checkout): one line, like git's "fatal:" messages, instead of a traceback.
+        sys.stderr.write(f"fatal: {e}\n")
+        sys.exit(1)
+    except RecursionError:  # wgit bounds the nesting it walks; a traceback would hide what is wrong
+        sys.stderr.write("fatal: wgit: the data is nested too deeply to process (Python's recursion limit)\n")
+        sys.exit(1)
+    except OSError as e:  # a file that cannot be read (missing, unreadable, a name too long): the system's reason
         sys.stderr.write(f"fatal: {e}\n")
         sys.exit(1)
 

@@ -8,18 +8,21 @@ it refuses a ``.wgit`` that holds symbolic links, never writes outside ``.wgit``
 
 import copy
 import json
+import os
+import reprlib
+import stat
 import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Union
 
 from torch import Tensor
 
 from fairscale.internal.errors import FairscaleValueError
 
 from .pygit import PyGit, import_pygit2
-from .safety import check_tree, contained, load_checkpoint, open_regular, replace_file
+from .safety import UnsafeRepositoryError, check_tree, contained, load_checkpoint, open_regular, replace_file
 from .sha1_store import SHA1_Store
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
@@ -30,6 +33,9 @@ LAST_MODIFIED_TS_KEY = "last_modified_time_stamp"
 REL_PATH_KEY = "file_path"
 # Names directly inside .wgit that are wgit's or git's own: a metadata file never goes there.
 _RESERVED = frozenset({SHA1_STORE_DIR_NAME, ".git", ".gitignore"})
+# Recorded paths in messages: a hostile metadata file may hold one of thousands of characters.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 120
 
 
 @dataclass
@@ -56,12 +62,24 @@ class RepoStatus(Enum):
     CHANGES_ADDED_NOT_COMMITED = 3
 
 
-def _recursive_apply_to_elements(data: Any, fn: Callable[[Any, str], Any], names: List[str]) -> None:
+def _recursive_apply_to_elements(
+    data: Any, fn: Callable[[Any, str], Any], names: List[str], seen: Optional[Set[int]] = None
+) -> None:
+    """Replace each element of the dicts and lists in ``data`` (but those) by ``fn(element, its dotted path)``.
+
+    A dict or list reached by several paths (shared) is walked once, by the first (``seen``: ids): a checkpoint that
+    shares a list at every level (1.6 KB) took ``2**depth`` steps. The nesting was bounded when the checkpoint was
+    loaded (:func:`~fairscale.experimental.wgit.safety.load_checkpoint`), so the recursion is too.
+    """
+    seen = set() if seen is None else seen
+    if id(data) in seen:
+        return
+    seen.add(id(data))
     items = data.items() if isinstance(data, dict) else enumerate(data)
     for key, value in list(items):
         path = names + [str(key)]
         if isinstance(value, (dict, list)):
-            _recursive_apply_to_elements(value, fn, path)
+            _recursive_apply_to_elements(value, fn, path, seen)
         else:
             data[key] = fn(value, ".".join(path))
 
@@ -232,22 +250,57 @@ class Repo:
                 found[str(file.relative_to(self._dot_wgit))] = self._is_file_modified(file)
         return found
 
-    @staticmethod
-    def _is_file_modified(metadata_file: Path) -> bool:
+    def _is_file_modified(self, metadata_file: Path) -> bool:
         # open_regular: a named pipe swapped in after the repository was checked would block status forever.
         with open_regular(metadata_file, "a metadata file") as f:
             try:
                 metadata = json.load(f)
-            except ValueError:  # not JSON (or not UTF-8): not a metadata file wgit wrote
+            except (ValueError, RecursionError):  # not JSON, not UTF-8 or nested too deep: not a file wgit wrote
                 return False
         if not isinstance(metadata, dict) or not isinstance(metadata.get(REL_PATH_KEY), str):
             return False  # not a metadata file wgit wrote: nothing to compare
-        tracked = Path(metadata[REL_PATH_KEY])
-        try:
-            modified = tracked.stat().st_mtime
-        except FileNotFoundError:
+        st = self._stat_checkpoint(metadata_file, metadata[REL_PATH_KEY])
+        if st is None:
             return True  # the tracked checkpoint was deleted or moved: a change not added (git's "deleted")
-        return modified != metadata.get(LAST_MODIFIED_TS_KEY)
+        return st.st_mtime != metadata.get(LAST_MODIFIED_TS_KEY)
+
+    def _stat_checkpoint(self, metadata_file: Path, recorded: str) -> Optional[os.stat_result]:
+        """The ``stat`` of the checkpoint path ``recorded`` in ``metadata_file`` (``None``: it does not exist), only
+        when that path is under the directory that holds ``.wgit``.
+
+        The path is read as it was recorded, relative to the current directory. A metadata file may come from someone
+        else: stat-ing any path it names would tell whether that file exists (``/root/...``); ``wgit add`` records
+        only paths under the repository's directory.
+
+        Raises:
+            UnsafeRepositoryError: the path is not under the repository's directory, or not a path.
+            FairscaleValueError: the system cannot look at it (e.g. a name too long), with the system's reason.
+        """
+        tree = self._wgit_parent.resolve()
+        shown = _SHORT.repr(recorded)
+
+        def refuse(why: str) -> UnsafeRepositoryError:
+            return UnsafeRepositoryError(
+                f"wgit: refusing the metadata file {metadata_file}: it records the checkpoint path {shown}, {why}; "
+                f"wgit records, and looks at, checkpoints under {tree} only. Remove that metadata file (or the whole "
+                ".wgit directory if you did not create it)"
+            )
+
+        if not recorded or "\0" in recorded:
+            raise refuse("which is not a path")
+        # Lexically first: resolving looks at the path's components (lstat), which would be outside the tree. Then
+        # resolved, as a link in the tree may lead out (os.path.realpath: Path.resolve also stats the result).
+        lexical = Path(os.path.normpath(Path.cwd() / recorded))
+        if tree not in lexical.parents or tree not in Path(os.path.realpath(lexical)).parents:
+            raise refuse("which is outside the repository's directory")
+        try:
+            return lexical.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise FairscaleValueError(
+                f"wgit: cannot look at the checkpoint path {shown} recorded in {metadata_file}: {e.strerror}"
+            ) from None
 
     def _metadata_path(self, rel_path: Path) -> Path:
         """``.wgit/<rel_path>``, refused if it leaves ``.wgit``, lands on a reserved entry or passes a link."""
@@ -279,19 +332,21 @@ class Repo:
             )
         return file_path
 
-    @staticmethod
-    def _check_not_tracking_another(metadata_file: Path, file_path: Path) -> None:
+    def _check_not_tracking_another(self, metadata_file: Path, file_path: Path) -> None:
         """Refuse to overwrite the metadata of another checkpoint that the naming rule maps to the same file."""
         if not metadata_file.is_file():
             return
         try:
-            with open(metadata_file) as f:
+            with open_regular(metadata_file, "a metadata file") as f:
                 tracked = json.load(f).get(REL_PATH_KEY)
-        except (ValueError, AttributeError):  # not a metadata file wgit wrote: add writes a proper one over it
+        except (ValueError, RecursionError, AttributeError):  # not a metadata file wgit wrote: add writes over it
+            return
+        if not isinstance(tracked, str):
             return
         # The path is recorded as given, relative to the directory wgit ran from then: only a recorded file that is
         # found, and is another file, is another checkpoint (re-adding one from another directory stays allowed).
-        if isinstance(tracked, str) and Path(tracked).is_file() and Path(tracked).resolve() != file_path.resolve():
+        st = self._stat_checkpoint(metadata_file, tracked)
+        if st is not None and stat.S_ISREG(st.st_mode) and Path(tracked).resolve() != file_path.resolve():
             raise FairscaleValueError(
                 f"wgit add: {file_path} would be tracked in {metadata_file}, which already tracks {tracked}; two "
                 "checkpoints whose paths end alike cannot both be tracked from this directory: run wgit from the "

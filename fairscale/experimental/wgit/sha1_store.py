@@ -20,13 +20,14 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 import pickle
 import reprlib
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, ContextManager, Dict, Iterator, Optional, Tuple, Union
+from typing import IO, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -43,7 +44,9 @@ from .safety import (
     contained,
     load_checkpoint,
     load_store_object,
+    nesting_problem,
     open_regular,
+    store_object_limit,
     replace_file,
 )
 from .utils import ExitCode as ExitCode  # noqa: F401
@@ -108,31 +111,42 @@ def _metadata_problem(data: Any) -> Optional[str]:
 
 
 def _to_np(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, dict):
-        return {k: _to_np(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_np(v) for v in obj]
-    # Plain tuples too (not their subclasses, such as torch.Size): a tensor pickled as a tensor would need
-    # torch's own unpickling, which the store's restricted reader refuses.
-    if type(obj) is tuple:
-        return tuple(_to_np(v) for v in obj)
-    return obj
+    """``obj`` with its tensors as numpy arrays, in new dicts, lists and tuples (see :func:`_convert`)."""
+    return _convert(obj, lambda x: x.detach().cpu().numpy() if isinstance(x, Tensor) else x, {})
 
 
 def _from_np(obj: Any) -> Any:
+    """``obj`` with its numpy arrays as tensors, in new dicts, lists and tuples (see :func:`_convert`)."""
     import numpy as np
 
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    if isinstance(obj, dict):
-        return {k: _from_np(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_from_np(v) for v in obj]
+    return _convert(obj, lambda x: torch.from_numpy(x) if isinstance(x, np.ndarray) else x, {})
+
+
+def _convert(obj: Any, leaf: Callable[[Any], Any], done: Dict[int, Any]) -> Any:
+    """``obj`` with ``leaf`` applied to everything but its dicts, lists and plain tuples, which are copied.
+
+    Each container is converted once (``done``: by id): one shared by several parents stays shared, so a structure
+    sharing a list at every level costs its size, not its number of paths (``2**depth``: a few hundred bytes of
+    checkpoint or store object took hours). Only plain tuples are walked, not their subclasses such as torch.Size: a
+    tensor pickled as a tensor would need torch's own unpickling, which the store's restricted reader refuses. The
+    nesting is bounded before (:func:`~fairscale.experimental.wgit.safety.nesting_problem`), so the recursion is too.
+    """
+    if not isinstance(obj, (dict, list)) and type(obj) is not tuple:
+        return leaf(obj)
+    if id(obj) in done:  # the input is alive throughout, so no id is reused
+        return done[id(obj)]
     if type(obj) is tuple:
-        return tuple(_from_np(v) for v in obj)
-    return obj
+        done[id(obj)] = tuple(_convert(v, leaf, done) for v in obj)
+    elif isinstance(obj, dict):
+        converted: Dict[Any, Any] = {}
+        done[id(obj)] = converted  # before the items: a dict inside itself ends
+        for k, v in obj.items():
+            converted[k] = _convert(v, leaf, done)
+    else:
+        items: List[Any] = []
+        done[id(obj)] = items
+        items.extend(_convert(v, leaf, done) for v in obj)
+    return done[id(obj)]
 
 
 def _gzip_open(
@@ -300,9 +314,12 @@ class SHA1_Store:
         self._load_json_dict()
         obj: Any = file_or_obj
         if isinstance(file_or_obj, (Path, str)):
-            obj = load_checkpoint(Path(file_or_obj))
+            obj = load_checkpoint(Path(file_or_obj))  # refuses too deep a nesting, as below
         if not isinstance(obj, (Tensor, dict)):
             raise FairscaleTypeError(f"incorrect input {type(obj)}: the SHA1 store takes a tensor or a dict")
+        problem = nesting_problem(obj)
+        if problem is not None:  # the walk below, and pickle, would hit the recursion limit
+            raise FairscaleValueError(f"incorrect input: the dict {problem}")
         tmp = self._tmp_dir.joinpath(uuid.uuid4().hex)
         with open(tmp, "wb") as f:
             pickle.dump(_to_np(obj), f)
@@ -363,7 +380,9 @@ class SHA1_Store:
         Raises:
             ValueError: ``sha1`` is not a SHA1, or not in the store.
             UntrustedContentError: the stored bytes name anything but numpy arrays, plain containers and wgit's
-                records (they were not written by wgit; nothing in them runs).
+                records, call or set the state of anything otherwise than pickle writes for them, declare more data
+                than the object can hold, or nest containers too deep (they were not written by wgit; nothing in
+                them runs, and nothing larger than the object's size is allocated).
             CorruptStoreError: the stored bytes do not hash to ``sha1`` (the file was changed, e.g. replaced by
                 another array's), or ``metadata.json`` is damaged.
             UnsafeRepositoryError: a path inside the store is a symbolic link or not a regular file.
@@ -373,12 +392,15 @@ class SHA1_Store:
             raise ValueError(f"Try to get SHA1 {sha1} but it is not found")
         self._load_json_dict()
         what = f"SHA1 store object {sha1} ({path})"
+        entry = self._entry(sha1)
         with open_regular(path, what) as raw:
-            if self._entry(sha1)[ENTRY_COMP_KEY]:
+            # Nothing larger than the object's pickle can be is read or allocated (a 35-byte object asked for 1 GB).
+            limit = store_object_limit(os.fstat(raw.fileno()).st_size, entry[ENTRY_COMP_KEY], entry[ENTRY_DS_KEY])
+            if entry[ENTRY_COMP_KEY]:
                 with _gzip_open(path, "rb", self._pgzip_threads, self._pgzip_block_size, fileobj=raw) as f:
-                    obj = load_store_object(f, what, sha1)
+                    obj = load_store_object(f, what, sha1, limit=limit)
             else:
-                obj = load_store_object(raw, what, sha1)
+                obj = load_store_object(raw, what, sha1, limit=limit)
         return _from_np(obj)
 
     def delete(self, sha1: str) -> None:

@@ -5,10 +5,15 @@ Each attack plants something in a repository (symbolic links inside ``.wgit``, a
 whose ``__reduce__`` creates a marker directory) and checks that wgit refuses with a clear error, that the marker
 never appears, and that nothing outside the repository (nor the user's checkpoint) changed. Without links: a
 ``.git`` that sends git to another repository, and named pipes in place of files wgit reads (which used to block it
-forever). The store and repository-opening checks need no optional package; the end-to-end ``wgit`` checks need pygit2.
+forever). Then store objects and checkpoints of a few bytes that asked for unbounded memory (``bytearray(n)``),
+poisoned an allowed class (pickle's BUILD), took ``2**depth`` steps (a list shared at every level) or nested past the
+recursion limit, and metadata files that made ``status`` look outside the repository or fail with a traceback. The
+store and repository-opening checks need no optional package; the end-to-end ``wgit`` checks need pygit2.
 """
 
 import hashlib
+import io
+import json
 import os
 import pickle
 import shutil
@@ -16,14 +21,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fairscale
-from fairscale.experimental.wgit.repo import Repo
+from fairscale.experimental.wgit.repo import Repo, RepoStatus
 from fairscale.experimental.wgit.safety import UnsafeRepositoryError, UntrustedContentError, check_tree, open_regular
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 
@@ -347,7 +352,7 @@ def test_wgit_refuses_a_git_dir_that_sends_git_elsewhere(
 _FIFO_SCRIPT = """
 import os, sys, torch
 from pathlib import Path
-from fairscale.experimental.wgit.repo import Repo
+from fairscale.experimental.wgit.repo import Repo, RepoStatus
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 
 def attempt(label, fn):
@@ -412,3 +417,282 @@ def test_a_socket_in_the_git_dir_is_accepted(tmp_path: Path) -> None:
             open_regular(path, "the monitor's socket")
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------------------------------ memory, time and nesting
+
+
+def _plant(store_dir: Path, blob: bytes) -> str:
+    """``blob`` as an uncompressed object of the store at ``store_dir`` (its key is its SHA1: anyone can name it)."""
+    sha1 = hashlib.sha1(blob).hexdigest()
+    (store_dir / sha1[:2] / sha1[2:4]).mkdir(parents=True, exist_ok=True)
+    (store_dir / sha1[:2] / sha1[2:4] / sha1).write_bytes(blob)
+    return sha1
+
+
+class _Reduce:
+    """Pickles as ``func(*args)`` (then ``BUILD`` with ``state``): how a hostile object calls an allowed global."""
+
+    def __init__(self, func: Any, args: Tuple[Any, ...], state: Any = None) -> None:
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+_HUGE = 10**14  # bytes no machine has: the unpatched store raised MemoryError (smaller: it took the memory)
+
+
+def _hostile_objects() -> Dict[str, Tuple[bytes, str]]:
+    """Store objects of a few dozen bytes that made wgit allocate ``_HUGE`` bytes, with the refusal expected."""
+    import numpy as np
+
+    reconstruct = np.ndarray.__reduce__(np.zeros(1))[0]  # numpy's _reconstruct, at this numpy's module path
+    size = _HUGE.to_bytes(8, "little")
+    return {
+        "bytearray(n)": (
+            b"\x80\x02cbuiltins\nbytearray\n\x8a\x08" + size + b"\x85R.",
+            r"builtins.bytearray\(100000000000000,\): pickle writes bytearray\(bytes\) only",
+        ),
+        "BINBYTES8": (b"\x80\x04\x8e" + size + b".", "declares 100000000000000 bytes of data, more than"),
+        "BYTEARRAY8": (b"\x80\x05\x96" + size + b".", "a bytearray of 100000000000000 bytes"),
+        "FRAME": (b"\x80\x04\x95" + size + b".", "declares 100000000000000 bytes of data"),
+        "empty array of n items": (
+            pickle.dumps(_Reduce(reconstruct, (np.ndarray, (_HUGE,), b"b")), protocol=4),
+            "the array would take 100000000000000 bytes",
+        ),
+        "array of objects": (
+            pickle.dumps(_Reduce(reconstruct, (np.ndarray, (_HUGE,), np.dtype(object))), protocol=4),
+            "an array of Python objects",
+        ),
+        "ndarray(shape)": (pickle.dumps(_Reduce(np.ndarray, ((_HUGE,),)), protocol=4), "numpy.ndarray, which wgit"),
+        "complex(str)": (pickle.dumps(_Reduce(complex, ("1+2j",)), protocol=4), r"complex\(float, float\) only"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_hostile_objects()))
+def test_store_get_allocates_no_more_than_the_object_holds(tmp_path: Path, kind: str) -> None:
+    """A tiny object called an allowed global (bytearray(n), numpy's empty array) or declared data it does not hold,
+    and the store allocated that much (1.2 GB from 35 bytes, or a bare MemoryError)."""
+    blob, message = _hostile_objects()[kind]
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = _plant(tmp_path / "store", blob)
+    assert len(blob) < 200
+    with pytest.raises(UntrustedContentError, match=message):
+        store.get(key)
+
+
+def test_store_get_reads_no_more_than_the_recorded_size(tmp_path: Path) -> None:
+    """A compressed object may expand a thousand times: what is read is capped by the size the store records."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = store.add(torch.zeros(64, 64), compress=True)
+    assert torch.equal(store.get(key), torch.zeros(64, 64))
+    metadata = tmp_path / "store" / "metadata.json"
+    data = json.loads(metadata.read_text())
+    data[key]["deduped_size"] = 1024  # smaller than the array's 16 KiB
+    metadata.write_text(json.dumps(data))
+    with pytest.raises(UntrustedContentError, match="bytes left of the 1024 bytes it can hold"):
+        store.get(key)
+
+
+def test_store_keeps_every_value_wgit_writes(tmp_path: Path) -> None:
+    """The restricted reader still takes what a checkpoint can hold (torch's weights-only values), in every pickle
+    protocol a store may have been written with (the writer uses the default; Python 3.14's is 5)."""
+    from fairscale.experimental.wgit.repo import _SHA1_Tensor
+    from fairscale.experimental.wgit.safety import load_store_object
+    from fairscale.experimental.wgit.sha1_store import _from_np, _to_np
+
+    value: Dict[str, Any] = {
+        "w": torch.arange(6.0).reshape(2, 3).t(),
+        "e": torch.zeros(0, dtype=torch.int64),
+        "flags": torch.ones(2, dtype=torch.bool),
+        "z": 1 + 2j,
+        "raw": bytearray(b"xy"),
+        "tags": {1, 2},
+        "shape": torch.Size([2, 3]),
+        "device": torch.device("cpu"),
+        "dtype": torch.float16,
+        "nested": (1, [torch.ones(1)]),
+        "record": _SHA1_Tensor(dense_sha1="a" * 40),
+    }
+    for protocol in (3, 4, 5):
+        blob = pickle.dumps(_to_np(value), protocol=protocol)
+        loaded = _from_np(load_store_object(io.BytesIO(blob), "x", hashlib.sha1(blob).hexdigest(), limit=len(blob)))
+        assert torch.equal(loaded["w"], value["w"]) and torch.equal(loaded["nested"][1][0], torch.ones(1))
+        assert {k: v for k, v in loaded.items() if k not in ("w", "e", "flags", "nested")} == {
+            k: v for k, v in value.items() if k not in ("w", "e", "flags", "nested")
+        }
+    key = SHA1_Store(tmp_path / "store", init=True).add(value)
+    assert SHA1_Store(tmp_path / "store").get(key)["record"] == value["record"]
+
+
+def test_store_get_sets_no_state_on_a_class(tmp_path: Path) -> None:
+    """pickle's BUILD with slot state sets attributes on whatever it is given: on the allowed class _SHA1_Tensor, a
+    store object replaced its __init__ for the whole process."""
+    import numpy as np
+
+    from fairscale.experimental.wgit.repo import _SHA1_Tensor
+
+    store = SHA1_Store(tmp_path / "store", init=True)
+    poison = (
+        b"\x80\x02cfairscale.experimental.wgit.repo\n_SHA1_Tensor\nN}X\x08\x00\x00\x00__init__cbuiltins\nfrozenset\n"
+        b"s\x86b0}."
+    )
+    record = _SHA1_Tensor()
+    record.__setstate__ = frozenset  # type: ignore[attr-defined]  # a later BUILD on it would call frozenset(state)
+    extra_field = pickle.dumps(record)
+    shared_dtype = pickle.dumps(_Reduce(np.dtype, ("f4", False, False), (3, ">", None, None, None, -1, -1, 0)))
+    init = _SHA1_Tensor.__dict__["__init__"]
+    try:
+        for blob, message in (
+            (poison, "the state of the class fairscale.experimental.wgit.repo._SHA1_Tensor"),
+            (extra_field, "records have the fields"),
+            (shared_dtype, r"dtype\(str, align, True\) only"),
+        ):
+            with pytest.raises(UntrustedContentError, match=message):
+                store.get(_plant(tmp_path / "store", blob))
+        assert _SHA1_Tensor(dense_sha1="x").dense_sha1 == "x"
+    finally:
+        _SHA1_Tensor.__init__ = init  # type: ignore[method-assign]
+
+
+def _shared_at_every_level(depth: int, leaf: Any) -> List[Any]:
+    """``[x, x]`` nested ``depth`` times: ``depth + 1`` lists, ``2**depth`` paths to the leaf."""
+    x = [leaf]
+    for _ in range(depth):
+        x = [x, x]
+    return x
+
+
+def test_store_walks_a_shared_container_once(tmp_path: Path) -> None:
+    """_to_np and _from_np walked each path: a list shared at every level (a store object or a checkpoint of a few
+    hundred bytes) took 2**depth steps. Each container is now converted once, and stays shared."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = store.add({"w": _shared_at_every_level(12, torch.ones(2))})
+    loaded = store.get(key)["w"]
+    lists = []
+    while isinstance(loaded, list) and len(loaded) == 2:
+        assert loaded[0] is loaded[1]
+        lists.append(loaded)
+        loaded = loaded[0]
+    assert len(lists) == 12 and torch.equal(loaded[0], torch.ones(2))
+
+
+def test_store_refuses_nesting_too_deep_or_a_cycle(tmp_path: Path) -> None:
+    """Lists nested 5000 deep, or inside themselves, raised RecursionError from the store's walks."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    deep = b"\x80\x02" + b"]" * 5001 + b"a" * 5000 + b"."
+    cycle = b"\x80\x02]q\x00h\x00a."
+    for blob, message in ((deep, "nests containers more than 100 deep"), (cycle, "a container inside itself")):
+        with pytest.raises(UntrustedContentError, match=message):
+            store.get(_plant(tmp_path / "store", blob))
+    nested: Any = [torch.ones(1)]
+    for _ in range(2000):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nests containers more than 100 deep"):
+        store.add({"w": nested})
+
+
+def test_wgit_add_walks_a_shared_container_once(repo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per tensor, wgit add walked every path to every element: 2**depth steps for a list shared at every level (a
+    checkpoint of 1.6 KB took hours). Each container is now walked once."""
+    from fairscale.experimental.wgit import repo as repo_module
+
+    depth = 10
+    torch.save({"w": _shared_at_every_level(depth, torch.ones(2))}, repo_dir / "dag.pt")
+    repo = Repo(repo_dir, init=True)
+    walk = repo_module._recursive_apply_to_elements
+    calls = []
+
+    def counting_walk(data: Any, *args: Any) -> None:
+        calls.append(id(data))
+        walk(data, *args)
+
+    monkeypatch.setattr(repo_module, "_recursive_apply_to_elements", counting_walk)
+    returned = repo.add("dag.pt")
+    assert returned is not None
+    assert len(set(calls)) == depth + 2  # the dict and the lists
+    assert len(calls) <= 2 * (depth + 2)  # each reached from each of its (two) parents at most: was 2**(depth + 1)
+    assert returned["w"][0] is returned["w"][1]
+    state = Repo(repo_dir)._sha1_store.get(
+        json.loads((repo_dir / ".wgit" / "wgit_testing" / "dag.pt").read_text())["SHA1"]
+    )
+    assert state["w"][0] is state["w"][1]  # the metadata stored keeps the sharing
+
+
+def test_wgit_add_refuses_a_deep_checkpoint_in_one_line(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """Lists nested 1000 deep: torch.load accepts them, then copy.deepcopy raised RecursionError (a traceback)."""
+    from fairscale.experimental.wgit import cli
+
+    nested: Any = [torch.ones(1)]
+    for _ in range(1000):
+        nested = [nested]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # torch.save itself recurses
+    try:
+        torch.save({"w": nested}, repo_dir / "deep.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    cli.main(["init"])
+    with pytest.raises(SystemExit):
+        cli.main(["add", "deep.pt"])
+    err = capsys.readouterr().err
+    assert err.startswith("fatal: incorrect input deep.pt: it nests containers more than 100 deep"), err
+
+
+# ------------------------------------------------------------------------------------------ metadata a clone holds
+
+
+def _tracked(repo_dir: Path) -> Path:
+    """A repository tracking checkpoint_0.pt; returns its metadata file."""
+    from fairscale.experimental.wgit import cli
+
+    cli.main(["init"])
+    cli.main(["add", "checkpoint_0.pt"])
+    cli.main(["commit", "-m", "first"])
+    return repo_dir / ".wgit" / "wgit_testing" / "checkpoint_0.pt"
+
+
+def _record(metadata: Path, file_path: str) -> None:
+    data = json.loads(metadata.read_text())
+    data["file_path"] = file_path
+    metadata.write_text(json.dumps(data))
+
+
+def test_status_looks_only_at_checkpoints_inside_the_repository(
+    repo_dir: Path, outside: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """status stat-ed whatever path a (cloned) metadata file named: it told whether /root/... exists."""
+    from fairscale.experimental.wgit import cli
+
+    metadata = _tracked(repo_dir)
+    os.symlink(outside, repo_dir / "link")
+    for path in ("/root", str(outside / "victim.txt"), "../outside/victim.txt", "link/victim.txt"):
+        _record(metadata, path)
+        with pytest.raises(UnsafeRepositoryError, match="which is outside the repository's directory"):
+            Repo(repo_dir).status()
+        with pytest.raises(SystemExit):  # and wgit add, which looks for another checkpoint tracked there
+            cli.main(["add", "checkpoint_0.pt"])
+        assert capsys.readouterr().err.startswith("fatal: wgit: refusing the metadata file")
+    _record(metadata, "checkpoint_0.pt")  # inside: looked at, as before (the metadata file itself changed)
+    assert Repo(repo_dir).status() == {"wgit_testing/checkpoint_0.pt": RepoStatus.CHANGES_ADDED_NOT_COMMITED}
+    _record(metadata, "gone.pt")
+    assert Repo(repo_dir).status() == {"wgit_testing/checkpoint_0.pt": RepoStatus.CHANGES_NOT_ADDED}
+
+
+def test_hostile_metadata_gives_one_line_not_a_traceback(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """JSON nested 100000 deep raised RecursionError (status, and add over it); a path of 5000 characters OSError."""
+    from fairscale.experimental.wgit import cli
+
+    metadata = _tracked(repo_dir)
+    metadata.write_text("[" * 100000 + "]" * 100000)
+    assert list(Repo(repo_dir).status()) == ["wgit_testing/checkpoint_0.pt"]  # not wgit's: nothing to compare
+    cli.main(["add", "checkpoint_0.pt"])  # not wgit's: written over
+    assert json.loads(metadata.read_text())["file_path"] == "checkpoint_0.pt"
+    for path, message in (("a" * 5000, "cannot look at the checkpoint path 'aaa"), ("ck\0.pt", "which is not a path")):
+        _record(metadata, path)
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            cli.main(["status"])
+        err = capsys.readouterr().err
+        assert err.startswith("fatal: wgit: ") and message in err and len(err) < 600, err
