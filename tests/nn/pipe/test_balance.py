@@ -63,6 +63,139 @@ def test_blockpartition_min_max_blocks_is_optimal():
         assert max(sum(b) for b in blocks) == best
 
 
+def _reference_min_max_bounds(costs, partitions):
+    # The plain O(n**2 * partitions) program _min_max_blocks must agree with, tie-break included: over float prefix
+    # sums, the last of k blocks ending at i starts at the smallest j with the smallest max(best[k - 1][j], sum(j, i)).
+    n = len(costs)
+    prefix = [0.0]
+    for x in costs:
+        prefix.append(prefix[-1] + float(x))
+    best = [[float("inf")] * (n + 1) for _ in range(partitions + 1)]
+    cut = [[0] * (n + 1) for _ in range(partitions + 1)]
+    best[0][0] = 0.0
+    for k in range(1, partitions + 1):
+        for i in range(k, n - (partitions - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds = [n]
+    for k in range(partitions, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _random_costs(rng, n):
+    kind = rng.randrange(5)
+    if kind == 0:
+        return [rng.randint(0, 3) for _ in range(n)]  # ties, zeros
+    if kind == 1:
+        return [rng.random() for _ in range(n)]
+    if kind == 2:
+        return [rng.choice([0.1, 0.2, 0.3, 0.7]) for _ in range(n)]  # float sums that round
+    if kind == 3:
+        return [rng.choice([0, 0, 0, 5]) for _ in range(n)]  # runs of zeros
+    costs = [rng.choice([1, 1, 2]) for _ in range(n)]  # a few heavy costs among light ones
+    for i in rng.sample(range(n), rng.randint(1, max(1, n // 5))):
+        costs[i] = rng.choice([7, 1000, 1000000])
+    return costs
+
+
+def test_blockpartition_min_max_blocks_matches_the_quadratic_program():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(400):
+        costs = _random_costs(rng, rng.randint(1, 24))
+        if rng.random() < 0.1:
+            costs[rng.randrange(len(costs))] = -2  # a negative cost: the quadratic program itself
+        for partitions in range(1, len(costs) + 1):
+            bounds = _reference_min_max_bounds(costs, partitions)
+            expected = [costs[a:b] for a, b in zip(bounds, bounds[1:])]
+            assert blockpartition._min_max_blocks(costs, partitions) == expected, (costs, partitions)
+
+
+def _reference_solve(sequence, partitions):
+    # The heuristic as solve computed it before it kept sums (every block summed at every step, every state kept),
+    # with its fallbacks: it ends with blocks out of order or empty, a state repeats, a boundary leaves the sequence,
+    # or the budget runs out.
+    n = len(sequence)
+    minimum = min(sequence)
+    spread = max(sequence) - minimum
+    normal = [0.0] * n if spread == 0 else [(x - minimum) / spread for x in sequence]
+    splits = [n // partitions * (t + 1) for t in range(partitions - 1)] + [n]
+
+    def weights():
+        starts = [0] + splits[:-1]
+        return [(sum(normal[start:stop]), i) for i, (start, stop) in enumerate(zip(starts, splits))]
+
+    seen = set()
+    while True:
+        heaviest, p = max(weights())
+        while True:
+            lightest, q = min(weights())
+            if heaviest <= lightest + 1:
+                if all(0 < b - a for a, b in zip([0] + splits, splits)):
+                    return [list(sequence[a:b]) for a, b in zip([0] + splits[:-1], splits)]
+                return blockpartition._min_max_blocks(sequence, partitions)
+            state = (tuple(splits), p, heaviest)
+            if state in seen or len(seen) > 1000 + 16 * n * partitions or not 0 <= min(splits) <= max(splits) <= n:
+                return blockpartition._min_max_blocks(sequence, partitions)
+            seen.add(state)
+            if p < q:
+                h = q - 1
+                splits[h] -= 1
+            else:
+                h = q + 1
+                splits[q] += 1
+            if h == p:
+                break
+
+
+def test_blockpartition_matches_the_plain_heuristic():
+    import random
+
+    rng = random.Random(1)
+    cases = [([1, 1, 1, 1, 1000000, 7], 5), ([1, float("nan"), 2, 3], 2), ([3, -1, 2, 5, 0], 3)]
+    # A cycle that starts late and is long (found by a search): Brent's method must still find it.
+    cycle = [int(c) for c in "11015551151000551500150110550555505111"]  # 30 steps, then a cycle of 14
+    cases.append((cycle, 8))
+    for _ in range(150):
+        costs = _random_costs(rng, rng.randint(1, 30))
+        cases.extend((costs, partitions) for partitions in range(1, len(costs) + 1))
+    for _ in range(4):
+        costs = _random_costs(rng, 300)  # runs of hundreds of steps, in which blocks keep their sums long
+        cases.extend((costs, partitions) for partitions in (2, 8, 32))
+    for costs, partitions in cases:
+        assert repr(blockpartition.solve(costs, partitions)) == repr(_reference_solve(costs, partitions)), (
+            costs,
+            partitions,
+        )
+
+
+def test_blockpartition_large_fallback(monkeypatch):
+    # 3000 layers of cost 1 with 5 of cost 7: the heuristic runs 842 steps and leaves blocks out of order, so the
+    # exact partition of all 3000 is computed (each step summed every block, and the partition took O(n**2 * k),
+    # 7 seconds, before). No time is asserted: that it ends, and right, is the check.
+    costs = [1] * 3000
+    for i in (165, 1060, 1577, 1722, 2094):
+        costs[i] = 7
+    exact = blockpartition._min_max_blocks
+    calls = []
+    monkeypatch.setattr(blockpartition, "_min_max_blocks", lambda s, k: calls.append(k) or exact(s, k))
+    blocks = blockpartition.solve(costs, 8)
+    assert calls == [8]
+    assert len(blocks) == 8 and all(blocks) and sum(blocks, []) == costs
+    # Optimal: no 8 blocks have a largest sum below this one (greedy packing under it needs more than 8).
+    largest = max(sum(b) for b in blocks)
+    count, total = 1, 0
+    for x in costs:
+        if total + x > largest - 1:
+            count, total = count + 1, 0
+        total += x
+    assert count > 8
+
+
 def test_blockpartition_non_positive_partitions():
     with pytest.raises(ValueError, match=r"partitions must be a positive integer \(0 < 1\)"):
         blockpartition.solve([42], partitions=0)
