@@ -285,6 +285,42 @@ def _case_upstream_fixture(rank: int, world_size: int) -> None:
     assert all(float(s["step"]) == 2.0 for s in opt.state.values())
 
 
+class _ScaleFirst(nn.Module):
+    """A 0-dim parameter registered first (CLIP's ``logit_scale``), so it leads the flat parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * self.logit_scale
+
+
+def _case_zero_dim_parameter_first(rank: int, world_size: int) -> None:
+    # The per-element state of a flat parameter whose first parameter is 0-dim was resharded to that one element
+    # (its 0-dim exp_avg was taken for a shared value like step): the next Adam step failed on the shapes.
+    def run(resume: bool) -> Dict[str, Tensor]:
+        torch.manual_seed(0)
+        fsdp = FSDP(_ScaleFirst())
+        opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+        for step in range(3):
+            if resume and step == 1:
+                full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
+                opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+                opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(full))
+            opt.zero_grad()
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            fsdp(x).sum().backward()
+            opt.step()
+        with fsdp.summon_full_params():
+            return {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+
+    uninterrupted, resumed = run(False), run(True)
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+
+
 def _ws2_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], Any]]] = []
     for kind, mode in (("sgd", "nested"), ("adam", "nested"), ("adadelta", "nested"), ("adam", "one")):
@@ -295,6 +331,7 @@ def _ws2_body(rank: int, world_size: int) -> None:
     cases.append(("expert_group_of_one", functools.partial(_case_nested_group_of_one_expert, rank, world_size)))
     cases.append(("bad_input", functools.partial(_case_bad_input, rank, world_size)))
     cases.append(("upstream_fixture", functools.partial(_case_upstream_fixture, rank, world_size)))
+    cases.append(("zero_dim_parameter_first", functools.partial(_case_zero_dim_parameter_first, rank, world_size)))
     run_cases(cases)
 
 

@@ -110,8 +110,13 @@ def flatten_optim_state_dict(sd: Mapping[str, Any]) -> Dict[str, Any]:
 def _merge_entries(local: int, entries: List[Mapping[str, Any]]) -> Dict[str, Any]:
     merged: Dict[str, Any] = {}
     for key, first in entries[0].items():
-        if isinstance(first, Tensor) and first.dim() > 0:
-            if any(not isinstance(e.get(key), Tensor) for e in entries):
+        # Per-element state (exp_avg) has each parameter's shape; a 0-dim tensor is a shared value (Adam's step),
+        # unless another parameter's entry has dimensions: then it is the state of a 0-dim parameter (a CLIP-style
+        # logit_scale flattened first), one element of the flat state. Deciding from the first entry alone kept
+        # that one element for the whole flat parameter, and the next step failed on the shapes.
+        values = [e.get(key) for e in entries]
+        if any(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+            if any(not isinstance(v, Tensor) for v in values):
                 raise ValueError(f"flat parameter {local}: state {key!r} is a tensor for some parameters only")
             merged[key] = torch.cat([e[key].reshape(-1) for e in entries])
         else:
