@@ -505,7 +505,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         return metadata.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[Dict[str, Any]]:
-        """Gather the optimizer state of every rank into one unsharded dict, returned on global rank 0.
+        """Gather the optimizer state of every rank into one unsharded dict, returned on rank 0 of the root's group.
 
         Collective: call it on every rank. The result has one ``state`` entry per original (unflattened)
         parameter, with full-shape tensors on the CPU, plus ``param_groups``, ``param_id_map`` and
@@ -517,7 +517,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
             **ignored: accepted for upstream compatibility (e.g. ``recipient_rank``), unused.
 
         Returns:
-            The full optimizer state dict on global rank 0, ``None`` on the other ranks.
+            The full optimizer state dict on rank 0 of the root instance's process group (the global rank 0 when it
+            shards over the world; each data-parallel leader under tensor parallelism), ``None`` on the other ranks.
         """
         return optim_state.gather_full_optim_state_dict(self._fsdp_unit, optim, **ignored)
 

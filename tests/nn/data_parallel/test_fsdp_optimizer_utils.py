@@ -360,6 +360,30 @@ def test_nested_instances_on_their_own_groups() -> None:
     run_distributed(_subgroup_body, 4)
 
 
+def _root_on_a_subgroup_body(rank: int, world_size: int) -> None:
+    """The root sharded over a data-parallel group ({0, 2} and {1, 3}: tensor parallelism's layout, each group
+    training its own part of the model): each group's rank 0 gets its part's full dict. Only global rank 0 did, and
+    the other data-parallel leader got None (its part of the optimizer state was never saved)."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    part = rank % 2
+    model, _ = build(NestedWrappedModule, seed=1 + part)
+    fsdp = wrap_model(model, {"process_group": groups[part]}, "nested")
+    opt = _optim(fsdp.parameters(), "adam")
+    opt.zero_grad()
+    batch = global_batch(model, part, GLOBAL_N)
+    scaled_loss(NestedWrappedModule, fsdp(*local_slice(batch, rank // 2, 2)), GLOBAL_N, 2).backward()
+    opt.step()
+    full = fsdp.gather_full_optim_state_dict(opt)
+    assert (full is not None) == (rank < 2), f"rank {rank}: {'a dict' if full is not None else 'None'}"
+    leaders: List[Any] = [None] * world_size
+    dist.all_gather_object(leaders, full)
+    _assert_local_equal(fsdp.get_shard_from_optim_state_dict(leaders[part]), opt.state_dict(), f"rank {rank}")
+
+
+def test_root_on_a_data_parallel_subgroup() -> None:
+    run_distributed(_root_on_a_subgroup_body, 4)
+
+
 # ------------------------------------------------------------------------------------------------------ resume
 
 

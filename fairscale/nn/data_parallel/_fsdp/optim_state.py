@@ -69,10 +69,6 @@ def _layouts(root: FSDPUnit) -> List[_Layout]:
     return out
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 # ---------------------------------------------------------------------------------------------------- gather
 
 
@@ -84,7 +80,10 @@ def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> 
     # New per-parameter dicts: optim.state_dict() shares them with the live optimizer.
     state = {int(k): {key: _plain_step(key, v) for key, v in s.items()} for k, s in osd["state"].items()}
     _check_same_schema(fsdp, state, layouts)
-    on_rank0 = _global_rank() == 0
+    # Rank 0 of the root's group, as upstream: with tensor parallelism (FSDP over each tensor-parallel rank's
+    # data-parallel group) each such group's rank 0 holds its part of the model's state, and global rank 0 alone
+    # returned one part (the other data-parallel leaders got None and saved nothing).
+    on_rank0 = fsdp.config.rank == 0
     full_state: Dict[int, Dict[str, Any]] = {}
     uncollected: List[int] = []
     for lay in layouts:
