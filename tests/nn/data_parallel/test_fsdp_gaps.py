@@ -341,6 +341,35 @@ def test_plain_parent_size_mismatch_names_user_keys() -> None:
     run_distributed(_plain_parent_size_mismatch_names_user_keys_body, 2)
 
 
+def _expert_state_dicts_per_rank_body(rank: int, world_size: int) -> None:
+    # Upstream's MoE layout: each rank's expert in an FSDP instance on a group of that rank alone, inside a root
+    # sharded over the world; each rank saves and loads its own full state dict (fairseq's per-rank expert
+    # checkpoints). The load's check that the ranks loaded the same values refused it: experts differ by design.
+    solo = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    torch.manual_seed(100 + rank)
+    expert = nn.Linear(4, 4)
+    model = FSDP(nn.Sequential(shared, FSDP(expert, process_group=solo[rank])))
+    model(torch.randn(2, 4)).sum().backward()
+    saved = model.state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.load_state_dict(saved)
+    _assert_same_sd(model.state_dict(), saved, f"rank {rank}'s own state dict")
+    # The shared layer is still checked: ranks loading different values for it fail on every rank.
+    other = dict(saved)
+    other["0.weight"] = saved["0.weight"] + rank
+    with pytest.raises(RuntimeError, match="the ranks loaded different full state dicts"):
+        model.load_state_dict(other)
+    _assert_same_sd(model.state_dict(), saved, "after the refused load")
+
+
+def test_expert_state_dicts_per_rank() -> None:
+    run_distributed(_expert_state_dicts_per_rank_body, 2)
+
+
 def test_plain_parent_loads_full_state_dict_into_fsdp_children() -> None:
     """Issue 5: "a plain parent module holding FSDP children saves *and loads* the same clean keys".
 

@@ -94,13 +94,19 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def parameter_fingerprints(unit: FSDPUnit) -> List[Tuple[str, int]]:
-    """``(name, fingerprint)`` of every full parameter of the tree; call inside ``summon_full_params``.
+    """``(name, fingerprint)`` of every full parameter of the tree sharded over the root's group; call inside
+    ``summon_full_params``.
 
     The fingerprint is the wrapped-around sum of the values' bit patterns: one reduction per parameter, about the
     cost of the copy the load made, to compare what the ranks loaded without sending it.
     """
     out = []
+    root_ranks = collectives.group_ranks(unit.config.process_group)
     for path, u in unit.named_units():
+        if u is not unit and collectives.group_ranks(u.config.process_group) != root_ranks:
+            # Sharded over another group than the root's (MoE experts, each on its own rank): the ranks hold, and
+            # load, different values by design (upstream's per-rank expert checkpoints).
+            continue
         for h, names in zip(u.handles, u.param_name_groups):
             if not h.borrowed:
                 data = h.param.data.detach().reshape(-1)
