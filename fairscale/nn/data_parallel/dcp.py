@@ -59,7 +59,7 @@ from torch import nn
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_gathered_agree, check_outcome_agrees
 
-from ._fsdp import dcp_load, dcp_state, dcp_views
+from ._fsdp import dcp_layout, dcp_load, dcp_state, dcp_views
 from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
 from ._fsdp.dcp_metadata import UntrustedCheckpointError
 from ._fsdp.dcp_options import checked_options
@@ -112,6 +112,13 @@ def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
             f"{what}: model must be the root FullyShardedDataParallel instance, got {type(model).__name__}. For a "
             "module that fairscale does not shard, use torch.distributed.checkpoint.state_dict's functions."
         )
+    return unit
+
+
+def _checkpoint_unit(model: nn.Module, what: str) -> FSDPUnit:
+    """The root unit of a model that :func:`save` / :func:`load` can checkpoint (sharded over the whole world)."""
+    unit = _root_unit(model, what)
+    dcp_layout.check_whole_world(unit, what)
     return unit
 
 
@@ -426,7 +433,7 @@ def save(
     """
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
-    _prepare_directory(_root_unit(model, "save"), checkpoint_id, overwrite, "save")
+    _prepare_directory(_checkpoint_unit(model, "save"), checkpoint_id, overwrite, "save")
     state = _checkpoint_state(model, optims, dcp_state.VIEWS)
     try:
         _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer)
@@ -468,7 +475,7 @@ def async_save(
     """
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
-    _prepare_directory(_root_unit(model, "async_save"), checkpoint_id, overwrite, "async_save")
+    _prepare_directory(_checkpoint_unit(model, "async_save"), checkpoint_id, overwrite, "async_save")
     if _ASYNC_STAGER:
         # A snapshot: ShardedTensors of one CPU copy of every flat shard, which DCP's stager cannot copy again.
         state = _checkpoint_state(model, optims, dcp_state.SNAPSHOT)
@@ -520,7 +527,7 @@ def load(
             failing rank's error), or the loaded state does not fit.
     """
     _options(None, "load")
-    unit = _root_unit(model, "load")
+    unit = _checkpoint_unit(model, "load")
     optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
     _same_directory_on_every_rank(unit, checkpoint_id, False, "load")
     missing, unexpected = dcp_load.load(unit, optims, checkpoint_id, storage_reader, strict)

@@ -524,6 +524,19 @@ def _case_metadata_that_sets_class_attributes(root: str) -> None:
     assert_unchanged(other, other_optim, before, "metadata that sets class attributes")
 
 
+def _case_model_on_a_subgroup(root: str) -> None:
+    """A model sharded over a subgroup (FSDP over a data-parallel group of tensor parallelism, here each rank its own):
+    DCP wrote one checkpoint from the whole world, the subgroups' shards overwrote each other, and the load brought back
+    wrong values without an error (found by a review). Refused before anything is written or read."""
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    model, _ = build(NestedWrappedModule, 1 + dist.get_rank())
+    fsdp = wrap_model(model, {"process_group": solo[dist.get_rank()]}, "nested")
+    path = os.path.join(root, "subgroup")
+    expect(ValueError, "do not make up the world's 2 ranks", fsdp_dcp.save, fsdp, checkpoint_id=path)
+    assert not os.path.exists(path)
+    expect(ValueError, "do not make up the world's 2 ranks", fsdp_dcp.load, fsdp, checkpoint_id=path)
+
+
 def _faults(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_interrupted_save,
@@ -541,6 +554,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_saved_object_that_runs_code,
         _case_data_files_outside_the_checkpoint,
         _case_metadata_that_sets_class_attributes,
+        _case_model_on_a_subgroup,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
 

@@ -180,6 +180,28 @@ class ModelLayout:
         return out
 
 
+def check_whole_world(root: FSDPUnit, what: str) -> None:
+    """Raise ``ValueError`` unless ``root``'s groups (shard times replicate) make up the whole world.
+
+    ``fsdp_dcp.save``/``load`` write and read one checkpoint from every rank of the world: with the model sharded over
+    a subgroup (FSDP over each tensor-parallel rank's data-parallel group), the other subgroups' shards bear the same
+    names and offsets, and they overwrote each other in the files, loading back wrong values without an error.
+    (``get_model_state_dict`` and the others stay usable there, with torch's ``dcp.save(..., process_group=...)``.)
+    """
+    ranks = tuple(collectives.group_ranks(root.config.process_group))
+    replicate_ranks = _replicate_ranks(root)
+    world = collectives.group_ranks(None)
+    if len(ranks) * max(1, len(replicate_ranks)) != len(world):
+        raise ValueError(
+            f"{what}: the model shards over ranks {list(ranks)}"
+            + (f" and replicates over {list(replicate_ranks)}" if replicate_ranks else "")
+            + f", which do not make up the world's {len(world)} ranks (FSDP over a data-parallel group of tensor or "
+            "pipeline parallelism?); fsdp_dcp.save and load write one checkpoint for a model sharded over the whole "
+            "world. Save such models with local_state_dict() (per rank), state_dict() on each group's rank 0, or "
+            "torch's dcp.save(get_state_dict(...), process_group=the model's group) into a directory per group."
+        )
+
+
 def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
     """The layout of ``root``'s tree (materialised handles: call it under lazy init).
 
