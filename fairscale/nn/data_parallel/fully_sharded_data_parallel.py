@@ -518,7 +518,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
         Returns:
             The full optimizer state dict on rank 0 of the root instance's process group (the global rank 0 when it
-            shards over the world; each data-parallel leader under tensor parallelism), ``None`` on the other ranks.
+            shards over the world; each data-parallel leader under tensor parallelism; with hybrid sharding, of the
+            first replica's shard group), ``None`` on the other ranks.
         """
         return optim_state.gather_full_optim_state_dict(self._fsdp_unit, optim, **ignored)
 

@@ -82,8 +82,9 @@ def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> 
     _check_same_schema(fsdp, state, layouts)
     # Rank 0 of the root's group, as upstream: with tensor parallelism (FSDP over each tensor-parallel rank's
     # data-parallel group) each such group's rank 0 holds its part of the model's state, and global rank 0 alone
-    # returned one part (the other data-parallel leaders got None and saved nothing).
-    on_rank0 = fsdp.config.rank == 0
+    # returned one part (the other data-parallel leaders got None and saved nothing). With hybrid sharding, the
+    # first replica's: the replicas hold the same state, and their shard and replicate groups make up the model's.
+    on_rank0 = fsdp.config.rank == 0 and fsdp.config.replicate_rank == 0
     full_state: Dict[int, Dict[str, Any]] = {}
     uncollected: List[int] = []
     for lay in layouts:
