@@ -43,12 +43,11 @@ from .safety import (
     check_sha1,
     contained,
     load_checkpoint,
-    load_store_object,
     nesting_problem,
     open_regular,
-    store_object_limit,
     replace_file,
 )
+from .store_pickle import load_store_object, store_object_limit
 from .utils import ExitCode as ExitCode  # noqa: F401
 
 __all__ = ["SHA1_Store"]

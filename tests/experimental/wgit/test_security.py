@@ -499,7 +499,7 @@ def test_store_keeps_every_value_wgit_writes(tmp_path: Path) -> None:
     """The restricted reader still takes what a checkpoint can hold (torch's weights-only values), in every pickle
     protocol a store may have been written with (the writer uses the default; Python 3.14's is 5)."""
     from fairscale.experimental.wgit.repo import _SHA1_Tensor
-    from fairscale.experimental.wgit.safety import load_store_object
+    from fairscale.experimental.wgit.store_pickle import load_store_object
     from fairscale.experimental.wgit.sha1_store import _from_np, _to_np
 
     value: Dict[str, Any] = {

@@ -1,0 +1,375 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The store's unpickler: what a store object may name, call and allocate (see :mod:`.safety`, which says what wgit
+trusts and why).
+
+Pickle's pure-Python unpickler with its handlers replaced: allowed globals are called only with the arguments pickle
+and numpy write for them, BUILD sets the state of numpy arrays and dtypes, wgit records and OrderedDicts only, and
+nothing is read or allocated past the object's size.
+"""
+
+import collections
+import gzip
+import hashlib
+import math
+import pickle
+import reprlib
+import struct
+import zlib
+from typing import IO, Any, Callable, ClassVar, Dict, List, Optional, Tuple
+
+import torch
+
+from .safety import CorruptStoreError, UntrustedContentError, nesting_problem
+
+__all__ = ["load_store_object", "store_object_limit"]
+
+# What a store object may name and call (see _StoreUnpickler). Each allowed (module, name) maps to None (it may only
+# be named: an argument or a value) or to the check of the arguments it may be called with (REDUCE): the reason they
+# are refused, or None. wgit writes numpy arrays (numpy 1 and 2 module paths, pickle protocols 2-5), the values that
+# torch's weights-only loading lets a checkpoint hold (complex, bytearray, set, torch.Size, torch.device, torch
+# dtypes) and its record of a tensor kept in the store; numpy scalars, frozensets and OrderedDicts were kept as
+# upstream's store accepted them. The arguments allowed are the ones pickle and numpy write: a callable such as
+# bytearray(n) would otherwise allocate n bytes for a few bytes of object.
+_ArgsCheck = Callable[[Tuple[Any, ...], int], Optional[str]]
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
+
+
+def _no_check(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    return None  # what it makes is no bigger than its arguments, which the object's bytes hold
+
+
+def _array_problem(shape: Any, spec: Any, budget: int) -> Optional[str]:
+    """Why an array of ``shape`` and dtype ``spec`` cannot be in an object of ``budget`` bytes (``None``: it can).
+
+    numpy allocates an array before it reads the array's data, so the size is checked against the bytes the object
+    holds (wgit's arrays fit: their data is in those bytes). Arrays of Python objects never come from a tensor.
+    """
+    import numpy as np
+
+    dims = shape if isinstance(shape, tuple) else (shape,)
+    if not all(type(d) is int and d >= 0 for d in dims):
+        return f"the shape {_SHORT_REPR.repr(shape)} is not one numpy writes"
+    try:
+        dtype = np.dtype(spec)
+    except (TypeError, ValueError):
+        return f"{_SHORT_REPR.repr(spec)} is not a numpy dtype"
+    if dtype.hasobject:
+        return "an array of Python objects never comes from a tensor"
+    nbytes = math.prod(dims) * dtype.itemsize
+    if nbytes > budget:
+        return f"the array would take {nbytes} bytes, more than the {budget} bytes the object can hold"
+    return None
+
+
+def _check_reconstruct(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    import numpy as np
+
+    # numpy writes _reconstruct(ndarray, (0,), b"b"): an empty array, which BUILD then fills.
+    if len(args) != 3 or args[0] is not np.ndarray:
+        return "numpy writes _reconstruct(ndarray, shape, dtype) only"
+    return _array_problem(args[1], args[2], budget)
+
+
+def _check_scalar(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    # numpy writes scalar(dtype, bytes); without the bytes it allocates the dtype's item size, zero-filled.
+    if len(args) not in (1, 2) or (len(args) == 2 and not isinstance(args[1], bytes)):
+        return "numpy writes scalar(dtype, bytes) only"
+    return _array_problem((), args[0], budget)
+
+
+def _check_dtype(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    # copy=True: BUILD then sets the state of a new dtype, never of one that numpy shares.
+    if len(args) != 3 or not isinstance(args[0], str) or args[2] is not True:
+        return "numpy writes dtype(str, align, True) only"
+    return None
+
+
+def _check_bytearray(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    if len(args) != 1 or not isinstance(args[0], bytes):
+        return "pickle writes bytearray(bytes) only, and bytearray(n) allocates n bytes"
+    return None
+
+
+def _check_complex(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    if len(args) != 2 or not all(type(a) is float for a in args):
+        return "pickle writes complex(float, float) only"
+    return None
+
+
+def _check_items(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    # set, frozenset, OrderedDict and torch.Size are made from the items pickle wrote, or from nothing.
+    if len(args) > 1 or (args and not isinstance(args[0], (list, tuple, set, frozenset, dict))):
+        return "pickle writes it with a list, a tuple or no argument only"
+    return None
+
+
+def _check_record_args(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    return None if args == () else "pickle writes wgit's record without arguments (its fields come by BUILD)"
+
+
+_RECORD = ("fairscale.experimental.wgit.repo", "_SHA1_Tensor")
+_ALLOWED_GLOBALS: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
+    ("numpy", "ndarray"): None,
+    ("numpy", "dtype"): _check_dtype,
+    ("numpy.core.multiarray", "_reconstruct"): _check_reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _check_reconstruct,
+    ("numpy.core.multiarray", "scalar"): _check_scalar,
+    ("numpy._core.multiarray", "scalar"): _check_scalar,
+    ("numpy.core.numeric", "_frombuffer"): _no_check,  # a view of a buffer the object holds (protocol 5)
+    ("numpy._core.numeric", "_frombuffer"): _no_check,
+    ("collections", "OrderedDict"): _check_items,
+    ("builtins", "set"): _check_items,
+    ("builtins", "frozenset"): _check_items,
+    ("builtins", "complex"): _check_complex,
+    ("builtins", "bytearray"): _check_bytearray,
+    ("torch", "Size"): _check_items,
+    ("torch", "device"): _no_check,
+    _RECORD: None,
+}
+# What NEWOBJ (cls.__new__(cls, *args)) may make: wgit's records, and complex numbers (pickle protocol 2).
+_NEWOBJ: Dict[Tuple[str, str], _ArgsCheck] = {_RECORD: _check_record_args, ("builtins", "complex"): _check_complex}
+
+
+def _refused_opcode(opcode: str) -> Callable[[Any], None]:
+    def load(unpickler: Any) -> None:
+        raise UntrustedContentError(f"it uses pickle's {opcode} opcode, which wgit's objects never hold")
+
+    return load
+
+
+def _described(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class _StoreUnpickler(pickle._Unpickler):
+    """pickle's unpickler restricted to what wgit writes: nothing in a store object runs, poisons a class or takes
+    more memory than the object's bytes hold.
+
+    The pure-Python unpickler, whose opcode handlers can be replaced (the C one's cannot):
+
+    * globals resolve only from :data:`_ALLOWED_GLOBALS` (and torch dtypes);
+    * calls (REDUCE, NEWOBJ) go only to the callables allowed there, with the arguments pickle writes for them;
+    * BUILD (setting an object's state) only applies to numpy arrays and dtypes, wgit's records and OrderedDicts:
+      pickle's own sets attributes on whatever it is given, so on an allowed class (``_SHA1_Tensor``) it would change
+      that class for the whole process;
+    * INST, OBJ (protocols 0 and 1) and NEWOBJ_EX, which wgit never writes, are refused;
+    * nothing larger than ``budget`` bytes (the most the object's pickle can hold) is allocated: the reader refuses
+      longer reads, and arrays and bytearrays are sized before they are made.
+    """
+
+    dispatch: ClassVar[Dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # completed below
+    # Set by load(): the unpickler's stack, and reads through pickle's frames.
+    stack: List[Any]
+    append: Callable[[Any], None]
+    read: Callable[[int], bytes]
+    readinto: Callable[[bytearray], int]
+
+    def __init__(self, reader: "_HashingReader", budget: int) -> None:
+        super().__init__(reader)
+        self._budget = budget
+        # Every global resolved, by identity: what REDUCE, NEWOBJ and BUILD meet on the stack is checked by its name.
+        self._names: Dict[int, Tuple[Any, Tuple[str, str]]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            obj = super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            obj = getattr(torch, name)
+        else:
+            raise UntrustedContentError(
+                f"it names {module}.{name}, which is not a numpy array, a plain container or a wgit record"
+            )
+        self._names[id(obj)] = (obj, (module, name))
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UntrustedContentError("it refers to external (persistent) objects, which wgit never writes")
+
+    def _name_of(self, obj: Any) -> Optional[Tuple[str, str]]:
+        entry = self._names.get(id(obj))
+        return entry[1] if entry is not None and entry[0] is obj else None
+
+    def _check_call(self, func: Any, args: Any, check: Optional[_ArgsCheck]) -> None:
+        name = self._name_of(func)
+        shown = ".".join(name) if name is not None else _described(func)
+        if check is None:
+            raise UntrustedContentError(f"it calls {shown}, which wgit's objects never call")
+        if type(args) is not tuple:
+            raise UntrustedContentError(f"it calls {shown} with {_SHORT_REPR.repr(args)}, not a tuple of arguments")
+        problem = check(args, self._budget)
+        if problem is not None:
+            raise UntrustedContentError(f"it calls {shown}{_SHORT_REPR.repr(args)}: {problem}")
+
+    def _load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        name = self._name_of(func)
+        self._check_call(func, args, _ALLOWED_GLOBALS.get(name) if name is not None else None)
+        self.stack[-1] = func(*args)
+
+    def _load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        name = self._name_of(cls)
+        self._check_call(cls, args, _NEWOBJ.get(name) if name is not None else None)
+        self.append(cls.__new__(cls, *args))
+
+    def _load_bytearray8(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        if size > self._budget:  # sized before it is made: pickle allocates it, then reads into it
+            raise UntrustedContentError(
+                f"it declares a bytearray of {size} bytes, more than the {self._budget} bytes the object can hold"
+            )
+        data = bytearray(size)
+        self.readinto(data)
+        self.append(data)
+
+    def _load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        problem = self._build_problem(inst, state)
+        if problem is not None:
+            raise UntrustedContentError(f"it sets the state of {_described(inst)} (pickle's BUILD): {problem}")
+        if isinstance(state, dict):  # a record or an OrderedDict: attributes of this instance only
+            inst.__dict__.update(state)
+        else:  # a numpy array or dtype: the class's own __setstate__, never one the instance could carry
+            type(inst).__setstate__(inst, state)
+
+    def _build_problem(self, inst: Any, state: Any) -> Optional[str]:
+        import numpy as np
+
+        if type(inst) is np.ndarray:
+            if not isinstance(state, tuple) or len(state) not in (4, 5):
+                return "not an array state numpy writes"
+            return _array_problem(state[-4], state[-3], self._budget)
+        if isinstance(inst, np.dtype):  # an instance (a dtype class is not one): made with copy=True
+            return None if isinstance(state, tuple) else "not a dtype state numpy writes"
+        if self._name_of(type(inst)) == _RECORD:
+            fields = getattr(type(inst), "__dataclass_fields__", {})
+            if not isinstance(state, dict) or not set(state) <= set(fields):
+                return f"wgit's records have the fields {sorted(fields)} only"
+            return None
+        if type(inst) is collections.OrderedDict:  # torch's state dicts carry a _metadata attribute
+            if not isinstance(state, dict) or not all(isinstance(k, str) and not k.startswith("__") for k in state):
+                return "not attributes pickle writes for an OrderedDict"
+            return None
+        return (
+            "wgit's objects set the state of numpy arrays, dtypes and wgit records only (on a class it would change it)"
+        )
+
+
+_StoreUnpickler.dispatch[pickle.REDUCE[0]] = _StoreUnpickler._load_reduce
+_StoreUnpickler.dispatch[pickle.NEWOBJ[0]] = _StoreUnpickler._load_newobj
+_StoreUnpickler.dispatch[pickle.BUILD[0]] = _StoreUnpickler._load_build
+_StoreUnpickler.dispatch[pickle.BYTEARRAY8[0]] = _StoreUnpickler._load_bytearray8
+for _opcode in ("INST", "OBJ", "NEWOBJ_EX"):
+    _StoreUnpickler.dispatch[getattr(pickle, _opcode)[0]] = _refused_opcode(_opcode)
+
+
+class _HashingReader:
+    """What the unpickler reads from ``f``, fed to a SHA1 on the way (checking an object's key costs no second read),
+    and refused past ``limit`` bytes."""
+
+    def __init__(self, f: IO[bytes], limit: int) -> None:
+        self._f = f
+        self._sha1 = hashlib.sha1()
+        self._limit = limit
+        self._left = limit
+
+    def _refuse(self, what: str) -> UntrustedContentError:
+        return UntrustedContentError(
+            f"it declares {what}, more than the {self._left} bytes left of the {self._limit} bytes it can hold"
+        )
+
+    def read(self, n: int) -> bytes:
+        # Checked before reading: a file's read(n) allocates n bytes first, however few the file holds (an object of
+        # a few bytes declaring 10**14 bytes of data raised a bare MemoryError).
+        if n > self._left:
+            raise self._refuse(f"{n} bytes of data")
+        data = self._f.read(n)
+        self._left -= len(data)
+        self._sha1.update(data)
+        return data
+
+    def readline(self) -> bytes:
+        data = self._f.readline(self._left + 1)
+        if len(data) > self._left:
+            raise self._refuse("a longer line")
+        self._left -= len(data)
+        self._sha1.update(data)
+        return data
+
+    def hexdigest(self) -> str:
+        """The SHA1 of all of ``f``: what the unpickler read, and what it left after the pickle's end."""
+        while True:
+            data = self._f.read(1024 * 1024)
+            if not data:
+                return self._sha1.hexdigest()
+            self._sha1.update(data)
+
+
+# Deflate (gzip's format) expands its input at most 1032 times (258 bytes from one 2-bit code, and some), so a
+# compressed object's pickle is at most this many times its file's size.
+_MAX_DEFLATE_RATIO = 1032
+
+
+def store_object_limit(file_size: int, compressed: bool, recorded: int) -> int:
+    """The most bytes a store object's pickle can hold: its file's size (times deflate's largest ratio when
+    compressed), and no more than ``recorded``, its size in the store's metadata, when that is recorded (> 0)."""
+    limit = file_size * _MAX_DEFLATE_RATIO + 1024 if compressed else file_size
+    return min(limit, recorded) if recorded > 0 else limit
+
+
+def load_store_object(f: IO[bytes], what: str, sha1: Optional[str] = None, *, limit: int) -> Any:
+    """Unpickle one SHA1 store object from ``f`` with the restricted unpickler.
+
+    Args:
+        f (IO[bytes]): the object's (uncompressed) bytes.
+        what (str): what it is, for the messages.
+        sha1 (Optional[str]): its key, the SHA1 of those bytes: checked against what was read (and the rest of ``f``).
+        limit (int): the most bytes its pickle can hold (:func:`store_object_limit`): nothing larger is read or
+            allocated.
+
+    Raises:
+        UntrustedContentError: the object names anything but numpy arrays, plain containers and wgit records, calls
+            or sets the state of anything with what wgit never writes, declares more data than ``limit``, nests too
+            deep (:func:`nesting_problem`), or is not a valid pickle.
+        CorruptStoreError: the bytes do not hash to ``sha1``.
+    """
+    reader = _HashingReader(f, limit)
+    try:
+        # Unpickled before the hash is known: the restricted unpickler runs nothing, so tampered bytes are harmless
+        # until the check below, and a hostile pickle is named as such.
+        obj = _StoreUnpickler(reader, limit).load()
+        actual = reader.hexdigest() if sha1 is not None else None
+    except UntrustedContentError as e:
+        raise UntrustedContentError(
+            f"wgit: refusing {what}: {e}. wgit never runs code from its store; this object was not written by wgit"
+        ) from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        OverflowError,
+        struct.error,
+    ) as e:
+        raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None
+    except (gzip.BadGzipFile, zlib.error) as e:  # a compressed object with damaged or foreign bytes
+        raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None
+    if actual != sha1:
+        raise CorruptStoreError(
+            f"wgit: {what} is corrupted: its content hashes to {actual}, not to its key, so it is not the object that "
+            "was stored (the file was changed after wgit wrote it). The SHA1 store is damaged: restore the object "
+            "file from a backup, or add the checkpoint again in a new repository"
+        )
+    problem = nesting_problem(obj)
+    if problem is not None:
+        raise UntrustedContentError(f"wgit: refusing {what}: it {problem}; this object was not written by wgit")
+    return obj
