@@ -50,7 +50,8 @@ KINDS: Dict[str, List[str]] = {
     "docs/clients.rst": [],
     # The DCP section's blocks ("script") are run by tests/nn/data_parallel/test_fsdp_dcp_docs.py.
     # Its OSS subsection's two blocks ("script") are run by tests/optim/test_oss_dcp.py.
-    "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 7,
+    # Its tensor-parallel block ("script", the sixth of the section) by tests/nn/data_parallel/test_fsdp_dcp_groups.py.
+    "docs/checkpointing.rst": ["python"] * 5 + ["shell", "shell", "python", "python"] + ["script"] * 8,
     "docs/differences.rst": [],
     "docs/fsdp.rst": ["python"],
     "docs/getting_started.rst": ["shell", "python"],

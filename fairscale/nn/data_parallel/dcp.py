@@ -115,10 +115,11 @@ def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
     return unit
 
 
-def _checkpoint_unit(model: nn.Module, what: str) -> FSDPUnit:
-    """The root unit of a model that :func:`save` / :func:`load` can checkpoint (sharded over the whole world)."""
+def _checkpoint_unit(model: nn.Module, process_group: Any, what: str) -> FSDPUnit:
+    """The root unit of a model that :func:`save` / :func:`load` can checkpoint over ``process_group`` (the world
+    when ``None``): the group's ranks are the model's (its shard group, times its replicate group)."""
     unit = _root_unit(model, what)
-    dcp_layout.check_whole_world(unit, what)
+    dcp_layout.check_checkpoint_group(unit, process_group, what)
     return unit
 
 
@@ -338,9 +339,9 @@ def set_state_dict(
 # ---------------------------------------------------------------------------------------------------- directories
 
 
-def _same_directory_on_every_rank(unit: FSDPUnit, checkpoint_id: Any, flag: bool, what: str) -> bool:
-    """Whether ``flag`` holds on any rank of the default group (checkpoint directories are the world's), in the one
-    gather that also compares the ranks' ``checkpoint_id``.
+def _same_directory_on_every_rank(unit: FSDPUnit, checkpoint_id: Any, flag: bool, group: Any, what: str) -> bool:
+    """Whether ``flag`` holds on any rank of the checkpoint's ``group`` (``None``: the world), in the one gather that
+    also compares the ranks' ``checkpoint_id``.
 
     Ranks given other directories saved a checkpoint that cannot load (each rank's shards in its own directory,
     ``.metadata`` in rank 0's only), or loaded a model that was part one checkpoint, part another, without an error.
@@ -349,10 +350,11 @@ def _same_directory_on_every_rank(unit: FSDPUnit, checkpoint_id: Any, flag: bool
         RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank).
     """
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
-        gathered = collectives.all_gather_object((os.fspath(checkpoint_id), bool(flag)))
+        gathered = collectives.all_gather_object((os.fspath(checkpoint_id), bool(flag)), group)
     check_gathered_agree(
         f"{what}: the checkpoint_id",
         [path for path, _ in gathered],
+        group,
         hint="Pass the same checkpoint directory on every rank (a path every rank can reach, e.g. on shared storage).",
     )
     return any(f for _, f in gathered)
@@ -367,11 +369,11 @@ def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer,
 
 
 def _prepare_directory(
-    unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, what: str
+    unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, group: Any, what: str
 ) -> None:
     """Refuse, or make unloadable, an existing checkpoint before anything of the new one is written."""
     metadata = dcp_load.metadata_path(checkpoint_id)
-    if not _same_directory_on_every_rank(unit, checkpoint_id, os.path.exists(metadata), what):
+    if not _same_directory_on_every_rank(unit, checkpoint_id, os.path.exists(metadata), group, what):
         return
     if not overwrite:
         raise FileExistsError(
@@ -383,7 +385,7 @@ def _prepare_directory(
     # the new one is complete, the directory holds no checkpoint. (Every rank enters DCP's planning, which gathers on
     # rank 0, before any rank writes, so the removal happens before the first write.)
     error: Optional[BaseException] = None
-    if collectives.group_rank(None) == 0:
+    if collectives.group_rank(group) == 0:
         try:
             os.remove(metadata)
         except FileNotFoundError:
@@ -391,7 +393,7 @@ def _prepare_directory(
         except OSError as e:
             error = e
     with unit.device.as_current():
-        check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error)
+        check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error, group)
 
 
 def save(
@@ -401,6 +403,7 @@ def save(
     checkpoint_id: Union[str, "os.PathLike[str]"],
     storage_writer: Optional[Any] = None,
     overwrite: bool = False,
+    process_group: Optional[Any] = None,
 ) -> None:
     """Save the model (and optimizers) as a DCP checkpoint directory (collective).
 
@@ -424,8 +427,13 @@ def save(
             choose its options; by default DCP's for ``checkpoint_id``.
         overwrite: replace a checkpoint already in the directory. Its ``.metadata`` is removed first, so the
             directory holds no loadable checkpoint until the new one is complete.
+        process_group: the ranks that write this checkpoint, exactly the model's: by default the world, which
+            must then be the ranks the model is sharded (and, hybrid, replicated) over. A model sharded over a
+            data-parallel group of tensor or pipeline parallelism passes that group here and a ``checkpoint_id``
+            per group (e.g. ``f"ckpt/step-100/mp-{mp_rank}"``); every group writes its own checkpoint at once.
 
     Raises:
+        ValueError: ``process_group`` (or the world) does not hold exactly the model's ranks.
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false (on every rank).
         RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is written).
         RuntimeError: DCP failed to write the checkpoint (on every rank; the message lists each failing rank's
@@ -433,10 +441,10 @@ def save(
     """
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
-    _prepare_directory(_checkpoint_unit(model, "save"), checkpoint_id, overwrite, "save")
+    _prepare_directory(_checkpoint_unit(model, process_group, "save"), checkpoint_id, overwrite, process_group, "save")
     state = _checkpoint_state(model, optims, dcp_state.VIEWS)
     try:
-        _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer)
+        _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group)
     except CheckpointException as e:  # a BaseException in torch: make it an ordinary error
         raise RuntimeError(
             f"save: writing the checkpoint {os.fspath(checkpoint_id)!r} failed; DCP writes {METADATA_FILE} last, so "
@@ -451,6 +459,7 @@ def async_save(
     checkpoint_id: Union[str, "os.PathLike[str]"],
     storage_writer: Optional[Any] = None,
     overwrite: bool = False,
+    process_group: Optional[Any] = None,
 ) -> Any:
     """Like :func:`save`, but the files are written in the background (``torch.distributed.checkpoint.async_save``).
 
@@ -465,25 +474,35 @@ def async_save(
         checkpoint_id: the checkpoint directory, the same path on every rank.
         storage_writer: see :func:`save`.
         overwrite: see :func:`save`.
+        process_group: see :func:`save`.
 
     Returns:
         What ``torch.distributed.checkpoint.async_save`` returns: a future (``.result()`` waits for the files).
 
     Raises:
+        ValueError: see :func:`save`.
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false.
         RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is written).
     """
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
-    _prepare_directory(_checkpoint_unit(model, "async_save"), checkpoint_id, overwrite, "async_save")
+    unit = _checkpoint_unit(model, process_group, "async_save")
+    _prepare_directory(unit, checkpoint_id, overwrite, process_group, "async_save")
     if _ASYNC_STAGER:
         # A snapshot: ShardedTensors of one CPU copy of every flat shard, which DCP's stager cannot copy again.
         state = _checkpoint_state(model, optims, dcp_state.SNAPSHOT)
         return _dcp_async_save(
-            state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, async_stager=dcp_views.PreStaged()
+            state,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            process_group=process_group,
+            async_stager=dcp_views.PreStaged(),
         )
     return _dcp_async_save(  # pragma: no cover - a torch without async_stager: copies, staged by DCP
-        _checkpoint_state(model, optims, dcp_state.COPIES), checkpoint_id=checkpoint_id, storage_writer=storage_writer
+        _checkpoint_state(model, optims, dcp_state.COPIES),
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        process_group=process_group,
     )
 
 
@@ -494,6 +513,7 @@ def load(
     checkpoint_id: Union[str, "os.PathLike[str]"],
     storage_reader: Optional[Any] = None,
     strict: bool = True,
+    process_group: Optional[Any] = None,
 ) -> IncompatibleKeys:
     """Load a DCP checkpoint directory written by :func:`save` (or the same layout by FSDP2) (collective).
 
@@ -512,11 +532,15 @@ def load(
         strict: with ``False``, model keys missing from the checkpoint keep their values and keys of the
             checkpoint the model lacks are ignored (both reported); with ``True`` either raises before anything is
             read.
+        process_group: the ranks that read this checkpoint (see :func:`save`): by default the world; the group of
+            the model's shards with tensor or pipeline parallelism, each group reading its own directory. The
+            checkpoint may have been written by a group of another size.
 
     Returns:
         The model's ``IncompatibleKeys``.
 
     Raises:
+        ValueError: ``process_group`` (or the world) does not hold exactly the model's ranks.
         RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is read).
         CheckpointNotFoundError: no ``.metadata`` in the directory (no checkpoint, or a save that was interrupted
             or is still running); raised on every rank.
@@ -527,8 +551,8 @@ def load(
             failing rank's error), or the loaded state does not fit.
     """
     _options(None, "load")
-    unit = _checkpoint_unit(model, "load")
+    unit = _checkpoint_unit(model, process_group, "load")
     optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
-    _same_directory_on_every_rank(unit, checkpoint_id, False, "load")
-    missing, unexpected = dcp_load.load(unit, optims, checkpoint_id, storage_reader, strict)
+    _same_directory_on_every_rank(unit, checkpoint_id, False, process_group, "load")
+    missing, unexpected = dcp_load.load(unit, optims, checkpoint_id, storage_reader, strict, process_group)
     return IncompatibleKeys(missing, unexpected)

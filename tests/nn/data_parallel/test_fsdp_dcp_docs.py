@@ -87,7 +87,7 @@ def _run(code: str, namespace: Dict[str, Any]) -> None:
 def _examples(rank: int, world_size: int, directory: str) -> None:
     os.chdir(directory)
     blocks = _blocks()
-    assert len(blocks) == 5, len(blocks)
+    assert len(blocks) == 6, len(blocks)  # the sixth (tensor parallelism) is run by test_fsdp_dcp_groups.py
     model = _fairscale(0)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     _step(model, optim, rank)

@@ -180,25 +180,51 @@ class ModelLayout:
         return out
 
 
-def check_whole_world(root: FSDPUnit, what: str) -> None:
-    """Raise ``ValueError`` unless ``root``'s groups (shard times replicate) make up the whole world.
+def check_checkpoint_group(root: FSDPUnit, process_group: Any, what: str) -> None:
+    """Raise ``ValueError`` unless ``process_group`` (``None``: the world) holds exactly the ranks of ``root``'s model:
+    its shard group, times its replicate group with hybrid sharding.
 
-    ``fsdp_dcp.save``/``load`` write and read one checkpoint from every rank of the world: with the model sharded over
-    a subgroup (FSDP over each tensor-parallel rank's data-parallel group), the other subgroups' shards bear the same
-    names and offsets, and they overwrote each other in the files, loading back wrong values without an error.
-    (``get_model_state_dict`` and the others stay usable there, with torch's ``dcp.save(..., process_group=...)``.)
+    ``fsdp_dcp.save``/``load`` write and read one checkpoint from every rank of that group. With the model sharded
+    over a subgroup of the world (FSDP over each tensor-parallel rank's data-parallel group) and the world as the
+    checkpoint's group, the other subgroups' shards bear the same names and offsets, and they overwrote each other in
+    the files, loading back wrong values without an error: such a model needs its own group, and a directory per
+    group.
     """
     ranks = tuple(collectives.group_ranks(root.config.process_group))
     replicate_ranks = _replicate_ranks(root)
-    world = collectives.group_ranks(None)
-    if len(ranks) * max(1, len(replicate_ranks)) != len(world):
+    model_ranks = set(ranks)
+    if replicate_ranks:
+        # Every rank of the shard group lies in one replicate group; the model's ranks are their union. Each rank
+        # knows its own groups only: ranks of other shard groups are those of the replicas' shard groups, which have
+        # the same size (checked at construction), so the count is what can be checked here.
+        model_ranks |= set(replicate_ranks)
+        model_count = len(ranks) * len(replicate_ranks)
+    else:
+        model_count = len(ranks)
+    model = f"the model shards over ranks {list(ranks)}" + (
+        f" and replicates over {list(replicate_ranks)} ({model_count} ranks)" if replicate_ranks else ""
+    )
+    if process_group is None:
+        world = collectives.group_ranks(None)
+        if model_count != len(world):
+            raise ValueError(
+                f"{what}: {model}, which do not make up the world's {len(world)} ranks (FSDP over a data-parallel "
+                "group of tensor or pipeline parallelism?); without process_group, the checkpoint is the world's and "
+                "every group's shards would overwrite each other. Pass process_group=the model's data-parallel group "
+                "and a checkpoint_id per group (e.g. one directory per tensor-parallel rank)."
+            )
+        return
+    group_ranks = collectives.group_ranks(process_group)
+    if collectives.group_rank(process_group) < 0:
         raise ValueError(
-            f"{what}: the model shards over ranks {list(ranks)}"
-            + (f" and replicates over {list(replicate_ranks)}" if replicate_ranks else "")
-            + f", which do not make up the world's {len(world)} ranks (FSDP over a data-parallel group of tensor or "
-            "pipeline parallelism?); fsdp_dcp.save and load write one checkpoint for a model sharded over the whole "
-            "world. Save such models with local_state_dict() (per rank), state_dict() on each group's rank 0, or "
-            "torch's dcp.save(get_state_dict(...), process_group=the model's group) into a directory per group."
+            f"{what}: this rank ({collectives.group_rank(None)}) is not in process_group (ranks {list(group_ranks)}); "
+            "pass the group the model is sharded over (its data-parallel group), which holds this rank"
+        )
+    if len(group_ranks) != model_count or not model_ranks <= set(group_ranks):
+        raise ValueError(
+            f"{what}: process_group holds ranks {list(group_ranks)} but {model}; pass the group whose ranks hold the "
+            "model's shards and replicas (its data-parallel group): every rank of it saves or loads this checkpoint, "
+            "and only they"
         )
 
 

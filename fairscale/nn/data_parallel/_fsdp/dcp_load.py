@@ -63,10 +63,12 @@ def load(
     checkpoint_id: PathLike,
     storage_reader: Optional[Any],
     strict: bool,
+    process_group: Optional[Any] = None,
 ) -> Tuple[List[str], List[str]]:
-    """See :func:`fairscale.nn.data_parallel.dcp.load`; returns the model's ``(missing, unexpected)`` keys."""
+    """See :func:`fairscale.nn.data_parallel.dcp.load`; returns the model's ``(missing, unexpected)`` keys.
+    ``process_group``: the ranks that read this checkpoint (``None``: the world)."""
     reader = storage_reader if storage_reader is not None else _Reader(os.fspath(checkpoint_id))
-    saved_keys = _saved_keys(unit, checkpoint_id, reader if storage_reader is None else None)
+    saved_keys = _saved_keys(unit, checkpoint_id, reader if storage_reader is None else None, process_group)
     model_keys = {k[len(MODEL_KEY) + 1 :] for k in saved_keys if k.startswith(MODEL_KEY + ".")}
     if optims and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved_keys):
         raise RuntimeError(
@@ -107,7 +109,9 @@ def load(
         # torch 2.3 did, which no longer matches the checkpoint. Such tensors are only read by the ranks that hold them.
         planner = _SizeCheckingPlanner(flatten_sharded_tensors=False)
         with _plain_tensor_attributes():
-            _dcp_load(state, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
+            _dcp_load(
+                state, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner, process_group=process_group
+            )
     except (Exception, CheckpointException) as e:
         _forget_created_state(optims, fresh)
         raise RuntimeError(
@@ -247,9 +251,10 @@ def _plain_tensor_attributes() -> Any:
     return disable() if disable is not None else contextlib.nullcontext()
 
 
-def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) -> List[str]:
+def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any], group: Optional[Any]) -> List[str]:
     """The (flattened) keys of the checkpoint's ``.metadata`` (read with ``reader``, by default a new :class:`_Reader`);
-    the same error on every rank if it cannot be read."""
+    the same error on every rank of ``group`` (the checkpoint's; ``None``: the world) if it cannot be read. Ranks in
+    the messages are ranks of ``group``."""
     path = os.fspath(checkpoint_id)
     keys: List[str] = []
     problem: Optional[str] = None
@@ -263,7 +268,7 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any]) 
         except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
             problem = f"{type(e).__name__}: {e}"
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
-        problems = collectives.all_gather_object(problem)
+        problems = collectives.all_gather_object(problem, group)
     if "missing" in problems:
         raise CheckpointNotFoundError(
             f"load: no complete checkpoint at {path!r}: {METADATA_FILE} is missing on rank(s) "
