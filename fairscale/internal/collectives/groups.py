@@ -96,6 +96,14 @@ def group_ranks(group: Optional[ProcessGroup] = None) -> Tuple[int, ...]:
     return _group_info(group).ranks
 
 
+def group_leader(group: Optional[ProcessGroup] = None) -> int:
+    """The global rank of ``group``'s rank 0 (not always its lowest global rank: ``new_group`` keeps the order of the
+    ranks it is given)."""
+    if _dist_ready() and isinstance(group, dist.ProcessGroup):
+        return int(dist.get_global_rank(group, 0))
+    return 0
+
+
 def _member_info(group: Optional[ProcessGroup], what: str) -> _GroupInfo:
     """The group's info, checked for a collective ``what`` on it (called by every collective: the known, usable
     group is a dictionary hit, and everything else takes the full path of :func:`_group_info`)."""

@@ -14,6 +14,8 @@ and every replica holds the same ones: the layout records the replicate group to
 (``(Replicate(), Shard(0))`` over a ``("replicate", "shard")`` DeviceMesh, see :mod:`.dcp_dtensor`).
 """
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -226,6 +228,26 @@ def check_checkpoint_group(root: FSDPUnit, process_group: Any, what: str) -> Non
             "model's shards and replicas (its data-parallel group): every rank of it saves or loads this checkpoint, "
             "and only they"
         )
+    first = collectives.group_leader(process_group)
+    if first != 0 and not _dcp_takes_subgroups():
+        raise NotImplementedError(
+            f"{what}: this torch's DCP ({torch.__version__}) cannot save or load over a group whose first rank is not "
+            f"global rank 0 (here {first}): its coordinator is the group's rank 0 taken as a global rank "
+            "(pytorch/pytorch#141825, fixed in later releases). Upgrade torch, or save such a group's part with "
+            "local_state_dict() or state_dict() on its rank 0."
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _dcp_takes_subgroups() -> bool:
+    """Whether torch's DCP addresses a subgroup's coordinator by its global rank (torch 2.7 and later): its object
+    collectives take ``dst``/``src`` as global ranks, which earlier releases passed the group rank (0) as."""
+    try:
+        from torch.distributed.checkpoint.utils import _DistWrapper
+
+        return "global_coordinator_rank" in inspect.getsource(_DistWrapper)
+    except (ImportError, OSError, TypeError):  # pragma: no cover - no DCP, or a torch without its sources
+        return True
 
 
 def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
