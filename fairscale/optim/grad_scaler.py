@@ -270,8 +270,11 @@ class GradScaler(_ScalerBase):
             accelerator's type, else ``"cpu"``.
 
     Raises:
-        ValueError: enabled, with an ``init_scale`` that is 0, negative or not finite (torch accepts it, and the
-            first step turns every weight into NaN).
+        ValueError: enabled, with an ``init_scale`` that is 0, negative, not finite or beyond float32's range
+            (torch accepts it, and the first step turns every weight into NaN), a ``backoff_factor`` outside (0, 1)
+            or a ``growth_factor`` below 1.
+        TypeError: enabled, with another setting that is not a finite real number, or a ``growth_interval`` that
+            is not an integer.
     """
 
     def __init__(
@@ -317,8 +320,11 @@ class ShardedGradScaler(_ScalerBase):
             accelerator's type, else ``"cpu"``.
 
     Raises:
-        ValueError: enabled, with an ``init_scale`` that is 0, negative or not finite (torch accepts it, and the
-            first step turns every weight into NaN).
+        ValueError: enabled, with an ``init_scale`` that is 0, negative, not finite or beyond float32's range
+            (torch accepts it, and the first step turns every weight into NaN), a ``backoff_factor`` outside (0, 1)
+            or a ``growth_factor`` below 1.
+        TypeError: enabled, with another setting that is not a finite real number, or a ``growth_interval`` that
+            is not an integer.
     """
 
     def __init__(

@@ -383,7 +383,9 @@ class SHA1_Store:
                 than the object can hold, or nest containers too deep (they were not written by wgit; nothing in
                 them runs, and nothing larger than the object's size is allocated).
             CorruptStoreError: the stored bytes do not hash to ``sha1`` (the file was changed, e.g. replaced by
-                another array's), or ``metadata.json`` is damaged.
+                another array's of at most its size), or ``metadata.json`` is damaged. A change that fails an
+                earlier check of the read (a larger object's bytes, a damaged compressed stream) raises
+                ``UntrustedContentError``; both derive from ``WgitSafetyError``.
             UnsafeRepositoryError: a path inside the store is a symbolic link or not a regular file.
         """
         path = self._sha1_path(sha1)

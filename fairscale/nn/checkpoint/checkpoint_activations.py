@@ -38,7 +38,7 @@ from fairscale.internal.containers import pack_kwargs, split_non_tensors, unpack
 from fairscale.internal import device
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._structure import _flatten, _map_structure, _unflatten
-from .checkpoint_utils import patch_batchnorm
+from .checkpoint_utils import own_forward_without_stats, patch_batchnorm
 
 __all__ = [
     "CheckpointFunction",
@@ -271,7 +271,7 @@ def _checkpointed_forward(
         # cost a second forward (and would skip the batch-norm statistics update of this step).
         return forward(*args, **kwargs)
 
-    run = _RunForward(forward, input_spec, (args, kwargs), input_tensors)
+    run = _RunForward(forward, input_spec, (args, kwargs), input_tensors, module)
     # torch's reentrant checkpoint only tracks gradients if one of its inputs requires grad; the
     # parameters used inside are invisible to it, so this empty tensor stands in for them.
     grad_anchor = torch.empty((0,), requires_grad=True)
@@ -291,8 +291,10 @@ class _RunForward:
         input_spec: Any,
         caller_arguments: Tuple[Tuple[Any, ...], Dict[str, Any]],
         caller_tensors: List[torch.Tensor],
+        module: Optional[nn.Module] = None,
     ) -> None:
         self.forward = forward
+        self.module = module  # the checkpointed module, whose forward this calls directly (its hooks do not run)
         self.input_spec = input_spec
         # The first pass gets the caller's own arguments, containers and all (rebuilt from the spec, a list holding a
         # tensor would be a copy, and what the forward appends to it would not reach the caller), as long as torch
@@ -324,7 +326,8 @@ class _RunForward:
             args, kwargs = _unflatten(self.input_spec if first_pass else self.recompute_spec, list(input_tensors))
         _call_stash.stack.append(self.stash)
         try:
-            with enable_checkpointing() if first_pass else enable_recomputing():
+            own_stats = own_forward_without_stats(self.module) if self.module is not None else contextlib.nullcontext()
+            with enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
                 outputs = self.forward(*args, **kwargs)
                 if isinstance(outputs, types.GeneratorType):
                     # A forward written as a generator runs its body only when consumed: left lazy, it would run

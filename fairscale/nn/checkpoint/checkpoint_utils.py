@@ -8,7 +8,8 @@ per step. :func:`patch_batchnorm` makes such layers skip the update whenever gra
 statistics move exactly once per step, in the pass that also computes gradients.
 """
 
-from typing import Any, List, Tuple
+import contextlib
+from typing import Any, Iterator, List, Tuple, cast
 
 import torch
 from torch import nn
@@ -42,6 +43,30 @@ class _RunningStatsGuard:
         if self.suspended:
             module.track_running_stats = True
             self.suspended = False
+
+
+def _is_patched_kind(module: nn.Module) -> bool:
+    return isinstance(module, _BatchNorm) and not hasattr(module, "disable_patch_batchnorm")
+
+
+@contextlib.contextmanager
+def own_forward_without_stats(module: nn.Module) -> Iterator[None]:
+    """Around a direct call of ``module.forward`` (no hooks run): what the patch's hooks do for a batch-norm layer.
+
+    A checkpoint-wrapped batch-norm layer is itself the module whose forward the checkpoint runs, by calling it
+    directly in both passes: its hooks ran once, around the whole wrapped call with grad enabled, and the no-grad
+    pass updated the statistics a second time. Nothing is done for other modules (their batch-norm layers are
+    called through ``__call__``, so their hooks run).
+    """
+    if not _is_patched_kind(module):
+        yield
+        return
+    bn, guard = cast(_BatchNorm, module), _RunningStatsGuard()
+    guard.suspend(bn, ())
+    try:
+        yield
+    finally:
+        guard.restore(bn, (), None)
 
 
 def _patch_one(bn: _BatchNorm) -> Tuple[RemovableHandle, RemovableHandle]:
@@ -78,6 +103,6 @@ def patch_batchnorm(module: nn.Module) -> List[RemovableHandle]:
     for child in module.modules():
         # A layer with a ``disable_patch_batchnorm`` attribute (any value, as upstream) manages its running
         # statistics itself under checkpointing, e.g. fairscale.experimental.nn.SyncBatchNorm.
-        if isinstance(child, _BatchNorm) and not hasattr(child, "disable_patch_batchnorm"):
-            handles.extend(_patch_one(child))
+        if _is_patched_kind(child):
+            handles.extend(_patch_one(cast(_BatchNorm, child)))
     return handles

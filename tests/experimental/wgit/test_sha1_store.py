@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fairscale.experimental.wgit.safety import CorruptStoreError
+from fairscale.experimental.wgit.safety import CorruptStoreError, UntrustedContentError, WgitSafetyError
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 
 pytest.importorskip("numpy")
@@ -104,6 +104,28 @@ def test_get_refuses_an_object_that_does_not_hash_to_its_key(tmp_path: Path, com
         with pytest.raises(CorruptStoreError, match="corrupted"):
             store.get(key)
     assert torch.equal(store.get(other), torch.full((4,), 666.0))
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_changes_caught_before_the_hash_are_untrusted_content(tmp_path: Path, compress: bool) -> None:
+    """As docs/experimental.rst says: a larger array's object in place of this one's declares more data than the
+    file can hold, and a damaged compressed stream fails gzip's CRC, before the hash is known; both raise
+    UntrustedContentError, a WgitSafetyError like CorruptStoreError."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = store.add(torch.randn(4), compress=compress)
+    larger = store.add(torch.randn(5), compress=compress)
+    path = _object_file(tmp_path / "store", key)
+    original = path.read_bytes()
+    path.write_bytes(_object_file(tmp_path / "store", larger).read_bytes())
+    with pytest.raises(UntrustedContentError) as info:
+        store.get(key)
+    assert isinstance(info.value, WgitSafetyError)
+    if compress:
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0x10
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(WgitSafetyError):
+            store.get(key)
 
 
 _BAD_ENTRIES = [

@@ -66,6 +66,25 @@ def test_running_stats_updated_in_recomputation_only() -> None:
     assert bn.num_batches_tracked.item() == 1 and not torch.all(bn.running_mean == 0)
 
 
+@pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.SyncBatchNorm], ids=["batch_norm", "torch_sync_batch_norm"])
+def test_a_wrapped_batch_norm_layer_itself_updates_once(cls: Any) -> None:
+    """checkpoint_wrapper(nn.BatchNorm1d(4)): the checkpoint calls the layer's forward directly in both passes, so its
+    own hooks never ran in the no-grad one, and its statistics moved twice per step (found by a docs review)."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(4)
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain) if cls is nn.BatchNorm1d else cls(4))
+    for step in range(3):
+        x = torch.randn(8, 4, requires_grad=True)
+        out = wrapped(x)
+        assert wrapped.num_batches_tracked.item() == step, "the no-grad pass updated the statistics"
+        out.sum().backward()
+        plain(x).sum().backward()
+        assert wrapped.num_batches_tracked.item() == step + 1
+        assert torch.equal(wrapped.running_mean, plain.running_mean)
+        assert torch.equal(wrapped.running_var, plain.running_var)
+        assert wrapped.track_running_stats
+
+
 def test_eval_mode_uses_running_stats_and_keeps_them() -> None:
     torch.manual_seed(0)
     plain = conv_model(nn.BatchNorm2d(8))
