@@ -54,6 +54,13 @@ def _trained(mp_rank: int, group: Any, seed: int) -> Tuple[FSDP, torch.optim.Opt
     return fsdp, optim
 
 
+def _step(fsdp: FSDP, optim: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    optim.zero_grad()
+    NestedWrappedModule.per_sample_loss(fsdp(*NestedWrappedModule.sample(4, gen))).mean().backward()
+    optim.step()
+
+
 def _fresh(mp_rank: int, group: Any, mode: str = "leaf") -> Tuple[FSDP, torch.optim.Optimizer]:
     model, _ = build(NestedWrappedModule, 99 + mp_rank)
     fsdp = wrap_model(model, {"process_group": group}, mode)
@@ -100,6 +107,16 @@ def _save_per_group(rank: int, world_size: int, root: str) -> None:
     result = fsdp_dcp.load(other, other_optim, checkpoint_id=path, process_group=group)
     assert list(result.missing_keys) == [] and list(result.unexpected_keys) == [], result
     _assert_equal(_full(other, other_optim), want, f"mp rank {mp_rank}, group {dist.get_process_group_ranks(group)}")
+    # An async save over the old checkpoint (overwrite: the group's rank 0, global rank 0 or 1, removes .metadata).
+    _step(other, other_optim, seed=2)
+    want_after = _full(other, other_optim)
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        fsdp_dcp.save(other, other_optim, checkpoint_id=path, process_group=group)
+    fsdp_dcp.async_save(other, other_optim, checkpoint_id=path, overwrite=True, process_group=group).result()
+    third, third_optim = _fresh(mp_rank, group, mode="nested")
+    fsdp_dcp.load(third, third_optim, checkpoint_id=path, process_group=group)
+    _assert_equal(_full(third, third_optim), want_after, f"mp rank {mp_rank}: async_save with overwrite")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True, process_group=group)  # for _load_on_one_rank
     dist.barrier()
 
 
