@@ -155,3 +155,65 @@ def _append_shared_param_bad_input_body(rank: int, ws: int) -> None:
 
 def test_append_shared_param_bad_input() -> None:
     run_distributed(_append_shared_param_bad_input_body, 2)
+
+
+class RegisteredInBoth(nn.Module):
+    """Four linears, ``l1`` and ``l3`` sharing one weight registered in both (the model of upstream's shared-weights
+    test): ``l1`` owns it in FSDP, ``l3`` declares it with ``append_shared_param``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(4, 4) for _ in range(4))
+        self.l3.weight = self.l1.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(self.l0(x))))))
+
+
+def _wrap_registered_in_both(model: RegisteredInBoth) -> FSDP:
+    model.l1 = FSDP(model.l1, flatten_parameters=False)
+    model.l2 = FSDP(model.l2, flatten_parameters=False)
+    model.l3 = FSDP(model.l3, flatten_parameters=False)
+    model.l3.append_shared_param(model.l1.module.module.weight)
+    return FSDP(model, flatten_parameters=False)
+
+
+def _registered_in_both_state_dict_body(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    ref = RegisteredInBoth()
+    fsdp = _wrap_registered_in_both(RegisteredInBoth())
+    fsdp.load_state_dict(ref.state_dict())
+    # Before any step, after steps, and between a forward and its backward: both names, full, equal to the reference.
+    expected = ref.state_dict()
+    assert_close_dict(fsdp.state_dict(), expected, "before training", rtol=0, atol=0)
+    opt, ref_opt = make_optim(fsdp.parameters(), "sgd"), make_optim(ref.parameters(), "sgd")
+    for step in range(2):
+        x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        out = fsdp(x.tensor_split(ws)[rank])
+        sd = fsdp.state_dict()  # a backward is pending
+        assert_close_dict(sd, ref.state_dict(), f"step {step}, mid-step", rtol=1e-5, atol=1e-6)
+        out.pow(2).mean().backward()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        ref_opt.step()
+    sd = fsdp.state_dict()
+    assert sd["l3.weight"].shape == (4, 4) and torch.equal(sd["l1.weight"], sd["l3.weight"])
+    assert_close_dict(sd, ref.state_dict(), "after training", rtol=1e-5, atol=1e-6)
+    # The borrower summoned alone shows the full shared weight, and an edit of it reaches the owner's shard.
+    with fsdp.l3.summon_full_params(recurse=False):
+        assert fsdp.l3.module.module.weight.shape == (4, 4)
+        fsdp.l3.module.module.weight.data.fill_(0.25)
+    sd = fsdp.state_dict()
+    assert torch.equal(sd["l1.weight"], torch.full((4, 4), 0.25)) and torch.equal(sd["l3.weight"], sd["l1.weight"])
+    # A full dict round trip through another wrapping.
+    other = _wrap_registered_in_both(RegisteredInBoth())
+    other.load_state_dict(sd)
+    assert_close_dict(other.state_dict(), sd, "loaded", rtol=0, atol=0)
+
+
+def test_a_parameter_registered_in_both_siblings_is_full_under_both_names() -> None:
+    """Found by running upstream's shared-weights test: the borrower's state_dict listed the shared weight as this
+    rank's flat shard (shape (8,) instead of (4, 4))."""
+    run_distributed(_registered_in_both_state_dict_body, 2)

@@ -46,7 +46,9 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
             "between steps and between a forward and its backward, but not inside forward or backward."
         )
     unit.device.synchronize()
-    handles = [h for h in unit.handles if not h.borrowed]
+    owned = [h for h in unit.handles if not h.borrowed]
+    lent = _lent_handles(unit)
+    handles = owned + [h for _, h in lent]
     previous_data = [h.param.data for h in handles]
     fpw = unit.wrapped
     flattened = getattr(fpw, "is_flattened", False) and unit.num_flatten_params > 0
@@ -55,7 +57,7 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
     plain = handles[unit.num_flatten_params :] if flattened else handles
     places = _places(fpw, plain) if plain else []
     with collectives.collective_phase("summon"):
-        fulls: List[Tensor] = [_gather_fp32(unit, h) for h in handles]
+        fulls: List[Tensor] = [_gather_fp32(unit, h) for h in owned] + [_gather_fp32(u, h) for u, h in lent]
     unit.transition(TrainingState.SUMMON_FULL_PARAMS)
     unit.summon_volatile = volatile
     # Leaving the unflattened context makes fresh views of the flat parameters, whose data is the summoned copy at
@@ -99,6 +101,27 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
             f"({'; '.join(problems)}); nothing was written back, the model keeps its values. Edit parameters in "
             "place (p.copy_(...)), or replace them by tensors of the same shape."
         )
+
+
+def _lent_handles(unit: FSDPUnit) -> List[Tuple[FSDPUnit, FlatHandle]]:
+    """The owners' handles of the parameters ``unit`` borrowed (``append_shared_param``) whose owner is not summoned.
+
+    A summon of the borrower alone (each instance's ``state_dict()`` summons only itself) left the borrowed parameter
+    as the owner's flat shard, so the full state dict listed it, under the borrower's name, as this rank's shard
+    (upstream gathers it with the borrower's own parameters). Its owner lies in the same tree (checked at lazy init);
+    when the owner is summoned too, the parameter is full already. The same on every rank: summons are collective.
+    """
+    if not any(h.borrowed for h in unit.handles):
+        return []
+    root = unit.tree.root() if unit.tree is not None and unit.tree.root is not None else None
+    units = root.tree_units() if root is not None else [unit]
+    owners = {id(h.param): (u, h) for u in units for h in u.handles if not h.borrowed}
+    lent = []
+    for h in unit.handles:
+        owner = owners.get(id(h.param)) if h.borrowed else None
+        if owner is not None and owner[0].training_state != TrainingState.SUMMON_FULL_PARAMS:
+            lent.append(owner)
+    return lent
 
 
 _Place = Tuple[nn.Module, str]
