@@ -12,8 +12,9 @@
 *Global ids* number the original (unflattened) parameters, FSDP instance by instance in module pre-order and,
 inside an instance, in flattening order. *Local ids* number the flat parameters (one per non-empty instance), as
 the sharded optimizer sees them. Per-rank 0-dim tensor state (other than ``step``) is a list with one 0-dim tensor
-per rank. ``uncollected_local_ids`` are instances built with ``no_broadcast_optim_state=True``: their entry is rank
-0's flat state, under the instance's first global id.
+per rank. ``uncollected_local_ids`` are instances built with ``no_broadcast_optim_state=True``: their entries are
+rank 0's own state, split per original parameter (on a group of one rank; on a larger group rank 0's flat shard,
+under the instance's first global id).
 
 The functions here turn that dict back into the per-flat-parameter form; cutting each rank's shard out of it is
 done by :meth:`FullyShardedDataParallel.get_shard_from_optim_state_dict`.

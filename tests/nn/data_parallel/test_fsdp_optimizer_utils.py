@@ -193,8 +193,10 @@ def _case_unused_params(rank: int, world_size: int, mode: str) -> None:
 
 
 def _case_nested_group_of_one_expert(rank: int, world_size: int) -> None:
-    """MoE style: a nested expert on a group of one rank with ``no_broadcast_optim_state``: rank 0's state is kept
-    as is (``uncollected_local_ids``) and handed back unchanged."""
+    """MoE style: a nested expert on a group of one rank with ``no_broadcast_optim_state``: rank 0's state is not
+    gathered (``uncollected_local_ids``) but split per original parameter like the others, as upstream (its MoE
+    consolidation test counts one entry per parameter of the unwrapped model), and handed back unchanged. The
+    earlier form, the expert's flat state under its first global id, still loads."""
     groups = [dist.new_group([r]) for r in range(world_size)]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2))
@@ -209,13 +211,24 @@ def _case_nested_group_of_one_expert(rank: int, world_size: int) -> None:
     if rank == 0:
         assert full["uncollected_local_ids"] == [1]
         assert full["param_id_map"] == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}
-        assert sorted(full["state"]) == [0, 1, 2, 3, 4]  # the expert's flat state sits under its first global id
-        assert torch.equal(full["state"][4]["exp_avg"], local["state"][1]["exp_avg"])
-    shard = fsdp.get_shard_from_optim_state_dict(_broadcast(full))
-    assert torch.equal(shard["state"][0]["exp_avg"], local["state"][0]["exp_avg"])
+        assert sorted(full["state"]) == [0, 1, 2, 3, 4, 5]  # one per parameter, as the unwrapped model's optimizer
+        expert = local["state"][1]["exp_avg"]
+        assert torch.equal(full["state"][4]["exp_avg"], expert[:36].view(6, 6))  # the expert's weight, then bias
+        assert torch.equal(full["state"][5]["exp_avg"], expert[36:])
+        assert full["state"][4]["step"] == full["state"][5]["step"] == float(local["state"][1]["step"])
+    full = _broadcast(full)
     rank0_expert = _broadcast(local["state"][1]["exp_avg"])
-    assert torch.equal(shard["state"][1]["exp_avg"], rank0_expert)  # rank 0's, on every rank (as upstream)
-    _optim(fsdp.parameters(), "adam").load_state_dict(shard)
+    earlier = copy.deepcopy(full)  # the earlier form: the expert's flat state under its first global id
+    earlier["state"][4] = {
+        **earlier["state"][4],
+        "exp_avg": rank0_expert,
+        "exp_avg_sq": torch.cat([earlier["state"][4]["exp_avg_sq"].reshape(-1), earlier["state"].pop(5)["exp_avg_sq"]]),
+    }
+    for given in (full, earlier):
+        shard = fsdp.get_shard_from_optim_state_dict(given)
+        assert torch.equal(shard["state"][0]["exp_avg"], local["state"][0]["exp_avg"])
+        assert torch.equal(shard["state"][1]["exp_avg"], rank0_expert)  # rank 0's, on every rank (as upstream)
+        _optim(fsdp.parameters(), "adam").load_state_dict(shard)
 
 
 def _case_bad_input(rank: int, world_size: int) -> None:

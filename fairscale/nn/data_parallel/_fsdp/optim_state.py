@@ -89,10 +89,10 @@ def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> 
     uncollected: List[int] = []
     for lay in layouts:
         if lay.instance.config.no_broadcast_optim_state:
-            # Expert-style instances: each rank holds different values; keep rank 0's flat state as is.
+            # Expert-style instances: each rank holds different values; rank 0's own state, not gathered.
             uncollected.append(lay.local)
             if on_rank0 and lay.local in state:
-                full_state[lay.first_gid] = _cpu_copy(state[lay.local])
+                full_state.update(_own_state_entries(lay, state[lay.local]))
             continue
         if lay.local not in state:
             continue  # unused parameters: no state on any rank (checked above)
@@ -192,6 +192,31 @@ def _gather_instance(lay: _Layout, entry: Mapping[str, Any]) -> Dict[str, Any]:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def _own_state_entries(lay: _Layout, entry: Mapping[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """Rank 0's state of an uncollected instance, one entry per original parameter as upstream splits it, when its
+    flat state is the whole flat parameter (an expert on a group of one rank: no other rank holds a piece of it).
+
+    It was kept as one flat entry under the instance's first global id, so the dict had fewer entries than the
+    unwrapped model's optimizer (upstream's MoE consolidation test counts them). Values that are not per-element
+    (``step``, 0-dim tensors) go to every parameter, as for gathered instances. A shard of a larger group stays one
+    flat entry (it cannot be split into whole parameters). Both forms load back (:func:`flatten_optim_state_dict`).
+    """
+    h = lay.instance.handles[0]
+    per_element = [v for v in entry.values() if isinstance(v, Tensor) and v.dim() > 0]
+    if h.is_sharded and h.shard_numel != h.numel or any(v.numel() < h.numel for v in per_element):
+        return {lay.first_gid: _cpu_copy(entry)}
+    per_gid: Dict[int, Dict[str, Any]] = {g: {} for g in lay.gids}
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            flat = value.detach().cpu().reshape(-1)[: h.numel]
+            for g, shape, piece in zip(lay.gids, lay.shapes, torch.split(flat, lay.numels)):
+                per_gid[g][key] = piece.view(shape).clone()
+        else:
+            for g in lay.gids:
+                per_gid[g][key] = value.detach().cpu().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+    return per_gid
 
 
 def _unflatten(lay: _Layout, gathered: Mapping[str, Any]) -> Dict[int, Dict[str, Any]]:
