@@ -29,7 +29,7 @@ and the group that carries them) and ``store`` (decisions through the default gr
 from ..collective_counter import CollectiveCounter, CollectiveRecord, collective_phase, count_collectives
 from .all_to_all import all_to_all_single
 from .flat import all_gather_into_flat, reduce_scatter_from_flat
-from .groups import group_backend, group_leader, group_rank, group_ranks, group_size
+from .groups import group_backend, group_identity, group_leader, group_rank, group_ranks, group_size
 from .inplace import all_reduce, broadcast, reduce
 from .objects import all_gather_object, barrier, broadcast_object_list
 from .p2p import checked_by_torch, irecv, isend, p2p_group, recv, send
@@ -61,6 +61,7 @@ __all__ = [
     "group_rank",
     "group_ranks",
     "group_leader",
+    "group_identity",
     "reduce",
     "all_to_all_single",
     "send",

@@ -104,6 +104,19 @@ def group_leader(group: Optional[ProcessGroup] = None) -> int:
     return 0
 
 
+def group_identity(group: Optional[ProcessGroup] = None) -> str:
+    """A name of ``group``'s communicator that is the same on its ranks: ``"default"`` for ``None`` or the default
+    group, else its ranks and torch's group name (``new_group`` numbers groups in creation order, which every rank
+    shares). Two groups of the same ranks created twice are two communicators: ranks that pass one each would wait
+    on each other's collectives forever, so callers compare this, not the ranks."""
+    if group is None or not _dist_ready() or group is dist.GroupMember.WORLD:
+        return "default"
+    name = getattr(group, "group_name", None)
+    if name is None:  # pragma: no cover - every supported torch names its groups
+        name = dist.distributed_c10d._get_process_group_name(group)
+    return f"{list(group_ranks(group))}#{name}"
+
+
 def _member_info(group: Optional[ProcessGroup], what: str) -> _GroupInfo:
     """The group's info, checked for a collective ``what`` on it (called by every collective: the known, usable
     group is a dictionary hit, and everything else takes the full path of :func:`_group_info`)."""

@@ -59,7 +59,7 @@ from torch import nn
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_gathered_agree, check_outcome_agrees
 
-from ._fsdp import dcp_layout, dcp_load, dcp_state, dcp_views
+from ._fsdp import dcp_layout, dcp_load, dcp_state, dcp_views, hybrid
 from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
 from ._fsdp.dcp_metadata import UntrustedCheckpointError
 from ._fsdp.dcp_options import checked_options
@@ -112,14 +112,6 @@ def _root_unit(model: nn.Module, what: str) -> FSDPUnit:
             f"{what}: model must be the root FullyShardedDataParallel instance, got {type(model).__name__}. For a "
             "module that fairscale does not shard, use torch.distributed.checkpoint.state_dict's functions."
         )
-    return unit
-
-
-def _checkpoint_unit(model: nn.Module, process_group: Any, what: str) -> FSDPUnit:
-    """The root unit of a model that :func:`save` / :func:`load` can checkpoint over ``process_group`` (the world
-    when ``None``): the group's ranks are the model's (its shard group, times its replicate group)."""
-    unit = _root_unit(model, what)
-    dcp_layout.check_checkpoint_group(unit, process_group, what)
     return unit
 
 
@@ -339,25 +331,53 @@ def set_state_dict(
 # ---------------------------------------------------------------------------------------------------- directories
 
 
-def _same_directory_on_every_rank(unit: FSDPUnit, checkpoint_id: Any, flag: bool, group: Any, what: str) -> bool:
-    """Whether ``flag`` holds on any rank of the checkpoint's ``group`` (``None``: the world), in the one gather that
-    also compares the ranks' ``checkpoint_id``.
+def _agree_on_call(
+    unit: FSDPUnit, process_group: Any, checkpoint_id: Any, flag: bool, settings: Dict[str, Any], what: str
+) -> bool:
+    """Check the call on every rank of the model, in one gather: whether ``flag`` holds on any of them.
 
-    Ranks given other directories saved a checkpoint that cannot load (each rank's shards in its own directory,
-    ``.metadata`` in rank 0's only), or loaded a model that was part one checkpoint, part another, without an error.
+    The gather runs over the model's own group (its shard group; the world with hybrid sharding), which every rank
+    of the model shares whatever it passed: ``process_group`` must be the model's ranks on every rank (else each rank
+    raises its check's error), the same communicator on every rank (a group of the same ranks created twice is
+    another one), and the ``checkpoint_id`` and ``settings`` (overwrite, optimizers, strict) the same. A rank that
+    passed another value got its own error, or went on into DCP's collectives while the others waited there: each
+    rank raises the same error now, before anything is written or read. Ranks given other directories saved a
+    checkpoint that cannot load (each rank's shards in its own directory, ``.metadata`` in rank 0's only), or loaded
+    a model that was part one checkpoint, part another, without an error.
 
     Raises:
-        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank).
+        ValueError: ``process_group`` does not hold exactly the model's ranks on some rank (on every rank).
+        NotImplementedError: this torch's DCP cannot work over ``process_group`` (on every rank).
+        RanksDisagreeError: the ranks passed other values (on every rank).
     """
+    problem: Optional[Tuple[str, str]] = None
+    try:
+        dcp_layout.check_checkpoint_group(unit, process_group, what)
+    except (ValueError, NotImplementedError) as e:
+        problem = (type(e).__name__, str(e))
+    call = {"checkpoint_id": os.fspath(checkpoint_id), "process_group": collectives.group_identity(process_group)}
+    call.update(settings)
+    model_group = hybrid.world_group() if unit.config.replicate_process_group is not None else unit.config.process_group
     with unit.device.as_current():  # NCCL object collectives allocate on the current device
-        gathered = collectives.all_gather_object((os.fspath(checkpoint_id), bool(flag)), group)
-    check_gathered_agree(
-        f"{what}: the checkpoint_id",
-        [path for path, _ in gathered],
-        group,
-        hint="Pass the same checkpoint directory on every rank (a path every rank can reach, e.g. on shared storage).",
-    )
-    return any(f for _, f in gathered)
+        gathered = collectives.all_gather_object((problem, call, bool(flag)), model_group)
+    ranks = collectives.group_ranks(model_group)
+    problems = [(r, p) for r, (p, _, _) in zip(ranks, gathered) if p is not None]
+    if problems:
+        kind = NotImplementedError if problems[0][1][0] == "NotImplementedError" else ValueError
+        raise kind("; ".join(f"rank {r}: {message}" for r, (_, message) in problems))
+    for key in call:
+        check_gathered_agree(
+            f"{what}: the {key}",
+            [c[key] for _, c, _ in gathered],
+            model_group,
+            hint="Pass the same on every rank of the model (the same checkpoint directory, reachable by every rank, "
+            "the same process group object, options and optimizers).",
+        )
+    return any(f for _, _, f in gathered)
+
+
+def _optimizer_kinds(optims: Tuple[torch.optim.Optimizer, ...]) -> List[str]:
+    return [type(o).__name__ for o in optims]
 
 
 def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...], values: str) -> Dict[str, Any]:
@@ -369,11 +389,18 @@ def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer,
 
 
 def _prepare_directory(
-    unit: FSDPUnit, checkpoint_id: Union[str, "os.PathLike[str]"], overwrite: bool, group: Any, what: str
+    unit: FSDPUnit,
+    checkpoint_id: Union[str, "os.PathLike[str]"],
+    overwrite: bool,
+    group: Any,
+    optims: Tuple[torch.optim.Optimizer, ...],
+    what: str,
 ) -> None:
-    """Refuse, or make unloadable, an existing checkpoint before anything of the new one is written."""
+    """Check the call on every rank, then refuse, or make unloadable, an existing checkpoint before anything of the
+    new one is written."""
     metadata = dcp_load.metadata_path(checkpoint_id)
-    if not _same_directory_on_every_rank(unit, checkpoint_id, os.path.exists(metadata), group, what):
+    settings = {"overwrite": bool(overwrite), "optimizers": _optimizer_kinds(optims)}
+    if not _agree_on_call(unit, group, checkpoint_id, os.path.exists(metadata), settings, what):
         return
     if not overwrite:
         raise FileExistsError(
@@ -433,15 +460,17 @@ def save(
             per group (e.g. ``f"ckpt/step-100/mp-{mp_rank}"``); every group writes its own checkpoint at once.
 
     Raises:
-        ValueError: ``process_group`` (or the world) does not hold exactly the model's ranks.
+        ValueError: ``process_group`` (or the world) does not hold exactly the model's ranks, on some rank (raised
+            on every rank).
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false (on every rank).
-        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is written).
+        RanksDisagreeError: the ranks passed another ``checkpoint_id``, ``process_group`` (communicator),
+            ``overwrite`` or optimizers (on every rank, before anything is written).
         RuntimeError: DCP failed to write the checkpoint (on every rank; the message lists each failing rank's
             error). The directory then holds no loadable checkpoint.
     """
     _options(None, "save")
     optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
-    _prepare_directory(_checkpoint_unit(model, process_group, "save"), checkpoint_id, overwrite, process_group, "save")
+    _prepare_directory(_root_unit(model, "save"), checkpoint_id, overwrite, process_group, optims, "save")
     state = _checkpoint_state(model, optims, dcp_state.VIEWS)
     try:
         _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group)
@@ -482,12 +511,12 @@ def async_save(
     Raises:
         ValueError: see :func:`save`.
         FileExistsError: the directory holds a checkpoint and ``overwrite`` is false.
-        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is written).
+        RanksDisagreeError: the ranks passed another ``checkpoint_id``, ``process_group`` (communicator),
+            ``overwrite`` or optimizers (on every rank, before anything is written).
     """
     _options(None, "async_save")
     optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
-    unit = _checkpoint_unit(model, process_group, "async_save")
-    _prepare_directory(unit, checkpoint_id, overwrite, process_group, "async_save")
+    _prepare_directory(_root_unit(model, "async_save"), checkpoint_id, overwrite, process_group, optims, "async_save")
     if _ASYNC_STAGER:
         # A snapshot: ShardedTensors of one CPU copy of every flat shard, which DCP's stager cannot copy again.
         state = _checkpoint_state(model, optims, dcp_state.SNAPSHOT)
@@ -540,8 +569,10 @@ def load(
         The model's ``IncompatibleKeys``.
 
     Raises:
-        ValueError: ``process_group`` (or the world) does not hold exactly the model's ranks.
-        RanksDisagreeError: the ranks passed other ``checkpoint_id`` (on every rank, before anything is read).
+        ValueError: ``process_group`` (or the world) does not hold exactly the model's ranks, on some rank (raised
+            on every rank).
+        RanksDisagreeError: the ranks passed another ``checkpoint_id``, ``process_group`` (communicator),
+            ``strict`` or optimizers (on every rank, before anything is read).
         CheckpointNotFoundError: no ``.metadata`` in the directory (no checkpoint, or a save that was interrupted
             or is still running); raised on every rank.
         UntrustedCheckpointError: the ``.metadata`` names something a DCP checkpoint never contains (code to run
@@ -551,8 +582,9 @@ def load(
             failing rank's error), or the loaded state does not fit.
     """
     _options(None, "load")
-    unit = _checkpoint_unit(model, process_group, "load")
+    unit = _root_unit(model, "load")
     optims = dcp_state.as_optimizers(optimizers, "load") if optimizers is not None else ()
-    _same_directory_on_every_rank(unit, checkpoint_id, False, process_group, "load")
+    settings = {"strict": bool(strict), "optimizers": _optimizer_kinds(optims)}
+    _agree_on_call(unit, process_group, checkpoint_id, False, settings, "load")
     missing, unexpected = dcp_load.load(unit, optims, checkpoint_id, storage_reader, strict, process_group)
     return IncompatibleKeys(missing, unexpected)

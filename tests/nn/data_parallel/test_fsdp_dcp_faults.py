@@ -255,6 +255,56 @@ def _case_other_directory_on_one_rank(root: str) -> None:
     assert not os.path.exists(target), "a refused save created its directory"
 
 
+def _case_other_settings_on_one_rank(root: str) -> None:
+    """A setting of the call that differs on rank 1 (found by a rank-disagreement review): only one rank raised (a
+    FileExistsError for overwrite=False, a ValueError for its own process_group) or none did, and the others waited in
+    DCP's collectives until the group's timeout. Every rank raises the same error now, before anything is written."""
+    fsdp, optim = trained()
+    other_rank = dist.get_rank() == 1
+    path = os.path.join(root, "settings")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    before = snapshot(fsdp, optim)
+    target = os.path.join(root, "settings-new")
+    refusals = [
+        ("save: the overwrite differ", fsdp_dcp.save, (fsdp, optim), {"overwrite": other_rank, "checkpoint_id": path}),
+        (
+            "save: the optimizers differ",
+            fsdp_dcp.save,
+            (fsdp, optim if other_rank else None),
+            {"checkpoint_id": target},
+        ),
+        ("load: the optimizers differ", fsdp_dcp.load, (fsdp, None if other_rank else optim), {"checkpoint_id": path}),
+        ("load: the strict differ", fsdp_dcp.load, (fsdp, optim), {"strict": other_rank, "checkpoint_id": path}),
+    ]
+    for match, fn, args, kwargs in refusals:
+        message = expect(RanksDisagreeError, match, fn, *args, **kwargs)
+        assert "global rank 1" in message, message
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    world = dist.new_group([0, 1])  # the world's ranks, but another communicator than the default group
+    message = expect(
+        ValueError,
+        r"rank 1: save: process_group holds ranks \[1\]",
+        fsdp_dcp.save,
+        fsdp,
+        optim,
+        checkpoint_id=target,
+        process_group=solo[1] if other_rank else None,
+    )
+    assert "rank 0" not in message, message
+    expect(
+        RanksDisagreeError,
+        "load: the process_group differ",
+        fsdp_dcp.load,
+        fsdp,
+        optim,
+        checkpoint_id=path,
+        process_group=world if other_rank else None,
+    )
+    assert not os.path.exists(target), "a refused save created its directory"
+    assert_unchanged(fsdp, optim, before, "after refused loads")
+    assert os.path.exists(os.path.join(path, ".metadata")), "a refused overwrite removed the checkpoint"
+
+
 def _case_missing_keys(root: str) -> None:
     fsdp, optim = trained()
     msd = fsdp_dcp.get_model_state_dict(fsdp)
@@ -544,6 +594,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_checkpoint_of_another_model,
         _case_bad_value_on_one_rank,
         _case_other_directory_on_one_rank,
+        _case_other_settings_on_one_rank,
         _case_other_hyper_parameters_on_one_rank,
         _case_missing_keys,
         _case_optimizer_dict_that_does_not_fit,
