@@ -8,6 +8,7 @@ and reused by the recomputation, so neither the collectives nor the running-stat
 """
 
 import copy
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -46,13 +47,21 @@ def _track_running_stats(
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 
 
+def settings_code(momentum: Any, eps: float, affine: bool, track_running_stats: bool) -> int:
+    """A number below ``2**20`` for the layer's settings, the same on ranks with the same settings: ranks whose
+    momentum, eps, affine or tracking differed computed other outputs and running statistics, silently. Small enough
+    that ``n`` ranks' sum of its squares stays an exact float64 integer (below ``2**53``) for any real world size."""
+    return zlib.crc32(repr((momentum, float(eps), bool(affine), bool(track_running_stats))).encode()) % (1 << 20)
+
+
 def _calculate_stats(
-    input: Tensor, eps: float, process_group: Any, check_layout: bool
+    input: Tensor, eps: float, process_group: Any, check_layout: bool, settings: int = 0
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Global ``(mean, var, invstd, total_count)`` of ``input`` over every dim except 1 and every rank.
 
-    The element count's all-reduce also carries ``(C, C**2, d, d**2)`` for this rank's channel count ``C`` and dtype
-    code ``d``. After the sum, ``sum(x)**2 == n * sum(x**2)`` holds for ``n`` ranks iff every rank sent the same ``x``
+    The element count's all-reduce also carries ``(C, C**2, d, d**2, s, s**2)`` for this rank's channel count ``C``,
+    dtype code ``d`` and :func:`settings_code` ``s``. After the sum, ``sum(x)**2 == n * sum(x**2)`` holds for ``n``
+    ranks iff every rank sent the same ``x``
     (Cauchy-Schwarz), and every rank reads the same sums: with ``check_layout`` all ranks raise together before the
     statistics' all-reduce, whose sizes would differ (gloo aborts the process, NCCL hangs or corrupts memory). The
     check costs no collective; reading the sums waits for the device, so on accelerators the caller asks for it on
@@ -63,7 +72,7 @@ def _calculate_stats(
     # float64: the count and the squares stay exact integers far beyond any real world size (fp32 counts would be
     # exact to 2**24; upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
     # The last value is 0: a rank whose input failed its own check sends 1 there (see _join_and_raise).
-    values = (input.numel() // max(channels, 1), channels, channels**2, code, code**2, 0)
+    values = (input.numel() // max(channels, 1), channels, channels**2, code, code**2, settings, settings**2, 0)
     if input.device.type == "cpu":
         sums = torch.tensor(values, dtype=torch.float64)
     else:  # filled on the device: a list copied to it would wait for the work queued there (a host sync)
@@ -108,15 +117,15 @@ def _join_and_raise(error: Exception, device: torch.device, process_group: Any) 
     the layer's first forward) they raise too, before the statistics' all-reduce, instead of waiting in it for this
     rank until the group's timeout. (Reading them at every forward on an accelerator would wait for the device.)
     """
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
-    sums[5] = 1
+    sums = torch.zeros(8, dtype=torch.float64, device=device)
+    sums[7] = 1
     all_reduce(sums, group=process_group)
     raise error
 
 
 def _check_same_layout(sums: Tensor, channels: int, dtype: torch.dtype, process_group: Any) -> None:
     n = group_size(process_group)
-    count, c1, c2, d1, d2, failed = (int(v) for v in sums.tolist())
+    count, c1, c2, d1, d2, s1, s2, failed = (int(v) for v in sums.tolist())
     if failed:
         raise RuntimeError(
             f"SyncBatchNorm: the input of {failed} other rank(s) of the process group failed its own check (that "
@@ -126,6 +135,12 @@ def _check_same_layout(sums: Tensor, channels: int, dtype: torch.dtype, process_
         raise RanksDisagreeError(
             f"SyncBatchNorm: the {n} ranks of the process group disagree on the layer's channels or input dtype "
             f"(this rank: {channels} channels, {dtype}); every rank must run the same model on inputs of one dtype"
+        )
+    if s1 * s1 != n * s2:
+        raise RanksDisagreeError(
+            f"SyncBatchNorm: the {n} ranks of the process group disagree on the layer's momentum, eps, affine or "
+            "track_running_stats; every rank must build the same layer (their outputs and running statistics would "
+            "differ)"
         )
     if count == 1:
         # torch's BatchNorm refuses it too: the variance of one value is 0 and the output would be the bias alone.
@@ -257,7 +272,10 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
                 if problem is not None:
                     # Raised alone, before the collectives, it left the other ranks waiting in them.
                     _join_and_raise(problem, input.device, self._process_group)
-                mean, var, invstd, total_count = _calculate_stats(input, self.eps, self._process_group, check_layout)
+                settings = settings_code(self.momentum, self.eps, self.affine, self.track_running_stats)
+                mean, var, invstd, total_count = _calculate_stats(
+                    input, self.eps, self._process_group, check_layout, settings
+                )
                 # Checked through the buffers, not ``track_running_stats``: a batch-norm patch that toggles the
                 # flag during no-grad passes must not stop this once-per-step update.
                 if self.running_mean is not None and self.running_var is not None:

@@ -110,6 +110,17 @@ def _check_ranks_disagree(rank: int, world_size: int) -> None:
         assert counter.count("all_reduce") == 1, (what, counter.summary())
         for k, v in layer.state_dict().items():
             assert torch.equal(v, before[k]), (what, k)
+    # Another momentum, eps, affine or track_running_stats on one rank (found by a rank-disagreement review): the
+    # outputs and running statistics drifted apart silently. Carried by the same all-reduce.
+    other = {"momentum": 0.5, "eps": 1e-3, "affine": False, "track_running_stats": False}
+    for setting, value in other.items():
+        layer = SyncBatchNorm(3, **({setting: value} if rank == 1 else {}))
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with count_collectives() as counter, pytest.raises(RanksDisagreeError, match="momentum, eps, affine or track"):
+            layer(torch.randn(4, 3, 5))
+        assert counter.count("all_reduce") == 1, (setting, counter.summary())
+        for k, v in before.items():
+            assert torch.equal(layer.state_dict()[k], v), (setting, k)
     # Nothing is left in flight: the next valid step runs normally.
     layer = SyncBatchNorm(3)
     with count_collectives() as counter:
