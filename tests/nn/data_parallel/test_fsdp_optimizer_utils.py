@@ -249,6 +249,10 @@ def _case_bad_input(rank: int, world_size: int) -> None:
         fsdp.gather_full_optim_state_dict(two_groups)
     with pytest.raises(ValueError, match=r"model\.parameters\(\) order"):
         fsdp.gather_full_optim_state_dict(torch.optim.SGD(params[::-1], lr=0.1))
+    # On one rank only (found by a rank-disagreement review): that rank raised alone and the others waited in the
+    # gathers until the group's timeout; its error now reaches every rank through the schema gather.
+    with pytest.raises(NotImplementedError, match=r"group rank 1: .*exactly one parameter group"):
+        fsdp.gather_full_optim_state_dict(two_groups if rank == 1 else opt)
     with pytest.raises(ValueError, match="expects a gather_full_optim_state_dict"):
         fsdp.get_shard_from_optim_state_dict(opt.state_dict())
     other = wrap_model(build(ModelWithUnusedParams)[0], {}, "nested")

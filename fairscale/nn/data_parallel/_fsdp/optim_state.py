@@ -75,11 +75,17 @@ def _layouts(root: FSDPUnit) -> List[_Layout]:
 def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> Optional[Dict[str, Any]]:
     """See :meth:`FullyShardedDataParallel.gather_full_optim_state_dict`."""
     layouts = _layouts(fsdp)
-    _check_optimizer(optim, layouts)
-    osd = optim.state_dict()
+    # A wrong optimizer on one rank raised there alone, and the other ranks waited in the gathers below until the
+    # group's timeout: its error rides in the schema gather, and every rank raises it.
+    problem: Optional[Exception] = None
+    try:
+        _check_optimizer(optim, layouts)
+    except (NotImplementedError, ValueError) as e:
+        problem = e
+    osd = optim.state_dict() if problem is None else {"state": {}, "param_groups": []}
     # New per-parameter dicts: optim.state_dict() shares them with the live optimizer.
     state = {int(k): {key: _plain_step(key, v) for key, v in s.items()} for k, s in osd["state"].items()}
-    _check_same_schema(fsdp, state, layouts)
+    _check_same_schema(fsdp, state, layouts, problem)
     # Rank 0 of the root's group, as upstream: with tensor parallelism (FSDP over each tensor-parallel rank's
     # data-parallel group) each such group's rank 0 holds its part of the model's state, and global rank 0 alone
     # returned one part (the other data-parallel leaders got None and saved nothing). With hybrid sharding, the
@@ -150,12 +156,21 @@ def _schema(value: Any) -> Any:
     return ("value", type(value).__name__)
 
 
-def _check_same_schema(fsdp: FSDPUnit, state: Dict[int, Dict[str, Any]], layouts: List[_Layout]) -> None:
-    """Every rank must gather the same keys and shapes, or the gathers below would mismatch or hang."""
+def _check_same_schema(
+    fsdp: FSDPUnit, state: Dict[int, Dict[str, Any]], layouts: List[_Layout], problem: Optional[Exception] = None
+) -> None:
+    """Every rank must gather the same keys and shapes, or the gathers below would mismatch or hang; a rank's own
+    ``problem`` (its optimizer is refused) is raised on every rank, the first rank's type and every rank's message."""
     collected = [lay.local for lay in layouts if not lay.instance.config.no_broadcast_optim_state]
     mine = {k: [(key, _schema(v)) for key, v in state[k].items()] for k in collected if k in state}
+    own = None if problem is None else (type(problem).__name__, str(problem))
     with fsdp.device.as_current():  # NCCL object collectives allocate on the current device
-        everyone = collectives.all_gather_object(mine, group=fsdp.config.process_group)
+        gathered = collectives.all_gather_object((own, mine), group=fsdp.config.process_group)
+    problems = [(r, p) for r, (p, _) in enumerate(gathered) if p is not None]
+    if problems:
+        kind = NotImplementedError if problems[0][1][0] == "NotImplementedError" else ValueError
+        raise kind("; ".join(f"group rank {r}: {message}" for r, (_, message) in problems))
+    everyone = [theirs for _, theirs in gathered]
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             raise RuntimeError(
