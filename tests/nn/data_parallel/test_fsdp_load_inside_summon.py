@@ -85,12 +85,30 @@ def _case_refused_where_the_load_would_be_lost(rank: int) -> None:
     _assert_equal(_full(model), before)
 
 
+def _case_other_dict_on_one_rank(rank: int) -> None:
+    """Found by a rank-disagreement review: outside a summon a different dict on one rank raises on every rank, but
+    inside one each rank wrote back its slice of its own dict (the model was part one dict, part the other)."""
+    model = _model(2)
+    before = _full(model)
+    source = {k: v + rank if v.is_floating_point() else v for k, v in _full(_model(1)).items()}  # rank 1's differs
+    with model.summon_full_params():
+        with pytest.raises(RuntimeError, match="the ranks loaded different full state dicts"):
+            model.load_state_dict(source)
+    _assert_equal(_full(model), before)
+    layer = model.module[1]  # an inner instance in its own summon, as fairseq loads them
+    with layer.summon_full_params():
+        with pytest.raises(RuntimeError, match="the ranks loaded different full state dicts"):
+            layer.load_state_dict({k[2:]: v for k, v in source.items() if k.startswith("1.")})
+    _assert_equal(_full(model), before)
+
+
 def _body(rank: int, world_size: int) -> None:
     cases: Dict[str, Callable[[], None]] = {
         "load_inside_summon_equals_load_outside": lambda: _case_load_inside_summon_equals_load_outside(rank),
         "inner_instance_then_reset": lambda: _case_inner_instance_then_reset(rank),
         "failed_load_leaves_the_model": lambda: _case_failed_load_leaves_the_model(rank),
         "refused_where_the_load_would_be_lost": lambda: _case_refused_where_the_load_would_be_lost(rank),
+        "other_dict_on_one_rank": lambda: _case_other_dict_on_one_rank(rank),
     }
     run_cases(list(cases.items()))
 

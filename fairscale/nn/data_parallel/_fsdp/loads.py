@@ -18,6 +18,7 @@ from fairscale.internal import collectives
 
 from . import hybrid, identity
 from .naming import clean_path
+from .state import TrainingState
 from .unit import FSDPUnit
 
 # Exception types a failing rank's error is re-created as on every rank (others become RuntimeError).
@@ -107,6 +108,8 @@ def parameter_fingerprints(unit: FSDPUnit) -> List[Tuple[str, int]]:
             # Sharded over another group than the root's (MoE experts, each on its own rank): the ranks hold, and
             # load, different values by design (upstream's per-rank expert checkpoints).
             continue
+        if u.training_state != TrainingState.SUMMON_FULL_PARAMS:
+            continue  # not summoned (a load inside summon_full_params(recurse=False)): its shards differ by design
         for h, names in zip(u.handles, u.param_name_groups):
             if not h.borrowed:
                 data = h.param.data.detach().reshape(-1)

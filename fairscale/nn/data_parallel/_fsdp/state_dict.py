@@ -166,13 +166,18 @@ def load_state_dict(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool) -> Any:
     if _inside_own_summon(unit):
         # `with m.summon_full_params(): m.load_state_dict(sd)` (fairseq's wav2vec2 loads its FSDP layers so, one at a
         # time): the load writes the summoned full parameters, which the summon writes back into the shards on exit.
-        # Undone on failure: those parameters are what the summon writes back.
+        # Undone on failure: those parameters are what the summon writes back. The ranks compare what they loaded,
+        # as outside a summon: each writes back its own slice, and a different dict on one rank left the model part
+        # one dict, part the other, silently.
+        summoned_prints: List[Tuple[str, int]] = []
+
+        def load_summoned() -> Any:
+            result = _load_with_clean_errors(unit, sd, strict, full=True)
+            summoned_prints[:] = loads.parameter_fingerprints(unit)
+            return result
+
         return loads.load_collectively(
-            unit,
-            "load_state_dict",
-            lambda: _load_with_clean_errors(unit, sd, strict, full=True),
-            None,
-            _restore_summoned_on_failure,
+            unit, "load_state_dict", load_summoned, None, _restore_summoned_on_failure, summoned_prints
         )
     _check_loadable(unit, "load_state_dict")
     if unit.state_dict_type == StateDictType.LOCAL:
