@@ -5,9 +5,14 @@ Every rank of a model-parallel group draws the *full* weight (the "master", on C
 RNG state and keeps its own partition, so a model built under one seed has, on each rank, exactly
 the slices of the single-process model built under that seed. Parameters carry no extra attributes
 (no ``model_parallel`` / ``partition_dim`` flags, unlike Megatron).
+
+At its first forward, each layer checks that every rank of the model-parallel group built it with the same arguments
+and called it with an input of the same shape and dtype (one small object all-gather), and raises the same
+:class:`~fairscale.internal.agreement.RanksDisagreeError` on every rank when they differ (later forwards are not
+checked: docs/model_parallel.rst).
 """
 
-from typing import Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +20,11 @@ import torch.nn.init as init
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
+from fairscale.internal.agreement import check_ranks_agree
+from fairscale.internal.compiler import is_compiling
 from fairscale.internal.errors import FairscaleValueError
 
-from .initialize import get_model_parallel_rank, get_model_parallel_world_size
+from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (
     copy_to_model_parallel_region,
     gather_from_model_parallel_region,
@@ -30,6 +37,9 @@ from .utils import divide_and_check_no_remainder  # noqa: F401  # upstream's mod
 __all__ = ["VocabParallelEmbedding", "ParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear"]
 
 InitMethod = Callable[[Tensor], Tensor]
+
+#: What each layer describes for the check: ``(argument name, value)`` pairs, so that the message names the argument.
+_Description = List[Tuple[str, Any]]
 
 
 def _divide(numerator: int, denominator: int, what: str, by: str = "model-parallel world size") -> int:
@@ -78,6 +88,61 @@ def _initialize_affine_weight(
     with torch.no_grad():
         torch.cat(mine, dim=partition_dim, out=weight)
     return master_weight if return_master_weight else None
+
+
+def _describe_input(input_: Any) -> _Description:
+    """The input's shape and dtype, as the ranks of the model-parallel group must share them: the layers exchange
+    activations of the input's leading shape (gloo aborts the process on a size mismatch, NCCL reads past buffers)."""
+    if not isinstance(input_, Tensor):  # the layer's own call fails on every rank alike; say what it was
+        return [("input type", type(input_).__name__)]
+    return [("input shape", tuple(input_.shape)), ("input dtype", str(input_.dtype))]
+
+
+def _ranks_agree_at_first_forward(layer: torch.nn.Module, arguments: _Description, input_: Any) -> bool:
+    """Raise the same ``RanksDisagreeError`` on every rank of the model-parallel group when its ranks built ``layer``
+    with other arguments or call it with an input of another shape or dtype.
+
+    Called by each layer's forward until it returns ``True`` (once, normally): one ``all_gather_object`` over the
+    model-parallel group, none at model-parallel size 1. Not at construction, which stays free of communication
+    (Llama's reference code may build a model before it selects the accelerator). Only the first forward's
+    input is checked: the batch size may change from one forward to the next (KV-cache decoding feeds one token after
+    the prompt), and checking it in every forward needs a round trip per layer before its tensor collective (the
+    activations' own collectives cannot carry it: a size mismatch aborts or corrupts inside them), which would double
+    the latency-bound collectives of decoding. Later forwards rely on the caller feeding every rank the same batch
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's shapes, see docs/model_parallel.rst).
+
+    Args:
+        layer (torch.nn.Module): the layer (its class names it in the message).
+        arguments (_Description): the layer's configuration, ``(argument name, value)`` pairs.
+        input_ (Any): this forward's input.
+
+    Returns:
+        bool: whether the check is done (passed, or nothing to compare); ``False`` while a compiler traces the
+        forward (``torch.compile``, ``torch.jit.trace``), which an object gather would break or be baked into: the
+        next eager forward checks instead.
+
+    Raises:
+        RanksDisagreeError: the ranks differ (on every rank of the model-parallel group); the message names the first
+            argument, or the input's shape or dtype, that differs.
+    """
+    if is_compiling() or torch.jit.is_tracing():  # type: ignore[attr-defined]  # public, not in torch.jit.__all__
+        return False
+    if get_model_parallel_world_size() == 1:
+        return True
+    name = type(layer).__name__
+    weight = getattr(layer, "weight", None)
+    check_ranks_agree(
+        f"{name}: the constructor arguments and the first forward's input",
+        # The class first: ranks that reach different layers' checks (another model) are told so.
+        [("layer", name)] + arguments + _describe_input(input_),
+        get_model_parallel_group(),
+        hint=f"Build {name} with the same arguments on every rank of the model-parallel group, and call it with the "
+        "same input on every rank of the group (the same batch: data parallelism happens across model-parallel "
+        "groups).",
+        # The object gather of an NCCL group runs on the current device: make it this rank's.
+        device=weight.device if isinstance(weight, Tensor) else None,
+    )
+    return True
 
 
 def _undo_stride(gathered: Tensor, world_size: int, stride: int, dim: int) -> Tensor:
@@ -134,8 +199,26 @@ class VocabParallelEmbedding(torch.nn.Module):
         _initialize_affine_weight(
             self.weight, self.num_embeddings, self.embedding_dim, self.num_embeddings_per_partition, 0, init_method
         )
+        self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
+
+    def _arguments(self) -> _Description:
+        # Not padding_idx: it is a local row index (upstream's behaviour), which a rank may set for the pad id it
+        # owns only; it changes neither the output's shape nor the sum's terms on other ranks.
+        return [
+            ("num_embeddings", self.num_embeddings),
+            ("embedding_dim", self.embedding_dim),
+            ("max_norm", self.max_norm),
+            ("norm_type", self.norm_type),
+            ("scale_grad_by_freq", self.scale_grad_by_freq),
+            ("sparse", self.sparse),
+            ("num_embeddings_per_partition", self.num_embeddings_per_partition),
+            ("dtype", str(self.weight.dtype)),
+        ]
 
     def forward(self, input_: Tensor) -> Tensor:
+        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
+        if not getattr(self, "_ranks_agree_checked", False):
+            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         masked_input = input_.clone() - self.vocab_start_index
         masked_input[input_mask] = 0
@@ -201,8 +284,25 @@ class ParallelEmbedding(torch.nn.Module):
             stride=1,
             return_master_weight=False,
         )
+        self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
+
+    def _arguments(self) -> _Description:
+        return [
+            ("num_embeddings", self.num_embeddings),
+            ("embedding_dim", self.embedding_dim),
+            ("padding_idx", self.padding_idx),  # a row of the full vocabulary here: every rank holds every row
+            ("max_norm", self.max_norm),
+            ("norm_type", self.norm_type),
+            ("scale_grad_by_freq", self.scale_grad_by_freq),
+            ("sparse", self.sparse),
+            ("embedding_dim_per_partition", self.embedding_dim_per_partition),
+            ("dtype", str(self.weight.dtype)),
+        ]
 
     def forward(self, input_: Tensor) -> Tensor:
+        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
+        if not getattr(self, "_ranks_agree_checked", False):
+            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
         input_parallel = copy_to_model_parallel_region(input_)
         output_parallel = F.embedding(
             input_parallel,
@@ -263,13 +363,28 @@ class ColumnParallelLinear(torch.nn.Module):
             stride=stride,
             return_master_weight=keep_master_weight_for_test,
         )
+        self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
 
     def get_master_weight(self) -> Tensor:
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
         gathered = gather_from_model_parallel_region(self.weight.data.transpose(0, 1)).transpose_(0, 1)
         return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 0)
 
+    def _arguments(self) -> _Description:
+        return [
+            ("in_features", self.in_features),
+            ("out_features", self.out_features),
+            ("bias", self.bias is not None),
+            ("gather_output", self.gather_output),
+            ("stride", self._stride),
+            ("output_size_per_partition", self.output_size_per_partition),
+            ("dtype", str(self.weight.dtype)),
+        ]
+
     def forward(self, input_: Tensor) -> Tensor:
+        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
+        if not getattr(self, "_ranks_agree_checked", False):
+            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
         input_parallel = copy_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight, self.bias)
         if self.gather_output:
@@ -323,13 +438,30 @@ class RowParallelLinear(torch.nn.Module):
             stride=stride,
             return_master_weight=keep_master_weight_for_test,
         )
+        self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
 
     def get_master_weight(self) -> Tensor:
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
         gathered = gather_from_model_parallel_region(self.weight.data)
         return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 1)
 
+    def _arguments(self) -> _Description:
+        # The input's whole shape is compared, its last dimension too: with input_is_parallel it is this rank's
+        # partition, in_features / p on every rank (the partitions are equal), so it agrees as the full one does.
+        return [
+            ("in_features", self.in_features),
+            ("out_features", self.out_features),
+            ("bias", self.bias is not None),
+            ("input_is_parallel", self.input_is_parallel),
+            ("stride", self._stride),
+            ("input_size_per_partition", self.input_size_per_partition),
+            ("dtype", str(self.weight.dtype)),
+        ]
+
     def forward(self, input_: Tensor) -> Tensor:
+        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
+        if not getattr(self, "_ranks_agree_checked", False):
+            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
         # The sum happens in place on the partial product; the replicated bias is added once, after it.

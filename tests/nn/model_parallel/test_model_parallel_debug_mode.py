@@ -2,8 +2,9 @@
 """Model-parallel layers under PyTorch's collective checker (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
 The ranks of a model-parallel group exchange activations in every forward and backward, so they must pass batches of
-the same shape and dtype. That is not checked per call (it would cost a collective per layer): ranks with other
-batch sizes abort gloo ("Received data size doesn't match expected size", SIGABRT), or hang in the cross entropy's
+the same shape and dtype. The layers compare the input's shape at their first forward only (later forwards would
+cost a collective per layer, tests/nn/model_parallel/test_rank_agreement.py): ranks with other batch sizes at a
+later step abort gloo ("Received data size doesn't match expected size", SIGABRT), or hang in the cross entropy's
 all-reduce. docs/model_parallel.rst sends users to the checker to find such a rank; these worlds prove that the
 layers and the cross entropy train under it unchanged (same losses as without it) and that other batch sizes are
 then an error on every rank.
@@ -71,8 +72,10 @@ def _other_batch_sizes_body(directory: str, rank: int) -> str:
     # A group torn down after a failed collective can abort gloo at interpreter exit: end the rank after its report.
     atexit.register(os._exit, 0)
     mpu.initialize_model_parallel(WORLD)
+    model = _model()
+    _loss(model, 4, 0).backward()  # the layers' own first-forward check passes
     try:
-        _loss(_model(), 3 + rank, 0).backward()  # the uneven last batch of a data loader split per rank
+        _loss(model, 3 + rank, 1).backward()  # the uneven last batch of a data loader split per rank
     except RuntimeError as e:
         return str(e)
     return "no error"
