@@ -79,8 +79,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             predicted_logits = vocab_parallel_logits.new_zeros(target.shape)
         collectives.all_reduce(predicted_logits, group=group)
 
-        exp_logits = vocab_parallel_logits
-        torch.exp(vocab_parallel_logits, out=exp_logits)
+        # Out of place, as upstream: the caller's logits keep only the max shift above (upstream's documented side
+        # effect), not the softmax, which then became the gradient in backward; at model-parallel size 1, behind
+        # scatter_to_model_parallel_region (a view of the caller's tensor), autograd refused the in-place write.
+        exp_logits = torch.exp(vocab_parallel_logits)
         sum_exp_logits = exp_logits.sum(dim=-1)
         collectives.all_reduce(sum_exp_logits, group=group)
 

@@ -67,11 +67,26 @@ def _out_of_range_target() -> None:
 
 
 def _shifts_input_in_place() -> None:
+    """Upstream's side effect on the caller's logits is the max shift alone (its exp is out of place): they held the
+    softmax after the forward, then the gradient (found by running upstream's tests on the CPU)."""
     logits, target = _inputs(1.0)
     local = scatter_to_model_parallel_region(logits).clone()
     before = local.clone()
     vocab_parallel_cross_entropy(local, target)
-    assert not torch.equal(local, before)  # upstream's in-place shift (and reuse for the softmax)
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    _assert_close(local, scatter_to_model_parallel_region(shifted), **TOL)
+    assert not torch.equal(local, before)
+
+
+def _parity_straight_from_the_scatter() -> None:
+    """Upstream's own test feeds the scatter's output to the loss without a copy: at model-parallel size 1 the scatter
+    returns a view of its input, which the in-place exp made autograd refuse in backward."""
+    logits, target = _inputs(1.0)
+    leaf = logits.clone().requires_grad_()
+    vocab_parallel_cross_entropy(scatter_to_model_parallel_region(leaf * 1.0), target).mean().backward()
+    ref_logits = logits.clone().requires_grad_()
+    F.cross_entropy(ref_logits.view(-1, ref_logits.size(-1)), target.view(-1)).backward()
+    _assert_close(leaf.grad, ref_logits.grad, **TOL)
 
 
 def _uneven_slices(first_width: int, empty_rank: int = -1) -> None:
@@ -118,6 +133,7 @@ def _ce_body(rank: int, world_size: int) -> None:
                     (f"mp={mp}:parity_large_logits", lambda: _parity(1000.0)),
                     (f"mp={mp}:out_of_range_target", _out_of_range_target),
                     (f"mp={mp}:shifts_input_in_place", _shifts_input_in_place),
+                    (f"mp={mp}:parity_straight_from_the_scatter", _parity_straight_from_the_scatter),
                     (f"mp={mp}:three_all_reduces", _three_all_reduces),
                 ]
                 + [(f"mp={mp}:uneven_slices_{w}", functools.partial(_uneven_slices, w)) for w in (VOCAB_PER, 4097)]
