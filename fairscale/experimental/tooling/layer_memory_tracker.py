@@ -153,6 +153,15 @@ class ProcessGroupTracker:
             return self._build_wrapper(getattr(self.group, item))
         return getattr(self.group, item)
 
+    def fairscale_proxied_group(self) -> Tuple[Any, Callable[[Any, Any], None]]:
+        """The real group, and what fairscale's collectives call with each all-gather's output and input on it (they
+        run on the real group: torch's functions accept only its own group objects)."""
+        return self.group, self._notify_all_gather
+
+    def _notify_all_gather(self, output_tensors: Any, input_tensors: Any) -> None:
+        if self.listener is not None:
+            self.listener(ProcessGroupTrackingEvent.allgather, output_tensors, input_tensors)
+
     def _build_wrapper(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(output_tensors: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if self.listener is not None:

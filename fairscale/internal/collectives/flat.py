@@ -57,6 +57,8 @@ def all_gather_into_flat(
     # 1-D tensors (FSDP's buffers) go to torch as they are: a view of each would cost more than the rest of the call.
     out = output if output.dim() == 1 else output.view(-1)
     inp = input if input.dim() == 1 else input.reshape(-1)
+    if info.on_all_gather is not None:  # a proxy group's listener (see groups._build_group_info)
+        info.on_all_gather(output, input)
     ready_at = None
     if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
         ready_at = _record("all_gather", info, output.dtype, output.numel(), output.element_size())

@@ -3,7 +3,7 @@
 
 import atexit
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -23,6 +23,8 @@ class _GroupInfo:
     # Whether this process may call collectives on the group (a member, and a real group if it has peers): decided
     # once here, so that every collective checks one attribute and only a refused call builds its error message.
     usable: bool = field(init=False, repr=False, compare=False)
+    # A proxy's listener, told of every tensor all-gather on the group before it runs (see _build_group_info).
+    on_all_gather: Optional[Callable[[Any, Any], None]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "usable", self.rank >= 0 and not (self.size > 1 and self.backend == "dummy"))
@@ -62,6 +64,13 @@ def _group_info(group: Optional[ProcessGroup]) -> _GroupInfo:
 
 
 def _build_group_info(group: Any) -> _GroupInfo:
+    # A proxy of a real group (the memory tracker's ProcessGroupTracker, documented as FSDP's process_group to see
+    # its all-gathers): the collectives run on the real group and tell the proxy's listener of each all-gather, as
+    # upstream's proxy saw torch's calls. Looked up on the type: such proxies forward unknown attributes to the group.
+    if callable(getattr(type(group), "fairscale_proxied_group", None)):
+        real, on_all_gather = group.fairscale_proxied_group()
+        base = _group_info(real)
+        return _GroupInfo(base.pg, base.size, base.rank, base.ranks, base.backend, on_all_gather=on_all_gather)
     if group is dist.GroupMember.NON_GROUP_MEMBER or group == dist.GroupMember.NON_GROUP_MEMBER:
         # What dist.new_group() returns on ranks outside the new group; sizes as torch reports them.
         return _GroupInfo(group, -1, -1, (), "non-member")

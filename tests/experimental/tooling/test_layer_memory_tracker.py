@@ -261,3 +261,34 @@ def _all_gather_body(rank: int, world_size: int) -> None:
 
 def test_process_group_tracker_and_ddp() -> None:
     run_distributed(_all_gather_body, 2)
+
+
+def _fsdp_with_tracker_body(rank: int, world_size: int) -> None:
+    """A ProcessGroupTracker as FSDP's process group (docs/experimental.rst; upstream's FSDP memory-tracking test):
+    the first forward's agreement gather refused it ("ProcessGroupTracker cannot communicate"). The collectives run on
+    its real group and tell its listener of each all-gather: the monitored layers' traces count the gathered bytes
+    (10 x 10 weights and 10 biases in fp32: 440 bytes per gather, as upstream reports), and training is unchanged."""
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    def build(group: object) -> nn.Module:
+        torch.manual_seed(0)
+        inner = FSDP(nn.Linear(10, 10), process_group=group, flatten_parameters=False)
+        return FSDP(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), inner), process_group=group, flatten_parameters=False)
+
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
+    plain = build(None)
+    plain(x).sum().backward()
+    model = build(ProcessGroupTracker(dist.new_group()))
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    model(x).sum().backward()
+    dist.barrier()
+    tracker.stop()
+    gathered = [t.all_gathered for t in tracker.memory_traces if t.all_gathered > 0]
+    assert gathered and all(g == 440 for g in gathered), gathered
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_fsdp_with_a_process_group_tracker() -> None:
+    run_distributed(_fsdp_with_tracker_body, 2)
