@@ -9,9 +9,11 @@
   a new session. CPU values are therefore relative: bytes allocated (net of frees) since monitoring started.
 """
 
+import atexit
 import bisect
 import itertools
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -22,6 +24,22 @@ from fairscale.internal.device import DeviceHandle, empty_cache, memory_reserved
 __all__ = ["MemoryMark", "MemoryProbe", "AcceleratorProbe", "CpuProfilerProbe", "probe_for"]
 
 _MARKER_PREFIX = "fairscale.layer_memory_tracker#"
+
+# CPU probes whose profiler session is open. A tracker still monitoring when the interpreter exits (upstream's
+# examples never call stop()) left the session to be torn down during finalization, which crashed the process
+# (SIGSEGV, after the script had finished): the sessions are ended at exit, while the interpreter is whole.
+_OPEN_SESSIONS: "weakref.WeakSet[CpuProfilerProbe]" = weakref.WeakSet()
+
+
+def _end_open_sessions() -> None:
+    for probe in list(_OPEN_SESSIONS):
+        try:
+            probe.end_session_quietly()
+        except Exception:  # pragma: no cover - at exit nothing is left to report to
+            pass
+
+
+atexit.register(_end_open_sessions)
 
 
 class MemoryMark:
@@ -95,6 +113,14 @@ class CpuProfilerProbe(MemoryProbe):
             return
         self._profile = profiler.profile(profile_memory=True, use_kineto=True)
         self._profile.__enter__()
+        _OPEN_SESSIONS.add(self)
+
+    def end_session_quietly(self) -> None:
+        """End the profiler session without reading its events (at interpreter exit)."""
+        prof, self._profile = self._profile, None
+        _OPEN_SESSIONS.discard(self)
+        if prof is not None and profiler._is_profiler_enabled:
+            prof.__exit__(None, None, None)
 
     def stop(self) -> None:
         self._finish_session()
@@ -132,6 +158,7 @@ class CpuProfilerProbe(MemoryProbe):
         return self._profile is not None and not profiler._is_profiler_enabled
 
     def _finish_session(self) -> None:
+        _OPEN_SESSIONS.discard(self)
         if self._profile is None:
             return
         if self._session_lost():

@@ -292,3 +292,24 @@ def _fsdp_with_tracker_body(rank: int, world_size: int) -> None:
 
 def test_fsdp_with_a_process_group_tracker() -> None:
     run_distributed(_fsdp_with_tracker_body, 2)
+
+
+_MONITORING_AT_EXIT = """
+import torch, torch.nn as nn
+from fairscale.experimental.tooling.layer_memory_tracker import LayerwiseMemoryTracker
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+tracker = LayerwiseMemoryTracker()
+tracker.monitor(model)
+model(torch.randn(3, 4)).sum().backward()
+print("traces", len(tracker.memory_traces))
+"""
+
+
+def test_a_tracker_still_monitoring_at_exit_ends_cleanly() -> None:
+    """Upstream's examples never call stop(): on the CPU the profiler session left open was torn down during the
+    interpreter's finalization and the process died with SIGSEGV after the script had finished."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _MONITORING_AT_EXIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "traces 6" in done.stdout, (done.returncode, done.stdout, done.stderr[-2000:])
