@@ -338,6 +338,44 @@ def _case_zero_dim_parameter_first(rank: int, world_size: int) -> None:
         assert torch.equal(resumed[name], value), name
 
 
+def _single_parameter_model(inner_bias: bool) -> FSDP:
+    torch.manual_seed(0)
+    inner = FSDP(nn.Linear(4, 4, bias=inner_bias), flatten_parameters=False)
+    return FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), inner, nn.Tanh(), nn.Linear(4, 2)))
+
+
+def _case_single_parameter_instance_not_flattened(rank: int, world_size: int) -> None:
+    """A nested instance with flatten_parameters=False and one parameter of its own (upstream's MEVO test): upstream
+    gathers it like a flat one; it was refused. Resuming from the gathered dict equals the uninterrupted run."""
+
+    def run(resume: bool) -> Tuple[Dict[str, Tensor], Any]:
+        fsdp = _single_parameter_model(inner_bias=False)
+        opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+        full = None
+        for step in range(3):
+            if step == 1:
+                full = fsdp.gather_full_optim_state_dict(opt)
+                if resume:
+                    opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+                    opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(_broadcast(full)))
+            opt.zero_grad()
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            fsdp(x).sum().backward()
+            opt.step()
+        with fsdp.summon_full_params():
+            return {n: p.detach().clone() for n, p in fsdp.named_parameters()}, full
+
+    (uninterrupted, full), (resumed, _) = run(False), run(True)
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    if rank == 0:  # the root's 4 parameters, then the inner instance's weight (4 x 4)
+        assert sorted(full["state"]) == [0, 1, 2, 3, 4] and full["param_id_map"][4] == 1, full["param_id_map"]
+        assert full["state"][4]["exp_avg"].shape == (4, 4)
+    two = _single_parameter_model(inner_bias=True)
+    with pytest.raises(NotImplementedError, match="flatten them .* or to hold a single parameter"):
+        two.gather_full_optim_state_dict(torch.optim.SGD(two.parameters(), lr=0.1))
+
+
 def _ws2_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], Any]]] = []
     for kind, mode in (("sgd", "nested"), ("adam", "nested"), ("adadelta", "nested"), ("adam", "one")):
@@ -349,6 +387,8 @@ def _ws2_body(rank: int, world_size: int) -> None:
     cases.append(("bad_input", functools.partial(_case_bad_input, rank, world_size)))
     cases.append(("upstream_fixture", functools.partial(_case_upstream_fixture, rank, world_size)))
     cases.append(("zero_dim_parameter_first", functools.partial(_case_zero_dim_parameter_first, rank, world_size)))
+    single = functools.partial(_case_single_parameter_instance_not_flattened, rank, world_size)
+    cases.append(("single_parameter_instance_not_flattened", single))
     run_cases(cases)
 
 

@@ -46,7 +46,14 @@ class _Layout:
 
 
 def _layouts(root: FSDPUnit) -> List[_Layout]:
-    """The model's non-empty instances in module pre-order; every one must own exactly one flat parameter."""
+    """The model's non-empty instances in module pre-order; every one must own exactly one flat parameter, or (as
+    upstream: "only flatten param or a single non-shared param") be an instance with ``flatten_parameters=False``
+    that holds a single parameter of its own, which it shards like a flat one. The root must flatten."""
+    if not root.config.flatten_parameters:
+        raise NotImplementedError(
+            "full optimizer state dicts need flatten_parameters=True on the root FullyShardedDataParallel instance "
+            "(as upstream). Save optim.state_dict() per rank instead."
+        )
     out: List[_Layout] = []
     gid = 0
     for path, m in root.named_units():
@@ -55,13 +62,20 @@ def _layouts(root: FSDPUnit) -> List[_Layout]:
             continue
         fpw: Any = m.wrapped
         flatten = m.config.flatten_parameters
-        if not flatten or len(owned) != 1 or len(getattr(fpw, "flat_params", [])) != 1:
+        single = not flatten and len(m.handles) == 1 and len(owned) == 1
+        if not single and (not flatten or len(owned) != 1 or len(getattr(fpw, "flat_params", [])) != 1):
             raise NotImplementedError(
-                "full optimizer state dicts need flatten_parameters=True on every FullyShardedDataParallel instance "
-                f"that owns parameters; the instance at {clean_path(path)!r} has flatten_parameters="
-                f"{flatten} and {len(owned)} parameters. Save optim.state_dict() per rank instead."
+                "full optimizer state dicts need every FullyShardedDataParallel instance that owns parameters to "
+                "flatten them (flatten_parameters=True), or to hold a single parameter that no other instance shares; "
+                f"the instance at {clean_path(path)!r} has flatten_parameters={flatten} and {len(owned)} parameters"
+                f"{' (and borrows shared ones)' if len(m.handles) > len(owned) else ''}. Save optim.state_dict() per "
+                "rank instead."
             )
-        names, shapes, numels = fpw.metadata(0)
+        if single:
+            h = m.handles[0]
+            names, shapes, numels = [m.param_name_groups[0][0]], [torch.Size(h.orig_size)], [h.numel]
+        else:
+            names, shapes, numels = fpw.metadata(0)
         where = clean_path(path)
         names = [clean_path(f"{where}.{clean_path(n)}" if where else n) for n in names]
         out.append(_Layout(len(out), m, where, names, list(shapes), list(numels), gid))
