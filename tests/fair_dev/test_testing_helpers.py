@@ -149,7 +149,8 @@ def _models_across_ranks(rank: int, world_size: int) -> List[str]:
 
 
 def test_check_same_models_across_ranks() -> None:
-    expected = ["0.weight differs between group ranks 0 and 1", "0.bias is the same on group ranks 0 and 1"]
+    # False asserts nothing, as upstream (its tests pass it for models with a frozen layer, equal on every rank).
+    expected = ["0.weight differs between group ranks 0 and 1"]
     assert run_distributed(_models_across_ranks, 2) == [expected, expected]
 
 

@@ -372,8 +372,52 @@ def _case_single_parameter_instance_not_flattened(rank: int, world_size: int) ->
         assert sorted(full["state"]) == [0, 1, 2, 3, 4] and full["param_id_map"][4] == 1, full["param_id_map"]
         assert full["state"][4]["exp_avg"].shape == (4, 4)
     two = _single_parameter_model(inner_bias=True)
-    with pytest.raises(NotImplementedError, match="flatten them .* or to hold a single parameter"):
+    with pytest.raises(NotImplementedError, match="flatten them .* or to hold a single parameter of its own"):
         two.gather_full_optim_state_dict(torch.optim.SGD(two.parameters(), lr=0.1))
+
+
+class _MevoTied(nn.Module):
+    """Upstream's MEVO test model, reduced: the embedding's weight is MEVO's projection, declared by MEVO's
+    (non-flat) instance with append_shared_param next to its own trigger parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fairscale.experimental.nn import MEVO
+
+        self.l0 = nn.Embedding(64, 8)
+        self.l1 = MEVO(self.l0.weight, tile_factor=2, reduction="sum")
+        self.middle = nn.Linear(8, 8)
+        self.l0 = FSDP(self.l0, flatten_parameters=False)
+        self.l1 = FSDP(self.l1, flatten_parameters=False)
+        self.l1.append_shared_param(self.l0.module.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l1(torch.tanh(self.middle(self.l0(x))), x + 1)
+
+
+def _case_borrowing_single_parameter_instance(rank: int, world_size: int) -> None:
+    """A non-flat instance with one parameter of its own and a borrowed one (upstream's MEVO test): upstream counts
+    only its own; it was refused. Resuming from the gathered dict equals the uninterrupted run."""
+
+    def run(resume: bool) -> Dict[str, Tensor]:
+        torch.manual_seed(0)
+        fsdp = FSDP(_MevoTied())
+        opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            if resume and step == 1:
+                full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
+                opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
+                opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(full))
+            opt.zero_grad()
+            x = torch.randint(0, 62, (2, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+            fsdp(x).backward()
+            opt.step()
+        with fsdp.summon_full_params():
+            return {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+
+    uninterrupted, resumed = run(False), run(True)
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
 
 
 def _ws2_body(rank: int, world_size: int) -> None:
@@ -389,6 +433,8 @@ def _ws2_body(rank: int, world_size: int) -> None:
     cases.append(("zero_dim_parameter_first", functools.partial(_case_zero_dim_parameter_first, rank, world_size)))
     single = functools.partial(_case_single_parameter_instance_not_flattened, rank, world_size)
     cases.append(("single_parameter_instance_not_flattened", single))
+    borrowing = functools.partial(_case_borrowing_single_parameter_instance, rank, world_size)
+    cases.append(("borrowing_single_parameter_instance", borrowing))
     run_cases(cases)
 
 

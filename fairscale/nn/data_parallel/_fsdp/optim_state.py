@@ -62,17 +62,17 @@ def _layouts(root: FSDPUnit) -> List[_Layout]:
             continue
         fpw: Any = m.wrapped
         flatten = m.config.flatten_parameters
-        single = not flatten and len(m.handles) == 1 and len(owned) == 1
+        # Borrowed parameters (append_shared_param) are their owners' in the optimizer, as upstream counts them.
+        single = not flatten and len(owned) == 1 and not m.handles[0].borrowed
         if not single and (not flatten or len(owned) != 1 or len(getattr(fpw, "flat_params", [])) != 1):
             raise NotImplementedError(
                 "full optimizer state dicts need every FullyShardedDataParallel instance that owns parameters to "
-                "flatten them (flatten_parameters=True), or to hold a single parameter that no other instance shares; "
-                f"the instance at {clean_path(path)!r} has flatten_parameters={flatten} and {len(owned)} parameters"
-                f"{' (and borrows shared ones)' if len(m.handles) > len(owned) else ''}. Save optim.state_dict() per "
-                "rank instead."
+                "flatten them (flatten_parameters=True), or to hold a single parameter of its own; the instance at "
+                f"{clean_path(path)!r} has flatten_parameters={flatten} and {len(owned)} parameters of its own. Save "
+                "optim.state_dict() per rank instead."
             )
         if single:
-            h = m.handles[0]
+            h = m.handles[0]  # its own parameter comes first: append_shared_param appends the borrowed ones
             names, shapes, numels = [m.param_name_groups[0][0]], [torch.Size(h.orig_size)], [h.numel]
         else:
             names, shapes, numels = fpw.metadata(0)
