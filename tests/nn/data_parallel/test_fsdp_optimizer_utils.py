@@ -314,28 +314,52 @@ class _ScaleFirst(nn.Module):
         return self.lin(x) * self.logit_scale
 
 
+def _train_three_steps(
+    build: Callable[[], FSDP],
+    make_optim: Callable[[Any], torch.optim.Optimizer],
+    loss: Callable[[FSDP, int], Tensor],
+    resume: bool,
+) -> Tuple[Dict[str, Tensor], Any]:
+    """Three steps; with ``resume``, the optimizer is rebuilt after the first from the gathered full state dict.
+    Returns the full parameters and the gathered dict (gathered after the first step in both runs)."""
+    torch.manual_seed(0)
+    fsdp = build()
+    opt = make_optim(fsdp.parameters())
+    full = None
+    for step in range(3):
+        if step == 1:
+            full = fsdp.gather_full_optim_state_dict(opt)
+            if resume:
+                opt = make_optim(fsdp.parameters())
+                opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(_broadcast(full)))
+        opt.zero_grad()
+        loss(fsdp, step).backward()
+        opt.step()
+    with fsdp.summon_full_params():
+        return {n: p.detach().clone() for n, p in fsdp.named_parameters()}, full
+
+
+def _assert_resume_exact(
+    build: Callable[[], FSDP], make_optim: Callable[[Any], torch.optim.Optimizer], loss: Callable[[FSDP, int], Tensor]
+) -> Any:
+    """Resuming from the gathered dict gives the uninterrupted run's parameters bit for bit; returns that dict."""
+    (uninterrupted, full), (resumed, _) = [_train_three_steps(build, make_optim, loss, r) for r in (False, True)]
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    return full
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
 def _case_zero_dim_parameter_first(rank: int, world_size: int) -> None:
     # The per-element state of a flat parameter whose first parameter is 0-dim was resharded to that one element
     # (its 0-dim exp_avg was taken for a shared value like step): the next Adam step failed on the shapes.
-    def run(resume: bool) -> Dict[str, Tensor]:
-        torch.manual_seed(0)
-        fsdp = FSDP(_ScaleFirst())
-        opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
-        for step in range(3):
-            if resume and step == 1:
-                full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
-                opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
-                opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(full))
-            opt.zero_grad()
-            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-            fsdp(x).sum().backward()
-            opt.step()
-        with fsdp.summon_full_params():
-            return {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+    def loss(fsdp: FSDP, step: int) -> Tensor:
+        return fsdp(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))).sum()
 
-    uninterrupted, resumed = run(False), run(True)
-    for name, value in uninterrupted.items():
-        assert torch.equal(resumed[name], value), name
+    _assert_resume_exact(lambda: FSDP(_ScaleFirst()), _adam, loss)
 
 
 def _single_parameter_model(inner_bias: bool) -> FSDP:
@@ -348,26 +372,10 @@ def _case_single_parameter_instance_not_flattened(rank: int, world_size: int) ->
     """A nested instance with flatten_parameters=False and one parameter of its own (upstream's MEVO test): upstream
     gathers it like a flat one; it was refused. Resuming from the gathered dict equals the uninterrupted run."""
 
-    def run(resume: bool) -> Tuple[Dict[str, Tensor], Any]:
-        fsdp = _single_parameter_model(inner_bias=False)
-        opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
-        full = None
-        for step in range(3):
-            if step == 1:
-                full = fsdp.gather_full_optim_state_dict(opt)
-                if resume:
-                    opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
-                    opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(_broadcast(full)))
-            opt.zero_grad()
-            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-            fsdp(x).sum().backward()
-            opt.step()
-        with fsdp.summon_full_params():
-            return {n: p.detach().clone() for n, p in fsdp.named_parameters()}, full
+    def loss(fsdp: FSDP, step: int) -> Tensor:
+        return fsdp(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))).sum()
 
-    (uninterrupted, full), (resumed, _) = run(False), run(True)
-    for name, value in uninterrupted.items():
-        assert torch.equal(resumed[name], value), name
+    full = _assert_resume_exact(lambda: _single_parameter_model(inner_bias=False), _adam, loss)
     if rank == 0:  # the root's 4 parameters, then the inner instance's weight (4 x 4)
         assert sorted(full["state"]) == [0, 1, 2, 3, 4] and full["param_id_map"][4] == 1, full["param_id_map"]
         assert full["state"][4]["exp_avg"].shape == (4, 4)
@@ -399,25 +407,10 @@ def _case_borrowing_single_parameter_instance(rank: int, world_size: int) -> Non
     """A non-flat instance with one parameter of its own and a borrowed one (upstream's MEVO test): upstream counts
     only its own; it was refused. Resuming from the gathered dict equals the uninterrupted run."""
 
-    def run(resume: bool) -> Dict[str, Tensor]:
-        torch.manual_seed(0)
-        fsdp = FSDP(_MevoTied())
-        opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
-        for step in range(3):
-            if resume and step == 1:
-                full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
-                opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
-                opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(full))
-            opt.zero_grad()
-            x = torch.randint(0, 62, (2, 3), generator=torch.Generator().manual_seed(10 * step + rank))
-            fsdp(x).backward()
-            opt.step()
-        with fsdp.summon_full_params():
-            return {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+    def loss(fsdp: FSDP, step: int) -> Tensor:
+        return fsdp(torch.randint(0, 62, (2, 3), generator=torch.Generator().manual_seed(10 * step + rank)))
 
-    uninterrupted, resumed = run(False), run(True)
-    for name, value in uninterrupted.items():
-        assert torch.equal(resumed[name], value), name
+    _assert_resume_exact(lambda: FSDP(_MevoTied()), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss)
 
 
 def _ws2_body(rank: int, world_size: int) -> None:
