@@ -24,6 +24,7 @@ from ._fsdp import runtime
 from ._fsdp import state_dict as fsdp_state_dict
 from ._fsdp import summon
 from ._fsdp.config import make_config
+from ._fsdp.ddp_guard import RefuseTorchDDP
 from ._fsdp.front_attributes import UnitAttributes
 from ._fsdp.handle import FlatHandle
 from ._fsdp.storage import alloc_storage_, free_storage_
@@ -231,6 +232,9 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         grad_accum.install(unit)
         for n, p in self.named_parameters():
             assert hasattr(p, "_is_sharded"), f"parameter {n} is not managed by any FSDP instance"
+
+    # torch DDP around FSDP would overwrite every rank's shards with rank 0's: its constructor reads this and raises.
+    _ddp_params_and_buffers_to_ignore = RefuseTorchDDP()
 
     # ------------------------------------------------------------------ simple properties
     @property

@@ -6,7 +6,8 @@ silently wrong result.
 * ``.to()/.half()`` between a forward and its backward (was a bare ``AssertionError`` in the backward);
 * ``clip_grad_norm_`` after a ``no_sync()`` backward (was a silently wrong norm: each rank's full unreduced gradient),
   with a negative or NaN ``max_norm`` (flipped or skipped silently), with ``norm_type`` 0 (``ZeroDivisionError``);
-* ``FSDP(FSDP(module))`` (was a misleading tied-weights error; upstream supports it) and one module wrapped by two
+* torch ``DistributedDataParallel`` around an FSDP instance (training went on, learning nothing: DDP overwrote rank 1's
+  shards with rank 0's); ``FSDP(FSDP(module))`` (was a misleading tied-weights error; upstream supports it) and one module wrapped by two
   instances (was "setStorage ... out of bounds" in its forward);
 * parameters rebound inside ``summon_full_params()`` (``m.weight.data = t``, ``m.bias = nn.Parameter(t)``: were
   dropped silently; in-place edits were kept);
@@ -177,6 +178,22 @@ def _case_one_module_in_two_instances() -> None:
         second(_input())
     _train(first)  # the first wrapping is unharmed
     _assert_equal_to_reference(_full(first))
+
+
+def _case_torch_ddp_around_fsdp_is_refused() -> None:
+    # DDP would broadcast rank 0's shards over rank 1's and all-reduce gradients of different shards (transformers
+    # 4.30-4.34's Trainer does this with --sharded_ddp zero_dp_2/3): refused in DDP's constructor, before it sends.
+    model = _nested()
+    with pytest.raises(TypeError, match="DistributedDataParallel cannot wrap a FullyShardedDataParallel"):
+        nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(TypeError, match="Train the FSDP instance directly"):
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["a.weight"])
+    assert FSDP._ddp_params_and_buffers_to_ignore is not None  # class access (docs tools) does not raise
+    _train(model)  # nothing was sent or changed: the model trains as if DDP had not been tried
+    _assert_equal_to_reference(_full(model))
+    # DDP around a plain module that holds FSDP instances is not detected (documented); DDP of a plain model is fine.
+    plain = nn.parallel.DistributedDataParallel(_Net())
+    assert isinstance(plain.module, _Net)
 
 
 # -------------------------------------------------------------------------------------------------- copies
@@ -469,6 +486,7 @@ def _body(rank: int, world_size: int) -> None:
             ("clip arguments differ between ranks", _case_clip_arguments_differ_between_ranks),
             ("FSDP(FSDP(m))", _case_fsdp_of_fsdp_trains_like_the_module),
             ("one module in two instances", _case_one_module_in_two_instances),
+            ("torch DDP around FSDP", _case_torch_ddp_around_fsdp_is_refused),
             (
                 "rebinds inside summon_full_params",
                 functools.partial(_case_rebinds_inside_summon_are_written_back, True),
