@@ -15,8 +15,9 @@ synthetic tokens in 2 CPU processes (gloo) started by ``torchrun``, 8 optimizer 
 with AdamW, a linear LR schedule and gradient clipping. Checks, each against the same training under plain torch
 DDP (``sharded_ddp`` empty):
   1. ``sharded_ddp="simple"`` (OSS + ShardedDataParallel), ``"zero_dp_2"`` (FullyShardedDataParallel,
-     reshard_after_forward=False), ``"zero_dp_3 auto_wrap"`` (reshard_after_forward=True; Trainer's ``auto_wrap``
-     call outside an ``enable_wrap`` context returns the model unchanged, as upstream's), ``"zero_dp_3 offload"``
+     reshard_after_forward=False), ``"zero_dp_3 auto_wrap"`` with ``gradient_checkpointing=True``
+     (reshard_after_forward=True; the Trainer's ``auto_wrap`` call outside an ``enable_wrap`` context returns the model unchanged, as upstream's;
+     GPT-2's blocks recompute their forward in the backward, torch's reentrant checkpoint), ``"zero_dp_3 offload"``
      (cpu_offload=True): the final model saved by ``save_model`` (its file's keys as DDP's) and loaded with
      ``GPT2LMHeadModel.from_pretrained``, max |dw|, and the logged losses;
   2. resume with ``"simple"``: a run that saves a checkpoint after half the steps (the consolidated OSS state), a new
@@ -41,6 +42,7 @@ import torch
 VOCAB, POSITIONS, EMBED, LAYERS, HEADS = 96, 32, 32, 2, 2
 SAMPLES, SEQ = 64, 24  # 32 samples a rank: 8 steps of 2 micro-batches of 2
 STEPS, MICRO_BATCH, ACCUMULATE = 8, 2, 2
+CHECKPOINTING = " gradient_checkpointing"
 
 
 def tiny_gpt2():
@@ -83,11 +85,15 @@ def worker(sharded_ddp: str, out: str, save_steps: int, resume: str) -> None:
     """One rank of one training (started by torchrun): trains, saves the final model (rank 0 writes)."""
     from transformers import Trainer, TrainingArguments
 
+    # A mode may end in " gradient_checkpointing": the Trainer's flag of that name, not a --sharded_ddp option.
+    checkpointing = sharded_ddp.endswith(CHECKPOINTING)
+    sharded_ddp = sharded_ddp[: -len(CHECKPOINTING)] if checkpointing else sharded_ddp
     args = TrainingArguments(
         output_dir=out,
         no_cuda=True,
         ddp_backend="gloo",
         sharded_ddp=sharded_ddp,
+        gradient_checkpointing=checkpointing,
         per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=ACCUMULATE,
         max_steps=STEPS,
@@ -195,7 +201,9 @@ def run_checks(workdir: str, tol: float, modes: list) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tol", type=float, default=1e-4, help="largest max|dw| accepted against DDP")
-    parser.add_argument("--modes", default="simple,zero_dp_2,zero_dp_3 auto_wrap,zero_dp_3 offload")
+    parser.add_argument(
+        "--modes", default="simple,zero_dp_2,zero_dp_3 auto_wrap gradient_checkpointing,zero_dp_3 offload"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--save-steps", type=int, default=0, help=argparse.SUPPRESS)
