@@ -112,6 +112,9 @@ class OSS(Optimizer):
         self.__param_to_index: Dict[int, int] = {}
         self._optim_defaults = default
         self._optim_constructor: Callable[..., Optimizer] = optim
+        # The hyper-parameters the ranks must agree on: those the optimizer declares (a key only its **kwargs takes,
+        # such as upstream's test optimizer's per-process `rank`, may differ).
+        self._declared_hyper = _describe.declared_hyper_parameters(optim)
 
         self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self.world_size = collectives.group_size(self.group)
@@ -137,7 +140,7 @@ class OSS(Optimizer):
             ("argument force_broadcast_object", bool(force_broadcast_object)),
             ("argument optim", _describe.callable_name(optim)),
         ]
-        arguments += _describe.describe_hyper_parameters(self.param_groups)
+        arguments += _describe.describe_hyper_parameters(self.param_groups, declared=self._declared_hyper)
         self._check_ranks_agree(arguments + self._describe_params(self.param_groups), "")
         self._refresh_trainable()
 
@@ -505,7 +508,7 @@ class OSS(Optimizer):
         self._check_ranks_agree(
             self._describe_params(self.param_groups)
             + self._describe_params([{"params": param_group["params"] if has_params else []}], first_group)
-            + _describe.describe_hyper_parameters(described, first_group)
+            + _describe.describe_hyper_parameters(described, first_group, self._declared_hyper)
             + [("param_group", type(param_group).__name__, has_params)],
             ".add_param_group",
         )

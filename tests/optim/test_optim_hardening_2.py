@@ -31,7 +31,9 @@ from torch import nn
 from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.device import device_generic_amp_scaler
+from fairscale.fair_dev.testing.testing import SGDWithPausingCompute
 from fairscale.optim import OSS, AdaScale
+from fairscale.optim._oss.describe import declared_hyper_parameters
 from fairscale.optim.grad_scaler import GradScaler, ShardedGradScaler
 from fairscale.optim.layerwise_gradient_scaler import LayerwiseGradientScaler
 
@@ -469,6 +471,49 @@ def test_add_param_group_with_other_hyper_parameters_or_without_params() -> None
     )
     assert no_params.startswith("OSS.add_param_group: the group has no 'params' entry (it has ['lr'])")
     assert not_dict.startswith("OSS.add_param_group expects a dict")
+
+
+def _undeclared_per_rank_body(rank: int, world_size: int) -> Tuple[List[float], List[str]]:
+    # upstream's tests pass each process's `rank` to SGDWithPausingCompute through OSS (it takes it by **kwargs):
+    # a keyword the optimizer does not declare may differ between ranks; SGD's own `lr` still may not.
+    model = _model()
+    oss = OSS(model[0].parameters(), optim=SGDWithPausingCompute, lr=0.1, rank=rank)
+    oss.add_param_group({"params": model[2].parameters(), "rank": rank, "tag": f"rank {rank}"})
+    _train(model, oss, rank, world_size, range(2))
+    weights = [p.detach().sum().item() for p in model.parameters()]
+    messages = []
+    for kwargs in ({"lr": 0.1 * (rank + 1), "rank": rank}, {"lr": 0.1, "momentum": 0.5 * rank}):
+        try:
+            OSS(_model().parameters(), optim=SGDWithPausingCompute, **kwargs)
+        except RanksDisagreeError as e:
+            messages.append(str(e))
+    return weights, messages
+
+
+def test_undeclared_per_rank_keywords_may_differ() -> None:
+    results = run_distributed(_undeclared_per_rank_body, 2, timeout=TIMEOUT)
+    (weights0, messages0), (weights1, messages1) = results
+    assert weights0 == weights1  # the replicas trained alike: the per-rank keyword changed nothing shared
+    assert messages0 == messages1 and len(messages0) == 2, messages0
+    assert "(('lr', '0.1')" in messages0[0] and "(('lr', '0.2')" in messages0[0], messages0[0]
+    assert "('momentum', '0.0')" in messages0[1] and "('momentum', '0.5')" in messages0[1], messages0[1]
+    assert "'rank'" not in messages0[0], messages0[0]
+
+
+def test_declared_hyper_parameters() -> None:
+    sgd = declared_hyper_parameters(torch.optim.SGD)
+    assert sgd is not None and {"lr", "momentum", "weight_decay"} <= sgd and "params" not in sgd
+    assert declared_hyper_parameters(SGDWithPausingCompute) == sgd  # a subclass passing **kwargs on declares SGD's
+    partial = declared_hyper_parameters(functools.partial(torch.optim.Adam, lr=1.0))
+    assert partial is not None and {"betas", "eps"} <= partial
+    # Nothing declared by name: every key is compared, as before.
+    assert declared_hyper_parameters(lambda params, **kw: torch.optim.SGD(params, **kw)) is None
+    assert declared_hyper_parameters(_KwargsOnly) is None
+
+
+class _KwargsOnly(torch.optim.Optimizer):
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, kwargs)
 
 
 def test_hyper_parameter_descriptions_are_exact_and_free_of_addresses() -> None:

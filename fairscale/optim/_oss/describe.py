@@ -7,12 +7,13 @@ they must compare equal across processes exactly when the values are equal.
 """
 
 import functools
+import inspect
 import re
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 
-__all__ = ["comparable", "callable_name", "describe_hyper_parameters"]
+__all__ = ["comparable", "callable_name", "declared_hyper_parameters", "describe_hyper_parameters"]
 
 # A memory address in a repr (``<function f at 0x7f...>``): different in every process even for the same value.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -44,12 +45,51 @@ def callable_name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{qualname}"
 
 
-def describe_hyper_parameters(groups: List[Dict[str, Any]], first_group: int = 0) -> List[Tuple[str, Any]]:
-    """``(group, ((name, value), ...))`` of every group's hyper-parameters, values as :func:`comparable` reprs."""
+def declared_hyper_parameters(optim: Any) -> Optional[FrozenSet[str]]:
+    """The hyper-parameters that the wrapped optimizer declares by name; ``None``: compare every key.
+
+    For a class, the named parameters of every ``__init__`` in its MRO (a subclass that passes ``**kwargs`` on to
+    ``torch.optim.SGD`` declares SGD's); for a ``functools.partial`` or another callable, its signature's. A keyword
+    that only a ``**kwargs`` takes is then no hyper-parameter the optimizer knows: upstream's test optimizer takes
+    each process's ``rank`` that way, which differs between ranks by design. An optimizer that declares none (a
+    factory ``lambda params, **kw: ...``, a class taking ``**kwargs`` only) has every key compared.
+    """
+    names: Set[str] = set()
+    # Each class's own __init__ (vars: not the inherited one again), or the factory itself.
+    callables = [vars(c).get("__init__") for c in inspect.getmro(optim)] if inspect.isclass(optim) else [optim]
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for fn in callables:
+        if not callable(fn):
+            continue  # a class in the MRO without an __init__ of its own
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue  # object.__init__, builtins: nothing declared there
+        names.update(name for name, p in signature.parameters.items() if p.kind in kinds)
+    names -= {"self", "params", "defaults"}
+    return frozenset(names) if names else None
+
+
+def describe_hyper_parameters(
+    groups: List[Dict[str, Any]], first_group: int = 0, declared: Optional[FrozenSet[str]] = None
+) -> List[Tuple[str, Any]]:
+    """``(group, ((name, value), ...))`` of every group's hyper-parameters, values as :func:`comparable` reprs.
+
+    Args:
+        groups: the parameter groups.
+        first_group: the index of ``groups[0]`` in the optimizer (for the names).
+        declared: when given, only these keys are described (see :func:`declared_hyper_parameters`).
+    """
     return [
         (
             f"group {first_group + g} hyper-parameters",
-            tuple(sorted((str(k), comparable(v)) for k, v in group.items() if k != "params")),
+            tuple(
+                sorted(
+                    (str(k), comparable(v))
+                    for k, v in group.items()
+                    if k != "params" and (declared is None or k in declared)
+                )
+            ),
         )
         for g, group in enumerate(groups)
     ]
