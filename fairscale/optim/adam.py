@@ -39,6 +39,8 @@ __all__ = ["Adam", "Precision"]
 _MAX_OPTIM_SCALE = 2.0**16
 # A parameter as the optimizer last left it (see _mark).
 _Mark = Tuple[int, int, torch.Size, Tuple[int, ...]]
+# A mark no parameter has: the parameter was written outside the optimizer (its master is read again at the step).
+_CHANGED: _Mark = (-1, 0, torch.Size(), ())
 
 
 class Precision(Enum):
@@ -154,14 +156,62 @@ class Adam(torch.optim.Optimizer):
         if self.mixed_precision:
             # One group of fp32 masters per param group, built like the constructor's (upstream built a single
             # group at construction only, so its next step after add_param_group failed with an IndexError).
-            group = self.param_groups[-1]
-            masters = []
-            for p in group["params"]:
-                master = torch.nn.Parameter(p.detach().clone().float())
-                master.grad = torch.zeros_like(master)
-                masters.append(master)
-                self._written[p] = _mark(p)
-            self.fp32_param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+            self.fp32_param_groups.append(self._fp32_group(self.param_groups[-1], self.param_groups[-1]["params"]))
+
+    def _fp32_group(self, group: Dict[str, Any], params: List[Tensor]) -> Dict[str, Any]:
+        """A group of fp32 master copies (zero gradients) of ``params``, with ``group``'s hyper-parameters."""
+        masters = []
+        for p in params:
+            master = torch.nn.Parameter(p.detach().clone().float())
+            master.grad = torch.zeros_like(master)
+            masters.append(master)
+            self._written[p] = _mark(p)
+        return {**{k: v for k, v in group.items() if k != "params"}, "params": masters}
+
+    def _build_fp32_params(self, params: Iterable[Tensor]) -> None:
+        """Rebuild the fp32 master copies from ``params`` (upstream's private helper, which its tests call).
+
+        As upstream, the masters form a single group (with the first param group's hyper-parameters), so this
+        optimizer must have one param group holding exactly ``params``; their optimizer state is kept.
+
+        Raises:
+            ValueError: more than one param group, or ``params`` are not the group's parameters in order.
+        """
+        parameters = list(params)
+        if len(self.param_groups) != 1 or [id(p) for p in parameters] != [
+            id(p) for p in self.param_groups[0]["params"]
+        ]:
+            raise FairscaleValueError(
+                f"Adam._build_fp32_params builds the masters of a single param group: it needs an optimizer with one "
+                f"group (this one has {len(self.param_groups)}) and that group's parameters, in order ({len(parameters)} "
+                "given). Masters of more groups are built by the constructor and add_param_group."
+            )
+        self.fp32_param_groups = [self._fp32_group(self.param_groups[0], parameters)]
+
+    # torch's Optimizer pickles (and deep-copies) only defaults, state and param_groups: a copy lacked the precision,
+    # the masters and the scale counters, and its first step raised AttributeError.
+    _PICKLED = (
+        "precision",
+        "optim_type",
+        "_optim_scale",
+        "_steps_since_optim_scale_change",
+        "_optim_scale_update_freq",
+        "fp32_param_groups",
+        "eps_mode",
+    )
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: self.__dict__[name] for name in self._PICKLED if name in self.__dict__})
+        # Memory addresses and versions mean nothing in the copy: record only which parameters the optimizer left
+        # as they are (their masters stay), and mark the others again in the copy.
+        state["_unchanged"] = {p: mark == _mark(p) for p, mark in self.__dict__.get("_written", {}).items()}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        unchanged = state.pop("_unchanged", {})
+        super().__setstate__(state)
+        self._written = {p: _mark(p) if same else _CHANGED for p, same in unchanged.items()}
 
     @property
     def supports_memory_efficient_fp16(self) -> bool:

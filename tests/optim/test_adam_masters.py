@@ -236,3 +236,65 @@ def test_add_param_group_that_fails_adds_no_masters() -> None:
     full = Adam([nn.Parameter(torch.ones(3))])
     full.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
     assert full.fp32_param_groups == []
+
+
+def test_build_fp32_params_rebuilds_the_masters_as_upstream() -> None:
+    # upstream's private helper (its tests call it): fp32 copies of the given fp16 parameters, with zero gradients,
+    # in one group with the hyper-parameters; a step afterwards trains as a fresh optimizer from the same values.
+    model = _model()
+    optim = Adam(model.parameters(), **KWARGS)
+    _step(optim, 0)
+    with torch.no_grad():
+        for p in _params(optim):
+            p.mul_(0.5)  # the masters now differ from the parameters; rebuilding takes the parameters' values
+    optim._build_fp32_params(model.parameters())
+    masters = _masters(optim)
+    assert len(optim.fp32_param_groups) == 1 and optim.fp32_param_groups[0]["lr"] == KWARGS["lr"]
+    for p, m in zip(_params(optim), masters):
+        assert m.dtype == torch.float32 and torch.equal(m, p.float()) and torch.equal(m.grad, torch.zeros_like(m))
+    rebuilt = [m.detach().clone() for m in masters]
+    fresh = Adam(_model().parameters(), **KWARGS)  # a fresh optimizer on the same (halved) values and state
+    with torch.no_grad():
+        for p, q in zip(_params(fresh), _params(optim)):
+            p.copy_(q)
+    fresh.load_state_dict(optim.state_dict())
+    _step(optim, 1)
+    _step(fresh, 1)
+    _assert_same(optim, fresh)
+    assert not torch.equal(_masters(optim)[0], rebuilt[0])  # the step moved the rebuilt masters
+
+
+def test_build_fp32_params_needs_the_single_groups_parameters() -> None:
+    model = _model()
+    optim = Adam([{"params": model[0].parameters()}, {"params": model[1].parameters()}], **KWARGS)
+    before = [m.clone() for m in _masters(optim)]
+    with pytest.raises(ValueError, match=r"builds the masters of a single param group: .* \(this one has 2\)"):
+        optim._build_fp32_params(model.parameters())
+    single = Adam(model.parameters(), **KWARGS)
+    with pytest.raises(ValueError, match=r"that group's parameters, in order \(2 given\)"):
+        single._build_fp32_params(list(model.parameters())[:2])
+    assert all(torch.equal(a, b) for a, b in zip(before, _masters(optim)))  # nothing changed
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_precision_masters_and_scale(how: str) -> None:
+    # torch pickles only defaults, state and param_groups: a copy's step raised AttributeError.
+    model = _model()
+    optim = Adam(model.parameters(), **KWARGS)
+    _step(optim, 0)
+    optim._optim_scale = 4.0
+    if how == "deepcopy":
+        copied = copy.deepcopy(optim)
+    else:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(optim, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert copied.precision is Precision.MIXED_PRECISION and copied._optim_scale == 4.0
+    assert _has_extra_precision(copied)  # the masters came along, with their bits below fp16's
+    for step in (1, 2):
+        _step(optim, step)
+        _step(copied, step)
+    _assert_same(copied, optim)
