@@ -13,6 +13,8 @@ Steps (all in a temporary folder):
      the per-update losses must be equal (bit-exact by default, --loss-tol), the final consolidated weights too
      (--weight-tol); the gradient norms, logged but unused with clipping off, are compared at a float32 tolerance
      (FSDP sums squared norms shard by shard, legacy_ddp over the whole gradient: another summation order);
+     The same with --checkpoint-activations --offload-activations (fairseq's activation checkpointing, inside
+     each layer's FSDP instance), bit-exact too;
   3. sharded resume, twice: a fully_sharded training stopped after half the updates and resumed from its
      checkpoint_last.pt must log the same losses and gradient norms for the second half, bit for bit, and end on
      the same weights as the uninterrupted run: once with fairseq's default consolidated checkpoint (fairscale's
@@ -232,6 +234,29 @@ def main() -> int:
         print(
             f"fairseq: fully_sharded vs legacy_ddp over {args.updates} updates: max|dloss| = {dloss:.3g}, "
             f"final max|dw| = {dw:.3g}, gnorm max rel diff = {dnorm:.2g} (loss {first:.4f} -> {last:.4f}) "
+            f"({'ok' if good else 'MISMATCH'})",
+            flush=True,
+        )
+
+        # fairseq's own activation checkpointing (its checkpoint_wrapper, which moves the layer's activations to the
+        # CPU with --offload-activations) around each decoder layer, inside that layer's FSDP instance: the layers
+        # run their forward again in the backward, with the same dropout masks.
+        ckpt = ["--checkpoint-activations", "--offload-activations"]
+        fs_ckpt = train(
+            workdir,
+            "fully_sharded-ckpt",
+            "fully_sharded",
+            args.updates,
+            os.path.join(workdir, "ck-fsdp-ckpt"),
+            fsdp + ckpt,
+        )
+        dloss, dnorm = compare_updates(fs_ckpt, ddp)
+        dw = max_diff(weights(os.path.join(workdir, "ck-fsdp-ckpt")), weights(os.path.join(workdir, "ck-ddp")))
+        good = dloss <= args.loss_tol and dw <= args.weight_tol and dnorm <= args.gnorm_rtol
+        ok &= good
+        print(
+            f"fairseq: fully_sharded --checkpoint-activations --offload-activations vs legacy_ddp over {args.updates} "
+            f"updates: max|dloss| = {dloss:.3g}, final max|dw| = {dw:.3g}, gnorm max rel diff = {dnorm:.2g} "
             f"({'ok' if good else 'MISMATCH'})",
             flush=True,
         )

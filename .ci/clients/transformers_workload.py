@@ -19,7 +19,8 @@ DDP (``sharded_ddp`` empty):
      (reshard_after_forward=True; the Trainer's ``auto_wrap`` call outside an ``enable_wrap`` context returns the model unchanged, as upstream's;
      GPT-2's blocks recompute their forward in the backward, torch's reentrant checkpoint), ``"zero_dp_3 offload"``
      (cpu_offload=True): the final model saved by ``save_model`` (its file's keys as DDP's) and loaded with
-     ``GPT2LMHeadModel.from_pretrained``, max |dw|, and the logged losses;
+     ``GPT2LMHeadModel.from_pretrained``, max |dw|, the logged losses and ``Trainer.evaluate``'s loss on other
+     samples after training;
   2. resume with ``"simple"``: a run that saves a checkpoint after half the steps (the consolidated OSS state), a new
      run with ``resume_from_checkpoint``; its final weights vs the uninterrupted run's (bit-exact).
 Sharded and DDP runs add the two ranks' gradients in another order and clip with norms summed in another order, so
@@ -66,8 +67,8 @@ def tiny_gpt2():
 class Tokens(torch.utils.data.Dataset):
     """Synthetic language-model samples: a repeating pattern with noise, so the loss can go down."""
 
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1234)
+    def __init__(self, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
         start = torch.randint(0, VOCAB, (SAMPLES, 1), generator=g)
         step = torch.randint(1, 5, (SAMPLES, 1), generator=g)
         ids = (start + step * torch.arange(SEQ)) % VOCAB
@@ -112,11 +113,14 @@ def worker(sharded_ddp: str, out: str, save_steps: int, resume: str) -> None:
     )
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=resume or None)
+    # Evaluation on other samples: a no_grad forward of the trained wrapper (FSDP: the model itself), each rank its
+    # half of the batches, the losses gathered over the ranks.
+    eval_loss = trainer.evaluate(eval_dataset=Tokens(seed=99))["eval_loss"]
     trainer.save_model(os.path.join(out, "final"))  # collective with FSDP (full state dict); rank 0 writes
     if trainer.is_world_process_zero():
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         with open(os.path.join(out, "losses.json"), "w") as f:
-            json.dump(losses, f)
+            json.dump({"losses": losses, "eval_loss": eval_loss}, f)
 
 
 def free_port() -> int:
@@ -126,7 +130,7 @@ def free_port() -> int:
 
 
 def train(sharded_ddp: str, out: str, save_steps: int = 0, resume: str = "") -> tuple:
-    """Runs one 2-process training under torchrun; returns (final state dict, logged losses, keys of the file)."""
+    """One 2-process training under torchrun: (final state dict, logged losses + [eval loss], keys of the file)."""
     start = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
     cmd += ["--master-port", str(free_port()), os.path.abspath(__file__), "--worker", sharded_ddp, "--out", out]
@@ -142,7 +146,8 @@ def train(sharded_ddp: str, out: str, save_steps: int = 0, resume: str = "") -> 
     model = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final"))
     saved = torch.load(os.path.join(out, "final", "pytorch_model.bin"), map_location="cpu", weights_only=True)
     with open(os.path.join(out, "losses.json")) as f:
-        losses = json.load(f)
+        logged = json.load(f)
+    losses = logged["losses"] + [logged["eval_loss"]]
     what = (sharded_ddp or "DDP") + (f", resumed from {os.path.basename(resume)}" if resume else "")
     print(f"transformers:   ({what}: {time.time() - start:.0f} s)", flush=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, sorted(saved)
@@ -157,10 +162,10 @@ def max_abs_diff(a: dict, b: dict) -> float:
 def run_checks(workdir: str, tol: float, modes: list) -> bool:
     ddp, ddp_losses, ddp_keys = train("", os.path.join(workdir, "ddp"))
     moved = max_abs_diff(ddp, tiny_gpt2().state_dict())
-    ok = moved > 1e-3 and len(ddp_losses) == STEPS
+    ok = moved > 1e-3 and len(ddp_losses) == STEPS + 1
     print(
-        f"transformers: DDP baseline: {len(ddp_losses)} steps, weights moved {moved:.3g} from init, loss "
-        f"{ddp_losses[0]:.3f} -> {ddp_losses[-1]:.3f} ({'ok' if ok else 'MISMATCH'})",
+        f"transformers: DDP baseline: {len(ddp_losses) - 1} steps, weights moved {moved:.3g} from init, loss "
+        f"{ddp_losses[0]:.3f} -> {ddp_losses[-2]:.3f}, eval loss {ddp_losses[-1]:.3f} ({'ok' if ok else 'MISMATCH'})",
         flush=True,
     )
     finals = {}
@@ -172,7 +177,7 @@ def run_checks(workdir: str, tol: float, modes: list) -> bool:
         ok &= good
         print(
             f"transformers: sharded_ddp={mode!r} vs DDP: max|dw| = {diff:.3g}, max|dloss| = {dloss:.3g} over "
-            f"{len(losses)} logged steps, saved keys {'as' if keys == ddp_keys else 'NOT as'} DDP's "
+            f"{len(losses) - 1} logged steps and the evaluation, saved keys {'as' if keys == ddp_keys else 'NOT as'} DDP's "
             f"({'ok' if good else 'MISMATCH'})",
             flush=True,
         )
