@@ -404,7 +404,9 @@ def train_and_compare(
         scale = max(first_loss, abs(ref_loss.item()))
         assert_loss_close(mean_over_ranks(loss.item()), ref_loss.item(), loss_rtol * scale + 1e-6, step)
     if param_rel is None:
-        assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-5)
+        # atol 1e-4: under another summation order (another CPU's kernels; ATEN_CPU_CAPABILITY=default here) a ReLU
+        # input near 0 can flip, and one element of a trained weight then ends 3.5e-5 away (test_fsdp_apply.py).
+        assert_close_dict(full_params(fsdp), ref_params(ref), "param", rtol=1e-4, atol=1e-4)
     else:
         assert_update_close(full_params(fsdp), ref_params(ref), init, param_rel, "param")
     assert_idle(fsdp)
