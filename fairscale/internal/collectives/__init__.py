@@ -23,9 +23,12 @@ One concept per module, each importing only downward (``work`` and ``groups`` at
 sizes, ranks, membership), ``recording`` (counter and simulated link), ``checks`` (argument checks), ``dispatch``
 (torch function lookup, fallback strategies), ``flat`` (all-gather / reduce-scatter of flat buffers), ``inplace``
 (all-reduce, broadcast, reduce), ``all_to_all``, ``objects`` (object collectives, barrier), ``p2p`` (send / recv,
-and the group that carries them) and ``store`` (decisions through the default group's rendezvous store). Import the names from this package; the modules are its layout, not its API.
+and the group that carries them), ``store`` (decisions through the default group's rendezvous store) and ``shutdown``
+(what happens at interpreter exit). Import the names from this package; the modules are its layout, not its API.
 """
 
+# First, so that its exit handler runs last (atexit runs handlers in reverse): after the other modules' caches let go.
+from . import shutdown as _shutdown  # noqa: F401,E402  # registers the exit handler (see its docstring)
 from ..collective_counter import CollectiveCounter, CollectiveRecord, collective_phase, count_collectives
 from .all_to_all import all_to_all_single
 from .flat import all_gather_into_flat, reduce_scatter_from_flat

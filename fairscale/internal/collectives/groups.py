@@ -1,7 +1,6 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Process groups as the collectives see them: size, rank and ranks of a group, cached, and membership checks."""
 
-import atexit
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -34,10 +33,8 @@ _LOCAL_WORLD = _GroupInfo(pg=None, size=1, rank=0, ranks=(0,), backend="local")
 # Group objects are long-lived (and not weak-referenceable), so a plain dict is the cache; it
 # holds each group alive, which also rules out a recycled id() pointing at stale info.
 _group_cache: Dict[Any, _GroupInfo] = {}
-# Let go of the groups at exit, while the interpreter is whole: a group this cache still held was otherwise freed
-# during interpreter finalization, where gloo now and then aborts the process ("terminate called without an active
-# exception") although the user's script had destroyed its process group and ended normally.
-atexit.register(_group_cache.clear)
+# Let go of the groups at exit, while the interpreter is whole (shutdown._release_at_exit): a group this cache still
+# held was otherwise freed during interpreter finalization, where gloo now and then aborts the process.
 
 
 # Whether torch was built with distributed support never changes in a process.
