@@ -48,8 +48,8 @@ def _needs_accelerator(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     if sys.flags.optimize:
-        # CI reruns the suite under python -O to prove that no check of user input is an assert. Tests marked
-        # skip_under_python_O check none (and cost minutes): the first run covers them.
+        # CI reruns the tests of errors under python -O to prove that no check of user input is an assert. Tests
+        # marked skip_under_python_O check none (and cost minutes): the first run covers them.
         skip = pytest.mark.skip(reason="checks no user input; covered by the run without -O")
         for item in items:
             if item.get_closest_marker("skip_under_python_O") is not None:

@@ -6,6 +6,7 @@ may call ``torch.distributed`` collectives; everything else goes through those l
 the collective counter sees every byte.
 """
 
+import ast
 import importlib.metadata
 import importlib.util
 import os
@@ -118,6 +119,50 @@ def test_code_lines_skip_prose(tmp_path):
     offending = {n: code for n, code in _code_lines(str(source)).items() if CUDA_PATTERN.search(code)}
     # Before 3.12 an f-string is one STRING token, expressions included: the gate cannot see code inside one there.
     assert list(offending) == ([5] if sys.version_info >= (3, 12) else []), offending
+
+
+def _narrows_optional(test: ast.expr) -> bool:
+    """``x is not None`` (or an ``and`` of such): an assert that only tells mypy an internal Optional is set."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return all(_narrows_optional(v) for v in test.values)
+    return (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    )
+
+
+def _debug_only_code(source: str, rel: str) -> list:
+    """The statements of ``source`` that ``python -O`` removes or changes: asserts other than bare Optional
+    narrowings (a message means somebody is meant to read it), and any use of ``__debug__``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assert) and not (_narrows_optional(node.test) and node.msg is None):
+            found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Name) and node.id == "__debug__":
+            found.append(f"{rel}:{node.lineno}: __debug__")
+    return found
+
+
+def test_package_code_behaves_the_same_under_python_dash_o():
+    """``python -O`` strips ``assert``: in package code an assert may only narrow an internal Optional for mypy
+    (``assert x is not None``); every check of user input, state or an invariant is an explicit raise. With this, a
+    whole-suite rerun under -O cannot find a check that vanishes; CI reruns under -O only the per-area tests that
+    start their own -O subprocesses (they run with the suite)."""
+    found = []
+    for rel, path in _python_files():
+        with open(path) as f:
+            found += _debug_only_code(f.read(), rel)
+    assert not found, "raise explicitly instead (python -O strips these):\n" + "\n".join(found)
+
+
+def test_debug_only_code_finds_what_dash_o_strips():
+    """The gate above accepts bare Optional narrowings only."""
+    assert _debug_only_code("assert a is not None\nassert a is not None and b.c is not None\n", "f") == []
+    src = "assert x\nassert x is not None, 'msg'\nassert x is None\nassert a is not None or b\nif __debug__: pass\n"
+    assert [line.split(":")[1] for line in _debug_only_code(src, "f")] == ["1", "2", "3", "4", "5"]
 
 
 def _missing(module: str) -> bool:

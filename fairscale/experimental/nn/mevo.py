@@ -80,7 +80,6 @@ def _next_power_of_2_or_max(n: int, max_n: int) -> int:
     if n == 0:
         return 1
     p = 1 << (n - 1).bit_length()
-    assert p & (p - 1) == 0, f"{p} is not a power of 2"  # an internal invariant of the shift above
     return min(p, max_n)
 
 

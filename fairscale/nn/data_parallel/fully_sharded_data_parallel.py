@@ -231,7 +231,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         runtime.register_post_backward_hooks(unit)
         grad_accum.install(unit)
         for n, p in self.named_parameters():
-            assert hasattr(p, "_is_sharded"), f"parameter {n} is not managed by any FSDP instance"
+            if not hasattr(p, "_is_sharded"):
+                raise RuntimeError(f"fairscale internal error: parameter {n} is not managed by any FSDP instance")
 
     # torch DDP around FSDP would overwrite every rank's shards with rank 0's: its constructor reads this and raises.
     _ddp_params_and_buffers_to_ignore = RefuseTorchDDP()

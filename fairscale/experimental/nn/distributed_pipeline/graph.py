@@ -150,7 +150,8 @@ class PipelineModulesGraph(nn.Module):
             if id(node) in used:
                 continue
             partition = self._trace_modules(node)
-            assert not used.intersection(id(n) for n in partition)
+            if used.intersection(id(n) for n in partition):
+                raise RuntimeError("fairscale internal error: a node was put in two pipeline partitions")
             used.update(id(n) for n in partition)
             if len(partition) == 1:
                 remote_module = partition[0].module.get_module_rref()

@@ -198,7 +198,8 @@ class DistributedPipelineRecord:
         """Deliver input ``input_idx`` of micro-batch ``chunk``; computes the micro-batch once complete."""
         value = input
         with self._lock:
-            assert not self.fed[chunk][input_idx], f"input {input_idx} of micro-batch {chunk} was fed twice"
+            if self.fed[chunk][input_idx]:
+                raise RuntimeError(f"fairscale internal error: input {input_idx} of micro-batch {chunk} was fed twice")
             if isinstance(value, Tensor) and value.device != self.device:
                 value = value.to(self.device)
             self.batches[chunk][input_idx] = value

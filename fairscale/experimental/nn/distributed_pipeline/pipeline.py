@@ -183,7 +183,8 @@ class DistributedPipeline(nn.Module):
             consumers = []
             for consumer in partition.nodes[-1].output_consumers:
                 target = self._partition_of(consumer.consumer)
-                assert target in records, "a partition must only feed partitions after it"
+                if target not in records:
+                    raise RuntimeError("fairscale internal error: a partition feeds a partition before it")
                 consumers.append(DataConsumer(records[target], consumer.consumer_input_idx, consumer.output_idx))
             # Synchronous, like the handlers: every record exists before the first feed can reach it.
             records[partition] = rpc.rpc_sync(

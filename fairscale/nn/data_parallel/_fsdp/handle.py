@@ -367,7 +367,9 @@ class FlatHandle:
 
     def keep_zero2_slice(self, index: int, group_size: int) -> None:
         """Keep slice ``index`` of ``group_size`` of the full buffer, then free the full buffer (state ZERO2_SLICE)."""
-        assert self.full_padded is not None and self.state == HandleState.FULL
+        assert self.full_padded is not None
+        if self.state != HandleState.FULL:
+            raise RuntimeError(f"fairscale internal error: {self.name}: zero2 slice kept in state {self.state.name}")
         self.finish_gather()
         total = self.padded_numel
         if total % group_size != 0:

@@ -340,7 +340,10 @@ def _shard_value(lay: _Layout, key: str, value: Any) -> Any:
     c, h = lay.instance.config, lay.instance.handles[0]
     if isinstance(value, Tensor) and value.dim() > 0:
         shard = chunk_and_pad(value, c.world_size)[c.rank].clone()
-        assert shard.numel() == h.shard_numel, (key, shard.numel(), h.shard_numel)
+        if shard.numel() != h.shard_numel:  # shapes were checked before: only a bug gets here
+            raise RuntimeError(
+                f"fairscale internal error: optimizer state {key!r} shards to {shard.numel()} elements, not {h.shard_numel}"
+            )
         return shard
     if isinstance(value, list) and value and all(is_singleton_tensor(v) for v in value):
         # One value per rank of the saving world; a larger world reuses rank 0's (as upstream).

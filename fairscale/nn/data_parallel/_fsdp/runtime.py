@@ -454,7 +454,9 @@ def register_post_backward_hooks(unit: FSDPUnit) -> None:
 def finalize_backward(root: FSDPUnit) -> None:
     """Root only, once after the whole backward graph ran."""
     tree = root.tree
-    assert tree is not None and root.is_root
+    assert tree is not None
+    if not root.is_root:
+        raise RuntimeError("fairscale internal error: finalize_backward called on a unit that is not the root")
     syncing = root.require_backward_grad_sync
     units = root.tree_units()
     if syncing:

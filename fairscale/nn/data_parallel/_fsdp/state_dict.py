@@ -49,7 +49,8 @@ def register_hooks(module: nn.Module) -> None:
 
 def _unit(module: nn.Module) -> FSDPUnit:
     unit = unit_of(module)
-    assert unit is not None, "FSDP state-dict hook on a module without an FSDP unit"
+    if unit is None:
+        raise RuntimeError("fairscale internal error: an FSDP state-dict hook ran on a module without an FSDP unit")
     return unit
 
 

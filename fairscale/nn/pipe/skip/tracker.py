@@ -86,7 +86,8 @@ class SkipTrackerThroughPotals(SkipTracker):
         self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream, ns: Namespace, name: str
     ) -> None:
         """Move the skip tensor to ``next_stream``'s device, ordered with ``batch`` by fork/join."""
-        assert self.skip_layout.requires_copy(ns, name)
+        if not self.skip_layout.requires_copy(ns, name):
+            raise RuntimeError(f"fairscale internal error: skip {name!r} copied though its layout needs no copy")
         batch[0], phony = fork(batch[0])
         portal = self.portals[(ns, name)]
         phony = portal.copy(prev_stream, next_stream, phony)
