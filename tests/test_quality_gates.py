@@ -149,8 +149,8 @@ def _debug_only_code(source: str, rel: str) -> list:
 def test_package_code_behaves_the_same_under_python_dash_o():
     """``python -O`` strips ``assert``: in package code an assert may only narrow an internal Optional for mypy
     (``assert x is not None``); every check of user input, state or an invariant is an explicit raise. With this, a
-    whole-suite rerun under -O cannot find a check that vanishes; CI reruns under -O only the per-area tests that
-    start their own -O subprocesses (they run with the suite)."""
+    whole-suite rerun under -O cannot find a check that vanishes: CI (.ci/run) reruns under -O only the tests of
+    errors, and per-area tests start -O subprocesses of their own."""
     found = []
     for rel, path in _python_files():
         with open(path) as f:

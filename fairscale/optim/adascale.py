@@ -130,6 +130,17 @@ class AdaScale(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(self._optimizer, name)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # Reached by copy.copy, copy.deepcopy and pickling. torch's Optimizer keeps only defaults, state and
+        # param_groups: the copy lacked the wrapped optimizer and failed at its first use ("_optimizer"). A copy
+        # cannot work either way: AdaScale's statistics come from hooks on the gradients of the parameters it was
+        # built over, which a copy would not see.
+        raise TypeError(
+            "AdaScale cannot be copied or pickled: it measures gradients through hooks on the parameters it was built "
+            "over, which a copy would not see. Build a new AdaScale around an optimizer over the copied model's "
+            "parameters and load_state_dict(adascale.state_dict()) into it (the statistics travel in the state dict)."
+        )
+
     @property
     def _state(self) -> Dict[str, Any]:
         return cast(Dict[str, Any], cast(Dict[Any, Any], self._optimizer.state)[STATE_KEY])

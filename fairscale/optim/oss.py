@@ -384,6 +384,20 @@ class OSS(Optimizer):
         """Where object collectives put their tensors: the parameters' accelerator for NCCL, else the CPU."""
         return self._default_device if "nccl" in self.backend else torch.device("cpu")
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # Reached by copy.copy, copy.deepcopy and pickling. torch's Optimizer keeps only defaults, state and
+        # param_groups: the copy lacked its sharded optimizer and failed at its first step ("no attribute 'optim'").
+        # A process group cannot be copied, and this rank's shard alone is not the optimizer: refuse, and say what
+        # carries the state instead. Without torch.distributed (no group) everything is local and copies.
+        if self.group is not None:
+            raise TypeError(
+                "OSS cannot be copied or pickled: it is bound to a process group and holds only this rank's shard of "
+                "the optimizer state. Carry the state instead: state_dict(all_ranks=True) (or consolidate_state_dict() "
+                "then state_dict() on the recipient rank), then load_state_dict() into an OSS built over the copied "
+                "model's parameters."
+            )
+        return dict(self.__dict__)
+
     def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
         """The whole optimizer state in torch's format (global parameter indices in OSS group order).
 

@@ -13,6 +13,7 @@
 
 import copy
 import functools
+import io
 import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -385,3 +386,25 @@ def test_adascale_hardening_on_two_ranks() -> None:
     ranks = run_distributed(_hardening_world_body, 2, timeout=TIMEOUT)
     assert ranks[0] == ranks[1], "the ranks' gains differ"
     assert all(math.isfinite(g) for gains in ranks[0].values() if gains for g in gains[0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Copies (a deliberate difference from 0.4.13, whose copies lacked the wrapped optimizer and failed at first use)
+
+
+def test_copies_are_refused_and_the_state_dict_carries_the_statistics() -> None:
+    model = _two_layers()
+    optim = AdaScale(SGD(model.parameters(), lr=0.1, momentum=0.9), world_size=1, num_gradients_to_accumulate=2)
+    _train_windows(model, optim, range(2))
+    for attempt in (lambda: copy.deepcopy(optim), lambda: copy.copy(optim), lambda: torch.save(optim, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"AdaScale cannot be copied or pickled.*load_state_dict"):
+            attempt()
+    # What the message says to do: a new AdaScale over the copied model, loaded from the state dict, goes on as the
+    # original does (same gains and weights), statistics included. A copy of the state dict: as torch's optimizers,
+    # state_dict() returns the live state and load_state_dict() takes it as given, so the two would share it.
+    clone = copy.deepcopy(model)
+    clone_optim = AdaScale(SGD(clone.parameters(), lr=0.1, momentum=0.9), world_size=1, num_gradients_to_accumulate=2)
+    clone_optim.load_state_dict(copy.deepcopy(optim.state_dict()))
+    assert _statistics(clone_optim) == _statistics(optim)
+    assert _train_windows(clone, clone_optim, range(2, 5)) == _train_windows(model, optim, range(2, 5))
+    _assert_same_weights(clone, model)

@@ -11,6 +11,7 @@ Real gloo worlds; each body catches the expected error and returns its message, 
 """
 
 import copy
+import io
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -315,3 +316,56 @@ def _mixin_load_body(rank: int, ws: int) -> None:
 
 def test_load_goes_through_a_subclass_mixin() -> None:
     run_distributed(_mixin_load_body, 2, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Copies (0.4.13's copies kept only torch's defaults, state and param_groups, and failed at their first step)
+
+
+def _copy_body(rank: int, world_size: int) -> None:
+    model = _model()
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    _train(model, oss, rank, world_size, range(2))
+    for attempt in (lambda: copy.deepcopy(oss), lambda: copy.copy(oss), lambda: torch.save(oss, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"OSS cannot be copied or pickled.*state_dict\(all_ranks=True\)"):
+            attempt()
+    # What the message says to do: the consolidated state loaded into an OSS over the copied model goes on as the
+    # original does, bit for bit.
+    clone = copy.deepcopy(model)
+    clone_oss = OSS(clone.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    clone_oss.load_state_dict(oss.state_dict(all_ranks=True))
+    _train(model, oss, rank, world_size, range(2, 4))
+    _train(clone, clone_oss, rank, world_size, range(2, 4))
+    for got, want in zip(clone.parameters(), model.parameters()):
+        assert torch.equal(got, want)
+
+
+def test_copies_with_a_process_group_are_refused_and_the_state_dict_carries_the_state() -> None:
+    run_distributed(_copy_body, 2, timeout=TIMEOUT)
+
+
+def test_copies_without_torch_distributed_train_as_the_original() -> None:
+    # No process group (this process never initializes torch.distributed): everything is local, and a copy of the
+    # model with its optimizer (one deepcopy, so the copy's optimizer holds the copy's parameters), or a pickled and
+    # reloaded one, trains bit for bit as the original, with its momentum.
+    assert not dist.is_initialized()
+    model = _model()
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    _train_alone(model, oss, range(2))
+    buffer = io.BytesIO()
+    torch.save((model, oss), buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy((model, oss)), torch.load(buffer, weights_only=False)]
+    _train_alone(model, oss, range(2, 4))
+    for clone, clone_oss in copies:
+        assert clone_oss.param_groups[0]["params"][0] is next(clone.parameters())
+        _train_alone(clone, clone_oss, range(2, 4))
+        for got, want in zip(clone.parameters(), model.parameters()):
+            assert torch.equal(got, want)
+
+
+def _train_alone(model: nn.Module, oss: OSS, steps: range) -> None:
+    for step in steps:
+        oss.zero_grad()
+        model(_data(step, 0)).pow(2).mean().backward()
+        oss.step()

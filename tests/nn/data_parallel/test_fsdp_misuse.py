@@ -191,7 +191,7 @@ def _case_torch_ddp_around_fsdp_is_refused() -> None:
     assert FSDP._ddp_params_and_buffers_to_ignore is not None  # class access (docs tools) does not raise
     _train(model)  # nothing was sent or changed: the model trains as if DDP had not been tried
     _assert_equal_to_reference(_full(model))
-    # DDP around a plain module that holds FSDP instances is not detected (documented); DDP of a plain model is fine.
+    # DDP around a plain module that holds FSDP instances: test_fsdp_inside_ddp.py. DDP of a plain model is fine.
     plain = nn.parallel.DistributedDataParallel(_Net())
     assert isinstance(plain.module, _Net)
 

@@ -9,15 +9,30 @@ this with ``--sharded_ddp zero_dp_2``/``zero_dp_3`` (its accelerate ``prepare`` 
 
 DDP's constructor reads ``module._ddp_params_and_buffers_to_ignore`` when the module has it (``hasattr``), and nothing
 else in torch does: a descriptor under that name on FSDP is where the wrapping can be refused, before DDP sends
-anything, on every rank alike. Only the outermost module is seen: DDP around a plain module holding FSDP instances is
-not detected (documented).
+anything, on every rank alike. DDP only reads it on the module it is given: DDP around a plain module that holds FSDP
+instances is caught later, by :func:`refuse_enclosing_ddp` at the root's forward (DDP's constructor has broadcast by
+then, so the error says to rebuild or reload the model). DDP that syncs FSDP parameters trains wrong whatever its
+group: with its ranks each holding another shard index (DDP across nodes around FSDP within a node) the weights ended
+0.03 off plain DDP's after 3 steps, and with a group of one rank 0.05 off (its hooks reduce and rewrite the gradients
+that FSDP reduces itself). Only DDP told to leave the FSDP parameters alone (``_ddp_params_and_buffers_to_ignore`` on
+the outer module, torch's hook for that) is correct.
 """
 
-from typing import Any, NoReturn, Optional
+import weakref
+from typing import TYPE_CHECKING, Any, NoReturn, Optional, Set
+
+from torch.nn.parallel import DistributedDataParallel
 
 from fairscale.internal.errors import FairscaleTypeError
 
-__all__ = ["RefuseTorchDDP"]
+if TYPE_CHECKING:
+    from .unit import FSDPUnit
+
+__all__ = ["RefuseTorchDDP", "refuse_enclosing_ddp"]
+
+# DDP instances whose forward already ran the check for a tree (by the tree root's id): the check costs a pass over
+# DDP's parameters, once per pair instead of once per step.
+_CHECKED: "weakref.WeakKeyDictionary[Any, Set[int]]" = weakref.WeakKeyDictionary()
 
 
 class RefuseTorchDDP:
@@ -41,3 +56,32 @@ def _refuse() -> NoReturn:
         "it. (transformers 4.30-4.34's Trainer does this with --sharded_ddp zero_dp_2/zero_dp_3: use "
         "--sharded_ddp simple, or transformers <= 4.29.)"
     )
+
+
+def refuse_enclosing_ddp(root: "FSDPUnit") -> None:
+    """At a root's forward: raise if torch DDP, running its forward around this tree, syncs FSDP parameters.
+
+    torch (2.0 and newer) records the DDP whose forward is running in ``DistributedDataParallel._active_ddp_module``.
+    Same answer on every rank (it depends on the module only), so every rank raises alike.
+    """
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None:
+        return
+    done = _CHECKED.setdefault(ddp, set())
+    if id(root) in done:
+        return
+    synced = getattr(ddp, "_module_parameters", None)
+    if synced is None:  # not in every torch release: the same list, from what DDP keeps
+        ignored: Set[str] = getattr(ddp, "parameters_to_ignore", set())
+        synced = [p for n, p in ddp.module.named_parameters() if n not in ignored]
+    synced_ids = {id(p) for p in synced}
+    if any(id(p) in synced_ids for unit in root.tree_units() for p in unit.params):
+        raise FairscaleTypeError(
+            "torch.nn.parallel.DistributedDataParallel wraps a module that holds FullyShardedDataParallel instances "
+            "and syncs their parameters: DDP's constructor has already overwritten every rank's shards with rank 0's, "
+            "and its backward hooks reduce and rewrite the gradients that FSDP reduces itself (wrong even in a group "
+            "of one rank). Rebuild or reload the model and train it without DDP around the FSDP instances (for "
+            "sharding within a node and replication across nodes, use FSDP's hybrid sharding), or name the FSDP "
+            "parameters in the outer module's _ddp_params_and_buffers_to_ignore so that DDP leaves them to FSDP."
+        )
+    done.add(id(root))

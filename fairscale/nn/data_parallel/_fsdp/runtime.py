@@ -27,7 +27,7 @@ from fairscale.internal import collectives, tensor_hooks
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
-from . import hybrid, identity, layout_check, prefetch, recovery, reduction, step_guard, ties, zero2
+from . import ddp_guard, hybrid, identity, layout_check, prefetch, recovery, reduction, step_guard, ties, zero2
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor
 from .naming import clean_path
@@ -295,6 +295,7 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
         # At the first forward, not in lazy_init: local_state_dict() and friends before any forward must stay
         # rank-local (no collective that the other ranks would have to join).
         check_zero2_groups_once(unit)
+        ddp_guard.refuse_enclosing_ddp(unit)
         if torch._C._current_graph_task_id() == -1:
             recovery.recover_from_aborted_backward(unit)
     tree = unit.tree
