@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from fairscale.internal.errors import FairscaleTypeError
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 
 from .repo import Repo
 from .version import __version_tuple__
@@ -40,7 +40,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         _run(args)
-    except (ValueError, FairscaleTypeError, NotImplementedError) as e:
+    except (ValueError, FairscaleTypeError, FairscaleRuntimeError, NotImplementedError) as e:
         # wgit's refusals (a planted link, a checkpoint that would run code, bad input) and its sub-commands that
         # do nothing yet (checkout): one line, like git's "fatal:" messages, instead of a traceback.
         sys.stderr.write(f"fatal: {e}\n")
@@ -51,6 +51,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     except OSError as e:  # a file that cannot be read (missing, unreadable, a name too long): the system's reason
         sys.stderr.write(f"fatal: {e}\n")
         sys.exit(1)
+    except Exception as e:  # noqa: B902  # only git's own errors are told here; anything else is a bug: traceback
+        if not _is_git_error(e):
+            raise
+        # libgit2 refusing .wgit/.git: most often a lock left by an interrupted git or wgit, or a damaged index.
+        sys.stderr.write(
+            f"fatal: git refused an operation on .wgit/.git: {e}. A lock file (.wgit/.git/index.lock, a ref's "
+            ".lock) left by an interrupted git or wgit can be removed once no git or wgit runs there\n"
+        )
+        sys.exit(1)
+
+
+def _is_git_error(error: BaseException) -> bool:
+    """Whether ``error`` is pygit2's (libgit2's) ``GitError``: pygit2 is imported only when a repository opens."""
+    pygit2 = sys.modules.get("pygit2")
+    return pygit2 is not None and isinstance(error, pygit2.GitError)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -96,6 +96,8 @@ def _kind(mode: int) -> str:
         return "a socket"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
     return "not a regular file"
 
 
@@ -231,12 +233,14 @@ def load_checkpoint(path: Path) -> Any:
     The message keeps upstream's leading ``"incorrect input"`` (its store rejected plain pickles with an assert).
     """
     try:
-        with warnings.catch_warnings():
+        with _open_checkpoint(path) as f, warnings.catch_warnings():
             # torch warns about the pickle protocol of files it then refuses; the error says what matters.
             warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except OSError:
-        raise  # a missing or unreadable file: torch's error names it
+        raise  # a missing or unreadable file: the system's error names it
+    except FairscaleValueError:
+        raise  # not a regular file: _open_checkpoint says so
     except Exception as e:  # noqa: B902  # whatever torch.load raises on a bad file, the file is refused
         reason = _torch_refusal(e)
         raise UntrustedContentError(
@@ -252,6 +256,28 @@ def load_checkpoint(path: Path) -> Any:
             "levels deep, none inside itself"
         )
     return obj
+
+
+def _open_checkpoint(path: Path) -> BinaryIO:
+    """``path`` opened for binary reading, refused with ``FairscaleValueError`` unless it is a regular file.
+
+    A checkpoint is the user's own file, so a link to one is followed (unlike entries inside ``.wgit``); but a named
+    pipe, a device or a socket is refused: ``torch.load`` on a named pipe blocked ``wgit add`` forever. It is opened
+    without waiting for a pipe's writer and checked on the open file, so an entry swapped in meanwhile is refused too.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise FairscaleValueError(
+                f"incorrect input {path}: it is {_kind(mode)}, not a regular file; wgit adds checkpoint files written by "
+                "torch.save"
+            )
+        return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file's reads
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _torch_refusal(error: BaseException) -> str:

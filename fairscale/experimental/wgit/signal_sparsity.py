@@ -5,6 +5,7 @@ few large residual deltas (DST, "delta sparse tensor"), whose sum approximates (
 Pure torch; importable without wgit's optional packages.
 """
 
+import numbers
 from enum import Enum
 from typing import Optional, Tuple, cast
 
@@ -106,6 +107,12 @@ class SignalSparsity:
         ):
             if element is not None and percent is not None:
                 raise ValueError(f"{name}: top_k_element and top_k_percent can't both be set")
+            # Types first: a float or bool count passed the range check and failed later inside torch.topk, a string
+            # percent failed the comparison with a TypeError that named neither the argument nor what it takes.
+            if element is not None and (isinstance(element, bool) or not isinstance(element, numbers.Integral)):
+                raise FairscaleValueError(f"{name}: top_k_element must be an int, got {element!r}")
+            if percent is not None and (isinstance(percent, bool) or not isinstance(percent, numbers.Real)):
+                raise FairscaleValueError(f"{name}: top_k_percent must be a number in (0, 100], got {percent!r}")
             if percent is not None and not (0 < percent <= 100):
                 raise ValueError(f"{name}: top_k_percent must be in (0, 100], got {percent}")
             if element is not None and element <= 0:
@@ -137,10 +144,11 @@ class SignalSparsity:
         """The SST of ``dense``: its top-k frequency components (ranked by ``|real part|``), or None if disabled."""
         if not self._sst_enabled:
             return None
-        w = self._transform(dense.float(), self._sst_top_k_dim)
+        # k first: it refuses an empty tensor, which the transform would fail on with torch's own error.
         k = _get_k_for_topk(
             self._sst_top_k_percent, self._sst_top_k_element, _top_k_total_size(dense, self._sst_top_k_dim)
         )
+        w = self._transform(dense.float(), self._sst_top_k_dim)
         return _scatter_topk_to_sparse_tensor(w.real.abs(), w, k, self._sst_top_k_dim)
 
     def dense_sst_to_dst(self, dense: Tensor, sst: Optional[Tensor]) -> Optional[Tensor]:
@@ -151,10 +159,10 @@ class SignalSparsity:
             sst = torch.zeros_like(dense, dtype=torch.complex64)
         if dense.shape != sst.shape:
             raise ValueError("dense and sst have different shapes!")
-        delta = dense - self._inverse_transform(sst, self._sst_top_k_dim).real
-        k = _get_k_for_topk(
+        k = _get_k_for_topk(  # first: it refuses an empty tensor (see dense_to_sst)
             self._dst_top_k_percent, self._dst_top_k_element, _top_k_total_size(dense, self._dst_top_k_dim)
         )
+        delta = dense - self._inverse_transform(sst, self._sst_top_k_dim).real
         return _scatter_topk_to_sparse_tensor(delta.abs(), delta, k, self._dst_top_k_dim)
 
     def sst_dst_to_dense(self, sst: Optional[Tensor], dst: Optional[Tensor] = None) -> Tensor:

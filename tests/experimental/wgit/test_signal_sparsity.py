@@ -2,6 +2,7 @@
 """SignalSparsity and EnergyConcentrationProfile (pure torch): upstream's documented values, perfect
 reconstruction, percent/element equivalence, the validation errors and the random mask."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,6 +77,21 @@ def test_validation_errors() -> None:
     with pytest.raises(NotImplementedError, match="DCT"):
         SignalSparsity(algo=Algo.DCT, sst_top_k_element=1).dense_to_sst(torch.ones(3))
     assert SignalSparsity().dense_to_sst(torch.ones(3)) is None  # disabled
+
+
+def test_wrong_types_and_empty_tensors_are_refused_with_what_is_wrong() -> None:
+    # A float or bool count passed the range check and failed inside torch.topk; a string percent failed a comparison.
+    for bad in (2.5, True):
+        with pytest.raises(ValueError, match=f"sst: top_k_element must be an int, got {bad!r}"):
+            SignalSparsity(sst_top_k_element=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dst: top_k_percent must be a number in"):
+        SignalSparsity(dst_top_k_percent="50")  # type: ignore[arg-type]
+    assert SignalSparsity(sst_top_k_element=np.int64(2)).dense_to_sst(torch.ones(4)) is not None  # numpy ints work
+    # An empty tensor reached torch's fft error before the package's own message.
+    with pytest.raises(ValueError, match="empty tensor"):
+        SignalSparsity(sst_top_k_element=1).dense_to_sst(torch.ones(0))
+    with pytest.raises(ValueError, match="empty tensor"):
+        SignalSparsity(dst_top_k_element=1).dense_sst_to_dst(torch.ones(0), torch.ones(0, dtype=torch.complex64))
 
 
 def test_random_sparse_mask() -> None:
