@@ -8,22 +8,32 @@ it refuses a ``.wgit`` that holds symbolic links, never writes outside ``.wgit``
 
 import copy
 import json
+import logging
 import os
+import re
 import reprlib
 import stat
 import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from torch import Tensor
 
-from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 from .pygit import PyGit, import_pygit2
-from .safety import UnsafeRepositoryError, check_tree, contained, load_checkpoint, open_regular, replace_file
-from .sha1_store import SHA1_Store
+from .safety import (
+    UnsafeRepositoryError,
+    check_not_link,
+    check_tree,
+    contained,
+    load_checkpoint,
+    open_regular,
+    replace_file,
+)
+from .sha1_store import SHA1_Store, check_storable
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
 
@@ -36,6 +46,12 @@ _RESERVED = frozenset({SHA1_STORE_DIR_NAME, ".git", ".gitignore"})
 # Recorded paths in messages: a hostile metadata file may hold one of thousands of characters.
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 120
+# The name replace_file gives the file it writes before renaming it into place (".<name>.<uuid4 hex>.tmp"): one is
+# left in a metadata folder when an add is killed between the two. It is no metadata file (status skips it), and git
+# must not stage it: the same names, as a git pattern, go to .git/info/exclude (local to the repository; .gitignore
+# is upstream's format and is committed).
+_REPLACE_TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
+_REPLACE_TMP_GIT_PATTERN = ".*." + "[0-9a-f]" * 32 + ".tmp"
 
 
 @dataclass
@@ -100,7 +116,9 @@ class Repo:
 
     def __init__(self, parent_dir: Union[str, Path] = "", init: bool = False) -> None:
         self._repo_path: Optional[Path] = None
-        self._wgit_parent = Path(parent_dir) if parent_dir else Path.cwd()
+        # Resolved once: a relative parent_dir would otherwise name another directory (another repository, or none)
+        # after the program changes its working directory.
+        self._wgit_parent = Path(parent_dir).resolve() if parent_dir else Path.cwd()
         self._dot_wgit_dir_path: Optional[Path] = None
         exists = self._recursive_search(self._wgit_parent)
         if exists and self._repo_path != self._wgit_parent.resolve():
@@ -159,8 +177,12 @@ class Repo:
     ) -> Optional[Any]:
         """Track a checkpoint: store it (tensor by tensor when ``per_tensor``) and stage its metadata.
 
-        The checkpoint is loaded with ``torch.load(weights_only=True)``: nothing in it runs. The metadata file is
-        written only once the checkpoint is stored.
+        The checkpoint is loaded with ``torch.load(weights_only=True)``: nothing in it runs. Its modification time is
+        taken before it is loaded: a checkpoint rewritten while it is added shows as changed. Everything that can be
+        checked is checked before anything is stored (the file name, the checkpoint's type, its tensors' dtypes), and
+        an add that fails anyway (e.g. a full disk) is rolled back: the references it added to the SHA1 store are
+        dropped again, and a metadata file it created is removed (one it overwrote is not restored), so the store's
+        ``metadata.json`` and objects are as before.
 
         Returns:
             A copy of the loaded state dict when ``per_tensor``, else ``None``.
@@ -169,41 +191,115 @@ class Repo:
             UntrustedContentError: the file is not a ``torch.save`` checkpoint of tensors and plain containers.
             UnsafeRepositoryError: the metadata file (or a directory on its way) is a symbolic link, or would land
                 outside ``.wgit`` or in one of its reserved entries.
-            FairscaleValueError: with ``per_tensor``, the checkpoint is not a dict or a list (``AssertionError``); the
-                file is not under the directory that holds ``.wgit``; or its metadata file already tracks another
-                checkpoint.
+            FairscaleTypeError: the checkpoint is not a dict (with ``per_tensor``) or not a dict or a tensor
+                (without), or holds a tensor that the store cannot keep (e.g. bfloat16) (``AssertionError``).
+            FairscaleValueError: the file's name is not UTF-8, the file is not under the directory that holds
+                ``.wgit``, or its metadata file already tracks another checkpoint or is in the way of a directory.
         """
         self._sanity_check()
         if sparsify and not per_tensor:
             raise ValueError("Only support sparsity when per_tensor is true")
         file_path = Path(in_file_path)
+        _check_utf8(str(in_file_path), "the checkpoint's file name")
         metadata_file = self._metadata_path(self._rel_file_path(self._inside_working_tree(file_path)))
+        _check_utf8(str(metadata_file.relative_to(self._dot_wgit)), "its metadata file's name (from its path)")
+        self._check_metadata_path_free(metadata_file)
         self._check_not_tracking_another(metadata_file, file_path)
-        ret_state_dict = None
-        to_store: Any = file_path
-        if per_tensor:
+        # Before loading: a checkpoint rewritten meanwhile must not be recorded with the new file's time.
+        mtime = file_path.stat().st_mtime
+        checkpoint = load_checkpoint(file_path)
+        _check_checkpoint_type(checkpoint, file_path, per_tensor)
+        check_storable(checkpoint, str(file_path))
+        added: List[Tuple[str, Optional[str]]] = []  # (SHA1, name) of each reference this add put in the store
 
-            def fn(element: Any, name: str) -> Any:
-                if not isinstance(element, Tensor):
-                    return element
-                if sparsify:
-                    raise NotImplementedError("sparsified tensors are not supported yet")
-                return _SHA1_Tensor(is_dense=True, dense_sha1=self._sha1_store.add(element, compress=gzip, name=name))
+        def store(obj: Any, name: Optional[str] = None) -> str:
+            sha1 = self._sha1_store.add(obj, compress=gzip, name=name)
+            added.append((sha1, name))
+            return sha1
 
-            state_dict = load_checkpoint(file_path)
-            if not isinstance(state_dict, (dict, list)):
-                raise FairscaleValueError(
-                    f"only a dict or a list checkpoint can be added per tensor ({file_path} holds a "
-                    f"{type(state_dict).__name__}); add it with per_tensor=False (wgit add --no_per_tensor)"
-                )
-            ret_state_dict = copy.deepcopy(state_dict)
-            _recursive_apply_to_elements(state_dict, fn, [])
-            to_store = state_dict
-        sha1 = self._sha1_store.add(to_store, compress=gzip)
-        metadata_file.parent.mkdir(parents=True, exist_ok=True)
-        self._write_metadata(metadata_file, file_path, sha1)
-        self._pygit.add()
+        def fn(element: Any, name: str) -> Any:
+            if not isinstance(element, Tensor):
+                return element
+            if sparsify:
+                raise NotImplementedError("sparsified tensors are not supported yet")
+            return _SHA1_Tensor(is_dense=True, dense_sha1=store(element, name))
+
+        created_dirs: List[Path] = []  # the metadata folders this add created, outermost first
+        created_file: Optional[Path] = None  # the metadata file, when this add creates it
+        try:
+            ret_state_dict = None
+            if per_tensor:
+                ret_state_dict = copy.deepcopy(checkpoint)
+                _recursive_apply_to_elements(checkpoint, fn, [])
+            sha1 = store(checkpoint)
+            missing = []
+            for directory in metadata_file.parents:
+                if directory.exists():  # .wgit at the latest
+                    break
+                missing.append(directory)
+            for directory in reversed(missing):
+                directory.mkdir()
+                created_dirs.append(directory)
+            # Before the metadata file is written: a crash while writing it leaves a temporary file git ignores.
+            self._exclude_replace_tmp_files()
+            if not os.path.lexists(metadata_file):
+                created_file = metadata_file
+            self._write_metadata(metadata_file, file_path, sha1, mtime)
+            self._pygit.add()
+        except BaseException as e:  # KeyboardInterrupt too: the store must not keep half an add
+            self._roll_back(e, added, created_file, created_dirs)
+            raise
         return ret_state_dict
+
+    def _roll_back(
+        self,
+        error: BaseException,
+        added: List[Tuple[str, Optional[str]]],
+        created_file: Optional[Path],
+        created_dirs: List[Path],
+    ) -> None:
+        """Undo what a failed add did: drop the store references it added (``(SHA1, name)``, in the order added),
+        remove the metadata file and the folders it created.
+
+        A step that fails too (the disk may still be full) does not stop the others; it is logged, and noted on
+        ``error``.
+        """
+        for sha1, name in reversed(added):
+            try:
+                self._sha1_store.delete(sha1, name=name)
+            except Exception as undo_error:  # noqa: B902  # whatever failed, the add's own error is what is raised
+                _note(error, f"wgit: could not drop the reference to {sha1} that the failed add stored: {undo_error}")
+        try:
+            if created_file is not None:
+                created_file.unlink(missing_ok=True)  # missing: the add failed before writing it
+        except OSError as undo_error:
+            _note(error, f"wgit: could not remove {created_file}, which the failed add created: {undo_error}")
+        for directory in reversed(created_dirs):
+            try:
+                directory.rmdir()
+            except OSError:  # not empty: another add wrote there meanwhile, and its files stay
+                break
+
+    def _exclude_replace_tmp_files(self) -> None:
+        """Make git ignore the temporary files of :func:`replace_file` (through ``.git/info/exclude``).
+
+        A crashed add leaves one in a metadata folder, and staging (``git add --all``) would pick it up. The pattern
+        goes to the repository's own exclude file, not to ``.gitignore`` (committed, upstream's format); it is
+        written once, by the first add that finds it missing.
+        """
+        exclude = contained(self._dot_wgit, [".git", "info", "exclude"], "git's exclude file")
+        try:
+            with open_regular(exclude, "git's exclude file") as f:
+                text = f.read().decode("utf-8", errors="surrogateescape")
+        except FileNotFoundError:
+            text = ""
+        if _REPLACE_TMP_GIT_PATTERN in text.splitlines():
+            return
+        exclude.parent.mkdir(exist_ok=True)
+        check_not_link(exclude, "git's exclude file")
+        new = (text if not text or text.endswith("\n") else text + "\n") + _REPLACE_TMP_GIT_PATTERN + "\n"
+        data = new.encode("utf-8", errors="surrogateescape")
+        replace_file(exclude, lambda f: f.write(data))
 
     def commit(self, message: str) -> None:
         """Commit the staged metadata."""
@@ -246,7 +342,8 @@ class Repo:
         for child in sorted(self._dot_wgit.iterdir()):
             if child.name in (SHA1_STORE_DIR_NAME, ".git", ".gitignore") or not child.is_dir():
                 continue
-            for file in sorted(p for p in child.rglob("*") if p.is_file()):
+            # A replace_file temporary file is what a crashed add left, not a metadata file.
+            for file in sorted(p for p in child.rglob("*") if p.is_file() and not _REPLACE_TMP_RE.match(p.name)):
                 found[str(file.relative_to(self._dot_wgit))] = self._is_file_modified(file)
         return found
 
@@ -307,10 +404,11 @@ class Repo:
         return contained(self._dot_wgit, rel_path.parts, "metadata file", reserved=_RESERVED)
 
     @staticmethod
-    def _write_metadata(metadata_file: Path, file_path: Path, sha1: str) -> None:
+    def _write_metadata(metadata_file: Path, file_path: Path, sha1: str, mtime: float) -> None:
+        """Write the metadata of ``file_path``, stored as ``sha1``, whose ``st_mtime`` was ``mtime`` when loaded."""
         metadata = {
             SHA1_KEY: sha1,
-            LAST_MODIFIED_TS_KEY: file_path.stat().st_mtime,
+            LAST_MODIFIED_TS_KEY: mtime,
             REL_PATH_KEY: str(file_path),
         }
         data = json.dumps(metadata, ensure_ascii=False, indent=4).encode("utf-8")
@@ -331,6 +429,23 @@ class Repo:
                 "wgit tracks the checkpoints under the directory that holds .wgit: copy or move it there first"
             )
         return file_path
+
+    def _check_metadata_path_free(self, metadata_file: Path) -> None:
+        """Refuse, before anything is stored, a metadata file that a tracked file or folder of that name is in the way
+        of (a checkpoint ``model`` was tracked, and now ``model/w.pt`` is added, or the reverse)."""
+        if metadata_file.is_dir():
+            raise FairscaleValueError(
+                f"wgit add: its metadata file {metadata_file} is a directory, which holds the metadata of checkpoints "
+                "under a folder of that name: a file and a folder of the same name cannot both be tracked"
+            )
+        for directory in metadata_file.parents:
+            if directory == self._dot_wgit:
+                break
+            if os.path.lexists(directory) and not directory.is_dir():
+                raise FairscaleValueError(
+                    f"wgit add: its metadata file would go in {directory}, which is the metadata file of a checkpoint "
+                    "tracked under that name: a file and a folder of the same name cannot both be tracked"
+                )
 
     def _check_not_tracking_another(self, metadata_file: Path, file_path: Path) -> None:
         """Refuse to overwrite the metadata of another checkpoint that the naming rule maps to the same file."""
@@ -366,3 +481,52 @@ class Repo:
         for i, _ in enumerate(zip(tracking_path.parts, Path.cwd().parts)):
             pass
         return Path(*tracking_path.parts[max(i, 1) :])
+
+
+def _note(error: BaseException, text: str) -> None:
+    """Log ``text`` (the command line prints only the error's message) and note it on ``error`` (Python 3.11+)."""
+    logging.warning("%s", text)
+    if hasattr(error, "add_note"):  # printed with the traceback
+        error.add_note(text)
+
+
+def _check_utf8(name: str, what: str) -> None:
+    """Refuse a name that is not UTF-8 (Linux allows any bytes): the metadata is UTF-8 JSON, and git's paths too.
+
+    Raises:
+        FairscaleValueError: naming it by its ``repr``, before anything is stored.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FairscaleValueError(
+            f"wgit add: {what} {name!r} is not valid UTF-8; wgit records names as UTF-8 (JSON metadata, git): rename "
+            "the file (or the folders on its path) first"
+        ) from None
+
+
+def _check_checkpoint_type(checkpoint: Any, file_path: Path, per_tensor: bool) -> None:
+    """Refuse, before anything is stored, a checkpoint that wgit cannot track.
+
+    What a fairscale user adds is what ``torch.save`` wrote: a state dict (or a dict holding several) in the common
+    case, sometimes a single tensor. Upstream's SHA1 store takes a tensor or a dict at its top level, so that is what
+    wgit tracks: per tensor, a dict (its tensors, in dicts and lists at any depth below, are stored one by one); as
+    a whole (``per_tensor=False``), a dict or a tensor. A top-level list is refused in both modes: its tensors would be
+    stored and the list then refused (upstream's behaviour), and storing it in another shape would change the format.
+
+    Raises:
+        FairscaleTypeError: saying what to do instead; ``--no_per_tensor`` is suggested only for a tensor.
+    """
+    kind = type(checkpoint).__name__
+    if isinstance(checkpoint, dict) or (not per_tensor and isinstance(checkpoint, Tensor)):
+        return
+    if isinstance(checkpoint, Tensor):
+        raise FairscaleTypeError(
+            f"{file_path} holds a single tensor, which cannot be added per tensor (a dict is): add it as a whole "
+            "with per_tensor=False (wgit add --no_per_tensor)"
+        )
+    raise FairscaleTypeError(
+        f"{file_path} holds a {kind!r} object: wgit tracks checkpoints that are a dict (a state dict, e.g. "
+        "torch.save(model.state_dict(), path)) or a single tensor; save it as a dict (e.g. {'tensors': your_list}) "
+        "and add that"
+    )

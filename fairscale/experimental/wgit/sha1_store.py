@@ -5,7 +5,9 @@ Objects are serialised as ``pickle.dump(to_np(obj))`` (tensors as numpy arrays),
 and kept at ``<path>/<sha1[:2]>/<sha1[2:4]>/<sha1>``, gzip-compressed on request. ``metadata.json`` holds the
 store totals and, per object, its reference count, sizes, compression flag and the names it was added under.
 Compression uses ``pgzip`` (parallel gzip) when installed and the standard library's ``gzip`` otherwise (same
-format); numpy is imported when an object is added or read.
+format); numpy is imported when an object is added or read. Only tensors numpy has an array for can be stored (not
+bfloat16, float8, complex32, quantized, sparse, meta or nested ones): :func:`check_storable` refuses the others before
+anything is written.
 
 What it trusts (see :mod:`fairscale.experimental.wgit.safety`): files are added with ``torch.load(weights_only=True)``
 and objects are read back with an unpickler that accepts numpy arrays, plain containers and wgit's records only;
@@ -16,6 +18,7 @@ the shape wgit writes each time it is read: a store changed behind wgit's back r
 """
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import json
@@ -24,10 +27,11 @@ import os
 import pickle
 import reprlib
 import shutil
+import stat
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
+from typing import IO, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -50,7 +54,7 @@ from .safety import (
 from .store_pickle import load_store_object, store_object_limit
 from .utils import ExitCode as ExitCode  # noqa: F401
 
-__all__ = ["SHA1_Store"]
+__all__ = ["SHA1_Store", "check_storable"]
 
 # Keys of metadata.json: store totals, then per-object entries.
 STORE_CREATE_DATE_KEY = "created_on"
@@ -73,6 +77,87 @@ _ENTRY_COUNT_KEYS = (ENTRY_RF_KEY, ENTRY_OS_KEY, ENTRY_DS_KEY, ENTRY_CS_KEY)
 # Bad values in messages: long enough for a whole SHA1 key, short for whatever else a damaged file holds.
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80
+# A file in the default scratch directory older than this is a leftover of an add that crashed: a live add's file is
+# as old as the pickling of one object (seconds to minutes), so a concurrent add's file is never taken for one.
+_STALE_TMP_SECONDS = 24 * 60 * 60
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_has(dtype: torch.dtype) -> bool:
+    """Whether ``Tensor.numpy()`` converts tensors of ``dtype`` (asked of torch: its list changes between versions)."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _tensor_problem(tensor: Tensor) -> Optional[str]:
+    """Why ``tensor`` cannot become a numpy array (``None``: it can, once a conj/neg view is resolved)."""
+    if tensor.is_nested:
+        return (
+            "it is a nested tensor, which numpy has no array for: save its tensors (.unbind()) or a padded tensor "
+            "(.to_padded_tensor(0.0)) instead"
+        )
+    if tensor.is_meta:
+        return "it is on the meta device and holds no data: save the tensor once its data is materialized"
+    if tensor.layout != torch.strided:
+        return f"numpy has no {tensor.layout} array: convert it with .to_dense() before torch.save"
+    if tensor.is_quantized:
+        return (
+            f"numpy has no quantized dtype ({tensor.dtype}): save .dequantize() (or .int_repr() and the quantization "
+            "parameters) instead"
+        )
+    if not _numpy_has(tensor.dtype):
+        convert = ".to(torch.complex64)" if tensor.dtype.is_complex else ".float()"
+        return f"numpy has no {tensor.dtype} dtype: convert it before torch.save, e.g. with {convert}"
+    return None
+
+
+def _storable_problem(obj: Any, path: List[str], done: Set[int]) -> Optional[str]:
+    """The first tensor in ``obj`` that :func:`_to_np` cannot convert, with its dotted path and why."""
+    if isinstance(obj, Tensor):
+        why = _tensor_problem(obj)
+        if why is None:
+            return None
+        where = f"the tensor {'.'.join(path)!r}" if path else "the tensor"
+        return f"{where} ({obj.dtype}, {obj.layout}) cannot be stored: {why}"
+    # The containers _convert walks, each once (a structure shared at every level costs its size, not 2**depth).
+    if not isinstance(obj, (dict, list)) and type(obj) is not tuple:
+        return None
+    if id(obj) in done:
+        return None
+    done.add(id(obj))
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for key, value in items:
+        problem = _storable_problem(value, path + [str(key)], done)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_storable(obj: Any, source: str = "") -> None:
+    """Refuse ``obj`` if a tensor in it has no numpy equivalent, before anything of it is stored.
+
+    The store keeps tensors as pickled numpy arrays (upstream fairscale's format, which wgit keeps): a bfloat16,
+    float8, complex32, quantized, sparse, meta or nested tensor has no such array. Checked on the whole object first,
+    so that an add fails before it stores any tensor instead of halfway. A conjugate or negative view of a supported
+    dtype is fine (it is resolved when stored).
+
+    Args:
+        obj (Any): a tensor, or dicts, lists and tuples holding tensors (walked as the store converts them).
+        source (str): where ``obj`` comes from (a file name), for the message.
+
+    Raises:
+        FairscaleTypeError: naming the first such tensor by its dotted path, its dtype and layout, and what to do.
+    """
+    problem = _storable_problem(obj, [], set())
+    if problem is not None:
+        origin = f" in {source}" if source else ""
+        raise FairscaleTypeError(
+            f"incorrect input{origin}: {problem}. wgit's SHA1 store keeps tensors as numpy arrays (upstream "
+            "fairscale's format); nothing was stored"
+        )
 
 
 def _is_count(value: Any) -> bool:
@@ -111,7 +196,10 @@ def _metadata_problem(data: Any) -> Optional[str]:
 
 def _to_np(obj: Any) -> Any:
     """``obj`` with its tensors as numpy arrays, in new dicts, lists and tuples (see :func:`_convert`)."""
-    return _convert(obj, lambda x: x.detach().cpu().numpy() if isinstance(x, Tensor) else x, {})
+    # A conjugate or negative view is a flag on the tensor, which numpy() refuses: resolved into plain values.
+    return _convert(
+        obj, lambda x: x.detach().cpu().resolve_conj().resolve_neg().numpy() if isinstance(x, Tensor) else x, {}
+    )
 
 
 def _from_np(obj: Any) -> Any:
@@ -168,7 +256,9 @@ class SHA1_Store:
         path (Path): the store directory.
         init (bool): create it (its parent must exist) when missing.
         sha1_buf_size (int): read size when hashing.
-        tmp_dir (str): an existing scratch directory (default: ``<path>/tmp``, wiped on construction).
+        tmp_dir (str): an existing scratch directory (default: ``<path>/tmp``, made with a new store and again by an
+            add that finds it missing; never wiped: opening a store writes nothing, and cannot remove the file of an
+            add running in another process).
         pgzip_threads (Optional[int]), pgzip_block_size (int): pgzip settings.
     """
 
@@ -195,6 +285,10 @@ class SHA1_Store:
         if init and not self._path.exists():
             self._path.mkdir(parents=False)
             self._store_json_dict()
+            # A new store gets upstream's layout (adds create it again when it is missing); an existing store is never
+            # written to on opening: read-only commands must work on a read-only repository, and the directory holds
+            # the files of adds running in other processes.
+            self._inside("tmp").mkdir(exist_ok=True)
         # AssertionError subclasses where upstream asserted (kept under ``python -O``).
         if not self._path.is_dir():
             raise FairscaleValueError(
@@ -208,10 +302,10 @@ class SHA1_Store:
                 raise FairscaleValueError(f"tmp_dir {tmp_dir} must be an existing directory")
             self._tmp_dir = Path(tmp_dir)
         else:
+            # Only named here (refused now if it is a link); created and cleaned by add (see _scratch_dir).
             self._tmp_dir = self._inside("tmp")
-            # rmtree never follows links inside the tree, and _inside refused a link in place of the tree itself.
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
-            self._tmp_dir.mkdir()
+        self._default_tmp = not tmp_dir
+        self._tmp_cleaned = False  # the default scratch directory's leftovers are looked for once per store object
 
     def _inside(self, *parts: str) -> Path:
         """``<store>/<parts...>``, refused (UnsafeRepositoryError) if a component below the store is a link."""
@@ -301,12 +395,16 @@ class SHA1_Store:
     ) -> str:
         """Add a file (a ``torch.save`` file), a tensor or a dict; returns its SHA1.
 
-        A file is loaded with ``torch.load(weights_only=True)``: its pickle never runs code.
+        A file is loaded with ``torch.load(weights_only=True)``: its pickle never runs code. The object is pickled
+        into a file of its own (a random name) in the scratch directory; with the default one (``<store>/tmp``), an
+        add also removes the files there older than 24 hours, which adds that crashed left behind. An add that fails
+        leaves the store as it was (a new object file it wrote is removed again).
 
         Raises:
             UntrustedContentError: the file is not a ``torch.save`` checkpoint of tensors and plain containers (e.g.
                 a plain pickle, or one naming other objects); an ``AssertionError`` as upstream.
-            FairscaleTypeError: the input (or the file's content) is not a tensor or a dict (``AssertionError``).
+            FairscaleTypeError: the input (or the file's content) is not a tensor or a dict, or holds a tensor that
+                has no numpy equivalent (:func:`check_storable`), before anything is written (``AssertionError``).
             UnsafeRepositoryError: a path inside the store is a symbolic link.
         """
         start = time.time()
@@ -315,19 +413,28 @@ class SHA1_Store:
         if isinstance(file_or_obj, (Path, str)):
             obj = load_checkpoint(Path(file_or_obj))  # refuses too deep a nesting, as below
         if not isinstance(obj, (Tensor, dict)):
-            raise FairscaleTypeError(f"incorrect input {type(obj)}: the SHA1 store takes a tensor or a dict")
+            raise FairscaleTypeError(
+                f"incorrect input {type(obj)}: the SHA1 store takes a tensor or a dict (wgit tracks checkpoints that "
+                "are a dict, such as a state dict, or a single tensor)"
+            )
         problem = nesting_problem(obj)
         if problem is not None:  # the walk below, and pickle, would hit the recursion limit
             raise FairscaleValueError(f"incorrect input: the dict {problem}")
-        tmp = self._tmp_dir.joinpath(uuid.uuid4().hex)
-        with open(tmp, "wb") as f:
-            pickle.dump(_to_np(obj), f)
+        check_storable(obj, str(file_or_obj) if isinstance(file_or_obj, (Path, str)) else "")
+        tmp = self._scratch_dir().joinpath(uuid.uuid4().hex)
         try:
+            with open(tmp, "xb") as f:  # "x": a name of its own, never another add's file
+                pickle.dump(_to_np(obj), f)
             sha1 = self._get_sha1_hash(tmp)
             entry = self._entry(sha1)
             orig = tmp.stat().st_size
-            if entry[ENTRY_RF_KEY] == 0:
-                comp = self._copy_into_place(tmp, sha1, compress)
+            is_new = entry[ENTRY_RF_KEY] == 0
+            if is_new:
+                try:
+                    comp = self._copy_into_place(tmp, sha1, compress)
+                except BaseException:
+                    self._remove_object(sha1)  # the directories it created for the object
+                    raise
                 entry[ENTRY_OS_KEY] += orig
                 entry[ENTRY_DS_KEY] += orig
                 entry[ENTRY_CS_KEY] += comp
@@ -341,12 +448,57 @@ class SHA1_Store:
             entry[ENTRY_RF_KEY] += 1
             if name is not None:
                 entry[ENTRY_NAMES_KEY][name] = entry[ENTRY_NAMES_KEY].get(name, 0) + 1
+            try:
+                self._store_json_dict()
+            except BaseException:
+                # metadata.json keeps its old content (replace_file): an object file it does not list would stay
+                # forever, as nothing ever deletes it (e.g. a disk that filled up between the two writes).
+                if is_new:
+                    self._remove_object(sha1)
+                raise
         finally:
-            tmp.unlink()
-        self._store_json_dict()
+            tmp.unlink(missing_ok=True)  # missing: the pickle file could not even be created
         if time.time() - start > 60:
             logging.warning("Add to SHA1 store took %.1f seconds", time.time() - start)
         return sha1
+
+    def _scratch_dir(self) -> Path:
+        """The scratch directory for an add: the default one is created when missing, and cleared of leftovers.
+
+        Only files older than 24 hours are removed (see ``_STALE_TMP_SECONDS``), by the first add of this store object:
+        the others may be those of adds running in other processes. A leftover that cannot be removed (gone meanwhile,
+        not ours) is skipped.
+        """
+        if not self._default_tmp:
+            return self._tmp_dir
+        tmp_dir = self._inside("tmp")  # checked again: a link could have been planted since the store was opened
+        tmp_dir.mkdir(exist_ok=True)
+        if self._tmp_cleaned:
+            return tmp_dir
+        self._tmp_cleaned = True
+        cutoff = time.time() - _STALE_TMP_SECONDS
+        try:
+            children = list(tmp_dir.iterdir())
+        except OSError:
+            return tmp_dir  # unreadable: the add's own file may still be writable there
+        for child in children:
+            try:
+                st = child.lstat()
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                    child.unlink()
+            except OSError:
+                continue
+        return tmp_dir
+
+    def _remove_object(self, sha1: str) -> None:
+        """Remove the object file of ``sha1`` if there is one, and its two directory levels once they are empty."""
+        path = self._sha1_path(sha1)
+        path.unlink(missing_ok=True)
+        for directory in (path.parent, path.parent.parent):
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (other objects), or already gone
+                break
 
     def _copy_into_place(self, src: Path, sha1: str, compress: bool) -> int:
         dest = self._sha1_path(sha1)  # checks the two directory levels and the file for links
@@ -404,17 +556,44 @@ class SHA1_Store:
                 obj = load_store_object(raw, what, sha1, limit=limit)
         return _from_np(obj)
 
-    def delete(self, sha1: str) -> None:
-        """Drop one reference to ``sha1``; the object goes when none is left."""
+    def delete(self, sha1: str, name: Optional[str] = None) -> None:
+        """Drop one reference to ``sha1``; the object goes when none is left.
+
+        The sizes that reference added are taken off the entry and the store totals (the object's, when it goes), so
+        that deleting what an add added gives back the metadata from before that add (wgit rolls back a failed add
+        this way).
+
+        Args:
+            sha1 (str): the object's key.
+            name (Optional[str]): the name the reference was added under: its count drops too (gone at zero).
+
+        Raises:
+            ValueError: ``sha1`` is not a SHA1, or not in the store.
+        """
         path = self._sha1_path(sha1)
         if not path.exists():
             raise ValueError(f"Try to delete SHA1 {sha1} but it is not found")
         self._load_json_dict()
         entry = self._entry(sha1)
+        refs = entry[ENTRY_RF_KEY]
+        # Every reference added the same bytes (the same SHA1), so each counts for an equal share of original_size.
+        share = entry[ENTRY_OS_KEY] // refs if refs > 0 else 0
+        entry[ENTRY_OS_KEY] -= share
+        self._json_dict[STORE_OS_KEY] = max(0, self._json_dict[STORE_OS_KEY] - share)
         entry[ENTRY_RF_KEY] -= 1
+        names = entry[ENTRY_NAMES_KEY]
+        if name is not None and name in names:
+            names[name] -= 1
+            if names[name] <= 0:
+                del names[name]
         if entry[ENTRY_RF_KEY] <= 0:
-            path.unlink()
+            for total, field in ((STORE_DS_KEY, ENTRY_DS_KEY), (STORE_CS_KEY, ENTRY_CS_KEY)):
+                self._json_dict[total] = max(0, self._json_dict[total] - entry[field])
             del self._json_dict[sha1]
+            # metadata.json first: a failure to write it leaves the object, which it still lists, in place.
+            self._store_json_dict()
+            self._remove_object(sha1)
+            return
         self._store_json_dict()
 
     def size_info(self, sha1: Optional[str] = None) -> Tuple[int, int, int]:
