@@ -172,6 +172,11 @@ class PyGit:
         parents = [] if repo.head_is_unborn else [repo.head.target]
         repo.create_commit("HEAD", author, author, message, tree, parents)
 
+    def ignores(self, rel_path: str) -> bool:
+        """Whether git ignores ``rel_path`` (relative to the work tree, ``/``-separated): a ``.gitignore`` entry, the
+        repository's ``info/exclude`` or the user's global ``core.excludesFile``; a file never staged nor committed."""
+        return bool(self._repo().path_is_ignored(rel_path))
+
     def status(self) -> Dict[str, int]:
         """``{path: pygit2 status flags}`` without ignored files (128: untracked, 1: staged new)."""
         pygit2 = import_pygit2()

@@ -204,6 +204,7 @@ class Repo:
         metadata_file = self._metadata_path(self._rel_file_path(self._inside_working_tree(file_path)))
         _check_utf8(str(metadata_file.relative_to(self._dot_wgit)), "its metadata file's name (from its path)")
         self._check_metadata_path_free(metadata_file)
+        self._check_git_would_commit(metadata_file)
         self._check_not_tracking_another(metadata_file, file_path)
         # Before loading: a checkpoint rewritten meanwhile must not be recorded with the new file's time.
         mtime = file_path.stat().st_mtime
@@ -226,29 +227,32 @@ class Repo:
 
         created_dirs: List[Path] = []  # the metadata folders this add created, outermost first
         created_file: Optional[Path] = None  # the metadata file, when this add creates it
-        try:
-            ret_state_dict = None
-            if per_tensor:
-                ret_state_dict = copy.deepcopy(checkpoint)
-                _recursive_apply_to_elements(checkpoint, fn, [])
-            sha1 = store(checkpoint)
-            missing = []
-            for directory in metadata_file.parents:
-                if directory.exists():  # .wgit at the latest
-                    break
-                missing.append(directory)
-            for directory in reversed(missing):
-                directory.mkdir()
-                created_dirs.append(directory)
-            # Before the metadata file is written: a crash while writing it leaves a temporary file git ignores.
-            self._exclude_replace_tmp_files()
-            if not os.path.lexists(metadata_file):
-                created_file = metadata_file
-            self._write_metadata(metadata_file, file_path, sha1, mtime)
-            self._pygit.add()
-        except BaseException as e:  # KeyboardInterrupt too: the store must not keep half an add
-            self._roll_back(e, added, created_file, created_dirs)
-            raise
+        # One add at a time per repository, its rollback included: a metadata.json written by another add in between
+        # was lost (each wrote back the copy it had read), and a rollback must not undo another add's changes.
+        with self._sha1_store._writing():
+            try:
+                ret_state_dict = None
+                if per_tensor:
+                    ret_state_dict = copy.deepcopy(checkpoint)
+                    _recursive_apply_to_elements(checkpoint, fn, [])
+                sha1 = store(checkpoint)
+                missing = []
+                for directory in metadata_file.parents:
+                    if directory.exists():  # .wgit at the latest
+                        break
+                    missing.append(directory)
+                for directory in reversed(missing):
+                    directory.mkdir()
+                    created_dirs.append(directory)
+                # Before the metadata file is written: a crash while writing it leaves a temporary file git ignores.
+                self._exclude_replace_tmp_files()
+                if not os.path.lexists(metadata_file):
+                    created_file = metadata_file
+                self._write_metadata(metadata_file, file_path, sha1, mtime)
+                self._pygit.add()
+            except BaseException as e:  # KeyboardInterrupt too: the store must not keep half an add
+                self._roll_back(e, added, created_file, created_dirs)
+                raise
         return ret_state_dict
 
     def _roll_back(
@@ -446,6 +450,24 @@ class Repo:
                     f"wgit add: its metadata file would go in {directory}, which is the metadata file of a checkpoint "
                     "tracked under that name: a file and a folder of the same name cannot both be tracked"
                 )
+
+    def _check_git_would_commit(self, metadata_file: Path) -> None:
+        """Refuse, before anything is stored, a metadata file that git would never stage: the add would store the
+        checkpoint, and ``status`` would call it clean, yet no commit would hold it."""
+        rel = metadata_file.relative_to(self._dot_wgit)
+        if ".git" in rel.parts:  # git never tracks an entry of that name, whatever the ignore rules say
+            why = "git never tracks a file or folder named .git"
+        elif self._pygit.ignores(rel.as_posix()):
+            why = (
+                "git ignores that path: a rule in .wgit/.gitignore (its 'sha1_store' entry matches any folder of that "
+                "name), in .wgit/.git/info/exclude, or in your global git excludes (core.excludesFile)"
+            )
+        else:
+            return
+        raise FairscaleValueError(
+            f"wgit add: its metadata file .wgit/{rel.as_posix()} would never be committed: {why}. Rename the "
+            "checkpoint (or the folder it is in), or change the ignore rule"
+        )
 
     def _check_not_tracking_another(self, metadata_file: Path, file_path: Path) -> None:
         """Refuse to overwrite the metadata of another checkpoint that the naming rule maps to the same file."""

@@ -51,6 +51,7 @@ from .safety import (
     open_regular,
     replace_file,
 )
+from .store_lock import StoreLock
 from .store_pickle import load_store_object, store_object_limit
 from .utils import ExitCode as ExitCode  # noqa: F401
 
@@ -273,6 +274,7 @@ class SHA1_Store:
     ) -> None:
         self._path = Path(path)
         self._metadata_file_path = self._inside("metadata.json")
+        self._lock = StoreLock(self._path)  # writers only (add, delete); see store_lock
         self._sha1_buf_size = sha1_buf_size
         self._pgzip_threads = pgzip_threads
         self._pgzip_block_size = pgzip_block_size
@@ -306,6 +308,10 @@ class SHA1_Store:
             self._tmp_dir = self._inside("tmp")
         self._default_tmp = not tmp_dir
         self._tmp_cleaned = False  # the default scratch directory's leftovers are looked for once per store object
+
+    def _writing(self) -> ContextManager[None]:
+        """Hold the store's writers' lock for a block (re-entrant): a ``Repo.add`` is one change, rollback included."""
+        return self._lock.held()
 
     def _inside(self, *parts: str) -> Path:
         """``<store>/<parts...>``, refused (UnsafeRepositoryError) if a component below the store is a link."""
@@ -407,6 +413,10 @@ class SHA1_Store:
                 has no numpy equivalent (:func:`check_storable`), before anything is written (``AssertionError``).
             UnsafeRepositoryError: a path inside the store is a symbolic link.
         """
+        with self._lock.held():  # metadata.json is read, changed and written back: one writer at a time
+            return self._add(file_or_obj, compress, name)
+
+    def _add(self, file_or_obj: Union[Path, str, Tensor, Dict[Any, Any]], compress: bool, name: Optional[str]) -> str:
         start = time.time()
         self._load_json_dict()
         obj: Any = file_or_obj
@@ -570,6 +580,10 @@ class SHA1_Store:
         Raises:
             ValueError: ``sha1`` is not a SHA1, or not in the store.
         """
+        with self._lock.held():
+            self._delete(sha1, name)
+
+    def _delete(self, sha1: str, name: Optional[str]) -> None:
         path = self._sha1_path(sha1)
         if not path.exists():
             raise ValueError(f"Try to delete SHA1 {sha1} but it is not found")

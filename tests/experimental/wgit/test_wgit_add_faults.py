@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -208,6 +209,7 @@ def test_a_failed_add_leaves_the_store_as_before(work: Path, monkeypatch: pytest
 
 def test_store_add_that_fails_to_write_metadata_removes_its_object(tmp_path: Path) -> None:
     store = SHA1_Store(tmp_path / "store", init=True)
+    store.add(torch.ones(1))  # the first add makes the writers' lock file, which stays
     before = sorted(str(p) for p in (tmp_path / "store").rglob("*"))
     store._store_json_dict = _FailOnCall(store._store_json_dict, 1, OSError(errno.ENOSPC, "disk full"))
     with pytest.raises(OSError):
@@ -321,3 +323,43 @@ def test_relative_parent_dir_keeps_naming_the_same_repository(tmp_path: Path, mo
         ".gitignore",
         "sha1_store",
     ]
+
+
+# ------------------------------------------------------------------------- one writer at a time, git must commit
+
+
+def _add_in_thread(store: SHA1_Store, tensor: torch.Tensor, out: List[str]) -> None:
+    out.append(store.add(tensor))
+
+
+def test_adds_from_two_store_objects_take_turns_and_keep_both(tmp_path: Path) -> None:
+    """Two writers used to each write back the metadata.json they had read: the later one dropped the other's entry
+    (its object then failed to load). A second store object (another process, in effect: flock locks an open file)
+    now waits until the first one's change is done."""
+    first = SHA1_Store(tmp_path / "store", init=True)
+    second = SHA1_Store(tmp_path / "store")
+    out: List[str] = []
+    with first._writing():
+        thread = threading.Thread(target=_add_in_thread, args=(second, torch.arange(5.0), out), daemon=True)
+        thread.start()
+        thread.join(1.0)
+        assert thread.is_alive() and not out, "the second writer did not wait for the first"
+        kept = first.add(torch.ones(6))
+    thread.join(60)
+    assert not thread.is_alive() and len(out) == 1
+    entries = json.loads((tmp_path / "store" / "metadata.json").read_text())
+    assert kept in entries and out[0] in entries
+    assert torch.equal(first.get(out[0]), torch.arange(5.0)) and torch.equal(second.get(kept), torch.ones(6))
+
+
+@pytest.mark.parametrize("folder", ["sha1_store", "s_.git"])
+def test_a_checkpoint_git_would_never_commit_is_refused_before_storing(work: Path, folder: str) -> None:
+    """upstream's .gitignore entry ``sha1_store`` matches any folder of that name, and git never tracks ``.git``: the
+    add stored the checkpoint and ``status`` called it clean, but no commit held its metadata."""
+    os.mkdir(work / folder)
+    name = ".git" if folder == "s_.git" else "ck.pt"
+    os.replace(work / "ck.pt", work / folder / name)  # moved: torch.save refuses to write a file named .git
+    before = _store_state(work)
+    with pytest.raises(FairscaleValueError, match="would never be committed"):
+        Repo(work).add(f"{folder}/{name}")
+    assert _store_state(work) == before
