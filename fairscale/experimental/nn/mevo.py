@@ -404,6 +404,9 @@ class MemoryEfficientVocabOutput(nn.Module):
         if isinstance(tile_factor, bool) or not isinstance(tile_factor, int) or tile_factor < 1:
             # 0 divided by zero in the first forward, a float failed inside, a negative was taken silently.
             raise FairscaleValueError(f"MEVO: tile_factor must be a positive integer, got {tile_factor!r}")
+        if not isinstance(proj_weight, Tensor) or proj_weight.ndim != 2:  # forward's unpacking named nothing
+            shape = tuple(proj_weight.shape) if isinstance(proj_weight, Tensor) else type(proj_weight).__name__
+            raise FairscaleValueError(f"MEVO: proj_weight must be a 2-D (vocab, d_model) parameter, got {shape}")
         self.proj_weight = proj_weight
         self.tf_in, self.tf_w = tile_factor, tile_factor
         self.fp_max = True
@@ -444,6 +447,16 @@ class MemoryEfficientVocabOutput(nn.Module):
             raise FairscaleValueError(
                 "MEVO.forward: input must require grad in training (while autograd is enabled); pass an input "
                 "that requires grad, or compute the loss under torch.no_grad()"
+            )
+        # Other ranks failed in the unpacking below with Python's "too many values to unpack", naming nothing.
+        if input.ndim not in (2, 3):
+            raise FairscaleValueError(
+                f"MEVO.forward: input must be 2-D (tokens, d_model) or 3-D (batch, seq, d_model), got shape "
+                f"{tuple(input.shape)}"
+            )
+        if target.ndim not in (1, 2):
+            raise FairscaleValueError(
+                f"MEVO.forward: target must be 1-D (tokens) or 2-D (batch, seq), got shape {tuple(target.shape)}"
             )
         input, target = _reshape_inputs(input, target)
         tokens, d_model = input.shape

@@ -20,12 +20,13 @@ Example::
 import json
 from dataclasses import dataclass
 from enum import Enum, auto
-from functools import lru_cache
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
+
+from fairscale.internal.errors import FairscaleValueError
 
 # Upstream's module also exposes FullyShardedDataParallel (tracked modules are recognised by class name here).
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FullyShardedDataParallel  # noqa: F401
@@ -449,6 +450,13 @@ class SuggestedCheckpoints:
     all_modules: List[str]
 
 
+def _check_count(what: str, value: Any) -> None:
+    """Refuse a count that is not a non-negative int: -1 or 1.5 split after every layer, -1 layers skipped kept
+    only the last one, all silently."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FairscaleValueError(f"{what} must be a non-negative int, got {value!r}")
+
+
 def find_best_reset_points(activation_sizes: List[int], num_checkpoints: int) -> Tuple[int, List[int]]:
     """Split ``activation_sizes`` into at most ``num_checkpoints + 1`` contiguous segments minimising the largest sum.
 
@@ -461,27 +469,41 @@ def find_best_reset_points(activation_sizes: List[int], num_checkpoints: int) ->
         segment but the last (``len(activation_sizes)`` may appear: an empty last segment). Ties keep the earliest
         split.
     """
+    _check_count("find_best_reset_points: num_checkpoints", num_checkpoints)
     sizes = list(activation_sizes)
     n = len(sizes)
     prefix = [0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
-
-    @lru_cache(maxsize=None)
-    def best(start: int, remaining: int) -> Tuple[int, Tuple[int, ...]]:
-        if remaining == 0 or start == n:
-            return prefix[n] - prefix[start], ()
-        result: Optional[Tuple[int, Tuple[int, ...]]] = None
-        for end in range(start + 1, n + 1):
-            rest_max, rest_points = best(end, remaining - 1)
-            value = max(prefix[end] - prefix[start], rest_max)
-            if result is None or value < result[0]:
-                result = (value, (end,) + rest_points)
-        assert result is not None
-        return result
-
-    max_memory, points = best(0, num_checkpoints)
-    return max_memory, list(points)
+    # More split points than layers change nothing (each split takes at least one layer, or ends the search).
+    k = min(num_checkpoints, n)
+    # Bottom-up over the splits left (a top-down search recursed once per split: RecursionError past ~1000 layers).
+    # value[start] and choice[start]: the best largest segment sum from ``start`` with the splits of this round, and
+    # the end of its first segment (None: no split, one segment to the end).
+    value = [prefix[n] - prefix[start] for start in range(n + 1)]
+    choices: List[List[Optional[int]]] = [[None] * (n + 1)]
+    for _ in range(k):
+        new_value = list(value)
+        choice: List[Optional[int]] = [None] * (n + 1)
+        for start in range(n):
+            best_value, best_end = None, None
+            for end in range(start + 1, n + 1):
+                candidate = max(prefix[end] - prefix[start], value[end])
+                if best_value is None or candidate < best_value:  # strictly: ties keep the earliest split
+                    best_value, best_end = candidate, end
+            if best_value is not None:
+                new_value[start], choice[start] = best_value, best_end
+        value = new_value
+        choices.append(choice)
+    points: List[int] = []
+    start, remaining = 0, k
+    while remaining > 0 and start < n:
+        first_end = choices[remaining][start]
+        if first_end is None:
+            break
+        points.append(first_end)
+        start, remaining = first_end, remaining - 1
+    return value[0], points
 
 
 def suggest_checkpoint_location(
@@ -494,6 +516,8 @@ def suggest_checkpoint_location(
         num_checkpoints: the number of checkpoints to place.
         num_skipped_layers: leading layers to leave out of the search.
     """
+    _check_count("suggest_checkpoint_location: num_checkpoints", num_checkpoints)
+    _check_count("suggest_checkpoint_location: num_skipped_layers", num_skipped_layers)
     visited: Set[str] = set()
     names: List[str] = []
     sizes: List[int] = []

@@ -74,6 +74,20 @@ def _forward_width_mismatch() -> None:
     MEVO(w)(torch.randn(6, 4, requires_grad=True), y)
 
 
+def _forward_4d_input() -> None:
+    x, w, y = _data()
+    MEVO(w)(torch.randn(1, 2, 3, 3, requires_grad=True), y)
+
+
+def _forward_0d_target() -> None:
+    x, w, y = _data()
+    MEVO(w)(torch.randn(1, 3, requires_grad=True), y[0])
+
+
+def _mevo_1d_weight() -> None:
+    MEVO(nn.Parameter(torch.randn(5)))
+
+
 def _forward_token_mismatch() -> None:
     x, w, y = _data()
     MEVO(w)(x, y[:4])
@@ -156,6 +170,24 @@ CASES = [
         ValueError,
         r"MEVO.forward: incorrect shape 4 vs 3: the input's last dimension \(4\) must equal the weight's d_model",
         id="d_model",
+    ),
+    pytest.param(
+        _forward_4d_input,
+        ValueError,
+        r"MEVO.forward: input must be 2-D \(tokens, d_model\) or 3-D \(batch, seq, d_model\), got shape \(1, 2, 3, 3\)",
+        id="input-rank",
+    ),
+    pytest.param(
+        _forward_0d_target,
+        ValueError,
+        r"MEVO.forward: target must be 1-D \(tokens\) or 2-D \(batch, seq\), got shape \(\)",
+        id="target-rank",
+    ),
+    pytest.param(
+        _mevo_1d_weight,
+        ValueError,
+        r"MEVO: proj_weight must be a 2-D \(vocab, d_model\) parameter, got \(5,\)",
+        id="weight-rank",
     ),
     pytest.param(
         _forward_token_mismatch,

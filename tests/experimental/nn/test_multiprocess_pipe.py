@@ -248,6 +248,20 @@ def _check_errors() -> None:
     two_outputs.add_layer(RemoteModule(CPU_DEVICES[1], _Split, ()), [0], num_outputs=2)
     with pytest.raises(ValueError, match="must be a single tensor"):  # upstream failed an assert in the forward
         DistributedPipeline(two_outputs)
+    with pytest.raises(ValueError, match="the graph has no modules"):  # its forward raised a bare IndexError
+        DistributedPipeline(PipelineModulesGraph())
+    two_inputs = PipelineModulesGraph()
+    two_inputs.add_layer(RemoteModule(CPU_DEVICES[1], _Concat, ()), [0, 1])
+    concat = DistributedPipeline(two_inputs, chunks=2)
+    # Inputs of other batch sizes were split separately and their micro-batches paired: 8 rows out where the model
+    # alone raises.
+    with pytest.raises(ValueError, match="input 1 has 2 rows and input 0 has 8"):
+        concat(torch.ones(8, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="reads 2 model inputs, but the pipeline was called with 1"):
+        concat(torch.ones(4, 2))
+    with pytest.raises(ValueError, match="input 0 is a 0-d tensor"):
+        concat(torch.tensor(1.0), torch.tensor(2.0))
+    assert concat(torch.ones(4, 2), torch.zeros(4, 3)).to_here().shape == (4, 5)  # the pipeline still works
 
 
 def _body(rank: int, world_size: int, init_file: str) -> None:

@@ -4,7 +4,9 @@
 checkpoint suggestions. The CUDA variant checks the allocator-backed numbers."""
 
 import copy
+import inspect
 import os
+import sys
 import tempfile
 import warnings
 
@@ -17,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fairscale.experimental.tooling.layer_memory_tracker import (
     LayerMemoryTrace,
     LayerwiseMemoryTracker,
+    TraceForwardEvent,
     ProcessGroupTracker,
     ProcessGroupTrackingEvent,
     compare_memory_traces_in_plot,
@@ -104,6 +107,24 @@ def test_find_best_reset_points() -> None:
     assert find_best_reset_points(sizes, 1) == (35, [4])
     assert find_best_reset_points(sizes, 2) == (24, [2, 5])
     assert find_best_reset_points([1, 1], 5) == (1, [1, 2])
+
+
+def test_reset_point_counts_are_checked_and_many_layers_do_not_recurse() -> None:
+    # -1 or 1.5 split after every layer and -1 skipped layers kept only the last one, all silently.
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="num_checkpoints must be a non-negative int"):
+            find_best_reset_points([3, 2, 1], bad)  # type: ignore[arg-type]
+    traces = [LayerMemoryTrace(f"l{i}", 0, 0, 0, True, 0, 0, TraceForwardEvent(0, s)) for i, s in enumerate([3, 2])]
+    with pytest.raises(ValueError, match="num_skipped_layers must be a non-negative int"):
+        suggest_checkpoint_location(traces, 1, num_skipped_layers=-1)
+    # The search recursed once per split point: RecursionError from about 1000 of them on (here: 200 under a limit
+    # 100 frames above this one; the search is quadratic per split point, so no test runs 1000).
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)
+    try:
+        assert find_best_reset_points([1] * 200, 200) == (1, list(range(1, 201)))
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def test_byte_rule_nested_outputs_and_empty_traces() -> None:

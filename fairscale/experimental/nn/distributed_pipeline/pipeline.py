@@ -94,7 +94,11 @@ class DistributedPipeline(nn.Module):
         self.checkpoint_stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
         self.partitions: List[DistributedPipeline.Partition] = []
         partitions = graph.partition_graph()
-        if partitions and partitions[-1][0][-1].num_outputs is not None:
+        if not partitions:  # its forward failed with a bare IndexError
+            raise ValueError(
+                "the graph has no modules: add layers to the PipelineModulesGraph before building the pipeline"
+            )
+        if partitions[-1][0][-1].num_outputs is not None:
             raise ValueError(
                 "the last module of the graph declares num_outputs, but the model output must be a single tensor"
             )
@@ -161,11 +165,28 @@ class DistributedPipeline(nn.Module):
 
         Raises:
             TypeError: an input is not a tensor.
-            ValueError: an input has fewer rows than ``chunks`` or does not split into ``chunks`` micro-batches.
+            ValueError: fewer inputs than the graph reads; an input with no batch dimension (0-d), fewer rows than
+                ``chunks``, another number of rows than the first input, or not splitting into ``chunks``
+                micro-batches.
         """
+        needed = 1 + max((c.output_idx for c in self.input_consumers), default=-1)
+        if len(inputs) < needed:  # the feed loop indexed past them (bare IndexError)
+            raise ValueError(
+                f"the graph reads {needed} model inputs, but the pipeline was called with {len(inputs)}: pass every "
+                "input the graph's first modules take"
+            )
         for i, x in enumerate(inputs):
             if not isinstance(x, Tensor):
                 raise TypeError(f"expected Tensor, but got {type(x).__name__} as input {i}")
+            if x.dim() == 0:
+                raise ValueError(f"input {i} is a 0-d tensor: inputs are split into micro-batches along dim 0")
+            # Inputs of other batch sizes were split separately and their micro-batches broadcast together: a wrong
+            # output where the model alone raises.
+            if x.shape[0] != inputs[0].shape[0]:
+                raise ValueError(
+                    f"input {i} has {x.shape[0]} rows and input 0 has {inputs[0].shape[0]}: every input is split "
+                    "into the same micro-batches along dim 0, so they must have the same batch size"
+                )
             if x.shape[0] < self.chunks:
                 # Upstream fed fewer micro-batches than every partition waits for and never returned.
                 raise ValueError(
