@@ -27,6 +27,7 @@ from fairscale.internal.device import (
     set_accelerator_rng_state,
 )
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
+from fairscale.internal.errors import FairscaleTypeError
 
 __all__ = ["OffloadModel", "ModelShard", "OffloadFunction", "ShardSyncLayer"]
 
@@ -259,7 +260,7 @@ class OffloadFunction(torch.autograd.Function):
                 with torch.no_grad():
                     outputs = []
                     for x in activations[index]:
-                        out = torch.cat([shard(c) for c in torch.chunk(x, nmb)])
+                        out = torch.cat([_chunk_output(shard(c), index) for c in torch.chunk(x, nmb)])
                         # Upstream squeezes every slice output, which breaks a width-1 boundary between slices
                         # (the next slice gets (N,) instead of (N, 1)); only the model output keeps that squeeze.
                         outputs.append(out.squeeze(-1) if last else out)
@@ -273,10 +274,11 @@ class OffloadFunction(torch.autograd.Function):
         # grad_fn) belong to this call; the attribute is kept as upstream's inspection point only.
         _save_slice_inputs(ctx, activations[:-1])
         model_instance._activations = activations
+        # No requires_grad set here: forward runs with grad disabled, so it cannot tell a no_grad call from a
+        # training one, and a flag set here stayed on the returned leaf under torch.no_grad (unlike the plain model,
+        # whose output then does not require grad). ``apply`` makes the floating outputs require grad, through this
+        # Function's node, exactly when grad mode is on (``dummy_input`` always requires grad).
         result = [r.to(device) for r in activations[-1]]
-        for r in result:
-            if r.is_floating_point():
-                r.requires_grad = True
         return result[0] if len(result) == 1 else result
 
     @staticmethod
@@ -295,6 +297,31 @@ class OffloadFunction(torch.autograd.Function):
         input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
         first = input_grads[0] if input_grads else None
         return (first, None, None)
+
+
+def _chunk_output(out: Any, index: int) -> Tensor:
+    """``out``, the output of slice ``index`` on one micro-batch, checked to be one tensor.
+
+    With checkpointing each slice runs on each of its inputs separately and the chunks' outputs are concatenated,
+    so a slice that returns a tuple (an LSTM's ``(output, (h, c))``) cannot be checkpointed: without this check
+    ``torch.cat`` raised a bare TypeError that named neither OffloadModel nor the slice.
+
+    Args:
+        out (Any): what the slice returned.
+        index (int): the slice's position in the model.
+
+    Returns:
+        Tensor: ``out`` itself.
+
+    Raises:
+        FairscaleTypeError: ``out`` is not a tensor.
+    """
+    if not isinstance(out, Tensor):
+        raise FairscaleTypeError(
+            f"OffloadModel: slice {index} returned a {type(out).__name__}, not a tensor; checkpoint_activation=True "
+            "needs each slice to return one tensor (use checkpoint_activation=False for slices that return tuples)"
+        )
+    return out
 
 
 def _save_slice_inputs(ctx: Any, activations: List[Tuple[Any, ...]]) -> None:

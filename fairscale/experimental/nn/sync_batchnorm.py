@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
 from fairscale.internal.agreement import RanksDisagreeError
@@ -54,8 +55,17 @@ def settings_code(momentum: Any, eps: float, affine: bool, track_running_stats: 
     return zlib.crc32(repr((momentum, float(eps), bool(affine), bool(track_running_stats))).encode()) % (1 << 20)
 
 
+# Length of the count all-reduce's vector (see _calculate_stats); its last place is the "failed" flag.
+_SUMS_LEN = 10
+
+
 def _calculate_stats(
-    input: Tensor, eps: float, process_group: Any, check_layout: bool, settings: int = 0
+    input: Tensor,
+    eps: float,
+    process_group: Any,
+    check_layout: bool,
+    settings: int = 0,
+    backward_reduces: Optional[bool] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Global ``(mean, var, invstd, total_count)`` of ``input`` over every dim except 1 and every rank.
 
@@ -66,13 +76,29 @@ def _calculate_stats(
     statistics' all-reduce, whose sizes would differ (gloo aborts the process, NCCL hangs or corrupts memory). The
     check costs no collective; reading the sums waits for the device, so on accelerators the caller asks for it on
     the layer's first forward only.
+
+    It carries ``(k, g)`` too: ``k`` is 1 where ``backward_reduces`` is known (not ``None``) and ``g`` is 1 where it
+    is True. The ranks that know agree iff ``sum(g)`` is 0 or ``sum(k)``; where they do not, only some ranks' backward
+    would run the gradient all-reduce, and those would wait in it forever.
     """
     dim = [d for d in range(input.ndim) if d != 1]
     channels, code = input.size(1), _DTYPE_CODES.get(input.dtype, 0)
     # float64: the count and the squares stay exact integers far beyond any real world size (fp32 counts would be
     # exact to 2**24; upstream used the input dtype, which overflows fp16 beyond 65504 elements per channel).
     # The last value is 0: a rank whose input failed its own check sends 1 there (see _join_and_raise).
-    values = (input.numel() // max(channels, 1), channels, channels**2, code, code**2, settings, settings**2, 0)
+    known, reduces = int(backward_reduces is not None), int(bool(backward_reduces))
+    values = (
+        input.numel() // max(channels, 1),
+        channels,
+        channels**2,
+        code,
+        code**2,
+        settings,
+        settings**2,
+        known,
+        reduces,
+        0,
+    )
     if input.device.type == "cpu":
         sums = torch.tensor(values, dtype=torch.float64)
     else:  # filled on the device: a list copied to it would wait for the work queued there (a host sync)
@@ -117,15 +143,15 @@ def _join_and_raise(error: Exception, device: torch.device, process_group: Any) 
     the layer's first forward) they raise too, before the statistics' all-reduce, instead of waiting in it for this
     rank until the group's timeout. (Reading them at every forward on an accelerator would wait for the device.)
     """
-    sums = torch.zeros(8, dtype=torch.float64, device=device)
-    sums[7] = 1
+    sums = torch.zeros(_SUMS_LEN, dtype=torch.float64, device=device)
+    sums[-1] = 1
     all_reduce(sums, group=process_group)
     raise error
 
 
 def _check_same_layout(sums: Tensor, channels: int, dtype: torch.dtype, process_group: Any) -> None:
     n = group_size(process_group)
-    count, c1, c2, d1, d2, s1, s2, failed = (int(v) for v in sums.tolist())
+    count, c1, c2, d1, d2, s1, s2, known, reduces, failed = (int(v) for v in sums.tolist())
     if failed:
         raise RuntimeError(
             f"SyncBatchNorm: the input of {failed} other rank(s) of the process group failed its own check (that "
@@ -141,6 +167,13 @@ def _check_same_layout(sums: Tensor, channels: int, dtype: torch.dtype, process_
             f"SyncBatchNorm: the {n} ranks of the process group disagree on the layer's momentum, eps, affine or "
             "track_running_stats; every rank must build the same layer (their outputs and running statistics would "
             "differ)"
+        )
+    if 0 < reduces < known:
+        raise RanksDisagreeError(
+            f"SyncBatchNorm: the {n} ranks of the process group disagree on whether the layer's input requires grad "
+            f"(with grad mode on): it does on {reduces} of them, not on {known - reduces}; only the former would run "
+            "the backward's gradient all-reduce and wait in it for the others forever. Every rank must run the same "
+            "model (the same frozen layers) under the same grad mode"
         )
     if count == 1:
         # torch's BatchNorm refuses it too: the variance of one value is 0 and the output would be the bias alone.
@@ -169,6 +202,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return _forward(input, affine, mean, invstd, weight, bias)  # type: ignore[arg-type]
 
     @staticmethod
+    # Not twice differentiable: mean and invstd come from a no_grad forward as constants and the all-reduce has no
+    # autograd formula, so a double backward (create_graph=True, a gradient penalty) gave silently wrong second-order
+    # gradients. once_differentiable makes it raise torch's error instead.
+    @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         input, weight, bias, mean, invstd, total_count = ctx.saved_tensors
         affine: bool = ctx.affine
@@ -261,6 +298,7 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
             return super().forward(input)
         wait_phase = is_checkpointing()
         recompute_phase = is_recomputing()
+        grad_mode = torch.is_grad_enabled()  # read before the no_grad block below
         if not recompute_phase:
             with torch.no_grad():
                 # On CPU the layout check reads sums already in host memory; elsewhere it waits for the device, so
@@ -273,8 +311,13 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
                     # Raised alone, before the collectives, it left the other ranks waiting in them.
                     _join_and_raise(problem, input.device, self._process_group)
                 settings = settings_code(self.momentum, self.eps, self.affine, self.track_running_stats)
+                # Whether this call's backward runs the gradient all-reduce: _SyncBatchNormFunction's backward runs
+                # it iff needs_input_grad[0], i.e. the input requires grad and grad mode is on at the call (weight or
+                # bias gradients alone stay local). Unknown (None) in the first pass of a checkpointed call: it runs
+                # under no_grad and the recomputation decides; such ranks are left out of the comparison.
+                backward_reduces = None if wait_phase else grad_mode and input.requires_grad
                 mean, var, invstd, total_count = _calculate_stats(
-                    input, self.eps, self._process_group, check_layout, settings
+                    input, self.eps, self._process_group, check_layout, settings, backward_reduces
                 )
                 # Checked through the buffers, not ``track_running_stats``: a batch-norm patch that toggles the
                 # flag during no-grad passes must not stop this once-per-step update.
