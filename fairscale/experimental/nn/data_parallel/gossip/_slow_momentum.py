@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal.collectives import broadcast, reduce
-from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError, FairscaleValueError
 
 from .utils.helpers import communicate
 
@@ -60,6 +60,9 @@ class SlowMomentum:
         self.portion_end: Optional[int] = None
         self.world_portion_length: Optional[int] = None
         self.initialized = False
+        # The optimizer's parameters the buffers were sized from, in order: the shards and ``old_params`` are laid
+        # out over exactly these, so a later change (``add_param_group``) must be caught, not stepped over.
+        self._layout: List[Tensor] = []
 
     @staticmethod
     def _params(optimizer: torch.optim.Optimizer) -> Iterator[Tuple[Tensor, float]]:
@@ -89,6 +92,7 @@ class SlowMomentum:
                 "move the optimizer's parameters to one device"
             )
         self.initialized = True
+        self._layout = params
         total = sum(p.numel() for p in params)
         self.world_portion_length = math.ceil(total / self.num_shards)
         if not self.is_shard_owner:
@@ -137,6 +141,7 @@ class SlowMomentum:
         """One slow-momentum step (gather to owners, update, scatter back in memory-efficient mode)."""
         if not self.enabled:
             return
+        self.check_layout(optimizer)
         buckets: Dict[int, List[Tensor]] = {}
         if self.memory_efficient:
             with torch.no_grad():
@@ -153,12 +158,37 @@ class SlowMomentum:
                 if owner in buckets:
                     communicate(buckets[owner], lambda tensor, src=owner: broadcast(tensor, src=src))
 
+    def check_layout(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise if the optimizer's parameters are not the ones the buffers were laid out over.
+
+        Parameters added later (``optimizer.add_param_group``, e.g. progressive unfreezing) lie past the last shard:
+        memory-efficient mode would divide them by the world size with no owner to reduce and broadcast them back
+        (silently shrinking them at every step), and neither mode would give them slow momentum.
+        """
+        if not self.enabled or not self.initialized:
+            return  # no buffers laid out yet (or none at all): nothing to be out of step with
+        params = [p for p, _ in self._params(optimizer)]
+        if len(params) != len(self._layout) or any(p is not q for p, q in zip(params, self._layout)):
+            raise FairscaleRuntimeError(
+                f"SlowMo's slow-momentum buffers were set up for {len(self._layout)} optimizer parameters at the first "
+                f"perform_slowmo(), but the optimizer now has {len(params)} (or other ones): its parameters changed "
+                "since (e.g. optimizer.add_param_group). Add all parameter groups before the first perform_slowmo(), "
+                "or create a new SlowMoDistributedDataParallel (re-initializing the slow momentum) after changing them"
+            )
+
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.old_params is not None and self.global_momentum_buffer is not None
         with torch.no_grad():
             for view, start, lr in self._owned_views(optimizer):
                 old = self.old_params[start : start + view.numel()]
                 u = self.global_momentum_buffer[start : start + view.numel()]
+                if lr == 0.0:
+                    # A group at lr 0 (a frozen group, or a warm-up schedule starting from 0) is a valid schedule,
+                    # but the update divides by lr (0/0 = NaN for good). Such a group gets no slow-momentum step:
+                    # its parameters stay as they are and its momentum is kept; ``old`` follows them so the next
+                    # step (lr > 0) measures the drift from here, as after any step (``x == old``).
+                    old.copy_(view)
+                    continue
                 u.mul_(self.momentum).add_((old - view) / lr)
                 old.add_(u, alpha=-self.lr * lr)
                 view.copy_(old)

@@ -376,6 +376,11 @@ class SlowMoDistributedDataParallel(nn.Module):
     # ---- nn.Module API
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled():
+            # Per-iteration state: a backward that raised (an OOM the training loop catches and skips) never ran the
+            # queued callback that clears the flag, and a flag left set would skip the intra-node gradient averaging
+            # (and SGP's ps_numerator) of every later backward.
+            self._backward_queued = False
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             self._attach_backward_callback(output)
@@ -500,6 +505,8 @@ class SlowMoDistributedDataParallel(nn.Module):
         """
         if not self.global_momentum_buffers_initialized:
             self._init_global_momentum_buffers(optimizer)
+        # Before any communication: parameters added since the buffers were laid out would be corrupted by the step.
+        self._slow_momentum.check_layout(optimizer)
         n = self.num_updates
         should_slowmo = self.slowmo and (n + 1) % self.slowmo_frequency == 0
         should_localsgd = self.localsgd and (n + 1) % self.localsgd_frequency == 0

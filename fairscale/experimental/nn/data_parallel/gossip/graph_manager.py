@@ -76,14 +76,70 @@ class GraphManager(ABC):
                 f"{type(self).__name__}: a gossip graph needs at least 2 nodes, got world_size {world_size}; pass "
                 "the number of nodes (logical ranks)"
             )
+        if not 0 <= int(rank) < int(world_size):
+            # Upstream failed later with a bare IndexError (or, for a negative rank, used another rank's peers).
+            raise FairscaleValueError(
+                f"{type(self).__name__}: rank must be in [0, {int(world_size) - 1}] for world_size {world_size}, got "
+                f"{rank}; pass this process's logical rank (its node's index)"
+            )
         self.rank = rank
         self.world_size = world_size
         self.phone_book: List[List[Edge]] = [[] for _ in range(self.world_size)]
-        self._peers_per_itr = peers_per_itr
-        self._group_indices = list(range(peers_per_itr))
         self.nprocs_per_node = nprocs_per_node
         self.local_rank = local_rank
+        # Planned first, as logical ranks, and checked before any edge exists: every process must create the edges'
+        # groups in the same order, so a rejected graph must not have created some of them already.
+        plan = self._plan(peers_per_itr)
+        if not self._plan_is_valid(plan, peers_per_itr):
+            raise FairscaleValueError(self._bad_peers_per_itr_message(peers_per_itr))
+        self._peers_per_itr = peers_per_itr
+        self._group_indices = list(range(peers_per_itr))
+        for r, peers in enumerate(plan):
+            for peer in peers:
+                self.phone_book[r].append(
+                    Edge(
+                        local_master_rank=(self.rank * self.nprocs_per_node),
+                        dest=(peer * self.nprocs_per_node),
+                        src=(r * self.nprocs_per_node),
+                        local_rank=self.local_rank,
+                    )
+                )
+
+    def _plan(self, peers_per_itr: int) -> List[List[int]]:
+        """Each rank's out-peers (logical ranks, in phone-book order) for ``peers_per_itr``, without making edges."""
+        self._peers_per_itr = peers_per_itr  # read by the graphs whose shape depends on it
+        self._planned: List[List[int]] = [[] for _ in range(self.world_size)]
         self._make_graph()
+        return self._planned
+
+    def _plan_is_valid(self, plan: List[List[int]], peers_per_itr: int) -> bool:
+        """Whether every rank has ``peers_per_itr`` phone-book entries and no edge to itself.
+
+        A step reads slots ``0 .. peers_per_itr - 1`` of every rank's phone book (an IndexError past its end), and an
+        edge to oneself is a two-process group of one process (torch rejects its duplicate entries).
+        """
+        return all(len(peers) >= peers_per_itr and r not in peers for r, peers in enumerate(plan))
+
+    def _bad_peers_per_itr_message(self, peers_per_itr: int) -> str:
+        # The error path only: the allowed values are found by planning each candidate. Past world_size - 1, only a
+        # phone book that does not grow with peers_per_itr can still have enough entries (one that grows with it,
+        # NPeerDynamicDirectedExponentialGraph's, then has an edge to oneself).
+        most = max(int(self.world_size) - 1, max(len(peers) for peers in self._plan(1)))
+        allowed = [p for p in range(1, most + 1) if self._plan_is_valid(self._plan(p), p)]
+        name = type(self).__name__
+        if not allowed:
+            return (
+                f"{name}: this topology has no valid peers for world_size {self.world_size} (some rank would have "
+                f"no peer or an edge to itself), got peers_per_itr {peers_per_itr}; use another world size or graph"
+            )
+        if allowed == list(range(1, allowed[-1] + 1)):
+            allowed_text = f"between 1 and {allowed[-1]}"
+        else:
+            allowed_text = f"one of {allowed}"
+        return (
+            f"{name}: peers_per_itr must be {allowed_text} for world_size {self.world_size}, got {peers_per_itr}; "
+            "pass fewer out-peers per step"
+        )
 
     @property
     def peers_per_itr(self) -> int:
@@ -91,25 +147,23 @@ class GraphManager(ABC):
 
     @peers_per_itr.setter
     def peers_per_itr(self, v: int) -> None:
+        most = min(len(book) for book in self.phone_book)
+        if not 1 <= int(v) <= most:
+            # A step reads slots 0 .. v - 1 of every rank's phone book: past its end, a bare IndexError later.
+            raise FairscaleValueError(
+                f"{type(self).__name__}: peers_per_itr must be between 1 and {most} (the phone book's length), got {v}"
+            )
         self._peers_per_itr = v
         self._group_indices = list(range(v))
 
     @abstractmethod
     def _make_graph(self) -> None:
-        """Fill ``phone_book`` for every rank."""
+        """Plan every rank's out-peers with :meth:`_add_peers`."""
 
     def _add_peers(self, rank: int, peers: List[int]) -> None:
-        for peer in peers:
-            # Upstream compared the int with Edge objects, so repeated peers are kept; they decide the schedule.
-            if peer not in self.phone_book[rank]:  # type: ignore[comparison-overlap]
-                self.phone_book[rank].append(
-                    Edge(
-                        local_master_rank=(self.rank * self.nprocs_per_node),
-                        dest=(peer * self.nprocs_per_node),
-                        src=(rank * self.nprocs_per_node),
-                        local_rank=self.local_rank,
-                    )
-                )
+        # Only planned here (the edges are made once the plan passed its checks). Upstream compared the int with
+        # Edge objects, so repeated peers are kept; they decide the schedule.
+        self._planned[rank].extend(peers)
 
     @abstractmethod
     def is_regular_graph(self) -> bool:
