@@ -4,7 +4,7 @@
 import collections.abc
 from collections import OrderedDict
 from math import inf
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,20 +73,24 @@ def recursive_copy_to_device(value: Any, non_blocking: bool, device: torch.devic
 
 
 @torch.no_grad()
-def calc_grad_norm(parameters: List[torch.nn.Parameter], p: float) -> Tensor:
+def calc_grad_norm(parameters: Iterable[torch.nn.Parameter], p: float) -> Tensor:
     """The ``p``-norm of the gradients of ``parameters`` taken together (parameters without grad skipped).
 
     Per-parameter norms are computed in fp32 and combined, as ``torch.nn.utils.clip_grad_norm_``
     does, so low-precision gradients do not overflow.
 
     Args:
-        parameters (List[torch.nn.Parameter]): the parameters whose ``.grad`` is measured.
+        parameters (Iterable[torch.nn.Parameter]): the parameters whose ``.grad`` is measured (a list, or any
+            iterable, an iterator or generator included: it is walked once).
         p (float): the norm order; ``math.inf`` for the max norm.
 
     Returns:
         Tensor: a 0-dim tensor in the dtype of the first parameter with a gradient, on its
         device; ``torch.tensor(0.0)`` if no parameter has a gradient.
     """
+    # Listed once: the dtype lookup below walks the parameters a second time, which found an exhausted iterator (a
+    # filter() or generator, e.g. from OSS.clip_grad_norm's filter_params_fn) and raised StopIteration.
+    parameters = list(parameters)
     grads = [param.grad.detach() for param in parameters if param.grad is not None]
     if not grads:
         return torch.tensor(0.0)

@@ -151,7 +151,14 @@ class Adam(torch.optim.Optimizer):
 
         Args:
             param_group (dict): the group's ``params`` and hyper-parameters (the missing ones from the defaults).
+
+        Raises:
+            ValueError: an invalid learning rate, beta, epsilon or weight decay of the group's own (checked as the
+                defaults are; the constructor's groups come here too). Nothing is added then.
         """
+        if isinstance(param_group, dict):  # anything else is refused by torch in its own words
+            # Only the defaults used to be checked: a group's betas=(0.9,) failed in step() with a bare IndexError.
+            _check_group(param_group, self.defaults)
         super().add_param_group(param_group)
         if self.mixed_precision:
             # One group of fp32 masters per param group, built like the constructor's (upstream built a single
@@ -323,11 +330,17 @@ class Adam(torch.optim.Optimizer):
         Raises:
             RuntimeError: a sparse gradient; the fp16 optimizer-state scale fell below 1; in ``MIXED_PRECISION``, a
                 parameter whose shape or device changed since it was given to the optimizer.
+            ValueError: a param group's learning rate, betas, epsilon or weight decay is invalid (edited since it was
+                added); nothing changes then.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every group's values are checked before anything changes: they may have been edited since the group was
+        # added (param_groups[i]["betas"] = ...), and a bad one used to fail half-way, after the step counters moved.
+        for group in self.param_groups:
+            _check_group(group, self.defaults)
         if self.mixed_precision:
             self._read_changed_parameters()
         for idx, group in enumerate(self.param_groups):
@@ -483,6 +496,12 @@ def _check_loadable(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any
             raise FairscaleValueError(
                 f"{who}: state 'step' of parameter {idx} must be a non-negative number, got {step!r}"
             )
+
+
+def _check_group(group: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """Check a param group's hyper-parameters (the ones it lacks come from ``defaults``) as the defaults are."""
+    values = {name: group.get(name, defaults[name]) for name in ("lr", "betas", "eps", "weight_decay")}
+    _check_hyper_parameters(values["lr"], values["betas"], values["eps"], values["weight_decay"])
 
 
 def _check_hyper_parameters(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float) -> None:

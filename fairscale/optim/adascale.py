@@ -31,6 +31,7 @@ scaler skips), on every rank alike.
 import functools
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
@@ -105,11 +106,10 @@ class AdaScale(torch.optim.Optimizer):
         self._is_scaled_loss = is_scaled_loss
         self.param_groups = optimizer.param_groups
 
+        # Also refuses a single worker without grad accumulation (the setter applies that rule too).
         self.set_num_gradients_to_accumulate(num_gradients_to_accumulate, update_smoothing=True)
         if smoothing is not None:
             self._smoothing = statistics.checked_smoothing(smoothing, debias_ewma)
-        if self._world_size * self._num_grads_to_accum <= 1:
-            raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
 
         n_groups = len(optimizer.param_groups)
         # The end of each accumulation window all-reduces one value per param group: ranks with other group counts
@@ -226,6 +226,7 @@ class AdaScale(torch.optim.Optimizer):
         Raises:
             ValueError: (also an ``AssertionError``) not a whole number >= 1 (a fraction such as 2.5 never ends an
                 accumulation window).
+            RuntimeError: 1 with a single worker (``world_size`` 1), as the constructor refuses it; nothing changes.
         """
         self._check_not_in_backward("Don't change num_grad_to_accum in backward phase")
         if not num_gradients_to_accumulate >= 1:
@@ -242,6 +243,10 @@ class AdaScale(torch.optim.Optimizer):
                 f"AdaScale: Invalid value {num_gradients_to_accumulate!r}: num_gradients_to_accumulate must be a whole "
                 "number of backward passes (an int >= 1)"
             )
+        # The constructor's rule, for every later change too: one worker with one gradient per step has no gradient
+        # variance to estimate, and the statistics divided by world_size * num_gradients_to_accumulate - 1 = 0.
+        if self._world_size * num_gradients_to_accumulate <= 1:
+            raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
         self._num_grads_to_accum = num_gradients_to_accumulate
         if update_smoothing:
             self._smoothing = max(1 - self._world_size * num_gradients_to_accumulate / 1000, 0)
@@ -280,7 +285,7 @@ class AdaScale(torch.optim.Optimizer):
             for idx, params in enumerate(groups):
                 for param in params:
                     if isinstance(param, Tensor) and param.requires_grad and id(param) not in hooked:
-                        hook = functools.partial(self._backward_hook, idx)
+                        hook = self._weak_hook(idx)
                         handles.append(cast(Any, param).register_hook(hook))  # torch leaves it untyped
                         hooked.add(id(param))
         except BaseException:
@@ -288,6 +293,15 @@ class AdaScale(torch.optim.Optimizer):
                 handle.remove()
             raise
         return handles, hooked
+
+    def _weak_hook(self, pg_idx: int) -> Callable[[Tensor], None]:
+        """The gradient hook of a parameter of group ``pg_idx``; it holds this AdaScale through a weak reference.
+
+        A bound method in the hook kept a dropped AdaScale alive for as long as the model lived: it went on measuring
+        every backward, and the window it had open broke the backward of a new AdaScale over the same model. Weakly
+        held, a dropped AdaScale is freed, ``__del__`` removes its hooks, and a hook that still runs does nothing.
+        """
+        return functools.partial(_weak_backward_hook, weakref.ref(self), pg_idx)
 
     def _use_hooks(self, handles: List[Any], hooked: Set[int]) -> None:
         """Replace the current hooks by ``handles`` (from :meth:`_register_hooks`)."""
@@ -310,7 +324,7 @@ class AdaScale(torch.optim.Optimizer):
         for idx, group in enumerate(self._optimizer.param_groups):
             for pos, param in enumerate(group["params"]):
                 if param.requires_grad and id(param) not in self._hooked:
-                    self._hook_handles.append(param.register_hook(functools.partial(self._backward_hook, idx)))
+                    self._hook_handles.append(param.register_hook(self._weak_hook(idx)))
                     self._hooked.add(id(param))
                     if param.grad is not None:
                         measured_without_hook.append(f"group {idx}, param {pos}")
@@ -559,6 +573,16 @@ class AdaScale(torch.optim.Optimizer):
         if self._world_size <= 1:  # before gathering: the gradients are not needed then
             raise FairscaleRuntimeError("AdaScale._compute_intra_grad_corr_mean: only for distributed training")
         return _correlation.intra_grad_corr_mean(self._gather_flat_grad(), self._world_size)
+
+
+def _weak_backward_hook(owner_ref: "weakref.ref[AdaScale]", pg_idx: int, grad: Tensor) -> None:
+    """Forward a parameter's gradient to its AdaScale's ``_backward_hook`` while that AdaScale is alive.
+
+    Module-level, with the AdaScale held weakly (see :meth:`AdaScale._weak_hook`): once it is gone this is a no-op.
+    """
+    owner = owner_ref()
+    if owner is not None:
+        owner._backward_hook(pg_idx, grad)
 
 
 def _unmeasured_message(where: List[str], consequence: str) -> str:

@@ -75,6 +75,37 @@ def _check_init_scale(who: str, init_scale: Any) -> None:
         )
 
 
+def _checked_new_scale(who: str, new_scale: Any) -> Any:
+    """``new_scale`` (for ``update``) once it is known to be a positive finite number within float32's range.
+
+    torch fills its scale with whatever it gets: 0 (or a negative or NaN value) made the next unscale divide by it and
+    wrote NaN into every weight (or flipped the gradients' signs), silently; inf unscaled every gradient to 0. A
+    float and a 1-element real tensor are taken as torch takes them; another real number (an int, a numpy scalar) is
+    passed on as a float, which torch's ``fill_`` needs. Other tensors are left to torch's own checks.
+
+    Raises:
+        ValueError: the value is 0, negative, not finite or beyond float32's range (``init_scale``'s rule).
+        TypeError: neither a real number nor a tensor.
+    """
+    if isinstance(new_scale, Tensor):
+        if new_scale.numel() != 1 or new_scale.is_complex() or new_scale.dtype == torch.bool:
+            return new_scale  # torch refuses it in its own words
+        value = float(new_scale.detach().reshape(()))
+    elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
+        value = float(new_scale)
+    else:
+        raise TypeError(
+            f"{who}: new_scale must be a positive finite number or a 1-element tensor, got "
+            f"{type(new_scale).__name__}"
+        )
+    if not (math.isfinite(value) and 0 < value <= _FLOAT32_MAX):
+        raise ValueError(
+            f"{who}: new_scale must be a positive finite number within float32's range (the new loss scale, "
+            f"e.g. 2.0**16), got {value}"
+        )
+    return new_scale if isinstance(new_scale, Tensor) else value
+
+
 def _as_real(value: Any) -> Optional[float]:
     """``value`` as a float when it is a real number (numpy scalars too; not a bool) or a 0-dim real tensor."""
     if isinstance(value, Tensor):
@@ -188,11 +219,24 @@ class _ScalerBase(CudaAmpGradScaler):
     def update(self, new_scale: Optional[Any] = None) -> None:
         """Update the scale (torch's ``update``); see ``torch.amp.GradScaler.update``.
 
+        Args:
+            new_scale (Optional[Any]): a scale to set instead of updating from the inf/nan checks: a positive
+                finite number within float32's range, or a 1-element tensor holding one.
+
         Raises:
             FairscaleRuntimeError: enabled, without ``new_scale``, and no ``step()`` (or ``unscale_()``) since the
                 last update: there is no inf/nan result to update from. torch checks this with an ``assert`` on older
                 versions, which ``python -O`` removes (an ``IndexError`` follows there).
+            ValueError: enabled, and ``new_scale`` is 0, negative, not finite or beyond float32's range (torch took
+                it, and the next step wrote NaN into every weight); nothing changes then.
+            TypeError: enabled, and ``new_scale`` is neither a real number nor a tensor.
         """
+        if self._enabled and new_scale is not None:
+            new_scale = _checked_new_scale(f"{type(self).__name__}.update", new_scale)
+            scale = getattr(self, "_scale", None)
+            if isinstance(new_scale, Tensor) and isinstance(scale, Tensor) and new_scale.numel() == 1:
+                # torch copies it into its scale, whose shape ([] or [1], by version) it must match for copy_.
+                new_scale = new_scale.reshape(scale.shape)
         if self._enabled and new_scale is None:
             recorded = any(state["found_inf_per_device"] for state in self._per_optimizer_states.values())
             if not recorded:

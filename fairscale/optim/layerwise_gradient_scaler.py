@@ -109,8 +109,8 @@ class LayerwiseGradientScaler:
         max_scale (float): upper bound of the scales. Default: the largest fp32.
 
     Raises:
-        ValueError: (also an ``AssertionError``, as upstream asserted) with scaling enabled, ``growth_factor <= 1``
-            or ``backoff_factor >= 1``; and (a plain ``ValueError``) a scale in ``layer_scale_dict`` that is not a
+        ValueError: (also an ``AssertionError``, as upstream asserted) with scaling enabled, ``growth_factor <= 1``,
+            ``backoff_factor`` outside (0, 1) or ``min_scale <= 0``; and (a plain ``ValueError``) a scale in ``layer_scale_dict`` that is not a
             positive finite number (0 divided by zero in :meth:`scale`, NaN or inf poisoned the gradients), or a
             name the model does not have.
         TypeError: a scale that is not a number.
@@ -145,8 +145,16 @@ class LayerwiseGradientScaler:
         if self._apply_layerwise_scaling:
             if not self._growth_factor > 1.0:
                 raise FairscaleValueError(f"The growth factor must be > 1.0, got {self._growth_factor}.")
-            if not self._backoff_factor < 1.0:
-                raise FairscaleValueError(f"The backoff factor must be < 1.0, got {self._backoff_factor}.")
+            # 0 or less collapsed every overflowing layer's scale to min_scale at once (its gradients then underflowed
+            # and were silently wrong); a min_scale of 0 or less let a scale reach 0, and scale() divided by it.
+            if not 0.0 < self._backoff_factor < 1.0:
+                raise FairscaleValueError(
+                    f"The backoff factor must be < 1.0 and > 0 (0 or less zeroes the scales), got {self._backoff_factor}."
+                )
+            if not self._min_scale > 0.0:
+                raise FairscaleValueError(
+                    f"The min scale must be > 0 (a scale of 0 divides the gradients by 0), got {self._min_scale}."
+                )
             for name, scale in layer_scale_dict.items():
                 _check_scale(name, scale)
             self.layer_info = self._build_layer_info()

@@ -168,7 +168,7 @@ def _fits_fp16(ordered: List[Tuple[int, ParamBucket]], group: Any, rank: int) ->
 
     Only the owner has the new values; it flags its buckets that do not fit, and a max all-reduce of the flags
     (one small tensor on the first bucket's device) tells every rank, so that sender and receivers pick the same
-    dtype. fp16 buckets always fit.
+    dtype. fp16 buckets always fit; complex buckets never do (fp16 has no imaginary part).
     """
     if not ordered:
         return []
@@ -176,7 +176,11 @@ def _fits_fp16(ordered: List[Tuple[int, ParamBucket]], group: Any, rank: int) ->
     flags = torch.zeros(len(ordered), dtype=torch.int32, device=device)
     for i, (owner, bucket) in enumerate(ordered):
         buffer = _buffer(bucket)
-        if owner == rank and buffer.dtype != torch.float16 and buffer.numel() > 0:
+        if buffer.is_complex():
+            # The fp16 cast keeps the real part only (the imaginary one was erased on every rank, the owner's too):
+            # complex buckets travel at full precision. Every rank flags them (the dtype is the same everywhere).
+            flags[i] = 1
+        elif owner == rank and buffer.dtype != torch.float16 and buffer.numel() > 0:
             # NaN compares false: a NaN travels as fp16 NaN, as the owner has it. inf (and anything beyond the
             # largest fp16 value) makes the bucket travel in its own dtype, so the value arrives as it is. Compared
             # in fp32: in bf16 the limit itself would round up to 65536, which fp16 cannot hold.
