@@ -231,6 +231,8 @@ class LayerwiseMemoryTracker:
         self._memory_pre_forward: Optional[MemoryMark] = None
         self._traced_module_names: Set[str] = set()
         self._probe: Optional[MemoryProbe] = None
+        # ids of the modules hooked since the last stop(): a module is hooked once (see monitor).
+        self._monitored: Set[int] = set()
 
     @property
     def memory_traces(self) -> List[LayerMemoryTrace]:
@@ -248,7 +250,8 @@ class LayerwiseMemoryTracker:
 
         Several models (or parts of one) may be monitored by one tracker: they share its memory probe. (A second call
         made a second probe before, and the first one's CPU profiler session was never stopped: a later tracker then
-        read 0 bytes everywhere.)
+        read 0 bytes everywhere.) A module already monitored (a part of a model monitored before, or the same model
+        again) keeps its first hooks and name: hooked twice, its forward trace was lost and its backward traced twice.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"LayerwiseMemoryTracker.monitor: model must be an nn.Module, got {type(model).__name__}")
@@ -256,6 +259,9 @@ class LayerwiseMemoryTracker:
             param = next(model.parameters(), None)
             self._probe = probe_for(param.device if param is not None else torch.device("cpu"))
         for name, m in model.named_modules():
+            if id(m) in self._monitored:
+                continue
+            self._monitored.add(id(m))
             self._hooks.append(m.register_forward_pre_hook(self._create_pre_forward_hook(name)))
             self._hooks.append(m.register_forward_hook(self._create_post_forward_hook(name)))
             # The legacy (non-full) hook, as upstream: its grad_input is that of the module's last autograd node,
@@ -278,6 +284,7 @@ class LayerwiseMemoryTracker:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._monitored.clear()
         if self._probe is not None:
             self._resolve()
             self._probe.stop()

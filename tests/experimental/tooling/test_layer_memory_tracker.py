@@ -10,6 +10,8 @@ import sys
 import tempfile
 import warnings
 
+from typing import List, Tuple
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,6 +127,27 @@ def test_reset_point_counts_are_checked_and_many_layers_do_not_recurse() -> None
         assert find_best_reset_points([1] * 200, 200) == (1, list(range(1, 201)))
     finally:
         sys.setrecursionlimit(limit)
+
+
+def _traced_layers(model: nn.Module, *monitored: nn.Module) -> List[Tuple[str, bool]]:
+    """``(module name, is forward)`` of each trace of one step of ``model``, with ``monitored`` monitored in turn."""
+    tracker = LayerwiseMemoryTracker()
+    for part in monitored:
+        tracker.monitor(part)
+    model(torch.randn(3, 4)).sum().backward()
+    tracker.stop()
+    return [(t.module_name, t.is_forward) for t in tracker.memory_traces]
+
+
+def test_monitoring_a_model_and_its_part_or_twice_traces_each_layer_once() -> None:
+    # Hooked twice, a layer lost its forward trace (the second pre-hook renamed the current leaf) and its backward
+    # was traced twice; the docstring allows monitoring "parts of one" model.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    once = _traced_layers(model, model)
+    assert once == [("0", True), ("1", True), ("2", True), ("2", False), ("1", False), ("0", False)]
+    assert _traced_layers(model, model, model) == once
+    assert _traced_layers(model, model, model[0]) == once
+    assert _traced_layers(model, model) == once  # stop() forgot the hooked modules: monitored again as new
 
 
 def test_byte_rule_nested_outputs_and_empty_traces() -> None:
