@@ -126,13 +126,15 @@ class MOELayer(Module):
         chunks = dispatched_input.chunk(self.num_local_experts, dim=1)
         expert_outputs = [expert(chunk) for chunk, expert in zip(chunks, self.experts)]
         for i, (chunk, out) in enumerate(zip(chunks, expert_outputs)):
-            if not isinstance(out, Tensor) or out.shape != chunk.shape:
-                # The second all-to-all sends what the experts return: another shape on some rank aborts gloo (or
-                # hangs NCCL), and on every rank it failed in the combining einsum with a cryptic message.
-                got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            if not isinstance(out, Tensor) or out.shape != chunk.shape or out.dtype != chunk.dtype:
+                # The second all-to-all sends what the experts return: another shape or dtype on some rank aborts
+                # gloo (or hangs NCCL), and on every rank it failed in the combining einsum with a cryptic message.
+                # Checked locally (no collective per forward): an expert that fails on some ranks only still leaves
+                # the others waiting in the all-to-all, as documented.
+                got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
                 raise ValueError(
-                    f"MOELayer: local expert {i} returned {got} for an input of shape {tuple(chunk.shape)}; an expert "
-                    "must return a tensor of its input's shape (same model dim)"
+                    f"MOELayer: local expert {i} returned {got} for an input of shape {tuple(chunk.shape)} "
+                    f"{chunk.dtype}; an expert must return a tensor of its input's shape (same model dim) and dtype"
                 )
         expert_output = torch.cat(expert_outputs, dim=1)
         expert_output = _AllToAll.apply(self.group, expert_output)

@@ -119,13 +119,26 @@ class _Widen(nn.Module):
         return torch.cat([x, x], dim=-1)
 
 
+class _Double(nn.Module):
+    """An expert that returns float64 (a user bug): the combining einsum failed with torch's bare dtype error."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.double()
+
+
 def _bad_expert_or_group_body(rank: int, world_size: int) -> List[str]:
     seen = []
     torch.manual_seed(0)
     widening = MOELayer(Top2Gate(MODEL_DIM, world_size), _Widen())
-    with pytest.raises(ValueError, match=r"local expert 0 returned \(.*16\) for an input of shape \(.*8\)"):
+    with pytest.raises(
+        ValueError, match=r"local expert 0 returned \(.*16\) torch.float32 for an input of shape \(.*8\)"
+    ):
         widening(torch.randn(2, 4, MODEL_DIM))
     seen.append("expert shape refused")
+    doubling = MOELayer(Top2Gate(MODEL_DIM, world_size), _Double())
+    with pytest.raises(ValueError, match=r"returned \(.*8\) torch.float64 for an input of shape \(.*8\) torch.float32"):
+        doubling(torch.randn(2, 4, MODEL_DIM))
+    seen.append("expert dtype refused")
     only_rank_0 = torch.distributed.new_group([0])
     if rank == 1:
         with pytest.raises(ValueError, match=r"global rank 1\) is not a member of `group`"):
@@ -142,8 +155,8 @@ def test_expert_of_another_shape_and_non_member_group_are_refused() -> None:
     with a cryptic message); a layer built on a rank outside its group failed with "negative dimension -6"."""
     results = run_distributed(_bad_expert_or_group_body, 2, timeout=60)
     assert results == [
-        ["expert shape refused", "member runs (2, 4, 8)"],
-        ["expert shape refused", "non-member refused"],
+        ["expert shape refused", "expert dtype refused", "member runs (2, 4, 8)"],
+        ["expert shape refused", "expert dtype refused", "non-member refused"],
     ]
 
 
