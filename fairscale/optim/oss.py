@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.grad_norm import total_norm_across_ranks
 from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
@@ -253,6 +254,9 @@ class OSS(Optimizer):
         Raises:
             TypeError: (also an ``AssertionError``) after a conversion, one owner's trainable parameters on one
                 device have several dtypes (e.g. one layer converted alone); on every rank, before any stepping.
+            FairscaleRuntimeError: (a ``RuntimeError``, also an ``AssertionError``) a parameter was unfrozen
+                (``requires_grad`` set to ``True``) without :meth:`refresh_trainable` since; raised on every rank
+                that unfroze it, before any stepping.
         """
         # Hyper-parameters may have been changed on OSS's groups (e.g. by an LR scheduler).
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
@@ -266,6 +270,7 @@ class OSS(Optimizer):
             logging.info("OSS detected that the parameters changed device, dtype or storage, re-allocating buffers")
             self._clear_cache()
             self._refresh_trainable()
+        self._check_no_unfrozen_parameter()
         if closure is not None:
             loss = self.optim.step(closure=closure, **kwargs)
         else:
@@ -274,6 +279,37 @@ class OSS(Optimizer):
         # Keys the wrapped optimizer added during its step become visible on OSS's groups.
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
+
+    def _check_no_unfrozen_parameter(self) -> None:
+        """Refuse to step a parameter unfrozen since the broadcast buckets were built (see :meth:`step`).
+
+        Such a parameter is in no bucket: its owner would step it and no other rank would receive the new value, so
+        the replicas would drift apart silently. A local check, one ``requires_grad`` read per parameter frozen at
+        the last (re)build and no collective: ``requires_grad`` changes are made on every rank alike (the
+        constructor, :meth:`refresh_trainable` and :meth:`add_param_group` check that the ranks agree), so every
+        rank raises alike, before any communication of this step. A parameter frozen since is left alone, as
+        upstream: it stays in its bucket and its owner's value is still broadcast, so the ranks stay identical.
+
+        Raises:
+            FairscaleRuntimeError: (also an ``AssertionError``) some parameter requires grad now but did not when the
+                buckets were built; nothing is stepped then.
+        """
+        unfrozen = self._backing.unfrozen()
+        if not unfrozen:
+            return
+        where = {
+            id(p): f"group {g}, parameter {i}"
+            for g, group in enumerate(self.param_groups)
+            for i, p in enumerate(group["params"])
+        }
+        named = [f"{where.get(id(p), 'a parameter')} (shape {list(p.shape)})" for p in unfrozen]
+        listed = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+        raise FairscaleRuntimeError(
+            f"OSS.step: {len(unfrozen)} parameter(s) were unfrozen (requires_grad False -> True) since the broadcast "
+            f"buckets were built: {listed}. Their owner would update them and no other rank would receive the new "
+            "values (the replicas would drift apart). Call optimizer.refresh_trainable() on every rank after "
+            "changing requires_grad (ShardedDataParallel with auto_refresh_trainable=True does it at the forward)."
+        )
 
     def _broadcast_params(self) -> None:
         broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.rank, self.broadcast_fp16)

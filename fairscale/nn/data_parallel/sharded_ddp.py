@@ -57,7 +57,9 @@ class ShardedDataParallel(nn.Module):
         auto_refresh_trainable (bool): check at every forward whether parameters were frozen/unfrozen or added to
             the optimizers, or the train/eval mode changed, and rebuild hooks and buckets if so. Default ``True``;
             with ``False`` call :meth:`refresh_trainable` after such a change (a training forward raises
-            ``RuntimeError`` when trainable parameters were added to an optimizer since).
+            ``RuntimeError`` when trainable parameters were added to an optimizer since, and a backward raises
+            ``FairscaleRuntimeError``, on every rank, before reducing anything, when parameters were frozen or
+            unfrozen since).
         reduce_fp16 (bool): reduce fp32 gradients as fp16 (only without buckets; ignored with a warning
             otherwise). Default ``False``.
         warn_on_trainable_params_changed (bool): log a warning when a trainability change is detected.
@@ -181,8 +183,16 @@ class ShardedDataParallel(nn.Module):
         )
         # The reducer holds this bound method weakly: nothing refers back to the wrapper, which is therefore freed
         # (with its process group and optimizers) by reference counting when the user drops it, not at exit.
+        # Without the automatic refresh, a backward whose requires_grad flags no longer match the hooks (changed on
+        # every rank alike, without refresh_trainable()) raises once the ranks agreed on the flags: see
+        # GradReducer._raise_stale for why there and not at the forward.
         self._reducer = GradReducer(
-            self._process_group, world_size, self._buffer_max_size, self._reduce_fp16, describe=self._describe_reduction
+            self._process_group,
+            world_size,
+            self._buffer_max_size,
+            self._reduce_fp16,
+            describe=self._describe_reduction,
+            strict_trainable=not auto_refresh_trainable,
         )
         if sync_models_at_startup:
             self._sync_params_and_buffers()

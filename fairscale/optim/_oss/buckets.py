@@ -2,7 +2,7 @@
 """OSS's broadcast buckets: one flat buffer per (device, owning rank) that the owner's trainable parameters are
 views of, so that sharing the updated parameters is one broadcast per owner instead of one per parameter."""
 
-from typing import Any, Dict, List, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -28,11 +28,18 @@ class Backing:
     with its slice of the bucket (one C call per parameter, no tensor operation) and the dtype and device of each
     bucket's first parameter with the bucket's (two tensors on different devices could share an address).
 
+    It also remembers the parameters that were frozen when the buckets were built: such a parameter is in no bucket,
+    so once unfrozen its owner steps it and nobody receives the new value (see :meth:`unfrozen`).
+
     Args:
         entries: ``(bucket, parameters in check-in order)`` for every bucket that backs parameters.
+        frozen: the parameters that did not require grad when the buckets were built (in no bucket).
     """
 
-    def __init__(self, entries: List[Tuple[ParamBucket, List[torch.Tensor]]]) -> None:
+    def __init__(
+        self, entries: List[Tuple[ParamBucket, List[torch.Tensor]]], frozen: Optional[List[torch.Tensor]] = None
+    ) -> None:
+        self._frozen: List[torch.Tensor] = list(frozen) if frozen is not None else []
         self._entries: List[Tuple[ParamBucket, List[torch.Tensor], List[int]]] = []
         for bucket, params in entries:
             offsets = [0]
@@ -59,6 +66,15 @@ class Backing:
                 return False
         return True
 
+    def unfrozen(self) -> List[torch.Tensor]:
+        """The parameters frozen when the buckets were built that require grad now (usually none).
+
+        One attribute read per frozen parameter; the list is only built when there is one.
+        """
+        if not any(p.requires_grad for p in self._frozen):
+            return []
+        return [p for p in self._frozen if p.requires_grad]
+
 
 @torch.no_grad()
 def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buckets) -> Tuple[Buckets, Backing]:
@@ -81,6 +97,7 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
     _check_one_dtype_per_bucket(per_device)
     buckets: Buckets = {}
     backed: List[Tuple[ParamBucket, List[torch.Tensor]]] = []
+    frozen: List[torch.Tensor] = []
     for device, per_rank in per_device.items():
         device_buckets: Dict[int, ParamBucket] = dict(previous.get(device, {}))
         for owner, params in enumerate(per_rank):
@@ -89,6 +106,7 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
             for param in params:
                 if not param.requires_grad:
                     param.data = param.data.detach().clone()
+                    frozen.append(param)
             trainable = [p for p in params if p.requires_grad]
             if not trainable:
                 continue
@@ -103,7 +121,7 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
                 kept = _buffer(bucket)
                 device_buckets[owner] = ParamBucket(kept.numel(), kept.dtype, kept.device)
         buckets[device] = device_buckets
-    return buckets, Backing(backed)
+    return buckets, Backing(backed, frozen)
 
 
 def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]]) -> None:

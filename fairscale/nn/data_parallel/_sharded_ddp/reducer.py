@@ -138,9 +138,11 @@ class GradReducer:
         world_size (int): its size.
         bucket_size (int): the element capacity of each gradient bucket (0: no buckets).
         reduce_fp16 (bool): reduce unbucketed fp32 gradients as fp16.
-        describe (Callable[[], List[Any]]): what the ranks must agree on before they reduce (the managed
-            parameters' names and ``requires_grad`` flags); compared across ranks at the first reduction of every
-            backward. A bound method is held weakly (see :func:`_weak_callable`).
+        describe (Callable[[], List[Any]]): what the ranks must agree on before they reduce: one
+            ``(name, requires_grad, hooked)`` tuple per managed parameter; compared across ranks at the first
+            reduction of every backward. A bound method is held weakly (see :func:`_weak_callable`).
+        strict_trainable (bool): once the ranks agreed, refuse a backward in which some managed parameter's
+            ``requires_grad`` flag differs from whether it is hooked (trainability changed without a refresh).
 
     Nothing the reducer holds refers back to it or to its owner, so both are freed by reference counting as soon as
     the user drops them; the hooks are then taken off the parameters (see :meth:`__del__`).
@@ -153,8 +155,13 @@ class GradReducer:
         bucket_size: int,
         reduce_fp16: bool,
         describe: Optional[Callable[[], List[Any]]] = None,
+        strict_trainable: bool = False,
     ) -> None:
         self.group = group
+        self.strict_trainable = strict_trainable
+        # The described parameters whose requires_grad flag differs from whether they are hooked (computed with the
+        # fingerprint, i.e. only when the description changes).
+        self._stale: List[Any] = []
         self.world_size = world_size
         self._describe = _weak_callable(describe) if describe is not None else None
         # The last description and its fingerprint: hashing is skipped while the flags do not change.
@@ -367,26 +374,51 @@ class GradReducer:
         this rank's description; if the maxima say the fingerprints differ, every rank gathers the descriptions and
         raises the same :class:`RanksDisagreeError`, naming the first parameter that differs."""
         describe = self._describe() if self._describe is not None else None
-        if describe is None or self.world_size == 1:
+        if describe is None or (self.world_size == 1 and not self.strict_trainable):
             return
         description = describe()
         if description != self._described:
             digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
             self._fingerprint = int.from_bytes(digest, "big") >> 1  # 63 bits: -h fits in int64 too
             self._described = description
-        # On the gradients' device: any backend that reduces them can reduce this.
-        both = torch.tensor([self._fingerprint, -self._fingerprint], dtype=torch.int64, device=device)
-        collectives.all_reduce(both, group=self.group, op="max")
-        highest, lowest = both.tolist()
-        if highest == -lowest:
-            return
-        what = "ShardedDataParallel: the parameters to reduce (name, requires_grad, hooked for reduction)"
-        hint = (
-            "Freeze or unfreeze parameters on every rank alike, and call refresh_trainable() on every rank (or keep "
-            "auto_refresh_trainable=True): every rank must reduce the same gradients."
+            self._stale = [entry for entry in description if bool(entry[1]) != bool(entry[2])]
+        if self.world_size > 1:
+            # On the gradients' device: any backend that reduces them can reduce this.
+            both = torch.tensor([self._fingerprint, -self._fingerprint], dtype=torch.int64, device=device)
+            collectives.all_reduce(both, group=self.group, op="max")
+            highest, lowest = both.tolist()
+            if highest != -lowest:
+                what = "ShardedDataParallel: the parameters to reduce (name, requires_grad, hooked for reduction)"
+                hint = (
+                    "Freeze or unfreeze parameters on every rank alike, and call refresh_trainable() on every rank (or "
+                    "keep auto_refresh_trainable=True): every rank must reduce the same gradients."
+                )
+                check_ranks_agree(what, description, self.group, hint, device=device)
+                raise RanksDisagreeError(f"{what} differ between ranks. {hint}")  # pragma: no cover - raised above
+        if self.strict_trainable and self._stale:
+            self._raise_stale()
+
+    def _raise_stale(self) -> None:
+        """Trainability changed on every rank alike without a refresh: the hooks no longer match the flags.
+
+        Raised here, after the ranks agreed and before any reduction of this backward, rather than at the forward:
+        the flags are then known to be the same on every rank, so every rank raises the same error and none is left
+        waiting in a collective (a rank that changed the flags alone gets the agreement error above instead).
+        """
+        unhooked = [str(entry[0]) for entry in self._stale if entry[1]]
+        hooked = [str(entry[0]) for entry in self._stale if not entry[1]]
+        parts = []
+        if unhooked:
+            parts.append(f"unfrozen, never reduced: {', '.join(unhooked)}")
+        if hooked:
+            parts.append(f"frozen, still hooked: {', '.join(hooked)}")
+        raise FairscaleRuntimeError(
+            "ShardedDataParallel: requires_grad changed since the gradient hooks were built, and "
+            f"auto_refresh_trainable=False ({'; '.join(parts)}). Their gradients would not be reduced as their flags "
+            "say (an unfrozen parameter would be trained on each rank's own gradient, and the replicas would drift "
+            "apart). Call refresh_trainable() on every rank after changing requires_grad, or build "
+            "ShardedDataParallel with auto_refresh_trainable=True."
         )
-        check_ranks_agree(what, description, self.group, hint, device=device)
-        raise RanksDisagreeError(f"{what} differ between ranks. {hint}")  # pragma: no cover - raised above
 
     def _reduce_direct(self, param: torch.Tensor) -> None:
         grad = cast(torch.Tensor, param.grad)  # checked in _on_grad_ready
@@ -465,8 +497,28 @@ class GradReducer:
         # Outside of a backward there is no autograd engine to queue the flush on: it runs right here.
         self._callback_queued = True
         for param in self.trainable:
+            if param.grad is None and self._pending.get(id(param), False) and not self.accumulating:
+                self._zero_unused_grad(param)
             self._on_grad_ready(param)
         self.flush()
+
+    @torch.no_grad()
+    def _zero_unused_grad(self, param: torch.Tensor) -> None:
+        """Give a parameter that got no gradient (unused in the backwards run inside ``no_sync()``) a zero one.
+
+        A bucketed parameter's gradient is its slot, which takes part in its bucket's reduction whether or not the
+        parameter was used (zero when unused): an unbucketed one is reduced the same way, as a zero gradient
+        (before, ``reduce()`` failed with an internal error). It also keeps the reductions matched across ranks when
+        a parameter was used on some ranks only: every rank sends its part.
+        """
+        bucket = self._bucket_of.get(id(param))
+        if bucket is None:
+            param.grad = torch.zeros_like(param)
+            return
+        # The gradient was released (e.g. zero_grad(set_to_none=True) on the optimizer): its slot stands for it.
+        slot = bucket.slot(param)
+        slot.zero_()
+        param.grad = slot
 
     # ------------------------------------------------------------------------------------------------
     # Gradient buffers
