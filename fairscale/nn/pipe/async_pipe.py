@@ -6,7 +6,7 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from threading import Event
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -328,7 +328,9 @@ class AsyncPipe(nn.Module):
         description = [
             ("balance", list(self.balance)),
             ("chunks", self.chunks),
-            ("micro-batches", None if scalar else len(microbatch.scatter(input, self.chunks))),
+            # Per tensor, not through scatter: scatter refuses tensors that split differently, and a rank raising
+            # alone here would leave the others in the gather below (it raises after it, on every rank alike).
+            ("micro-batches", None if scalar else _micro_batch_count(tensors, self.chunks)),
             ("batch size (dim 0 of each input tensor)", [int(t.shape[0]) if t.dim() else None for t in tensors]),
             ("gradients come back (training mode with autograd on)", training),
         ]
@@ -355,3 +357,10 @@ class AsyncPipe(nn.Module):
             raise ValueError("back_helper should only be called on non-final stages")
         if self.pipeline:
             self.pipeline.back_helper(output)
+
+
+def _micro_batch_count(tensors: Tuple[torch.Tensor, ...], chunks: int) -> Union[int, List[int]]:
+    """How many micro-batches ``tensors`` split into: one count, or each tensor's where they differ (which
+    ``microbatch.scatter`` refuses, on every rank alike, after the agreement check)."""
+    counts = [len(t.chunk(chunks)) for t in tensors]
+    return counts[0] if len(set(counts)) == 1 else counts

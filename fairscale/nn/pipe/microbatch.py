@@ -124,13 +124,25 @@ def check(input: Any) -> None:
 def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     """Split ``input`` along dim 0 into at most ``chunks`` micro-batches (``torch.chunk`` sizes).
 
-    Each tensor of a tuple is chunked on its own and the pieces are zipped, so the result has as many
-    micro-batches as the tensor with the fewest chunks.
+    Each tensor of a tuple is chunked on its own and the pieces are zipped position-wise (tensors of other batch
+    sizes are allowed, as upstream, while they split into as many chunks).
+
+    Raises:
+        ValueError: the tensors of a tuple split into different numbers of chunks (upstream zipped them and dropped
+            the rows past the shortest, silently: an 8-row and a 2-row input at ``chunks=4`` gave 4 rows of output).
     """
     if isinstance(input, Tensor):
         pieces: List[TensorOrTensors] = list(input.chunk(chunks))
     else:
-        pieces = list(zip(*(t.chunk(chunks) for t in input)))
+        per_tensor = [t.chunk(chunks) for t in input]
+        counts = [len(c) for c in per_tensor]
+        if len(set(counts)) > 1:
+            sizes = [t.size(0) for t in input]
+            raise ValueError(
+                f"the input tensors have {sizes} rows and split into {counts} micro-batches at chunks={chunks}; they "
+                "must split into as many (give them the same batch size), or rows past the shortest would be dropped"
+            )
+        pieces = list(zip(*per_tensor))
     return [Batch(piece, i) for i, piece in enumerate(pieces)]
 
 

@@ -1,7 +1,11 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+from typing import Tuple
+
 import pytest
 import torch
+import torch.nn as nn
 
+from fairscale.nn.pipe import Pipe
 from fairscale.nn.pipe.microbatch import Batch, check, gather, scatter
 
 
@@ -119,5 +123,21 @@ def test_scatter_sizes_and_truncation():
     assert [b.tensor.size(0) for b in scatter(torch.zeros(7, 1), 4)] == [2, 2, 2, 1]
     assert [b.tensor.size(0) for b in scatter(torch.zeros(5, 1), 4)] == [2, 2, 1]
     assert len(scatter(torch.zeros(2, 1), 4)) == 2
-    # Tuples are zipped: the tensor with the fewest chunks decides the count.
-    assert len(scatter((torch.zeros(8, 1), torch.zeros(2, 1)), 4)) == 2
+    # Tuples are zipped: tensors that split into other numbers of chunks are refused (upstream truncated to the
+    # fewest, silently dropping rows); other batch sizes with as many chunks still work (test_scatter_tuple).
+    with pytest.raises(ValueError, match=r"\[8, 2\] rows and split into \[4, 2\] micro-batches at chunks=4"):
+        scatter((torch.zeros(8, 1), torch.zeros(2, 1)), 4)
+
+
+class _Pair(nn.Module):
+    def forward(self, a_and_b: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        return a_and_b
+
+
+def test_pipe_refuses_tuple_inputs_that_would_lose_rows() -> None:
+    """An 8-row and a 2-row input at chunks=4: nn.Sequential returns both whole, upstream's Pipe 4 and 2 rows."""
+    pipe = Pipe(nn.Sequential(_Pair(), _Pair()), balance=[1, 1], devices=["cpu", "cpu"], chunks=4)
+    with pytest.raises(ValueError, match="rows past the shortest would be dropped"):
+        pipe((torch.ones(8, 1), torch.ones(2, 1)))
+    a, b = pipe((torch.ones(8, 1), torch.ones(4, 2)))  # other batch sizes splitting alike still run, as upstream
+    assert a.shape == (8, 1) and b.shape == (4, 2)
