@@ -128,9 +128,15 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     sizes are allowed, as upstream, while they split into as many chunks).
 
     Raises:
-        ValueError: the tensors of a tuple split into different numbers of chunks (upstream zipped them and dropped
+        ValueError: an empty tuple or a 0-d tensor; the tensors of a tuple split into different numbers of chunks (upstream zipped them and dropped
             the rows past the shortest, silently: an 8-row and a 2-row input at ``chunks=4`` gave 4 rows of output).
     """
+    tensors = (input,) if isinstance(input, Tensor) else tuple(input)
+    # Both failed later with errors naming nothing of the input: torch's chunk error, an IndexError in gather.
+    if not tensors:
+        raise ValueError("the input is an empty tuple: pass a tensor or a tuple of tensors to split into micro-batches")
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("an input tensor is 0-d: inputs are split into micro-batches along dim 0 (the batch)")
     if isinstance(input, Tensor):
         pieces: List[TensorOrTensors] = list(input.chunk(chunks))
     else:

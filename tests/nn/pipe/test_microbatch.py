@@ -134,10 +134,14 @@ class _Pair(nn.Module):
         return a_and_b
 
 
-def test_pipe_refuses_tuple_inputs_that_would_lose_rows() -> None:
+def test_pipe_refuses_inputs_it_cannot_split_whole() -> None:
     """An 8-row and a 2-row input at chunks=4: nn.Sequential returns both whole, upstream's Pipe 4 and 2 rows."""
     pipe = Pipe(nn.Sequential(_Pair(), _Pair()), balance=[1, 1], devices=["cpu", "cpu"], chunks=4)
     with pytest.raises(ValueError, match="rows past the shortest would be dropped"):
         pipe((torch.ones(8, 1), torch.ones(2, 1)))
     a, b = pipe((torch.ones(8, 1), torch.ones(4, 2)))  # other batch sizes splitting alike still run, as upstream
     assert a.shape == (8, 1) and b.shape == (4, 2)
+    with pytest.raises(ValueError, match="empty tuple"):  # IndexError in gather before
+        pipe(())
+    with pytest.raises(ValueError, match="0-d"):  # torch's chunk error before
+        pipe(torch.tensor(3.0))
