@@ -33,7 +33,8 @@ from .safety import (
     open_regular,
     replace_file,
 )
-from .sha1_store import SHA1_Store, check_storable
+from .sha1_store import SHA1_Store
+from .storable import check_storable
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
 

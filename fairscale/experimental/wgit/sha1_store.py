@@ -18,7 +18,6 @@ the shape wgit writes each time it is read: a store changed behind wgit's back r
 """
 
 import contextlib
-import functools
 import gzip
 import hashlib
 import json
@@ -31,7 +30,7 @@ import stat
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import IO, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -51,6 +50,7 @@ from .safety import (
     open_regular,
     replace_file,
 )
+from .storable import check_storable
 from .store_lock import StoreLock
 from .store_pickle import load_store_object, store_object_limit
 from .utils import ExitCode as ExitCode  # noqa: F401
@@ -81,84 +81,6 @@ _SHORT.maxstring = _SHORT.maxother = 80
 # A file in the default scratch directory older than this is a leftover of an add that crashed: a live add's file is
 # as old as the pickling of one object (seconds to minutes), so a concurrent add's file is never taken for one.
 _STALE_TMP_SECONDS = 24 * 60 * 60
-
-
-@functools.lru_cache(maxsize=None)
-def _numpy_has(dtype: torch.dtype) -> bool:
-    """Whether ``Tensor.numpy()`` converts tensors of ``dtype`` (asked of torch: its list changes between versions)."""
-    try:
-        torch.empty(0, dtype=dtype).numpy()
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-def _tensor_problem(tensor: Tensor) -> Optional[str]:
-    """Why ``tensor`` cannot become a numpy array (``None``: it can, once a conj/neg view is resolved)."""
-    if tensor.is_nested:
-        return (
-            "it is a nested tensor, which numpy has no array for: save its tensors (.unbind()) or a padded tensor "
-            "(.to_padded_tensor(0.0)) instead"
-        )
-    if tensor.is_meta:
-        return "it is on the meta device and holds no data: save the tensor once its data is materialized"
-    if tensor.layout != torch.strided:
-        return f"numpy has no {tensor.layout} array: convert it with .to_dense() before torch.save"
-    if tensor.is_quantized:
-        return (
-            f"numpy has no quantized dtype ({tensor.dtype}): save .dequantize() (or .int_repr() and the quantization "
-            "parameters) instead"
-        )
-    if not _numpy_has(tensor.dtype):
-        convert = ".to(torch.complex64)" if tensor.dtype.is_complex else ".float()"
-        return f"numpy has no {tensor.dtype} dtype: convert it before torch.save, e.g. with {convert}"
-    return None
-
-
-def _storable_problem(obj: Any, path: List[str], done: Set[int]) -> Optional[str]:
-    """The first tensor in ``obj`` that :func:`_to_np` cannot convert, with its dotted path and why."""
-    if isinstance(obj, Tensor):
-        why = _tensor_problem(obj)
-        if why is None:
-            return None
-        where = f"the tensor {'.'.join(path)!r}" if path else "the tensor"
-        return f"{where} ({obj.dtype}, {obj.layout}) cannot be stored: {why}"
-    # The containers _convert walks, each once (a structure shared at every level costs its size, not 2**depth).
-    if not isinstance(obj, (dict, list)) and type(obj) is not tuple:
-        return None
-    if id(obj) in done:
-        return None
-    done.add(id(obj))
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-    for key, value in items:
-        problem = _storable_problem(value, path + [str(key)], done)
-        if problem is not None:
-            return problem
-    return None
-
-
-def check_storable(obj: Any, source: str = "") -> None:
-    """Refuse ``obj`` if a tensor in it has no numpy equivalent, before anything of it is stored.
-
-    The store keeps tensors as pickled numpy arrays (upstream fairscale's format, which wgit keeps): a bfloat16,
-    float8, complex32, quantized, sparse, meta or nested tensor has no such array. Checked on the whole object first,
-    so that an add fails before it stores any tensor instead of halfway. A conjugate or negative view of a supported
-    dtype is fine (it is resolved when stored).
-
-    Args:
-        obj (Any): a tensor, or dicts, lists and tuples holding tensors (walked as the store converts them).
-        source (str): where ``obj`` comes from (a file name), for the message.
-
-    Raises:
-        FairscaleTypeError: naming the first such tensor by its dotted path, its dtype and layout, and what to do.
-    """
-    problem = _storable_problem(obj, [], set())
-    if problem is not None:
-        origin = f" in {source}" if source else ""
-        raise FairscaleTypeError(
-            f"incorrect input{origin}: {problem}. wgit's SHA1 store keeps tensors as numpy arrays (upstream "
-            "fairscale's format); nothing was stored"
-        )
 
 
 def _is_count(value: Any) -> bool:
