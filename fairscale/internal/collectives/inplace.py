@@ -1,7 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Collectives that update one tensor in place: all-reduce, broadcast, and reduce to one rank (OSS, ShardedDDP)."""
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import Tensor
@@ -30,30 +30,11 @@ def all_reduce(
     info = _member_info(group, "all_reduce")
     reduce_op = _reduce_op(op)
     _check_contiguous("all_reduce", tensor)
-    ready_at = None
-    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
-        ready_at = _record("all_reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
-    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
-    if ready_at is None and info.size > 1 and not _forced:
-        if _chosen.get((info.backend, "all_reduce", tensor.dtype, tensor.device.type)) == "tensor":
-            work = dist.all_reduce(tensor, op=reduce_op, group=info.pg, async_op=async_op)
-            return WorkHandle(work) if async_op else None
-    return _finish(_all_reduce(tensor, reduce_op, info, async_op), async_op, ready_at)
 
+    def issue(t: Tensor) -> Any:
+        return dist.all_reduce(t, op=reduce_op, group=info.pg, async_op=async_op)
 
-def _all_reduce(tensor: Tensor, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
-    if info.size == 1:
-        return WorkHandle()
-
-    def tensor_variant() -> WorkHandle:
-        return WorkHandle(dist.all_reduce(tensor, op=op, group=info.pg, async_op=async_op))
-
-    def fp32_variant() -> WorkHandle:
-        return _via_fp32(tensor, tensor, lambda wire, _: _all_reduce(wire, op, info, async_op))
-
-    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
-    return _dispatch("all_reduce", info, tensor.dtype, strategies, tensor.device.type)
+    return _in_place("all_reduce", tensor, info, async_op, issue)
 
 
 def broadcast(
@@ -73,30 +54,11 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
-    ready_at = None
-    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
-        ready_at = _record("broadcast", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
-    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
-    if ready_at is None and info.size > 1 and not _forced:
-        if _chosen.get((info.backend, "broadcast", tensor.dtype, tensor.device.type)) == "tensor":
-            work = dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op)
-            return WorkHandle(work) if async_op else None
-    return _finish(_broadcast(tensor, src, info, async_op), async_op, ready_at)
 
+    def issue(t: Tensor) -> Any:
+        return dist.broadcast(t, src=src, group=info.pg, async_op=async_op)
 
-def _broadcast(tensor: Tensor, src: int, info: _GroupInfo, async_op: bool) -> WorkHandle:
-    if info.size == 1:
-        return WorkHandle()
-
-    def tensor_variant() -> WorkHandle:
-        return WorkHandle(dist.broadcast(tensor, src=src, group=info.pg, async_op=async_op))
-
-    def fp32_variant() -> WorkHandle:
-        return _via_fp32(tensor, tensor, lambda wire, _: _broadcast(wire, src, info, async_op))
-
-    strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
-    return _dispatch("broadcast", info, tensor.dtype, strategies, tensor.device.type)
+    return _in_place("broadcast", tensor, info, async_op, issue)
 
 
 def reduce(
@@ -122,18 +84,46 @@ def reduce(
     reduce_op = _reduce_op(op)
     _check_contiguous("reduce", tensor)
     ready_at = _record("reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
-    return _finish(_reduce(tensor, dst, reduce_op, info, async_op), async_op, ready_at)
+
+    def issue(t: Tensor) -> Any:
+        return dist.reduce(t, dst=dst, op=reduce_op, group=info.pg, async_op=async_op)
+
+    return _finish(_dispatch_in_place("reduce", tensor, info, async_op, issue), async_op, ready_at)
 
 
-def _reduce(tensor: Tensor, dst: int, op: Any, info: _GroupInfo, async_op: bool) -> WorkHandle:
+def _in_place(
+    name: str, tensor: Tensor, info: _GroupInfo, async_op: bool, issue: Callable[[Tensor], Any]
+) -> Optional[WorkHandle]:
+    """Run the collective ``name`` on ``tensor``; ``issue`` calls torch's function on ``tensor`` or its fp32 copy.
+
+    Records the call when counters or simulated links are open, and takes the fast path (``issue(tensor)`` and
+    nothing else) once the backend's tensor variant is known to work.
+    """
+    ready_at = None
+    if ACTIVE_COUNTERS or LINKS:  # off unless a test or benchmark opens them
+        ready_at = _record(name, info, tensor.dtype, tensor.numel(), tensor.element_size())
+    # The common case (no simulated link delaying the call, the backend's tensor variant known to work): torch's call
+    # and nothing else, as the first strategy of the generic path would make it. A counter only adds its record.
+    if ready_at is None and info.size > 1 and not _forced:
+        if _chosen.get((info.backend, name, tensor.dtype, tensor.device.type)) == "tensor":
+            work = issue(tensor)
+            return WorkHandle(work) if async_op else None
+    return _finish(_dispatch_in_place(name, tensor, info, async_op, issue), async_op, ready_at)
+
+
+def _dispatch_in_place(
+    name: str, tensor: Tensor, info: _GroupInfo, async_op: bool, issue: Callable[[Tensor], Any]
+) -> WorkHandle:
+    """The generic path of :func:`_in_place`: the first strategy the backend accepts (torch's call on ``tensor``,
+    else on an fp32 copy of it, for a dtype the backend rejects)."""
     if info.size == 1:
         return WorkHandle()
 
     def tensor_variant() -> WorkHandle:
-        return WorkHandle(dist.reduce(tensor, dst=dst, op=op, group=info.pg, async_op=async_op))
+        return WorkHandle(issue(tensor))
 
     def fp32_variant() -> WorkHandle:
-        return _via_fp32(tensor, tensor, lambda wire, _: _reduce(wire, dst, op, info, async_op))
+        return _via_fp32(tensor, tensor, lambda wire, _: _dispatch_in_place(name, wire, info, async_op, issue))
 
     strategies = [("tensor", tensor_variant), ("fp32", fp32_variant)]
-    return _dispatch("reduce", info, tensor.dtype, strategies, tensor.device.type)
+    return _dispatch(name, info, tensor.dtype, strategies, tensor.device.type)

@@ -389,19 +389,22 @@ def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer,
 
 
 def _prepare_directory(
-    unit: FSDPUnit,
+    model: nn.Module,
+    optimizers: Optional[Optimizers],
     checkpoint_id: Union[str, "os.PathLike[str]"],
     overwrite: bool,
     group: Any,
-    optims: Tuple[torch.optim.Optimizer, ...],
     what: str,
-) -> None:
-    """Check the call on every rank, then refuse, or make unloadable, an existing checkpoint before anything of the
-    new one is written."""
+) -> Tuple[torch.optim.Optimizer, ...]:
+    """Check the arguments and the call on every rank, then refuse, or make unloadable, an existing checkpoint before
+    anything of the new one is written; returns the optimizers as a tuple."""
+    _options(None, what)
+    optims = dcp_state.as_optimizers(optimizers, what) if optimizers is not None else ()
+    unit = _root_unit(model, what)
     metadata = dcp_load.metadata_path(checkpoint_id)
     settings = {"overwrite": bool(overwrite), "optimizers": _optimizer_kinds(optims)}
     if not _agree_on_call(unit, group, checkpoint_id, os.path.exists(metadata), settings, what):
-        return
+        return optims
     if not overwrite:
         raise FileExistsError(
             f"{what}: {os.fspath(checkpoint_id)!r} already holds a checkpoint; save every checkpoint to a new "
@@ -421,6 +424,7 @@ def _prepare_directory(
             error = e
     with unit.device.as_current():
         check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error, group)
+    return optims
 
 
 def save(
@@ -468,9 +472,7 @@ def save(
         RuntimeError: DCP failed to write the checkpoint (on every rank; the message lists each failing rank's
             error). The directory then holds no loadable checkpoint.
     """
-    _options(None, "save")
-    optims = dcp_state.as_optimizers(optimizers, "save") if optimizers is not None else ()
-    _prepare_directory(_root_unit(model, "save"), checkpoint_id, overwrite, process_group, optims, "save")
+    optims = _prepare_directory(model, optimizers, checkpoint_id, overwrite, process_group, "save")
     state = _checkpoint_state(model, optims, dcp_state.VIEWS)
     try:
         _dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group)
@@ -514,9 +516,7 @@ def async_save(
         RanksDisagreeError: the ranks passed another ``checkpoint_id``, ``process_group`` (communicator),
             ``overwrite`` or optimizers (on every rank, before anything is written).
     """
-    _options(None, "async_save")
-    optims = dcp_state.as_optimizers(optimizers, "async_save") if optimizers is not None else ()
-    _prepare_directory(_root_unit(model, "async_save"), checkpoint_id, overwrite, process_group, optims, "async_save")
+    optims = _prepare_directory(model, optimizers, checkpoint_id, overwrite, process_group, "async_save")
     if _ASYNC_STAGER:
         # A snapshot: ShardedTensors of one CPU copy of every flat shard, which DCP's stager cannot copy again.
         state = _checkpoint_state(model, optims, dcp_state.SNAPSHOT)

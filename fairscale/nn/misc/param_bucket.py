@@ -49,6 +49,34 @@ class Bucket:
         """
         self.buffer = self._live_buffer(f"{type(self).__name__}.to").to(device, dtype, non_blocking)
 
+    def _move(
+        self,
+        device: Optional[_Device],
+        dtype: Optional[torch.dtype],
+        non_blocking: bool,
+        reattach: Optional[Callable[[], None]],
+        after_rollback: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """:meth:`to` for a subclass whose tensors are views of the buffer: ``reattach`` (``None`` to leave them
+        where they are) points them into the new buffer.
+
+        When ``reattach`` fails, the old buffer (still holding their values) comes back and they are pointed into it
+        again, then ``after_rollback`` runs, before the error is raised: a failed call must not leave some of them
+        outside the buffer that is meant to hold them (a reduction of the buffer must still reach every gradient).
+        """
+        previous = self.buffer
+        Bucket.to(self, device, dtype, non_blocking)
+        if reattach is None:
+            return
+        try:
+            reattach()
+        except BaseException:
+            self.buffer = previous
+            reattach()
+            if after_rollback is not None:
+                after_rollback()
+            raise
+
     def _live_buffer(self, who: str) -> Tensor:
         """The buffer; a clear error instead of a failure on ``None`` (the module itself never sets ``None``, but
         ``buffer`` is a public attribute)."""
@@ -116,17 +144,7 @@ class ParamBucket(Bucket):
                 buffer). With ``False`` the parameters keep their old storage, e.g. to communicate a low-precision
                 copy of the buffer and convert it back afterwards.
         """
-        previous = self.buffer
-        super().to(device, dtype, non_blocking)
-        if keep_param_alignment:
-            try:
-                self._reattach_params()
-            except BaseException:
-                # The parameters go back into the old buffer (still holding their values): a failed call must not
-                # leave some parameters outside the buffer that is meant to hold them.
-                self.buffer = previous
-                self._reattach_params()
-                raise
+        self._move(device, dtype, non_blocking, self._reattach_params if keep_param_alignment else None)
 
     @torch.no_grad()
     def add_param(self, param: Tensor) -> None:
@@ -222,19 +240,14 @@ class GradBucket(Bucket):
         was_collapsed = self._is_collapsed
         if was_collapsed:
             self.rebuild()
-        previous = self.buffer
-        super().to(device, dtype, non_blocking)
-        if keep_param_alignment:
-            try:
-                self._reattach_grads(copy_values=False, who="GradBucket.to")
-            except BaseException:
-                # The gradients go back to being views of the old buffer (which still holds their values): after a
-                # failed call, a reduction of the buffer must still reach every gradient.
-                self.buffer = previous
-                self._reattach_grads(copy_values=False, who="GradBucket.to")
-                if was_collapsed:
-                    self.collapse()
-                raise
+        self._move(
+            device,
+            dtype,
+            non_blocking,
+            (lambda: self._reattach_grads(copy_values=False, who="GradBucket.to")) if keep_param_alignment else None,
+            # Back to how the call found it: collapsed again, once the gradients are views of the old buffer.
+            self.collapse if was_collapsed else None,
+        )
 
     def zero(self) -> None:
         """Set every gradient of the bucket to zero (in place)."""

@@ -12,7 +12,7 @@ and called it with an input of the same shape and dtype (one small object all-ga
 checked: docs/model_parallel.rst).
 """
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +154,52 @@ def _undo_stride(gathered: Tensor, world_size: int, stride: int, dim: int) -> Te
     return torch.cat(ordered, dim=dim)
 
 
+def _check_until_done(layer: torch.nn.Module, arguments: Callable[[], _Description], input_: Any) -> None:
+    """Run :func:`_ranks_agree_at_first_forward` in ``layer``'s forward until it reports the check done.
+
+    ``arguments`` is called only then, so that the forwards after the first build no description.
+    """
+    # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
+    if not getattr(layer, "_ranks_agree_checked", False):
+        # setattr: a bool is neither of the types Module.__setattr__ declares.
+        setattr(layer, "_ranks_agree_checked", _ranks_agree_at_first_forward(layer, arguments(), input_))
+
+
+def _local_embedding(layer: Union["VocabParallelEmbedding", "ParallelEmbedding"], input_: Tensor) -> Tensor:
+    """The lookup of ``input_`` in ``layer``'s own partition of the weight, with the layer's embedding options."""
+    return F.embedding(
+        input_, layer.weight, layer.padding_idx, layer.max_norm, layer.norm_type, layer.scale_grad_by_freq, layer.sparse
+    )
+
+
+def _add_partitioned_affine(
+    layer: Union["ColumnParallelLinear", "RowParallelLinear"],
+    partition_dim: int,
+    bias: bool,
+    init_method: InitMethod,
+    keep_master_weight: bool,
+) -> None:
+    """Give a parallel linear layer its parameters: ``weight``, this rank's partition of the ``[out_features,
+    in_features]`` master (cut along ``partition_dim``, see :func:`_initialize_affine_weight`), ``bias``, zeros of one
+    element per row of that partition (a ``None`` parameter without ``bias``), and ``master_weight``."""
+    shape = [layer.out_features, layer.in_features]
+    shape[partition_dim] //= get_model_parallel_world_size()  # the layer checked that it divides
+    layer.weight = Parameter(torch.empty(*shape))
+    # Zero-initialised before the weight: zeroing draws no RNG, the weight draw order stays upstream's.
+    layer.register_parameter("bias", Parameter(torch.zeros(shape[0])) if bias else None)
+    # Assigned after the bias: at model-parallel size 1 it is the weight, which Module.__setattr__ registers again.
+    layer.master_weight = _initialize_affine_weight(
+        layer.weight,
+        layer.out_features,
+        layer.in_features,
+        shape[partition_dim],
+        partition_dim,
+        init_method,
+        stride=layer._stride,
+        return_master_weight=keep_master_weight,
+    )
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding split along the vocabulary: rank ``r`` holds the rows of ids ``[r * V/p, (r+1) * V/p)``.
 
@@ -216,21 +262,11 @@ class VocabParallelEmbedding(torch.nn.Module):
         ]
 
     def forward(self, input_: Tensor) -> Tensor:
-        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
-        if not getattr(self, "_ranks_agree_checked", False):
-            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
+        _check_until_done(self, self._arguments, input_)
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         masked_input = input_.clone() - self.vocab_start_index
         masked_input[input_mask] = 0
-        output_parallel = F.embedding(
-            masked_input,
-            self.weight,
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-        )
+        output_parallel = _local_embedding(self, masked_input)
         # Ids owned by another rank looked up local row 0: zero them so that the sum counts each id once.
         output_parallel[input_mask, :] = 0.0
         return reduce_from_model_parallel_region(output_parallel)
@@ -300,19 +336,9 @@ class ParallelEmbedding(torch.nn.Module):
         ]
 
     def forward(self, input_: Tensor) -> Tensor:
-        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
-        if not getattr(self, "_ranks_agree_checked", False):
-            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
+        _check_until_done(self, self._arguments, input_)
         input_parallel = copy_to_model_parallel_region(input_)
-        output_parallel = F.embedding(
-            input_parallel,
-            self.weight,
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-        )
+        output_parallel = _local_embedding(self, input_parallel)
         return gather_from_model_parallel_region(output_parallel)
 
 
@@ -329,6 +355,10 @@ class ColumnParallelLinear(torch.nn.Module):
         stride (int): number of interleaved chunks per partition (e.g. 3 for fused QKV projections).
         keep_master_weight_for_test (bool): keep the full master in ``self.master_weight``.
     """
+
+    weight: Parameter
+    bias: Optional[Parameter]
+    master_weight: Optional[Tensor]
 
     def __init__(
         self,
@@ -347,22 +377,7 @@ class ColumnParallelLinear(torch.nn.Module):
         world_size = get_model_parallel_world_size()
         self.output_size_per_partition = _divide(out_features, world_size, "ColumnParallelLinear's out_features")
         self._stride = stride
-        self.weight = Parameter(torch.empty(self.output_size_per_partition, self.in_features))
-        if bias:
-            # Zero-initialised before the weight: zeroing draws no RNG, the weight draw order stays upstream's.
-            self.bias = Parameter(torch.zeros(self.output_size_per_partition))
-        else:
-            self.register_parameter("bias", None)
-        self.master_weight = _initialize_affine_weight(
-            self.weight,
-            self.out_features,
-            self.in_features,
-            self.output_size_per_partition,
-            0,
-            init_method,
-            stride=stride,
-            return_master_weight=keep_master_weight_for_test,
-        )
+        _add_partitioned_affine(self, 0, bias, init_method, keep_master_weight_for_test)
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
 
     def get_master_weight(self) -> Tensor:
@@ -382,9 +397,7 @@ class ColumnParallelLinear(torch.nn.Module):
         ]
 
     def forward(self, input_: Tensor) -> Tensor:
-        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
-        if not getattr(self, "_ranks_agree_checked", False):
-            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
+        _check_until_done(self, self._arguments, input_)
         input_parallel = copy_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight, self.bias)
         if self.gather_output:
@@ -406,6 +419,10 @@ class RowParallelLinear(torch.nn.Module):
         keep_master_weight_for_test (bool): keep the full master in ``self.master_weight``.
     """
 
+    weight: Parameter
+    bias: Optional[Parameter]
+    master_weight: Optional[Tensor]
+
     def __init__(
         self,
         in_features: int,
@@ -423,21 +440,7 @@ class RowParallelLinear(torch.nn.Module):
         world_size = get_model_parallel_world_size()
         self.input_size_per_partition = _divide(in_features, world_size, "RowParallelLinear's in_features")
         self._stride = stride
-        self.weight = Parameter(torch.empty(self.out_features, self.input_size_per_partition))
-        if bias:
-            self.bias = Parameter(torch.zeros(self.out_features))
-        else:
-            self.register_parameter("bias", None)
-        self.master_weight = _initialize_affine_weight(
-            self.weight,
-            self.out_features,
-            self.in_features,
-            self.input_size_per_partition,
-            1,
-            init_method,
-            stride=stride,
-            return_master_weight=keep_master_weight_for_test,
-        )
+        _add_partitioned_affine(self, 1, bias, init_method, keep_master_weight_for_test)
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
 
     def get_master_weight(self) -> Tensor:
@@ -459,9 +462,7 @@ class RowParallelLinear(torch.nn.Module):
         ]
 
     def forward(self, input_: Tensor) -> Tensor:
-        # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
-        if not getattr(self, "_ranks_agree_checked", False):
-            self._ranks_agree_checked = _ranks_agree_at_first_forward(self, self._arguments(), input_)
+        _check_until_done(self, self._arguments, input_)
         input_parallel = input_ if self.input_is_parallel else scatter_to_model_parallel_region(input_)
         output_parallel = F.linear(input_parallel, self.weight)
         # The sum happens in place on the partial product; the replicated bias is added once, after it.

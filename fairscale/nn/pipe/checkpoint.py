@@ -175,6 +175,23 @@ def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Ge
         yield
 
 
+def _keep(
+    ctx: Context,
+    recomputed: Deque[Recomputed],
+    rng_states: Deque[RNGStates],
+    function: Function,
+    input_atomic: bool,
+    input: Tuple[Tensor, ...],
+) -> None:
+    """Store the arguments of :class:`Checkpoint`'s and :class:`Recompute`'s forward on ``ctx``: the pair shares the
+    queues, and Recompute's backward runs ``function`` again on the saved input."""
+    ctx.recomputed = recomputed
+    ctx.rng_states = rng_states
+    ctx.function = function
+    ctx.input_atomic = input_atomic
+    ctx.save_for_backward(*input)
+
+
 class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -186,12 +203,8 @@ class Checkpoint(torch.autograd.Function):
         input_atomic: bool,
         *input: Tensor,
     ) -> TensorOrTensors:
-        ctx.recomputed = recomputed
-        ctx.rng_states = rng_states
+        _keep(ctx, recomputed, rng_states, function, input_atomic, input)
         save_rng_states(input[0].device, ctx.rng_states)
-        ctx.function = function
-        ctx.input_atomic = input_atomic
-        ctx.save_for_backward(*input)
         with torch.no_grad(), enable_checkpointing():
             output = function(input[0] if input_atomic else input)
         return output
@@ -221,11 +234,7 @@ class Recompute(torch.autograd.Function):
         input_atomic: bool,
         *input: Tensor,
     ) -> Tensor:
-        ctx.recomputed = recomputed
-        ctx.rng_states = rng_states
-        ctx.function = function
-        ctx.input_atomic = input_atomic
-        ctx.save_for_backward(*input)
+        _keep(ctx, recomputed, rng_states, function, input_atomic, input)
         return phony
 
     @staticmethod

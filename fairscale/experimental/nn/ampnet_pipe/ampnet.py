@@ -262,6 +262,13 @@ class AsyncAMPnetEventLoop:
         self._predict(optimizer, count, forward=False)
         self.event_loop_trunk_backward_helper(self.activations)
 
+    def _backward_and_step(self, optimizer: Any, count: int, transform_logger_object: Any) -> int:
+        """Back-propagate micro-batch ``count``, then step the optimizer if that completes an update; returns the
+        number of micro-batches back-propagated (``count + 1``)."""
+        self._backward(optimizer, count)
+        self._maybe_step(optimizer, count + 1, transform_logger_object)
+        return count + 1
+
     # ------------------------------------------------------------------------------------------ the three loops
 
     def event_loop_head_across_minibatches(
@@ -280,14 +287,10 @@ class AsyncAMPnetEventLoop:
                 continue
             message = self._forward_and_keep(batch, self.activations)
             # Steady state: one gradient back for every micro-batch sent, before sending the next.
-            self._backward(optimizer, num_gradients)
-            num_gradients += 1
-            self._maybe_step(optimizer, num_gradients, transform_logger_object)
+            num_gradients = self._backward_and_step(optimizer, num_gradients, transform_logger_object)
             self._send(message)
         while num_gradients < num_microbatch:
-            self._backward(optimizer, num_gradients)
-            num_gradients += 1
-            self._maybe_step(optimizer, num_gradients, transform_logger_object)
+            num_gradients = self._backward_and_step(optimizer, num_gradients, transform_logger_object)
 
     def event_loop_tail_across_minibatches(
         self, lm_dataloader: Any, criterion: Any, optimizer: Any, transform_logger_object: Any
@@ -335,14 +338,10 @@ class AsyncAMPnetEventLoop:
         while num_activations < num_microbatch:
             message = self._trunk_forward(optimizer, num_activations)
             num_activations += 1
-            self._backward(optimizer, num_gradients)
-            num_gradients += 1
-            self._maybe_step(optimizer, num_gradients, transform_logger_object)
+            num_gradients = self._backward_and_step(optimizer, num_gradients, transform_logger_object)
             self._send(message)
         while num_gradients < num_microbatch:
-            self._backward(optimizer, num_gradients)
-            num_gradients += 1
-            self._maybe_step(optimizer, num_gradients, transform_logger_object)
+            num_gradients = self._backward_and_step(optimizer, num_gradients, transform_logger_object)
 
     # ------------------------------------------------------------------------------------------ failures
 
