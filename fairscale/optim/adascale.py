@@ -28,11 +28,9 @@ that step's statistics are left out. So are those of a step whose gradients are 
 scaler skips), on every rank alike.
 """
 
-import functools
 import math
 import warnings
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Set, cast
 
 import numpy as np
 import torch
@@ -40,10 +38,10 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import check_ranks_agree, comparable_number, first_device
-from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.optim._adascale import arguments
 from fairscale.optim._adascale import correlation as _correlation
-from fairscale.optim._adascale import rank_checks
+from fairscale.optim._adascale import hooks, rank_checks
 from fairscale.optim._adascale import statistics
 from fairscale.optim._adascale.statistics import STATE_KEY
 
@@ -94,12 +92,7 @@ class AdaScale(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._local_grad_sqr: Optional[Tensor] = None
         self._callback_queued = False
-        if world_size is None:
-            world_size = collectives.group_size(None)
-        if isinstance(world_size, bool) or not float(world_size).is_integer() or world_size < 1:
-            # 0 or a negative count was caught only by the single-worker check below, whose message misled.
-            raise FairscaleValueError(f"AdaScale: world_size must be a whole number >= 1 (or None), got {world_size!r}")
-        self._world_size = int(world_size)
+        self._world_size = arguments.checked_world_size(world_size)
         self._num_backward_calls = 0
         self._last_final_backward_call = 0
         self._debias_ewma = debias_ewma
@@ -208,10 +201,7 @@ class AdaScale(torch.optim.Optimizer):
                 gain, and so the learning rate, NaN).
         """
         self._check_not_in_backward("Don't change scale in backward phase")
-        if not scale >= 1:
-            raise FairscaleValueError(f"AdaScale: Scale must be at least 1, got {scale}")
-        if not math.isfinite(scale):
-            raise FairscaleValueError(f"AdaScale: Scale must be a finite number >= 1, got {scale}")
+        arguments.check_scale(scale)
         if update_estimate:
             statistics.rescale_variance(self._state, self._scale / scale, self._debias_ewma)
         self._scale = scale
@@ -229,24 +219,7 @@ class AdaScale(torch.optim.Optimizer):
             RuntimeError: 1 with a single worker (``world_size`` 1), as the constructor refuses it; nothing changes.
         """
         self._check_not_in_backward("Don't change num_grad_to_accum in backward phase")
-        if not num_gradients_to_accumulate >= 1:
-            raise FairscaleValueError(
-                f"AdaScale: Invalid value {num_gradients_to_accumulate}: num_gradients_to_accumulate must be at least 1"
-            )
-        # An integral float (2.0) stays accepted, as upstream accepted it; a fraction is never reached by counting.
-        try:
-            whole = float(num_gradients_to_accumulate) % 1 == 0  # inf % 1 is NaN: not whole
-        except (TypeError, ValueError):
-            whole = False
-        if not whole:
-            raise FairscaleValueError(
-                f"AdaScale: Invalid value {num_gradients_to_accumulate!r}: num_gradients_to_accumulate must be a whole "
-                "number of backward passes (an int >= 1)"
-            )
-        # The constructor's rule, for every later change too: one worker with one gradient per step has no gradient
-        # variance to estimate, and the statistics divided by world_size * num_gradients_to_accumulate - 1 = 0.
-        if self._world_size * num_gradients_to_accumulate <= 1:
-            raise RuntimeError("AdaScale does not support a single worker without grad accumulation.")
+        arguments.check_num_gradients(num_gradients_to_accumulate, self._world_size)
         self._num_grads_to_accum = num_gradients_to_accumulate
         if update_smoothing:
             self._smoothing = max(1 - self._world_size * num_gradients_to_accumulate / 1000, 0)
@@ -272,45 +245,15 @@ class AdaScale(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------
     # Hooks and gradient statistics
 
-    def _register_hooks(self, groups: Sequence[Sequence[Any]]) -> Tuple[List[Any], Set[int]]:
-        """Hook every parameter of ``groups`` that requires grad (a frozen one cannot take a tensor hook).
-
-        Returns the new handles and the ids of the hooked parameters; on an error, the hooks registered so far are
-        removed again, so that a failed call leaves no hook behind. Entries that are not tensors are skipped: the
-        wrapped optimizer's ``add_param_group`` reports them in its own words.
-        """
-        handles: List[Any] = []
-        hooked: Set[int] = set()
-        try:
-            for idx, params in enumerate(groups):
-                for param in params:
-                    if isinstance(param, Tensor) and param.requires_grad and id(param) not in hooked:
-                        hook = self._weak_hook(idx)
-                        handles.append(cast(Any, param).register_hook(hook))  # torch leaves it untyped
-                        hooked.add(id(param))
-        except BaseException:
-            for handle in handles:
-                handle.remove()
-            raise
-        return handles, hooked
-
-    def _weak_hook(self, pg_idx: int) -> Callable[[Tensor], None]:
-        """The gradient hook of a parameter of group ``pg_idx``; it holds this AdaScale through a weak reference.
-
-        A bound method in the hook kept a dropped AdaScale alive for as long as the model lived: it went on measuring
-        every backward, and the window it had open broke the backward of a new AdaScale over the same model. Weakly
-        held, a dropped AdaScale is freed, ``__del__`` removes its hooks, and a hook that still runs does nothing.
-        """
-        return functools.partial(_weak_backward_hook, weakref.ref(self), pg_idx)
-
     def _use_hooks(self, handles: List[Any], hooked: Set[int]) -> None:
-        """Replace the current hooks by ``handles`` (from :meth:`_register_hooks`)."""
+        """Replace the current hooks by ``handles`` (from :func:`hooks.register_hooks`)."""
         self.unhook()
         self._hook_handles, self._hooked, self._hooks_enabled = handles, hooked, True
 
     def _hook(self) -> None:
-        # Registered before the old hooks go: an error leaves the old ones in place.
-        self._use_hooks(*self._register_hooks([group["params"] for group in self._optimizer.param_groups]))
+        # Registered before the old hooks go: an error leaves the old ones in place. The hooks hold this AdaScale
+        # weakly, so that a dropped one is freed (and ``__del__`` unhooks) while the model lives on.
+        self._use_hooks(*hooks.register_hooks(self, [group["params"] for group in self._optimizer.param_groups]))
 
     def _hook_unfrozen(self) -> List[str]:
         """Hook the parameters that require grad but have no hook (frozen when AdaScale hooked them).
@@ -320,15 +263,7 @@ class AdaScale(torch.optim.Optimizer):
         """
         if not self._hooks_enabled:
             return []
-        measured_without_hook = []
-        for idx, group in enumerate(self._optimizer.param_groups):
-            for pos, param in enumerate(group["params"]):
-                if param.requires_grad and id(param) not in self._hooked:
-                    self._hook_handles.append(param.register_hook(self._weak_hook(idx)))
-                    self._hooked.add(id(param))
-                    if param.grad is not None:
-                        measured_without_hook.append(f"group {idx}, param {pos}")
-        return measured_without_hook
+        return hooks.hook_unfrozen(self, self._optimizer.param_groups, self._hook_handles, self._hooked)
 
     def unhook(self) -> None:
         """Remove the gradient hooks (AdaScale stops measuring; ``gain()`` keeps its last value)."""
@@ -371,7 +306,7 @@ class AdaScale(torch.optim.Optimizer):
         # a non-finite reduced gradient (the step an AMP grad scaler skips) or with a gradient that no hook measured
         # (a parameter unfrozen since AdaScale hooked the parameters) is marked NaN, so that every rank leaves it out
         # of the statistics. Non-finite local statistics need no mark: the sum carries them to every rank.
-        total = np.array([self._group_grad_sqr(group["params"]) for group in self.param_groups])
+        total = np.array([hooks.hooked_grad_sqr(group["params"], self._hooked) for group in self.param_groups])
         unmeasured = self._hook_unfrozen()
         if unmeasured or not np.isfinite(total).all():
             payload = torch.full_like(payload, math.nan)
@@ -393,20 +328,11 @@ class AdaScale(torch.optim.Optimizer):
             rank_checks.check_same_scale(payload[-2:].tolist(), self._scale)
             payload = payload[:-4]
         if unmeasured:
-            warnings.warn(_unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
+            warnings.warn(hooks.unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
         # The local squared norms stay fp32 through the accumulation correction, the reduced ones are fp32 per
         # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
         # reproduced to the last bit.
         self._update_statistics(payload.cpu().numpy(), total)
-
-    def _group_grad_sqr(self, params: List[Tensor]) -> float:
-        """Sum of the squared norms of the (reduced, accumulated) gradients of one group's hooked parameters that
-        require grad (the local statistics measure no others): fp32 per parameter, float64 across parameters."""
-        total = 0.0
-        for p in params:
-            if p.grad is not None and p.requires_grad and id(p) in self._hooked:
-                total += float(p.grad.detach().float().pow(2).sum().item())
-        return total
 
     def _update_statistics(self, local_sqr: "np.ndarray[Any, Any]", total_sqr: "np.ndarray[Any, Any]") -> None:
         """Fold one window's estimates into the moving averages; a window whose values are not finite leaves them as
@@ -456,27 +382,16 @@ class AdaScale(torch.optim.Optimizer):
             # parameters were all frozen when AdaScale hooked them would otherwise never be measured.
             unmeasured = self._hook_unfrozen()
             if unmeasured:
-                warnings.warn(_unmeasured_message(unmeasured, "this step used the last gain"))
+                warnings.warn(hooks.unmeasured_message(unmeasured, "this step used the last gain"))
         self._calls_at_last_step = self._num_backward_calls
         return result
 
     def _check_ranks_agree(self, n_groups: int, scale: Any) -> None:
-        """Raise the same :class:`RanksDisagreeError` on every rank unless all of them have ``n_groups`` param groups,
-        the same ``num_gradients_to_accumulate``, ``world_size``, ``scale`` and smoothing (one small all-gather; none
-        at world size 1). Ranks with another scale or smoothing trained with other learning rates, silently."""
-        if self._world_size > 1 and collectives.group_size(None) > 1:
-            check_ranks_agree(
-                "AdaScale: (param groups, num_gradients_to_accumulate, world_size, scale, smoothing)",
-                (
-                    n_groups,
-                    self._num_grads_to_accum,
-                    self._world_size,
-                    comparable_number(scale),
-                    comparable_number(self._smoothing),
-                ),
-                hint="Build the optimizer from the same param groups and arguments on every rank.",
-                device=first_device(p for group in self._optimizer.param_groups for p in group["params"]),
-            )
+        """Raise the same error on every rank unless all of them have ``n_groups`` param groups and this AdaScale's
+        settings with ``scale`` (see :func:`arguments.check_ranks_agree_on_settings`)."""
+        arguments.check_ranks_agree_on_settings(
+            self._optimizer.param_groups, n_groups, self._num_grads_to_accum, self._world_size, scale, self._smoothing
+        )
 
     def add_param_group(self, pg: Dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer, hook its parameters and extend the statistics by one entry.
@@ -487,7 +402,8 @@ class AdaScale(torch.optim.Optimizer):
         every group, also after :meth:`unhook`.
         """
         self._check_not_in_backward("Don't add param group in backward phase")
-        self._check_ranks_agree(len(self._optimizer.param_groups) + 1, self._scale)
+        groups = self._optimizer.param_groups
+        self._check_ranks_agree(len(groups) + 1, self._scale)
         new_params: List[Any] = []
         if isinstance(pg, dict) and "params" in pg:
             params = pg["params"]
@@ -499,9 +415,7 @@ class AdaScale(torch.optim.Optimizer):
                 pg["params"] = new_params
         # The hooks first, as they are AdaScale's own and can be removed again; the wrapped optimizer's add, which
         # may refuse the group, last; the statistics' extension after it cannot fail.
-        handles, hooked = self._register_hooks(
-            [group["params"] for group in self._optimizer.param_groups] + [new_params]
-        )
+        handles, hooked = hooks.register_hooks(self, [group["params"] for group in groups] + [new_params])
         try:
             self._optimizer.add_param_group(pg)
         except BaseException:
@@ -573,24 +487,6 @@ class AdaScale(torch.optim.Optimizer):
         if self._world_size <= 1:  # before gathering: the gradients are not needed then
             raise FairscaleRuntimeError("AdaScale._compute_intra_grad_corr_mean: only for distributed training")
         return _correlation.intra_grad_corr_mean(self._gather_flat_grad(), self._world_size)
-
-
-def _weak_backward_hook(owner_ref: "weakref.ref[AdaScale]", pg_idx: int, grad: Tensor) -> None:
-    """Forward a parameter's gradient to its AdaScale's ``_backward_hook`` while that AdaScale is alive.
-
-    Module-level, with the AdaScale held weakly (see :meth:`AdaScale._weak_hook`): once it is gone this is a no-op.
-    """
-    owner = owner_ref()
-    if owner is not None:
-        owner._backward_hook(pg_idx, grad)
-
-
-def _unmeasured_message(where: List[str], consequence: str) -> str:
-    return (
-        f"AdaScale: parameters with a gradient but without AdaScale's hook ({'; '.join(where)}): they did not require "
-        f"grad when AdaScale hooked the parameters (unfrozen since). They are hooked now; {consequence}, and later "
-        "steps measure them."
-    )
 
 
 class AdaScaleWrapper(AdaScale):

@@ -14,7 +14,7 @@
 import gc
 import math
 import weakref
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -102,6 +102,24 @@ def test_layerwise_scaler_refuses_nonpositive_backoff_and_min_scale(kwargs: Dict
 # AdaScale.set_num_gradients_to_accumulate
 
 
+def _gains_beside_a_fresh_copy(model: nn.Linear, optim: AdaScale) -> Tuple[float, float]:
+    """Run one step of two backward passes through ``model`` (stepping ``optim``, which accumulates 2 gradients
+    on one worker) and, on the same inputs, through a copy of ``model`` under a fresh AdaScale: both gains."""
+    torch.manual_seed(1)
+    reference_model = nn.Linear(4, 4)
+    reference_model.load_state_dict(model.state_dict())
+    reference = AdaScale(
+        torch.optim.SGD(reference_model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2
+    )
+    for _ in range(2):
+        x = torch.randn(8, 4)
+        model(x).pow(2).sum().backward()
+        reference_model(x).pow(2).sum().backward()
+    optim.step()
+    reference.step()
+    return optim.gain(), reference.gain()
+
+
 def test_adascale_setter_refuses_a_single_worker_without_accumulation() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
@@ -117,19 +135,8 @@ def test_adascale_setter_refuses_a_single_worker_without_accumulation() -> None:
             optim.set_num_gradients_to_accumulate(bad)
     # Nothing changed: the 2-gradient window still works, with the same statistics as a fresh AdaScale.
     assert optim._num_grads_to_accum == 2 and optim.smoothing == smoothing
-    torch.manual_seed(1)
-    reference_model = nn.Linear(4, 4)
-    reference_model.load_state_dict(model.state_dict())
-    reference = AdaScale(
-        torch.optim.SGD(reference_model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2
-    )
-    for _ in range(2):
-        x = torch.randn(8, 4)
-        model(x).pow(2).sum().backward()
-        reference_model(x).pow(2).sum().backward()
-    optim.step()
-    reference.step()
-    assert math.isfinite(optim.gain()) and optim.gain() == reference.gain()
+    gain, reference_gain = _gains_beside_a_fresh_copy(model, optim)
+    assert math.isfinite(gain) and gain == reference_gain
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,20 +277,9 @@ def test_dropped_adascale_is_freed_and_its_hooks_removed() -> None:
     assert not model.weight._backward_hooks and not model.bias._backward_hooks
     # A new AdaScale over the same model is not disturbed by the old one's open window: same gain as a fresh model's.
     model.zero_grad()
-    torch.manual_seed(1)
-    reference_model = nn.Linear(4, 4)
-    reference_model.load_state_dict(model.state_dict())
     new = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2)
-    reference = AdaScale(
-        torch.optim.SGD(reference_model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2
-    )
-    for _ in range(2):
-        x = torch.randn(8, 4)
-        model(x).pow(2).sum().backward()
-        reference_model(x).pow(2).sum().backward()
-    new.step()
-    reference.step()
-    assert new.gain() == reference.gain()
+    gain, reference_gain = _gains_beside_a_fresh_copy(model, new)
+    assert gain == reference_gain
 
 
 def _dropped_adascale_body(rank: int, world_size: int) -> List[List[str]]:

@@ -1,2 +1,2 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Private machinery of :class:`fairscale.optim.AdaScale`: the gradient statistics and their moving averages."""
+"""Private machinery of :class:`fairscale.optim.AdaScale`: argument checks, gradient hooks, statistics."""

@@ -21,7 +21,11 @@ from fairscale.internal.agreement import (
 )
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
-__all__ = ["check_construction_agrees", "check_counts", "check_real_numbers"]
+__all__ = ["check_algorithm_settings", "check_construction_agrees", "check_counts", "check_real_numbers"]
+
+# The values of ``SlowMoBaseAlgorithm``, a ``str`` enum whose members equal them: the enum lives in ``distributed``
+# (its public home since upstream), which imports this module.
+_LOCALSGD, _SGP = "localsgd", "sgp"
 
 
 def check_construction_agrees(
@@ -74,3 +78,25 @@ def check_counts(*counts: Tuple[str, Any]) -> None:
             raise FairscaleValueError(
                 f"SlowMoDistributedDataParallel: {name} must be a positive integer, got {value!r}"
             )
+
+
+def check_algorithm_settings(
+    algorithm: Any, slowmo: bool, memory_efficient: bool, slowmo_frequency: Any, localsgd_frequency: Any, shards: Any
+) -> None:
+    """Refuse what would hang or be ignored silently (upstream checked the algorithm on one node only; the counts
+    divided by zero at the first slow-momentum step, or, for a negative shard count, looped without end). A count
+    is checked only where the configuration can use it (localsgd_frequency with LocalSGD, even on one node, where
+    the groups built later turn LocalSGD off), so that a value it never reads is still accepted."""
+    if algorithm not in (_LOCALSGD, _SGP):
+        # On several nodes an unknown value (a typo such as "local_sgd") ran neither base algorithm: the ranks never
+        # synchronised.
+        raise FairscaleValueError(
+            f"SlowMoDistributedDataParallel: unknown slowmo_base_algorithm {algorithm!r}; "
+            "pass SlowMoBaseAlgorithm.LOCALSGD or SlowMoBaseAlgorithm.SGP"
+        )
+    counts = [("slowmo_frequency", slowmo_frequency)] if slowmo else []
+    if algorithm == _LOCALSGD:
+        counts.append(("localsgd_frequency", localsgd_frequency))
+    if slowmo and memory_efficient:
+        counts.append(("slowmo_num_shards", shards))
+    check_counts(*counts)

@@ -26,29 +26,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
-from torch.autograd import Variable
 
 from fairscale.internal.agreement import comparable_number
 from fairscale.internal.dry_load import dry_run_load
-from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
+from fairscale.internal.collectives import group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
+from ._backward_callback import BackwardCallback
 from ._fp32_masters import fp16_fp32_pairs, subtract_before_communication
 from ._groups import build_groups
-from ._settings import check_construction_agrees, check_counts, check_real_numbers
+from ._node_collectives import average_gradients_in_node, average_params_among_masters, broadcast_from
+from ._settings import check_algorithm_settings, check_construction_agrees, check_real_numbers
 from ._sgp import SgpGossip
 from ._sgp_state_dict import add_sgp_entries, set_sgp_values, take_sgp_entries
 from ._slow_momentum import SlowMomentum
 from .graph_manager import GraphManager, NPeerDynamicDirectedExponentialGraph
 from .mixing_manager import MixingManager, UniformMixing
 from .utils.cuda_metering import create_event_recorder
-from .utils.helpers import MultiProcessAdapter, communicate
+from .utils.helpers import MultiProcessAdapter
 
 # Upstream's module also exposes these names (it imports them for its own use); re-exported for old imports.
 from .gossiper import Gossiper as Gossiper, PushPull as PushPull, PushSum as PushSum  # noqa: F401
 from .graph_manager import NPeerDynamicDirectedExponentialGraph as NPDDEGraph  # noqa: F401  # upstream's short name
 from .utils.cuda_metering import EventRecorder as EventRecorder  # noqa: F401
+from .utils.helpers import communicate as communicate  # noqa: F401
 from .utils.helpers import create_process_group as create_process_group  # noqa: F401
 from .utils.helpers import flatten_tensors as flatten_tensors  # noqa: F401
 from .utils.helpers import group_by_dtype as group_by_dtype  # noqa: F401
@@ -176,7 +178,7 @@ class SlowMoDistributedDataParallel(nn.Module):
             check_construction_agrees(module, settings, process_rank, process_world_size, global_group)
         # After the agreement check: a value refused on one rank only is a disagreement, raised on every rank there.
         check_real_numbers(slowmo_lr=slowmo_lr, slowmo_momentum=slowmo_momentum)
-        _check_algorithm_settings(
+        check_algorithm_settings(
             slowmo_base_algorithm,
             slowmo_lr != 1 or slowmo_momentum != 0,
             slowmo_memory_efficient,
@@ -226,7 +228,7 @@ class SlowMoDistributedDataParallel(nn.Module):
         self._sgp_entries_taken = False  # during this model's own load_state_dict
         if self.sgp:
             self._sgp_init(graph, mixing, push_sum, overlap, synch_freq, use_streams, verbose)
-        self._backward_queued = False
+        self._backward_callback = BackwardCallback()
         self.register_forward_pre_hook(self._forward_pre_hook)
         self.logger.debug("Initialization of SlowMoDistributedDataParallel complete")
 
@@ -380,10 +382,10 @@ class SlowMoDistributedDataParallel(nn.Module):
             # Per-iteration state: a backward that raised (an OOM the training loop catches and skips) never ran the
             # queued callback that clears the flag, and a flag left set would skip the intra-node gradient averaging
             # (and SGP's ps_numerator) of every later backward.
-            self._backward_queued = False
+            self._backward_callback.reset()
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
-            self._attach_backward_callback(output)
+            self._backward_callback.attach(output, self._after_backward)
         return output
 
     def train(self, mode: bool = True) -> "SlowMoDistributedDataParallel":
@@ -454,35 +456,14 @@ class SlowMoDistributedDataParallel(nn.Module):
 
     def _forward_pre_hook(self, module: nn.Module, inputs: Any) -> None:
         if self.broadcast_buffers and self.module_buffers:
-            src = group_ranks(self.process_group)[0]
-            with torch.no_grad():
-                communicate(self.module_buffers, lambda tensor: broadcast(tensor, src=src, group=self.process_group))
+            broadcast_from(self.module_buffers, group_ranks(self.process_group)[0], self.process_group)
         if self._sgp is not None:
             self._sgp.unbias()
 
-    def _attach_backward_callback(self, output: Any) -> None:
-        tensors = [t for t in _flatten(output) if t.requires_grad]
-        if not tensors:
-            return
-
-        def hook(grad: Tensor) -> Tensor:
-            # Once per backward, at its end: the engine runs queued callbacks when the graph is done.
-            if not self._backward_queued:
-                self._backward_queued = True
-                Variable._execution_engine.queue_callback(self._after_backward)
-            return grad
-
-        for t in tensors:
-            t.register_hook(hook)
-
     def _after_backward(self) -> None:
-        self._backward_queued = False
+        # Queued by the backward callback at the end of each backward through the output.
         if self.local_node_group is not None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            with torch.no_grad():
-                for g in grads:
-                    g.div_(self.nprocs_per_node)
-            communicate(grads, lambda tensor: all_reduce(tensor, group=self.local_node_group))
+            average_gradients_in_node(self.module.parameters(), self.nprocs_per_node, self.local_node_group)
         if self._sgp is not None:
             self._sgp.ps_numerator()
 
@@ -557,50 +538,11 @@ class SlowMoDistributedDataParallel(nn.Module):
         self._sync_comm_device()
 
     def _allreduce_params(self) -> None:
-        params = list(self.module.parameters())
-        with torch.no_grad():
-            for p in params:
-                p.div_(self.logical_world_size)
-        # Only node masters are members of the master group; the others get the result from their master below.
-        if dist.get_rank() in group_ranks(self.master_group):
-            communicate(params, lambda tensor: all_reduce(tensor, group=self.master_group))
+        # The ranks other than the node masters get the result from their master (_broadcast_in_node).
+        average_params_among_masters(list(self.module.parameters()), self.logical_world_size, self.master_group)
         self._sync_comm_device()
 
     def _broadcast_in_node(self) -> None:
-        src = self.logical_rank * self.nprocs_per_node
-        communicate(
-            list(self.module.parameters()), lambda tensor: broadcast(tensor, src=src, group=self.local_node_group)
-        )
+        master = self.logical_rank * self.nprocs_per_node
+        broadcast_from(list(self.module.parameters()), master, self.local_node_group)
         self._sync_comm_device()
-
-
-def _flatten(output: Any) -> List[Tensor]:
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for o in output for t in _flatten(o)]
-    if isinstance(output, dict):
-        return [t for o in output.values() for t in _flatten(o)]
-    return []
-
-
-def _check_algorithm_settings(
-    algorithm: Any, slowmo: bool, memory_efficient: bool, slowmo_frequency: Any, localsgd_frequency: Any, shards: Any
-) -> None:
-    """Refuse what would hang or be ignored silently (upstream checked the algorithm on one node only; the counts
-    divided by zero at the first slow-momentum step, or, for a negative shard count, looped without end). A count
-    is checked only where the configuration can use it (localsgd_frequency with LocalSGD, even on one node, where
-    the groups built later turn LocalSGD off), so that a value it never reads is still accepted."""
-    if algorithm not in (SlowMoBaseAlgorithm.LOCALSGD, SlowMoBaseAlgorithm.SGP):
-        # On several nodes an unknown value (a typo such as "local_sgd") ran neither base algorithm: the ranks never
-        # synchronised.
-        raise FairscaleValueError(
-            f"SlowMoDistributedDataParallel: unknown slowmo_base_algorithm {algorithm!r}; "
-            "pass SlowMoBaseAlgorithm.LOCALSGD or SlowMoBaseAlgorithm.SGP"
-        )
-    counts = [("slowmo_frequency", slowmo_frequency)] if slowmo else []
-    if algorithm == SlowMoBaseAlgorithm.LOCALSGD:
-        counts.append(("localsgd_frequency", localsgd_frequency))
-    if slowmo and memory_efficient:
-        counts.append(("slowmo_num_shards", shards))
-    check_counts(*counts)
