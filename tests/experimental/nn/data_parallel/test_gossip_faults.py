@@ -4,6 +4,8 @@
 * A parameter group at lr 0 (frozen, or a warm-up from 0) stays as it is through slow momentum (it turned NaN).
 * A backward that raised (a caught OOM) does not switch off the intra-node gradient averaging of later ones.
 * Graph arguments out of range (peers_per_itr, rank) raise a clear error naming the allowed values.
+* Ranks whose backwards reach different parameters average their gradients as torch DDP with
+  ``find_unused_parameters=True`` does (they were mixed up, or gloo aborted).
 * Parameter groups added after slow momentum was set up raise instead of being silently shrunk.
 
 Worlds run in gloo processes started by the test engine, with module-level bodies (so the file also passes with
@@ -11,7 +13,7 @@ Worlds run in gloo processes started by the test engine, with module-level bodie
 """
 
 import warnings
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type, cast
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from fairscale.experimental.nn.data_parallel import gossip
 from fairscale.experimental.nn.data_parallel.gossip import GraphManager
 from fairscale.experimental.nn.data_parallel.gossip._slow_momentum import SlowMomentum
 from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.collectives import count_collectives
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
 TIMEOUT = 60.0
@@ -178,6 +181,54 @@ def _failed_backward_world(rank: int, world_size: int) -> None:
 
 def test_failed_backward_does_not_stop_intra_node_gradient_averaging() -> None:
     run_distributed(_failed_backward_world, 2, timeout=TIMEOUT)
+
+
+# ---- ranks whose backwards reach different parameters
+
+
+class _Branches(nn.Module):
+    """Two branches of the same shapes (a rank uses one of them) and one that no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(2, 3)
+        self.branches = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        return self.branches[branch](self.trunk(x))
+
+
+def _different_branches_world(rank: int, world_size: int) -> None:
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    net = _Branches()
+    reference = _Branches()
+    reference.load_state_dict(net.state_dict())
+    # One node of two processes: the gradients are averaged inside the node after every backward.
+    model = gossip.SlowMoDistributedDataParallel(net, nprocs_per_node=2, slowmo_momentum=0.0)
+    ddp = nn.parallel.DistributedDataParallel(reference, find_unused_parameters=True)
+    x = _rank_data(rank)
+    for step in range(2):  # the second backward accumulates onto the first's averaged gradients
+        with count_collectives() as counter:
+            model(x, rank).pow(2).sum().backward()
+        # One all-reduce per dtype, as for ranks whose backwards reach the same parameters.
+        if counter.count("all_reduce") != 1:
+            raise AssertionError(f"step {step}: {counter.count('all_reduce')} all-reduces, expected 1")
+        ddp(x, rank).pow(2).sum().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        if (p.grad is None) != (q.grad is None):
+            raise AssertionError(f"rank {rank} {name}: gradient {p.grad} where DDP has {q.grad}")
+        if p.grad is not None and not torch.allclose(p.grad, cast(torch.Tensor, q.grad), rtol=1e-6, atol=1e-7):
+            raise AssertionError(f"rank {rank} {name}: gradient {p.grad.tolist()} is not DDP's {q.grad}")
+    if net.unused.weight.grad is not None or net.branches[1 - rank].weight.grad is None:
+        raise AssertionError(f"rank {rank}: the unused branch got a gradient, or the other rank's branch none")
+
+
+def test_ranks_reaching_different_parameters_average_like_ddp() -> None:
+    """Upstream reduced only the gradients present: here two buffers of the same size, so each rank's branch
+    gradient was added to the other branch's (silently wrong); with another size gloo aborted the process."""
+    run_distributed(_different_branches_world, 2, timeout=TIMEOUT)
 
 
 # ---- graph arguments, no process group needed (checked before any edge is made)

@@ -7,7 +7,7 @@ which then broadcast them inside their node. Each call runs one collective per d
 the tensors of one dtype into one buffer).
 """
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 
-from .utils.helpers import communicate
+from .utils.helpers import communicate, group_by_dtype, unflatten_tensors
 
 __all__ = ["average_gradients_in_node", "average_params_among_masters", "broadcast_from"]
 
@@ -27,12 +27,37 @@ def broadcast_from(tensors: Sequence[Tensor], src: int, group: Any) -> None:
 
 
 def average_gradients_in_node(params: Iterable[Tensor], nprocs_per_node: int, group: Any) -> None:
-    """Average the gradients of ``params`` over the ``nprocs_per_node`` ranks of the node's ``group``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    with torch.no_grad():
-        for g in grads:
-            g.div_(nprocs_per_node)
-    communicate(grads, lambda tensor: all_reduce(tensor, group=group))
+    """Average the gradients of ``params`` over the ``nprocs_per_node`` ranks of the node's ``group``.
+
+    Every parameter that requires grad takes part, as torch DDP with ``find_unused_parameters=True`` does: a rank
+    whose backward did not reach a parameter contributes zeros, and gets the average when another rank's backward
+    reached it (the gradient stays ``None`` where no rank's did). Upstream reduced only the gradients present, so
+    ranks whose backwards reached different parameters reduced buffers of different sizes (gloo aborted the process)
+    or, with equal sizes, added one parameter's gradient to another's. Each flat buffer carries one presence flag
+    per parameter; they are read back (a host sync) only on a rank that lacks a gradient.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    for dtype, group_params in group_by_dtype(trainable).items():
+        with torch.no_grad():
+            device = group_params[0].device
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group_params]
+            present = torch.tensor([p.grad is not None for p in group_params], dtype=dtype, device=device)
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads] + [present])
+            flat[: flat.numel() - present.numel()].div_(nprocs_per_node)
+        all_reduce(flat, group=group)
+        with torch.no_grad():
+            reduced = unflatten_tensors(flat, grads)
+            if all(p.grad is not None for p in group_params):
+                for p, r in zip(group_params, reduced):
+                    cast(Tensor, p.grad).copy_(r)
+                continue
+            # A rank lacks some gradient: only the flags say whether another rank's backward reached it.
+            reached = flat[flat.numel() - present.numel() :].tolist()
+            for p, r, count in zip(group_params, reduced, reached):
+                if p.grad is not None:
+                    p.grad.copy_(r)
+                elif count > 0:
+                    p.grad = r.clone()
 
 
 def average_params_among_masters(params: Sequence[Tensor], n_nodes: int, master_group: Any) -> None:
