@@ -51,6 +51,27 @@ def _remote_grads(context_id: int, remote: RemoteModule) -> List[torch.Tensor]:
     return rpc.rpc_sync(remote.on, _grads_on_owner, args=(context_id, remote.get_module_rref()))
 
 
+def _report_native_crashes() -> None:
+    """On SIGSEGV (or another fatal signal) in this rank, print every thread's C++ stack, then the Python stacks.
+
+    Why: one CI run lost a worker of ``test_three_workers`` to SIGSEGV in ``nn.Linear.forward`` on an RPC thread
+    (under ``DistributedPipelineRecord._run``), and hundreds of reruns of these worlds under fork and spawn, with a
+    warmed-up parent and under load, never reproduced it. That report had Python frames only (faulthandler, which
+    forked ranks inherit from pytest; spawned ranks had none): they cannot tell a crash in MKL, autograd or
+    TensorPipe apart, nor say which thread faulted. torch's handler prints each thread's native frames, marking the
+    faulting one, then calls the previous handler, so the rank still dies by SIGSEGV and the engine reports that.
+    Diagnostics only: nothing the pipeline or the test does changes.
+    """
+    import faulthandler
+
+    if not faulthandler.is_enabled():  # a forked rank keeps pytest's, which writes where pytest wants it
+        faulthandler.enable(file=2, all_threads=True)  # fd 2: sys.stderr may be a capture without a file descriptor
+    # Private, so looked up: a torch without it still runs the test, only without the native stacks.
+    native = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if native is not None:
+        native(True)
+
+
 class _Fails(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise KeyError("boom in a partition")
@@ -265,6 +286,7 @@ def _check_errors() -> None:
 
 
 def _body(rank: int, world_size: int, init_file: str) -> None:
+    _report_native_crashes()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", _transports=["uv"])
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
     try:
@@ -390,6 +412,7 @@ def _check_three_worker_many_chunks() -> None:
 
 
 def _three_worker_body(rank: int, world_size: int, init_file: str, num_worker_threads: int) -> None:
+    _report_native_crashes()
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=f"file://{init_file}", num_worker_threads=num_worker_threads, _transports=["uv"]
     )
