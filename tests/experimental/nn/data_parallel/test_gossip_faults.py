@@ -13,7 +13,7 @@ Worlds run in gloo processes started by the test engine, with module-level bodie
 """
 
 import warnings
-from typing import Any, Dict, List, Optional, Type, cast
+from typing import Any, Dict, List, Optional, Tuple, Type, cast
 
 import pytest
 import torch
@@ -150,14 +150,19 @@ class _Net(nn.Module):
         return self.b(_FailOnce.apply(self.a(x)))
 
 
-def _failed_backward_world(rank: int, world_size: int) -> None:
+def _node_of_two(net_class: Type[nn.Module]) -> Tuple[nn.Module, nn.Module, nn.Module]:
+    """A ``net_class`` model, an equal reference, and SlowMo around the model on one node of two processes (the
+    gradients are averaged inside the node after every backward)."""
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    net = _Net()
-    reference = _Net()
+    net = net_class()
+    reference = net_class()
     reference.load_state_dict(net.state_dict())
-    # One node of two processes: gradients are averaged inside the node after every backward.
-    model = gossip.SlowMoDistributedDataParallel(net, nprocs_per_node=2, slowmo_momentum=0.0)
+    return net, reference, gossip.SlowMoDistributedDataParallel(net, nprocs_per_node=2, slowmo_momentum=0.0)
+
+
+def _failed_backward_world(rank: int, world_size: int) -> None:
+    net, reference, model = _node_of_two(_Net)
     x = _rank_data(rank)
     _FailOnce.fail = True
     with pytest.raises(RuntimeError, match="simulated out of memory"):
@@ -200,13 +205,7 @@ class _Branches(nn.Module):
 
 
 def _different_branches_world(rank: int, world_size: int) -> None:
-    warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    net = _Branches()
-    reference = _Branches()
-    reference.load_state_dict(net.state_dict())
-    # One node of two processes: the gradients are averaged inside the node after every backward.
-    model = gossip.SlowMoDistributedDataParallel(net, nprocs_per_node=2, slowmo_momentum=0.0)
+    net, reference, model = _node_of_two(_Branches)
     ddp = nn.parallel.DistributedDataParallel(reference, find_unused_parameters=True)
     x = _rank_data(rank)
     for step in range(2):  # the second backward accumulates onto the first's averaged gradients
