@@ -36,12 +36,14 @@ try:
 except ImportError:  # pragma: no cover - old torch
     torch_dsd = None
 
+_DCP_SAVE = getattr(dcp, "save", None)  # torch 2.1 has only save_state_dict
+
 pytestmark = [
     pytest.mark.skipif(torch_dsd is None, reason="needs torch.distributed.checkpoint.state_dict"),
     # torch 2.2's dcp.save/load take a storage_writer/storage_reader and no checkpoint_id (torch >= 2.3), which the
     # tests and the documented examples they run use.
     pytest.mark.skipif(
-        "checkpoint_id" not in inspect.signature(dcp.save).parameters,
+        _DCP_SAVE is None or "checkpoint_id" not in inspect.signature(_DCP_SAVE).parameters,
         reason=f"torch {torch.__version__}'s dcp.save has no checkpoint_id (torch >= 2.3)",
     ),
 ]

@@ -3,6 +3,7 @@
 
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -54,6 +55,10 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
+    if tensor.is_complex():
+        # Sent as its real view (the same bytes, written in place): torch 2.1's broadcast passed complex tensors to
+        # gloo, which has no complex kernels there; later releases make this view themselves.
+        tensor = torch.view_as_real(tensor)
 
     def issue(t: Tensor) -> Any:
         return dist.broadcast(t, src=src, group=info.pg, async_op=async_op)
