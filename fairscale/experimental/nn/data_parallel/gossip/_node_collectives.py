@@ -38,16 +38,20 @@ def average_gradients_in_node(params: Iterable[Tensor], nprocs_per_node: int, gr
     """
     trainable = [p for p in params if p.requires_grad]
     for dtype, group_params in group_by_dtype(trainable).items():
+        all_present = all(p.grad is not None for p in group_params)
         with torch.no_grad():
             device = group_params[0].device
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group_params]
-            present = torch.tensor([p.grad is not None for p in group_params], dtype=dtype, device=device)
+            if all_present:  # the usual case: a fill, no host-to-device copy of the flags
+                present = torch.ones(len(group_params), dtype=dtype, device=device)
+            else:
+                present = torch.tensor([p.grad is not None for p in group_params], dtype=dtype, device=device)
             flat = torch.cat([g.reshape(-1).to(dtype) for g in grads] + [present])
             flat[: flat.numel() - present.numel()].div_(nprocs_per_node)
         all_reduce(flat, group=group)
         with torch.no_grad():
             reduced = unflatten_tensors(flat, grads)
-            if all(p.grad is not None for p in group_params):
+            if all_present:
                 for p, r in zip(group_params, reduced):
                     cast(Tensor, p.grad).copy_(r)
                 continue
