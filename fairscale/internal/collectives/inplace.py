@@ -55,9 +55,10 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
-    if tensor.is_complex():
+    if tensor.is_complex() and info.size > 1:
         # Sent as its real view (the same bytes, written in place): torch 2.1's broadcast passed complex tensors to
-        # gloo, which has no complex kernels there; later releases make this view themselves.
+        # gloo, which has no complex kernels there; later releases make this view themselves. At world size 1 the
+        # call stays a no-op (a conjugated view, which has no real view, included).
         tensor = torch.view_as_real(tensor)
 
     def issue(t: Tensor) -> Any:

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from fairscale.experimental.nn.data_parallel import gossip
 from fairscale.experimental.nn.data_parallel.gossip import GraphManager
+from fairscale.experimental.nn.data_parallel.gossip._node_collectives import average_gradients_in_node
 from fairscale.experimental.nn.data_parallel.gossip._slow_momentum import SlowMomentum
 from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.collectives import count_collectives
@@ -228,6 +229,35 @@ def test_ranks_reaching_different_parameters_average_like_ddp() -> None:
     """Upstream reduced only the gradients present: here two buffers of the same size, so each rank's branch
     gradient was added to the other branch's (silently wrong); with another size gloo aborted the process."""
     run_distributed(_different_branches_world, 2, timeout=TIMEOUT)
+
+
+def _gradient_dtypes_world(rank: int, world_size: int) -> None:
+    group = dist.new_group(list(range(world_size)))
+    params = [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)), nn.Parameter(torch.zeros(2, dtype=torch.complex64))]
+    kept_in_fp32 = hasattr(params[0], "grad_dtype")  # torch's per-parameter gradient dtype (recent releases)
+    if kept_in_fp32:
+        params[0].grad_dtype = torch.float32
+    # Rank 0 holds both gradients, rank 1 neither: rank 1 receives the averages.
+    if rank == 0:
+        params[0].grad = torch.tensor([1.0 + 1e-3, 3.0], dtype=torch.float32 if kept_in_fp32 else torch.bfloat16)
+        params[1].grad = torch.tensor([2 + 2j, 4j], dtype=torch.complex64)
+    average_gradients_in_node(params, world_size, group)
+    expected_real = torch.tensor([1.0 + 1e-3, 3.0], dtype=params[0].grad.dtype if params[0].grad is not None else None)
+    got = [p.grad for p in params]
+    if got[0] is None or got[1] is None:
+        raise AssertionError(f"rank {rank}: a gradient reached on rank 0 is None here: {got}")
+    # Not rounded to bf16 where the gradients are fp32 (1.0005 has no bf16 value).
+    if not torch.equal(got[0], expected_real / 2):
+        raise AssertionError(f"rank {rank}: {got[0]} ({got[0].dtype}) is not {expected_real / 2}")
+    if not torch.equal(got[1], torch.tensor([1 + 1j, 2j], dtype=torch.complex64)):
+        raise AssertionError(f"rank {rank}: complex gradient {got[1]}")
+
+
+def test_gradient_dtypes_and_complex_parameters_average_across_the_node() -> None:
+    """Gradients keep their own dtype (fp32 gradients of bf16 parameters are not rounded to bf16 on the wire), and a
+    rank without a complex parameter's gradient receives the average (its flags compared with 0: complex has no
+    order)."""
+    run_distributed(_gradient_dtypes_world, 2, timeout=TIMEOUT)
 
 
 # ---- graph arguments, no process group needed (checked before any edge is made)

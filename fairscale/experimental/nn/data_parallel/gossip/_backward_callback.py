@@ -29,9 +29,9 @@ def output_tensors(output: Any) -> List[Tensor]:
 class BackwardCallback:
     """Runs a callback once at the end of each backward that reaches a hooked output.
 
-    The callback is passed to :meth:`attach` rather than kept here: the model owns this object, and a bound method of
-    the model held by it would make a reference cycle that keeps a dropped model (and its memory) until the garbage
-    collector runs. The hooks hold it only as long as the output's graph lives.
+    The callback is passed to :meth:`attach` rather than kept here: the model owns this object, so a bound method of
+    the model kept here would tie the two together for good; the hooks hold the callback only while the output's
+    graph lives.
     """
 
     def __init__(self) -> None:

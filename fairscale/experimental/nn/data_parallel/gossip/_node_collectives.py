@@ -7,7 +7,7 @@ which then broadcast them inside their node. Each call runs one collective per d
 the tensors of one dtype into one buffer).
 """
 
-from typing import Any, Iterable, Sequence, cast
+from typing import Any, Dict, Iterable, List, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
 
-from .utils.helpers import communicate, group_by_dtype, unflatten_tensors
+from .utils.helpers import communicate, unflatten_tensors
 
 __all__ = ["average_gradients_in_node", "average_params_among_masters", "broadcast_from"]
 
@@ -36,12 +36,17 @@ def average_gradients_in_node(params: Iterable[Tensor], nprocs_per_node: int, gr
     or, with equal sizes, added one parameter's gradient to another's. Each flat buffer carries one presence flag
     per parameter; they are read back (a host sync) only on a rank that lacks a gradient.
     """
-    trainable = [p for p in params if p.requires_grad]
-    for dtype, group_params in group_by_dtype(trainable).items():
+    by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+    for p in params:
+        if p.requires_grad:
+            # The gradient's dtype, the same on every rank (a parameter may keep gradients in another dtype than its
+            # own: torch's grad_dtype, e.g. fp32 gradients of bf16 parameters, which must not be rounded to bf16).
+            by_dtype.setdefault(getattr(p, "grad_dtype", None) or p.dtype, []).append(p)
+    for dtype, group_params in by_dtype.items():
         all_present = all(p.grad is not None for p in group_params)
         with torch.no_grad():
             device = group_params[0].device
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group_params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype) for p in group_params]
             if all_present:  # the usual case: a fill, no host-to-device copy of the flags
                 present = torch.ones(len(group_params), dtype=dtype, device=device)
             else:
@@ -55,12 +60,13 @@ def average_gradients_in_node(params: Iterable[Tensor], nprocs_per_node: int, gr
                 for p, r in zip(group_params, reduced):
                     cast(Tensor, p.grad).copy_(r)
                 continue
-            # A rank lacks some gradient: only the flags say whether another rank's backward reached it.
-            reached = flat[flat.numel() - present.numel() :].tolist()
-            for p, r, count in zip(group_params, reduced, reached):
+            # A rank lacks some gradient: only the flags say whether another rank's backward reached it (compared
+            # with 0 on the device: complex flags have no order).
+            reached = (flat[flat.numel() - present.numel() :] != 0).tolist()
+            for p, r, any_rank in zip(group_params, reduced, reached):
                 if p.grad is not None:
                     p.grad.copy_(r)
-                elif count > 0:
+                elif any_rank:
                     p.grad = r.clone()
 
 
