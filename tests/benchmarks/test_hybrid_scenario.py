@@ -8,6 +8,7 @@ hybrid sharding trains like full sharding, and that the section, the cost model 
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from typing import Any, Dict, Tuple
@@ -28,8 +29,8 @@ from _fsdp_bench.runner import specs_for  # noqa: E402
 
 from fairscale.internal import simulated_link  # noqa: E402
 
-# Hidden 64, not 16: the state that hybrid sharding doubles (about 400 KB per rank here) must stand well above the
-# sampled C heap's noise (tens of KB under load: with hidden 16, torch 2.1.2 once measured full sharding above hybrid).
+# Hidden 64, not 16: the state that hybrid sharding doubles (about 300 KB more per rank here) must stand well above the
+# C heap's noise (tens of KB under load: with hidden 16, torch 2.1.2 once measured full sharding above hybrid).
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "8", "--vocab", "32", "--batch", "2"]
 
 
@@ -264,7 +265,10 @@ def test_tiny_run(tmp_path: Any) -> None:
             assert r["peak_memory_bytes"] >= r["steady_memory_bytes"] > 0, r["label"]
     # Hybrid shards over 2 ranks instead of 4: the formula's bytes over the shard group, and twice the state.
     assert hybrid["formula_matches"], hybrid["formula_differences"]
-    assert hybrid["steady_memory_bytes"] > full["steady_memory_bytes"]
+    # Per-rank medians: the run's figure is its largest rank's (right for a sampled peak), and on torch 2.1.2 one rank
+    # of the full run sometimes still holds a buffer of the gathered parameters' size at the steady point.
+    steady = {k: statistics.median(r["steady_memory_bytes_per_rank"]) for k, r in (("full", full), ("hybrid", hybrid))}
+    assert steady["hybrid"] > steady["full"], steady
     section = report["hybrid"]
     assert (
         section["labels"]

@@ -21,6 +21,7 @@ from fairscale.internal.collectives import (
     broadcast_object_list,
     collective_phase,
     count_collectives,
+    reduce,
     reduce_scatter_from_flat,
 )
 
@@ -196,6 +197,27 @@ def _check_counter_summary(rank: int, ws: int) -> None:
     assert outer.count() == 0
 
 
+def _check_complex(rank: int, ws: int) -> None:
+    """Complex tensors travel as their real view: gloo has no complex kernels on torch 2.1 to 2.6, and torch's own
+    broadcast made no such view before 2.7. Only a sum has a meaning for them."""
+    value = torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * (rank + 1)
+    total = torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * (ws * (ws + 1) // 2)
+    summed = value.clone()
+    all_reduce(summed)
+    assert torch.equal(summed, total), summed
+    sent = value.clone()
+    broadcast(sent, src=ws - 1)
+    assert torch.equal(sent, torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * ws), sent
+    reduced = value.clone()
+    reduce(reduced, dst=0)
+    if rank == 0:
+        assert torch.equal(reduced, total), reduced
+    if ws > 1:
+        for op in ("max", "product"):
+            with pytest.raises(ValueError, match=f"op '{op}' has no meaning for complex tensors"):
+                all_reduce(value.clone(), op=op)
+
+
 def _world_body(rank: int, ws: int) -> None:
     world = list(range(ws))
     assert C.group_size() == ws and C.group_rank() == rank and C.group_ranks() == tuple(world)
@@ -219,6 +241,7 @@ def _world_body(rank: int, ws: int) -> None:
                 with pytest.raises(ValueError, match="is not a member"):
                     all_reduce(torch.zeros(1), group=group)
     _check_fallbacks(rank, ws)
+    _check_complex(rank, ws)
     _check_bad_input(rank, ws)
     _check_counter_summary(rank, ws)
 
