@@ -198,8 +198,8 @@ def _check_counter_summary(rank: int, ws: int) -> None:
 
 
 def _check_complex(rank: int, ws: int) -> None:
-    """Complex tensors travel as their real view: gloo has no complex kernels on torch 2.1 to 2.6, and torch's own
-    broadcast made no such view before 2.7. Only a sum has a meaning for them."""
+    """Complex tensors travel as their real view: gloo has no complex kernels on torch 2.1 to 2.6, where torch's own
+    functions make that view for some collectives only. Only a sum has a meaning for them."""
     value = torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * (rank + 1)
     total = torch.tensor([1 + 2j, -3j], dtype=torch.complex64) * (ws * (ws + 1) // 2)
     summed = value.clone()
@@ -212,10 +212,18 @@ def _check_complex(rank: int, ws: int) -> None:
     reduce(reduced, dst=0)
     if rank == 0:
         assert torch.equal(reduced, total), reduced
+    gathered = torch.empty(2 * ws, dtype=torch.complex64)
+    all_gather_into_flat(gathered, value)
+    assert torch.equal(gathered.view(ws, 2), torch.stack([value / (rank + 1) * (r + 1) for r in range(ws)])), gathered
+    mine = torch.empty(2, dtype=torch.complex64)
+    reduce_scatter_from_flat(mine, torch.cat([value] * ws))
+    assert torch.equal(mine, total), mine
     if ws > 1:
         for op in ("max", "product"):
-            with pytest.raises(ValueError, match=f"op '{op}' has no meaning for complex tensors"):
+            with pytest.raises(ValueError, match="only a sum has a meaning for complex tensors"):
                 all_reduce(value.clone(), op=op)
+            with pytest.raises(ValueError, match="only a sum has a meaning for complex tensors"):
+                reduce_scatter_from_flat(mine, torch.cat([value] * ws), op=op)
 
 
 def _world_body(rank: int, ws: int) -> None:

@@ -1,8 +1,10 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Argument checks shared by the collectives: paired tensors, in-place tensors, ranks and reduce operations."""
+"""Argument checks shared by the collectives: paired tensors, in-place tensors, ranks and reduce operations; and
+the real view that complex tensors travel as."""
 
 from typing import Any, Dict
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -40,3 +42,20 @@ def _check_contiguous(what: str, tensor: Tensor) -> None:
 def _check_src(what: str, src: int, info: _GroupInfo) -> None:
     if src not in info.ranks:
         raise ValueError(f"{what}: src={src} is not in the group (global ranks {info.ranks}); src is a global rank")
+
+
+def _real_view(what: str, tensor: Tensor, summing: bool = True) -> Tensor:
+    """A complex ``tensor`` as its real view, 1-D (the same bytes: what the collective writes lands in ``tensor``).
+
+    gloo has no complex kernels on several torch releases (2.1 to 2.6 at least), where the dtype check before a call
+    (see ``dispatch._dispatch``) refuses complex tensors; torch's own functions make this view for some collectives
+    and releases, not all (broadcast from 2.7 on). Gathering, broadcasting and summing complex numbers are the same
+    operations on their real and imaginary parts; the other reductions have no meaning for them, as
+    torch.distributed says too.
+
+    Raises:
+        ValueError: ``summing`` is false (a max, min or product).
+    """
+    if not summing:
+        raise ValueError(f"{what}: only a sum has a meaning for complex tensors ({tensor.dtype}); use op='sum'")
+    return torch.view_as_real(tensor).view(-1)

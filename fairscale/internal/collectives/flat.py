@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..version import torch_version
-from .checks import _check_pair, _reduce_op
+from .checks import _check_pair, _real_view, _reduce_op
 from .dispatch import (
     _all_gather_function,
     _all_gather_tensor,
@@ -76,6 +76,8 @@ def _all_gather(out: Tensor, inp: Tensor, info: _GroupInfo, async_op: bool) -> W
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return WorkHandle()
+    if out.is_complex():  # here, not on the fast path: where gloo lacks complex kernels it is never chosen for them
+        return _all_gather(_real_view("all_gather", out), _real_view("all_gather", inp), info, async_op)
 
     def tensor_variant() -> WorkHandle:
         return WorkHandle(_all_gather_tensor(out, inp, group=info.pg, async_op=async_op))
@@ -138,6 +140,10 @@ def _reduce_scatter(out: Tensor, inp: Tensor, op: Any, info: _GroupInfo, async_o
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return WorkHandle()
+    if out.is_complex():  # as in _all_gather
+        summing = op == _reduce_op("sum")
+        real_out, real_in = (_real_view("reduce_scatter", t, summing) for t in (out, inp))
+        return _reduce_scatter(real_out, real_in, op, info, async_op)
 
     def tensor_variant() -> WorkHandle:
         if _GLOO_FLAT_REDUCE_SCATTER_BROKEN and "gloo" in info.backend and out.device.type == "cpu":

@@ -3,11 +3,10 @@
 
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checks import _check_contiguous, _check_src, _reduce_op
+from .checks import _check_contiguous, _check_src, _real_view, _reduce_op
 from .dispatch import _chosen, _dispatch, _forced, _via_fp32
 from .groups import ProcessGroup, _GroupInfo, _member_info
 from .recording import ACTIVE_COUNTERS, LINKS, _record
@@ -31,7 +30,8 @@ def all_reduce(
     info = _member_info(group, "all_reduce")
     reduce_op = _reduce_op(op)
     _check_contiguous("all_reduce", tensor)
-    tensor = _real_view("all_reduce", tensor, info, op)
+    if tensor.is_complex() and info.size > 1:
+        tensor = _real_view("all_reduce", tensor, op == "sum")
 
     def issue(t: Tensor) -> Any:
         return dist.all_reduce(t, op=reduce_op, group=info.pg, async_op=async_op)
@@ -56,7 +56,8 @@ def broadcast(
     info = _member_info(group, "broadcast")
     _check_src("broadcast", src, info)
     _check_contiguous("broadcast", tensor)
-    tensor = _real_view("broadcast", tensor, info)
+    if tensor.is_complex() and info.size > 1:  # at world size 1 a no-op, also for a conjugated view
+        tensor = _real_view("broadcast", tensor)
 
     def issue(t: Tensor) -> Any:
         return dist.broadcast(t, src=src, group=info.pg, async_op=async_op)
@@ -86,29 +87,14 @@ def reduce(
     _check_src("reduce", dst, info)
     reduce_op = _reduce_op(op)
     _check_contiguous("reduce", tensor)
-    tensor = _real_view("reduce", tensor, info, op)
+    if tensor.is_complex() and info.size > 1:
+        tensor = _real_view("reduce", tensor, op == "sum")
     ready_at = _record("reduce", info, tensor.dtype, tensor.numel(), tensor.element_size())
 
     def issue(t: Tensor) -> Any:
         return dist.reduce(t, dst=dst, op=reduce_op, group=info.pg, async_op=async_op)
 
     return _finish(_dispatch_in_place("reduce", tensor, info, async_op, issue), async_op, ready_at)
-
-
-def _real_view(what: str, tensor: Tensor, info: _GroupInfo, op: str = "sum") -> Tensor:
-    """``tensor``, or for a complex one its real view (the same bytes, written in place), which gloo can reduce.
-
-    gloo has no complex kernels on several torch releases (2.1 to 2.6 at least), and the dtype check before the call
-    (see ``_dispatch``) would refuse a complex tensor there; torch's own functions make this view for all-reduce
-    (and, on releases after 2.6, for broadcast). A sum of complex numbers is the sum of their real and imaginary
-    parts; the other ops have no meaning for complex tensors, as torch.distributed says too. At world size 1 the call
-    stays a no-op (a conjugated view, which has no real view, included).
-    """
-    if not tensor.is_complex() or info.size == 1:
-        return tensor
-    if op != "sum":
-        raise ValueError(f"{what}: op {op!r} has no meaning for complex tensors ({tensor.dtype}); only 'sum' has")
-    return torch.view_as_real(tensor)
 
 
 def _in_place(
