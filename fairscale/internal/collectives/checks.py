@@ -49,7 +49,7 @@ def _real_view(what: str, tensor: Tensor, summing: bool = True) -> Tensor:
 
     gloo has no complex kernels on several torch releases (2.1 to 2.6 at least), where the dtype check before a call
     (see ``dispatch._dispatch``) refuses complex tensors; torch's own functions make this view for some collectives
-    and releases, not all (broadcast from 2.7 on). Gathering, broadcasting and summing complex numbers are the same
+    and releases, not all (broadcast only after 2.6). Gathering, broadcasting and summing complex numbers are the same
     operations on their real and imaginary parts; the other reductions have no meaning for them, as
     torch.distributed says too.
 
