@@ -235,13 +235,9 @@ def test_metadata_path_stays_inside_wgit_when_run_from_the_root(monkeypatch: pyt
 
 
 @pytest.fixture
-def repo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    pytest.importorskip("pygit2")
-    work = tmp_path / "wgit_testing"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    torch.save({"model": nn.Linear(1, 3).state_dict(), "step": 1}, work / "checkpoint_0.pt")
-    return work
+def repo_dir(checkpoint_dir: Path) -> Path:
+    """A working directory with one checkpoint and no repository yet (conftest.py)."""
+    return checkpoint_dir
 
 
 def test_wgit_add_never_runs_a_checkpoints_code(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:

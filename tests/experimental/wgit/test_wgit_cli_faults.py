@@ -13,7 +13,6 @@ from typing import List
 
 import pytest
 import torch
-import torch.nn as nn
 
 from fairscale.experimental.wgit import cli
 from fairscale.experimental.wgit.safety import load_checkpoint
@@ -21,13 +20,9 @@ from fairscale.internal.errors import FairscaleValueError
 
 
 @pytest.fixture
-def repo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def repo_dir(checkpoint_dir: Path) -> Path:
     """A wgit repository with one checkpoint added and committed, the current directory for the test."""
-    pytest.importorskip("pygit2")
-    work = tmp_path / "wgit_testing"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    torch.save({"model": nn.Linear(1, 3).state_dict(), "step": 1}, work / "checkpoint_0.pt")
+    work = checkpoint_dir
     cli.main(["init"])
     cli.main(["add", "checkpoint_0.pt"])
     cli.main(["commit", "-m", "first"])
