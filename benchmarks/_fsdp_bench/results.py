@@ -22,16 +22,21 @@ from .probes import cat_count, split_backward_count
 LOSS_TOLERANCE = {"none": (1e-4, 1e-4), "bf16": (5e-2, 2e-2), "fp16": (2e-2, 1e-2)}
 
 
-def _rank_summary(values: List[Optional[int]], method: str) -> Optional[int]:
+def _rank_summary(values: List[Optional[int]], method: str, steady: bool = False) -> Optional[int]:
     """One rank's figure for a run whose ranks hold equal shards.
 
-    A sampled C heap can only miss a short peak, never invent one: the largest rank's value. The profiler's
-    allocator events can only inflate a rank's figure (see probes.py): the smallest rank's value.
+    A sampled C heap can only miss a short peak, never invent one: for a peak, the largest rank's value. The steady
+    figure is one reading at the end of a step, which a buffer that torch has not released yet can inflate on one
+    rank (on torch 2.1.2, gloo's worker thread sometimes still held a gathered-parameter buffer there): the median
+    rank's value. The profiler's allocator events can only inflate a rank's figure (see probes.py): the smallest
+    rank's value.
     """
     known = [v for v in values if v is not None]
     if not known:
         return None
-    return max(known) if method.startswith(HEAP_METHOD_PREFIX) else min(known)
+    if not method.startswith(HEAP_METHOD_PREFIX):
+        return min(known)
+    return int(statistics.median_low(known)) if steady else max(known)
 
 
 def spec_fields(spec: RunSpec) -> Dict[str, Any]:
@@ -135,7 +140,7 @@ def aggregate(spec: RunSpec, cfg: BenchConfig, world_size: int, ranks: List[Dict
         "steady_memory_bytes_per_rank": steadies,
         # The ranks hold equal shards; one figure per run: see _rank_summary for which rank's.
         "peak_memory_bytes": _rank_summary(peaks, probe[0]["memory_method"]),
-        "steady_memory_bytes": _rank_summary(steadies, probe[0]["memory_method"]),
+        "steady_memory_bytes": _rank_summary(steadies, probe[0]["memory_method"], steady=True),
         "memory_method": probe[0]["memory_method"],
         "collectives_source": "fairscale collective counter" if spec.peer == "fairscale" else "c10d dispatch spy",
         "collectives_per_step": measured,

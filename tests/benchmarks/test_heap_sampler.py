@@ -44,3 +44,17 @@ def test_heap_counts_tensors_of_other_threads() -> None:
     assert before is not None and now is not None
     assert now - before >= 7 * MIB
     holder.clear()
+
+
+def test_run_figures_take_the_largest_peak_and_the_median_steady_state() -> None:
+    """A sampled peak can only be missed (the largest rank's), a steady reading inflated on one rank by a buffer
+    torch has not released yet (the median rank's); the profiler's events only inflate (the smallest rank's)."""
+    from _fsdp_bench.heap import HEAP_METHOD_PREFIX
+    from _fsdp_bench.results import _rank_summary
+
+    heap, profiler = HEAP_METHOD_PREFIX + " (main arena + mmap)", "torch profiler CPU allocator events"
+    readings = [370_000, 790_000, 366_000, 367_000, None]  # one rank inflated, one without a figure
+    assert _rank_summary(readings, heap) == 790_000
+    assert _rank_summary(readings, heap, steady=True) == 367_000
+    assert _rank_summary(readings, profiler) == _rank_summary(readings, profiler, steady=True) == 366_000
+    assert _rank_summary([None], heap, steady=True) is None
