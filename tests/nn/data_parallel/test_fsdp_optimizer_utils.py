@@ -413,6 +413,79 @@ def _case_borrowing_single_parameter_instance(rank: int, world_size: int) -> Non
     _assert_resume_exact(lambda: FSDP(_MevoTied()), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss)
 
 
+class _ScalarsOnly(nn.Module):
+    """CLIP/SigLIP's layout: the root instance owns only 0-dim parameters, the tower is a nested instance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+        self.logit_bias = nn.Parameter(torch.tensor(-1.0))
+        self.tower = FSDP(nn.Linear(4, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tower(x) * self.logit_scale + self.logit_bias
+
+
+def _sgd_momentum(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _case_only_zero_dim_parameters(rank: int, world_size: int) -> None:
+    # Every parameter of the root's flat parameter is 0-dim: their 0-dim exp_avg were taken for a shared value
+    # (one kept for the whole flat parameter) and the next step after loading failed on the shapes.
+    def loss(fsdp: FSDP, step: int) -> Tensor:
+        return fsdp(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))).sum()
+
+    for make_optim in (_adam, _sgd_momentum):
+        full = _assert_resume_exact(lambda: FSDP(_ScalarsOnly()), make_optim, loss)
+        if rank == 0:
+            key = "exp_avg" if make_optim is _adam else "momentum_buffer"
+            assert [full["state"][g][key].shape for g in (0, 1)] == [(), ()], full["state"]
+
+
+def _case_non_flat_expert_on_a_group_of_one(rank: int, world_size: int) -> None:
+    """An uncollected single non-flat parameter (an expert on a group of one rank, not sharded): its state was
+    handed back flat (36,) for a (6, 6) parameter; load_state_dict took it and the next step failed."""
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(100 + rank)
+    expert = FSDP(
+        nn.Linear(6, 6, bias=False), process_group=groups[rank], flatten_parameters=False, no_broadcast_optim_state=True
+    )
+    fsdp = FSDP(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), expert))
+    opt = _adam(fsdp.parameters())
+    fsdp(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    live = opt.state_dict()["state"]
+    shard = fsdp.get_shard_from_optim_state_dict(_broadcast(fsdp.gather_full_optim_state_dict(opt)))
+    assert shard["state"][1]["exp_avg"].shape == live[1]["exp_avg"].shape == (6, 6)
+    resumed = _adam(fsdp.parameters())
+    resumed.load_state_dict(shard)
+    fsdp(torch.randn(2, 4)).sum().backward()
+    resumed.step()
+
+
+def _case_reshard_shares_nothing_with_the_full_dict(rank: int, world_size: int) -> None:
+    """A full dict whose ``step`` values are tensors (torch's own per-parameter form): the shard handed them back
+    as they were, torch's load_state_dict kept them and stepping incremented the caller's dict in place."""
+    fsdp = _single_parameter_model(inner_bias=False)
+    opt = _adam(fsdp.parameters())
+    for _ in range(2):
+        fsdp(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    full = _broadcast(fsdp.gather_full_optim_state_dict(opt))
+    for entry in full["state"].values():
+        entry["step"] = torch.tensor(float(entry["step"]))
+    kept = copy.deepcopy(full)
+    shard = fsdp.get_shard_from_optim_state_dict(full)
+    inputs = {id(v) for e in full["state"].values() for v in e.values()}
+    assert not any(id(v) in inputs for e in shard["state"].values() for v in e.values())
+    resumed = _adam(fsdp.parameters())
+    resumed.load_state_dict(shard)
+    fsdp(torch.randn(2, 4)).sum().backward()
+    resumed.step()
+    assert _same(full, kept), "stepping after the load changed the full dict"
+
+
 def _ws2_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], Any]]] = []
     for kind, mode in (("sgd", "nested"), ("adam", "nested"), ("adadelta", "nested"), ("adam", "one")):
@@ -423,16 +496,36 @@ def _ws2_body(rank: int, world_size: int) -> None:
     cases.append(("expert_group_of_one", functools.partial(_case_nested_group_of_one_expert, rank, world_size)))
     cases.append(("bad_input", functools.partial(_case_bad_input, rank, world_size)))
     cases.append(("upstream_fixture", functools.partial(_case_upstream_fixture, rank, world_size)))
-    cases.append(("zero_dim_parameter_first", functools.partial(_case_zero_dim_parameter_first, rank, world_size)))
-    single = functools.partial(_case_single_parameter_instance_not_flattened, rank, world_size)
-    cases.append(("single_parameter_instance_not_flattened", single))
     borrowing = functools.partial(_case_borrowing_single_parameter_instance, rank, world_size)
     cases.append(("borrowing_single_parameter_instance", borrowing))
+    cases.extend(_cases_at_any_world_size(rank, world_size))
     run_cases(cases)
+
+
+def _cases_at_any_world_size(rank: int, world_size: int) -> List[Tuple[str, Callable[[], Any]]]:
+    return [
+        (case.__name__[len("_case_") :], functools.partial(case, rank, world_size))
+        for case in (
+            _case_zero_dim_parameter_first,
+            _case_only_zero_dim_parameters,
+            _case_single_parameter_instance_not_flattened,
+            _case_non_flat_expert_on_a_group_of_one,
+            _case_reshard_shares_nothing_with_the_full_dict,
+        )
+    ]
 
 
 def test_optimizer_state_two_ranks() -> None:
     run_distributed(_ws2_body, 2)
+
+
+def _ws1_body(rank: int, world_size: int) -> None:
+    run_cases(_cases_at_any_world_size(rank, world_size))
+
+
+def test_optimizer_state_one_rank() -> None:
+    """A group of one rank does not shard: a single non-flat parameter keeps its shape, and so must its state."""
+    run_distributed(_ws1_body, 1)
 
 
 # ------------------------------------------------------------------------------------------------------ other groups
@@ -522,6 +615,48 @@ def test_resume_optimizer_state_at_other_world_sizes() -> None:
         run_distributed(_resume_body, world_size, saved)
 
 
+def _mixed_batch(step: int) -> Tensor:
+    return torch.randn(GLOBAL_N, 4, generator=torch.Generator().manual_seed(step))
+
+
+def _mixed_steps(fsdp: FSDP, opt: Any, steps: range, rank: int, world_size: int) -> None:
+    per_rank = GLOBAL_N // world_size
+    for step in steps:
+        opt.zero_grad()
+        fsdp(_mixed_batch(step)[rank * per_rank : (rank + 1) * per_rank]).mean().backward()
+        opt.step()
+
+
+def _mixed_save_body(rank: int, world_size: int) -> Tuple[Dict[str, Any], Any, Dict[str, Tensor]]:
+    """Flat root, non-flat single-parameter inner instance: one step, a checkpoint, then two more steps."""
+    fsdp = _single_parameter_model(inner_bias=False)
+    opt = _adam(fsdp.parameters())
+    _mixed_steps(fsdp, opt, range(1), rank, world_size)
+    model_sd, optim_sd = fsdp.state_dict(), fsdp.gather_full_optim_state_dict(opt)
+    _mixed_steps(fsdp, opt, range(1, 3), rank, world_size)
+    with fsdp.summon_full_params():
+        return model_sd, optim_sd, {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+
+
+def _mixed_resume_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]) -> None:
+    model_sd, optim_sd, expected = saved
+    fsdp = _single_parameter_model(inner_bias=False)
+    fsdp.load_state_dict(model_sd)
+    opt = _adam(fsdp.parameters())
+    opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(optim_sd))
+    _mixed_steps(fsdp, opt, range(1, 3), rank, world_size)
+    with fsdp.summon_full_params():
+        for name, p in fsdp.named_parameters():
+            torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_resume_a_non_flat_single_parameter_instance_at_one_rank() -> None:
+    """Saved at 2 ranks, where the inner instance's parameter is sharded flat; resumed at 1, where it keeps its
+    (4, 4) shape: its state was handed back flat, and every optimizer but plain SGD failed at the first step."""
+    saved = run_distributed(_mixed_save_body, 2)[0]
+    run_distributed(_mixed_resume_body, 1, saved)
+
+
 # ------------------------------------------------------------------------------------------------------ helpers
 
 
@@ -550,6 +685,17 @@ def test_format_helpers_on_cpu() -> None:
     check_param_counts_before_sharding(full, 2)
     with pytest.raises(ValueError, match="has 2 flat parameters .* the model has 3"):
         check_param_counts_before_sharding(full, 3)
+    shared = {id(v) for e in full["state"].values() for v in e.values() if isinstance(v, (Tensor, list))}
+    assert not any(id(v) in shared for e in flat["state"].values() for v in e.values()), "shares the input's values"
+    # Bare 0-dim tensors of 0-dim parameters are their state (the format writes shared 0-dim state as per-rank
+    # lists); a flat parameter of 0-dim parameters only keeps one element each. ``step`` stays shared.
+    scalars = {
+        "state": {0: {"step": torch.tensor(3.0), "m": torch.tensor(1.0)}, 1: {"step": 3.0, "m": torch.tensor(2.0)}},
+        "param_groups": [{"lr": 0.5, "params": [0, 1]}],
+        "param_id_map": {0: 0, 1: 0},
+    }
+    merged = flatten_optim_state_dict(scalars)["state"][0]
+    assert torch.equal(merged["m"], torch.tensor([1.0, 2.0])) and torch.equal(merged["step"], torch.tensor(3.0))
     del full["state"][1]["m"]
     with pytest.raises(ValueError, match="state 'm' is a tensor for some parameters only"):
         flatten_optim_state_dict(full)

@@ -6,7 +6,7 @@ re-exports these functions). No communication, no model.
 """
 
 import copy
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Set
 
 import torch
 from torch import Tensor
@@ -77,6 +77,11 @@ def flatten_optim_state_dict(sd: Mapping[str, Any]) -> Dict[str, Any]:
         ValueError: some parameters of a flat parameter have state and others do not, or a tensor state is
             missing for one of them.
     """
+    return flatten_for_model(sd, None)
+
+
+def flatten_for_model(sd: Mapping[str, Any], scalar_gids: Optional[Set[int]]) -> Dict[str, Any]:
+    """:func:`flatten_optim_state_dict` knowing which global ids are 0-dim parameters (``None``: unknown)."""
     param_id_map = {int(g): v for g, v in sd["param_id_map"].items()}
     uncollected = set(sd.get("uncollected_local_ids", []))
     state = {int(g): v for g, v in sd["state"].items()}
@@ -96,7 +101,8 @@ def flatten_optim_state_dict(sd: Mapping[str, Any]) -> Dict[str, Any]:
                 f"flat parameter {local}: global ids {missing} have no optimizer state while the others of the same "
                 "flat parameter do; the state dict is incomplete"
             )
-        new_state[local] = _merge_entries(local, entries)
+        scalars = None if scalar_gids is None else [g in scalar_gids for g in gids if g in state]
+        new_state[local] = _merge_entries(local, entries, scalars)
     groups = []
     for group in sd["param_groups"]:
         new_group = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
@@ -107,21 +113,44 @@ def flatten_optim_state_dict(sd: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _merge_entries(local: int, entries: List[Mapping[str, Any]]) -> Dict[str, Any]:
+def _merge_entries(
+    local: int, entries: List[Mapping[str, Any]], scalar_params: Optional[List[bool]] = None
+) -> Dict[str, Any]:
+    """One flat parameter's state from its parameters' entries: per-element state concatenated, the rest copied.
+
+    ``scalar_params`` says which of the entries' parameters are 0-dim, where the model is known; ``None`` reads the
+    format alone (see :func:`_is_per_element`). Every value is a copy: the caller's dict is never shared.
+    """
     merged: Dict[str, Any] = {}
     for key, first in entries[0].items():
-        # Per-element state (exp_avg) has each parameter's shape; a 0-dim tensor is a shared value (Adam's step),
-        # unless another parameter's entry has dimensions: then it is the state of a 0-dim parameter (a CLIP-style
-        # logit_scale flattened first), one element of the flat state. Deciding from the first entry alone kept
-        # that one element for the whole flat parameter, and the next step failed on the shapes.
         values = [e.get(key) for e in entries]
-        if any(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+        if _is_per_element(key, values, scalar_params):
             if any(not isinstance(v, Tensor) for v in values):
                 raise ValueError(f"flat parameter {local}: state {key!r} is a tensor for some parameters only")
             merged[key] = torch.cat([e[key].reshape(-1) for e in entries])
         else:
-            merged[key] = first
+            # A copy: torch's load_state_dict keeps tensors such as a tensor ``step`` by identity and increments
+            # them in place, which changed the caller's full dict (a second resharding of it resumed later steps).
+            merged[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
     return merged
+
+
+def _is_per_element(key: str, values: List[Any], scalar_params: Optional[List[bool]]) -> bool:
+    """Whether a state key holds one element per parameter element (``exp_avg``) rather than a shared value.
+
+    Per-element state has each parameter's shape; shared values are numbers (``step``), per-rank lists of 0-dim
+    tensors, or 0-dim tensors. A 0-dim parameter's per-element state is 0-dim too, so a 0-dim tensor other than
+    ``step`` is per-element where its parameter is 0-dim (a CLIP-style ``logit_scale``): deciding from the first
+    entry alone kept one element for the whole flat parameter, and deciding from the other entries' dimensions
+    failed where every parameter of the flat parameter is 0-dim (``logit_scale`` and ``logit_bias`` alone).
+    Without the model (``scalar_params`` None), every parameter whose values are all 0-dim is taken for 0-dim: the
+    gathered format writes shared 0-dim state as per-rank lists, never as bare 0-dim tensors.
+    """
+    if any(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+        return True
+    if key == "step" or not values or not all(isinstance(v, Tensor) for v in values):
+        return False
+    return scalar_params is None or all(scalar_params)
 
 
 # ------------------------------------------------------------------------------------------------ upstream's builder

@@ -22,7 +22,7 @@ from torch import Tensor
 from fairscale.internal import collectives
 from fairscale.internal.parallel import chunk_and_pad
 from .naming import clean_path
-from .optim_format import check_param_counts_before_sharding, flatten_optim_state_dict, is_singleton_tensor
+from .optim_format import check_param_counts_before_sharding, flatten_for_model, is_singleton_tensor
 from .unit import FSDPUnit
 
 __all__ = ["gather_full_optim_state_dict", "get_shard_from_optim_state_dict"]
@@ -285,15 +285,19 @@ def get_shard_from_optim_state_dict(fsdp: FSDPUnit, full_optim_state_dict: Mappi
     check_param_counts_before_sharding({"state": full["state"], "param_id_map": param_id_map}, len(layouts))
     uncollected = {int(k) for k in full.get("uncollected_local_ids", [])}
     _check_shapes(full["state"], layouts, uncollected)
-    flat = flatten_optim_state_dict({**full, "param_id_map": param_id_map})
+    scalar_gids = {g for lay in layouts for g, shape in zip(lay.gids, lay.shapes) if len(shape) == 0}
+    flat = flatten_for_model({**full, "param_id_map": param_id_map}, scalar_gids)
     for group in flat["param_groups"]:
         group["params"] = list(range(len(layouts)))
     for local, entry in flat["state"].items():
-        if local in uncollected:
-            continue  # rank 0's own state, used on every rank as upstream does
         lay = layouts[local]
         for key, value in list(entry.items()):
-            entry[key] = _shard_value(lay, key, value)
+            if local in uncollected:
+                # Rank 0's own state, used on every rank as upstream does; shaped as the parameter the optimizer
+                # steps (a single non-flat parameter that its group of one rank does not shard keeps its shape).
+                entry[key] = _as_stepped_shape(lay, value)
+            else:
+                entry[key] = _shard_value(lay, key, value)
     return flat
 
 
@@ -336,15 +340,31 @@ def _check_shapes(state: Mapping[Any, Any], layouts: List[_Layout], uncollected:
                 )
 
 
+def _stepped_shape(lay: _Layout) -> torch.Size:
+    """The shape of the tensor the optimizer steps for this instance: this rank's 1-D shard, or, where the group
+    does not shard (one rank), the flat parameter or the single non-flat parameter whole, in its own shape."""
+    h = lay.instance.handles[0]
+    return torch.Size([h.shard_numel]) if h.is_sharded else torch.Size(h.orig_size)
+
+
+def _as_stepped_shape(lay: _Layout, value: Any) -> Any:
+    shape = _stepped_shape(lay)
+    if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == shape.numel():
+        return value.reshape(shape).clone()
+    return value
+
+
 def _shard_value(lay: _Layout, key: str, value: Any) -> Any:
     c, h = lay.instance.config, lay.instance.handles[0]
     if isinstance(value, Tensor) and value.dim() > 0:
-        shard = chunk_and_pad(value, c.world_size)[c.rank].clone()
+        shard = chunk_and_pad(value, c.world_size)[c.rank]
         if shard.numel() != h.shard_numel:  # shapes were checked before: only a bug gets here
             raise RuntimeError(
                 f"fairscale internal error: optimizer state {key!r} shards to {shard.numel()} elements, not {h.shard_numel}"
             )
-        return shard
+        # The live state has the stepped tensor's shape: a single non-flat parameter on a group of one rank keeps
+        # its own (a 1-D state was accepted by load_state_dict and the next step failed on the shapes).
+        return shard.reshape(_stepped_shape(lay)).clone()
     if isinstance(value, list) and value and all(is_singleton_tensor(v) for v in value):
         # One value per rank of the saving world; a larger world reuses rank 0's (as upstream).
         return (value[c.rank] if c.rank < len(value) else value[0]).clone()
