@@ -76,8 +76,8 @@ def recursive_copy_to_device(value: Any, non_blocking: bool, device: torch.devic
 def calc_grad_norm(parameters: Iterable[torch.nn.Parameter], p: float) -> Tensor:
     """The ``p``-norm of the gradients of ``parameters`` taken together (parameters without grad skipped).
 
-    Per-parameter norms are computed in fp32 and combined, as ``torch.nn.utils.clip_grad_norm_``
-    does, so low-precision gradients do not overflow.
+    Per-parameter norms are computed in at least fp32 (fp64 gradients in fp64) and combined, as
+    ``torch.nn.utils.clip_grad_norm_`` does, so low-precision gradients do not overflow.
 
     Args:
         parameters (Iterable[torch.nn.Parameter]): the parameters whose ``.grad`` is measured (a list, or any
@@ -85,7 +85,7 @@ def calc_grad_norm(parameters: Iterable[torch.nn.Parameter], p: float) -> Tensor
         p (float): the norm order; ``math.inf`` for the max norm.
 
     Returns:
-        Tensor: a 0-dim tensor in the dtype of the first parameter with a gradient, on its
+        Tensor: a 0-dim tensor in the (real) dtype of the first parameter with a gradient, on its
         device; ``torch.tensor(0.0)`` if no parameter has a gradient.
     """
     # Listed once: the dtype lookup below walks the parameters a second time, which found an exhausted iterator (a
@@ -96,11 +96,27 @@ def calc_grad_norm(parameters: Iterable[torch.nn.Parameter], p: float) -> Tensor
         return torch.tensor(0.0)
     device = grads[0].device
     p = float(p)
+    # A norm is real: fp32 at least, fp64 where any gradient is (a fixed fp32 refused fp64 and complex gradients,
+    # so OSS.clip_grad_norm failed on any fp64 model).
+    wide = torch.float64 if any(_real_dtype(g.dtype) == torch.float64 for g in grads) else torch.float32
     if p == inf:
-        maxima = [g.abs().max().float().to(device) for g in grads if g.numel() > 0]
-        local_norm = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
+        maxima = [g.abs().max().to(device=device, dtype=wide) for g in grads if g.numel() > 0]
+        local_norm = torch.stack(maxima).max() if maxima else torch.zeros((), device=device, dtype=wide)
     else:
-        norms = [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(device) for g in grads]
+        norms = [torch.linalg.vector_norm(g, p, dtype=_norm_dtype(g.dtype)).to(device, wide) for g in grads]
         local_norm = torch.linalg.vector_norm(torch.stack(norms), p)
     first_dtype = next(param.dtype for param in parameters if param.grad is not None)
-    return local_norm.to(dtype=first_dtype)
+    return local_norm.to(dtype=_real_dtype(first_dtype))
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``dtype``'s real part (``dtype`` itself where it is real)."""
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}.get(
+        dtype, dtype
+    )
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``vector_norm`` computes a gradient's norm in: at least fp32, never narrower than the gradient
+    (and complex for a complex gradient, as ``vector_norm`` asks; its result is real)."""
+    return torch.promote_types(dtype, torch.complex64 if dtype.is_complex else torch.float32)

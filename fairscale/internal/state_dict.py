@@ -62,10 +62,21 @@ def replace_by_prefix_(state_dict: Dict[str, Any], old_prefix: str, new_prefix: 
         new_prefix (str): its replacement.
 
     Raises:
-        ValueError: if the two prefixes are equal.
+        ValueError: if the two prefixes are equal, or a renamed key would replace a key that is not renamed (e.g.
+            ``"module.w"`` and ``"w"`` with ``"module."`` -> ``""``); the dict is unchanged then.
     """
     if old_prefix == new_prefix:
         raise ValueError(f"replace_by_prefix_: old_prefix and new_prefix must be distinct, both are {old_prefix!r}")
-    for key in [k for k in state_dict.keys() if k.startswith(old_prefix)]:
-        new_key = new_prefix + key[len(old_prefix) :]
-        state_dict[new_key] = state_dict.pop(key)
+    renamed = [(k, new_prefix + k[len(old_prefix) :]) for k in state_dict.keys() if k.startswith(old_prefix)]
+    # All renames are taken out before any is put back: renaming one key at a time overwrote a key still waiting to
+    # be renamed ("m.m.w" -> "m.w" before "m.w" -> "w"), and the result depended on the keys' order.
+    moving = {old for old, _ in renamed}
+    clashes = [new for _, new in renamed if new in state_dict and new not in moving]
+    if clashes:
+        raise ValueError(
+            f"replace_by_prefix_: renaming {old_prefix!r} to {new_prefix!r} would overwrite the existing key(s) "
+            f"{clashes[:4]}{' ...' if len(clashes) > 4 else ''}; remove or rename them first"
+        )
+    values = [state_dict.pop(old) for old, _ in renamed]
+    for (_, new), value in zip(renamed, values):
+        state_dict[new] = value

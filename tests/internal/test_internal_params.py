@@ -72,6 +72,26 @@ def test_calc_grad_norm_edge_cases() -> None:
     assert float(calc_grad_norm([big], 2.0)) == pytest.approx(30000.0 * math.sqrt(2), rel=1e-3)
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_calc_grad_norm_of_fp64_and_complex_gradients_matches_torch(norm_type: float) -> None:
+    """A fixed fp32 computation refused fp64 gradients (narrowing) and complex ones (OSS.clip_grad_norm failed on
+    any fp64 model); fp64 gradients are measured in fp64, complex ones by their magnitudes, as torch's clipping."""
+    torch.manual_seed(0)
+    for dtypes, expected in (
+        ((torch.float64, torch.float64), torch.float64),
+        ((torch.complex64, torch.float32), torch.float32),
+        ((torch.complex128, torch.float32), torch.float64),
+        ((torch.float32, torch.complex128), torch.float32),  # the first parameter's real dtype, as before
+    ):
+        params = [torch.nn.Parameter(torch.randn(3, 2, dtype=d)) for d in dtypes]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e3
+        norm = calc_grad_norm(params, norm_type)
+        reference = torch.nn.utils.clip_grad_norm_(params, 1e30, norm_type)
+        assert norm.dtype == expected and norm.dim() == 0, (dtypes, norm)
+        torch.testing.assert_close(norm.double(), reference.double(), rtol=1e-6, atol=0)
+
+
 def _global_rank_body(rank: int, ws: int) -> None:
     assert get_global_rank(None, 2) == 2
     assert get_global_rank(dist.group.WORLD, 1) == 1

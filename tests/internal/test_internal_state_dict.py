@@ -49,3 +49,16 @@ def test_replace_by_prefix() -> None:
     assert tensors["b.w"] is original and "a.w" not in tensors
     with pytest.raises(ValueError, match="must be distinct"):
         replace_by_prefix_(sd, "x", "x")
+
+
+def test_replace_by_prefix_never_overwrites() -> None:
+    # One rename at a time overwrote a key still to be renamed: {"w": "inner"} here, one entry lost, whatever order.
+    for items in ([("m.m.w", "inner"), ("m.w", "outer")], [("m.w", "outer"), ("m.m.w", "inner")]):
+        sd = OrderedDict(items)
+        replace_by_prefix_(sd, "m.", "")
+        assert sd == {"m.w": "inner", "w": "outer"}, sd
+    # A key that is not renamed is not replaced: refused, and the dict is as it was.
+    sd = OrderedDict([("module.w", 1), ("w", 2), ("module.b", 3)])
+    with pytest.raises(ValueError, match=r"would overwrite the existing key\(s\) \['w'\]"):
+        replace_by_prefix_(sd, "module.", "")
+    assert list(sd.items()) == [("module.w", 1), ("w", 2), ("module.b", 3)]
