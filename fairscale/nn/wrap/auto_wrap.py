@@ -64,17 +64,54 @@ def default_auto_wrap_policy(
 
     Returns:
         bool: with ``recurse=True``, whether to descend; otherwise whether to wrap ``module``.
+
+    Raises:
+        TypeError: ``min_num_params`` is not a number, or ``force_leaf_modules`` / ``exclude_wrap_modules`` is not a
+            set (or other collection) of ``nn.Module`` subclasses (a single class included: pass ``{nn.Linear}``).
+        ValueError: ``min_num_params`` is negative or NaN.
     """
-    if force_leaf_modules is None:
-        force_leaf_modules = _default_force_leaf_modules()
-    if exclude_wrap_modules is None:
-        exclude_wrap_modules = _default_exclude_wrap_modules()
+    # Checked here, at the policy's first call: a bad value failed deep inside auto_wrap with torch's or Python's
+    # own message ("'>=' not supported", "'type' object is not iterable", "isinstance() arg 2 must be a type").
+    _check_min_num_params(min_num_params)
+    leaf = _module_types(
+        "force_leaf_modules", _default_force_leaf_modules() if force_leaf_modules is None else force_leaf_modules
+    )
+    excluded = _module_types(
+        "exclude_wrap_modules",
+        _default_exclude_wrap_modules() if exclude_wrap_modules is None else exclude_wrap_modules,
+    )
     is_large = unwrapped_params >= min_num_params
     if recurse:
         # Descending into a small module is pointless: nothing below it can be large enough.
-        return is_large and not isinstance(module, tuple(force_leaf_modules))
+        return is_large and not isinstance(module, leaf)
     wanted = is_large or (module_is_root and skip_params_check_for_root)
-    return wanted and not isinstance(module, tuple(exclude_wrap_modules))
+    return wanted and not isinstance(module, excluded)
+
+
+def _check_min_num_params(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"default_auto_wrap_policy: min_num_params must be a number of parameters (an int), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if not value >= 0:  # NaN included
+        raise ValueError(f"default_auto_wrap_policy: min_num_params must be >= 0 (0 wraps every module), got {value!r}")
+
+
+def _module_types(name: str, value: Any) -> Tuple[Type[nn.Module], ...]:
+    if isinstance(value, type) or isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(
+            f"default_auto_wrap_policy: {name} must be a set of nn.Module subclasses, got {value!r}; a single class "
+            f"goes in a set, e.g. {{{getattr(value, '__name__', 'nn.Linear')}}}"
+        )
+    types = tuple(value)
+    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise TypeError(
+            f"default_auto_wrap_policy: {name} must hold nn.Module subclasses (the classes, not names or "
+            f"instances), got {bad[:3]!r}"
+        )
+    return types
 
 
 # Upstream exposes the defaults as attributes of the policy function; users read and extend them.

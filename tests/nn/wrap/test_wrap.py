@@ -198,6 +198,31 @@ def test_custom_exclude_wrap_modules() -> None:
     assert isinstance(wrapped, Recorder) and isinstance(wrapped.module[0], nn.Linear)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"min_num_params": None}, TypeError, "min_num_params must be a number"),
+        ({"min_num_params": "100"}, TypeError, "min_num_params must be a number"),
+        ({"min_num_params": True}, TypeError, "min_num_params must be a number"),
+        ({"min_num_params": -1}, ValueError, "min_num_params must be >= 0"),
+        ({"min_num_params": float("nan")}, ValueError, "min_num_params must be >= 0"),
+        ({"min_num_params": 40, "force_leaf_modules": nn.Linear}, TypeError, "a single class goes in a set"),
+        ({"min_num_params": 40, "exclude_wrap_modules": nn.Linear}, TypeError, "a single class goes in a set"),
+        ({"min_num_params": 40, "exclude_wrap_modules": {"Linear"}}, TypeError, "the classes, not names"),
+        ({"min_num_params": 40, "force_leaf_modules": {nn.Linear(2, 2)}}, TypeError, "the classes, not names"),
+    ],
+)
+def test_default_policy_refuses_bad_arguments_naming_them(kwargs: Dict[str, Any], error: type, match: str) -> None:
+    # They failed deep inside auto_wrap with Python's own messages ("'>=' not supported between 'int' and
+    # 'NoneType'", "'type' object is not iterable"), or, for a negative size, wrapped parameterless modules.
+    with enable_wrap(wrapper_cls=Recorder):
+        with pytest.raises(error, match=match):
+            auto_wrap(nested_model(), auto_wrap_policy=functools.partial(default_auto_wrap_policy, **kwargs))
+    with enable_wrap(wrapper_cls=Recorder):  # lists and tuples of classes are sets enough; 0 wraps every module
+        wrapped = auto_wrap(nested_model(), auto_wrap_policy=size_policy(0, exclude_wrap_modules=[nn.Sequential]))
+    assert isinstance(wrapped[0], Recorder) and isinstance(wrapped[2], nn.Sequential)
+
+
 def test_default_sets_are_function_attributes_read_at_call_time() -> None:
     assert default_auto_wrap_policy.EXCLUDE_WRAP_MODULES == {nn.ModuleList, nn.ModuleDict}  # type: ignore
     assert default_auto_wrap_policy.FORCE_LEAF_MODULES == {nn.MultiheadAttention}  # type: ignore
