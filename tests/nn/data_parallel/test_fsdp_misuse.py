@@ -21,7 +21,7 @@ import copy
 import functools
 import io
 import pickle
-from typing import Dict
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -316,6 +316,69 @@ def _case_parent_module_loads_differing_dicts() -> None:
     _train(parent[0], 1)
 
 
+class _Picky(nn.Linear):
+    """A module whose own load check raises (instead of reporting through torch's error list)."""
+
+    refuse = True
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        if _Picky.refuse:
+            raise ValueError("_Picky refuses this checkpoint")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _picky_parent() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), FSDP(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _Picky(6, 3))))
+
+
+def _case_parent_load_that_raises_inside_an_instance_is_undone() -> None:
+    # torch skips an instance's post load hook when a module inside it raises: the instance stayed summoned with the
+    # dict's first values half loaded, and every later forward was refused ("forward called while the instance is
+    # in SUMMON_FULL_PARAMS"). Its next use undoes that load (with a warning), as does the parent's next load.
+    parent = _picky_parent()
+    fsdp = parent[1]
+    before = _full(fsdp)
+    changed = {k: v + 1.0 for k, v in parent.state_dict().items()}
+    _Picky.refuse = True
+    try:
+        for next_use in ("forward", "load"):
+            with pytest.raises(ValueError, match="_Picky refuses"):
+                parent.load_state_dict(changed)
+            with pytest.warns(RuntimeWarning, match="raised before it finished; this instance's parameters"):
+                if next_use == "forward":
+                    assert all(torch.equal(before[n], v) for n, v in _full(fsdp).items()), "the load was not undone"
+                else:
+                    _Picky.refuse = False
+                    parent.load_state_dict(changed)
+        assert all(torch.equal(before[n] + 1.0, v) for n, v in _full(fsdp).items())
+    finally:
+        _Picky.refuse = True
+    loaded = _full(fsdp)
+    optim = torch.optim.SGD(parent.parameters(), lr=0.1)
+    parent(_input()).sum().backward()  # trains again
+    optim.step()
+    assert all(not torch.equal(loaded[n], v) for n, v in _full(fsdp).items())
+
+
+def _case_parent_load_with_assign_copies_into_the_shards(flatten: bool) -> None:
+    # assign=True went three ways: FSDP.load_state_dict ignored it, a flattened instance under a parent copied, and
+    # a non-flattened one raised about flat parameters it does not have (leaving it summoned, see above). FSDP
+    # copies into its shards on every route; the parent's other modules are assigned as torch does.
+    torch.manual_seed(0)
+    parent = nn.Sequential(nn.Linear(4, 4), FSDP(nn.Linear(4, 3), flatten_parameters=flatten))
+    own = [p for p in parent[1].parameters()]
+    changed = {k: torch.full_like(v, 0.5) for k, v in parent.state_dict().items()}
+    parent.load_state_dict(changed, assign=True)
+    assert all(torch.equal(v, changed[k]) for k, v in parent.state_dict().items())
+    assert [p for p in parent[1].parameters()] == own and all(p is q for p, q in zip(parent[1].parameters(), own))
+    parent[1].load_state_dict({k[2:]: v + 1.0 for k, v in changed.items() if k.startswith("1.")}, assign=True)
+    assert all(torch.equal(v, torch.full_like(v, 1.5)) for v in parent[1].state_dict().values())
+    optim = torch.optim.SGD(parent.parameters(), lr=0.1)
+    parent(_input()).sum().backward()
+    optim.step()
+
+
 def _case_failed_load_before_the_first_forward_changes_nothing() -> None:
     # Before the first forward the nested instances are not materialized: the snapshot missed their shards, and a
     # load failing on a later key left the nested instance with the dict's values.
@@ -502,6 +565,15 @@ def _body(rank: int, world_size: int) -> None:
             ("full state dicts differing between ranks", _case_full_state_dicts_differing_between_ranks),
             ("a parent module loads differing dicts", _case_parent_module_loads_differing_dicts),
             ("failed load before the first forward", _case_failed_load_before_the_first_forward_changes_nothing),
+            ("a parent's load raising inside an instance", _case_parent_load_that_raises_inside_an_instance_is_undone),
+            (
+                "a parent's load with assign=True",
+                functools.partial(_case_parent_load_with_assign_copies_into_the_shards, True),
+            ),
+            (
+                "a parent's load with assign=True, not flattened",
+                functools.partial(_case_parent_load_with_assign_copies_into_the_shards, False),
+            ),
             ("torch.save of the model", functools.partial(_case_torch_save_of_the_whole_model, False)),
             ("torch.save of the model, mixed precision", functools.partial(_case_torch_save_of_the_whole_model, True)),
             ("constructor arguments", _case_constructor_arguments),

@@ -27,7 +27,19 @@ from fairscale.internal import collectives, tensor_hooks
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
-from . import ddp_guard, hybrid, identity, layout_check, prefetch, recovery, reduction, step_guard, ties, zero2
+from . import (
+    ddp_guard,
+    failed_load,
+    hybrid,
+    identity,
+    layout_check,
+    prefetch,
+    recovery,
+    reduction,
+    step_guard,
+    ties,
+    zero2,
+)
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor
 from .naming import clean_path
@@ -72,6 +84,7 @@ def _check_has_groups(unit: FSDPUnit) -> None:
 
 def lazy_init(unit: FSDPUnit) -> None:
     """Materialise handles, find the root and share the tree state. Cheap after the first call."""
+    failed_load.undo_failed_parent_loads(unit)
     if unit.is_root is None:
         _check_has_groups(unit)
         # Every unit of the tree, before anything is materialised or communicated: a tie error then leaves the
@@ -143,7 +156,9 @@ def lazy_init_for_call(unit: FSDPUnit) -> Iterator[None]:
     try:
         yield
     finally:
-        if uninitialized and unit.is_root:
+        # A call left open by a load that raised (see failed_load) may end here when its model is already gone.
+        alive = unit._owner_ref is not None and unit._owner_ref() is not None
+        if uninitialized and unit.is_root and alive:
             for u in unit.tree_units():
                 reset_lazy_init(u)
 

@@ -20,7 +20,7 @@ from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_
 from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
 
-from . import identity, loads
+from . import failed_load, identity, loads
 from .handle import FlatHandle
 from .naming import clean_text
 from .runtime import lazy_init_for_call
@@ -85,6 +85,8 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
     """Add ``_fsdp_wrapped_module.`` to this instance's keys; when a plain parent module loads a full dict into this
     instance, summon its full parameters first (released by :func:`_post_load_state_dict_hook`)."""
     unit = _unit(module)
+    # Still open: the previous parent load raised inside this instance (torch skipped the post hook).
+    failed_load.undo_own(unit)
     error_msgs = args[-1] if args and isinstance(args[-1], list) else None
     unit.pending_load_errors = None if error_msgs is None else (error_msgs, len(error_msgs))
     if unit.state_dict_type == StateDictType.FULL and unit.training_state == TrainingState.IDLE:
@@ -96,7 +98,7 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
             outer.enter_context(_restore_on_failure(unit))
             with contextlib.ExitStack() as inner:
                 inner.enter_context(summon_full_params(unit, recurse=True, volatile=False))
-                unit.pending_load_summon = (outer.pop_all(), inner.pop_all())
+                failed_load.opened(unit, (outer.pop_all(), inner.pop_all()))
     if _PRE_LOAD_HOOK_ENABLED[0]:
         replace_by_prefix_(state_dict, prefix, prefix + "_fsdp_wrapped_module.")
 
@@ -110,7 +112,7 @@ def _post_load_state_dict_hook(module: nn.Module, incompatible_keys: Any) -> Non
         # name the key of the user's dict instead, as the missing and unexpected keys below are.
         error_msgs, start = errors
         error_msgs[start:] = [clean_text(m) for m in error_msgs[start:]]
-    pending, unit.pending_load_summon = unit.pending_load_summon, None
+    pending = failed_load.take(unit)
     if pending is not None:
         outer, inner = pending
         with outer:

@@ -136,7 +136,9 @@ def pre_load_state_dict_hook(
             the loaded tensor in place of the flat parameter, which the wrapper's views and ``flat_params`` would
             not see (the load would be lost, silently). Raised before this wrapper changes.
     """
-    if module.is_flattened and local_metadata.get("assign_to_params_buffers", False):
+    # A wrapper without flat parameters (FSDP's flatten_parameters=False) holds the module's own parameters: assign
+    # works there as on the module (FSDP copies what a load rebinds into its shards, as its own load does).
+    if module.is_flattened and module.flat_params and local_metadata.get("assign_to_params_buffers", False):
         raise ValueError(
             f"load_state_dict(assign=True) cannot load into the FlattenParamsWrapper at '{prefix[:-1] or '(root)'}': "
             "its parameters must stay views into its flat parameters; load with assign=False (modules loaded "
