@@ -523,3 +523,41 @@ def test_dropped_model_is_garbage_collected() -> None:
     """Gradient hooks live in C++ where the garbage collector cannot see: they hold the instance weakly, so a dropped
     model (a sweep, a test) frees its FSDP state instead of leaking it."""
     run_distributed(_collected_after_del, 2)
+
+
+class _SharedStatistic(nn.Module):
+    """One buffer registered in two modules: ``a`` updates it in place, ``b`` reads it (and one fp64 buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        stat = torch.zeros(3)
+        self.a.register_buffer("stat", stat)
+        self.b.register_buffer("stat", stat)
+        self.register_buffer("wide", torch.tensor([1 + 1e-12, 1e300], dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.a.stat.add_(1)
+        return self.b(self.a(x)) + self.b.stat
+
+
+def _mixed_precision_buffers_body(rank: int, world_size: int) -> None:
+    # Lazy init and state_dict() cast each registration of a buffer to its own copy (the statistic b read stayed 0),
+    # and state_dict() put fp64 buffers back through their fp32 copies (1e300 became inf in the live model).
+    model = FSDP(_SharedStatistic(), mixed_precision=True, compute_dtype=torch.bfloat16, buffer_dtype=torch.float64)
+    inner = model.module.module
+    for step in range(2):
+        model(torch.randn(2, 3)).float().sum().backward()
+        wide = inner.wide
+        sd = model.state_dict()
+        assert sd["wide"].dtype == torch.float32 and sd["a.stat"].dtype == torch.float32  # upstream's format
+        assert inner.wide is wide and inner.wide.dtype == torch.float64, "state_dict() replaced a live buffer"
+        assert inner.wide.tolist() == [1 + 1e-12, 1e300]
+        assert inner.a.stat is inner.b.stat and inner.b.stat.tolist() == [step + 1.0] * 3
+    model.load_state_dict(sd)
+    assert inner.a.stat is inner.b.stat and inner.b.stat.tolist() == [2.0] * 3
+
+
+def test_mixed_precision_keeps_buffer_values_and_shared_buffers() -> None:
+    run_distributed(_mixed_precision_buffers_body, 2)

@@ -18,7 +18,7 @@ The docs page "Architecture" draws these objects and this data path.
 import contextlib
 import functools
 import weakref
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import Tensor
@@ -103,8 +103,9 @@ def lazy_init(unit: FSDPUnit) -> None:
         with outside_inference_mode():
             _become_root(unit)
             # Once per lazy-init cycle: `.to()`/`_apply` resets lazy init, so buffers are re-cast after a move.
+            casts: Dict[int, Tuple[Tensor, Tensor]] = {}
             for u in unit.tree_units():
-                u.cast_buffers()
+                u.cast_buffers(casts)
 
 
 @contextlib.contextmanager

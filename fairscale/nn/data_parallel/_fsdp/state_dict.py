@@ -342,17 +342,22 @@ def _buffers_in_fp32(unit: FSDPUnit) -> Generator[None, None, None]:
     if not unit.config.mixed_precision:
         yield
         return
-    changed: List[Tuple[nn.Module, str, torch.dtype]] = []
+    # The buffers themselves are put back afterwards: casting the fp32 copies back rounded fp64 buffers through fp32
+    # (1e300 became inf in the live model), and gave each registration of a shared buffer a copy of its own.
+    changed: List[Tuple[nn.Module, str, Tensor]] = []
+    fp32: Dict[int, Tensor] = {}
     for owned in unit.owned_modules():
         for name, buf in list(owned.named_buffers(recurse=False)):
             if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                changed.append((owned, name, buf.dtype))
-                setattr(owned, name, buf.to(torch.float32))
+                changed.append((owned, name, buf))
+                if id(buf) not in fp32:
+                    fp32[id(buf)] = buf.to(torch.float32)
+                setattr(owned, name, fp32[id(buf)])
     try:
         yield
     finally:
-        for owned, name, dtype in changed:
-            setattr(owned, name, getattr(owned, name).to(dtype))
+        for owned, name, original in changed:
+            setattr(owned, name, original)
 
 
 @contextlib.contextmanager

@@ -14,10 +14,10 @@ front class itself.
 import contextlib
 import enum
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from fairscale.internal import collectives
 from fairscale.internal.device import DeviceHandle
@@ -389,13 +389,21 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ memory
     @torch.no_grad()
-    def cast_buffers(self) -> None:
-        """Buffers of this unit's own modules to the compute device, floating ones in ``buffer_dtype``."""
+    def cast_buffers(self, casts: Optional[Dict[int, Tuple[Tensor, Tensor]]] = None) -> None:
+        """Buffers of this unit's own modules to the compute device, floating ones in ``buffer_dtype``.
+
+        ``casts`` (id of a buffer -> (the buffer, its cast)), shared by the units of a tree, casts a buffer that
+        several modules register once: each registration got a copy of its own before, and an in-place update
+        through one module (a running statistic) no longer reached the others.
+        """
         c = self.config
+        casts = {} if casts is None else casts
         for owned in self.owned_modules():
             for name, buf in list(owned.named_buffers(recurse=False)):
                 if buf is None:
                     continue
                 dtype = c.buffer_dtype if buf.is_floating_point() else buf.dtype
                 if buf.device != c.compute_device or buf.dtype != dtype:
-                    setattr(owned, name, buf.to(device=c.compute_device, dtype=dtype))
+                    if id(buf) not in casts:  # the buffer is kept in the entry, so its id is not reused meanwhile
+                        casts[id(buf)] = (buf, buf.to(device=c.compute_device, dtype=dtype))
+                    setattr(owned, name, casts[id(buf)][1])
