@@ -38,7 +38,7 @@ from fairscale.internal.containers import pack_kwargs, split_non_tensors, unpack
 from fairscale.internal import device
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._structure import _flatten, _map_structure, _unflatten
-from .checkpoint_utils import own_forward_without_stats, patch_batchnorm
+from .checkpoint_utils import own_forward_without_stats, patch_batchnorm_while
 
 __all__ = [
     "CheckpointFunction",
@@ -207,7 +207,7 @@ def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: Any = False) -> _Module
             stacklevel=2,
         )
         offload_to_cpu = bool(offload_to_cpu)
-    patch_batchnorm(module)
+    patch_batchnorm_while(module, is_checkpointing)
     setattr(module, "forward", _CheckpointedForward(module, module.forward, offload_to_cpu))
     return module
 

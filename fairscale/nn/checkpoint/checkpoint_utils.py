@@ -9,7 +9,7 @@ statistics move exactly once per step, in the pass that also computes gradients.
 """
 
 import contextlib
-from typing import Any, Iterator, List, Tuple, cast
+from typing import Any, Callable, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -28,14 +28,23 @@ class _RunningStatsGuard:
     module-level class (not closures) so that a patched model can still be pickled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, only_while: Optional[Callable[[], bool]] = None) -> None:
         self.suspended = False
+        # checkpoint_wrapper's patch: only while this returns True (its no-grad first pass). A no-grad forward of
+        # the user's own in training mode (torch.optim.swa_utils.update_bn recomputing the statistics) updates
+        # them, as the module does unwrapped; with every no-grad forward skipped, update_bn left them reset.
+        self.only_while = only_while
 
     def suspend(self, module: _BatchNorm, _inputs: Tuple[Any, ...]) -> None:
         # Only a layer that would actually update its statistics is touched: in eval mode the
         # flag changes nothing, and a layer whose flag is already off (by the user or by another
         # patch) must be left as it is.
-        if not torch.is_grad_enabled() and module.training and module.track_running_stats:
+        if (
+            not torch.is_grad_enabled()
+            and module.training
+            and module.track_running_stats
+            and (self.only_while is None or self.only_while())
+        ):
             module.track_running_stats = False
             self.suspended = True
 
@@ -69,8 +78,10 @@ def own_forward_without_stats(module: nn.Module) -> Iterator[None]:
         guard.restore(bn, (), None)
 
 
-def _patch_one(bn: _BatchNorm) -> Tuple[RemovableHandle, RemovableHandle]:
-    guard = _RunningStatsGuard()
+def _patch_one(
+    bn: _BatchNorm, only_while: Optional[Callable[[], bool]] = None
+) -> Tuple[RemovableHandle, RemovableHandle]:
+    guard = _RunningStatsGuard(only_while)
     pre = bn.register_forward_pre_hook(guard.suspend)
     # always_call: restore the flag even when the layer's forward raises, otherwise one failed
     # forward would silently stop the layer from ever tracking statistics again.
@@ -97,6 +108,15 @@ def patch_batchnorm(module: nn.Module) -> List[RemovableHandle]:
         List[RemovableHandle]: the hook handles, two per patched layer; call ``remove()`` on each
         to undo the patch.
     """
+    return patch_batchnorm_while(module, None)
+
+
+def patch_batchnorm_while(module: nn.Module, only_while: Optional[Callable[[], bool]]) -> List[RemovableHandle]:
+    """:func:`patch_batchnorm`, skipping the update only while ``only_while()`` is True as well (``None``: always).
+
+    :func:`~fairscale.nn.checkpoint.checkpoint_wrapper` passes ``is_checkpointing``: its own no-grad pass skips the
+    update, the user's no-grad forwards in training mode do not (the module behaves as unwrapped there).
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"patch_batchnorm expects an nn.Module, got {type(module).__name__}")
     handles: List[RemovableHandle] = []
@@ -104,5 +124,5 @@ def patch_batchnorm(module: nn.Module) -> List[RemovableHandle]:
         # A layer with a ``disable_patch_batchnorm`` attribute (any value, as upstream) manages its running
         # statistics itself under checkpointing, e.g. fairscale.experimental.nn.SyncBatchNorm.
         if _is_patched_kind(child):
-            handles.extend(_patch_one(cast(_BatchNorm, child)))
+            handles.extend(_patch_one(cast(_BatchNorm, child), only_while))
     return handles

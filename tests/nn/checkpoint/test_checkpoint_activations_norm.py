@@ -163,3 +163,25 @@ def test_patch_batchnorm_rejects_non_modules() -> None:
     bad: Any = [nn.BatchNorm1d(4)]
     with pytest.raises(TypeError, match="expects an nn.Module"):
         patch_batchnorm(bad)
+
+
+def test_no_grad_forwards_of_the_user_update_statistics_as_unwrapped() -> None:
+    """Only the wrapper's own no-grad pass skips the update: a no-grad forward in training mode (as
+    ``torch.optim.swa_utils.update_bn`` recomputes the statistics) updates them as the module does unwrapped; it
+    left them as they were (update_bn: reset, zero batches tracked). Deliberate difference from upstream."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    batches = [torch.randn(8, 4) for _ in range(3)]
+    loader = [(b,) for b in batches]
+    for model in (plain, wrapped):
+        torch.optim.swa_utils.update_bn(loader, model)  # resets, then no-grad forwards in training mode
+    for name, value in plain.state_dict().items():
+        assert torch.equal(wrapped.state_dict()[name], value), name
+    assert int(wrapped[1].num_batches_tracked) == len(batches)
+    # The checkpointed training forward still updates once (in the recomputation), not twice.
+    x = torch.randn(8, 4, requires_grad=True)
+    for model in (plain, wrapped):
+        model(x).sum().backward()
+    assert int(wrapped[1].num_batches_tracked) == int(plain[1].num_batches_tracked) == len(batches) + 1
+    torch.testing.assert_close(wrapped[1].running_mean, plain[1].running_mean)
