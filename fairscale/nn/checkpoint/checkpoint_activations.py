@@ -348,7 +348,7 @@ class _RunForward:
             # parameter stopped being a leaf and backward called the checkpoint's node over and over (a hang). An
             # alias of each output is what the caller gets instead; the recomputation returns the real tensors,
             # so a returned parameter still gets its gradient.
-            return tuple(_alias(t) for t in output_tensors)
+            return _aliases(output_tensors)
         if len(output_tensors) != self.num_output_tensors:
             raise RuntimeError(
                 f"checkpoint_wrapper: the recomputed forward returned {len(output_tensors)} tensors but the "
@@ -379,6 +379,29 @@ def _warn_about_tensors_stored_in_arguments(
             "values kept only to be logged are fine (this warning is shown once per module class).",
             stacklevel=2,
         )
+
+
+def _aliases(tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """:func:`_alias` of each output, keeping outputs that share memory views of one tensor.
+
+    Separate detached aliases hid from autograd that outputs overlap (``(y, y[0])``): an in-place change of one
+    changed the other's values but not its graph, and the gradients came out wrong, silently. As views of one
+    tensor the checkpoint's node returns them as torch's own reentrant checkpoint does, and autograd refuses an
+    in-place change of them ("... is a view and is being modified inplace").
+    """
+    out = [_alias(t) for t in tensors]
+    groups: Dict[Tuple[Any, int], List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.layout == torch.strided and t.numel() > 0 and not (t.is_leaf and t.requires_grad):
+            groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+    for members in groups.values():
+        first = tensors[members[0]]
+        if len(members) < 2 or any(tensors[i].dtype != first.dtype for i in members):
+            continue
+        whole = first.detach().as_strided((first.untyped_storage().nbytes() // first.element_size(),), (1,), 0)
+        for i in members:
+            out[i] = whole.as_strided(tensors[i].size(), tensors[i].stride(), tensors[i].storage_offset())
+    return tuple(out)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

@@ -727,3 +727,40 @@ def test_a_forward_that_returns_none() -> None:
     m = checkpoint_wrapper(_ReturnsNone())
     assert m(torch.randn(2, 4, requires_grad=True)) is None
     assert m.seen is not None and m.seen.shape == (2, 4)
+
+
+class ReturnsOverlappingOutputs(nn.Module):
+    """Returns a tensor and a view of it (as a pooled token next to the sequence), and one more unrelated output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        return y, y[0], y.sum(0)
+
+
+@pytest.mark.parametrize("modified", [None, 0, 1])
+def test_outputs_that_share_memory_stay_views_of_one_tensor(modified: Optional[int]) -> None:
+    # Each output became a separate detached alias: an in-place change of one changed the other's values but not
+    # its graph, and the gradients were wrong without an error (bias gradient 2 or 1 where 3 is right). As views of
+    # one tensor they are refused in place, as torch's reentrant checkpoint refuses them; used as they are, they
+    # give the module's gradients.
+    torch.manual_seed(0)
+    plain = ReturnsOverlappingOutputs()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(2, 3, requires_grad=True)
+    y, first, total = wrapped(x)
+    assert torch.equal(first, y[0]) and first.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    if modified is not None:
+        with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+            (y, first)[modified].mul_(2)
+        return
+    (y.pow(2).sum() + first.sum() * 3 + total.sum()).backward()
+    xp = x.detach().clone().requires_grad_(True)
+    yp, firstp, totalp = plain(xp)
+    (yp.pow(2).sum() + firstp.sum() * 3 + totalp.sum()).backward()
+    assert torch.equal(x.grad, xp.grad)
+    for p, q in zip(wrapped.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
