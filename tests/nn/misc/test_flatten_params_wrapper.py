@@ -849,3 +849,31 @@ def test_no_grad_forward_before_the_backward_keeps_checkpointed_gradients() -> N
     expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
     assert torch.count_nonzero(flat_grad[-12:]) > 0  # b's weight and bias: the checkpointed layer
     torch.testing.assert_close(flat_grad, expected)
+
+
+class _NamedLikeAFlatParameter(nn.Module):
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        if kind == "parameter":
+            self.register_parameter(name, nn.Parameter(torch.randn(3)))
+        elif kind == "buffer":
+            self.register_buffer(name, torch.randn(3))
+        else:
+            self.add_module(name, nn.Linear(3, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer", "module"])
+@pytest.mark.parametrize("name", ["flat_param", "flat_param_x", "flat_param_0"])
+def test_members_named_like_flat_parameters_are_refused(kind: str, name: str) -> None:
+    # The wrapper's state dict keys name the module's top-level members beside its flat parameters: such a member
+    # was taken for a flat parameter when loading (the wrapper could not load its own state_dict()), or clashed at
+    # construction ("KeyError: attribute 'flat_param_0' already exists").
+    with pytest.raises(ValueError, match=rf"member\(s\) named \['{name}'\].*rename them"):
+        FlattenParamsWrapper(_NamedLikeAFlatParameter(kind, name))
+    holder = nn.Sequential(_NamedLikeAFlatParameter(kind, name))  # one level down the keys carry a prefix: fine
+    wrapper = FlattenParamsWrapper(holder)
+    wrapper.load_state_dict(copy.deepcopy(wrapper.state_dict()))
