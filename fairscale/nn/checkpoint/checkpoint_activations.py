@@ -38,7 +38,11 @@ from fairscale.internal.containers import pack_kwargs, split_non_tensors, unpack
 from fairscale.internal import device
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._structure import _flatten, _map_structure, _unflatten
-from .checkpoint_utils import own_forward_without_stats, patch_batchnorm_while
+from .checkpoint_utils import (
+    own_forward_without_stats,
+    patch_batchnorm,
+    patch_batchnorm_while,
+)  # noqa: F401 (upstream name)
 
 __all__ = [
     "CheckpointFunction",
