@@ -19,7 +19,7 @@ Example::
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Generator, Optional, Set, Tuple, Type, cast
+from typing import Any, Callable, Dict, Generator, List, Optional, Set, Tuple, Type, cast
 
 from torch import nn
 
@@ -228,12 +228,22 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
         return module
     _check_not_wrapped(module, ConfigAutoWrap.wrapper_cls)
     policy = auto_wrap_policy if auto_wrap_policy is not None else ConfigAutoWrap.auto_wrap_policy
+    _WRAPPED.append({})
     try:
         wrapped, _ = ConfigAutoWrap.recursive_wrap(module, auto_wrap_policy=policy, module_is_root=True, **kwargs)
     except Exception as e:
         _note_partly_wrapped(e, module, ConfigAutoWrap.wrapper_cls)
         raise
+    finally:
+        _WRAPPED.pop()
     return wrapped
+
+
+# What the running auto_wrap() made of each module it visited: id -> (the module, its result, parameters wrapped).
+# A module registered in two places (Sequential(a, a), or one child of two parents) is wrapped once and the same
+# result put in every place; named_children() lists such a module once per parent, so a second place kept the bare
+# module (run unwrapped next to its wrapped self), and a second parent got a second wrapper around it.
+_WRAPPED: List[Dict[int, Tuple[nn.Module, nn.Module, int]]] = []
 
 
 def _note_partly_wrapped(error: Exception, module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
@@ -344,25 +354,53 @@ class ConfigAutoWrap:
             Tuple[nn.Module, int]: the (possibly wrapped) module and how many of its parameters
             are now inside wrappers.
         """
+        wrapped_module, wrapped = ConfigAutoWrap._wrap_once(module, auto_wrap_policy, module_is_root, **kwargs)
+        return wrapped_module, sum(wrapped.values())
+
+    @staticmethod
+    def _wrap_once(
+        module: nn.Module, auto_wrap_policy: AutoWrapPolicy, module_is_root: bool, **kwargs: Any
+    ) -> Tuple[nn.Module, Dict[int, int]]:
+        """:meth:`recursive_wrap`, with the wrapped parameters as ``{id: numel}``; a module visited before in this
+        :func:`auto_wrap` (registered in two places) gives its first result again."""
+        memo = _WRAPPED[-1] if _WRAPPED else {}
+        if id(module) not in memo:
+            memo[id(module)] = (
+                module,
+                *ConfigAutoWrap._wrap_subtree(module, auto_wrap_policy, module_is_root, **kwargs),
+            )
+        _, wrapped_module, wrapped = memo[id(module)]
+        return wrapped_module, wrapped
+
+    @staticmethod
+    def _wrap_subtree(
+        module: nn.Module, auto_wrap_policy: AutoWrapPolicy, module_is_root: bool, **kwargs: Any
+    ) -> Tuple[nn.Module, Dict[int, int]]:
+        """:meth:`_wrap_once` for a module not visited yet."""
         # Parameters already managed by a wrapper (marked by FSDP) do not count towards the size.
         params = list(module.parameters())
         if params and all(hasattr(p, "_is_sharded") for p in params):
             # Wrapped already (an FSDP instance, or a module inside one): neither looked into nor wrapped again, which
             # would nest a wrapper around parameters another one manages. Upstream asked the policy, which could.
-            return module, 0
-        num_params = sum(p.numel() for p in params if not hasattr(p, "_is_sharded"))
+            return module, {}
+        unwrapped = {id(p): p.numel() for p in params if not hasattr(p, "_is_sharded")}
+        num_params = sum(unwrapped.values())
         if not auto_wrap_policy(
             module=module, recurse=True, unwrapped_params=num_params, module_is_root=module_is_root
         ):
-            return module, 0
-        wrapped_params = 0
-        for name, child in module.named_children():
-            wrapped_child, num_wrapped = ConfigAutoWrap.recursive_wrap(
+            return module, {}
+        # By parameter: a child registered twice, or a grandchild shared by two children, counts once (as
+        # module.parameters() counts it), so the remainder never goes below what is really left.
+        wrapped: Dict[int, int] = {}
+        for name, child in list(module._modules.items()):  # every place, a module registered twice included
+            if child is None:
+                continue
+            wrapped_child, child_wrapped = ConfigAutoWrap._wrap_once(
                 child, auto_wrap_policy=auto_wrap_policy, module_is_root=False, **kwargs
             )
             setattr(module, name, wrapped_child)
-            wrapped_params += num_wrapped
-        remainder = num_params - wrapped_params
+            wrapped.update(child_wrapped)
+        remainder = num_params - sum(wrapped.values())
         if auto_wrap_policy(module=module, recurse=False, unwrapped_params=remainder, module_is_root=module_is_root):
-            return wrap(module, **kwargs), num_params
-        return module, wrapped_params
+            return wrap(module, **kwargs), unwrapped
+        return module, wrapped

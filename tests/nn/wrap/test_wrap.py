@@ -7,7 +7,7 @@ live with the FSDP tests.
 """
 
 import functools
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
@@ -354,3 +354,28 @@ def _move_module_cuda_half(rank: int, world_size: int) -> None:
 def test_move_module_cuda_half() -> None:
     # Moves the module to CUDA: in a CUDA world (skipped without a GPU), off the pytest process.
     run_distributed(_move_module_cuda_half, 1, device="cuda")
+
+
+def test_a_module_in_two_places_gets_one_wrapper() -> None:
+    # named_children() lists a module registered twice once: Sequential(a, a) became [W(a), a] (the same layer run
+    # wrapped and bare), and a child of two parents got two wrappers. Every place now holds the same wrapper.
+    seen: List[int] = []
+
+    def policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+        seen.append(unwrapped_params)
+        return recurse or (unwrapped_params >= 30 and not module_is_root)
+
+    shared = nn.Linear(5, 5)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(5, 1))
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=policy)
+    assert isinstance(wrapped[0], Recorder) and wrapped[0] is wrapped[2] and wrapped[0].module is shared
+    assert min(seen) >= 0
+    seen.clear()
+    shared = nn.Linear(5, 5)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.Tanh()))
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=policy)
+    assert isinstance(wrapped[0][0], Recorder) and wrapped[0][0] is wrapped[1][0]
+    # The shared layer's 30 parameters count once: nothing is left to the parents or the root (it was -30 there).
+    assert min(seen) >= 0 and seen[-1] == 0, seen

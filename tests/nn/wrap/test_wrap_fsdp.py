@@ -82,10 +82,44 @@ def _auto_wrap_case(rank: int, ws: int, min_num_params: int, expected: Dict[str,
     train_and_compare(rank, ws, NestedWrappedModule, kwargs, "one", wrapper=wrap_fn)
 
 
+class _SharedLayer(nn.Module):
+    """One linear layer used twice (registered in two places), as weight-shared blocks are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(8, 8)
+        self.seq = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(8, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.seq(x)
+
+    @staticmethod
+    def sample(n: int, gen: torch.Generator) -> Any:
+        return (torch.randn(n, 8, generator=gen),)
+
+    @staticmethod
+    def per_sample_loss(out: Tensor) -> Tensor:
+        return (out.float() - 0.5).pow(2).sum(-1)
+
+
+def _auto_wrap_a_layer_in_two_places(rank: int, ws: int) -> None:
+    # The first place got an FSDP instance and the second kept the bare layer: the root then refused the tree
+    # (the layer's weights belonged to the instance). Both places hold the same instance now, and it trains as the
+    # unwrapped model.
+    def wrapper(model: nn.Module) -> FSDP:
+        with enable_wrap(wrapper_cls=FSDP):
+            wrapped = auto_wrap(model, auto_wrap_policy=functools.partial(default_auto_wrap_policy, min_num_params=50))
+        assert wrapped.seq[0] is wrapped.seq[2] and isinstance(wrapped.seq[0], FSDP)
+        return FSDP(wrapped)
+
+    train_and_compare(rank, ws, _SharedLayer, {}, "nested", wrapper=wrapper)
+
+
 def _wrap_and_auto_wrap_with_fsdp_body(rank: int, ws: int) -> None:
     cases: List[Any] = [
         ("wrap arguments", lambda: _wrap_arguments_reach_fsdp(rank, ws)),
         ("hand-nested wrap", lambda: _hand_nested_wrap_trains(rank, ws)),
+        ("a layer in two places", lambda: _auto_wrap_a_layer_in_two_places(rank, ws)),
     ]
     # Thresholds: 100 wraps block 1 (104) only; 30 descends into both blocks and wraps every linear of at least
     # 30 parameters (the "leaf" layout of the FSDP tests), leaving the 18-parameter last linear to the root.
