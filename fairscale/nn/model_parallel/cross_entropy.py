@@ -68,9 +68,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         masked_target = target.clone() - vocab_start_index
         masked_target[target_mask] = 0
 
-        # The rows named: view(-1, 0) cannot infer them for an empty slice.
-        logits_2d = vocab_parallel_logits.view(math.prod(vocab_parallel_logits.shape[:-1]), partition_vocab_size)
-        masked_target_1d = masked_target.view(-1)
+        # The rows named: view(-1, 0) cannot infer them for an empty slice. reshape: logits cut from a larger
+        # tensor (the language-model shift logits[:, :-1]) and transposed targets are not viewable as 2-D / 1-D.
+        logits_2d = vocab_parallel_logits.reshape(math.prod(vocab_parallel_logits.shape[:-1]), partition_vocab_size)
+        masked_target_1d = masked_target.reshape(-1)
         if partition_vocab_size:
             arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
             predicted_logits = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
@@ -82,7 +83,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Out of place, as upstream: the caller's logits keep only the max shift above (upstream's documented side
         # effect), not the softmax, which then became the gradient in backward; at model-parallel size 1, behind
         # scatter_to_model_parallel_region (a view of the caller's tensor), autograd refused the in-place write.
-        exp_logits = torch.exp(vocab_parallel_logits)
+        exp_logits = torch.exp(vocab_parallel_logits).contiguous()  # backward views it as 2-D
         sum_exp_logits = exp_logits.sum(dim=-1)
         collectives.all_reduce(sum_exp_logits, group=group)
 
@@ -99,7 +100,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if partition_vocab_size:  # an empty slice's gradient is empty: nothing to subtract
             grad_2d = grad_input.view(-1, partition_vocab_size)
             arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
-            grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+            grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.reshape(-1).float()
         grad_input.mul_(grad_output.unsqueeze(dim=-1))
         return grad_input, None
 
@@ -121,5 +122,15 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor) 
 
     Returns:
         Tensor: the loss, with the shape of ``target`` and the dtype of the logits.
+
+    Raises:
+        ValueError: ``target``'s shape is not the logits' shape without the last dimension (a ``[N, 1]`` target for
+            ``[N, V/p]`` logits broadcast to an ``[N, N]`` "loss", and its backward failed).
     """
+    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: the target's shape {tuple(target.shape)} must be the logits' shape "
+            f"without the vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])} (logits "
+            f"{tuple(vocab_parallel_logits.shape)}); squeeze or reshape the target"
+        )
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)

@@ -211,7 +211,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         num_embeddings (int): vocabulary size, divisible by the model-parallel world size.
         embedding_dim (int): size of each embedding vector.
         padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as :func:`torch.nn.functional.embedding`,
-            applied to the local partition.
+            applied to the local partition, to the ids this rank owns (``max_norm`` renormalises only rows that
+            were looked up, ``scale_grad_by_freq`` counts only the uses of a row: upstream looked the other ranks'
+            ids up as local row 0, which renormalised that row and scaled its gradient down).
         init_method (Callable[[Tensor], Tensor]): initialiser of the full ``[V, D]`` master weight.
     """
 
@@ -266,9 +268,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         masked_input = input_.clone() - self.vocab_start_index
         masked_input[input_mask] = 0
-        output_parallel = _local_embedding(self, masked_input)
-        # Ids owned by another rank looked up local row 0: zero them so that the sum counts each id once.
-        output_parallel[input_mask, :] = 0.0
+        if self.max_norm is None and not self.scale_grad_by_freq:
+            output_parallel = _local_embedding(self, masked_input)
+            # Ids owned by another rank looked up local row 0: zero them so that the sum counts each id once.
+            output_parallel[input_mask, :] = 0.0
+        else:
+            # Only the ids this rank owns are looked up: with the others sent to local row 0, scale_grad_by_freq
+            # counted them as uses of that row (its gradient was divided by their number: 0.25 where 1.0 is
+            # right), and max_norm renormalised that row although no token used it (upstream's behaviour).
+            owned = ~input_mask
+            output_parallel = self.weight.new_zeros(*input_.shape, self.embedding_dim)
+            output_parallel[owned] = _local_embedding(self, masked_input[owned])
         return reduce_from_model_parallel_region(output_parallel)
 
 

@@ -123,6 +123,36 @@ def _three_all_reduces() -> None:
     assert counter.count() == counter.count("all_reduce") == 3, counter  # the check adds no collective
 
 
+def _non_contiguous_logits_and_targets() -> None:
+    # The language-model shift (logits[:, :-1] against target[:, 1:]) and a transposed target failed with torch's
+    # "view size is not compatible with input tensor's size and stride".
+    logits, target = _inputs(1.0)
+    shifted, next_ids = logits[:, :-1], target[:, 1:]
+    ref_logits = shifted.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, ref_logits.size(-1)), next_ids.reshape(-1), reduction="none")
+    ref.sum().backward()
+    leaf = logits.clone().requires_grad_()
+    local = scatter_to_model_parallel_region(leaf).clone()[:, :-1]
+    assert not local.is_contiguous() and not next_ids.is_contiguous()
+    loss = vocab_parallel_cross_entropy(local, next_ids)
+    loss.sum().backward()
+    _assert_close(loss, ref.detach().view_as(next_ids), **TOL)
+    _assert_close(leaf.grad[:, :-1], ref_logits.grad, **TOL)
+    transposed = target.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    loss = vocab_parallel_cross_entropy(scatter_to_model_parallel_region(logits).clone(), transposed)
+    _assert_close(loss, vocab_parallel_cross_entropy(scatter_to_model_parallel_region(logits).clone(), target))
+
+
+def _target_of_another_shape_is_refused() -> None:
+    # A [N, 1] target for [N, V/p] logits broadcast to an [N, N] "loss", and its backward failed.
+    logits, target = _inputs(1.0)
+    local = scatter_to_model_parallel_region(logits[0]).clone()
+    for bad in (target[0].unsqueeze(1), target[0].unsqueeze(0), target):
+        with pytest.raises(ValueError, match="the target's shape .* must be the logits' shape without"):
+            vocab_parallel_cross_entropy(local.clone(), bad)
+
+
 def _ce_body(rank: int, world_size: int) -> None:
     for mp in [s for s in (4, 2, 1) if s <= world_size]:
         mpu.initialize_model_parallel(mp)
@@ -135,6 +165,8 @@ def _ce_body(rank: int, world_size: int) -> None:
                     (f"mp={mp}:shifts_input_in_place", _shifts_input_in_place),
                     (f"mp={mp}:parity_straight_from_the_scatter", _parity_straight_from_the_scatter),
                     (f"mp={mp}:three_all_reduces", _three_all_reduces),
+                    (f"mp={mp}:non_contiguous", _non_contiguous_logits_and_targets),
+                    (f"mp={mp}:target_shape", _target_of_another_shape_is_refused),
                 ]
                 + [(f"mp={mp}:uneven_slices_{w}", functools.partial(_uneven_slices, w)) for w in (VOCAB_PER, 4097)]
                 + [

@@ -183,6 +183,33 @@ def _embeddings() -> None:
     assert torch.equal(emb(torch.tensor([[-1, vocab]])), torch.zeros(1, 2, dim * p))
 
 
+def _wide_normal(weight: Tensor) -> Tensor:
+    return init.normal_(weight, std=3.0)
+
+
+def _vocab_embedding_options() -> None:
+    # The other ranks' ids were looked up as local row 0: scale_grad_by_freq counted them as uses of that row (its
+    # gradient 0.25 where 1.0 is right) and max_norm renormalised that row although no token used it.
+    vocab, dim = 16, 4
+    ids = torch.tensor([[0, 5, 9, 13], [13, 0, 2, 2]])
+    target = _data(2, 4, dim, salt=3)
+    for options in ({"scale_grad_by_freq": True}, {"max_norm": 1.0}, {"max_norm": 1.0, "scale_grad_by_freq": True}):
+        ref_weight = _master(vocab, dim, _wide_normal).requires_grad_()  # rows above max_norm: renormalised
+        ref_out = F.embedding(ids, ref_weight, **options)  # type: ignore[arg-type]
+        (ref_out * target).sum().backward()
+        torch.manual_seed(SEED)
+        emb = VocabParallelEmbedding(vocab, dim, init_method=_wide_normal, **options)
+        before = emb.weight.detach().clone()
+        out = emb(ids)
+        _close(out, ref_out, f"output with {options}")
+        (out * target).sum().backward()
+        _close(emb.weight.grad, _part(ref_weight.grad, 0), f"weight grad with {options}")
+        used = {int(i) - emb.vocab_start_index for i in ids.flatten()}
+        for row in range(emb.weight.shape[0]):
+            if row not in used:
+                assert torch.equal(emb.weight[row], before[row]), f"row {row} renormalised without a lookup"
+
+
 def _mappings() -> None:
     p, r = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
     h = torch.full((2, 3), float(r + 1))
@@ -238,6 +265,7 @@ CASES: List[Tuple[str, Callable[[], None]]] = [
     ("mappings", _mappings),
     ("bad_sizes", _bad_sizes),
     ("keep_master_at_one", _keep_master_at_one),
+    ("vocab_embedding_options", _vocab_embedding_options),
 ]
 
 
