@@ -10,6 +10,7 @@ order: global rank ``r = i * pp * mp + j * mp + k`` for data-parallel index ``i`
 an alias bound at import) so that tests can replace it, as upstream's ``test_adjacency`` does.
 """
 
+import numbers
 from typing import Any, List, Optional
 
 import torch
@@ -43,9 +44,14 @@ _PIPELINE_PARALLEL_GROUP: Optional[Any] = None
 _PIPELINE_PARALLEL_RANKS: Optional[List[int]] = None
 
 
+# How many times initialize_model_parallel() has succeeded in this process: layers record it when built, and check
+# their partition again when it changed (see layers._check_until_done).
+_GENERATION = 0
+
+
 def _whole_number_at_least_one(value: Any) -> bool:
-    """An int, or an integral float (2.0, as upstream took for the model-parallel size), of at least 1."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() and value >= 1
+    """An integer (numpy's too), or an integral float (2.0, as upstream took for the model-parallel size), >= 1."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer() and value >= 1
 
 
 def _check_grid(world_size: int, model_parallel_size: int, pipeline_length: int) -> None:
@@ -131,6 +137,7 @@ def initialize_model_parallel(
         )
     pipeline_length = int(pipeline_length)  # an integral float (2.0) is taken, as model_parallel_size_ is
     _check_grid(world_size, model_parallel_size, pipeline_length)
+    _check_backends_available(model_parallel_backend, pipeline_backend, ddp_backend)
     rank = torch.distributed.get_rank()
     data_parallel_size = world_size // (model_parallel_size * pipeline_length)
     if rank == 0:
@@ -140,26 +147,52 @@ def initialize_model_parallel(
         print("> initializing pipeline with size {}".format(pipeline_length))
 
     grid = _Grid(data_parallel_size, pipeline_length, model_parallel_size)
-    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _PIPELINE_PARALLEL_GROUP, _PIPELINE_PARALLEL_RANKS
-    # new_group() is collective: every rank creates every group, in the same order (data, model, pipeline).
+    global _DATA_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _PIPELINE_PARALLEL_GROUP, _PIPELINE_PARALLEL_RANKS, _GENERATION
+    # All checked before any group is made (upstream's wording for both pipeline checks).
     _check_not_initialized(_DATA_PARALLEL_GROUP, "data parallel group is already initialized")
-    for ranks in grid.data_parallel_groups():
-        group = torch.distributed.new_group(ranks, backend=ddp_backend)
-        if rank in ranks:
-            _DATA_PARALLEL_GROUP = group
     _check_not_initialized(_MODEL_PARALLEL_GROUP, "model parallel group is already initialized")
-    for ranks in grid.model_parallel_groups():
-        group = torch.distributed.new_group(ranks, backend=model_parallel_backend)
-        if rank in ranks:
-            _MODEL_PARALLEL_GROUP = group
-    # Upstream's wording for both pipeline checks.
     _check_not_initialized(_PIPELINE_PARALLEL_GROUP, "model parallel group is already initialized")
     _check_not_initialized(_PIPELINE_PARALLEL_RANKS, "model parallel group is already initialized")
-    for ranks in grid.pipeline_groups():
-        group = torch.distributed.new_group(ranks, backend=pipeline_backend)
-        if rank in ranks:
-            _PIPELINE_PARALLEL_GROUP = group
-            _PIPELINE_PARALLEL_RANKS = ranks
+    try:
+        # new_group() is collective: every rank creates every group, in the same order (data, model, pipeline).
+        for ranks in grid.data_parallel_groups():
+            group = torch.distributed.new_group(ranks, backend=ddp_backend)
+            if rank in ranks:
+                _DATA_PARALLEL_GROUP = group
+        for ranks in grid.model_parallel_groups():
+            group = torch.distributed.new_group(ranks, backend=model_parallel_backend)
+            if rank in ranks:
+                _MODEL_PARALLEL_GROUP = group
+        for ranks in grid.pipeline_groups():
+            group = torch.distributed.new_group(ranks, backend=pipeline_backend)
+            if rank in ranks:
+                _PIPELINE_PARALLEL_GROUP = group
+                _PIPELINE_PARALLEL_RANKS = ranks
+    except BaseException:
+        # A backend that cannot make groups (nccl without CUDA, a misspelt name) failed after the data-parallel group
+        # was set: a retry then said "already initialized" while model_parallel_is_initialized() said False.
+        destroy_model_parallel()
+        raise
+    _GENERATION += 1
+
+
+def _check_backends_available(*backends: Optional[str]) -> None:
+    """Refuse a backend that cannot make groups before any group is made.
+
+    torch's ``new_group`` fails on each rank at the first group that rank belongs to, after the ranks outside it
+    have counted it: the ranks' group counters then differ and every later ``new_group`` (a retry included) waits
+    for a group the others never make.
+    """
+    available = getattr(torch.distributed, "is_backend_available", None)
+    if available is None:  # torch < 2.1 cannot say; new_group will
+        return
+    for backend in backends:
+        if backend is not None and not available(str(backend)):
+            raise FairscaleValueError(
+                f"initialize_model_parallel: the backend {backend!r} is not available in this torch build (nccl "
+                "needs CUDA; registered third-party backends must be imported first); pass 'gloo', 'nccl' or None "
+                "(the default group's)"
+            )
 
 
 def _check_ranks_agree(

@@ -24,6 +24,7 @@ from fairscale.internal.agreement import check_ranks_agree
 from fairscale.internal.compiler import is_compiling
 from fairscale.internal.errors import FairscaleValueError
 
+from . import initialize as _initialize
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
 from .mappings import (
     copy_to_model_parallel_region,
@@ -154,11 +155,40 @@ def _undo_stride(gathered: Tensor, world_size: int, stride: int, dim: int) -> Te
     return torch.cat(ordered, dim=dim)
 
 
+def _current_layout() -> Tuple[int, int, int]:
+    """(how many times the groups were initialised, model-parallel size, rank): what a layer's partition depends on."""
+    return (_initialize._GENERATION, get_model_parallel_world_size(), get_model_parallel_rank())
+
+
+def _check_layout_unchanged(layer: torch.nn.Module) -> None:
+    """Refuse a layer built for other model-parallel groups than the current ones (a rank-local check).
+
+    After ``destroy_model_parallel()`` and ``initialize_model_parallel()`` at another size, a layer built before ran
+    on with its old partition against the new group: a width of 4 for ``out_features=8``, zero vectors for half the
+    ids, silently (its first-forward agreement check had run already). Only compared when the groups were
+    initialised again since (one integer comparison per forward otherwise).
+    """
+    built = getattr(layer, "_mp_layout", None)  # a layer pickled by an earlier version has none: taken as it is
+    if built is not None and built[0] == _initialize._GENERATION:
+        return
+    now = _current_layout()
+    if built is not None and tuple(built[1:]) != now[1:]:
+        raise RuntimeError(
+            f"{type(layer).__name__} was built for a model-parallel group of {built[1]} rank(s) (as rank {built[2]}), "
+            f"but the current model-parallel group has {now[1]} (this rank is {now[2]}): its weights are another "
+            "partition. Build the layer again after initialize_model_parallel() (or load its full weights into a "
+            "new one)."
+        )
+    setattr(layer, "_mp_layout", now)
+
+
 def _check_until_done(layer: torch.nn.Module, arguments: Callable[[], _Description], input_: Any) -> None:
     """Run :func:`_ranks_agree_at_first_forward` in ``layer``'s forward until it reports the check done.
 
-    ``arguments`` is called only then, so that the forwards after the first build no description.
+    ``arguments`` is called only then, so that the forwards after the first build no description. Every forward
+    first checks that the model-parallel groups are still the ones the layer was built for.
     """
+    _check_layout_unchanged(layer)
     # getattr: a layer pickled whole by an earlier version has no flag (it is checked at its next forward).
     if not getattr(layer, "_ranks_agree_checked", False):
         # setattr: a bool is neither of the types Module.__setattr__ declares.
@@ -248,6 +278,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             self.weight, self.num_embeddings, self.embedding_dim, self.num_embeddings_per_partition, 0, init_method
         )
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
+        self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
     def _arguments(self) -> _Description:
         # Not padding_idx: it is a local row index (upstream's behaviour), which a rank may set for the pad id it
@@ -331,6 +362,7 @@ class ParallelEmbedding(torch.nn.Module):
             return_master_weight=False,
         )
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
+        self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
     def _arguments(self) -> _Description:
         return [
@@ -389,6 +421,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self._stride = stride
         _add_partitioned_affine(self, 0, bias, init_method, keep_master_weight_for_test)
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
+        self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
     def get_master_weight(self) -> Tensor:
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
@@ -452,6 +485,7 @@ class RowParallelLinear(torch.nn.Module):
         self._stride = stride
         _add_partitioned_affine(self, 1, bias, init_method, keep_master_weight_for_test)
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
+        self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
     def get_master_weight(self) -> Tensor:
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""

@@ -8,6 +8,7 @@ Real gloo worlds of 1, 2 and 4 ranks (upstream's tests ran no world at all witho
 from collections import defaultdict
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,46 @@ def _check_errors(rank: int, world: int) -> None:
         mpu.destroy_model_parallel()
 
 
+def _check_failed_call_leaves_nothing(rank: int, world: int) -> None:
+    # A backend that cannot make groups failed after the data-parallel group was set: a retry then said "data
+    # parallel group is already initialized" while model_parallel_is_initialized() said False.
+    with pytest.raises(Exception, match="foo"):
+        mpu.initialize_model_parallel(1, model_parallel_backend="foo")
+    assert not mpu.model_parallel_is_initialized() and mpu._DATA_PARALLEL_GROUP is None
+    # Integers of numpy's (a size read from a config array) are whole numbers, as upstream took them.
+    mpu.initialize_model_parallel(np.int64(world), np.int64(1))
+    try:
+        assert mpu.get_model_parallel_world_size() == world
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def _check_layers_of_other_groups_are_refused(rank: int, world: int) -> None:
+    # A layer built before destroy_model_parallel() + initialize_model_parallel(another size) ran on with its old
+    # partition against the new group (width 4 for out_features=8), silently.
+    from fairscale.nn.model_parallel.layers import ColumnParallelLinear
+
+    mpu.initialize_model_parallel(world)
+    try:
+        layer = ColumnParallelLinear(4, 8, gather_output=True)
+        assert layer(torch.ones(2, 4)).shape == (2, 8)
+    finally:
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(world)  # the same groups again: the layer still fits
+    try:
+        assert layer(torch.ones(2, 4)).shape == (2, 8)
+    finally:
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1)
+    try:
+        if world > 1:
+            with pytest.raises(RuntimeError, match=rf"built for a model-parallel group of {world} rank"):
+                layer(torch.ones(2, 4))
+        assert ColumnParallelLinear(4, 8, gather_output=True)(torch.ones(2, 4)).shape == (2, 8)
+    finally:
+        mpu.destroy_model_parallel()
+
+
 def _layouts_body(rank: int, world_size: int) -> None:
     configs = [(m, p) for m in (1, 2, 4, 8) for p in (1, 2, 4) if m * p <= 4 * world_size]
     cases = []
@@ -84,6 +125,8 @@ def _layouts_body(rank: int, world_size: int) -> None:
                 (f"mp={requested_mp},pp={pp}", lambda m=requested_mp, p=pp: _check_layout(rank, world_size, m, p))
             )
     cases.append(("errors", lambda: _check_errors(rank, world_size)))
+    cases.append(("failed call leaves nothing", lambda: _check_failed_call_leaves_nothing(rank, world_size)))
+    cases.append(("layers of other groups", lambda: _check_layers_of_other_groups_are_refused(rank, world_size)))
     run_cases(cases)
 
 
