@@ -205,7 +205,15 @@ class CheckpointFunction(torch.autograd.Function):
             bwd_rng.restore()
         if isinstance(outputs, Tensor):
             outputs = (outputs,)
-        torch.autograd.backward(outputs, args)
+        # Only the recomputed outputs that require grad: one that needs none (a mask the function also returns) made
+        # backward fail ("element 1 of tensors does not require grad"), as torch's own checkpoint does not.
+        pairs = [(out, grad) for out, grad in zip(outputs, args) if isinstance(out, Tensor) and out.requires_grad]
+        if not pairs:
+            raise RuntimeError(
+                "model_parallel.random.checkpoint: none of the checkpointed function's outputs requires grad, so "
+                "there is nothing to back-propagate; call the function without checkpoint()"
+            )
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         return (None,) + tuple(inp.grad for inp in detached_inputs)
 
 

@@ -57,7 +57,8 @@ class MOELayer(Module):
         group (Optional[Any]): the process group of the all-to-all (default: the world).
 
     Raises:
-        TypeError: ``gate`` is not callable, or ``experts`` is not a module (a plain list of experts, say).
+        TypeError: ``gate`` is not callable, ``experts`` is not a module (a plain list of experts, say), or ``group``
+            is a list of ranks (or another non-group value) instead of a process group.
         ValueError: ``experts`` is an empty ``ModuleList``.
     """
 
@@ -79,6 +80,13 @@ class MOELayer(Module):
             self.experts = experts
         else:
             self.experts = ModuleList([experts])
+        # Not ints: dist.new_group(ranks) outside `ranks` returns one (torch's non-member marker), refused below.
+        if isinstance(group, (list, tuple, set, range, str)):
+            # Before: "TypeError: unhashable type: 'list'" from inside the collectives layer.
+            raise TypeError(
+                f"MOELayer: group must be a process group, got {type(group).__name__} {group!r}; pass "
+                "torch.distributed.new_group(ranks) (called on every rank), or None for the default group"
+            )
         self.group = group if group is not None else dist.group.WORLD
         for p in experts.parameters():
             p.expert = True  # type: ignore[attr-defined]
@@ -139,7 +147,9 @@ class MOELayer(Module):
         expert_output = torch.cat(expert_outputs, dim=1)
         expert_output = _AllToAll.apply(self.group, expert_output)
         expert_output = expert_output.reshape(self.world_size * self.num_local_experts, -1, d_model)
-        combined_output = torch.einsum("sec,ecm->sm", combine_weights, expert_output)
+        # The input's dtype, as the dispatch mask's: a gate run in fp32 for fp16/bf16 inputs (a router kept in full
+        # precision) failed here on every rank, after both all-to-alls, with einsum's bare dtype error.
+        combined_output = torch.einsum("sec,ecm->sm", combine_weights.to(expert_output.dtype), expert_output)
         return combined_output.reshape(input[0].shape)
 
     def _dispatch(self, input: Tuple[Tensor, ...]) -> Tuple[Tensor, Tensor]:

@@ -19,7 +19,12 @@ from fairscale.internal import collectives
 from fairscale.internal.device import rng_device, rng_get_state, rng_set_state
 from fairscale.nn.model_parallel import initialize as mpu
 from fairscale.nn.model_parallel import random
-from fairscale.nn.model_parallel.random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from fairscale.nn.model_parallel.random import (
+    CheckpointFunction,
+    checkpoint,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 
 
 @contextlib.contextmanager
@@ -131,6 +136,38 @@ def _checkpoint_replays_rng() -> None:
     torch.set_rng_state(after_plain[0])
     with pytest.raises(RuntimeError, match="Checkpointing is not compatible with .grad()"):
         torch.autograd.grad(checkpoint(_block, x, w).sum(), [x])
+
+
+def _block_and_mask(x: torch.Tensor, w: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    h = (x * w).tanh()
+    return h, (h > 0).float()
+
+
+def test_checkpoint_of_a_function_that_also_returns_a_tensor_without_grad() -> None:
+    # The mask's recomputation needs no grad; backward went through every output and failed ("element 1 of tensors
+    # does not require grad and does not have a grad_fn"), where torch's own checkpoint takes the others only.
+    x = torch.randn(5, 6, requires_grad=True)
+    w = torch.randn(6, requires_grad=True)
+    h, mask = _block_and_mask(x, w)
+    (h * mask).sum().backward()
+    expected = (x.grad.clone(), w.grad.clone())
+    x.grad, w.grad = None, None
+    h, mask = checkpoint(_block_and_mask, x, w)
+    (h * mask).sum().backward()
+    assert torch.equal(x.grad, expected[0]) and torch.equal(w.grad, expected[1])
+    with pytest.raises(RuntimeError, match="none of the checkpointed function's outputs requires grad"):
+        CheckpointFunction.backward(_FakeContext(x.detach(), w.detach()), torch.ones(5, 6), torch.ones(5, 6))
+
+
+class _FakeContext:
+    """What CheckpointFunction.backward reads from its context, for a function whose outputs need no grad."""
+
+    def __init__(self, *inputs: torch.Tensor) -> None:
+        from fairscale.nn.model_parallel.random import _RNGSnapshot
+
+        self.saved_tensors = inputs
+        self.fwd_rng = _RNGSnapshot()
+        self.run_function = lambda a, b: ((a * b).detach(), (a > 0).float())
 
 
 def _rng_body(rank: int, world_size: int) -> None:

@@ -229,6 +229,31 @@ def _bad_input(rank: int, world: int) -> None:
     assert out.dtype == torch.bfloat16 and out.shape == (SEQ, TOKENS, MODEL_DIM)
 
 
+class _Fp32Router(nn.Module):
+    """A gate kept in fp32 for low-precision inputs (a router in full precision)."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.gate = Top2Gate(MODEL_DIM, world)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        return self.gate(x.float())
+
+
+def _fp32_gate_for_low_precision_inputs(rank: int, world: int) -> None:
+    # The combine weights stayed fp32: after both all-to-alls, every rank failed in the combining einsum ("expected
+    # m1 and m2 to have the same dtype"). They take the experts' dtype, as the dispatch mask does.
+    router = _Fp32Router(world)
+    moe = MOELayer(router, nn.ModuleList([e.to(torch.bfloat16) for e in _experts(1)]))
+    x = _input(rank).to(torch.bfloat16)
+    out = moe(x)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    out.float().sum().backward()
+    assert router.gate.wg.weight.grad is not None and router.gate.wg.weight.grad.dtype == torch.float32
+    with pytest.raises(TypeError, match="group must be a process group, got list"):
+        MOELayer(router, _Identity(), group=list(range(world)))
+
+
 def _moe_body(rank: int, world_size: int) -> None:
     run_cases(
         [
@@ -242,6 +267,7 @@ def _moe_body(rank: int, world_size: int) -> None:
             ("parity_multi", lambda: _parity(rank, world_size, 2)),
             ("all_to_all_strategies", lambda: _all_to_all_strategies(rank, world_size)),
             ("bad_input", lambda: _bad_input(rank, world_size)),
+            ("fp32_gate", lambda: _fp32_gate_for_low_precision_inputs(rank, world_size)),
         ]
     )
 
