@@ -480,8 +480,6 @@ def _case_constructor_arguments() -> None:
         ({"gradient_predivide_factor": 0.0}, ValueError, "gradient_predivide_factor must be a positive"),
         ({"buffer_dtype": torch.int64}, ValueError, "buffer_dtype must be a floating-point"),
         ({"compute_device": torch.device("meta")}, ValueError, "compute_device cannot be 'meta'"),
-        ({"state_dict_device": torch.device("meta")}, ValueError, "state_dict_device cannot be 'meta'"),
-        ({"state_dict_device": "meta"}, ValueError, "state_dict_device cannot be 'meta'"),
     ):
         with pytest.raises(error, match=needle):
             FSDP(_Net(), **kwargs)  # type: ignore[arg-type]

@@ -154,12 +154,6 @@ def make_config(
         )
     if compute_device is not None and torch.device(compute_device).type == "meta":
         raise ValueError("FullyShardedDataParallel: compute_device cannot be 'meta'; pass the device to compute on")
-    if state_dict_device is not None and torch.device(state_dict_device).type == "meta":
-        # state_dict() would hand out tensors without data: a checkpoint saved from it loses every weight, silently.
-        raise ValueError(
-            "FullyShardedDataParallel: state_dict_device cannot be 'meta' (state dicts would hold no values); pass "
-            "torch.device('cpu') or leave it unset (the compute device)"
-        )
     device = resolve_compute_device(params, compute_device)
     grads_to_cpu = move_params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
     validate_grad_placement(device, move_params_to_cpu, grads_to_cpu)
