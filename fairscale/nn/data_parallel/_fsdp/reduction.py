@@ -39,12 +39,17 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
         raise RuntimeError(f"post-backward of {h.name} in unexpected state {unit.training_state.name}")
     tree.any_post_backward = True
     unit.transition(TrainingState.BACKWARD_POST)
-    if unit.defer_post_backward or (
-        unit.outer_task_uses_params and tensor_hooks.current_graph_task() != unit.backward_task
+    if (
+        unit.defer_post_backward
+        or unit.grad_forwards > 1
+        or (unit.outer_task_uses_params and tensor_hooks.current_graph_task() != unit.backward_task)
     ):
         # A reentrant checkpoint's nested backward over part of the unit: keep the full parameters (the outer
         # backward still reads them) and let the gradient accumulate; the outer task's hook reduces the whole of it.
         # (A checkpoint around the whole unit leaves the outer task no use of them: reduced here, as before.)
+        # Likewise a unit used by several forwards of this backward: reducing at the first use's hook reduce-
+        # scattered each use's part on its own (and the next use gathered the parameters again, over the whole
+        # group even with zero2): the end of backward reduces the sum once.
         return False
     if sync or unit.reshard_after_forward:
         h.free_full()

@@ -327,6 +327,8 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
             "cannot run inside summon_full_params() or inside its own forward."
         )
     unit.transition(TrainingState.FORWARD)
+    if torch.is_grad_enabled():
+        unit.grad_forwards += 1  # see FSDPUnit.grad_forwards
     try:
         outputs = _run_forward(unit, args, kwargs)
     finally:
@@ -501,6 +503,7 @@ def finalize_backward(root: FSDPUnit) -> None:
 
 
 def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool, keep_resharded: bool) -> None:
+    unit.grad_forwards = 0
     to_cpu = unit.config.move_grads_to_cpu
     for h in unit.handles:
         h.end_backward()

@@ -130,6 +130,10 @@ class FSDPUnit:
         self.has_fsdp_parent = False
         # Activation checkpointing covers only part of this unit: its reduction waits for the end of backward.
         self.defer_post_backward = False
+        # Forwards with autograd since the last end of backward. Above one (the unit called twice in a forward, a
+        # shared block), its gradient arrives in pieces (one per use in mixed precision and with
+        # optimize_backward_concat): the reduction waits for the end of backward, once, over the whole gradient.
+        self.grad_forwards = 0
         # The autograd graph task of this unit's backward, and whether that task accumulates into the unit's
         # parameters itself (set at its pre-backward point). A parameter gradient that arrives in another task comes
         # from a nested backward (torch.utils.checkpoint with use_reentrant=True); when the outer task uses the
