@@ -108,3 +108,32 @@ def _world4_body(rank: int, world_size: int) -> None:
 
 def test_a_unit_used_twice_gathers_over_the_zero2_group_only() -> None:
     run_distributed(_world4_body, 4)
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Three instances, each run under torch's non-reentrant checkpoint (recomputed inside backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([FSDP(_Block(), bucket_cap_mb=0) for _ in range(3)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def _recomputation_is_not_a_second_use(rank: int, world_size: int) -> None:
+    # A recomputation inside backward redoes the use of the forward: counted as a second use, every checkpointed
+    # instance kept its full parameters to the end of backward (all gathers first, all reductions last).
+    torch.manual_seed(0)
+    model = FSDP(_CheckpointedBlocks(), bucket_cap_mb=0)
+    loss = model(torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))).sum()
+    with count_collectives() as counter:
+        loss.backward()
+    kinds = [r.kind for r in counter.records if r.kind in ("all_gather", "reduce_scatter")]
+    assert kinds == ["all_gather", "reduce_scatter"] * 3, kinds  # each instance reduced right after its backward
+
+
+def test_a_recomputed_instance_is_reduced_at_its_own_backward() -> None:
+    run_distributed(_recomputation_is_not_a_second_use, 2)

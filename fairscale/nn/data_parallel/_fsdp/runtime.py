@@ -327,8 +327,11 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
             "cannot run inside summon_full_params() or inside its own forward."
         )
     unit.transition(TrainingState.FORWARD)
-    if torch.is_grad_enabled():
-        unit.grad_forwards += 1  # see FSDPUnit.grad_forwards
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 and not is_recomputing():
+        # See FSDPUnit.grad_forwards. Not a recomputation inside backward (activation checkpointing, torch's
+        # non-reentrant one included): it redoes a use already counted, and counting it would keep every
+        # checkpointed unit's full parameters to the end of backward.
+        unit.grad_forwards += 1
     try:
         outputs = _run_forward(unit, args, kwargs)
     finally:
