@@ -51,7 +51,12 @@ _GENERATION = 0
 
 def _whole_number_at_least_one(value: Any) -> bool:
     """An integer (numpy's too), or an integral float (2.0, as upstream took for the model-parallel size), >= 1."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer() and value >= 1
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and float(value).is_integer()
+        and float(value) >= 1
+    )
 
 
 def _check_grid(world_size: int, model_parallel_size: int, pipeline_length: int) -> None:

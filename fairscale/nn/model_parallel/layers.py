@@ -12,7 +12,7 @@ and called it with an input of the same shape and dtype (one small object all-ga
 checked: docs/model_parallel.rst).
 """
 
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch.nn.parameter import Parameter
 
 from fairscale.internal.agreement import check_ranks_agree
 from fairscale.internal.compiler import is_compiling
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 
 from . import initialize as _initialize
@@ -155,6 +156,14 @@ def _undo_stride(gathered: Tensor, world_size: int, stride: int, dim: int) -> Te
     return torch.cat(ordered, dim=dim)
 
 
+def _load_all_or_nothing(
+    self: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
+    """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a checkpoint of
+    another model-parallel size (a weight of another shape) raises before the replicated bias was overwritten."""
+    return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
+
+
 def _current_layout() -> Tuple[int, int, int]:
     """(how many times the groups were initialised, model-parallel size, rank): what a layer's partition depends on."""
     return (_initialize._GENERATION, get_model_parallel_world_size(), get_model_parallel_rank())
@@ -280,6 +289,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
         self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
+    load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+
     def _arguments(self) -> _Description:
         # Not padding_idx: it is a local row index (upstream's behaviour), which a rank may set for the pad id it
         # owns only; it changes neither the output's shape nor the sum's terms on other ranks.
@@ -364,6 +375,8 @@ class ParallelEmbedding(torch.nn.Module):
         self._ranks_agree_checked = False  # see _ranks_agree_at_first_forward
         self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
+    load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+
     def _arguments(self) -> _Description:
         return [
             ("num_embeddings", self.num_embeddings),
@@ -428,6 +441,8 @@ class ColumnParallelLinear(torch.nn.Module):
         gathered = gather_from_model_parallel_region(self.weight.data.transpose(0, 1)).transpose_(0, 1)
         return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 0)
 
+    load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+
     def _arguments(self) -> _Description:
         return [
             ("in_features", self.in_features),
@@ -491,6 +506,8 @@ class RowParallelLinear(torch.nn.Module):
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
         gathered = gather_from_model_parallel_region(self.weight.data)
         return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 1)
+
+    load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
 
     def _arguments(self) -> _Description:
         # The input's whole shape is compared, its last dimension too: with input_is_parallel it is this rank's

@@ -2,7 +2,7 @@
 """Mixture-of-experts layer (GShard): gate, all-to-all dispatch to the experts of every rank, combine."""
 
 import zlib
-from typing import Any, List, Optional, Tuple, Union, cast
+from typing import Any, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -11,6 +11,7 @@ from torch.nn import Module, ModuleList
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError, check_outcome_agrees, check_ranks_agree
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 
 __all__ = ["MOELayer"]
@@ -99,6 +100,11 @@ class MOELayer(Module):
             )
         self.world_size = dist.get_world_size(self.group)
         self.num_local_experts = len(self.experts)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a checkpoint
+        of another world size (a gate over another number of experts) raises before any expert was replaced."""
+        return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
         """Route ``input`` ``[sequence, tokens, model_dim]`` through the experts; same shape out.

@@ -243,7 +243,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
 # A module registered in two places (Sequential(a, a), or one child of two parents) is wrapped once and the same
 # result put in every place; named_children() lists such a module once per parent, so a second place kept the bare
 # module (run unwrapped next to its wrapped self), and a second parent got a second wrapper around it.
-_WRAPPED: List[Dict[int, Tuple[nn.Module, nn.Module, int]]] = []
+_WRAPPED: List[Dict[int, Tuple[nn.Module, nn.Module, Dict[int, int]]]] = []
 
 
 def _note_partly_wrapped(error: Exception, module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
@@ -365,10 +365,8 @@ class ConfigAutoWrap:
         :func:`auto_wrap` (registered in two places) gives its first result again."""
         memo = _WRAPPED[-1] if _WRAPPED else {}
         if id(module) not in memo:
-            memo[id(module)] = (
-                module,
-                *ConfigAutoWrap._wrap_subtree(module, auto_wrap_policy, module_is_root, **kwargs),
-            )
+            wrapped_module, wrapped = ConfigAutoWrap._wrap_subtree(module, auto_wrap_policy, module_is_root, **kwargs)
+            memo[id(module)] = (module, wrapped_module, wrapped)
         _, wrapped_module, wrapped = memo[id(module)]
         return wrapped_module, wrapped
 

@@ -210,6 +210,20 @@ def _vocab_embedding_options() -> None:
                 assert torch.equal(emb.weight[row], before[row]), f"row {row} renormalised without a lookup"
 
 
+def _failed_load_changes_nothing() -> None:
+    # A checkpoint of another model-parallel size: torch copied the replicated bias, then raised on the weight.
+    p = mpu.get_model_parallel_world_size()
+    torch.manual_seed(SEED)
+    row = RowParallelLinear(8 * p, 6)
+    before = {k: v.clone() for k, v in row.state_dict().items()}
+    other = {"weight": torch.ones(6, 8 * p + 1), "bias": torch.ones(6)}
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        row.load_state_dict(other)
+    assert all(torch.equal(v, before[k]) for k, v in row.state_dict().items()), "the failed load changed the layer"
+    row.load_state_dict({"weight": torch.ones(6, 8), "bias": torch.ones(6)})
+    assert torch.equal(row.bias, torch.ones(6))
+
+
 def _mappings() -> None:
     p, r = mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()
     h = torch.full((2, 3), float(r + 1))
@@ -266,6 +280,7 @@ CASES: List[Tuple[str, Callable[[], None]]] = [
     ("bad_sizes", _bad_sizes),
     ("keep_master_at_one", _keep_master_at_one),
     ("vocab_embedding_options", _vocab_embedding_options),
+    ("failed_load_changes_nothing", _failed_load_changes_nothing),
 ]
 
 

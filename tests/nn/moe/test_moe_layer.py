@@ -252,6 +252,14 @@ def _fp32_gate_for_low_precision_inputs(rank: int, world: int) -> None:
     assert router.gate.wg.weight.grad is not None and router.gate.wg.weight.grad.dtype == torch.float32
     with pytest.raises(TypeError, match="group must be a process group, got list"):
         MOELayer(router, _Identity(), group=list(range(world)))
+    # A checkpoint of another world size (a gate over more experts): torch replaced the experts, then raised.
+    moe = MOELayer(Top2Gate(MODEL_DIM, world), nn.ModuleList(_experts(1)))
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    other = MOELayer(Top2Gate(MODEL_DIM, 2 * world), nn.ModuleList(_experts(1))).state_dict()
+    other = {k: v + 1 for k, v in other.items()}
+    with pytest.raises(RuntimeError, match="size mismatch for gate.wg.weight"):
+        moe.load_state_dict(other)
+    assert all(torch.equal(v, before[k]) for k, v in moe.state_dict().items()), "the failed load changed the layer"
 
 
 def _moe_body(rank: int, world_size: int) -> None:
