@@ -128,6 +128,7 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     sizes are allowed, as upstream, while they split into as many chunks).
 
     Raises:
+        TypeError: a nested tuple (an element that is not a tensor).
         ValueError: an empty tuple or a 0-d tensor; the tensors of a tuple split into different numbers of chunks (upstream zipped them and dropped
             the rows past the shortest, silently: an 8-row and a 2-row input at ``chunks=4`` gave 4 rows of output).
     """
@@ -135,6 +136,13 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     # Both failed later with errors naming nothing of the input: torch's chunk error, an IndexError in gather.
     if not tensors:
         raise ValueError("the input is an empty tuple: pass a tensor or a tuple of tensors to split into micro-batches")
+    nested = [i for i, t in enumerate(tensors) if not isinstance(t, Tensor)]
+    if nested:
+        # check() lets nested tuples through (partitions may pass them between each other); they cannot be split.
+        raise TypeError(
+            f"the input's element(s) {nested} are {type(tensors[nested[0]]).__name__}s, not tensors: the input is "
+            "split into micro-batches as a tensor or a flat tuple of tensors; flatten the nested tuple"
+        )
     if any(t.dim() == 0 for t in tensors):
         raise ValueError("an input tensor is 0-d: inputs are split into micro-batches along dim 0 (the batch)")
     if isinstance(input, Tensor):

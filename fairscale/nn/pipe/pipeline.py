@@ -100,6 +100,11 @@ class Pipeline:
         for in_queue in set(in_queues):
             in_queue.put(None)
 
+    def _restart_workers(self) -> None:
+        for in_queue in set(self.in_queues):
+            in_queue.put(None)  # the threads still alive finish what is queued, then stop
+        self.in_queues, self.out_queues = create_workers(self.devices)
+
     def run(self, batches: List[Batch]) -> None:
         """Run the pipeline on ``batches``, replacing each by its output (in place)."""
         m = len(batches)
@@ -149,6 +154,8 @@ class Pipeline:
                 continue
             if not ok:
                 if payload is None:
+                    # New workers for the next call: waiting on this one's queue would never end.
+                    self._restart_workers()
                     raise RuntimeError(f"the worker thread of device {devices[j]} stopped unexpectedly")
                 exc_info = payload  # type: ignore[assignment]
                 continue

@@ -69,7 +69,10 @@ def worker(in_queue: InQueueT, out_queue: OutQueueT, device: torch.device) -> No
                     break
                 try:
                     batch = task.compute()
-                except Exception:
+                except BaseException:  # noqa: B902
+                    # Not only Exception: a partition raising SystemExit (or a test framework's failure) ended this
+                    # thread, its error was lost, and the next forward waited forever on the dead thread's queue.
+                    # Signals are delivered to the main thread, so nothing here swallows a Ctrl-C.
                     exc_info = cast(ExcInfo, sys.exc_info())
                     out_queue.put((False, exc_info))
                     continue

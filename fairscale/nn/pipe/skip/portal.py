@@ -109,9 +109,12 @@ class PortalBlue(torch.autograd.Function):
         return phony.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_phony: Tensor) -> Tuple[None, Tensor]:
-        grad = ctx.portal.use_grad()
-        return None, grad
+    def backward(ctx: Any, grad_phony: Tensor) -> Tuple[None, Optional[Tensor]]:
+        if ctx.portal.grad is None:
+            # The popped tensor got no gradient in this backward (the pop used it without autograd, e.g. for a
+            # mask, or not at all): the stash gets none either, as in the plain module (this raised before).
+            return None, None
+        return None, ctx.portal.use_grad()
 
 
 class PortalOrange(torch.autograd.Function):
@@ -143,6 +146,6 @@ class PortalCopy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_phony: Tensor) -> Tuple[None, None, None, None]:
         portal = ctx.portal
-        assert portal.grad is not None
-        (portal.grad,) = copy_tensors(ctx.streams.reversed(), (portal.grad,))
+        if portal.grad is not None:  # None: the popped tensor got no gradient (see PortalBlue.backward)
+            (portal.grad,) = copy_tensors(ctx.streams.reversed(), (portal.grad,))
         return None, None, None, None

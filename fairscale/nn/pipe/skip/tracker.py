@@ -7,7 +7,9 @@ from typing import Dict, Generator, Optional, Tuple
 
 from torch import Tensor
 
-from ..checkpoint import is_checkpointing
+# The portal's fork/join sits on the first tensor autograd follows (always the first tensor before: when that was an
+# integer tensor, ids beside the activations, the portal left the graph and the skip's gradient was lost silently).
+from ..checkpoint import _first_grad_index, is_checkpointing
 from ..dependency import fork, join
 from ..microbatch import Batch
 from ..stream import AbstractStream
@@ -73,13 +75,15 @@ class SkipTrackerThroughPotals(SkipTracker):
             # The stash layer's recomputation: the tensor is only handed out to the blue phony again.
             portal.put_tensor(tensor, 1)
         phony = portal.blue()
-        batch[0] = join(batch[0], phony)
+        i = _first_grad_index(batch)
+        batch[i] = join(batch[i], phony)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
         portal = self.portals[(ns, name)]
-        batch[0], phony = fork(batch[0])
+        i = _first_grad_index(batch)
+        batch[i], phony = fork(batch[i])
         return portal.orange(phony)
 
     def copy(
@@ -88,10 +92,11 @@ class SkipTrackerThroughPotals(SkipTracker):
         """Move the skip tensor to ``next_stream``'s device, ordered with ``batch`` by fork/join."""
         if not self.skip_layout.requires_copy(ns, name):
             raise RuntimeError(f"fairscale internal error: skip {name!r} copied though its layout needs no copy")
-        batch[0], phony = fork(batch[0])
+        i = _first_grad_index(batch)
+        batch[i], phony = fork(batch[i])
         portal = self.portals[(ns, name)]
         phony = portal.copy(prev_stream, next_stream, phony)
-        batch[0] = join(batch[0], phony)
+        batch[i] = join(batch[i], phony)
 
 
 class ThreadLocal(threading.local):
