@@ -310,6 +310,8 @@ class ShardedDataParallel(nn.Module):
 
     def _prepare_forward(self) -> None:
         needs_setup = self._reducer.state == HookState.NONE and self.training
+        # module.half() / .double() (torch's, past ShardedDataParallel.to) left the gradient buckets in the old dtype.
+        needs_setup |= self.training and self._reducer.buckets_stale()
         if self._auto_refresh_trainable:
             needs_setup |= self._detect_train_change()
         elif self.training and not needs_setup:

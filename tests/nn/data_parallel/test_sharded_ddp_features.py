@@ -229,6 +229,60 @@ def _dtype_change_case(rank: int) -> None:
     assert all(b.buffer.dtype == torch.float64 for per in oss.buckets.values() for b in per.values())
 
 
+def _torch_cast_case(rank: int, cast: str, on_inner: bool) -> None:
+    # nn.Module.double() / .half() / .bfloat16() (past ShardedDataParallel.to) left the gradient buckets in fp32:
+    # the next backward failed inside torch ("attempting to assign a gradient with dtype 'float' to a tensor with
+    # grad_dtype 'Double'"). The buckets are rebuilt at the next forward; the run equals one without buckets.
+    results = []
+    for buffer in (0, 2**20):
+        model = _mlp()
+        oss = OSS(model.parameters(), lr=0.1, momentum=0.9)
+        sdp = ShardedDataParallel(model, oss, reduce_buffer_size=buffer)
+        sdp(_batch(0, rank)).sum().backward()
+        oss.step()
+        getattr(model if on_inner else sdp, cast)()
+        dtype = next(model.parameters()).dtype
+        for step in (1, 2):
+            oss.zero_grad()
+            sdp(_batch(step, rank).to(dtype)).sum().backward()
+            oss.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results)), f"{cast}: buckets change the result"
+    assert all(b.buffer is None or b.buffer.dtype == dtype for b in sdp._reducer.buckets)
+
+
+def _unused_parameter_case(rank: int) -> None:
+    # Each hook rebuild (the first forward, eval -> train) gave a parameter no rank uses a zero gradient from its
+    # bucket slot, even right after optimizer.zero_grad(): weight decay then moved it (0.024 after one step). A plain
+    # optimizer, DDP and reduce_buffer_size=0 leave it as it is.
+    model = _WithUnused()
+    unused = model.unused
+    before = unused.weight.detach().clone()
+    oss = OSS(model.parameters(), lr=0.1, weight_decay=0.5, momentum=0.9)
+    sdp = ShardedDataParallel(model, oss, reduce_buffer_size=2**20)
+    for step in range(3):
+        if step == 1:
+            sdp.eval()
+            sdp(_batch(step, rank))
+            sdp.train()
+        oss.zero_grad()
+        sdp(_batch(step, rank)).sum().backward()
+        assert unused.weight.grad is None, f"step {step}: a zero gradient appeared"
+        oss.step()
+    assert torch.equal(unused.weight, before)
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3))
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def _rewrap_case(rank: int) -> None:
     """A dropped wrapper is collected and stops reducing: wrapping the model again reduces each gradient once."""
     model = _mlp()
@@ -304,6 +358,10 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("refresh_count,warn", lambda: _refresh_count_case(rank, True)),
         ("refresh_count,no_warn", lambda: _refresh_count_case(rank, False)),
         ("dtype_change", lambda: _dtype_change_case(rank)),
+        ("torch_double_on_wrapper", lambda: _torch_cast_case(rank, "double", False)),
+        ("torch_double_on_module", lambda: _torch_cast_case(rank, "double", True)),
+        ("torch_bfloat16_on_wrapper", lambda: _torch_cast_case(rank, "bfloat16", False)),
+        ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
         ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),
         ("expanded_buffer", lambda: _expanded_buffer_case(rank)),

@@ -229,6 +229,12 @@ class GradReducer:
         self.state = HookState.READY
 
     def _setup_buckets(self) -> None:
+        # A bucket gives every gradient a view of it, a zero one where there was none: such a parameter then had a
+        # zero gradient after each rebuild (the first forward, eval -> train, freezing, add_param_group), even right
+        # after optimizer.zero_grad(), and weight decay or momentum moved a parameter no rank used (a plain
+        # optimizer, DDP and reduce_buffer_size=0 leave it alone). Released again below: a gradient that arrives
+        # later is copied into its slot, as after any optimizer.zero_grad().
+        released = [param for param in self.trainable if param.grad is None]
         by_key: Dict[Tuple[torch.device, int, torch.dtype], GradBucket] = {}
         for param in self.trainable:
             dst = self._owner[id(param)]
@@ -244,6 +250,22 @@ class GradReducer:
         self.buckets = [b for b in by_key.values() if b._params]
         for bucket in self.buckets:
             bucket.shrink()
+        for param in released:
+            param.grad = None
+
+    def buckets_stale(self) -> bool:
+        """Whether the parameters' dtype or device changed since the buckets were built.
+
+        ``module.half()`` / ``.double()`` (``nn.Module``'s, which ``ShardedDataParallel.to`` does not see) cast every
+        parameter: the next backward assigned a gradient slot of the old dtype to them and failed inside torch.
+        One parameter per bucket is compared (a cast changes them all).
+        """
+        for bucket in self.buckets:
+            first = bucket._params[0]
+            buffer = bucket.buffer
+            if buffer is not None and (first.dtype != buffer.dtype or first.device != buffer.device):
+                return True
+        return False
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
