@@ -249,6 +249,54 @@ def _case_zero_size_parameter(root: str, rank: int) -> None:
         assert_same_optim(full_optim(fsdp_dcp.get_optimizer_state_dict(other, other_optim)), expected, "optimizer")
 
 
+class WithUnused(nn.Module):
+    """A nested instance that never gets a gradient, so its optimizer has no state for it when the model is saved."""
+
+    def __init__(self, flatten: bool) -> None:
+        super().__init__()
+        self.used = FSDP(nn.Linear(3, 3), flatten_parameters=flatten)
+        self.unused = FSDP(nn.Linear(3, 3), flatten_parameters=flatten)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x)
+
+
+def _unused_model(seed: int, flatten: bool) -> Tuple[Any, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    fsdp = FSDP(WithUnused(flatten), flatten_parameters=flatten)
+    return fsdp, torch.optim.Adam(fsdp.parameters(), lr=0.1)
+
+
+def _unused_steps(fsdp: Any, optim: Any, steps: range, rank: int) -> None:
+    for step in steps:
+        optim.zero_grad()
+        fsdp(torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * step + rank))).pow(2).sum().backward()
+        optim.step()
+
+
+def _case_parameters_without_saved_optimizer_state(root: str, rank: int) -> None:
+    # A fresh optimizer gets state for every parameter at the load (a step over zero gradients): DCP then looked for
+    # the unused instance's state in the checkpoint and refused the whole load ("Missing key in checkpoint
+    # state_dict: optimizer.state.unused.weight.step"). They are left without state, as in the saved run.
+    for flatten in (True, False):
+        fsdp, optim = _unused_model(0, flatten)
+        _unused_steps(fsdp, optim, range(2), rank)
+        path = os.path.join(root, f"unused-{flatten}")
+        fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+        _unused_steps(fsdp, optim, range(2, 4), rank)
+        for trained_first in (False, True):  # a fresh optimizer, and one that has stepped the unused one since
+            other, other_optim = _unused_model(5, flatten)
+            if trained_first:
+                other_optim.zero_grad()
+                other(torch.randn(2, 3)).sum().backward()
+                other.module.unused(torch.randn(2, 3)).sum().backward()
+                other_optim.step()
+            fsdp_dcp.load(other, other_optim, checkpoint_id=path)
+            assert len(other_optim.state) == len([p for p in fsdp.parameters() if p in optim.state]), flatten
+            _unused_steps(other, other_optim, range(2, 4), rank)
+            assert_same(other.state_dict(), fsdp.state_dict(), f"flatten_parameters={flatten}, resumed")
+
+
 def whole_on_this_rank(value: Tensor) -> Any:
     """A ShardedTensor whose one local shard is the whole tensor (valid for ShardedTensor, not a flat shard's boxes)."""
     md = ShardMetadata([0] * value.dim(), list(value.shape), f"rank:{dist.get_rank()}/cpu")
@@ -278,6 +326,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> None:
         _case_one_rank_checkpoint,
         _case_zero_size_parameter,
         _case_foreign_sharded_tensors_refused,
+        _case_parameters_without_saved_optimizer_state,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root, rank)) for case in cases])
 

@@ -94,6 +94,12 @@ def load(
         state[OPTIMIZER_KEY] = osd
         prefix = f"{OPTIMIZER_KEY}.state."
         saved_state = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
+        # Parameters the checkpoint has no optimizer state for (an instance that had no gradient yet when it was
+        # saved, or new layers loaded with strict=False): nothing to read, and DCP refused the whole load for them
+        # ("Missing key in checkpoint state_dict"). They are left out, and get no state, as torch's
+        # Optimizer.load_state_dict leaves a parameter the dict has no state for.
+        for name in set(osd["state"]) - saved_state:
+            del osd["state"][name]
         without = sorted(saved_state - set(osd["state"]))
         if without:
             _forget_created_state(optims, fresh)
