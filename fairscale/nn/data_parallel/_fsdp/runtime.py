@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives, tensor_hooks
+from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
@@ -363,7 +364,7 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     if not recomputing:
         prefetch.on_forward(unit)
     unit.use_full_params()
-    outputs = unit.wrapped(*args, **kwargs)
+    outputs = _unalias_outputs(unit, unit.wrapped(*args, **kwargs))
     # Before the full parameters are freed (a view of a freed one fails) and before use_fp32_shards (see below).
     accs = _forward_grad_accumulators(unit) if torch.is_grad_enabled() else []
     if (unit.reshard_after_forward or grad_off) and not recomputing:
@@ -372,6 +373,37 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     if torch.is_grad_enabled():
         outputs = _register_pre_backward_hooks(unit, outputs, accs)
     return outputs
+
+
+def _unalias_outputs(unit: FSDPUnit, outputs: Any) -> Any:
+    """Outputs that share memory with the unit's full parameters, as copies (the others as they are).
+
+    A forward may return a parameter or a view of it (a prompt, a class token, a positional table expanded to the
+    batch). The full parameters are freed after the forward (or, unsharded, swapped back for the fp32 shard): such an
+    output then pointed at freed memory (a segmentation fault in the next ``torch.cat``, or "setStorage ... storage of
+    size 0"), or, with ``flatten_parameters=False``, *was* the parameter, now this rank's 1-D shard (rank 1 multiplied
+    by its zero padding, silently). A copy keeps the values and the gradient path (``clone`` is differentiable).
+    """
+    full = set()
+    for h in unit.handles:
+        shard = h.fp32_shard
+        if shard is None:
+            continue
+        ptr = h.param.data.untyped_storage().data_ptr()
+        if ptr and ptr != shard.untyped_storage().data_ptr():
+            full.add(ptr)
+    if not full:
+        return outputs
+    aliased = [False]
+
+    def check(t: Tensor) -> None:
+        if t.untyped_storage().data_ptr() in full:
+            aliased[0] = True
+
+    for_each_tensor(outputs, check)
+    if not aliased[0]:
+        return outputs
+    return apply_to_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in full else t, outputs)
 
 
 def _forward_grad_accumulators(unit: FSDPUnit) -> List[Any]:

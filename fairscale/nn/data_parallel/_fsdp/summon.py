@@ -193,6 +193,11 @@ def _write_back(unit: FSDPUnit, handles: List[FlatHandle], fulls: List[Tensor]) 
 def summon_full_params(unit: FSDPUnit, recurse: bool, volatile: bool) -> Iterator[None]:
     """See :meth:`FullyShardedDataParallel.summon_full_params`."""
     targets = unit.tree_units() if recurse else [unit]
+    # Every handle of the summoned units materialized before the first is summoned: a handle borrowing a parameter
+    # of an earlier unit (append_shared_param) took that unit's summoned full tensor as its own shard, and the first
+    # forward after the summon failed in its all-gather.
+    for u in targets:
+        lazy_init(u)
     with contextlib.ExitStack() as stack:
         for u in targets:
             stack.enter_context(_summon_one(u, volatile))
