@@ -390,7 +390,14 @@ class AdaScale(torch.optim.Optimizer):
         """Raise the same error on every rank unless all of them have ``n_groups`` param groups and this AdaScale's
         settings with ``scale`` (see :func:`arguments.check_ranks_agree_on_settings`)."""
         arguments.check_ranks_agree_on_settings(
-            self._optimizer.param_groups, n_groups, self._num_grads_to_accum, self._world_size, scale, self._smoothing
+            self._optimizer.param_groups,
+            n_groups,
+            self._num_grads_to_accum,
+            self._world_size,
+            scale,
+            self._smoothing,
+            self._debias_ewma,
+            self._is_scaled_loss,
         )
 
     def add_param_group(self, pg: Dict[str, Any]) -> None:

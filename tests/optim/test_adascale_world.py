@@ -42,7 +42,14 @@ def _world_body(rank: int, world_size: int) -> Dict[str, Any]:
         model(torch.ones(1, 2)).sum().backward()
     except FairscaleValueError as e:
         seen["world_size"] = str(e)
-    for name, kwargs in [("scale", {"scale": 2.0 + rank}), ("smoothing", {"smoothing": 0.5 + rank / 4})]:
+    cases = [
+        ("scale", {"scale": 2.0 + rank}),
+        ("smoothing", {"smoothing": 0.5 + rank / 4}),
+        # Other statistics rules give other gains, so other learning rates (they were not compared).
+        ("debias_ewma", {"debias_ewma": rank == 0}),
+        ("is_scaled_loss", {"is_scaled_loss": rank == 0}),
+    ]
+    for name, kwargs in cases:
         try:
             AdaScale(SGD(nn.Linear(2, 1).parameters(), lr=0.1), **kwargs)
         except RanksDisagreeError as e:
@@ -70,6 +77,8 @@ def test_ranks_raise_alike_for_another_world_size_scale_or_smoothing() -> None:
     assert "world_size is 4 but the default process group has 2 rank(s)" in first["world_size"]
     assert "scale, smoothing" in first["scale"] and "entry 3: '2.0' vs '3.0'" in first["scale"]
     assert "entry 4: '0.5' vs '0.75'" in first["smoothing"]
+    assert "debias_ewma, is_scaled_loss" in first["debias_ewma"] and "entry 5: True vs False" in first["debias_ewma"]
+    assert "entry 6: True vs False" in first["is_scaled_loss"]
     assert "the scale differs between ranks: this rank has 4, the mean over the 2 ranks is 4.5" in first["set_scale"]
 
 

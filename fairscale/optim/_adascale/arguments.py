@@ -70,14 +70,26 @@ def check_ranks_agree_on_settings(
     world_size: int,
     scale: Any,
     smoothing: float,
+    debias_ewma: bool = True,
+    is_scaled_loss: bool = True,
 ) -> None:
     """Raise the same :class:`RanksDisagreeError` on every rank unless all of them have ``n_groups`` param groups,
-    the same ``num_gradients_to_accumulate``, ``world_size``, ``scale`` and smoothing (one small all-gather; none
-    at world size 1). Ranks with another scale or smoothing trained with other learning rates, silently."""
+    the same ``num_gradients_to_accumulate``, ``world_size``, ``scale``, smoothing, ``debias_ewma`` and
+    ``is_scaled_loss`` (one small all-gather; none at world size 1). Ranks with another scale, smoothing or
+    statistics rule trained with other gains, so other learning rates, silently."""
     if world_size > 1 and collectives.group_size(None) > 1:
         check_ranks_agree(
-            "AdaScale: (param groups, num_gradients_to_accumulate, world_size, scale, smoothing)",
-            (n_groups, num_gradients_to_accumulate, world_size, comparable_number(scale), comparable_number(smoothing)),
+            "AdaScale: (param groups, num_gradients_to_accumulate, world_size, scale, smoothing, debias_ewma, "
+            "is_scaled_loss)",
+            (
+                n_groups,
+                num_gradients_to_accumulate,
+                world_size,
+                comparable_number(scale),
+                comparable_number(smoothing),
+                bool(debias_ewma),
+                bool(is_scaled_loss),
+            ),
             hint="Build the optimizer from the same param groups and arguments on every rank.",
             device=first_device(p for group in param_groups for p in group["params"]),
         )
