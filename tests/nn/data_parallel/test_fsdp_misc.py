@@ -3,6 +3,7 @@
 reset_parameters, CPU offload flags and the dtypes of every tensor under each precision mode."""
 
 import contextlib
+import logging
 import gc
 import itertools
 import pickle
@@ -561,3 +562,31 @@ def _mixed_precision_buffers_body(rank: int, world_size: int) -> None:
 
 def test_mixed_precision_keeps_buffer_values_and_shared_buffers() -> None:
     run_distributed(_mixed_precision_buffers_body, 2)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _subgroup_reduce_scatter_warning_body(rank: int, world_size: int) -> None:
+    # The default process_group_reduce_scatter is the world's: an instance on a subgroup (as the model-parallel docs
+    # recommend) warned on every rank about an argument the user never set. A group the user passes still warns.
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    records = _Warnings()
+    logging.getLogger().addHandler(records)
+    try:
+        FSDP(nn.Linear(2, 2), process_group=groups[rank])
+        assert not [m for m in records.messages if "process_group_reduce_scatter" in m], records.messages
+        FSDP(nn.Linear(2, 2), process_group=groups[rank], process_group_reduce_scatter=dist.group.WORLD)
+        assert [m for m in records.messages if "process_group_reduce_scatter has 2 ranks" in m], records.messages
+    finally:
+        logging.getLogger().removeHandler(records)
+
+
+def test_default_reduce_scatter_group_on_a_subgroup_is_silent() -> None:
+    run_distributed(_subgroup_reduce_scatter_warning_body, 2)

@@ -266,12 +266,16 @@ def resolve_reduce_scatter_group(value: Any, process_group: Any) -> Any:
             f"process_group_reduce_scatter must be a ProcessGroupName or a ProcessGroup, got {type(value)!r}"
         )
     if group.size() != process_group.size():
-        log.warning(
-            "process_group_reduce_scatter has %d ranks but process_group has %d; using process_group for the "
-            "reduce-scatter",
-            group.size(),
-            process_group.size(),
-        )
+        # Said only for a group the user passed: the default is the world's, and an instance on a subgroup (tensor
+        # parallelism's data-parallel group, an expert's group of one) warned on every rank for an argument it never
+        # set.
+        if value != ProcessGroupName.reduce_scatter:
+            log.warning(
+                "process_group_reduce_scatter has %d ranks but process_group has %d; using process_group for the "
+                "reduce-scatter",
+                group.size(),
+                process_group.size(),
+            )
         return process_group
     return group
 
