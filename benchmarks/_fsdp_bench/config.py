@@ -7,6 +7,10 @@ import math
 import os
 from typing import List, Optional, Sequence, Tuple, Union
 
+import torch
+
+from .corpus import corpus_tokens
+
 PEERS = ("fairscale", "fsdp2", "fsdp1", "ddp")
 SCENARIOS = ("train", "accum", "zero2", "latency", "hybrid")
 #: The model each scenario trains ("gpt": the GPT of --layers/--hidden...; "latency": --latency-layers tiny blocks).
@@ -415,6 +419,15 @@ def validate(cfg: BenchConfig) -> List[str]:
             out.append(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.accum_batch < 1:
         out.append(f"--accum-batch must be >= 1 (got {cfg.accum_batch})")
+    if cfg.wrap_min_params < 0:
+        out.append(f"--wrap-min-params must be >= 0 (got {cfg.wrap_min_params})")
+    if cfg.seq_len >= 4096 and cfg.vocab >= 4:  # the corpus has tens of thousands (building it takes a second)
+        corpus = corpus_tokens(cfg.vocab)
+        if cfg.seq_len + 1 >= corpus:
+            out.append(f"--seq-len must be below the embedded corpus's {corpus - 1} tokens (got {cfg.seq_len})")
+    if cfg.device == "cuda" and not (hasattr(torch, "accelerator") and torch.accelerator.is_available()):
+        # Counted without creating a context (the CUDA ranks are spawned, not forked).
+        out.append("--device cuda: no CUDA device is available here; run with --device cpu")
     if "zero2" in cfg.scenarios:
         g, n = cfg.zero2_group_size, cfg.zero2_world_size
         if g < 1 or n < 2 or n % g != 0 or g == n:
@@ -460,9 +473,23 @@ def _output_problems(cfg: BenchConfig) -> List[str]:
             out.append(f"{flag} {path} is a directory; pass a file name ('' to skip)")
         elif not os.path.isdir(folder):
             out.append(f"{flag} {path}: the folder {folder} does not exist; create it or pass '' to skip")
-        elif not os.access(folder, os.W_OK):
-            out.append(f"{flag} {path}: the folder {folder} is not writable; pass another path or '' to skip")
+        elif not os.access(folder, os.W_OK) or not _can_create(path):
+            out.append(f"{flag} {path}: the file cannot be written; pass another path or '' to skip")
     return out
+
+
+def _can_create(path: str) -> bool:
+    """Whether ``path`` can be opened for writing (tried, and a file made for the try removed): the folder's mode
+    does not tell for every file system (``/proc``, a read-only mount as root)."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError:
+        return False
+    if not existed:
+        os.remove(path)
+    return True
 
 
 def _hybrid_problems(cfg: BenchConfig) -> List[str]:

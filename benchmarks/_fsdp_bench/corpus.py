@@ -5,6 +5,7 @@ Nothing is downloaded: a small grammar with fixed word lists and a fixed-seed ``
 text on every machine, so every run, rank and peer trains on identical data and loss curves are comparable.
 """
 
+import functools
 import random
 import re
 from collections import Counter
@@ -145,6 +146,13 @@ def tokenize(text: str, vocab: Dict[str, int]) -> torch.Tensor:
         ids.extend(vocab.get(tok, 0) for tok in _TOKEN_RE.findall(line))
         ids.append(vocab[EOS])
     return torch.tensor(ids, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_tokens(vocab_size: int) -> int:
+    """How many tokens the embedded corpus has (what ``--seq-len`` must stay below)."""
+    text = generate_text()
+    return int(tokenize(text, build_vocab(text, vocab_size)).numel())
 
 
 class Corpus:

@@ -111,6 +111,12 @@ def skip_reason(spec: RunSpec, cfg: BenchConfig) -> Optional[str]:
         # Measured on torch 2.7.1: HSDP's post-backward asserts that its all-reduce recorded an event, and
         # torch.cpu.Stream.record_event returns None (torch 2.8 skips the assert on the CPU).
         return f"torch {torch.__version__}'s FSDP2 HSDP cannot run on the CPU (needs torch >= 2.8)"
+    if spec.scenario == "zero2" and not isinstance(spec.reshard, bool):
+        size = int(spec.reshard)
+        if cfg.world_size % size or size >= cfg.world_size:
+            # Under torchrun the world is torchrun's: a zero2 group of the whole world (or one that does not divide
+            # it) is no zero2 comparison (the report showed [MISSED]); the self-launched path refuses it up front.
+            return f"a zero2 group of {size} ranks must divide the world of {cfg.world_size} and be smaller than it"
     nodes, rest = divmod(cfg.world_size, cfg.hybrid_ranks_per_node)
     if spec.hybrid and (rest or nodes < 2):
         return f"a world of {cfg.world_size} ranks is not >= 2 nodes of {cfg.hybrid_ranks_per_node} ranks"

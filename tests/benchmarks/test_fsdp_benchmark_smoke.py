@@ -7,6 +7,7 @@ that the losses are finite and match across peers, and that the benchmark's two 
 counter and the c10d spy) agree. No timing assertions.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from _fsdp_bench.config import BenchConfig, parse_args  # noqa: E402
 from _fsdp_bench.corpus import Corpus  # noqa: E402
 from _fsdp_bench.formula import compare, cost_model, padded_numel, zero3_per_step  # noqa: E402
 from _fsdp_bench.model import build_model, unit_param_numels, wrap_plan  # noqa: E402
-from _fsdp_bench.peers import _cpu_streams_take_priority, fsdp2_cpu_problem  # noqa: E402
+from _fsdp_bench.peers import RunSpec, _cpu_streams_take_priority, fsdp2_cpu_problem, skip_reason  # noqa: E402
 
 TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32", "--batch", "2"]
 
@@ -288,6 +289,11 @@ def test_wrap_plan_units_cover_every_parameter() -> None:
         (["--timeout", "inf"], "--timeout must be a finite number > 0 of seconds (got inf)"),
         (["--out", "/nonexistent-folder/x.json"], "--out /nonexistent-folder/x.json: the folder /nonexistent-folder"),
         (["--plot", "."], "--plot . is a directory"),
+        # These started both ranks, each failing with a traceback (exit code 1) that buried the reason.
+        (["--wrap-min-params", "-5"], "--wrap-min-params must be >= 0 (got -5)"),
+        (["--seq-len", "100000"], "--seq-len must be below the embedded corpus's"),
+        # A folder that exists, but a file that cannot be made there: the report was lost after the whole run.
+        (["--out", "/proc/x.json"], "--out /proc/x.json: the file cannot be written"),
     ],
 )
 def test_bad_options_say_what_to_change(argv: list, message: str, capsys: pytest.CaptureFixture) -> None:
@@ -295,6 +301,17 @@ def test_bad_options_say_what_to_change(argv: list, message: str, capsys: pytest
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cuda_without_a_device_is_refused_at_parse_time(capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        parse_args(["--device", "cuda"])  # a GPU machine: accepted
+        return
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--device", "cuda"])
+    assert exc.value.code == 2 and "no CUDA device is available here" in capsys.readouterr().err
 
 
 def test_options_parse() -> None:
@@ -322,3 +339,14 @@ def test_options_parse() -> None:
     assert cfg.reshard_after_forward == (False, 2)
     assert cfg.scenarios == ("train", "accum", "zero2", "latency", "hybrid")
     assert cfg.mixed_precision == "bf16" and cfg.flatten is False
+
+
+def test_zero2_runs_need_a_group_smaller_than_the_world() -> None:
+    # Under torchrun the world is torchrun's: with 2 ranks the zero2 group was the whole world, a meaningless
+    # comparison reported as [MISSED]; such runs are skipped with the reason, as the hybrid ones are.
+    cfg = dataclasses.replace(parse_args([]), world_size=2, zero2_group_size=2)
+    assert "must divide the world of 2 and be smaller than it" in (
+        skip_reason(RunSpec("zero2", "fairscale", 2, 2), cfg) or ""
+    )
+    assert skip_reason(RunSpec("zero2", "fairscale", True, 2), cfg) is None
+    assert skip_reason(RunSpec("zero2", "fairscale", 2, 2), dataclasses.replace(cfg, world_size=4)) is None
