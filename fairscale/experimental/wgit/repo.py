@@ -428,6 +428,12 @@ class Repo:
         """
         tree = self._wgit_parent.resolve()
         resolved = file_path.resolve()
+        if resolved == tree:
+            # "add ." was told it is not inside the repository's directory, which it is.
+            raise FairscaleValueError(
+                f"wgit add: {file_path} is the repository's directory itself, not a checkpoint file: add the checkpoint "
+                "files one by one (wgit add <file>)"
+            )
         if tree not in resolved.parents:
             raise FairscaleValueError(
                 f"wgit add: {file_path} (resolved: {resolved}) is not inside the repository's directory {tree}; "

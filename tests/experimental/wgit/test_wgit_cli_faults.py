@@ -85,3 +85,9 @@ def test_a_named_pipe_checkpoint_is_refused_without_blocking(tmp_path: Path) -> 
     torch.save({"w": torch.ones(2)}, tmp_path / "real.pt")
     (tmp_path / "link.pt").symlink_to(tmp_path / "real.pt")
     assert torch.equal(load_checkpoint(tmp_path / "link.pt")["w"], torch.ones(2))
+
+
+def test_adding_the_repository_directory_says_what_it_is(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    # "wgit add ." said the directory was not inside the repository's directory, which it is.
+    err = _fails_in_one_line(["add", "."], capsys)
+    assert "is the repository's directory itself, not a checkpoint file" in err, err
