@@ -144,11 +144,18 @@ def targets_text(targets: List[Dict[str, Any]]) -> str:
     return "\n".join(f"  [{marks[t['met']]}] {t['target']}: {t['value']}" for t in targets)
 
 
+def _accum_batch(cfg: BenchConfig) -> str:
+    """The accum scenario's own microbatch size (``--accum-batch``), where it runs and differs."""
+    if "accum" not in cfg.scenarios or cfg.accum_batch == cfg.batch:
+        return ""
+    return f" (accum: batch {cfg.accum_batch})"
+
+
 def header(cfg: BenchConfig, env: Dict[str, Any]) -> str:
     """What was run, on what."""
     return (
         f"model: GPT {cfg.layers} layers x {cfg.hidden} hidden, {cfg.heads} heads, vocab {cfg.vocab}, "
-        f"{env['model_params'] / 1e6:.2f}M params; batch {cfg.batch} x seq {cfg.seq_len} per rank per microbatch; "
+        f"{env['model_params'] / 1e6:.2f}M params; batch {cfg.batch} x seq {cfg.seq_len} per rank per microbatch{_accum_batch(cfg)}; "
         f"mixed precision {cfg.mixed_precision}; flatten {cfg.flatten}; auto-wrap {cfg.auto_wrap_policy}; "
         f"checkpointing {cfg.checkpoint_activations}\n"
         f"steps: {cfg.warmup} warmup + {cfg.steps} timed per run (latency scenario: {cfg.latency_steps}; +6 untimed "

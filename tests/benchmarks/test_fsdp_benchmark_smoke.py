@@ -350,3 +350,11 @@ def test_zero2_runs_need_a_group_smaller_than_the_world() -> None:
     )
     assert skip_reason(RunSpec("zero2", "fairscale", True, 2), cfg) is None
     assert skip_reason(RunSpec("zero2", "fairscale", 2, 2), dataclasses.replace(cfg, world_size=4)) is None
+
+
+def test_header_names_the_accum_scenarios_own_batch() -> None:
+    from _fsdp_bench.report import header
+
+    env = {"model_params": 1e6, "torch": "x", "device": "cpu", "threads_per_rank": 1, "cpu_count": 2}
+    assert "(accum: batch 1)" in header(parse_args(["--scenario", "accum"]), env)  # it said "batch 8" only
+    assert "accum:" not in header(parse_args(["--scenario", "train"]), env)
