@@ -234,9 +234,13 @@ class Adam(torch.optim.Optimizer):
         return self.precision is Precision.MIXED_PRECISION
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's optimizer state dict plus ``"optim_scale"`` (the fp16 optimizer-state scale)."""
+        """torch's optimizer state dict plus ``"optim_scale"`` (the fp16 optimizer-state scale) and
+        ``"optim_scale_steps"`` (clean updates since it last changed: without it a resumed run doubled the scale later
+        than the uninterrupted one, and their moments overflowed at different steps; an addition of this
+        distribution's, which upstream's ``load_state_dict`` ignores and whose absence counts as 0)."""
         state = super().state_dict()
         state["optim_scale"] = self._optim_scale
+        state["optim_scale_steps"] = self._steps_since_optim_scale_change
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -263,6 +267,7 @@ class Adam(torch.optim.Optimizer):
             _check_master_fits(p, master)
         super().load_state_dict(state_dict)
         self._optim_scale = float(state_dict["optim_scale"])
+        self._steps_since_optim_scale_change = int(state_dict.get("optim_scale_steps", 0))
         # torch casts floating state to each parameter's dtype (fp16 here in the mixed modes): re-read the saved
         # moments in the optimizer's state dtype so that no precision is lost.
         by_id = _saved_id_to_param(state_dict, self.param_groups)
@@ -454,6 +459,9 @@ def _check_loadable(state_dict: Dict[str, Any], param_groups: List[Dict[str, Any
     scale = state_dict["optim_scale"]
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (0 < float(scale) < math.inf):
         raise FairscaleValueError(f"{who}: optim_scale must be a positive finite number, got {scale!r}")
+    steps = state_dict.get("optim_scale_steps", 0)
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise FairscaleValueError(f"{who}: optim_scale_steps must be an integer >= 0, got {steps!r}")
     for name in ("state", "param_groups"):
         if name not in state_dict:
             raise FairscaleValueError(f"{who}: the state dict has no {name!r} entry; pass Adam.state_dict()'s output")

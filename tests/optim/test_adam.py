@@ -167,6 +167,27 @@ def test_update_optim_scale() -> None:
     assert optim._optim_scale == 2.0**16  # never above 2**16
 
 
+def test_pure_fp16_resume_keeps_the_scale_schedule() -> None:
+    # Only optim_scale was saved: the resumed run counted its clean updates from 0 and doubled the scale later than
+    # the uninterrupted one, so their moments overflowed at different steps (0.0039 apart after a few steps).
+    params = _params(torch.float16)
+    optim = Adam(params, lr=1e-3, precision=Precision.PURE_FP16)
+    optim._optim_scale_update_freq = 3
+    optim._optim_scale = 2.0**10
+    _run(optim, params, torch.float16, steps=2)
+    saved = optim.state_dict()
+    assert saved["optim_scale_steps"] == 2
+    resumed = Adam([p.detach().clone().requires_grad_() for p in params], lr=1e-3, precision=Precision.PURE_FP16)
+    resumed._optim_scale_update_freq = 3
+    resumed.load_state_dict(saved)
+    assert resumed._steps_since_optim_scale_change == 2 and resumed._optim_scale == 2.0**10
+    legacy = {k: v for k, v in saved.items() if k != "optim_scale_steps"}  # upstream's format: counted from 0
+    resumed.load_state_dict(legacy)
+    assert resumed._steps_since_optim_scale_change == 0
+    with pytest.raises(ValueError, match="optim_scale_steps must be an integer >= 0"):
+        resumed.load_state_dict({**saved, "optim_scale_steps": -1})
+
+
 def test_exploding_optimizer_state() -> None:
     params = _params(torch.float16)
     optim = Adam(params, lr=1e-3, precision=Precision.PURE_FP16)
