@@ -29,6 +29,7 @@ from ._flatten.state_dict_hooks import (
     post_load_state_dict_hook,
     post_state_dict_hook,
     pre_load_state_dict_hook,
+    refuse_flat_key_names,
 )
 from ._flatten.view_release import release_views_on_collection
 
@@ -85,7 +86,7 @@ class FlattenParamsWrapper(nn.Module):
             raise TypeError(f"FlattenParamsWrapper wraps an nn.Module, got {type(module).__name__}")
         if not isinstance(optimize_backward_concat, bool):
             raise TypeError(f"optimize_backward_concat must be a bool, got {optimize_backward_concat!r}")
-        _refuse_flat_key_names(module)
+        refuse_flat_key_names(module)
         self._fpw_module = module
         self.is_flattened = False
         self.optimize_backward_concat = optimize_backward_concat
@@ -578,24 +579,3 @@ def _set_plain_tensor(module: nn.Module, name: str, value: Tensor) -> None:
 
 
 _MODULE_SETATTR = nn.Module.__setattr__
-
-
-def _refuse_flat_key_names(module: nn.Module) -> None:
-    """The wrapper's state dict keys name the module's own members at its top level, beside its flat parameters
-    (``flat_param_0``): a member named ``flat_param`` or ``flat_param_*`` was taken for a flat parameter when
-    loading (the wrapper could not load its own ``state_dict()``), or clashed with one at construction (``KeyError:
-    attribute 'flat_param_0' already exists``).
-
-    Raises:
-        ValueError: naming the member and what to do.
-    """
-    members = [name for name, _ in module.named_children()]
-    members += [name for name, p in module.named_parameters(recurse=False) if not isinstance(p, FlatParameter)]
-    members += [name for name, _ in module.named_buffers(recurse=False)]
-    clashing = [name for name in members if name == "flat_param" or name.startswith("flat_param_")]
-    if clashing:
-        raise ValueError(
-            f"FlattenParamsWrapper: the wrapped {type(module).__name__} has member(s) named {clashing}, which its "
-            "state dict keys would confuse with the wrapper's flat parameters ('flat_param', 'flat_param_*'); rename "
-            "them, or wrap a module that holds this one (their keys then get its name as prefix)"
-        )

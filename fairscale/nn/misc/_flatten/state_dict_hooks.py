@@ -32,6 +32,7 @@ __all__ = [
     "post_state_dict_hook",
     "pre_load_state_dict_hook",
     "post_load_state_dict_hook",
+    "refuse_flat_key_names",
 ]
 
 FLAT_PARAM = "flat_param"
@@ -264,3 +265,24 @@ def _fold_original_keys(
             state_dict[prefix + flat_name] = flat.detach().clone()
             missing.extend(entry for per_param in names for entry in per_param)
     return [key for _, key in sorted(missing, key=lambda entry: entry[0])]
+
+
+def refuse_flat_key_names(module: nn.Module) -> None:
+    """The wrapper's state dict keys name the module's own members at its top level, beside its flat parameters
+    (``flat_param_0``): a member named ``flat_param`` or ``flat_param_*`` was taken for a flat parameter when
+    loading (the wrapper could not load its own ``state_dict()``), or clashed with one at construction (``KeyError:
+    attribute 'flat_param_0' already exists``).
+
+    Raises:
+        ValueError: naming the member and what to do.
+    """
+    members = [name for name, _ in module.named_children()]
+    members += [name for name, p in module.named_parameters(recurse=False) if not isinstance(p, FlatParameter)]
+    members += [name for name, _ in module.named_buffers(recurse=False)]
+    clashing = [name for name in members if name == "flat_param" or name.startswith("flat_param_")]
+    if clashing:
+        raise ValueError(
+            f"FlattenParamsWrapper: the wrapped {type(module).__name__} has member(s) named {clashing}, which its "
+            "state dict keys would confuse with the wrapper's flat parameters ('flat_param', 'flat_param_*'); rename "
+            "them, or wrap a module that holds this one (their keys then get its name as prefix)"
+        )
