@@ -367,6 +367,11 @@ class BackwardTrigger(nn.Module):
         # A tuple, so that the weight is not registered (again) as a parameter of this module.
         self._linked = (linked_param,)
 
+    def relink(self, linked_param: Tensor) -> None:
+        """Point the trigger at ``linked_param`` (the owner's weight was replaced: an ``assign=True`` load, a tie)."""
+        setattr(self.trigger, "_linked_param", linked_param)
+        self._linked = (linked_param,)
+
     def forward(self) -> Tensor:
         out: Tensor = BackwardTriggerFn.apply(self._linked[0], self.trigger)
         return out
@@ -458,6 +463,13 @@ class MemoryEfficientVocabOutput(nn.Module):
             raise FairscaleValueError(
                 f"MEVO.forward: target must be 1-D (tokens) or 2-D (batch, seq), got shape {tuple(target.shape)}"
             )
+        if input.ndim == 3 and target.ndim == 2 and tuple(target.shape) != tuple(input.shape[:2]):
+            # Both are flattened: a (seq, batch) target for a (batch, seq, d) input paired tokens with other tokens'
+            # labels, silently (torch's cross entropy refuses it).
+            raise FairscaleValueError(
+                f"MEVO.forward: a 2-D target must have the input's (batch, seq) shape {tuple(input.shape[:2])}, got "
+                f"{tuple(target.shape)}; transpose the target (or the input) so that both are batch-major"
+            )
         input, target = _reshape_inputs(input, target)
         tokens, d_model = input.shape
         (t2,) = target.shape
@@ -477,6 +489,10 @@ class MemoryEfficientVocabOutput(nn.Module):
         s_w = _next_power_of_2_or_max(vocab // self.tf_w, vocab)
         _debug(f"mevo tiles: input {s_in} rows, weight {s_w} rows", input.device)
         split_in = torch.split(input, s_in)
+        if self.trigger._linked[0] is not self.proj_weight:
+            # proj_weight was replaced (load_state_dict(assign=True), a tie after construction): the loss read the
+            # weight captured at construction while the gradients went to the new one.
+            self.trigger.relink(self.proj_weight)
         w = self.trigger()
         split_w = torch.split(w, s_w)
         empty = torch.empty(0, dtype=torch.long, device=input.device)

@@ -26,9 +26,17 @@ __all__ = ["SyncBatchNorm"]
 
 
 def _forward(input: Tensor, affine: bool, mean: Tensor, invstd: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    # The statistics (and fp32 parameters) are fp32 for fp16/bf16 inputs; the output keeps the input's dtype, as
+    # torch's batch norm does (an fp32 output crashed the next half-precision layer).
     if affine:
-        return (input - mean) * (invstd * weight.reshape_as(mean)) + bias.reshape_as(mean)
-    return (input - mean) * invstd
+        return ((input - mean) * (invstd * weight.reshape_as(mean)) + bias.reshape_as(mean)).to(input.dtype)
+    return ((input - mean) * invstd).to(input.dtype)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the mean and invstd for inputs of ``dtype``: fp32 for half precision, as torch's opmath (a mean
+    rounded to fp16/bf16 shifted every output by its rounding error, 5-50x torch's error for inputs away from 0)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _track_running_stats(
@@ -112,7 +120,11 @@ def _calculate_stats(
         # squares in float64. Upstream's E[x^2] - E[x]^2 in the input dtype lost the variance to cancellation for
         # inputs far from zero (mean 100, std 0.01 gave NaN in fp32); the float64 combination keeps about 16 digits
         # of E[x^2], so the variance keeps its digits unless the mean is ~10^8 times the spread.
-        local_var, local_mean = torch.var_mean(input, dim=dim, correction=0, keepdim=True)
+        # fp16/bf16 in fp32 (a transient copy, freed here): var_mean in the input dtype rounded the mean before the
+        # float64 combination below.
+        stats_input = input.to(_stats_dtype(input.dtype))
+        local_var, local_mean = torch.var_mean(stats_input, dim=dim, correction=0, keepdim=True)
+        del stats_input
         mean64 = local_mean.to(torch.float64)
         vec = torch.cat([mean64, local_var.to(torch.float64) + mean64 * mean64])
     else:
@@ -132,8 +144,9 @@ def _calculate_stats(
     all_reduce(vec, group=process_group)
     mean64, meansqr64 = vec.chunk(2)
     var64 = (meansqr64 - mean64 * mean64).clamp(min=0)
-    mean, var = mean64.to(input.dtype), var64.to(input.dtype)
-    invstd = torch.rsqrt(var64 + eps).to(input.dtype)
+    stats_dtype = _stats_dtype(input.dtype)
+    mean, var = mean64.to(stats_dtype), var64.to(stats_dtype)
+    invstd = torch.rsqrt(var64 + eps).to(stats_dtype)
     return mean, var, invstd, total_count
 
 
@@ -234,13 +247,18 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             work.wait()
             vec = vec / total_count.to(vec.dtype)
             grad_mean, grad_meansqr = vec.chunk(2)
-            grad_input = gi + grad_mean + 2 * input * grad_meansqr
+            grad_input = (gi + grad_mean + 2 * input * grad_meansqr).to(input.dtype)
         else:
             if need_weight:
                 assert gc is not None
                 grad_weight = (gc * invstd).reshape(-1)
             if need_bias:
                 grad_bias = torch.sum(grad_output, dim=dim)
+        # Each gradient in its tensor's dtype (fp16 parameters next to fp32 statistics).
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -289,9 +307,14 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
             return ValueError(
                 f"SyncBatchNorm: input has {input.size(1)} channels in dim 1 but the layer has {self.num_features}"
             )
-        if self.running_mean is not None and self.running_var is not None and self.momentum is None:
+        if self._updates_running_stats() and self.momentum is None:
             return RuntimeError("SyncBatchNorm does not support momentum=None (cumulative average); pass a float")
         return None
+
+    def _updates_running_stats(self) -> bool:
+        """Whether a training forward updates the running statistics: as torch's batch norm, only while
+        ``track_running_stats`` is on and the buffers exist (setting the flag off at run time freezes them)."""
+        return bool(self.track_running_stats) and self.running_mean is not None and self.running_var is not None
 
     def forward(self, input: Tensor) -> Tensor:
         if not dist.is_initialized() or not self.training:
@@ -319,9 +342,10 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
                 mean, var, invstd, total_count = _calculate_stats(
                     input, self.eps, self._process_group, check_layout, settings, backward_reduces
                 )
-                # Checked through the buffers, not ``track_running_stats``: a batch-norm patch that toggles the
-                # flag during no-grad passes must not stop this once-per-step update.
-                if self.running_mean is not None and self.running_var is not None:
+                # fairscale's batch-norm patches leave this layer's flag alone (disable_patch_batchnorm); a flag
+                # turned off by the user, or by OffloadModel's recomputation, freezes the statistics as in torch.
+                if self._updates_running_stats():
+                    assert self.running_mean is not None and self.running_var is not None  # narrows for mypy
                     assert self.momentum is not None  # refused by _input_problem; narrows the type for mypy
                     _track_running_stats(self.running_mean, self.running_var, self.momentum, mean, var, total_count)
         # Under checkpoint_wrapper the statistics are kept with the checkpointed call (its stash lives as long as the
@@ -379,6 +403,9 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var
             converted.num_batches_tracked = module.num_batches_tracked
+            # As torch's converter: a layer frozen with .eval() stays in eval mode (in training mode its next forward
+            # normalised with batch statistics and overwrote the shared running statistics).
+            converted.training = module.training
             if hasattr(module, "qconfig"):
                 converted.qconfig = module.qconfig
         for name, child in module.named_children():

@@ -213,3 +213,42 @@ def test_peak_memory_below_quarter_of_logits() -> None:
     mevo_peak = handle.max_memory_allocated() - base
     # The weight gradient (vocab x d) is allocated anyway; count the rest against the logits.
     assert mevo_peak - vocab * d * 4 <= logits_bytes / 4, (mevo_peak, logits_bytes)
+
+
+def _check_equals_reference(mevo: MEVO, x: Tensor, y: Tensor) -> None:
+    w = mevo.proj_weight
+    loss = mevo(x, y)
+    loss.backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(x2 @ w2.T, y, reduction="sum")
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-4, rtol=1e-4)
+    assert mevo.trigger.trigger._linked_param is w
+
+
+def test_a_replaced_weight_is_the_one_used() -> None:
+    # The loss read the weight captured at construction while the gradients went to the new one, silently.
+    x, w, y = _data(12, 4, 10)
+    source = MEVO(nn.Parameter(torch.randn(10, 4)), tile_factor=2)
+    # A model built on the meta device, then loaded with assign=True (the usual large-model initialisation).
+    with torch.device("meta"):
+        meta = MEVO(nn.Parameter(torch.empty(10, 4)), tile_factor=2)
+    meta.load_state_dict(source.state_dict(), assign=True)
+    _check_equals_reference(meta, x, y)
+    # A weight tied after construction (the embedding's, created later).
+    x, w, y = _data(12, 4, 10, seed=1)
+    tied = MEVO(nn.Parameter(torch.randn(10, 4)), tile_factor=2)
+    tied.proj_weight = w
+    _check_equals_reference(tied, x, y)
+
+
+def test_a_time_major_target_is_refused() -> None:
+    # Both are flattened: a (seq, batch) target for a (batch, seq, d) input paired tokens with other tokens' labels.
+    x, w, y = _data(6, 4, 10)
+    mevo = MEVO(w, tile_factor=2)
+    with pytest.raises(ValueError, match=r"\(batch, seq\) shape \(2, 3\), got \(3, 2\)"):
+        mevo(x.view(2, 3, 4), y.view(3, 2))
+    mevo(x.view(2, 3, 4), y.view(2, 3)).backward()  # batch-major, and 1-D, targets are fine
+    mevo(x.view(2, 3, 4), y).backward()
