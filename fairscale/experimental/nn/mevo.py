@@ -367,7 +367,7 @@ class BackwardTrigger(nn.Module):
         # A tuple, so that the weight is not registered (again) as a parameter of this module.
         self._linked = (linked_param,)
 
-    def relink(self, linked_param: Tensor) -> None:
+    def relink(self, linked_param: nn.Parameter) -> None:
         """Point the trigger at ``linked_param`` (the owner's weight was replaced: an ``assign=True`` load, a tie)."""
         setattr(self.trigger, "_linked_param", linked_param)
         self._linked = (linked_param,)
