@@ -43,7 +43,10 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
             continue
         try:
             _ExtendedLeafTracer(leaves).trace(module)
-        except (TypeError, torch.fx.proxy.TraceError) as e:
+        except Exception as e:
+            # Any failure, not only TypeError and TraceError (upstream's): fx raises RuntimeError for ``len(x)`` on a
+            # proxy, and other untraceable code raises other types. A failure of the root itself still surfaces,
+            # from the final trace below.
             logging.info("auto_shard: tracing %r failed (%s); treating it as a leaf", name or "<root>", e)
             leaves.add(module)
     graph = _ExtendedLeafTracer(leaves).trace(model)

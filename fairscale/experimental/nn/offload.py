@@ -10,14 +10,12 @@ Streams and pinned memory go through :mod:`fairscale.internal.device`, so the sa
 ``device == offload_device == cpu`` (then every move is a no-op and the result is plain sequential training).
 """
 
-import contextlib
 import logging
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from fairscale.internal.device import (
     DeviceHandle,
@@ -27,7 +25,20 @@ from fairscale.internal.device import (
     set_accelerator_rng_state,
 )
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
-from fairscale.internal.errors import FairscaleTypeError
+
+from .offload_checkpoint import (
+    InPlaceSafeAlias,
+    autocast_replayed,
+    autocast_state,
+    chunk_output,
+    chunks,
+    join_chunks,
+    join_grads,
+    module_modes,
+    modes_replayed,
+    save_slice_inputs,
+    saved_slice_inputs,
+)
 
 __all__ = ["OffloadModel", "ModelShard", "OffloadFunction", "ShardSyncLayer"]
 
@@ -174,8 +185,11 @@ class ShardSyncLayer(torch.autograd.Function):
         if index + 1 < len(model_slices):
             with torch.autograd.profiler.record_function(_PREFIX + "forward_load"):
                 model_slices[index + 1].forward_load()
-        # Returning views keeps autograd's bookkeeping simple: every output is a new node of this Function.
-        return tuple(t.view_as(t) if isinstance(t, Tensor) else t for t in inputs)
+        # Aliases, not views: each is a new node of this Function (so this backward runs), and a slice may start
+        # with an in-place op (``nn.ReLU(inplace=True)``), which torch refuses on a custom Function's view output.
+        # The alias shares the input's version counter, so a change to a tensor that the previous slice saved for
+        # its backward still raises torch's error, as in the plain model.
+        return tuple(t.detach() if isinstance(t, Tensor) else t for t in inputs)
 
     @staticmethod
     @_amp_bwd
@@ -194,49 +208,34 @@ class ShardSyncLayer(torch.autograd.Function):
         return (None, None, None, None) + tuple(grad_outputs)
 
 
-@contextlib.contextmanager
-def _running_stats_frozen(module: nn.Module) -> Iterator[None]:
-    """Keep the batch-norm layers of ``module`` from updating their running statistics inside the block.
-
-    The recomputation in backward repeats a forward whose statistics update already happened (in the first pass,
-    as in the plain model, so that a forward without backward, or one under ``no_grad``, updates them too). A layer
-    in training mode with ``track_running_stats`` off still normalises with the batch statistics, so the recomputed
-    output is unchanged; only the buffers are left alone. The flags are restored even if the block raises.
-
-    ``fairscale.nn.checkpoint``'s ``patch_batchnorm`` is not used: it skips the update in every no-grad pass, which
-    here is the first pass, so a forward whose backward never runs (validation in training mode, an abandoned
-    forward) would leave the statistics as they were, unlike the plain model. It also keeps hooks on the layers.
-
-    Args:
-        module (nn.Module): the slice being recomputed.
-    """
-    frozen = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    for m in frozen:
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m in frozen:
-            m.track_running_stats = True
-
-
 class OffloadFunction(torch.autograd.Function):
     """The whole offloaded forward with activation checkpointing at slice boundaries (one autograd node).
+
+    Call it as ``OffloadFunction.apply(first_input, dummy, model, *more_inputs)``: the model's input tensors are
+    separate arguments (autograd tracks tensors passed directly only, so the tensors of a tuple argument got no
+    gradient and their outputs no autograd link). It returns one tensor, or a tuple of one per input.
 
     Forward runs every slice under ``no_grad`` on ``num_microbatches`` chunks and keeps the slice inputs as CPU
     copies. Backward re-loads the slices in reverse order, recomputes each chunk with grad enabled (restoring the
     RNG state the slice's forward started from, CPU and device, so dropout masks repeat) and backpropagates it.
 
-    Everything the backward reads (slice inputs, RNG states, slices, micro-batch count) is kept on this call's
-    ``ctx``, so other forwards of the same model before this backward (a second batch accumulated into one loss, a
-    ``no_grad`` validation pass) cannot change its gradients. Batch-norm running statistics are updated by the
-    forward only, once per chunk, as a plain model run chunk by chunk would.
+    Everything the backward reads (slice inputs, RNG states, each module's ``training`` flag, the autocast state,
+    slices, micro-batch count) is kept on this call's ``ctx``, so what happens between the forward and its backward
+    (a second batch accumulated into one loss, an ``eval()`` and ``no_grad`` validation pass, the end of an autocast
+    block) cannot change its gradients. Running statistics of normalisation layers are updated by the forward only,
+    once per chunk, as a plain model run chunk by chunk would.
     """
 
     @staticmethod
     @_amp_fwd
-    def forward(ctx: Any, inputs: Any, dummy_input: Tensor, model_instance: Any) -> Any:
-        inputs_tuple = inputs if isinstance(inputs, tuple) else (inputs,)
+    def forward(ctx: Any, inputs: Any, dummy_input: Tensor, model_instance: Any, *more_inputs: Any) -> Any:
+        if not isinstance(inputs, Tensor):
+            raise TypeError(
+                f"OffloadFunction.apply: the first argument must be a tensor, got {type(inputs).__name__}; pass the "
+                "tensors of a tuple input as separate arguments, apply(first, dummy, model, *rest) (autograd does not "
+                "track the tensors inside a tuple, so they and the slices would get no gradient)"
+            )
+        inputs_tuple = (inputs,) + more_inputs
         device: torch.device = model_instance.device
         nmb: int = model_instance._num_microbatches
         slices: List[ModelShard] = list(model_instance.model_slices)
@@ -245,40 +244,47 @@ class OffloadFunction(torch.autograd.Function):
         ctx.num_microbatches = nmb
         ctx.model_slices = slices
         ctx.rng_states = []
+        ctx.modes = []
+        ctx.autocast = autocast_state(device.type)
         # The model outputs' shapes before the squeeze: the backward gives their gradients these shapes back, so
         # that each micro-batch's recomputed output meets its own gradient whatever the squeeze did to the whole
         # (a 1-D output, whose 1-row micro-batch a per-chunk squeeze would make 0-d; a batch of one).
         ctx.output_shapes = []
         activations: List[Tuple[Any, ...]] = [inputs_tuple]
+        kept: List[Tuple[Any, ...]] = []
         for index, shard in enumerate(slices):
             with torch.autograd.profiler.record_function(_PREFIX + "forward_load"):
                 activations[index] = _to(activations[index], device)
                 shard.forward_load()
+            # Copied before the slice runs: a slice that starts with an in-place op (nn.ReLU(inplace=True)) changes
+            # the tensor it is given, and its recomputation needs the input as it was.
+            kept.append(tuple(t.to("cpu", copy=True) if isinstance(t, Tensor) else t for t in activations[index]))
             ctx.rng_states.append((torch.get_rng_state(), accelerator_rng_state(device)))
+            ctx.modes.append(module_modes(shard))
             last = index == len(slices) - 1
             with torch.autograd.profiler.record_function(_PREFIX + "no_grad_forward_pass"):
                 with torch.no_grad():
                     outputs = []
                     for x in activations[index]:
-                        out = torch.cat([_chunk_output(shard(c), index) for c in torch.chunk(x, nmb)])
+                        out = join_chunks([chunk_output(shard(c), index) for c in chunks(x, nmb)], index)
                         # Upstream squeezes every slice output, which breaks a width-1 boundary between slices
                         # (the next slice gets (N,) instead of (N, 1)); only the model output keeps that squeeze.
                         outputs.append(out.squeeze(-1) if last else out)
                         if last:
                             ctx.output_shapes.append(out.shape)
             with torch.autograd.profiler.record_function(_PREFIX + "forward_drop"):
-                activations[index] = _to(activations[index], torch.device("cpu"))
+                activations[index] = kept[index]
                 activations.append(tuple(outputs))
                 shard.forward_drop()
         # The slice inputs (not the model output: keeping it on ctx would make a reference cycle through its
         # grad_fn) belong to this call; the attribute is kept as upstream's inspection point only.
-        _save_slice_inputs(ctx, activations[:-1])
+        save_slice_inputs(ctx, kept)
         model_instance._activations = activations
         # No requires_grad set here: forward runs with grad disabled, so it cannot tell a no_grad call from a
         # training one, and a flag set here stayed on the returned leaf under torch.no_grad (unlike the plain model,
         # whose output then does not require grad). ``apply`` makes the floating outputs require grad, through this
         # Function's node, exactly when grad mode is on (``dummy_input`` always requires grad).
-        result = [r.to(device) for r in activations[-1]]
+        result = tuple(r.to(device) for r in activations[-1])
         return result[0] if len(result) == 1 else result
 
     @staticmethod
@@ -290,93 +296,36 @@ class OffloadFunction(torch.autograd.Function):
             g.reshape(shape) if isinstance(g, Tensor) else g for g, shape in zip(grad_outputs, ctx.output_shapes)
         )
         slices: List[ModelShard] = ctx.model_slices
-        slice_inputs = _saved_slice_inputs(ctx)
+        slice_inputs = saved_slice_inputs(ctx)
         for index in reversed(range(len(slices))):
             grads = _backward_slice(ctx, index, slice_inputs[index], grads)
         # The first slice's input gradients belong to the model inputs (upstream returned None here).
         input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
-        first = input_grads[0] if input_grads else None
-        return (first, None, None)
-
-
-def _chunk_output(out: Any, index: int) -> Tensor:
-    """``out``, the output of slice ``index`` on one micro-batch, checked to be one tensor.
-
-    With checkpointing each slice runs on each of its inputs separately and the chunks' outputs are concatenated,
-    so a slice that returns a tuple (an LSTM's ``(output, (h, c))``) cannot be checkpointed: without this check
-    ``torch.cat`` raised a bare TypeError that named neither OffloadModel nor the slice.
-
-    Args:
-        out (Any): what the slice returned.
-        index (int): the slice's position in the model.
-
-    Returns:
-        Tensor: ``out`` itself.
-
-    Raises:
-        FairscaleTypeError: ``out`` is not a tensor.
-    """
-    if not isinstance(out, Tensor):
-        raise FairscaleTypeError(
-            f"OffloadModel: slice {index} returned a {type(out).__name__}, not a tensor; checkpoint_activation=True "
-            "needs each slice to return one tensor (use checkpoint_activation=False for slices that return tuples)"
-        )
-    return out
-
-
-def _save_slice_inputs(ctx: Any, activations: List[Tuple[Any, ...]]) -> None:
-    """Keep each slice's inputs for the backward: the tensors through ``save_for_backward`` (autograd frees them
-    after a backward that does not retain the graph, as a plain attribute it did not: every kept loss held a copy of
-    every slice's inputs), the other values and the layout on ``ctx``."""
-    tensors: List[Tensor] = []
-    layout: List[Tuple[Any, ...]] = []
-    for inputs in activations:
-        entry = []
-        for value in inputs:
-            if isinstance(value, Tensor):
-                entry.append(_SavedTensor(len(tensors)))
-                tensors.append(value)
-            else:
-                entry.append(value)
-        layout.append(tuple(entry))
-    ctx.save_for_backward(*tensors)
-    ctx.slice_input_layout = layout
-
-
-def _saved_slice_inputs(ctx: Any) -> List[Tuple[Any, ...]]:
-    """The slice inputs :func:`_save_slice_inputs` kept (raises torch's error after the graph was freed)."""
-    tensors = ctx.saved_tensors
-    return [
-        tuple(tensors[v.index] if isinstance(v, _SavedTensor) else v for v in entry) for entry in ctx.slice_input_layout
-    ]
-
-
-class _SavedTensor:
-    """Where a saved tensor goes back in a slice's inputs."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
+        return (input_grads[0], None, None) + input_grads[1:]
 
 
 def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: Tuple[Any, ...]) -> Tuple[Any, ...]:
     """Recompute slice ``index`` chunk by chunk and backpropagate ``grads``; return the gradients of its inputs.
 
     Args:
-        ctx: the :class:`OffloadFunction` call's context (RNG states, slices, micro-batch count).
+        ctx: the :class:`OffloadFunction` call's context (RNG states, modes, slices, micro-batch count).
         index (int): the slice.
         slice_input (Tuple[Any, ...]): the slice's inputs kept by the forward.
-        grads (Tuple[Any, ...]): gradients of the slice's outputs.
+        grads (Tuple[Any, ...]): gradients of the slice's outputs (``None`` where nothing depends on an output).
 
     Returns:
         Tuple[Any, ...]: gradients of the slice's inputs (``None`` where an input takes none).
     """
+    if all(g is None for g in grads):
+        # Nothing later depends on this slice (a frozen slice after it took integer inputs): nothing to compute.
+        return tuple(None for _ in slice_input)
     device: torch.device = ctx.device
     nmb: int = ctx.num_microbatches
     shard: ModelShard = ctx.model_slices[index]
     with torch.autograd.profiler.record_function(_PREFIX + "backward_load"):
-        acts = tuple(a.to(device).detach() if isinstance(a, Tensor) else a for a in slice_input)
+        # A copy: an in-place first op of the slice changes the tensor it is given, and the saved input must stay
+        # as it was (a second backward with retain_graph=True reads it again).
+        acts = tuple(a.to(device, copy=True) if isinstance(a, Tensor) else a for a in slice_input)
         shard.backward_load()
     cpu_state, device_state = torch.get_rng_state(), accelerator_rng_state(device)
     fwd_cpu_state, fwd_device_state = ctx.rng_states[index]
@@ -384,24 +333,65 @@ def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: T
     if fwd_device_state is not None:
         set_accelerator_rng_state(device, fwd_device_state)
     input_grads: List[Optional[Tensor]] = []
-    for x, grad in zip(acts, grads):
-        collected: List[Optional[Tensor]] = []
-        for x_chunk, g_chunk in zip(torch.chunk(x, nmb), torch.chunk(grad, nmb)):
-            if x_chunk.dtype != torch.long and x_chunk.is_floating_point():
-                x_chunk = x_chunk.detach().requires_grad_(True)
-            with torch.autograd.profiler.record_function(_PREFIX + "forward_pass_with_enable_grad"):
-                with torch.enable_grad(), _running_stats_frozen(shard):
-                    out = shard(x_chunk)
-            with torch.autograd.profiler.record_function(_PREFIX + "backward_pass"):
-                torch.autograd.backward(out, g_chunk)
-            collected.append(x_chunk.grad if x_chunk.requires_grad else None)
-        input_grads.append(None if any(c is None for c in collected) else torch.cat(cast(List[Tensor], collected)))
-    torch.set_rng_state(cpu_state)
-    if device_state is not None:
-        set_accelerator_rng_state(device, device_state)
+    try:
+        with modes_replayed(shard, ctx.modes[index]):
+            for x, grad in zip(acts, grads):
+                x_chunks = chunks(x, nmb)
+                g_chunks = chunks(grad, nmb) if isinstance(grad, Tensor) else [None] * len(x_chunks)
+                collected = [_backward_chunk(ctx, shard, xc, gc) for xc, gc in zip(x_chunks, g_chunks)]
+                input_grads.append(join_grads(collected))
+    finally:
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            set_accelerator_rng_state(device, device_state)
     with torch.autograd.profiler.record_function(_PREFIX + "backward_drop"):
         shard.backward_drop()
     return tuple(input_grads)
+
+
+def _backward_chunk(ctx: Any, shard: ModelShard, x_chunk: Tensor, g_chunk: Optional[Tensor]) -> Optional[Tensor]:
+    """Recompute ``shard`` on one micro-batch and backpropagate ``g_chunk``; return the chunk's input gradient.
+
+    The chunk is recomputed even when nothing is backpropagated, so that the RNG stream of the later chunks repeats
+    the forward's.
+    """
+    leaf = x_chunk.detach().requires_grad_(True) if x_chunk.is_floating_point() else x_chunk
+    with torch.autograd.profiler.record_function(_PREFIX + "forward_pass_with_enable_grad"):
+        # Under the forward's autocast state: upstream replayed CUDA's only, so under CPU autocast the recomputation
+        # ran in fp32 on the kept bf16 inputs and failed.
+        with torch.enable_grad(), autocast_replayed(ctx.device.type, ctx.autocast):
+            # Through an alias, not the leaf itself: torch refuses an in-place first op (ReLU(inplace=True)) on a
+            # leaf that requires grad.
+            out = shard(InPlaceSafeAlias.apply(leaf) if leaf.requires_grad else leaf)
+    if g_chunk is None or not (isinstance(out, Tensor) and out.requires_grad):
+        # A frozen slice on integer inputs (a frozen embedding) or one without parameters: nothing to backpropagate.
+        return None
+    with torch.autograd.profiler.record_function(_PREFIX + "backward_pass"):
+        torch.autograd.backward(out, g_chunk)
+    return leaf.grad if leaf.requires_grad else None
+
+
+def _checkpoint_inputs(inputs: Tuple[Any, ...]) -> Tuple[Tensor, ...]:
+    """The input tensors of a checkpointed call: its one positional argument, a tensor or a tuple of tensors (each
+    runs through the slices on its own)."""
+    if len(inputs) != 1:
+        raise TypeError(
+            f"OffloadModel with checkpoint_activation=True takes one positional input (a tensor, or a tuple of "
+            f"tensors that each run through the slices), got {len(inputs)}"
+        )
+    values = inputs[0] if isinstance(inputs[0], tuple) else (inputs[0],)
+    if not values or not all(isinstance(v, Tensor) for v in values):
+        raise TypeError(
+            "OffloadModel with checkpoint_activation=True runs each input through the slices in micro-batches, so "
+            f"the input must be a tensor or a non-empty tuple of tensors, got {_describe(inputs[0])}"
+        )
+    return values
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "a tuple of (" + ", ".join(type(v).__name__ for v in value) + ")"
+    return f"a {type(value).__name__}"
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -437,10 +427,10 @@ class OffloadModel(nn.Module):
             BatchNorm layers then see each chunk as a batch (statistics and running-stat updates per chunk).
 
     Raises:
-        TypeError: ``model`` or ``device`` is missing, ``model`` is not an ``nn.Sequential`` or a list,
-            ``device`` is a CUDA device on a machine without CUDA, or ``num_slices`` / ``num_microbatches`` is not
-            an ``int``.
-        ValueError: ``num_slices`` or ``num_microbatches`` is below 1.
+        TypeError: ``model`` or ``device`` is missing, ``model`` is not an ``nn.Sequential`` or a list, or is an
+            ``nn.Sequential`` subclass with its own ``forward`` (only its layers would run), ``device`` is a CUDA
+            device on a machine without CUDA, or ``num_slices`` / ``num_microbatches`` is not an ``int``.
+        ValueError: ``num_slices`` or ``num_microbatches`` is below 1, or ``offload_device`` is a meta device.
         RuntimeError: ``num_microbatches > 1`` without ``checkpoint_activation``.
     """
 
@@ -456,10 +446,19 @@ class OffloadModel(nn.Module):
         super().__init__()
         if model is None:
             raise TypeError("`model` argument to `OffloadModel` cannot be None.")
-        if not device:
+        if device is None:
+            # ``is None``, not falsiness: ``device=0`` is torch's shorthand for ``cuda:0`` (upstream called it None).
             raise TypeError("`device` argument to `OffloadModel` cannot be None.")
         if not (isinstance(model, nn.Sequential) or type(model) == list):
             raise TypeError("`model` argument to `OffloadModel` must be of type `nn.Sequential`.")
+        if isinstance(model, nn.Sequential) and type(model).forward is not nn.Sequential.forward:
+            # The model is split into its layers, which run one after the other: an own forward (a residual
+            # connection, a reshape) would be dropped silently.
+            raise TypeError(
+                f"`model` argument to `OffloadModel`: {type(model).__name__} overrides nn.Sequential.forward, which "
+                "OffloadModel does not run (it splits the model into its layers and runs them in order); pass an "
+                "nn.Sequential whose layers compute the model, or its slices as a list of modules"
+            )
         if len(model) == 0:
             # A TypeError as upstream's (whose falsiness test took an empty model for None), with a message that fits.
             raise TypeError("`model` argument to `OffloadModel` has no layers: pass an nn.Sequential of at least one.")
@@ -471,6 +470,9 @@ class OffloadModel(nn.Module):
                         f"`model` argument to `OffloadModel`: a list must hold the slices as nn.Modules; item {i} "
                         f"is a {type(part).__name__}"
                     )
+        if isinstance(device, int) and not accelerator_available():
+            # torch.device(0) means the accelerator; say what upstream says for a CUDA device without CUDA.
+            raise TypeError("CUDA must be available as one of the compute devices for `OffloadModel`.")
         device = torch.device(device)
         if device.type != "cpu" and not accelerator_available():
             raise TypeError("CUDA must be available as one of the compute devices for `OffloadModel`.")
@@ -489,6 +491,12 @@ class OffloadModel(nn.Module):
             raise RuntimeError("We currently only support microbatches with activation checkpointing.")
         self.device = device
         self.offload_device = torch.device(offload_device)
+        if self.offload_device.type == "meta":
+            # Checked before the model moves there: its weights would be lost, and only the first forward failed.
+            raise ValueError(
+                "`offload_device` argument to `OffloadModel` is a meta device, which holds no data: the model rests "
+                "there between uses, so pass a real device (normally the CPU)"
+            )
         if isinstance(model, nn.Sequential):
             slices: List[nn.Module] = [nn.Sequential(*split) for split in _split(model, num_slices)]
         else:
@@ -509,12 +517,19 @@ class OffloadModel(nn.Module):
     def forward(self, *inputs: Any, **_: Any) -> Any:
         """Run the slices in order; keyword arguments are accepted and ignored (as upstream).
 
+        With checkpointing the input is one tensor or a tuple of tensors, each of which runs through the slices on
+        its own (anything else raises ``TypeError``).
+
         Returns:
-            The last slice's output on ``device``: one tensor, or a tuple (a list with checkpointing) of several.
-            With checkpointing the output's last dim is squeezed when it is 1 (upstream's ``squeeze(-1)``).
+            The last slice's output on ``device``: one tensor, or a tuple (a list with checkpointing, one output per
+            input tensor) of several. With checkpointing the output's last dim is squeezed when it is 1 (upstream's
+            ``squeeze(-1)``).
         """
         if self._checkpoint_activation:
-            return OffloadFunction.apply(*inputs, torch.tensor([], requires_grad=True), self)
+            values = _checkpoint_inputs(inputs)
+            out = OffloadFunction.apply(values[0], torch.tensor([], requires_grad=True), self, *values[1:])
+            # Upstream's types: one tensor, or a list of several.
+            return out if isinstance(out, Tensor) else list(out)
         anchor = torch.tensor([], requires_grad=True)
         self._activations = []
         for index in range(-1, len(self.model_slices)):
