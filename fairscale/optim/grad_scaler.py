@@ -81,14 +81,22 @@ def _checked_new_scale(who: str, new_scale: Any) -> Any:
     torch fills its scale with whatever it gets: 0 (or a negative or NaN value) made the next unscale divide by it and
     wrote NaN into every weight (or flipped the gradients' signs), silently; inf unscaled every gradient to 0. A
     float and a 1-element real tensor are taken as torch takes them; another real number (an int, a numpy scalar) is
-    passed on as a float, which torch's ``fill_`` needs. Other tensors are left to torch's own checks.
+    passed on as a float, which torch's ``fill_`` needs. Real tensors of another size are left to torch's own checks
+    (it refuses them).
 
     Raises:
         ValueError: the value is 0, negative, not finite or beyond float32's range (``init_scale``'s rule).
-        TypeError: neither a real number nor a tensor.
+        TypeError: neither a real number nor a tensor, or a bool or complex tensor.
     """
     if isinstance(new_scale, Tensor):
-        if new_scale.numel() != 1 or new_scale.is_complex() or new_scale.dtype == torch.bool:
+        if new_scale.is_complex() or new_scale.dtype == torch.bool:
+            # torch copies either into its float scale without a word: False (or 0j) became a scale of 0 and the
+            # next step wrote NaN into every weight; a complex value lost its imaginary part.
+            raise TypeError(
+                f"{who}: new_scale must be a real number or a real (floating point or integer) tensor, got a tensor "
+                f"of dtype {new_scale.dtype}"
+            )
+        if new_scale.numel() != 1:
             return new_scale  # torch refuses it in its own words
         value = float(new_scale.detach().reshape(()))
     elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
@@ -117,6 +125,49 @@ def _as_real(value: Any) -> Optional[float]:
     return None
 
 
+def _is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer torch's scale update takes as its interval: an int (numpy's too, not a bool)
+    or a 0-dim integer tensor. A float, even an integral one (``2e3``), makes torch's update raise ``TypeError``."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_setting(who: str, name: str, raw: Any) -> float:
+    """``raw``, the scaler setting ``name`` (a key of :data:`_STATE_KEYS`), as a float once it is one torch can use.
+
+    Raises:
+        TypeError: not a finite real number; an interval that is not an int; a tracker that is not a non-negative
+            integer.
+        ValueError: a scale that is not positive or beyond float32's range, a backoff factor outside (0, 1), a growth
+            factor below 1.
+    """
+    value = _as_real(raw)
+    if value is None or not math.isfinite(value):
+        raise TypeError(f"{who}: {name} must be a finite real number, got {raw!r}")
+    if name == "scale" and not 0.0 < value <= _FLOAT32_MAX:
+        raise ValueError(f"{who}: the saved scale must be a positive number within float32's range, got {value}")
+    # A growth factor below 1 shrank the scale at every clean interval, 0 at once: the next step multiplied the
+    # gradients by 1/0 and wrote NaN into every weight, silently. A backoff factor of 1 or above never lets an
+    # overflowing scale come down: every step was skipped. (1 as growth factor, a scale that never grows, is taken
+    # as torch's load takes it; torch's constructor refuses it.)
+    if name == "backoff_factor" and not 0.0 < value < 1.0:
+        raise ValueError(f"{who}: backoff_factor must be in (0, 1) (0 zeroes the scale), got {value}")
+    if name == "growth_factor" and not value >= 1.0:
+        raise ValueError(f"{who}: growth_factor must be at least 1 (below, it shrinks the scale to 0), got {value}")
+    # A negative growth interval is torch's way to never grow the scale (the tracker never reaches it): accepted.
+    # A float one (2e3, or 4.0 from a hand-written state dict) passed an "integral value" check, and every update()
+    # then raised inside torch, after the optimizer had stepped.
+    if name == "growth_interval" and not _is_integer(raw):
+        raise TypeError(
+            f"{who}: growth_interval must be an integer (an int, e.g. 2000 rather than 2e3: torch's scale update takes "
+            f"no float), got {raw!r}"
+        )
+    if name == "_growth_tracker" and not (value >= 0 and value.is_integer()):
+        raise TypeError(f"{who}: _growth_tracker must be a non-negative integer, got {raw!r}")
+    return value
+
+
 def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
     """Raise unless every entry of a scaler state dict is one torch's scaler can take and use.
 
@@ -124,33 +175,16 @@ def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
     fails later, in the middle of a step (a scale beyond float32), or silently (a backoff factor of 0 zeroes the
     scale). What torch's own scalers write (numpy scalars and 0-dim tensors included) is accepted.
     """
-    values: Dict[str, float] = {}
-    for name in _STATE_KEYS:
-        value = _as_real(state_dict[name])
-        if value is None or not math.isfinite(value):
-            raise TypeError(f"{who}: {name} must be a finite real number, got {state_dict[name]!r}")
-        values[name] = value
-    if not 0.0 < values["scale"] <= _FLOAT32_MAX:
+    values = {name: _check_setting(who, name, state_dict[name]) for name in _STATE_KEYS}
+    interval, tracker = values["growth_interval"], values["_growth_tracker"]
+    # torch grows the scale when the tracker, counted up by one per clean step, equals the interval: a tracker
+    # already there or beyond never equals it again, and the scale stopped growing until the next overflow.
+    if 0 < interval <= tracker:
         raise ValueError(
-            f"{who}: the saved scale must be a positive number within float32's range, got {values['scale']}"
+            f"{who}: _growth_tracker must be below growth_interval (clean steps counted towards the next growth), got "
+            f"_growth_tracker={tracker:g} with growth_interval={interval:g}: the scale would not grow again until an "
+            "overflow. Pass a state dict saved by state_dict(), or set _growth_tracker below growth_interval"
         )
-    # A growth factor below 1 shrank the scale at every clean interval, 0 at once: the next step multiplied the
-    # gradients by 1/0 and wrote NaN into every weight, silently. A backoff factor of 1 or above never lets an
-    # overflowing scale come down: every step was skipped. (1 as growth factor, a scale that never grows, is taken
-    # as torch's load takes it; torch's constructor refuses it.)
-    if not 0.0 < values["backoff_factor"] < 1.0:
-        raise ValueError(
-            f"{who}: backoff_factor must be in (0, 1) (0 zeroes the scale), got {values['backoff_factor']}"
-        )
-    if not values["growth_factor"] >= 1.0:
-        raise ValueError(
-            f"{who}: growth_factor must be at least 1 (below, it shrinks the scale to 0), got {values['growth_factor']}"
-        )
-    # A negative growth interval is torch's way to never grow the scale (the tracker never reaches it): accepted.
-    if not values["growth_interval"].is_integer():
-        raise TypeError(f"{who}: growth_interval must be an integer, got {state_dict['growth_interval']!r}")
-    if not (values["_growth_tracker"] >= 0 and values["_growth_tracker"].is_integer()):
-        raise TypeError(f"{who}: _growth_tracker must be a non-negative integer, got {state_dict['_growth_tracker']!r}")
 
 
 class _GeneralMultiDeviceReplicator:
@@ -216,6 +250,55 @@ class _ScalerBase(CudaAmpGradScaler):
         # fp16 gradients are legitimate here (fairscale Adam's PURE_FP16, FSDP/ShardedDDP fp16 reductions).
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
+    # torch's setters store any value: set_backoff_factor(0.0) zeroed the scale at the next overflow and wrote NaN into
+    # the weights from then on, a float interval made every update() raise inside torch, and the scaler's own state
+    # dict no longer loaded. They refuse what the constructor and load_state_dict refuse, in the same words.
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (torch's setter), checked as the constructor checks it.
+
+        Raises:
+            ValueError: enabled, and ``new_factor`` is below 1; nothing changes then.
+            TypeError: enabled, and ``new_factor`` is not a finite real number.
+        """
+        if self._enabled:
+            _check_setting(f"{type(self).__name__}.set_growth_factor", "growth_factor", new_factor)
+        super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (torch's setter), checked as the constructor checks it.
+
+        Raises:
+            ValueError: enabled, and ``new_factor`` is not in (0, 1); nothing changes then.
+            TypeError: enabled, and ``new_factor`` is not a finite real number.
+        """
+        if self._enabled:
+            _check_setting(f"{type(self).__name__}.set_backoff_factor", "backoff_factor", new_factor)
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (torch's setter), checked as the constructor checks it.
+
+        When the clean steps already counted reach the new (positive) interval, the count is lowered to one short of
+        it, so the next clean step grows the scale: torch grows only when the count equals the interval, and a count
+        left beyond it stopped the growth until the next overflow.
+
+        Raises:
+            TypeError: enabled, and ``new_interval`` is not an integer (a float such as ``2e3`` included); nothing
+                changes then.
+        """
+        if not self._enabled:
+            super().set_growth_interval(new_interval)
+            return
+        interval = _check_setting(f"{type(self).__name__}.set_growth_interval", "growth_interval", new_interval)
+        super().set_growth_interval(new_interval)
+        if interval > 0 and self._get_growth_tracker() >= interval:
+            tracker = int(interval) - 1
+            self._init_growth_tracker = tracker
+            growth_tracker = getattr(self, "_growth_tracker", None)  # a tensor once the first scale() made it
+            if growth_tracker is not None:
+                growth_tracker.fill_(tracker)
+
     def update(self, new_scale: Optional[Any] = None) -> None:
         """Update the scale (torch's ``update``); see ``torch.amp.GradScaler.update``.
 
@@ -262,9 +345,11 @@ class _ScalerBase(CudaAmpGradScaler):
             RuntimeError: enabled on CUDA, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
             KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
             ValueError: enabled, and the saved scale is not positive or beyond float32's range, the backoff
-                factor is not in (0, 1), or the growth factor is below 1.
-            TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), or
-                the interval or the tracker is not a non-negative integer.
+                factor is not in (0, 1), the growth factor is below 1, or the growth tracker is at or beyond a
+                positive growth interval (the scale would never grow again until an overflow).
+            TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), the
+                interval is not an integer (an int or a 0-dim integer tensor: torch's update takes no float, not
+                even ``4.0``), or the tracker is not a non-negative integer.
         """
         empty = isinstance(state_dict, Mapping) and len(state_dict) == 0  # None stays torch's TypeError
         if self._enabled and empty and torch.device(getattr(self, "_device", "cuda")).type != "cuda":
@@ -318,7 +403,9 @@ class GradScaler(_ScalerBase):
             (torch accepts it, and the first step turns every weight into NaN), a ``backoff_factor`` outside (0, 1)
             or a ``growth_factor`` below 1.
         TypeError: enabled, with another setting that is not a finite real number, or a ``growth_interval`` that
-            is not an integer.
+            is not an integer (an int: a float such as ``2e3`` made every ``update()`` raise inside torch).
+
+    ``set_growth_factor``, ``set_backoff_factor`` and ``set_growth_interval`` refuse what the constructor refuses.
     """
 
     def __init__(
@@ -368,7 +455,9 @@ class ShardedGradScaler(_ScalerBase):
             (torch accepts it, and the first step turns every weight into NaN), a ``backoff_factor`` outside (0, 1)
             or a ``growth_factor`` below 1.
         TypeError: enabled, with another setting that is not a finite real number, or a ``growth_interval`` that
-            is not an integer.
+            is not an integer (an int: a float such as ``2e3`` made every ``update()`` raise inside torch).
+
+    ``set_growth_factor``, ``set_backoff_factor`` and ``set_growth_interval`` refuse what the constructor refuses.
     """
 
     def __init__(

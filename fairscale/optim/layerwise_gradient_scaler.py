@@ -92,7 +92,7 @@ class _Stage(enum.Enum):
 
     READY = "ready"  # no hooks: scale() next (or step() without scaling)
     SCALED = "scaled"  # hooks registered: the backward, then unscale()
-    UNSCALED = "unscaled"  # gradients divided back, hooks removed: step() (or scale() again)
+    UNSCALED = "unscaled"  # gradients divided back, hooks removed: step() (or scale() again once they are cleared)
 
 
 class LayerwiseGradientScaler:
@@ -110,15 +110,21 @@ class LayerwiseGradientScaler:
 
     Raises:
         ValueError: (also an ``AssertionError``, as upstream asserted) with scaling enabled, ``growth_factor <= 1``,
-            ``backoff_factor`` outside (0, 1) or ``min_scale <= 0``; and (a plain ``ValueError``) a scale in ``layer_scale_dict`` that is not a
-            positive finite number (0 divided by zero in :meth:`scale`, NaN or inf poisoned the gradients), or a
-            name the model does not have.
-        TypeError: a scale that is not a number.
+            ``backoff_factor`` outside (0, 1) or ``min_scale <= 0``; and (a plain ``ValueError``) with scaling
+            enabled, a ``growth_interval`` below 1 (the scales never grew), a ``min_scale`` or ``max_scale`` that is
+            not finite (inf pinned the scales at inf), a ``max_scale`` below ``min_scale``; a scale in
+            ``layer_scale_dict`` that is not a positive finite number (0 divided by zero in :meth:`scale`, NaN or inf
+            poisoned the gradients), or a name the model does not have.
+        TypeError: a scale that is not a number; with scaling enabled, a ``growth_interval`` that is not an int, or a
+            ``min_scale`` / ``max_scale`` that is not a number.
 
     With scaling enabled, the calls must come in the order ``scale()``, backward, ``unscale()``, ``step()``:
-    ``scale()`` twice in a row, ``unscale()`` without a ``scale()`` before it, and ``step()`` between ``scale()`` and
-    ``unscale()`` raise ``RuntimeError`` and change nothing (they used to scale or unscale the gradients twice, or to
-    step with scaled gradients). ``step()`` without any ``scale()`` still steps as upstream did.
+    ``scale()`` twice in a row, ``unscale()`` without a ``scale()`` before it, ``step()`` between ``scale()`` and
+    ``unscale()``, and ``scale()`` after ``unscale()`` while the model still holds gradients (no ``step()`` or
+    ``zero_grad()`` in between) raise ``RuntimeError`` and change nothing (they used to scale or unscale the gradients
+    twice, to step with scaled gradients, or to divide the gradients already unscaled again). ``step()`` without any
+    ``scale()`` still steps as upstream did. To accumulate gradients over micro-batches, call ``scale()`` once before
+    the first and ``unscale()`` once after the last.
     """
 
     def __init__(
@@ -151,10 +157,12 @@ class LayerwiseGradientScaler:
                 raise FairscaleValueError(
                     f"The backoff factor must be < 1.0 and > 0 (0 or less zeroes the scales), got {self._backoff_factor}."
                 )
+            _check_bounds(min_scale, max_scale)
             if not self._min_scale > 0.0:
                 raise FairscaleValueError(
                     f"The min scale must be > 0 (a scale of 0 divides the gradients by 0), got {self._min_scale}."
                 )
+            _check_growth_interval(growth_interval)
             for name, scale in layer_scale_dict.items():
                 _check_scale(name, scale)
             self.layer_info = self._build_layer_info()
@@ -186,6 +194,16 @@ class LayerwiseGradientScaler:
                 "LayerwiseGradientScaler.scale: already called, and unscale() not since: the hooks are in place, a "
                 "second set would scale the gradients twice. Run the backward, then unscale() and step() (after a "
                 "forward or backward that raised, unscale() removes the hooks)."
+            )
+        # The next unscale() divides the whole accumulated gradient: what the last unscale() already divided would
+        # be divided again (a scale()/unscale() pair per micro-batch came out silently wrong). Cleared gradients
+        # (None or zero) are fine.
+        if self._stage is _Stage.UNSCALED and self._holds_gradients():
+            raise RuntimeError(
+                "LayerwiseGradientScaler.scale: unscale() already ran and the model still holds its (unscaled) "
+                "gradients: the next unscale() would divide them again. Call step() (or zero the gradients) first; "
+                "to accumulate gradients over micro-batches, call scale() once before the first and unscale() once "
+                "after the last."
             )
         self._stage = _Stage.SCALED
         for idx, info in enumerate(self.layer_info):
@@ -222,6 +240,21 @@ class LayerwiseGradientScaler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _holds_gradients(self) -> bool:
+        """Whether a parameter of the scaled layers has a gradient that is not all zeros."""
+        for info in self.layer_info:
+            for param in info.layer.parameters():
+                if param.grad is None:
+                    continue
+                grad = param.grad.detach()
+                if grad.layout == torch.sparse_coo:
+                    grad = grad.coalesce().values()
+                elif grad.layout != torch.strided:
+                    grad = grad.to_dense()
+                if bool(grad.count_nonzero() > 0):
+                    return True
+        return False
 
     def _check_for_inf_or_nan(self) -> None:
         for info in self.layer_info:
@@ -275,6 +308,50 @@ class LayerwiseGradientScaler:
     def get_backward_hooks(self) -> List[Tuple[str, Any]]:
         """``(name, backward hooks)`` of every non-root module (to check that :meth:`unscale` removed them)."""
         return [(name, layer._get_backward_hooks()) for name, layer in self._model.named_modules() if name != ""]
+
+
+def _check_growth_interval(growth_interval: Any) -> None:
+    """Raise unless ``growth_interval`` is a whole number >= 1.
+
+    A layer's scale grows when its count of clean steps equals the interval: 0 or less was never reached, and 2.5 or
+    a string was never equal, so the scales silently never grew. An integral float (``1e4``) equals the count, as
+    upstream took it.
+    """
+    if (
+        isinstance(growth_interval, bool)
+        or not isinstance(growth_interval, numbers.Real)
+        or not float(growth_interval).is_integer()
+    ):
+        raise TypeError(
+            f"LayerwiseGradientScaler: growth_interval must be an int (clean steps before a scale grows), got "
+            f"{type(growth_interval).__name__} {growth_interval!r}"
+        )
+    if growth_interval < 1:
+        raise ValueError(
+            f"LayerwiseGradientScaler: growth_interval must be >= 1 (clean steps before a scale grows), got "
+            f"{growth_interval}"
+        )
+
+
+def _check_bounds(min_scale: Any, max_scale: Any) -> None:
+    """Raise unless ``min_scale`` and ``max_scale`` are finite numbers with ``min_scale <= max_scale``.
+
+    A min_scale of inf pinned every scale at inf after one step (its gradients divided to 0, or NaN); bounds in the
+    wrong order clamped every scale to min_scale whatever happened.
+    """
+    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"LayerwiseGradientScaler: {name} must be a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(
+                f"LayerwiseGradientScaler: {name} must be finite (a scale of inf divides the gradients to 0), got "
+                f"{value}; the defaults are float32's smallest normal and largest values"
+            )
+    if min_scale > max_scale:
+        raise ValueError(
+            f"LayerwiseGradientScaler: min_scale ({min_scale}) must not exceed max_scale ({max_scale}): every scale "
+            "would be clamped to min_scale"
+        )
 
 
 def _check_scale(name: str, scale: Any) -> None:

@@ -16,6 +16,11 @@ without overflow. Usage mirrors ``torch.amp.GradScaler``::
 Each optimizer's stage of the iteration is recorded (:class:`OptState`), as in ``torch.amp.GradScaler``: call
 :meth:`unscale_` before :meth:`step` to clip the true gradients, and :meth:`step` unscales only what was not
 unscaled yet. (Upstream recorded no stage, so that order divided the gradients twice; see docs/differences.rst.)
+
+The scale an iteration multiplies its losses by is fixed at its first :meth:`scale` (or :meth:`unscale_` /
+:meth:`step`) call and divided out of every optimizer's gradients, even after an overflow lowered ``loss_scale``
+(as upstream, at once, in :meth:`step`): upstream divided a second optimizer's gradients by the lowered scale, so
+they came out ``scale_factor`` times too large. One iteration lowers the scale at most once.
 """
 
 import math
@@ -26,6 +31,8 @@ from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
+
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 __all__ = ["DynamicLossScaler", "OptState"]
 
@@ -42,17 +49,46 @@ def _refresh_per_optimizer_state() -> Dict[str, Any]:
     return {"stage": OptState.READY}
 
 
+def _real(value: Any) -> Optional[float]:
+    """``value`` as a float when it is a real number (numpy's too; not a bool), else ``None``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _stored_values(grad: Tensor) -> Tensor:
+    """The values a gradient holds: itself when dense, the (summed) stored entries of a sparse one.
+
+    The norm of a sparse tensor has no kernel (upstream's ``torch.norm`` failed on them too); its norm is that of
+    its coalesced values (duplicate entries add up first, as they do in the optimizer's step).
+    """
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().values()
+    if grad.layout in _SPARSE_COMPRESSED:
+        return grad.values()
+    return grad
+
+
 class DynamicLossScaler(object):
     """Scales the loss, skips steps whose gradients overflow and adapts the scale.
 
     Args:
         init_scale (float): initial loss scale. Default: ``2.0**15``.
-        scale_factor (float): factor of every scale change. Default: 2.0.
+        scale_factor (float): factor of every scale change, above 1. Default: 2.0.
         scale_window (int): iterations without overflow before the scale grows. Default: 2000.
-        tolerance (float): fraction of overflowing iterations since the last rescale that is tolerated before the
-            scale shrinks. Default: 0.0 (shrink at every overflow).
-        threshold (Optional[float]): lower bound the scale never shrinks below. Default: ``None``.
+        tolerance (float): fraction (in [0, 0.5]) of overflows among the iterations since the last rescale (an
+            overflowing iteration counts twice) that is tolerated before the scale shrinks. Default: 0.0 (shrink at
+            every overflow).
+        threshold (Optional[float]): lower bound the scale never shrinks below, at most ``init_scale``. Default:
+            ``None``.
         min_loss_scale (float): reaching this scale raises ``FloatingPointError``. Default: 1e-4.
+
+    Raises:
+        ValueError: a ``scale_window`` that is not an int >= 1; an ``init_scale`` that is not a finite number > 0; a
+            ``scale_factor`` that is not a finite number > 1; a ``tolerance`` outside [0, 0.5] (or NaN); a
+            ``threshold`` that is not ``None`` or a finite number in (0, ``init_scale``]; a ``min_loss_scale`` that
+            is not a finite number >= 0. (Upstream took the last five unchecked: the scale then stayed too high, or
+            went to inf, and every step was skipped, silently.)
     """
 
     def __init__(
@@ -67,10 +103,46 @@ class DynamicLossScaler(object):
         if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
             # 0 failed at the first update() with "integer modulo by zero".
             raise ValueError(f"DynamicLossScaler: scale_window must be an int >= 1 (iterations), got {scale_window!r}")
-        if not (isinstance(init_scale, (int, float)) and 0 < init_scale < float("inf")):
+        init = _real(init_scale)
+        if init is None or not 0 < init < math.inf:
             raise ValueError(f"DynamicLossScaler: init_scale must be a finite number > 0, got {init_scale!r}")
-        if not (isinstance(scale_factor, (int, float)) and 0 < scale_factor < float("inf")):
-            raise ValueError(f"DynamicLossScaler: scale_factor must be a finite number > 0, got {scale_factor!r}")
+        # Upstream took the settings below unchecked; each of these values left the scale too high for good, so
+        # every later step was skipped, silently (no FloatingPointError either).
+        factor = _real(scale_factor)
+        if factor is None or not 1 < factor < math.inf:
+            raise ValueError(
+                "DynamicLossScaler: scale_factor must be a finite number > 1 (an overflow divides the scale by it: 1 "
+                f"never lowers the scale, below 1 raises it), got {scale_factor!r}"
+            )
+        # An overflowing iteration advances the iteration count twice (in step() and in update(), upstream's
+        # counting), so right after a backoff the overflow fraction can reach 0.5 but never more: above 0.5 the scale
+        # shrank once and then never again while every step overflowed.
+        tol = _real(tolerance)
+        if tol is None or not 0 <= tol <= 0.5:
+            raise ValueError(
+                "DynamicLossScaler: tolerance must be a number in [0, 0.5] (the fraction of overflows among the "
+                "iterations since the last rescale, an overflowing iteration counted twice, tolerated before the "
+                f"scale shrinks: it never exceeds 0.5 after a backoff, so a larger tolerance stops the scale from "
+                f"coming down), got {tolerance!r}"
+            )
+        if threshold is not None:
+            floor = _real(threshold)
+            if floor is None or not 0 < floor < math.inf:
+                raise ValueError(
+                    "DynamicLossScaler: threshold must be None or a finite number > 0 (the lowest scale an overflow "
+                    f"may set), got {threshold!r}"
+                )
+            if floor > init:
+                raise ValueError(
+                    f"DynamicLossScaler: threshold ({threshold!r}) must not exceed init_scale ({init_scale!r}): the "
+                    "first overflow would raise the scale to it. Lower threshold or raise init_scale"
+                )
+        min_scale = _real(min_loss_scale)
+        if min_scale is None or not 0 <= min_scale < math.inf:
+            raise ValueError(
+                "DynamicLossScaler: min_loss_scale must be a finite number >= 0 (reaching it raises "
+                f"FloatingPointError), got {min_loss_scale!r}"
+            )
         self.loss_scale: Optional[float] = init_scale
         self.scale_factor = scale_factor
         self.scale_window = scale_window
@@ -83,14 +155,28 @@ class DynamicLossScaler(object):
         self._overflows_since_rescale = 0
         self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
         self._scale: Optional[Tensor] = None
+        # The scale this iteration's losses are multiplied by, fixed until update(): an overflow lowers loss_scale
+        # at once (upstream's timing), while gradients scaled by the old value may still wait for their unscale.
+        self._iteration_scale: Optional[float] = None
+        # Whether this iteration already lowered the scale: two optimizers overflowing on one loss are one overflow.
+        self._iteration_overflowed = False
+
+    def _scale_of_iteration(self) -> Optional[float]:
+        if self._iteration_scale is None:
+            self._iteration_scale = self.loss_scale
+        return self._iteration_scale
 
     def scale(self, outputs: Tensor) -> Tensor:
-        """Multiply ``outputs`` (a tensor) by the loss scale."""
-        return self.loss_scale * outputs  # type: ignore[operator]
+        """Multiply ``outputs`` (a tensor) by the loss scale of this iteration.
+
+        That is ``loss_scale`` at the iteration's first :meth:`scale`, :meth:`unscale_` or :meth:`step` call: it
+        stays the same until :meth:`update` even when an overflow in :meth:`step` lowered ``loss_scale`` already.
+        """
+        return self._scale_of_iteration() * outputs  # type: ignore[operator]
 
     @torch.no_grad()
     def _get_gradients_norm(self, params: Any) -> float:
-        grads = [p.grad.detach() for p in params if p.grad is not None]
+        grads = [_stored_values(p.grad.detach()) for p in params if p.grad is not None]
         if not grads:
             return 0.0
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
@@ -103,8 +189,14 @@ class DynamicLossScaler(object):
             self.loss_scale = max(self.loss_scale, self.threshold)
 
     def _check_overflow(self, grad_norm: float) -> None:
-        """Record an overflow when ``grad_norm`` is inf/nan, shrinking the scale; raises ``OverflowError`` then."""
+        """Record an overflow when ``grad_norm`` is inf/nan, shrinking the scale; raises ``OverflowError`` then.
+
+        Only the iteration's first overflow changes the scale and the counters: upstream lowered the scale once per
+        overflowing optimizer of the same loss (twice for two optimizers, where torch's scaler lowers it once).
+        """
         if grad_norm == float("inf") or grad_norm != grad_norm:
+            if self._iteration_overflowed:
+                raise OverflowError("loss scale already lowered in this iteration, to: " + str(self.loss_scale))
             prev_scale = self.loss_scale
             iter_since_rescale = self._iter - self._last_rescale_iter
             self._last_overflow_iter = self._iter
@@ -125,24 +217,28 @@ class DynamicLossScaler(object):
                     ).format(self.min_loss_scale)
                 )
             self._iter += 1
+            self._iteration_overflowed = True
             raise OverflowError("setting loss scale to: " + str(self.loss_scale))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide every gradient of ``optimizer`` by the loss scale, once per iteration.
+        """Divide every gradient of ``optimizer`` by this iteration's loss scale, once per iteration.
 
         :meth:`step` unscales what was not unscaled yet, so gradient clipping may come in between
-        (``unscale_``, clip, ``step``), as with torch's ``GradScaler``.
+        (``unscale_``, clip, ``step``), as with torch's ``GradScaler``. Sparse gradients are divided too.
 
         Raises:
-            RuntimeError: called twice for ``optimizer`` in one iteration, or after its :meth:`step`.
+            RuntimeError: called twice for ``optimizer`` in one iteration, or after its :meth:`step` (a skipped one
+                included).
         """
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        assert self.loss_scale is not None
-        inv_scale = 1.0 / self.loss_scale
+        scale = self._scale_of_iteration()
+        if scale is None:
+            raise RuntimeError("DynamicLossScaler.unscale_: loss_scale is None, there is no scale to divide by")
+        inv_scale = 1.0 / scale
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -157,21 +253,24 @@ class DynamicLossScaler(object):
             ``optimizer.step(*args, **kwargs)``'s result, or ``None`` when the step was skipped.
 
         Raises:
-            RuntimeError: a ``closure`` keyword argument.
+            RuntimeError: a ``closure`` keyword argument; a second call for ``optimizer`` before :meth:`update`
+                (after a skipped step too: upstream checked the gradients again and lowered the scale once more).
             FloatingPointError: the scale fell to ``min_loss_scale``.
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if DynamicLossScaler is enabled.")
-        for group in optimizer.param_groups:
-            try:
-                self._check_overflow(self._get_gradients_norm(group["params"]))
-            except OverflowError:
-                return None
         # Upstream unscaled here whatever unscale_() had done already (the gradients were divided twice, silently)
         # and never recorded the stage, so its "already unscaled" and "after step" errors could not fire.
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
+        self._scale_of_iteration()  # fixed before an overflow lowers loss_scale: later optimizers unscale by it
+        for group in optimizer.param_groups:
+            try:
+                self._check_overflow(self._get_gradients_norm(group["params"]))
+            except OverflowError:
+                optimizer_state["stage"] = OptState.STEPPED  # skipped is done for this iteration, as in torch's
+                return None
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         result = optimizer.step(*args, **kwargs)
@@ -186,6 +285,8 @@ class DynamicLossScaler(object):
             self._last_rescale_iter = self._iter
         self._iter += 1
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._iteration_scale = None
+        self._iteration_overflowed = False
 
     def state_dict(self) -> Dict[str, Optional[float]]:
         """``{"loss_scale": ...}``."""
@@ -207,3 +308,4 @@ class DynamicLossScaler(object):
                     "a state dict saved by DynamicLossScaler.state_dict()"
                 )
             self.loss_scale = value  # type: ignore[assignment]  # a Real: int, float or numpy scalar, as saved
+            self._iteration_scale = None  # the next scale() multiplies by the loaded scale
