@@ -361,8 +361,8 @@ def _slowmo_process_ranks(rank: int, world_size: int) -> None:
             gossip.SlowMoDistributedDataParallel(
                 _model(), nprocs_per_node=1, process_rank=ranks[rank], process_world_size=world_size
             )
-    # Distinct ranks, even not the global ones, are accepted.
-    gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, process_rank=1 - rank, process_world_size=2)
+    # The ranks' own ranks are accepted (other distinct ones are refused: test_gossip_rank_checks.py).
+    gossip.SlowMoDistributedDataParallel(_model(), nprocs_per_node=1, process_rank=rank, process_world_size=2)
 
 
 def test_slowmo_process_ranks_must_be_distinct() -> None:

@@ -7,23 +7,37 @@ which then broadcast them inside their node. Each call runs one collective per d
 the tensors of one dtype into one buffer).
 """
 
-from typing import Any, Dict, Iterable, List, Sequence, cast
+from typing import Any, Dict, Iterable, List, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from fairscale.internal.collectives import all_reduce, broadcast, group_ranks
+from fairscale.internal.errors import FairscaleRuntimeError
 
 from .utils.helpers import communicate, unflatten_tensors
 
-__all__ = ["average_gradients_in_node", "average_params_among_masters", "broadcast_from"]
+__all__ = ["average_gradients_in_node", "average_params_among_masters", "broadcast_from", "check_dense_gradients"]
 
 
 def broadcast_from(tensors: Sequence[Tensor], src: int, group: Any) -> None:
     """Overwrite ``tensors`` with those of global rank ``src``, a member of ``group``."""
     with torch.no_grad():  # the flat buffers of parameters need no autograd history
         communicate(tensors, lambda tensor: broadcast(tensor, src=src, group=group))
+
+
+def check_dense_gradients(named_params: Iterable[Tuple[str, Tensor]]) -> None:
+    """Raise for a sparse gradient, naming its parameter: :func:`average_gradients_in_node` flattens the gradients
+    into one buffer per dtype, which a sparse one cannot join (torch's "reshape is not implemented for sparse
+    tensors" named no parameter). Every rank of the node has the same layout, so all of them raise."""
+    for name, p in named_params:
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise FairscaleRuntimeError(
+                f"SlowMoDistributedDataParallel: parameter {name!r} has a sparse gradient ({p.grad.layout}), which "
+                "SlowMo's gradient averaging inside a node (nprocs_per_node > 1) does not support; make its "
+                "module produce dense gradients (e.g. nn.Embedding(..., sparse=False)), or use nprocs_per_node=1"
+            )
 
 
 def average_gradients_in_node(params: Iterable[Tensor], nprocs_per_node: int, group: Any) -> None:

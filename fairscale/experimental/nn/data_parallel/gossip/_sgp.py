@@ -9,6 +9,7 @@ node's parameters by the plain average of its own and its current in-peers' para
 """
 
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.errors import FairscaleRuntimeError
 
 from .gossiper import Gossiper, PushPull, PushSum
 from .graph_manager import GraphManager
@@ -79,13 +81,23 @@ class SgpGossip:
         self._handle = handle
         self.gossip_stream = handle.new_stream() if (handle.is_accelerator and use_streams) else handle.current_stream()
         self.gossip_thread: Optional[threading.Thread] = None
+        # What ended the gossip thread, raised in the main thread at its next wait for a round (an exception there
+        # used to go to stderr only, and the main thread waited HEARTBEAT_TIMEOUT for "Gossip flag timeout").
+        self.thread_error: Optional[BaseException] = None
         if self.is_node_master:
-            self.gossip_thread = threading.Thread(target=self._gossip_target, name="Gossip-Thread", daemon=True)
+            # The thread holds this object only weakly between rounds, so a dropped model (its module and gossip
+            # buffers) is freed; the finaliser then wakes the thread to end (it looped forever, holding them).
+            stop = threading.Event()
+            self.gossip_thread = threading.Thread(
+                target=_gossip_loop, args=(weakref.ref(self), self.train_flag, stop), name="Gossip-Thread", daemon=True
+            )
+            weakref.finalize(self, _wake_to_stop, self.train_flag, stop)
             self.gossip_thread.start()
         else:
             self.gossip_flag.set()
         if not self.gossip_flag.wait(timeout=HEARTBEAT_TIMEOUT):
             raise RuntimeError("Gossip thread did not start")
+        self.raise_thread_error()
         self.gossip_flag.clear()
         self.lazy_mixing = not self.asynch and self.mixing.is_regular()
         self.lazy_ps_factor = self.gossip_ps_factor.clone()
@@ -114,6 +126,7 @@ class SgpGossip:
         """Hand the parameters to the gossip thread for one round; ``False`` when nothing was started."""
         if not self.is_node_master or not self.gossip_enable:
             return False
+        self.raise_thread_error()  # a round handed to a thread that ended would never be done
         if self.gossiping:
             self.logger.warning("params not mixed")
             return False
@@ -144,6 +157,7 @@ class SgpGossip:
             return False
         if not non_blocking and not self.gossip_flag.wait(timeout=HEARTBEAT_TIMEOUT):
             raise RuntimeError("Gossip flag timeout")
+        self.raise_thread_error()
         if not self.gossip_flag.is_set():
             return False
         self.gossip_flag.clear()
@@ -166,9 +180,23 @@ class SgpGossip:
         self.params_mixed = True
         return True
 
-    # ---- gossip thread
+    def raise_thread_error(self) -> None:
+        """Raise, in the calling (main) thread, the exception that ended the gossip thread, if one did."""
+        error = self.thread_error
+        if error is not None:
+            raise FairscaleRuntimeError(
+                f"SlowMoDistributedDataParallel: the SGP gossip thread failed with {type(error).__name__}: {error}; "
+                "SGP cannot go on with this model: fix the cause (see the exception chained to this one) and build "
+                "a new SlowMoDistributedDataParallel"
+            ) from error
 
-    def _gossip_target(self) -> None:
+    # ---- gossip thread (see _gossip_loop)
+
+    def _fail(self, error: BaseException) -> None:
+        self.thread_error = error
+        self.gossip_flag.set()  # wakes a main thread waiting for the round, which raises the error
+
+    def _make_gossipers(self) -> Dict[torch.dtype, Gossiper]:
         logger = make_logger(self.logical_rank, self.verbose)
         gossipers: Dict[torch.dtype, Gossiper] = {}
         gossiper_cls: Callable[..., Gossiper] = PushSum if self.push_sum else PushPull
@@ -184,21 +212,23 @@ class SgpGossip:
             )
         first = next(iter(gossipers.values()))
         self.gossip_ps_factor.copy_(first.mixing_weights["lo"].to(self.gossip_ps_factor.device))
+        return gossipers
+
+    def _round(self, gossipers: Dict[torch.dtype, Gossiper]) -> None:
+        logger = make_logger(self.logical_rank, self.verbose)
+        logger.debug("gossip round starting")
+        try:
+            with self._handle.stream(self.gossip_stream):
+                self._one_round(gossipers)
+        except RuntimeError as e:
+            # A communication failure: the round is reported as failed (weight -1) and sent again unmixed.
+            logger.warning(f"received runtime error {e}")
+            for gossiper in gossipers.values():
+                gossiper.clean_msg_buffers_()
+            self.gossip_ps_weight.fill_(-1)
+        self.gossip_stream.synchronize()
+        self.train_flag.clear()
         self.gossip_flag.set()
-        while True:
-            self.train_flag.wait()
-            logger.debug("gossip round starting")
-            try:
-                with self._handle.stream(self.gossip_stream):
-                    self._one_round(gossipers)
-            except RuntimeError as e:
-                logger.warning(f"received runtime error {e}")
-                for gossiper in gossipers.values():
-                    gossiper.clean_msg_buffers_()
-                self.gossip_ps_weight.fill_(-1)
-            self.gossip_stream.synchronize()
-            self.train_flag.clear()
-            self.gossip_flag.set()
 
     def _one_round(self, gossipers: Dict[torch.dtype, Gossiper]) -> None:
         ps_weight = self.gossip_ps_weight.clone()
@@ -211,3 +241,40 @@ class SgpGossip:
                 for r, g in zip(unflatten_tensors(in_msg, group), group):
                     g.copy_(r)
             self.gossip_ps_weight.copy_(received_ps.to(self.gossip_ps_weight.dtype))
+
+
+def _wake_to_stop(train_flag: threading.Event, stop: threading.Event) -> None:
+    # The SgpGossip finaliser: holds the thread's events, not the object.
+    stop.set()
+    train_flag.set()
+
+
+def _gossip_loop(ref: "weakref.ReferenceType[SgpGossip]", train_flag: threading.Event, stop: threading.Event) -> None:
+    """The gossip thread: one round per ``train_flag``, until its :class:`SgpGossip` is gone or a round raises.
+
+    It holds the object (strongly) only during a round. Any exception other than a round's ``RuntimeError`` (handled
+    in :meth:`SgpGossip._round`) ends the thread and is raised in the main thread at its next wait.
+    """
+    sgp = ref()
+    if sgp is None:
+        return
+    try:
+        gossipers = sgp._make_gossipers()
+    except BaseException as e:  # noqa: B036  # handed to the main thread, which raises it
+        sgp._fail(e)
+        return
+    sgp.gossip_flag.set()
+    del sgp
+    while True:
+        train_flag.wait()
+        if stop.is_set():
+            return
+        sgp = ref()
+        if sgp is None:
+            return
+        try:
+            sgp._round(gossipers)
+        except BaseException as e:  # noqa: B036
+            sgp._fail(e)
+            return
+        del sgp

@@ -7,7 +7,7 @@ them out before torch loads the rest. Every check runs before anything is loaded
 changes nothing.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -15,7 +15,7 @@ from fairscale.internal.errors import FairscaleValueError
 
 from ._sgp import SgpGossip
 
-__all__ = ["SgpValues", "add_sgp_entries", "set_sgp_values", "take_sgp_entries"]
+__all__ = ["SgpValues", "add_sgp_entries", "check_sgp_assign", "set_sgp_values", "take_sgp_entries"]
 
 # What a load sets: the push-sum weight (on the SGP state's device and dtype) and whether the parameters are numerators.
 SgpValues = Tuple[Tensor, bool]
@@ -85,3 +85,26 @@ def set_sgp_values(sgp: SgpGossip, values: Optional[SgpValues]) -> None:
     if values is not None:
         sgp.ps_weight.copy_(values[0])
         sgp.is_sgp_ps_numerator = values[1]
+
+
+def check_sgp_assign(named_params: Iterable[Tuple[str, Tensor]], state: Dict[str, Any], prefix: str) -> None:
+    """Refuse a load with ``assign=True`` that would change a parameter's dtype or device under SGP.
+
+    The gossip thread's messages and the push-sum weight were laid out for the parameters' dtypes and device at
+    construction: another dtype would be gossiped in the old one, and another device fails at the next push-sum
+    step. (The device is not compared against a ``meta`` stand-in of a dry run: the real load compares it.)
+
+    Raises:
+        FairscaleValueError: naming the first such entry.
+    """
+    for name, p in named_params:
+        value = state.get(prefix + name)
+        if not isinstance(value, Tensor):
+            continue  # absent, or not a tensor: torch's own checks report it
+        if value.dtype != p.dtype or (not p.is_meta and value.device != p.device):
+            raise FairscaleValueError(
+                f"SlowMoDistributedDataParallel.load_state_dict(assign=True): the state dict's {prefix + name!r} is "
+                f"{value.dtype} on {value.device}, but with SGP each parameter must keep its dtype and device "
+                f"({p.dtype}{'' if p.is_meta else f' on {p.device}'}): the gossip buffers were laid out for them; "
+                "convert the entries first, or load with assign=False (which copies into the parameters)"
+            )

@@ -33,13 +33,25 @@ from fairscale.internal.collectives import group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
-from ._backward_callback import BackwardCallback
+from ._backward_callback import BackwardCallback, unhooked_output_error
 from ._fp32_masters import fp16_fp32_pairs, subtract_before_communication
 from ._groups import build_groups
-from ._node_collectives import average_gradients_in_node, average_params_among_masters, broadcast_from
-from ._settings import check_algorithm_settings, check_construction_agrees, check_real_numbers
+from ._node_collectives import (
+    average_gradients_in_node,
+    average_params_among_masters,
+    broadcast_from,
+    check_dense_gradients,
+)
+from ._settings import (
+    check_algorithm_settings,
+    check_construction_agrees,
+    check_dense_embeddings,
+    check_real_numbers,
+    check_sizes,
+    graph_mismatch,
+)
 from ._sgp import SgpGossip
-from ._sgp_state_dict import add_sgp_entries, set_sgp_values, take_sgp_entries
+from ._sgp_state_dict import add_sgp_entries, check_sgp_assign, set_sgp_values, take_sgp_entries
 from ._slow_momentum import SlowMomentum
 from .graph_manager import GraphManager, NPeerDynamicDirectedExponentialGraph
 from .mixing_manager import MixingManager, UniformMixing
@@ -133,12 +145,6 @@ class SlowMoDistributedDataParallel(nn.Module):
                 f"SlowMoDistributedDataParallel: NCCL_BLOCKING_WAIT is {blocking_wait!r}, but a blocking NCCL wait "
                 "turns the gossip thread's pending receives into errors; unset it or set it to 0"
             )
-        if nprocs_per_node < 1:
-            raise FairscaleValueError(
-                f"SlowMoDistributedDataParallel: nprocs_per_node must be at least 1, got {nprocs_per_node}; "
-                "pass the number of processes per node"
-            )
-        self.nprocs_per_node = nprocs_per_node
         if process_world_size is None or process_rank is None:
             if not dist.is_initialized():
                 raise FairscaleRuntimeError(
@@ -150,6 +156,9 @@ class SlowMoDistributedDataParallel(nn.Module):
             process_world_size = dist.get_world_size()
         self.process_rank = process_rank
         self.process_world_size = process_world_size
+        sgp_graph_error = None
+        if slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP and (graph is not None or mixing is not None):
+            sgp_graph_error = graph_mismatch(graph, mixing, process_rank, process_world_size, nprocs_per_node)
         if dist.is_initialized():
             # What decides the groups and collectives, and the tensors they carry, must be the same on every rank:
             # otherwise group creation waits forever or the first collective has other sizes (gloo aborts the
@@ -175,8 +184,12 @@ class SlowMoDistributedDataParallel(nn.Module):
                 ("graph class", type(graph).__name__ if graph is not None else None),
                 ("mixing class", type(mixing).__name__ if mixing is not None else None),
             ]
-            check_construction_agrees(module, settings, process_rank, process_world_size, global_group)
+            check_construction_agrees(module, settings, process_rank, process_world_size, global_group, sgp_graph_error)
+        if sgp_graph_error is not None:  # (without torch.distributed: this process alone)
+            raise sgp_graph_error
         # After the agreement check: a value refused on one rank only is a disagreement, raised on every rank there.
+        self.nprocs_per_node = check_sizes(nprocs_per_node, process_world_size)
+        self.process_world_size = process_world_size = int(process_world_size)
         check_real_numbers(slowmo_lr=slowmo_lr, slowmo_momentum=slowmo_momentum)
         check_algorithm_settings(
             slowmo_base_algorithm,
@@ -186,12 +199,13 @@ class SlowMoDistributedDataParallel(nn.Module):
             localsgd_frequency,
             slowmo_num_shards,
         )
+        if self.nprocs_per_node > 1:
+            check_dense_embeddings(module)
         self.logger = self._make_logger(verbose)
         self._init_groups(global_group, master_group, local_node_group)
 
         self.module = module
         self.broadcast_buffers = broadcast_buffers
-        self.module_buffers = list(self.module.buffers())
         first_param_dtype = next(self.module.parameters()).dtype  # a parameter-less module raises StopIteration
         self.dtype = first_param_dtype
         if comm_device is None:
@@ -385,8 +399,17 @@ class SlowMoDistributedDataParallel(nn.Module):
             self._backward_callback.reset()
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
-            self._backward_callback.attach(output, self._after_backward)
+            hooked = self._backward_callback.attach(output, self._after_backward)
+            if hooked == 0 and self.training and self._needs_backward_callback():
+                # Upstream's module backward hook raised a TypeError for such outputs; left unhooked, each rank kept
+                # its own gradients and the ranks' weights drifted apart, silently.
+                raise unhooked_output_error(output)
         return output
+
+    def _needs_backward_callback(self) -> bool:
+        """Whether the end of a backward has work to do, for a parameter that requires grad."""
+        work = self.local_node_group is not None or (self._sgp is not None and not self._sgp.lazy_mixing)
+        return work and any(p.requires_grad for p in self.module.parameters())
 
     def train(self, mode: bool = True) -> "SlowMoDistributedDataParallel":
         super().train(mode)
@@ -409,9 +432,17 @@ class SlowMoDistributedDataParallel(nn.Module):
             add_sgp_entries(self._sgp, state, kwargs.get("prefix", args[1] if len(args) > 1 else ""))
         return state
 
+    @property
+    def module_buffers(self) -> List[Tensor]:
+        """The module's buffers, broadcast before each forward: read when used, so that buffers a load with
+        ``assign=True`` (or ``.to()``) put in place of the old ones are the ones broadcast."""
+        return list(self.module.buffers())
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a dict saved by :meth:`state_dict`; with ``strict=False`` absent entries (SGP ones too) are reported
-        in the result's ``missing_keys`` instead of raised (upstream loaded strictly whatever ``strict`` said)."""
+        in the result's ``missing_keys`` instead of raised (upstream loaded strictly whatever ``strict`` said).
+        ``assign=True`` puts the dict's tensors in place of the parameters and buffers, as ``nn.Module`` does (e.g.
+        to give weights to a model built on the ``meta`` device); with SGP each must keep its dtype and device."""
         state = dict(state_dict)  # the caller's dict is left alone, and a failed load changes nothing
         sgp_missing: List[str] = []
         sgp_values = None
@@ -420,8 +451,8 @@ class SlowMoDistributedDataParallel(nn.Module):
         self._sgp_entries_taken = True  # the SGP entries are out of ``state``: _load_from_state_dict must not look
         try:
             # nn.Module's load copies what fits before it raises for what does not: tried on shape-only tensors.
-            dry_run_load(self, lambda: nn.Module.load_state_dict(self, state, strict=strict))
-            result = super().load_state_dict(state, strict=strict)
+            dry_run_load(self, lambda: nn.Module.load_state_dict(self, state, strict=strict, assign=assign))
+            result = super().load_state_dict(state, strict=strict, assign=assign)
         finally:
             self._sgp_entries_taken = False
         if self._sgp is not None:
@@ -442,6 +473,9 @@ class SlowMoDistributedDataParallel(nn.Module):
         # Loaded as a submodule (a parent's load_state_dict): torch's working copy holds the SGP entries under the
         # prefix; absent ones are reported as missing keys, for the parent's load to raise when strict.
         sgp_values = None
+        if self._sgp is not None and local_metadata.get("assign_to_params_buffers"):
+            # Before anything of this model is loaded (its children load after this call).
+            check_sgp_assign(self.named_parameters(), state_dict, prefix)
         if self._sgp is not None and not self._sgp_entries_taken:
             sgp_values = take_sgp_entries(self._sgp, state_dict, prefix, missing_keys)
         super()._load_from_state_dict(
@@ -463,6 +497,7 @@ class SlowMoDistributedDataParallel(nn.Module):
     def _after_backward(self) -> None:
         # Queued by the backward callback at the end of each backward through the output.
         if self.local_node_group is not None:
+            check_dense_gradients(self.module.named_parameters())
             average_gradients_in_node(self.module.parameters(), self.nprocs_per_node, self.local_node_group)
         if self._sgp is not None:
             self._sgp.ps_numerator()

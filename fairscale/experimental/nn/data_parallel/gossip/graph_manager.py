@@ -6,6 +6,7 @@ edge is a two-process group and ``dist.new_group`` must be called by all process
 """
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import Any, List, Optional, Tuple, cast
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fairscale.internal.collectives import all_reduce, checked_by_torch
-from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 from .utils.helpers import _comm_device
 
@@ -51,6 +52,14 @@ class Edge:
         return f"Edge({self.src} -> {self.dest})"
 
 
+def _check_integers(owner: str, **values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise FairscaleTypeError(
+                f"{owner}: {name} must be an integer, got {value!r} ({type(value).__name__}); pass a whole number"
+            )
+
+
 class GraphManager(ABC):
     """Base class of the topologies.
 
@@ -65,6 +74,21 @@ class GraphManager(ABC):
     def __init__(
         self, rank: int, world_size: int, nprocs_per_node: int = 1, local_rank: int = 0, peers_per_itr: int = 1
     ) -> None:
+        # Integers only: a float passed the range checks below (through int()) and failed later in range(), a
+        # string raised a bare ValueError from int().
+        _check_integers(
+            type(self).__name__,
+            rank=rank,
+            world_size=world_size,
+            nprocs_per_node=nprocs_per_node,
+            local_rank=local_rank,
+            peers_per_itr=peers_per_itr,
+        )
+        if nprocs_per_node < 1:
+            raise FairscaleValueError(
+                f"{type(self).__name__}: nprocs_per_node must be at least 1, got {nprocs_per_node}; pass the number "
+                "of processes per node"
+            )
         if int(peers_per_itr) < 1:
             raise FairscaleValueError(
                 f"{type(self).__name__}: peers_per_itr must be at least 1, got {peers_per_itr}; pass the number of "
@@ -147,6 +171,7 @@ class GraphManager(ABC):
 
     @peers_per_itr.setter
     def peers_per_itr(self, v: int) -> None:
+        _check_integers(type(self).__name__, peers_per_itr=v)
         most = min(len(book) for book in self.phone_book)
         if not 1 <= int(v) <= most:
             # A step reads slots 0 .. v - 1 of every rank's phone book: past its end, a bare IndexError later.
