@@ -37,7 +37,12 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
             names: List[str] = []
             for registry in (cast(Dict[str, Any], m._parameters), cast(Dict[str, Any], m._buffers)):
                 for name, tensor in list(registry.items()):
-                    if tensor is None or tensor.is_meta:
+                    if tensor is None:
+                        continue
+                    if tensor.is_meta:
+                        # Left in place (it holds no data to protect), but put back afterwards: an ``assign=True``
+                        # dry run replaces it with the state dict's tensor, and a failed load left that in the model.
+                        swapped.append((registry, name, tensor))
                         continue
                     shape_only = torch.empty_like(tensor, device="meta")
                     if isinstance(tensor, nn.Parameter):

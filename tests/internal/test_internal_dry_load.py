@@ -49,3 +49,19 @@ def test_the_torch_2_3_dcp_dict_pickles_as_a_plain_dict() -> None:
     # torch.save of OSS's optimizer dict on torch 2.3 must not name fairscale's class (weights_only loads refuse it).
     loaded = pickle.loads(pickle.dumps(_LoadedInPlace({"state": {}, "param_groups": [{"lr": 0.1}]})))
     assert type(loaded) is dict and loaded == {"state": {}, "param_groups": [{"lr": 0.1}]}
+
+
+def test_a_failed_assign_load_leaves_a_meta_model_as_it_was() -> None:
+    # The dry run of an assign=True load put the state dict's tensors into the meta model (its tensors were not
+    # swapped, so not put back): a load that then failed left the model partly assigned.
+    source = _model()
+    with torch.device("meta"):
+        model = _model()
+    state = dict(source.state_dict())
+    state["2.weight"] = torch.zeros(2)  # unexpected key: the strict load fails
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        load_state_dict_all_or_nothing(model, state, True, True)
+    assert all(t.is_meta for t in model.state_dict().values())
+    del state["2.weight"]
+    load_state_dict_all_or_nothing(model, state, True, True)
+    assert model[0].weight.data_ptr() == source[0].weight.data_ptr()  # assigned, not copied
