@@ -5,9 +5,13 @@
 that is not a tensor or (``strict``) a missing or unexpected key: a failed load leaves the model half loaded. Run
 first with every parameter and buffer of the module tree swapped for a ``meta`` tensor of the same shape and dtype,
 the same load makes torch's own checks (and the modules' load hooks) raise before anything is copied, without copying
-or allocating any tensor data; then the real load runs.
+or allocating any tensor data; then the real load runs. Modules' ``set_extra_state`` runs in the dry run too (it
+checks its value) and their own extra state is put back after it. Load post-hooks run in both runs (they may edit
+the incompatible keys, which decide whether a strict load fails): a post-hook that keeps what it sees keeps the
+dry run's ``meta`` stand-ins when the dry run fails.
 """
 
+import copy
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Tuple, TypeVar, cast
 
@@ -32,8 +36,11 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
     """
     swapped: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
     hooks: List[Any] = []
+    extra_states: List[_ExtraStateGuard] = []
     try:
         for m in module.modules():
+            if getattr(type(m), "set_extra_state", nn.Module.set_extra_state) is not nn.Module.set_extra_state:
+                extra_states.append(_ExtraStateGuard(m))
             names: List[str] = []
             for registry in (cast(Dict[str, Any], m._parameters), cast(Dict[str, Any], m._buffers)):
                 for name, tensor in list(registry.items()):
@@ -60,10 +67,49 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
             warnings.filterwarnings("ignore", message=".*non-meta parameter in the checkpoint to a meta parameter.*")
             return load()
     finally:
+        for guard in extra_states:
+            guard.restore()
         for handle in hooks:
             handle.remove()
         for registry, name, tensor in reversed(swapped):
             registry[name] = tensor
+
+
+_UNSAVED = object()
+
+
+class _ExtraStateGuard:
+    """Runs a module's ``set_extra_state`` in the dry run (so that it checks the value) and puts the module's own
+    extra state back afterwards: torch calls it for real, and a dry run that then failed in a later module left the
+    rejected checkpoint's extra state in place.
+
+    The instance attribute shadows the class's method (torch looks the method up on the class to decide whether to
+    call it, then calls it through the instance); ``restore`` removes it.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.shadowed = module.__dict__.get("set_extra_state")
+        self.saved: List[Any] = []  # the state before the first call (a list: None is a valid extra state)
+        self.inner = module.set_extra_state
+        module.__dict__["set_extra_state"] = self.set_extra_state
+
+    def set_extra_state(self, state: Any) -> None:
+        if not self.saved:
+            try:
+                # A copy: get_extra_state may return the live object that set_extra_state then changes in place.
+                self.saved.append(copy.deepcopy(self.module.get_extra_state()))
+            except Exception:  # a module that cannot report its extra state: nothing to put back, as before
+                self.saved.append(_UNSAVED)
+        self.inner(state)
+
+    def restore(self) -> None:
+        if self.shadowed is None:
+            self.module.__dict__.pop("set_extra_state", None)
+        else:
+            self.module.__dict__["set_extra_state"] = self.shadowed
+        if self.saved and self.saved[0] is not _UNSAVED:
+            self.inner(self.saved[0])
 
 
 def _refuse_meta_values(names: List[str]) -> Callable[..., None]:

@@ -65,3 +65,40 @@ def test_a_failed_assign_load_leaves_a_meta_model_as_it_was() -> None:
     del state["2.weight"]
     load_state_dict_all_or_nothing(model, state, True, True)
     assert model[0].weight.data_ptr() == source[0].weight.data_ptr()  # assigned, not copied
+
+
+class _Counter(nn.Linear):
+    """A module with extra state (a step count) that checks the value it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.step = {"n": 0}
+
+    def get_extra_state(self) -> dict:
+        return self.step  # the live object: the dry run must copy it
+
+    def set_extra_state(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise ValueError("bad extra state")
+        self.step.update(state)
+
+
+def test_a_failed_load_leaves_extra_state_as_it_was() -> None:
+    # The dry run called set_extra_state for real: a load failing in a later module kept the rejected step count.
+    model = nn.Sequential(_Counter(), nn.Linear(2, 2))
+    state = dict(model.state_dict())
+    state["0._extra_state"] = {"n": 123}
+    state["1.weight"] = torch.zeros(3, 3)  # size mismatch after the extra state
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_state_dict_all_or_nothing(model, state, True, False)
+    assert model[0].step == {"n": 0}
+    assert "set_extra_state" not in model[0].__dict__
+    # A bad value is still refused before anything is copied, and a good load sets it once.
+    state["1.weight"] = torch.zeros(2, 2)
+    state["0._extra_state"] = 5
+    with pytest.raises(ValueError, match="bad extra state"):
+        load_state_dict_all_or_nothing(model, state, True, False)
+    assert not torch.equal(model[1].weight, torch.zeros(2, 2))
+    state["0._extra_state"] = {"n": 7}
+    load_state_dict_all_or_nothing(model, state, True, False)
+    assert model[0].step == {"n": 7} and torch.equal(model[1].weight, torch.zeros(2, 2))

@@ -18,9 +18,10 @@ Example::
 """
 
 import json
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FullyShardedD
 
 from ._memory_plots import compare_memory_traces_in_plot, matplotlib_figure_to_image, null_context
 from ._memory_probe import MemoryMark, MemoryProbe, probe_for
+from ._tensor_walk import collect_tensors, first_output_tensor, new_tensors, tensor_bytes
 
 __all__ = [
     "LayerwiseMemoryTracker",
@@ -172,38 +174,6 @@ class ProcessGroupTracker:
         return wrapper
 
 
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    # Upstream's rule, kept because the trace values depend on it: 2 for fp16, 4 for everything else.
-    return 2 if dtype == torch.float16 else 4
-
-
-def _collect_tensors(value: Any) -> List[torch.Tensor]:
-    """Tensors in ``value`` (a tensor, or nested lists/tuples of them); anything else contributes nothing."""
-    found: List[torch.Tensor] = []
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(reversed(item))
-    return found
-
-
-def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * _dtype_bytes(t.dtype) for t in tensors)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
-
-
-def _new_tensors(produced: Any, consumed: Any) -> List[torch.Tensor]:
-    """Tensors of ``produced`` that do not share storage with any tensor of ``consumed`` (in-place ops do)."""
-    seen = {_storage_ptr(t) for t in _collect_tensors(consumed)}
-    return [t for t in _collect_tensors(produced) if _storage_ptr(t) not in seen]
-
-
 def _is_fsdp(module: nn.Module) -> bool:
     return type(module).__name__ == "FullyShardedDataParallel"
 
@@ -212,6 +182,13 @@ class _Pending(NamedTuple):
     position: int
     mark: MemoryMark
     pre_forward: Optional[MemoryMark]
+
+
+class _Hooked(NamedTuple):
+    """A module hooked by a tracker: the module (weakly, see ``LayerwiseMemoryTracker.monitor``) and its hooks."""
+
+    module: "weakref.ref[nn.Module]"
+    handles: List[RemovableHandle]
 
 
 class LayerwiseMemoryTracker:
@@ -224,15 +201,20 @@ class LayerwiseMemoryTracker:
     def __init__(self) -> None:
         self._traces: List[LayerMemoryTrace] = []
         self._pending: List[_Pending] = []
-        self._hooks: List[RemovableHandle] = []
         self._previous_module_name: Optional[str] = None
         self._last_all_gather_memory = 0
         self._cumul_all_gather_memory: List[int] = []
         self._memory_pre_forward: Optional[MemoryMark] = None
-        self._traced_module_names: Set[str] = set()
         self._probe: Optional[MemoryProbe] = None
-        # ids of the modules hooked since the last stop(): a module is hooked once (see monitor).
-        self._monitored: Set[int] = set()
+        # The modules hooked since the last stop(), by id(): a module is hooked once (see monitor). The entry holds the
+        # module weakly and is checked against it: a freed module's id is reused by new objects, and a set of ids
+        # took a new module at that address for a hooked one and left it unhooked, silently.
+        self._monitored: Dict[int, _Hooked] = {}
+        # The ProcessGroupTrackers whose listener this tracker is (weakly): stop() detaches them.
+        self._listened: List["weakref.ref[ProcessGroupTracker]"] = []
+        # Counts stop()s: a backward hook attached to a graph by a forward of an earlier monitoring session records
+        # nothing in a later one.
+        self._session = 0
 
     @property
     def memory_traces(self) -> List[LayerMemoryTrace]:
@@ -252,43 +234,67 @@ class LayerwiseMemoryTracker:
         made a second probe before, and the first one's CPU profiler session was never stopped: a later tracker then
         read 0 bytes everywhere.) A module already monitored (a part of a model monitored before, or the same model
         again) keeps its first hooks and name: hooked twice, its forward trace was lost and its backward traced twice.
+
+        Each forward of a leaf module that is traced hooks the autograd node of its output (the first tensor of it,
+        as upstream's legacy module backward hook), and that node's backward makes the matching backward trace.
+        Outputs holding no tensor (``None``, numbers) get no backward trace: torch's legacy module hook failed on them.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"LayerwiseMemoryTracker.monitor: model must be an nn.Module, got {type(model).__name__}")
         if self._probe is None:
             param = next(model.parameters(), None)
             self._probe = probe_for(param.device if param is not None else torch.device("cpu"))
+            self._last_all_gather_memory = 0  # a new session: nothing gathered yet
+        self._forget_freed_modules()
         for name, m in model.named_modules():
-            if id(m) in self._monitored:
+            hooked = self._monitored.get(id(m))
+            if hooked is not None and hooked.module() is m:
                 continue
-            self._monitored.add(id(m))
-            self._hooks.append(m.register_forward_pre_hook(self._create_pre_forward_hook(name)))
-            self._hooks.append(m.register_forward_hook(self._create_post_forward_hook(name)))
-            # The legacy (non-full) hook, as upstream: its grad_input is that of the module's last autograd node,
-            # and it also works for in-place modules, which full backward hooks reject.
-            self._hooks.append(m.register_backward_hook(self._create_backward_hook(name)))
-            if _is_fsdp(m) and isinstance(getattr(m, "process_group", None), ProcessGroupTracker):
-                m.process_group.listener = self._handle_process_group_call
+            handles = [
+                m.register_forward_pre_hook(self._create_pre_forward_hook(name)),
+                m.register_forward_hook(self._create_post_forward_hook(name)),
+            ]
+            self._monitored[id(m)] = _Hooked(weakref.ref(m), handles)
+            group = getattr(m, "process_group", None) if _is_fsdp(m) else None
+            if isinstance(group, ProcessGroupTracker):
+                group.listener = self._handle_process_group_call
+                self._listened.append(weakref.ref(group))
         self._probe.start()
 
+    def _forget_freed_modules(self) -> None:
+        """Drop the entries of modules that were freed (their hooks went with them)."""
+        for key in [key for key, hooked in self._monitored.items() if hooked.module() is None]:
+            del self._monitored[key]
+
     def clear_traces(self) -> None:
-        """Forget every trace."""
+        """Forget every trace, and the all-gathered bytes not counted in a trace yet."""
         self._traces.clear()
         self._pending.clear()
         self._previous_module_name = None
         self._memory_pre_forward = None
+        self._last_all_gather_memory = 0
         self._cumul_all_gather_memory.clear()
 
     def stop(self) -> None:
-        """Remove the hooks and stop measuring (the traces are kept)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        """Remove the hooks and stop measuring (the traces are kept).
+
+        The tracker also stops being the all-gather listener of the ``ProcessGroupTracker`` groups it was listening
+        to: before, the gathers of later unmonitored steps were added to the first trace of the next ``monitor()``.
+        """
+        for hooked in self._monitored.values():
+            for handle in hooked.handles:
+                handle.remove()
         self._monitored.clear()
+        for ref in self._listened:
+            group = ref()
+            if group is not None and group.listener == self._handle_process_group_call:
+                group.listener = None
+        self._listened.clear()
         if self._probe is not None:
             self._resolve()
             self._probe.stop()
             self._probe = None  # a later monitor() may be of a model on another device
+        self._session += 1
         self._previous_module_name = None
         self._memory_pre_forward = None
         self._last_all_gather_memory = 0
@@ -368,41 +374,58 @@ class LayerwiseMemoryTracker:
             # Only a leaf as executed: no other module's pre-hook ran since this module's own.
             if self._previous_module_name == name:
                 mark = self._probe.mark()
-                self._traced_module_names.add(name)
                 trace = LayerMemoryTrace(
                     module_name=name,
-                    module_params=_tensor_bytes(list(module.parameters())),
+                    module_params=tensor_bytes(list(module.parameters())),
                     allocated=0,
                     reserved=0,
                     is_forward=True,
                     all_gathered=self._last_all_gather_memory,
                     cumul_all_gathered=sum(self._cumul_all_gather_memory),
                     event=TraceForwardEvent(
-                        memory_diff=0, memory_activations=_tensor_bytes(_new_tensors(outputs, inputs))
+                        memory_diff=0, memory_activations=tensor_bytes(new_tensors(outputs, inputs))
                     ),
                 )
                 self._append(trace, mark, self._memory_pre_forward)
                 self._last_all_gather_memory = 0
+                self._hook_backward(name, module, outputs)
             self._previous_module_name = None
             self._memory_pre_forward = None
 
         return _post_forward_hook
 
-    def _create_backward_hook(self, name: str) -> Callable[..., None]:
-        def _backward_hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+    def _hook_backward(self, name: str, module: nn.Module, outputs: Any) -> None:
+        """Attach the backward trace of this traced forward call to the autograd node of its output.
+
+        Where upstream's legacy module backward hook attaches it (the node of the output's first tensor), registered
+        here per traced call instead of by torch for every module: torch's own walk to that tensor raised on outputs
+        holding none (``None``, a number, ``(None, t)``), and a set of traced names made a container whose name was
+        a leaf's in an earlier run get a backward trace.
+        """
+        tensor = first_output_tensor(outputs)
+        node = tensor.grad_fn if tensor is not None else None
+        if node is None:  # no gradient flows back through this output
+            return
+        hook = self._create_backward_hook(name, weakref.ref(module), self._session)
+        node.register_hook(hook)
+
+    def _create_backward_hook(
+        self, name: str, module_ref: "weakref.ref[nn.Module]", session: int
+    ) -> Callable[[Any, Any], None]:
+        # The legacy hook's arguments: the node's gradients with respect to its inputs (grad_input) and its outputs.
+        def _backward_hook(grad_input: Any, grad_output: Any) -> None:
             # A forward run while monitoring attached this hook to its graph: it still fires in a backward after
-            # stop(), which removed only the module's handles. That backward is not measured (it used to fail).
-            if self._probe is None:
+            # stop(), and after a later monitor(). That backward is not measured (it used to fail).
+            if self._probe is None or session != self._session:
                 return
             self._probe.sync()
-            if name not in self._traced_module_names:
-                return
+            module = module_ref()  # held weakly: the graph must not keep a model alive
             # Upstream's value: the gradients this module receives (grad_output) that are not also among those it
             # passes on, as the forward counts the outputs that are not inputs.
-            activations = _tensor_bytes(_new_tensors(grad_output, grad_input))
+            activations = tensor_bytes(new_tensors(grad_output, grad_input))
             trace = LayerMemoryTrace(
                 module_name=name,
-                module_params=_tensor_bytes(list(module.parameters())),
+                module_params=tensor_bytes(list(module.parameters())) if module is not None else 0,
                 allocated=0,
                 reserved=0,
                 is_forward=False,
@@ -417,11 +440,12 @@ class LayerwiseMemoryTracker:
 
     def _handle_process_group_call(self, event: ProcessGroupTrackingEvent, *args: Any) -> None:
         """All-gather listener: count the gathered bytes for the next trace and the enclosing FSDP module."""
-        if self._probe is not None:
-            self._probe.sync()
+        if self._probe is None:  # stopped: nothing is measured until the next monitor()
+            return
+        self._probe.sync()
         if event == ProcessGroupTrackingEvent.allgather:
             outputs, _ = args
-            size = _tensor_bytes(_collect_tensors(outputs))
+            size = tensor_bytes(collect_tensors(outputs))
             self._last_all_gather_memory += size
             if self._cumul_all_gather_memory:
                 self._cumul_all_gather_memory[-1] += size
