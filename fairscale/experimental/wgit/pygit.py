@@ -92,12 +92,19 @@ def _check_resolution(pygit2: Any, repo: Any, git_dir: Path, work_tree: Path) ->
             raise unsafe(git_dir / "config", f"it includes other configuration files ({entry.name} = {entry.value})")
 
 
+def _write_gitignore(path: Path, entries: List[str]) -> None:
+    with open(path, "x") as f:  # "x" creates a new file and never follows a link
+        for item in entries:
+            f.write(f"{item}\n")
+
+
 class PyGit:
     """The git repository of a wgit repo.
 
     Args:
         parent_path (Path): the work tree (the ``.wgit`` directory).
-        gitignore (List[str]): entries of the ``.gitignore`` written when the repository is created.
+        gitignore (List[str]): entries of the ``.gitignore`` written when the repository is created, or when the
+            repository exists without one (a creation killed between git's init and that write); ``[]``: open only.
         name, email (str): the commit author when ``git config user.name/user.email`` are not both set.
     """
 
@@ -110,8 +117,8 @@ class PyGit:
         self.path = self._parent_path.joinpath(".git")
         # Only .wgit/.git (never a repository found in a parent directory, nor one it points to).
         self.repo: Optional[Any] = _open(pygit2, self.path, self._parent_path)
+        gitignore_path = self._parent_path.joinpath(".gitignore")
         if self.repo is None:
-            gitignore_path = self._parent_path.joinpath(".gitignore")
             # lexists: a dangling link counts (writing through it would create its target, wherever it points).
             if os.path.lexists(gitignore_path):
                 raise FairscaleRuntimeError(
@@ -119,9 +126,11 @@ class PyGit:
                     "the whole directory if it is a half-made wgit repository) and retry"
                 )
             self.repo = pygit2.init_repository(str(self._parent_path), False)
-            with open(gitignore_path, "x") as f:  # "x" creates a new file and never follows a link
-                for item in gitignore:
-                    f.write(f"{item}\n")
+            _write_gitignore(gitignore_path, gitignore)
+        elif gitignore and not os.path.lexists(gitignore_path):
+            # A creation killed after git's init: without .gitignore no command (wgit init included) took the
+            # directory for a repository. The file is the last thing a creation writes, so it is finished here.
+            _write_gitignore(gitignore_path, gitignore)
 
     @staticmethod
     def _set_author_config(name: str, email: str) -> Tuple[str, str]:
@@ -159,6 +168,12 @@ class PyGit:
         index = repo.index
         index.add_all()
         index.write()
+
+    def reread_index(self) -> None:
+        """Drop the changes staged in memory that were not written (an ``add`` that failed at the index's write, e.g.
+        on a lock): the next commit would otherwise take them from memory, though the files were restored."""
+        if self._exists:
+            self._repo().index.read(True)
 
     def commit(self, message: str) -> None:
         """Commit the index on ``HEAD``."""

@@ -34,7 +34,7 @@ from .safety import (
     replace_file,
 )
 from .sha1_store import SHA1_Store
-from .storable import check_storable
+from .storable import check_checkpoint_type as _check_checkpoint_type, check_storable
 
 __all__ = ["Repo", "RepoStatus", "SizeInfo"]
 
@@ -181,9 +181,13 @@ class Repo:
         The checkpoint is loaded with ``torch.load(weights_only=True)``: nothing in it runs. Its modification time is
         taken before it is loaded: a checkpoint rewritten while it is added shows as changed. Everything that can be
         checked is checked before anything is stored (the file name, the checkpoint's type, its tensors' dtypes), and
-        an add that fails anyway (e.g. a full disk) is rolled back: the references it added to the SHA1 store are
-        dropped again, and a metadata file it created is removed (one it overwrote is not restored), so the store's
-        ``metadata.json`` and objects are as before.
+        an add that fails anyway (e.g. a full disk, git's index locked) is rolled back: the references it added to the
+        SHA1 store are dropped again, a metadata file it created is removed and one it overwrote gets its bytes back,
+        and changes staged only in memory are dropped, so the repository is as before (its ``status`` too).
+
+        The metadata records the checkpoint's path relative to the directory that holds ``.wgit``, with the folders
+        on its way resolved (a path through a symbolic link to the repository, e.g. ``$PWD/ck.pt``, is recorded as
+        inside it), so ``status`` finds it from any directory.
 
         Returns:
             A copy of the loaded state dict when ``per_tensor``, else ``None``.
@@ -207,6 +211,7 @@ class Repo:
         self._check_metadata_path_free(metadata_file)
         self._check_git_would_commit(metadata_file)
         self._check_not_tracking_another(metadata_file, file_path)
+        recorded = self._recorded_path(file_path)
         # Before loading: a checkpoint rewritten meanwhile must not be recorded with the new file's time.
         mtime = file_path.stat().st_mtime
         checkpoint = load_checkpoint(file_path)
@@ -227,10 +232,12 @@ class Repo:
             return _SHA1_Tensor(is_dense=True, dense_sha1=store(element, name))
 
         created_dirs: List[Path] = []  # the metadata folders this add created, outermost first
-        created_file: Optional[Path] = None  # the metadata file, when this add creates it
         # One add at a time per repository, its rollback included: a metadata.json written by another add in between
         # was lost (each wrote back the copy it had read), and a rollback must not undo another add's changes.
         with self._sha1_store._writing():
+            # The metadata file's bytes before the add (None: it creates the file). A failed re-add left the new
+            # SHA1, whose object the rollback deletes: status called it staged, and a later add committed it.
+            previous = self._read_previous(metadata_file)
             try:
                 ret_state_dict = None
                 if per_tensor:
@@ -247,24 +254,33 @@ class Repo:
                     created_dirs.append(directory)
                 # Before the metadata file is written: a crash while writing it leaves a temporary file git ignores.
                 self._exclude_replace_tmp_files()
-                if not os.path.lexists(metadata_file):
-                    created_file = metadata_file
-                self._write_metadata(metadata_file, file_path, sha1, mtime)
+                self._write_metadata(metadata_file, recorded, sha1, mtime)
                 self._pygit.add()
             except BaseException as e:  # KeyboardInterrupt too: the store must not keep half an add
-                self._roll_back(e, added, created_file, created_dirs)
+                self._roll_back(e, added, metadata_file, previous, created_dirs)
                 raise
         return ret_state_dict
+
+    @staticmethod
+    def _read_previous(metadata_file: Path) -> Optional[bytes]:
+        """The bytes of ``metadata_file`` (``None``: there is none yet), for a failed add to put back."""
+        try:
+            with open_regular(metadata_file, "a metadata file") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def _roll_back(
         self,
         error: BaseException,
         added: List[Tuple[str, Optional[str]]],
-        created_file: Optional[Path],
+        metadata_file: Path,
+        previous: Optional[bytes],
         created_dirs: List[Path],
     ) -> None:
         """Undo what a failed add did: drop the store references it added (``(SHA1, name)``, in the order added),
-        remove the metadata file and the folders it created.
+        put the metadata file back as it was (``previous``: its bytes; ``None``: remove it) and remove the folders
+        it created, and drop what git staged in memory only.
 
         A step that fails too (the disk may still be full) does not stop the others; it is logged, and noted on
         ``error``.
@@ -275,10 +291,16 @@ class Repo:
             except Exception as undo_error:  # noqa: B902  # whatever failed, the add's own error is what is raised
                 _note(error, f"wgit: could not drop the reference to {sha1} that the failed add stored: {undo_error}")
         try:
-            if created_file is not None:
-                created_file.unlink(missing_ok=True)  # missing: the add failed before writing it
-        except OSError as undo_error:
-            _note(error, f"wgit: could not remove {created_file}, which the failed add created: {undo_error}")
+            if previous is None:
+                metadata_file.unlink(missing_ok=True)  # missing: the add failed before writing it
+            elif self._read_previous(metadata_file) != previous:  # unchanged: the add failed before writing it
+                replace_file(metadata_file, lambda f: f.write(previous))  # renamed over: never written through
+        except (OSError, ValueError) as undo_error:  # ValueError: not a regular file now (UnsafeRepositoryError)
+            _note(error, f"wgit: could not put back {metadata_file} as it was before the failed add: {undo_error}")
+        try:
+            self._pygit.reread_index()
+        except Exception as undo_error:  # noqa: B902  # git's error (a damaged index): the add's own is raised
+            _note(error, f"wgit: could not re-read git's index after the failed add: {undo_error}")
         for directory in reversed(created_dirs):
             try:
                 directory.rmdir()
@@ -345,10 +367,13 @@ class Repo:
     def _get_metdata_files(self) -> Dict[str, bool]:
         found: Dict[str, bool] = {}
         for child in sorted(self._dot_wgit.iterdir()):
-            if child.name in (SHA1_STORE_DIR_NAME, ".git", ".gitignore") or not child.is_dir():
+            if child.name in _RESERVED:
                 continue
+            # Directly in .wgit too: an add run from deeper than the checkpoint names its metadata "<file>" (upstream's
+            # rule); git tracked and committed it, but status never listed it.
+            files = sorted(child.rglob("*")) if child.is_dir() else [child]
             # A replace_file temporary file is what a crashed add left, not a metadata file.
-            for file in sorted(p for p in child.rglob("*") if p.is_file() and not _REPLACE_TMP_RE.match(p.name)):
+            for file in (p for p in files if p.is_file() and not _REPLACE_TMP_RE.match(p.name)):
                 found[str(file.relative_to(self._dot_wgit))] = self._is_file_modified(file)
         return found
 
@@ -367,16 +392,34 @@ class Repo:
         return st.st_mtime != metadata.get(LAST_MODIFIED_TS_KEY)
 
     def _stat_checkpoint(self, metadata_file: Path, recorded: str) -> Optional[os.stat_result]:
-        """The ``stat`` of the checkpoint path ``recorded`` in ``metadata_file`` (``None``: it does not exist), only
-        when that path is under the directory that holds ``.wgit``.
+        """The ``stat`` of the checkpoint path ``recorded`` in ``metadata_file`` (``None``: it does not exist); see
+        :meth:`_checkpoint_location`.
 
-        The path is read as it was recorded, relative to the current directory. A metadata file may come from someone
-        else: stat-ing any path it names would tell whether that file exists (``/root/...``); ``wgit add`` records
-        only paths under the repository's directory.
+        Raises:
+            FairscaleValueError: the system cannot look at it (e.g. a name too long), with the system's reason.
+        """
+        lexical = self._checkpoint_location(metadata_file, recorded)
+        try:
+            return lexical.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise FairscaleValueError(
+                f"wgit: cannot look at the checkpoint path {_SHORT.repr(recorded)} recorded in {metadata_file}: "
+                f"{e.strerror}"
+            ) from None
+
+    def _checkpoint_location(self, metadata_file: Path, recorded: str) -> Path:
+        """The absolute path of the checkpoint path ``recorded`` in ``metadata_file``, only when it is under the
+        directory that holds ``.wgit``.
+
+        A relative path is read against that directory, whatever the current one (``wgit add`` records it so; the
+        command line always ran there). A metadata file may come from someone else: stat-ing any path it names would
+        tell whether that file exists (``/root/...``); ``wgit add`` records only paths under the repository's
+        directory.
 
         Raises:
             UnsafeRepositoryError: the path is not under the repository's directory, or not a path.
-            FairscaleValueError: the system cannot look at it (e.g. a name too long), with the system's reason.
         """
         tree = self._wgit_parent.resolve()
         shown = _SHORT.repr(recorded)
@@ -385,36 +428,30 @@ class Repo:
             return UnsafeRepositoryError(
                 f"wgit: refusing the metadata file {metadata_file}: it records the checkpoint path {shown}, {why}; "
                 f"wgit records, and looks at, checkpoints under {tree} only. Remove that metadata file (or the whole "
-                ".wgit directory if you did not create it)"
+                ".wgit directory if you did not create it); if it tracked a checkpoint of yours, add that again"
             )
 
         if not recorded or "\0" in recorded:
             raise refuse("which is not a path")
         # Lexically first: resolving looks at the path's components (lstat), which would be outside the tree. Then
         # resolved, as a link in the tree may lead out (os.path.realpath: Path.resolve also stats the result).
-        lexical = Path(os.path.normpath(Path.cwd() / recorded))
+        lexical = Path(os.path.normpath(tree / recorded))
         if tree not in lexical.parents or tree not in Path(os.path.realpath(lexical)).parents:
             raise refuse("which is outside the repository's directory")
-        try:
-            return lexical.stat()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            raise FairscaleValueError(
-                f"wgit: cannot look at the checkpoint path {shown} recorded in {metadata_file}: {e.strerror}"
-            ) from None
+        return lexical
 
     def _metadata_path(self, rel_path: Path) -> Path:
         """``.wgit/<rel_path>``, refused if it leaves ``.wgit``, lands on a reserved entry or passes a link."""
         return contained(self._dot_wgit, rel_path.parts, "metadata file", reserved=_RESERVED)
 
     @staticmethod
-    def _write_metadata(metadata_file: Path, file_path: Path, sha1: str, mtime: float) -> None:
-        """Write the metadata of ``file_path``, stored as ``sha1``, whose ``st_mtime`` was ``mtime`` when loaded."""
+    def _write_metadata(metadata_file: Path, recorded: str, sha1: str, mtime: float) -> None:
+        """Write the metadata of the checkpoint at ``recorded`` (see :meth:`_recorded_path`), stored as ``sha1``,
+        whose ``st_mtime`` was ``mtime`` when loaded."""
         metadata = {
             SHA1_KEY: sha1,
             LAST_MODIFIED_TS_KEY: mtime,
-            REL_PATH_KEY: str(file_path),
+            REL_PATH_KEY: recorded,
         }
         data = json.dumps(metadata, ensure_ascii=False, indent=4).encode("utf-8")
         replace_file(metadata_file, lambda f: f.write(data))
@@ -440,6 +477,23 @@ class Repo:
                 "wgit tracks the checkpoints under the directory that holds .wgit: copy or move it there first"
             )
         return file_path
+
+    def _recorded_path(self, file_path: Path) -> str:
+        """The path of ``file_path`` (checked by :meth:`_inside_working_tree`) that its metadata records: relative to
+        the directory that holds ``.wgit``.
+
+        As given, it was read against the current directory by ``status`` (another one: refused as outside), and a
+        path through a link to the repository (``/home`` -> ``/nfs/home``, a shell's ``$PWD``) was refused by every
+        later ``status`` and ``add``. The folders are resolved, the file's own name is kept (a link ``latest.pt`` in
+        the repository stays tracked as itself); a file reached only through a link from outside is recorded as
+        where it resolves to.
+        """
+        tree = self._wgit_parent.resolve()
+        absolute = Path.cwd() / file_path
+        folder = Path(os.path.realpath(absolute.parent))
+        if absolute.name not in ("", ".", "..") and (folder == tree or tree in folder.parents):
+            return str((folder / absolute.name).relative_to(tree))
+        return str(Path(os.path.realpath(absolute)).relative_to(tree))
 
     def _check_metadata_path_free(self, metadata_file: Path) -> None:
         """Refuse, before anything is stored, a metadata file that a tracked file or folder of that name is in the way
@@ -487,10 +541,10 @@ class Repo:
             return
         if not isinstance(tracked, str):
             return
-        # The path is recorded as given, relative to the directory wgit ran from then: only a recorded file that is
-        # found, and is another file, is another checkpoint (re-adding one from another directory stays allowed).
+        # Only a recorded file that is found, and is another file, is another checkpoint.
         st = self._stat_checkpoint(metadata_file, tracked)
-        if st is not None and stat.S_ISREG(st.st_mode) and Path(tracked).resolve() != file_path.resolve():
+        located = self._checkpoint_location(metadata_file, tracked)
+        if st is not None and stat.S_ISREG(st.st_mode) and located.resolve() != file_path.resolve():
             raise FairscaleValueError(
                 f"wgit add: {file_path} would be tracked in {metadata_file}, which already tracks {tracked}; two "
                 "checkpoints whose paths end alike cannot both be tracked from this directory: run wgit from the "
@@ -532,30 +586,3 @@ def _check_utf8(name: str, what: str) -> None:
             f"wgit add: {what} {name!r} is not valid UTF-8; wgit records names as UTF-8 (JSON metadata, git): rename "
             "the file (or the folders on its path) first"
         ) from None
-
-
-def _check_checkpoint_type(checkpoint: Any, file_path: Path, per_tensor: bool) -> None:
-    """Refuse, before anything is stored, a checkpoint that wgit cannot track.
-
-    What a fairscale user adds is what ``torch.save`` wrote: a state dict (or a dict holding several) in the common
-    case, sometimes a single tensor. Upstream's SHA1 store takes a tensor or a dict at its top level, so that is what
-    wgit tracks: per tensor, a dict (its tensors, in dicts and lists at any depth below, are stored one by one); as
-    a whole (``per_tensor=False``), a dict or a tensor. A top-level list is refused in both modes: its tensors would be
-    stored and the list then refused (upstream's behaviour), and storing it in another shape would change the format.
-
-    Raises:
-        FairscaleTypeError: saying what to do instead; ``--no_per_tensor`` is suggested only for a tensor.
-    """
-    kind = type(checkpoint).__name__
-    if isinstance(checkpoint, dict) or (not per_tensor and isinstance(checkpoint, Tensor)):
-        return
-    if isinstance(checkpoint, Tensor):
-        raise FairscaleTypeError(
-            f"{file_path} holds a single tensor, which cannot be added per tensor (a dict is): add it as a whole "
-            "with per_tensor=False (wgit add --no_per_tensor)"
-        )
-    raise FairscaleTypeError(
-        f"{file_path} holds a {kind!r} object: wgit tracks checkpoints that are a dict (a state dict, e.g. "
-        "torch.save(model.state_dict(), path)) or a single tensor; save it as a dict (e.g. {'tensors': your_list}) "
-        "and add that"
-    )

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import reprlib
 import shutil
 import stat
@@ -81,6 +82,8 @@ _SHORT.maxstring = _SHORT.maxother = 80
 # A file in the default scratch directory older than this is a leftover of an add that crashed: a live add's file is
 # as old as the pickling of one object (seconds to minutes), so a concurrent add's file is never taken for one.
 _STALE_TMP_SECONDS = 24 * 60 * 60
+# The temporary file replace_file writes metadata.json into before renaming it (".<name>.<uuid4 hex>.tmp").
+_METADATA_TMP_RE = re.compile(r"^\.metadata\.json\.[0-9a-f]{32}\.tmp$")
 
 
 def _is_count(value: Any) -> bool:
@@ -115,6 +118,14 @@ def _metadata_problem(data: Any) -> Optional[str]:
         if not isinstance(names, dict) or not all(_is_count(count) for count in names.values()):
             return f"the entry {short(key)} has {ENTRY_NAMES_KEY} {short(names)}, not an object of counts"
     return None
+
+
+def _check_size(name: str, value: Any, minimum: int) -> None:
+    """Refuse a size argument of ``SHA1_Store`` that is not an ``int`` of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SHA1_Store: {name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"SHA1_Store: {name} must be at least {minimum}, got {value}")
 
 
 def _to_np(obj: Any) -> Any:
@@ -177,12 +188,18 @@ class SHA1_Store:
 
     Args:
         path (Path): the store directory.
-        init (bool): create it (its parent must exist) when missing.
-        sha1_buf_size (int): read size when hashing.
+        init (bool): create it (its parent must exist) when missing, or when a creation killed before its
+            ``metadata.json`` was in place left it empty.
+        sha1_buf_size (int): read size when hashing, in bytes (at least 1).
         tmp_dir (str): an existing scratch directory (default: ``<path>/tmp``, made with a new store and again by an
             add that finds it missing; never wiped: opening a store writes nothing, and cannot remove the file of an
             add running in another process).
-        pgzip_threads (Optional[int]), pgzip_block_size (int): pgzip settings.
+        pgzip_threads (Optional[int]), pgzip_block_size (int): pgzip settings (threads: ``None`` or ``0`` for one
+            per CPU, as pgzip; block size: at least 1 byte).
+
+    Raises:
+        TypeError, ValueError: a size or thread count that is not an ``int``, or below its minimum (before anything
+            is created).
     """
 
     def __init__(
@@ -194,6 +211,11 @@ class SHA1_Store:
         pgzip_threads: Optional[int] = None,
         pgzip_block_size: int = 10 * 1024 * 1024,
     ) -> None:
+        # A read size of 0 read nothing: every object hashed as b"", and one taken for a repeat was never stored.
+        _check_size("sha1_buf_size", sha1_buf_size, 1)
+        _check_size("pgzip_block_size", pgzip_block_size, 1)
+        if pgzip_threads is not None:
+            _check_size("pgzip_threads", pgzip_threads, 0)
         self._path = Path(path)
         self._metadata_file_path = self._inside("metadata.json")
         self._lock = StoreLock(self._path)  # writers only (add, delete); see store_lock
@@ -206,8 +228,8 @@ class SHA1_Store:
             STORE_DS_KEY: 0,
             STORE_CS_KEY: 0,
         }
-        if init and not self._path.exists():
-            self._path.mkdir(parents=False)
+        if init and (not self._path.exists() or self._killed_init()):
+            self._path.mkdir(parents=False, exist_ok=True)
             self._store_json_dict()
             # A new store gets upstream's layout (adds create it again when it is missing); an existing store is never
             # written to on opening: read-only commands must work on a read-only repository, and the directory holds
@@ -219,7 +241,11 @@ class SHA1_Store:
                 f"{self._path} is not a SHA1 store directory (missing: pass init=True to create one)"
             )
         if not self._metadata_file_path.exists():
-            raise FairscaleValueError(f"{self._metadata_file_path} is missing: {self._path} is not a SHA1 store")
+            raise FairscaleValueError(
+                f"{self._metadata_file_path} is missing: {self._path} is not a SHA1 store. If it is what an interrupted "
+                "store creation (wgit init) left, move it away (or remove it, if it holds nothing of yours) and create "
+                "the store again (wgit init); a store whose metadata.json was lost: restore the file from a backup"
+            )
         self._load_json_dict()  # refuses a file that is not a store header
         if tmp_dir:
             if not Path(tmp_dir).is_dir():
@@ -230,6 +256,19 @@ class SHA1_Store:
             self._tmp_dir = self._inside("tmp")
         self._default_tmp = not tmp_dir
         self._tmp_cleaned = False  # the default scratch directory's leftovers are looked for once per store object
+
+    def _killed_init(self) -> bool:
+        """Whether the store directory is what a creation killed before its ``metadata.json`` was in place left: a
+        directory with nothing in it but temporary files of that write (removed here). Such a store is created
+        again in place; any other directory without ``metadata.json`` is left alone (it may hold someone's data)."""
+        if not self._path.is_dir() or os.path.lexists(self._metadata_file_path):
+            return False
+        leftovers = [self._path / name for name in os.listdir(self._path)]
+        if not all(_METADATA_TMP_RE.match(p.name) and stat.S_ISREG(p.lstat().st_mode) for p in leftovers):
+            return False
+        for leftover in leftovers:
+            leftover.unlink()
+        return True
 
     def _writing(self) -> ContextManager[None]:
         """Hold the store's writers' lock for a block (re-entrant): a ``Repo.add`` is one change, rollback included."""

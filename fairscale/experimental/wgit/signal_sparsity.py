@@ -7,7 +7,7 @@ Pure torch; importable without wgit's optional packages.
 
 import numbers
 from enum import Enum
-from typing import Optional, Tuple, cast
+from typing import Any, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -60,7 +60,26 @@ def _scatter_topk_to_sparse_tensor(
     return result.scatter_(dim, indices, to_be_sparsify_tensor.gather(dim, indices))  # type: ignore[arg-type]
 
 
-def _top_k_total_size(tensor: Tensor, dim: Optional[int]) -> int:
+def _check_dim_type(name: str, dim: Any, allow_none: bool = True) -> None:
+    """Refuse a dim that is not an int (or ``None`` where allowed): a float one failed deep inside with "tuple
+    indices must be integers"."""
+    if (dim is None and allow_none) or (isinstance(dim, numbers.Integral) and not isinstance(dim, bool)):
+        return
+    raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {dim!r} ({type(dim).__name__})")
+
+
+def _check_dim(tensor: Tensor, dim: Optional[int], name: str) -> None:
+    """Refuse a dim the tensor does not have (it failed with a bare ``IndexError: tuple index out of range``)."""
+    if dim is not None and not -tensor.ndim <= dim < tensor.ndim:
+        valid = f"in [{-tensor.ndim}, {tensor.ndim - 1}]" if tensor.ndim else "None (a 0-d tensor has no dim)"
+        raise ValueError(
+            f"{name}={dim} is out of range for a tensor of {tensor.ndim} dimension(s) (shape {tuple(tensor.shape)}): "
+            f"use a dim {valid}"
+        )
+
+
+def _top_k_total_size(tensor: Tensor, dim: Optional[int], name: str) -> int:
+    _check_dim(tensor, dim, name)
     return tensor.numel() if dim is None else tensor.shape[dim]
 
 
@@ -76,7 +95,8 @@ class SignalSparsity:
 
     Raises:
         ValueError: both an element count and a percent for SST or for DST, a percent outside ``(0, 100]`` or an
-            element count ``<= 0``.
+            element count ``<= 0``; later, a dim the tensor given does not have.
+        TypeError: ``algo`` is not an :class:`Algo`, or a dim is not an int or ``None``.
     """
 
     def __init__(
@@ -95,6 +115,11 @@ class SignalSparsity:
         self._dst_top_k_dim = dst_top_k_dim
         self._dst_top_k_element = dst_top_k_element
         self._dst_top_k_percent = dst_top_k_percent
+        # Any value but Algo.FFT selected DCT: FFT's own value 0, or "FFT", failed later with "DCT not implemented".
+        if not isinstance(algo, Algo):
+            raise TypeError(f"algo must be an Algo (Algo.FFT; Algo.DCT is not implemented), got {algo!r}")
+        _check_dim_type("sst_top_k_dim", sst_top_k_dim)
+        _check_dim_type("dst_top_k_dim", dst_top_k_dim)
         self._validate_conf()
         self._transform, self._inverse_transform = (
             (self._fft_transform, self._ifft_transform) if algo is Algo.FFT else (self._dct, self._idct)
@@ -146,7 +171,9 @@ class SignalSparsity:
             return None
         # k first: it refuses an empty tensor, which the transform would fail on with torch's own error.
         k = _get_k_for_topk(
-            self._sst_top_k_percent, self._sst_top_k_element, _top_k_total_size(dense, self._sst_top_k_dim)
+            self._sst_top_k_percent,
+            self._sst_top_k_element,
+            _top_k_total_size(dense, self._sst_top_k_dim, "sst_top_k_dim"),
         )
         w = self._transform(dense.float(), self._sst_top_k_dim)
         return _scatter_topk_to_sparse_tensor(w.real.abs(), w, k, self._sst_top_k_dim)
@@ -160,8 +187,11 @@ class SignalSparsity:
         if dense.shape != sst.shape:
             raise ValueError("dense and sst have different shapes!")
         k = _get_k_for_topk(  # first: it refuses an empty tensor (see dense_to_sst)
-            self._dst_top_k_percent, self._dst_top_k_element, _top_k_total_size(dense, self._dst_top_k_dim)
+            self._dst_top_k_percent,
+            self._dst_top_k_element,
+            _top_k_total_size(dense, self._dst_top_k_dim, "dst_top_k_dim"),
         )
+        _check_dim(dense, self._sst_top_k_dim, "sst_top_k_dim")  # the SST's inverse transform runs along it
         delta = dense - self._inverse_transform(sst, self._sst_top_k_dim).real
         return _scatter_topk_to_sparse_tensor(delta.abs(), delta, k, self._dst_top_k_dim)
 
@@ -171,6 +201,7 @@ class SignalSparsity:
             raise AssertionError("both-None-case is not useful")
         if sst is None:
             return cast(Tensor, dst)  # not None: checked just above
+        _check_dim(sst, self._sst_top_k_dim, "sst_top_k_dim")
         dense_rt = self._inverse_transform(sst, self._sst_top_k_dim).real
         if dst is not None:
             dense_rt = dense_rt + dst
@@ -187,8 +218,8 @@ class SignalSparsity:
     def _keeps_everything(self, dense: Tensor) -> bool:
         if not (self._sst_enabled and self._dst_enabled):
             return False
-        sst_total = _top_k_total_size(dense, self._sst_top_k_dim)
-        dst_total = _top_k_total_size(dense, self._dst_top_k_dim)
+        sst_total = _top_k_total_size(dense, self._sst_top_k_dim, "sst_top_k_dim")
+        dst_total = _top_k_total_size(dense, self._dst_top_k_dim, "dst_top_k_dim")
         sst_k = _get_k_for_topk(self._sst_top_k_percent, self._sst_top_k_element, sst_total)
         dst_k = _get_k_for_topk(self._dst_top_k_percent, self._dst_top_k_element, dst_total)
         return sst_k == sst_total and dst_k == dst_total
@@ -198,6 +229,8 @@ def random_sparse_mask(dense: Tensor, percent: float, dim: int) -> Tensor:
     """A 0/1 mask like ``dense`` with ``max(1, round(size * percent / 100))`` random ones per slice along ``dim``."""
     if not 0 < percent <= 100:
         raise FairscaleValueError(f"percent must be in (0, 100], got {percent}")
+    _check_dim_type("dim", dim, allow_none=False)
+    _check_dim(dense, dim, "dim")
     k = max(1, round(dense.shape[dim] * percent / 100))
     _, indices = torch.rand_like(dense, dtype=torch.float32).topk(k, dim=dim)
     return torch.zeros_like(dense).scatter_(dim, indices, 1)

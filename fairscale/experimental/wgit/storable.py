@@ -3,10 +3,12 @@
 
 The store keeps tensors as pickled numpy arrays (upstream fairscale's format, which wgit keeps), so a bfloat16,
 float8, complex32, quantized, sparse, meta or nested tensor cannot be stored. :func:`check_storable` walks a whole
-object first, so that an add fails before it stores anything instead of halfway.
+object first, so that an add fails before it stores anything instead of halfway; :func:`check_checkpoint_type` refuses
+a checkpoint whose top level wgit cannot track.
 """
 
 import functools
+from pathlib import Path
 from typing import Any, List, Optional, Set
 
 import torch
@@ -14,7 +16,7 @@ from torch import Tensor
 
 from fairscale.internal.errors import FairscaleTypeError
 
-__all__ = ["check_storable"]
+__all__ = ["check_checkpoint_type", "check_storable"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,3 +95,30 @@ def check_storable(obj: Any, source: str = "") -> None:
             f"incorrect input{origin}: {problem}. wgit's SHA1 store keeps tensors as numpy arrays (upstream "
             "fairscale's format); nothing was stored"
         )
+
+
+def check_checkpoint_type(checkpoint: Any, file_path: Path, per_tensor: bool) -> None:
+    """Refuse, before anything is stored, a checkpoint that wgit cannot track.
+
+    What a fairscale user adds is what ``torch.save`` wrote: a state dict (or a dict holding several) in the common
+    case, sometimes a single tensor. Upstream's SHA1 store takes a tensor or a dict at its top level, so that is what
+    wgit tracks: per tensor, a dict (its tensors, in dicts and lists at any depth below, are stored one by one); as
+    a whole (``per_tensor=False``), a dict or a tensor. A top-level list is refused in both modes: its tensors would be
+    stored and the list then refused (upstream's behaviour), and storing it in another shape would change the format.
+
+    Raises:
+        FairscaleTypeError: saying what to do instead; ``--no_per_tensor`` is suggested only for a tensor.
+    """
+    kind = type(checkpoint).__name__
+    if isinstance(checkpoint, dict) or (not per_tensor and isinstance(checkpoint, Tensor)):
+        return
+    if isinstance(checkpoint, Tensor):
+        raise FairscaleTypeError(
+            f"{file_path} holds a single tensor, which cannot be added per tensor (a dict is): add it as a whole "
+            "with per_tensor=False (wgit add --no_per_tensor)"
+        )
+    raise FairscaleTypeError(
+        f"{file_path} holds a {kind!r} object: wgit tracks checkpoints that are a dict (a state dict, e.g. "
+        "torch.save(model.state_dict(), path)) or a single tensor; save it as a dict (e.g. {'tensors': your_list}) "
+        "and add that"
+    )
