@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Walk nested containers of tensors, and flatten arguments for autograd functions."""
 
+import copy
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -26,7 +27,7 @@ __all__ = [
 def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], container: Any) -> Any:
     """Apply ``fn`` to every leaf of ``container`` for which ``type_fn`` is true.
 
-    Recurses into dicts (an ``OrderedDict`` stays one), lists, tuples, namedtuples (rebuilt as the
+    Recurses into dicts (an ``OrderedDict`` stays one, a subclass keeps its type), lists, tuples, namedtuples (rebuilt as the
     same namedtuple type) and sets; other objects are returned as they are. A ``PackedSequence``
     is not rebuilt: ``fn`` is called on its ``data`` for its side effects only and the sequence
     itself is returned unchanged.
@@ -46,10 +47,8 @@ def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], cont
         if isinstance(x, PackedSequence):
             walk(x.data)
             return x
-        if isinstance(x, OrderedDict):
-            return OrderedDict((key, walk(value)) for key, value in x.items())
         if isinstance(x, dict):
-            return {key: walk(value) for key, value in x.items()}
+            return _rebuild_mapping(x, [(key, walk(value)) for key, value in x.items()])
         if isinstance(x, list):
             return [walk(value) for value in x]
         if isinstance(x, tuple):
@@ -62,6 +61,23 @@ def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], cont
         return x
 
     return walk(container)
+
+
+def _rebuild_mapping(x: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> Dict[Any, Any]:
+    """A mapping of ``x``'s type holding ``items``: subclasses keep their type (Hugging Face's ``ModelOutput``, an
+    ``OrderedDict`` subclass read by attribute, came back as a plain ``OrderedDict`` and ``batch.logits`` failed).
+    The copy keeps the subclass's own attributes (a ``defaultdict``'s factory); one that cannot be copied becomes an
+    ``OrderedDict`` (from one) or a ``dict``."""
+    if type(x) not in (dict, OrderedDict):
+        try:
+            out = copy.copy(x)  # then every key is overwritten: same keys, same order
+        except Exception:  # not copyable: keep the contents, lose the type
+            pass
+        else:
+            for key, value in items:
+                out[key] = value
+            return out
+    return OrderedDict(items) if isinstance(x, OrderedDict) else dict(items)
 
 
 def apply_to_tensors(fn: Callable[[Tensor], Any], container: Any) -> Any:

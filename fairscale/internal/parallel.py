@@ -184,7 +184,8 @@ def get_process_group_cached(
     chosen = timeout if timeout is not None else inherited
     key: _GroupKey = (ProcessGroupName(name), None if ranks is None else tuple(sorted(set(ranks))), chosen)
     if key not in _group_cache:
-        _group_cache[key] = new_group_with_timeout(None if ranks is None else list(ranks), chosen)
+        # The key's sorted unique ranks: torch refuses duplicates ([0, 1, 1]) that the key already merged.
+        _group_cache[key] = new_group_with_timeout(None if key[1] is None else list(key[1]), chosen)
     return _group_cache[key]
 
 

@@ -414,7 +414,9 @@ class ReduceScatterBucketer:
         bucket = self._make_room(first, size, group, replicate_group=replicate_group)
         if bucket is None:
             # Reduce-scatter it now, as one flat input (a bucket would only copy it).
-            output = torch.zeros_like(first)
+            # Contiguous whatever the chunks' layout (transposed, channels_last): it is written in place, as the
+            # bucketed path's output is.
+            output = torch.zeros_like(first, memory_format=torch.contiguous_format)
             flat_input = torch.cat([chunk.reshape(-1) for chunk in input_list])
             self._send_direct(output, flat_input, group, replicate_group, callback_fn)
             return

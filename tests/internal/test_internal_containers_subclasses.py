@@ -1,0 +1,65 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""apply_to_tensors keeps the type of dict subclasses (Hugging Face's ModelOutput is an OrderedDict subclass read by
+attribute), so FSDP's mixed-precision input cast hands the module the object it was given."""
+
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.containers import apply_to_tensors
+
+
+class _Output(OrderedDict):
+    """Attribute access, as transformers' ModelOutput."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _NeedsArgs(dict):
+    def __init__(self, tag: str, *args: Any) -> None:
+        super().__init__(*args)
+        self.tag = tag
+
+
+def test_subclasses_keep_their_type() -> None:
+    out = apply_to_tensors(lambda t: t * 2, _Output(x=torch.ones(2), y=[torch.ones(1)]))
+    assert type(out) is _Output and list(out) == ["x", "y"]
+    assert torch.equal(out.x, torch.full((2,), 2.0)) and torch.equal(out.y[0], torch.full((1,), 2.0))
+    d: defaultdict = defaultdict(list, a=torch.ones(1))
+    copied = apply_to_tensors(lambda t: t, d)
+    assert type(copied) is defaultdict and copied.default_factory is list
+    # One whose constructor needs arguments keeps them (and its attributes); the original is left alone.
+    original = _NeedsArgs("t", {"a": torch.zeros(1)})
+    kept = apply_to_tensors(lambda t: t + 1, original)
+    assert type(kept) is _NeedsArgs and kept.tag == "t" and torch.equal(kept["a"], torch.ones(1))
+    assert torch.equal(original["a"], torch.zeros(1))
+    assert type(apply_to_tensors(lambda t: t, OrderedDict(a=torch.ones(1)))) is OrderedDict
+    assert type(apply_to_tensors(lambda t: t, {"a": torch.ones(1)})) is dict
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, batch: _Output) -> torch.Tensor:
+        return self.lin(batch.x)
+
+
+def _mixed_precision_body(rank: int, world_size: int) -> None:
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_Head(), mixed_precision=True, compute_dtype=torch.bfloat16)
+    y = model(_Output(x=torch.ones(1, 2)))  # the input cast gave a plain OrderedDict: AttributeError 'x'
+    assert y.dtype == torch.bfloat16
+
+
+def test_fsdp_mixed_precision_keeps_the_input_type() -> None:
+    run_distributed(_mixed_precision_body, 1, timeout=60)
