@@ -13,7 +13,8 @@ neighbours still waiting for it, on the queue each one reads from it; they pass 
 """
 
 import functools
-from typing import Any, Callable, Dict, List
+import warnings
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 from torch import Tensor, nn
@@ -72,6 +73,35 @@ def create_task_without_skip_trackers(
         return batch.call(function)
 
     return Task(None, compute=compute, finalize=None)
+
+
+def _next_item(batches: Iterator[Any], index: int, length: int) -> Any:
+    """Item ``index`` of a loader whose ``len()`` is ``length``.
+
+    Every stage runs ``len(loader)`` micro-batches, so a loader running out earlier (an ``IterableDataset``'s
+    ``__len__`` is an estimate) raises here; ``interleave`` then aborts the other stages, which waited for the
+    missing micro-batches before (or, on the head, for an abort answer from a tail that had returned).
+    """
+    try:
+        return next(batches)
+    except StopIteration:
+        raise ValueError(
+            f"lm_dataloader yielded {index} items, but its len() is {length}: every stage runs len(loader) "
+            "micro-batches, so the loader must yield exactly len() items"
+        ) from None
+
+
+def _warn_if_more(batches: Iterator[Any], length: int) -> None:
+    """Warn when the loader has items past its ``len()``: they were not trained on (one more item is fetched)."""
+    if next(batches, _END) is not _END:
+        warnings.warn(
+            f"lm_dataloader yields more than its len() of {length} items; interleave trained on the first {length} "
+            "only (every stage runs len(loader) micro-batches)",
+            UserWarning,
+        )
+
+
+_END = object()
 
 
 class _ParameterAlias(torch.autograd.Function):
@@ -280,7 +310,7 @@ class AsyncAMPnetEventLoop:
         num_gradients = 0
         batches = iter(lm_dataloader)
         for i in range(num_microbatch):
-            batch = Batch(transform_logger_object.transform_input(next(batches)), i)
+            batch = Batch(transform_logger_object.transform_input(_next_item(batches, i, num_microbatch)), i)
             self._predict(optimizer, i, forward=True)
             if i < warm_up:
                 self.async_send_inner(batch, i)
@@ -291,14 +321,19 @@ class AsyncAMPnetEventLoop:
             self._send(message)
         while num_gradients < num_microbatch:
             num_gradients = self._backward_and_step(optimizer, num_gradients, transform_logger_object)
+        _warn_if_more(batches, num_microbatch)
 
     def event_loop_tail_across_minibatches(
         self, lm_dataloader: Any, criterion: Any, optimizer: Any, transform_logger_object: Any
     ) -> None:
         """The final stage: forward each arriving micro-batch, compute its loss and run its backward at once."""
-        self.num_microbatch = len(lm_dataloader)
+        self.num_microbatch = num_microbatch = len(lm_dataloader)
         count = 0
-        for batch in lm_dataloader:
+        # Exactly len() items, as the head and the trunk run: iterating the loader itself waited for a micro-batch
+        # the head never sent when the loader yielded more than its len().
+        batches = iter(lm_dataloader)
+        for i in range(num_microbatch):
+            batch = _next_item(batches, i, num_microbatch)
             target = transform_logger_object.transform_target(batch)
             received = self._recv_activations()
             if received.index != count:
@@ -313,6 +348,7 @@ class AsyncAMPnetEventLoop:
             count += 1
             self._maybe_step(optimizer, count, transform_logger_object)
             transform_logger_object.log_loss(batch, loss, count)
+        _warn_if_more(batches, num_microbatch)
 
     def event_loop_trunk_forward_helper(self, activations: Dict[int, Batch]) -> PipeMessage:
         """Receive and compute the next micro-batch, keeping its outputs in ``activations``; return the message

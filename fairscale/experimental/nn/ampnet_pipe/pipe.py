@@ -52,9 +52,10 @@ class AMPnetPipe(AsyncPipe):
         """Train one epoch over ``lm_dataloader``.
 
         Args:
-            lm_dataloader: a sized iterable of batches, the same length on every stage. The first stage feeds
-                ``transform_logger_object.transform_input(batch)`` to its partition; the last one compares its
-                output with ``transform_target(batch)``.
+            lm_dataloader: a sized iterable of batches, the same length on every stage; the first and the last
+                stage each take exactly ``len(lm_dataloader)`` items (extra ones are left, with a warning). The
+                first stage feeds ``transform_logger_object.transform_input(batch)`` to its partition; the last one
+                compares its output with ``transform_target(batch)``.
             criterion: the loss function ``criterion(output, target)`` (used on the last stage).
             optimizer: this stage's optimizer (``None``: no steps); it steps after every
                 ``min_update_interval`` micro-batches went backward through the stage, then ``zero_grad()``.
@@ -68,7 +69,8 @@ class AMPnetPipe(AsyncPipe):
 
         Raises:
             ValueError: bad arguments (one stage, ``min_update_interval < 1``, a logger or optimizer lacking the
-                methods used, a loader without ``len``).
+                methods used, a loader without ``len``), or this stage's loader yielded fewer items than its
+                ``len()`` (the other stages then raise ``PipelineAbortedError``).
             RanksDisagreeError: the stages' loaders have other lengths, or they differ in balance or chunks (raised on
                 every stage; checked when every rank of a gloo or MPI group holds a stage).
             RuntimeError: another stage's arguments were bad (it raised the ``ValueError``).

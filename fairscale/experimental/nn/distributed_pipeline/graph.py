@@ -55,6 +55,11 @@ def _remote_sequential_rref(rref_list: List[rpc.RRef[Any]]) -> rpc.RRef[Any]:
     return rpc.RRef(RemoteSequential(rref_list))
 
 
+def _describe(module: RemoteModule) -> str:
+    """A RemoteModule for messages: its ``repr()`` raises."""
+    return f"{type(module).__name__} on {getattr(module, 'on', '?')}"
+
+
 NodeDataSource = Union[RemoteModule, Tuple[RemoteModule, int]]
 DataSourceSpec = Union[int, NodeDataSource]
 NodeDataConsumer = DataConsumer[Node]  # upstream's public alias
@@ -65,8 +70,9 @@ class PipelineModulesGraph(nn.Module):
     """A graph of ``RemoteModule`` s for :class:`DistributedPipeline`.
 
     Inputs of a layer are given as: an ``int`` (that model input), a ``RemoteModule`` (its single output) or
-    ``(RemoteModule, k)`` (output ``k`` of a module returning a tuple). Referenced modules must already be in the
-    graph.
+    ``(RemoteModule, k)`` (output ``k`` of a module returning a tuple, added with ``num_outputs > k``). Referenced
+    modules must already be in the graph, each ``RemoteModule`` is one layer (added once), every layer takes at
+    least one input, and every layer but the last feeds a later one (the last one's output is the model output).
     """
 
     # Upstream exposes the type of the ``inputs`` items on the class.
@@ -81,20 +87,76 @@ class PipelineModulesGraph(nn.Module):
         for n in self.nodes:
             if n.module is module:
                 return n
-        # repr() of a RemoteModule raises, so describe it by hand.
-        what = f"{type(module).__name__} on {getattr(module, 'on', '?')}"
-        raise ValueError(f"{what} is not in the graph; add it with add_layer/add_sequence before using its output")
+        raise ValueError(
+            f"{_describe(module)} is not in the graph; add it with add_layer/add_sequence before using its output"
+        )
 
     def _data_source_spec_to_data_source(self, spec: _SourceSpec) -> DataSource:
+        if isinstance(spec, bool) or not isinstance(spec, (int, RemoteModule, tuple)):
+            raise TypeError(
+                f"a layer input must be an int (a model input), a RemoteModule or a (RemoteModule, index) pair, got "
+                f"{type(spec).__name__}"
+            )
         if isinstance(spec, int):
+            if spec < 0:  # the forward indexed its inputs from the end, silently
+                raise ValueError(f"model input index {spec} is negative; number the model's inputs from 0")
             return DataSource(None, spec)
         if isinstance(spec, RemoteModule):
-            return DataSource(self._find_node(spec), 0)
+            node = self._find_node(spec)
+            if node.num_outputs is not None:
+                # Its consumer got output 0 silently: a whole-output reference names no output of a tuple.
+                raise ValueError(
+                    f"{_describe(spec)} declares num_outputs={node.num_outputs}; refer to one of its outputs as "
+                    "(module, k)"
+                )
+            return DataSource(node, 0)
+        if len(spec) != 2 or not isinstance(spec[0], RemoteModule):
+            raise TypeError("a tuple layer input must be (RemoteModule, output index)")
         module, index = spec
-        return DataSource(self._find_node(module), index)
+        node = self._find_node(module)
+        if node.num_outputs is None:
+            # The index was ignored and the whole output passed on, silently.
+            raise ValueError(
+                f"({_describe(module)}, {index}) reads output {index}, but that layer was added without "
+                "num_outputs: add it with num_outputs=<number of outputs used>, or refer to its whole output as "
+                "the module alone"
+            )
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < node.num_outputs:
+            # An index past the outputs failed on the producer's worker, and the pipeline waited for the RPC timeout.
+            raise ValueError(
+                f"({_describe(module)}, {index!r}): the output index must be an int in [0, {node.num_outputs}) "
+                f"since that layer declares num_outputs={node.num_outputs}"
+            )
+        return DataSource(node, index)
 
     def add_layer(self, module: RemoteModule, inputs: List[_SourceSpec], num_outputs: Optional[int] = None) -> None:
-        """Append ``module``, fed by ``inputs``; ``num_outputs`` when it returns a tuple whose items are used."""
+        """Append ``module``, fed by ``inputs``; ``num_outputs`` when it returns a tuple whose items are used.
+
+        Raises:
+            ValueError: ``module`` is already in the graph (each ``RemoteModule`` may appear once), ``inputs`` is
+                empty, ``num_outputs`` is not a positive int, an input refers to a module not in the graph, or an
+                output index does not fit the producer's ``num_outputs``.
+            TypeError: an input is not an ``int``, a ``RemoteModule`` or a ``(RemoteModule, int)`` pair.
+        """
+        existing = next((i for i, n in enumerate(self.nodes) if n.module is module), None)
+        if existing is not None:
+            # Inputs name modules, so consumers of a second call were wired to the first one (a silently wrong
+            # output), and the parameters were stepped once per call.
+            raise ValueError(
+                f"{_describe(module)} is already in the graph as layer {existing}: a RemoteModule may be added once. "
+                "To apply the same weights twice, add a second RemoteModule on the same module, made with "
+                "RemoteModule.init_from_module_rref(module.remote_device, module.get_module_rref())"
+            )
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            # A layer with no inputs was never fed and the pipeline waited for the RPC timeout.
+            raise ValueError(
+                f"layer {len(self.nodes)} ({_describe(module)}) needs at least one input (a model input index or "
+                "another layer's output): a layer without inputs never runs"
+            )
+        if num_outputs is not None and (isinstance(num_outputs, bool) or not isinstance(num_outputs, int)):
+            raise ValueError(f"num_outputs must be None or a positive int, got {num_outputs!r}")
+        if num_outputs is not None and num_outputs < 1:
+            raise ValueError(f"num_outputs must be None or a positive int, got {num_outputs}")
         sources = [self._data_source_spec_to_data_source(i) for i in inputs]
         node = Node(module)
         node.num_outputs = num_outputs
@@ -107,10 +169,19 @@ class PipelineModulesGraph(nn.Module):
         first_module_inputs: List[_SourceSpec],
         last_module_num_outputs: Optional[int] = None,
     ) -> None:
-        """Append a chain: the first module takes ``first_module_inputs``, each next one the previous output."""
-        for i, module in enumerate(modules):
-            inputs: List[_SourceSpec] = first_module_inputs if i == 0 else [modules[i - 1]]
-            self.add_layer(module, inputs, last_module_num_outputs if i == len(modules) - 1 else None)
+        """Append a chain: the first module takes ``first_module_inputs``, each next one the previous output.
+
+        All or nothing: when ``add_layer`` refuses a module, none of the chain stays in the graph (a part of it
+        would be a layer nobody reads).
+        """
+        count = len(self.nodes)
+        try:
+            for i, module in enumerate(modules):
+                inputs: List[_SourceSpec] = first_module_inputs if i == 0 else [modules[i - 1]]
+                self.add_layer(module, inputs, last_module_num_outputs if i == len(modules) - 1 else None)
+        except Exception:
+            del self.nodes[count:]
+            raise
 
     def _compile(self) -> None:
         # Rebuilt from scratch, so compiling twice does not duplicate consumers (upstream appended again).
@@ -141,9 +212,28 @@ class PipelineModulesGraph(nn.Module):
             current = nxt
         return partition
 
+    def _check_single_output(self) -> None:
+        """Every layer but the last must feed another: the last one's output is the pipeline's output.
+
+        A layer whose output nobody read silently became the pipeline's output when it was added last, and made
+        ``dist_autograd.backward`` wait for the RPC timeout otherwise (its input's send never got a gradient).
+        """
+        for i, node in enumerate(self.nodes[:-1]):
+            if not node.output_consumers:
+                raise ValueError(
+                    f"layer {i} ({_describe(node.module)}) of the graph feeds no other layer: every layer but the "
+                    f"last (layer {len(self.nodes) - 1}, the model output) must be an input of a later one; remove "
+                    "the unused layer"
+                )
+
     def partition_graph(self) -> List[Tuple[List[Node], rpc.RRef[Any]]]:
-        """Split the graph into chains; returns ``(nodes, RRef of the module running them)`` per partition."""
+        """Split the graph into chains; returns ``(nodes, RRef of the module running them)`` per partition.
+
+        Raises:
+            ValueError: a layer other than the last feeds no other layer.
+        """
         self._compile()
+        self._check_single_output()
         used: Set[int] = set()
         partitions: List[Tuple[List[Node], rpc.RRef[Any]]] = []
         for node in self.nodes:

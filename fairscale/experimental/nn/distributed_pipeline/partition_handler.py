@@ -36,13 +36,21 @@ runs even with one RPC thread per worker. Nothing here times out on its own: a p
 surfaces as the driver's RPC timeout.
 
 Failures do not hang: a partition that fails forwards the exception to its consumers, and the last partition's
-result raises it (the original exception, not upstream's ``TypeError`` from re-raising the class).
+result raises it (the original exception, not upstream's ``TypeError`` from re-raising the class). So do failures
+while handing outputs on: an output index or a declared ``num_outputs`` that does not fit the module's output, and
+a feed that cannot be sent or unpickled where it arrives (its failure is delivered in its place). Feeds address
+records by key rather than by RRef, so that a failed one leaves no RRef fork for ``rpc.shutdown()`` to wait for.
 """
 
+import functools
+import itertools
+import pickle
 import threading
 import traceback
+import weakref
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed.rpc as rpc
@@ -85,6 +93,17 @@ class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
+    def __reduce__(self) -> Any:
+        # An exception that does not survive pickling (unpicklable attributes, an __init__ taking other arguments
+        # than its args) would fail the feed carrying it, and the pipeline would wait for the RPC timeout: send its
+        # type and text instead.
+        try:
+            pickle.loads(pickle.dumps(self.exc))
+            exc = self.exc
+        except Exception:  # any pickling failure: the text is what the caller needs
+            exc = RuntimeError(f"{type(self.exc).__name__}: {self.exc}")
+        return (_Failure, (exc,))
+
 
 def _rpc_error(exc: BaseException) -> Any:
     """The value an RPC function returns to make its caller raise ``exc`` (same type, remote traceback in the text).
@@ -99,22 +118,80 @@ def _rpc_error(exc: BaseException) -> Any:
     return RemoteException(f"On {rpc.get_worker_info()}:\n{exc!r}\n{trace}", type(exc))
 
 
-def _feed_local(record: rpc.RRef[Any], chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor]) -> None:
-    # The driver created the record with a synchronous RPC before sending any feed, so this does not wait.
-    record.local_value().feed(chunk, input_idx, value, anchor)
+@dataclass(frozen=True)
+class _RecordKey:
+    """Where a :class:`DistributedPipelineRecord` is: its owner's name and its key in the owner's ``_RECORDS``.
+
+    Feeds address records by key, not by RRef: an RRef sent in a feed that then failed (a value that could not be
+    pickled here or unpickled there) left its fork unconfirmed, and ``rpc.shutdown()`` waited for it (100 s in the
+    agent's RRef clean-up), on top of the RPC timeout of the lost feed.
+    """
+
+    owner: str
+    key: int
 
 
-def _feed_rref(record: rpc.RRef[Any], chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor]) -> None:
-    if record.owner().name == rpc.get_worker_info().name:
-        _feed_local(record, chunk, input_idx, value, anchor)
-    else:
-        # A direct rpc_async from this thread: ``RRef.rpc_async()`` issues the call from a callback thread, which
-        # has no distributed autograd context, so the send would not be recorded. Its future is not waited on:
-        # a feed handler returns nothing, and waiting would hold this thread.
-        rpc.rpc_async(record.owner(), _feed_local, args=(record, chunk, input_idx, value, anchor))
+#: The records of this worker by key, held weakly: the record's RRef, which the driver holds until its forward
+#: returns, keeps it alive. Every feed of a forward is delivered before its result exists, so a key that is gone
+#: only names a forward that failed and was given up.
+_RECORDS: "weakref.WeakValueDictionary[int, DistributedPipelineRecord]" = weakref.WeakValueDictionary()
+_RECORD_KEYS = itertools.count()
 
 
-_RRefConsumer = DataConsumer[rpc.RRef[Any]]
+def _feed_local(key: int, chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor]) -> None:
+    # The driver registered the record with a synchronous RPC before sending any feed, so this does not wait. A
+    # record that is gone belonged to a forward the driver gave up: nobody waits for this input any more.
+    record = _RECORDS.get(key)
+    if record is not None:
+        record.feed(chunk, input_idx, value, anchor)
+
+
+def _send_feed(target: _RecordKey, chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor]) -> Any:
+    if target.owner == rpc.get_worker_info().name:
+        _feed_local(target.key, chunk, input_idx, value, anchor)
+        return None
+    # A direct rpc_async from this thread: ``RRef.rpc_async()`` issues the call from a callback thread, which has no
+    # distributed autograd context, so the send would not be recorded.
+    return rpc.rpc_async(target.owner, _feed_local, args=(target.key, chunk, input_idx, value, anchor))
+
+
+def _feed(target: _RecordKey, chunk: int, input_idx: int, value: Any, anchor: Optional[Tensor]) -> None:
+    """Deliver ``value`` as input ``input_idx`` of micro-batch ``chunk`` of the record ``target``, or, when that
+    fails, the failure, so that the pipeline's result raises it instead of the driver waiting for the RPC timeout.
+
+    The future of a remote feed is not waited on (a feed handler returns nothing, and waiting would hold this
+    thread); a callback delivers the failure when it ends in an error (e.g. the value could not be unpickled
+    there). A failure that cannot be delivered either is raised here.
+    """
+    try:
+        future = _send_feed(target, chunk, input_idx, value, anchor)
+    except Exception as e:  # sending failed here (pickling, a tensor RPC cannot carry)
+        if isinstance(value, _Failure):
+            raise
+        _send_feed(target, chunk, input_idx, _Failure(_feed_error(e, target, chunk, input_idx)), None)
+        return
+    if future is not None and not isinstance(value, _Failure):
+        future.add_done_callback(functools.partial(_on_feed_done, target, chunk, input_idx))
+
+
+def _feed_error(exc: Exception, target: _RecordKey, chunk: int, input_idx: int) -> Exception:
+    return RuntimeError(
+        f"DistributedPipeline could not send input {input_idx} of micro-batch {chunk} to its partition on "
+        f"{target.owner}: {type(exc).__name__}: {exc}"
+    )
+
+
+def _on_feed_done(target: _RecordKey, chunk: int, input_idx: int, future: "Future[Any]") -> None:
+    try:
+        future.wait()
+    except Exception as e:  # the feed failed on the way or on arrival: deliver the failure instead
+        try:
+            _send_feed(target, chunk, input_idx, _Failure(_feed_error(e, target, chunk, input_idx)), None)
+        except Exception:  # noqa: B902 - nothing left to deliver it with; the driver's RPC timeout reports it
+            traceback.print_exc()
+
+
+_RecordConsumer = DataConsumer[_RecordKey]
 
 
 #: Held while a partition draws from this process's random generators. Micro-batches are computed on the RPC threads
@@ -161,7 +238,7 @@ class DistributedPipelineRecord:
     """
 
     # Upstream's name for the type of ``consumers``.
-    DataConsumer = _RRefConsumer
+    DataConsumer = _RecordConsumer
 
     def __init__(
         self,
@@ -170,7 +247,7 @@ class DistributedPipelineRecord:
         chunks: int,
         num_inputs: int,
         num_outputs: Optional[int],
-        consumers: List[_RRefConsumer],
+        consumers: List[_RecordConsumer],
         module: nn.Module,
         checkpoint_stop: int,
     ) -> None:
@@ -211,19 +288,19 @@ class DistributedPipelineRecord:
     def _compute(self, chunk: int, anchor: Optional[Tensor]) -> None:
         inputs = self.batches[chunk]
         failure = next((v for v in inputs if isinstance(v, _Failure)), None)
-        result: Any
-        if failure is not None:
-            result = failure
-        else:
+        result: Any = failure
+        values: List[Any] = []
+        if failure is None:
+            # Everything up to the sends is forwarded as a failure, so that the pipeline's result reports it
+            # instead of the driver waiting for the RPC timeout.
             try:
                 result = self._run(chunk, inputs)
-            except Exception as e:  # forwarded, so that the pipeline's result reports it instead of hanging
-                result = _Failure(e)
-        for consumer in self.consumers:
-            value = result
-            if not isinstance(result, _Failure) and self.num_outputs is not None:
-                value = result[consumer.output_idx]
-            _feed_rref(consumer.consumer, chunk, consumer.consumer_input_idx, value, anchor)
+                values = self._consumer_values(result)
+            except Exception as e:
+                result = failure = _Failure(e)
+        for i, consumer in enumerate(self.consumers):
+            value = failure if failure is not None else values[i]
+            _feed(consumer.consumer, chunk, consumer.consumer_input_idx, value, anchor)
         with self._lock:
             self.outputs[chunk] = result
             self.done += 1
@@ -231,6 +308,24 @@ class DistributedPipelineRecord:
         if finished:
             # Runs the callbacks chained by run_pipeline() here, inline: they only assemble the result.
             self._all_done.set_result(list(self.outputs))
+
+    def _consumer_values(self, result: Any) -> List[Any]:
+        """What each consumer gets of ``result``: the whole of it, or its item ``output_idx`` when the partition
+        declares ``num_outputs``."""
+        if self.num_outputs is None:
+            return [result] * len(self.consumers)
+        if not isinstance(result, (tuple, list)):
+            # Indexing a tensor handed rows of the micro-batch on as "outputs", silently.
+            raise TypeError(
+                f"the partition's last module was added with num_outputs={self.num_outputs}, but returned "
+                f"{type(result).__name__}, not a tuple or list; add it without num_outputs"
+            )
+        if len(result) < self.num_outputs:
+            raise ValueError(
+                f"the partition's last module was added with num_outputs={self.num_outputs}, but returned "
+                f"{len(result)} outputs"
+            )
+        return [result[c.output_idx] for c in self.consumers]
 
     def _run(self, chunk: int, inputs: List[Any]) -> Any:
         if not (self.checkpoint_stop > 0 and self.module.training and torch.is_grad_enabled()):
@@ -288,7 +383,7 @@ class PartitionHandler:
         """One RRef per parameter of the partition's module."""
         return [rpc.RRef(p) for p in self.module.parameters()]
 
-    def make_pipeline_record(self, consumers: List[DataConsumer[rpc.RRef[Any]]]) -> DistributedPipelineRecord:
+    def make_pipeline_record(self, consumers: List[_RecordConsumer]) -> DistributedPipelineRecord:
         """A record for one forward pass whose outputs go to ``consumers``."""
         return DistributedPipelineRecord(
             self.device,
@@ -332,14 +427,40 @@ class PartitionHandler:
             return _rpc_error(e)
 
 
+def _unique_parameter_rrefs(handlers: List[rpc.RRef[Any]]) -> List[List[rpc.RRef[Any]]]:
+    """Runs on the owner of ``handlers``: per handler, RRefs of its module's parameters not already listed for an
+    earlier one, so that a parameter shared by two partitions here is stepped once by a ``DistributedOptimizer``
+    (listed twice, it was updated twice)."""
+    seen: Set[int] = set()
+    result: List[List[rpc.RRef[Any]]] = []
+    for handler in handlers:
+        rrefs = []
+        for p in handler.local_value().module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                rrefs.append(rpc.RRef(p))
+        result.append(rrefs)
+    return result
+
+
+def _set_training(handlers: List[rpc.RRef[Any]], mode: bool) -> None:
+    """Runs on the owner of ``handlers``: puts their partitions' modules in training (or eval) mode."""
+    for handler in handlers:
+        handler.local_value().module.train(mode)
+
+
 def _new_partition_handler(*args: Any) -> rpc.RRef[Any]:
     """Runs on the partition's worker: a :class:`PartitionHandler` that exists when the caller gets its RRef."""
     return rpc.RRef(PartitionHandler(*args))
 
 
-def _new_record(handler: rpc.RRef[Any], consumers: List[_RRefConsumer]) -> rpc.RRef[Any]:
-    """Runs on the handler's worker: a record that exists when the caller gets its RRef."""
-    return rpc.RRef(handler.local_value().make_pipeline_record(consumers))
+def _new_record(handler: rpc.RRef[Any], consumers: List[_RecordConsumer]) -> Tuple[rpc.RRef[Any], _RecordKey]:
+    """Runs on the handler's worker: a record that exists when the caller gets its RRef (which keeps it alive) and
+    its key (which feeds address)."""
+    record = handler.local_value().make_pipeline_record(consumers)
+    key = next(_RECORD_KEYS)
+    _RECORDS[key] = record
+    return rpc.RRef(record), _RecordKey(rpc.get_worker_info().name, key)
 
 
 @_async_execution

@@ -16,7 +16,7 @@ threads.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -25,7 +25,15 @@ from torch import Tensor
 
 from .data import DataConsumer
 from .graph import Node, PipelineModulesGraph
-from .partition_handler import _feed_rref, _new_partition_handler, _new_record, _result_rref, _split_inputs
+from .partition_handler import (
+    _feed,
+    _new_partition_handler,
+    _new_record,
+    _result_rref,
+    _set_training,
+    _split_inputs,
+    _unique_parameter_rrefs,
+)
 
 # Upstream's module also exposes these names; re-exported for old imports.
 from fairscale.internal import torch_version as torch_version  # noqa: F401
@@ -66,8 +74,9 @@ class DistributedPipeline(nn.Module):
             their activations in backward.
 
     Raises:
-        ValueError: ``chunks`` is not positive, ``checkpoint`` is not one of the three values, or the graph's last
-            module declares several outputs (the model output is one tensor).
+        ValueError: ``chunks`` is not positive, ``checkpoint`` is not one of the three values, the graph's last
+            module declares several outputs (the model output is one tensor), or a layer other than the last feeds
+            no other layer (the last layer's output is the pipeline's output).
     """
 
     @dataclass
@@ -143,12 +152,36 @@ class DistributedPipeline(nn.Module):
             raise MOVING_DENIED
         return super().to(*args, **kwargs)  # dtype only
 
+    def _handlers_by_worker(self) -> Dict[str, List[int]]:
+        """Indexes of the partitions, grouped by the name of the worker holding them."""
+        by_worker: Dict[str, List[int]] = {}
+        for i, partition in enumerate(self.partitions):
+            by_worker.setdefault(partition.handler.owner().name, []).append(i)
+        return by_worker
+
     def parameter_rrefs(self) -> List[rpc.RRef[Any]]:
-        """RRefs of every parameter of every partition (for ``DistributedOptimizer``)."""
-        rrefs: List[rpc.RRef[Any]] = []
-        for partition in self.partitions:
-            rrefs.extend(partition.handler.rpc_sync().local_parameter_rrefs())
-        return rrefs
+        """RRefs of every parameter of every partition, in partition order, each parameter once (for
+        ``DistributedOptimizer``: a module shared by two partitions, through
+        ``RemoteModule.init_from_module_rref``, is stepped once with its summed gradient)."""
+        per_partition: List[List[rpc.RRef[Any]]] = [[] for _ in self.partitions]
+        for worker, indexes in self._handlers_by_worker().items():
+            handlers = [self.partitions[i].handler for i in indexes]
+            for i, rrefs in zip(indexes, rpc.rpc_sync(worker, _unique_parameter_rrefs, args=(handlers,))):
+                per_partition[i] = rrefs
+        return [rref for rrefs in per_partition for rref in rrefs]
+
+    def train(self, mode: bool = True) -> "DistributedPipeline":
+        """Set this module's and every partition's remote modules' training mode (``eval()`` is ``train(False)``).
+
+        The partitions' modules live on the workers, so ``nn.Module.train`` alone left them as they were: dropout
+        stayed active and checkpointing ran after ``pipe.eval()``.
+        """
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
+        super().train(mode)
+        for worker, indexes in self._handlers_by_worker().items():
+            rpc.rpc_sync(worker, _set_training, args=([self.partitions[i].handler for i in indexes], mode))
+        return self
 
     def forward(self, *inputs: Tensor) -> rpc.RRef[Any]:
         """Run the pipeline on ``inputs`` (split along dim 0).
@@ -199,14 +232,16 @@ class DistributedPipeline(nn.Module):
                 f"the batch splits into {len(micro_batches)} micro-batches, not chunks={self.chunks}; use a batch "
                 "size that is a multiple of chunks"
             )
-        records: Dict[DistributedPipeline.Partition, rpc.RRef[Any]] = {}
+        # Each partition's record: its RRef (which keeps it alive until this forward returns) and its key (which
+        # the feeds address).
+        records: Dict[DistributedPipeline.Partition, Tuple[rpc.RRef[Any], Any]] = {}
         for partition in reversed(self.partitions):
             consumers = []
             for consumer in partition.nodes[-1].output_consumers:
                 target = self._partition_of(consumer.consumer)
                 if target not in records:
                     raise RuntimeError("fairscale internal error: a partition feeds a partition before it")
-                consumers.append(DataConsumer(records[target], consumer.consumer_input_idx, consumer.output_idx))
+                consumers.append(DataConsumer(records[target][1], consumer.consumer_input_idx, consumer.output_idx))
             # Synchronous, like the handlers: every record exists before the first feed can reach it.
             records[partition] = rpc.rpc_sync(
                 partition.handler.owner(), _new_record, args=(partition.handler, consumers)
@@ -214,10 +249,10 @@ class DistributedPipeline(nn.Module):
         last = self.partitions[-1]
         # Returns at once on the last worker (an async_execution function): the reply leaves when the last
         # micro-batch is done, and this thread, not an RPC thread, waits for it.
-        result = rpc.rpc_async(last.handler.owner(), _result_rref, args=(last.handler, records[last]))
+        result = rpc.rpc_async(last.handler.owner(), _result_rref, args=(last.handler, records[last][0]))
         anchor = torch.zeros(0, requires_grad=True) if _needs_anchor() else None
         for chunk, batch in enumerate(micro_batches):
             for input_consumer in self.input_consumers:
-                record = records[input_consumer.consumer]
-                _feed_rref(record, chunk, input_consumer.consumer_input_idx, batch[input_consumer.output_idx], anchor)
+                key = records[input_consumer.consumer][1]
+                _feed(key, chunk, input_consumer.consumer_input_idx, batch[input_consumer.output_idx], anchor)
         return result.wait()

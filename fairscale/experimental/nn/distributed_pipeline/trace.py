@@ -9,7 +9,7 @@ it would have to run somewhere.
 import contextlib
 import inspect
 import operator
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch.fx
 import torch.nn as nn
@@ -88,6 +88,13 @@ class GraphCreator:
                         f"make_graph: {node.target} is called with keyword arguments {sorted(node.kwargs)}; pass a "
                         "RemoteModule's inputs positionally"
                     )
+                if id(module) in names:
+                    # Consumers of the second call were wired to the first one: a silently wrong output.
+                    raise ValueError(
+                        f"make_graph: {node.target} is called more than once; a RemoteModule may be one layer of "
+                        "the graph only. To apply the same weights twice, call a second RemoteModule made with "
+                        "RemoteModule.init_from_module_rref(module.remote_device, module.get_module_rref())"
+                    )
                 names[id(module)] = str(node.target)
                 calls.append((module, [self._source(a, sources, whole_used) for a in node.args]))
                 sources[node] = module
@@ -97,7 +104,7 @@ class GraphCreator:
                 num_outputs[id(module)] = max(num_outputs.get(id(module)) or 0, index + 1)
                 sources[node] = (module, index)
             elif node.op == "output":
-                continue
+                self._check_output(node, sources, calls)
             else:
                 raise FairscaleValueError(
                     f"make_graph: node {node.name} ({node.op} {node.target}) is neither a RemoteModule call, an index "
@@ -114,6 +121,18 @@ class GraphCreator:
                 )
             graph.add_layer(module, inputs, n)
         return graph
+
+    @staticmethod
+    def _check_output(
+        node: torch.fx.Node, sources: Dict[torch.fx.Node, Any], calls: List[Tuple[RemoteModule, List[Any]]]
+    ) -> None:
+        # The pipeline's output is the last layer's: a forward returning anything else got that instead, silently.
+        result = node.args[0] if node.args else None
+        if not calls or not isinstance(result, torch.fx.Node) or sources.get(result) is not calls[-1][0]:
+            raise ValueError(
+                "make_graph: the forward must return the output of its last RemoteModule call (the pipeline's "
+                f"output is that layer's), got {result!r}"
+            )
 
     def _is_remote_output(self, node: torch.fx.Node) -> bool:
         arg = node.args[0]
@@ -132,12 +151,34 @@ class GraphCreator:
         return value
 
 
+def _leaf_named_modules(
+    self: nn.Module, memo: Optional[Set[nn.Module]] = None, prefix: str = "", remove_duplicate: bool = True
+) -> Iterator[Tuple[str, nn.Module]]:
+    """``named_modules`` of a module without sub-modules, reading none of its ``nn.Module`` state: a
+    ``RemoteModule`` made by ``RemoteModule.init_from_module_rref`` (a second handle on a module, for shared
+    weights) has none, and ``nn.Module.named_modules`` failed on its missing ``_modules``."""
+    if memo is None:
+        memo = set()
+    if self not in memo:
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+
+
+def _no_named_children(self: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    return iter(())
+
+
 def make_graph(module: nn.Module) -> PipelineModulesGraph:
-    """Trace ``module`` (its ``RemoteModule`` sub-modules become the graph's layers) into a graph."""
-    # RemoteModule refuses named_modules/named_children, which fx uses to find module paths.
+    """Trace ``module`` (its ``RemoteModule`` sub-modules become the graph's layers) into a graph.
+
+    Every ``RemoteModule`` is called once (to apply the same weights twice, call a second ``RemoteModule`` made
+    with ``RemoteModule.init_from_module_rref``) and the forward returns the output of the last call.
+    """
+    # RemoteModule refuses named_modules/named_children, which fx uses to find module paths; it is a leaf.
     with (
-        _patch_attribute(RemoteModule, "named_modules", nn.Module.named_modules),
-        _patch_attribute(RemoteModule, "named_children", nn.Module.named_children),
+        _patch_attribute(RemoteModule, "named_modules", _leaf_named_modules),
+        _patch_attribute(RemoteModule, "named_children", _no_named_children),
     ):
         tracer = RemoteModuleTracer()
         graph = tracer.trace(module)
