@@ -21,8 +21,14 @@ import torch._dynamo  # noqa: F401  # torch optimizers import it on first use
 from fairscale.experimental.optim import DynamicLossScaler
 
 
+# The reference, torch's scaler on the CPU, exists from torch 2.3 on.
+needs_torch_cpu_scaler = pytest.mark.skipif(
+    not hasattr(torch.amp, "GradScaler"), reason="the reference, torch.amp.GradScaler on the CPU, needs torch >= 2.3"
+)
+
+
 def _scale_of(scaler: Any) -> float:
-    return float(scaler.get_scale()) if isinstance(scaler, torch.amp.GradScaler) else float(scaler.loss_scale)
+    return float(scaler.loss_scale) if isinstance(scaler, DynamicLossScaler) else float(scaler.get_scale())
 
 
 def _two_optimizers(make: Callable[[], Any], overflow: Tuple[bool, bool]) -> Tuple[List[List[float]], float]:
@@ -41,6 +47,7 @@ def _two_optimizers(make: Callable[[], Any], overflow: Tuple[bool, bool]) -> Tup
     return [p.detach().tolist() for p in params], _scale_of(scaler)
 
 
+@needs_torch_cpu_scaler
 def test_each_optimizer_is_unscaled_by_the_scale_of_its_loss() -> None:
     for overflow in ((True, False), (False, True), (True, True), (False, False)):
         got = _two_optimizers(lambda: DynamicLossScaler(init_scale=2.0**10), overflow)
@@ -75,6 +82,7 @@ def test_a_skipped_step_counts_as_the_step_of_the_iteration() -> None:
     torch.testing.assert_close(p.detach(), torch.full((2,), 0.9))
 
 
+@needs_torch_cpu_scaler
 def test_unscale_then_clip_then_step_with_two_optimizers_matches_torch() -> None:
     # The first optimizer overflows; the second is unscaled by hand and clipped before its step (before: by the
     # lowered scale, so its gradients came out twice too large and were clipped).
@@ -173,6 +181,7 @@ def _train_embedding(make: Callable[[], Any], inf_step: Optional[int]) -> Tuple[
     return emb.weight.detach().clone(), scales
 
 
+@needs_torch_cpu_scaler
 @pytest.mark.parametrize("inf_step", [None, 1])
 def test_sparse_gradients_are_checked_and_unscaled_as_torch_does(inf_step: Optional[int]) -> None:
     # Before: NotImplementedError "Could not run 'aten::linalg_vector_norm' with arguments from the 'SparseCPU'".

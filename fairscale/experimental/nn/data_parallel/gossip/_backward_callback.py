@@ -6,6 +6,7 @@ gradients become ready). The autograd engine runs a queued callback when the gra
 tensor that requires grad queues the callback, once per backward.
 """
 
+import collections
 import dataclasses
 import functools
 from typing import Any, Callable, List, Mapping, Set
@@ -50,7 +51,7 @@ def _collect(obj: Any, found: List[Tensor], seen: Set[int]) -> None:
     if isinstance(obj, Mapping):
         for value in obj.values():
             _collect(value, found, seen)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
+    elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):  # torch < 2.2's pytree leaves deques
         for item in obj:
             _collect(item, found, seen)
 
