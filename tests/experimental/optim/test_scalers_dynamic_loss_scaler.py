@@ -20,7 +20,6 @@ import torch._dynamo  # noqa: F401  # torch optimizers import it on first use
 
 from fairscale.experimental.optim import DynamicLossScaler
 
-
 # The reference, torch's scaler on the CPU, exists from torch 2.3 on.
 needs_torch_cpu_scaler = pytest.mark.skipif(
     not hasattr(torch.amp, "GradScaler"), reason="the reference, torch.amp.GradScaler on the CPU, needs torch >= 2.3"
