@@ -6,6 +6,7 @@ from typing import List, Set, Tuple
 import torch
 from torch import nn
 
+from fairscale.nn.misc._flatten.grouping import MixedParameterGroupError
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
 from . import step_guard, ties
@@ -29,7 +30,7 @@ def flatten(
         fpw = FlattenParamsWrapper(
             module, param_list=owned if flatten_parameters else [], optimize_backward_concat=optimize_backward_concat
         )
-    except ValueError as e:
+    except MixedParameterGroupError as e:  # only then is the advice right (not for other refusals)
         raise ValueError(
             f"{e}\nWith FullyShardedDataParallel: wrap the parameters that differ (e.g. the frozen part) in their "
             "own FullyShardedDataParallel instance, or pass flatten_parameters=False."

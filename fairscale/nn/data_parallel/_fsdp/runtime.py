@@ -93,6 +93,7 @@ def lazy_init(unit: FSDPUnit) -> None:
         for u in unit.tree_units():
             if u.foreign_params or u.tie_problems:
                 _check_foreign_params(u)
+        ties.raise_for_unmanaged(unit.owner)
     c = unit.config
     for h in unit.handles:
         if h.fp32_shard is None:  # not materialized yet

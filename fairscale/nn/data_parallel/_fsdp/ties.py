@@ -76,7 +76,10 @@ def find_unhonourable_ties(module: nn.Module, nested_owned: Set[int], fsdp_cls: 
     """
     problems: List[str] = []
     for path, m in _modules_outside_nested(module, fsdp_cls):
-        if getattr(m, _FLATTENED_MODULE_ATTR, False):
+        # Read from the module itself: getattr passes through wrappers' __getattr__ (torch.compile's
+        # OptimizedModule, torch's CheckpointWrapper) and FSDP's down to a flattened module inside a nested instance,
+        # a false "already wrapped" error.
+        if m.__dict__.get(_FLATTENED_MODULE_ATTR, False):
             # FSDP(n) twice, or one module in two sibling instances: its parameters already left it (flattened into
             # the first instance), so nothing here would own them and its forward would read a freed view.
             problems.append(
@@ -139,3 +142,21 @@ def check_borrowed_in_tree(handles_per_unit: List[List[Any]]) -> None:
                     "outside this root's tree (a separate root): sharing a weight between separate roots is not "
                     "supported. Wrap both models under one root FSDP instance."
                 )
+
+
+def raise_for_unmanaged(owner: nn.Module) -> None:
+    """Raise when a parameter of ``owner``'s tree is managed by no FSDP instance.
+
+    The constructor checks it; a parameter added after wrapping (a replaced classifier head, a registered scale)
+    was neither sharded nor reduced, so every rank trained its own copy on its own batch, silently. Checked at each
+    lazy init of a root (the first forward, and after a move resets it).
+    """
+    # nn.Module's walk: FSDP's own named_parameters() runs lazy init, which calls this.
+    late = [name for name, p in nn.Module.named_parameters(owner) if not hasattr(p, "_is_sharded")]
+    if late:
+        raise ValueError(
+            f"FullyShardedDataParallel: {len(late)} parameter(s) were added to the wrapped module after it was "
+            f"wrapped ({', '.join(late[:5])}{', ...' if len(late) > 5 else ''}); no instance shards or reduces "
+            "them, so every rank would train its own copy. Add parameters (or replace modules) before wrapping, "
+            "or wrap the new module in its own FullyShardedDataParallel instance"
+        )

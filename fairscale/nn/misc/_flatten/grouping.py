@@ -192,6 +192,10 @@ def _check_member(p: Any, gi: int, names: Dict[int, str]) -> None:
         )
 
 
+class MixedParameterGroupError(FairscaleValueError):
+    """A flat parameter's group mixes dtypes, devices or ``requires_grad`` (FSDP adds how to split the group)."""
+
+
 def _check_homogeneous(gi: int, layout: GroupLayout) -> None:
     params = layout.params()
     names = layout.user_names()
@@ -203,7 +207,7 @@ def _check_homogeneous(gi: int, layout: GroupLayout) -> None:
         if len(set(values)) > 1:
             listing = ", ".join(f"{n} ({v})" for n, v in zip(names, values))
             # Also an AssertionError: upstream asserted that requires_grad agrees.
-            raise FairscaleValueError(
+            raise MixedParameterGroupError(
                 f"parameter group {gi} mixes {what}: {listing}. All parameters of one flat parameter must "
                 "agree; put the others in a separate group (param_list=[[...], [...]]) or leave them out"
             )
