@@ -36,6 +36,15 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
             "the wrapped module's forward so FSDP can see them"
         )
     if not unit.pre_backward_ran:
+        if unit.training_state == TrainingState.FORWARD:
+            # A backward run inside the instance's own forward: Lightning's manual optimization under its root FSDP
+            # wrapper (training_step runs inside the wrapper's forward), or a forward that calls backward itself.
+            raise RuntimeError(
+                f"the gradient of {h.name} arrived while this FullyShardedDataParallel instance's forward was still "
+                "running: a backward inside the wrapped module's forward (e.g. manual optimization in a training "
+                "step that runs inside the root instance's forward) is not supported, as upstream; call backward "
+                "after the outermost instance's forward returned (wrap the model's layers, not the training step)"
+            )
         raise RuntimeError(f"post-backward of {h.name} in unexpected state {unit.training_state.name}")
     tree.any_post_backward = True
     unit.transition(TrainingState.BACKWARD_POST)
