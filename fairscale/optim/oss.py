@@ -29,7 +29,7 @@ from ._oss import describe as _describe
 from ._oss import loading as _loading
 from ._oss import partition as _partition
 from ._oss import state_dict as _state
-from ._oss.buckets import Backing, Buckets, broadcast_buckets, build_buckets
+from ._oss.buckets import Backing, Buckets, broadcast_buckets, broadcast_frozen_since, build_buckets
 from ._oss.partition import ParamGroup
 
 __all__ = ["OSS"]
@@ -287,8 +287,8 @@ class OSS(Optimizer):
         the replicas would drift apart silently. A local check, one ``requires_grad`` read per parameter frozen at
         the last (re)build and no collective: ``requires_grad`` changes are made on every rank alike (the
         constructor, :meth:`refresh_trainable` and :meth:`add_param_group` check that the ranks agree), so every
-        rank raises alike, before any communication of this step. A parameter frozen since is left alone, as
-        upstream: it stays in its bucket and its owner's value is still broadcast, so the ranks stay identical.
+        rank raises alike, before any communication of this step. A parameter frozen since stays in its bucket
+        until the next rebuild, and is broadcast on its own after it while it has a gradient (the owner steps it).
 
         Raises:
             FairscaleRuntimeError: (also an ``AssertionError``) some parameter requires grad now but did not when the
@@ -313,6 +313,7 @@ class OSS(Optimizer):
 
     def _broadcast_params(self) -> None:
         broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.rank, self.broadcast_fp16)
+        broadcast_frozen_since(self._backing.frozen_since, self.group, self._local_to_global_rank, self.rank)
 
     def clip_grad_norm(
         self,
@@ -584,7 +585,7 @@ class OSS(Optimizer):
         self._setup_flat_buffers()
 
     def _setup_flat_buffers(self) -> None:
-        self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets)
+        self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets, self._backing)
 
     @staticmethod
     def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None:

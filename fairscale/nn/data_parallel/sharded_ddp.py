@@ -394,7 +394,11 @@ class ShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients locally (no reduction, no buffer broadcast) inside this context."""
+        """Accumulate gradients locally (no reduction, no buffer broadcast) inside this context.
+
+        The backward after it reduces the sums, also of the parameters that only the backwards inside it reached (as
+        DDP with ``find_unused_parameters=True``; one small all-reduce per window agrees on which those are).
+        """
         previous = self._reducer.accumulating
         self._reducer.accumulating = True
         try:

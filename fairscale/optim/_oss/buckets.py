@@ -2,7 +2,7 @@
 """OSS's broadcast buckets: one flat buffer per (device, owning rank) that the owner's trainable parameters are
 views of, so that sharing the updated parameters is one broadcast per owner instead of one per parameter."""
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
@@ -11,7 +11,7 @@ from fairscale.internal.collectives import WorkHandle
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 from fairscale.nn.misc.param_bucket import ParamBucket
 
-__all__ = ["Buckets", "Backing", "build_buckets", "broadcast_buckets"]
+__all__ = ["Buckets", "Backing", "build_buckets", "broadcast_buckets", "broadcast_frozen_since"]
 
 # {device: {owner rank: bucket}}, the layout upstream exposes as ``OSS.buckets``.
 Buckets = Dict[torch.device, Dict[int, ParamBucket]]
@@ -29,17 +29,27 @@ class Backing:
     bucket's first parameter with the bucket's (two tensors on different devices could share an address).
 
     It also remembers the parameters that were frozen when the buckets were built: such a parameter is in no bucket,
-    so once unfrozen its owner steps it and nobody receives the new value (see :meth:`unfrozen`).
+    so once unfrozen its owner steps it and nobody receives the new value (see :meth:`unfrozen`). Those of them that
+    were trainable at an earlier build may still have a gradient (e.g. zeroed rather than released), which the
+    owner's optimizer steps: see :func:`broadcast_frozen_since`.
 
     Args:
         entries: ``(bucket, parameters in check-in order)`` for every bucket that backs parameters.
         frozen: the parameters that did not require grad when the buckets were built (in no bucket).
+        frozen_since: ``(parameter, owner)`` for the frozen ones that were trainable at an earlier build.
+        trained: ``id`` of every parameter that was trainable at this build or an earlier one.
     """
 
     def __init__(
-        self, entries: List[Tuple[ParamBucket, List[torch.Tensor]]], frozen: Optional[List[torch.Tensor]] = None
+        self,
+        entries: List[Tuple[ParamBucket, List[torch.Tensor]]],
+        frozen: Optional[List[torch.Tensor]] = None,
+        frozen_since: Optional[List[Tuple[torch.Tensor, int]]] = None,
+        trained: Optional[Set[int]] = None,
     ) -> None:
         self._frozen: List[torch.Tensor] = list(frozen) if frozen is not None else []
+        self.frozen_since: List[Tuple[torch.Tensor, int]] = list(frozen_since) if frozen_since is not None else []
+        self.trained: Set[int] = set(trained) if trained is not None else set()
         self._entries: List[Tuple[ParamBucket, List[torch.Tensor], List[int]]] = []
         for bucket, params in entries:
             offsets = [0]
@@ -77,7 +87,9 @@ class Backing:
 
 
 @torch.no_grad()
-def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buckets) -> Tuple[Buckets, Backing]:
+def build_buckets(
+    per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buckets, backing: Optional[Backing] = None
+) -> Tuple[Buckets, Backing]:
     """(Re)build the buckets for the current trainability.
 
     Frozen parameters get a private copy of their storage (they may still be views of an older bucket, which must
@@ -86,6 +98,7 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
     broadcast as before: every rank keeps the same set of buckets, which is what the broadcasts require). That
     bucket backs no parameter: upstream's still held the frozen parameters, and a ``broadcast_fp16`` step, which
     re-points a bucket's parameters into its buffer, put them back to their values of when they were frozen.
+    ``backing`` (the previous build's) tells which frozen parameters were trainable before.
 
     Returns:
         The buckets, ``{device: {owner: bucket}}``, and the :class:`Backing` of the parameters they back.
@@ -98,6 +111,8 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
     buckets: Buckets = {}
     backed: List[Tuple[ParamBucket, List[torch.Tensor]]] = []
     frozen: List[torch.Tensor] = []
+    frozen_since: List[Tuple[torch.Tensor, int]] = []
+    trained = set(backing.trained) if backing is not None else set()
     for device, per_rank in per_device.items():
         device_buckets: Dict[int, ParamBucket] = dict(previous.get(device, {}))
         for owner, params in enumerate(per_rank):
@@ -107,6 +122,10 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
                 if not param.requires_grad:
                     param.data = param.data.detach().clone()
                     frozen.append(param)
+                    if id(param) in trained:
+                        frozen_since.append((param, owner))
+                else:
+                    trained.add(id(param))
             trainable = [p for p in params if p.requires_grad]
             if not trainable:
                 continue
@@ -121,7 +140,7 @@ def build_buckets(per_device: Dict[Any, List[List[torch.Tensor]]], previous: Buc
                 kept = _buffer(bucket)
                 device_buckets[owner] = ParamBucket(kept.numel(), kept.dtype, kept.device)
         buckets[device] = device_buckets
-    return buckets, Backing(backed, frozen)
+    return buckets, Backing(backed, frozen, frozen_since, trained)
 
 
 def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]]) -> None:
@@ -170,6 +189,43 @@ def broadcast_buckets(buckets: Buckets, group: Any, local_to_global: Sequence[in
         if half:
             # Back to the bucket's own dtype (upstream assumed fp32, turning an fp16/bf16 model into fp32).
             bucket.to(dtype=dtypes[id(bucket)], device=_buffer(bucket).device, keep_param_alignment=True)
+
+
+@torch.no_grad()
+def broadcast_frozen_since(
+    frozen_since: List[Tuple[torch.Tensor, int]], group: Any, local_to_global: Sequence[int], rank: int
+) -> None:
+    """After a step: send the parameters frozen since an earlier build that their owner may have stepped.
+
+    A frozen parameter that kept a gradient (``zero_grad(set_to_none=False)``, ShardedDataParallel's default, zeroes
+    it rather than releasing it) is stepped by its owner's optimizer as a plain torch optimizer steps it on every
+    rank under DDP (weight decay, momentum, Adam's moments keep moving it). It is in no bucket, so before, no other
+    rank received the new value and the replicas drifted apart, silently. The owners flag the ones that have a
+    gradient with one small all-reduce (only while such parameters exist: a parameter frozen from the start never
+    has a gradient), and each flagged one is broadcast from its owner, in its own dtype.
+
+    Args:
+        frozen_since: ``(parameter, owning rank)``, in the same order on every rank.
+        group: the process group.
+        local_to_global: the global rank of each group rank.
+        rank: this process's rank in ``group``.
+    """
+    if not frozen_since or len(local_to_global) == 1:
+        return  # alone, the owner's value is the only one
+    owned = [int(owner == rank and param.grad is not None) for param, owner in frozen_since]
+    flags = torch.tensor(owned, dtype=torch.int32, device=frozen_since[0][0].device)
+    collectives.all_reduce(flags, group=group, op="max")
+    staged: List[Tuple[torch.Tensor, torch.Tensor, WorkHandle]] = []
+    for (param, owner), flag in zip(frozen_since, flags.tolist()):
+        if flag:
+            # Collectives need dense memory: a parameter whose .data was replaced by a strided one goes through a copy.
+            target = param.data if param.data.is_contiguous() else param.data.contiguous()
+            handle = collectives.broadcast(target, src=local_to_global[owner], group=group, async_op=True)
+            staged.append((param, target, cast(WorkHandle, handle)))
+    for param, target, handle in staged:
+        handle.wait()
+        if target is not param.data:
+            param.data.copy_(target)
 
 
 def _buffer(bucket: ParamBucket) -> torch.Tensor:

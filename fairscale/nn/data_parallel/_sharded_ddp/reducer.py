@@ -12,7 +12,11 @@ A backward that reaches gradients which already hold this step's reduced values 
 its own gradients, as torch's DDP does: before autograd accumulates into such a gradient, a pre-hook moves the reduced
 value aside ("parks" it) so that only the new local gradient is reduced, and the reduction's completion adds the
 parked value back. A reduced value is recognised by identity and version counter (recorded when its reduction
-completed), so a gradient the user released, zeroed or replaced since is never parked.
+completed), so a gradient the user released, zeroed or replaced since is never parked (see :mod:`.parking`).
+
+Inside ``no_sync()`` the hooks leave the gradients where they accumulate. The backward after the window reduces the
+sum; a parameter that only the micro-batches inside the window used gets no hook call there, and is reduced at the
+end of that backward (see :meth:`GradReducer._reduce_window`).
 
 Every rank must produce the same reductions in the same order, i.e. run the same graph. Which parameters are
 reduced follows each rank's own ``requires_grad`` flags, so the first reduction of every backward is preceded by one
@@ -27,7 +31,7 @@ import functools
 import hashlib
 import inspect
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch.autograd import Variable
@@ -38,13 +42,10 @@ from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.params import Workhandle
 from fairscale.nn.misc.param_bucket import GradBucket
 
+from .parking import ReducedValues
+from .parking import buffer_of as _buffer
+
 __all__ = ["HookState", "GradReducer"]
-
-
-def _buffer(bucket: GradBucket) -> torch.Tensor:
-    if bucket.buffer is None:  # pragma: no cover - the reducer never collapses its buckets
-        raise FairscaleRuntimeError("ShardedDataParallel: a gradient bucket has no buffer (internal error)")
-    return bucket.buffer
 
 
 def _dispatch_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", param: torch.Tensor) -> None:
@@ -59,38 +60,10 @@ def _dispatch_pre_hook(
     reducer = reducer_ref()
     # Cheap when nothing holds a reduced value (the usual loop releases gradients before the next backward). Inside
     # no_sync() nothing is parked: no reduction of this backward would add it back.
-    if reducer is not None and (reducer._reduced_marks or reducer._bucket_marks) and not reducer.accumulating:
+    if reducer is not None and reducer._reduced.any_marked() and not reducer.accumulating:
         param = param_ref()
         if param is not None:
             reducer._before_accumulate(param)
-
-
-def _grad_accumulator(param: torch.Tensor) -> Any:
-    """The ``AccumulateGrad`` node of a leaf."""
-    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    # Grad mode on: the caller runs in a backward hook under no_grad, and torch < 2.4's get_gradient_edge reaches a
-    # leaf's node through a view it builds without enabling grad (the view then has no grad_fn).
-    with torch.enable_grad():
-        if get_edge is not None:
-            return get_edge(param).node
-        return cast(Any, param.view_as(param).grad_fn).next_functions[0][0]  # torch < 2.2: no get_gradient_edge
-
-
-def _will_accumulate(param: torch.Tensor) -> bool:
-    """Whether this backward accumulates into ``param.grad`` (``autograd.grad()`` runs leaf hooks but never does)."""
-    try:
-        return bool(torch._C._will_engine_execute_node(_grad_accumulator(param)))
-    except RuntimeError:  # torch refuses the question for a leaf inside autograd.grad(): no accumulation there
-        return False
-
-
-def _reduced_mark(tensor: torch.Tensor) -> Tuple["weakref.ReferenceType[torch.Tensor]", int]:
-    """What identifies ``tensor`` holding a reduction's result: the object (weakly) and its version counter."""
-    return weakref.ref(tensor), tensor._version
-
-
-def _still_marked(tensor: Optional[torch.Tensor], mark: Tuple["weakref.ReferenceType[torch.Tensor]", int]) -> bool:
-    return tensor is not None and tensor is mark[0]() and tensor._version == mark[1]
 
 
 class _WeakMethod:
@@ -188,13 +161,13 @@ class GradReducer:
         self._forward_training = False
         #: A training forward with grad ran and its backward has not finished yet.
         self.awaiting_backward = False
-        # Gradients holding a completed reduction's result, by id(param) (unbucketed) or id(bucket): see the module
-        # docstring. Never reassigned, only changed: completion callbacks hold the dicts, not the reducer.
-        self._reduced_marks: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
-        self._bucket_marks: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
-        # Reduced values moved aside by a later backward until its own reduction completes (owner ranks only).
-        self._parked: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, reduced gradient)
-        self._parked_buckets: Dict[int, Tuple[GradBucket, torch.Tensor]] = {}  # id(bucket) -> (bucket, copy)
+        # Gradients holding a completed reduction's result, and those results moved aside by a later backward: see
+        # the module docstring. Never reassigned: completion callbacks hold it, not the reducer.
+        self._reduced = ReducedValues()
+        # Inside no_sync(): the parameters (by id) whose gradient accumulated there since the last reduced backward,
+        # and whether a training forward or backward ran there at all (every rank alike): see _reduce_window.
+        self._window: Set[int] = set()
+        self._window_open = False
 
     # ------------------------------------------------------------------------------------------------
     # Set-up
@@ -202,7 +175,10 @@ class GradReducer:
     def setup(self, trainable: Sequence[torch.Tensor], owners: Dict[int, Tuple[int, bool]], training: bool) -> None:
         """Rebuild buckets and hooks for ``trainable`` (sorted by size); ``owners``: ``{id: (dst, mine)}``."""
         self.remove_hooks()
-        self._restore_parked()
+        # Gradients holding a reduced value stay marked across the rebuild (the buckets copy their values): an eval()
+        # forward between two backwards of one step, or freezing, made the next backward reduce them again.
+        held = self._reduced.held(self.trainable, self._bucket_of)
+        self._reduced.restore()
         self.trainable = list(trainable)
         self._owner = {pid: dst for pid, (dst, _) in owners.items()}
         self._is_owner = {pid: mine for pid, (_, mine) in owners.items()}
@@ -211,6 +187,7 @@ class GradReducer:
         self.buckets = []
         if not training:
             self.state = HookState.NONE
+            self._reduced.remark(self.trainable, self._bucket_of, held)
             return
         for param in self.trainable:
             if param.grad is not None and param.grad.requires_grad:
@@ -226,6 +203,7 @@ class GradReducer:
             # is held weakly: the hook is stored on it.
             pre_hook = functools.partial(_dispatch_pre_hook, weakref.ref(self), weakref.ref(param))
             self._hook_handles.append(cast(Any, param).register_hook(pre_hook))
+        self._reduced.remark(self.trainable, self._bucket_of, held)
         self.state = HookState.READY
 
     def _setup_buckets(self) -> None:
@@ -295,6 +273,7 @@ class GradReducer:
         if training:
             self._pending = {id(p): True for p in self.trainable}
             self.awaiting_backward = self.awaiting_backward or torch.is_grad_enabled()
+            self._window_open = self._window_open or (self.accumulating and torch.is_grad_enabled())
         self._callback_queued = False
         self._agreement_checked = False
         for bucket in self.buckets:
@@ -304,18 +283,6 @@ class GradReducer:
     def has_pending(self) -> bool:
         return any(self._pending.values())
 
-    def _restore_parked(self) -> None:
-        """Put parked reduced values back where they came from (the hooks and buckets are about to change)."""
-        with torch.no_grad():
-            for param, reduced in self._parked.values():
-                param.grad = reduced if param.grad is None else param.grad.add_(reduced)
-            for bucket, reduced in self._parked_buckets.values():
-                _buffer(bucket).add_(reduced)
-        self._parked.clear()
-        self._parked_buckets.clear()
-        self._reduced_marks.clear()
-        self._bucket_marks.clear()
-
     @torch.no_grad()
     def _before_accumulate(self, param: torch.Tensor) -> None:
         """Autograd is about to accumulate into ``param.grad``: park the reduced value it may hold (see module doc)."""
@@ -324,29 +291,9 @@ class GradReducer:
             return  # this backward will not reduce the parameter: what it holds must stay where it is
         bucket = self._bucket_of.get(pid)
         if bucket is None:
-            mark = self._reduced_marks.pop(pid, None)
-            if mark is None or not _still_marked(param.grad, mark):
-                return  # released, zeroed or replaced since its reduction: nothing of it is owed
-            if not _will_accumulate(param):
-                self._reduced_marks[pid] = mark  # autograd.grad(): .grad stays as it is
-                return
-            self._parked[pid] = (param, cast(torch.Tensor, param.grad))
-            param.grad = None  # autograd then stores the new gradient alone
-            return
-        mark = self._bucket_marks.pop(id(bucket), None)
-        buffer = _buffer(bucket)
-        if mark is None or not _still_marked(buffer, mark):
-            return
-        grad = param.grad
-        if grad is None or grad.data_ptr() != bucket.slot(param).data_ptr():
-            return  # the gradients were released (a new one will be copied into the bucket)
-        if not _will_accumulate(param):
-            self._bucket_marks[id(bucket)] = mark
-            return
-        if self._is_owner[pid]:
-            self._parked_buckets[id(bucket)] = (bucket, buffer.clone())
-        # On other ranks the bucket holds the reduction's scratch, which must not be sent again.
-        buffer.zero_()
+            self._reduced.park_direct(param, self._is_owner[pid])
+        else:
+            self._reduced.park_bucket(param, bucket, self._is_owner[pid])
 
     def _starts_new_round(self, pid: int) -> bool:
         """Whether a gradient of an already reduced parameter starts a new round of reductions: the first one of a new
@@ -363,6 +310,8 @@ class GradReducer:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.accumulating:
+            self._window.add(id(param))
+            self._window_open = True
             return
         if not self._pending.get(id(param), False):
             if not self._starts_new_round(id(param)):
@@ -449,7 +398,7 @@ class GradReducer:
         mine = self._is_owner[id(param)]
         wire = grad.half() if self.reduce_fp16 and grad.dtype == torch.float32 else grad
         handle = collectives.reduce(wire, dst, group=self.group, async_op=True)
-        parked, marks = self._parked, self._reduced_marks  # not self: a pending callback must not hold the reducer
+        reduced = self._reduced  # not self: a pending callback must not hold the reducer
 
         def done() -> None:
             if not mine:
@@ -458,11 +407,7 @@ class GradReducer:
                 return
             if wire is not grad:
                 grad.copy_(wire)
-            earlier = parked.pop(id(param), None)
-            if earlier is not None:
-                grad.add_(earlier[1])
-            if param.grad is grad:
-                marks[id(param)] = _reduced_mark(grad)
+            reduced.direct_reduced(param, grad)
 
         self._handles.append(Workhandle(handle, done))
 
@@ -485,7 +430,7 @@ class GradReducer:
         buffer.mul_(self.scaling)
         bucket.sent = True
         handle = collectives.reduce(buffer, bucket.destination, group=self.group, async_op=True)
-        done = functools.partial(_bucket_reduced, bucket, buffer, self._parked_buckets, self._bucket_marks)
+        done = functools.partial(self._reduced.bucket_reduced, bucket, buffer)
         self._handles.append(Workhandle(handle, done))
 
     def _consume_completed(self) -> None:
@@ -499,7 +444,10 @@ class GradReducer:
             work.callback()
 
     def flush(self) -> None:
-        """End of backward: send the buckets not sent yet, then wait for every reduction, in order."""
+        """End of backward: reduce what accumulated inside ``no_sync()`` and was not reached since, send the buckets
+        not sent yet, then wait for every reduction, in order."""
+        if self._window_open and not self.accumulating:
+            self._reduce_window()
         for bucket in self.buckets:
             if not bucket.sent:
                 self._send(bucket)
@@ -518,11 +466,45 @@ class GradReducer:
             )
         # Outside of a backward there is no autograd engine to queue the flush on: it runs right here.
         self._callback_queued = True
+        if not self.accumulating:
+            # Every pending gradient is reduced below, those of the no_sync() window included.
+            self._window.clear()
+            self._window_open = False
         for param in self.trainable:
             if param.grad is None and self._pending.get(id(param), False) and not self.accumulating:
                 self._zero_unused_grad(param)
             self._on_grad_ready(param)
         self.flush()
+
+    def _reduce_window(self) -> None:
+        """Reduce the gradients that accumulated inside ``no_sync()`` and that this reduced backward did not reach.
+
+        Such a parameter (used only by the micro-batches inside the window) gets no hook call in the backward after
+        it, so its gradient was never reduced and its owner stepped with its own local sum; torch's DDP reduces it (it
+        records which parameters were used since its last reduction). Which parameters those are is agreed with one
+        all-reduce (max) of one flag per hooked parameter, once per window, so that every rank sends the same
+        reductions; a rank that did not use one sends zeros.
+        """
+        window, self._window = self._window, set()
+        self._window_open = False
+        if not self.trainable:
+            return
+        flags = [int(id(p) in window and self._pending.get(id(p), False)) for p in self.trainable]
+        if self.world_size > 1:
+            agreed = torch.tensor(flags, dtype=torch.int32, device=self.trainable[0].device)
+            collectives.all_reduce(agreed, group=self.group, op="max")
+            flags = agreed.tolist()
+        for param, flag in zip(self.trainable, flags):
+            if not flag:
+                continue
+            if param.grad is None:
+                self._zero_unused_grad(param)
+            self._pending[id(param)] = False
+            bucket = self._bucket_of.get(id(param))
+            if bucket is None:
+                self._reduce_direct(param)
+            else:
+                self._check_into_bucket(param, bucket)
 
     @torch.no_grad()
     def _zero_unused_grad(self, param: torch.Tensor) -> None:
@@ -548,10 +530,7 @@ class GradReducer:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool, params: Sequence[torch.Tensor]) -> None:
         """Zero (or release) the gradients of ``params``; bucketed trainable ones stay views, zeroed."""
-        self._parked.clear()  # nothing reduced earlier is owed any more
-        self._parked_buckets.clear()
-        self._reduced_marks.clear()
-        self._bucket_marks.clear()
+        self._reduced.clear()  # nothing reduced earlier is owed any more
         for param in params:
             in_bucket = id(param) in self._bucket_of and param.requires_grad
             if set_to_none and not in_bucket:
@@ -573,17 +552,3 @@ class GradReducer:
 
     def is_bucketed(self, param: torch.Tensor) -> Optional[GradBucket]:
         return self._bucket_of.get(id(param))
-
-
-@torch.no_grad()
-def _bucket_reduced(
-    bucket: GradBucket,
-    buffer: torch.Tensor,
-    parked: Dict[int, Tuple[GradBucket, torch.Tensor]],
-    marks: Dict[int, Tuple["weakref.ReferenceType[torch.Tensor]", int]],
-) -> None:
-    """A bucket's reduction completed: add back what an earlier reduction left there, and mark the result."""
-    earlier = parked.pop(id(bucket), None)
-    if earlier is not None:
-        buffer.add_(earlier[1])
-    marks[id(bucket)] = _reduced_mark(buffer)

@@ -1,0 +1,104 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""OSS with a parameter frozen mid-training (``refresh_trainable()`` after it, as the docs ask), against torch's DDP
++ the same torch optimizer.
+
+A frozen parameter whose gradient is zeroed rather than released (``zero_grad(set_to_none=False)``) is still
+stepped by a torch optimizer: under DDP every rank moves it alike (Adam's moments, SGD's momentum and weight decay).
+OSS's owner moved it the same way, but the refresh had taken it out of the broadcast buckets: no other rank received
+the new value and the replicas drifted apart, silently. Now the owner's value is broadcast while it has a gradient.
+A parameter frozen from the start (it never has a gradient) costs no collective.
+"""
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: once here, not once per forked rank
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal import collectives
+from fairscale.optim import OSS
+
+TIMEOUT = 180.0
+TOLERANCE = 1e-6  # reordered float sums only
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(6, 4, generator=generator), torch.randn(6, 2, generator=generator)
+    return (model(x) - y).pow(2).mean()
+
+
+def _gaps(model: nn.Module, ref: nn.Module) -> Tuple[float, float]:
+    """(largest distance from the reference's parameters, largest distance between the ranks' parameters)."""
+    to_ref = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+    spread = 0.0
+    for param in model.parameters():
+        copies = [torch.zeros_like(param) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, param.detach().contiguous())
+        spread = max(spread, max((c - copies[0]).abs().max().item() for c in copies))
+    return to_ref, spread
+
+
+def _freeze_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
+    optimizers: List[Tuple[Any, Dict[str, Any]]] = [
+        (torch.optim.Adam, dict(lr=1e-2)),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+    ]
+    out = {}
+    for optim, hyper in optimizers:
+        for set_to_none in (False, True):
+            model, ref = _mlp(), _mlp()
+            ddp = DistributedDataParallel(model, find_unused_parameters=True)
+            opt = OSS(model.parameters(), optim=optim, **hyper)
+            ref_ddp = DistributedDataParallel(ref, find_unused_parameters=True)
+            ref_opt = optim(ref.parameters(), **hyper)
+            for step in range(8):
+                if step in (3, 6):  # freeze both layer-0 tensors (different owners), unfreeze one
+                    for m in (model, ref):
+                        m[0].weight.requires_grad_(step == 6)
+                        m[0].bias.requires_grad_(False)
+                    opt.refresh_trainable()
+                opt.zero_grad(set_to_none=set_to_none)
+                ref_opt.zero_grad(set_to_none=set_to_none)
+                _loss(ddp, step, rank).backward()
+                _loss(ref_ddp, step, rank).backward()
+                opt.step()
+                ref_opt.step()
+            out[f"{optim.__name__} set_to_none={set_to_none}"] = _gaps(model, ref)
+    return out
+
+
+def _frozen_from_start_body(rank: int, world_size: int) -> List[float]:
+    """All-reduces of one step: nothing frozen, layer 0 frozen from the construction on, layer 0 frozen since (one
+    small all-reduce of the owners' flags)."""
+    counts = []
+    for frozen in ("none", "start", "since"):
+        model = _mlp()
+        model[0].requires_grad_(frozen != "start")
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        _loss(model, 0, rank).backward()
+        if frozen == "since":
+            model[0].requires_grad_(False)
+            opt.refresh_trainable()
+        with collectives.count_collectives() as counter:
+            opt.step()
+        counts.append(float(counter.count("all_reduce")))
+    return counts
+
+
+def test_parameter_frozen_mid_training_stays_identical_on_every_rank() -> None:
+    results = run_distributed(_freeze_body, 2, timeout=TIMEOUT)
+    for rank, per_config in enumerate(results):
+        for config, (to_ref, spread) in per_config.items():
+            assert to_ref < TOLERANCE, f"rank {rank}, {config}: {to_ref:.2e} from DDP + {config}'s parameters"
+            assert spread == 0.0, f"rank {rank}, {config}: the ranks' parameters differ by {spread:.2e}"
+    # A parameter frozen from the start never has a gradient: its step adds no collective.
+    assert run_distributed(_frozen_from_start_body, 2, timeout=TIMEOUT) == [[0.0, 0.0, 1.0]] * 2
