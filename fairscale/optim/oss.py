@@ -111,7 +111,7 @@ class OSS(Optimizer):
         self.__param_to_rank: Dict[torch.Tensor, int] = {}
         self.__per_device_params: Dict[Any, List[List[torch.Tensor]]] = {}
         self.__param_to_index: Dict[int, int] = {}
-        self._optim_defaults = default
+        self._optim_defaults = _describe.constructor_defaults(optim, default)
         self._optim_constructor: Callable[..., Optimizer] = optim
         # The hyper-parameters the ranks must agree on: those the optimizer declares (a key only its **kwargs takes,
         # such as upstream's test optimizer's per-process `rank`, may differ).

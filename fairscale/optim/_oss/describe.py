@@ -93,3 +93,24 @@ def describe_hyper_parameters(
         )
         for g, group in enumerate(groups)
     ]
+
+
+def constructor_defaults(optim: Any, defaults: Dict[str, Any]) -> Dict[str, Any]:
+    """``defaults`` as ``optim``'s constructor takes them.
+
+    torch's ``AdamW`` lists ``decoupled_weight_decay=True`` in its ``defaults`` (inherited from ``Adam``) but its
+    constructor refuses the keyword, so rebuilding it from ``**optimizer.defaults`` (PyTorch Lightning's sharded
+    strategies: ``OSS(params, optim=type(opt), **opt.defaults)``) failed with a ``TypeError`` naming neither OSS nor
+    the key. ``True`` is what ``AdamW`` always does: dropped; ``False`` cannot be honoured by ``AdamW``: refused.
+    """
+    key = "decoupled_weight_decay"
+    if key not in defaults or not (inspect.isclass(optim) and issubclass(optim, torch.optim.AdamW)):
+        return defaults
+    if key in inspect.signature(torch.optim.AdamW.__init__).parameters:
+        return defaults  # a torch whose AdamW takes it
+    if defaults[key] is True:
+        return {k: v for k, v in defaults.items() if k != key}
+    raise ValueError(
+        f"OSS: optim={optim.__name__} always decouples weight decay, but {key}={defaults[key]!r} was passed (AdamW's "
+        "constructor does not take this keyword); leave it out, or use optim=torch.optim.Adam for coupled weight decay"
+    )
