@@ -11,6 +11,7 @@ Streams and pinned memory go through :mod:`fairscale.internal.device`, so the sa
 """
 
 import logging
+import warnings
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
@@ -453,11 +454,15 @@ class OffloadModel(nn.Module):
             raise TypeError("`model` argument to `OffloadModel` must be of type `nn.Sequential`.")
         if isinstance(model, nn.Sequential) and type(model).forward is not nn.Sequential.forward:
             # The model is split into its layers, which run one after the other: an own forward (a residual
-            # connection, a reshape) would be dropped silently.
-            raise TypeError(
+            # connection, a reshape) is dropped, as upstream did silently. A warning, not an error: a forward that
+            # only calls nn.Sequential's (logging, a decorator) computes the same and worked upstream.
+            warnings.warn(
                 f"`model` argument to `OffloadModel`: {type(model).__name__} overrides nn.Sequential.forward, which "
-                "OffloadModel does not run (it splits the model into its layers and runs them in order); pass an "
-                "nn.Sequential whose layers compute the model, or its slices as a list of modules"
+                "OffloadModel does not run (it splits the model into its layers and runs them in order): whatever "
+                "that forward adds to its layers (a residual connection, a reshape) is left out. Pass an "
+                "nn.Sequential whose layers compute the model, or its slices as a list of modules",
+                UserWarning,
+                stacklevel=2,
             )
         if len(model) == 0:
             # A TypeError as upstream's (whose falsiness test took an empty model for None), with a message that fits.

@@ -433,12 +433,23 @@ class Repo:
 
         if not recorded or "\0" in recorded:
             raise refuse("which is not a path")
-        # Lexically first: resolving looks at the path's components (lstat), which would be outside the tree. Then
-        # resolved, as a link in the tree may lead out (os.path.realpath: Path.resolve also stats the result).
-        lexical = Path(os.path.normpath(tree / recorded))
-        if tree not in lexical.parents or tree not in Path(os.path.realpath(lexical)).parents:
+
+        def inside(base: Path) -> Optional[Path]:
+            # Lexically first (resolving would lstat outside the tree), then resolved (a link in the tree may lead out).
+            lexical = Path(os.path.normpath(base / recorded))
+            ok = tree in lexical.parents and tree in Path(os.path.realpath(lexical)).parents
+            return lexical if ok else None
+
+        here = inside(tree)
+        if here is None or not os.path.lexists(here):
+            # Older metadata (and upstream's) holds the path relative to where `add` ran: read there, if that names
+            # a file in the repository (re-adding the checkpoint records it the new way).
+            legacy = inside(Path.cwd())
+            if legacy is not None and os.path.lexists(legacy):
+                return legacy
+        if here is None:
             raise refuse("which is outside the repository's directory")
-        return lexical
+        return here
 
     def _metadata_path(self, rel_path: Path) -> Path:
         """``.wgit/<rel_path>``, refused if it leaves ``.wgit``, lands on a reserved entry or passes a link."""

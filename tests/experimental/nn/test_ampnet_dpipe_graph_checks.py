@@ -137,6 +137,7 @@ def _check_graph_construction() -> None:
     # An index into a layer added without num_outputs was ignored: the consumer got the whole output.
     with pytest.raises(ValueError, match="reads output 1, but that layer was added without num_outputs"):
         plain.add_layer(relu, [(split, 1)])
+    plain.add_layer(relu, [(split, 0)])  # upstream's spelling of the whole output: accepted, as upstream
 
     # A layer nobody reads: added last, the pipeline returned its output instead of the model's; added before the
     # output layer, dist_autograd.backward waited for the RPC timeout.

@@ -153,6 +153,25 @@ def test_status_reads_recorded_paths_against_the_repository_not_the_current_dire
     assert Repo(work).status() == {_KEY: RepoStatus.CHANGES_NOT_ADDED}
 
 
+def test_older_metadata_relative_to_where_add_ran_is_still_read(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata written by earlier versions (and upstream) holds the path relative to where ``add`` ran (here the
+    repository's parent: ``Repo(".../wgit_testing").add("wgit_testing/ck.pt")``); read against the repository only,
+    an untouched checkpoint showed as changed for ever."""
+    assert _wgit(work, "add", "ck.pt").returncode == 0
+    metadata = work / ".wgit" / _KEY
+    content = json.loads(metadata.read_text())
+    content["file_path"] = "wgit_testing/ck.pt"  # the older format, from the parent directory
+    metadata.write_text(json.dumps(content))
+    git = pygit2.Repository(str(work / ".wgit" / ".git"))
+    git.index.add(_KEY)  # staged as the older version's add did
+    git.index.write()
+    assert _wgit(work, "commit", "-m", "c").returncode == 0
+    monkeypatch.chdir(work.parent)
+    assert Repo(work).status() == {_KEY: RepoStatus.CLEAN}
+    os.utime(work / "ck.pt", (1, 1))
+    assert Repo(work).status() == {_KEY: RepoStatus.CHANGES_NOT_ADDED}
+
+
 def test_an_add_from_a_sub_directory_is_found_by_the_command_line(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     os.mkdir(work / "run")
     torch.save({"w": torch.ones(2)}, work / "run" / "ck.pt")

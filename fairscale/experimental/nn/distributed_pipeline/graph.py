@@ -114,8 +114,10 @@ class PipelineModulesGraph(nn.Module):
             raise TypeError("a tuple layer input must be (RemoteModule, output index)")
         module, index = spec
         node = self._find_node(module)
+        if node.num_outputs is None and index == 0 and not isinstance(index, bool):
+            return DataSource(node, 0)  # upstream's spelling of the whole output of a single-output layer
         if node.num_outputs is None:
-            # The index was ignored and the whole output passed on, silently.
+            # Another index was ignored and the whole output passed on, silently.
             raise ValueError(
                 f"({_describe(module)}, {index}) reads output {index}, but that layer was added without "
                 "num_outputs: add it with num_outputs=<number of outputs used>, or refer to its whole output as "

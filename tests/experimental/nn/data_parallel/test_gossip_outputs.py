@@ -59,6 +59,8 @@ def _wrap(kind: str, y: torch.Tensor) -> Any:
         return Holder(y)
     if kind == "detached":
         return (y.detach(), Holder(y))
+    if kind == "predictions":  # no tensor that needs grad, nothing hidden: a prediction call in training mode
+        return {"label": y.argmax(-1), "name": "fc", "n": 1, "none": None}
     raise ValueError(kind)
 
 
@@ -141,3 +143,14 @@ def test_output_tensors_walks_each_tensor_once() -> None:
     c = torch.ones(3)
     found = output_tensors(TensorList([Record(c)]))  # a list subclass, which pytree leaves whole
     assert len(found) == 1 and found[0] is c
+
+
+def _predictions_world(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = gossip.SlowMoDistributedDataParallel(Net("predictions"), nprocs_per_node=world_size)
+    out = model(_data(rank))  # returned, as upstream (no backward can follow it)
+    assert out["label"].dtype == torch.int64 and out["name"] == "fc"
+
+
+def test_an_output_that_needs_no_gradient_is_returned() -> None:
+    run_distributed(_predictions_world, 2, timeout=TIMEOUT)

@@ -11,13 +11,14 @@ import dataclasses
 import functools
 from typing import Any, Callable, List, Mapping, Set
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.autograd import Variable
 
 from fairscale.internal.errors import FairscaleTypeError
 
-__all__ = ["BackwardCallback", "output_tensors", "unhooked_output_error"]
+__all__ = ["BackwardCallback", "has_opaque_parts", "output_tensors", "unhooked_output_error"]
 
 
 def output_tensors(output: Any) -> List[Tensor]:
@@ -25,11 +26,25 @@ def output_tensors(output: Any) -> List[Tensor]:
     knows (lists, tuples, namedtuples, dicts, ``OrderedDict``, ``deque``, and the types registered with it),
     dataclasses, and subclasses of ``Mapping``, ``list``, ``tuple``, ``set`` that pytree leaves whole."""
     found: List[Tensor] = []
-    _collect(output, found, set())
+    _collect(output, found, set(), [])
     return found
 
 
-def _collect(obj: Any, found: List[Tensor], seen: Set[int]) -> None:
+# Leaves that hold no tensor: what a walk may meet without missing one.
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def has_opaque_parts(output: Any) -> bool:
+    """Whether ``output`` holds objects :func:`output_tensors` cannot look into (a class pytree does not know, that
+    is no dataclass): tensors in them, and their gradients, go unseen. Tensors, containers and plain values
+    (numbers, strings, ``None``) are not opaque: an output of predictions that need no gradient (``argmax``) is
+    transparent."""
+    opaque: List[Any] = []
+    _collect(output, [], set(), opaque)
+    return bool(opaque)
+
+
+def _collect(obj: Any, found: List[Tensor], seen: Set[int], opaque: List[Any]) -> None:
     if isinstance(obj, Tensor):
         if id(obj) not in seen:
             seen.add(id(obj))
@@ -41,19 +56,21 @@ def _collect(obj: Any, found: List[Tensor], seen: Set[int]) -> None:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         # Model-output records: pytree leaves them whole unless registered, and their tensors went unhooked.
         for field in dataclasses.fields(obj):
-            _collect(getattr(obj, field.name, None), found, seen)
+            _collect(getattr(obj, field.name, None), found, seen, opaque)
         return
     leaves, _ = pytree.tree_flatten(obj)
     if len(leaves) != 1 or leaves[0] is not obj:
         for leaf in leaves:  # pytree's leaves are no pytree containers; they may still be dataclasses
-            _collect(leaf, found, seen)
+            _collect(leaf, found, seen, opaque)
         return
     if isinstance(obj, Mapping):
         for value in obj.values():
-            _collect(value, found, seen)
+            _collect(value, found, seen, opaque)
     elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):  # torch < 2.2's pytree leaves deques
         for item in obj:
-            _collect(item, found, seen)
+            _collect(item, found, seen, opaque)
+    elif not isinstance(obj, _PLAIN_LEAVES):
+        opaque.append(obj)
 
 
 def unhooked_output_error(output: Any) -> FairscaleTypeError:

@@ -33,7 +33,7 @@ from fairscale.internal.collectives import group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 
-from ._backward_callback import BackwardCallback, unhooked_output_error
+from ._backward_callback import BackwardCallback, has_opaque_parts, unhooked_output_error
 from ._fp32_masters import fp16_fp32_pairs, subtract_before_communication
 from ._groups import build_groups
 from ._node_collectives import (
@@ -400,9 +400,11 @@ class SlowMoDistributedDataParallel(nn.Module):
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             hooked = self._backward_callback.attach(output, self._after_backward)
-            if hooked == 0 and self.training and self._needs_backward_callback():
-                # Upstream's module backward hook raised a TypeError for such outputs; left unhooked, each rank kept
-                # its own gradients and the ranks' weights drifted apart, silently.
+            if hooked == 0 and self.training and self._needs_backward_callback() and has_opaque_parts(output):
+                # Tensors inside objects the walk cannot open (upstream's module backward hook raised a TypeError
+                # for such outputs): left unhooked, each rank kept its own gradients and the ranks' weights drifted
+                # apart, silently. An output the walk sees whole with no tensor needing grad (predictions, argmax)
+                # cannot carry a backward: returned, as upstream.
                 raise unhooked_output_error(output)
         return output
 
