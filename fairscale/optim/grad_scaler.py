@@ -175,16 +175,8 @@ def _check_loadable(who: str, state_dict: Dict[str, Any]) -> None:
     fails later, in the middle of a step (a scale beyond float32), or silently (a backoff factor of 0 zeroes the
     scale). What torch's own scalers write (numpy scalars and 0-dim tensors included) is accepted.
     """
-    values = {name: _check_setting(who, name, state_dict[name]) for name in _STATE_KEYS}
-    interval, tracker = values["growth_interval"], values["_growth_tracker"]
-    # torch grows the scale when the tracker, counted up by one per clean step, equals the interval: a tracker
-    # already there or beyond never equals it again, and the scale stopped growing until the next overflow.
-    if 0 < interval <= tracker:
-        raise ValueError(
-            f"{who}: _growth_tracker must be below growth_interval (clean steps counted towards the next growth), got "
-            f"_growth_tracker={tracker:g} with growth_interval={interval:g}: the scale would not grow again until an "
-            "overflow. Pass a state dict saved by state_dict(), or set _growth_tracker below growth_interval"
-        )
+    for name in _STATE_KEYS:
+        _check_setting(who, name, state_dict[name])
 
 
 class _GeneralMultiDeviceReplicator:
@@ -276,6 +268,19 @@ class _ScalerBase(CudaAmpGradScaler):
             _check_setting(f"{type(self).__name__}.set_backoff_factor", "backoff_factor", new_factor)
         super().set_backoff_factor(new_factor)
 
+    def _clamp_growth_tracker(self) -> None:
+        """Lower a count of clean steps at or beyond the (positive) interval to one short of it, so that the next
+        clean step grows the scale: torch grows only when the count equals the interval, and a count left beyond it
+        (torch's own ``set_growth_interval`` can leave one, and its state dicts save it) stopped the growth until the
+        next overflow."""
+        interval = self.get_growth_interval()
+        if interval > 0 and self._get_growth_tracker() >= interval:
+            tracker = int(interval) - 1
+            self._init_growth_tracker = tracker
+            growth_tracker = getattr(self, "_growth_tracker", None)  # a tensor once the first scale() made it
+            if growth_tracker is not None:
+                growth_tracker.fill_(tracker)
+
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (torch's setter), checked as the constructor checks it.
 
@@ -290,14 +295,9 @@ class _ScalerBase(CudaAmpGradScaler):
         if not self._enabled:
             super().set_growth_interval(new_interval)
             return
-        interval = _check_setting(f"{type(self).__name__}.set_growth_interval", "growth_interval", new_interval)
+        _check_setting(f"{type(self).__name__}.set_growth_interval", "growth_interval", new_interval)
         super().set_growth_interval(new_interval)
-        if interval > 0 and self._get_growth_tracker() >= interval:
-            tracker = int(interval) - 1
-            self._init_growth_tracker = tracker
-            growth_tracker = getattr(self, "_growth_tracker", None)  # a tensor once the first scale() made it
-            if growth_tracker is not None:
-                growth_tracker.fill_(tracker)
+        self._clamp_growth_tracker()
 
     def update(self, new_scale: Optional[Any] = None) -> None:
         """Update the scale (torch's ``update``); see ``torch.amp.GradScaler.update``.
@@ -345,8 +345,8 @@ class _ScalerBase(CudaAmpGradScaler):
             RuntimeError: enabled on CUDA, and ``state_dict`` is empty (saved from a disabled scaler), as torch.
             KeyError: enabled, and an entry is missing (torch changed the scale before raising it).
             ValueError: enabled, and the saved scale is not positive or beyond float32's range, the backoff
-                factor is not in (0, 1), the growth factor is below 1, or the growth tracker is at or beyond a
-                positive growth interval (the scale would never grow again until an overflow).
+                factor is not in (0, 1), or the growth factor is below 1. A growth tracker at or beyond a positive
+                growth interval (torch's set_growth_interval can leave one) is lowered to one short of it.
             TypeError: enabled, and an entry is not a finite real number (numpy scalars and 0-dim tensors are), the
                 interval is not an integer (an int or a 0-dim integer tensor: torch's update takes no float, not
                 even ``4.0``), or the tracker is not a non-negative integer.
@@ -381,6 +381,8 @@ class _ScalerBase(CudaAmpGradScaler):
             for name, copy in tensors.items():
                 getattr(self, name).copy_(copy)
             raise
+        if self._enabled and state_dict:
+            self._clamp_growth_tracker()  # torch's state dicts may hold a count beyond the interval: loaded, clamped
 
 
 class GradScaler(_ScalerBase):

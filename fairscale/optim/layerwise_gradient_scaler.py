@@ -195,16 +195,19 @@ class LayerwiseGradientScaler:
                 "second set would scale the gradients twice. Run the backward, then unscale() and step() (after a "
                 "forward or backward that raised, unscale() removes the hooks)."
             )
-        # The next unscale() divides the whole accumulated gradient: what the last unscale() already divided would
-        # be divided again (a scale()/unscale() pair per micro-batch came out silently wrong). Cleared gradients
-        # (None or zero) are fine.
-        if self._stage is _Stage.UNSCALED and self._holds_gradients():
-            raise RuntimeError(
-                "LayerwiseGradientScaler.scale: unscale() already ran and the model still holds its (unscaled) "
-                "gradients: the next unscale() would divide them again. Call step() (or zero the gradients) first; "
-                "to accumulate gradients over micro-batches, call scale() once before the first and unscale() once "
-                "after the last."
-            )
+        # The next unscale() divides the whole accumulated gradient: what the last unscale() already divided is
+        # scaled back first, exactly as unscale() divides it, so a scale()/unscale() pair per micro-batch
+        # accumulates right (it divided the earlier micro-batches again). No check of the values (a device sync per
+        # parameter): gradients about to be zeroed (upstream's scale(); zero_grad(); ... loop) are scaled for
+        # nothing, harmlessly.
+        if self._stage is _Stage.UNSCALED:
+            with torch.no_grad():
+                for info in self.layer_info:
+                    if info.found_inf_or_nan:
+                        continue  # unscale() left those as they were
+                    for _, param in info.layer.named_parameters():
+                        if param.grad is not None:
+                            param.grad.mul_(info.scaling_factor)
         self._stage = _Stage.SCALED
         for idx, info in enumerate(self.layer_info):
             inputs_multiplier = 1.0 if idx == 0 else self.layer_info[idx - 1].scaling_factor
@@ -240,21 +243,6 @@ class LayerwiseGradientScaler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    def _holds_gradients(self) -> bool:
-        """Whether a parameter of the scaled layers has a gradient that is not all zeros."""
-        for info in self.layer_info:
-            for param in info.layer.parameters():
-                if param.grad is None:
-                    continue
-                grad = param.grad.detach()
-                if grad.layout == torch.sparse_coo:
-                    grad = grad.coalesce().values()
-                elif grad.layout != torch.strided:
-                    grad = grad.to_dense()
-                if bool(grad.count_nonzero() > 0):
-                    return True
-        return False
 
     def _check_for_inf_or_nan(self) -> None:
         for info in self.layer_info:

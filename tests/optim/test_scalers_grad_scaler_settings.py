@@ -180,16 +180,17 @@ def test_a_float_growth_interval_is_refused_and_integers_load_as_in_torch(scaler
 
 @pytest.mark.parametrize("scaler_class", SCALERS)
 @pytest.mark.parametrize("tracker", [2, 3, 50])
-def test_a_growth_tracker_at_or_beyond_the_interval_is_refused(scaler_class: Any, tracker: int) -> None:
-    # Before: accepted, and the scale never grew again (torch grows when the count equals the interval).
+def test_a_growth_tracker_at_or_beyond_the_interval_is_loaded_and_clamped(scaler_class: Any, tracker: int) -> None:
+    # Before: accepted as it was, and the scale never grew again (torch grows when the count equals the interval);
+    # refusing it refused torch's own state dicts (its set_growth_interval can leave such a count).
     scaler = scaler_class(device="cpu", init_scale=8.0, growth_interval=5)
     _run(scaler, 1)
-    before = scaler.state_dict()
     state = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2}
-    with pytest.raises(ValueError, match="_growth_tracker must be below growth_interval"):
-        scaler.load_state_dict({**state, "_growth_tracker": tracker})
-    assert scaler.state_dict() == before
+    scaler.load_state_dict({**state, "_growth_tracker": tracker})
+    assert scaler.state_dict()["_growth_tracker"] == 1
+    assert _run(scaler, 1)[0] == [16.0]  # the next clean step grows the scale
     # A non-positive interval (never grow) takes any count, as before.
     scaler.load_state_dict({**state, "growth_interval": 0, "_growth_tracker": tracker})
+    assert scaler.state_dict()["_growth_tracker"] == tracker
     scaler.load_state_dict({**state, "_growth_tracker": 1})
     assert _run(scaler, 2)[0] == [16.0, 16.0]

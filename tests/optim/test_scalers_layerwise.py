@@ -2,8 +2,8 @@
 """LayerwiseGradientScaler: call orders and settings that used to give silently wrong gradients or scales.
 
 * A ``scale()`` / ``unscale()`` pair per micro-batch divided the micro-batches already unscaled again (fc1's
-  gradient came out 70% off); now the second ``scale()`` is refused while the model holds unscaled gradients, and
-  accumulation with one ``scale()`` before and one ``unscale()`` after the micro-batches gives the plain gradients.
+  gradient came out 70% off); now ``scale()`` scales the held gradients back first, so the pairs accumulate right,
+  and upstream's loop (``scale()``, then ``zero_grad()``, ..., ``unscale()``, the optimizer's own ``step()``) runs.
 * ``growth_interval`` 0, -1, 2.5 or ``"2"`` never grew the scales; ``min_scale=inf`` pinned them at inf; a
   ``max_scale`` below ``min_scale`` was accepted.
 
@@ -60,41 +60,47 @@ def _assert_close(got: List[torch.Tensor], want: List[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_scale_unscale_pair_per_micro_batch_accumulates_right() -> None:
+    # Before: the next unscale() divided the first micro-batch's (already unscaled) gradients again.
+    batches = _micro_batches()
+    model = _model()
+    scaler = LayerwiseGradientScaler(model, SCALES)
+    for x in batches:
+        scaler.scale()
+        model(x).sum().backward()
+        scaler.unscale()
+    _assert_close(_grads(model), _reference_grads(batches))
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_scale_per_micro_batch_is_refused_until_the_gradients_are_cleared(set_to_none: bool) -> None:
+def test_upstreams_loop_and_one_pair_around_accumulation(set_to_none: bool) -> None:
     batches = _micro_batches()
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LayerwiseGradientScaler(model, SCALES)
-    scaler.scale()
-    model(batches[0]).sum().backward()
-    scaler.unscale()
-    first = _grads(model)
-    # Before: accepted, and the next unscale() divided the first micro-batch's gradients again.
-    with pytest.raises(RuntimeError, match="unscale\\(\\) already ran and the model still holds"):
+    reference = _model()
+    reference.load_state_dict(model.state_dict())
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # Upstream's loop: scale() before zero_grad() (the scale() after a previous unscale() was refused for a while).
+    for x in batches:
         scaler.scale()
-    assert all(not hooks[0] and not hooks[1] for _, hooks in scaler.get_backward_hooks())  # no hooks registered
-    _assert_close(_grads(model), first)
-    # Once the gradients are cleared (the iteration dropped without a step), scale() is accepted again.
+        optim.zero_grad(set_to_none=set_to_none)
+        model(x).sum().backward()
+        scaler.unscale()
+        optim.step()  # the optimizer's own step (gradient clipping goes between)
+        ref_optim.zero_grad(set_to_none=set_to_none)
+        reference(x).sum().backward()
+        ref_optim.step()
+    _assert_close(list(model.parameters()), list(reference.parameters()))
+    # scale() once before the micro-batches, unscale() once after the last.
     optim.zero_grad(set_to_none=set_to_none)
-    scaler.scale()
-    model(batches[1]).sum().backward()
-    scaler.unscale()
-    _assert_close(_grads(model), _reference_grads(batches[1:]))
-    scaler.step(optim)
-
-    # The supported accumulation: scale() once before the micro-batches, unscale() once after the last.
-    optim.zero_grad(set_to_none=set_to_none)
+    ref_optim.zero_grad(set_to_none=set_to_none)
     scaler.scale()
     for x in batches:
         model(x).sum().backward()
-    scaler.unscale()
-    reference = _model()
-    reference.load_state_dict(model.state_dict())
-    for x in batches:
         reference(x).sum().backward()
+    scaler.unscale()
     _assert_close(_grads(model), _grads(reference))
-    scaler.step(optim)
 
 
 @pytest.mark.parametrize(
