@@ -306,7 +306,11 @@ class ShardedDataParallel(nn.Module):
         graph, and the ranks drifted apart from the first step, silently.
         """
         call_outside_compiler(self._prepare_forward)
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        # Backwards through this output are this wrapper's (see _sharded_ddp/own_backward.py): once one completed,
+        # a backward that another wrapper of the same module, or the bare module, started is not reduced here.
+        call_outside_compiler(self._reducer.watch_outputs, output)
+        return output
 
     def _prepare_forward(self) -> None:
         needs_setup = self._reducer.state == HookState.NONE and self.training

@@ -18,6 +18,10 @@ Inside ``no_sync()`` the hooks leave the gradients where they accumulate. The ba
 sum; a parameter that only the micro-batches inside the window used gets no hook call there, and is reduced at the
 end of that backward (see :meth:`GradReducer._reduce_window`).
 
+A wrapper acts on the first backward after each training forward and, once that one is reduced, on later backwards
+only when they are its own (they run through the forward's output, or inside the forward; see :mod:`.own_backward`):
+not on the backward of another wrapper built over the same module since, nor on a plain one through the module.
+
 Every rank must produce the same reductions in the same order, i.e. run the same graph. Which parameters are
 reduced follows each rank's own ``requires_grad`` flags, so the first reduction of every backward is preceded by one
 all-reduce of two integers (a fingerprint of the flags) that checks that the ranks agree: a rank that froze a layer
@@ -40,8 +44,10 @@ from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.params import Workhandle
+from fairscale.internal.tensor_hooks import current_graph_task
 from fairscale.nn.misc.param_bucket import GradBucket
 
+from . import own_backward
 from .parking import ReducedValues
 from .parking import buffer_of as _buffer
 
@@ -168,6 +174,12 @@ class GradReducer:
         # and whether a training forward or backward ran there at all (every rank alike): see _reduce_window.
         self._window: Set[int] = set()
         self._window_open = False
+        # Once a backward after the last training forward was reduced, a later one is reduced only while a pre-hook
+        # on an output of this wrapper's says it runs through it (see .own_backward).
+        self._backward_done = False
+        self._outputs_watched = False
+        #: Set for the duration of a backward that runs through an output of this wrapper's training forwards.
+        self.own_backward_running = False
 
     # ------------------------------------------------------------------------------------------------
     # Set-up
@@ -197,7 +209,8 @@ class GradReducer:
         for param in self.trainable:
             register = cast(Any, param).register_post_accumulate_grad_hook  # untyped in torch's stubs
             # The parameter (held by C++ autograd) must not keep the reducer alive: a dropped wrapper stops
-            # reducing, and a model wrapped again is reduced by its new wrapper only.
+            # reducing. One still alive leaves alone the backwards that are not its own (_follows_own_forward), so
+            # a model wrapped again is reduced by its new wrapper only.
             self._hook_handles.append(register(functools.partial(_dispatch_hook, weakref.ref(self))))
             # Runs before autograd accumulates into the gradient (it may park a reduced value first). The parameter
             # is held weakly: the hook is stored on it.
@@ -270,6 +283,12 @@ class GradReducer:
     def clear_counters(self, training: bool) -> None:
         """A forward starts: every trainable parameter is to be reduced in the coming backward."""
         self._forward_training = training
+        if training and torch.is_grad_enabled() and current_graph_task() == -1:
+            # A new graph: its first backward is reduced, whatever tensor of it the loss is built from (the output is
+            # watched once the forward returned; until then, backwards inside the forward are this wrapper's).
+            self._backward_done = False
+            self._outputs_watched = False
+            self.own_backward_running = False
         if training:
             self._pending = {id(p): True for p in self.trainable}
             self.awaiting_backward = self.awaiting_backward or torch.is_grad_enabled()
@@ -279,6 +298,22 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.reset_checked_in()
 
+    def watch_outputs(self, output: Any) -> None:
+        """A training forward returned ``output``: later backwards through it are this wrapper's own."""
+        if self.state != HookState.READY or not self._forward_training or not torch.is_grad_enabled():
+            return
+        if current_graph_task() != -1:
+            return  # a forward recomputed inside a backward: as in clear_counters, not a new graph of this wrapper's
+        nodes = own_backward.graph_nodes(output)
+        own_backward.watch(nodes, self)
+        # Backwards already run inside the forward (manual optimization): a backward after it is nobody's.
+        self._outputs_watched = bool(nodes) or self._backward_done
+
+    def _follows_own_forward(self) -> bool:
+        """Whether this wrapper acts on the running backward: the first one after its training forward, one that
+        runs through that forward's output or inside that forward, or any when the output could not be watched."""
+        return self.own_backward_running or not (self._backward_done and self._outputs_watched)
+
     @property
     def has_pending(self) -> bool:
         return any(self._pending.values())
@@ -287,6 +322,8 @@ class GradReducer:
     def _before_accumulate(self, param: torch.Tensor) -> None:
         """Autograd is about to accumulate into ``param.grad``: park the reduced value it may hold (see module doc)."""
         pid = id(param)
+        if not self._follows_own_forward():
+            return  # another wrapper's backward, or a plain one through the module: none of this wrapper's business
         if not self._pending.get(pid, False) and not self._starts_new_round(pid):
             return  # this backward will not reduce the parameter: what it holds must stay where it is
         bucket = self._bucket_of.get(pid)
@@ -313,6 +350,8 @@ class GradReducer:
             self._window.add(id(param))
             self._window_open = True
             return
+        if not self._follows_own_forward():
+            return  # reducing it raced with the module's new wrapper, or waited for peers that ran no such backward
         if not self._pending.get(id(param), False):
             if not self._starts_new_round(id(param)):
                 # Not hooked for this forward, reduced already in this backward or round, or a backward after an
@@ -456,6 +495,7 @@ class GradReducer:
         self._callback_queued = False
         self._agreement_checked = False
         self.awaiting_backward = False
+        self._backward_done = True
 
     def manual_reduce(self) -> None:
         """Reduce everything still pending now (after a backward run inside ``no_sync()``)."""
@@ -470,10 +510,14 @@ class GradReducer:
             # Every pending gradient is reduced below, those of the no_sync() window included.
             self._window.clear()
             self._window_open = False
-        for param in self.trainable:
-            if param.grad is None and self._pending.get(id(param), False) and not self.accumulating:
-                self._zero_unused_grad(param)
-            self._on_grad_ready(param)
+        running, self.own_backward_running = self.own_backward_running, True  # an explicit call: this wrapper's
+        try:
+            for param in self.trainable:
+                if param.grad is None and self._pending.get(id(param), False) and not self.accumulating:
+                    self._zero_unused_grad(param)
+                self._on_grad_ready(param)
+        finally:
+            self.own_backward_running = running
         self.flush()
 
     def _reduce_window(self) -> None:
