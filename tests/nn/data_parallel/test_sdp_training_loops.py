@@ -219,3 +219,34 @@ def _freeze_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
 
 def test_layer_frozen_mid_training_stays_identical_on_every_rank() -> None:
     _check(run_distributed(_freeze_body, 2, timeout=TIMEOUT))
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        return (self.a if head == "a" else self.b)(x)
+
+
+def _abandoned_window_body(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, weight_decay=0.1)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    with sdp.no_sync():
+        sdp(x, "a").sum().backward()  # a micro-batch of a step that is then abandoned (an OOM or NaN skip)
+    sdp.zero_grad(set_to_none=True)  # discarded
+    sdp(x, "b").sum().backward()  # a fresh step with the other head only
+    # The abandoned window's head was reduced at this backward: zero gradients, which weight decay then stepped.
+    assert model.a.weight.grad is None and model.a.bias.grad is None
+    before = model.a.weight.detach().clone()
+    opt.step()
+    assert torch.equal(model.a.weight, before)
+
+
+def test_zero_grad_drops_an_abandoned_no_sync_window() -> None:
+    run_distributed(_abandoned_window_body, 2, timeout=TIMEOUT)

@@ -574,7 +574,10 @@ class GradReducer:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool, params: Sequence[torch.Tensor]) -> None:
         """Zero (or release) the gradients of ``params``; bucketed trainable ones stay views, zeroed."""
-        self._reduced.clear()  # nothing reduced earlier is owed any more
+        # Nothing reduced earlier is owed any more, nor is an abandoned no_sync() window (its parameters, released
+        # here, got zero gradients at the next backward, and weight decay stepped them).
+        self._reduced.clear()
+        self._window, self._window_open = set(), False
         for param in params:
             in_bucket = id(param) in self._bucket_of and param.requires_grad
             if set_to_none and not in_bucket:
@@ -587,12 +590,7 @@ class GradReducer:
             bucket.zero()
 
     def bucket_devices(self) -> List[torch.device]:
-        devices: List[torch.device] = []
-        for bucket in self.buckets:
-            device = _buffer(bucket).device
-            if device not in devices:
-                devices.append(device)
-        return devices
+        return list(dict.fromkeys(_buffer(bucket).device for bucket in self.buckets))
 
     def is_bucketed(self, param: torch.Tensor) -> Optional[GradBucket]:
         return self._bucket_of.get(id(param))
