@@ -221,7 +221,7 @@ def test_layer_frozen_mid_training_stays_identical_on_every_rank() -> None:
     _check(run_distributed(_freeze_body, 2, timeout=TIMEOUT))
 
 
-class _TwoHeads(nn.Module):
+class _HeadByName(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(4, 4)
@@ -233,7 +233,7 @@ class _TwoHeads(nn.Module):
 
 def _abandoned_window_body(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    model = _TwoHeads()
+    model = _HeadByName()
     opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, weight_decay=0.1)
     sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
