@@ -371,13 +371,17 @@ class GradReducer:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self.flush)
+        self._dispatch(param)
+        self._consume_completed()
+
+    def _dispatch(self, param: torch.Tensor) -> None:
+        """Mark ``param`` reduced in this round and send its gradient (directly, or checked into its bucket)."""
         self._pending[id(param)] = False
         bucket = self._bucket_of.get(id(param))
         if bucket is None:
             self._reduce_direct(param)
         else:
             self._check_into_bucket(param, bucket)
-        self._consume_completed()
 
     def _check_ranks_agree(self, device: torch.device) -> None:
         """Before this backward's first reduction: one all-reduce of ``[h, -h]`` (max) with ``h`` a fingerprint of
@@ -543,12 +547,7 @@ class GradReducer:
                 continue
             if param.grad is None:
                 self._zero_unused_grad(param)
-            self._pending[id(param)] = False
-            bucket = self._bucket_of.get(id(param))
-            if bucket is None:
-                self._reduce_direct(param)
-            else:
-                self._check_into_bucket(param, bucket)
+            self._dispatch(param)
 
     @torch.no_grad()
     def _zero_unused_grad(self, param: torch.Tensor) -> None:
