@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairscale.internal.autocast import autocast_state
 from fairscale.internal.device import (
     DeviceHandle,
     accelerator_available,
@@ -30,7 +31,6 @@ from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from .offload_checkpoint import (
     InPlaceSafeAlias,
     autocast_replayed,
-    autocast_state,
     chunk_output,
     chunks,
     join_chunks,

@@ -17,14 +17,13 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
+from fairscale.internal.autocast import AutocastState, autocast_state
 from fairscale.internal.errors import FairscaleTypeError
 
 __all__: List[str] = []
 
 #: Each module of a slice with its ``training`` flag, as the slice's forward saw them.
 ModuleModes = Tuple[Tuple[nn.Module, bool], ...]
-#: ``(enabled, dtype)`` of autocast for one device type.
-AutocastState = Tuple[bool, Optional[torch.dtype]]
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -32,20 +31,6 @@ _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 def module_modes(module: nn.Module) -> ModuleModes:
     """The ``training`` flag of every module in ``module`` (itself included)."""
     return tuple((m, m.training) for m in module.modules())
-
-
-def autocast_state(device_type: str) -> AutocastState:
-    """Whether autocast is on for ``device_type``, and its dtype (torch >= 2.4 takes a device type; older torch has
-    separate CPU and CUDA functions, and no autocast elsewhere)."""
-    is_enabled: Any = torch.is_autocast_enabled
-    get_dtype: Any = getattr(torch, "get_autocast_dtype", None)
-    if get_dtype is not None:
-        return bool(is_enabled(device_type)), get_dtype(device_type)
-    if device_type == "cpu":  # pragma: no cover - torch < 2.4
-        return bool(torch.is_autocast_cpu_enabled()), torch.get_autocast_cpu_dtype()
-    if device_type == "cuda":  # pragma: no cover - torch < 2.4
-        return bool(is_enabled()), torch.get_autocast_gpu_dtype()
-    return False, None  # pragma: no cover - torch < 2.4
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from torch.nn import Module, ModuleList
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError, check_outcome_agrees, check_ranks_agree
+from fairscale.internal.autocast import autocast_state
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 
@@ -139,6 +140,14 @@ class MOELayer(Module):
         dispatched_input = dispatched_input.reshape(self.world_size, self.num_local_experts, -1, d_model)
         chunks = dispatched_input.chunk(self.num_local_experts, dim=1)
         expert_outputs = [expert(chunk) for chunk, expert in zip(chunks, self.experts)]
+        # Under autocast an expert may return another floating dtype by design (CUDA's autocast runs layer_norm,
+        # softmax and reductions in fp32): it travels in its input's dtype, which the combining einsum would cast
+        # it to anyway. Outside autocast another dtype is a user bug, refused below.
+        if autocast_state(dispatched_input.device.type)[0]:
+            expert_outputs = [
+                out.to(chunk.dtype) if isinstance(out, Tensor) and out.is_floating_point() else out
+                for chunk, out in zip(chunks, expert_outputs)
+            ]
         for i, (chunk, out) in enumerate(zip(chunks, expert_outputs)):
             if not isinstance(out, Tensor) or out.shape != chunk.shape or out.dtype != chunk.dtype:
                 # The second all-to-all sends what the experts return: another shape or dtype on some rank aborts
@@ -148,7 +157,8 @@ class MOELayer(Module):
                 got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
                 raise ValueError(
                     f"MOELayer: local expert {i} returned {got} for an input of shape {tuple(chunk.shape)} "
-                    f"{chunk.dtype}; an expert must return a tensor of its input's shape (same model dim) and dtype"
+                    f"{chunk.dtype}; an expert must return a tensor of its input's shape (same model dim) and dtype "
+                    "(under autocast, any floating dtype)"
                 )
         expert_output = torch.cat(expert_outputs, dim=1)
         expert_output = _AllToAll.apply(self.group, expert_output)

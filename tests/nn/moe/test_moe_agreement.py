@@ -192,3 +192,47 @@ def _zero_model_dim_body(rank: int, world_size: int) -> str:
 def test_zero_model_dim_is_refused() -> None:
     """torch's reshape(-1, 0) failed ("cannot reshape tensor of 0 elements ... ambiguous") before the gate ran."""
     assert run_distributed(_zero_model_dim_body, 1, timeout=60) == ["refused"]
+
+
+class _Fp32Norm(nn.Module):
+    """An expert ending in a LayerNorm as CUDA's autocast runs it: in fp32, whatever the input's dtype (CPU's autocast
+    keeps layer_norm in bf16, so the cast is explicit here)."""
+
+    def __init__(self, cast_back: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.proj = nn.Linear(MODEL_DIM, MODEL_DIM)
+        self.cast_back = cast_back
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = nn.functional.layer_norm(self.proj(x).float(), (MODEL_DIM,))
+        return out.to(x.dtype) if self.cast_back else out
+
+
+def _autocast_expert_body(rank: int, world_size: int) -> List[str]:
+    x = torch.randn(2, 4, MODEL_DIM, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+    outputs, grads = [], []
+    for cast_back in (False, True):
+        torch.manual_seed(0)
+        moe = MOELayer(Top2Gate(MODEL_DIM, world_size), _Fp32Norm(cast_back))
+        x.grad = None
+        torch.manual_seed(1)  # the gate's Gumbel noise
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(x)
+        out.float().sum().backward()
+        outputs.append(out)
+        grads.append(x.grad)
+    # The fp32 output travels in the dispatched dtype: what an expert casting back itself gives, bit for bit.
+    assert outputs[0].dtype == torch.bfloat16 and torch.equal(outputs[0], outputs[1])
+    assert grads[0] is not None and grads[1] is not None and torch.equal(grads[0], grads[1])
+    # Outside autocast another dtype is still a user bug, refused on every rank before the second all-to-all.
+    moe = MOELayer(Top2Gate(MODEL_DIM, world_size).to(torch.bfloat16), _Fp32Norm(False).to(torch.bfloat16))
+    return [str(_error_of(moe, x.detach().to(torch.bfloat16)))]
+
+
+def test_an_expert_returning_fp32_under_autocast() -> None:
+    """Under CUDA's autocast an expert ending in layer_norm or softmax returns fp32: every rank raised "an expert must
+    return a tensor of its input's ... dtype" (the check added for user bugs did not know autocast)."""
+    results = run_distributed(_autocast_expert_body, 2, timeout=60)
+    assert results[0] == results[1]
+    assert "local expert 0 returned (2, 1, 8, 8) torch.float32 for an input of shape" in results[0][0], results
