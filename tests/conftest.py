@@ -79,13 +79,17 @@ def _no_cuda_context_in_the_pytest_process(request: pytest.FixtureRequest) -> It
         )
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def torch_sees_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For a test that runs torch's own machinery in this process: hide the GPU from torch.
+    """Every in-process test: hide the GPU from torch itself while this process stays off it.
 
-    FAIRSCALE_CPU_ONLY reaches fairscale's device layer, not torch: the compiler, for one, saves the CUDA generator's
-    state and asks for the accelerator's current stream whenever a GPU is visible, which creates a CUDA context here.
-    Both of torch's answers are hidden (``torch.cuda`` and, where it exists, ``torch.accelerator``).
+    FAIRSCALE_CPU_ONLY reaches fairscale's device layer, not torch, and torch creates a CUDA context on its own
+    wherever a GPU is visible: the compiler saves the CUDA generator's state, and from torch 2.13 every optimizer
+    step asks for the accelerator's current stream (``Optimizer._cuda_graph_capture_health_check``), on CPU
+    parameters too, so any in-process test that stepped an optimizer failed next to a GPU. Both of torch's answers
+    are hidden (``torch.cuda`` and, where it exists, ``torch.accelerator``); the test engine counts devices with
+    ``device_count()`` (NVML), which stays true, so CUDA worlds and the fork server still start. Tests may still
+    name the fixture (it is a no-op where ``FAIRSCALE_CPU_ONLY=0``).
     """
     if _PARENT_OFF_GPU:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -7,8 +7,9 @@ that each test runs the same under fork (CPU worlds) and spawn (CUDA worlds, ``F
 
 import functools
 import os
+import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from fairscale.fair_dev.testing import (
     run_ranks,
     subtest,
 )
-from fairscale.fair_dev.testing import engine
+from fairscale.fair_dev.testing import engine, engine_rank
 from fairscale.fair_dev.testing.engine import START_METHOD_ENV
 from fairscale.internal.device import CPU_ONLY_ENV, default_compute_device
 
@@ -584,3 +585,33 @@ def test_forkserver_ranks_see_the_current_environment(monkeypatch: pytest.Monkey
     assert run_distributed(_probe_env, 2) == [None, None]  # the server is up now
     monkeypatch.setenv("FAIRSCALE_TEST_ENGINE_PROBE", "set later")
     assert run_distributed(_probe_env, 2) == ["set later"] * 2
+
+
+def _preloaded_and_torch_answers(rank: int, world_size: int) -> Tuple[bool, bool, bool]:
+    # Read before anything here imports more: the rank imported this test module (for this function) and torch.
+    preloaded = "torch._dynamo" in sys.modules and "fairscale.optim" in sys.modules
+    replaced = torch.cuda.is_available is engine_rank.torch_has_no_gpu
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        replaced = replaced and accelerator.is_available is engine_rank.torch_has_no_gpu
+    return preloaded, replaced, torch.cuda.is_available()
+
+
+def test_forkserver_ranks_start_with_the_big_imports_done_and_torch_seeing_no_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fork-server ranks (CPU worlds next to a GPU) inherit torch._dynamo and fairscale's namespaces from the server
+    (each rank imported them again: about 0.9 s per world), and torch itself answers "no GPU" in a CPU world's rank:
+    from torch 2.13 every optimizer step asks for the accelerator's stream where a GPU is visible, which opened a CUDA
+    context in every CPU rank on a GPU machine."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    assert run_distributed(_preloaded_and_torch_answers, 2) == [(True, True, False)] * 2
+
+
+def test_the_pytest_process_hides_devices_from_torch() -> None:
+    """tests/conftest.py: while the pytest process stays off the GPU, torch's own availability answers are hidden for
+    every test (an in-process optimizer step on torch 2.13 created a CUDA context here next to a GPU). Not named for
+    .ci/cuda-checks' first step, whose FAIRSCALE_CPU_ONLY=0 lets in-process tests see the GPU."""
+    if os.environ.get(CPU_ONLY_ENV, "") in ("", "0"):
+        return  # the pytest process may use the GPU: nothing is hidden
+    assert torch.cuda.is_available.__module__ != "torch.cuda" and not torch.cuda.is_available()
