@@ -241,6 +241,9 @@ class OffloadFunction(torch.autograd.Function):
         nmb: int = model_instance._num_microbatches
         slices: List[ModelShard] = list(model_instance.model_slices)
         ctx.grad_requirements = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs_tuple)
+        # Each input's gradient goes back to the input's own device: the slices run (and backpropagate) on
+        # ``device``, and autograd refuses an input gradient on another device (a CPU batch fed to a GPU model).
+        ctx.input_devices = tuple(x.device if isinstance(x, Tensor) else None for x in inputs_tuple)
         ctx.device = device
         ctx.num_microbatches = nmb
         ctx.model_slices = slices
@@ -301,7 +304,10 @@ class OffloadFunction(torch.autograd.Function):
         for index in reversed(range(len(slices))):
             grads = _backward_slice(ctx, index, slice_inputs[index], grads)
         # The first slice's input gradients belong to the model inputs (upstream returned None here).
-        input_grads = tuple(g if req else None for g, req in zip(grads, ctx.grad_requirements))
+        input_grads = tuple(
+            (g.to(dev) if isinstance(g, Tensor) else g) if req else None
+            for g, req, dev in zip(grads, ctx.grad_requirements, ctx.input_devices)
+        )
         return (input_grads[0], None, None) + input_grads[1:]
 
 

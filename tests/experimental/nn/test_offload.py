@@ -308,3 +308,24 @@ def test_checkpoint_backward_frees_the_slice_inputs() -> None:
     loss.backward()
     with pytest.raises(RuntimeError, match="freed"):
         node.saved_tensors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tuple_input", [False, True])
+def test_checkpoint_input_gradient_on_the_input_device(device: str, tuple_input: bool) -> None:
+    """A CPU batch that requires grad, fed to a model computing on ``device``: the checkpointed backward returned the
+    input gradients on the compute device, which autograd refuses ("expected device cpu but got cuda:0")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    offload = OffloadModel(model, torch.device(device), num_slices=2, checkpoint_activation=True)
+    xs = [torch.randn(6, 4, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(2)]
+    xs_ref = [x.detach().clone().requires_grad_() for x in xs]
+    out = offload(tuple(xs)) if tuple_input else offload(xs[0])
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    sum(o.sum() for o in outs).backward()
+    expected = [ref(x) for x in (xs_ref if tuple_input else xs_ref[:1])]
+    sum(e.sum() for e in expected).backward()
+    for x, x_ref in zip(xs if tuple_input else xs[:1], xs_ref):
+        assert x.grad is not None and x.grad.device == torch.device("cpu")
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
