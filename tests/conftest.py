@@ -26,7 +26,8 @@ os.environ.setdefault(CPU_ONLY_ENV, "1")
 # 2.5 s of CPU, far more on a loaded machine); importing it once here saves that in every rank of every forked world.
 import torch._dynamo  # noqa: E402,F401
 
-# FAIRSCALE_CPU_ONLY=0 lets in-process tests use the GPU (.ci/cuda-checks' first step); CPU worlds then spawn.
+# FAIRSCALE_CPU_ONLY=0 lets in-process tests use the GPU (.ci/cuda-checks' first step); CPU worlds then start from
+# the fork server (or spawn, once this process created a CUDA context).
 _PARENT_OFF_GPU = os.environ[CPU_ONLY_ENV] not in ("", "0")
 
 # Generous on purpose: it only has to turn a hang outside the multi-process engine (which has its own
@@ -84,9 +85,10 @@ def torch_sees_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every in-process test: hide the GPU from torch itself while this process stays off it.
 
     FAIRSCALE_CPU_ONLY reaches fairscale's device layer, not torch, and torch creates a CUDA context on its own
-    wherever a GPU is visible: the compiler saves the CUDA generator's state, and from torch 2.13 every optimizer
-    step asks for the accelerator's current stream (``Optimizer._cuda_graph_capture_health_check``), on CPU
-    parameters too, so any in-process test that stepped an optimizer failed next to a GPU. Both of torch's answers
+    wherever a GPU is visible: the compiler saves the CUDA generator's state, and from torch 2.13 the step of most
+    optimizers (Adam, AdamW, RMSprop, ...) asks for the accelerator's current stream
+    (``Optimizer._cuda_graph_capture_health_check``), on CPU parameters too, so an in-process test that stepped one
+    failed next to a GPU. Both of torch's answers
     are hidden (``torch.cuda`` and, where it exists, ``torch.accelerator``); the test engine counts devices with
     ``device_count()`` (NVML), which stays true, so CUDA worlds and the fork server still start. Tests may still
     name the fixture (it is a no-op where ``FAIRSCALE_CPU_ONLY=0``).

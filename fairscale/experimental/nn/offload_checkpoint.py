@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
-from fairscale.internal.autocast import AutocastState, autocast_state
+from fairscale.internal.autocast import AutocastState
 from fairscale.internal.errors import FairscaleTypeError
 
 __all__: List[str] = []
@@ -58,7 +58,7 @@ def modes_replayed(module: nn.Module, modes: ModuleModes) -> Iterator[None]:
 
 
 def autocast_replayed(device_type: str, state: AutocastState) -> ContextManager[Any]:
-    """A context with autocast for ``device_type`` as :func:`autocast_state` recorded it (for the recomputed forward
+    """A context with autocast for ``device_type`` as :func:`~fairscale.internal.autocast.autocast_state` recorded it (for the recomputed forward
     only: the backward pass runs outside autocast, as in the plain model)."""
     enabled, dtype = state
     if dtype is None:  # pragma: no cover - torch < 2.4 off CPU and CUDA: no autocast to replay

@@ -139,7 +139,7 @@ class MOELayer(Module):
         # [world, local experts, capacity, model]: block g came from group rank g.
         dispatched_input = dispatched_input.reshape(self.world_size, self.num_local_experts, -1, d_model)
         chunks = dispatched_input.chunk(self.num_local_experts, dim=1)
-        expert_outputs = [expert(chunk) for chunk, expert in zip(chunks, self.experts)]
+        expert_outputs = returned = [expert(chunk) for chunk, expert in zip(chunks, self.experts)]
         # Under autocast an expert may return another floating dtype by design (CUDA's autocast runs layer_norm,
         # softmax and reductions in fp32): it travels in its input's dtype, which the combining einsum would cast
         # it to anyway. Outside autocast another dtype is a user bug, refused below.
@@ -154,6 +154,7 @@ class MOELayer(Module):
                 # gloo (or hangs NCCL), and on every rank it failed in the combining einsum with a cryptic message.
                 # Checked locally (no collective per forward): an expert that fails on some ranks only still leaves
                 # the others waiting in the all-to-all, as documented.
+                out = returned[i]  # as the expert returned it (before an autocast cast), for the message
                 got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
                 raise ValueError(
                     f"MOELayer: local expert {i} returned {got} for an input of shape {tuple(chunk.shape)} "
