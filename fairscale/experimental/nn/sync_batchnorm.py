@@ -13,7 +13,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -31,9 +30,11 @@ def _forward(input: Tensor, affine: bool, mean: Tensor, invstd: Tensor, weight: 
     # torch's batch norm does (an fp32 output crashed the next half-precision layer). torch's inference-mode batch
     # norm with these statistics as its "running" ones computes the same in one kernel, with no fp32 temporaries of
     # the input's size (the elementwise formula below made several: twice the time for fp16 inputs).
+    # The aten op itself: ``F.batch_norm`` refuses eps=0 on some releases (2.11: "eps must be positive"), and the
+    # variance given here is exact. cuDNN takes no eps below 1e-5, hence cudnn_enabled=False (ATen's kernel).
     w, b = (weight, bias) if affine else (None, None)
     try:
-        return F.batch_norm(input, mean.reshape(-1), invstd.reshape(-1).pow(-2), w, b, False, 0.0, 0.0)
+        return torch.batch_norm(input, w, b, mean.reshape(-1), invstd.reshape(-1).pow(-2), False, 0.0, 0.0, False)
     except RuntimeError:  # a dtype the device's batch norm lacks (fp16 on the CPU before torch 2.2)
         pass
     if affine:
