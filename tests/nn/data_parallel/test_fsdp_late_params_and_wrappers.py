@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as torch_checkpoint_wrapper
 
 from fairscale.fair_dev.testing.engine import run_distributed
@@ -58,7 +59,9 @@ def _wrapped_nested_body(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     torch.manual_seed(0)
-    inner = torch_checkpoint_wrapper(FSDP(nn.Linear(4, 4)))  # the nested instance wraps a module with parameters
+    # The nested instance wraps a module with parameters. Non-reentrant, as torch >= 2.2 defaults to: torch 2.1's
+    # default (reentrant) gives the inner parameters no gradient when the input does not require grad.
+    inner = torch_checkpoint_wrapper(FSDP(nn.Linear(4, 4)), checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     model = FSDP(nn.Sequential(inner, nn.ReLU(), nn.Linear(4, 2)))
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     for m, batch in ((model, x[rank * 2 : rank * 2 + 2]), (ref, x)):

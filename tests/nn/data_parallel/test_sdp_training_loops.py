@@ -18,6 +18,7 @@ Each body covers unbucketed and bucketed reductions and both ways of zeroing the
 
 from typing import Any, Callable, Dict, List, Tuple
 
+import pytest
 import torch
 import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: once here, not once per forked rank
 import torch.distributed as dist
@@ -102,15 +103,20 @@ def _zero(zero: str, sdp: ShardedDataParallel, opt: OSS, ddp: nn.Module, ref_opt
         ref_opt.zero_grad()
 
 
-def _gaps(model: nn.Module, ref: nn.Module) -> Tuple[float, float]:
-    """(largest distance from DDP's parameters, largest distance between the ranks' parameters)."""
-    to_ddp = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+def _spread(model: nn.Module) -> float:
+    """The largest distance between the ranks' copies of ``model``'s parameters."""
     spread = 0.0
     for param in model.parameters():
         copies = [torch.zeros_like(param) for _ in range(dist.get_world_size())]
         dist.all_gather(copies, param.detach().contiguous())
         spread = max(spread, max((c - copies[0]).abs().max().item() for c in copies))
-    return to_ddp, spread
+    return spread
+
+
+def _gaps(model: nn.Module, ref: nn.Module) -> Tuple[float, float]:
+    """(largest distance from DDP's parameters, largest distance between the ranks' parameters)."""
+    to_ddp = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+    return to_ddp, _spread(model)
 
 
 def _check(results: List[Dict[str, Tuple[float, float]]]) -> None:
@@ -161,11 +167,21 @@ def _window_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
                 opt.step()
                 ref_opt.step()
             out[f"b used by {'rank 0' if alone else 'both ranks'}, bucket={bucket} zero={zero}"] = _gaps(model, ref)
+            if _spread(ref) > 0:
+                # torch 2.1's DDP itself lets its replicas drift here (fixed by 2.6): only the ranks' agreement is
+                # checked then.
+                out["ddp_replicas_drift"] = (0.0, 0.0)
     return out
 
 
 def test_parameter_used_only_inside_no_sync_is_reduced() -> None:
-    _check(run_distributed(_window_body, 2, timeout=TIMEOUT))
+    results = run_distributed(_window_body, 2, timeout=TIMEOUT)
+    if "ddp_replicas_drift" in results[0]:
+        for rank, per_config in enumerate(results):
+            for config, (_, spread) in per_config.items():
+                assert spread == 0.0, f"rank {rank}, {config}: the ranks' parameters differ by {spread:.2e}"
+        pytest.skip(f"torch {torch.__version__}'s DDP lets its own replicas drift here: compared between ranks only")
+    _check(results)
 
 
 def _eval_between_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
