@@ -58,8 +58,8 @@ def modes_replayed(module: nn.Module, modes: ModuleModes) -> Iterator[None]:
 
 
 def autocast_replayed(device_type: str, state: AutocastState) -> ContextManager[Any]:
-    """A context with autocast for ``device_type`` as :func:`~fairscale.internal.autocast.autocast_state` recorded it (for the recomputed forward
-    only: the backward pass runs outside autocast, as in the plain model)."""
+    """A context with autocast for ``device_type`` as :func:`~fairscale.internal.autocast.autocast_state` recorded
+    it (for the recomputed forward only: the backward pass runs outside autocast, as in the plain model)."""
     enabled, dtype = state
     if dtype is None:  # pragma: no cover - torch < 2.4 off CPU and CUDA: no autocast to replay
         return contextlib.nullcontext()

@@ -132,8 +132,9 @@ def hide_gpus_from_torch() -> None:
 
     ``FAIRSCALE_CPU_ONLY`` reaches fairscale's device layer, not torch, which creates a CUDA context on its own
     wherever a GPU is visible: from torch 2.13 the step of most optimizers (Adam, AdamW, RMSprop, ...) asks for the
-    accelerator's current stream (``Optimizer._cuda_graph_capture_health_check``), on CPU parameters too, so each CPU rank on a GPU machine opened
-    a context of its own (seconds and about 0.5 GB of GPU memory per rank, for 6 shards of the suite at once). Both
+    accelerator's current stream (``Optimizer._cuda_graph_capture_health_check``), on CPU parameters too, so each
+    CPU rank on a GPU machine opened a context of its own (seconds and about 0.5 GB of GPU memory per rank, for 6
+    shards of the suite at once). Both
     of torch's answers are replaced (``torch.cuda`` and, where it exists, ``torch.accelerator``): an environment
     variable (``CUDA_VISIBLE_DEVICES``) would not reach a rank forked from a process that already asked the driver.
     The rank's process ends with its world, so nothing is restored.
