@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from fairscale.internal.device import hide_accelerators_from_torch
+
 from .config import BenchConfig
 from .runner import run_world
 
@@ -39,8 +41,9 @@ def threads_per_rank(cfg: BenchConfig, world_size: int) -> int:
 
 def _device(cfg: BenchConfig, local_rank: int) -> torch.device:
     if cfg.device == "cpu":
-        # fairscale's device layer would otherwise see the machine's GPUs (default devices, pinned memory).
-        os.environ["FAIRSCALE_CPU_ONLY"] = "1"
+        # fairscale's device layer would otherwise see the machine's GPUs (default devices, pinned memory), and
+        # torch >= 2.13 would open a CUDA context in each rank at its first AdamW step.
+        hide_accelerators_from_torch()
         return torch.device("cpu")
     if not hasattr(torch, "accelerator") or not torch.accelerator.is_available():
         raise RuntimeError("--device cuda was asked for but no CUDA device is available; run with --device cpu")

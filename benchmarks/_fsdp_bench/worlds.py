@@ -23,6 +23,8 @@ from typing import Any, Callable, List, Tuple
 import torch
 import torch.distributed as dist
 
+from fairscale.internal.device import hide_accelerators_from_torch
+
 from .launch import wait_ranks
 
 # The seed every rank starts from (the test engine's, so that scenario numbers do not depend on the launcher).
@@ -48,8 +50,9 @@ def _rank_main(
             torch.accelerator.set_device_index(rank)
             backend = "nccl"
         else:
-            # A CPU world stays on CPU on a machine with GPUs (FSDP's default compute device would be the GPU).
-            os.environ["FAIRSCALE_CPU_ONLY"] = "1"
+            # A CPU world stays on CPU on a machine with GPUs (FSDP's default compute device would be the GPU), and
+            # torch >= 2.13 opens no CUDA context in it at an optimizer step.
+            hide_accelerators_from_torch()
             if os.path.exists("/sys/class/net/lo"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             backend = "gloo"

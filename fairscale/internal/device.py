@@ -30,6 +30,8 @@ __all__ = [
     "default_compute_device",
     "cpu_peak_rss_bytes",
     "CPU_ONLY_ENV",
+    "hide_accelerators_from_torch",
+    "torch_sees_no_accelerator",
     "rng_device",
     "rng_get_state",
     "rng_set_state",
@@ -132,6 +134,30 @@ def accelerator_available() -> bool:
     if _has_accelerator_api():
         return bool(torch.accelerator.is_available())
     return bool(torch.cuda.is_available())
+
+
+def hide_accelerators_from_torch() -> None:
+    """Make this process CPU-only for fairscale and for torch itself, for the rest of its life.
+
+    For the ranks of a CPU (gloo) world on a machine with GPUs: test worlds and ``benchmarks/fsdp.py --device
+    cpu``. Sets ``FAIRSCALE_CPU_ONLY`` (fairscale's device layer) and replaces torch's own availability answers
+    (``torch.cuda.is_available`` and, where it exists, ``torch.accelerator.is_available``) with
+    :func:`torch_sees_no_accelerator`. The environment variable alone does not reach torch, which creates a CUDA
+    context wherever a GPU is visible: from torch 2.13 the step of most optimizers (Adam, AdamW, RMSprop, ...) asks
+    for the accelerator's current stream (``Optimizer._cuda_graph_capture_health_check``), for CPU parameters too,
+    so each CPU rank opened a context of its own (seconds, and about 0.5 GB of GPU memory per rank).
+    ``CUDA_VISIBLE_DEVICES`` would not do: it does not reach a process forked from one that already asked the
+    driver. Nothing is restored: call it only in a process that stays on CPU until it exits.
+    """
+    os.environ[CPU_ONLY_ENV] = "1"
+    torch.cuda.is_available = torch_sees_no_accelerator
+    if _has_accelerator_api():
+        torch.accelerator.is_available = torch_sees_no_accelerator
+
+
+def torch_sees_no_accelerator() -> bool:
+    """torch's availability answer after :func:`hide_accelerators_from_torch`: always ``False``."""
+    return False
 
 
 def accelerator_device_count() -> int:

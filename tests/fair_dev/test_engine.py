@@ -25,7 +25,7 @@ from fairscale.fair_dev.testing import (
 )
 from fairscale.fair_dev.testing import engine, engine_rank
 from fairscale.fair_dev.testing.engine import START_METHOD_ENV
-from fairscale.internal.device import CPU_ONLY_ENV, default_compute_device
+from fairscale.internal.device import CPU_ONLY_ENV, default_compute_device, torch_sees_no_accelerator
 
 
 class CustomError(Exception):
@@ -590,10 +590,10 @@ def test_forkserver_ranks_see_the_current_environment(monkeypatch: pytest.Monkey
 def _preloaded_and_torch_answers(rank: int, world_size: int) -> Tuple[bool, bool, bool]:
     # Read before anything here imports more: the rank imported this test module (for this function) and torch.
     preloaded = "torch._dynamo" in sys.modules and "fairscale.optim" in sys.modules
-    replaced = torch.cuda.is_available is engine_rank.torch_has_no_gpu
+    replaced = torch.cuda.is_available is torch_sees_no_accelerator
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and hasattr(accelerator, "is_available"):
-        replaced = replaced and accelerator.is_available is engine_rank.torch_has_no_gpu
+        replaced = replaced and accelerator.is_available is torch_sees_no_accelerator
     return preloaded, replaced, torch.cuda.is_available()
 
 

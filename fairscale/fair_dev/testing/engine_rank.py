@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairscale.internal.device import CPU_ONLY_ENV
+from fairscale.internal.device import CPU_ONLY_ENV, hide_accelerators_from_torch
 
 __all__ = ["SEED", "START_METHOD_ENV", "seed_everything", "use_loopback_for_gloo", "init_gloo_world"]
 
@@ -127,29 +127,6 @@ def rebuild_exception(exc_type: Type[BaseException], message: str) -> Optional[B
 # The body a rank runs for run_distributed
 
 
-def hide_gpus_from_torch() -> None:
-    """Make torch itself answer "no GPU" in this rank of a CPU world.
-
-    ``FAIRSCALE_CPU_ONLY`` reaches fairscale's device layer, not torch, which creates a CUDA context on its own
-    wherever a GPU is visible: from torch 2.13 the step of most optimizers (Adam, AdamW, RMSprop, ...) asks for the
-    accelerator's current stream (``Optimizer._cuda_graph_capture_health_check``), on CPU parameters too, so each
-    CPU rank on a GPU machine opened a context of its own (seconds and about 0.5 GB of GPU memory per rank, for 6
-    shards of the suite at once). Both
-    of torch's answers are replaced (``torch.cuda`` and, where it exists, ``torch.accelerator``): an environment
-    variable (``CUDA_VISIBLE_DEVICES``) would not reach a rank forked from a process that already asked the driver.
-    The rank's process ends with its world, so nothing is restored.
-    """
-    torch.cuda.is_available = torch_has_no_gpu
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        accelerator.is_available = torch_has_no_gpu
-
-
-def torch_has_no_gpu() -> bool:
-    """torch's availability answer in a CPU world's rank (see :func:`hide_gpus_from_torch`)."""
-    return False
-
-
 @dataclass
 class ProcessGroupBody:
     """Picklable (under spawn) closure: init the default group, run ``fn``, destroy the group."""
@@ -170,8 +147,7 @@ class ProcessGroupBody:
         else:
             # A CPU world stays on CPU on a machine with GPUs (FSDP's default compute device would be the GPU), and
             # never touches a CUDA context its parent may have created before the fork.
-            os.environ[CPU_ONLY_ENV] = "1"
-            hide_gpus_from_torch()
+            hide_accelerators_from_torch()
         if self.backend == "gloo":
             use_loopback_for_gloo()
         dist.init_process_group(
