@@ -137,3 +137,50 @@ def _recomputation_is_not_a_second_use(rank: int, world_size: int) -> None:
 
 def test_a_recomputed_instance_is_reduced_at_its_own_backward() -> None:
     run_distributed(_recomputation_is_not_a_second_use, 2)
+
+
+class _Blocks(nn.Module):
+    """Three instances in a row, each used once per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([FSDP(_Block(), bucket_cap_mb=0) for _ in range(3)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _step_after_a_dropped_forward(rank: int, dropped: str) -> Tuple[List[str], List[Tensor]]:
+    torch.manual_seed(0)
+    model = FSDP(_Blocks(), bucket_cap_mb=0)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+    kept = None
+    if dropped == "dropped":
+        float(model(x + 1).sum())  # a grad-mode evaluation pass: its graph is freed right away
+    elif dropped == "kept":
+        kept = model(x + 1).sum()  # its backward may still come: a second use
+    loss = model(x).sum()
+    with count_collectives() as counter:
+        loss.backward()
+    del kept
+    kinds = [r.kind for r in counter.records if r.kind in ("all_gather", "reduce_scatter")]
+    return kinds, [p.grad.clone() for p in model.parameters()]
+
+
+def _a_dropped_forward_is_not_a_use(rank: int, world_size: int) -> None:
+    # Counted as a use, a grad-mode forward that never got its backward made every instance of the next backward
+    # keep its full parameters and gradient to the end of backward (all gathers first, all reductions last).
+    kinds, grads = _step_after_a_dropped_forward(rank, "dropped")
+    reference_kinds, reference_grads = _step_after_a_dropped_forward(rank, "none")
+    assert kinds == reference_kinds == ["all_gather", "reduce_scatter"] * 3, (kinds, reference_kinds)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads))
+    # A forward whose output is still referenced may still get its backward: the reductions wait, as documented.
+    kinds, grads = _step_after_a_dropped_forward(rank, "kept")
+    assert kinds == ["all_gather"] * 3 + ["reduce_scatter"] * 3, kinds
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads))
+
+
+def test_a_dropped_grad_mode_forward_does_not_delay_the_next_reductions() -> None:
+    run_distributed(_a_dropped_forward_is_not_a_use, 2)

@@ -50,7 +50,7 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
     unit.transition(TrainingState.BACKWARD_POST)
     if (
         unit.defer_post_backward
-        or unit.grad_forwards > 1
+        or unit.live_grad_forwards() > 1
         or (unit.outer_task_uses_params and tensor_hooks.current_graph_task() != unit.backward_task)
     ):
         # A reentrant checkpoint's nested backward over part of the unit: keep the full parameters (the outer

@@ -128,6 +128,7 @@ def reset_lazy_init(unit: FSDPUnit) -> None:
     unit.tree = None
     unit.grad_accs = None
     unit.forward_grad_accs = None
+    unit.grad_forward_tokens = None
     for h in unit.handles:
         h.reset()
 
@@ -329,13 +330,12 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
             "cannot run inside summon_full_params() or inside its own forward."
         )
     unit.transition(TrainingState.FORWARD)
-    if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 and not is_recomputing():
-        # See FSDPUnit.grad_forwards. Not a recomputation inside backward (activation checkpointing, torch's
-        # non-reentrant one included): it redoes a use already counted, and counting it would keep every
-        # checkpointed unit's full parameters to the end of backward.
-        unit.grad_forwards += 1
+    # See FSDPUnit.grad_forward_tokens. Not a recomputation inside backward (activation checkpointing, torch's
+    # non-reentrant one included): it redoes a use already counted, and counting it would keep every checkpointed
+    # unit's full parameters to the end of backward.
+    counted = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 and not is_recomputing()
     try:
-        outputs = _run_forward(unit, args, kwargs)
+        outputs = _run_forward(unit, args, kwargs, counted)
     finally:
         unit.transition(previous)
         if root_pass:
@@ -347,7 +347,7 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     return outputs
 
 
-def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
+def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
     c = unit.config
     if unit.is_root and c.mixed_precision:
         args, kwargs = cast_inputs(c.compute_dtype, (torch.float32,), True, args, kwargs)
@@ -372,7 +372,7 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
         unit.reshard(after_forward=not grad_off)
     unit.use_fp32_shards()
     if torch.is_grad_enabled():
-        outputs = _register_pre_backward_hooks(unit, outputs, accs)
+        outputs = _register_pre_backward_hooks(unit, outputs, accs, counted)
     return outputs
 
 
@@ -425,7 +425,7 @@ def _forward_grad_accumulators(unit: FSDPUnit) -> List[Any]:
     return accs
 
 
-def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any, accs: List[Any]) -> Any:
+def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any, accs: List[Any], counted: bool) -> Any:
     tree = unit.tree
     assert tree is not None
     token = tree.new_pending_backward()
@@ -443,7 +443,12 @@ def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any, accs: List[Any]) 
     for_each_tensor(outputs, register)
     if not registered[0]:
         token.done = True
-    elif accs:
+        return outputs
+    if counted:
+        if unit.grad_forward_tokens is None:
+            unit.grad_forward_tokens = weakref.WeakSet()
+        unit.grad_forward_tokens.add(token)  # dropped with this forward's graph
+    if accs:
         if unit.forward_grad_accs is None:
             unit.forward_grad_accs = weakref.WeakKeyDictionary()
         unit.forward_grad_accs[token] = accs  # dropped with the token, i.e. with this forward's graph
@@ -539,7 +544,8 @@ def finalize_backward(root: FSDPUnit) -> None:
 
 
 def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool, keep_resharded: bool) -> None:
-    unit.grad_forwards = 0
+    if unit.grad_forward_tokens is not None:
+        unit.grad_forward_tokens.clear()
     to_cpu = unit.config.move_grads_to_cpu
     for h in unit.handles:
         h.end_backward()

@@ -130,10 +130,13 @@ class FSDPUnit:
         self.has_fsdp_parent = False
         # Activation checkpointing covers only part of this unit: its reduction waits for the end of backward.
         self.defer_post_backward = False
-        # Forwards with autograd since the last end of backward. Above one (the unit called twice in a forward, a
-        # shared block), its gradient arrives in pieces (one per use in mixed precision and with
-        # optimize_backward_concat): the reduction waits for the end of backward, once, over the whole gradient.
-        self.grad_forwards = 0
+        # Forwards with autograd since the last end of backward whose graph is still alive, as their
+        # PendingBackward tokens (a token dies with its forward's graph). Above one (the unit called twice in a
+        # forward, a shared block), its gradient arrives in pieces (one per use in mixed precision and with
+        # optimize_backward_concat): the reduction waits for the end of backward, once, over the whole gradient. A
+        # count would also have kept a dropped forward (a grad-mode evaluation pass, a batch skipped after its
+        # forward), deferring every unit's reduction of the next backward: no overlap, full gradients held.
+        self.grad_forward_tokens: Optional["weakref.WeakSet[PendingBackward]"] = None
         # The autograd graph task of this unit's backward, and whether that task accumulates into the unit's
         # parameters itself (set at its pre-backward point). A parameter gradient that arrives in another task comes
         # from a nested backward (torch.utils.checkpoint with use_reentrant=True); when the outer task uses the
@@ -183,7 +186,12 @@ class FSDPUnit:
         state["is_root"] = None
         state["grad_accs"] = None
         state["forward_grad_accs"] = None
+        state["grad_forward_tokens"] = None
         return state
+
+    def live_grad_forwards(self) -> int:
+        """Forwards with autograd since the last end of backward whose graph may still reach a backward."""
+        return len(self.grad_forward_tokens) if self.grad_forward_tokens is not None else 0
 
     def relink(self, owner: nn.Module) -> None:
         """Attach to ``owner`` after unpickling or copying."""
