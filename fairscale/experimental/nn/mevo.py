@@ -281,15 +281,26 @@ def _accumulate_row_grads(kernel_obj: Any, rows_grad: Tensor, target: Tensor) ->
     Autograd through ``w[target]`` would build a zero (vocab x d) gradient and scatter into it (800 MiB for a
     50k x 4096 fp32 head, on top of the gradient itself). Here repeated targets are summed first in the rows'
     precision (fp32 under ``fp_target``, as autograd summed them), then one ``index_add_`` writes the unique rows.
+
+    Every shape here is the token count's, none depends on the targets' values: ``torch.unique`` (whose output size
+    does) made the host wait for the GPU once per backward. The distinct targets are found by a stable sort instead
+    and summed into one slot per token; the slots no target uses stay zero and add zero to row 0. Each row's tokens
+    are summed in token order, as before.
     """
     weight: Tensor = kernel_obj.proj_weight
     if not weight.requires_grad:
         return  # see _accumulate_weight_grad
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    unique, inverse = torch.unique(target, return_inverse=True)
-    sums = rows_grad.new_zeros(unique.shape[0], rows_grad.shape[1]).index_add_(0, inverse, rows_grad)
-    weight.grad.index_add_(0, unique, sums.to(weight.grad.dtype))
+    target = target.reshape(-1)
+    ordered, order = torch.sort(target, stable=True)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    slot_of_sorted = starts.cumsum(0) - 1  # the slot of each distinct target, in sorted order
+    slot = torch.empty_like(slot_of_sorted).scatter_(0, order, slot_of_sorted)  # each token's slot
+    rows = torch.zeros_like(ordered).scatter_(0, slot_of_sorted, ordered)  # each slot's row (unused slots: 0)
+    sums = rows_grad.new_zeros(rows_grad.shape).index_add_(0, slot, rows_grad)
+    weight.grad.index_add_(0, rows, sums.to(weight.grad.dtype))
 
 
 class TargetScoreFunction(torch.autograd.Function):

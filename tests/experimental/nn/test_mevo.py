@@ -252,3 +252,44 @@ def test_a_time_major_target_is_refused() -> None:
         mevo(x.view(2, 3, 4), y.view(3, 2))
     mevo(x.view(2, 3, 4), y.view(2, 3)).backward()  # batch-major, and 1-D, targets are fine
     mevo(x.view(2, 3, 4), y).backward()
+
+
+def _row_grads_by_unique(rows_grad: Tensor, target: Tensor, grad: Tensor) -> Tensor:
+    """The rows' accumulation as ``torch.unique`` gives it (the reference: sums in the rows' precision)."""
+    unique, inverse = torch.unique(target, return_inverse=True)
+    sums = rows_grad.new_zeros(unique.shape[0], rows_grad.shape[1]).index_add_(0, inverse, rows_grad)
+    return grad.clone().index_add_(0, unique, sums.to(grad.dtype))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_row_gradients_sum_repeated_targets_without_data_dependent_shapes(grad_dtype: torch.dtype) -> None:
+    # torch.unique's output size depends on the targets, so it made the host wait for the GPU on every backward;
+    # the sort-based sums must give the same gradient, bit for bit, repeated targets (and row 0) included.
+    from fairscale.experimental.nn.mevo import _accumulate_row_grads
+
+    gen = torch.Generator().manual_seed(3)
+    for tokens, vocab in [(1, 5), (37, 9), (64, 1000), (16, 2)]:
+        target = torch.randint(vocab, (tokens,), generator=gen)
+        target[0] = 0
+        rows_grad = torch.randn(tokens, 6, generator=gen)
+        kernel = nn.Module()
+        kernel.proj_weight = nn.Parameter(torch.zeros(vocab, 6, dtype=grad_dtype))
+        kernel.proj_weight.grad = torch.randn(vocab, 6, generator=gen).to(grad_dtype)
+        expected = _row_grads_by_unique(rows_grad, target, kernel.proj_weight.grad)
+        _accumulate_row_grads(kernel, rows_grad, target)
+        assert torch.equal(kernel.proj_weight.grad, expected), (tokens, vocab)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mevo_backward_makes_no_host_sync_on_cuda() -> None:
+    x, w, y = _data(64, 16, 256)
+    x, w, y = x.detach().cuda().requires_grad_(), nn.Parameter(w.detach().cuda()), y.cuda()
+    mevo = MEVO(w, tile_factor=4)
+    loss = mevo(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert w.grad is not None and x.grad is not None
