@@ -31,6 +31,7 @@ from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_
 from . import (
     ddp_guard,
     failed_load,
+    fast_paths,
     hybrid,
     identity,
     layout_check,
@@ -207,6 +208,7 @@ def _become_root(unit: FSDPUnit) -> None:
             u.config = u.config.replace(no_broadcast_optim_state=True)
         u.is_root = False  # a unit that ran on its own first now becomes part of this tree
         u.tree = tree
+    fast_paths.keep_encoder_layers_off_their_fast_path(unit.owner, {id(u.owner) for u in units})
 
 
 def check_zero2_groups_once(root: FSDPUnit) -> None:
