@@ -249,6 +249,14 @@ def _case_bad_input(rank: int, world_size: int) -> None:
         fsdp.gather_full_optim_state_dict(two_groups)
     with pytest.raises(ValueError, match=r"model\.parameters\(\) order"):
         fsdp.gather_full_optim_state_dict(torch.optim.SGD(params[::-1], lr=0.1))
+    # The trainable parameters only (the requires_grad filter): the message names the cause, not "another model".
+    params[1].requires_grad_(False)
+    try:
+        trainable = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1)
+        with pytest.raises(ValueError, match=r"leaves out 1 of the model's \d+ flat parameters .*1 of those left out"):
+            fsdp.gather_full_optim_state_dict(trainable)
+    finally:
+        params[1].requires_grad_(True)
     # On one rank only (found by a rank-disagreement review): that rank raised alone and the others waited in the
     # gathers until the group's timeout; its error now reaches every rank through the schema gather.
     with pytest.raises(NotImplementedError, match=r"group rank 1: .*exactly one parameter group"):

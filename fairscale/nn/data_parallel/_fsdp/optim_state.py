@@ -145,12 +145,34 @@ def _check_optimizer(optim: Any, layouts: List[_Layout]) -> None:
         )
     params = list(groups[0]["params"])
     expected = [lay.instance.handles[0].param for lay in layouts]
+    if len(params) < len(expected) and _is_subsequence(params, expected):
+        # The usual cause: the optimizer was built over the trainable parameters only (a frozen instance filtered
+        # out by requires_grad). The format numbers every parameter of the model, frozen ones included.
+        left_out = [lay.instance.handles[0].param for lay in layouts if not _contains(params, lay)]
+        frozen = sum(1 for p in left_out if not p.requires_grad)
+        raise ValueError(
+            f"the optimizer leaves out {len(left_out)} of the model's {len(expected)} flat parameters (one per FSDP "
+            f"instance with parameters; {frozen} of those left out are frozen): gather_full_optim_state_dict needs "
+            "an optimizer over all of model.parameters(), frozen ones included (they get no state). Build it as "
+            "optim = Optimizer(model.parameters(), ...) instead of filtering by requires_grad."
+        )
     if len(params) != len(expected) or any(a is not b for a, b in zip(params, expected)):
         raise ValueError(
             "the optimizer's parameters must be the model's flat parameters in model.parameters() order (one per "
             f"FSDP instance with parameters: {len(expected)}); it has {len(params)} parameters in another order or "
             "from another model. Build it as optim = Optimizer(model.parameters(), ...) after wrapping."
         )
+
+
+def _is_subsequence(params: List[Any], expected: List[Any]) -> bool:
+    """Whether ``params`` are some of ``expected``, in ``expected``'s order (compared by identity)."""
+    it = iter(expected)
+    return all(any(p is e for e in it) for p in params)
+
+
+def _contains(params: List[Any], lay: _Layout) -> bool:
+    flat = lay.instance.handles[0].param
+    return any(p is flat for p in params)
 
 
 def _plain_step(key: str, value: Any) -> Any:
