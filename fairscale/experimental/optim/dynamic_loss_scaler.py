@@ -27,7 +27,7 @@ import math
 import numbers
 from collections import defaultdict
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -288,17 +288,30 @@ class DynamicLossScaler(object):
         self._iteration_scale = None
         self._iteration_overflowed = False
 
-    def state_dict(self) -> Dict[str, Optional[float]]:
-        """``{"loss_scale": ...}``."""
-        return {"loss_scale": self.loss_scale}
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"loss_scale": ...}`` (upstream's dict) and the counters that decide the scale's next change.
+
+        The counters (``iter``, ``last_overflow_iter``, ``last_rescale_iter``, ``overflows_since_rescale``) make a
+        resumed run change its scale at the same iterations as the uninterrupted one (without them the scale grew
+        ``scale_window`` clean iterations after the resume instead of after the last overflow). Upstream's loader
+        reads ``loss_scale`` only, so these dicts load there too.
+        """
+        return {
+            "loss_scale": self.loss_scale,
+            "iter": self._iter,
+            "last_overflow_iter": self._last_overflow_iter,
+            "last_rescale_iter": self._last_rescale_iter,
+            "overflows_since_rescale": self._overflows_since_rescale,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore the loss scale (when the dict has one).
+        """Restore the loss scale (when the dict has one) and the counters (when it has them: upstream's dicts do
+        not, and the counters then stay as they are).
 
         Raises:
-            ValueError: the saved loss scale is not a finite number > 0 (the scale is left as it was). Upstream took
-                any value: inf or NaN skipped every later step, silently, and 0 failed at the first step with a
-                ``ZeroDivisionError``.
+            ValueError: the saved loss scale is not a finite number > 0, or the dict has some counters but not all,
+                or one is not an integer in its range; nothing is changed then. Upstream took any loss scale: inf or
+                NaN skipped every later step, silently, and 0 failed at the first step with a ``ZeroDivisionError``.
         """
         if "loss_scale" in state_dict:
             value = state_dict["loss_scale"]
@@ -307,5 +320,36 @@ class DynamicLossScaler(object):
                     f"DynamicLossScaler.load_state_dict: loss_scale must be a finite number > 0, got {value!r}; pass "
                     "a state dict saved by DynamicLossScaler.state_dict()"
                 )
-            self.loss_scale = value  # type: ignore[assignment]  # a Real: int, float or numpy scalar, as saved
+        counters = _counters(state_dict)
+        if "loss_scale" in state_dict:
+            self.loss_scale = state_dict["loss_scale"]
             self._iteration_scale = None  # the next scale() multiplies by the loaded scale
+        if counters is not None:
+            self._iter, self._last_overflow_iter, self._last_rescale_iter, self._overflows_since_rescale = counters
+
+
+_COUNTERS = ("iter", "last_overflow_iter", "last_rescale_iter", "overflows_since_rescale")
+
+
+def _counters(state_dict: Dict[str, Any]) -> Optional[Tuple[int, int, int, int]]:
+    """The saved counters, checked (all or none: None when the dict has none, as upstream's)."""
+    present = [k for k in _COUNTERS if k in state_dict]
+    if not present:
+        return None
+    if len(present) != len(_COUNTERS):
+        missing = [k for k in _COUNTERS if k not in state_dict]
+        raise ValueError(
+            f"DynamicLossScaler.load_state_dict: the dict has the counters {present} but not {missing}; pass a "
+            "state dict saved by DynamicLossScaler.state_dict() (or one with loss_scale only)"
+        )
+    values = [state_dict[k] for k in _COUNTERS]
+    for key, value in zip(_COUNTERS, values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"DynamicLossScaler.load_state_dict: {key} must be an integer, got {value!r}")
+    it, last_overflow, last_rescale, overflows = (int(v) for v in values)
+    if it < 0 or not -1 <= last_overflow <= it or not -1 <= last_rescale <= it or overflows < 0:
+        raise ValueError(
+            "DynamicLossScaler.load_state_dict: inconsistent counters (need iter >= 0, -1 <= last_overflow_iter <= "
+            f"iter, -1 <= last_rescale_iter <= iter, overflows_since_rescale >= 0), got {dict(zip(_COUNTERS, values))}"
+        )
+    return it, last_overflow, last_rescale, overflows

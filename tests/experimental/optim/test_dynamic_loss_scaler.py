@@ -105,7 +105,7 @@ def test_unscale_and_state_dict() -> None:
     for bad in ({"scale_window": 0}, {"init_scale": 0.0}, {"scale_factor": float("nan")}):
         with pytest.raises(ValueError, match="DynamicLossScaler: "):
             DynamicLossScaler(**bad)  # type: ignore[arg-type]
-    assert scaler.state_dict() == {"loss_scale": 4}
+    assert scaler.state_dict()["loss_scale"] == 4
     other = DynamicLossScaler()
     other.load_state_dict({})
     assert other.loss_scale == 2.0**15
@@ -121,4 +121,53 @@ def test_load_state_dict_refuses_a_loss_scale_that_cannot_work(bad: Any) -> None
         scaler.load_state_dict({"loss_scale": bad})
     assert scaler.loss_scale == 8.0
     scaler.load_state_dict({"loss_scale": 4})
-    assert scaler.state_dict() == {"loss_scale": 4}
+    assert scaler.state_dict()["loss_scale"] == 4
+
+
+def _scale_history(scaler: DynamicLossScaler, iterations: range, overflow_at: set) -> list:
+    """Run the iterations (an inf gradient at ``overflow_at``), recording the scale after each update()."""
+    p = torch.nn.Parameter(torch.ones(1))
+    optim = torch.optim.SGD([p], lr=0.0)
+    history = []
+    for i in iterations:
+        p.grad = torch.full((1,), float("inf") if i in overflow_at else 1.0)
+        scaler.step(optim)
+        scaler.update()
+        history.append(scaler.loss_scale)
+    return history
+
+
+def test_a_resumed_scaler_changes_its_scale_at_the_same_iterations() -> None:
+    # Upstream's dict holds the scale only: the counters restarted on resume, and the scale grew scale_window clean
+    # iterations after the resume instead of after the last overflow.
+    overflows = {3, 11}
+    kwargs: Any = dict(init_scale=1024.0, scale_window=8, tolerance=0.25)
+    whole = _scale_history(DynamicLossScaler(**kwargs), range(40), overflows)
+    first = DynamicLossScaler(**kwargs)
+    history = _scale_history(first, range(14), overflows)
+    resumed = DynamicLossScaler(**kwargs)
+    resumed.load_state_dict(first.state_dict())
+    history += _scale_history(resumed, range(14, 40), overflows)
+    assert history == whole
+    # An upstream dict (the scale only) still loads, and keeps the counters as they are.
+    scale_only = DynamicLossScaler(**kwargs)
+    scale_only.load_state_dict({"loss_scale": first.loss_scale})
+    assert scale_only.loss_scale == first.loss_scale and scale_only.state_dict()["iter"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"iter": 5}, "has the counters"),
+        ({"iter": 5, "last_overflow_iter": 2, "last_rescale_iter": 2, "overflows_since_rescale": 1.5}, "integer"),
+        ({"iter": 5, "last_overflow_iter": True, "last_rescale_iter": 2, "overflows_since_rescale": 0}, "integer"),
+        ({"iter": 5, "last_overflow_iter": 9, "last_rescale_iter": 2, "overflows_since_rescale": 0}, "inconsistent"),
+        ({"iter": -1, "last_overflow_iter": -1, "last_rescale_iter": -1, "overflows_since_rescale": 0}, "inconsistent"),
+    ],
+)
+def test_load_state_dict_refuses_bad_counters_and_changes_nothing(bad: Any, match: str) -> None:
+    scaler = DynamicLossScaler(init_scale=8.0)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict({"loss_scale": 2.0, **bad})
+    assert scaler.state_dict() == before  # the scale too: all or nothing
