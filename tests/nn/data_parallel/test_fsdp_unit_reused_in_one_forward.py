@@ -110,16 +110,18 @@ def test_a_unit_used_twice_gathers_over_the_zero2_group_only() -> None:
     run_distributed(_world4_body, 4)
 
 
-class _CheckpointedBlocks(nn.Module):
-    """Three instances, each run under torch's non-reentrant checkpoint (recomputed inside backward)."""
+class _Blocks(nn.Module):
+    """Three instances in a row, each used once per forward; optionally each run under torch's non-reentrant
+    checkpoint (recomputed inside backward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool) -> None:
         super().__init__()
+        self.checkpointed = checkpointed
         self.blocks = nn.ModuleList([FSDP(_Block(), bucket_cap_mb=0) for _ in range(3)])
 
     def forward(self, x: Tensor) -> Tensor:
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
         return x
 
 
@@ -127,7 +129,7 @@ def _recomputation_is_not_a_second_use(rank: int, world_size: int) -> None:
     # A recomputation inside backward redoes the use of the forward: counted as a second use, every checkpointed
     # instance kept its full parameters to the end of backward (all gathers first, all reductions last).
     torch.manual_seed(0)
-    model = FSDP(_CheckpointedBlocks(), bucket_cap_mb=0)
+    model = FSDP(_Blocks(checkpointed=True), bucket_cap_mb=0)
     loss = model(torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))).sum()
     with count_collectives() as counter:
         loss.backward()
@@ -139,22 +141,9 @@ def test_a_recomputed_instance_is_reduced_at_its_own_backward() -> None:
     run_distributed(_recomputation_is_not_a_second_use, 2)
 
 
-class _Blocks(nn.Module):
-    """Three instances in a row, each used once per forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([FSDP(_Block(), bucket_cap_mb=0) for _ in range(3)])
-
-    def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _step_after_a_dropped_forward(rank: int, dropped: str) -> Tuple[List[str], List[Tensor]]:
     torch.manual_seed(0)
-    model = FSDP(_Blocks(), bucket_cap_mb=0)
+    model = FSDP(_Blocks(checkpointed=False), bucket_cap_mb=0)
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
     kept = None
     if dropped == "dropped":
