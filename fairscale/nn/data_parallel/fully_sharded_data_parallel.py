@@ -499,8 +499,9 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         consolidate_shard_weights` for the details.
 
         Args:
-            shard_weights: every rank's local state dict, in rank order.
-            shard_metadata: every rank's local metadata dict, in rank order.
+            shard_weights: every rank's local state dict: in rank order for upstream's files; files written here
+                say which rank saved them and may come in any order.
+            shard_metadata: every rank's local metadata dict, in the same order as ``shard_weights``.
             with_module_buffers: also copy the buffers (from rank 0).
             strict: raise on entries the metadata lists but the weights lack (else skip them).
 

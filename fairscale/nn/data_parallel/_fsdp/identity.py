@@ -25,7 +25,7 @@ without an identity (upstream's, or older ones) are accepted as before.
 """
 
 import uuid
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 IDENTITY_KEY = "checkpoint_identity"
 WEIGHTS_IDENTITY_KEY = "__fsdp_checkpoint_identity__"
@@ -106,18 +106,26 @@ def check_pair(weights: Any, meta: Any, what: str) -> Optional[Dict[str, Any]]:
     return from_meta if from_meta is not None else from_weights
 
 
-def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], what: str) -> None:
-    """Shards given for one checkpoint must be every rank's of the same one, each once, in rank order.
+def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], what: str) -> Optional[List[int]]:
+    """Shards given for one checkpoint must be every rank's of the same one, each once.
+
+    Their order does not matter when they carry identities: each says which rank saved it, so files listed in any
+    order (a directory listing, e.g. ``glob("worker*_model.pt")``) are put back in rank order by the caller. Files
+    without an identity (upstream's) cannot be told apart and must be given in rank order.
 
     Args:
         shard_weights: the local state dicts, in the order given.
         shard_metadata: the metadata dicts, in the order given.
         what: the caller's name, for the messages.
 
+    Returns:
+        ``order``, where ``order[r]`` is the position of rank ``r``'s shard in the lists given; ``None`` for shards
+        without identities (to be used in the order given).
+
     Raises:
         ValueError: a malformed identity; a rank's weights and metadata from different checkpoints; some shards with
-            an identity and some without; shards of different checkpoints; a rank given twice; shards not in rank
-            order; or not as many shards as the checkpoint's world size.
+            an identity and some without; shards of different checkpoints; a rank given twice; or not as many shards
+            as the checkpoint's world size.
     """
     idents = [
         check_pair(weights, meta, f"{what}: shard {pos}")
@@ -125,7 +133,7 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
     ]
     present = [pos for pos, ident in enumerate(idents) if ident is not None]
     if not present:
-        return  # upstream's (or older) files: nothing to check
+        return None  # upstream's (or older) files: nothing to check
     if len(present) != len(idents):
         missing = [pos for pos, ident in enumerate(idents) if ident is None]
         raise ValueError(
@@ -160,12 +168,11 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
             f"{what}: the checkpoint was saved by {world_size} ranks but {len(known)} shards were given "
             f"(ranks {ranks}); pass the files of every rank"
         )
-    for pos, rank in enumerate(ranks):
-        if rank != pos:
-            raise ValueError(
-                f"{what}: shard {pos} is rank {rank}'s (the shards are given in the order of ranks {ranks}); pass "
-                "them in rank order, shard r being rank r's"
-            )
+    if sorted(ranks) != list(range(world_size)):  # e.g. a malformed rank beyond the world size
+        raise ValueError(
+            f"{what}: the checkpoint was saved by ranks 0..{world_size - 1} but the shards given are ranks {ranks}"
+        )
+    return sorted(range(len(ranks)), key=lambda pos: ranks[pos])
 
 
 def check_loadable_here(ident: Optional[Mapping[str, Any]], rank: int, world_size: int) -> None:

@@ -21,7 +21,8 @@ With hybrid sharding the identity also records ``replicate_rank`` and ``replicat
 
 ``checkpoint_identity`` is this distribution's addition (upstream's consumers ignore it; upstream's files lack it and
 are accepted): every shard of one checkpoint has the same ``id``, and consolidation rejects shards of different
-checkpoints, a rank given twice and shards out of rank order (see :mod:`.identity`).
+checkpoints and a rank given twice, and puts shards given out of rank order back in rank order (see
+:mod:`.identity`); upstream's files must be given in rank order.
 
 Names are clean (no ``_fsdp_wrapped_module`` / ``_fpw_module``) and relative to the instance's ``fsdp_path``; the
 per-backing dict keeps the key order names, shapes, numels, padding because upstream's consumer unpacks it
@@ -171,8 +172,9 @@ def consolidate_shard_weights(
     """Rebuild the full state dict from every rank's local state dict and metadata (no process group needed).
 
     Args:
-        shard_weights: ``shard_weights[r]`` is rank ``r``'s :meth:`local_state_dict`, for every rank.
-        shard_metadata: ``shard_metadata[r]`` is rank ``r``'s :meth:`local_metadata_dict`.
+        shard_weights: every rank's :meth:`local_state_dict`. In rank order for files without a checkpoint identity
+            (upstream's); shards that carry one may come in any order (they are put back in rank order).
+        shard_metadata: every rank's :meth:`local_metadata_dict`, in the same order as ``shard_weights``.
         with_module_buffers: also copy the buffers (taken from rank 0).
         strict: raise on a parameter or buffer that the metadata lists but rank 0's weights lack; with
             ``False`` such entries are skipped.
@@ -186,7 +188,7 @@ def consolidate_shard_weights(
         ValueError: the two lists differ in length or are empty; a rank's metadata does not describe the same
             model as rank 0's; the shards do not add up to the sizes the metadata gives (shards of another
             model, or not every rank's shards); or their checkpoint identities show shards of different
-            checkpoints, a rank given twice, shards out of rank order or missing ranks.
+            checkpoints, a rank given twice or missing ranks.
         KeyError: with ``strict=True``, a listed entry is missing from rank 0's weights, or any rank lacks a
             shard that rank 0 has.
     """
@@ -202,8 +204,12 @@ def consolidate_shard_weights(
             "consolidate_shard_weights needs one local state dict and one metadata dict per rank, in rank order; got "
             f"{len(shard_weights)} state dicts and {len(shard_metadata)} metadata dicts"
         )
-    entries = _check_metadata(shard_metadata)
-    identity.check_shards(shard_weights, shard_metadata, "consolidate_shard_weights")
+    _check_metadata(shard_metadata)
+    order = identity.check_shards(shard_weights, shard_metadata, "consolidate_shard_weights")
+    if order is not None:  # files that say which rank saved them: use them in rank order, whatever order was given
+        shard_weights = [shard_weights[pos] for pos in order]
+        shard_metadata = [shard_metadata[pos] for pos in order]
+    entries = list(shard_metadata[0]["param_metadata"])
     out: Dict[str, Tensor] = {}
     for idx, entry in enumerate(entries):
         path = entry["fsdp_path"]
@@ -245,7 +251,7 @@ def consolidate_shard_weights(
     return out
 
 
-def _check_metadata(shard_metadata: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+def _check_metadata(shard_metadata: Sequence[Mapping[str, Any]]) -> None:
     """Every rank's metadata must describe the same instances and parameters as rank 0's."""
     for r, meta in enumerate(shard_metadata):
         if not isinstance(meta, Mapping) or "param_metadata" not in meta or "buffer_names" not in meta:
@@ -260,7 +266,6 @@ def _check_metadata(shard_metadata: Sequence[Mapping[str, Any]]) -> List[Dict[st
                 f"consolidate_shard_weights: the metadata of rank {r} describes other instances or parameters than "
                 "rank 0's; all metadata must come from the same model and checkpoint"
             )
-    return list(shard_metadata[0]["param_metadata"])
 
 
 def _layout(meta: Mapping[str, Any]) -> List[Any]:
