@@ -50,11 +50,43 @@ def _evaluates_like_the_plain_layer(wrap: str, flatten: bool) -> None:
         torch.testing.assert_close(model(x), reference.train()(x), atol=1e-5, rtol=1e-5)
 
 
+def _encoder_with_padding_evaluates_like_the_plain_encoder(wrap: str, flatten: bool) -> None:
+    """``nn.TransformerEncoder`` in eval with a padding mask first packs the batch into a nested tensor (reading the
+    first layer's weights only to check them), then calls every layer on it: each layer's fast path must stay off."""
+    layer = _layer()
+    reference = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+    encoder = copy.deepcopy(reference)
+    for block in encoder.layers:
+        setattr(block, wrap, FSDP(getattr(block, wrap), flatten_parameters=flatten))
+    model = FSDP(encoder, flatten_parameters=flatten)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, 3:] = True  # left-aligned, as the encoder's nested-tensor path wants
+    for module in (model, reference):
+        optim = torch.optim.SGD(module.parameters(), lr=0.5)
+        module(x, src_key_padding_mask=padding).pow(2).sum().backward()
+        optim.step()
+        module.eval()
+    with torch.no_grad():
+        expected = reference(x, src_key_padding_mask=padding)
+        got = model(x, src_key_padding_mask=padding)
+    kept = ~padding  # padded positions come back as zeros from the nested path and as values from the other
+    torch.testing.assert_close(got[kept], expected[kept], atol=1e-4, rtol=1e-4)
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
             (f"{wrap}, flatten={flatten}", functools.partial(_evaluates_like_the_plain_layer, wrap, flatten))
             for wrap in ("linear1", "self_attn", "both")
+            for flatten in (True, False)
+        ]
+        + [
+            (
+                f"encoder with padding, {wrap}, flatten={flatten}",
+                functools.partial(_encoder_with_padding_evaluates_like_the_plain_encoder, wrap, flatten),
+            )
+            for wrap in ("linear1", "self_attn")
             for flatten in (True, False)
         ]
     )
