@@ -1,8 +1,9 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Shared (tied) parameters: inside one instance, and between sibling instances through append_shared_param."""
 
+import functools
 import itertools
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from _models import (
 from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
 
@@ -138,6 +140,88 @@ def _sibling_instances_share_a_parameter_body(rank: int, ws: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sibling_instances_share_a_parameter(world_size: int) -> None:
     run_distributed(_sibling_instances_share_a_parameter_body, world_size)
+
+
+def _sibling_share(variant: str) -> Any:
+    torch.manual_seed(0)
+    model, ref = SiblingShare(), SiblingShare()
+    ref.load_state_dict(model.state_dict())
+    ref.head._embedding = [ref.embed]
+    kwargs: Dict[str, Any] = dict(flatten_parameters=False, reshard_after_forward="raf=False" not in variant)
+    if "fp16" in variant:
+        kwargs["mixed_precision"] = True
+    if "optimize_backward_concat" in variant:
+        kwargs["optimize_backward_concat"] = True
+    model.embed = FSDP(model.embed, **kwargs)
+    model.head = FSDP(checkpoint_wrapper(model.head) if "checkpointed" in variant else model.head, **kwargs)
+    model.head.append_shared_param(model.embed.module.module.weight)
+    return FSDP(model, **kwargs), ref
+
+
+def _shared_parameter_case(rank: int, ws: int, order: str, variant: str) -> None:
+    """The borrowed weight's gradient sums every use and every backward of the step, like other gradients.
+
+    The owner's and the borrower's handles each keep a reduced shard of the step: the second synchronizing backward
+    of a step (or the backward of a second forward) used to hand ``p.grad`` one of them only, silently. With mixed
+    precision (the parameter changes dtype between the two forwards, so it gets a second autograd accumulator) or a
+    checkpointed borrower (its recomputation accumulates in a backward of its own), the borrower's part arrives
+    before the owner's backward began: that raised "no output of this FullyShardedDataParallel's forward got a
+    gradient hook".
+    """
+    fsdp, ref = _sibling_share(variant)
+    batches = [torch.randint(11, (2 * ws, 4), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+
+    def loss(ids: Tensor) -> Tensor:
+        return fsdp(ids.tensor_split(ws)[rank]).float().pow(2).mean()
+
+    if order == "fb":
+        batches = batches[:1]
+        loss(batches[0]).backward()
+    elif order == "fb fb fb":
+        for ids in batches:
+            loss(ids).backward()
+    elif order == "ff bb, fb":
+        first, second = loss(batches[0]), loss(batches[1])
+        first.backward()
+        second.backward()
+        loss(batches[2]).backward()
+    else:  # "no_sync fb, fb fb": a window, its synchronizing backward, then one more
+        with fsdp.no_sync():
+            loss(batches[0]).backward()
+        loss(batches[1]).backward()
+        loss(batches[2]).backward()
+    assert_idle(fsdp)
+    for ids in batches:
+        ref(ids).pow(2).mean().backward()
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+    rtol, atol = (1e-2, 1e-3) if "fp16" in variant else (1e-5, 1e-6)  # fp16 compute against an fp32 reference
+    assert_close_dict(gather_full_grads(fsdp), expected, "grad", rtol=rtol, atol=atol)
+
+
+_ORDERS = ("fb", "fb fb fb", "ff bb, fb", "no_sync fb, fb fb")
+_VARIANTS = (
+    "fp32",
+    "fp32 raf=False",
+    "fp32 optimize_backward_concat",
+    "fp16",
+    "fp16 optimize_backward_concat",
+    "checkpointed borrower",
+    "fp16 checkpointed borrower",
+)
+
+
+def _shared_parameter_body(rank: int, ws: int) -> None:
+    run_cases(
+        [
+            (f"{order}, {variant}", functools.partial(_shared_parameter_case, rank, ws, order, variant))
+            for order in _ORDERS
+            for variant in _VARIANTS
+        ]
+    )
+
+
+def test_shared_parameter_with_several_backwards_mixed_precision_or_checkpointing() -> None:
+    run_distributed(_shared_parameter_body, 2)
 
 
 def _append_shared_param_bad_input_body(rank: int, ws: int) -> None:

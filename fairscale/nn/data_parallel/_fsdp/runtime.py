@@ -208,6 +208,7 @@ def _become_root(unit: FSDPUnit) -> None:
             u.config = u.config.replace(no_broadcast_optim_state=True)
         u.is_root = False  # a unit that ran on its own first now becomes part of this tree
         u.tree = tree
+    tree.sharing = ties.units_sharing_params(units)
     fast_paths.keep_encoder_layers_off_their_fast_path(unit.owner, {id(u.owner) for u in units})
 
 
@@ -527,6 +528,8 @@ def finalize_backward(root: FSDPUnit) -> None:
         with collectives.collective_phase("backward"), tree.device.stream(tree.post_backward_stream):
             tree.bucketer.flush()
         tree.device.current_stream().wait_stream(tree.post_backward_stream)
+        if any(u.has_shared_params for u in units):
+            ties.merge_borrowed_grads([u.handles for u in units])
     tree.release_held()
     tree.bucketer.teardown()
     if syncing:

@@ -14,7 +14,7 @@ reported at the first forward with a ``ValueError`` (as the undeclared sibling t
   instance: the parent would read the nested instance's shard (a 1-D slice) as if it were the full weight.
 """
 
-from typing import Any, Iterable, List, Set, Tuple
+from typing import Any, Dict, Iterable, List, Set, Tuple
 
 from torch import nn
 
@@ -160,3 +160,60 @@ def raise_for_unmanaged(owner: nn.Module) -> None:
             "them, so every rank would train its own copy. Add parameters (or replace modules) before wrapping, "
             "or wrap the new module in its own FullyShardedDataParallel instance"
         )
+
+
+def merge_borrowed_grads(handles_per_unit: List[List[Any]]) -> None:
+    """End of a synchronizing backward: give the owner of each borrowed parameter what the borrower reduced.
+
+    The owner's handle and the borrower's handle (``append_shared_param``) wrap the same parameter, and each keeps
+    its own reduced shard gradient of the step: whichever handle's hook fires first takes the backward's full
+    gradient, and the first of the two units whose pre-backward runs parks the gradient of the step's earlier
+    backwards. Each handle then handed its own shard to ``p.grad``, the second overwriting the first: with one
+    backward per step only one of them held anything, but a second synchronizing backward in a step (or two forwards
+    before their backwards) lost the earlier backwards' gradient, silently. The owner now hands over the sum.
+
+    Args:
+        handles_per_unit: the handles of every FSDP instance of the tree (after the step's reductions completed).
+    """
+    owners = {id(h.param): h for handles in handles_per_unit for h in handles if not h.borrowed}
+    for handles in handles_per_unit:
+        for h in handles:
+            owner = owners.get(id(h.param)) if h.borrowed else None
+            # An owner that never ran a forward hands nothing over: the borrower then hands its own shard, as before.
+            if owner is not None and owner.materialized and h.saved_grad_shard is not None:
+                owner.accumulate_reduced(h.saved_grad_shard)
+                h.saved_grad_shard = None
+
+
+def units_sharing_params(units: List[Any]) -> Dict[int, List[Any]]:
+    """``id()`` of every parameter declared with ``append_shared_param`` -> the units that wrap it, owner first."""
+    sharing: Dict[int, List[Any]] = {}
+    for u in units:
+        for h in u.handles:
+            if h.borrowed:
+                sharing.setdefault(id(h.param), [])
+    if not sharing:
+        return sharing
+    for borrowed in (False, True):  # owners first
+        for u in units:
+            for h in u.handles:
+                if h.borrowed == borrowed and id(h.param) in sharing:
+                    sharing[id(h.param)].append(u)
+    return sharing
+
+
+def another_unit_takes_grad(unit: Any, param: Any) -> bool:
+    """Whether the gradient that reached ``param`` now belongs to another unit that wraps it (shared parameter).
+
+    The owner's and the borrower's handles each hook the shared parameter. With one autograd accumulator for it
+    (fp32, no checkpointing), its gradient arrives once, after both units' backward began. But a change of the
+    parameter's dtype between the two forwards (mixed precision: the full parameter is half, the shard fp32) gives
+    it a new accumulator, and a checkpointed borrower accumulates inside its recomputation's own backward: the
+    borrower's part then arrives on its own, before the owner's backward began. The owner's hook leaves it to the
+    borrower's (whose unit is in its backward) instead of raising for a unit that is not.
+    """
+    tree = unit.tree
+    if tree is None or not tree.sharing:
+        return False
+    others = tree.sharing.get(id(param), ())
+    return any(u is not unit and u.pre_backward_ran for u in others)

@@ -3,7 +3,7 @@
 
 import inspect
 import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,6 +60,8 @@ class TreeState:
         # The gradient the last reduction reads on the post-backward stream, and an event recorded after that read
         # was queued (accelerators only; see hold_until_reduced).
         self._held: Optional[Tuple[Any, Tensor]] = None
+        # id() of each parameter declared with append_shared_param -> the units whose handles wrap it (owner first).
+        self.sharing: Dict[int, List[Any]] = {}
 
     def new_pending_backward(self) -> "PendingBackward":
         token = PendingBackward()
