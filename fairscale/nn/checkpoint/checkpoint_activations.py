@@ -37,6 +37,7 @@ from fairscale.internal.containers import pack_kwargs, split_non_tensors, unpack
 
 from fairscale.internal import device
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
+from ._recomputation_hooks import run_recomputation_hooks
 from ._structure import _flatten, _map_structure, _unflatten
 from .checkpoint_utils import (
     own_forward_without_stats,
@@ -359,6 +360,8 @@ class _RunForward:
                 f"first forward returned {self.num_output_tensors}; a checkpointed forward must be "
                 "deterministic in its output structure."
             )
+        if self.module is not None:
+            run_recomputation_hooks(self.module, output_tensors)
         return tuple(output_tensors)
 
 

@@ -7,8 +7,10 @@ current accumulator node, but pointing ``param.data`` back at the fp32 shard aft
 drop that node, so the forward's graph reached the parameter through another one, the engine answered no, and the
 checkpoint's nested backward freed the full parameters that the outer backward still read.
 
-Layouts: every layer checkpointed under one FSDP unit ("layers"), and one checkpointed sub-layer in each block of
-nested units ("sub-layer"). Each case trains 2 SGD steps on 2 gloo ranks, each rank on its own half of the batch:
+Layouts: every layer checkpointed under one FSDP unit ("layers"), one checkpointed sub-layer in each block of
+nested units ("sub-layer"), and the same blocks each wrapped as ``FSDP(checkpoint_wrapper(block))`` ("sub-layer in
+checkpoint_wrapper": the inner checkpoint's backward runs nested in the recomputation's backward, which also uses the
+unit's parameters; with flattened parameters it freed them under the recomputation's backward). Each case trains 2 SGD steps on 2 gloo ranks, each rank on its own half of the batch:
 
 * fp32: compared with the plain module trained on the whole batch (mean loss), within fp32 rounding;
 * bf16: compared with the same FSDP model trained without checkpointing. The recomputation repeats the same bf16
@@ -27,6 +29,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.collectives import count_collectives
+from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
 WORLD = 2
@@ -73,10 +77,11 @@ def _model(layout: str, checkpointed: bool) -> nn.Module:
 
 
 def _wrap(layout: str, module: nn.Module, fsdp_kwargs: Dict[str, object]) -> FSDP:
-    if layout == "sub-layer":
+    if layout in ("sub-layer", "sub-layer in checkpoint_wrapper"):
         assert isinstance(module, nn.Sequential)
         for i in range(1, len(module)):
-            module[i] = FSDP(module[i], **fsdp_kwargs)
+            block = checkpoint_wrapper(module[i]) if layout == "sub-layer in checkpoint_wrapper" else module[i]
+            module[i] = FSDP(block, **fsdp_kwargs)
     return FSDP(module, **fsdp_kwargs)
 
 
@@ -126,7 +131,7 @@ def _case(layout: str, mixed_precision: bool) -> None:
 
 def _body(rank: int, world_size: int) -> None:
     cases = []
-    for layout in ("layers", "sub-layer"):
+    for layout in ("layers", "sub-layer", "sub-layer in checkpoint_wrapper"):
         for mixed in (False, True):
             name = f"reentrant checkpoint of {layout}, mixed_precision={mixed}"
             cases.append((name, functools.partial(_case, layout, mixed)))
@@ -135,6 +140,28 @@ def _body(rank: int, world_size: int) -> None:
 
 def test_reentrant_checkpoint_of_part_of_a_unit() -> None:
     run_distributed(_body, WORLD, timeout=TIMEOUT)
+
+
+def _reduced_once_case(flatten: bool) -> None:
+    """``FSDP(checkpoint_wrapper(block))`` with a reentrant checkpoint inside ``block``: the recomputation's backward
+    and the one nested in it both reach the unit's parameters; the unit reduces their sum once, in the outer of the
+    two (the inner one used to reduce and free the full parameters the outer one still read)."""
+    kwargs: Dict[str, object] = dict(flatten_parameters=flatten, bucket_cap_mb=0)  # one reduction per parameter
+    model = _wrap("sub-layer in checkpoint_wrapper", _model("sub-layer", True), kwargs)
+    params = len(list(model.parameters()))  # flat parameters, or each weight and bias
+    with count_collectives() as counter:
+        model(_batch(0, dist.get_rank())).float().pow(2).mean().backward()
+    assert counter.count("reduce_scatter", phase="backward") == params, counter.summary()
+    full_gradient_bytes = 4 * sum(p.numel() for p in _model("sub-layer", True).parameters())
+    assert counter.total_bytes("reduce_scatter", phase="backward") == full_gradient_bytes, counter.summary()
+
+
+def _reduced_once_body(rank: int, world_size: int) -> None:
+    run_cases([(f"flatten={f}", functools.partial(_reduced_once_case, f)) for f in (True, False)])
+
+
+def test_checkpoint_inside_checkpoint_wrapper_reduces_each_unit_once() -> None:
+    run_distributed(_reduced_once_body, WORLD, timeout=TIMEOUT)
 
 
 def _eval_between_case(layout: str, fsdp_kwargs: Dict[str, object]) -> None:

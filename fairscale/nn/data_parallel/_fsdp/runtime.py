@@ -35,6 +35,7 @@ from . import (
     hybrid,
     identity,
     layout_check,
+    nested_backward,
     prefetch,
     recovery,
     reduction,
@@ -209,6 +210,8 @@ def _become_root(unit: FSDPUnit) -> None:
         u.is_root = False  # a unit that ran on its own first now becomes part of this tree
         u.tree = tree
     tree.sharing = ties.units_sharing_params(units)
+    for u in units:
+        nested_backward.watch_whole_unit_recomputation(u)
     fast_paths.keep_encoder_layers_off_their_fast_path(unit.owner, {id(u.owner) for u in units})
 
 
@@ -469,6 +472,8 @@ def pre_backward(unit: FSDPUnit) -> None:
     unit.rebuild_full_params("backward")
     unit.use_full_params()
     if unit.pre_backward_ran:
+        # Reached again from a nested task (an inner unit's outputs in a checkpoint_wrapper recomputation).
+        nested_backward.adopt_nested_task_if_it_uses_params(unit)
         return
     if unit.training_state != TrainingState.IDLE:
         raise RuntimeError(f"pre-backward hook in unexpected state {unit.training_state.name}")
@@ -477,17 +482,7 @@ def pre_backward(unit: FSDPUnit) -> None:
         h.park_grad_for_backward(unit.config.compute_device)
     unit.transition(TrainingState.BACKWARD_PRE)
     unit.backward_task = tensor_hooks.current_graph_task()
-    accs = unit.grad_accs
-    if accs is None:
-        accs = unit.grad_accs = [a for a in map(tensor_hooks.grad_accumulator, unit.params) if a is not None]
-    try:
-        uses = any(map(tensor_hooks.will_engine_execute_node, accs))
-        if not uses and unit.forward_grad_accs:  # see FSDPUnit.forward_grad_accs
-            will_execute = tensor_hooks.will_engine_execute_node
-            uses = any(will_execute(a) for per_forward in list(unit.forward_grad_accs.values()) for a in per_forward)
-        unit.outer_task_uses_params = uses
-    except RuntimeError:  # torch.autograd.grad(): no leaf accumulates, no gradient hook comes
-        unit.outer_task_uses_params = False
+    unit.outer_task_uses_params = nested_backward.task_uses_params(unit)
     prefetch.on_pre_backward(unit)
 
 
