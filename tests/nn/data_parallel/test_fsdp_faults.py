@@ -303,6 +303,53 @@ def test_aborted_backward_keeps_gradients_of_completed_backwards() -> None:
     run_distributed(_aborted_backward_body, WORLD, timeout=TIMEOUT)
 
 
+class _TwiceUsedNet(nn.Module):
+    """``b`` (its own unit) is used twice per forward, so its reduction waits for the end of backward; the backward
+    may fail after ``b``'s gradient accumulated, before ``a``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = FSDP(nn.Linear(4, 4))
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _FailInBackward.apply(self.a(x), self.fail)
+        return self.b(h) + self.b(h * 0.5)
+
+
+def _aborted_deferred_case() -> None:
+    """A step's first backward raises after a deferred unit's gradient accumulated in ``p.grad``: the retried step's
+    gradients are those of the retry alone (the failed backward's unreduced gradient was kept and reduced with the
+    retry's, as if it were a ``no_sync()`` window's sum)."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x0, x1 = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    net = _TwiceUsedNet()
+    model = FSDP(net)
+    net.fail = True
+    with pytest.raises(RuntimeError, match="injected"):
+        model(x0).sum().backward()
+    net.fail = False
+    with pytest.warns(UserWarning, match="did not finish"):
+        loss = model(x1).sum()  # this forward recovers from the aborted backward
+    loss.backward()
+    fresh = FSDP(_TwiceUsedNet())
+    fresh(x1).sum().backward()
+    got, expected = _grads(model), _grads(fresh)
+    assert sorted(got) == sorted(expected) and len(got) == 2
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def _aborted_deferred_body(rank: int, world_size: int) -> None:
+    run_cases([("deferred unit", _aborted_deferred_case)])
+
+
+def test_aborted_first_backward_drops_a_deferred_units_unreduced_gradient() -> None:
+    run_distributed(_aborted_deferred_body, WORLD, timeout=TIMEOUT)
+
+
 class _FailingWindowNet(nn.Module):
     """FailingNet with ``optimize_backward_concat`` on the nested unit (the root gets it from its constructor)."""
 
@@ -431,6 +478,14 @@ def _offline_identity_checks(root: str) -> None:
     shuffled = consolidate([s2[1], s2[0]])
     assert list(shuffled) == list(full)
     assert {k: v.tolist() for k, v in shuffled.items()} == {k: v.tolist() for k, v in full.items()}
+    # Only when both lists say which rank each entry is: weights copied into plain dicts (no identity) in rank order
+    # beside metadata in another order would otherwise be paired with the wrong ranks.
+    with pytest.raises(ValueError, match="cannot be put back in rank order safely"):
+        FSDP.consolidate_shard_weights([dict(c["weights"]) for c in s2], [s2[1]["meta"], s2[0]["meta"]])
+    for field, bad in (("rank", "x"), ("rank", 1.5), ("rank", 2), ("world_size", None)):
+        meta = dict(s2[1]["meta"], checkpoint_identity=dict(s2[1]["meta"]["checkpoint_identity"], **{field: bad}))
+        with pytest.raises(ValueError, match="identity is malformed"):
+            FSDP.consolidate_shard_weights([dict(c["weights"]) for c in s2], [s2[0]["meta"], meta])
     with pytest.raises(ValueError, match="carry no checkpoint identity"):
         consolidate([upstream[0], s2[1]])
     # Re-sharding makes a new checkpoint whose shards consolidate back, and do not mix with the old ones.

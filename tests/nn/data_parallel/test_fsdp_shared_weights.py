@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Shared (tied) parameters: inside one instance, and between sibling instances through append_shared_param."""
 
+import copy
 import functools
 import itertools
 from typing import Any, Dict, List
@@ -21,6 +22,7 @@ from _models import (
 from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.collectives import count_collectives
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
@@ -222,6 +224,81 @@ def _shared_parameter_body(rank: int, ws: int) -> None:
 
 def test_shared_parameter_with_several_backwards_mixed_precision_or_checkpointing() -> None:
     run_distributed(_shared_parameter_body, 2)
+
+
+class _FailBetween(torch.autograd.Function):
+    """Identity; its backward raises when asked (between the borrower's backward and the owner's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.fail:
+            raise RuntimeError("injected backward failure")
+        return grad, None
+
+
+class _FailingSiblingShare(SiblingShare):
+    fail = False
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = _FailBetween.apply(self.embed(ids), self.fail)
+        return self.head(torch.tanh(self.mid(h)))
+
+
+def _failing_share(variant: str) -> FSDP:
+    torch.manual_seed(0)
+    model = _FailingSiblingShare()
+    kwargs: Dict[str, Any] = dict(flatten_parameters=False, mixed_precision="fp16" in variant)
+    model.embed = FSDP(model.embed, **kwargs)
+    model.head = FSDP(checkpoint_wrapper(model.head) if "checkpointed" in variant else model.head, **kwargs)
+    model.head.append_shared_param(model.embed.module.module.weight)
+    return FSDP(model, **kwargs)
+
+
+def _retry_after_failed_backward(rank: int, ws: int, variant: str) -> None:
+    """The step's first backward raises after the borrower's part of the shared gradient arrived (mixed precision or
+    a checkpointed borrower: it waits in ``p.grad`` for the owner's part), before the owner's backward: the retried
+    step's gradients are the retry's alone, as for the other parameters (the failed part was kept and reduced with
+    the retry's). A deep copy of the model hooks the shared parameter as the model does: same reductions."""
+    ids = [
+        torch.randint(11, (2 * ws, 4), generator=torch.Generator().manual_seed(s)).tensor_split(ws)[rank]
+        for s in (1, 2)
+    ]
+    model = _failing_share(variant)
+    model.module.module.fail = True
+    with pytest.raises(RuntimeError, match="injected"):
+        model(ids[0]).float().pow(2).mean().backward()
+    model.module.module.fail = False
+    with pytest.warns(UserWarning, match="did not finish"):
+        loss = model(ids[1]).float().pow(2).mean()  # this forward recovers from the aborted backward
+    loss.backward()
+    counts = []
+    for fresh in (_failing_share(variant), copy.deepcopy(_failing_share(variant))):
+        with count_collectives() as counter:
+            fresh(ids[1]).float().pow(2).mean().backward()
+        counts.append(counter.total_bytes("reduce_scatter", phase="backward"))
+        got, expected = gather_full_grads(model), gather_full_grads(fresh)
+        assert sorted(got) == sorted(expected)
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+    assert counts[0] == counts[1], counts
+
+
+def _retry_body(rank: int, ws: int) -> None:
+    run_cases(
+        [
+            (variant, functools.partial(_retry_after_failed_backward, rank, ws, variant))
+            for variant in ("fp32", "fp16", "checkpointed borrower", "fp16 checkpointed borrower")
+        ]
+    )
+
+
+def test_shared_parameter_after_a_failed_backward_and_in_a_copy() -> None:
+    run_distributed(_retry_body, 2)
 
 
 def _append_shared_param_bad_input_body(rank: int, ws: int) -> None:

@@ -90,6 +90,8 @@ class FlatHandle:
         # ``keep_intact`` is the tensor reductions must not add into in place (it is, or aliases, one of those).
         self.grad_before_backward: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
         self.keep_intact: Optional[Tensor] = None
+        # Whether p.grad was None when the running backward began: a full-size p.grad then came from that backward.
+        self.no_grad_before_backward = False
         # True for a parameter owned by a sibling instance and declared with append_shared_param.
         self.borrowed = borrowed
         # Whether the persistent post-accumulate-grad hook is on the parameter (registered once per handle).
@@ -398,6 +400,7 @@ class FlatHandle:
         p, g = self.param, self.param.grad
         self.grad_before_backward = (self.saved_grad_shard, None)
         self.keep_intact = self.saved_grad_shard
+        self.no_grad_before_backward = g is None
         if g is None:
             return
         # The shape alone is ambiguous when shard and full shapes coincide (a 1-element parameter): a full-size
@@ -534,6 +537,11 @@ class FlatHandle:
             # Whatever p.grad holds now was written by the failed backward (p.grad held the reduced shard when it began).
             self.param.grad = parked
             self.remember_assigned_grad(parked)
+        elif self.no_grad_before_backward and self.param.grad is not None and self.grad_accum_flat is None:
+            # p.grad was empty when the failed backward began, so an unreduced gradient there now is that backward's
+            # (a reduction deferred to its end: a unit used by two forwards, a shared parameter's part waiting for the
+            # owner's): the next backward would take it for a no_sync() window's sum and reduce it with its own.
+            self.param.grad = None
         self.end_backward()
 
     # ------------------------------------------------------------------ optimize_backward_concat window buffer

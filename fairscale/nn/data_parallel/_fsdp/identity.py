@@ -96,14 +96,28 @@ def check_pair(weights: Any, meta: Any, what: str) -> Optional[Dict[str, Any]]:
     """
     from_meta, from_weights = of_metadata(meta), of_weights(weights)
     for ident in (from_meta, from_weights):
-        if ident is not None and any(field not in ident for field in _FIELDS):
-            raise ValueError(f"{what}: the checkpoint identity is malformed: {ident!r}")
+        if ident is not None and not _well_formed(ident):
+            raise ValueError(
+                f"{what}: the checkpoint identity is malformed (it needs a string 'id' and whole numbers 'rank' "
+                f"< 'world_size' and 'step'): {ident!r}"
+            )
     if from_meta is not None and from_weights is not None and from_meta != from_weights:
         raise ValueError(
-            f"{what}: the weights are {_describe(from_weights)} but the metadata is {_describe(from_meta)}: save "
-            "local_state_dict() and local_metadata_dict() together"
+            f"{what}: the weights are {_describe(from_weights)} but the metadata is {_describe(from_meta)}: pass "
+            "each rank's local_state_dict() and local_metadata_dict() at the same position of the two lists, and "
+            "save them together"
         )
     return from_meta if from_meta is not None else from_weights
+
+
+def _well_formed(ident: Mapping[str, Any]) -> bool:
+    if any(field not in ident for field in _FIELDS) or not isinstance(ident["id"], str):
+        return False
+    numbers: List[int] = [ident[f] for f in ("rank", "world_size", "step")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        return False
+    rank, world_size, step = numbers
+    return bool(0 <= rank < world_size and step >= 0)
 
 
 def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], what: str) -> Optional[List[int]]:
@@ -131,6 +145,13 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
         check_pair(weights, meta, f"{what}: shard {pos}")
         for pos, (weights, meta) in enumerate(zip(shard_weights, shard_metadata))
     ]
+    # Only a pair whose weights and metadata both say which rank saved them may be moved: reordering both lists by
+    # the identities of one of them would pair the other list's entries with the wrong ranks (e.g. weights copied
+    # into plain dicts, which drops their identity, given in rank order beside metadata in another order).
+    both_carry = all(
+        of_weights(weights) is not None and of_metadata(meta) is not None
+        for weights, meta in zip(shard_weights, shard_metadata)
+    )
     present = [pos for pos, ident in enumerate(idents) if ident is not None]
     if not present:
         return None  # upstream's (or older) files: nothing to check
@@ -162,7 +183,10 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
                 f"{what}: rank {rank}'s shard is given {len(positions)} times (shards {positions}): the same file "
                 "was passed more than once"
             )
-    world_size = int(known[0]["world_size"])
+    sizes = sorted({int(ident["world_size"]) for ident in known})
+    if len(sizes) > 1:
+        raise ValueError(f"{what}: the shards' identities disagree on the world size ({sizes}): malformed files")
+    world_size = sizes[0]
     if len(known) != world_size:
         raise ValueError(
             f"{what}: the checkpoint was saved by {world_size} ranks but {len(known)} shards were given "
@@ -172,7 +196,14 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
         raise ValueError(
             f"{what}: the checkpoint was saved by ranks 0..{world_size - 1} but the shards given are ranks {ranks}"
         )
-    return sorted(range(len(ranks)), key=lambda pos: ranks[pos])
+    order = sorted(range(len(ranks)), key=lambda pos: ranks[pos])
+    if order != list(range(len(ranks))) and not both_carry:
+        raise ValueError(
+            f"{what}: the shards are given in the order of ranks {ranks}, and not all of them carry their identity in "
+            "both the weights and the metadata (a local state dict copied into a plain dict loses it), so they "
+            "cannot be put back in rank order safely: pass them in rank order, shard r being rank r's"
+        )
+    return order
 
 
 def check_loadable_here(ident: Optional[Mapping[str, Any]], rank: int, world_size: int) -> None:

@@ -81,8 +81,8 @@ def _on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
         return
     if param.grad.requires_grad:
         raise RuntimeError("FSDP only works with gradients that do not require grad (no double backward)")
-    if not unit.pre_backward_ran and ties.another_unit_takes_grad(unit, param):
-        return  # a shared parameter's gradient from the borrower's use alone: the borrower's hook reduces it
+    if not unit.pre_backward_ran and ties.grad_is_a_borrowers_part(unit, param):
+        return  # the borrower's part of a shared parameter's gradient: it waits in p.grad for the owner's part
     sync = unit.require_backward_grad_sync
     if not begin_post_backward(unit, h, sync):
         return

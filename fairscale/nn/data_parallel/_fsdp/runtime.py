@@ -504,9 +504,14 @@ def _weak_post_backward_hook(unit: FSDPUnit, h: FlatHandle) -> Callable[[Tensor]
 
 
 def register_post_backward_hooks(unit: FSDPUnit) -> None:
-    """A post-accumulate-grad hook on every owned parameter that trains (once per handle)."""
+    """A post-accumulate-grad hook on every owned parameter that trains (once per handle).
+
+    Not on a parameter borrowed with ``append_shared_param``: its owner's hook reduces its gradient, the borrower's
+    part included (a model and its copies, which register the hooks again, behave alike).
+    """
     for h in unit.handles:
-        h.install_post_backward_hook(functools.partial(_weak_post_backward_hook, unit, h))
+        if not h.borrowed:
+            h.install_post_backward_hook(functools.partial(_weak_post_backward_hook, unit, h))
 
 
 def finalize_backward(root: FSDPUnit) -> None:

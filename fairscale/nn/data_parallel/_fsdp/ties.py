@@ -166,11 +166,12 @@ def merge_borrowed_grads(handles_per_unit: List[List[Any]]) -> None:
     """End of a synchronizing backward: give the owner of each borrowed parameter what the borrower reduced.
 
     The owner's handle and the borrower's handle (``append_shared_param``) wrap the same parameter, and each keeps
-    its own reduced shard gradient of the step: whichever handle's hook fires first takes the backward's full
-    gradient, and the first of the two units whose pre-backward runs parks the gradient of the step's earlier
-    backwards. Each handle then handed its own shard to ``p.grad``, the second overwriting the first: with one
-    backward per step only one of them held anything, but a second synchronizing backward in a step (or two forwards
-    before their backwards) lost the earlier backwards' gradient, silently. The owner now hands over the sum.
+    its own reduced shard gradient of the step: the first of the two units whose pre-backward runs parks the
+    gradient of the step's earlier backwards, and the end of backward reduces a gradient left in ``p.grad`` through
+    the first of the two units it reaches. Each handle then handed its own shard to ``p.grad``, the second
+    overwriting the first: with one backward per step only one of them held anything, but a second synchronizing
+    backward in a step (or two forwards before their backwards) lost the earlier backwards' gradient, silently. The
+    owner now hands over the sum.
 
     Args:
         handles_per_unit: the handles of every FSDP instance of the tree (after the step's reductions completed).
@@ -202,15 +203,17 @@ def units_sharing_params(units: List[Any]) -> Dict[int, List[Any]]:
     return sharing
 
 
-def another_unit_takes_grad(unit: Any, param: Any) -> bool:
-    """Whether the gradient that reached ``param`` now belongs to another unit that wraps it (shared parameter).
+def grad_is_a_borrowers_part(unit: Any, param: Any) -> bool:
+    """Whether the gradient that reached the owner's shared ``param`` before the owner's backward began is the part of
+    a borrower whose backward has begun.
 
-    The owner's and the borrower's handles each hook the shared parameter. With one autograd accumulator for it
-    (fp32, no checkpointing), its gradient arrives once, after both units' backward began. But a change of the
-    parameter's dtype between the two forwards (mixed precision: the full parameter is half, the shard fp32) gives
-    it a new accumulator, and a checkpointed borrower accumulates inside its recomputation's own backward: the
-    borrower's part then arrives on its own, before the owner's backward began. The owner's hook leaves it to the
-    borrower's (whose unit is in its backward) instead of raising for a unit that is not.
+    Only the owner's handle hooks the shared parameter. With one autograd accumulator for it (fp32, no checkpointing)
+    its gradient arrives once, after both units' backward began. But a change of the parameter's dtype between the two
+    forwards (mixed precision: the full parameter is half, the shard fp32) gives it a second accumulator, and a
+    checkpointed borrower accumulates inside its recomputation's own backward: the borrower's part then arrives on its
+    own, before the owner's backward began, and the owner's hook raised "no output of this FullyShardedDataParallel's
+    forward got a gradient hook". The part now stays in ``p.grad``: the owner's own part adds to it and the owner
+    reduces the sum once (or the end of backward reduces it when the owner was not used).
     """
     tree = unit.tree
     if tree is None or not tree.sharing:
