@@ -29,7 +29,14 @@ from ._oss import describe as _describe
 from ._oss import loading as _loading
 from ._oss import partition as _partition
 from ._oss import state_dict as _state
-from ._oss.buckets import Backing, Buckets, broadcast_buckets, broadcast_frozen_since, build_buckets
+from ._oss.buckets import (
+    Backing,
+    Buckets,
+    broadcast_buckets,
+    broadcast_frozen_since,
+    build_buckets,
+    watch_frozen_with_grads,
+)
 from ._oss.partition import ParamGroup
 
 __all__ = ["OSS"]
@@ -586,6 +593,7 @@ class OSS(Optimizer):
 
     def _setup_flat_buffers(self) -> None:
         self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets, self._backing)
+        watch_frozen_with_grads(self._backing, self.group, self.world_size)
 
     @staticmethod
     def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None:

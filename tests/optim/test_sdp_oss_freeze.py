@@ -6,7 +6,9 @@ A frozen parameter whose gradient is zeroed rather than released (``zero_grad(se
 stepped by a torch optimizer: under DDP every rank moves it alike (Adam's moments, SGD's momentum and weight decay).
 OSS's owner moved it the same way, but the refresh had taken it out of the broadcast buckets: no other rank received
 the new value and the replicas drifted apart, silently. Now the owner's value is broadcast while it has a gradient.
-A parameter frozen from the start (it never has a gradient) costs no collective.
+A parameter frozen from the start costs no collective, unless it holds a gradient when OSS is built (gradients zeroed
+rather than released, then the optimizer rebuilt after freezing, or the parameter given with ``add_param_group``):
+then its owner steps it too, and it is broadcast the same way (before, no other rank received it).
 """
 
 from typing import Any, Dict, List, Tuple
@@ -102,3 +104,45 @@ def test_parameter_frozen_mid_training_stays_identical_on_every_rank() -> None:
             assert spread == 0.0, f"rank {rank}, {config}: the ranks' parameters differ by {spread:.2e}"
     # A parameter frozen from the start never has a gradient: its step adds no collective.
     assert run_distributed(_frozen_from_start_body, 2, timeout=TIMEOUT) == [[0.0, 0.0, 1.0]] * 2
+
+
+def _rebuilt_after_freezing_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
+    """Train 3 steps, freeze layer 0 with its gradients zeroed rather than released, then build a new optimizer (all
+    the parameters, or the trainable ones plus layer 0 through ``add_param_group``) and train on: the frozen layer
+    holds a zero gradient, which weight decay and momentum step, on every rank alike under DDP."""
+    out = {}
+    for how in ("rebuilt", "add_param_group"):
+        model, ref = _mlp(), _mlp()
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        ref_ddp = DistributedDataParallel(ref, find_unused_parameters=True)
+        hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
+        opt: Any = OSS(model.parameters(), optim=torch.optim.SGD, **hyper)
+        ref_opt: Any = torch.optim.SGD(ref.parameters(), **hyper)
+        for step in range(6):
+            if step == 3:
+                for m in (model, ref):
+                    m.zero_grad(set_to_none=False)
+                    m[0].requires_grad_(False)
+                if how == "rebuilt":
+                    opt = OSS(model.parameters(), optim=torch.optim.SGD, **hyper)
+                    ref_opt = torch.optim.SGD(ref.parameters(), **hyper)
+                else:
+                    opt = OSS(list(model[2].parameters()) + list(model[4].parameters()), optim=torch.optim.SGD, **hyper)
+                    opt.add_param_group({"params": list(model[0].parameters())})
+                    ref_opt = torch.optim.SGD(list(ref[2].parameters()) + list(ref[4].parameters()), **hyper)
+                    ref_opt.add_param_group({"params": list(ref[0].parameters())})
+            opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad(set_to_none=False)
+            _loss(ddp, step, rank).backward()
+            _loss(ref_ddp, step, rank).backward()
+            opt.step()
+            ref_opt.step()
+        out[how] = _gaps(model, ref)
+    return out
+
+
+def test_parameter_frozen_with_a_gradient_when_oss_is_built_stays_identical() -> None:
+    for rank, per_case in enumerate(run_distributed(_rebuilt_after_freezing_body, 2, timeout=TIMEOUT)):
+        for case, (to_ref, spread) in per_case.items():
+            assert to_ref < TOLERANCE, f"rank {rank}, {case}: {to_ref:.2e} from DDP's parameters"
+            assert spread == 0.0, f"rank {rank}, {case}: the ranks' parameters differ by {spread:.2e}"

@@ -11,7 +11,14 @@ from fairscale.internal.collectives import WorkHandle
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 from fairscale.nn.misc.param_bucket import ParamBucket
 
-__all__ = ["Buckets", "Backing", "build_buckets", "broadcast_buckets", "broadcast_frozen_since"]
+__all__ = [
+    "Buckets",
+    "Backing",
+    "build_buckets",
+    "broadcast_buckets",
+    "broadcast_frozen_since",
+    "watch_frozen_with_grads",
+]
 
 # {device: {owner rank: bucket}}, the layout upstream exposes as ``OSS.buckets``.
 Buckets = Dict[torch.device, Dict[int, ParamBucket]]
@@ -36,8 +43,10 @@ class Backing:
     Args:
         entries: ``(bucket, parameters in check-in order)`` for every bucket that backs parameters.
         frozen: the parameters that did not require grad when the buckets were built (in no bucket).
-        frozen_since: ``(parameter, owner)`` for the frozen ones that were trainable at an earlier build.
+        frozen_since: ``(parameter, owner)`` for the frozen ones that were trainable at an earlier build (and, once
+            :func:`watch_frozen_with_grads` ran, those frozen from the start that held a gradient at this build).
         trained: ``id`` of every parameter that was trainable at this build or an earlier one.
+        frozen_first: ``(parameter, owner)`` for the frozen ones that were never trainable at a build.
     """
 
     def __init__(
@@ -46,8 +55,10 @@ class Backing:
         frozen: Optional[List[torch.Tensor]] = None,
         frozen_since: Optional[List[Tuple[torch.Tensor, int]]] = None,
         trained: Optional[Set[int]] = None,
+        frozen_first: Optional[List[Tuple[torch.Tensor, int]]] = None,
     ) -> None:
         self._frozen: List[torch.Tensor] = list(frozen) if frozen is not None else []
+        self.frozen_first: List[Tuple[torch.Tensor, int]] = list(frozen_first) if frozen_first is not None else []
         self.frozen_since: List[Tuple[torch.Tensor, int]] = list(frozen_since) if frozen_since is not None else []
         self.trained: Set[int] = set(trained) if trained is not None else set()
         self._entries: List[Tuple[ParamBucket, List[torch.Tensor], List[int]]] = []
@@ -112,6 +123,7 @@ def build_buckets(
     backed: List[Tuple[ParamBucket, List[torch.Tensor]]] = []
     frozen: List[torch.Tensor] = []
     frozen_since: List[Tuple[torch.Tensor, int]] = []
+    frozen_first: List[Tuple[torch.Tensor, int]] = []
     trained = set(backing.trained) if backing is not None else set()
     for device, per_rank in per_device.items():
         device_buckets: Dict[int, ParamBucket] = dict(previous.get(device, {}))
@@ -122,8 +134,7 @@ def build_buckets(
                 if not param.requires_grad:
                     param.data = param.data.detach().clone()
                     frozen.append(param)
-                    if id(param) in trained:
-                        frozen_since.append((param, owner))
+                    (frozen_since if id(param) in trained else frozen_first).append((param, owner))
                 else:
                     trained.add(id(param))
             trainable = [p for p in params if p.requires_grad]
@@ -140,7 +151,25 @@ def build_buckets(
                 kept = _buffer(bucket)
                 device_buckets[owner] = ParamBucket(kept.numel(), kept.dtype, kept.device)
         buckets[device] = device_buckets
-    return buckets, Backing(backed, frozen, frozen_since, trained)
+    return buckets, Backing(backed, frozen, frozen_since, trained, frozen_first)
+
+
+def watch_frozen_with_grads(backing: Backing, group: Any, world_size: int) -> None:
+    """After a build: also watch the parameters frozen from the start that hold a gradient on some rank.
+
+    A gradient from before (zeroed rather than released before the optimizer was built, rebuilt, or given the
+    parameter with ``add_param_group``) makes the owner's optimizer step the frozen parameter (weight decay,
+    momentum), as :func:`broadcast_frozen_since` describes; such a parameter was left out of that broadcast, so the
+    replicas drifted apart, silently. Which ones hold a gradient differs between ranks (non-owners release theirs),
+    so the ranks agree with one all-reduce, only when frozen-from-the-start parameters exist: every caller
+    (construction, ``refresh_trainable()``, ``add_param_group()``, a rebuild in ``step()``) runs on every rank.
+    """
+    first = backing.frozen_first
+    if not first or world_size == 1:  # alone, the owner's value is the only one
+        return
+    flags = torch.tensor([int(p.grad is not None) for p, _ in first], dtype=torch.int32, device=first[0][0].device)
+    collectives.all_reduce(flags, group=group, op="max")
+    backing.frozen_since.extend(entry for entry, flag in zip(first, flags.tolist()) if flag)
 
 
 def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]]) -> None:
@@ -201,8 +230,9 @@ def broadcast_frozen_since(
     it rather than releasing it) is stepped by its owner's optimizer as a plain torch optimizer steps it on every
     rank under DDP (weight decay, momentum, Adam's moments keep moving it). It is in no bucket, so before, no other
     rank received the new value and the replicas drifted apart, silently. The owners flag the ones that have a
-    gradient with one small all-reduce (only while such parameters exist: a parameter frozen from the start never
-    has a gradient), and each flagged one is broadcast from its owner, in its own dtype.
+    gradient with one small all-reduce (only while such parameters exist: those frozen since an earlier build, and
+    those frozen from the start that held a gradient at the last build, see :func:`watch_frozen_with_grads`), and
+    each flagged one is broadcast from its owner, in its own dtype.
 
     Args:
         frozen_since: ``(parameter, owning rank)``, in the same order on every rank.

@@ -6,7 +6,8 @@ optimizer, step by step on the same batches, and returns how far each rank's par
 other rank's. Every loop here was silently wrong before (the ranks stayed identical or drifted apart):
 
 * gradient accumulation without ``no_sync()`` where the first micro-batch leaves a parameter of a bucket unused
-  (multi-task heads): that bucket's other reduced values were reduced again;
+  (multi-task heads): that bucket's other reduced values were reduced again; and where the second micro-batch uses
+  nothing of a bucket the first used: the end of its backward sent that bucket again, its earlier result with it;
 * a parameter that only the micro-batches inside ``no_sync()`` use: never reduced, its owner stepped with its own
   local gradient;
 * an ``eval()`` forward between two micro-batches (logging): the first micro-batch's reduction was reduced again;
@@ -266,3 +267,104 @@ def _abandoned_window_body(rank: int, world_size: int) -> None:
 
 def test_zero_grad_drops_an_abandoned_no_sync_window() -> None:
     run_distributed(_abandoned_window_body, 2, timeout=TIMEOUT)
+
+
+class _Aux(nn.Module):
+    """``aux`` is used when ``use_aux`` is on (every rank alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(3, 3)
+        self.aux = nn.Linear(3, 3)
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        return x + self.aux(x) if self.use_aux else x
+
+
+def _later_micro_batch_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
+    """Accumulation without no_sync(): micro-batch 0 uses ``aux``, micro-batch 1 does not. With 4-element buckets a
+    bucket holds only ``aux.bias``: micro-batch 1 reaches nothing of it, and the end of its backward sent it again,
+    the first reduction's result with it (0.86 off DDP's gradient)."""
+    out = {}
+    for bucket in (0, 4, 2**10):
+        for zero in ("wrapper", "optimizer"):
+            model, sdp, opt, ref, ddp, ref_opt = _pair(_Aux, bucket, torch.optim.SGD, lr=0.1)
+            for step in range(2):
+                _zero(zero, sdp, opt, ddp, ref_opt)
+                for micro, uses in enumerate((True, False)):
+                    model.use_aux = ref.use_aux = uses
+                    x = (torch.arange(6.0).reshape(2, 3) * (rank + 1) + micro + step) / 10
+                    sdp(x).pow(2).sum().backward()
+                    ddp(x).pow(2).sum().backward()
+                opt.step()
+                ref_opt.step()
+            out[f"bucket={bucket} zero={zero}"] = _gaps(model, ref)
+    return out
+
+
+def test_accumulation_with_a_parameter_unused_by_a_later_micro_batch() -> None:
+    _check(run_distributed(_later_micro_batch_body, 2, timeout=TIMEOUT))
+
+
+class _UnfrozenLater(nn.Module):
+    """An embedding, two residual blocks (the second frozen when the optimizer is built), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(9, 5)
+        self.lin1, self.ln1 = nn.Linear(5, 5), nn.LayerNorm(5)
+        self.lin2, self.ln2 = nn.Linear(5, 5), nn.LayerNorm(5)
+        self.head = nn.Linear(5, 9)
+        self.lin2.requires_grad_(False)
+        self.ln2.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + nn.functional.gelu(self.ln1(self.lin1(x)))
+        x = x + nn.functional.gelu(self.ln2(self.lin2(x)))
+        return self.head(x)
+
+
+def _ids(step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 9, (1, 3), generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+
+
+def _unfrozen_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
+    """The second block unfrozen after a step (picked up at the next forward, which rebuilds the buckets), then two
+    reduced backwards per step, gradients zeroed by the wrapper or the optimizer; against one process training on
+    every rank's micro-batches. With 50-element buckets a parameter that had a bucket no longer fits one after the
+    rebuild: its gradient stayed a view of the old bucket, and the second backward reduced the first one's result
+    again (0.09 off)."""
+    out = {}
+    for bucket in (0, 50, 2**10):
+        for zero in ("wrapper", "optimizer"):
+            model, ref = _UnfrozenLater(), _UnfrozenLater()
+            opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+            sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            for step in range(3):
+                if step == 1:
+                    for m in (model, ref):
+                        m.lin2.requires_grad_(True)
+                        m.ln2.requires_grad_(True)
+                if zero == "wrapper":
+                    sdp.zero_grad()
+                else:
+                    opt.zero_grad()
+                ref_opt.zero_grad()
+                for micro in range(2):
+                    sdp(_ids(step, micro, rank)).pow(2).mean().backward()
+                    for r in range(world_size):
+                        (ref(_ids(step, micro, r)).pow(2).mean() / world_size).backward()
+                opt.step()
+                ref_opt.step()
+            out[f"bucket={bucket} zero={zero}"] = _gaps(model, ref)
+    return out
+
+
+def test_unfrozen_parameter_leaving_the_buckets_with_two_backwards_per_step() -> None:
+    _check(run_distributed(_unfrozen_body, 2, timeout=TIMEOUT))

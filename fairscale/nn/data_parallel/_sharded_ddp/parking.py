@@ -156,15 +156,27 @@ class ReducedValues:
         The owed slots that still hold their gradient are parked (on the owner) and zeroed; released slots are
         zeroed too (a new gradient is copied into them); the others keep their local values, which are reduced.
         """
+        entry = self.bucket_marks.get(id(bucket))
+        if entry is None or not will_accumulate(param):
+            return  # nothing owed, or autograd.grad(): the gradients stay as they are
+        self._park_owed(bucket, mine)
+
+    @torch.no_grad()
+    def park_unreached_bucket(self, bucket: GradBucket, mine: bool) -> None:
+        """End of a reduced backward that reached no gradient of ``bucket``: it is sent anyway (every rank sends
+        every bucket, whichever parameters its backward used), so a reduced value it holds from an earlier backward
+        of the step is parked first and added back when this (zero) reduction completes. Before, that value was
+        reduced again (a parameter used by one reduced backward of a step and not by the next: one task head per
+        micro-batch)."""
+        self._park_owed(bucket, mine)
+
+    def _park_owed(self, bucket: GradBucket, mine: bool) -> None:
         entry = self.bucket_marks.pop(id(bucket), None)
         if entry is None:
             return
         mark, subset = entry
         buffer = buffer_of(bucket)
         if not _still_marked(buffer, mark):
-            return
-        if not will_accumulate(param):
-            self.bucket_marks[id(bucket)] = entry  # autograd.grad(): the gradients stay as they are
             return
         owed: List[torch.Tensor] = []
         released: List[torch.Tensor] = []

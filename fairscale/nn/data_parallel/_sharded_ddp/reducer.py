@@ -243,6 +243,12 @@ class GradReducer:
             bucket.shrink()
         for param in released:
             param.grad = None
+        for param in self.trainable:
+            grad = param.grad
+            if id(param) not in self._bucket_of and grad is not None and grad._base is not None:
+                # Left a view of an earlier bucket, it shared that buffer's version counter (parking's sign of a
+                # reduced value): a second reduced backward of the step reduced its earlier result again.
+                param.grad = grad.clone()
 
     def buckets_stale(self) -> bool:
         """Whether the parameters' dtype or device changed since the buckets were built.
@@ -493,6 +499,8 @@ class GradReducer:
             self._reduce_window()
         for bucket in self.buckets:
             if not bucket.sent:
+                if bucket.params_checked_in == 0:
+                    self._reduced.park_unreached_bucket(bucket, self._is_owner[id(bucket._params[0])])
                 self._send(bucket)
         while self._handles:
             self._finish(self._handles.popleft())
