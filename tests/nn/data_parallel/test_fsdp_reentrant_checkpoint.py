@@ -21,7 +21,7 @@ unit's parameters; with flattened parameters it freed them under the recomputati
 
 import functools
 import itertools
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -190,3 +190,44 @@ def _eval_between_body(rank: int, world_size: int) -> None:
 
 def test_no_grad_forward_before_the_backward_keeps_checkpointed_gradients() -> None:
     run_distributed(_eval_between_body, WORLD, timeout=TIMEOUT)
+
+
+class _ReturnsItsParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.scale
+
+
+class _ScaledByBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = _ReturnsItsParameter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, scale = self.block(self.inp(x))
+        return y * scale
+
+
+def _hooks_per_step_body(rank: int, world_size: int) -> List[int]:
+    """The recomputation's outputs are hooked to follow its backward; a parameter the block returns as it is is a
+    leaf, which keeps its hooks: it got one more each step."""
+    torch.manual_seed(0)
+    model = _ScaledByBlock()
+    scale = model.block.scale
+    model.block = FSDP(checkpoint_wrapper(model.block), flatten_parameters=False)
+    fsdp = FSDP(model, flatten_parameters=False)
+    counts = []
+    for step in range(3):
+        fsdp(_batch(step, rank)).pow(2).mean().backward()
+        counts.append(len(scale._backward_hooks or {}))
+    return counts
+
+
+def test_recomputed_parameter_output_gets_no_hook_per_step() -> None:
+    for counts in run_distributed(_hooks_per_step_body, WORLD, timeout=TIMEOUT):
+        assert counts == [counts[0]] * 3, counts

@@ -81,7 +81,8 @@ def _on_recomputation(module: nn.Module, outputs: Sequence[Tensor]) -> None:
             adopt_nested_task_if_it_uses_params(unit)
 
     for t in outputs:
-        if t.requires_grad:
+        # Not on a leaf (a parameter the forward returns as it is): a leaf keeps its hooks for good, one more per step.
+        if t.requires_grad and not t.is_leaf:
             tensor_hooks.register_grad_hook(t, hook)
 
 
