@@ -68,19 +68,37 @@ class _Block(nn.Module):
         )
 
 
+class _TwoCheckpoints(nn.Module):
+    """Every parameter inside one of two reentrant checkpoints: two nested backwards, one after the other, each use
+    part of the unit's parameters, and its own backward task none (the first used to free them under the second)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.checkpointed:
+            return x + self.b(torch.tanh(self.a(x)))
+        h = torch_checkpoint.checkpoint(self.a, x, use_reentrant=True)
+        return x + torch_checkpoint.checkpoint(self.b, torch.tanh(h), use_reentrant=True)
+
+
 def _model(layout: str, checkpointed: bool) -> nn.Module:
     """The plain module, initialized the same way every time."""
     torch.manual_seed(0)
     if layout == "layers":
         return _Layers(checkpointed)
-    return nn.Sequential(nn.Linear(8, 8), *[_Block(checkpointed) for _ in range(2)])
+    block = _TwoCheckpoints if layout.startswith("two checkpoints") else _Block
+    return nn.Sequential(nn.Linear(8, 8), *[block(checkpointed) for _ in range(2)])
 
 
 def _wrap(layout: str, module: nn.Module, fsdp_kwargs: Dict[str, object]) -> FSDP:
-    if layout in ("sub-layer", "sub-layer in checkpoint_wrapper"):
+    if layout != "layers":
         assert isinstance(module, nn.Sequential)
         for i in range(1, len(module)):
-            block = checkpoint_wrapper(module[i]) if layout == "sub-layer in checkpoint_wrapper" else module[i]
+            block = checkpoint_wrapper(module[i]) if layout.endswith("in checkpoint_wrapper") else module[i]
             module[i] = FSDP(block, **fsdp_kwargs)
     return FSDP(module, **fsdp_kwargs)
 
@@ -131,7 +149,13 @@ def _case(layout: str, mixed_precision: bool) -> None:
 
 def _body(rank: int, world_size: int) -> None:
     cases = []
-    for layout in ("layers", "sub-layer", "sub-layer in checkpoint_wrapper"):
+    for layout in (
+        "layers",
+        "sub-layer",
+        "sub-layer in checkpoint_wrapper",
+        "two checkpoints",
+        "two checkpoints in checkpoint_wrapper",
+    ):
         for mixed in (False, True):
             name = f"reentrant checkpoint of {layout}, mixed_precision={mixed}"
             cases.append((name, functools.partial(_case, layout, mixed)))

@@ -26,7 +26,12 @@ from fairscale.nn.checkpoint.checkpoint_activations import _CheckpointedForward
 
 from .unit import FSDPUnit
 
-__all__ = ["adopt_nested_task_if_it_uses_params", "task_uses_params", "watch_whole_unit_recomputation"]
+__all__ = [
+    "adopt_nested_task_if_it_uses_params",
+    "only_nested_tasks_use_params",
+    "task_uses_params",
+    "watch_whole_unit_recomputation",
+]
 
 # The checkpointed module that is a unit's whole wrapped module -> that unit (both weakly).
 _units_of_checkpointed_modules: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPUnit]]" = (
@@ -61,6 +66,14 @@ def adopt_nested_task_if_it_uses_params(unit: FSDPUnit) -> None:
     if task_uses_params(unit):
         unit.backward_task = task
         unit.outer_task_uses_params = True
+
+
+def only_nested_tasks_use_params(unit: FSDPUnit) -> bool:
+    """Whether a gradient of the unit arrives in a backward nested inside its backward task, which itself uses none of
+    the unit's parameters: every parameter is used inside reentrant checkpoints (several of them, maybe, each with a
+    nested backward of its own, run one after another: the full parameters must outlive the first)."""
+    task = tensor_hooks.current_graph_task()
+    return not unit.outer_task_uses_params and task != -1 and task != unit.backward_task
 
 
 def watch_whole_unit_recomputation(unit: FSDPUnit) -> None:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from fairscale.internal import collectives, tensor_hooks
 
-from . import ties
+from . import nested_backward, ties
 from .handle import FlatHandle
 from .state import TrainingState
 from .unit import FSDPUnit
@@ -62,7 +62,12 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
         # group even with zero2): the end of backward reduces the sum once.
         return False
     if sync or unit.reshard_after_forward:
-        h.free_full()
+        if nested_backward.only_nested_tasks_use_params(unit):
+            # Another nested backward (a second reentrant checkpoint over this unit's parameters) may still read
+            # them: freed when the unit's own backward task reaches the next unit, or at the end of backward.
+            tree.free_after_nested_backwards(unit, h)
+        else:
+            h.free_full()
     h.use_shard()
     return True
 

@@ -469,6 +469,7 @@ def pre_backward(unit: FSDPUnit) -> None:
     tree = unit.tree
     assert tree is not None
     tree.queue_final_callback()
+    tree.free_nested_leftovers()
     unit.rebuild_full_params("backward")
     unit.use_full_params()
     if unit.pre_backward_ran:
@@ -532,6 +533,7 @@ def finalize_backward(root: FSDPUnit) -> None:
             ties.merge_borrowed_grads([u.handles for u in units])
     tree.release_held()
     tree.bucketer.teardown()
+    tree.free_nested_leftovers()
     if syncing:
         root.ckpt_step += 1  # the "step" of the checkpoint identity
     # autograd.grad() (e.g. a gradient penalty built with create_graph=True) runs no post-backward point; the graph it

@@ -62,6 +62,26 @@ class TreeState:
         self._held: Optional[Tuple[Any, Tensor]] = None
         # id() of each parameter declared with append_shared_param -> the units whose handles wrap it (owner first).
         self.sharing: Dict[int, List[Any]] = {}
+        # (unit, handle) whose gradient was reduced in a nested backward (a reentrant checkpoint) while the unit's
+        # own backward task uses none of its parameters: the full parameter is freed at the next pre-backward point
+        # or at the end of backward, not at once (see nested_backward.only_nested_tasks_use_params).
+        self._free_later: List[Tuple["weakref.ref[Any]", "weakref.ref[Any]"]] = []
+
+    def free_after_nested_backwards(self, unit: Any, handle: Any) -> None:
+        """Keep ``handle``'s full parameter of ``unit`` until :meth:`free_nested_leftovers`."""
+        if not any(h() is handle for _, h in self._free_later):
+            self._free_later.append((weakref.ref(unit), weakref.ref(handle)))
+
+    def free_nested_leftovers(self) -> None:
+        """Free the full parameters kept for nested backwards: at a pre-backward point (the backward reached another
+        unit: the one it left is done) or at the end of backward. A unit that started a new use since keeps them."""
+        if not self._free_later:
+            return
+        pending, self._free_later = self._free_later, []
+        for unit_ref, handle_ref in pending:
+            unit, handle = unit_ref(), handle_ref()
+            if unit is not None and handle is not None and unit.training_state.name == "BACKWARD_POST":
+                handle.free_full()
 
     def new_pending_backward(self) -> "PendingBackward":
         token = PendingBackward()
