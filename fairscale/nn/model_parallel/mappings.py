@@ -43,7 +43,14 @@ def _reduce(ctx: Optional[Any], input_: Tensor) -> Tensor:
         ctx.mark_dirty(input_)
     if collectives.group_size(group) == 1:
         return input_
-    collectives.all_reduce(input_, group=group)
+    if input_.is_contiguous():
+        collectives.all_reduce(input_, group=group)
+    else:
+        # A transposed 2-D input (``y.t()``) gets its gradient in that layout too; the in-place all-reduce needs
+        # contiguous storage (it failed with "the tensor must be contiguous" in backward).
+        summed = input_.contiguous()
+        collectives.all_reduce(summed, group=group)
+        input_.copy_(summed)
     return input_
 
 

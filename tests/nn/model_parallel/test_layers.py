@@ -242,6 +242,16 @@ def _mappings() -> None:
     grad = torch.ones(3)
     mappings.copy_to_model_parallel_region(z).backward(grad)
     assert torch.all(z.grad == p)
+    # Transposed (non-contiguous) tensors: summed in place forward, and a transposed input's gradient (torch hands it
+    # back in that layout) summed in backward; the in-place all-reduce refused them ("must be contiguous").
+    t = torch.full((3, 2), float(r + 1)).t()
+    assert mappings.reduce_from_model_parallel_region(t) is t and torch.all(t == p * (p + 1) / 2)
+    x_t = torch.arange(6.0).reshape(3, 2).t().requires_grad_()
+    column = ColumnParallelLinear(3, 2 * p, gather_output=True)
+    column(x_t).sum().backward()
+    x_c = x_t.detach().contiguous().requires_grad_()
+    column(x_c).sum().backward()
+    assert torch.equal(x_t.grad, x_c.grad)
 
 
 def _bad_sizes() -> None:
