@@ -103,6 +103,20 @@ class _CallStash(threading.local):
 _call_stash = _CallStash()
 
 
+# Set in a call's stash once its recomputation completed: a retained graph's second backward recomputes it again.
+_RECOMPUTED = object()
+
+
+def _statistics_counted_already() -> bool:
+    """Whether the batch-norm layers of the checkpointed call running now must leave their running statistics alone:
+    in its no-grad first pass, and in a recomputation after the first (``backward(retain_graph=True)`` twice updated
+    them once per backward, where the plain module updates them once per forward)."""
+    if is_checkpointing():
+        return True
+    stack = _call_stash.stack
+    return is_recomputing() and bool(stack) and _RECOMPUTED in stack[-1]
+
+
 def current_call_stash() -> Optional[Dict[Any, Any]]:
     """A dict that belongs to the checkpointed call running now, the same object in its first pass and in its
     recomputation (``None`` outside a :func:`checkpoint_wrapper` forward).
@@ -212,7 +226,7 @@ def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: Any = False) -> _Module
             stacklevel=2,
         )
         offload_to_cpu = bool(offload_to_cpu)
-    patch_batchnorm_while(module, is_checkpointing)
+    patch_batchnorm_while(module, _statistics_counted_already)
     setattr(module, "forward", _CheckpointedForward(module, module.forward, offload_to_cpu))
     return module
 
@@ -283,7 +297,24 @@ def _checkpointed_forward(
     offload = _offload_saved_tensors() if offload_to_cpu else contextlib.nullcontext()
     with offload:
         output_tensors = torch_checkpoint(run, grad_anchor, *input_tensors, use_reentrant=True, preserve_rng_state=True)
+    for t in output_tensors:
+        if t.requires_grad:
+            t.register_hook(_refuse_create_graph)
     return _unflatten(run.output_spec, list(output_tensors))
+
+
+def _refuse_create_graph(grad: torch.Tensor) -> None:
+    """A backward with ``create_graph=True`` (a gradient penalty's double backward) runs with grad enabled: torch's
+    reentrant checkpoint back-propagates the recomputed graph without a graph of its own, so the gradients of this
+    region would not be differentiable and the second-order gradients would miss its share, silently."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "checkpoint_wrapper: a backward with create_graph=True (a double backward, e.g. a gradient penalty) "
+            "reached a checkpointed module: its recomputation is back-propagated without a graph, so the gradients "
+            "would not be differentiable. Run that step without checkpointing (inside "
+            "fairscale.nn.checkpoint.checkpoint_activations.disable_checkpointing(), or with torch.utils.checkpoint "
+            "and use_reentrant=False)."
+        )
 
 
 class _RunForward:
@@ -331,7 +362,11 @@ class _RunForward:
             args, kwargs = _unflatten(self.input_spec if first_pass else self.recompute_spec, list(input_tensors))
         _call_stash.stack.append(self.stash)
         try:
-            own_stats = own_forward_without_stats(self.module) if self.module is not None else contextlib.nullcontext()
+            own_stats = (
+                own_forward_without_stats(self.module, _statistics_counted_already)
+                if self.module is not None
+                else contextlib.nullcontext()
+            )
             with enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
                 outputs = self.forward(*args, **kwargs)
                 if isinstance(outputs, types.GeneratorType):
@@ -341,6 +376,8 @@ class _RunForward:
                     outputs = tuple(outputs)
         finally:
             _call_stash.stack.pop()
+        if not first_pass:
+            self.stash[_RECOMPUTED] = True
         if first_pass:
             _warn_about_tensors_stored_in_arguments(self.forward, (args, kwargs), input_tensors)
         output_tensors, output_spec = _flatten(outputs)

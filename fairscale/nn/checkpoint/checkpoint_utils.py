@@ -39,12 +39,10 @@ class _RunningStatsGuard:
         # Only a layer that would actually update its statistics is touched: in eval mode the
         # flag changes nothing, and a layer whose flag is already off (by the user or by another
         # patch) must be left as it is.
-        if (
-            not torch.is_grad_enabled()
-            and module.training
-            and module.track_running_stats
-            and (self.only_while is None or self.only_while())
-        ):
+        # Without a condition: whenever grad is disabled. With one (checkpoint_wrapper's), whenever it holds: its
+        # no-grad first pass, and a second recomputation of one call (a retained graph's second backward).
+        skip = not torch.is_grad_enabled() if self.only_while is None else self.only_while()
+        if skip and module.training and module.track_running_stats:
             module.track_running_stats = False
             self.suspended = True
 
@@ -59,7 +57,7 @@ def _is_patched_kind(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def own_forward_without_stats(module: nn.Module) -> Iterator[None]:
+def own_forward_without_stats(module: nn.Module, only_while: Optional[Callable[[], bool]] = None) -> Iterator[None]:
     """Around a direct call of ``module.forward`` (no hooks run): what the patch's hooks do for a batch-norm layer.
 
     A checkpoint-wrapped batch-norm layer is itself the module whose forward the checkpoint runs, by calling it
@@ -70,7 +68,7 @@ def own_forward_without_stats(module: nn.Module) -> Iterator[None]:
     if not _is_patched_kind(module):
         yield
         return
-    bn, guard = cast(_BatchNorm, module), _RunningStatsGuard()
+    bn, guard = cast(_BatchNorm, module), _RunningStatsGuard(only_while)
     guard.suspend(bn, ())
     try:
         yield

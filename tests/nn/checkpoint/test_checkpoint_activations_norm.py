@@ -85,6 +85,24 @@ def test_a_wrapped_batch_norm_layer_itself_updates_once(cls: Any) -> None:
         assert wrapped.track_running_stats
 
 
+@pytest.mark.parametrize("itself", [False, True], ids=["inside the wrapped module", "the wrapped module itself"])
+def test_retained_graph_backward_twice_updates_the_statistics_once(itself: bool) -> None:
+    """``backward(retain_graph=True)`` then ``backward()``: each backward recomputes the call, and each recomputation
+    updated the statistics (num_batches_tracked 2 where the plain module has 1)."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(4) if itself else nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(8, 4, requires_grad=True)
+    for module in (plain, wrapped):
+        out = module(x).pow(2).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+    bn_plain, bn_wrapped = (m if itself else m[1] for m in (plain, wrapped))
+    assert bn_wrapped.num_batches_tracked.item() == bn_plain.num_batches_tracked.item() == 1
+    assert torch.equal(bn_wrapped.running_mean, bn_plain.running_mean)
+    assert torch.equal(bn_wrapped.running_var, bn_plain.running_var)
+
+
 def test_eval_mode_uses_running_stats_and_keeps_them() -> None:
     torch.manual_seed(0)
     plain = conv_model(nn.BatchNorm2d(8))
