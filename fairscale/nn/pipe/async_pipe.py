@@ -20,7 +20,7 @@ from . import microbatch
 from ._checks import balance_entries
 from .async_pipeline import AsyncPipeline
 from .async_schedule import Invocation, Location, ModuleWrapper
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, count_plain_batch_norms_once
 from .checkpoint import guard_checkpointed
 from .messages import use_rpc_by_default
 from .microbatch import Batch
@@ -169,6 +169,9 @@ class AsyncPipe(nn.Module):
         if deferred_batch_norm:
             for part in self.partitions:
                 part.module = DeferredBatchNorm.convert_deferred_batch_norm(part.module, chunks)
+        if checkpoint != "never":
+            for part in self.partitions:
+                count_plain_batch_norms_once(part.module)
         for name, part in enumerate(self.partitions):
             self.add_module(str(name), part.module)
         # Registered a second time under "partition", as upstream (state dicts have both keys).

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fairscale.internal.errors import FairscaleValueError
+from fairscale.nn.checkpoint.checkpoint_utils import patch_batchnorm_while
 
 from .checkpoint import is_recomputing
 
@@ -147,3 +148,18 @@ class DeferredBatchNorm(_BatchNorm):
             module_output.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
 
         return cast(TModule, module_output)
+
+
+def count_plain_batch_norms_once(module: nn.Module) -> None:
+    """Make the plain batch norms in ``module`` leave their running statistics alone in a checkpointed micro-batch's
+    recomputation.
+
+    A checkpointed micro-batch runs its partition twice, without grad in the forward and again in the backward: a
+    plain batch norm updated its statistics both times (``num_batches_tracked`` 3 or 4 per mini-batch of 2
+    micro-batches instead of 2), where it updates them once per micro-batch outside a pipe. The forward's update is
+    the one kept, as :class:`DeferredBatchNorm` (which is left alone here) keeps it. Layers with a
+    ``disable_patch_batchnorm`` attribute manage their statistics themselves and are skipped too.
+    """
+    for layer in module.modules():
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, DeferredBatchNorm):
+            patch_batchnorm_while(layer, is_recomputing)

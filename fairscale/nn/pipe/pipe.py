@@ -14,7 +14,7 @@ from fairscale.internal.version import torch_version as torch_version
 
 from . import microbatch
 from ._checks import balance_entries
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, count_plain_batch_norms_once
 from .checkpoint import guard_checkpointed
 from .pipeline import Pipeline
 from .skip.layout import inspect_skip_layout
@@ -209,6 +209,8 @@ class Pipe(nn.Module):
 
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
+        if checkpoint != "never":
+            count_plain_batch_norms_once(module)
 
         if devices is None:
             devices = range(accelerator_device_count())

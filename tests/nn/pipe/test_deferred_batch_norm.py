@@ -218,3 +218,23 @@ def test_two_dimensional_input():
     bn(x)
     chunked_forward(dbn, x, chunks=2)
     assert torch.allclose(bn.running_mean, dbn.running_mean, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_plain_batch_norm_in_a_pipe_updates_once_per_micro_batch(checkpoint):
+    """Without deferred_batch_norm a plain batch norm tracks every micro-batch, as outside a pipe; a checkpointed
+    micro-batch runs the partition twice (no grad, then the recomputation), and it was tracked both times
+    (num_batches_tracked 3 or 4 for 2 micro-batches)."""
+    from fairscale.nn import Pipe
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    pipe = Pipe(deepcopy(plain), balance=[2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        pipe(x).sum().backward()
+        chunked_forward(plain, x, chunks=2).sum().backward()
+    bn_pipe = pipe.partitions[0][1]
+    assert bn_pipe.num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 4
+    assert torch.allclose(bn_pipe.running_mean, plain[1].running_mean, atol=1e-6)
+    assert torch.allclose(bn_pipe.running_var, plain[1].running_var, atol=1e-6)
