@@ -592,8 +592,9 @@ class OSS(Optimizer):
         self._setup_flat_buffers()
 
     def _setup_flat_buffers(self) -> None:
-        self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets, self._backing)
-        watch_frozen_with_grads(self._backing, self.group, self.world_size)
+        previous = self._backing
+        self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets, previous)
+        watch_frozen_with_grads(self._backing, previous, self.group, self.world_size)
 
     @staticmethod
     def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None:

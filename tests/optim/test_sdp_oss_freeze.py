@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal import collectives
+from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 
 TIMEOUT = 180.0
@@ -146,3 +147,28 @@ def test_parameter_frozen_with_a_gradient_when_oss_is_built_stays_identical() ->
         for case, (to_ref, spread) in per_case.items():
             assert to_ref < TOLERANCE, f"rank {rank}, {case}: {to_ref:.2e} from DDP's parameters"
             assert spread == 0.0, f"rank {rank}, {case}: the ranks' parameters differ by {spread:.2e}"
+
+
+def _rank0_eval_body(rank: int, world_size: int) -> float:
+    """A parameter frozen from the start, and an eval() forward on rank 0 alone between steps (validation there):
+    ShardedDataParallel rebuilds OSS's buckets on that rank only, which must not communicate (the agreement on
+    frozen parameters holding a gradient ran there too, and gloo aborted on the unmatched collective)."""
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt)
+    for step in range(3):
+        _loss(sdp, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            sdp.eval()
+            with torch.no_grad():
+                sdp(torch.randn(3, 4))
+            sdp.train()
+    return float(sum(p.detach().sum() for p in model.parameters()))
+
+
+def test_eval_on_one_rank_with_a_parameter_frozen_from_the_start() -> None:
+    sums = run_distributed(_rank0_eval_body, 2, timeout=TIMEOUT)
+    assert sums[0] == sums[1], sums

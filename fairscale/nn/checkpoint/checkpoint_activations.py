@@ -299,21 +299,25 @@ def _checkpointed_forward(
         output_tensors = torch_checkpoint(run, grad_anchor, *input_tensors, use_reentrant=True, preserve_rng_state=True)
     for t in output_tensors:
         if t.requires_grad:
-            t.register_hook(_refuse_create_graph)
+            t.register_hook(_warn_create_graph)
     return _unflatten(run.output_spec, list(output_tensors))
 
 
-def _refuse_create_graph(grad: torch.Tensor) -> None:
+def _warn_create_graph(grad: torch.Tensor) -> None:
     """A backward with ``create_graph=True`` (a gradient penalty's double backward) runs with grad enabled: torch's
     reentrant checkpoint back-propagates the recomputed graph without a graph of its own, so the gradients of this
-    region would not be differentiable and the second-order gradients would miss its share, silently."""
+    region's parameters and of everything before it are not differentiable, and a second-order gradient through them
+    misses their share, silently. A penalty on gradients after the region (a head's) is right: a warning, not an
+    error."""
     if torch.is_grad_enabled():
-        raise RuntimeError(
+        warnings.warn(
             "checkpoint_wrapper: a backward with create_graph=True (a double backward, e.g. a gradient penalty) "
             "reached a checkpointed module: its recomputation is back-propagated without a graph, so the gradients "
-            "would not be differentiable. Run that step without checkpointing (inside "
+            "of its parameters and of everything before it are not differentiable (a second-order gradient through "
+            "them misses their share). Run such a step without checkpointing (inside "
             "fairscale.nn.checkpoint.checkpoint_activations.disable_checkpointing(), or with torch.utils.checkpoint "
-            "and use_reentrant=False)."
+            "and use_reentrant=False).",
+            stacklevel=2,
         )
 
 

@@ -41,7 +41,8 @@ class _RunningStatsGuard:
         # patch) must be left as it is.
         # Without a condition: whenever grad is disabled. With one (checkpoint_wrapper's), whenever it holds: its
         # no-grad first pass, and a second recomputation of one call (a retained graph's second backward).
-        skip = not torch.is_grad_enabled() if self.only_while is None else self.only_while()
+        only_while = getattr(self, "only_while", None)  # absent in hooks pickled by older versions
+        skip = not torch.is_grad_enabled() if only_while is None else only_while()
         if skip and module.training and module.track_running_stats:
             module.track_running_stats = False
             self.suspended = True

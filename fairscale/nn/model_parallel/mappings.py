@@ -45,12 +45,16 @@ def _reduce(ctx: Optional[Any], input_: Tensor) -> Tensor:
         return input_
     if input_.is_contiguous():
         collectives.all_reduce(input_, group=group)
-    else:
-        # A transposed 2-D input (``y.t()``) gets its gradient in that layout too; the in-place all-reduce needs
-        # contiguous storage (it failed with "the tensor must be contiguous" in backward).
-        summed = input_.contiguous()
-        collectives.all_reduce(summed, group=group)
-        input_.copy_(summed)
+        return input_
+    # A transposed 2-D input (``y.t()``) gets its gradient in that layout too, and ``sum()``'s gradient is an
+    # expanded (stride 0) tensor; the in-place all-reduce needs contiguous storage (it failed with "the tensor must be
+    # contiguous" in backward). The backward returns the summed copy; the forward writes it back (in place, as
+    # upstream).
+    summed = input_.contiguous()
+    collectives.all_reduce(summed, group=group)
+    if ctx is None:
+        return summed
+    input_.copy_(summed)
     return input_
 
 

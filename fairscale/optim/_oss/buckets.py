@@ -59,6 +59,8 @@ class Backing:
     ) -> None:
         self._frozen: List[torch.Tensor] = list(frozen) if frozen is not None else []
         self.frozen_first: List[Tuple[torch.Tensor, int]] = list(frozen_first) if frozen_first is not None else []
+        # The entries of frozen_first that held a gradient on some rank when watch_frozen_with_grads last agreed.
+        self.watched_first: List[Tuple[torch.Tensor, int]] = []
         self.frozen_since: List[Tuple[torch.Tensor, int]] = list(frozen_since) if frozen_since is not None else []
         self.trained: Set[int] = set(trained) if trained is not None else set()
         self._entries: List[Tuple[ParamBucket, List[torch.Tensor], List[int]]] = []
@@ -154,22 +156,27 @@ def build_buckets(
     return buckets, Backing(backed, frozen, frozen_since, trained, frozen_first)
 
 
-def watch_frozen_with_grads(backing: Backing, group: Any, world_size: int) -> None:
+def watch_frozen_with_grads(backing: Backing, previous: Optional[Backing], group: Any, world_size: int) -> None:
     """After a build: also watch the parameters frozen from the start that hold a gradient on some rank.
 
     A gradient from before (zeroed rather than released before the optimizer was built, rebuilt, or given the
     parameter with ``add_param_group``) makes the owner's optimizer step the frozen parameter (weight decay,
     momentum), as :func:`broadcast_frozen_since` describes; such a parameter was left out of that broadcast, so the
     replicas drifted apart, silently. Which ones hold a gradient differs between ranks (non-owners release theirs),
-    so the ranks agree with one all-reduce, only when frozen-from-the-start parameters exist: every caller
-    (construction, ``refresh_trainable()``, ``add_param_group()``, a rebuild in ``step()``) runs on every rank.
+    so the ranks agree with one all-reduce when the set of frozen-from-the-start parameters changed (the first build,
+    ``refresh_trainable()``, ``add_param_group()``: every rank makes those builds). A rebuild that leaves the set as
+    it was keeps the last agreement without communicating: ShardedDataParallel rebuilds on one rank alone when that
+    rank alone switches to ``eval()`` (a validation pass on rank 0), and a collective there would wait for ranks that
+    make none. A frozen parameter gets a gradient only by assignment, so the agreement stays valid.
     """
     first = backing.frozen_first
-    if not first or world_size == 1:  # alone, the owner's value is the only one
-        return
-    flags = torch.tensor([int(p.grad is not None) for p, _ in first], dtype=torch.int32, device=first[0][0].device)
-    collectives.all_reduce(flags, group=group, op="max")
-    backing.frozen_since.extend(entry for entry, flag in zip(first, flags.tolist()) if flag)
+    if previous is not None and [id(p) for p, _ in previous.frozen_first] == [id(p) for p, _ in first]:
+        backing.watched_first = list(previous.watched_first)
+    elif first and world_size > 1:  # alone, the owner's value is the only one
+        flags = torch.tensor([int(p.grad is not None) for p, _ in first], dtype=torch.int32, device=first[0][0].device)
+        collectives.all_reduce(flags, group=group, op="max")
+        backing.watched_first = [entry for entry, flag in zip(first, flags.tolist()) if flag]
+    backing.frozen_since.extend(backing.watched_first)
 
 
 def _check_one_dtype_per_bucket(per_device: Dict[Any, List[List[torch.Tensor]]]) -> None:

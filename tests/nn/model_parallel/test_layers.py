@@ -242,6 +242,9 @@ def _mappings() -> None:
     grad = torch.ones(3)
     mappings.copy_to_model_parallel_region(z).backward(grad)
     assert torch.all(z.grad == p)
+    z.grad = None
+    mappings.copy_to_model_parallel_region(z).sum().backward()  # sum()'s gradient is expanded (stride 0)
+    assert torch.all(z.grad == p)
     # Transposed (non-contiguous) tensors: summed in place forward, and a transposed input's gradient (torch hands it
     # back in that layout) summed in backward; the in-place all-reduce refused them ("must be contiguous").
     t = torch.full((3, 2), float(r + 1)).t()
