@@ -36,6 +36,22 @@ MIXED = {
 }
 
 
+class FailInBackward(torch.autograd.Function):
+    """Identity; its backward raises ``RuntimeError("injected backward failure")`` when ``fail`` is set (a backward
+    that fails midway, after the units behind this point finished theirs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.fail:
+            raise RuntimeError("injected backward failure")
+        return grad, None
+
+
 def _cpu_half_matmul() -> bool:
     try:
         torch.ones(1, 1, dtype=torch.float16) @ torch.ones(1, 1, dtype=torch.float16)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from _models import FailInBackward
+
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed, run_ranks
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
@@ -227,19 +229,6 @@ def test_fsdp_groups_inherit_the_default_timeout_or_take_the_users(tmp_path: Any
 # ------------------------------------------------------------------------------------ 4. aborted backward
 
 
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        if ctx.fail:
-            raise RuntimeError("injected backward failure")
-        return grad, None
-
-
 class FailingNet(nn.Module):
     """linear -> (may fail in backward) -> nested FSDP linear: the nested unit's backward completes first."""
 
@@ -250,7 +239,7 @@ class FailingNet(nn.Module):
         self.fail = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.b(_FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
+        return self.b(FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
 
 
 def _grads(model: nn.Module) -> Dict[str, Tensor]:
@@ -315,7 +304,7 @@ class _TwiceUsedNet(nn.Module):
         self.fail = False
 
     def forward(self, x: Tensor) -> Tensor:
-        h = _FailInBackward.apply(self.a(x), self.fail)
+        h = FailInBackward.apply(self.a(x), self.fail)
         return self.b(h) + self.b(h * 0.5)
 
 
@@ -360,7 +349,7 @@ class _FailingWindowNet(nn.Module):
         self.fail = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.b(_FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
+        return self.b(FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
 
 
 def _window_with_aborted_microbatch(obc: bool) -> Dict[str, Tensor]:

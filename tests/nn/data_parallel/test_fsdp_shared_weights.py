@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 from _models import (
+    FailInBackward,
     MIXED,
     TransformerWithSharedParams,
     assert_close_dict,
@@ -226,26 +227,11 @@ def test_shared_parameter_with_several_backwards_mixed_precision_or_checkpointin
     run_distributed(_shared_parameter_body, 2)
 
 
-class _FailBetween(torch.autograd.Function):
-    """Identity; its backward raises when asked (between the borrower's backward and the owner's)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        if ctx.fail:
-            raise RuntimeError("injected backward failure")
-        return grad, None
-
-
 class _FailingSiblingShare(SiblingShare):
     fail = False
 
     def forward(self, ids: Tensor) -> Tensor:
-        h = _FailBetween.apply(self.embed(ids), self.fail)
+        h = FailInBackward.apply(self.embed(ids), self.fail)
         return self.head(torch.tanh(self.mid(h)))
 
 
