@@ -335,6 +335,11 @@ class _RunForward:
         self.output_spec: Any = None
         self.num_output_tensors = 0
         self.stash: Dict[Any, Any] = {}  # see current_call_stash
+        enclosing = current_call_stash()
+        if is_recomputing() and enclosing is not None and _RECOMPUTED in enclosing:
+            # A call made inside a retained graph's second recomputation of the call around it is a new call with a
+            # new stash, but the step already counted its batch-norm statistics in the first one.
+            self.stash[_RECOMPUTED] = True
 
     def __call__(self, _grad_anchor: torch.Tensor, *input_tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         first_pass = not self.first_pass_done

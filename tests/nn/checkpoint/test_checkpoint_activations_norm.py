@@ -103,6 +103,39 @@ def test_retained_graph_backward_twice_updates_the_statistics_once(itself: bool)
     assert torch.equal(bn_wrapped.running_var, bn_plain.running_var)
 
 
+@pytest.mark.parametrize("backwards", [1, 2, 3])
+def test_nested_wrappers_retained_graph_update_every_level_once(backwards: int) -> None:
+    """Three nested checkpointed calls, one forward and ``backwards`` backwards over a retained graph: every batch norm
+    moves once, as in the plain model. The inner calls are new calls (new stashes) in each recomputation of the outer
+    one, so the outer call's "recomputed already" mark alone left the inner ones updating again."""
+    torch.manual_seed(0)
+
+    def build() -> nn.Sequential:
+        inner = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+        middle = nn.Sequential(nn.BatchNorm1d(6), inner, nn.Tanh())
+        outer = nn.Sequential(nn.BatchNorm1d(6), middle, nn.ReLU())
+        return nn.Sequential(nn.Linear(4, 6), outer, nn.Linear(6, 2))
+
+    plain = build()
+    wrapped = copy.deepcopy(plain)
+    checkpoint_wrapper(wrapped[1][1][1])  # inner
+    checkpoint_wrapper(wrapped[1][1])  # middle
+    checkpoint_wrapper(wrapped[1])  # outer
+    x = torch.randn(8, 4)
+    for model in (plain, wrapped):
+        loss = model(x).pow(2).sum()
+        for i in range(backwards):
+            loss.backward(retain_graph=i < backwards - 1)
+    norms = [lambda m: m[1][0], lambda m: m[1][1][0], lambda m: m[1][1][1][1]]
+    for pick in norms:
+        bn_plain, bn_wrapped = pick(plain), pick(wrapped)
+        assert bn_wrapped.num_batches_tracked.item() == bn_plain.num_batches_tracked.item() == 1
+        torch.testing.assert_close(bn_wrapped.running_mean, bn_plain.running_mean)
+        torch.testing.assert_close(bn_wrapped.running_var, bn_plain.running_var)
+    for p_plain, p_wrapped in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(p_wrapped.grad, p_plain.grad)
+
+
 def test_eval_mode_uses_running_stats_and_keeps_them() -> None:
     torch.manual_seed(0)
     plain = conv_model(nn.BatchNorm2d(8))
