@@ -32,6 +32,7 @@ from ._oss import state_dict as _state
 from ._oss.buckets import (
     Backing,
     Buckets,
+    agree_on_frozen_with_grads,
     broadcast_buckets,
     broadcast_frozen_since,
     build_buckets,
@@ -320,6 +321,7 @@ class OSS(Optimizer):
 
     def _broadcast_params(self) -> None:
         broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.rank, self.broadcast_fp16)
+        agree_on_frozen_with_grads(self._backing, self.group)
         broadcast_frozen_since(self._backing.frozen_since, self.group, self._local_to_global_rank, self.rank)
 
     def clip_grad_norm(
@@ -594,7 +596,7 @@ class OSS(Optimizer):
     def _setup_flat_buffers(self) -> None:
         previous = self._backing
         self.buckets, self._backing = build_buckets(self._per_device_params, self.buckets, previous)
-        watch_frozen_with_grads(self._backing, previous, self.group, self.world_size)
+        watch_frozen_with_grads(self._backing, previous, self.world_size)
 
     @staticmethod
     def _sync_param_groups(source: List[Dict[Any, Any]], destination: List[Dict[Any, Any]]) -> None:

@@ -80,14 +80,17 @@ def _freeze_body(rank: int, world_size: int) -> Dict[str, Tuple[float, float]]:
 
 
 def _frozen_from_start_body(rank: int, world_size: int) -> List[float]:
-    """All-reduces of one step: nothing frozen, layer 0 frozen from the construction on, layer 0 frozen since (one
-    small all-reduce of the owners' flags)."""
+    """All-reduces of a step after the first: nothing frozen, layer 0 frozen from the construction on, layer 0 frozen
+    since (one small all-reduce of the owners' flags). The first step after a build that changed the set of parameters
+    frozen from the start agrees on those holding a gradient (one all-reduce), once."""
     counts = []
     for frozen in ("none", "start", "since"):
         model = _mlp()
         model[0].requires_grad_(frozen != "start")
         opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
         _loss(model, 0, rank).backward()
+        opt.step()
+        _loss(model, 1, rank).backward()
         if frozen == "since":
             model[0].requires_grad_(False)
             opt.refresh_trainable()
@@ -172,3 +175,49 @@ def _rank0_eval_body(rank: int, world_size: int) -> float:
 def test_eval_on_one_rank_with_a_parameter_frozen_from_the_start() -> None:
     sums = run_distributed(_rank0_eval_body, 2, timeout=TIMEOUT)
     assert sums[0] == sums[1], sums
+
+
+def _unfreeze_then_rank0_eval_body(rank: int, world_size: int) -> Tuple[int, float]:
+    """A layer unfrozen on every rank, then an eval() forward on rank 0 alone (validation there) before the next
+    training forward, the other rank waiting in a barrier: the rebuild there changed the set of parameters frozen from
+    the start, and the ranks' agreement on those holding a gradient ran in it, a collective of rank 0 alone."""
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    model[2].requires_grad_(False)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    sdp = ShardedDataParallel(model, opt)
+    ref = _mlp()
+    ref[0].weight.requires_grad_(False)
+    ref[2].requires_grad_(False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    eval_collectives = 0
+    for step in range(4):
+        if step == 2:
+            model[2].requires_grad_(True)
+            ref[2].requires_grad_(True)
+            if rank == 0:
+                with collectives.count_collectives() as counter:
+                    sdp.eval()
+                    with torch.no_grad():
+                        sdp(torch.randn(3, 4))
+                    sdp.train()
+                eval_collectives = counter.count()
+            dist.barrier()
+        _loss(sdp, step, rank).backward()
+        # The one-process reference: DDP leaves out of its reducer what was frozen when it was built.
+        (sum(_loss(ref, step, r) for r in range(world_size)) / world_size).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    to_ref, spread = _gaps(model, ref)
+    if spread != 0.0:
+        raise AssertionError(f"rank {rank}: the ranks' parameters differ by {spread:.2e}")
+    return eval_collectives, to_ref
+
+
+def test_unfreeze_then_eval_on_one_rank_makes_no_collective() -> None:
+    results = run_distributed(_unfreeze_then_rank0_eval_body, 2, timeout=60.0)
+    assert results[0][0] == 0, f"rank 0's eval() forward called {results[0][0]} collectives"
+    for rank, (_, to_ref) in enumerate(results):
+        assert to_ref < TOLERANCE, f"rank {rank}: {to_ref:.2e} from DDP's parameters"

@@ -16,6 +16,7 @@ __all__ = [
     "Backing",
     "build_buckets",
     "broadcast_buckets",
+    "agree_on_frozen_with_grads",
     "broadcast_frozen_since",
     "watch_frozen_with_grads",
 ]
@@ -59,8 +60,9 @@ class Backing:
     ) -> None:
         self._frozen: List[torch.Tensor] = list(frozen) if frozen is not None else []
         self.frozen_first: List[Tuple[torch.Tensor, int]] = list(frozen_first) if frozen_first is not None else []
-        # The entries of frozen_first that held a gradient on some rank when watch_frozen_with_grads last agreed.
-        self.watched_first: List[Tuple[torch.Tensor, int]] = []
+        # The entries of frozen_first that held a gradient on some rank when the ranks last agreed on them (None: not
+        # agreed yet, the next step does it; see watch_frozen_with_grads).
+        self.watched_first: Optional[List[Tuple[torch.Tensor, int]]] = []
         self.frozen_since: List[Tuple[torch.Tensor, int]] = list(frozen_since) if frozen_since is not None else []
         self.trained: Set[int] = set(trained) if trained is not None else set()
         self._entries: List[Tuple[ParamBucket, List[torch.Tensor], List[int]]] = []
@@ -156,26 +158,40 @@ def build_buckets(
     return buckets, Backing(backed, frozen, frozen_since, trained, frozen_first)
 
 
-def watch_frozen_with_grads(backing: Backing, previous: Optional[Backing], group: Any, world_size: int) -> None:
+def watch_frozen_with_grads(backing: Backing, previous: Optional[Backing], world_size: int) -> None:
     """After a build: also watch the parameters frozen from the start that hold a gradient on some rank.
 
     A gradient from before (zeroed rather than released before the optimizer was built, rebuilt, or given the
     parameter with ``add_param_group``) makes the owner's optimizer step the frozen parameter (weight decay,
     momentum), as :func:`broadcast_frozen_since` describes; such a parameter was left out of that broadcast, so the
     replicas drifted apart, silently. Which ones hold a gradient differs between ranks (non-owners release theirs),
-    so the ranks agree with one all-reduce when the set of frozen-from-the-start parameters changed (the first build,
-    ``refresh_trainable()``, ``add_param_group()``: every rank makes those builds). A rebuild that leaves the set as
-    it was keeps the last agreement without communicating: ShardedDataParallel rebuilds on one rank alone when that
-    rank alone switches to ``eval()`` (a validation pass on rank 0), and a collective there would wait for ranks that
-    make none. A frozen parameter gets a gradient only by assignment, so the agreement stays valid.
+    so the ranks agree with one all-reduce when the set of frozen-from-the-start parameters changed: at the next
+    step (:func:`agree_on_frozen_with_grads`), which every rank makes. A build does not communicate: ShardedDataParallel
+    rebuilds on one rank alone when that rank alone switches to ``eval()`` (a validation pass on rank 0, perhaps
+    followed by a barrier on the others), and a collective there would wait for ranks that make none or a different
+    one. A rebuild that leaves the set as it was keeps the last agreement. A frozen parameter gets a gradient only by
+    assignment, so the agreement stays valid.
     """
     first = backing.frozen_first
     if previous is not None and [id(p) for p, _ in previous.frozen_first] == [id(p) for p, _ in first]:
-        backing.watched_first = list(previous.watched_first)
+        backing.watched_first = None if previous.watched_first is None else list(previous.watched_first)
     elif first and world_size > 1:  # alone, the owner's value is the only one
-        flags = torch.tensor([int(p.grad is not None) for p, _ in first], dtype=torch.int32, device=first[0][0].device)
-        collectives.all_reduce(flags, group=group, op="max")
-        backing.watched_first = [entry for entry, flag in zip(first, flags.tolist()) if flag]
+        backing.watched_first = None
+    else:
+        backing.watched_first = []
+    if backing.watched_first is not None:
+        backing.frozen_since.extend(backing.watched_first)
+
+
+def agree_on_frozen_with_grads(backing: Backing, group: Any) -> None:
+    """At a step, before :func:`broadcast_frozen_since`: the ranks agree on which parameters frozen from the start
+    hold a gradient on some rank, if a build since the last agreement changed that set (one small all-reduce)."""
+    if backing.watched_first is not None:
+        return
+    first = backing.frozen_first
+    flags = torch.tensor([int(p.grad is not None) for p, _ in first], dtype=torch.int32, device=first[0][0].device)
+    collectives.all_reduce(flags, group=group, op="max")
+    backing.watched_first = [entry for entry, flag in zip(first, flags.tolist()) if flag]
     backing.frozen_since.extend(backing.watched_first)
 
 
