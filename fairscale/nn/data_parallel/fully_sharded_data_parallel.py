@@ -389,6 +389,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         if isinstance(max_norm, bool) or isinstance(norm_type, bool):  # True was taken for 1.0
             raise TypeError(f"clip_grad_norm_: max_norm and norm_type must be numbers, got {max_norm!r}, {norm_type!r}")
         runtime.lazy_init(self._fsdp_unit)
+        # Before the gradients are listed: recovering from a backward that raised gives back the earlier ones.
+        runtime.recover_between_steps(self._fsdp_unit)
         grads = [p.grad for p in self.params_with_grad if p.grad is not None]
         return grad_norm.clip_grad_norm_(self._fsdp_unit, grads, float(max_norm), float(norm_type))
 

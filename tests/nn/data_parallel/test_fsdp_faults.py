@@ -7,6 +7,7 @@ kills its ranks when the test ends.
 """
 
 import atexit
+import copy
 import datetime
 import functools
 import os
@@ -290,6 +291,66 @@ def _aborted_backward_body(rank: int, world_size: int) -> None:
 
 def test_aborted_backward_keeps_gradients_of_completed_backwards() -> None:
     run_distributed(_aborted_backward_body, WORLD, timeout=TIMEOUT)
+
+
+def _call_after_aborted_case(call: str) -> None:
+    torch.manual_seed(0)
+    model = FSDP(FailingNet())
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).sum().backward()
+    before_grads = _grads(model)
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.module.module.fail = True
+    with pytest.raises(RuntimeError, match="injected"):
+        model(x).sum().backward()
+    model.module.module.fail = False
+    with pytest.warns(UserWarning, match="did not finish"):  # the call recovers, as the next forward does
+        if call == "state_dict":
+            got = model.state_dict()
+            for key, value in before_state.items():
+                assert torch.equal(got[key], value), key
+        elif call == "summon_full_params":
+            with model.summon_full_params():
+                pass
+        elif call == "clip_grad_norm_":
+            norm = model.clip_grad_norm_(1e9)  # nothing clipped: the norm of the completed backward's gradients
+            expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in _full_grads(model)]))
+            assert torch.allclose(norm, expected), (norm, expected)
+        elif call == "no_sync":
+            with model.no_sync():
+                pass
+        else:
+            copy.deepcopy(model)
+    after = _grads(model)
+    assert sorted(after) == sorted(before_grads)
+    for name in before_grads:
+        assert torch.equal(after[name], before_grads[name]), name
+    model(x).sum().backward()  # training goes on from there
+    for name, grad in _grads(model).items():
+        assert torch.allclose(grad, 2.0 * before_grads[name], rtol=1e-5, atol=1e-6), name
+
+
+def _full_grads(model: FSDP) -> List[Tensor]:
+    """Every rank's reduced gradient shards, gathered (the norm clip_grad_norm_ combines across ranks)."""
+    out = []
+    for p in model.parameters():
+        assert p.grad is not None
+        pieces = [torch.zeros_like(p.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, p.grad.contiguous())
+        out.extend(pieces)
+    return out
+
+
+def _call_after_aborted_body(rank: int, world_size: int) -> None:
+    calls = ("state_dict", "summon_full_params", "clip_grad_norm_", "no_sync", "deepcopy")
+    run_cases([(call, functools.partial(_call_after_aborted_case, call)) for call in calls])
+
+
+def test_calls_between_steps_recover_from_an_aborted_backward() -> None:
+    """After a backward that raised (caught by the loop), the calls a loop makes without a forward (save a
+    checkpoint, clip, copy, open a no_sync() window) were refused until the next forward, with messages about being
+    "inside forward or backward" (found by a randomized sequence of API calls)."""
+    run_distributed(_call_after_aborted_body, WORLD, timeout=TIMEOUT)
 
 
 class _TwiceUsedNet(nn.Module):

@@ -566,6 +566,27 @@ def test_forward_forward_backward_backward_outside_no_sync() -> None:
     run_distributed(_two_sync_backwards, 2, timeout=TIMEOUT)
 
 
+def _forward_outside_backward_inside(rank: int, world_size: int) -> None:
+    """A microbatch whose forward ran outside no_sync() and whose backward runs inside it accumulates, as with the flag
+    off (before, its reduce-scatter was issued and the end of that backward failed with "call flush() first"); the
+    next synchronizing microbatch reduces both. Bitwise equal to the flag off, for nested and root-only models."""
+    for nested in (False, True):
+        grads: Dict[bool, List[Tensor]] = {}
+        for flag in (False, True):
+            model, _, _ = build(cfg(nested=nested), flag)
+            loss = mb_loss(model(batch(0, 0, rank)))
+            with model.no_sync():
+                loss.backward()
+            mb_loss(model(batch(0, 1, rank))).backward()
+            grads[flag] = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        for on, off in zip(grads[True], grads[False]):
+            assert torch.equal(on, off), f"nested={nested}: flag on and off disagree"
+
+
+def test_forward_outside_no_sync_backward_inside_accumulates() -> None:
+    run_distributed(_forward_outside_backward_inside, 2, timeout=TIMEOUT)
+
+
 def test_flatten_params_wrapper_rejects_non_bool() -> None:
     from fairscale.nn.misc import FlattenParamsWrapper
 

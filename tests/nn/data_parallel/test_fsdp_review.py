@@ -9,6 +9,7 @@ in forward, nested reshard matrices with clip_grad_norm_ after no_sync windows, 
 
 import copy
 import dataclasses
+import functools
 import gc
 import itertools
 import time
@@ -87,6 +88,57 @@ def test_deepcopy_returns_an_fsdp_instance() -> None:
     """copy.deepcopy looks ``__deepcopy__`` up on the instance; FSDP.__getattr__ must not forward it to the FPW."""
 
     run_distributed(_deepcopy_returns_an_fsdp_instance_body, 2)
+
+
+def _edit_a_copy_case(options: Dict[str, Any], edit: str) -> None:
+    ref = _net()
+    fsdp = _wrap_nested(_net(), **options)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    fsdp(x).sum().backward()  # the copy is made after a step's forward and backward
+    ref(x).sum().backward()
+    before = {k: v.clone() for k, v in fsdp.state_dict().items()}
+    clone = copy.deepcopy(fsdp)
+
+    def halve_biases(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.bias.mul_(0.5)
+
+    if edit == "apply":
+        clone.apply(halve_biases)
+    else:
+        target = copy.deepcopy(ref)
+        target.apply(halve_biases)
+        clone.load_state_dict(target.state_dict())
+    ref.apply(halve_biases)
+    got = clone.state_dict()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(got[key].float(), value, msg=lambda m: f"the copy's {key} after {edit}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x).float(), ref(x), atol=1e-2 if options else 1e-6, rtol=1e-2)
+    for key, value in fsdp.state_dict().items():
+        assert torch.equal(value, before[key]), f"editing the copy changed the original's {key}"
+
+
+def _edit_a_copy_body(rank: int, world_size: int) -> None:
+    configs: Dict[str, Dict[str, Any]] = {
+        "flat": {},
+        "unflattened": dict(flatten_parameters=False),
+        "mixed_precision": dict(mixed_precision=True, compute_dtype=torch.bfloat16),
+        "move_params_to_cpu": dict(move_params_to_cpu=True),
+    }
+    run_cases(
+        (f"{name}-{edit}", functools.partial(_edit_a_copy_case, options, edit))
+        for name, options in configs.items()
+        for edit in ("apply", "load_state_dict")
+    )
+
+
+def test_edits_of_a_copy_made_after_a_forward_reach_the_copy() -> None:
+    """A deep copy made after a forward (an EMA or teacher copy) ignored ``apply(fn)`` and ``load_state_dict()``,
+    silently: torch's deepcopy of a parameter clones its data, so the copy's parameters and the shards its forward
+    reads were different tensors (found by a randomized sequence of API calls)."""
+    run_distributed(_edit_a_copy_body, 2)
 
 
 class _FailingBackward(nn.Module):

@@ -167,7 +167,11 @@ def _concat(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> Optional[Te
 
 def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
     anchor.grad = None
-    reduction.on_view_grads_accumulated(info.unit, info.handle, info.sync)
+    unit = info.unit
+    # A microbatch whose forward ran outside no_sync() but whose backward runs inside it accumulates, as the flag-off
+    # path decides at backward time too (before, it issued its reduce-scatter, and the end of that no_sync backward
+    # failed on the unflushed reduction with an internal error).
+    reduction.on_view_grads_accumulated(unit, info.handle, info.sync and unit.require_backward_grad_sync)
 
 
 def _new_buffer(info: _NodeInfo, h: FlatHandle) -> List[Tensor]:

@@ -160,6 +160,11 @@ class FlatHandle:
         # Copies and pickles of a parameter drop its hooks (torch keeps them on the original only): the copy's
         # next backward registers its own, or it would reduce every gradient late and keep full parameters.
         state["_post_hook_registered"] = False
+        # Between steps p.data *is* the fp32 shard. torch's deepcopy of a Parameter clones its data instead of going
+        # through the copy's memo, so the copy's parameter and shard came apart: edits of the copy's parameters
+        # (apply(), load_state_dict()) went to a tensor its forward never read, silently.
+        shard = self.fp32_shard
+        state["_param_is_shard"] = shard is not None and self.param.data.data_ptr() == shard.data_ptr()
         full = self.full_padded
         if full is not None and full.untyped_storage().nbytes() == 0:
             # A freed buffer is a tensor larger than its storage, which torch.load cannot rebuild: keep its recipe.
@@ -167,7 +172,10 @@ class FlatHandle:
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        param_is_shard = state.pop("_param_is_shard", False)
         self.__dict__.update(state)
+        if param_is_shard and self.fp32_shard is not None and self.param.data.data_ptr() != self.fp32_shard.data_ptr():
+            self.param.data = self.fp32_shard
         # Upstream's parameter attributes do not survive every copy (nn.Parameter's deepcopy drops a parameter's
         # attributes, a FlatParameter pickles in upstream's format without them): set them again.
         self.param._is_sharded = self.is_sharded  # type: ignore[attr-defined]

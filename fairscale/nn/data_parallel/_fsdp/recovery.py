@@ -7,9 +7,15 @@ stay pending. The root's next forward detects this and puts every instance back 
 failed backward are dropped (its gradients are incomplete anyway); what earlier *completed* backwards left, in
 ``p.grad``, in the reduced-shard accumulator or in an ``optimize_backward_concat`` window buffer, is given back, as
 ``nn.Module`` would keep it.
+
+The calls a training loop makes next without a forward (``state_dict()`` to save a checkpoint after a failed step,
+``summon_full_params()``, ``clip_grad_norm_()``, ``no_sync()``, ``copy.deepcopy``) recover the same way first
+(:func:`recover_between_steps`): they were refused before, with messages about being "inside forward or backward".
 """
 
 import warnings
+
+import torch
 
 from .state import TrainingState
 from .unit import FSDPUnit
@@ -36,3 +42,16 @@ def recover_from_aborted_backward(root: FSDPUnit) -> None:
         u.transition(TrainingState.IDLE)
     tree.final_callback_queued = False
     tree.any_post_backward = False
+
+
+def recover_between_steps(unit: FSDPUnit) -> None:
+    """Reset the tree of ``unit`` after a backward that raised, when called outside any forward and backward (a
+    no-op otherwise, and when the last backward finished)."""
+    tree = unit.tree
+    if tree is None or tree.root is None or tree.forward_running:
+        return
+    if torch._C._current_graph_task_id() != -1:
+        return  # inside a backward (a hook, a recomputation): that backward is running, not aborted
+    root = tree.root()
+    if root is not None:
+        recover_from_aborted_backward(root)

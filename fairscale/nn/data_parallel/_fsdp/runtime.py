@@ -53,9 +53,13 @@ from .unit import FSDPUnit
 # ---------------------------------------------------------------------------------------------------- lazy init
 
 
+recover_between_steps = recovery.recover_between_steps
+
+
 def _assert_between_steps(unit: FSDPUnit, what: str, why: str) -> None:
     """Raise unless every unit of the tree is idle and no forward's backward is pending (``why`` says what the
     pending backward would lack)."""
+    recovery.recover_between_steps(unit)
     unit.assert_idle_tree(what)
     tree = unit.tree
     if tree is not None and tree.backward_pending:
@@ -271,6 +275,7 @@ def no_sync(root: FSDPUnit) -> Iterator[None]:
     lazy_init(root)
     if not root.is_root:
         raise FairscaleRuntimeError("no_sync() must be called on the root FullyShardedDataParallel instance")
+    recovery.recover_between_steps(root)
     root.assert_state([TrainingState.IDLE])
     units = root.tree_units()
     saved = [u.require_backward_grad_sync for u in units]

@@ -17,6 +17,7 @@ from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.nn.misc.flatten_params_wrapper import _ViewSnapshot, _UnwritableRebind
 
+from . import recovery
 from .handle import FlatHandle
 from .runtime import lazy_init
 from .state import HandleState, TrainingState
@@ -198,6 +199,7 @@ def summon_full_params(unit: FSDPUnit, recurse: bool, volatile: bool) -> Iterato
     # forward after the summon failed in its all-gather.
     for u in targets:
         lazy_init(u)
+    recovery.recover_between_steps(unit)
     with contextlib.ExitStack() as stack:
         for u in targets:
             stack.enter_context(_summon_one(u, volatile))
