@@ -370,9 +370,12 @@ class ShardedDataParallel(nn.Module):
             ValueError: an optimizer now holds a parameter that is not the wrapped module's, or two optimizers hold
                 the same parameter.
         """
-        if self._update_params():
-            # The automatic check compares with this mask: the new parameters are taken into account here.
-            self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
+        self._update_params()
+        # The automatic check compares with this mask: the hooks are built for the current flags (and parameters)
+        # now. Before, only a change of the optimizers' parameters updated it, so after freeze + refresh_trainable(),
+        # an unfreeze matched the stale mask and no later forward hooked the parameter again (its owner stepped with
+        # its own local gradient, silently).
+        self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
         if self._reducer.has_pending:
             logging.warning(
                 "Grads waiting to be reduced. If this is on purpose (grad accumulation), please use a no_sync() context"
