@@ -19,7 +19,6 @@ from torch.optim import Optimizer
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.device import DeviceHandle
-from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.grad_norm import total_norm_across_ranks
 from fairscale.internal.params import calc_grad_norm, get_global_rank
 from fairscale.internal.params import recursive_copy_to_device  # noqa: F401  # upstream's module namespace
@@ -39,6 +38,7 @@ from ._oss.buckets import (
     watch_frozen_with_grads,
 )
 from ._oss.partition import ParamGroup
+from ._oss.unfrozen import check_no_unfrozen_parameter
 
 __all__ = ["OSS"]
 
@@ -289,35 +289,9 @@ class OSS(Optimizer):
         return loss
 
     def _check_no_unfrozen_parameter(self) -> None:
-        """Refuse to step a parameter unfrozen since the broadcast buckets were built (see :meth:`step`).
-
-        Such a parameter is in no bucket: its owner would step it and no other rank would receive the new value, so
-        the replicas would drift apart silently. A local check, one ``requires_grad`` read per parameter frozen at
-        the last (re)build and no collective: ``requires_grad`` changes are made on every rank alike (the
-        constructor, :meth:`refresh_trainable` and :meth:`add_param_group` check that the ranks agree), so every
-        rank raises alike, before any communication of this step. A parameter frozen since stays in its bucket
-        until the next rebuild, and is broadcast on its own after it while it has a gradient (the owner steps it).
-
-        Raises:
-            FairscaleRuntimeError: (also an ``AssertionError``) some parameter requires grad now but did not when the
-                buckets were built; nothing is stepped then.
-        """
-        unfrozen = self._backing.unfrozen()
-        if not unfrozen:
-            return
-        where = {
-            id(p): f"group {g}, parameter {i}"
-            for g, group in enumerate(self.param_groups)
-            for i, p in enumerate(group["params"])
-        }
-        named = [f"{where.get(id(p), 'a parameter')} (shape {list(p.shape)})" for p in unfrozen]
-        listed = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
-        raise FairscaleRuntimeError(
-            f"OSS.step: {len(unfrozen)} parameter(s) were unfrozen (requires_grad False -> True) since the broadcast "
-            f"buckets were built: {listed}. Their owner would update them and no other rank would receive the new "
-            "values (the replicas would drift apart). Call optimizer.refresh_trainable() on every rank after "
-            "changing requires_grad (ShardedDataParallel with auto_refresh_trainable=True does it at the forward)."
-        )
+        """Refuse to step a parameter unfrozen since the broadcast buckets were built (see
+        :func:`._oss.unfrozen.check_no_unfrozen_parameter`)."""
+        check_no_unfrozen_parameter(self._backing, self.param_groups)
 
     def _broadcast_params(self) -> None:
         broadcast_buckets(self.buckets, self.group, self._local_to_global_rank, self.rank, self.broadcast_fp16)
