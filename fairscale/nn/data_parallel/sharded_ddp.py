@@ -185,7 +185,7 @@ class ShardedDataParallel(nn.Module):
         # (with its process group and optimizers) by reference counting when the user drops it, not at exit.
         # Without the automatic refresh, a backward whose requires_grad flags no longer match the hooks (changed on
         # every rank alike, without refresh_trainable()) raises once the ranks agreed on the flags: see
-        # GradReducer._raise_stale for why there and not at the forward.
+        # TrainableAgreement._raise_stale (_sharded_ddp/trainable_agreement.py) for why there and not at the forward.
         self._reducer = GradReducer(
             self._process_group,
             world_size,

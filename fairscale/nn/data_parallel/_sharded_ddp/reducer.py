@@ -32,7 +32,6 @@ import collections
 import copy
 import enum
 import functools
-import hashlib
 import inspect
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, cast
@@ -41,7 +40,6 @@ import torch
 from torch.autograd import Variable
 
 from fairscale.internal import collectives
-from fairscale.internal.agreement import RanksDisagreeError, check_ranks_agree
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.params import Workhandle
 from fairscale.internal.tensor_hooks import current_graph_task
@@ -49,6 +47,7 @@ from fairscale.nn.misc.param_bucket import GradBucket
 
 from . import own_backward
 from .parking import ReducedValues
+from .trainable_agreement import TrainableAgreement
 from .parking import buffer_of as _buffer
 
 __all__ = ["HookState", "GradReducer"]
@@ -137,15 +136,9 @@ class GradReducer:
         strict_trainable: bool = False,
     ) -> None:
         self.group = group
-        self.strict_trainable = strict_trainable
-        # The described parameters whose requires_grad flag differs from whether they are hooked (computed with the
-        # fingerprint, i.e. only when the description changes).
-        self._stale: List[Any] = []
         self.world_size = world_size
         self._describe = _weak_callable(describe) if describe is not None else None
-        # The last description and its fingerprint: hashing is skipped while the flags do not change.
-        self._described: Optional[List[Any]] = None
-        self._fingerprint = 0
+        self._agreement = TrainableAgreement(self._describe, strict_trainable, group, world_size)
         #: Whether this backward's reductions were preceded by the agreement check.
         self._agreement_checked = False
         self.scaling = 1.0 / world_size
@@ -377,7 +370,7 @@ class GradReducer:
                 each.reset_checked_in()
         if not self._agreement_checked:
             self._agreement_checked = True
-            self._check_ranks_agree(param.device)
+            self._agreement.check(param.device)
         if param.grad is None:  # pragma: no cover - the hook fires after accumulation, with a gradient
             raise FairscaleRuntimeError(
                 "ShardedDataParallel: Reducing gradients during backward pass, cannot be None (a hook removed it?)"
@@ -396,57 +389,6 @@ class GradReducer:
             self._reduce_direct(param)
         else:
             self._check_into_bucket(param, bucket)
-
-    def _check_ranks_agree(self, device: torch.device) -> None:
-        """Before this backward's first reduction: one all-reduce of ``[h, -h]`` (max) with ``h`` a fingerprint of
-        this rank's description; if the maxima say the fingerprints differ, every rank gathers the descriptions and
-        raises the same :class:`RanksDisagreeError`, naming the first parameter that differs."""
-        describe = self._describe() if self._describe is not None else None
-        if describe is None or (self.world_size == 1 and not self.strict_trainable):
-            return
-        description = describe()
-        if description != self._described:
-            digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
-            self._fingerprint = int.from_bytes(digest, "big") >> 1  # 63 bits: -h fits in int64 too
-            self._described = description
-            self._stale = [entry for entry in description if bool(entry[1]) != bool(entry[2])]
-        if self.world_size > 1:
-            # On the gradients' device: any backend that reduces them can reduce this.
-            both = torch.tensor([self._fingerprint, -self._fingerprint], dtype=torch.int64, device=device)
-            collectives.all_reduce(both, group=self.group, op="max")
-            highest, lowest = both.tolist()
-            if highest != -lowest:
-                what = "ShardedDataParallel: the parameters to reduce (name, requires_grad, hooked for reduction)"
-                hint = (
-                    "Freeze or unfreeze parameters on every rank alike, and call refresh_trainable() on every rank (or "
-                    "keep auto_refresh_trainable=True): every rank must reduce the same gradients."
-                )
-                check_ranks_agree(what, description, self.group, hint, device=device)
-                raise RanksDisagreeError(f"{what} differ between ranks. {hint}")  # pragma: no cover - raised above
-        if self.strict_trainable and self._stale:
-            self._raise_stale()
-
-    def _raise_stale(self) -> None:
-        """Trainability changed on every rank alike without a refresh: the hooks no longer match the flags.
-
-        Raised here, after the ranks agreed and before any reduction of this backward, rather than at the forward:
-        the flags are then known to be the same on every rank, so every rank raises the same error and none is left
-        waiting in a collective (a rank that changed the flags alone gets the agreement error above instead).
-        """
-        unhooked = [str(entry[0]) for entry in self._stale if entry[1]]
-        hooked = [str(entry[0]) for entry in self._stale if not entry[1]]
-        parts = []
-        if unhooked:
-            parts.append(f"unfrozen, never reduced: {', '.join(unhooked)}")
-        if hooked:
-            parts.append(f"frozen, still hooked: {', '.join(hooked)}")
-        raise FairscaleRuntimeError(
-            "ShardedDataParallel: requires_grad changed since the gradient hooks were built, and "
-            f"auto_refresh_trainable=False ({'; '.join(parts)}). Their gradients would not be reduced as their flags "
-            "say (an unfrozen parameter would be trained on each rank's own gradient, and the replicas would drift "
-            "apart). Call refresh_trainable() on every rank after changing requires_grad, or build "
-            "ShardedDataParallel with auto_refresh_trainable=True."
-        )
 
     def _reduce_direct(self, param: torch.Tensor) -> None:
         grad = cast(torch.Tensor, param.grad)  # checked in _on_grad_ready
