@@ -316,6 +316,18 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
             return ValueError(
                 f"SyncBatchNorm: input has {input.size(1)} channels in dim 1 but the layer has {self.num_features}"
             )
+        reference = self.weight if self.weight is not None else self.running_mean
+        if (
+            reference is not None
+            and input.dtype != reference.dtype
+            and not (input.dtype in (torch.float16, torch.bfloat16) and reference.dtype == torch.float32)
+        ):
+            # torch's batch norm refuses this too; only half-precision input over fp32 parameters is a supported mix
+            # (before, a float32 input over float64 parameters, a forgotten .double(), was accepted silently).
+            return RuntimeError(
+                f"SyncBatchNorm: input dtype {input.dtype} does not match the layer's {reference.dtype} parameters "
+                "(only float16/bfloat16 input over float32 parameters may mix); convert the input or the layer"
+            )
         if self._updates_running_stats() and self.momentum is None:
             return RuntimeError("SyncBatchNorm does not support momentum=None (cumulative average); pass a float")
         return None

@@ -529,5 +529,7 @@ class RowParallelLinear(torch.nn.Module):
         # The sum happens in place on the partial product; the replicated bias is added once, after it.
         output_ = reduce_from_model_parallel_region(output_parallel)
         if self.bias is not None:
-            return output_ + self.bias
+            # In the output's dtype, as nn.Linear's bias under autocast (the fp32 bias promoted a bf16 output to fp32
+            # there, upstream too, while ColumnParallelLinear and nn.Linear return bf16).
+            return output_ + self.bias.to(output_.dtype)
         return output_

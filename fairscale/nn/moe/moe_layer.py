@@ -1,8 +1,9 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Mixture-of-experts layer (GShard): gate, all-to-all dispatch to the experts of every rank, combine."""
 
+import copy
 import zlib
-from typing import Any, List, Mapping, Optional, Tuple, Union, cast
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,9 @@ class MOELayer(Module):
                 f"MOELayer: group must be a process group, got {type(group).__name__} {group!r}; pass "
                 "torch.distributed.new_group(ranks) (called on every rank), or None for the default group"
             )
-        self.group = group if group is not None else dist.group.WORLD
+        # None: the default group, looked up at each use (upstream stored dist.group.WORLD, a ProcessGroup, which made
+        # a model holding the layer impossible to deepcopy, an EMA copy say, or to save whole).
+        self._group = group
         for p in experts.parameters():
             p.expert = True  # type: ignore[attr-defined]
         if collectives.group_rank(self.group) < 0:
@@ -101,6 +104,24 @@ class MOELayer(Module):
             )
         self.world_size = dist.get_world_size(self.group)
         self.num_local_experts = len(self.experts)
+
+    @property
+    def group(self) -> Any:
+        """The process group of the all-to-alls (the default group when none was given)."""
+        return self._group if self._group is not None else dist.group.WORLD
+
+    @group.setter
+    def group(self, value: Any) -> None:
+        self._group = value
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "MOELayer":
+        # A copy (an EMA or teacher model) exchanges tokens over the same group: process groups cannot be copied.
+        if self._group is not None:
+            memo[id(self._group)] = self._group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a checkpoint

@@ -71,3 +71,21 @@ def _requires_grad_disagree_body(rank: int, world_size: int) -> None:
 def test_requires_grad_disagreement_raises_on_every_rank() -> None:
     # run_distributed raises the first failing rank's error: every rank checks its own RanksDisagreeError above.
     run_distributed(_requires_grad_disagree_body, WORLD, timeout=60)
+
+
+def _mixed_dtype_body(rank: int, world_size: int) -> None:
+    layer = SyncBatchNorm(3).double()
+    x = torch.randn(4, 3)  # a forgotten .double() of the input
+    before = (layer.running_mean.clone(), layer.running_var.clone())
+    with pytest.raises(RuntimeError, match="input dtype torch.float32 does not match"):
+        layer(x)
+    assert torch.equal(layer.running_mean, before[0]) and torch.equal(layer.running_var, before[1])
+    # The supported mix is still accepted: half-precision input over float32 parameters.
+    layer32 = SyncBatchNorm(3)
+    assert layer32(torch.randn(4, 3, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_input_of_another_dtype_than_the_parameters_raises_on_every_rank() -> None:
+    """A float32 input over float64 parameters was accepted silently where torch's batch norm refuses it (found by a
+    randomized sequence of API calls)."""
+    run_distributed(_mixed_dtype_body, WORLD, timeout=60)

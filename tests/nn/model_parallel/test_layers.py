@@ -280,6 +280,24 @@ def _keep_master_at_one() -> None:
     assert set(layer.state_dict()) == {"weight", "bias", "master_weight"}
 
 
+def _autocast_dtypes() -> None:
+    """Under autocast every layer returns what nn.Linear returns (bf16): RowParallelLinear added its fp32 bias after
+    the all-reduce and returned fp32 (found by a randomized sequence of API calls)."""
+    p = mpu.get_model_parallel_world_size()
+    torch.manual_seed(SEED)
+    dense = torch.nn.Linear(IN_PER * p, OUT_PER * p)
+    row = RowParallelLinear(IN_PER * p, OUT_PER * p)
+    col = ColumnParallelLinear(IN_PER * p, OUT_PER * p)
+    x = _data(BATCH, IN_PER * p)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = dense(x).dtype
+        for name, layer in (("RowParallelLinear", row), ("ColumnParallelLinear", col)):
+            out = layer(x)
+            assert out.dtype == want, f"{name} under autocast returned {out.dtype}, nn.Linear {want}"
+            out.float().sum().backward()
+            assert layer.bias.grad is not None and layer.bias.grad.dtype == torch.float32, name
+
+
 CASES: List[Tuple[str, Callable[[], None]]] = [
     ("affine_weight", _affine_weight),
     ("column_parallel", lambda: _column(True)),
@@ -294,6 +312,7 @@ CASES: List[Tuple[str, Callable[[], None]]] = [
     ("keep_master_at_one", _keep_master_at_one),
     ("vocab_embedding_options", _vocab_embedding_options),
     ("failed_load_changes_nothing", _failed_load_changes_nothing),
+    ("autocast_dtypes", _autocast_dtypes),
 ]
 
 

@@ -8,6 +8,8 @@ source ranks; gate and input gradients are local. Upstream ran these only with C
 """
 
 import copy
+import functools
+import io
 from typing import Any, List, Tuple
 
 import pytest
@@ -367,3 +369,42 @@ def _cuda_body(rank: int, world_size: int) -> None:
 def test_moe_layer_cuda(world_size: int) -> None:
     """CUDA/NCCL variant (skipped without enough GPUs): all-to-all over NCCL, Gumbel noise from the CUDA generator."""
     run_distributed(_cuda_body, world_size, device="cuda", timeout=240.0)
+
+
+def _copies_case(explicit_group: bool) -> None:
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1]) if explicit_group else None
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(MODEL_DIM, MODEL_DIM), MOELayer(Top2Gate(MODEL_DIM, 2), _experts(1)[0], group))
+    model.eval()  # deterministic routing: the copies must route and compute the same way
+    x = _input(rank)
+    with torch.no_grad():
+        want = model(x)
+        ema = copy.deepcopy(model)  # upstream: TypeError "cannot pickle ... ProcessGroup"
+        assert ema[1].group is model[1].group, "the copy must exchange tokens over the same group"
+        _assert_close(ema(x), want, what="deep copy")
+        next(ema[1].experts.parameters()).add_(1.0)  # the copy is independent
+        _assert_close(model(x), want, what="original after editing the copy")
+        if not explicit_group:  # a process group itself never crosses processes: only the default group pickles
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)  # our own object, written just above
+            _assert_close(loaded(x), want, what="torch.save / torch.load of the whole model")
+
+
+def _copies_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            (name, functools.partial(_copies_case, explicit))
+            for name, explicit in (("default", False), ("explicit", True))
+        ]
+    )
+
+
+def test_moe_layer_can_be_deep_copied_and_saved_whole() -> None:
+    """An EMA or teacher copy of a model holding an MOELayer, and ``torch.save(model)``, failed with "cannot pickle
+    ProcessGroup" (upstream stored ``dist.group.WORLD``): the default group is looked up at each call now, and a copy
+    shares an explicit group (found by a randomized sequence of API calls)."""
+    run_distributed(_copies_body, 2)
