@@ -98,6 +98,14 @@ def _write_gitignore(path: Path, entries: List[str]) -> None:
             f.write(f"{item}\n")
 
 
+def _entry_of(index: Any, rel_path: str) -> Optional[Tuple[str, int]]:
+    try:
+        entry = index[rel_path]
+    except KeyError:
+        return None
+    return str(entry.id), int(entry.mode)
+
+
 class PyGit:
     """The git repository of a wgit repo.
 
@@ -174,6 +182,44 @@ class PyGit:
         on a lock): the next commit would otherwise take them from memory, though the files were restored."""
         if self._exists:
             self._repo().index.read(True)
+
+    def staged_entry(self, rel_path: str) -> Optional[Tuple[str, int]]:
+        """``(blob id, mode)`` of ``rel_path`` (relative to the work tree, ``/``-separated) in git's index as written
+        on disk, ``None`` when it is not there."""
+        if not self._exists:
+            return None
+        index = self._repo().index
+        index.read(True)
+        return _entry_of(index, rel_path)
+
+    def restore_entry(self, rel_path: str, entry: Optional[Tuple[str, int]]) -> None:
+        """Drop the changes staged in memory only, and give ``rel_path`` the index entry ``entry`` again (``None``:
+        none) if the index on disk has another one: an add interrupted after git wrote its index had staged its new
+        metadata there, and the next commit would have recorded it though the file was put back."""
+        if not self._exists:
+            return
+        pygit2 = import_pygit2()
+        index = self._repo().index
+        index.read(True)
+        if _entry_of(index, rel_path) == entry:
+            return
+        if entry is None:
+            index.remove(rel_path)
+        else:
+            index.add(pygit2.IndexEntry(rel_path, pygit2.Oid(hex=entry[0]), entry[1]))
+        index.write()
+
+    def unstaged(self) -> List[str]:
+        """The paths (relative to the work tree) whose changes in the work tree git has not staged."""
+        pygit2 = import_pygit2()
+        work_tree_flags = (
+            pygit2.GIT_STATUS_WT_NEW
+            | pygit2.GIT_STATUS_WT_MODIFIED
+            | pygit2.GIT_STATUS_WT_DELETED
+            | pygit2.GIT_STATUS_WT_TYPECHANGE
+            | pygit2.GIT_STATUS_WT_RENAMED
+        )
+        return sorted(path for path, flags in self.status().items() if flags & work_tree_flags)
 
     def commit(self, message: str) -> None:
         """Commit the index on ``HEAD``."""

@@ -8,9 +8,7 @@ it refuses a ``.wgit`` that holds symbolic links, never writes outside ``.wgit``
 
 import copy
 import json
-import logging
 import os
-import re
 import reprlib
 import stat
 import sys
@@ -23,10 +21,10 @@ from torch import Tensor
 
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
+from .add_undo import REPLACE_TMP_RE, AddUndo, exclude_replace_tmp_files
 from .pygit import PyGit, import_pygit2
 from .safety import (
     UnsafeRepositoryError,
-    check_not_link,
     check_tree,
     contained,
     load_checkpoint,
@@ -47,12 +45,6 @@ _RESERVED = frozenset({SHA1_STORE_DIR_NAME, ".git", ".gitignore"})
 # Recorded paths in messages: a hostile metadata file may hold one of thousands of characters.
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 120
-# The name replace_file gives the file it writes before renaming it into place (".<name>.<uuid4 hex>.tmp"): one is
-# left in a metadata folder when an add is killed between the two. It is no metadata file (status skips it), and git
-# must not stage it: the same names, as a git pattern, go to .git/info/exclude (local to the repository; .gitignore
-# is upstream's format and is committed).
-_REPLACE_TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
-_REPLACE_TMP_GIT_PATTERN = ".*." + "[0-9a-f]" * 32 + ".tmp"
 
 
 @dataclass
@@ -181,9 +173,11 @@ class Repo:
         The checkpoint is loaded with ``torch.load(weights_only=True)``: nothing in it runs. Its modification time is
         taken before it is loaded: a checkpoint rewritten while it is added shows as changed. Everything that can be
         checked is checked before anything is stored (the file name, the checkpoint's type, its tensors' dtypes), and
-        an add that fails anyway (e.g. a full disk, git's index locked) is rolled back: the references it added to the
-        SHA1 store are dropped again, a metadata file it created is removed and one it overwrote gets its bytes back,
-        and changes staged only in memory are dropped, so the repository is as before (its ``status`` too).
+        an add that fails anyway (e.g. a full disk, git's index locked, Ctrl-C) is rolled back: a metadata file it
+        created is removed and one it overwrote gets its bytes back, git's index gets its entry back, and then the
+        references it added to the SHA1 store are dropped, so the repository is as before (its ``status`` too). A
+        rollback cut short (a second Ctrl-C) leaves at worst unused store references (see
+        :mod:`~fairscale.experimental.wgit.add_undo`).
 
         The metadata records the checkpoint's path relative to the directory that holds ``.wgit``, with the folders
         on its way resolved (a path through a symbolic link to the repository, e.g. ``$PWD/ck.pt``, is recorded as
@@ -217,124 +211,67 @@ class Repo:
         checkpoint = load_checkpoint(file_path)
         _check_checkpoint_type(checkpoint, file_path, per_tensor)
         check_storable(checkpoint, str(file_path))
-        added: List[Tuple[str, Optional[str]]] = []  # (SHA1, name) of each reference this add put in the store
-
-        def store(obj: Any, name: Optional[str] = None) -> str:
-            sha1 = self._sha1_store.add(obj, compress=gzip, name=name)
-            added.append((sha1, name))
-            return sha1
-
-        def fn(element: Any, name: str) -> Any:
-            if not isinstance(element, Tensor):
-                return element
-            if sparsify:
-                raise NotImplementedError("sparsified tensors are not supported yet")
-            return _SHA1_Tensor(is_dense=True, dense_sha1=store(element, name))
-
-        created_dirs: List[Path] = []  # the metadata folders this add created, outermost first
         # One add at a time per repository, its rollback included: a metadata.json written by another add in between
         # was lost (each wrote back the copy it had read), and a rollback must not undo another add's changes.
         with self._sha1_store._writing():
-            # The metadata file's bytes before the add (None: it creates the file). A failed re-add left the new
-            # SHA1, whose object the rollback deletes: status called it staged, and a later add committed it.
-            previous = self._read_previous(metadata_file)
+            undo = AddUndo(self._sha1_store, self._pygit, metadata_file, self._dot_wgit)
+
+            def fn(element: Any, name: str) -> Any:
+                if not isinstance(element, Tensor):
+                    return element
+                if sparsify:
+                    raise NotImplementedError("sparsified tensors are not supported yet")
+                return _SHA1_Tensor(is_dense=True, dense_sha1=undo.store(element, gzip, name))
+
             try:
                 ret_state_dict = None
                 if per_tensor:
                     ret_state_dict = copy.deepcopy(checkpoint)
                     _recursive_apply_to_elements(checkpoint, fn, [])
-                sha1 = store(checkpoint)
-                missing = []
-                for directory in metadata_file.parents:
-                    if directory.exists():  # .wgit at the latest
-                        break
-                    missing.append(directory)
-                for directory in reversed(missing):
-                    directory.mkdir()
-                    created_dirs.append(directory)
+                sha1 = undo.store(checkpoint, gzip)
+                undo.make_dirs()
                 # Before the metadata file is written: a crash while writing it leaves a temporary file git ignores.
-                self._exclude_replace_tmp_files()
+                exclude_replace_tmp_files(self._dot_wgit)
                 self._write_metadata(metadata_file, recorded, sha1, mtime)
                 self._pygit.add()
             except BaseException as e:  # KeyboardInterrupt too: the store must not keep half an add
-                self._roll_back(e, added, metadata_file, previous, created_dirs)
+                undo.roll_back(e)
                 raise
         return ret_state_dict
 
-    @staticmethod
-    def _read_previous(metadata_file: Path) -> Optional[bytes]:
-        """The bytes of ``metadata_file`` (``None``: there is none yet), for a failed add to put back."""
-        try:
-            with open_regular(metadata_file, "a metadata file") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    def _roll_back(
-        self,
-        error: BaseException,
-        added: List[Tuple[str, Optional[str]]],
-        metadata_file: Path,
-        previous: Optional[bytes],
-        created_dirs: List[Path],
-    ) -> None:
-        """Undo what a failed add did: drop the store references it added (``(SHA1, name)``, in the order added),
-        put the metadata file back as it was (``previous``: its bytes; ``None``: remove it) and remove the folders
-        it created, and drop what git staged in memory only.
-
-        A step that fails too (the disk may still be full) does not stop the others; it is logged, and noted on
-        ``error``.
-        """
-        for sha1, name in reversed(added):
-            try:
-                self._sha1_store.delete(sha1, name=name)
-            except Exception as undo_error:  # noqa: B902  # whatever failed, the add's own error is what is raised
-                _note(error, f"wgit: could not drop the reference to {sha1} that the failed add stored: {undo_error}")
-        try:
-            if previous is None:
-                metadata_file.unlink(missing_ok=True)  # missing: the add failed before writing it
-            elif self._read_previous(metadata_file) != previous:  # unchanged: the add failed before writing it
-                replace_file(metadata_file, lambda f: f.write(previous))  # renamed over: never written through
-        except (OSError, ValueError) as undo_error:  # ValueError: not a regular file now (UnsafeRepositoryError)
-            _note(error, f"wgit: could not put back {metadata_file} as it was before the failed add: {undo_error}")
-        try:
-            self._pygit.reread_index()
-        except Exception as undo_error:  # noqa: B902  # git's error (a damaged index): the add's own is raised
-            _note(error, f"wgit: could not re-read git's index after the failed add: {undo_error}")
-        for directory in reversed(created_dirs):
-            try:
-                directory.rmdir()
-            except OSError:  # not empty: another add wrote there meanwhile, and its files stay
-                break
-
-    def _exclude_replace_tmp_files(self) -> None:
-        """Make git ignore the temporary files of :func:`replace_file` (through ``.git/info/exclude``).
-
-        A crashed add leaves one in a metadata folder, and staging (``git add --all``) would pick it up. The pattern
-        goes to the repository's own exclude file, not to ``.gitignore`` (committed, upstream's format); it is
-        written once, by the first add that finds it missing.
-        """
-        exclude = contained(self._dot_wgit, [".git", "info", "exclude"], "git's exclude file")
-        try:
-            with open_regular(exclude, "git's exclude file") as f:
-                text = f.read().decode("utf-8", errors="surrogateescape")
-        except FileNotFoundError:
-            text = ""
-        if _REPLACE_TMP_GIT_PATTERN in text.splitlines():
-            return
-        exclude.parent.mkdir(exist_ok=True)
-        check_not_link(exclude, "git's exclude file")
-        new = (text if not text or text.endswith("\n") else text + "\n") + _REPLACE_TMP_GIT_PATTERN + "\n"
-        data = new.encode("utf-8", errors="surrogateescape")
-        replace_file(exclude, lambda f: f.write(data))
-
     def commit(self, message: str) -> None:
-        """Commit the staged metadata."""
+        """Commit the staged metadata, and the metadata changes that no add staged.
+
+        Every ``add`` stages all of ``.wgit``; an add killed (SIGKILL, out of memory) after it wrote a metadata file
+        and before git wrote its index left that change unstaged: ``status`` called it added, and every commit left it
+        out. Such changes (the objects they name are in the store: a killed add keeps its references) are staged
+        here, as the next add would, and named on stderr. The store's writers' lock is held meanwhile, so an add
+        running in another process is never committed halfway (it may still be rolled back).
+        """
         self._sanity_check()
-        self._pygit.commit(message)
+        with self._sha1_store._writing():
+            unstaged = [path for path in self._pygit.unstaged() if self._is_metadata_path(path)]
+            if unstaged:
+                sys.stderr.write(
+                    "wgit commit: also staging metadata changes that no wgit add staged (an add that was killed, or "
+                    f"a file changed by hand): {', '.join(unstaged)}\n"
+                )
+                self._pygit.add()
+            self._pygit.commit(message)
+
+    @staticmethod
+    def _is_metadata_path(rel_path: str) -> bool:
+        """Whether ``rel_path`` (git's path, relative to ``.wgit``) can be a metadata file (see ``status``)."""
+        parts = rel_path.split("/")
+        return parts[0] not in _RESERVED and not REPLACE_TMP_RE.match(parts[-1])
 
     def status(self) -> Dict[str, RepoStatus]:
-        """The status of every tracked file (``{"": CLEAN}`` when nothing is tracked)."""
+        """The status of every tracked file (``{"": CLEAN}`` when nothing is tracked).
+
+        A checkpoint recorded under the repository's directory but reached through a symbolic link leading out of it
+        (a folder moved to another disk and linked back) is not looked at: it is listed as ``CHANGES_NOT_ADDED``, and
+        a line on stderr names the link and what to do.
+        """
         self._sanity_check()
         pygit_status = self._pygit.status()
         files = self._get_metdata_files()
@@ -373,7 +310,7 @@ class Repo:
             # rule); git tracked and committed it, but status never listed it.
             files = sorted(child.rglob("*")) if child.is_dir() else [child]
             # A replace_file temporary file is what a crashed add left, not a metadata file.
-            for file in (p for p in files if p.is_file() and not _REPLACE_TMP_RE.match(p.name)):
+            for file in (p for p in files if p.is_file() and not REPLACE_TMP_RE.match(p.name)):
                 found[str(file.relative_to(self._dot_wgit))] = self._is_file_modified(file)
         return found
 
@@ -386,7 +323,14 @@ class Repo:
                 return False
         if not isinstance(metadata, dict) or not isinstance(metadata.get(REL_PATH_KEY), str):
             return False  # not a metadata file wgit wrote: nothing to compare
-        st = self._stat_checkpoint(metadata_file, metadata[REL_PATH_KEY])
+        try:
+            st = self._stat_checkpoint(metadata_file, metadata[REL_PATH_KEY])
+        except _LinkedOutError as e:
+            # The user moved the checkpoint (or its folder) out and linked it back: one such entry made the whole
+            # status fail. Listed as moved (not looked at through the link), and said on stderr with what to do.
+            key = metadata_file.relative_to(self._dot_wgit).as_posix()
+            sys.stderr.write(f"wgit status: {key} is listed as a change not added: {e.reason}\n")
+            return True
         if st is None:
             return True  # the tracked checkpoint was deleted or moved: a change not added (git's "deleted")
         return st.st_mtime != metadata.get(LAST_MODIFIED_TS_KEY)
@@ -419,7 +363,8 @@ class Repo:
         directory.
 
         Raises:
-            UnsafeRepositoryError: the path is not under the repository's directory, or not a path.
+            UnsafeRepositoryError: the path is not under the repository's directory, or not a path; the subclass
+                ``_LinkedOutError`` when it is, but a symbolic link on its way leads out of it.
         """
         tree = self._wgit_parent.resolve()
         shown = _SHORT.repr(recorded)
@@ -448,7 +393,17 @@ class Repo:
             if legacy is not None and os.path.lexists(legacy):
                 return legacy
         if here is None:
-            raise refuse("which is outside the repository's directory")
+            lexical = Path(os.path.normpath(tree / recorded))
+            if tree not in lexical.parents:
+                raise refuse("which is outside the repository's directory")
+            link, target = _link_out_of(tree, lexical)
+            raise _LinkedOutError(
+                metadata_file,
+                f"it records the checkpoint path {shown}, which the symbolic link {link} (to {target}) leads outside "
+                f"the repository's directory {tree}; wgit looks at checkpoints under that directory only. Move the "
+                f"checkpoint back under it in place of the link, or stop tracking it: remove {metadata_file} and run "
+                "wgit commit",
+            )
         return here
 
     def _metadata_path(self, rel_path: Path) -> Path:
@@ -577,11 +532,26 @@ class Repo:
         return Path(*tracking_path.parts[max(i, 1) :])
 
 
-def _note(error: BaseException, text: str) -> None:
-    """Log ``text`` (the command line prints only the error's message) and note it on ``error`` (Python 3.11+)."""
-    logging.warning("%s", text)
-    if hasattr(error, "add_note"):  # printed with the traceback
-        error.add_note(text)
+class _LinkedOutError(UnsafeRepositoryError):
+    """A checkpoint path recorded in ``metadata_file`` is under the repository's directory, but a symbolic link on its
+    way leads out of it (e.g. a folder moved to another disk and linked back); ``reason`` says so, and what to do."""
+
+    def __init__(self, metadata_file: Path, reason: str) -> None:
+        super().__init__(f"wgit: refusing the metadata file {metadata_file}: {reason}")
+        self.reason = reason
+
+
+def _link_out_of(tree: Path, lexical: Path) -> Tuple[Path, str]:
+    """The first symbolic link on the way from ``tree`` to ``lexical`` (a path under it) that leads out of ``tree``,
+    and where it leads; ``(lexical, its resolved path)`` if none does any more (changed meanwhile)."""
+    path = tree
+    for part in lexical.relative_to(tree).parts:
+        path = path / part
+        if path.is_symlink():
+            target = Path(os.path.realpath(path))
+            if target != tree and tree not in target.parents:
+                return path, str(target)
+    return lexical, os.path.realpath(lexical)
 
 
 def _check_utf8(name: str, what: str) -> None:

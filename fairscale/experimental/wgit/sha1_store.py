@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import reprlib
 import shutil
 import stat
@@ -52,6 +51,7 @@ from .safety import (
     replace_file,
 )
 from .storable import check_storable
+from .store_leftovers import METADATA_TMP_RE, remove_stale_leftovers
 from .store_lock import StoreLock
 from .store_pickle import load_store_object, store_object_limit
 from .utils import ExitCode as ExitCode  # noqa: F401
@@ -79,11 +79,6 @@ _ENTRY_COUNT_KEYS = (ENTRY_RF_KEY, ENTRY_OS_KEY, ENTRY_DS_KEY, ENTRY_CS_KEY)
 # Bad values in messages: long enough for a whole SHA1 key, short for whatever else a damaged file holds.
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80
-# A file in the default scratch directory older than this is a leftover of an add that crashed: a live add's file is
-# as old as the pickling of one object (seconds to minutes), so a concurrent add's file is never taken for one.
-_STALE_TMP_SECONDS = 24 * 60 * 60
-# The temporary file replace_file writes metadata.json into before renaming it (".<name>.<uuid4 hex>.tmp").
-_METADATA_TMP_RE = re.compile(r"^\.metadata\.json\.[0-9a-f]{32}\.tmp$")
 
 
 def _is_count(value: Any) -> bool:
@@ -255,7 +250,7 @@ class SHA1_Store:
             # Only named here (refused now if it is a link); created and cleaned by add (see _scratch_dir).
             self._tmp_dir = self._inside("tmp")
         self._default_tmp = not tmp_dir
-        self._tmp_cleaned = False  # the default scratch directory's leftovers are looked for once per store object
+        self._tmp_cleaned = False  # killed adds' leftovers are looked for once per store object
 
     def _killed_init(self) -> bool:
         """Whether the store directory is what a creation killed before its ``metadata.json`` was in place left: a
@@ -264,7 +259,7 @@ class SHA1_Store:
         if not self._path.is_dir() or os.path.lexists(self._metadata_file_path):
             return False
         leftovers = [self._path / name for name in os.listdir(self._path)]
-        if not all(_METADATA_TMP_RE.match(p.name) and stat.S_ISREG(p.lstat().st_mode) for p in leftovers):
+        if not all(METADATA_TMP_RE.match(p.name) and stat.S_ISREG(p.lstat().st_mode) for p in leftovers):
             return False
         for leftover in leftovers:
             leftover.unlink()
@@ -363,9 +358,10 @@ class SHA1_Store:
         """Add a file (a ``torch.save`` file), a tensor or a dict; returns its SHA1.
 
         A file is loaded with ``torch.load(weights_only=True)``: its pickle never runs code. The object is pickled
-        into a file of its own (a random name) in the scratch directory; with the default one (``<store>/tmp``), an
-        add also removes the files there older than 24 hours, which adds that crashed left behind. An add that fails
-        leaves the store as it was (a new object file it wrote is removed again).
+        into a file of its own (a random name) in the scratch directory. The first add of a store object removes
+        what killed adds left more than 24 hours ago: files in the default scratch directory (``<store>/tmp``), and
+        temporary object and ``metadata.json`` files in the store. An add that fails leaves the store as it was (a
+        new object file it wrote is removed again).
 
         Raises:
             UntrustedContentError: the file is not a ``torch.save`` checkpoint of tensors and plain containers (e.g.
@@ -434,31 +430,16 @@ class SHA1_Store:
         return sha1
 
     def _scratch_dir(self) -> Path:
-        """The scratch directory for an add: the default one is created when missing, and cleared of leftovers.
-
-        Only files older than 24 hours are removed (see ``_STALE_TMP_SECONDS``), by the first add of this store object:
-        the others may be those of adds running in other processes. A leftover that cannot be removed (gone meanwhile,
-        not ours) is skipped.
-        """
-        if not self._default_tmp:
-            return self._tmp_dir
-        tmp_dir = self._inside("tmp")  # checked again: a link could have been planted since the store was opened
-        tmp_dir.mkdir(exist_ok=True)
-        if self._tmp_cleaned:
-            return tmp_dir
-        self._tmp_cleaned = True
-        cutoff = time.time() - _STALE_TMP_SECONDS
-        try:
-            children = list(tmp_dir.iterdir())
-        except OSError:
-            return tmp_dir  # unreadable: the add's own file may still be writable there
-        for child in children:
-            try:
-                st = child.lstat()
-                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                    child.unlink()
-            except OSError:
-                continue
+        """The scratch directory for an add (the default one is created when missing); the first add of this store
+        object also removes what killed adds left more than a day ago (see :mod:`.store_leftovers`): old files in
+        the default scratch directory, and temporary object and ``metadata.json`` files in the store."""
+        tmp_dir = self._tmp_dir
+        if self._default_tmp:
+            tmp_dir = self._inside("tmp")  # checked again: a link could have been planted since the store was opened
+            tmp_dir.mkdir(exist_ok=True)
+        if not self._tmp_cleaned:
+            self._tmp_cleaned = True
+            remove_stale_leftovers(self._path, tmp_dir if self._default_tmp else None)
         return tmp_dir
 
     def _remove_object(self, sha1: str) -> None:
