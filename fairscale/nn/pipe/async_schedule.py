@@ -88,7 +88,7 @@ def create_task(
         return output
 
     if chunk_id < checkpoint_stop:
-        chk = Checkpointing(function, batch)
+        chk = Checkpointing(function, batch, partition)
         return Task(None, compute=chk.checkpoint, finalize=chk.recompute)
 
     def compute() -> Batch:

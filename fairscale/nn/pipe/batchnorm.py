@@ -24,7 +24,9 @@ class DeferredBatchNorm(_BatchNorm):
 
     The running variance is the population (biased) variance of the mini-batch, as upstream computes it.
     Statistics are not tracked during the recomputation of a checkpointed micro-batch. Partial sums carry over to
-    the next ``forward`` when a mini-batch yields fewer than ``chunks`` micro-batches.
+    the next ``forward`` when a mini-batch yields fewer than ``chunks`` micro-batches. An empty mini-batch leaves
+    the running statistics as they are (as a plain batch norm does: only ``num_batches_tracked`` counts it), and a
+    ``forward`` that raises leaves the partial sums and counts as they were.
 
     Args:
         num_features (int): the number of channels (dimension 1 of the input).
@@ -59,13 +61,24 @@ class DeferredBatchNorm(_BatchNorm):
         # Upstream defines a >= 3-D check that its forward never calls; 2-D (N, C) inputs work.
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        # Without affine parameters nothing else compares the channels with the sums: a 1-channel input broadcast
+        # into them silently, another count failed half-way through the accumulation.
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"DeferredBatchNorm({self.num_features}) got an input with {input.size(1)} channels (dimension 1 of "
+                f"shape {tuple(input.shape)}): pass inputs of shape (N, {self.num_features}, ...)"
+            )
 
     def _track(self, input: Tensor) -> bool:
         """Accumulate the statistics of a micro-batch; return whether a whole mini-batch was seen."""
         dim = [0, *range(2, input.dim())]
         with torch.no_grad():
-            self.sum += input.sum(dim)
-            self.sum_squares += (input**2).sum(dim)
+            # Both sums first, then the updates: an error leaves the accumulators as they were.
+            batch_sum = input.sum(dim)
+            batch_sum_squares = (input**2).sum(dim)
+            self.sum += batch_sum
+            self.sum_squares += batch_sum_squares
+        # An empty micro-batch counts as one of the mini-batch (the next mini-batch starts in step) with no elements.
         self.counter += input.numel() // input.size(1)
         self.tracked += 1
         return self.tracked == self.chunks
@@ -73,14 +86,17 @@ class DeferredBatchNorm(_BatchNorm):
     def _commit(self) -> None:
         """Update the running statistics with the mini-batch statistics and reset the sums."""
         self.num_batches_tracked += 1
-        if self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked)
-        else:
-            factor = self.momentum
-        mean = self.sum / self.counter
-        var = self.sum_squares / self.counter - mean**2
-        self.running_mean.mul_(1 - factor).add_(mean * factor)
-        self.running_var.mul_(1 - factor).add_(var * factor)
+        if self.counter > 0:
+            # An empty mini-batch has no statistics (0 / 0 made the running ones NaN for good); a plain batch norm
+            # leaves them alone too and counts the batch in num_batches_tracked only.
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+            else:
+                factor = self.momentum
+            mean = self.sum / self.counter
+            var = self.sum_squares / self.counter - mean**2
+            self.running_mean.mul_(1 - factor).add_(mean * factor)
+            self.running_var.mul_(1 - factor).add_(var * factor)
         self.sum.zero_()
         self.sum_squares.zero_()
         self.counter = 0
@@ -91,10 +107,14 @@ class DeferredBatchNorm(_BatchNorm):
             return F.batch_norm(
                 input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )
+        self._check_input_dim(input)
+        # Normalize with the micro-batch's own statistics, as a plain batch norm on that chunk would. First: it
+        # rejects what a plain batch norm rejects (one value per channel, wrong dtypes), and a rejected micro-batch
+        # must not reach the sums (it was mixed into the next commit, which then fell out of step for good).
+        output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         if not is_recomputing() and self._track(input):
             self._commit()
-        # Normalize with the micro-batch's own statistics, as a plain batch norm on that chunk would.
-        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        return output
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: TModule, chunks: int = 1) -> TModule:

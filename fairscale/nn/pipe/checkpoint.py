@@ -6,18 +6,19 @@
 * ``Checkpoint`` runs the partition under ``no_grad`` in the forward pass (saving the RNG states and the inputs);
   in the backward pass it back-propagates through the recomputed graph it finds in the "recomputed" slot.
 * ``Recompute`` is an identity on a phony in the forward pass; its backward runs the partition again with the
-  saved RNG states (so dropout masks repeat) and fills the slot. Fork/join edges make autograd run it just before
-  ``Checkpoint``'s backward, and after the gradient of the later micro-batch has arrived, so that only one
-  micro-batch's activations are alive per partition at a time.
+  saved RNG states (so dropout masks repeat) and the modules' ``training`` flags of the forward (so an ``eval()``
+  between the forward and the backward changes nothing), and fills the slot. Fork/join edges make autograd run it
+  just before ``Checkpoint``'s backward, and after the gradient of the later micro-batch has arrived, so that only
+  one micro-batch's activations are alive per partition at a time.
 """
 
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Deque, Generator, List, Optional, Protocol, Tuple, Union
+from typing import Any, Deque, Generator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fairscale.internal.device import accelerator_rng_state, set_accelerator_rng_state
 
@@ -110,23 +111,63 @@ def is_recomputing() -> bool:
     return thread_local.is_recomputing
 
 
+TrainingFlags = Tuple[Tuple[nn.Module, bool], ...]
+
+
+@contextmanager
+def replay_training_flags(flags: Sequence[Tuple[nn.Module, bool]]) -> Generator[None, None, None]:
+    """Run the block with each module's ``training`` flag as recorded in ``flags``; put back the current ones after.
+
+    Only the flags that differ are touched (each module's own attribute, not ``train()``, which would recurse).
+    """
+    changed = [(module, module.training, flag) for module, flag in flags if module.training != flag]
+    for module, _, flag in changed:
+        module.training = flag
+    try:
+        yield
+    finally:
+        for module, current, _ in changed:
+            module.training = current
+
+
+class _ReplayTrainingFlags:
+    """``function`` run with the ``training`` flags that the checkpointed forward ran with."""
+
+    def __init__(self, function: Function, flags: TrainingFlags) -> None:
+        self.function = function
+        self.flags = flags
+
+    def __call__(self, input: TensorOrTensors) -> TensorOrTensors:
+        with replay_training_flags(self.flags):
+            return self.function(input)
+
+
 class Checkpointing:
     """Generates a pair of :class:`Checkpoint` and :class:`Recompute` for one partition and one micro-batch.
 
     Args:
         function: the partition (called with the tensor of an atomic batch, else the tuple).
         batch (Batch): its input micro-batch.
+        module (Optional[nn.Module]): the modules ``function`` runs. Their ``training`` flags are recorded by the
+            checkpointed forward and replayed in the recomputation: a backward run after ``eval()`` (a validation
+            pass between a training forward and its backward) recomputed dropout and batch norm in eval mode, and
+            the gradients were not those of the forward. ``None``: the recomputation runs in the current modes.
     """
 
-    def __init__(self, function: Function, batch: Batch) -> None:
+    def __init__(self, function: Function, batch: Batch, module: Optional[nn.Module] = None) -> None:
         self.function = function
         self.batch = batch
+        self.module = module
+        self.training_flags: TrainingFlags = ()
         # Shared by the pair: Recompute fills them, Checkpoint empties them.
         self.recomputed: Deque[Recomputed] = deque(maxlen=1)
         self.rng_states: Deque[RNGStates] = deque(maxlen=1)
 
     def checkpoint(self) -> Batch:
         """Run the function without keeping activations; return its output batch."""
+        if self.module is not None:
+            # Recorded with the RNG states, per micro-batch, when the forward runs.
+            self.training_flags = tuple((m, m.training) for m in self.module.modules())
         input_atomic = self.batch.atomic
         input = tuple(self.batch)
         # The grad-requiring phony makes the outputs require grad even when no input does, so the backward
@@ -143,7 +184,10 @@ class Checkpointing:
         input = tuple(self.batch)
         index = _first_grad_index(batch)
         batch[index], phony = fork(batch[index])
-        phony = Recompute.apply(phony, self.recomputed, self.rng_states, self.function, input_atomic, *input)
+        function = self.function
+        if self.training_flags:
+            function = _ReplayTrainingFlags(function, self.training_flags)
+        phony = Recompute.apply(phony, self.recomputed, self.rng_states, function, input_atomic, *input)
         batch[index] = join(batch[index], phony)
 
 

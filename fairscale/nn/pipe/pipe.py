@@ -3,7 +3,7 @@
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -234,6 +234,17 @@ class Pipe(nn.Module):
             self._skip_layout,
             checkpoint_stop,
         )
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The pipeline recreates its copy streams (and worker threads) when it is copied or unpickled; this
+        # reference to the original's streams is taken back from it in __setstate__.
+        state = dict(self.__dict__)
+        state.pop("_copy_streams", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._copy_streams = self.pipeline.copy_streams
 
     def __len__(self) -> int:
         """The number of layers of all partitions together."""

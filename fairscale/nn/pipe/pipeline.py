@@ -8,7 +8,7 @@ partition process the micro-batches in reverse order.
 """
 
 import os
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from .dependency import fork, join
 from .microbatch import Batch, TensorOrTensors, check
 from .skip.layout import SkipLayout
 from .skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
-from .stream import AbstractStream, current_stream, use_device
+from .stream import AbstractStream, current_stream, new_stream, use_device
 from .worker import ExcInfo, InQueueT, OutQueueT, Task, create_workers
 from .worker import join_workers as join_workers  # upstream exported it from this module too
 
@@ -66,7 +66,8 @@ def clock_cycles(m: int, n: int) -> Iterable[Schedule]:
 class Pipeline:
     """Runs micro-batches through partitions in lock-step clock cycles (see the module docstring).
 
-    Worker threads are started at construction and stopped when the pipeline is garbage-collected.
+    Worker threads are started at construction and stopped when the pipeline is garbage-collected. A copy
+    (``copy.deepcopy``) or an unpickled pipeline starts worker threads and copy streams of its own.
     """
 
     def __init__(
@@ -99,6 +100,23 @@ class Pipeline:
         # thread's own reply can never end.
         for in_queue in set(in_queues):
             in_queue.put(None)
+
+    # Queues (thread locks) and accelerator streams cannot be pickled or deep-copied ("cannot pickle
+    # '_thread.lock' object" made a Pipe impossible to copy or save whole), and a copy sharing the original's
+    # workers would interleave its tasks with the original's: they are left out and made anew on the other side.
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("in_queues", "out_queues", "_owner_pid"):
+            state.pop(name, None)
+        state["copy_streams"] = [len(streams) for streams in self.copy_streams]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        counts: List[int] = state["copy_streams"]
+        self.copy_streams = [[new_stream(d) for _ in range(n)] for d, n in zip(self.devices, counts)]
+        self.in_queues, self.out_queues = create_workers(self.devices)
+        self._owner_pid = os.getpid()
 
     def _restart_workers(self) -> None:
         for in_queue in set(self.in_queues):
@@ -187,7 +205,7 @@ def _make_task(
         return output
 
     if checkpoint:
-        chk = Checkpointing(function, batch)
+        chk = Checkpointing(function, batch, partition)
         return Task(stream, compute=chk.checkpoint, finalize=chk.recompute)
 
     def compute() -> Batch:

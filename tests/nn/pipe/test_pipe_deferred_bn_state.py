@@ -1,0 +1,137 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""DeferredBatchNorm's state through unusual calls: an empty mini-batch, a forward that raises.
+
+The reference for the running statistics is a plain batch norm run on each whole mini-batch (what a deferred batch
+norm stands for); the outputs are those of the plain layers run per micro-batch.
+"""
+
+from copy import deepcopy
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.nn import Pipe
+from fairscale.nn.pipe.batchnorm import DeferredBatchNorm
+
+
+def accumulators(dbn: DeferredBatchNorm):
+    return dbn.sum.clone(), dbn.sum_squares.clone(), dbn.counter, dbn.tracked
+
+
+def assert_same_accumulators(before, after) -> None:
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert before[2:] == after[2:]
+
+
+def per_micro_batch(module: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    return torch.cat([module(c) for c in x.chunk(chunks)])
+
+
+class WholeBatchNorm(nn.BatchNorm1d):
+    """A plain batch norm run on each whole mini-batch, whose running variance is the population (biased) variance
+    as DeferredBatchNorm's is (upstream's choice; torch keeps the unbiased one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or x.numel() == 0:
+            return super().forward(x)
+        previous_var = self.running_var.clone()
+        out = super().forward(x)
+        factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        biased_var = x.var([0, *range(2, x.dim())], unbiased=False)
+        self.running_var.copy_(previous_var * (1 - factor) + biased_var * factor)
+        return out
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_empty_mini_batch_leaves_the_running_statistics(momentum):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4, momentum=momentum), nn.Linear(4, 2))
+    plain = deepcopy(model)  # run per micro-batch: the outputs
+    whole = WholeBatchNorm(4, momentum=momentum)  # run per mini-batch: the running statistics
+    pipe = Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
+    dbn = pipe[0]
+
+    empty = torch.zeros(0, 4)
+    out = pipe(empty)
+    whole(empty)
+    assert out.shape == per_micro_batch(plain, empty, 2).shape == (0, 2)
+    assert torch.equal(dbn.running_mean, whole.running_mean) and torch.equal(dbn.running_var, whole.running_var)
+    assert int(dbn.num_batches_tracked) == int(whole.num_batches_tracked) == 1
+
+    for _ in range(3):
+        x = torch.randn(8, 4) * 3 + 1
+        assert torch.allclose(pipe(x), per_micro_batch(plain, x, 2), atol=1e-5)
+        whole(x)
+    assert torch.allclose(dbn.running_mean, whole.running_mean, atol=1e-5)
+    assert torch.allclose(dbn.running_var, whole.running_var, rtol=1e-3, atol=1e-4)
+    assert int(dbn.num_batches_tracked) == int(whole.num_batches_tracked) == 4
+
+    pipe.eval()
+    whole.eval()
+    plain[0].load_state_dict(whole.state_dict())
+    plain.eval()
+    x = torch.randn(2, 4)
+    out = pipe(x)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, plain(x), rtol=1e-3, atol=1e-4)
+
+
+def test_micro_batches_without_elements_leave_the_running_statistics():
+    # (N, C, 0): every micro-batch has rows but no element per channel.
+    dbn = DeferredBatchNorm(3, chunks=2)
+    bn = nn.BatchNorm1d(3)
+    x = torch.zeros(4, 3, 0)
+    assert per_micro_batch(dbn, x, 2).shape == bn(x).shape == (4, 3, 0)
+    assert torch.equal(dbn.running_mean, bn.running_mean) and torch.equal(dbn.running_var, bn.running_var)
+    assert (dbn.counter, dbn.tracked) == (0, 0)
+
+
+def test_failed_forward_leaves_the_partial_sums():
+    torch.manual_seed(0)
+    pipe = Pipe(nn.Sequential(nn.BatchNorm1d(3)), balance=[1], devices=["cpu"], chunks=2, deferred_batch_norm=True)
+    dbn = pipe[0]
+    whole = WholeBatchNorm(3)
+    before = accumulators(dbn)
+    # One value per channel in training: a plain batch norm refuses it before touching its buffers.
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        pipe(torch.full((1, 3), 100.0))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        whole(torch.full((1, 3), 100.0))
+    assert_same_accumulators(before, accumulators(dbn))
+
+    for _ in range(2):
+        x = torch.randn(8, 3)
+        pipe(x)
+        whole(x)
+        # Each good mini-batch is committed whole, on its own.
+        assert (dbn.counter, dbn.tracked) == (0, 0)
+        assert torch.allclose(dbn.running_mean, whole.running_mean, atol=1e-6)
+        assert torch.allclose(dbn.running_var, whole.running_var, rtol=1e-4, atol=1e-6)
+
+
+def test_input_of_another_dtype_leaves_the_partial_sums():
+    dbn = DeferredBatchNorm(3, chunks=2)
+    bn = nn.BatchNorm1d(3)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError):
+        bn(x)
+    before = accumulators(dbn)
+    with pytest.raises(RuntimeError):
+        dbn(x)
+    assert_same_accumulators(before, accumulators(dbn))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("channels", [1, 5])
+def test_input_with_other_channels_is_refused(affine, channels):
+    # Without affine parameters a 1-channel input was broadcast into the 3 sums, silently.
+    dbn = DeferredBatchNorm(3, affine=affine, chunks=2)
+    bn = nn.BatchNorm1d(3, affine=affine)
+    x = torch.randn(4, channels)
+    with pytest.raises(RuntimeError):
+        bn(x)
+    before = accumulators(dbn)
+    with pytest.raises(ValueError, match=r"DeferredBatchNorm\(3\) got an input with .* channels"):
+        dbn(x)
+    assert_same_accumulators(before, accumulators(dbn))
