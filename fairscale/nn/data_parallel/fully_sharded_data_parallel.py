@@ -351,7 +351,10 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
         Args:
             recurse: also summon every nested instance.
-            volatile: do not copy edits of the full parameters back into the shards on exit.
+            volatile: do not copy edits of the full parameters back into the shards on exit. As upstream says, such
+                edits are then not guaranteed to be discarded either: where the shard is the whole parameter (world
+                size 1, or hybrid sharding over a one-rank shard group) the full parameter is the shard itself, and
+                an edit stays.
         """
         with summon.summon_full_params(self._fsdp_unit, recurse=recurse, volatile=volatile):
             yield

@@ -615,3 +615,68 @@ def test_checkpoint_identity_checked_by_consolidation_and_loads(tmp_path: Any) -
 
 def test_bad_dict_on_one_rank_fails_on_every_rank_and_changes_nothing() -> None:
     run_distributed(_bad_load_body, WORLD, timeout=TIMEOUT)
+
+
+class _Pause(torch.autograd.Function):
+    """Identity whose backward signals ``started`` and waits for ``proceed`` (a backward caught midway)."""
+
+    events: Dict[str, Any] = {}
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        _Pause.events["started"].set()
+        _Pause.events["proceed"].wait(30)
+        return grad
+
+
+class _PausingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = FSDP(nn.Linear(4, 4))
+        self.b = FSDP(nn.Linear(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(_Pause.apply(self.a(x)))
+
+
+def _call_from_another_thread(model: FSDP, outcome: Dict[str, str]) -> None:
+    _Pause.events["started"].wait(30)
+    try:
+        model.state_dict()
+        outcome["state_dict"] = "ok"
+    except RuntimeError as e:
+        outcome["state_dict"] = str(e)
+    finally:
+        _Pause.events["proceed"].set()
+
+
+def _other_thread_body(rank: int, world_size: int) -> None:
+    import threading
+
+    torch.manual_seed(0)
+    model = FSDP(_PausingNet())
+    x = torch.randn(3, 4)
+    _Pause.events = {"started": threading.Event(), "proceed": threading.Event()}
+    _Pause.events["proceed"].set()
+    model(x).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    _Pause.events = {"started": threading.Event(), "proceed": threading.Event()}
+    outcome: Dict[str, str] = {}
+    thread = threading.Thread(target=_call_from_another_thread, args=(model, outcome))
+    thread.start()
+    model(x).sum().backward()
+    thread.join()
+    assert outcome["state_dict"] != "ok" and "BACKWARD" in outcome["state_dict"], outcome
+    for p, w in zip(model.parameters(), want):
+        assert p.grad is not None and torch.equal(p.grad, w), "the running backward was disturbed"
+
+
+def test_a_call_from_another_thread_does_not_reset_a_running_backward() -> None:
+    """The recovery of calls between steps (after an aborted backward) took a backward running on another thread for
+    an aborted one (the graph task id is per thread): it reset it, and its gradients came out wrong silently."""
+    run_distributed(_other_thread_body, WORLD, timeout=TIMEOUT)

@@ -4,7 +4,6 @@ against a one-process reference (the plain module on every rank's batch, DDP's a
 
 * an unfreeze after ``freeze`` + an explicit ``refresh_trainable()`` was never hooked again (its owner stepped with its
   own local gradient, silently);
-* an ``eval()`` backward right after a ``no_sync()`` training backward was reduced (eval backwards stay local);
 * ``reduce()`` after a training-mode forward under ``torch.no_grad()`` reduced the held results again instead of
   raising "nothing to reduce".
 """
@@ -82,31 +81,6 @@ def _unfreeze_body(rank: int, world_size: int) -> None:
 
 def test_unfreeze_after_an_explicit_refresh_is_reduced() -> None:
     run_distributed(_unfreeze_body, WORLD, timeout=TIMEOUT)
-
-
-def _eval_after_no_sync(rbs: int) -> None:
-    rank = torch.distributed.get_rank()
-    module = _model()
-    ref = copy.deepcopy(module)
-    opt = OSS(module.parameters(), optim=torch.optim.SGD, lr=0.1)
-    model = ShardedDataParallel(module, opt, reduce_buffer_size=rbs)
-    with model.no_sync():
-        _loss(model, _batch(rank, 1)).backward()
-    opt.zero_grad()
-    model.eval()
-    _loss(model, _batch(rank)).backward()  # an eval backward: each rank keeps its own gradients
-    _loss(ref, _batch(rank)).backward()
-    for (name, p), q in zip(module.named_parameters(), ref.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
-
-
-def _eval_body(rank: int, world_size: int) -> None:
-    run_cases((f"rbs={rbs}", functools.partial(_eval_after_no_sync, rbs)) for rbs in BUCKETS)
-
-
-def test_eval_backward_after_a_no_sync_backward_stays_local() -> None:
-    run_distributed(_eval_body, WORLD, timeout=TIMEOUT)
 
 
 def _reduce_after_no_grad_forward(rbs: int) -> None:

@@ -103,6 +103,7 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
 def shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandle:
     """Shard ``p`` in place (see :meth:`FlatHandle.shard_param_`) and move the shard to the compute device."""
     handle = FlatHandle.shard_param_(p, name, config.world_size, config.rank)
+    handle.replicated = config.replicate_size > 1
     with torch.no_grad():
         accelerator = config.compute_device.type not in ("cpu", "meta")
         if accelerator and not config.move_params_to_cpu and p.device.type not in ("meta", config.compute_device.type):

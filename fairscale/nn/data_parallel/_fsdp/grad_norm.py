@@ -45,8 +45,15 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
     elif norm_type == float("inf"):
         local = torch.stack([g.detach().abs().max().to(device, torch.float32) for g in grads]).max()
     else:
+        # At least fp32 (half gradients are upcast; a model converted with .double() has float64 gradients, which
+        # vector_norm refuses to narrow), combined in fp32 across tensors and ranks.
         local = torch.stack(
-            [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device) for g in grads]
+            [
+                torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).to(
+                    device, torch.float32
+                )
+                for g in grads
+            ]
         ).norm(norm_type)
     total = total_norm_across_ranks(local.to(torch.float32), max_norm, norm_type, c.process_group, "clip_grad_norm_")
     if c.move_grads_to_cpu:

@@ -77,6 +77,9 @@ class FlatHandle:
         self.rank = rank
         self.padding = padding
         self.is_sharded = world_size > 1
+        # Hybrid sharding over a one-rank shard group reduces across the replicas all the same (an all-reduce, as
+        # DDP): a no_sync() gradient is unreduced there too. Set by the owner's construction.
+        self.replicated = False
         self.orig_size: torch.Size = param._orig_size  # type: ignore[attr-defined]
         self.numel = int(self.orig_size.numel())
         self.shard_numel = param.data.numel()
@@ -262,21 +265,24 @@ class FlatHandle:
 
     def holds_unreduced_grad(self) -> bool:
         """Whether this rank holds a gradient of a ``no_sync()`` backward that was not reduce-scattered yet (a
-        full-size ``p.grad``, or an ``optimize_backward_concat`` window buffer); never at world size 1."""
-        if not self.is_sharded:
+        full-size ``p.grad``, or an ``optimize_backward_concat`` window buffer); never alone (world size 1 without
+        replicas)."""
+        if not (self.is_sharded or getattr(self, "replicated", False)):  # getattr: handles pickled before the flag
             return False
         if self.grad_accum_flat is not None:
             return True
-        if self._window_grad is None or self.fp32_shard is None:
-            # No no_sync() backward left a gradient since the last reduction (or the handle was reset by a move):
-            # whatever p.grad is now, the reduced shard or a tensor the user assigned since, it is not unreduced. The
-            # shapes alone cannot tell when the shard has the full shape (a 1-element parameter at world size 2).
+        if self._window_grad is None:
+            # No no_sync() backward left a gradient since the last reduction: whatever p.grad is now, the reduced
+            # shard or a tensor the user assigned since, it is not unreduced. The shapes alone cannot tell when the
+            # shard has the full shape (a 1-element parameter at world size 2).
             return False
         g = self.param.grad
         if g is None or self.is_assigned_grad(g):
             return False
+        # A move inside the window (.to(), .double(), _reset_lazy_init()) reset the handle: p.data is the shard then.
+        shard_shape = (self.fp32_shard if self.fp32_shard is not None else self.param.data).shape
         # As in park_grad_for_backward: the shard shape alone is ambiguous when it equals the full shape.
-        return not (g.shape == self.fp32_shard.shape and g.shape != self.orig_size)
+        return not (g.shape == shard_shape and g.shape != self.orig_size)
 
     # ------------------------------------------------------------------ views
     @property
@@ -406,6 +412,13 @@ class FlatHandle:
         """
         self.drop_window_if_cleared()
         p, g = self.param, self.param.grad
+        if not p.requires_grad:
+            # Frozen: autograd writes it no gradient, and whatever p.grad holds stays there, as with a plain module (an
+            # optimizer still applies it). Parked, it vanished from p.grad until an unfreeze brought it back, added to
+            # the next backward's gradient even across a zero_grad(set_to_none=True) that could not see it.
+            self.grad_before_backward = self.keep_intact = None
+            self.no_grad_before_backward = False
+            return
         self.grad_before_backward = (self.saved_grad_shard, None)
         self.keep_intact = self.saved_grad_shard
         self.no_grad_before_backward = g is None

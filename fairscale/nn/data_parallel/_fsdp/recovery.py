@@ -50,8 +50,11 @@ def recover_between_steps(unit: FSDPUnit) -> None:
     tree = unit.tree
     if tree is None or tree.root is None or tree.forward_running:
         return
-    if torch._C._current_graph_task_id() != -1:
-        return  # inside a backward (a hook, a recomputation): that backward is running, not aborted
+    if torch._C._current_graph_task_id() != -1 or tree.backward_running():
+        # Inside a backward (a hook, a recomputation), or called from another thread while the tree's backward runs
+        # (the graph task id is per thread; the engine still holds that backward's end-of-backward callback): that
+        # backward is running, not aborted.
+        return
     root = tree.root()
     if root is not None:
         recover_from_aborted_backward(root)

@@ -48,6 +48,8 @@ class TreeState:
         self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
         # Returns the end-of-backward callback, or None once its owner is gone (see set_finalizer).
         self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
+        # The callback queued by the running (or last) backward, weakly: see backward_running.
+        self._queued_callback: Optional["weakref.ReferenceType[_FinalCallback]"] = None
         # Whether any post-backward point ran in the current backward (autograd.grad() runs none).
         self.any_post_backward = False
         # Whether the current backward builds a graph of its own (create_graph=True, as a gradient penalty's
@@ -113,7 +115,17 @@ class TreeState:
             return
         self.final_callback_queued = True
         self.backward_builds_graph = torch.is_grad_enabled()
-        Variable._execution_engine.queue_callback(fn)
+        callback = _FinalCallback(fn)
+        # The engine holds the callback until its backward ends, completed or aborted: alive, that backward is still
+        # running (on whatever thread), see backward_running.
+        self._queued_callback = weakref.ref(callback)
+        Variable._execution_engine.queue_callback(callback)
+
+    def backward_running(self) -> bool:
+        """Whether the backward that queued the end-of-backward callback is still running (the callback queued and
+        still held by the autograd engine), as opposed to finished or aborted by an exception."""
+        ref = self._queued_callback
+        return self.final_callback_queued and ref is not None and ref() is not None
 
     def hold_until_reduced(self, grad: Tensor) -> None:
         """Keep ``grad`` (made on the compute stream) alive until the reduction queued on it is known to be done.
@@ -136,3 +148,16 @@ class TreeState:
             event, _ = self._held
             self.device.current_stream().wait_event(event)
             self._held = None
+
+
+class _FinalCallback:
+    """The end-of-backward callback as queued on the autograd engine: an object of its own, so that a weak reference
+    to it tells whether the engine still holds it (see :meth:`TreeState.backward_running`)."""
+
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()

@@ -160,7 +160,6 @@ class GradReducer:
         self._forward_training = False
         #: A training forward with grad ran and its backward has not finished yet.
         self.awaiting_backward = False
-        self._window_backward_ends_queued = False
         # Gradients holding a completed reduction's result, and those results moved aside by a later backward: see
         # the module docstring. Never reassigned: completion callbacks hold it, not the reducer.
         self._reduced = ReducedValues()
@@ -351,11 +350,6 @@ class GradReducer:
         if self.accumulating:
             self._window.add(id(param))
             self._window_open = True
-            if not self._window_backward_ends_queued and current_graph_task() != -1:
-                # The training forward's backward has run (inside no_sync(): no flush): an eval() forward after it
-                # must take the hooks off, as after a reduced backward (before, the eval backward was reduced).
-                self._window_backward_ends_queued = True
-                Variable._execution_engine.queue_callback(self._end_window_backward)
             return
         if not self._follows_own_forward():
             return  # reducing it raced with the module's new wrapper, or waited for peers that ran no such backward
@@ -458,11 +452,6 @@ class GradReducer:
         self._agreement_checked = False
         self.awaiting_backward = False
         self._backward_done = True
-
-    def _end_window_backward(self) -> None:
-        """End of a backward inside ``no_sync()``: nothing is reduced, but that forward's backward is done."""
-        self._window_backward_ends_queued = False
-        self.awaiting_backward = False
 
     def manual_reduce(self) -> None:
         """Reduce everything still pending now (after a backward run inside ``no_sync()``)."""

@@ -1,0 +1,188 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""FullyShardedDataParallel under orders of API calls that randomized sequences of calls found wrong (session 35),
+each against plain PyTorch on the global batch (DDP's averaging):
+
+* a frozen parameter's gradient vanished from ``p.grad`` at the next backward of its unit, and an unfreeze brought
+  it back, added to the next gradient even across ``zero_grad(set_to_none=True)``;
+* hybrid sharding over a one-rank shard group did not refuse ``optimizer.step()`` / ``clip_grad_norm_()`` after a
+  ``no_sync()`` backward (the replicas drifted apart);
+* ``clip_grad_norm_()`` after ``model.double()`` failed inside ``torch.linalg.vector_norm``;
+* a move (``.to()``, ``.double()``/``.float()``, ``_reset_lazy_init()``) inside a ``no_sync()`` window made
+  ``optimizer.step()`` fail with torch's "size of tensor a must match" instead of the documented refusal.
+"""
+
+import copy
+import functools
+from typing import List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel import hybrid_groups
+
+WORLD = 2
+TIMEOUT = 120.0
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _batch(step: int) -> Tensor:
+    return torch.randn(2 * WORLD, 4, generator=torch.Generator().manual_seed(step))
+
+
+def _mine(x: Tensor) -> Tensor:
+    rank = dist.get_rank()
+    return x[2 * rank : 2 * rank + 2]
+
+
+def _reference_backward(ref: nn.Module, step: int) -> None:
+    x = _batch(step)
+    (sum(ref(x[2 * r : 2 * r + 2]).pow(2).sum() for r in range(WORLD)) / WORLD).backward()
+
+
+def _full_grad(model: FSDP, param: nn.Parameter) -> Optional[Tensor]:
+    """The gathered gradient of a (flat or unflattened) parameter, None when its p.grad is None on every rank."""
+    pieces: List[Optional[Tensor]] = [None] * WORLD
+    dist.all_gather_object(pieces, None if param.grad is None else param.grad.detach().clone())
+    if all(p is None for p in pieces):
+        return None
+    return torch.cat([p.reshape(-1) for p in pieces if p is not None])
+
+
+def _frozen_gradient_case(flatten: bool) -> None:
+    torch.manual_seed(0)
+    plain = _Net()
+    ref = copy.deepcopy(plain)
+    net = copy.deepcopy(plain)
+    if flatten:  # the root's flat parameter (b) is frozen while the nested unit (a) trains
+        net.a = FSDP(net.a)
+        model = FSDP(net)
+        frozen = [p for n, p in model.named_parameters() if ".a." not in n and "a." != n[:2]]
+        ref_frozen = [ref.b.weight, ref.b.bias]
+    else:  # one parameter of an unflattened unit
+        model = FSDP(net, flatten_parameters=False)
+        frozen = [p for n, p in model.named_parameters() if n.endswith("a.bias")]
+        ref_frozen = [ref.a.bias]
+    assert frozen
+
+    def check(what: str) -> None:
+        # The flat parameter holds b's weight and bias (and zero padding): compared through the sum of all elements.
+        got = [_full_grad(model, p) for p in frozen]
+        want = [r.grad for r in ref_frozen]
+        if all(w is None for w in want):
+            assert all(g is None for g in got), f"{what}: p.grad is set, plain torch's is None"
+            return
+        assert all(g is not None for g in got), f"{what}: p.grad is None, plain torch keeps its gradient"
+        total = sum(g.sum() for g in got if g is not None)
+        torch.testing.assert_close(total, sum(w.sum() for w in want if w is not None), msg=lambda m: f"{what}: {m}")
+
+    model(_mine(_batch(0))).pow(2).sum().backward()
+    _reference_backward(ref, 0)
+    for p in frozen + ref_frozen:
+        p.requires_grad_(False)
+    model(_mine(_batch(1))).pow(2).sum().backward()
+    _reference_backward(ref, 1)
+    check("frozen, after a backward of its unit")
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    for p in frozen + ref_frozen:
+        p.requires_grad_(True)
+    model(_mine(_batch(2))).pow(2).sum().backward()
+    _reference_backward(ref, 2)
+    check("unfrozen after zero_grad, after the next backward")
+
+
+def _frozen_body(rank: int, world_size: int) -> None:
+    run_cases((f"flatten={flat}", functools.partial(_frozen_gradient_case, flat)) for flat in (False, True))
+
+
+def test_a_frozen_parameter_keeps_its_gradient_and_zero_grad_clears_it() -> None:
+    run_distributed(_frozen_body, WORLD, timeout=TIMEOUT)
+
+
+def _hybrid_one_rank_case(call: str) -> None:
+    shard, replicas = hybrid_groups(1)
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(4, 4), process_group=shard, replicate_process_group=replicas)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.no_sync():
+        model(_mine(_batch(0))).sum().backward()
+        with pytest.raises(FairscaleRuntimeError, match="no_sync"):
+            opt.step() if call == "step" else model.clip_grad_norm_(1.0)
+    model(_mine(_batch(1))).sum().backward()  # the window's last backward reduces both: then they may run
+    opt.step()
+    weights: List[Optional[Tensor]] = [None] * WORLD
+    with model.summon_full_params():
+        dist.all_gather_object(weights, model.weight.detach().clone())
+    assert weights[0] is not None and weights[1] is not None and torch.equal(weights[0], weights[1])
+
+
+def _hybrid_body(rank: int, world_size: int) -> None:
+    run_cases((call, functools.partial(_hybrid_one_rank_case, call)) for call in ("step", "clip_grad_norm_"))
+
+
+def test_hybrid_one_rank_shard_group_refuses_a_step_inside_no_sync() -> None:
+    run_distributed(_hybrid_body, WORLD, timeout=TIMEOUT)
+
+
+def _clip_after_double_body(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(plain).double()
+    model = FSDP(copy.deepcopy(plain)).double()
+    x = _batch(0).double()
+    model(_mine(x)).pow(2).sum().backward()
+    (sum(ref(x[2 * r : 2 * r + 2]).pow(2).sum() for r in range(WORLD)) / WORLD).backward()
+    norm = model.clip_grad_norm_(1.0)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    torch.testing.assert_close(norm.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_grad_norm_after_double() -> None:
+    run_distributed(_clip_after_double_body, WORLD, timeout=TIMEOUT)
+
+
+def _move_in_window_case(move: str) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(plain)
+    model = FSDP(copy.deepcopy(plain))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.no_sync():
+        model(_mine(_batch(0))).pow(2).sum().backward()
+        if move == "to":
+            model.to("cpu")
+        elif move == "double_float":
+            model.double().float()
+        else:
+            model._reset_lazy_init()
+        with pytest.raises(FairscaleRuntimeError, match="inside a no_sync"):
+            opt.step()
+    model(_mine(_batch(1))).pow(2).sum().backward()
+    for step in range(2):
+        _reference_backward(ref, step)
+    got = _full_grad(model, next(model.parameters()))
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # type: ignore[union-attr]
+    assert got is not None
+    torch.testing.assert_close(got[: want.numel()], want)
+
+
+def _move_body(rank: int, world_size: int) -> None:
+    run_cases((move, functools.partial(_move_in_window_case, move)) for move in ("to", "double_float", "reset"))
+
+
+def test_a_move_inside_no_sync_keeps_the_step_refusal() -> None:
+    run_distributed(_move_body, WORLD, timeout=TIMEOUT)
