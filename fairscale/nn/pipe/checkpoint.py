@@ -130,6 +130,11 @@ def replay_training_flags(flags: Sequence[Tuple[nn.Module, bool]]) -> Generator[
             module.training = current
 
 
+def training_flags_of(module: nn.Module) -> TrainingFlags:
+    """Every module's ``training`` flag under (and including) ``module``, for :func:`replay_training_flags`."""
+    return tuple((m, m.training) for m in module.modules())
+
+
 class _ReplayTrainingFlags:
     """``function`` run with the ``training`` flags that the checkpointed forward ran with."""
 
@@ -154,10 +159,18 @@ class Checkpointing:
             the gradients were not those of the forward. ``None``: the recomputation runs in the current modes.
     """
 
-    def __init__(self, function: Function, batch: Batch, module: Optional[nn.Module] = None) -> None:
+    def __init__(
+        self,
+        function: Function,
+        batch: Batch,
+        module: Optional[nn.Module] = None,
+        training_flags: Optional[TrainingFlags] = None,
+    ) -> None:
         self.function = function
         self.batch = batch
         self.module = module
+        # Given: recorded once for the whole forward (all its micro-batches run the same modes), not per micro-batch.
+        self._given_flags = training_flags
         self.training_flags: TrainingFlags = ()
         # Shared by the pair: Recompute fills them, Checkpoint empties them.
         self.recomputed: Deque[Recomputed] = deque(maxlen=1)
@@ -165,9 +178,11 @@ class Checkpointing:
 
     def checkpoint(self) -> Batch:
         """Run the function without keeping activations; return its output batch."""
-        if self.module is not None:
+        if self._given_flags is not None:
+            self.training_flags = self._given_flags
+        elif self.module is not None:
             # Recorded with the RNG states, per micro-batch, when the forward runs.
-            self.training_flags = tuple((m, m.training) for m in self.module.modules())
+            self.training_flags = training_flags_of(self.module)
         input_atomic = self.batch.atomic
         input = tuple(self.batch)
         # The grad-requiring phony makes the outputs require grad even when no input does, so the backward
