@@ -107,7 +107,9 @@ class AdaScale(torch.optim.Optimizer):
         n_groups = len(optimizer.param_groups)
         # The end of each accumulation window all-reduces one value per param group: ranks with other group counts
         # or windows would meet in collectives of different sizes (gloo waits until its timeout) or not at all.
-        initial_scale = self._world_size * self._num_grads_to_accum if scale is None else scale
+        initial_scale = (
+            self._world_size * self._num_grads_to_accum if scale is None else arguments.as_number("scale", scale)
+        )
         self._check_ranks_agree(n_groups, initial_scale)
         cast(Dict[Any, Any], optimizer.state).setdefault(STATE_KEY, statistics.fresh(n_groups))
         self._scale = 1.0
@@ -201,6 +203,7 @@ class AdaScale(torch.optim.Optimizer):
                 gain, and so the learning rate, NaN).
         """
         self._check_not_in_backward("Don't change scale in backward phase")
+        scale = arguments.as_number("scale", scale)
         arguments.check_scale(scale)
         if update_estimate:
             statistics.rescale_variance(self._state, self._scale / scale, self._debias_ewma)
@@ -219,6 +222,7 @@ class AdaScale(torch.optim.Optimizer):
             RuntimeError: 1 with a single worker (``world_size`` 1), as the constructor refuses it; nothing changes.
         """
         self._check_not_in_backward("Don't change num_grad_to_accum in backward phase")
+        num_gradients_to_accumulate = arguments.as_number("num_gradients_to_accumulate", num_gradients_to_accumulate)
         arguments.check_num_gradients(num_gradients_to_accumulate, self._world_size)
         self._num_grads_to_accum = num_gradients_to_accumulate
         if update_smoothing:

@@ -12,6 +12,7 @@ all deliberate:
   skipping a step. Any nonzero flag counts as an overflow.
 """
 
+import copy
 import math
 import numbers
 import warnings
@@ -241,6 +242,18 @@ class _ScalerBase(CudaAmpGradScaler):
     ) -> Dict[torch.device, Tensor]:
         # fp16 gradients are legitimate here (fairscale Adam's PURE_FP16, FSDP/ShardedDDP fp16 reductions).
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: Dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        # torch checks this with an assert just before, which python -O removes: the optimizer then stepped with no
+        # inf/nan check at all.
+        if not optimizer_state["found_inf_per_device"]:
+            raise FairscaleRuntimeError(
+                f"{type(self).__name__}.step: no inf checks were recorded for this optimizer: none of its parameters "
+                "has a gradient (on any rank, for ShardedGradScaler). Run the scaled loss's backward before step()."
+            )
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
 
     # torch's setters store any value: set_backoff_factor(0.0) zeroed the scale at the next overflow and wrote NaN into
     # the weights from then on, a float interval made every update() raise inside torch, and the scaler's own state
@@ -476,14 +489,30 @@ class ShardedGradScaler(_ScalerBase):
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
         self.group = process_group
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedGradScaler":
+        # A copy decides over the same ranks: process groups cannot be copied ("cannot pickle ProcessGroup" before).
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
     ) -> Dict[torch.device, Tensor]:
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         # One flag on the scale's device, reduced once: ranks may hold gradients on different numbers of devices
         # (or none at all, e.g. a rank that owns no shard), and each must issue the same collectives.
-        combined = torch.zeros_like(found_inf)
+        # The same all-reduce also counts the devices that held gradients: when no rank held any, there is nothing
+        # the step checked, and torch's step refuses that ("No inf checks were recorded") on every rank alike. Before,
+        # the combined flag made such an iteration a clean step, and the scale grew at each one.
+        both = torch.zeros(2, dtype=found_inf.dtype, device=found_inf.device)
         for flag in per_device.values():
-            combined += flag.to(combined.device)
-        collectives.all_reduce(combined, group=self.group, op="sum")
+            both[0] += flag.to(both.device).reshape(())
+        both[1] = float(len(per_device))
+        collectives.all_reduce(both, group=self.group, op="sum")
+        if both[1].item() == 0:
+            return {}
+        combined = both[:1].reshape(found_inf.shape).clone()
         return {combined.device: combined}

@@ -197,7 +197,9 @@ class DynamicLossScaler(object):
         if grad_norm == float("inf") or grad_norm != grad_norm:
             if self._iteration_overflowed:
                 raise OverflowError("loss scale already lowered in this iteration, to: " + str(self.loss_scale))
-            prev_scale = self.loss_scale
+            # What the FloatingPointError below puts back: a failed call changes nothing (before, the counters stayed
+            # changed, and a retried step() divided by zero).
+            before = (self.loss_scale, self._last_overflow_iter, self._overflows_since_rescale, self._last_rescale_iter)
             iter_since_rescale = self._iter - self._last_rescale_iter
             self._last_overflow_iter = self._iter
             self._overflows_since_rescale += 1
@@ -208,7 +210,9 @@ class DynamicLossScaler(object):
                 self._overflows_since_rescale = 0
             assert self.loss_scale is not None
             if self.loss_scale <= self.min_loss_scale:
-                self.loss_scale = prev_scale
+                self.loss_scale, self._last_overflow_iter, self._overflows_since_rescale, self._last_rescale_iter = (
+                    before
+                )
                 raise FloatingPointError(
                     (
                         "Minimum loss scale reached ({}). Your loss is probably exploding. "

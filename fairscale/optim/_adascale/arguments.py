@@ -5,13 +5,14 @@ The ``FairscaleValueError`` raised here is an ``AssertionError`` too, as upstrea
 """
 
 import math
+import numbers
 from typing import Any, Dict, Optional, Sequence
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_ranks_agree, comparable_number, first_device
-from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
-__all__ = ["check_num_gradients", "check_ranks_agree_on_settings", "check_scale", "checked_world_size"]
+__all__ = ["as_number", "check_num_gradients", "check_ranks_agree_on_settings", "check_scale", "checked_world_size"]
 
 
 def checked_world_size(world_size: Optional[int]) -> int:
@@ -26,6 +27,24 @@ def checked_world_size(world_size: Optional[int]) -> int:
         # 0 or a negative count was caught only by the single-worker check, whose message misled.
         raise FairscaleValueError(f"AdaScale: world_size must be a whole number >= 1 (or None), got {world_size!r}")
     return int(world_size)
+
+
+def as_number(name: str, value: Any) -> Any:
+    """``value`` as a Python number: a one-element tensor or numpy value (what a config read through torch, or a
+    scheduler, gives) is taken by its ``item()``; before, it failed deep inside the statistics with a numpy error.
+
+    Raises:
+        TypeError: ``value`` is a bool, or neither a real number nor a one-element tensor or array of one.
+    """
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return value
+    size = getattr(value, "numel", None)
+    count = size() if callable(size) else getattr(value, "size", None)
+    if count == 1 and hasattr(value, "item") and not isinstance(value, bool):
+        item = value.item()
+        if isinstance(item, numbers.Real) and not isinstance(item, bool):
+            return item
+    raise FairscaleTypeError(f"AdaScale: {name} must be a real number, got {type(value).__name__} {value!r}")
 
 
 def check_scale(scale: float) -> None:
