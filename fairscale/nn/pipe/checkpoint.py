@@ -6,12 +6,14 @@
 * ``Checkpoint`` runs the partition under ``no_grad`` in the forward pass (saving the RNG states and the inputs);
   in the backward pass it back-propagates through the recomputed graph it finds in the "recomputed" slot.
 * ``Recompute`` is an identity on a phony in the forward pass; its backward runs the partition again with the
-  saved RNG states (so dropout masks repeat) and the modules' ``training`` flags of the forward (so an ``eval()``
-  between the forward and the backward changes nothing), and fills the slot. Fork/join edges make autograd run it
+  saved RNG states (so dropout masks repeat), the modules' ``training`` flags of the forward (so an ``eval()``
+  between the forward and the backward changes nothing) and its autocast state (a backward inside the caller's
+  ``torch.autocast`` block does not recompute in low precision), and fills the slot. Fork/join edges make autograd run it
   just before ``Checkpoint``'s backward, and after the gradient of the later micro-batch has arrived, so that only
   one micro-batch's activations are alive per partition at a time.
 """
 
+import contextlib
 import threading
 from collections import deque
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ from typing import Any, Deque, Generator, List, Optional, Protocol, Sequence, Tu
 import torch
 from torch import Tensor, nn
 
+from fairscale.internal.autocast import AutocastState, autocast_state
 from fairscale.internal.device import accelerator_rng_state, set_accelerator_rng_state
 
 from .dependency import fork, join
@@ -135,15 +138,41 @@ def training_flags_of(module: nn.Module) -> TrainingFlags:
     return tuple((m, m.training) for m in module.modules())
 
 
-class _ReplayTrainingFlags:
-    """``function`` run with the ``training`` flags that the checkpointed forward ran with."""
+AutocastStates = Tuple[Tuple[str, AutocastState], ...]
 
-    def __init__(self, function: Function, flags: TrainingFlags) -> None:
+
+def autocast_states_of(batch: Batch) -> AutocastStates:
+    """The autocast state, for the CPU and each device type of ``batch``, of the thread running a forward."""
+    states = []
+    for device_type in sorted({t.device.type for t in batch if isinstance(t, Tensor)} | {"cpu"}):
+        try:
+            states.append((device_type, autocast_state(device_type)))
+        except (RuntimeError, TypeError):  # a device type autocast does not know (meta): nothing to replay
+            continue
+    return tuple(states)
+
+
+class _ReplayForwardState:
+    """``function`` run with the ``training`` flags and the autocast state that the checkpointed forward ran with.
+
+    The forward runs on a worker thread, where an autocast entered by the caller is off (thread-local); the
+    recomputation runs in backward, which the autograd engine runs with the backward caller's autocast state: a
+    backward inside a ``torch.autocast`` block recomputed in low precision what the forward computed in fp32.
+    """
+
+    def __init__(self, function: Function, flags: TrainingFlags, autocast: AutocastStates) -> None:
         self.function = function
         self.flags = flags
+        self.autocast = autocast
 
     def __call__(self, input: TensorOrTensors) -> TensorOrTensors:
-        with replay_training_flags(self.flags):
+        with contextlib.ExitStack() as stack:
+            for device_type, (enabled, dtype) in self.autocast:
+                if dtype is None:
+                    stack.enter_context(torch.autocast(device_type, enabled=enabled))
+                else:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            stack.enter_context(replay_training_flags(self.flags))
             return self.function(input)
 
 
@@ -172,6 +201,7 @@ class Checkpointing:
         # Given: recorded once for the whole forward (all its micro-batches run the same modes), not per micro-batch.
         self._given_flags = training_flags
         self.training_flags: TrainingFlags = ()
+        self.autocast_states: AutocastStates = ()
         # Shared by the pair: Recompute fills them, Checkpoint empties them.
         self.recomputed: Deque[Recomputed] = deque(maxlen=1)
         self.rng_states: Deque[RNGStates] = deque(maxlen=1)
@@ -183,6 +213,7 @@ class Checkpointing:
         elif self.module is not None:
             # Recorded with the RNG states, per micro-batch, when the forward runs.
             self.training_flags = training_flags_of(self.module)
+        self.autocast_states = autocast_states_of(self.batch)
         input_atomic = self.batch.atomic
         input = tuple(self.batch)
         # The grad-requiring phony makes the outputs require grad even when no input does, so the backward
@@ -200,8 +231,8 @@ class Checkpointing:
         index = _first_grad_index(batch)
         batch[index], phony = fork(batch[index])
         function = self.function
-        if self.training_flags:
-            function = _ReplayTrainingFlags(function, self.training_flags)
+        if self.training_flags or self.autocast_states:
+            function = _ReplayForwardState(function, self.training_flags, self.autocast_states)
         phony = Recompute.apply(phony, self.recomputed, self.rng_states, function, input_atomic, *input)
         batch[index] = join(batch[index], phony)
 

@@ -87,3 +87,21 @@ def test_a_layer_switched_to_eval_alone_is_recomputed_in_training_mode():
     torch.cat([plain(c) for c in x.chunk(CHUNKS)]).sum().backward()
     for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_backward_inside_autocast_recomputes_as_the_forward_ran(checkpoint):
+    """The partitions run on worker threads, which an autocast entered by the caller does not reach (fp32 forward);
+    the backward runs with the caller's autocast state, so a backward inside the block recomputed the checkpointed
+    micro-batches in bfloat16, and their gradients were not those of the fp32 forward."""
+    x = torch.randn(8, 4)
+    grads = {}
+    for mode in ("never", checkpoint):
+        pipe = Pipe(make_model(dropout=False), balance=[2, 2], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint=mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = pipe(x)
+            assert y.dtype == torch.float32  # the forward ignored the caller's autocast (as upstream)
+            (y * torch.arange(1.0, 4.0)).sum().backward()
+        grads[mode] = [p.grad.clone() for p in pipe.parameters()]
+    for got, want in zip(grads[checkpoint], grads["never"]):
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
