@@ -12,7 +12,6 @@ all deliberate:
   skipping a step. Any nonzero flag counts as an overflow.
 """
 
-import copy
 import math
 import numbers
 import warnings
@@ -26,6 +25,7 @@ from fairscale.internal import torch_version as torch_version  # noqa: F401  # u
 from fairscale.internal.device import AmpOptState as OptState
 from fairscale.internal.device import CudaAmpGradScaler, amp_scaler_device_type, device_generic_amp_scaler
 from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.group_copy import deepcopy_sharing_group
 
 try:
     from torch.distributed import ProcessGroup
@@ -491,12 +491,7 @@ class ShardedGradScaler(_ScalerBase):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedGradScaler":
         # A copy decides over the same ranks: process groups cannot be copied ("cannot pickle ProcessGroup" before).
-        if self.group is not None:
-            memo[id(self.group)] = self.group
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return copied
+        return deepcopy_sharing_group(self, memo, self.group)
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool

@@ -7,7 +7,6 @@ Under :func:`fairscale.nn.checkpoint.checkpoint_wrapper` the statistics are comp
 and reused by the recomputation, so neither the collectives nor the running-statistics update happen twice.
 """
 
-import copy
 import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,6 +18,7 @@ from torch.autograd.function import once_differentiable
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_reduce, group_size
+from fairscale.internal.group_copy import deepcopy_sharing_group
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
 from fairscale.nn.checkpoint.checkpoint_activations import current_call_stash, enclosing_call_stash
 
@@ -299,12 +299,7 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "SyncBatchNorm":
         # A copy (an EMA model, a reference model) synchronises over the same group: process groups cannot be copied.
-        if self._process_group is not None:
-            memo[id(self._process_group)] = self._process_group
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return copied
+        return deepcopy_sharing_group(self, memo, self._process_group)
 
     def _input_problem(self, input: Tensor) -> Optional[Exception]:
         """What is wrong with this rank's call on its own (``None`` if nothing)."""

@@ -1,7 +1,6 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Mixture-of-experts layer (GShard): gate, all-to-all dispatch to the experts of every rank, combine."""
 
-import copy
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union, cast
 
@@ -15,6 +14,7 @@ from fairscale.internal.agreement import RanksDisagreeError, check_outcome_agree
 from fairscale.internal.autocast import autocast_state
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.group_copy import deepcopy_sharing_group
 
 __all__ = ["MOELayer"]
 
@@ -116,12 +116,7 @@ class MOELayer(Module):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "MOELayer":
         # A copy (an EMA or teacher model) exchanges tokens over the same group: process groups cannot be copied.
-        if self._group is not None:
-            memo[id(self._group)] = self._group
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return copied
+        return deepcopy_sharing_group(self, memo, self._group)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a checkpoint
