@@ -9,14 +9,18 @@ tensor that requires grad queues the callback, once per backward.
 import collections
 import dataclasses
 import functools
-from typing import Any, Callable, List, Mapping, Set
+import inspect
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from fairscale.internal.errors import FairscaleTypeError
+from fairscale.internal.tensor_hooks import current_graph_task, register_grad_hook
 
 __all__ = ["BackwardCallback", "has_opaque_parts", "output_tensors", "unhooked_output_error"]
 
@@ -91,14 +95,30 @@ class BackwardCallback:
     The callback is passed to :meth:`attach` rather than kept here: the model owns this object, so a bound method of
     the model kept here would tie the two together for good; the hooks hold the callback only while the output's
     graph lives.
+
+    "Once per backward" is kept per autograd graph task (each backward has its own id), not by a flag that the end of
+    the backward clears: a backward that raised never runs its queued callback, and such a flag stayed set, so every
+    later backward skipped the callback (in eval mode too, where nothing cleared it).
+
+    A leaf tensor in the output (a parameter returned with the logits, or an input returned as it is) has no graph
+    of its own: a hook on it stays on the tensor for good. Those hooks hold the callback weakly, are replaced at the
+    next :meth:`attach` and removed when this object is freed (with its model); one hook was added per forward and
+    never removed, kept the model alive, and ran its callback in later backwards of the unwrapped module.
     """
 
     def __init__(self) -> None:
-        self.queued = False  # the callback is queued for the running backward
+        self.queued_task: Optional[int] = None  # the graph task the callback is queued for
+        self._leaf_handles: List[RemovableHandle] = []
+        # Holds the list, not this object: the hooks go when the model (the owner of this object) is freed.
+        weakref.finalize(self, _remove_handles, self._leaf_handles)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "BackwardCallback":
+        # A copy of the model (an EMA copy) hooks its own outputs; the original's hooks and queued task are not its.
+        return BackwardCallback()
 
     def reset(self) -> None:
         """Forget a callback queued by a backward that raised (the engine dropped it without running it)."""
-        self.queued = False
+        self.queued_task = None
 
     def attach(self, output: Any, callback: Callable[[], None]) -> int:
         """Hook the tensors of ``output`` that require grad so that their backward ends with ``callback()``.
@@ -106,21 +126,49 @@ class BackwardCallback:
         Returns:
             int: how many tensors were hooked (0: a backward through ``output`` cannot run ``callback``).
         """
-        hook = functools.partial(self._queue, callback)
+        _remove_handles(self._leaf_handles)  # the previous forward's leaves: this forward's output replaces them
         hooked = 0
         for t in output_tensors(output):
-            if t.requires_grad:
-                t.register_hook(hook)
-                hooked += 1
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is None:
+                weak_callback = weakref.WeakMethod(callback) if inspect.ismethod(callback) else _strong(callback)
+                leaf_hook = functools.partial(_queue_from_leaf, weakref.ref(self), weak_callback)
+                self._leaf_handles.append(register_grad_hook(t, leaf_hook))
+            else:
+                register_grad_hook(t, functools.partial(self._queue, callback))
+            hooked += 1
         return hooked
 
-    def _queue(self, callback: Callable[[], None], grad: Tensor) -> Tensor:
+    def _queue(self, callback: Callable[[], None], grad: Tensor) -> None:
         # Once per backward, at its end: the engine runs queued callbacks when the graph is done.
-        if not self.queued:
-            self.queued = True
+        task = current_graph_task()
+        if self.queued_task != task:
+            self.queued_task = task
             Variable._execution_engine.queue_callback(functools.partial(self._run, callback))
-        return grad
 
     def _run(self, callback: Callable[[], None]) -> None:
-        self.queued = False
+        self.queued_task = None
         callback()
+
+
+def _strong(callback: Callable[[], None]) -> Callable[[], Optional[Callable[[], None]]]:
+    """A stand-in for a weak reference, for a callback that is no bound method (it ties no model to the tensor)."""
+    return lambda: callback
+
+
+def _queue_from_leaf(
+    owner: "weakref.ReferenceType[BackwardCallback]",
+    callback: Callable[[], Optional[Callable[[], None]]],
+    grad: Tensor,
+) -> None:
+    # A leaf's hook: holds neither the BackwardCallback nor the model, and does nothing once either is gone.
+    callback_now, owner_now = callback(), owner()
+    if callback_now is not None and owner_now is not None:
+        owner_now._queue(callback_now, grad)
+
+
+def _remove_handles(handles: List[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()

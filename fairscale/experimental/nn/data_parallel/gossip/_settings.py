@@ -35,6 +35,7 @@ __all__ = [
     "check_sizes",
     "graph_mismatch",
     "is_integer",
+    "meta_sgp_error",
 ]
 
 # The values of ``SlowMoBaseAlgorithm``, a ``str`` enum whose members equal them: the enum lives in ``distributed``
@@ -172,6 +173,25 @@ def check_algorithm_settings(
     if slowmo and memory_efficient:
         counts.append(("slowmo_num_shards", shards))
     check_counts(*counts)
+
+
+def meta_sgp_error(module: nn.Module, algorithm: Any, nprocs_per_node: Any, world_size: Any) -> Optional[Exception]:
+    """The error for SGP around a module with ``meta`` parameters, where SGP will gossip (more than one node).
+
+    SGP copies the parameters into its gossip buffers at construction, and a ``meta`` tensor has no data (torch's
+    ``NotImplementedError`` came after the gossip groups were created). LocalSGD reads the parameters when it
+    averages, so it takes a ``meta`` model and its weights from ``load_state_dict(assign=True)`` later.
+    """
+    if algorithm != _SGP or not (is_integer(nprocs_per_node) and is_integer(world_size)) or nprocs_per_node < 1:
+        return None  # not SGP, or sizes check_sizes refuses with its own message
+    if world_size // nprocs_per_node < 2 or not any(p.is_meta for p in module.parameters()):
+        return None  # one node gossips with no one
+    return FairscaleValueError(
+        "SlowMoDistributedDataParallel: SGP needs the module's parameters materialised when it is wrapped (its "
+        "gossip buffers are copied from them), but they are on the meta device; load the weights into the module "
+        "first (module.to_empty(device=...) then module.load_state_dict(...)) and wrap it afterwards, or use "
+        "slowmo_base_algorithm=SlowMoBaseAlgorithm.LOCALSGD"
+    )
 
 
 def check_dense_embeddings(module: nn.Module) -> None:

@@ -17,14 +17,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairscale.internal.device import DeviceHandle
-from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 
 from .gossiper import Gossiper, PushPull, PushSum
 from .graph_manager import GraphManager
 from .mixing_manager import MixingManager
 from .utils.helpers import flatten_tensors, group_by_dtype, make_logger, unflatten_tensors
 
-__all__ = ["SgpGossip"]
+__all__ = ["SgpGossip", "deepcopy_error"]
 
 HEARTBEAT_TIMEOUT = 300  # seconds; mirrored in distributed.py
 
@@ -69,6 +69,9 @@ class SgpGossip:
         self.gossip_ps_factor = torch.zeros(1, dtype=first.dtype, device=first.device)
         self.gossip_ps_weight = self.ps_weight.clone()
         pin = DeviceHandle.for_device("cpu").pin_memory
+        # What the gossip buffers (and the gossip thread's messages, one per dtype) are laid out for: see
+        # check_parameters.
+        self._layout = [(name, p.dtype, p.device) for name, p in module.named_parameters()]
         self.gossip_params: List[Tensor] = []
         for p in module.parameters():
             clone = p.detach().clone().to(comm_device)
@@ -102,11 +105,38 @@ class SgpGossip:
         self.lazy_mixing = not self.asynch and self.mixing.is_regular()
         self.lazy_ps_factor = self.gossip_ps_factor.clone()
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SgpGossip":
+        # A copy would need a gossip thread of its own on the same peer groups, whose rounds would mix with this one's.
+        raise deepcopy_error()
+
+    def check_parameters(self) -> None:
+        """Raise unless the module's parameters still have the dtypes and devices they had at construction.
+
+        The gossip buffers, and the gossip thread's messages, were laid out for those: after ``model.double()`` each
+        round rounded the peers' parameters to float32 (the ranks never agreed), with no error.
+        """
+        params = list(self.module.named_parameters())
+        if len(params) != len(self._layout):
+            raise FairscaleRuntimeError(
+                f"SlowMoDistributedDataParallel: the module has {len(params)} parameters, but SGP's gossip buffers "
+                f"were laid out for the {len(self._layout)} it had when it was wrapped; add every parameter before "
+                "wrapping the module, or wrap it again"
+            )
+        for (name, p), (_, dtype, device) in zip(params, self._layout):
+            if p.dtype != dtype or p.device != device:
+                raise FairscaleRuntimeError(
+                    f"SlowMoDistributedDataParallel: the parameter {name!r} is now {p.dtype} on {p.device}, but SGP "
+                    f"gossips in the dtype and on the device the parameters had when the module was wrapped "
+                    f"({dtype} on {device}): its buffers were laid out for them; convert the module (.to(), "
+                    ".double(), .half()) before wrapping it, or convert it back"
+                )
+
     # ---- push-sum numerator form
 
     def ps_numerator(self) -> None:
         """Multiply the parameters by the push-sum weight (no-op under lazy mixing)."""
         if not self.is_sgp_ps_numerator and not self.lazy_mixing:
+            self.check_parameters()  # ps_weight is on the parameters' device of the wrapping
             with torch.no_grad():
                 for p in self.module.parameters():
                     p.mul_(self.ps_weight.type(p.dtype))
@@ -115,6 +145,7 @@ class SgpGossip:
     def unbias(self) -> None:
         """Divide the parameters by the push-sum weight (no-op under lazy mixing)."""
         if self.is_sgp_ps_numerator and not self.lazy_mixing:
+            self.check_parameters()
             with torch.no_grad():
                 for p in self.module.parameters():
                     p.div_(self.ps_weight.type(p.dtype))
@@ -241,6 +272,15 @@ class SgpGossip:
                 for r, g in zip(unflatten_tensors(in_msg, group), group):
                     g.copy_(r)
             self.gossip_ps_weight.copy_(received_ps.to(self.gossip_ps_weight.dtype))
+
+
+def deepcopy_error() -> FairscaleTypeError:
+    """The error for ``copy.deepcopy`` of a model that gossips with SGP (see ``SgpGossip.__deepcopy__``)."""
+    return FairscaleTypeError(
+        "SlowMoDistributedDataParallel with SGP cannot be deep-copied: the copy's gossip thread would use the same "
+        "peer groups as this model's; deep-copy the wrapped module instead (copy.deepcopy(model.module)) and, to "
+        "train the copy with SGP, wrap it in a new SlowMoDistributedDataParallel on every rank"
+    )
 
 
 def _wake_to_stop(train_flag: threading.Event, stop: threading.Event) -> None:

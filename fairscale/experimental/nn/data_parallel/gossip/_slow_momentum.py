@@ -77,8 +77,8 @@ class SlowMomentum:
             return
         params = [p for p, _ in self._params(optimizer)]
         # The optimizer is the caller's (SlowMoDistributedDataParallel.perform_slowmo passes it through). Marked
-        # initialized only once it passed, so a call after a rejected optimizer checks again instead of stepping
-        # without buffers.
+        # initialized only once the buffers are filled, so a call after a rejected optimizer (or a failed copy)
+        # sets them up again instead of stepping without them.
         if not all(p.dtype == torch.float32 for p in params):
             dtypes = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
             raise FairscaleTypeError(
@@ -91,50 +91,49 @@ class SlowMomentum:
                 f"SlowMo needs all optimizer parameters on one device, got {', '.join(sorted(map(str, devices)))}; "
                 "move the optimizer's parameters to one device"
             )
-        self.initialized = True
-        self._layout = params
         total = sum(p.numel() for p in params)
         self.world_portion_length = math.ceil(total / self.num_shards)
-        if not self.is_shard_owner:
-            return
-        if self.memory_efficient:
-            self.portion_start = self.process_rank * self.world_portion_length
-            self.portion_end = min((self.process_rank + 1) * self.world_portion_length, total)
-        else:
-            self.portion_start, self.portion_end = 0, total
-        length = self.world_portion_length if self.memory_efficient else total
-        device = params[0].device if params else torch.device("cpu")
-        self.old_params = torch.zeros(length, dtype=torch.float32, device=device)
-        self.global_momentum_buffer = torch.zeros(length, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for view, start, _ in self._owned_views(optimizer):
-                self.old_params[start : start + view.numel()].copy_(view)
+        if self.is_shard_owner:
+            if self.memory_efficient:
+                self.portion_start = self.process_rank * self.world_portion_length
+                self.portion_end = min((self.process_rank + 1) * self.world_portion_length, total)
+            else:
+                self.portion_start, self.portion_end = 0, total
+            length = self.world_portion_length if self.memory_efficient else total
+            device = params[0].device if params else torch.device("cpu")
+            old_params = torch.zeros(length, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                for flat, lo, hi, start, _ in self._owned_ranges(_FlatParams(self._params(optimizer))):
+                    old_params[start : start + hi - lo].copy_(flat[lo:hi])
+            self.old_params = old_params
+            self.global_momentum_buffer = torch.zeros(length, dtype=torch.float32, device=device)
+        self._layout = params
+        self.initialized = True
 
-    def _owned_views(self, optimizer: torch.optim.Optimizer) -> Iterator[Tuple[Tensor, int, float]]:
-        """``(flat view of the owned part of a parameter, offset inside the slice, lr)`` for each parameter."""
+    def _owned_ranges(self, flats: "_FlatParams") -> Iterator[Tuple[Tensor, int, int, int, float]]:
+        """``(flat parameter, lo, hi, offset inside the slice, lr)``: ``flat[lo:hi]`` is the owned part of it."""
         assert self.portion_start is not None and self.portion_end is not None
         offset = 0
-        for p, lr in self._params(optimizer):
-            lo, hi = max(offset, self.portion_start), min(offset + p.numel(), self.portion_end)
+        for flat, lr in flats.items:
+            lo, hi = max(offset, self.portion_start), min(offset + flat.numel(), self.portion_end)
             if lo < hi:
-                yield p.data.view(-1)[lo - offset : hi - offset], lo - self.portion_start, lr
-            offset += p.numel()
+                yield flat, lo - offset, hi - offset, lo - self.portion_start, lr
+            offset += flat.numel()
 
-    def _owner_buckets(self, optimizer: torch.optim.Optimizer) -> Dict[int, List[Tensor]]:
-        """The parameter element ranges grouped by owner rank (views of the parameters)."""
+    def _owner_buckets(self, flats: "_FlatParams") -> Dict[int, List[Tensor]]:
+        """The parameter element ranges grouped by owner rank (views of the flat parameters)."""
         assert self.world_portion_length is not None
         length = self.world_portion_length
         buckets: Dict[int, List[Tensor]] = {}
         offset = 0
-        for p, _ in self._params(optimizer):
-            flat = p.data.view(-1)
+        for flat, _ in flats.items:
             start = 0
-            while start < p.numel():
+            while start < flat.numel():
                 owner = (offset + start) // length
-                end = min(p.numel(), (owner + 1) * length - offset)
+                end = min(flat.numel(), (owner + 1) * length - offset)
                 buckets.setdefault(owner, []).append(flat[start:end])
                 start = end
-            offset += p.numel()
+            offset += flat.numel()
         return buckets
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -142,21 +141,24 @@ class SlowMomentum:
         if not self.enabled:
             return
         self.check_layout(optimizer)
-        buckets: Dict[int, List[Tensor]] = {}
+        # Everything that can fail on the layout is done before a parameter changes: a step that raised after the
+        # division left every parameter divided by the world size, and a retry divided it again.
+        flats = _FlatParams(self._params(optimizer))
+        buckets = self._owner_buckets(flats) if self.memory_efficient else {}
         if self.memory_efficient:
             with torch.no_grad():
-                for p, _ in self._params(optimizer):
-                    p.data.div_(self.process_world_size)
-            buckets = self._owner_buckets(optimizer)
+                for flat, _ in flats.items:
+                    flat.div_(self.process_world_size)
             for owner in range(self.num_shards):
                 if owner in buckets:
                     communicate(buckets[owner], lambda tensor, dst=owner: reduce(tensor, dst=dst))
         if self.is_shard_owner:
-            self._update(optimizer)
+            self._update(flats)
         if self.memory_efficient:
             for owner in range(self.num_shards):
                 if owner in buckets:
                     communicate(buckets[owner], lambda tensor, src=owner: broadcast(tensor, src=src))
+        flats.write_back()
 
     def check_layout(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if the optimizer's parameters are not the ones the buffers were laid out over.
@@ -176,12 +178,13 @@ class SlowMomentum:
                 "or create a new SlowMoDistributedDataParallel (re-initializing the slow momentum) after changing them"
             )
 
-    def _update(self, optimizer: torch.optim.Optimizer) -> None:
+    def _update(self, flats: "_FlatParams") -> None:
         assert self.old_params is not None and self.global_momentum_buffer is not None
         with torch.no_grad():
-            for view, start, lr in self._owned_views(optimizer):
-                old = self.old_params[start : start + view.numel()]
-                u = self.global_momentum_buffer[start : start + view.numel()]
+            for flat, lo, hi, start, lr in self._owned_ranges(flats):
+                view = flat[lo:hi]
+                old = self.old_params[start : start + hi - lo]
+                u = self.global_momentum_buffer[start : start + hi - lo]
                 if lr == 0.0:
                     # A group at lr 0 (a frozen group, or a warm-up schedule starting from 0) is a valid schedule,
                     # but the update divides by lr (0/0 = NaN for good). Such a group gets no slow-momentum step:
@@ -192,3 +195,28 @@ class SlowMomentum:
                 u.mul_(self.momentum).add_((old - view) / lr)
                 old.add_(u, alpha=-self.lr * lr)
                 view.copy_(old)
+
+
+class _FlatParams:
+    """The optimizer's parameters as 1-D tensors in their logical (row-major) element order, with their lr.
+
+    A contiguous parameter is viewed; another one (``channels_last``, any non-contiguous layout, which ``view(-1)``
+    refused) is copied, and :meth:`write_back` copies the result into it.
+    """
+
+    def __init__(self, params: Iterator[Tuple[Tensor, float]]) -> None:
+        self.items: List[Tuple[Tensor, float]] = []
+        self._copies: List[Tuple[Tensor, Tensor]] = []
+        for p, lr in params:
+            data = p.data
+            if data.is_contiguous():
+                flat = data.view(-1)
+            else:
+                flat = data.contiguous().view(-1)
+                self._copies.append((data, flat))
+            self.items.append((flat, lr))
+
+    def write_back(self) -> None:
+        with torch.no_grad():
+            for data, flat in self._copies:
+                data.copy_(flat.view(data.shape))

@@ -32,6 +32,7 @@ from fairscale.internal.dry_load import dry_run_load
 from fairscale.internal.collectives import group_ranks
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+from fairscale.internal.group_copy import deepcopy_sharing_group
 
 from ._backward_callback import BackwardCallback, has_opaque_parts, unhooked_output_error
 from ._fp32_masters import fp16_fp32_pairs, subtract_before_communication
@@ -49,8 +50,9 @@ from ._settings import (
     check_real_numbers,
     check_sizes,
     graph_mismatch,
+    meta_sgp_error,
 )
-from ._sgp import SgpGossip
+from ._sgp import SgpGossip, deepcopy_error
 from ._sgp_state_dict import add_sgp_entries, check_sgp_assign, set_sgp_values, take_sgp_entries
 from ._slow_momentum import SlowMomentum
 from .graph_manager import GraphManager, NPeerDynamicDirectedExponentialGraph
@@ -159,6 +161,8 @@ class SlowMoDistributedDataParallel(nn.Module):
         sgp_graph_error = None
         if slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP and (graph is not None or mixing is not None):
             sgp_graph_error = graph_mismatch(graph, mixing, process_rank, process_world_size, nprocs_per_node)
+        if sgp_graph_error is None:  # refused by the agreement check below on every rank, before any group exists
+            sgp_graph_error = meta_sgp_error(module, slowmo_base_algorithm, nprocs_per_node, process_world_size)
         if dist.is_initialized():
             # What decides the groups and collectives, and the tensors they carry, must be the same on every rank:
             # otherwise group creation waits forever or the first collective has other sizes (gloo aborts the
@@ -392,11 +396,8 @@ class SlowMoDistributedDataParallel(nn.Module):
     # ---- nn.Module API
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
-            # Per-iteration state: a backward that raised (an OOM the training loop catches and skips) never ran the
-            # queued callback that clears the flag, and a flag left set would skip the intra-node gradient averaging
-            # (and SGP's ps_numerator) of every later backward.
-            self._backward_callback.reset()
+        # A backward that raised (an OOM the training loop catches and skips) leaves nothing behind: the callback is
+        # queued once per backward (graph task), so the next backward queues its own, in training and eval alike.
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             hooked = self._backward_callback.attach(output, self._after_backward)
@@ -426,6 +427,14 @@ class SlowMoDistributedDataParallel(nn.Module):
             self._sgp.gossip_enable = False
             self._sgp.query_gossip_queue()
         return self
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SlowMoDistributedDataParallel":
+        """A copy (an EMA or teacher model) that shares this model's process groups, as torch DDP's copies do (a
+        process group cannot be copied: torch's pickling ``TypeError``); refused with SGP on several nodes."""
+        if self._sgp is not None:
+            raise deepcopy_error()  # before the copy meets the SGP graph's groups (torch's pickling error)
+        memo.update({id(g): g for g in (self.local_node_group, self.master_group) if g is not None})  # shared too
+        return deepcopy_sharing_group(self, memo, self.global_group)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         state: Dict[str, Any] = super().state_dict(*args, **kwargs)
@@ -521,6 +530,10 @@ class SlowMoDistributedDataParallel(nn.Module):
             fp32_params: fp32 master copies of fp16 parameters (fairseq style: a one-entry dict, a list aligned
                 with ``self.parameters()``, or one flat tensor), so communication errors are fed back.
         """
+        if self._sgp is not None:
+            # On every rank (those that do not gossip wait for their node master's broadcast), before anything: another
+            # dtype or device since the wrapping would be gossiped in the old one.
+            self._sgp.check_parameters()
         if not self.global_momentum_buffers_initialized:
             self._init_global_momentum_buffers(optimizer)
         # Before any communication: parameters added since the buffers were laid out would be corrupted by the step.
