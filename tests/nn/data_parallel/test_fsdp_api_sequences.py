@@ -62,14 +62,15 @@ def _full_grad(model: FSDP, param: nn.Parameter) -> Optional[Tensor]:
     return torch.cat([p.reshape(-1) for p in pieces if p is not None])
 
 
-def _frozen_gradient_case(flatten: bool) -> None:
+def _frozen_gradient_case(flatten: bool, window: bool = False, obc: bool = False) -> None:
+    """``window``: the first backward runs inside ``no_sync()``, and the freeze comes inside that window."""
     torch.manual_seed(0)
     plain = _Net()
     ref = copy.deepcopy(plain)
     net = copy.deepcopy(plain)
     if flatten:  # the root's flat parameter (b) is frozen while the nested unit (a) trains
-        net.a = FSDP(net.a)
-        model = FSDP(net)
+        net.a = FSDP(net.a, optimize_backward_concat=obc)
+        model = FSDP(net, optimize_backward_concat=obc)
         frozen = [p for n, p in model.named_parameters() if ".a." not in n and "a." != n[:2]]
         ref_frozen = [ref.b.weight, ref.b.bias]
     else:  # one parameter of an unflattened unit
@@ -89,7 +90,11 @@ def _frozen_gradient_case(flatten: bool) -> None:
         total = sum(g.sum() for g in got if g is not None)
         torch.testing.assert_close(total, sum(w.sum() for w in want if w is not None), msg=lambda m: f"{what}: {m}")
 
-    model(_mine(_batch(0))).pow(2).sum().backward()
+    if window:
+        with model.no_sync():
+            model(_mine(_batch(0))).pow(2).sum().backward()
+    else:
+        model(_mine(_batch(0))).pow(2).sum().backward()
     _reference_backward(ref, 0)
     for p in frozen + ref_frozen:
         p.requires_grad_(False)
@@ -107,6 +112,19 @@ def _frozen_gradient_case(flatten: bool) -> None:
 
 def _frozen_body(rank: int, world_size: int) -> None:
     run_cases((f"flatten={flat}", functools.partial(_frozen_gradient_case, flat)) for flat in (False, True))
+
+
+def _frozen_in_window_body(rank: int, world_size: int) -> None:
+    run_cases(
+        (f"flatten={flat},obc={obc}", functools.partial(_frozen_gradient_case, flat, True, obc))
+        for flat, obc in ((True, False), (True, True), (False, False))
+    )
+
+
+def test_a_parameter_frozen_inside_no_sync_keeps_the_window_gradient() -> None:
+    """The window's sum of a parameter frozen inside ``no_sync()`` is reduced into p.grad, as a plain module keeps
+    it (it was kept aside, p.grad stayed None, and an unfreeze added it to a later gradient across zero_grad())."""
+    run_distributed(_frozen_in_window_body, WORLD, timeout=TIMEOUT)
 
 
 def test_a_frozen_parameter_keeps_its_gradient_and_zero_grad_clears_it() -> None:
@@ -186,3 +204,37 @@ def _move_body(rank: int, world_size: int) -> None:
 
 def test_a_move_inside_no_sync_keeps_the_step_refusal() -> None:
     run_distributed(_move_body, WORLD, timeout=TIMEOUT)
+
+
+def _load_refused_on_one_rank_case(what: str) -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    net.a = FSDP(net.a)
+    model = FSDP(net)
+    sd = model.state_dict() if what == "load_state_dict" else model.local_state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # Rank 0 keeps a forward whose backward is still to come; rank 1's forward has no graph.
+    if dist.get_rank() == 0:
+        out = model(_mine(_batch(0)))
+    else:
+        with torch.no_grad():
+            out = model(_mine(_batch(0)))
+    with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        getattr(model, what)(sd)
+    del out
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    getattr(model, what)(sd)  # the graph is gone: the load goes through on every rank
+
+
+def _load_refused_body(rank: int, world_size: int) -> None:
+    run_cases(
+        (what, functools.partial(_load_refused_on_one_rank_case, what))
+        for what in ("load_state_dict", "load_local_state_dict")
+    )
+
+
+def test_a_load_refused_on_one_rank_is_refused_on_every_rank() -> None:
+    """A load refused on one rank (a backward pending there only) raises on every rank, leaving the model unchanged
+    (the other ranks went into the load's collectives and waited until the group's timeout)."""
+    run_distributed(_load_refused_body, WORLD, timeout=60.0)

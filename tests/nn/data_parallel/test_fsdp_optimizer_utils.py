@@ -665,6 +665,56 @@ def test_resume_a_non_flat_single_parameter_instance_at_one_rank() -> None:
     run_distributed(_mixed_resume_body, 1, saved)
 
 
+def _uncollected_model() -> FSDP:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), FSDP(nn.Linear(6, 3), no_broadcast_optim_state=True))
+    return FSDP(net)
+
+
+def _uncollected_save_body(rank: int, world_size: int) -> Tuple[Dict[str, Any], Any, Dict[str, Tensor]]:
+    """One step, a checkpoint, two more steps; the nested instance's optimizer state is not gathered."""
+    fsdp = _uncollected_model()
+    opt = _adam(fsdp.parameters())
+    _mixed_steps(fsdp, opt, range(1), rank, world_size)
+    model_sd, optim_sd = fsdp.state_dict(), fsdp.gather_full_optim_state_dict(opt)
+    _mixed_steps(fsdp, opt, range(1, 3), rank, world_size)
+    with fsdp.summon_full_params():
+        return model_sd, optim_sd, {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+
+
+def _uncollected_resume_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]) -> None:
+    model_sd, optim_sd, expected = saved
+    fsdp = _uncollected_model()
+    fsdp.load_state_dict(model_sd)
+    opt = _adam(fsdp.parameters())
+    opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(optim_sd))
+    _mixed_steps(fsdp, opt, range(1, 3), rank, world_size)
+    with fsdp.summon_full_params():
+        for name, p in fsdp.named_parameters():
+            torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _uncollected_refused_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]) -> None:
+    fsdp = _uncollected_model()
+    fsdp.load_state_dict(saved[0])
+    with pytest.raises(ValueError, match="no_broadcast_optim_state=True.*saved as one rank's shard at another world"):
+        fsdp.get_shard_from_optim_state_dict(saved[1])
+
+
+def test_uncollected_instance_state_saved_whole_resumes_sharded() -> None:
+    """A no_broadcast_optim_state instance saved on one rank (its state whole) resumes at two ranks, each rank with
+    its shard of that state (it was handed back whole, accepted, and the first step failed on the shapes)."""
+    saved = run_distributed(_uncollected_save_body, 1)[0]
+    run_distributed(_uncollected_resume_body, 2, saved)
+
+
+def test_uncollected_instance_shard_at_another_world_size_is_refused() -> None:
+    """Saved at two ranks the state is rank 0's shard: at one rank it cannot be the whole parameter's state, so
+    the re-sharding refuses it (before: accepted, and the first step failed on the shapes)."""
+    saved = run_distributed(_uncollected_save_body, 2)[0]
+    run_distributed(_uncollected_refused_body, 1, saved)
+
+
 # ------------------------------------------------------------------------------------------------------ helpers
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 import torch
 
 from fairscale.internal import collectives
+from fairscale.internal.agreement import check_outcome_agrees
 
 from . import hybrid, identity
 from .naming import clean_path
@@ -27,6 +28,26 @@ _REBUILDABLE: Dict[str, Type[Exception]] = {
     "ValueError": ValueError,
     "KeyError": KeyError,
 }
+
+
+def load_group(unit: FSDPUnit) -> Any:
+    """The group whose ranks load together: with hybrid sharding every replica loads too."""
+    return hybrid.world_group() if unit.config.replicate_process_group is not None else unit.config.process_group
+
+
+def agree_before_load(unit: FSDPUnit, what: str, check: Callable[[], None]) -> None:
+    """Run ``check`` (raises when the load must be refused here); raise on every rank if it raised on any.
+
+    A refusal decided on one rank alone (a backward pending there: when an aborted step's graph is freed depends on
+    each process's garbage collection) left the other ranks in the load's collectives until the group's timeout.
+    """
+    error: Optional[Exception] = None
+    try:
+        check()
+    except Exception as e:  # every rank must reach the agreement
+        error = e
+    with collectives.collective_phase("load"), unit.device.as_current():
+        check_outcome_agrees(what, error, load_group(unit))
 
 
 def load_collectively(
@@ -67,7 +88,7 @@ def load_collectively(
         mine = (None if error is None else (_kind(error), _message(error)), _id(loaded), token, prints)
         # On the compute device: NCCL object collectives allocate on the current device.
         # With hybrid sharding every replica loads too: a load that failed on one replica only must roll back all.
-        group = hybrid.world_group() if unit.config.replicate_process_group is not None else unit.config.process_group
+        group = load_group(unit)
         with collectives.collective_phase("load"), unit.device.as_current():
             views: List[Tuple[Any, Optional[str], str, Any]] = collectives.all_gather_object(mine, group=group)
         ranks = list(collectives.group_ranks(group))

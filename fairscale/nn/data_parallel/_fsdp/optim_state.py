@@ -317,7 +317,7 @@ def get_shard_from_optim_state_dict(fsdp: FSDPUnit, full_optim_state_dict: Mappi
             if local in uncollected:
                 # Rank 0's own state, used on every rank as upstream does; shaped as the parameter the optimizer
                 # steps (a single non-flat parameter that its group of one rank does not shard keeps its shape).
-                entry[key] = _as_stepped_shape(lay, value)
+                entry[key] = _uncollected_value(lay, key, value)
             else:
                 entry[key] = _shard_value(lay, key, value)
     return flat
@@ -369,11 +369,24 @@ def _stepped_shape(lay: _Layout) -> torch.Size:
     return torch.Size([h.shard_numel]) if h.is_sharded else torch.Size(h.orig_size)
 
 
-def _as_stepped_shape(lay: _Layout, value: Any) -> Any:
+def _uncollected_value(lay: _Layout, key: str, value: Any) -> Any:
+    """Rank 0's saved state of an instance that was not gathered, as the tensor this rank's optimizer steps."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
     shape = _stepped_shape(lay)
-    if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == shape.numel():
+    if value.numel() == shape.numel():
         return value.reshape(shape).clone()
-    return value
+    if value.numel() == sum(lay.numels):
+        # Saved whole (on a group of one rank) and sharded now: shard it as a gathered state.
+        return _shard_value(lay, key, value)
+    # Saved as rank 0's shard of a larger group, resumed with another shard size: the other ranks' parts are not in
+    # the dict (the load was accepted and the next step failed on the shapes).
+    raise ValueError(
+        f"optimizer state {key!r} of the FullyShardedDataParallel instance at {lay.path or '(root)'!r} (built with "
+        f"no_broadcast_optim_state=True, so saved as rank 0's own state) has {value.numel()} elements, but this rank steps {shape.numel()} and the whole "
+        f"parameter has {sum(lay.numels)}: it was saved as one rank's shard at another world size. Resume it at the "
+        "world size it was saved at, or save that instance's optimizer state per rank (optim.state_dict())"
+    )
 
 
 def _shard_value(lay: _Layout, key: str, value: Any) -> Any:

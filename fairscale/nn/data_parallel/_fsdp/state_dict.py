@@ -295,6 +295,11 @@ def _restore_summoned_on_failure(unit: FSDPUnit) -> Generator[None, None, None]:
 
 
 def _check_loadable(unit: FSDPUnit, what: str) -> None:
+    """Refuse a load in the wrong state, on every rank of the load's group if on any (before any collective)."""
+    loads.agree_before_load(unit, what, lambda: _check_loadable_here(unit, what))
+
+
+def _check_loadable_here(unit: FSDPUnit, what: str) -> None:
     for u in unit.tree_units():
         if u.training_state != TrainingState.IDLE:
             raise RuntimeError(f"{what}() needs every FSDP instance idle; one is in {u.training_state.name}")
