@@ -19,18 +19,17 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from fairscale.internal.autocast import AutocastState
 from fairscale.internal.errors import FairscaleTypeError
+from fairscale.nn.checkpoint._training_flags import TrainingFlags, replay_training_flags, training_flags_of
 
 __all__: List[str] = []
 
 #: Each module of a slice with its ``training`` flag, as the slice's forward saw them.
-ModuleModes = Tuple[Tuple[nn.Module, bool], ...]
+ModuleModes = TrainingFlags
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
-
-def module_modes(module: nn.Module) -> ModuleModes:
-    """The ``training`` flag of every module in ``module`` (itself included)."""
-    return tuple((m, m.training) for m in module.modules())
+#: The ``training`` flag of every module in a slice (itself included).
+module_modes = training_flags_of
 
 
 @contextlib.contextmanager
@@ -45,16 +44,10 @@ def modes_replayed(module: nn.Module, modes: ModuleModes) -> Iterator[None]:
         module (nn.Module): the slice being recomputed.
         modes (ModuleModes): :func:`module_modes` of the slice at its forward.
     """
-    current = module_modes(module)
-    try:
-        for m, training in modes:
-            m.training = training
-        # After the flags: which layers would update their statistics depends on the forward's modes.
-        with running_stats_frozen(module):
-            yield
-    finally:
-        for m, training in current:
-            m.training = training
+    # The statistics guard comes after the flags: which layers would update their statistics depends on the
+    # forward's modes.
+    with replay_training_flags(modes), running_stats_frozen(module):
+        yield
 
 
 def autocast_replayed(device_type: str, state: AutocastState) -> ContextManager[Any]:

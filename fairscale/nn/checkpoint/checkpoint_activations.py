@@ -17,6 +17,8 @@ gradients. On top of torch's function this module adds what fairscale users rely
 * batch-norm running statistics are updated once per step, not twice (see ``patch_batchnorm``). The update
   happens in the recomputation, which backward runs in reverse order: a wrapped module called twice in a step
   updates them with its second call's batch first (as upstream; momentum makes the order matter);
+* the recomputation replays each submodule's ``training`` flag of the first pass (torch's does not), so a
+  ``train()``/``eval()`` switch between a forward and its backward changes neither gradients nor statistics;
 * optional offload of the saved inputs to CPU memory between forward and backward.
 """
 
@@ -40,6 +42,7 @@ from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._outputs import _aliases, _warn_about_tensors_stored_in_arguments, _warn_create_graph
 from ._recomputation_hooks import run_recomputation_hooks
 from ._structure import _flatten, _map_structure, _unflatten
+from ._training_flags import TrainingFlags, replay_training_flags, training_flags_of
 from .checkpoint_utils import (
     own_forward_without_stats,
     patch_batchnorm,
@@ -192,9 +195,10 @@ def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: Any = False) -> _Module
     patched) and returned, so the usual pattern is ``self.block = checkpoint_wrapper(Block())``.
     The wrapped module accepts the same arguments and returns the same structure as before:
     positional and keyword arguments, tensors nested in lists/tuples/dicts, and outputs with
-    non-tensor values all work. Random operations (dropout) and autocast are replayed exactly,
-    so gradients equal those of the unwrapped module. Batch-norm running statistics are updated
-    once per step, during the recomputation.
+    non-tensor values all work. Random operations (dropout), autocast and each submodule's
+    ``training`` flag are replayed exactly (an ``eval()`` between the forward and its backward changes
+    nothing), so gradients equal those of the unwrapped module. Batch-norm running statistics are updated
+    once per step, during the recomputation, if the forward ran in training mode.
 
     Checkpointing is skipped (the original forward runs directly) when grad is disabled, inside
     :func:`disable_checkpointing`, and when neither an input nor a parameter of the module
@@ -335,6 +339,9 @@ class _RunForward:
         self.output_spec: Any = None
         self.num_output_tensors = 0
         self.stash: Dict[Any, Any] = {}  # see current_call_stash
+        # Recorded at the forward, replayed by the recomputation: a switch to eval() (or train()) before backward
+        # recomputed dropout and batch norm in the new mode, with other gradients and statistics than the forward's.
+        self.training_flags: TrainingFlags = training_flags_of(module) if module is not None else ()
         enclosing = current_call_stash()
         if is_recomputing() and enclosing is not None and _RECOMPUTED in enclosing:
             # A call made inside a retained graph's second recomputation of the call around it is a new call with a
@@ -353,13 +360,16 @@ class _RunForward:
         else:
             args, kwargs = _unflatten(self.input_spec if first_pass else self.recompute_spec, list(input_tensors))
         _call_stash.stack.append(self.stash)
+        # Entered first, so the flags are in place before the batch-norm guards read them: a layer updates its
+        # statistics in the recomputation of a training-mode forward only, whatever its mode at backward time.
+        replay = replay_training_flags(() if first_pass else self.training_flags)
         try:
             own_stats = (
                 own_forward_without_stats(self.module, _statistics_counted_already)
                 if self.module is not None
                 else contextlib.nullcontext()
             )
-            with enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
+            with replay, enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
                 outputs = self.forward(*args, **kwargs)
                 if isinstance(outputs, types.GeneratorType):
                     # A forward written as a generator runs its body only when consumed: left lazy, it would run
@@ -505,8 +515,9 @@ class CheckpointFunction(torch.autograd.Function):
       outputs) and, for non-tensor outputs, ``"packed_non_tensor_outputs"`` for :func:`unpack_non_tensors`.
 
     It returns the output tensor, or the tuple of output tensors. The first pass runs without grad under
-    :func:`is_checkpointing`; backward re-runs the forward with the first pass's RNG and autocast state under
-    :func:`is_recomputing` and back-propagates through it.
+    :func:`is_checkpointing`; backward re-runs the forward with the first pass's RNG and autocast state (and, when
+    ``flat_args[0]`` is a module, its submodules' ``training`` flags) under :func:`is_recomputing` and
+    back-propagates through it.
     """
 
     @staticmethod
@@ -533,9 +544,11 @@ class CheckpointFunction(torch.autograd.Function):
             tensor_inputs = tuple(t.to("cpu", non_blocking=True) for t in tensor_inputs)
         ctx.save_for_backward(*tensor_inputs)
         call_args, call_kwargs = unpack_kwargs(kwarg_keys, args)
+        module = call_args[0] if call_args else None
+        # Replayed by the recomputation, as checkpoint_wrapper does (an eval() before backward changed the gradients).
+        ctx.training_flags = training_flags_of(module) if isinstance(module, nn.Module) else ()
         with torch.no_grad(), enable_checkpointing():
             outputs = run_function(*call_args, **call_kwargs)
-        module = call_args[0] if call_args else None
         params_need_grad = isinstance(module, nn.Module) and _may_need_grad(module, [])
         parent_ctx_dict["output_requires_grad"] = params_need_grad or any(ctx.input_requires_grad)
         if isinstance(outputs, torch.Tensor):
@@ -557,7 +570,8 @@ class CheckpointFunction(torch.autograd.Function):
         set_rng_state(ctx.fwd_rng_state)
         try:
             with torch.enable_grad(), enable_recomputing(), autocast(ctx.had_autocast_in_fwd):
-                outputs = ctx.run_function(*call_args, **call_kwargs)
+                with replay_training_flags(ctx.training_flags):
+                    outputs = ctx.run_function(*call_args, **call_kwargs)
         finally:
             set_rng_state(backward_rng_state)
         output_tensors, _ = split_non_tensors(outputs if isinstance(outputs, torch.Tensor) else tuple(outputs))

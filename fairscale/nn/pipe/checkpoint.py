@@ -17,13 +17,16 @@ import contextlib
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Deque, Generator, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Deque, Generator, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from fairscale.internal.autocast import AutocastState, autocast_state
 from fairscale.internal.device import accelerator_rng_state, set_accelerator_rng_state
+from fairscale.nn.checkpoint._training_flags import TrainingFlags as TrainingFlags  # Pipe's names (re-exported)
+from fairscale.nn.checkpoint._training_flags import replay_training_flags as replay_training_flags
+from fairscale.nn.checkpoint._training_flags import training_flags_of as training_flags_of
 
 from .dependency import fork, join
 from .microbatch import Batch
@@ -112,30 +115,6 @@ def is_recomputing() -> bool:
     Typical use: don't update running statistics twice, e.g. ``if not is_recomputing(): self.counter += 1``.
     """
     return thread_local.is_recomputing
-
-
-TrainingFlags = Tuple[Tuple[nn.Module, bool], ...]
-
-
-@contextmanager
-def replay_training_flags(flags: Sequence[Tuple[nn.Module, bool]]) -> Generator[None, None, None]:
-    """Run the block with each module's ``training`` flag as recorded in ``flags``; put back the current ones after.
-
-    Only the flags that differ are touched (each module's own attribute, not ``train()``, which would recurse).
-    """
-    changed = [(module, module.training, flag) for module, flag in flags if module.training != flag]
-    for module, _, flag in changed:
-        module.training = flag
-    try:
-        yield
-    finally:
-        for module, current, _ in changed:
-            module.training = current
-
-
-def training_flags_of(module: nn.Module) -> TrainingFlags:
-    """Every module's ``training`` flag under (and including) ``module``, for :func:`replay_training_flags`."""
-    return tuple((m, m.training) for m in module.modules())
 
 
 AutocastStates = Tuple[Tuple[str, AutocastState], ...]
