@@ -316,7 +316,9 @@ class OSS(Optimizer):
             norm_type (float or int): the p of the p-norm, a positive number (``inf`` for the max norm). Unlike
                 ``torch.nn.utils.clip_grad_norm_``, 0 and negative values (``-inf``) are refused: upstream divided
                 by zero or returned meaningless norms for them.
-            filter_params_fn (callable): optional filter applied to the owned parameters before measuring.
+            filter_params_fn (callable): optional filter applied to the owned parameters before measuring. Under
+                tensor parallelism, drop the parameters every model-parallel rank holds whole (row-parallel biases,
+                layer norms) on model-parallel ranks other than 0: the norm is combined over the world.
 
         Returns:
             torch.Tensor: the total norm of the gradients (before clipping).

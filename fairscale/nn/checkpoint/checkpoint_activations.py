@@ -42,6 +42,7 @@ from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._outputs import _aliases, _warn_about_tensors_stored_in_arguments, _warn_create_graph
 from ._recomputation_hooks import run_recomputation_hooks
 from ._structure import _flatten, _map_structure, _unflatten
+from ._rng_sources import captured_rng_sources, replaying_rng_sources
 from ._training_flags import TrainingFlags, replay_training_flags, training_flags_of
 from .checkpoint_utils import (
     own_forward_without_stats,
@@ -195,7 +196,8 @@ def checkpoint_wrapper(module: _ModuleT, offload_to_cpu: Any = False) -> _Module
     patched) and returned, so the usual pattern is ``self.block = checkpoint_wrapper(Block())``.
     The wrapped module accepts the same arguments and returns the same structure as before:
     positional and keyword arguments, tensors nested in lists/tuples/dicts, and outputs with
-    non-tensor values all work. Random operations (dropout), autocast and each submodule's
+    non-tensor values all work. Random operations (dropout, also under the model-parallel RNG tracker's
+    ``fork()``), autocast and each submodule's
     ``training`` flag are replayed exactly (an ``eval()`` between the forward and its backward changes
     nothing), so gradients equal those of the unwrapped module. Batch-norm running statistics are updated
     once per step, during the recomputation, if the forward ran in training mode.
@@ -342,6 +344,7 @@ class _RunForward:
         # Recorded at the forward, replayed by the recomputation: a switch to eval() (or train()) before backward
         # recomputed dropout and batch norm in the new mode, with other gradients and statistics than the forward's.
         self.training_flags: TrainingFlags = training_flags_of(module) if module is not None else ()
+        self.rng_sources = captured_rng_sources()  # torch's checkpoint replays only its own generators
         enclosing = current_call_stash()
         if is_recomputing() and enclosing is not None and _RECOMPUTED in enclosing:
             # A call made inside a retained graph's second recomputation of the call around it is a new call with a
@@ -369,7 +372,8 @@ class _RunForward:
                 if self.module is not None
                 else contextlib.nullcontext()
             )
-            with replay, enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
+            rng = contextlib.nullcontext() if first_pass else replaying_rng_sources(self.rng_sources)
+            with replay, rng, enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
                 outputs = self.forward(*args, **kwargs)
                 if isinstance(outputs, types.GeneratorType):
                     # A forward written as a generator runs its body only when consumed: left lazy, it would run
@@ -547,6 +551,7 @@ class CheckpointFunction(torch.autograd.Function):
         module = call_args[0] if call_args else None
         # Replayed by the recomputation, as checkpoint_wrapper does (an eval() before backward changed the gradients).
         ctx.training_flags = training_flags_of(module) if isinstance(module, nn.Module) else ()
+        ctx.rng_sources = captured_rng_sources()
         with torch.no_grad(), enable_checkpointing():
             outputs = run_function(*call_args, **call_kwargs)
         params_need_grad = isinstance(module, nn.Module) and _may_need_grad(module, [])
@@ -570,7 +575,7 @@ class CheckpointFunction(torch.autograd.Function):
         set_rng_state(ctx.fwd_rng_state)
         try:
             with torch.enable_grad(), enable_recomputing(), autocast(ctx.had_autocast_in_fwd):
-                with replay_training_flags(ctx.training_flags):
+                with replay_training_flags(ctx.training_flags), replaying_rng_sources(ctx.rng_sources):
                     outputs = ctx.run_function(*call_args, **call_kwargs)
         finally:
             set_rng_state(backward_rng_state)

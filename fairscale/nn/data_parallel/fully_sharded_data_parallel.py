@@ -378,8 +378,10 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
     def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> Tensor:
         """Clip the gradient norm of all parameters of the tree (root only); returns the total norm.
 
-        The norm is computed over the sharded gradients and combined across ranks, so the result equals
-        ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model.
+        The norm is computed over the sharded gradients and combined across the ranks of the process group, so the
+        result equals ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model. Under tensor parallelism (FSDP over
+        the data-parallel group) it is the norm of this model-parallel rank's slices only: see "Gradient clipping
+        under tensor parallelism" in the model-parallel docs.
 
         Raises:
             ValueError: ``max_norm`` is negative or NaN, or ``norm_type`` is not a positive number or inf.

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import detach_variable
 
 from fairscale.internal import device as device_layer
+from fairscale.nn.checkpoint._rng_sources import register_rng_source
 
 from .initialize import get_data_parallel_rank, get_model_parallel_rank
 
@@ -122,6 +123,9 @@ class CudaRNGStatesTracker:
 
 
 _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
+# checkpoint_wrapper's recomputation replays the tracker's streams, as this module's checkpoint() does (its forks
+# drew new dropout masks there). get_states() is a new dict of immutable state tensors; set_states keeps a copy.
+register_rng_source(_CUDA_RNG_STATE_TRACKER.get_states, lambda states: _CUDA_RNG_STATE_TRACKER.set_states(dict(states)))
 
 
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
