@@ -384,7 +384,9 @@ def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer,
     unit = _root_unit(model, "save")
     state: Dict[str, Any] = {MODEL_KEY: dcp_state.get_model_state_dict(unit, False, False, values=values)}
     if optimizers:
-        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(unit, optimizers, False, False, values=values)
+        state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(
+            unit, optimizers, False, False, values=values, create_state=False
+        )
     return state
 
 

@@ -344,6 +344,17 @@ def test_consolidate_bad_input_names_key_and_rank() -> None:
         FSDP.consolidate_shard_weights(weights, [metas[0], {"weights": 1}])
 
 
+def test_consolidate_refuses_paddings_moved_between_ranks() -> None:
+    """3 ranks: 20 elements are 7 + 7 + 6 (+1 padding). Metadata moving that padding to rank 0 still adds up to 20,
+    and consolidated a padding zero as a weight and dropped one (now refused, naming the rank)."""
+    weights, metas = _spec_local_dicts(3)
+    assert [m["param_metadata"][0]["params"]["flat_param_0"]["padding"] for m in metas] == [0, 0, 1]
+    metas[0]["param_metadata"][0]["params"]["flat_param_0"]["padding"] = 1
+    metas[2]["param_metadata"][0]["params"]["flat_param_0"]["padding"] = 0
+    with pytest.raises(ValueError, match=r"rank 0's shard of 'flat_param_0' keeps 6 of its 7 elements.*keep 7 there"):
+        FSDP.consolidate_shard_weights(weights, metas)
+
+
 # ------------------------------------------------------------------------------------------------------ the tool
 
 

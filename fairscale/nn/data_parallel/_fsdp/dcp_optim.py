@@ -122,8 +122,15 @@ def get_optimizer_state_dict(
     cpu_offload: bool,
     ignore_frozen_params: bool,
     values: str = COPIES,
+    create_state: bool = True,
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``values``: as for the model)."""
+    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``values``: as for the model).
+
+    ``create_state=False`` (``save``): an optimizer without state contributes its ``param_groups`` only. Creating it
+    takes a step, which a checkpoint does not need: at learning rate 0 it still wrote the parameters in place (a
+    save between a forward and its backward made that backward fail) and it set Adam's step counter to 1 with zero
+    moments (every later update had another bias correction than without the save).
+    """
     what = "get_optimizer_state_dict"
     values = _effective_values(values)
     _require_dtensor(what)
@@ -136,7 +143,8 @@ def get_optimizer_state_dict(
         meshes = _Meshes(layout)
         for k, optim in enumerate(optimizers):
             hls = _optimizer_handles(optim, layout, what, k)
-            init_optim_state(optim)
+            if create_state:
+                init_optim_state(optim)
             osd = optim.state_dict()
             state = {int(i): entry for i, entry in osd["state"].items()}
             schema = {i: sorted((str(key), _schema(v)) for key, v in entry.items()) for i, entry in state.items()}

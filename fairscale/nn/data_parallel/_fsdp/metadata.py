@@ -233,6 +233,7 @@ def consolidate_shard_weights(
                     f"{sum(numels)}. Pass the local state dict and metadata of every rank of one checkpoint, in rank "
                     "order, and metadata written by the same model."
                 )
+            _check_padding_layout(local_key, [shard_weights[r][local_key].numel() for r in ranks], pieces, sum(numels))
             for name, shape, piece in zip(names, shapes, torch.split(full, numels)):
                 out[_join(path, name)] = piece.view(shape).clone()
     for entry in entries:
@@ -299,6 +300,24 @@ def _unpadded_piece(
         )
     piece: Tensor = flat[: flat.numel() - padding]
     return piece
+
+
+def _check_padding_layout(local_key: str, shard_numels: List[int], pieces: List[Tensor], total: int) -> None:
+    """Each rank's padding is decided by the flat size and the world size (equal shards, the padding at the end): a
+    metadata file whose paddings are moved between ranks (they still add up) put a padding zero among the weights and
+    dropped a weight."""
+    if len(pieces) < 2:
+        return
+    size = shard_numels[0]
+    for rank, (numel, piece) in enumerate(zip(shard_numels, pieces)):
+        expected = min(max(total - rank * size, 0), size)
+        if numel != size or piece.numel() != expected:
+            raise ValueError(
+                f"consolidate_shard_weights: rank {rank}'s shard of {local_key!r} keeps {piece.numel()} of its {numel} "
+                f"elements after removing the padding its metadata gives, but {len(pieces)} equal shards of "
+                f"{total} elements keep {expected} there (shards of {size}); the metadata does not belong to these "
+                "weights. Pass the local state dict and metadata of every rank of one checkpoint, in rank order."
+            )
 
 
 def _copy_shared(out: Dict[str, Tensor], entry: Mapping[str, Any], strict: bool) -> None:
