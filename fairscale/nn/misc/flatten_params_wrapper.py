@@ -8,7 +8,7 @@ Public front: :class:`FlatParameter`, :class:`FlattenParamsWrapper`, ``_enable_p
 import contextlib
 import copy
 from itertools import chain
-from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,9 @@ from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefi
 
 from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
 from ._flatten.forward_views import forward_views
-from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups
+from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups, user_param_name
+from ._flatten.module_attrs import ViewSnapshot, drop_attr, restore_views, snapshot_views, stash_views
+from ._flatten.module_attrs import set_plain_tensor as _set_plain_tensor  # tests import it from here
 from ._flatten.state_dict_hooks import (
     _enable_pre_load_state_dict_hook,
     fpw_pre_load_hook_disabled,
@@ -30,12 +32,33 @@ from ._flatten.state_dict_hooks import (
     post_state_dict_hook,
     pre_load_state_dict_hook,
     refuse_flat_key_names,
+    with_wrapper_level_metadata,
+)
+from ._flatten.unflatten_context import (
+    ContextRecord,
+    GivenParam,
+    OpenContext,
+    TiedName,
+    UnwritableRebind,
+    converting,
+    open_context,
+    opened,
+    record_of,
+    reflatten_copy,
+    take_back,
 )
 from ._flatten.view_release import release_views_on_collection
 
 __all__ = ["FlatParameter", "FlattenParamsWrapper", "_enable_pre_load_state_dict_hook", "fpw_pre_load_hook_disabled"]
 
 ViewBuilder = Callable[[FlatParameter], List[Tensor]]
+
+# Names of the context machinery that FSDP's summon imports from here.
+_UnwritableRebind = UnwritableRebind
+_ViewSnapshot = ViewSnapshot
+
+# Key, in a copied or pickled state, of the open context's record (see FlattenParamsWrapper._reflatten_copy).
+_CONTEXT_RECORD = "_fpw_context_record"
 
 
 class FlattenParamsWrapper(nn.Module):
@@ -52,7 +75,20 @@ class FlattenParamsWrapper(nn.Module):
     given dict. Use :func:`fpw_pre_load_hook_disabled` to load dicts holding the raw ``_fpw_module.`` paths.
     When the wrapper is freed, the views its modules hold are replaced by detached aliases, so that the flat
     parameters and modules are freed with it (a wrapped module kept alone keeps its values but no longer sends
-    gradients to a flat parameter).
+    gradients to a flat parameter). ``.to()``, ``.double()``, ``.cuda()`` and the like give the modules views of the
+    converted flat parameters at once. Convert the wrapper, not ``wrapper.module``: the flat parameters are the
+    wrapper's, and the wrapped module's own ``.to()`` reaches only its buffers and unflattened parameters.
+
+    Build the optimizer after wrapping, on ``wrapper.parameters()``: the original parameters are copied into the flat
+    parameters and no longer train, so an optimizer built on them before wrapping changes nothing, silently (as
+    upstream; :class:`~fairscale.nn.data_parallel.FullyShardedDataParallel` refuses that at the first step, a bare
+    wrapper does not check, to keep the optimizer step free of checks).
+
+    ``state_dict()`` lists the module versions of its ``_metadata`` under the unwrapped paths (and under the internal
+    ``_fpw_module.`` paths, which loads into a wrapper read), and the wrapper's :meth:`load_state_dict` reads a plain
+    module's; so versioned modules (BatchNorm, quantized layers) exchange checkpoints with the unwrapped module. A
+    parent module loading a plain module's dict into a wrapper nested in it cannot pass those versions on (torch
+    gives nested modules no metadata to rewrite): such modules see no version there, as upstream.
 
     Args:
         module (nn.Module): the module to wrap.
@@ -161,39 +197,47 @@ class FlattenParamsWrapper(nn.Module):
         for name, flat in zip(self.flat_param_names, flat_params):
             self.register_parameter(name, flat)
         for _, m, n in self._param_infos:
-            _drop_attr(m, n)
+            drop_attr(m, n)
         for _, _, m, n, _, _ in self._shared_param_infos:
-            _drop_attr(m, n)
+            drop_attr(m, n)
         self.is_flattened = True
         self._unflatten_params_as_views()
 
-    def _unflatten_params(self, external_data: Optional[List[Tensor]] = None) -> List["_GivenParam"]:
+    def _unflatten_params(
+        self, external_data: Optional[List[Tensor]] = None
+    ) -> Tuple[List[GivenParam], List[TiedName]]:
         """Give the wrapped module real ``nn.Parameter`` objects again, aliasing the flat data (or ``external_data``)
         and remove the flat parameters from the wrapper.
 
         Returns:
-            What each module was given (see :func:`_copy_back_rebound`).
+            What each first owner and each further (tied) name was given (see ``_flatten/unflatten_context.py``).
         """
         if not self.is_flattened:
             raise RuntimeError("FlattenParamsWrapper is not flattened")
         with torch.no_grad():
             views = list(self.get_param_views(external_data))
-        given: List[_GivenParam] = []
-        for (mname, m, n), view, flat in zip(self._param_infos, views, self._owner_of_each_param()):
-            _drop_attr(m, n)
+        groups = chain.from_iterable([(i, flat)] * len(flat._param_infos) for i, flat in enumerate(self.flat_params))
+        given: List[GivenParam] = []
+        first_index: Dict[Tuple[int, str], int] = {}
+        for (mname, m, n), view, (group, flat) in zip(self._param_infos, views, groups):
+            drop_attr(m, n)
             param = nn.Parameter(view, requires_grad=flat.requires_grad)
             m.register_parameter(n, param)
-            name = (f"{mname}.{n}" if mname else n).replace("_fpw_module.", "")
-            given.append(_GivenParam(name, m, n, param, view))
-        for _, _, m, n, shared_m, shared_n in self._shared_param_infos:
-            _drop_attr(m, n)
+            first_index[(id(m), n)] = len(given)
+            given.append(GivenParam(user_param_name(mname, n), m, n, param, view, group))
+        tied: List[TiedName] = []
+        for mname, _, m, n, shared_m, shared_n in self._shared_param_infos:
+            drop_attr(m, n)
             m.register_parameter(n, getattr(shared_m, shared_n))
+            first = first_index.get((id(shared_m), shared_n))
+            if first is not None:  # always, for the layouts this wrapper builds
+                tied.append(TiedName(user_param_name(mname, n), m, n, first))
         self._restore_param_order()
-        _drop_attr(self._fpw_module, "_unflattened_param_views")
+        drop_attr(self._fpw_module, "_unflattened_param_views")
         for name in self.flat_param_names:
             delattr(self, name)
         self.is_flattened = False
-        return given
+        return given, tied
 
     def _restore_param_order(self) -> None:
         """Put re-registered parameters back in their original order in each module (upstream did not)."""
@@ -209,9 +253,6 @@ class FlattenParamsWrapper(nn.Module):
             ordered.update({k: v for k, v in params.items() if k not in ordered})
             params.clear()
             params.update(ordered)
-
-    def _owner_of_each_param(self) -> Iterator[FlatParameter]:
-        return chain.from_iterable([flat] * len(flat._param_infos) for flat in self.flat_params)
 
     def _views_for_forward(self, flat_param: FlatParameter) -> List[Tensor]:
         """The tensors the wrapped module will use as its parameters, one per ``flat_param._param_infos`` entry.
@@ -269,8 +310,15 @@ class FlattenParamsWrapper(nn.Module):
         The parameters alias the flat parameters' storage (or ``flat_params``), so in-place changes made inside
         are kept; a parameter rebound inside (``m.weight.data = t``, ``m.weight = nn.Parameter(t)``) is copied back
         when ``t`` has its shape. On exit (also on an exception) the original flat parameters are restored and the
-        module gets views again. A forward with autograd inside is refused (its gradients would be lost). Does
-        nothing when the wrapper is already unflattened.
+        module gets views again: the views of the last forward that recorded a graph, when there was one, so that a
+        checkpointed region recomputed by its pending backward still sends its gradients to the flat parameters
+        (also when the context ran under ``no_grad``, as ``state_dict()`` does). A forward with autograd inside is
+        refused (its gradients would be lost). Does nothing when the wrapper is already unflattened.
+
+        Without ``flat_params``, also taken back on exit: a rebind of a tied weight's further name, a
+        ``requires_grad_()`` that covers every parameter of a flat parameter, and ``.to()`` / ``.double()`` of the
+        wrapper (the flat parameters are converted with it). A copy or pickle made inside is a flattened wrapper
+        with the values the exit gives this one.
 
         Args:
             flat_params (Optional[List[Tensor]]): one tensor per flat parameter, each with the flat parameter's
@@ -278,29 +326,40 @@ class FlattenParamsWrapper(nn.Module):
 
         Raises:
             ValueError: ``flat_params`` is given while the wrapper is not flattened, or has the wrong length or
-                sizes; or, on exit, a parameter was replaced by a value of another shape (or ``None``), which
-                cannot be written back (the others are written back).
+                sizes; or, on exit, a parameter was replaced by a value of another shape (or ``None``), two names
+                of one tied parameter by different tensors, or ``requires_grad`` changed for part of a flat
+                parameter: nothing of that kind is written back then.
         """
         if flat_params is not None and not self.is_flattened:
             raise ValueError("unflatten_params(flat_params) needs a flattened wrapper; this one is unflattened")
         if not self.is_flattened:
             yield
             return
+        standalone = flat_params is None
+        last = self._fpw_module.__dict__.get("_unflattened_param_views")
+        # One view answers for all (a forward makes every view in the same grad mode). FSDP's summon, which passes
+        # flat_params, keeps the views itself.
+        snapshot = self._snapshot_views() if standalone and last and last[0].grad_fn is not None else None
         orig_flat_params = self.flat_params
-        given = self._unflatten_params(flat_params)
-        problems: List[str] = []
+        given, tied = self._unflatten_params(flat_params)
+        ctx = OpenContext(orig_flat_params, list(self.flat_param_names), given, tied, standalone, snapshot)
         self.__dict__["_unflattened_by_context"] = True
         try:
-            yield
+            with opened(self, ctx):
+                yield
         finally:
             self.__dict__["_unflattened_by_context"] = False
-            problems = _copy_back_rebound(given)
-            self._flatten_params(orig_flat_params)
+            try:
+                problems, requires_grad_changed = take_back(ctx)
+            finally:  # flattened again whatever happens (a rebind to a tensor copy_ cannot cast, say)
+                self._flatten_params(orig_flat_params)
+            if ctx.snapshot is not None and not requires_grad_changed:
+                self._restore_views(ctx.snapshot)
         if problems:
-            raise _UnwritableRebind(
-                "unflatten_params: parameters were replaced inside the context by tensors that cannot be written back "
-                f"into the flat parameters ({'; '.join(problems)}); no replacement was written back. Edit parameters "
-                "in place (p.copy_(...)), or replace them by tensors of the same shape."
+            raise UnwritableRebind(
+                "unflatten_params: parameters were changed inside the context in ways that cannot be written back "
+                f"into the flat parameters ({'; '.join(problems)}); none of those changes was written back. Edit "
+                "parameters in place (p.copy_(...)), or replace them by tensors of the same shape."
             )
 
     def get_param_views(self, external_data_list: Optional[Sequence[Optional[Tensor]]] = None) -> Iterator[Tensor]:
@@ -382,28 +441,74 @@ class FlattenParamsWrapper(nn.Module):
         """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
         return cast(Any, self.module)[key]
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "FlattenParamsWrapper":
+        """``.to()``, ``.double()``...: convert, then give the modules views of the converted flat parameters (they kept
+        views of the old storage: stale reads, lost in-place writes). Inside :meth:`unflatten_params` the flat
+        parameters (not registered then) are converted too, so the conversion outlives the context."""
+        ctx = open_context(self)
+        if ctx is not None:
+            with converting(self, ctx):
+                cast(Any, super())._apply(fn, recurse)
+            return self
+        before = [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in self.flat_params]
+        cast(Any, super())._apply(fn, recurse)
+        if before != [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in self.flat_params]:
+            # Only then: views made now have a graph only under grad mode, and a checkpointed region's pending
+            # backward needs the last forward's (a .to() of what is already there changes nothing).
+            self._rebuild_default_views()
+        return self
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> "FlattenParamsWrapper":
         # The forward views are autograd non-leaves, which refuse deepcopy (and copying them would duplicate the
         # flat storage). Take them out for the copy, put them back, and give the copy its own views.
+        state = dict(self.__dict__)
+        ctx = open_context(self)
+        if ctx is not None:
+            state[_CONTEXT_RECORD] = record_of(ctx)  # the copy's record then names the copy's modules
         stash = self._stash_views()
         try:
             new = type(self).__new__(type(self))
             memo[id(self)] = new
-            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            copied = copy.deepcopy(state, memo)
         finally:
             for attrs, name, value in stash:
                 attrs[name] = value
+        record = copied.pop(_CONTEXT_RECORD, None)
+        new.__dict__.update(copied)
+        new._reflatten_copy(record)
         release_views_on_collection(new)
         new._rebuild_default_views()
         return new
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # nn.Module.__getstate__ is unannotated in torch; the cast states its signature.
+        state = cast(Callable[[], Dict[str, Any]], super().__getstate__)()
+        ctx = open_context(self)
+        if ctx is not None:
+            state = dict(state, **{_CONTEXT_RECORD: record_of(ctx)})
+        return state
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Unpickled views alias a storage that is not the new flat parameter's (FlatParameter is rebuilt by
         # copying its data), so make fresh ones.
+        state = dict(state)
+        record = state.pop(_CONTEXT_RECORD, None)
         # nn.Module.__setstate__ is unannotated in torch; the cast states its signature.
         cast(Callable[[Dict[str, Any]], None], super().__setstate__)(state)
+        self._reflatten_copy(record)
         release_views_on_collection(self)
         self._rebuild_default_views()
+
+    def _reflatten_copy(self, record: Optional[ContextRecord]) -> None:
+        """A copy made inside :meth:`unflatten_params` (``record`` set): flatten it as the exit flattens the original.
+
+        It had no context to leave, so no forward with autograd ever worked on it.
+        """
+        if record is None or not self.__dict__.get("_unflattened_by_context"):
+            return
+        if reflatten_copy(self.flat_params, self.flat_param_names, record):
+            self.__dict__["_unflattened_by_context"] = False
+            self._flatten_params(self.flat_params)  # FSDP, whose view builder this would call, refuses such copies
 
     def _rebuild_default_views(self) -> None:
         """Install default views after a copy, where ``_view_builder`` may belong to a half-built owner.
@@ -419,28 +524,20 @@ class FlattenParamsWrapper(nn.Module):
         finally:
             self._view_builder = builder
 
-    def _snapshot_views(self) -> "_ViewSnapshot":
+    def _snapshot_views(self) -> ViewSnapshot:
         """The tensors the wrapped modules hold under their flattened names (the views the last forward made)."""
-        attrs = [(m, n, m.__dict__.get(n)) for _, m, n in self._param_infos]
-        attrs += [(m, n, m.__dict__.get(n)) for _, _, m, n, _, _ in self._shared_param_infos]
-        return attrs, self._fpw_module.__dict__.get("_unflattened_param_views")
+        return snapshot_views(self._param_infos, self._shared_param_infos, self._fpw_module)
 
-    def _restore_views(self, snapshot: "_ViewSnapshot") -> None:
+    def _restore_views(self, snapshot: ViewSnapshot) -> None:
         """Give the modules back the views of :meth:`_snapshot_views`."""
-        attrs, views = snapshot
-        for m, n, value in attrs:
-            if value is not None:
-                _set_plain_tensor(m, n, value)
-        if views is not None:
-            setattr(self._fpw_module, "_unflattened_param_views", views)
+        restore_views(snapshot, self._fpw_module)
 
     def _stash_views(self) -> List[Tuple[Dict[str, Any], str, Any]]:
         """Remove the view attributes from the wrapped modules; return ``(module.__dict__, name, value)``."""
         if not self.is_flattened:
             return []
         slots = [(m, n) for _, m, n in self._param_infos] + [(m, n) for _, _, m, n, _, _ in self._shared_param_infos]
-        slots.append((self._fpw_module, "_unflattened_param_views"))
-        return [(m.__dict__, n, m.__dict__.pop(n)) for m, n in slots if n in m.__dict__]
+        return stash_views(slots, self._fpw_module)
 
     # ------------------------------------------------------------------------------------------------ state dict
 
@@ -477,13 +574,14 @@ class FlattenParamsWrapper(nn.Module):
 
         All or nothing: the load is first tried on shape-only tensors (:func:`fairscale.internal.dry_load`), so a
         size mismatch, a value that is not a tensor or (``strict``) a missing or unexpected key raises before any
-        value changes (``nn.Module.load_state_dict`` copies the entries that fit first).
+        value changes (``nn.Module.load_state_dict`` copies the entries that fit first). The module versions of a
+        plain module's dict (its ``_metadata``) reach the wrapped modules.
 
         Raises:
             ValueError: ``assign=True`` (the wrapped parameters must stay inside the flat parameters).
             RuntimeError: the dict does not fit the module (torch's message); nothing was loaded.
         """
-        return self._load_state_dict(state_dict, strict, assign, checked=True)
+        return self._load_state_dict(with_wrapper_level_metadata(state_dict), strict, assign, checked=True)
 
     def _load_state_dict(self, state_dict: Mapping[str, Any], strict: bool, assign: bool, checked: bool) -> Any:
         """:meth:`load_state_dict`; without ``checked``, no dry run (FSDP restores its shards itself on failure)."""
@@ -498,84 +596,3 @@ class FlattenParamsWrapper(nn.Module):
             if checked:
                 dry_run_load(self, lambda: nn.Module.load_state_dict(self, state_dict, strict))
             return super().load_state_dict(state_dict, strict)
-
-
-class _GivenParam(NamedTuple):
-    """A parameter :meth:`FlattenParamsWrapper.unflatten_params` handed to a module, and the flat view it aliases."""
-
-    name: str
-    module: nn.Module
-    attr: str
-    param: nn.Parameter
-    view: Tensor
-
-
-@torch.no_grad()
-def _copy_back_rebound(given: List[_GivenParam]) -> List[str]:
-    """Write into the flat views what the user rebound inside ``unflatten_params`` (``m.weight = nn.Parameter(t)``,
-    ``m.weight.data = t``): in-place edits reach the flat parameter through the alias, rebinds would be dropped
-    silently when the views are reinstalled. All or nothing: returns what could not be written back (a missing or
-    misshapen value), and then writes back nothing."""
-    problems: List[str] = []
-    updates: List[Tuple[Tensor, Tensor]] = []
-    for g in given:
-        current = g.module._parameters.get(g.attr, getattr(g.module, g.attr, None))
-        if current is g.param and current.data_ptr() == g.view.data_ptr() and current.shape == g.view.shape:
-            continue  # untouched, or edited in place (already in the flat parameter)
-        if not isinstance(current, Tensor) or current.shape != g.view.shape:
-            shape = tuple(current.shape) if isinstance(current, Tensor) else type(current).__name__
-            problems.append(f"{g.name}: {shape} where {tuple(g.view.shape)} was expected")
-            continue
-        updates.append((g.view, current.detach()))
-    if not problems:
-        for view, value in updates:
-            view.copy_(value)
-    return problems
-
-
-class _UnwritableRebind(ValueError):
-    """A parameter rebound inside ``unflatten_params`` to what cannot be written back (FSDP's summon then writes
-    back nothing either)."""
-
-
-def _drop_attr(module: nn.Module, name: str) -> None:
-    """Delete ``module.<name>`` (parameter or plain attribute) if it exists."""
-    if hasattr(module, name):
-        delattr(module, name)
-
-
-#: ``([(module, name, tensor or None)], the module's _unflattened_param_views)``.
-_ViewSnapshot = Tuple[List[Tuple[nn.Module, str, Any]], Any]
-
-
-def _set_plain_tensor(module: nn.Module, name: str, value: Tensor) -> None:
-    """``setattr(module, name, value)`` for a plain (non-Parameter) tensor, as every forward does for every view.
-
-    ``nn.Module.__setattr__`` checks the value against ``Parameter``, ``Module`` and ``Buffer`` (Python-level type
-    checks, most of its cost: about 2.6 us a call against 0.3 us) and the name against the module's registries; for a
-    plain tensor under a name none of them holds it ends in ``object.__setattr__``, which this calls directly. Any
-    other case (a tensor subclass or Parameter, a module class with its own ``__setattr__``, a name that is
-    registered) goes through ``setattr``.
-    """
-    d = module.__dict__
-    if (
-        type(value) is Tensor
-        and type(module).__setattr__ is _MODULE_SETATTR
-        and name not in d["_parameters"]
-        and name not in d["_buffers"]
-        and name not in d["_modules"]
-    ):
-        object.__setattr__(module, name, value)
-    else:
-        if name in d["_parameters"] and not isinstance(value, nn.Parameter):
-            # Only a parameter registered after wrapping gets here: the flat parameter owns this name.
-            raise ValueError(
-                f"{type(module).__name__}.{name} was registered as a parameter again after FlattenParamsWrapper "
-                "flattened it (its values live in the flat parameter, which this module's forward reads). Change it "
-                "in place (module.weight.data.copy_(...)), or inside unflatten_params() / summon_full_params(), or "
-                "replace it before wrapping."
-            )
-        setattr(module, name, value)
-
-
-_MODULE_SETATTR = nn.Module.__setattr__

@@ -2,11 +2,15 @@
 """State-dict key rewriting for FlattenParamsWrapper.
 
 Saving (post hook): keys under ``<prefix>_fpw_module.`` lose that level, so a wrapped module reports the keys of
-the unwrapped one and flat parameters appear as ``<prefix>flat_param_<name>``.
+the unwrapped one and flat parameters appear as ``<prefix>flat_param_<name>``. The module versions in the dict's
+``_metadata`` are listed under the unwrapped module's paths too (the internal paths stay, for loads into a wrapper
+nested in a parent, which torch hands no metadata to rewrite).
 
 Loading (pre hook, switchable): the reverse. Every key under ``<prefix>`` gets ``_fpw_module.`` back, except the
-flat parameters, which live on the wrapper itself. The legacy single-group key ``flat_param`` is renamed to
-``flat_param_0``. Finally, when a flattened wrapper is loaded as part of a parent module (so
+flat parameters and the members registered on the wrapper itself. ``FlattenParamsWrapper.load_state_dict`` also
+lists a plain module's ``_metadata`` under the internal paths (:func:`with_wrapper_level_metadata`), so versioned
+modules (BatchNorm, quantized layers) load as they would unwrapped. The legacy single-group key ``flat_param`` is
+renamed to ``flat_param_0``. Finally, when a flattened wrapper is loaded as part of a parent module (so
 ``FlattenParamsWrapper.load_state_dict`` and its auto-unflatten are not involved) from a dict holding the
 original parameter names, those entries are folded into the flat parameter entry so that
 ``parent.load_state_dict(parent.state_dict())`` works.
@@ -16,7 +20,8 @@ internal ``_fpw_module.`` level.
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, NamedTuple, Protocol, Tuple, cast
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Protocol, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +38,7 @@ __all__ = [
     "pre_load_state_dict_hook",
     "post_load_state_dict_hook",
     "refuse_flat_key_names",
+    "with_wrapper_level_metadata",
 ]
 
 FLAT_PARAM = "flat_param"
@@ -116,8 +122,50 @@ class _LoadContext(NamedTuple):
 
 
 def post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """``nn.Module`` state-dict hook: drop the wrapper's ``_fpw_module.`` level from the keys."""
+    """``nn.Module`` state-dict hook: drop the wrapper's ``_fpw_module.`` level from the keys (and metadata)."""
     rename_prefix_(state_dict, prefix + FPW_MODULE + ".", prefix)
+    metadata = getattr(state_dict, "_metadata", None)
+    if isinstance(metadata, dict):
+        _add_plain_metadata(metadata, prefix)
+
+
+def _add_plain_metadata(metadata: Dict[str, Any], prefix: str) -> None:
+    """List the wrapped modules' metadata under the unwrapped paths as well (the wrapper's own entry takes the
+    wrapped module's, as the unwrapped module's dict has it there).
+
+    A plain module loading the dict looked its modules' versions up under paths it lacked and took the legacy path of
+    versioned modules (a quantized Linear failed with ``KeyError``). torch records a module's entry before its
+    children's and calls this hook after them, so the wrapper's entries are the ones after its own: only those are
+    read (a model with many wrappers is not walked once per wrapper).
+    """
+    own, inner = prefix[:-1], prefix + FPW_MODULE
+    found: List[str] = []
+    for key in reversed(metadata):
+        if key == own:
+            break
+        if key == inner or key.startswith(inner + "."):
+            found.append(key)
+    for key in reversed(found):
+        plain = own if key == inner else prefix + key[len(inner) + 1 :]
+        metadata[plain] = dict(metadata[key])
+
+
+def with_wrapper_level_metadata(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with its ``_metadata`` listed under the wrapper's internal paths too, for a dict whose metadata
+    names none (a plain module's); otherwise ``state_dict`` itself.
+
+    Used by the wrapper's own ``load_state_dict``: torch looks each module's version up under its path, which runs
+    through ``_fpw_module``. The given dict is not changed.
+    """
+    metadata = getattr(state_dict, "_metadata", None)
+    if not isinstance(metadata, Mapping) or any(k == FPW_MODULE or k.startswith(FPW_MODULE + ".") for k in metadata):
+        return state_dict
+    mapped: Dict[str, Any] = OrderedDict(metadata)
+    for key, entry in metadata.items():
+        mapped[FPW_MODULE + "." + key if key else FPW_MODULE] = dict(entry) if isinstance(entry, Mapping) else entry
+    copied: Dict[str, Any] = OrderedDict(state_dict)
+    setattr(copied, "_metadata", mapped)
+    return copied
 
 
 def pre_load_state_dict_hook(
@@ -174,8 +222,20 @@ def post_load_state_dict_hook(module: FlatOwner, incompatible_keys: Any) -> None
 
 def _add_wrapper_level(module: FlatOwner, state_dict: Dict[str, Any], prefix: str) -> None:
     inner = prefix + FPW_MODULE + "."
-    rename_prefix_(state_dict, prefix, inner)
     wrapped = module.module
+    # Members registered on the wrapper itself (by a subclass or user code) keep their keys: moved under the wrapped
+    # module they were reported missing and unexpected at once. A name the wrapped module has too stays its.
+    wrapper = cast(nn.Module, module)
+    taken = set(wrapped._parameters) | set(wrapped._buffers) | set(wrapped._modules)
+    own_tensors = (set(wrapper._parameters) | set(wrapper._buffers)) - taken
+    own_children = set(wrapper._modules) - taken - {FPW_MODULE}
+    items = list(state_dict.items())
+    state_dict.clear()
+    for key, value in items:
+        rest = key[len(prefix) :] if key.startswith(prefix) else None
+        if rest is not None and rest not in own_tensors and rest.split(".", 1)[0] not in own_children:
+            key = inner + rest
+        state_dict[key] = value
     own_names = {n for n, _ in wrapped.named_parameters(recurse=False)}
     own_names |= {n for n, _ in wrapped.named_buffers(recurse=False)}
     for key in [k for k in state_dict if k.startswith(inner + FLAT_PARAM)]:
