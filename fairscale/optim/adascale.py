@@ -25,12 +25,14 @@ The statistics are gathered by tensor hooks on every parameter that requires gra
 averages it) and an end-of-backward callback queued so that it runs after DDP's own reduction. Frozen parameters
 are accepted and left out of the statistics; one unfrozen later is hooked when AdaScale first sees its gradient, and
 that step's statistics are left out. So are those of a step whose gradients are not finite (the step an AMP grad
-scaler skips), on every rank alike.
+scaler skips), on every rank alike. Ranks that measured different gradients (FSDP, ShardedDataParallel, or
+``OSS(params, optim=AdaScaleWrapper)``: each holds a part of them) compute different gains: the first window's end
+warns, on every rank.
 """
 
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Set, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, cast
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ from fairscale.internal import collectives
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.optim._adascale import arguments
 from fairscale.optim._adascale import correlation as _correlation
-from fairscale.optim._adascale import hooks, rank_checks
+from fairscale.optim._adascale import hooks, measured_grads, rank_checks
 from fairscale.optim._adascale import statistics
 from fairscale.optim._adascale.statistics import STATE_KEY
 
@@ -92,6 +94,7 @@ class AdaScale(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._local_grad_sqr: Optional[Tensor] = None
         self._callback_queued = False
+        self._warned_ranks_differ = False  # the warning of measured_grads, once per AdaScale
         self._world_size = arguments.checked_world_size(world_size)
         self._num_backward_calls = 0
         self._last_final_backward_call = 0
@@ -110,7 +113,9 @@ class AdaScale(torch.optim.Optimizer):
         initial_scale = (
             self._world_size * self._num_grads_to_accum if scale is None else arguments.as_number("scale", scale)
         )
-        self._check_ranks_agree(n_groups, initial_scale)
+        self._check_ranks_agree(
+            n_groups, initial_scale, _has_trainable(group["params"] for group in optimizer.param_groups)
+        )
         cast(Dict[Any, Any], optimizer.state).setdefault(STATE_KEY, statistics.fresh(n_groups))
         self._scale = 1.0
         self.set_scale(initial_scale)
@@ -319,9 +324,10 @@ class AdaScale(torch.optim.Optimizer):
             # The window length rides along, as n and n * n (exact in fp32): a rank with another
             # num_gradients_to_accumulate reaches this all-reduce at another backward, which paired statistics of
             # different windows silently and left one all-reduce unmatched at the end (a hang). The scale rides along
-            # the same way: set_scale() on some ranks only trained them with other learning rates, silently.
+            # the same way: set_scale() on some ranks only trained them with other learning rates, silently. So do the
+            # squared norms of the gradients this rank measured, which differ between ranks with sharded gradients.
             scale = float(self._scale)
-            extra = [float(accum), float(accum * accum), scale, scale * scale]
+            extra = measured_grads.payload_values(total) + [float(accum), float(accum * accum), scale, scale * scale]
             payload = torch.cat([payload, payload.new_tensor(extra)])
             work = collectives.all_reduce(payload, op="sum", async_op=True)
         self._last_final_backward_call = calls
@@ -330,13 +336,28 @@ class AdaScale(torch.optim.Optimizer):
             work.wait()
             rank_checks.check_same_window(payload[-4:-2].tolist(), self._num_grads_to_accum)
             rank_checks.check_same_scale(payload[-2:].tolist(), self._scale)
-            payload = payload[:-4]
+            n_groups = len(total)
+            self._warn_if_ranks_differ(payload[n_groups:-4].tolist())
+            payload = payload[:n_groups]
         if unmeasured:
             warnings.warn(hooks.unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
         # The local squared norms stay fp32 through the accumulation correction, the reduced ones are fp32 per
         # parameter and float64 across parameters, the estimates float64: upstream's roundings, so its gains are
         # reproduced to the last bit.
         self._update_statistics(payload.cpu().numpy(), total)
+
+    def _warn_if_ranks_differ(self, sums: List[float]) -> None:
+        """Warn (once, on every rank alike) when the ranks measured different gradients: see :mod:`measured_grads`.
+
+        A warning, not an error: upstream trained so under ShardedDataParallel, and its gains, though they differ
+        between the ranks, may be what a run relies on."""
+        if self._warned_ranks_differ:
+            return
+        size = collectives.group_size(None)
+        found = measured_grads.differing_group(sums, size)
+        if found is not None:
+            self._warned_ranks_differ = True
+            warnings.warn(measured_grads.ranks_differ_message(found[0], found[1], size))
 
     def _update_statistics(self, local_sqr: "np.ndarray[Any, Any]", total_sqr: "np.ndarray[Any, Any]") -> None:
         """Fold one window's estimates into the moving averages; a window whose values are not finite leaves them as
@@ -390,9 +411,10 @@ class AdaScale(torch.optim.Optimizer):
         self._calls_at_last_step = self._num_backward_calls
         return result
 
-    def _check_ranks_agree(self, n_groups: int, scale: Any) -> None:
+    def _check_ranks_agree(self, n_groups: int, scale: Any, has_trainable: bool) -> None:
         """Raise the same error on every rank unless all of them have ``n_groups`` param groups and this AdaScale's
-        settings with ``scale`` (see :func:`arguments.check_ranks_agree_on_settings`)."""
+        settings with ``scale``, and all or none of them a parameter that requires grad (``has_trainable``; see
+        :func:`arguments.check_ranks_agree_on_settings`)."""
         arguments.check_ranks_agree_on_settings(
             self._optimizer.param_groups,
             n_groups,
@@ -402,6 +424,7 @@ class AdaScale(torch.optim.Optimizer):
             self._smoothing,
             self._debias_ewma,
             self._is_scaled_loss,
+            has_trainable,
         )
 
     def add_param_group(self, pg: Dict[str, Any]) -> None:
@@ -414,16 +437,18 @@ class AdaScale(torch.optim.Optimizer):
         """
         self._check_not_in_backward("Don't add param group in backward phase")
         groups = self._optimizer.param_groups
-        self._check_ranks_agree(len(groups) + 1, self._scale)
         new_params: List[Any] = []
         if isinstance(pg, dict) and "params" in pg:
             params = pg["params"]
             if isinstance(params, Tensor):
                 new_params = [params]
             elif not isinstance(params, (set, frozenset)):  # the optimizer refuses a set (no order), in its words
-                # Listed once, in the group itself (as torch does): a generator would be used up by the hooking.
+                # Listed once, in the group itself (as torch does): a generator would be used up by the hooking and
+                # by the check below.
                 new_params = list(params)
                 pg["params"] = new_params
+        trainable = _has_trainable([group["params"] for group in groups] + [new_params])
+        self._check_ranks_agree(len(groups) + 1, self._scale, trainable)
         # The hooks first, as they are AdaScale's own and can be removed again; the wrapped optimizer's add, which
         # may refuse the group, last; the statistics' extension after it cannot fail.
         handles, hooked = hooks.register_hooks(self, [group["params"] for group in groups] + [new_params])
@@ -500,11 +525,20 @@ class AdaScale(torch.optim.Optimizer):
         return _correlation.intra_grad_corr_mean(self._gather_flat_grad(), self._world_size)
 
 
+def _has_trainable(groups: Iterable[Iterable[Any]]) -> bool:
+    """Whether any of the parameters of ``groups`` requires grad (and so gets a hook that starts each window)."""
+    return any(isinstance(p, Tensor) and p.requires_grad for params in groups for p in params)
+
+
 class AdaScaleWrapper(AdaScale):
     """AdaScale around an optimizer it builds: ``optim_cls(params, **additional_optim_args)``.
 
-    Useful where a framework expects an optimizer class and its arguments (e.g. ``OSS(params, AdaScaleWrapper,
-    optim_cls=SGD, lr=0.1)``).
+    Useful where a framework expects an optimizer class and its arguments. For sharded optimizer state, let it
+    build OSS: ``AdaScaleWrapper(params, optim_cls=OSS, optim=SGD, lr=0.1)`` (under DDP: the gains of the unsharded
+    optimizer). Not ``OSS(params, optim=AdaScaleWrapper, optim_cls=SGD, lr=0.1)``: each rank's AdaScale would then
+    measure only the parameters that rank owns and compute its own, meaningless gain (the first window's end warns),
+    its statistics would be left out of OSS's consolidated state dict, and a rank that owns no parameter that
+    requires grad is refused at construction (on every rank).
 
     Args:
         params: the parameters (or param groups) for ``optim_cls``.

@@ -91,15 +91,19 @@ def check_ranks_agree_on_settings(
     smoothing: float,
     debias_ewma: bool = True,
     is_scaled_loss: bool = True,
+    has_trainable: bool = True,
 ) -> None:
     """Raise the same :class:`RanksDisagreeError` on every rank unless all of them have ``n_groups`` param groups,
     the same ``num_gradients_to_accumulate``, ``world_size``, ``scale``, smoothing, ``debias_ewma`` and
-    ``is_scaled_loss`` (one small all-gather; none at world size 1). Ranks with another scale, smoothing or
-    statistics rule trained with other gains, so other learning rates, silently."""
+    ``is_scaled_loss``, and either all or none of them a parameter that requires grad (``has_trainable``) (one small
+    all-gather; none at world size 1). Ranks with another scale, smoothing or statistics rule trained with other
+    gains, so other learning rates, silently. A rank without a parameter to hook never reaches the all-reduce that
+    ends each accumulation window, and the others waited in it until the group's timeout (``OSS(params,
+    optim=AdaScaleWrapper)`` with a rank that owns no parameter)."""
     if world_size > 1 and collectives.group_size(None) > 1:
         check_ranks_agree(
             "AdaScale: (param groups, num_gradients_to_accumulate, world_size, scale, smoothing, debias_ewma, "
-            "is_scaled_loss)",
+            "is_scaled_loss, holds a parameter that requires grad)",
             (
                 n_groups,
                 num_gradients_to_accumulate,
@@ -108,7 +112,14 @@ def check_ranks_agree_on_settings(
                 comparable_number(smoothing),
                 bool(debias_ewma),
                 bool(is_scaled_loss),
+                bool(has_trainable),
             ),
-            hint="Build the optimizer from the same param groups and arguments on every rank.",
+            hint=(
+                "Build the optimizer from the same param groups and arguments on every rank. Every rank's AdaScale "
+                "must hold a parameter that requires grad when one does (its gradient hooks start the window's "
+                "all-reduce): OSS(params, optim=AdaScaleWrapper, ...) leaves a rank that owns no parameter without "
+                "one; wrap OSS in AdaScale instead: AdaScale(OSS(params, optim=SGD, ...)) or "
+                "AdaScaleWrapper(params, optim_cls=OSS, optim=SGD, ...)."
+            ),
             device=first_device(p for group in param_groups for p in group["params"]),
         )

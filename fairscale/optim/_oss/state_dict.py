@@ -12,6 +12,7 @@ Formats (upstream's):
 import io
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -65,9 +66,11 @@ def broadcast_object(obj: Any, src_rank: int, group: Any = None, dist_device: to
 
 def _cpu_copy(value: Any) -> Any:
     """A CPU copy of a nested state that later optimizer steps cannot change (``.to(cpu)`` alone aliases CPU
-    tensors; a consolidated dict is a snapshot)."""
+    tensors; a consolidated dict is a snapshot). numpy arrays (AdaScale's statistics) are copied too."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(_CPU, copy=True)
+    if isinstance(value, np.ndarray):
+        return value.copy()
     if isinstance(value, list):
         return [_cpu_copy(v) for v in value]
     if isinstance(value, tuple):
@@ -119,13 +122,17 @@ def merge_shards(
     """Fill ``base`` (OSS's own torch ``state_dict()``) with the shards' per-parameter state, by global index.
 
     Integer keys come out sorted; other keys of the base state (e.g. a wrapper's ``"adascale"`` entry) follow,
-    in their original order (upstream sorted all keys together and raised ``TypeError`` on a string key).
+    in their original order (upstream sorted all keys together and raised ``TypeError`` on a string key). They are
+    copies, taken now, as the shards' entries are: later steps do not change the result (the AdaScale statistics of
+    ``AdaScale(OSS)`` used to be the live ones).
     Top-level entries that the wrapped optimizer adds to its state dict are kept (see :func:`_shard_extras`), so
     that the wrapped optimizer loads the consolidated dict back (upstream dropped them: ``OSS(optim=Adam)`` could
     not reload its own checkpoint).
     """
     extras, factors = _shard_extras(shards)
-    state: Dict[Any, Any] = dict(base["state"])
+    # ``base`` is torch's packing of OSS's live state: its entries (a wrapper's "adascale" statistics) are the objects
+    # later steps and set_scale() update in place. Copied, so that the result is a snapshot as the shards are.
+    state: Dict[Any, Any] = {k: _cpu_copy(v) for k, v in base["state"].items()}
     for rank, shard in enumerate(shards):
         for shard_group, part_group in zip(shard["param_groups"], partition[rank]):
             for local_index, param in zip(shard_group["params"], part_group["params"]):
@@ -135,6 +142,12 @@ def merge_shards(
     other_keys = [k for k in state if not isinstance(k, int)]
     result = dict(base)
     result["state"] = {k: state[k] for k in int_keys + other_keys}
+    # Tensor hyper-parameters (a tensor ``lr``, which torch's schedulers update in place) are copied too, on their
+    # device (torch's loaders expect them there); the other values are numbers, strings and tuples.
+    result["param_groups"] = [
+        {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items()}
+        for group in base["param_groups"]
+    ]
     result.update(extras)
     return result
 
