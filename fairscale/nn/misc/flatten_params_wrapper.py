@@ -463,7 +463,7 @@ class FlattenParamsWrapper(nn.Module):
         # flat storage). Take them out for the copy, put them back, and give the copy its own views.
         state = dict(self.__dict__)
         ctx = open_context(self)
-        if ctx is not None:
+        if ctx is not None and ctx.standalone:  # FSDP's summon: copied as it is (full weights), as before
             state[_CONTEXT_RECORD] = record_of(ctx)  # the copy's record then names the copy's modules
         stash = self._stash_views()
         try:
@@ -484,7 +484,7 @@ class FlattenParamsWrapper(nn.Module):
         # nn.Module.__getstate__ is unannotated in torch; the cast states its signature.
         state = cast(Callable[[], Dict[str, Any]], super().__getstate__)()
         ctx = open_context(self)
-        if ctx is not None:
+        if ctx is not None and ctx.standalone:
             state = dict(state, **{_CONTEXT_RECORD: record_of(ctx)})
         return state
 

@@ -11,9 +11,10 @@ each against plain PyTorch on the global batch (DDP's averaging):
   ``optimizer.step()`` fail with torch's "size of tensor a must match" instead of the documented refusal.
 """
 
+import contextlib
 import copy
 import functools
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import pytest
 import torch
@@ -238,3 +239,82 @@ def test_a_load_refused_on_one_rank_is_refused_on_every_rank() -> None:
     """A load refused on one rank (a backward pending there only) raises on every rank, leaving the model unchanged
     (the other ranks went into the load's collectives and waited until the group's timeout)."""
     run_distributed(_load_refused_body, WORLD, timeout=60.0)
+
+
+class _FailOnRank(torch.autograd.Function):
+    """Identity whose backward raises when ``fail`` (a simulated out-of-memory error on one rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        if ctx.fail:
+            raise RuntimeError("simulated out-of-memory error")
+        return grad, None
+
+
+class _FailingInsideNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(_FailOnRank.apply(self.a(x), dist.get_rank() == 0))
+
+
+def _load_after_uneven_abort_case(how: str) -> None:
+    torch.manual_seed(0)
+    model = FSDP(_FailingInsideNet())
+    sd = model.state_dict()
+    out = model(_mine(_batch(0)))
+    # Rank 0's backward fails inside the model (FSDP's backward hooks ran), rank 1's before it reaches the model.
+    with pytest.raises(RuntimeError, match="simulated"):
+        _FailOnRank.apply(out, dist.get_rank() == 1).sum().backward()
+    del out
+    with pytest.warns(UserWarning, match="did not finish") if dist.get_rank() == 0 else contextlib.nullcontext():
+        if how == "parent":
+            nn.Sequential(model).load_state_dict({"0." + k: v for k, v in sd.items()})
+        else:
+            model.load_state_dict(sd)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, sd[key]), key
+
+
+def _uneven_abort_body(rank: int, world_size: int) -> None:
+    run_cases((how, functools.partial(_load_after_uneven_abort_case, how)) for how in ("parent", "direct"))
+
+
+def test_loads_after_a_backward_that_failed_at_different_points_on_the_ranks() -> None:
+    """A backward that raised inside the model on one rank and before it on the other: the loads recover first, as
+    the other calls between steps do (the parent-module load skipped the agreed check on the rank left in a backward
+    state, and the other rank waited in it until the timeout; the direct load was refused on every rank)."""
+    run_distributed(_uneven_abort_body, WORLD, timeout=60.0)
+
+
+def _load_in_summon_case() -> None:
+    torch.manual_seed(0)
+    model = FSDP(_Net())
+    sd = model.state_dict()
+    # A forward whose backward is still to come on rank 0; rank 1's has no graph.
+    with torch.no_grad() if dist.get_rank() == 1 else contextlib.nullcontext():
+        out = model(_mine(_batch(0)))
+    with model.summon_full_params():
+        with pytest.raises(RuntimeError, match="inside summon_full_params"):
+            model.load_state_dict(sd)
+        copied = copy.deepcopy(model.module)  # a full-weight copy, as before the context record of session 36
+    del out
+    assert [tuple(p.shape) for p in copied.parameters()] == [(4, 4), (4,), (4, 4), (4,)]
+
+
+def _load_in_summon_body(rank: int, world_size: int) -> None:
+    run_cases([("load and copy inside summon_full_params", _load_in_summon_case)])
+
+
+def test_a_load_inside_summon_refused_on_one_rank_is_refused_on_every_rank() -> None:
+    """Inside summon_full_params(), a load refused on one rank (a backward pending there) raises on every rank (the
+    others waited in the load's gather); a copy of the wrapped module made there holds the full weights."""
+    run_distributed(_load_in_summon_body, WORLD, timeout=60.0)

@@ -9,6 +9,7 @@ import functools
 import os
 from typing import Any, Dict, Optional, Tuple
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -90,8 +91,28 @@ def _case_stateless_checkpoint_loads(root: str, rank: int) -> None:
     _assert_same(_result(other, other_optim), _uninterrupted(rank), "a fresh model loaded from it")
 
 
+def _case_load_between_forward_and_backward(root: str, rank: int) -> None:
+    """Refused before the load creates a fresh optimizer's state (a step that wrote the parameters in place and made
+    the pending backward fail)."""
+    path = os.path.join(root, "trained")
+    model, optim = _model()
+    _train(model, optim, rank)
+    fsdp_dcp.save(model, optim, checkpoint_id=path)
+    fresh, fresh_optim = _model()
+    loss = fresh(_batch(0, rank)).square().sum()
+    with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        fsdp_dcp.load(fresh, fresh_optim, checkpoint_id=path)
+    assert not fresh_optim.state
+    loss.backward()  # still possible
+
+
 def _body(rank: int, world_size: int, root: str) -> None:
-    cases = (_case_save_before_training, _case_save_between_forward_and_backward, _case_stateless_checkpoint_loads)
+    cases = (
+        _case_save_before_training,
+        _case_save_between_forward_and_backward,
+        _case_stateless_checkpoint_loads,
+        _case_load_between_forward_and_backward,
+    )
     run_cases((case.__name__[len("_case_") :], functools.partial(case, root, rank)) for case in cases)
 
 

@@ -25,6 +25,7 @@ import torch
 from fairscale.internal import collectives
 
 from . import dcp_metadata, dcp_state
+from .state_dict import _check_loadable
 from .unit import FSDPUnit
 
 try:  # torch >= 2.2
@@ -67,6 +68,9 @@ def load(
 ) -> Tuple[List[str], List[str]]:
     """See :func:`fairscale.nn.data_parallel.dcp.load`; returns the model's ``(missing, unexpected)`` keys.
     ``process_group``: the ranks that read this checkpoint (``None``: the world)."""
+    # Before anything: creating a fresh optimizer's state below takes a step, which writes the parameters in place (a
+    # pending backward then failed, though the load itself was refused later).
+    _check_loadable(unit, "load")
     reader = storage_reader if storage_reader is not None else _Reader(os.fspath(checkpoint_id))
     saved_keys = _saved_keys(unit, checkpoint_id, reader if storage_reader is None else None, process_group)
     model_keys = {k[len(MODEL_KEY) + 1 :] for k in saved_keys if k.startswith(MODEL_KEY + ".")}

@@ -46,8 +46,14 @@ def agree_before_load(unit: FSDPUnit, what: str, check: Callable[[], None]) -> N
         check()
     except Exception as e:  # every rank must reach the agreement
         error = e
+    group = load_group(unit)
+    if isinstance(group, str):
+        # An unpickled model ("MISSING" groups): the load itself says what to set; there is nothing to agree over.
+        if error is not None:
+            raise error
+        return
     with collectives.collective_phase("load"), unit.device.as_current():
-        check_outcome_agrees(what, error, load_group(unit))
+        check_outcome_agrees(what, error, group)
 
 
 def load_collectively(

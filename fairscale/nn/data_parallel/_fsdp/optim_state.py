@@ -384,8 +384,9 @@ def _uncollected_value(lay: _Layout, key: str, value: Any) -> Any:
     raise ValueError(
         f"optimizer state {key!r} of the FullyShardedDataParallel instance at {lay.path or '(root)'!r} (built with "
         f"no_broadcast_optim_state=True, so saved as rank 0's own state) has {value.numel()} elements, but this rank steps {shape.numel()} and the whole "
-        f"parameter has {sum(lay.numels)}: it was saved as one rank's shard at another world size. Resume it at the "
-        "world size it was saved at, or save that instance's optimizer state per rank (optim.state_dict())"
+        f"parameter has {sum(lay.numels)}: either it was saved as one rank's shard at another world size (resume it "
+        "at the world size it was saved at), or the state is not element-wise (factored moments, as Adafactor's), "
+        "which cannot be resharded. Save that instance's optimizer state per rank instead (optim.state_dict())"
     )
 
 

@@ -20,7 +20,7 @@ from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_
 from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
 
-from . import failed_load, identity, loads
+from . import failed_load, identity, loads, recovery
 from .handle import FlatHandle
 from .naming import clean_text
 from .runtime import lazy_init_for_call
@@ -89,6 +89,9 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
     failed_load.undo_own(unit)
     error_msgs = args[-1] if args and isinstance(args[-1], list) else None
     unit.pending_load_errors = None if error_msgs is None else (error_msgs, len(error_msgs))
+    # As the other calls between steps: a backward that raised leaves units in a backward state (on some ranks only,
+    # possibly), which skipped the agreed check below on those ranks while the others waited in it.
+    recovery.recover_between_steps(unit)
     if unit.state_dict_type == StateDictType.FULL and unit.training_state == TrainingState.IDLE:
         _check_loadable(unit, "load_state_dict")
         with contextlib.ExitStack() as outer:
@@ -275,8 +278,15 @@ def _inside_own_summon(unit: FSDPUnit) -> bool:
         problem = "a local (sharded) state dict loads into the shards, not into summoned parameters; load it outside"
     elif unit.tree is not None and unit.tree.backward_pending:
         problem = "a backward is pending, which would use weights that no longer exist; run it first"
-    if problem is not None:
-        raise RuntimeError(f"load_state_dict() inside summon_full_params(): {problem}. The model was left unchanged.")
+
+    def refuse() -> None:
+        if problem is not None:
+            raise RuntimeError(
+                f"load_state_dict() inside summon_full_params(): {problem}. The model was left unchanged."
+            )
+
+    # Agreed: a backward pending on one rank only refused there while the others waited in the load's gather.
+    loads.agree_before_load(unit, "load_state_dict() inside summon_full_params()", refuse)
     return True
 
 
@@ -295,7 +305,11 @@ def _restore_summoned_on_failure(unit: FSDPUnit) -> Generator[None, None, None]:
 
 
 def _check_loadable(unit: FSDPUnit, what: str) -> None:
-    """Refuse a load in the wrong state, on every rank of the load's group if on any (before any collective)."""
+    """Refuse a load in the wrong state, on every rank of the load's group if on any (before any collective).
+
+    A backward that raised is recovered from first, as by the other calls between steps (its units were left in a
+    backward state: the load was refused until the next forward)."""
+    recovery.recover_between_steps(unit)
     loads.agree_before_load(unit, what, lambda: _check_loadable_here(unit, what))
 
 
