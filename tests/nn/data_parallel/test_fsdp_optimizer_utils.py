@@ -635,9 +635,14 @@ def _mixed_steps(fsdp: FSDP, opt: Any, steps: range, rank: int, world_size: int)
         opt.step()
 
 
-def _mixed_save_body(rank: int, world_size: int) -> Tuple[Dict[str, Any], Any, Dict[str, Tensor]]:
-    """Flat root, non-flat single-parameter inner instance: one step, a checkpoint, then two more steps."""
-    fsdp = _single_parameter_model(inner_bias=False)
+def _mid_run_model(which: str) -> FSDP:
+    return _single_parameter_model(inner_bias=False) if which == "single" else _uncollected_model()
+
+
+def _mid_run_save_body(rank: int, world_size: int, which: str) -> Tuple[Dict[str, Any], Any, Dict[str, Tensor]]:
+    """One step, a checkpoint (model and gathered optimizer state), then two more steps; returns the checkpoint and
+    the parameters those two steps give."""
+    fsdp = _mid_run_model(which)
     opt = _adam(fsdp.parameters())
     _mixed_steps(fsdp, opt, range(1), rank, world_size)
     model_sd, optim_sd = fsdp.state_dict(), fsdp.gather_full_optim_state_dict(opt)
@@ -646,9 +651,12 @@ def _mixed_save_body(rank: int, world_size: int) -> Tuple[Dict[str, Any], Any, D
         return model_sd, optim_sd, {n: p.detach().clone() for n, p in fsdp.named_parameters()}
 
 
-def _mixed_resume_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]) -> None:
+def _mid_run_resume_body(
+    rank: int, world_size: int, which: str, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]
+) -> None:
+    """Resume from the checkpoint and run the same two steps: the parameters match the uninterrupted run's."""
     model_sd, optim_sd, expected = saved
-    fsdp = _single_parameter_model(inner_bias=False)
+    fsdp = _mid_run_model(which)
     fsdp.load_state_dict(model_sd)
     opt = _adam(fsdp.parameters())
     opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(optim_sd))
@@ -661,37 +669,14 @@ def _mixed_resume_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], 
 def test_resume_a_non_flat_single_parameter_instance_at_one_rank() -> None:
     """Saved at 2 ranks, where the inner instance's parameter is sharded flat; resumed at 1, where it keeps its
     (4, 4) shape: its state was handed back flat, and every optimizer but plain SGD failed at the first step."""
-    saved = run_distributed(_mixed_save_body, 2)[0]
-    run_distributed(_mixed_resume_body, 1, saved)
+    saved = run_distributed(_mid_run_save_body, 2, "single")[0]
+    run_distributed(_mid_run_resume_body, 1, "single", saved)
 
 
 def _uncollected_model() -> FSDP:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), FSDP(nn.Linear(6, 3), no_broadcast_optim_state=True))
     return FSDP(net)
-
-
-def _uncollected_save_body(rank: int, world_size: int) -> Tuple[Dict[str, Any], Any, Dict[str, Tensor]]:
-    """One step, a checkpoint, two more steps; the nested instance's optimizer state is not gathered."""
-    fsdp = _uncollected_model()
-    opt = _adam(fsdp.parameters())
-    _mixed_steps(fsdp, opt, range(1), rank, world_size)
-    model_sd, optim_sd = fsdp.state_dict(), fsdp.gather_full_optim_state_dict(opt)
-    _mixed_steps(fsdp, opt, range(1, 3), rank, world_size)
-    with fsdp.summon_full_params():
-        return model_sd, optim_sd, {n: p.detach().clone() for n, p in fsdp.named_parameters()}
-
-
-def _uncollected_resume_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]) -> None:
-    model_sd, optim_sd, expected = saved
-    fsdp = _uncollected_model()
-    fsdp.load_state_dict(model_sd)
-    opt = _adam(fsdp.parameters())
-    opt.load_state_dict(fsdp.get_shard_from_optim_state_dict(optim_sd))
-    _mixed_steps(fsdp, opt, range(1, 3), rank, world_size)
-    with fsdp.summon_full_params():
-        for name, p in fsdp.named_parameters():
-            torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def _uncollected_refused_body(rank: int, world_size: int, saved: Tuple[Dict[str, Any], Any, Dict[str, Tensor]]) -> None:
@@ -704,14 +689,14 @@ def _uncollected_refused_body(rank: int, world_size: int, saved: Tuple[Dict[str,
 def test_uncollected_instance_state_saved_whole_resumes_sharded() -> None:
     """A no_broadcast_optim_state instance saved on one rank (its state whole) resumes at two ranks, each rank with
     its shard of that state (it was handed back whole, accepted, and the first step failed on the shapes)."""
-    saved = run_distributed(_uncollected_save_body, 1)[0]
-    run_distributed(_uncollected_resume_body, 2, saved)
+    saved = run_distributed(_mid_run_save_body, 1, "uncollected")[0]
+    run_distributed(_mid_run_resume_body, 2, "uncollected", saved)
 
 
 def test_uncollected_instance_shard_at_another_world_size_is_refused() -> None:
     """Saved at two ranks the state is rank 0's shard: at one rank it cannot be the whole parameter's state, so
     the re-sharding refuses it (before: accepted, and the first step failed on the shapes)."""
-    saved = run_distributed(_uncollected_save_body, 2)[0]
+    saved = run_distributed(_mid_run_save_body, 2, "uncollected")[0]
     run_distributed(_uncollected_refused_body, 1, saved)
 
 

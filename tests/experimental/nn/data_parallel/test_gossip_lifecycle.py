@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from test_gossip_faults import _FailOnce, _Net
 
 from fairscale.experimental.nn.data_parallel import gossip
 from fairscale.experimental.nn.data_parallel.gossip import SlowMoBaseAlgorithm
@@ -47,31 +48,6 @@ def _averaged(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 # ---- a backward that raised in eval mode
-
-
-class _FailOnce(torch.autograd.Function):
-    fail = False
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        if _FailOnce.fail:
-            _FailOnce.fail = False
-            raise RuntimeError("simulated out of memory in backward")
-        return grad
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(2, 3)
-        self.b = nn.Linear(3, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_FailOnce.apply(self.a(x)))
 
 
 def _eval_failed_backward_world(rank: int, world_size: int) -> None:
