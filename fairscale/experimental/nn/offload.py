@@ -27,6 +27,7 @@ from fairscale.internal.device import (
     set_accelerator_rng_state,
 )
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
+from fairscale.internal.errors import FairscaleRuntimeError
 
 from .offload_checkpoint import (
     InPlaceSafeAlias,
@@ -195,9 +196,9 @@ class ShardSyncLayer(torch.autograd.Function):
     @staticmethod
     @_amp_bwd
     def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
-        # Only this call's ctx is read: ``model_instance._activations`` belongs to the latest forward, which may be
-        # another call (or a failed one) by the time this backward runs. Autograd keeps the tensors the slices'
-        # backward needs itself, so the bookkeeping copies are not moved here (upstream moved them, to no effect).
+        # Only this call's ctx is read: the model may have run other (or failed) forwards by the time this backward
+        # runs. Autograd keeps the tensors the slices' backward needs itself (upstream also moved bookkeeping copies
+        # of them kept on the model, to no effect).
         load, drop = ctx.index, ctx.index + 1
         slices: List[ModelShard] = ctx.model_slices
         if drop < len(slices):
@@ -254,6 +255,14 @@ class OffloadFunction(torch.autograd.Function):
         # that each micro-batch's recomputed output meets its own gradient whatever the squeeze did to the whole
         # (a 1-D output, whose 1-row micro-batch a per-chunk squeeze would make 0-d; a batch of one).
         ctx.output_shapes = []
+        # Whether each slice's recomputation must backpropagate into its input: only when a model input or a
+        # parameter of an earlier slice requires grad (otherwise the input gradient goes nowhere; a frozen first
+        # slice was backpropagated for nothing).
+        wanted = any(ctx.grad_requirements)
+        ctx.input_grad_wanted = []
+        for shard in slices:
+            ctx.input_grad_wanted.append(wanted)
+            wanted = wanted or any(p.requires_grad for p in shard.parameters())
         activations: List[Tuple[Any, ...]] = [inputs_tuple]
         kept: List[Tuple[Any, ...]] = []
         for index, shard in enumerate(slices):
@@ -281,9 +290,9 @@ class OffloadFunction(torch.autograd.Function):
                 activations.append(tuple(outputs))
                 shard.forward_drop()
         # The slice inputs (not the model output: keeping it on ctx would make a reference cycle through its
-        # grad_fn) belong to this call; the attribute is kept as upstream's inspection point only.
+        # grad_fn) belong to this call, not to the model: kept on the model they held the last forward's tensors
+        # until the next forward and broke ``copy.deepcopy`` of the model.
         save_slice_inputs(ctx, kept)
-        model_instance._activations = activations
         # No requires_grad set here: forward runs with grad disabled, so it cannot tell a no_grad call from a
         # training one, and a flag set here stayed on the returned leaf under torch.no_grad (unlike the plain model,
         # whose output then does not require grad). ``apply`` makes the floating outputs require grad, through this
@@ -295,7 +304,24 @@ class OffloadFunction(torch.autograd.Function):
     @_amp_bwd
     def backward(ctx: Any, *grad_outputs: Any) -> Tuple[Any, ...]:
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
+            # The recomputation back-propagates into every parameter's ``.grad`` from inside this backward, which
+            # only a plain ``backward()`` expects. Torch's own message advised ".backward()", which the caller of
+            # ``backward(inputs=...)`` already used.
+            raise FairscaleRuntimeError(
+                "OffloadModel with checkpoint_activation=True supports loss.backward() (or torch.autograd.backward) "
+                "without inputs= only: torch.autograd.grad() and backward(inputs=...) cannot be served by its "
+                "recomputation; use checkpoint_activation=False for such requests"
+            )
+        if torch.is_grad_enabled():
+            # Grad mode is on in a backward only with create_graph=True (a gradient penalty).
+            warnings.warn(
+                "OffloadModel with checkpoint_activation=True: backward with create_graph=True back-propagates the "
+                "recomputed slices without a graph, so the gradients of the model's parameters and inputs are not "
+                "differentiable and a second-order gradient through them misses the model's share; use "
+                "checkpoint_activation=False for gradient penalties on them",
+                UserWarning,
+                stacklevel=2,
+            )
         grads: Tuple[Any, ...] = tuple(
             g.reshape(shape) if isinstance(g, Tensor) else g for g, shape in zip(grad_outputs, ctx.output_shapes)
         )
@@ -323,8 +349,12 @@ def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: T
     Returns:
         Tuple[Any, ...]: gradients of the slice's inputs (``None`` where an input takes none).
     """
-    if all(g is None for g in grads):
-        # Nothing later depends on this slice (a frozen slice after it took integer inputs): nothing to compute.
+    want_input_grad: bool = ctx.input_grad_wanted[index]
+    if all(g is None for g in grads) or not (
+        want_input_grad or any(p.requires_grad for p in ctx.model_slices[index].parameters())
+    ):
+        # Nothing later depends on this slice (a frozen slice after it took integer inputs), or nothing in or before
+        # it takes a gradient (a frozen backbone): nothing to compute.
         return tuple(None for _ in slice_input)
     device: torch.device = ctx.device
     nmb: int = ctx.num_microbatches
@@ -345,7 +375,7 @@ def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: T
             for x, grad in zip(acts, grads):
                 x_chunks = chunks(x, nmb)
                 g_chunks = chunks(grad, nmb) if isinstance(grad, Tensor) else [None] * len(x_chunks)
-                collected = [_backward_chunk(ctx, shard, xc, gc) for xc, gc in zip(x_chunks, g_chunks)]
+                collected = [_backward_chunk(ctx, shard, xc, gc, want_input_grad) for xc, gc in zip(x_chunks, g_chunks)]
                 input_grads.append(join_grads(collected))
     finally:
         torch.set_rng_state(cpu_state)
@@ -356,13 +386,16 @@ def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: T
     return tuple(input_grads)
 
 
-def _backward_chunk(ctx: Any, shard: ModelShard, x_chunk: Tensor, g_chunk: Optional[Tensor]) -> Optional[Tensor]:
-    """Recompute ``shard`` on one micro-batch and backpropagate ``g_chunk``; return the chunk's input gradient.
+def _backward_chunk(
+    ctx: Any, shard: ModelShard, x_chunk: Tensor, g_chunk: Optional[Tensor], want_input_grad: bool
+) -> Optional[Tensor]:
+    """Recompute ``shard`` on one micro-batch and backpropagate ``g_chunk``; return the chunk's input gradient
+    (``None`` unless ``want_input_grad``).
 
     The chunk is recomputed even when nothing is backpropagated, so that the RNG stream of the later chunks repeats
     the forward's.
     """
-    leaf = x_chunk.detach().requires_grad_(True) if x_chunk.is_floating_point() else x_chunk
+    leaf = x_chunk.detach().requires_grad_(True) if want_input_grad and x_chunk.is_floating_point() else x_chunk
     with torch.autograd.profiler.record_function(_PREFIX + "forward_pass_with_enable_grad"):
         # Under the forward's autocast state: upstream replayed CUDA's only, so under CPU autocast the recomputation
         # ran in fp32 on the kept bf16 inputs and failed.
@@ -536,24 +569,26 @@ class OffloadModel(nn.Module):
             input tensor) of several. With checkpointing the output's last dim is squeezed when it is 1 (upstream's
             ``squeeze(-1)``).
         """
+        # The anchor (and the checkpointed call's dummy) requires grad only when some parameter does: it makes the
+        # backward reach the slices when the input does not require grad, and a grad-requiring one made a fully
+        # frozen model's output require grad (unlike the plain model), so backward reloaded and recomputed slices
+        # for nothing and a loss with nothing to differentiate passed silently.
+        trainable = any(p.requires_grad for p in self.parameters())
+        # Nothing of the forward is kept on the module (``_activations`` stays empty): upstream kept the last
+        # forward's boundary tensors there, which held its autograd graph until the next forward and made
+        # ``copy.deepcopy`` of the model fail on their non-leaf tensors. Autograd keeps what the backward needs.
+        self._activations = []
         if self._checkpoint_activation:
             values = _checkpoint_inputs(inputs)
-            out = OffloadFunction.apply(values[0], torch.tensor([], requires_grad=True), self, *values[1:])
+            out = OffloadFunction.apply(values[0], torch.tensor([], requires_grad=trainable), self, *values[1:])
             # Upstream's types: one tensor, or a list of several.
             return out if isinstance(out, Tensor) else list(out)
-        anchor = torch.tensor([], requires_grad=True)
-        self._activations = []
+        anchor = torch.tensor([], requires_grad=trainable)
+        acts: Tuple[Any, ...] = inputs
         for index in range(-1, len(self.model_slices)):
             if index >= 0:
-                self._activations[index] = _to(self._activations[index], self.device)
-                out = self.model_slices[index](*self._activations[index])
-                acts: Tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
-            else:
-                acts = inputs
+                out = self.model_slices[index](*_to(acts, self.device))
+                acts = out if isinstance(out, tuple) else (out,)
             acts = ShardSyncLayer.apply(anchor, index, self.model_slices, self, *acts)
-            self._activations.append(acts)
-            if index >= 0:
-                # Bookkeeping copies; autograd keeps its own saved tensors.
-                self._activations[index] = _to(self._activations[index], torch.device("cpu"))
-        result = _to(self._activations[-1], self.device)
+        result = _to(acts, self.device)
         return result[0] if len(result) == 1 else result

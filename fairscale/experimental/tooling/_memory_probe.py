@@ -9,7 +9,6 @@
   a new session. CPU values are therefore relative: bytes allocated (net of frees) since monitoring started.
 """
 
-import atexit
 import bisect
 import itertools
 import warnings
@@ -25,21 +24,19 @@ __all__ = ["MemoryMark", "MemoryProbe", "AcceleratorProbe", "CpuProfilerProbe", 
 
 _MARKER_PREFIX = "fairscale.layer_memory_tracker#"
 
-# CPU probes whose profiler session is open. A tracker still monitoring when the interpreter exits (upstream's
-# examples never call stop()) left the session to be torn down during finalization, which crashed the process
-# (SIGSEGV, after the script had finished): the sessions are ended at exit, while the interpreter is whole.
-_OPEN_SESSIONS: "weakref.WeakSet[CpuProfilerProbe]" = weakref.WeakSet()
+# A CPU probe's open profiler session is ended by a finalizer: when the probe is freed without stop() (a tracker and
+# its model dropped while monitoring), the global profiler kept running (every later op slower, its events piling
+# up, later trackers reading 0) and tearing it down during interpreter finalization crashed the process (SIGSEGV,
+# after the script had finished); weakref.finalize also runs at exit, while the interpreter is whole (upstream's
+# examples never call stop()).
 
 
-def _end_open_sessions() -> None:
-    for probe in list(_OPEN_SESSIONS):
-        try:
-            probe.end_session_quietly()
-        except Exception:  # pragma: no cover - at exit nothing is left to report to
-            pass
-
-
-atexit.register(_end_open_sessions)
+def _end_profile(prof: Any) -> None:
+    try:
+        if profiler._is_profiler_enabled:
+            prof.__exit__(None, None, None)
+    except Exception:  # pragma: no cover - at exit or in a collection nothing is left to report to
+        pass
 
 
 class MemoryMark:
@@ -103,6 +100,7 @@ class CpuProfilerProbe(MemoryProbe):
         self._resolved: Dict[str, int] = {}
         self._offset = 0
         self._warned_lost = False
+        self._session_end: "Optional[weakref.finalize[Any, Any]]" = None  # ends the open session if the probe is freed
 
     def start(self) -> None:
         if self._profile is not None:
@@ -113,12 +111,12 @@ class CpuProfilerProbe(MemoryProbe):
             return
         self._profile = profiler.profile(profile_memory=True, use_kineto=True)
         self._profile.__enter__()
-        _OPEN_SESSIONS.add(self)
+        self._session_end = weakref.finalize(self, _end_profile, self._profile)
 
     def end_session_quietly(self) -> None:
         """End the profiler session without reading its events (at interpreter exit)."""
         prof, self._profile = self._profile, None
-        _OPEN_SESSIONS.discard(self)
+        self._forget_session_end()
         if prof is not None and profiler._is_profiler_enabled:
             prof.__exit__(None, None, None)
 
@@ -157,8 +155,14 @@ class CpuProfilerProbe(MemoryProbe):
         """
         return self._profile is not None and not profiler._is_profiler_enabled
 
+    def _forget_session_end(self) -> None:
+        """The session ends here: its finalizer must not end a later one."""
+        if self._session_end is not None:
+            self._session_end.detach()
+            self._session_end = None
+
     def _finish_session(self) -> None:
-        _OPEN_SESSIONS.discard(self)
+        self._forget_session_end()
         if self._profile is None:
             return
         if self._session_lost():

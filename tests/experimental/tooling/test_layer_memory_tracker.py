@@ -357,3 +357,34 @@ def test_a_tracker_still_monitoring_at_exit_ends_cleanly() -> None:
 
     done = subprocess.run([sys.executable, "-c", _MONITORING_AT_EXIT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "traces 6" in done.stdout, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+_TRACKER_DROPPED_UNSTOPPED = """
+import gc, torch, torch.nn as nn
+from torch.autograd import profiler
+from fairscale.experimental.tooling.layer_memory_tracker import LayerwiseMemoryTracker
+
+def measure():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    model(torch.randn(2, 4)).sum().backward()
+    return len(tracker.memory_traces)  # no stop(), and the tracker and model are dropped here
+
+print("traces", measure())
+gc.collect()
+print("profiler enabled", profiler._is_profiler_enabled)
+"""
+
+
+def test_a_tracker_dropped_without_stop_ends_its_profiler_session() -> None:
+    """A CPU tracker freed while monitoring (with its model) left the global profiler running: later ops ran slower
+    and piled up events, later trackers read 0, and the process died with SIGSEGV at exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACKER_DROPPED_UNSTOPPED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "traces 4" in done.stdout and "profiler enabled False" in done.stdout, done.stdout

@@ -272,6 +272,20 @@ def test_balance_by_size_without_gpu_is_a_clear_error(monkeypatch):
         balance_by_size(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1))
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), True])
+def test_balance_by_time_timeout_must_be_positive(timeout):
+    # 0, a negative number or NaN ran no measurement and returned an even split, silently.
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        balance_by_time(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1), timeout=timeout, device="cpu")
+
+
+@pytest.mark.parametrize("balance", [balance_by_time, balance_by_size])
+def test_balance_partitions_must_be_an_int(balance):
+    # 2.0 failed deep inside the partitioning with a TypeError about range().
+    with pytest.raises(TypeError, match="partitions must be an int, got float 2.0"):
+        balance(2.0, nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), torch.rand(1, 1), device="cpu")
+
+
 @pytest.mark.parametrize("chunks", [0, -2, 0.5, True, "x"])
 def test_balance_by_size_chunks_must_be_positive(chunks):
     # 0 divided by zero; a negative count made every activation size negative (checked before the device).

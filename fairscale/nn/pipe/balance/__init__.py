@@ -11,7 +11,8 @@ Example::
     pipe = Pipe(model, balance, chunks=8)
 """
 
-from typing import List, Tuple, Union
+import math
+from typing import Any, List, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +32,12 @@ def balance_cost(cost: List[int], partitions: int) -> List[int]:
     """The block lengths of :func:`blockpartition.solve` on ``cost``."""
     partitioned = blockpartition.solve(cost, partitions)
     return [len(p) for p in partitioned]
+
+
+def _check_partitions(partitions: Any, what: str) -> None:
+    # A float (2.0) failed deep inside the partitioning with a TypeError about range(); a bool counted as 1 or 0.
+    if isinstance(partitions, bool) or not isinstance(partitions, int):
+        raise TypeError(f"{what}: partitions must be an int, got {type(partitions).__name__} {partitions!r}")
 
 
 def _profiling_device(device: Device, what: str) -> torch.device:
@@ -66,8 +73,14 @@ def balance_by_time(
         List[int]: the balance, a number of layers per partition.
 
     Raises:
-        ValueError: a parameter already has a gradient, or ``device`` is not available.
+        ValueError: a parameter already has a gradient, ``device`` is not available, or ``timeout`` is not a positive
+            number.
+        TypeError: ``partitions`` is not an int.
     """
+    _check_partitions(partitions, "balance_by_time")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        # 0, a negative number or NaN ran no measurement and returned an even split, silently.
+        raise ValueError(f"balance_by_time: timeout must be a positive number of seconds, got {timeout!r}")
     times = profile_times(module, sample, timeout, _profiling_device(device, "balance_by_time"))
     return balance_cost(times, partitions)
 
@@ -102,5 +115,6 @@ def balance_by_size(
     Raises:
         ValueError: ``device`` is not a CUDA device.
     """
+    _check_partitions(partitions, "balance_by_size")
     sizes = profile_sizes(module, input, chunks, param_scale, torch.device(device))
     return balance_cost(sizes, partitions)
