@@ -124,7 +124,9 @@ def _updates_in_place(traced: torch.fx.GraphModule, node: Any, value: Any) -> bo
     if node.op == "call_method":
         return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("__")
     if node.op == "call_function":
-        return node.kwargs.get("inplace") is True
+        # F.relu(h, inplace=True), or the function form of an in-place op (torch.relu_(h), torch.sigmoid_(h)).
+        name = getattr(node.target, "__name__", "")
+        return node.kwargs.get("inplace") is True or (name.endswith("_") and not name.startswith("__"))
     if node.op == "call_module":
         return getattr(traced.get_submodule(str(node.target)), "inplace", False) is True
     return False

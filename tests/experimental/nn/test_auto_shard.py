@@ -169,7 +169,7 @@ def test_an_output_that_is_not_the_last_value_is_refused(model: type) -> None:
 
 
 class _InPlaceTail(nn.Module):
-    """Ends with an in-place op on the tensor it returns, in one of three spellings."""
+    """Ends with an in-place op on the tensor it returns, in one of four spellings."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -183,12 +183,14 @@ class _InPlaceTail(nn.Module):
             h.relu_()
         elif self.how == "function":
             torch.nn.functional.relu(h, inplace=True)
+        elif self.how == "torch_function":
+            torch.relu_(h)
         else:
             self.act(h)
         return h
 
 
-@pytest.mark.parametrize("how", ["method", "function", "module"])
+@pytest.mark.parametrize("how", ["method", "function", "torch_function", "module"])
 def test_an_in_place_op_on_the_output_is_its_last_value(how: str) -> None:
     # Refused before ("not the last value"): the in-place op returns the output itself (upstream shards it).
     torch.manual_seed(0)
