@@ -18,6 +18,7 @@ Example::
 """
 
 import json
+import math
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -502,6 +503,12 @@ def find_best_reset_points(activation_sizes: List[int], num_checkpoints: int) ->
     """
     _check_count("find_best_reset_points: num_checkpoints", num_checkpoints)
     sizes = list(activation_sizes)
+    for i, size in enumerate(sizes):
+        # Byte counts: a negative one made an empty last segment look best, a NaN one made every comparison false.
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
+            raise ValueError(
+                f"find_best_reset_points: activation_sizes[{i}] is {size!r}; sizes are byte counts (numbers >= 0)"
+            )
     n = len(sizes)
     prefix = [0]
     for s in sizes:

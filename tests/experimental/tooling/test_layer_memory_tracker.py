@@ -10,7 +10,7 @@ import sys
 import tempfile
 import warnings
 
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -109,6 +109,13 @@ def test_find_best_reset_points() -> None:
     assert find_best_reset_points(sizes, 1) == (35, [4])
     assert find_best_reset_points(sizes, 2) == (24, [2, 5])
     assert find_best_reset_points([1, 1], 5) == (1, [1, 2])
+
+
+@pytest.mark.parametrize("bad", [-5, float("nan"), float("inf"), "3", True])
+def test_find_best_reset_points_refuses_sizes_that_are_not_byte_counts(bad: Any) -> None:
+    # [1, -5, 3] gave (0, [3]) (an empty last segment) and a NaN made every comparison false, silently.
+    with pytest.raises(ValueError, match=r"activation_sizes\[1\] is .*byte counts"):
+        find_best_reset_points([1, bad, 3], 1)
 
 
 def test_reset_point_counts_are_checked_and_many_layers_do_not_recurse() -> None:
