@@ -63,7 +63,12 @@ def _storage_key(t: torch.Tensor) -> Hashable:
     with torch.no_grad():
         held = _stored_parts(t)[0]
     try:
-        return int(held.untyped_storage().data_ptr())
+        storage = held.untyped_storage()
+        if held.device.type == "meta":
+            # Every meta storage has address 0: all activations looked like one, and each read 0 bytes. The storage
+            # object's own identity tells them apart (a view shares its base's).
+            return ("meta", int(storage._cdata))
+        return int(storage.data_ptr())
     except (NotImplementedError, RuntimeError, TypeError):
         return ("tensor", id(t))
 

@@ -395,3 +395,19 @@ def test_a_tracker_dropped_without_stop_ends_its_profiler_session() -> None:
     )
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "traces 4" in done.stdout and "profiler enabled False" in done.stdout, done.stdout
+
+
+def _activation_sizes(device: str) -> List[Tuple[str, bool, int]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)).to(device)
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    model(torch.empty(16, 4, device=device, requires_grad=True)).sum().backward()
+    tracker.stop()
+    return [(t.module_name, t.is_forward, t.event.memory_activations) for t in tracker.memory_traces]
+
+
+def test_activation_sizes_on_the_meta_device_equal_the_cpu_ones() -> None:
+    """Activation bytes do not depend on the device: on ``meta`` every storage has address 0, so all activations
+    looked like one and each read 0 bytes (wrong summaries and checkpoint suggestions, silently)."""
+    assert _activation_sizes("meta") == _activation_sizes("cpu")
