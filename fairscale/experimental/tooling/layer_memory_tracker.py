@@ -353,9 +353,16 @@ class LayerwiseMemoryTracker:
 
     # ---- hooks
 
+    def _hooks_own(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one this tracker hooked: a ``copy.deepcopy`` of a monitored model (an EMA copy)
+        copies the hooks too, which ``stop()`` cannot remove; its forwards were recorded as the model's, also in a
+        later ``monitor()`` of another model."""
+        hooked = self._monitored.get(id(module))
+        return hooked is not None and hooked.module() is module
+
     def _create_pre_forward_hook(self, name: str) -> Callable[..., None]:
         def _pre_forward_hook(module: nn.Module, inputs: Any) -> None:
-            if self._probe is None:  # stopped (see _backward_hook)
+            if self._probe is None or not self._hooks_own(module):  # stopped (see _backward_hook), or a copy's
                 return
             self._probe.sync()
             self._previous_module_name = name
@@ -367,7 +374,7 @@ class LayerwiseMemoryTracker:
 
     def _create_post_forward_hook(self, name: str) -> Callable[..., None]:
         def _post_forward_hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
-            if self._probe is None:  # stopped (see _backward_hook)
+            if self._probe is None or not self._hooks_own(module):  # stopped (see _backward_hook), or a copy's
                 return
             self._probe.sync()
             if _is_fsdp(module) and self._cumul_all_gather_memory:

@@ -411,3 +411,21 @@ def test_activation_sizes_on_the_meta_device_equal_the_cpu_ones() -> None:
     """Activation bytes do not depend on the device: on ``meta`` every storage has address 0, so all activations
     looked like one and each read 0 bytes (wrong summaries and checkpoint suggestions, silently)."""
     assert _activation_sizes("meta") == _activation_sizes("cpu")
+
+
+def test_a_copy_made_while_monitored_records_nothing() -> None:
+    """copy.deepcopy of a monitored model copies the tracker's hooks, which stop() cannot remove: the copy's forwards
+    were recorded as the model's, in that session and in a later monitor() of another model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    tracker = LayerwiseMemoryTracker()
+    tracker.monitor(model)
+    copied = copy.deepcopy(model)
+    copied(torch.randn(2, 4)).sum().backward()
+    assert tracker.memory_traces == []
+    tracker.stop()
+    other = nn.Sequential(nn.Linear(4, 2))
+    tracker.monitor(other)
+    copied(torch.randn(2, 4)).sum().backward()
+    other(torch.randn(2, 4)).sum().backward()
+    tracker.stop()
+    assert [(t.module_name, t.is_forward) for t in tracker.memory_traces] == [("0", True), ("0", False)]
