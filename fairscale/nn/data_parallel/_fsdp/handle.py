@@ -534,9 +534,7 @@ class FlatHandle:
     def hand_reduced_grad_to_param(self, to_cpu: bool) -> None:
         """Give the reduced shard gradient of this step to ``p.grad`` (on the CPU with ``to_cpu``)."""
         grad = self.saved_grad_shard
-        # A frozen parameter gets it too: its only reduction is a no_sync() window's sum, from before the freeze, that
-        # a plain module keeps in p.grad and steps with (kept aside here, it came back after an unfreeze, added to
-        # the next backward's gradient across zero_grad()).
+        # Frozen ones too: a no_sync() window's sum from before the freeze, which a plain module keeps and steps with.
         if grad is None:
             return
         self.saved_grad_shard = None
