@@ -2,15 +2,16 @@
 """Small helpers about parameters, ranks and moving nested values between devices."""
 
 import collections.abc
+import contextlib
 from collections import OrderedDict
 from math import inf
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Workhandle", "get_global_rank", "recursive_copy_to_device", "calc_grad_norm"]
+__all__ = ["Workhandle", "get_global_rank", "recursive_copy_to_device", "calc_grad_norm", "conversion_in_place"]
 
 
 class Workhandle:
@@ -120,3 +121,24 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype ``vector_norm`` computes a gradient's norm in: at least fp32, never narrower than the gradient
     (and complex for a complex gradient, as ``vector_norm`` asks; its result is real)."""
     return torch.promote_types(dtype, torch.complex64 if dtype.is_complex else torch.float32)
+
+
+@contextlib.contextmanager
+def conversion_in_place() -> Iterator[None]:
+    """Inside: ``Module._apply`` (``.to()``, ``.double()``...) keeps each parameter object, whatever
+    ``torch.__future__``'s conversion settings say.
+
+    For owners that swap tensors in and out of ``param.data`` and hold the parameter objects (FSDP's shards): the
+    overwrite setting would register new parameter objects the owner does not know, and the swap setting refuses
+    parameters whose views are alive (or drops their attributes). A conversion that ``.data`` cannot take (a meta
+    tensor to a real device) makes a new object all the same, as torch does.
+    """
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(False)
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        torch.__future__.set_swap_module_params_on_conversion(swap)

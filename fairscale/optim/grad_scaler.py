@@ -25,7 +25,7 @@ from fairscale.internal import torch_version as torch_version  # noqa: F401  # u
 from fairscale.internal.device import AmpOptState as OptState
 from fairscale.internal.device import CudaAmpGradScaler, amp_scaler_device_type, device_generic_amp_scaler
 from fairscale.internal.errors import FairscaleRuntimeError
-from fairscale.internal.group_copy import deepcopy_sharing_group
+from fairscale.internal.group_copy import deepcopy_sharing_group, refuse_pickling_group
 
 try:
     from torch.distributed import ProcessGroup
@@ -492,6 +492,10 @@ class ShardedGradScaler(_ScalerBase):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedGradScaler":
         # A copy decides over the same ranks: process groups cannot be copied ("cannot pickle ProcessGroup" before).
         return deepcopy_sharing_group(self, memo, self.group)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickling_group(self, self.group)  # a clear TypeError instead of torch's "cannot pickle ProcessGroup"
+        return super().__reduce_ex__(protocol)
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool

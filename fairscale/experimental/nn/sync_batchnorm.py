@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_reduce, group_size
-from fairscale.internal.group_copy import deepcopy_sharing_group
+from fairscale.internal.group_copy import deepcopy_sharing_group, refuse_pickling_group
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
 from fairscale.nn.checkpoint.checkpoint_activations import current_call_stash, enclosing_call_stash
 
@@ -300,6 +300,12 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "SyncBatchNorm":
         # A copy (an EMA model, a reference model) synchronises over the same group: process groups cannot be copied.
         return deepcopy_sharing_group(self, memo, self._process_group)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickling_group(
+            self, self._process_group
+        )  # a clear TypeError instead of torch's "cannot pickle ProcessGroup"
+        return super().__reduce_ex__(protocol)
 
     def _input_problem(self, input: Tensor) -> Optional[Exception]:
         """What is wrong with this rank's call on its own (``None`` if nothing)."""

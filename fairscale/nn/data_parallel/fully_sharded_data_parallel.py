@@ -368,9 +368,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
         """``.to()/.half()/.float()/.cuda()``: allowed only when idle; shards are moved, lazy init is redone."""
-        units = runtime.before_move(self._fsdp_unit)
-        cast(Any, super())._apply(fn, *args, **kwargs)
-        runtime.after_move(units)
+        with runtime.moving(self._fsdp_unit):
+            cast(Any, super())._apply(fn, *args, **kwargs)
         return self
 
     # ------------------------------------------------------------------ gradients

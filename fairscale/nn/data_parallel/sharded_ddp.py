@@ -22,6 +22,7 @@ from fairscale.internal.agreement import check_ranks_agree, describe_tensors, fi
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
+from fairscale.internal.params import conversion_in_place
 from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
 from fairscale.optim.oss import OSS
 
@@ -501,8 +502,16 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel.to: Several devices specified to begin with, incompatible with setting a single "
                 f"device here (the gradient buckets are on {bucket_devices})."
             )
-        self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        with conversion_in_place():  # OSS and the gradient hooks hold the parameter objects
+            self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
+        return self
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "ShardedDataParallel":
+        """``.double()/.half()/.float()``: the parameters are converted in place (same objects) whatever
+        ``torch.__future__``'s conversion settings say: OSS and the gradient hooks hold them."""
+        with conversion_in_place():
+            cast(Any, super())._apply(fn, *args, **kwargs)
         return self
 
 

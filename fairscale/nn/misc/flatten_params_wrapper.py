@@ -20,6 +20,7 @@ from fairscale.internal.forwarding import refuse_shadowing_assignment
 from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefix_  # upstream imported it here
 
+from ._flatten.conversion import converted_apart
 from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
 from ._flatten.forward_views import forward_views
 from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups, user_param_name
@@ -447,11 +448,13 @@ class FlattenParamsWrapper(nn.Module):
         parameters (not registered then) are converted too, so the conversion outlives the context."""
         ctx = open_context(self)
         if ctx is not None:
-            with converting(self, ctx):
+            with converting(self, ctx, fn):
                 cast(Any, super())._apply(fn, recurse)
             return self
         before = [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in self.flat_params]
-        cast(Any, super())._apply(fn, recurse)
+        with converted_apart(self._parameters, self.flat_param_names, self.flat_params, fn) as flats:
+            cast(Any, super())._apply(fn, recurse)
+        self.flat_params = flats
         if before != [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in self.flat_params]:
             # Only then: views made now have a graph only under grad mode, and a checkpointed region's pending
             # backward needs the last forward's (a .to() of what is already there changes nothing).

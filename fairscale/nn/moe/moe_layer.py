@@ -14,7 +14,7 @@ from fairscale.internal.agreement import RanksDisagreeError, check_outcome_agree
 from fairscale.internal.autocast import autocast_state
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
-from fairscale.internal.group_copy import deepcopy_sharing_group
+from fairscale.internal.group_copy import deepcopy_sharing_group, refuse_pickling_group
 
 __all__ = ["MOELayer"]
 
@@ -117,6 +117,10 @@ class MOELayer(Module):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "MOELayer":
         # A copy (an EMA or teacher model) exchanges tokens over the same group: process groups cannot be copied.
         return deepcopy_sharing_group(self, memo, self._group)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_pickling_group(self, self._group)  # a clear TypeError instead of torch's "cannot pickle ProcessGroup"
+        return super().__reduce_ex__(protocol)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a checkpoint

@@ -318,3 +318,55 @@ def test_a_load_inside_summon_refused_on_one_rank_is_refused_on_every_rank() -> 
     """Inside summon_full_params(), a load refused on one rank (a backward pending there) raises on every rank (the
     others waited in the load's gather); a copy of the wrapped module made there holds the full weights."""
     run_distributed(_load_in_summon_body, WORLD, timeout=60.0)
+
+
+def _cast_under_setting_case(setting: str, flatten: bool) -> None:
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    try:
+        torch.__future__.set_overwrite_module_params_on_conversion(setting == "overwrite")
+        torch.__future__.set_swap_module_params_on_conversion(setting == "swap")
+        torch.manual_seed(0)
+        ref = _Net()
+        model = FSDP(copy.deepcopy(ref), flatten_parameters=flatten)
+        model(_mine(_batch(0))).pow(2).sum().backward()  # after lazy init, with gradients to convert
+        before = list(model.parameters())
+        model.double()
+        ref.double()
+        # Still the objects FSDP shards (a new one would be an unsharded stranger, refused at the next forward).
+        assert [id(p) for p in model.parameters()] == [id(p) for p in before]
+        assert all(p.dtype == torch.float64 for p in before)
+        assert torch.__future__.get_overwrite_module_params_on_conversion() == (setting == "overwrite")
+        assert torch.__future__.get_swap_module_params_on_conversion() == (setting == "swap")
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(1, 3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model(_mine(_batch(step).double())).pow(2).sum().backward()
+        x = _batch(step).double()
+        (sum(ref(x[2 * r : 2 * r + 2]).pow(2).sum() for r in range(WORLD)) / WORLD).backward()
+        opt.step()
+        ref_opt.step()
+    with model.summon_full_params():
+        got = {k: v.clone() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v)
+
+
+def _cast_under_setting_body(rank: int, world_size: int) -> None:
+    run_cases(
+        (f"{setting}-flatten={flatten}", functools.partial(_cast_under_setting_case, setting, flatten))
+        for setting in ("overwrite", "swap")
+        for flatten in (True, False)
+    )
+
+
+def test_a_cast_under_torch_future_conversion_settings_keeps_the_sharded_parameters() -> None:
+    """``torch.__future__.set_overwrite_module_params_on_conversion(True)`` made ``model.double()`` register new
+    parameter objects that FSDP did not shard (refused at the next forward); the swap setting refused the cast. FSDP
+    converts its parameters in place under either (session 37)."""
+    run_distributed(_cast_under_setting_body, WORLD, timeout=TIMEOUT)

@@ -2,6 +2,7 @@
 """summon_full_params: full fp32 parameters with their original names, write-back unless volatile, freed after."""
 
 import contextlib
+import functools
 import gc
 import itertools
 import time
@@ -312,3 +313,67 @@ def _assigning_a_forwarded_name_raises_body(rank: int, ws: int) -> None:
 
 def test_assigning_a_forwarded_name_raises() -> None:
     run_distributed(_assigning_a_forwarded_name_raises_body, 2)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.out = nn.Linear(4, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.emb(x))
+
+
+def _tied_full(model: FSDP) -> Dict[str, Tensor]:
+    with model.summon_full_params():
+        return {"emb": model.module.emb.weight.detach().clone(), "out": model.module.out.weight.detach().clone()}
+
+
+def _tied_rebind_case(flatten: bool, volatile: bool) -> None:
+    torch.manual_seed(0)
+    ref = _Tied()
+    model = FSDP(_Tied(), flatten_parameters=flatten)
+    x = torch.tensor([[1, 2], [3, 4]])
+    model(x)  # initialised, as a user's summon between steps
+    before = _tied_full(model)
+    with model.summon_full_params(volatile=volatile):
+        model.module.out.weight = nn.Parameter(torch.full((5, 4), 0.5))  # the tied weight's second name
+    got = _tied_full(model)
+    want = before["emb"] if volatile else torch.full((5, 4), 0.5)
+    assert torch.equal(got["emb"], want) and torch.equal(got["out"], want), got
+    if volatile:
+        return
+    # Both names rebound to different tensors: one flat value cannot hold both; refused, nothing written.
+    with pytest.raises(ValueError, match="one tied parameter, rebound to two different tensors"):
+        with model.summon_full_params():
+            model.module.emb.weight = nn.Parameter(torch.full((5, 4), 1.0))
+            model.module.out.weight = nn.Parameter(torch.full((5, 4), 2.0))
+    again = _tied_full(model)
+    assert torch.equal(again["emb"], want) and torch.equal(again["out"], want)
+    # And it trains like the plain tied module with that value.
+    with torch.no_grad():
+        ref.emb.weight.fill_(0.5)
+    for m in (model, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            opt.step()
+    torch.testing.assert_close(_tied_full(model)["emb"], ref.emb.weight.detach())
+
+
+def _tied_rebind_body(rank: int, ws: int) -> None:
+    run_cases(
+        (f"flatten={flatten}, volatile={volatile}", functools.partial(_tied_rebind_case, flatten, volatile))
+        for flatten in (True, False)
+        for volatile in (False, True)
+    )
+
+
+def test_a_rebind_of_a_tied_second_name_inside_summon_is_written_back() -> None:
+    """``m.out.weight = nn.Parameter(t)`` inside ``summon_full_params()`` where ``out.weight`` is tied to
+    ``emb.weight`` was dropped silently with flattening (the first name's rebind was kept); both are kept now, as the
+    standalone FlattenParamsWrapper context keeps them (session 37)."""
+    run_distributed(_tied_rebind_body, 2)

@@ -251,6 +251,38 @@ def _torch_cast_case(rank: int, cast: str, on_inner: bool) -> None:
     assert all(b.buffer is None or b.buffer.dtype == dtype for b in sdp._reducer.buckets)
 
 
+def _cast_run(rank: int, how: str, setting: str) -> List[torch.Tensor]:
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    model = _mlp()
+    oss = OSS(model.parameters(), lr=0.1, momentum=0.9)
+    sdp = ShardedDataParallel(model, oss)
+    sdp(_batch(0, rank)).sum().backward()
+    oss.step()
+    before = list(model.parameters())
+    try:
+        torch.__future__.set_overwrite_module_params_on_conversion(setting == "overwrite")
+        torch.__future__.set_swap_module_params_on_conversion(setting == "swap")
+        sdp.double() if how == "double" else sdp.to(None, dtype=torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    # The objects OSS steps and the hooks watch (new ones were trained by nobody: silently wrong, every rank).
+    assert [id(p) for p in model.parameters()] == [id(p) for p in before]
+    for step in (1, 2):
+        oss.zero_grad()
+        sdp(_batch(step, rank).double()).sum().backward()
+        oss.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _cast_under_torch_future_setting_case(rank: int, how: str) -> None:
+    want = _cast_run(rank, how, "default")
+    for setting in ("overwrite", "swap"):
+        got = _cast_run(rank, how, setting)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{how} under the {setting} setting"
+
+
 def _unused_parameter_case(rank: int) -> None:
     # Each hook rebuild (the first forward, eval -> train) gave a parameter no rank uses a zero gradient from its
     # bucket slot, even right after optimizer.zero_grad(): weight decay then moved it (0.024 after one step). A plain
@@ -361,6 +393,8 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("torch_double_on_wrapper", lambda: _torch_cast_case(rank, "double", False)),
         ("torch_double_on_module", lambda: _torch_cast_case(rank, "double", True)),
         ("torch_bfloat16_on_wrapper", lambda: _torch_cast_case(rank, "bfloat16", False)),
+        ("double_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "double")),
+        ("to_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "to")),
         ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
         ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),

@@ -26,6 +26,7 @@ from torch import Tensor
 from fairscale.internal import collectives, tensor_hooks
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.params import conversion_in_place
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
 
 from . import (
@@ -288,11 +289,13 @@ def no_sync(root: FSDPUnit) -> Iterator[None]:
             u.require_backward_grad_sync = flag
 
 
-def before_move(unit: FSDPUnit) -> List[FSDPUnit]:
-    """``.to()/.half()/.cuda()`` of an idle tree: every handle back to its shard alone, lazy init forgotten.
+@contextlib.contextmanager
+def moving(unit: FSDPUnit) -> Iterator[None]:
+    """Around torch's ``_apply`` of an idle tree (``.to()/.half()/.cuda()``): every handle back to its shard alone,
+    lazy init forgotten; afterwards, without mixed precision, the compute dtype follows the parameters' dtype.
 
-    Returns:
-        The units of the tree, for :func:`after_move`.
+    The parameters are converted in place (same objects) whatever ``torch.__future__``'s conversion settings say: the
+    handles hold them and swap shards in through ``.data``.
     """
     # The pending backward would gather shards that no longer exist in that dtype/device (and lazy init is forgotten
     # below): it used to fail in the pre-backward hook with a bare assertion.
@@ -303,11 +306,8 @@ def before_move(unit: FSDPUnit) -> List[FSDPUnit]:
     for u in units:
         u.release_all()
         reset_lazy_init(u)
-    return units
-
-
-def after_move(units: List[FSDPUnit]) -> None:
-    """The shards were moved or cast: without mixed precision the compute dtype follows the parameters' dtype."""
+    with conversion_in_place():
+        yield
     for u in units:
         c = u.config
         if not c.mixed_precision and u.handles:

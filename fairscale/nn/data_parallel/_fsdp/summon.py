@@ -159,9 +159,17 @@ def _take_back_rebinds(
     problems: List[str] = []
     for h, full, where in zip(handles, fulls, places):
         view = full[: h.numel].view(h.orig_size)
+        rebound: List[Any] = []  # the distinct values the names of one (tied) parameter were rebound to
         for m, attr in where:
             current = m._parameters[attr] if attr in m._parameters else m.__dict__.get(attr)
             value = h.param.data if current is h.param else current
+            if current is not h.param and not any(current is r for r in rebound):
+                rebound.append(current)
+            if len(rebound) == 2:
+                problems.append(
+                    f"{h.name}: one tied parameter, rebound to two different tensors (it holds one value for all its "
+                    "names; rebind them all to the same tensor)"
+                )
             if not isinstance(value, Tensor) or value.shape != view.shape:
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                 problems.append(f"{h.name}: {shape} where {tuple(view.shape)} was expected")

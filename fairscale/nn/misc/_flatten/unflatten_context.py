@@ -27,11 +27,12 @@ into its own flat parameters.
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from .conversion import convert_flat_params
 from .flat_parameter import FlatParameter
 from .module_attrs import ViewSnapshot
 
@@ -141,23 +142,25 @@ def take_back(ctx: OpenContext, write: bool = True) -> Tuple[List[str], bool]:
             problems.append(f"{g.name}: {why}")
             continue
         writes[i] = (g.name, current)
+    # A further name of a tied parameter, rebound: its value goes to the first owner's view (FSDP's summon, which
+    # passes flat_params, writes those views back into the shards).
+    for t in ctx.tied:
+        first = ctx.given[t.first]
+        current = _current(t.module, t.attr)
+        if current is first.param or (t.first in writes and current is writes[t.first][1]):
+            continue  # still tied to the first owner's parameter (edits through it were taken above)
+        why = _unfit(current, first.view)
+        if why is not None:
+            problems.append(f"{t.name}: {why}")
+        elif t.first in writes:
+            problems.append(
+                f"{writes[t.first][0]} and {t.name}: one tied parameter, rebound to two different tensors (the "
+                "flat parameter holds one value for both; rebind both names to the same tensor)"
+            )
+        else:
+            writes[t.first] = (t.name, current)
     new_requires_grad: List[Tuple[FlatParameter, bool]] = []
     if ctx.standalone:
-        for t in ctx.tied:
-            first = ctx.given[t.first]
-            current = _current(t.module, t.attr)
-            if current is first.param or (t.first in writes and current is writes[t.first][1]):
-                continue  # still tied to the first owner's parameter (edits through it were taken above)
-            why = _unfit(current, first.view)
-            if why is not None:
-                problems.append(f"{t.name}: {why}")
-            elif t.first in writes:
-                problems.append(
-                    f"{writes[t.first][0]} and {t.name}: one tied parameter, rebound to two different tensors (the "
-                    "flat parameter holds one value for both; rebind both names to the same tensor)"
-                )
-            else:
-                writes[t.first] = (t.name, current)
         new_requires_grad = _requires_grad_changes(ctx, problems)
     if write and not problems:
         for i, (_, value) in writes.items():
@@ -191,13 +194,12 @@ def _requires_grad_changes(ctx: OpenContext, problems: List[str]) -> List[Tuple[
 
 
 @contextlib.contextmanager
-def converting(wrapper: nn.Module, ctx: OpenContext) -> Iterator[None]:
+def converting(wrapper: nn.Module, ctx: OpenContext, fn: Callable[[Tensor], Tensor]) -> Iterator[None]:
     """Around torch's ``_apply`` of ``wrapper`` inside ``ctx``: the flat parameters are converted with the rest.
 
-    They are registered on the wrapper while torch converts (so they get exactly its treatment, ``.grad`` included);
-    afterwards each temporary parameter that was converted too is pointed at its slice of the converted flat
-    parameter (the same values: the same conversion of the same elements), and the exit takes the others back by
-    value.
+    They are converted as outside the context (see ``conversion.py``); afterwards each temporary parameter that was
+    converted too is pointed at its slice of the converted flat parameter (the same values: the same conversion of
+    the same elements), and the exit takes the others back by value.
 
     Raises:
         RuntimeError: the context was opened with ``flat_params``: the parameters are views of those tensors,
@@ -209,17 +211,12 @@ def converting(wrapper: nn.Module, ctx: OpenContext) -> Iterator[None]:
             "(the parameters are views of the tensors passed in); convert the wrapper outside the context. Nothing "
             "was converted."
         )
-    params = wrapper._parameters
-    for name, flat in zip(ctx.flat_names, ctx.flats):
-        params[name] = flat
     before = [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in ctx.flats]
-    try:
-        yield
-    finally:
-        for name in ctx.flat_names:
-            params.pop(name, None)
-        if before != [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in ctx.flats]:
-            _point_at_flats(ctx)
+    yield
+    # In place: ctx.flats is the list the exit flattens with.
+    ctx.flats[:] = convert_flat_params(ctx.flats, fn)
+    if before != [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in ctx.flats]:
+        _point_at_flats(ctx)
 
 
 @torch.no_grad()
