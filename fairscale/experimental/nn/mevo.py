@@ -7,9 +7,11 @@ per-token maximum logit, then the per-token sum of ``exp(logit - max)``, then th
 autograd Function that saves only views of its input and weight tiles and recomputes its ``s_in x s_w`` logits in
 backward, so at most one tile of logits exists at a time (at the cost of recomputing each tile in backward).
 
-The weight gradient is accumulated by hand into ``proj_weight.grad``: the tiles reach autograd through
-:class:`BackwardTrigger`, whose gradient to the weight is ``None``. The trigger's own tiny parameter receives a
-zero gradient each backward, which lets wrappers such as FSDP see that the (shared) weight took part.
+The tiles read the weight through :class:`BackwardTrigger`; each tile's backward adds its piece of the weight
+gradient into a buffer of its forward's, and the trigger's backward, which autograd runs after all tiles, hands the
+sum to autograd as the weight's gradient (``_mevo_grad.py``): it reaches a flattened weight, the wrappers' hooks
+and ``autograd.grad`` as any gradient does. The trigger's own tiny parameter receives a zero gradient each backward,
+as upstream's.
 """
 
 from typing import Any, List, Optional, Tuple
@@ -19,9 +21,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from fairscale.internal.device import DeviceHandle
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
+
+from ._mevo_grad import ForwardKernel, WeightGradSink, weight_grad_wanted
+from ._mevo_grad import accumulate_row_grads as _accumulate_row_grads
+from ._mevo_grad import accumulate_weight_grad as _accumulate_weight_grad
 
 __all__ = [
     "MemoryEfficientVocabOutput",
@@ -120,19 +127,6 @@ def _tile_logits(
     return torch.matmul(i, w.T)
 
 
-def _accumulate_weight_grad(kernel_obj: Any, w_grad: Tensor, w_idx: int, w_split_size: int) -> None:
-    weight: Tensor = kernel_obj.proj_weight
-    if not weight.requires_grad:
-        # A frozen weight (a tied embedding the user froze) gets no gradient, as autograd gives none: written here,
-        # an optimizer holding it would have changed it. (Upstream asserted requires_grad.)
-        return
-    if weight.grad is None:
-        # Upstream relied on TargetScoreFunction's backward running first; do not.
-        weight.grad = torch.zeros_like(weight)
-    start = w_idx * w_split_size
-    weight.grad[start : start + w_grad.shape[0]] += w_grad.to(weight.grad.dtype)
-
-
 def _check_split_dim(split_dim: int, who: str) -> None:
     # The tile Functions are public (upstream exported them), so a caller can pass any split_dim.
     if split_dim != 0:
@@ -140,6 +134,14 @@ def _check_split_dim(split_dim: int, who: str) -> None:
             f"{who}: only splitting along dim 0 is supported, got split_dim={split_dim}; pass 0 (tiles are row "
             "blocks of the input and of the weight)"
         )
+
+
+def _weight_leaf(w: Tensor, full_precision: bool, kernel_obj: Any) -> Tensor:
+    """The weight tile as the leaf of a backward's recomputation: in fp32 under full precision, so that its gradient
+    piece is not rounded to a low-precision weight's dtype before the pieces are summed; not requiring grad when the
+    running backward does not want the weight's gradient (no piece is computed then)."""
+    w = w.detach()
+    return (w.float() if full_precision else w).requires_grad_(weight_grad_wanted(kernel_obj))
 
 
 class GetMaxFunction(torch.autograd.Function):
@@ -172,15 +174,17 @@ class GetMaxFunction(torch.autograd.Function):
         return _tile_logits(i, w, tgt, w_idx, w_split_size, full_precision, margin, scale).max(dim=1).values
 
     @staticmethod
+    @once_differentiable  # a second-order backward raises instead of silently missing the loss's share
     def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], ...]:
         (grad,) = args
         i, w, tgt = ctx.saved_tensors
         k = ctx.kernel_obj
-        i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        i, w = i.detach().requires_grad_(True), _weight_leaf(w, k.fp_max, k)
         with torch.enable_grad():
             m = GetMaxFunction.get_max(i, w, tgt, ctx.w_idx, k.fp_max, k.margin, k.scale, ctx.w_split_size)
         torch.autograd.backward(m, grad)
-        _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
+        if w.grad is not None:
+            _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
         return (i.grad,) + (None,) * 6
 
 
@@ -224,16 +228,18 @@ class GetSumFunction(torch.autograd.Function):
         return torch.exp(logits - maxs.unsqueeze(1)).sum(dim=1)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], ...]:
         (grad,) = args
         i, w, tgt, maxs = ctx.saved_tensors
         k = ctx.kernel_obj
-        i, w = i.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        i, w = i.detach().requires_grad_(True), _weight_leaf(w, k.fp_sum, k)
         maxs = maxs.detach().requires_grad_(True)
         with torch.enable_grad():
             s = GetSumFunction.get_sum(i, w, tgt, maxs, ctx.w_idx, k.fp_sum, k.margin, k.scale, ctx.w_split_size)
         torch.autograd.backward(s, grad)
-        _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
+        if w.grad is not None:
+            _accumulate_weight_grad(k, w.grad, ctx.w_idx, ctx.w_split_size)
         return (i.grad, None, None, maxs.grad) + (None,) * 4
 
 
@@ -275,34 +281,6 @@ def _score_rows(i: Tensor, rows: Tensor, full_precision: bool, margin: float, sc
     return (i * rows).sum(dim=1)
 
 
-def _accumulate_row_grads(kernel_obj: Any, rows_grad: Tensor, target: Tensor) -> None:
-    """Add each token's target-row gradient into ``proj_weight.grad`` at its row.
-
-    Autograd through ``w[target]`` would build a zero (vocab x d) gradient and scatter into it (800 MiB for a
-    50k x 4096 fp32 head, on top of the gradient itself). Here repeated targets are summed first in the rows'
-    precision (fp32 under ``fp_target``, as autograd summed them), then one ``index_add_`` writes the unique rows.
-
-    Every shape here is the token count's, none depends on the targets' values: ``torch.unique`` (whose output size
-    does) made the host wait for the GPU once per backward. The distinct targets are found by a stable sort instead
-    and summed into one slot per token; the slots no target uses stay zero and add zero to row 0. Each row's tokens
-    are summed in token order, as before.
-    """
-    weight: Tensor = kernel_obj.proj_weight
-    if not weight.requires_grad:
-        return  # see _accumulate_weight_grad
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    target = target.reshape(-1)
-    ordered, order = torch.sort(target, stable=True)
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[1:] = ordered[1:] != ordered[:-1]
-    slot_of_sorted = starts.cumsum(0) - 1  # the slot of each distinct target, in sorted order
-    slot = torch.empty_like(slot_of_sorted).scatter_(0, order, slot_of_sorted)  # each token's slot
-    rows = torch.zeros_like(ordered).scatter_(0, slot_of_sorted, ordered)  # each slot's row (unused slots: 0)
-    sums = rows_grad.new_zeros(rows_grad.shape).index_add_(0, slot, rows_grad)
-    weight.grad.index_add_(0, rows, sums.to(weight.grad.dtype))
-
-
 class TargetScoreFunction(torch.autograd.Function):
     """Per-token logit of the target class (gathers the target rows of the weight, no tiles)."""
 
@@ -323,6 +301,7 @@ class TargetScoreFunction(torch.autograd.Function):
         return _target_score(i, w, target, full_precision, margin, scale)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], ...]:
         (grad,) = args
         i, w, target = ctx.saved_tensors
@@ -331,7 +310,7 @@ class TargetScoreFunction(torch.autograd.Function):
         # _accumulate_row_grads.
         # Under fp_target the rows are fp32 leaves, so that repeated targets sum in fp32 as they did through autograd.
         rows = w.detach()[target]
-        rows = (rows.float() if k.fp_target else rows).requires_grad_(True)
+        rows = (rows.float() if k.fp_target else rows).requires_grad_(weight_grad_wanted(k))
         i = i.detach().requires_grad_(True)
         with torch.enable_grad():
             t = _score_rows(i, rows, k.fp_target, k.margin, k.scale)
@@ -342,20 +321,25 @@ class TargetScoreFunction(torch.autograd.Function):
 
 
 class BackwardTriggerFn(torch.autograd.Function):
-    """Identity on the weight whose backward gives the trigger tensor a zero gradient (and the weight none)."""
+    """Identity on the weight whose backward gives the trigger tensor a zero gradient, and the weight what the
+    forward's sink (if any) collected from the tiles."""
 
     @staticmethod
-    def forward(ctx: Any, w: Tensor, trigger_tensor: Tensor) -> Tensor:
+    def forward(ctx: Any, w: Tensor, trigger_tensor: Tensor, sink: Optional[WeightGradSink] = None) -> Tensor:
         ctx.save_for_backward(trigger_tensor)
-        # The tiles give the weight no gradient (they write proj_weight.grad themselves); left materialised, autograd
+        ctx.sink = sink
+        # The tiles give the weight no gradient through autograd (they add into the sink); left materialised, autograd
         # would allocate a zero (vocab x d) gradient for this output on every backward, only for it to be ignored.
         ctx.set_materialize_grads(False)
         return w.view_as(w)
 
     @staticmethod
-    def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], Tensor]:
+    @once_differentiable
+    def backward(ctx: Any, *args: Any) -> Tuple[Optional[Tensor], Tensor, None]:
         (trigger,) = ctx.saved_tensors
-        return None, torch.zeros_like(trigger)
+        # Runs after every tile (they all read the weight through this node): the sink holds their whole sum.
+        sink: Optional[WeightGradSink] = ctx.sink
+        return (sink.take() if sink is not None else None), torch.zeros_like(trigger), None
 
 
 class BackwardTrigger(nn.Module):
@@ -383,8 +367,8 @@ class BackwardTrigger(nn.Module):
         setattr(self.trigger, "_linked_param", linked_param)
         self._linked = (linked_param,)
 
-    def forward(self) -> Tensor:
-        out: Tensor = BackwardTriggerFn.apply(self._linked[0], self.trigger)
+    def forward(self, sink: Optional[WeightGradSink] = None) -> Tensor:
+        out: Tensor = BackwardTriggerFn.apply(self._linked[0], self.trigger, sink)
         return out
 
 
@@ -440,9 +424,11 @@ class MemoryEfficientVocabOutput(nn.Module):
         """Logits ``input @ proj_weight.T`` (any leading shape), for inference."""
         return torch.matmul(input, self.proj_weight.T)
 
-    def get_target_nlprob(self, i: Tensor, w: Tensor, target: Tensor, debase_max: Tensor, exp_sums: Tensor) -> Tensor:
-        """Summed negative log-probability of the targets."""
-        t = TargetScoreFunction.apply(i, w, target, self)
+    def get_target_nlprob(
+        self, i: Tensor, w: Tensor, target: Tensor, debase_max: Tensor, exp_sums: Tensor, kernel_obj: Any = None
+    ) -> Tensor:
+        """Summed negative log-probability of the targets (``kernel_obj``: the forward's, default this module)."""
+        t = TargetScoreFunction.apply(i, w, target, self if kernel_obj is None else kernel_obj)
         # log(exp(t - m) / S) computed as t - m - log S: exact also when exp(t - m) underflows.
         log_prob = t - debase_max - torch.log(exp_sums)
         if not self.log_softmax:
@@ -504,7 +490,12 @@ class MemoryEfficientVocabOutput(nn.Module):
             # proj_weight was replaced (load_state_dict(assign=True), a tie after construction): the loss read the
             # weight captured at construction while the gradients went to the new one.
             self.trigger.relink(self.proj_weight)
-        w = self.trigger()
+        # This forward's weight gradient is summed in its own sink and handed to autograd (see _mevo_grad.py).
+        sink = WeightGradSink(self.proj_weight) if torch.is_grad_enabled() and self.proj_weight.requires_grad else None
+        kernel = ForwardKernel(self, sink)
+        w = self.trigger(sink)
+        if sink is not None:
+            sink.watch(w)
         split_w = torch.split(w, s_w)
         empty = torch.empty(0, dtype=torch.long, device=input.device)
         split_tgt = torch.split(target, s_in) if self.scale is not None else tuple(empty for _ in split_in)
@@ -513,7 +504,7 @@ class MemoryEfficientVocabOutput(nn.Module):
         for i, tgt in zip(split_in, split_tgt):
             m: Optional[Tensor] = None
             for w_idx, w_tile in enumerate(split_w):
-                tile_m = GetMaxFunction.apply(i, w_tile, tgt, self, w_idx, s_w, 0)
+                tile_m = GetMaxFunction.apply(i, w_tile, tgt, kernel, w_idx, s_w, 0)
                 m = tile_m if m is None else torch.max(m, tile_m)
             assert m is not None  # split_w has at least one tile; narrows the type for mypy
             tile_maxs.append(m)
@@ -523,14 +514,13 @@ class MemoryEfficientVocabOutput(nn.Module):
         for i, tgt, m in zip(split_in, split_tgt, torch.split(maxs, s_in)):
             s: Optional[Tensor] = None
             for w_idx, w_tile in enumerate(split_w):
-                tile_s = GetSumFunction.apply(i, w_tile, tgt, m, self, w_idx, s_w, 0)
+                tile_s = GetSumFunction.apply(i, w_tile, tgt, m, kernel, w_idx, s_w, 0)
                 s = tile_s if s is None else s + tile_s
             assert s is not None  # as above
             tile_sums.append(s)
         sums = torch.cat(tile_sums)
 
-        # Created last, so its backward runs first (not relied upon: every tile creates the grad if missing).
-        loss = self.get_target_nlprob(input, w, target, maxs, sums)
+        loss = self.get_target_nlprob(input, w, target, maxs, sums, kernel)
         if self.reduction == "mean":
             loss = loss / tokens
         return loss
