@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from .errors import FairscaleValueError
+from .errors import FairscaleTypeError, FairscaleValueError
 
 __all__ = [
     "apply_to_type",
@@ -28,7 +28,8 @@ def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], cont
     """Apply ``fn`` to every leaf of ``container`` for which ``type_fn`` is true.
 
     Recurses into dicts (an ``OrderedDict`` stays one, a subclass keeps its type), lists, tuples, namedtuples (rebuilt as the
-    same namedtuple type) and sets; other objects are returned as they are. A ``PackedSequence``
+    same namedtuple type), ``torch.return_types`` results and other list or tuple subclasses (their type kept) and
+    sets; other objects are returned as they are. A ``PackedSequence``
     is not rebuilt: ``fn`` is called on its ``data`` for its side effects only and the sequence
     itself is returned unchanged.
 
@@ -49,18 +50,36 @@ def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], cont
             return x
         if isinstance(x, dict):
             return _rebuild_mapping(x, [(key, walk(value)) for key, value in x.items()])
-        if isinstance(x, list):
-            return [walk(value) for value in x]
-        if isinstance(x, tuple):
-            values = [walk(value) for value in x]
-            if hasattr(x, "_fields"):  # namedtuple: rebuild with positional fields
-                return type(x)(*values)
-            return tuple(values)
+        if isinstance(x, (list, tuple)):
+            return _rebuild_sequence(x, [walk(value) for value in x])
         if isinstance(x, set):
             return {walk(value) for value in x}
         return x
 
     return walk(container)
+
+
+def _rebuild_sequence(x: Any, values: List[Any]) -> Any:
+    """A sequence of ``x``'s type holding ``values``. Plain lists and tuples are rebuilt; a subclass keeps its type
+    (upstream's, and ours before, came back plain: ``torch.max(t, 0)`` lost ``.values``/``.indices``, a ``torch.Size``
+    became a tuple): itself when nothing in it changed, else rebuilt through its constructor (namedtuples take the
+    fields positionally), or plain when it cannot be."""
+    if type(x) is list:
+        return values
+    if type(x) is tuple:
+        return tuple(values)
+    if all(a is b for a, b in zip(x, values)):
+        return x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*values)
+    try:
+        if isinstance(x, list):
+            out = copy.copy(x)
+            out[:] = values
+            return out
+        return type(x)(values)  # torch.return_types and other tuple subclasses taking one iterable
+    except Exception:  # a constructor of its own: keep the contents, lose the type
+        return values if isinstance(x, list) else tuple(values)
 
 
 def _rebuild_mapping(x: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> Dict[Any, Any]:
@@ -172,9 +191,19 @@ def split_non_tensors(
         Tuple[Tuple[Tensor, ...], Optional[Dict[str, List[Any]]]]: the tensors, and
         ``{"is_tensor": [bool per position], "objects": [non-tensor values]}`` (``None`` when
         ``mixed`` is a single tensor).
+
+    Raises:
+        FairscaleTypeError: ``mixed`` is neither a tensor nor a tuple (or list); also an ``AssertionError``, as
+            upstream asserted a tuple.
     """
     if isinstance(mixed, Tensor):
         return (mixed,), None
+    if not isinstance(mixed, (tuple, list)):
+        # A dict was split into its keys, silently; None or a number failed with "object is not iterable".
+        raise FairscaleTypeError(
+            f"split_non_tensors takes a tensor or a tuple of values, got {type(mixed).__name__}; pass the positional "
+            "values as a tuple (pack_kwargs turns keyword arguments into one)"
+        )
     tensors: List[Tensor] = []
     packed_non_tensors: Dict[str, List[Any]] = {"is_tensor": [], "objects": []}
     for value in mixed:

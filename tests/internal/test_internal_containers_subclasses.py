@@ -5,11 +5,12 @@ attribute), so FSDP's mixed-precision input cast hands the module the object it 
 from collections import OrderedDict, defaultdict
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
-from fairscale.internal.containers import apply_to_tensors
+from fairscale.internal.containers import apply_to_tensors, split_non_tensors
 
 
 class _Output(OrderedDict):
@@ -42,6 +43,38 @@ def test_subclasses_keep_their_type() -> None:
     assert torch.equal(original["a"], torch.zeros(1))
     assert type(apply_to_tensors(lambda t: t, OrderedDict(a=torch.ones(1)))) is OrderedDict
     assert type(apply_to_tensors(lambda t: t, {"a": torch.ones(1)})) is dict
+
+
+class _Batch(list):
+    pass
+
+
+class _Pair(tuple):
+    def __new__(cls, a: Any, b: Any) -> "_Pair":  # a constructor of its own: rebuilt as a plain tuple
+        return super().__new__(cls, (a, b))
+
+
+def test_sequence_subclasses_keep_their_type() -> None:
+    """``torch.max(t, 0)`` came back as a plain tuple (``.values`` gone), ``torch.Size`` as a tuple, list and tuple
+    subclasses as plain ones (session 37)."""
+    t = torch.arange(6.0).view(2, 3)
+    out = apply_to_tensors(lambda x: x * 2, torch.max(t, 0))
+    assert type(out) is type(torch.max(t, 0)) and torch.equal(out.values, torch.tensor([6.0, 8.0, 10.0]))
+    size = torch.Size([2, 3])
+    assert apply_to_tensors(lambda x: x, size) is size
+    batch = apply_to_tensors(lambda x: x + 1, _Batch([t, 1]))
+    assert type(batch) is _Batch and torch.equal(batch[0], t + 1) and batch[1] == 1
+    untouched = _Pair(1, "a")
+    assert apply_to_tensors(lambda x: x, untouched) is untouched
+    pair = apply_to_tensors(lambda x: x + 1, _Pair(t, 1))
+    assert type(pair) is tuple and torch.equal(pair[0], t + 1)
+    assert type(apply_to_tensors(lambda x: x, [t])) is list and type(apply_to_tensors(lambda x: x, (t,))) is tuple
+
+
+@pytest.mark.parametrize("bad", [{"a": torch.ones(1)}, None, 3])
+def test_split_non_tensors_refuses_what_is_not_a_tuple(bad: Any) -> None:
+    with pytest.raises(TypeError, match="split_non_tensors takes a tensor or a tuple"):
+        split_non_tensors(bad)
 
 
 class _Head(nn.Module):

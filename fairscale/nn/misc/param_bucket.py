@@ -236,7 +236,22 @@ class GradBucket(Bucket):
         keep_param_alignment: bool = True,
     ) -> None:
         """Move and/or cast the buffer (rebuilding a collapsed one); with ``keep_param_alignment`` the gradients
-        follow it (without copying their values)."""
+        follow it (without copying their values).
+
+        Raises:
+            FairscaleTypeError: ``dtype`` differs from the gradients' parameters' while ``keep_param_alignment`` is
+                set (nothing changed): a gradient must have its parameter's dtype, which the bucket does not change.
+        """
+        if dtype is not None and keep_param_alignment:
+            others = sorted({str(p.dtype) for p in self._params if p.dtype != dtype})
+            if others:
+                raise FairscaleTypeError(
+                    "GradBucket.to: Different types for the bucket and the gradient: cannot cast the bucket to "
+                    f"{dtype} while it holds gradients of {', '.join(others)} parameters (a gradient has its "
+                    "parameter's dtype, and the bucket does not convert parameters); "
+                    "convert the parameters first and build a bucket of their dtype, or pass "
+                    "keep_param_alignment=False to cast the buffer alone"
+                )
         was_collapsed = self._is_collapsed
         if was_collapsed:
             self.rebuild()
@@ -272,9 +287,15 @@ class GradBucket(Bucket):
                 "GradBucket.add_grad: the parameter's gradient is already in the bucket and cannot be checked in "
                 "twice; add each parameter once (can_add_grad_view(param) tells whether it may be added)"
             )
-        if param.grad is None:
+        created = param.grad is None
+        if created:
             param.grad = torch.zeros_like(param)
-        self._add_grad_as_view(param, keep_existing_value=True, who="GradBucket.add_grad")
+        try:
+            self._add_grad_as_view(param, keep_existing_value=True, who="GradBucket.add_grad")
+        except BaseException:
+            if created:  # a refused call leaves the parameter as it was (an optimizer skips a None gradient)
+                param.grad = None
+            raise
         self._params.append(param)
         self._param_ids.append(id(param))
 
@@ -332,9 +353,15 @@ class GradBucket(Bucket):
         """Cut the buffer to the gradients it holds (freeing the rest of the storage); values are kept.
 
         Raises:
-            FairscaleRuntimeError: the bucket is collapsed (or has no buffer).
+            FairscaleRuntimeError: the bucket is collapsed (or has no buffer), or holds no gradient.
         """
         buffer = self._live_buffer("GradBucket.shrink")
+        if buffer.numel() > 0 and not self._params:
+            # A zero-size buffer is what marks a collapsed bucket, which rebuild() cannot rebuild without parameters.
+            raise FairscaleRuntimeError(
+                "GradBucket.shrink: the bucket holds no gradient, so there is nothing to shrink to (an empty buffer "
+                "could never take a gradient again); add_grad() first, or drop the bucket"
+            )
         if buffer.numel() == 0:
             raise FairscaleRuntimeError(
                 "GradBucket.shrink: cannot shrink a collapsed bucket (its buffer is empty); call rebuild() first"

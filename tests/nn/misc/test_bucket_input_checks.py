@@ -310,3 +310,41 @@ def test_param_bucket_check_survives_python_O() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "FairscaleTypeError ParamBucket.add_param: Different types for the bucket and the param" in result.stdout
+
+
+# Session 37 (randomized sequences of calls) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["too_large", "other_dtype"])
+def test_a_refused_add_grad_leaves_the_parameter_without_a_gradient(what: str) -> None:
+    # The zero gradient was created before the checks: an optimizer then stepped the parameter (weight decay,
+    # momentum) where torch skips a parameter whose gradient is None.
+    bucket = GradBucket(4, torch.float32, "cpu", destination=0)
+    param = _param(10) if what == "too_large" else _param(2, dtype=torch.float64)
+    with pytest.raises((ValueError, TypeError)):
+        bucket.add_grad(param)
+    assert param.grad is None
+    bucket.add_grad(_param(2))  # still usable
+
+
+def test_grad_bucket_cast_while_holding_gradients_says_what_to_do() -> None:
+    bucket = GradBucket(10, torch.float32, "cpu", destination=0)
+    param = _param(3)
+    bucket.add_grad(param)
+    grad = param.grad
+    with pytest.raises(TypeError, match="convert the parameters first.*keep_param_alignment=False"):
+        bucket.to("cpu", torch.float16)
+    assert param.grad is grad and bucket.buffer is not None and bucket.buffer.dtype == torch.float32
+    bucket.to("cpu", torch.float16, keep_param_alignment=False)  # the buffer alone, as the message says
+    assert bucket.buffer is not None and bucket.buffer.dtype == torch.float16
+
+
+def test_shrink_of_an_empty_grad_bucket_is_refused() -> None:
+    # It made a zero-size buffer, which marks a collapsed bucket that rebuild() cannot rebuild without parameters:
+    # the bucket could never be used again.
+    bucket = GradBucket(10, torch.float32, "cpu", destination=0)
+    with pytest.raises(RuntimeError, match="holds no gradient"):
+        bucket.shrink()
+    bucket.add_grad(_param(2))
+    bucket.shrink()
+    assert bucket.buffer is not None and bucket.buffer.numel() == 2
