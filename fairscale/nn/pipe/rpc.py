@@ -104,12 +104,18 @@ def _stage() -> AsyncPipe:
     return _remote_model
 
 
-def _run_remote_forward(shapes: Any, dtypes: Any, training: bool) -> Optional[Tuple[Any, Any]]:
-    """Run (via RPC) this rank's stage on a placeholder input; the final stage keeps its output."""
+def _run_remote_forward(
+    shapes: Any, dtypes: Any, training: bool, grad_enabled: bool = True
+) -> Optional[Tuple[Any, Any]]:
+    """Run (via RPC) this rank's stage on a placeholder input; the final stage keeps its output.
+
+    ``grad_enabled``: the caller's grad mode (a training-mode forward under ``torch.no_grad()`` waits for no
+    gradients, as AsyncPipe's).
+    """
     global _remote_output
     model = _stage()
     model.train(training)
-    with torch.set_grad_enabled(training):
+    with torch.set_grad_enabled(training and grad_enabled):
         output = model(_empty_like(shapes, dtypes))
     if model.final_stage:
         _remote_output = output
@@ -227,6 +233,8 @@ class PipeRPCWrapper(nn.Module):
         self._pending: List[Any] = []
         self._head: Optional[threading.Thread] = None
         self._head_errors: List[BaseException] = []
+        # Set by the backward of the last training output (PipeBackRedirect); None when nothing waits for one.
+        self._backward_sent: Optional[threading.Event] = None
         remote_kwargs = dict(kwargs)
         futures = [
             rpc.rpc_async(self.worker_map[rank], _register_remote_model, args=(args, remote_kwargs))
@@ -238,7 +246,20 @@ class PipeRPCWrapper(nn.Module):
             future.wait()
 
     def _wait_previous(self) -> None:
-        """Wait for the previous forward's stages to finish (their backward, in training)."""
+        """Wait for the previous forward's stages to finish (their backward, in training).
+
+        Raises:
+            RuntimeError: the previous training forward's output has not been back-propagated: its stages wait for
+                those gradients, so waiting here would hang (nothing is waited for; back-propagate it, then retry).
+        """
+        sent = self._backward_sent
+        if sent is not None and not sent.is_set():
+            raise FairscaleRuntimeError(
+                "PipeRPCWrapper: the previous training forward's output has not been back-propagated, and every stage "
+                "waits for its gradients; call backward on a loss computed from it before the next forward or "
+                "foreach_worker (use torch.no_grad() or eval() for forwards without backward)"
+            )
+        self._backward_sent = None
         for future in self._pending:
             future.wait()
         self._pending = []
@@ -276,8 +297,15 @@ class PipeRPCWrapper(nn.Module):
         rpc = _rpc()
         self._wait_previous()
         ranks = get_global_ranks_from_group(self.group)
+        # Under torch.no_grad() nothing waits for gradients (the stages used self.training alone: a training-mode
+        # forward under no_grad, whose output has no graph to back-propagate, left every stage waiting for good).
+        with_grad = self.training and torch.is_grad_enabled()
         futures = [
-            rpc.rpc_async(self.worker_map[rank], _run_remote_forward, args=(shapes, dtypes, self.training))
+            rpc.rpc_async(
+                self.worker_map[rank],
+                _run_remote_forward,
+                args=(shapes, dtypes, self.training, torch.is_grad_enabled()),
+            )
             for rank in ranks[1:]
         ]
         event = threading.Event()
@@ -285,7 +313,7 @@ class PipeRPCWrapper(nn.Module):
 
         def run_head() -> None:
             try:
-                with torch.set_grad_enabled(self.training):
+                with torch.set_grad_enabled(with_grad):
                     self.model(tensor, event=event)
             except BaseException as exc:  # noqa: B902 - re-raised on the caller's thread
                 errors.append(exc)
@@ -299,12 +327,13 @@ class PipeRPCWrapper(nn.Module):
         self._pending = futures[:-1]
         self._head = head
         self._head_errors = errors
-        if not self.training:
+        if not with_grad:
             self._wait_previous()
             return output
         if isinstance(output, Tensor):
             # The backward's RPC future joins the pending ones: the next forward (or foreach_worker) waits until the
             # final stage's backward has returned there, not only until the head received its gradients (which the
             # final stage sends before its backward returns; a forward arriving in between found the step unfinished).
+            self._backward_sent = event
             return PipeBackRedirect.apply(output.requires_grad_(), final_name, event, None, None, self._pending)
         raise TypeError("PipeRPCWrapper supports a single output tensor in training")

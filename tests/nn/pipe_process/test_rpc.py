@@ -53,6 +53,7 @@ def _rpc_world(rank: int, world_size: int, path: str) -> None:
         dist.barrier()
         if rank == 0:
             _rpc_wrapper_parity(worker_map)
+            _rpc_wrapper_forwards_without_backward(worker_map)
     finally:
         rpc.shutdown()
         destroy_model_parallel()
@@ -100,6 +101,29 @@ def _rpc_wrapper_parity(worker_map) -> None:
     pipe.foreach_worker(_sgd, include_self=True)
     _sgd(None, reference)
     pipe.eval()
+    with torch.no_grad():
+        assert _close(pipe(x), reference(x))
+
+
+def _rpc_wrapper_forwards_without_backward(worker_map) -> None:
+    """A training-mode forward under no_grad made every stage wait for gradients, and the next forward (or
+    foreach_worker) hung for good; a training forward never back-propagated did the same (session 37)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    pipe = PipeRPCWrapper(model, [2, 2], worker_map=worker_map, chunks=2)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        out = pipe(x)
+    assert not out.requires_grad and _close(out, reference(x))
+    out = pipe(x)  # returns: nothing waited for gradients
+    with pytest.raises(RuntimeError, match="has not been back-propagated"):
+        pipe(x)
+    with pytest.raises(RuntimeError, match="has not been back-propagated"):
+        pipe.foreach_worker(_sgd, include_self=True)
+    out.sum().backward()  # the step can still be finished
+    reference(x).sum().backward()
+    pipe.foreach_worker(_sgd, include_self=True)
+    _sgd(None, reference)
     with torch.no_grad():
         assert _close(pipe(x), reference(x))
 
