@@ -42,6 +42,7 @@ a feed that cannot be sent or unpickled where it arrives (its failure is deliver
 records by key rather than by RRef, so that a failed one leaves no RRef fork for ``rpc.shutdown()`` to wait for.
 """
 
+import contextlib
 import functools
 import itertools
 import pickle
@@ -50,7 +51,7 @@ import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed.rpc as rpc
@@ -61,6 +62,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fairscale.nn.pipe.checkpoint import RNGStates, restore_rng_states, save_rng_states
 
+from .batch_norm_order import MicroBatchStatistics, plain_batch_norms, recomputing
 from .data import DataConsumer
 
 # Upstream's module also exposes the pipe helpers it imported for its polling worker; re-exported for old imports.
@@ -209,9 +211,10 @@ class _ReplayRandomness:
     """Calls ``module``: the first call (the forward) records the random states it starts from, a later one (the
     recomputation in backward) runs from them again; each call holds :data:`_RANDOMNESS_LOCK`."""
 
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, batch_norms: Optional[List[Any]] = None) -> None:
         self.module = module
         self.device = device
+        self.batch_norms = batch_norms or []
         self.states: Deque[RNGStates] = deque(maxlen=1)
 
     def __call__(self, *inputs: Any) -> Any:
@@ -219,7 +222,8 @@ class _ReplayRandomness:
             if not self.states:
                 save_rng_states(self.device, self.states)
                 return self.module(*inputs)
-            with restore_rng_states(self.device, self.states):
+            # The forward recorded the batch norms' statistics already (see batch_norm_order.py).
+            with restore_rng_states(self.device, self.states), recomputing(self.batch_norms):
                 return self.module(*inputs)
 
 
@@ -259,6 +263,8 @@ class DistributedPipelineRecord:
         self.consumers = consumers
         self.module = module
         self.checkpoint_stop = checkpoint_stop
+        self.batch_norms = plain_batch_norms(module)
+        self.statistics = MicroBatchStatistics(self.batch_norms) if self.batch_norms else None
         self.batches: List[List[Any]] = [[None] * num_inputs for _ in range(chunks)]
         self.fed: List[List[bool]] = [[False] * num_inputs for _ in range(chunks)]
         self.outputs: List[Any] = [None] * chunks
@@ -306,6 +312,9 @@ class DistributedPipelineRecord:
             self.done += 1
             finished = self.done == self.chunks
         if finished:
+            if self.statistics is not None:
+                with _RANDOMNESS_LOCK:
+                    self.statistics.apply_in_order()
             # Runs the callbacks chained by run_pipeline() here, inline: they only assemble the result.
             self._all_done.set_result(list(self.outputs))
 
@@ -328,16 +337,20 @@ class DistributedPipelineRecord:
         return [result[c.output_idx] for c in self.consumers]
 
     def _run(self, chunk: int, inputs: List[Any]) -> Any:
-        if not (self.checkpoint_stop > 0 and self.module.training and torch.is_grad_enabled()):
-            return self.module(*inputs)  # nothing of this forward is replayed: its draws need no lock
-        if chunk < self.checkpoint_stop:
-            # Non-reentrant checkpointing recomputes inside the same backward, so the gradients land in the
-            # distributed autograd context (upstream's checkpointed micro-batches wrote the local .grad instead).
-            # The random states are saved and replayed by _ReplayRandomness under the process's lock, not by torch
-            # (whose save and replay other threads' draws can fall between).
-            call = _ReplayRandomness(self.module, self.device)
-            return checkpoint(call, *inputs, use_reentrant=False, preserve_rng_state=False)
-        with _RANDOMNESS_LOCK:
+        training = self.module.training
+        checkpointed = self.checkpoint_stop > 0 and training and torch.is_grad_enabled()
+        if not checkpointed and not (training and self.statistics is not None):
+            return self.module(*inputs)  # nothing of this forward is replayed or ordered: it needs no lock
+        # Under the lock: a replayed forward's draws (see _RANDOMNESS_LOCK), and the batch norms' tracking switch.
+        recording = self.statistics.recording(chunk) if training and self.statistics is not None else None
+        with _RANDOMNESS_LOCK, recording if recording is not None else contextlib.nullcontext():
+            if checkpointed and chunk < self.checkpoint_stop:
+                # Non-reentrant checkpointing recomputes inside the same backward, so the gradients land in the
+                # distributed autograd context (upstream's checkpointed micro-batches wrote the local .grad instead).
+                # The random states are saved and replayed by _ReplayRandomness under the process's lock, not by
+                # torch (whose save and replay other threads' draws can fall between).
+                call = _ReplayRandomness(self.module, self.device, self.batch_norms)
+                return checkpoint(call, *inputs, use_reentrant=False, preserve_rng_state=False)
             return self.module(*inputs)
 
     def outputs_future(self) -> "Future[List[Any]]":
