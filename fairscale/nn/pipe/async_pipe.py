@@ -6,13 +6,14 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from threading import Event
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fairscale.internal import collectives
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.agreement import check_ranks_agree
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
@@ -264,6 +265,12 @@ class AsyncPipe(nn.Module):
         """This rank's layers, in order."""
         for partition in self.partitions:
             yield from partition.module
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a load that fails
+        leaves the model as it was (every entry appears under two names (``<i>.*`` and ``partition.<i>.*``), so even the entry a failed load named was overwritten through its twin).
+        """
+        return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def forward(self, input: TensorOrTensors, *, event: Optional[Event] = None) -> Any:
         """Run this stage on a mini-batch.

@@ -3,12 +3,13 @@
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
 
 from fairscale.internal.compiler import call_outside_compiler
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.device import accelerator_device_count
 from fairscale.internal.version import torch_version as torch_version
 
@@ -273,6 +274,12 @@ class Pipe(nn.Module):
         """The layers of all partitions, in order."""
         for partition in self.partitions:
             yield from cast(nn.Sequential, partition)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a load that fails
+        leaves the model as it was (torch's load copies every entry that fits before raising about the others).
+        """
+        return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     # Pipe places the partitions on their devices; moving them afterwards would break the pipeline.
     def cuda(self, device: Optional[Device] = None) -> "Pipe":
