@@ -279,6 +279,15 @@ def test_balance_by_time_timeout_must_be_positive(timeout):
         balance_by_time(1, nn.Sequential(nn.Linear(1, 1)), torch.rand(1, 1), timeout=timeout, device="cpu")
 
 
+def test_balance_by_time_refuses_the_meta_device():
+    # Accepted before: the meta device computes nothing, so the "times" were each layer's Python overhead and the
+    # balance meaningless, silently (session 37).
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 64), nn.Linear(64, 4))
+    with pytest.raises(ValueError, match="meta device runs no computation"):
+        balance_by_time(2, model, torch.rand(2, 4), timeout=0.1, device="meta")
+    assert sum(balance_by_time(2, model, torch.rand(2, 4), timeout=0.1, device="cpu")) == 3
+
+
 @pytest.mark.parametrize("balance", [balance_by_time, balance_by_size])
 def test_balance_partitions_must_be_an_int(balance):
     # 2.0 failed deep inside the partitioning with a TypeError about range().

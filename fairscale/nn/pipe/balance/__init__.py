@@ -73,16 +73,22 @@ def balance_by_time(
         List[int]: the balance, a number of layers per partition.
 
     Raises:
-        ValueError: a parameter already has a gradient, ``device`` is not available, or ``timeout`` is not a positive
-            number.
+        ValueError: a parameter already has a gradient, ``device`` is not available or is ``meta``, or ``timeout``
+            is not a positive number.
         TypeError: ``partitions`` is not an int.
     """
     _check_partitions(partitions, "balance_by_time")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
         # 0, a negative number or NaN ran no measurement and returned an even split, silently.
         raise ValueError(f"balance_by_time: timeout must be a positive number of seconds, got {timeout!r}")
-    times = profile_times(module, sample, timeout, _profiling_device(device, "balance_by_time"))
-    return balance_cost(times, partitions)
+    dev = _profiling_device(device, "balance_by_time")
+    if dev.type == "meta":
+        # Nothing is computed on meta: the "timings" were the Python overhead of each layer, a meaningless balance.
+        raise ValueError(
+            "balance_by_time: the meta device runs no computation, so its timings mean nothing; pass the device the "
+            "pipe will run on (device='cpu' or an accelerator)"
+        )
+    return balance_cost(profile_times(module, sample, timeout, dev), partitions)
 
 
 def balance_by_size(
