@@ -1,7 +1,8 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Batch normalization whose running statistics cover the whole mini-batch, not each micro-batch."""
 
-from typing import Optional, TypeVar, cast
+import warnings
+from typing import Any, Optional, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from .checkpoint import is_recomputing
 __all__ = ["DeferredBatchNorm"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
+
+# In a state dict's metadata for a DeferredBatchNorm: (elements per channel, micro-batches) not yet committed.
+_COUNTS_KEY = "fairscale_deferred_counts"
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -101,6 +105,49 @@ class DeferredBatchNorm(_BatchNorm):
         self.sum_squares.zero_()
         self.counter = 0
         self.tracked = 0
+
+    # The counts of a carried-over mini-batch travel in the state dict's metadata (not as entries: upstream's format
+    # has none, and a strict load of ours there must still work). Without them a load paired the loaded partial sums
+    # with this instance's counts, and the next commit divided them by the wrong number, silently.
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][_COUNTS_KEY] = (self.counter, self.tracked)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: Any,
+        unexpected_keys: Any,
+        error_msgs: Any,
+    ) -> None:
+        errors = len(error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if len(error_msgs) > errors or prefix + "sum" not in state_dict or self.sum.is_meta:
+            return  # a failed load, or an all-or-nothing load's trial run on shape-only tensors
+        counts = local_metadata.get(_COUNTS_KEY) if isinstance(local_metadata, dict) else None
+        if counts is not None:
+            self.counter, self.tracked = int(counts[0]), int(counts[1])
+        elif bool(self.sum.any()) or bool(self.sum_squares.any()):
+            # Partial sums without their counts (upstream's format, or a dict edited by hand): unusable, so the
+            # carried-over micro-batches are dropped; the running statistics are what was loaded.
+            warnings.warn(
+                f"DeferredBatchNorm ({prefix or 'root'}): the state dict holds the partial sums of an unfinished "
+                "mini-batch but not their counts (saved by upstream fairscale?); they are dropped",
+                stacklevel=2,
+            )
+            with torch.no_grad():
+                self.sum.zero_()
+                self.sum_squares.zero_()
+            self.counter = self.tracked = 0
+        else:
+            self.counter = self.tracked = 0
 
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:

@@ -135,3 +135,54 @@ def test_input_with_other_channels_is_refused(affine, channels):
     with pytest.raises(ValueError, match=r"DeferredBatchNorm\(3\) got an input with .* channels"):
         dbn(x)
     assert_same_accumulators(before, accumulators(dbn))
+
+
+def test_a_load_in_the_middle_of_a_carried_over_mini_batch_resumes_it():
+    # The counts of the unfinished mini-batch were plain attributes, not saved: a load paired the loaded partial sums
+    # with the loading instance's counts (0 in a fresh model), and the next commit divided them by the wrong number,
+    # silently (session 37). They travel in the state dict's metadata now (no new entries: upstream loads it).
+    torch.manual_seed(0)
+    x = torch.randn(16, 3) * 2 + 1
+    original = DeferredBatchNorm(3, chunks=4)
+    for c in x[:8].chunk(2):  # two micro-batches of four: carried over
+        original(c)
+    state = original.state_dict()
+    assert set(state) == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked", "sum", "sum_squares"}
+    resumed = DeferredBatchNorm(3, chunks=4)
+    resumed.load_state_dict(state)
+    for module in (original, resumed):
+        for c in x[8:].chunk(2):
+            module(c)
+    reference = WholeBatchNorm(3)
+    reference(x)
+    for module in (original, resumed):
+        torch.testing.assert_close(module.running_mean, reference.running_mean)
+        torch.testing.assert_close(module.running_var, reference.running_var)
+        assert module.counter == 0 and module.tracked == 0
+
+
+def test_partial_sums_without_their_counts_are_dropped_with_a_warning():
+    original = DeferredBatchNorm(3, chunks=4)
+    original(torch.randn(4, 3))
+    state = original.state_dict()
+    del state._metadata  # as upstream fairscale saves it: no counts
+    resumed = DeferredBatchNorm(3, chunks=4)
+    resumed(torch.randn(4, 3))  # its own carried-over micro-batch is replaced by the load
+    with pytest.warns(UserWarning, match="partial sums of an unfinished mini-batch"):
+        resumed.load_state_dict(state)
+    assert resumed.counter == 0 and resumed.tracked == 0 and not resumed.sum.any()
+    torch.testing.assert_close(resumed.running_mean, original.running_mean)
+
+
+def test_a_pipe_load_carries_the_counts_through_its_all_or_nothing_load():
+    def make() -> Pipe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+        return Pipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
+
+    pipe = make()
+    pipe(torch.randn(6, 3))  # three micro-batches of two: carried over
+    loaded = make()
+    loaded.load_state_dict(pipe.state_dict())  # tried on shape-only tensors first, then for real
+    bn = loaded.partitions[0][1]
+    assert (bn.counter, bn.tracked) == (6, 3)
