@@ -21,6 +21,7 @@ __all__ = [
     "unpack_kwargs",
     "split_non_tensors",
     "unpack_non_tensors",
+    "rebuild_sequence",
 ]
 
 
@@ -51,7 +52,7 @@ def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], cont
         if isinstance(x, dict):
             return _rebuild_mapping(x, [(key, walk(value)) for key, value in x.items()])
         if isinstance(x, (list, tuple)):
-            return _rebuild_sequence(x, [walk(value) for value in x])
+            return rebuild_sequence(x, [walk(value) for value in x])
         if isinstance(x, set):
             return {walk(value) for value in x}
         return x
@@ -59,27 +60,41 @@ def apply_to_type(type_fn: Callable[[Any], bool], fn: Callable[[Any], Any], cont
     return walk(container)
 
 
-def _rebuild_sequence(x: Any, values: List[Any]) -> Any:
-    """A sequence of ``x``'s type holding ``values``. Plain lists and tuples are rebuilt; a subclass keeps its type
-    (upstream's, and ours before, came back plain: ``torch.max(t, 0)`` lost ``.values``/``.indices``, a ``torch.Size``
-    became a tuple): itself when nothing in it changed, else rebuilt through its constructor (namedtuples take the
-    fields positionally), or plain when it cannot be."""
+def rebuild_sequence(x: Any, values: List[Any], keep_unchanged: bool = True) -> Any:
+    """A sequence like ``x`` holding ``values``. Plain lists and tuples are rebuilt; a subclass keeps its type
+    (upstream's came back plain: ``torch.max(t, 0)`` lost ``.values``/``.indices``, a ``torch.Size`` became a tuple):
+    itself when nothing in it changed (and ``keep_unchanged``), a list subclass as a shallow copy, a namedtuple by its
+    fields (``_make``, past a ``__new__`` of its own, instance attributes carried over), ``torch.return_types`` and
+    ``torch.Size`` through their constructor. Any other tuple subclass is rebuilt with ``type(x)(values)`` when that
+    gives back exactly the values, else it becomes a plain tuple (a class taking ``*items`` got a tuple holding one
+    list)."""
     if type(x) is list:
         return values
     if type(x) is tuple:
         return tuple(values)
-    if all(a is b for a, b in zip(x, values)):
+    if keep_unchanged and all(a is b for a, b in zip(x, values)):
         return x
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*values)
-    try:
-        if isinstance(x, list):
+    if isinstance(x, list):
+        try:
             out = copy.copy(x)
             out[:] = values
             return out
-        return type(x)(values)  # torch.return_types and other tuple subclasses taking one iterable
-    except Exception:  # a constructor of its own: keep the contents, lose the type
-        return values if isinstance(x, list) else tuple(values)
+        except Exception:  # not copyable: keep the contents, lose the type
+            return values
+    if hasattr(x, "_make") and hasattr(x, "_fields"):  # namedtuple
+        rebuilt = type(x)._make(values)
+        if getattr(x, "__dict__", None):
+            rebuilt.__dict__.update(x.__dict__)
+        return rebuilt
+    if type(x).__module__ == "torch.return_types" or isinstance(x, torch.Size):
+        return type(x)(values)
+    try:  # a constructor taking one iterable, as tuple's: kept when it gave back exactly the values
+        rebuilt = type(x)(values)
+        if isinstance(rebuilt, tuple) and len(rebuilt) == len(values) and all(a is b for a, b in zip(rebuilt, values)):
+            return rebuilt
+    except Exception:  # a constructor of its own
+        pass
+    return tuple(values)
 
 
 def _rebuild_mapping(x: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> Dict[Any, Any]:

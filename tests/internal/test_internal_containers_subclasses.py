@@ -54,6 +54,15 @@ class _Pair(tuple):
         return super().__new__(cls, (a, b))
 
 
+class _VarTuple(tuple):
+    def __new__(cls, *items: Any) -> "_VarTuple":  # takes the items themselves: type(x)(values) nests them
+        return super().__new__(cls, items)
+
+
+class _Spec(tuple):  # takes one iterable, as tuple does: rebuilt with its type
+    pass
+
+
 def test_sequence_subclasses_keep_their_type() -> None:
     """``torch.max(t, 0)`` came back as a plain tuple (``.values`` gone), ``torch.Size`` as a tuple, list and tuple
     subclasses as plain ones (session 37)."""
@@ -69,6 +78,37 @@ def test_sequence_subclasses_keep_their_type() -> None:
     pair = apply_to_tensors(lambda x: x + 1, _Pair(t, 1))
     assert type(pair) is tuple and torch.equal(pair[0], t + 1)
     assert type(apply_to_tensors(lambda x: x, [t])) is list and type(apply_to_tensors(lambda x: x, (t,))) is tuple
+    var = apply_to_tensors(lambda x: x + 1, _VarTuple(t, t))  # was _VarTuple([t + 1, t + 1]): one item, a list
+    assert type(var) is tuple and len(var) == 2 and torch.equal(var[1], t + 1)
+    spec = apply_to_tensors(lambda x: x + 1, _Spec([t, 2]))
+    assert type(spec) is _Spec and torch.equal(spec[0], t + 1) and spec[1] == 2
+
+
+class _ListOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.lin(x)
+        return _Batch([y, y * 2]), _VarTuple(y, y + 1), torch.max(y, 1)
+
+
+def test_checkpoint_wrapper_outputs_keep_their_structure() -> None:
+    from fairscale.nn.checkpoint import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    plain = _ListOut()
+    wrapped = checkpoint_wrapper(_ListOut())
+    wrapped.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3)
+    got, want = wrapped(x), plain(x)
+    assert type(got[0]) is _Batch and len(got[0]) == 2  # came back a plain list
+    assert type(got[1]) is tuple and len(got[1]) == 2  # came back a _VarTuple holding one list
+    assert type(got[2]) is type(want[2]) and torch.equal(got[2].values, want[2].values)
+    sum(t.sum() for t in [*got[0], *got[1], got[2].values]).backward()
+    sum(t.sum() for t in [*want[0], *want[1], want[2].values]).backward()
+    torch.testing.assert_close(wrapped.lin.weight.grad, plain.lin.weight.grad)
 
 
 @pytest.mark.parametrize("bad", [{"a": torch.ones(1)}, None, 3])

@@ -63,12 +63,14 @@ class WeightGradSink:
         w = self.weight
         grad = w.grad if w.is_leaf else None
         self._direct = (
-            grad is not None
+            self._wanted
+            and grad is not None
             and grad.layout == torch.strided
             and grad.shape == w.shape
             and grad.device == w.device
             and grad.dtype == w.dtype == self.sum_dtype
             and not getattr(w, "_backward_hooks", None)
+            and _accumulates_into(node)
         )
 
     def wanted(self) -> bool:
@@ -96,6 +98,19 @@ class WeightGradSink:
             w = self.weight
             return torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
         return None if buffer is None else buffer.to(self.weight.dtype)
+
+
+def _accumulates_into(trigger_node: Any) -> bool:
+    """Whether the running backward accumulates into the weight's ``.grad`` (a ``backward()``), rather than returning
+    its gradient (``autograd.grad``, which must leave ``.grad`` alone) or skipping it."""
+    edges = trigger_node.next_functions if trigger_node is not None else ()
+    accumulate = edges[0][0] if edges else None
+    if accumulate is None or type(accumulate).__name__ != "AccumulateGrad":
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulate))
+    except RuntimeError:  # torch refuses to answer for a leaf under autograd.grad(): that is the answer
+        return False
 
 
 class ForwardKernel:

@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 
+from fairscale.internal.containers import rebuild_sequence
+
 
 class _Slot:
     """Placeholder for the i-th tensor in a flattened structure."""
@@ -40,17 +42,10 @@ def _map_structure(
         items = [_map_structure(x, fn, is_leaf, always_copy) for x in obj]
         if same(zip(items, obj)):
             return obj
-        if isinstance(obj, list):
-            return items
-        if hasattr(obj, "_make"):
-            # A namedtuple by its fields, past the class's own __new__, which may check them: PackedSequence's
-            # refuses the placeholders a spec holds (the fields were checked when the caller built it). Attributes a
-            # subclass's __new__ set on the instance are carried over, as that __new__ does not run.
-            rebuilt = type(obj)._make(items)
-            if getattr(obj, "__dict__", None):
-                rebuilt.__dict__.update(obj.__dict__)
-            return rebuilt
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        # A namedtuple by its fields, past the class's own __new__, which may check them: PackedSequence's refuses
+        # the placeholders a spec holds (the fields were checked when the caller built it). List subclasses,
+        # torch.return_types and torch.Size keep their type too (see rebuild_sequence).
+        return rebuild_sequence(obj, items, keep_unchanged=False)
     if isinstance(obj, dict):
         values = {key: _map_structure(value, fn, is_leaf, always_copy) for key, value in obj.items()}
         if same((values[key], value) for key, value in obj.items()):

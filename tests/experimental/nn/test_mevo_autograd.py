@@ -145,3 +145,19 @@ def _train_body(rank: int, world_size: int) -> None:
 
 def test_training_under_fsdp_and_ddp_equals_one_process() -> None:
     run_distributed(_train_body, 2, timeout=180.0)
+
+
+@pytest.mark.parametrize("ask", ["w", "x_and_w"])
+def test_autograd_grad_of_the_weight_with_an_existing_gradient(ask: str) -> None:
+    # With a gradient already there (accumulation, zero_grad(set_to_none=False)) the tiles add straight into it, but
+    # autograd.grad must return the gradient and leave .grad alone: it returned zeros and changed .grad (review).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, D, generator=g).requires_grad_()
+    w = nn.Parameter(torch.randn(V, D, generator=g))
+    y = torch.randint(V, (10,), generator=g)
+    w.grad = torch.full_like(w, 0.5)
+    wanted = [w] if ask == "w" else [x, w]
+    got = torch.autograd.grad(MEVO(w, tile_factor=2)(x, y), wanted)[-1]
+    want = torch.autograd.grad(F.cross_entropy(x @ w.T, y, reduction="sum"), wanted)[-1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(w.grad, torch.full_like(w, 0.5))

@@ -344,6 +344,12 @@ def _tied_rebind_case(flatten: bool, volatile: bool) -> None:
     want = before["emb"] if volatile else torch.full((5, 4), 0.5)
     assert torch.equal(got["emb"], want) and torch.equal(got["out"], want), got
     if volatile:
+        # Two names rebound apart: a volatile summon writes nothing back, so nothing is refused either (it was with
+        # flattening only).
+        with model.summon_full_params(volatile=True):
+            model.module.emb.weight = nn.Parameter(torch.full((5, 4), 1.0))
+            model.module.out.weight = nn.Parameter(torch.full((5, 4), 2.0))
+        assert torch.equal(_tied_full(model)["emb"], want)
         return
     # Both names rebound to different tensors: one flat value cannot hold both; refused, nothing written.
     with pytest.raises(ValueError, match="one tied parameter, rebound to two different tensors"):

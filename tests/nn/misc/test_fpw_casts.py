@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fairscale.internal.params import conversion_in_place
 from fairscale.nn.misc import FlattenParamsWrapper
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
 
@@ -154,4 +155,43 @@ def test_a_cast_inside_unflatten_params_under_the_overwrite_setting(conversion_s
     ref.double()
     assert fpw.flat_param.dtype == torch.float64 and list(fpw.parameters()) == [fpw.flat_param]
     x = torch.randn(5, 3, dtype=torch.float64)
+    assert torch.equal(_train_two_steps(fpw, x), _train_two_steps(ref, x))
+
+
+@pytest.mark.parametrize("conversion_setting", ["overwrite", "swap"], indirect=True)
+@pytest.mark.parametrize("call", ["float", "cpu", "to_cpu"])
+def test_conversions_to_what_the_wrapper_already_is(conversion_setting: str, call: str) -> None:
+    # .float() of an fp32 model returns the tensor itself: under the overwrite setting the wrapper wrapped the flat
+    # parameter in a new one, which failed inside torch (review of this session's change).
+    fpw: Any = FlattenParamsWrapper(_mlp())
+    flat = fpw.flat_param
+    fpw.float() if call == "float" else fpw.cpu() if call == "cpu" else fpw.to("cpu")
+    assert fpw.flat_param is flat and list(fpw.parameters()) == [flat]
+
+
+class _TiedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(3, 3, bias=False)
+        self.b = nn.Linear(3, 3, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("conversion_setting", ["overwrite", "swap"], indirect=True)
+def test_a_cast_of_tied_weights_inside_unflatten_params(conversion_setting: str) -> None:
+    # The overwrite setting gave each name of the tied weight a new object of its own: the exit refused them as "one
+    # tied parameter, rebound to two different tensors", after the flat parameter had been converted.
+    ref = _TiedNet()
+    fpw: Any = FlattenParamsWrapper(_TiedNet())
+    with fpw.unflatten_params():
+        fpw.double()
+        assert fpw.module.a.weight is fpw.module.b.weight and fpw.module.a.weight.dtype == torch.float64
+    with conversion_in_place():  # torch's overwrite setting would untie the reference's weights
+        ref.double()
+    assert fpw.flat_param.dtype == torch.float64
+    x = torch.randn(4, 3, dtype=torch.float64)
     assert torch.equal(_train_two_steps(fpw, x), _train_two_steps(ref, x))

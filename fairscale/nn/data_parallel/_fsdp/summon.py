@@ -79,7 +79,8 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
                     yield
             except _UnwritableRebind:
                 refused = True
-                raise
+                if not volatile:  # a volatile summon writes nothing back anyway, as with flatten_parameters=False
+                    raise
         else:
             yield
     finally:

@@ -67,9 +67,13 @@ def _convert(flat: FlatParameter, fn: Callable[[Tensor], Tensor]) -> FlatParamet
     grad = flat.grad
     grad_applied = fn(grad) if grad is not None else None
     overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    if not overwrite and torch._has_compatible_shallow_copy_type(flat, applied):
-        flat.data = applied
-        if grad is not None and grad_applied is not None:
+    # A conversion to what the tensor already is (.float() of fp32, .cpu() on the CPU) returns the tensor itself:
+    # nothing to convert, under any setting (wrapping the parameter itself in a new one failed inside torch).
+    unchanged = applied is flat
+    if unchanged or (not overwrite and torch._has_compatible_shallow_copy_type(flat, applied)):
+        if not unchanged:
+            flat.data = applied
+        if grad is not None and grad_applied is not None and grad_applied is not grad:
             if torch._has_compatible_shallow_copy_type(grad, grad_applied):
                 grad.data = grad_applied
             else:

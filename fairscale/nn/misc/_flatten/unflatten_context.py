@@ -211,11 +211,22 @@ def converting(wrapper: nn.Module, ctx: OpenContext, fn: Callable[[Tensor], Tens
             "(the parameters are views of the tensors passed in); convert the wrapper outside the context. Nothing "
             "was converted."
         )
+    names = [(g.module, g.attr, g.param) for g in ctx.given]
+    names += [(t.module, t.attr, ctx.given[t.first].param) for t in ctx.tied]
+    held = [_current(m, attr) is param for m, attr, param in names]
     before = [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in ctx.flats]
     yield
+    # Under torch's overwrite setting the conversion registered new objects, one per name (a tied parameter's names
+    # came apart, which the exit refused as two rebinds): the temporary parameters go back, pointed at the converted
+    # flat parameters below, as the set_data conversion leaves them.
+    restored = False
+    for (m, attr, param), was_held in zip(names, held):
+        if was_held and _current(m, attr) is not param:
+            m._parameters[attr] = param
+            restored = True
     # In place: ctx.flats is the list the exit flattens with.
     ctx.flats[:] = convert_flat_params(ctx.flats, fn)
-    if before != [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in ctx.flats]:
+    if restored or before != [(f.untyped_storage().data_ptr(), f.dtype, f.device) for f in ctx.flats]:
         _point_at_flats(ctx)
 
 
@@ -223,8 +234,9 @@ def converting(wrapper: nn.Module, ctx: OpenContext, fn: Callable[[Tensor], Tens
 def _point_at_flats(ctx: OpenContext) -> None:
     views = [view for flat in ctx.flats for view in flat.get_param_views()]
     for i, (g, view) in enumerate(zip(ctx.given, views)):
-        same_kind = g.param.dtype == view.dtype and g.param.device == view.device
-        if same_kind and g.param.data_ptr() != view.data_ptr() and _current(g.module, g.attr) is g.param:
+        # The whole wrapper was converted: the view holds this parameter's elements, converted (also when the
+        # parameter itself was left unconverted: the overwrite setting's new object was taken back).
+        if g.param.data_ptr() != view.data_ptr() and _current(g.module, g.attr) is g.param:
             g.param.data = view
         ctx.given[i] = g._replace(view=view)
     ctx.snapshot = None  # the last forward's views alias the old storage
