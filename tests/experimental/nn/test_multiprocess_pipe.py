@@ -317,6 +317,72 @@ def _check_batch_norm_statistics() -> None:
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{checkpoint} {key}: {m}")
 
 
+def _frozen_bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.5)
+    model[1].eval()  # frozen inside a training partition (fine-tuning)
+    return model
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def _check_frozen_batch_norm_and_eval_before_backward() -> None:
+    """Review of the ordering (session 37): a batch norm in eval mode inside a training partition was given
+    statistics updates (and its backward then failed: "modified by an inplace operation"); and ``pipe.eval()``
+    between a forward and its backward made checkpointed micro-batches recompute in eval mode (wrong gradients)."""
+    for make, switch in ((_frozen_bn_model, False), (_bn_model, True)):
+        rm = RemoteModule("worker1/cpu", make, ())
+        graph = PipelineModulesGraph()
+        graph.add_layer(rm, [0])
+        pipe = DistributedPipeline(graph, chunks=2, checkpoint="always")
+        plain = make()
+        x = (torch.randn(8, 4) * 2 + 1).requires_grad_()
+        want = torch.cat([plain(c) for c in x.detach().chunk(2)])
+        want.pow(2).sum().backward()
+        with dist_autograd.context() as context_id:
+            y = pipe(x).to_here()
+            if switch:
+                pipe.eval()
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            grads = _remote_grads(context_id, rm)
+        if switch:
+            pipe.train()
+        torch.testing.assert_close(y, want)
+        for g, p in zip(grads, plain.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+        state = rpc.rpc_sync("worker1", _batch_norm_state, args=(rm.get_module_rref(),))
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5)
+
+
+def _check_remote_first_partition_with_plain_data() -> None:
+    """A pipeline whose first partition is on another worker than the driver, fed data that does not require grad:
+    ``dist_autograd.backward`` never returned (the driver's anchor reached that worker in a message no gradient came
+    back to; session 37)."""
+    for chunks in (1, 2):
+        torch.manual_seed(0)
+        rm = RemoteModule("worker1/cpu", nn.Linear, (4, 3))
+        plain = _local_copy(rm)
+        graph = PipelineModulesGraph()
+        graph.add_layer(rm, [0])
+        pipe = DistributedPipeline(graph, chunks=chunks, checkpoint="never")
+        x = torch.randn(4, 4)
+        with dist_autograd.context() as context_id:
+            y = pipe(x).to_here()
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            grads = _remote_grads(context_id, rm)
+        want = plain(x)
+        want.pow(2).sum().backward()
+        torch.testing.assert_close(y, want)
+        for g, p in zip(grads, plain.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+
+
 def _body(rank: int, world_size: int, init_file: str) -> None:
     _report_native_crashes()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", _transports=["uv"])
@@ -331,6 +397,8 @@ def _body(rank: int, world_size: int, init_file: str) -> None:
                 ("multi_input_multi_output", _check_multi_input_multi_output),
                 ("errors", _check_errors),
                 ("batch_norm_statistics", _check_batch_norm_statistics),
+                ("frozen_batch_norm_and_eval_before_backward", _check_frozen_batch_norm_and_eval_before_backward),
+                ("remote_first_partition_with_plain_data", _check_remote_first_partition_with_plain_data),
             ]
             run_cases(cases)
     finally:

@@ -39,8 +39,11 @@ def plain_batch_norms(module: nn.Module) -> List[_BatchNorm]:
 
 @contextlib.contextmanager
 def _not_tracking(layers: List[_BatchNorm]) -> Iterator[List[_BatchNorm]]:
-    """Inside, the layers that tracked statistics do not (the ones returned)."""
-    tracking = [layer for layer in layers if layer.track_running_stats and layer.running_mean is not None]
+    """Inside, the layers in training mode that tracked statistics do not (the ones returned). A layer in eval mode
+    (frozen inside a training partition) reads its statistics and is left alone."""
+    tracking = [
+        layer for layer in layers if layer.training and layer.track_running_stats and layer.running_mean is not None
+    ]
     for layer in tracking:
         layer.track_running_stats = False
     try:

@@ -147,7 +147,7 @@ class PipelineModulesGraph(nn.Module):
             raise ValueError(
                 f"{_describe(module)} is already in the graph as layer {existing}: a RemoteModule may be added once. "
                 "To apply the same weights twice, add a second RemoteModule on the same module, made with "
-                "RemoteModule.init_from_module_rref(module.remote_device, module.get_module_rref())"
+                "RemoteModule.init_from_module_rref(f'{module.on}/{module.device}', module.get_module_rref())"
             )
         if not isinstance(inputs, (list, tuple)) or not inputs:
             # A layer with no inputs was never fed and the pipeline waited for the RPC timeout.

@@ -60,6 +60,8 @@ from torch import Tensor
 from torch.futures import Future
 from torch.utils.checkpoint import checkpoint
 
+from fairscale.internal.containers import rebuild_sequence
+from fairscale.nn.checkpoint._training_flags import TrainingFlags, replay_training_flags, training_flags_of
 from fairscale.nn.pipe.checkpoint import RNGStates, restore_rng_states, save_rng_states
 
 from .batch_norm_order import MicroBatchStatistics, plain_batch_norms, recomputing
@@ -196,6 +198,33 @@ def _on_feed_done(target: _RecordKey, chunk: int, input_idx: int, future: "Futur
 _RecordConsumer = DataConsumer[_RecordKey]
 
 
+def _tied_to_anchor(result: Any, inputs: List[Any], anchor: Optional[Tensor]) -> Any:
+    """``result`` with the anchor added (an exact zero) to its first floating-point tensor, when no input requires
+    grad: the anchor then carries a gradient back, and the message that brought it is back-propagated.
+
+    Without it, a first partition on another worker than the driver, fed inputs that do not require grad (plain data),
+    received the anchor in a message whose receive node no gradient ever reached, and ``dist_autograd.backward``
+    waited for it for good.
+    """
+    if anchor is None or not anchor.requires_grad or not torch.is_grad_enabled():
+        return result
+    if any(isinstance(v, Tensor) and v.requires_grad for v in inputs):
+        return result  # the inputs carry gradients back already
+
+    def tie(t: Tensor) -> Tensor:
+        return t + anchor.sum().to(device=t.device, dtype=t.dtype)
+
+    if isinstance(result, Tensor):
+        return tie(result) if result.is_floating_point() else result
+    if isinstance(result, (tuple, list)):
+        values = list(result)
+        for i, v in enumerate(values):
+            if isinstance(v, Tensor) and v.is_floating_point():
+                values[i] = tie(v)
+                return rebuild_sequence(result, values)
+    return result
+
+
 #: Held while a partition draws from this process's random generators. Micro-batches are computed on the RPC threads
 #: that deliver their inputs, so several run at once, and a checkpointed one's recomputation must replay exactly the
 #: draws of its forward: with the generators shared, another micro-batch's dropout between the saving of the states
@@ -208,23 +237,32 @@ _RANDOMNESS_LOCK = threading.RLock()
 
 
 class _ReplayRandomness:
-    """Calls ``module``: the first call (the forward) records the random states it starts from, a later one (the
-    recomputation in backward) runs from them again; each call holds :data:`_RANDOMNESS_LOCK`."""
+    """Calls ``module``: the first call (the forward) records the random states it starts from and the modules'
+    ``training`` flags, a later one (the recomputation in backward) runs from them again; each call holds
+    :data:`_RANDOMNESS_LOCK`.
+
+    The flags: a ``pipe.eval()`` (a validation pass) between a forward and its backward made the recomputation run in
+    eval mode, another function than the forward's (wrong gradients through a batch norm; with dropout the backward
+    failed), as ``checkpoint_wrapper`` and ``Pipe`` did before they replayed them too.
+    """
 
     def __init__(self, module: nn.Module, device: torch.device, batch_norms: Optional[List[Any]] = None) -> None:
         self.module = module
         self.device = device
         self.batch_norms = batch_norms or []
         self.states: Deque[RNGStates] = deque(maxlen=1)
+        self.flags: TrainingFlags = ()
 
     def __call__(self, *inputs: Any) -> Any:
         with _RANDOMNESS_LOCK:
             if not self.states:
                 save_rng_states(self.device, self.states)
+                self.flags = training_flags_of(self.module)
                 return self.module(*inputs)
             # The forward recorded the batch norms' statistics already (see batch_norm_order.py).
-            with restore_rng_states(self.device, self.states), recomputing(self.batch_norms):
-                return self.module(*inputs)
+            with replay_training_flags(self.flags), restore_rng_states(self.device, self.states):
+                with recomputing(self.batch_norms):
+                    return self.module(*inputs)
 
 
 class DistributedPipelineRecord:
@@ -300,7 +338,7 @@ class DistributedPipelineRecord:
             # Everything up to the sends is forwarded as a failure, so that the pipeline's result reports it
             # instead of the driver waiting for the RPC timeout.
             try:
-                result = self._run(chunk, inputs)
+                result = _tied_to_anchor(self._run(chunk, inputs), inputs, anchor)
                 values = self._consumer_values(result)
             except Exception as e:
                 result = failure = _Failure(e)
@@ -337,12 +375,13 @@ class DistributedPipelineRecord:
         return [result[c.output_idx] for c in self.consumers]
 
     def _run(self, chunk: int, inputs: List[Any]) -> Any:
-        training = self.module.training
-        checkpointed = self.checkpoint_stop > 0 and training and torch.is_grad_enabled()
-        if not checkpointed and not (training and self.statistics is not None):
+        checkpointed = self.checkpoint_stop > 0 and self.module.training and torch.is_grad_enabled()
+        # A batch norm's own flag decides (one left in train() inside a partition in eval(), or the reverse).
+        ordered = self.statistics is not None and any(layer.training for layer in self.batch_norms)
+        if not checkpointed and not ordered:
             return self.module(*inputs)  # nothing of this forward is replayed or ordered: it needs no lock
         # Under the lock: a replayed forward's draws (see _RANDOMNESS_LOCK), and the batch norms' tracking switch.
-        recording = self.statistics.recording(chunk) if training and self.statistics is not None else None
+        recording = self.statistics.recording(chunk) if ordered and self.statistics is not None else None
         with _RANDOMNESS_LOCK, recording if recording is not None else contextlib.nullcontext():
             if checkpointed and chunk < self.checkpoint_stop:
                 # Non-reentrant checkpointing recomputes inside the same backward, so the gradients land in the

@@ -93,7 +93,7 @@ class GraphCreator:
                     raise ValueError(
                         f"make_graph: {node.target} is called more than once; a RemoteModule may be one layer of "
                         "the graph only. To apply the same weights twice, call a second RemoteModule made with "
-                        "RemoteModule.init_from_module_rref(module.remote_device, module.get_module_rref())"
+                        "RemoteModule.init_from_module_rref(f'{module.on}/{module.device}', module.get_module_rref())"
                     )
                 names[id(module)] = str(node.target)
                 calls.append((module, [self._source(a, sources, whole_used) for a in node.args]))
