@@ -283,6 +283,37 @@ def _cast_under_torch_future_setting_case(rank: int, how: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{how} under the {setting} setting"
 
 
+def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int) -> None:
+    # Gradients kept across a step (no zero_grad), then model.double(): the cast gave each bucketed gradient storage
+    # of its own, the rebuild forgot that it held the step's reduced value, and the next backward reduced it again
+    # with the other ranks' gradients (0.15 off the plain model after one more step; found by a review, session 37).
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    oss = OSS(model.parameters(), lr=0.1)
+    sdp = ShardedDataParallel(model, oss, reduce_buffer_size=buffer)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    dtype = torch.float32
+
+    def backward(step: int) -> None:
+        sdp(_batch(step, rank).to(dtype)).sum().backward()
+        (sum(reference(_batch(step, r).to(dtype)).sum() for r in range(world_size)) / world_size).backward()
+
+    backward(1)
+    oss.step()
+    ref_opt.step()
+    backward(2)  # onto the step's gradients
+    sdp.double()
+    reference.double()
+    dtype = torch.float64
+    oss.step()
+    ref_opt.step()
+    backward(3)
+    oss.step()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def _unused_parameter_case(rank: int) -> None:
     # Each hook rebuild (the first forward, eval -> train) gave a parameter no rank uses a zero gradient from its
     # bucket slot, even right after optimizer.zero_grad(): weight decay then moved it (0.024 after one step). A plain
@@ -394,6 +425,8 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("torch_double_on_module", lambda: _torch_cast_case(rank, "double", True)),
         ("torch_bfloat16_on_wrapper", lambda: _torch_cast_case(rank, "bfloat16", False)),
         ("double_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "double")),
+        ("cast_with_kept_gradients_unbucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 0)),
+        ("cast_with_kept_gradients_bucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20)),
         ("to_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "to")),
         ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),

@@ -62,6 +62,19 @@ def _holds_slot(param: torch.Tensor, bucket: GradBucket) -> bool:
     return grad is not None and grad.data_ptr() == bucket.slot(param).data_ptr()
 
 
+@torch.no_grad()
+def _holds_converted_slot(param: torch.Tensor, bucket: GradBucket) -> bool:
+    """Whether ``param.grad`` is its slot's value converted: ``model.double()`` / ``.half()`` / ``.to()`` gave the
+    gradient storage of its own, in the new dtype or device, and left the bucket (marked, untouched) behind. The
+    reduced value it holds must stay marked across the rebuild that follows (before, the next backward reduced it
+    again with the other ranks' gradients: silently wrong parameters)."""
+    grad = param.grad
+    if grad is None or grad.shape != param.shape:
+        return False
+    slot = bucket.slot(param)
+    return bool(torch.equal(grad, slot.to(device=grad.device, dtype=grad.dtype)))
+
+
 class ReducedValues:
     """The marks and parked values of one reducer.
 
@@ -112,7 +125,9 @@ class ReducedValues:
             entry = self.bucket_marks.get(id(bucket))
             if entry is None or not _still_marked(buffer_of(bucket), entry[0]):
                 continue
-            if (entry[1] is None or pid in entry[1]) and _holds_slot(param, bucket):
+            if (entry[1] is None or pid in entry[1]) and (
+                _holds_slot(param, bucket) or _holds_converted_slot(param, bucket)
+            ):
                 held.add(pid)
         return held
 
