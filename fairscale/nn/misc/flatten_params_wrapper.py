@@ -443,9 +443,8 @@ class FlattenParamsWrapper(nn.Module):
         return cast(Any, self.module)[key]
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "FlattenParamsWrapper":
-        """``.to()``, ``.double()``...: convert, then give the modules views of the converted flat parameters (they kept
-        views of the old storage: stale reads, lost in-place writes). Inside :meth:`unflatten_params` the flat
-        parameters (not registered then) are converted too, so the conversion outlives the context."""
+        """``.to()``, ``.double()``...: convert (flat parameters by ``_flatten/conversion.py``'s rules, in a context
+        too), then give the modules views of the converted flat parameters (old views: stale reads, lost writes)."""
         ctx = open_context(self)
         if ctx is not None:
             with converting(self, ctx, fn):
