@@ -85,7 +85,8 @@ class DeferredBatchNorm(_BatchNorm):
         # An empty micro-batch counts as one of the mini-batch (the next mini-batch starts in step) with no elements.
         self.counter += input.numel() // input.size(1)
         self.tracked += 1
-        return self.tracked == self.chunks
+        # At least: counts loaded from a pipe with more chunks (a resume with another `chunks`) are past it already.
+        return self.tracked >= self.chunks
 
     def _commit(self) -> None:
         """Update the running statistics with the mini-batch statistics and reset the sums."""

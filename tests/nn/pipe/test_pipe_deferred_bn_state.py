@@ -186,3 +186,20 @@ def test_a_pipe_load_carries_the_counts_through_its_all_or_nothing_load():
     loaded.load_state_dict(pipe.state_dict())  # tried on shape-only tensors first, then for real
     bn = loaded.partitions[0][1]
     assert (bn.counter, bn.tracked) == (6, 3)
+
+
+def test_a_resume_with_fewer_chunks_commits_the_carried_micro_batches():
+    # Counts loaded from a pipe with more chunks (3 micro-batches carried over, now chunks=2) were past `chunks`, and
+    # the commit came only on equality: the statistics were never updated again (review, session 37).
+    torch.manual_seed(0)
+    original = DeferredBatchNorm(3, chunks=4)
+    for c in torch.randn(6, 3).chunk(3):
+        original(c)
+    resumed = DeferredBatchNorm(3, chunks=2)
+    resumed.load_state_dict(original.state_dict())
+    assert resumed.tracked == 3
+    resumed(torch.randn(2, 3))
+    assert int(resumed.num_batches_tracked) == 1 and resumed.tracked == 0
+    for c in torch.randn(4, 3).chunk(2):
+        resumed(c)
+    assert int(resumed.num_batches_tracked) == 2
