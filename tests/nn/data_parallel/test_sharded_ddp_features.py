@@ -283,10 +283,12 @@ def _cast_under_torch_future_setting_case(rank: int, how: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{how} under the {setting} setting"
 
 
-def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int) -> None:
+def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int, casts: str) -> None:
     # Gradients kept across a step (no zero_grad), then model.double(): the cast gave each bucketed gradient storage
     # of its own, the rebuild forgot that it held the step's reduced value, and the next backward reduced it again
     # with the other ranks' gradients (0.15 off the plain model after one more step; found by a review, session 37).
+    # "half,float": two casts with no forward between (torch's own, past the wrapper) leave the buckets in their
+    # dtype, so no rebuild comes; the moved gradients were reduced again (1.0 off; session 38).
     model = _mlp()
     reference = copy.deepcopy(model)
     oss = OSS(model.parameters(), lr=0.1)
@@ -302,11 +304,15 @@ def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int) -> N
     oss.step()
     ref_opt.step()
     backward(2)  # onto the step's gradients
-    sdp.double()
-    reference.double()
-    dtype = torch.float64
-    oss.step()
-    ref_opt.step()
+    for name in casts.split(","):
+        dtype = getattr(torch, name)
+        if casts == "double":
+            sdp.double()
+        else:
+            model.to(dtype)
+        reference.to(dtype)
+        oss.step()
+        ref_opt.step()
     backward(3)
     oss.step()
     ref_opt.step()
@@ -425,8 +431,9 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("torch_double_on_module", lambda: _torch_cast_case(rank, "double", True)),
         ("torch_bfloat16_on_wrapper", lambda: _torch_cast_case(rank, "bfloat16", False)),
         ("double_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "double")),
-        ("cast_with_kept_gradients_unbucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 0)),
-        ("cast_with_kept_gradients_bucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20)),
+        ("cast_with_kept_gradients_unbucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 0, "double")),
+        ("cast_with_kept_gradients_bucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "double")),
+        ("round_trip_with_kept_gradients", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "half,float32")),
         ("to_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "to")),
         ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),

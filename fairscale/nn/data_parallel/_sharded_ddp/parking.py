@@ -10,7 +10,7 @@ of them; a subset after a rebuild of the buckets, see :meth:`ReducedValues.held`
 """
 
 import weakref
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
@@ -62,17 +62,57 @@ def _holds_slot(param: torch.Tensor, bucket: GradBucket) -> bool:
     return grad is not None and grad.data_ptr() == bucket.slot(param).data_ptr()
 
 
+# How far a gradient converted away and back (``model.half()`` then ``.float()``, ``float64 -> float32 -> float64``)
+# may be from its slot: a round trip through bfloat16 keeps 8 bits of mantissa, through float16 11 bits, and float16's
+# subnormals are spaced 2**-24 apart.
+_ROUND_TRIP_RTOL = 2.0**-7
+_ROUND_TRIP_ATOL = 2.0**-24
+
+
+class BucketMark(NamedTuple):
+    """A bucket holding a completed reduction's result: its buffer's mark, the parameters whose slots are owed
+    (``None``: all of them), and the gradient objects that were views of their slot then (weakly, by parameter id)."""
+
+    mark: Mark
+    subset: Optional[FrozenSet[int]]
+    grads: Dict[int, "weakref.ReferenceType[torch.Tensor]"]
+
+
+def _bucket_mark(bucket: GradBucket, buffer: torch.Tensor, subset: Optional[FrozenSet[int]]) -> BucketMark:
+    grads = {id(p): weakref.ref(cast(torch.Tensor, p.grad)) for p in bucket._params if _holds_slot(p, bucket)}
+    return BucketMark(_mark(buffer), subset, grads)
+
+
 @torch.no_grad()
-def _holds_converted_slot(param: torch.Tensor, bucket: GradBucket) -> bool:
-    """Whether ``param.grad`` is its slot's value converted: ``model.double()`` / ``.half()`` / ``.to()`` gave the
-    gradient storage of its own, in the new dtype or device, and left the bucket (marked, untouched) behind. The
-    reduced value it holds must stay marked across the rebuild that follows (before, the next backward reduced it
-    again with the other ranks' gradients: silently wrong parameters)."""
+def _holds_converted_slot(param: torch.Tensor, bucket: GradBucket, entry: BucketMark) -> bool:
+    """Whether ``param.grad`` is its slot's value converted: ``model.double()`` / ``.half()`` / ``.to()`` swapped the
+    storage of the very gradient object that viewed the slot when the bucket was marked (torch's default conversion,
+    and the one the wrappers force) for one in the new dtype or device, and left the bucket untouched. The reduced
+    value it holds stays owed (before, the next backward reduced it again with the other ranks' gradients: silently
+    wrong parameters). Two casts in a row may have rounded it (through a narrower dtype and back), hence the
+    tolerance; the identity keeps out a fresh gradient that equals the reduced value by chance (integer-valued
+    gradients of an ``abs().sum()`` loss do)."""
     grad = param.grad
-    if grad is None or grad.shape != param.shape:
+    recorded = entry.grads.get(id(param))
+    if grad is None or recorded is None or recorded() is not grad or grad.shape != param.shape:
         return False
-    slot = bucket.slot(param)
-    return bool(torch.equal(grad, slot.to(device=grad.device, dtype=grad.dtype)))
+    if not grad.is_floating_point():
+        return False
+    slot = bucket.slot(param).to(device=grad.device, dtype=grad.dtype)
+    return bool(torch.allclose(grad, slot, rtol=_ROUND_TRIP_RTOL, atol=_ROUND_TRIP_ATOL))
+
+
+def _rebind_converted(bucket: GradBucket, entry: BucketMark) -> None:
+    """Owed gradients that casts moved out of their slot while the bucket kept its dtype (two casts with no forward
+    between: ``model.half()`` then ``.float()``) go back into it, with their (possibly rounded) value, as a plain
+    model keeps them. Before, autograd accumulated into the moved tensor and the bucket reduced the earlier result
+    again with the new gradient."""
+    for each in bucket._params:
+        if (entry.subset is None or id(each) in entry.subset) and not _holds_slot(each, bucket):
+            if _holds_converted_slot(each, bucket, entry):
+                slot = bucket.slot(each)
+                slot.copy_(cast(torch.Tensor, each.grad))
+                each.grad = slot
 
 
 class ReducedValues:
@@ -85,7 +125,7 @@ class ReducedValues:
     def __init__(self) -> None:
         # Unbucketed gradients by id(param); buckets by id(bucket), with the parameters whose slots are owed.
         self.marks: Dict[int, Mark] = {}
-        self.bucket_marks: Dict[int, Tuple[Mark, Optional[FrozenSet[int]]]] = {}
+        self.bucket_marks: Dict[int, BucketMark] = {}
         # Reduced values moved aside until this backward's own reduction completes (owner ranks only).
         self.parked: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, reduced gradient)
         self.parked_buckets: Dict[int, Tuple[GradBucket, torch.Tensor]] = {}  # id(bucket) -> (bucket, values)
@@ -123,10 +163,10 @@ class ReducedValues:
                     held.add(pid)
                 continue
             entry = self.bucket_marks.get(id(bucket))
-            if entry is None or not _still_marked(buffer_of(bucket), entry[0]):
+            if entry is None or not _still_marked(buffer_of(bucket), entry.mark):
                 continue
-            if (entry[1] is None or pid in entry[1]) and (
-                _holds_slot(param, bucket) or _holds_converted_slot(param, bucket)
+            if (entry.subset is None or pid in entry.subset) and (
+                _holds_slot(param, bucket) or _holds_converted_slot(param, bucket, entry)
             ):
                 held.add(pid)
         return held
@@ -144,7 +184,7 @@ class ReducedValues:
                 owed.setdefault(id(bucket), (bucket, []))[1].append(id(param))
         for bucket, pids in owed.values():
             subset = None if len(pids) == len(bucket._params) else frozenset(pids)
-            self.bucket_marks[id(bucket)] = (_mark(buffer_of(bucket)), subset)
+            self.bucket_marks[id(bucket)] = _bucket_mark(bucket, buffer_of(bucket), subset)
 
     @torch.no_grad()
     def park_direct(self, param: torch.Tensor, mine: bool) -> None:
@@ -189,10 +229,11 @@ class ReducedValues:
         entry = self.bucket_marks.pop(id(bucket), None)
         if entry is None:
             return
-        mark, subset = entry
         buffer = buffer_of(bucket)
-        if not _still_marked(buffer, mark):
+        if not _still_marked(buffer, entry.mark):
             return
+        _rebind_converted(bucket, entry)
+        subset = entry.subset
         owed: List[torch.Tensor] = []
         released: List[torch.Tensor] = []
         kept = False
@@ -234,4 +275,4 @@ class ReducedValues:
         earlier = self.parked_buckets.pop(id(bucket), None)
         if earlier is not None:
             buffer.add_(earlier[1])
-        self.bucket_marks[id(bucket)] = (_mark(buffer), None)
+        self.bucket_marks[id(bucket)] = _bucket_mark(bucket, buffer, None)
