@@ -12,15 +12,26 @@ dry run's ``meta`` stand-ins when the dry run fails.
 """
 
 import copy
+import threading
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Tuple, TypeVar, cast
 
 import torch
 from torch import nn
 
-__all__ = ["dry_run_load", "load_state_dict_all_or_nothing"]
+__all__ = ["dry_run_load", "in_dry_run", "load_state_dict_all_or_nothing"]
 
 _T = TypeVar("_T")
+
+# Per thread: a load in another thread is not this dry run.
+_dry_runs = threading.local()
+
+
+def in_dry_run() -> bool:
+    """Whether a :func:`dry_run_load` is running in this thread: load hooks that keep state outside the parameters
+    and buffers (counts, caches) leave it alone then. With ``assign=True`` the dry run's modules hold the state
+    dict's real tensors, so a hook cannot tell the trial from the real load by looking for ``meta`` tensors."""
+    return getattr(_dry_runs, "depth", 0) > 0
 
 
 def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
@@ -65,7 +76,11 @@ def dry_run_load(module: nn.Module, load: Callable[[], _T]) -> _T:
         with warnings.catch_warnings():
             # torch warns that copying into a meta tensor does nothing: here that is the point.
             warnings.filterwarnings("ignore", message=".*non-meta parameter in the checkpoint to a meta parameter.*")
-            return load()
+            _dry_runs.depth = getattr(_dry_runs, "depth", 0) + 1
+            try:
+                return load()
+            finally:
+                _dry_runs.depth -= 1
     finally:
         for guard in extra_states:
             guard.restore()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fairscale.internal.dry_load import in_dry_run
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.nn.checkpoint.checkpoint_utils import patch_batchnorm_while
 
@@ -130,8 +131,10 @@ class DeferredBatchNorm(_BatchNorm):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if len(error_msgs) > errors or prefix + "sum" not in state_dict or self.sum.is_meta:
-            return  # a failed load, or an all-or-nothing load's trial run on shape-only tensors
+        if len(error_msgs) > errors or prefix + "sum" not in state_dict or self.sum.is_meta or in_dry_run():
+            # A failed load, or an all-or-nothing load's trial run (on shape-only tensors, or with assign=True on the
+            # state dict's own: setting the counts there left them changed by a load that then failed).
+            return
         counts = local_metadata.get(_COUNTS_KEY) if isinstance(local_metadata, dict) else None
         if counts is not None:
             self.counter, self.tracked = int(counts[0]), int(counts[1])
@@ -143,9 +146,15 @@ class DeferredBatchNorm(_BatchNorm):
                 "mini-batch but not their counts (saved by upstream fairscale?); they are dropped",
                 stacklevel=2,
             )
-            with torch.no_grad():
-                self.sum.zero_()
-                self.sum_squares.zero_()
+            if isinstance(local_metadata, dict) and local_metadata.get("assign_to_params_buffers"):
+                # assign=True made the caller's state-dict tensors this module's buffers: zeroing them in place
+                # changed the caller's dict.
+                self.sum = torch.zeros_like(self.sum)
+                self.sum_squares = torch.zeros_like(self.sum_squares)
+            else:
+                with torch.no_grad():
+                    self.sum.zero_()
+                    self.sum_squares.zero_()
             self.counter = self.tracked = 0
         else:
             self.counter = self.tracked = 0

@@ -94,6 +94,9 @@ import pygit2
 from fairscale.experimental.wgit import cli
 from fairscale.experimental.wgit.sha1_store import SHA1_Store
 how = sys.argv[1]
+# Python leaves SIGINT ignored when it starts with it ignored (a job sent to the background by a non-interactive
+# shell, e.g. `nohup pytest ... &`): the interrupts below would then do nothing and the add succeed.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 real_add_all, real_delete = pygit2.Index.add_all, SHA1_Store._delete
 def add_all(self, *args, **kwargs):
     if how == "ctrl-c":

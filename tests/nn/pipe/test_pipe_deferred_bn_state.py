@@ -203,3 +203,40 @@ def test_a_resume_with_fewer_chunks_commits_the_carried_micro_batches():
     for c in torch.randn(4, 3).chunk(2):
         resumed(c)
     assert int(resumed.num_batches_tracked) == 2
+
+
+def _deferred_pipe() -> Pipe:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    return Pipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_failed_pipe_load_leaves_the_counts(assign: bool):
+    # With assign=True the all-or-nothing load's trial run holds the state dict's real tensors (not shape-only ones),
+    # and it set the loaded counts before a later partition's wrong shape failed the load (review, session 37).
+    source = _deferred_pipe()
+    source(torch.randn(9, 3))  # three micro-batches of three carried over: counts (9, 3)
+    bad = source.state_dict()
+    bad["partitions.1.2.weight"] = torch.zeros(7)  # the last partition's weight, wrong shape
+    target = _deferred_pipe()
+    target(torch.randn(6, 3))  # three of two carried over: counts (6, 3)
+    bn = target.partitions[0][1]
+    before = accumulators(bn)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        target.load_state_dict(bad, assign=assign)
+    assert_same_accumulators(before, accumulators(bn))
+
+
+def test_an_assign_load_without_counts_leaves_the_callers_tensors():
+    # Upstream's format (partial sums, no counts) is dropped with a warning; with assign=True the dropped sums were
+    # the caller's own tensors, zeroed in place (review, session 37).
+    original = DeferredBatchNorm(3, chunks=4)
+    original(torch.randn(4, 3))
+    state = dict(original.state_dict())  # a plain dict: no metadata, as upstream saves it
+    kept = state["sum"].clone()
+    resumed = DeferredBatchNorm(3, chunks=4)
+    with pytest.warns(UserWarning, match="partial sums of an unfinished mini-batch"):
+        resumed.load_state_dict(state, assign=True)
+    assert torch.equal(state["sum"], kept)
+    assert not resumed.sum.any() and resumed.counter == 0 and resumed.tracked == 0
