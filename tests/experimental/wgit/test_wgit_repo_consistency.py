@@ -21,6 +21,7 @@ pytest.importorskip("pygit2")
 import pygit2  # noqa: E402
 
 import fairscale  # noqa: E402
+from fairscale.experimental.wgit import cli  # noqa: E402
 from fairscale.experimental.wgit.repo import Repo, RepoStatus  # noqa: E402
 from fairscale.experimental.wgit.safety import UnsafeRepositoryError  # noqa: E402
 from fairscale.experimental.wgit.sha1_store import SHA1_Store  # noqa: E402
@@ -46,6 +47,22 @@ def _wgit(cwd: Path, *args: str) -> "subprocess.CompletedProcess[str]":
     env["PYTHONWARNINGS"] = "ignore"
     command = [sys.executable, "-m", "fairscale.experimental.wgit", *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def _wgit_here(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, cwd: Path, *args: str
+) -> "subprocess.CompletedProcess[str]":
+    """The ``wgit`` command line in this process (a child per call costs seconds on 2 cores), run from ``cwd``;
+    the result as :func:`_wgit` gives it."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    try:
+        cli.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["wgit", *args], code, captured.out, captured.err)
 
 
 def _store_state(work: Path) -> Tuple[List[str], bytes]:
@@ -93,24 +110,31 @@ def test_a_readd_failing_at_git_puts_the_metadata_and_the_index_back(work: Path)
 # ------------------------------------------------------------------------------- paths through symbolic links
 
 
-def test_a_checkpoint_added_through_a_linked_path_is_found_by_status_and_add(tmp_path: Path) -> None:
+def test_a_checkpoint_added_through_a_linked_path_is_found_by_status_and_add(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """The repository reached through a link (``/home`` -> ``/nfs/home``, a shell's ``$PWD``): the path was recorded
-    as given, and every later status and add refused wgit's own metadata as outside the repository."""
+    as given, and every later status and add refused wgit's own metadata as outside the repository. (In this process:
+    the working directory is the resolved one either way; what the link changes is the paths given.)"""
     real = tmp_path / "data" / "wgit_testing"
     real.mkdir(parents=True)
     link = tmp_path / "link"
     link.symlink_to(real)
     torch.save({"w": torch.ones(3)}, real / "ck.pt")
-    assert _wgit(link, "init").returncode == 0
+
+    def wgit(cwd: Path, *args: str) -> "subprocess.CompletedProcess[str]":
+        return _wgit_here(monkeypatch, capsys, cwd, *args)
+
+    assert wgit(link, "init").returncode == 0
     for path in (str(link / "ck.pt"), "../../link/ck.pt", "ck.pt"):
-        out = _wgit(link, "add", path)
+        out = wgit(link, "add", path)
         assert out.returncode == 0, (path, out.stderr)
         assert json.loads((real / ".wgit" / _KEY).read_text())["file_path"] == "ck.pt"
-        assert _wgit(link, "commit", "-m", path).returncode == 0
-        out = _wgit(link, "status")
+        assert wgit(link, "commit", "-m", path).returncode == 0
+        out = wgit(link, "status")
         assert out.returncode == 0 and out.stdout == "{'wgit_testing/ck.pt': <RepoStatus.CLEAN: 1>}\n", out.stderr
     os.utime(real / "ck.pt", (1, 1))
-    assert _wgit(real, "status").stdout == "{'wgit_testing/ck.pt': <RepoStatus.CHANGES_NOT_ADDED: 2>}\n"
+    assert wgit(real, "status").stdout == "{'wgit_testing/ck.pt': <RepoStatus.CHANGES_NOT_ADDED: 2>}\n"
 
 
 def test_a_link_in_the_repository_is_tracked_as_itself_and_a_link_out_is_still_refused(
@@ -232,19 +256,21 @@ def _killed_init(cwd: Path, suffix: str, when: str) -> int:
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, timeout=180).returncode
 
 
-def test_an_init_killed_before_gitignore_is_finished_by_the_next_init(tmp_path: Path) -> None:
+def test_an_init_killed_before_gitignore_is_finished_by_the_next_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """Killed between git's init and the .gitignore write: every command, init included, refused the directory."""
     work = tmp_path / "wgit_testing"
     work.mkdir()
     assert _killed_init(work, ".wgit/.gitignore", "before") == 137
     assert sorted(p.name for p in (work / ".wgit").iterdir()) == [".git", "sha1_store"]
-    out = _wgit(work, "init")
+    out = _wgit_here(monkeypatch, capsys, work, "init")
     assert out.returncode == 0, out.stderr
     assert (work / ".wgit" / ".gitignore").read_text() == "sha1_store\n"
     torch.save({"w": torch.ones(2)}, work / "ck.pt")
     for args in (["add", "ck.pt"], ["commit", "-m", "c"]):
-        assert _wgit(work, *args).returncode == 0
-    assert _wgit(work, "status").stdout == "{'wgit_testing/ck.pt': <RepoStatus.CLEAN: 1>}\n"
+        assert _wgit_here(monkeypatch, capsys, work, *args).returncode == 0
+    assert _wgit_here(monkeypatch, capsys, work, "status").stdout == "{'wgit_testing/ck.pt': <RepoStatus.CLEAN: 1>}\n"
     git = pygit2.Repository(str(work / ".wgit" / ".git"))
     assert sorted(git.revparse_single("HEAD").tree[name].name for name in (".gitignore", "wgit_testing")) == [
         ".gitignore",
@@ -253,7 +279,9 @@ def test_an_init_killed_before_gitignore_is_finished_by_the_next_init(tmp_path: 
     assert "sha1_store" not in [entry.name for entry in git.revparse_single("HEAD").tree]
 
 
-def test_an_init_killed_before_the_store_header_is_finished_by_the_next_init(tmp_path: Path) -> None:
+def test_an_init_killed_before_the_store_header_is_finished_by_the_next_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """Killed between the store's mkdir and its metadata.json: init said "metadata.json is missing", no hint."""
     work = tmp_path / "wgit_testing"
     work.mkdir()
@@ -261,12 +289,15 @@ def test_an_init_killed_before_the_store_header_is_finished_by_the_next_init(tmp
     assert _killed_init(work, ".tmp", "after") == 137
     assert sorted(p.name for p in (work / ".wgit").iterdir()) == ["sha1_store"]
     assert [p.name.startswith(".metadata.json.") for p in (work / ".wgit" / "sha1_store").iterdir()] == [True]
-    out = _wgit(work, "init")
+    out = _wgit_here(monkeypatch, capsys, work, "init")
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in (work / ".wgit" / "sha1_store").iterdir()) == ["metadata.json", "tmp"]
     torch.save({"w": torch.ones(2)}, work / "ck.pt")
-    assert _wgit(work, "add", "ck.pt").returncode == 0
-    assert _wgit(work, "status").stdout == "{'wgit_testing/ck.pt': <RepoStatus.CHANGES_ADDED_NOT_COMMITED: 3>}\n"
+    assert _wgit_here(monkeypatch, capsys, work, "add", "ck.pt").returncode == 0
+    assert (
+        _wgit_here(monkeypatch, capsys, work, "status").stdout
+        == "{'wgit_testing/ck.pt': <RepoStatus.CHANGES_ADDED_NOT_COMMITED: 3>}\n"
+    )
 
 
 def test_init_leaves_a_store_folder_with_other_files_alone_and_says_what_to_do(tmp_path: Path) -> None:
