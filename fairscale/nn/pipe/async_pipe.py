@@ -14,6 +14,7 @@ from torch import nn
 
 from fairscale.internal import collectives
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
+from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.agreement import check_ranks_agree
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
@@ -268,8 +269,15 @@ class AsyncPipe(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, all or nothing: tried on shape-only tensors first, so that a load that fails
-        leaves the model as it was (every entry appears under two names (``<i>.*`` and ``partition.<i>.*``), so even the entry a failed load named was overwritten through its twin).
+        leaves the model as it was. Every entry appears under two names (``0.*`` and ``partition.*``); before, even the
+        entry a failed load named was overwritten through its twin.
+
+        Raises:
+            RuntimeError: torch's load errors; also (a ``FairscaleRuntimeError``) when a dict gives the two names of
+                one entry different values (edited by hand, or merged from two checkpoints): torch loaded whichever
+                came last, silently.
         """
+        _check_twins_agree(state_dict)
         return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def forward(self, input: TensorOrTensors, *, event: Optional[Event] = None) -> Any:
@@ -374,3 +382,28 @@ def _micro_batch_count(tensors: Tuple[torch.Tensor, ...], chunks: int) -> Union[
     ``microbatch.scatter`` refuses, on every rank alike, after the agreement check)."""
     counts = [len(t.chunk(chunks)) for t in tensors]
     return counts[0] if len(set(counts)) == 1 else counts
+
+
+def _check_twins_agree(state_dict: Mapping[str, Any]) -> None:
+    """Both names of an entry (``0.<name>`` and ``partition.<name>``, the one partition registered twice) must hold the
+    same value when a dict has both."""
+    for key, value in state_dict.items():
+        if not key.startswith("partition."):
+            continue
+        twin = "0." + key[len("partition.") :]
+        other = state_dict.get(twin)
+        if (
+            other is None
+            or other is value
+            or not isinstance(value, torch.Tensor)
+            or not isinstance(other, torch.Tensor)
+        ):
+            continue
+        if value.shape != other.shape or value.dtype != other.dtype or value.device != other.device:
+            continue  # torch's load names a wrong shape more precisely
+        if value.is_meta or bool(torch.equal(value, other)):
+            continue
+        raise FairscaleRuntimeError(
+            f"AsyncPipe.load_state_dict: {key!r} and {twin!r} name the same entry (the partition is registered twice) "
+            "but the state dict gives them different values; keep one of the two names, or give both the same value"
+        )

@@ -44,6 +44,14 @@ def test_pipe_failed_load_changes_nothing() -> None:
 def _async_body(rank: int, world_size: int) -> None:
     pipe = AsyncPipe(_model(), [3], group=dist.group.WORLD)
     _check_failed_load_changes_nothing(pipe, "partition.0.weight")
+    # The two names of one entry with different values (a dict edited by hand or merged from two checkpoints): torch
+    # loaded whichever came last, silently (session 38).
+    before = copy.deepcopy(pipe.state_dict())
+    disagreeing = {k: v + 1 for k, v in before.items()}
+    disagreeing["0.2.weight"] = disagreeing["0.2.weight"] + 5
+    with pytest.raises(RuntimeError, match="'partition.2.weight' and '0.2.weight' name the same entry"):
+        pipe.load_state_dict(disagreeing)
+    assert all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
 
 
 def test_async_pipe_failed_load_changes_nothing() -> None:
