@@ -3,6 +3,7 @@
 
 import collections.abc
 import contextlib
+import threading
 from collections import OrderedDict
 from math import inf
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -123,6 +124,10 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.complex64 if dtype.is_complex else torch.float32)
 
 
+# Held by conversion_in_place (see there).
+_conversion_lock = threading.RLock()
+
+
 @contextlib.contextmanager
 def conversion_in_place() -> Iterator[None]:
     """Inside: ``Module._apply`` (``.to()``, ``.double()``...) keeps each parameter object, whatever
@@ -132,13 +137,18 @@ def conversion_in_place() -> Iterator[None]:
     overwrite setting would register new parameter objects the owner does not know, and the swap setting refuses
     parameters whose views are alive (or drops their attributes). A conversion that ``.data`` cannot take (a meta
     tensor to a real device) makes a new object all the same, as torch does.
+
+    The settings are process-wide: conversions inside this context are serialized across threads (a reentrant lock),
+    so that one thread does not save the other's temporary values and restore them for good. A plain module converted
+    by another thread meanwhile still sees the temporary settings.
     """
-    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(False)
-    torch.__future__.set_swap_module_params_on_conversion(False)
-    try:
-        yield
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
-        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with _conversion_lock:
+        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        try:
+            yield
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+            torch.__future__.set_swap_module_params_on_conversion(swap)

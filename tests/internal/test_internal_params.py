@@ -2,6 +2,8 @@
 """Tests of fairscale.internal.params."""
 
 import math
+import threading
+import time
 from collections import OrderedDict, namedtuple
 from typing import Any, Dict
 
@@ -10,7 +12,13 @@ import torch
 import torch.distributed as dist
 
 from fairscale.fair_dev.testing.engine import run_distributed
-from fairscale.internal.params import Workhandle, calc_grad_norm, get_global_rank, recursive_copy_to_device
+from fairscale.internal.params import (
+    Workhandle,
+    calc_grad_norm,
+    conversion_in_place,
+    get_global_rank,
+    recursive_copy_to_device,
+)
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -102,3 +110,31 @@ def _global_rank_body(rank: int, ws: int) -> None:
 
 def test_get_global_rank() -> None:
     run_distributed(_global_rank_body, 3)
+
+
+def test_conversions_in_two_threads_keep_the_users_setting() -> None:
+    # torch's conversion settings are process-wide: a second thread entering conversion_in_place while the first was
+    # inside saved the first's temporary values and, leaving last, restored them for good (session 38).
+    inside, first_left = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with conversion_in_place():
+            inside.set()
+            time.sleep(0.2)  # the second thread tries to enter meanwhile
+        first_left.set()
+
+    def second() -> None:
+        inside.wait(5)
+        with conversion_in_place():
+            first_left.wait(1)  # leaves after the first (at once where the first already left)
+
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert torch.__future__.get_overwrite_module_params_on_conversion() is True
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
