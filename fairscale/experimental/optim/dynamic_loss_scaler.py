@@ -69,6 +69,25 @@ def _stored_values(grad: Tensor) -> Tensor:
     return grad
 
 
+def _check_optimizer(optimizer: Any, method: str) -> None:
+    if getattr(optimizer, "param_groups", None) is None:
+        raise TypeError(
+            f"DynamicLossScaler.{method}: expected a torch optimizer (with param_groups), got "
+            f"{type(optimizer).__name__}"
+        )
+
+
+def _norm(grad: Tensor) -> Tensor:
+    """The gradient's 2-norm as a float64 scalar: half-precision gradients are summed in float32 (their squares
+    overflow in their own dtype), float64 and complex ones in their own (a float32 ``dtype`` was refused for them:
+    "should be convertible without narrowing")."""
+    if grad.is_complex() or grad.dtype == torch.float64:
+        norm: Tensor = torch.linalg.vector_norm(grad)
+    else:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+    return norm.double()
+
+
 class DynamicLossScaler(object):
     """Scales the loss, skips steps whose gradients overflow and adapts the scale.
 
@@ -172,6 +191,12 @@ class DynamicLossScaler(object):
         That is ``loss_scale`` at the iteration's first :meth:`scale`, :meth:`unscale_` or :meth:`step` call: it
         stays the same until :meth:`update` even when an overflow in :meth:`step` lowered ``loss_scale`` already.
         """
+        if not isinstance(outputs, (Tensor, numbers.Number)):
+            # An int loss scale times a list repeated the list, silently.
+            raise TypeError(
+                f"DynamicLossScaler.scale: expected the loss (a tensor), got {type(outputs).__name__}; scale each "
+                "loss of a list separately"
+            )
         return self._scale_of_iteration() * outputs  # type: ignore[operator]
 
     @torch.no_grad()
@@ -179,7 +204,7 @@ class DynamicLossScaler(object):
         grads = [_stored_values(p.grad.detach()) for p in params if p.grad is not None]
         if not grads:
             return 0.0
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+        norms = torch.stack([_norm(g) for g in grads])
         return float(torch.linalg.vector_norm(norms).item())
 
     def _decrease_loss_scale(self) -> None:
@@ -234,6 +259,7 @@ class DynamicLossScaler(object):
             RuntimeError: called twice for ``optimizer`` in one iteration, or after its :meth:`step` (a skipped one
                 included).
         """
+        _check_optimizer(optimizer, "unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -265,6 +291,7 @@ class DynamicLossScaler(object):
             raise RuntimeError("Closure use is not currently supported if DynamicLossScaler is enabled.")
         # Upstream unscaled here whatever unscale_() had done already (the gradients were divided twice, silently)
         # and never recorded the stage, so its "already unscaled" and "after step" errors could not fire.
+        _check_optimizer(optimizer, "step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
@@ -299,23 +326,42 @@ class DynamicLossScaler(object):
         resumed run change its scale at the same iterations as the uninterrupted one (without them the scale grew
         ``scale_window`` clean iterations after the resume instead of after the last overflow). Upstream's loader
         reads ``loss_scale`` only, so these dicts load there too.
+
+        Saved in the middle of an iteration (an optimizer stepped or unscaled, :meth:`update` not called yet), the
+        dict also holds that iteration's scale and whether it overflowed (``iteration_scale``,
+        ``iteration_overflowed``): a scaler loading it unscales the remaining optimizers' gradients by the scale their
+        loss was multiplied by (before, by the loaded ``loss_scale``, which an overflow had lowered already:
+        ``scale_factor`` times too large). Save after :meth:`update` to resume at an iteration boundary.
         """
-        return {
+        state: Dict[str, Any] = {
             "loss_scale": self.loss_scale,
             "iter": self._iter,
             "last_overflow_iter": self._last_overflow_iter,
             "last_rescale_iter": self._last_rescale_iter,
             "overflows_since_rescale": self._overflows_since_rescale,
         }
+        if self._iteration_scale is not None and any(
+            each["stage"] is not OptState.READY for each in self._per_optimizer_states.values()
+        ):
+            state["iteration_scale"] = self._iteration_scale
+            state["iteration_overflowed"] = self._iteration_overflowed
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore the loss scale (when the dict has one) and the counters (when it has them: upstream's dicts do
         not, and the counters then stay as they are).
 
+        An iteration this scaler has open (:meth:`scale`, :meth:`unscale_` or :meth:`step` called since the last
+        :meth:`update`) keeps its scale: gradients already multiplied by it are divided by it, and the loaded
+        ``loss_scale`` applies from the next iteration (before, a load between ``backward`` and :meth:`step`
+        divided them by the loaded scale). Call :meth:`update` first to start anew at once. A dict saved in the
+        middle of an iteration (see :meth:`state_dict`) opens that iteration here when none is open.
+
         Raises:
             ValueError: the saved loss scale is not a finite number > 0, or the dict has some counters but not all,
-                or one is not an integer in its range; nothing is changed then. Upstream took any loss scale: inf or
-                NaN skipped every later step, silently, and 0 failed at the first step with a ``ZeroDivisionError``.
+                or one is not an integer in its range, or a bad iteration entry; nothing is changed then. Upstream
+                took any loss scale: inf or NaN skipped every later step, silently, and 0 failed at the first step
+                with a ``ZeroDivisionError``.
         """
         if "loss_scale" in state_dict:
             value = state_dict["loss_scale"]
@@ -325,14 +371,33 @@ class DynamicLossScaler(object):
                     "a state dict saved by DynamicLossScaler.state_dict()"
                 )
         counters = _counters(state_dict)
+        iteration = _open_iteration(state_dict)
         if "loss_scale" in state_dict:
             self.loss_scale = state_dict["loss_scale"]
-            self._iteration_scale = None  # the next scale() multiplies by the loaded scale
         if counters is not None:
             self._iter, self._last_overflow_iter, self._last_rescale_iter, self._overflows_since_rescale = counters
+        if iteration is not None and self._iteration_scale is None:
+            self._iteration_scale, self._iteration_overflowed = iteration
 
 
 _COUNTERS = ("iter", "last_overflow_iter", "last_rescale_iter", "overflows_since_rescale")
+
+
+def _open_iteration(state_dict: Dict[str, Any]) -> Optional[Tuple[float, bool]]:
+    """The saved scale and overflow flag of an iteration left open (both or neither), checked."""
+    keys = ("iteration_scale", "iteration_overflowed")
+    present = [k for k in keys if k in state_dict]
+    if not present:
+        return None
+    scale, overflowed = state_dict.get(keys[0]), state_dict.get(keys[1])
+    value = _real(scale)
+    if len(present) != 2 or value is None or not 0 < value < math.inf or not isinstance(overflowed, bool):
+        raise ValueError(
+            "DynamicLossScaler.load_state_dict: iteration_scale (a finite number > 0) and iteration_overflowed (a "
+            f"bool) go together, got {dict((k, state_dict.get(k)) for k in present)}; pass a state dict saved by "
+            "DynamicLossScaler.state_dict()"
+        )
+    return value, overflowed
 
 
 def _counters(state_dict: Dict[str, Any]) -> Optional[Tuple[int, int, int, int]]:
