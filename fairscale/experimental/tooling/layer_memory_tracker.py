@@ -19,6 +19,7 @@ Example::
 
 import json
 import math
+import numbers
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -251,10 +252,12 @@ class LayerwiseMemoryTracker:
             hooked = self._monitored.get(id(m))
             if hooked is not None and hooked.module() is m:
                 continue
-            handles = [
-                m.register_forward_pre_hook(self._create_pre_forward_hook(name)),
-                m.register_forward_hook(self._create_post_forward_hook(name)),
-            ]
+            handles = [m.register_forward_pre_hook(self._create_pre_forward_hook(name))]
+            if _is_fsdp(m):
+                # Ends the module's all-gather scope also when its forward raises (always_call): the entry its
+                # pre-hook pushed stayed, and every later gather of the session was added to it.
+                handles.append(m.register_forward_hook(self._create_gather_scope_end(), always_call=True))
+            handles.append(m.register_forward_hook(self._create_post_forward_hook(name)))
             self._monitored[id(m)] = _Hooked(weakref.ref(m), handles)
             group = getattr(m, "process_group", None) if _is_fsdp(m) else None
             if isinstance(group, ProcessGroupTracker):
@@ -330,7 +333,13 @@ class LayerwiseMemoryTracker:
         )
 
     def top_forward_activation_producers(self, top: int = 10) -> List[LayerMemoryTrace]:
-        """The ``top`` forward traces with the most activation bytes (stable order on ties)."""
+        """The ``top`` forward traces with the most activation bytes (stable order on ties).
+
+        Raises:
+            ValueError: ``top`` is not an int >= 0 (a negative one sliced the last traces off, silently).
+        """
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise ValueError(f"top_forward_activation_producers: top must be an int >= 0 (a count), got {top!r}")
         return sorted(self.forward_traces, key=lambda t: t.event.memory_activations, reverse=True)[:top]
 
     def show_plots(self, figsize: Tuple[int, int] = (16, 20), capture: bool = False) -> Any:
@@ -372,13 +381,20 @@ class LayerwiseMemoryTracker:
 
         return _pre_forward_hook
 
+    def _create_gather_scope_end(self) -> Callable[..., None]:
+        def _gather_scope_end(module: nn.Module, inputs: Any, outputs: Any) -> None:
+            if self._probe is None or not self._hooks_own(module):
+                return
+            if self._cumul_all_gather_memory:
+                self._cumul_all_gather_memory.pop()
+
+        return _gather_scope_end
+
     def _create_post_forward_hook(self, name: str) -> Callable[..., None]:
         def _post_forward_hook(module: nn.Module, inputs: Any, outputs: Any) -> None:
             if self._probe is None or not self._hooks_own(module):  # stopped (see _backward_hook), or a copy's
                 return
             self._probe.sync()
-            if _is_fsdp(module) and self._cumul_all_gather_memory:
-                self._cumul_all_gather_memory.pop()
             # Only a leaf as executed: no other module's pre-hook ran since this module's own.
             if self._previous_module_name == name:
                 mark = self._probe.mark()
@@ -512,7 +528,8 @@ def find_best_reset_points(activation_sizes: List[int], num_checkpoints: int) ->
     sizes = list(activation_sizes)
     for i, size in enumerate(sizes):
         # Byte counts: a negative one made an empty last segment look best, a NaN one made every comparison false.
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
+        # numbers.Real: numpy's integers too (a list(np.array(...)) of sizes was refused as "not a number >= 0").
+        if isinstance(size, bool) or not isinstance(size, numbers.Real) or not math.isfinite(size) or size < 0:
             raise ValueError(
                 f"find_best_reset_points: activation_sizes[{i}] is {size!r}; sizes are byte counts (numbers >= 0)"
             )

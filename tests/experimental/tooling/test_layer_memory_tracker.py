@@ -109,6 +109,16 @@ def test_find_best_reset_points() -> None:
     assert find_best_reset_points(sizes, 1) == (35, [4])
     assert find_best_reset_points(sizes, 2) == (24, [2, 5])
     assert find_best_reset_points([1, 1], 5) == (1, [1, 2])
+    # Sizes read from a numpy array are numpy integers: refused as "not byte counts" before (session 38).
+    import numpy as np
+
+    assert find_best_reset_points(list(np.array(sizes)), 2) == (24, [2, 5])
+
+
+def test_top_forward_activation_producers_refuses_a_negative_count() -> None:
+    # top=-1 sliced the last trace off, silently.
+    with pytest.raises(ValueError, match="top must be an int >= 0"):
+        LayerwiseMemoryTracker().top_forward_activation_producers(-1)
 
 
 @pytest.mark.parametrize("bad", [-5, float("nan"), float("inf"), "3", True])
@@ -314,6 +324,15 @@ def test_process_group_tracker_and_ddp() -> None:
     run_distributed(_all_gather_body, 2)
 
 
+class _RaiseWhenArmed(nn.Module):
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise KeyError("a bad batch")
+        return x
+
+
 def _fsdp_with_tracker_body(rank: int, world_size: int) -> None:
     """A ProcessGroupTracker as FSDP's process group (docs/experimental.rst; upstream's FSDP memory-tracking test):
     the first forward's agreement gather refused it ("ProcessGroupTracker cannot communicate"). The collectives run on
@@ -321,10 +340,13 @@ def _fsdp_with_tracker_body(rank: int, world_size: int) -> None:
     (10 x 10 weights and 10 biases in fp32: 440 bytes per gather, as upstream reports), and training is unchanged."""
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
+    raiser = _RaiseWhenArmed()
+
     def build(group: object) -> nn.Module:
         torch.manual_seed(0)
         inner = FSDP(nn.Linear(10, 10), process_group=group, flatten_parameters=False)
-        return FSDP(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), inner), process_group=group, flatten_parameters=False)
+        layers = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), raiser, inner)
+        return FSDP(layers, process_group=group, flatten_parameters=False)
 
     x = torch.randn(4, 10, generator=torch.Generator().manual_seed(rank))
     plain = build(None)
@@ -333,12 +355,27 @@ def _fsdp_with_tracker_body(rank: int, world_size: int) -> None:
     tracker = LayerwiseMemoryTracker()
     tracker.monitor(model)
     model(x).sum().backward()
-    dist.barrier()
-    tracker.stop()
     gathered = [t.all_gathered for t in tracker.memory_traces if t.all_gathered > 0]
     assert gathered and all(g == 440 for g in gathered), gathered
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+    # A forward that raises inside the root (a bad batch, caught): its all-gather scope stayed open, and every later
+    # gather of the session was added to it (cumul_all_gathered grew step after step; found by a fuzz, session 38).
+    def forward_cumuls() -> List[int]:  # of one more step (clear_traces() would also reset what is measured here)
+        start = len(tracker.memory_traces)
+        model(x).sum().backward()
+        return [t.cumul_all_gathered for t in tracker.memory_traces[start:] if t.is_forward]
+
+    steady = forward_cumuls()  # a step as every later one (the first gathers the root's parameters at the start)
+    raiser.armed = True
+    with pytest.raises(KeyError):
+        model(x)
+    raiser.armed = False
+    forward_cumuls()  # finds the root's parameters gathered already
+    assert forward_cumuls() == steady
+    dist.barrier()
+    tracker.stop()
 
 
 def test_fsdp_with_a_process_group_tracker() -> None:
