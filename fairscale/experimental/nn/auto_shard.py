@@ -168,7 +168,7 @@ def shard_model(model: nn.Module, shard_count: int = 3) -> List[torch.fx.GraphMo
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_model: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(shard_count, int) or shard_count < 1:
+    if isinstance(shard_count, bool) or not isinstance(shard_count, int) or shard_count < 1:
         raise ValueError(f"shard_count must be a positive integer, got {shard_count!r}")
     traced = _trace(model)
     _check_output_is_last_value(traced)

@@ -247,3 +247,10 @@ def test_a_skip_inside_a_list_or_keyword_argument_stays_in_one_stage(how: str) -
 def test_a_model_that_is_not_a_module_is_refused() -> None:
     with pytest.raises(TypeError, match="model must be an nn.Module, got NoneType"):
         shard_model(None)  # type: ignore[arg-type]  # before: AttributeError from deep inside
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_shard_count_must_be_a_positive_int(bad: object) -> None:
+    # True passed the int check and was taken as 1 (session 38).
+    with pytest.raises(ValueError, match="shard_count must be a positive integer"):
+        shard_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), bad)  # type: ignore[arg-type]
