@@ -59,7 +59,8 @@ def default_auto_wrap_policy(
         exclude_wrap_modules (Set[Type[nn.Module]]): module types never wrapped themselves
             (their children may be). Default: ``default_auto_wrap_policy.EXCLUDE_WRAP_MODULES``
             (``{nn.ModuleList, nn.ModuleDict}``, which have no forward).
-        skip_params_check_for_root (bool): wrap the root whatever its remaining size. Default:
+        skip_params_check_for_root (bool): wrap the root whatever its children left unwrapped (a root below
+            ``min_num_params`` in all is not descended into, so not wrapped either, as upstream). Default:
             ``False``.
 
     Returns:
@@ -223,9 +224,16 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
 
     Raises:
         ValueError: when ``module`` or one of its submodules is already wrapped.
+        TypeError: ``module`` is not an ``nn.Module`` (inside :func:`enable_wrap`; a list failed with an
+            ``AttributeError``).
     """
     if not ConfigAutoWrap.in_autowrap_context:
         return module
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"auto_wrap: expected the model (an nn.Module), got {type(module).__name__}; wrap a list of layers in "
+            "nn.Sequential or nn.ModuleList first"
+        )
     _check_not_wrapped(module, ConfigAutoWrap.wrapper_cls)
     policy = auto_wrap_policy if auto_wrap_policy is not None else ConfigAutoWrap.auto_wrap_policy
     _WRAPPED.append({})

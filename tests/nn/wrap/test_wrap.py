@@ -55,6 +55,13 @@ def test_wrap_inside_context_uses_context_kwargs() -> None:
     assert layer.kwargs == {"flatten_parameters": False, "mixed_precision": True}
 
 
+def test_auto_wrap_refuses_what_is_not_a_module() -> None:
+    # A list of layers failed with "'list' object has no attribute 'named_modules'" (session 38).
+    with enable_wrap(wrapper_cls=Recorder):
+        with pytest.raises(TypeError, match="auto_wrap: expected the model"):
+            auto_wrap([nn.Linear(5, 5)])  # type: ignore[arg-type]
+
+
 def test_wrap_and_auto_wrap_are_noops_outside_context() -> None:
     linear = nn.Linear(5, 5)
     assert wrap(linear, flatten_parameters=True) is linear
