@@ -58,6 +58,14 @@ def _constructor_rejects_bad_input_with_clear_messages_body(rank: int, ws: int) 
     borrower = FSDP(nn.Sequential(shared, nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="owned \\(sharded\\) by another instance.*append_shared_param"):
         borrower(torch.randn(2, 3))
+    # Names in a tie error are relative to the instance, which is named by its path in the tree (session 38): with
+    # many instances a bare 'weight' said neither which tie nor which instance.
+    owner = nn.Linear(3, 3)
+    tied = nn.Linear(3, 3)
+    tied.weight = owner.weight
+    model = FSDP(nn.Sequential(FSDP(owner), nn.Sequential(FSDP(tied))))
+    with pytest.raises(ValueError, match="instance at '1.0' \\(names relative to it\\)"):
+        model(torch.randn(2, 3))
     # Still fine: fp16 parameters with pure fp16, fp32 with mixed precision, bf16 compute.
     FSDP(nn.Linear(3, 3).half(), compute_dtype=torch.float16)
     FSDP(nn.Linear(3, 3), mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)

@@ -18,7 +18,7 @@ The docs page "Architecture" draws these objects and this data path.
 import contextlib
 import functools
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -97,9 +97,10 @@ def lazy_init(unit: FSDPUnit) -> None:
         _check_has_groups(unit)
         # Every unit of the tree, before anything is materialised or communicated: a tie error then leaves the
         # model as it was and is raised on every rank at the same point.
+        paths = {id(m): clean_path(name) for name, m in unit.owner.named_modules()}
         for u in unit.tree_units():
             if u.foreign_params or u.tie_problems:
-                _check_foreign_params(u)
+                _check_foreign_params(u, paths.get(id(u.owner)))
         ties.raise_for_unmanaged(unit.owner)
     c = unit.config
     for h in unit.handles:
@@ -174,11 +175,12 @@ def lazy_init_for_call(unit: FSDPUnit) -> Iterator[None]:
                 reset_lazy_init(u)
 
 
-def _check_foreign_params(unit: FSDPUnit) -> None:
+def _check_foreign_params(unit: FSDPUnit, where: Optional[str] = None) -> None:
+    """``where``: the instance's path in the root's tree, named in the error (the tie's names are relative to it)."""
     declared = {id(h.param) for h in unit.handles if h.borrowed}
     undeclared = [name for name, p in unit.foreign_params if id(p) not in declared]
     if undeclared or unit.tie_problems:
-        ties.raise_for_ties(unit.tie_problems, undeclared)
+        ties.raise_for_ties(unit.tie_problems, undeclared, where)
     unit.foreign_params = []
 
 

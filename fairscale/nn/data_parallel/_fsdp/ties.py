@@ -14,7 +14,7 @@ reported at the first forward with a ``ValueError`` (as the undeclared sibling t
   instance: the parent would read the nested instance's shard (a 1-D slice) as if it were the full weight.
 """
 
-from typing import Any, Dict, Iterable, List, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from torch import nn
 
@@ -105,9 +105,14 @@ def find_unhonourable_ties(module: nn.Module, nested_owned: Set[int], fsdp_cls: 
     return problems
 
 
-def raise_for_ties(problems: List[str], undeclared: List[str]) -> None:
-    """Raise the ``ValueError`` of the first forward for ties FSDP cannot honour or that were not declared."""
+def raise_for_ties(problems: List[str], undeclared: List[str], where: Optional[str] = None) -> None:
+    """Raise the ``ValueError`` of the first forward for ties FSDP cannot honour or that were not declared.
+
+    ``where``: the instance's path in the root's tree (``""`` for the root); the names are relative to it.
+    """
     lines: List[str] = []
+    if where is not None:
+        lines.append(f"in the FullyShardedDataParallel instance at {where or '<root>'!r} (names relative to it):")
     if undeclared:
         lines.append(
             f"parameters {undeclared} of this FullyShardedDataParallel instance are owned (sharded) by another "
