@@ -124,8 +124,12 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.complex64 if dtype.is_complex else torch.float32)
 
 
-# Held by conversion_in_place (see there).
-_conversion_lock = threading.RLock()
+class _Conversions:
+    """The conversions inside :func:`conversion_in_place` now (all threads) and the user's settings they replaced."""
+
+    lock = threading.Lock()  # held only to count, never during a conversion (which may wait for another thread's)
+    active = 0
+    saved = (False, False)
 
 
 @contextlib.contextmanager
@@ -138,17 +142,26 @@ def conversion_in_place() -> Iterator[None]:
     parameters whose views are alive (or drops their attributes). A conversion that ``.data`` cannot take (a meta
     tensor to a real device) makes a new object all the same, as torch does.
 
-    The settings are process-wide: conversions inside this context are serialized across threads (a reentrant lock),
-    so that one thread does not save the other's temporary values and restore them for good. A plain module converted
-    by another thread meanwhile still sees the temporary settings.
+    The settings are process-wide: the first conversion to enter saves the user's values and the last one to leave
+    restores them (before, a thread entering while another was inside saved that one's temporary values and, leaving
+    last, restored them for good). A plain module converted by another thread meanwhile still sees the temporary
+    settings.
     """
-    with _conversion_lock:
-        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-        swap = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_overwrite_module_params_on_conversion(False)
-        torch.__future__.set_swap_module_params_on_conversion(False)
-        try:
-            yield
-        finally:
-            torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
-            torch.__future__.set_swap_module_params_on_conversion(swap)
+    with _Conversions.lock:
+        if _Conversions.active == 0:
+            _Conversions.saved = (
+                torch.__future__.get_overwrite_module_params_on_conversion(),
+                torch.__future__.get_swap_module_params_on_conversion(),
+            )
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        _Conversions.active += 1
+    try:
+        yield
+    finally:
+        with _Conversions.lock:
+            _Conversions.active -= 1
+            if _Conversions.active == 0:
+                overwrite, swap = _Conversions.saved
+                torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+                torch.__future__.set_swap_module_params_on_conversion(swap)

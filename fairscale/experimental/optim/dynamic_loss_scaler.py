@@ -327,25 +327,17 @@ class DynamicLossScaler(object):
         ``scale_window`` clean iterations after the resume instead of after the last overflow). Upstream's loader
         reads ``loss_scale`` only, so these dicts load there too.
 
-        Saved in the middle of an iteration (an optimizer stepped or unscaled, :meth:`update` not called yet), the
-        dict also holds that iteration's scale and whether it overflowed (``iteration_scale``,
-        ``iteration_overflowed``): a scaler loading it unscales the remaining optimizers' gradients by the scale their
-        loss was multiplied by (before, by the loaded ``loss_scale``, which an overflow had lowered already:
-        ``scale_factor`` times too large). Save after :meth:`update` to resume at an iteration boundary.
+        Take it at an iteration boundary (after :meth:`update`): the scale of an iteration left open is not saved,
+        so a scaler loading a dict taken between two optimizers' :meth:`step` calls divides the remaining gradients by
+        the loaded ``loss_scale`` (lowered already if the iteration overflowed).
         """
-        state: Dict[str, Any] = {
+        return {
             "loss_scale": self.loss_scale,
             "iter": self._iter,
             "last_overflow_iter": self._last_overflow_iter,
             "last_rescale_iter": self._last_rescale_iter,
             "overflows_since_rescale": self._overflows_since_rescale,
         }
-        if self._iteration_scale is not None and any(
-            each["stage"] is not OptState.READY for each in self._per_optimizer_states.values()
-        ):
-            state["iteration_scale"] = self._iteration_scale
-            state["iteration_overflowed"] = self._iteration_overflowed
-        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore the loss scale (when the dict has one) and the counters (when it has them: upstream's dicts do
@@ -354,12 +346,11 @@ class DynamicLossScaler(object):
         An iteration this scaler has open (:meth:`scale`, :meth:`unscale_` or :meth:`step` called since the last
         :meth:`update`) keeps its scale: gradients already multiplied by it are divided by it, and the loaded
         ``loss_scale`` applies from the next iteration (before, a load between ``backward`` and :meth:`step`
-        divided them by the loaded scale). Call :meth:`update` first to start anew at once. A dict saved in the
-        middle of an iteration (see :meth:`state_dict`) opens that iteration here when none is open.
+        divided them by the loaded scale). Call :meth:`update` first to start anew at once.
 
         Raises:
             ValueError: the saved loss scale is not a finite number > 0, or the dict has some counters but not all,
-                or one is not an integer in its range, or a bad iteration entry; nothing is changed then. Upstream
+                or one is not an integer in its range; nothing is changed then. Upstream
                 took any loss scale: inf or NaN skipped every later step, silently, and 0 failed at the first step
                 with a ``ZeroDivisionError``.
         """
@@ -371,33 +362,13 @@ class DynamicLossScaler(object):
                     "a state dict saved by DynamicLossScaler.state_dict()"
                 )
         counters = _counters(state_dict)
-        iteration = _open_iteration(state_dict)
         if "loss_scale" in state_dict:
             self.loss_scale = state_dict["loss_scale"]
         if counters is not None:
             self._iter, self._last_overflow_iter, self._last_rescale_iter, self._overflows_since_rescale = counters
-        if iteration is not None and self._iteration_scale is None:
-            self._iteration_scale, self._iteration_overflowed = iteration
 
 
 _COUNTERS = ("iter", "last_overflow_iter", "last_rescale_iter", "overflows_since_rescale")
-
-
-def _open_iteration(state_dict: Dict[str, Any]) -> Optional[Tuple[float, bool]]:
-    """The saved scale and overflow flag of an iteration left open (both or neither), checked."""
-    keys = ("iteration_scale", "iteration_overflowed")
-    present = [k for k in keys if k in state_dict]
-    if not present:
-        return None
-    scale, overflowed = state_dict.get(keys[0]), state_dict.get(keys[1])
-    value = _real(scale)
-    if len(present) != 2 or value is None or not 0 < value < math.inf or not isinstance(overflowed, bool):
-        raise ValueError(
-            "DynamicLossScaler.load_state_dict: iteration_scale (a finite number > 0) and iteration_overflowed (a "
-            f"bool) go together, got {dict((k, state_dict.get(k)) for k in present)}; pass a state dict saved by "
-            "DynamicLossScaler.state_dict()"
-        )
-    return value, overflowed
 
 
 def _counters(state_dict: Dict[str, Any]) -> Optional[Tuple[int, int, int, int]]:

@@ -20,6 +20,7 @@ Example::
 import json
 import math
 import numbers
+import operator
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -338,9 +339,13 @@ class LayerwiseMemoryTracker:
         Raises:
             ValueError: ``top`` is not an int >= 0 (a negative one sliced the last traces off, silently).
         """
-        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        try:
+            count = operator.index(top)  # numpy integers too
+        except TypeError:
+            count = -1
+        if isinstance(top, bool) or count < 0:
             raise ValueError(f"top_forward_activation_producers: top must be an int >= 0 (a count), got {top!r}")
-        return sorted(self.forward_traces, key=lambda t: t.event.memory_activations, reverse=True)[:top]
+        return sorted(self.forward_traces, key=lambda t: t.event.memory_activations, reverse=True)[:count]
 
     def show_plots(self, figsize: Tuple[int, int] = (16, 20), capture: bool = False) -> Any:
         """Plot the traces (needs matplotlib and Pillow); returns a ``PIL.Image`` when ``capture`` is true."""

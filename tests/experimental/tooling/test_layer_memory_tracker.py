@@ -119,6 +119,9 @@ def test_top_forward_activation_producers_refuses_a_negative_count() -> None:
     # top=-1 sliced the last trace off, silently.
     with pytest.raises(ValueError, match="top must be an int >= 0"):
         LayerwiseMemoryTracker().top_forward_activation_producers(-1)
+    import numpy as np
+
+    assert LayerwiseMemoryTracker().top_forward_activation_producers(np.int64(3)) == []
 
 
 @pytest.mark.parametrize("bad", [-5, float("nan"), float("inf"), "3", True])

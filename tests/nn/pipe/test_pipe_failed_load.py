@@ -52,6 +52,14 @@ def _async_body(rank: int, world_size: int) -> None:
     with pytest.raises(RuntimeError, match="'partition.2.weight' and '0.2.weight' name the same entry"):
         pipe.load_state_dict(disagreeing)
     assert all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
+    # Twins that agree load, NaNs included (a NaN is not equal to itself): copies made apart, and a dict over the
+    # model's own tensors (those are not compared at all).
+    copies = {k: v.clone() for k, v in before.items()}
+    for key in ("0.1.running_mean", "partition.1.running_mean"):
+        copies[key][0] = float("nan")
+    pipe.load_state_dict(copies)
+    assert torch.isnan(pipe.state_dict()["0.1.running_mean"][0])
+    pipe.load_state_dict(pipe.state_dict())
 
 
 def test_async_pipe_failed_load_changes_nothing() -> None:

@@ -79,7 +79,9 @@ class BucketMark(NamedTuple):
 
 
 def _bucket_mark(bucket: GradBucket, buffer: torch.Tensor, subset: Optional[FrozenSet[int]]) -> BucketMark:
-    grads = {id(p): weakref.ref(cast(torch.Tensor, p.grad)) for p in bucket._params if _holds_slot(p, bucket)}
+    # Every gradient there is (a reduction leaves each one in its slot): checking each slot here cost a view per
+    # parameter and step; a gradient recorded that was not in its slot must still match the slot's value to count.
+    grads = {id(p): weakref.ref(p.grad) for p in bucket._params if p.grad is not None}
     return BucketMark(_mark(buffer), subset, grads)
 
 
@@ -96,7 +98,7 @@ def _holds_converted_slot(param: torch.Tensor, bucket: GradBucket, entry: Bucket
     recorded = entry.grads.get(id(param))
     if grad is None or recorded is None or recorded() is not grad or grad.shape != param.shape:
         return False
-    if not grad.is_floating_point():
+    if not (grad.is_floating_point() or grad.is_complex()):
         return False
     slot = bucket.slot(param).to(device=grad.device, dtype=grad.dtype)
     return bool(torch.allclose(grad, slot, rtol=_ROUND_TRIP_RTOL, atol=_ROUND_TRIP_ATOL))
