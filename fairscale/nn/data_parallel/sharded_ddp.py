@@ -474,7 +474,8 @@ class ShardedDataParallel(nn.Module):
         """Move and/or cast the wrapped module, then rebuild hooks and buckets.
 
         Args:
-            device: the new device, or ``None`` to keep it.
+            device: the new device, or ``None`` to keep it; a dtype here is taken as ``dtype`` (``sdp.to(torch.half)``,
+                as ``nn.Module.to`` takes it: torch refused it as a device, confusingly).
             dtype (torch.dtype): the new floating-point dtype, or ``None``.
             non_blocking (bool): asynchronous copies where possible.
 
@@ -488,6 +489,8 @@ class ShardedDataParallel(nn.Module):
             ValueError: (also an ``AssertionError``, as upstream asserted) another device type than the gradient
                 buckets', or buckets on several devices.
         """
+        if isinstance(device, torch.dtype) and dtype is None:
+            device, dtype = None, device
         if isinstance(device, (str, int)):
             device = torch.device(device)
         bucket_devices = self._reducer.bucket_devices()

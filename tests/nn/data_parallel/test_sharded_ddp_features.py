@@ -536,8 +536,19 @@ def _world1_body(rank: int, world_size: int) -> None:
             ("mixed_types", _mixed_types_case),
             ("device_types", _device_types_case),
             ("fp16_with_buckets", _fp16_with_buckets_case),
+            ("to_a_dtype_given_first", _to_dtype_first_case),
         ]
     )
+
+
+def _to_dtype_first_case() -> None:
+    # sdp.to(torch.float64): nn.Module.to takes a dtype first; the wrapper's signature (upstream's: device first)
+    # passed it to torch.device, which refused it confusingly (found by a review, session 38).
+    model = nn.Linear(2, 2)
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    assert sdp.to(torch.float64) is sdp and model.weight.dtype == torch.float64
+    sdp(torch.randn(3, 2, dtype=torch.float64)).sum().backward()
+    assert model.weight.grad is not None and model.weight.grad.dtype == torch.float64
 
 
 def test_single_rank_features() -> None:
