@@ -467,7 +467,7 @@ class ShardedDataParallel(nn.Module):
 
     def to(  # type: ignore[override]
         self,
-        device: Optional[Union[int, str, torch.device]],
+        device: Optional[Union[int, str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         non_blocking: bool = False,
     ) -> "ShardedDataParallel":

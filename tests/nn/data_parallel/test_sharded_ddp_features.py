@@ -549,6 +549,10 @@ def _to_dtype_first_case() -> None:
     assert sdp.to(torch.float64) is sdp and model.weight.dtype == torch.float64
     sdp(torch.randn(3, 2, dtype=torch.float64)).sum().backward()
     assert model.weight.grad is not None and model.weight.grad.dtype == torch.float64
+    # dtype as a keyword alone (``nn.Module.to(dtype=...)``): upstream's signature required a device (session 39).
+    assert sdp.to(dtype=torch.float32) is sdp and model.weight.dtype == torch.float32
+    sdp(torch.randn(3, 2)).sum().backward()
+    assert model.weight.grad is not None and model.weight.grad.dtype == torch.float32
 
 
 def test_single_rank_features() -> None:
