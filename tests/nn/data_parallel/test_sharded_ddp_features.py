@@ -283,12 +283,14 @@ def _cast_under_torch_future_setting_case(rank: int, how: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{how} under the {setting} setting"
 
 
-def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int, casts: str) -> None:
+def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int, casts: str, swap: bool = False) -> None:
     # Gradients kept across a step (no zero_grad), then model.double(): the cast gave each bucketed gradient storage
     # of its own, the rebuild forgot that it held the step's reduced value, and the next backward reduced it again
     # with the other ranks' gradients (0.15 off the plain model after one more step; found by a review, session 37).
     # "half,float": two casts with no forward between (torch's own, past the wrapper) leave the buckets in their
     # dtype, so no rebuild comes; the moved gradients were reduced again (1.0 off; session 38).
+    # swap: under torch's swap setting, a cast of the inner module raised "Couldn't swap Linear.weight": the hooks and
+    # marks held weak references to the parameters and gradients, which torch.utils.swap_tensors refuses (session 39).
     model = _mlp()
     reference = copy.deepcopy(model)
     oss = OSS(model.parameters(), lr=0.1)
@@ -304,20 +306,41 @@ def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int, cast
     oss.step()
     ref_opt.step()
     backward(2)  # onto the step's gradients
-    for name in casts.split(","):
-        dtype = getattr(torch, name)
-        if casts == "double":
-            sdp.double()
-        else:
-            model.to(dtype)
-        reference.to(dtype)
-        oss.step()
-        ref_opt.step()
+    swap_setting = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        for name in casts.split(","):
+            dtype = getattr(torch, name)
+            if casts == "double" and not swap:
+                sdp.double()
+            else:
+                model.to(dtype)
+            reference.to(dtype)
+            oss.step()
+            ref_opt.step()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap_setting)
     backward(3)
     oss.step()
     ref_opt.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def _released_gradient_is_freed_case(rank: int) -> None:
+    # The marks of reduced unbucketed gradients hold them (a weak reference would make torch refuse to swap them):
+    # one released by zero_grad() must still be freed by the next forward, before its activations (session 39).
+    model = _mlp()
+    oss = OSS(model.parameters(), lr=0.1)
+    sdp = ShardedDataParallel(model, oss, reduce_buffer_size=0)
+    sdp(_batch(0, rank)).sum().backward()
+    oss.step()
+    released = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+    assert released  # the owner keeps its reduced gradients
+    oss.zero_grad()
+    sdp(_batch(1, rank))
+    gc.collect()
+    assert all(ref() is None for ref in released)
 
 
 def _unused_parameter_case(rank: int) -> None:
@@ -434,7 +457,14 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("cast_with_kept_gradients_unbucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 0, "double")),
         ("cast_with_kept_gradients_bucketed", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "double")),
         ("round_trip_with_kept_gradients", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "half,float32")),
+        (
+            "swapped_cast_with_kept_gradients_unbucketed",
+            lambda: _cast_with_kept_gradients_case(rank, 2, 0, "double", True),
+        ),
+        ("swapped_cast_with_kept_gradients", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "double", True)),
+        ("swapped_round_trip", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "half,float32", True)),
         ("to_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "to")),
+        ("released_gradient_is_freed", lambda: _released_gradient_is_freed_case(rank)),
         ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
         ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),

@@ -4,12 +4,14 @@
 A backward outside ``no_sync()`` that reaches gradients already holding this step's reduced values must reduce only
 its own new gradients and add the earlier results back (see :mod:`.reducer`). A reduced value is recognised by
 identity and version counter (a *mark*, recorded when its reduction completed), so a gradient the user released,
-zeroed or replaced since is never parked. Bucketed gradients are views of their bucket's buffer and share its
+zeroed or replaced since is never parked. Marks hold their tensors (a weak reference would make torch refuse to swap
+them: ``torch.__future__.set_swap_module_params_on_conversion(True)`` then ``model.half()``), and the reducer drops
+the marks of released gradients at each forward (:meth:`ReducedValues.drop_released`), so that a gradient set to
+``None`` is freed before the next forward, as without the wrapper. Bucketed gradients are views of their bucket's buffer and share its
 version counter: a bucket is marked as a whole, with the set of its parameters whose slots are owed (``None``: all
 of them; a subset after a rebuild of the buckets, see :meth:`ReducedValues.held` and :meth:`ReducedValues.remark`).
 """
 
-import weakref
 from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple, cast
 
 import torch
@@ -19,7 +21,15 @@ from fairscale.nn.misc.param_bucket import GradBucket
 
 __all__ = ["ReducedValues", "will_accumulate"]
 
-Mark = Tuple["weakref.ReferenceType[torch.Tensor]", int]
+
+class Mark(NamedTuple):
+    """A tensor holding a reduction's result: the object, its version counter, its C++ contents then, and the
+    parameter whose gradient it is (``None`` for a bucket's buffer)."""
+
+    tensor: torch.Tensor
+    version: int
+    impl: int
+    param: Optional[torch.Tensor] = None
 
 
 def buffer_of(bucket: GradBucket) -> torch.Tensor:
@@ -47,13 +57,14 @@ def will_accumulate(param: torch.Tensor) -> bool:
         return False
 
 
-def _mark(tensor: torch.Tensor) -> Mark:
-    """What identifies ``tensor`` holding a reduction's result: the object (weakly) and its version counter."""
-    return weakref.ref(tensor), tensor._version
+def _mark(tensor: torch.Tensor, param: Optional[torch.Tensor] = None) -> Mark:
+    return Mark(tensor, tensor._version, tensor._cdata, param)
 
 
 def _still_marked(tensor: Optional[torch.Tensor], mark: Mark) -> bool:
-    return tensor is not None and tensor is mark[0]() and tensor._version == mark[1]
+    """Whether ``tensor`` still holds the marked result: the same object, not modified in place since (zeroed), or
+    converted by a swap (``torch.utils.swap_tensors`` gives it new contents, with a version counter of their own)."""
+    return tensor is mark.tensor and (tensor._version == mark.version or tensor._cdata != mark.impl)
 
 
 def _holds_slot(param: torch.Tensor, bucket: GradBucket) -> bool:
@@ -71,17 +82,19 @@ _ROUND_TRIP_ATOL = 2.0**-24
 
 class BucketMark(NamedTuple):
     """A bucket holding a completed reduction's result: its buffer's mark, the parameters whose slots are owed
-    (``None``: all of them), and the gradient objects that were views of their slot then (weakly, by parameter id)."""
+    (``None``: all of them), and the gradient objects that were views of their slot then (by parameter id; held
+    until the mark goes, at the latest at the next forward or backward: views of the bucket, no memory of their own
+    unless a conversion gave them some)."""
 
     mark: Mark
     subset: Optional[FrozenSet[int]]
-    grads: Dict[int, "weakref.ReferenceType[torch.Tensor]"]
+    grads: Dict[int, torch.Tensor]
 
 
 def _bucket_mark(bucket: GradBucket, buffer: torch.Tensor, subset: Optional[FrozenSet[int]]) -> BucketMark:
     # Every gradient there is (a reduction leaves each one in its slot): checking each slot here cost a view per
     # parameter and step; a gradient recorded that was not in its slot must still match the slot's value to count.
-    grads = {id(p): weakref.ref(p.grad) for p in bucket._params if p.grad is not None}
+    grads = {id(p): p.grad for p in bucket._params if p.grad is not None}
     return BucketMark(_mark(buffer), subset, grads)
 
 
@@ -96,7 +109,7 @@ def _holds_converted_slot(param: torch.Tensor, bucket: GradBucket, entry: Bucket
     gradients of an ``abs().sum()`` loss do)."""
     grad = param.grad
     recorded = entry.grads.get(id(param))
-    if grad is None or recorded is None or recorded() is not grad or grad.shape != param.shape:
+    if grad is None or recorded is not grad or grad.shape != param.shape:
         return False
     if not (grad.is_floating_point() or grad.is_complex()):
         return False
@@ -151,6 +164,12 @@ class ReducedValues:
             buffer_of(bucket).add_(reduced)
         self.clear()
 
+    def drop_released(self) -> None:
+        """Forget the unbucketed gradients released or replaced since their reduction (their marks held them)."""
+        for pid, mark in list(self.marks.items()):
+            if cast(torch.Tensor, mark.param).grad is not mark.tensor:
+                del self.marks[pid]
+
     def held(self, trainable: Sequence[torch.Tensor], bucket_of: Dict[int, GradBucket]) -> Set[int]:
         """The parameters (by id) whose gradient holds a reduced value now: kept across a rebuild of the buckets
         (an ``eval()`` forward between two backwards of one step, freezing), which copies the values into the new
@@ -181,7 +200,7 @@ class ReducedValues:
                 continue
             bucket = bucket_of.get(id(param))
             if bucket is None:
-                self.marks[id(param)] = _mark(param.grad)
+                self.marks[id(param)] = _mark(param.grad, param)
             elif _holds_slot(param, bucket):
                 owed.setdefault(id(bucket), (bucket, []))[1].append(id(param))
         for bucket, pids in owed.values():
@@ -269,7 +288,7 @@ class ReducedValues:
         if earlier is not None:
             grad.add_(earlier[1])
         if param.grad is grad:
-            self.marks[id(param)] = _mark(grad)
+            self.marks[id(param)] = _mark(grad, param)
 
     @torch.no_grad()
     def bucket_reduced(self, bucket: GradBucket, buffer: torch.Tensor) -> None:

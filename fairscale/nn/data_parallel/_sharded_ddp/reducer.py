@@ -59,16 +59,31 @@ def _dispatch_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", param: tor
         reducer._on_grad_ready(param)
 
 
-def _dispatch_pre_hook(
-    reducer_ref: "weakref.ReferenceType[GradReducer]", param_ref: "weakref.ReferenceType[torch.Tensor]", _: Any
-) -> None:
+def _dispatch_pre_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", index: int, _: Any) -> None:
     reducer = reducer_ref()
     # Cheap when nothing holds a reduced value (the usual loop releases gradients before the next backward). Inside
     # no_sync() nothing is parked: no reduction of this backward would add it back.
     if reducer is not None and reducer._reduced.any_marked() and not reducer.accumulating:
-        param = param_ref()
-        if param is not None:
-            reducer._before_accumulate(param)
+        reducer._before_accumulate(reducer.trainable[index])
+
+
+def _revive_swapped_hooks(params: Sequence[torch.Tensor], hooked: Dict[int, int]) -> None:
+    """Make the hooks of parameters torch swapped since they were hooked fire again.
+
+    ``torch.utils.swap_tensors`` (a conversion under ``set_swap_module_params_on_conversion(True)``) leaves the
+    Python dicts of a tensor's hooks (``register_hook``, ``register_post_accumulate_grad_hook``) on the parameter but
+    their C++ registration on the old contents: a hook added since only goes into the dict, and never fires (every
+    gradient stayed local, silently). Assigning a dict again registers it on the current contents (the user's own
+    hooks in it fire again too).
+    """
+    for param in params:
+        impl = hooked.get(id(param))
+        if impl is None or impl == param._cdata:
+            continue
+        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            hooks = getattr(param, name, None)
+            if hooks is not None:
+                setattr(param, name, hooks)
 
 
 class _WeakMethod:
@@ -148,6 +163,7 @@ class GradReducer:
         #: True inside ``no_sync()``: hooks leave the gradients where they accumulate.
         self.accumulating = False
         self.trainable: List[torch.Tensor] = []
+        self._impls: List[int] = []  # the C++ tensor of each hooked parameter (a swap replaces it, and its hooks)
         self._owner: Dict[int, int] = {}  # id(param) -> destination global rank
         self._is_owner: Dict[int, bool] = {}
         self._bucket_of: Dict[int, GradBucket] = {}
@@ -183,6 +199,7 @@ class GradReducer:
         # Gradients holding a reduced value stay marked across the rebuild (the buckets copy their values): an eval()
         # forward between two backwards of one step, or freezing, made the next backward reduce them again.
         held = self._reduced.held(self.trainable, self._bucket_of)
+        hooked = dict(zip(map(id, self.trainable), self._impls))
         self._reduced.restore()
         self.trainable = list(trainable)
         self._owner = {pid: dst for pid, (dst, _) in owners.items()}
@@ -199,16 +216,19 @@ class GradReducer:
                 raise RuntimeError("ShardedDataParallel only works with gradients that don't require grad")
         if self.bucket_size > 0:
             self._setup_buckets()
-        for param in self.trainable:
+        _revive_swapped_hooks(self.trainable, hooked)
+        for index, param in enumerate(self.trainable):
             register = cast(Any, param).register_post_accumulate_grad_hook  # untyped in torch's stubs
             # The parameter (held by C++ autograd) must not keep the reducer alive: a dropped wrapper stops
             # reducing. One still alive leaves alone the backwards that are not its own (_follows_own_forward), so
             # a model wrapped again is reduced by its new wrapper only.
             self._hook_handles.append(register(functools.partial(_dispatch_hook, weakref.ref(self))))
             # Runs before autograd accumulates into the gradient (it may park a reduced value first). The parameter
-            # is held weakly: the hook is stored on it.
-            pre_hook = functools.partial(_dispatch_pre_hook, weakref.ref(self), weakref.ref(param))
+            # is found by its index (the hooks are rebuilt with ``trainable``), not held: the hook is stored on it, and
+            # a weak reference would make torch refuse to swap it (``set_swap_module_params_on_conversion``).
+            pre_hook = functools.partial(_dispatch_pre_hook, weakref.ref(self), index)
             self._hook_handles.append(cast(Any, param).register_hook(pre_hook))
+        self._impls = [param._cdata for param in self.trainable]
         self._reduced.remark(self.trainable, self._bucket_of, held)
         self.state = HookState.READY
 
@@ -244,12 +264,17 @@ class GradReducer:
                 param.grad = grad.clone()
 
     def buckets_stale(self) -> bool:
-        """Whether the parameters' dtype or device changed since the buckets were built.
+        """Whether the parameters' dtype or device changed since the buckets were built, or torch swapped them.
 
         ``module.half()`` / ``.double()`` (``nn.Module``'s, which ``ShardedDataParallel.to`` does not see) cast every
         parameter: the next backward assigned a gradient slot of the old dtype to them and failed inside torch.
-        One parameter per bucket is compared (a cast changes them all).
+        One parameter per bucket is compared (a cast changes them all). Under torch's swap setting
+        (``set_swap_module_params_on_conversion(True)``, the default for tensor subclasses) any conversion, even
+        ``.to()`` of the current device, gives the parameter objects new contents, and the hooks registered on the
+        old ones are gone: each parameter is compared (a submodule may have been converted alone).
         """
+        if any(param._cdata != impl for param, impl in zip(self.trainable, self._impls)):
+            return True
         for bucket in self.buckets:
             first = bucket._params[0]
             buffer = bucket.buffer
@@ -282,6 +307,7 @@ class GradReducer:
     def clear_counters(self, training: bool) -> None:
         """A forward starts: every trainable parameter is to be reduced in the coming backward."""
         self._forward_training = training
+        self._reduced.drop_released()
         if training and torch.is_grad_enabled() and current_graph_task() == -1:
             # A new graph: its first backward is reduced, whatever tensor of it the loss is built from (the output is
             # watched once the forward returned; until then, backwards inside the forward are this wrapper's).
@@ -389,7 +415,9 @@ class GradReducer:
         grad.mul_(self.scaling)
         dst = self._owner[id(param)]
         mine = self._is_owner[id(param)]
-        wire = grad.half() if self.reduce_fp16 and grad.dtype == torch.float32 else grad
+        # An alias (sharing storage, not the object): gloo holds what it reduces for a while after the work completes,
+        # and torch refuses to swap a tensor held elsewhere (a cast under ``set_swap_module_params_on_conversion``).
+        wire = grad.half() if self.reduce_fp16 and grad.dtype == torch.float32 else grad.detach()
         handle = collectives.reduce(wire, dst, group=self.group, async_op=True)
         reduced = self._reduced  # not self: a pending callback must not hold the reducer
 
@@ -398,7 +426,7 @@ class GradReducer:
                 # The reduced value lives on the owner only; dropping it here is what saves the memory.
                 param.grad = None
                 return
-            if wire is not grad:
+            if wire.data_ptr() != grad.data_ptr():
                 grad.copy_(wire)
             reduced.direct_reduced(param, grad)
 
