@@ -3,7 +3,7 @@
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -84,18 +84,12 @@ class BalanceError(ValueError):
     pass
 
 
-def split_module(
-    module: nn.Sequential, balance: Iterable[int], devices: List[torch.device]
-) -> Tuple[nn.ModuleList, List[int], List[torch.device]]:
-    """Split ``module`` into partitions of the sizes in ``balance``, each moved to its device.
+def check_split(module: nn.Sequential, balance: Iterable[int], devices: Sequence[torch.device]) -> List[int]:
+    """The checks of :func:`split_module`, which change nothing: ``Pipe`` runs them before it converts anything in
+    the user's module (a failed constructor left its batch norms converted to ``DeferredBatchNorm``).
 
-    The layers keep their names inside their partition. ``devices`` is truncated (in place) to the number of
-    partitions.
-
-    Raises:
-        BalanceError: wrong balance (an entry that is not a positive int, or a sum other than ``len(module)``).
-        TypeError: ``balance`` is not iterable.
-        IndexError: fewer devices than partitions.
+    Returns:
+        List[int]: the balance, as a list.
     """
     balance = balance_entries(balance, BalanceError)
     if len(module) != sum(balance):
@@ -109,6 +103,23 @@ def split_module(
         raise IndexError(
             "too few devices to hold given partitions " f"(devices: {len(devices)}, partitions: {len(balance)})"
         )
+    return balance
+
+
+def split_module(
+    module: nn.Sequential, balance: Iterable[int], devices: List[torch.device]
+) -> Tuple[nn.ModuleList, List[int], List[torch.device]]:
+    """Split ``module`` into partitions of the sizes in ``balance``, each moved to its device.
+
+    The layers keep their names inside their partition. ``devices`` is truncated (in place) to the number of
+    partitions.
+
+    Raises:
+        BalanceError: wrong balance (an entry that is not a positive int, or a sum other than ``len(module)``).
+        TypeError: ``balance`` is not iterable.
+        IndexError: fewer devices than partitions.
+    """
+    balance = check_split(module, balance, devices)
 
     j = 0
     partitions = []
@@ -208,19 +219,21 @@ class Pipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
 
+        if devices is None:
+            devices = range(accelerator_device_count())
+        device_list = [torch.device(d) for d in devices]
+        try:
+            # Checked before anything in the user's module is converted (a failed constructor must leave it as it
+            # was: its batch norms were left as DeferredBatchNorm, silently changing their statistics later).
+            balance = check_split(module, balance, device_list)
+        except BalanceError as exc:
+            raise ValueError(recommend_auto_balance(str(exc))) from None
+
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
         if checkpoint != "never":
             count_plain_batch_norms_once(module)
-
-        if devices is None:
-            devices = range(accelerator_device_count())
-        device_list = [torch.device(d) for d in devices]
-
-        try:
-            self.partitions, self.balance, self.devices = split_module(module, balance, device_list)
-        except BalanceError as exc:
-            raise ValueError(recommend_auto_balance(str(exc))) from None
+        self.partitions, self.balance, self.devices = split_module(module, balance, device_list)
 
         verify_splitting(module, cast(List[nn.Sequential], list(self.partitions)), self.balance, self.devices)
 

@@ -130,6 +130,16 @@ def test_too_few_devices():
         Pipe(model, balance=[1, 1, 1, 1], devices=["cpu"])
 
 
+@pytest.mark.parametrize("balance, devices", [([1, 1], ["cpu", "cpu"]), ([1, 1, 1], ["cpu"])])
+def test_failed_constructor_leaves_batch_norms(balance, devices):
+    # A balance or device error came after deferred_batch_norm had converted the user's batch norms: the model then
+    # updated its running statistics once per `chunks` forwards, with the population variance (session 39).
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2))
+    with pytest.raises((ValueError, IndexError)):
+        Pipe(model, balance=balance, devices=devices, chunks=2, checkpoint="always", deferred_batch_norm=True)
+    assert type(model[1]) is nn.BatchNorm1d
+
+
 def test_error_order():
     # chunks is checked before checkpoint, checkpoint before the module type, the type before the balance.
     with pytest.raises(ValueError, match="number of chunks"):

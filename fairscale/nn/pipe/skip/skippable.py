@@ -180,8 +180,21 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[T
     poppable_names = frozenset(pop)
 
     def extend_skippable(module_cls: Type[SkippableModule]) -> Type[Skippable]:
-        attrs = {"module_cls": module_cls, "stashable_names": stashable_names, "poppable_names": poppable_names}
-        return cast(Type[Skippable], type(module_cls.__name__, (Skippable,), attrs))
+        # Pickling (torch.save of a model, spawn) finds a class by module and qualified name. The decorated class
+        # takes the user's name in the user's module, and the wrapped one is reached through it: before, the first
+        # was looked up in this module and the second under the name the decorated class had taken ("Can't pickle
+        # <class ...Save>: attribute lookup Save on fairscale.nn.pipe.skip.skippable failed").
+        attrs = {
+            "module_cls": module_cls,
+            "stashable_names": stashable_names,
+            "poppable_names": poppable_names,
+            "__module__": module_cls.__module__,
+            "__qualname__": module_cls.__qualname__,
+            "__doc__": module_cls.__doc__,
+        }
+        decorated = cast(Type[Skippable], type(module_cls.__name__, (Skippable,), attrs))
+        module_cls.__qualname__ = f"{module_cls.__qualname__}.module_cls"
+        return decorated
 
     return extend_skippable
 

@@ -1,9 +1,13 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 import copy
+import io
+import pickle
 
+import torch
 from torch import nn
 
-from fairscale.nn.pipe.skip import Namespace, skippable, stash
+from fairscale.nn import Pipe
+from fairscale.nn.pipe.skip import Namespace, pop, skippable, stash
 
 
 def test_namespace_difference():
@@ -46,3 +50,36 @@ def test_skippable_repr():
 """.strip()
     assert type(m).__name__ == "Hello"
     assert "module.conv.weight" in m.state_dict()
+
+
+@skippable(stash=["skip"])
+class _Keep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        yield stash("skip", x)
+        return self.lin(x)
+
+
+@skippable(pop=["skip"])
+class _Add(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip
+
+
+def test_skippable_layers_pickle():
+    # torch.save of a model holding @skippable layers raised "Can't pickle <class ...>: attribute lookup ... failed"
+    # (the decorated class was named in fairscale's module; session 39). The decorated class keeps the user's
+    # module and name; the wrapped class is reached through it.
+    model = Pipe(nn.Sequential(_Keep(), _Add()), balance=[1, 1], devices=["cpu", "cpu"], chunks=2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 2)
+    assert torch.equal(loaded(x), model(x))
+    assert type(pickle.loads(pickle.dumps(_Keep())).module) is _Keep.module_cls
+    assert _Keep.__module__ == __name__ and _Keep.__qualname__ == "_Keep"
