@@ -7,6 +7,7 @@ from torch import nn
 
 from fairscale.nn.pipe.balance import balance_by_size, balance_by_time, blockpartition
 from fairscale.nn.pipe.balance.profile import layerwise_sandbox
+from fairscale.nn.pipe.skip import pop, skippable, stash
 
 from ._util import NEEDS_CUDA, cuda_devices
 
@@ -293,6 +294,48 @@ def test_balance_partitions_must_be_an_int(balance):
     # 2.0 failed deep inside the partitioning with a TypeError about range().
     with pytest.raises(TypeError, match="partitions must be an int, got float 2.0"):
         balance(2.0, nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), torch.rand(1, 1), device="cpu")
+
+
+@pytest.mark.parametrize("balance, kwargs", [(balance_by_time, {"timeout": 30}), (balance_by_size, {})])
+def test_balance_more_partitions_than_layers(balance, kwargs):
+    # balance_by_time profiled for its whole timeout before the partitioning refused (session 39).
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"sequence is shorter than intended partitions \(2 < 3\)"):
+        balance(3, nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), torch.rand(1, 1), device="cpu", **kwargs)
+    assert time.monotonic() - started < 20
+
+
+def test_balance_by_time_in_place_layers():
+    # ReLU(inplace=True) after a Linear (VGG/ResNet style): each layer got a leaf input that requires grad, and the
+    # in-place op raised "a leaf Variable that requires grad is being used in an in-place operation" (session 39).
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True))
+    assert sum(balance_by_time(2, model, torch.rand(3, 4, requires_grad=True), timeout=0.05, device="cpu")) == 4
+
+
+@skippable(stash=["skip"])
+class _StashComputed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        yield stash("skip", self.lin(x))
+        return x
+
+
+@skippable(pop=["skip"])
+class _PopAdd(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        return x + skip
+
+
+def test_balance_by_time_skip_of_a_computed_tensor():
+    # The stash layer's backward freed the graph of its stashed tensor before the pop layer's backward reached it:
+    # "Trying to backward through the graph a second time" (a U-Net or residual branch; session 39).
+    model = nn.Sequential(_StashComputed(), nn.Linear(4, 4), _PopAdd(), nn.Linear(4, 4))
+    assert sum(balance_by_time(2, model, torch.rand(3, 4), timeout=0.05, device="cpu")) == 4
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("chunks", [0, -2, 0.5, True, "x"])

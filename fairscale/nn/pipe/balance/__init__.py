@@ -34,10 +34,16 @@ def balance_cost(cost: List[int], partitions: int) -> List[int]:
     return [len(p) for p in partitioned]
 
 
-def _check_partitions(partitions: Any, what: str) -> None:
+def _check_partitions(partitions: Any, module: nn.Sequential, what: str) -> None:
     # A float (2.0) failed deep inside the partitioning with a TypeError about range(); a bool counted as 1 or 0.
     if isinstance(partitions, bool) or not isinstance(partitions, int):
         raise TypeError(f"{what}: partitions must be an int, got {type(partitions).__name__} {partitions!r}")
+    if partitions > len(module):
+        # Raised by the partitioning too, but only after profiling (for the whole timeout of balance_by_time).
+        raise ValueError(
+            f"{what}: sequence is shorter than intended partitions ({len(module)} < {partitions}): the module has "
+            f"{len(module)} layers; ask for at most that many partitions"
+        )
 
 
 def _profiling_device(device: Device, what: str) -> torch.device:
@@ -77,7 +83,7 @@ def balance_by_time(
             is not a positive number.
         TypeError: ``partitions`` is not an int.
     """
-    _check_partitions(partitions, "balance_by_time")
+    _check_partitions(partitions, module, "balance_by_time")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
         # 0, a negative number or NaN ran no measurement and returned an even split, silently.
         raise ValueError(f"balance_by_time: timeout must be a positive number of seconds, got {timeout!r}")
@@ -121,6 +127,6 @@ def balance_by_size(
     Raises:
         ValueError: ``device`` is not a CUDA device.
     """
-    _check_partitions(partitions, "balance_by_size")
+    _check_partitions(partitions, module, "balance_by_size")
     sizes = profile_sizes(module, input, chunks, param_scale, torch.device(device))
     return balance_cost(sizes, partitions)

@@ -3,7 +3,7 @@
 
 import copy
 import time
-from typing import Any, Generator, List, Tuple, Union
+from typing import Any, Generator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
 
 from ..microbatch import Batch
+from ..skip.layout import Namespace
+from ..skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ["layerwise_sandbox", "detach", "profile_times", "profile_sizes"]
 
@@ -33,6 +35,23 @@ def detach(batch: Batch) -> None:
         batch[i] = x.detach().requires_grad_(x.requires_grad)
 
 
+def _own_input(x: Tensor) -> Tensor:
+    """``x`` cut from its graph, keeping ``requires_grad``; one that requires grad is a copy, not a leaf, so that a
+    layer may change it in place as it does in the model (``ReLU(inplace=True)`` after a ``Linear`` failed with
+    "a leaf Variable that requires grad is being used in an in-place operation")."""
+    return x.detach().requires_grad_().clone() if x.requires_grad else x.detach()
+
+
+class _SandboxSkipTracker(SkipTracker):
+    """Keeps each stashed tensor cut from the stash layer's graph: that layer's backward frees it before the popping
+    layer's runs ("Trying to backward through the graph a second time" for a skip of a computed tensor)."""
+
+    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if tensor is not None:
+            tensor = _own_input(tensor)
+        super().save(batch, ns, name, tensor)
+
+
 def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float, device: torch.device) -> List[int]:
     """Microseconds of forward plus backward of each layer, summed over the passes that fit in ``timeout``."""
     if any(p.grad is not None for p in module.parameters()):
@@ -48,20 +67,28 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
     while time.time() - begun_at < timeout:
         # Each pass restarts from the sample (a layer's output shape need not fit the first layer).
         batch = start_batch
-        for i, layer in enumerate(layerwise_sandbox(module, device)):
-            detach(batch)
-            handle.synchronize()
-            tick = time.time()
-            batch = batch.call(layer)
-            backward_tensors = tuple(y for y in batch if y.requires_grad)
-            if backward_tensors:
-                torch.autograd.backward(backward_tensors, backward_tensors)
-            handle.synchronize()
-            tock = time.time()
-            time_bufs[i].append(tock - tick)
+        with use_skip_tracker(_SandboxSkipTracker()):
+            _time_layers(module, batch, device, handle, time_bufs)
 
     us = 1_000_000
     return [sum(int(t * us) for t in buf) for buf in time_bufs]
+
+
+def _time_layers(
+    module: nn.Sequential, batch: Batch, device: torch.device, handle: DeviceHandle, time_bufs: List[List[float]]
+) -> None:
+    for i, layer in enumerate(layerwise_sandbox(module, device)):
+        for j, x in enumerate(batch):
+            batch[j] = _own_input(x)
+        handle.synchronize()
+        tick = time.time()
+        batch = batch.call(layer)
+        backward_tensors = tuple(y for y in batch if y.requires_grad)
+        if backward_tensors:
+            torch.autograd.backward(backward_tensors, backward_tensors)
+        handle.synchronize()
+        tock = time.time()
+        time_bufs[i].append(tock - tick)
 
 
 def _micro_batches(chunks: Any) -> int:
@@ -102,7 +129,8 @@ def profile_sizes(
         batch[i] = x[:1].detach().to(device).requires_grad_(x.requires_grad)
 
     for layer in layerwise_sandbox(module, device):
-        detach(batch)
+        for j, x in enumerate(batch):
+            batch[j] = _own_input(x)
         memory_before = handle.memory_allocated()
         batch = batch.call(layer)
         memory_after = handle.memory_allocated()
