@@ -458,6 +458,41 @@ def test_model_output_like_dicts_are_rebuilt_item_by_item() -> None:
     assert_same_grads(plain, ckpt)
 
 
+def _frozen_wrapped_case(wrap: str) -> None:
+    # checkpoint_wrapper around FlattenParamsWrapper or FSDP, frozen after a training step: the views the wrapper's
+    # last forward left kept requires_grad=True, so the frozen module's output required grad, a trainable head's
+    # backward raised torch's "none of output has requires_grad=True", and a training-mode forward never updated
+    # the batch-norm statistics (session 39).
+    from fairscale.nn import FlattenParamsWrapper, FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    plain = copy.deepcopy(net)
+    inner = FlattenParamsWrapper(net) if wrap == "fpw" else FullyShardedDataParallel(net)
+    model = checkpoint_wrapper(inner)
+    model(torch.randn(3, 4)).sum().backward()
+    plain(torch.randn(3, 4))
+    model.requires_grad_(False)
+    plain.requires_grad_(False)
+    head = nn.Linear(4, 1)
+    x = torch.randn(3, 4)
+    out = model(x)
+    assert not out.requires_grad
+    head(out).sum().backward()
+    assert head.weight.grad is not None
+    torch.testing.assert_close(out, plain(x))
+    assert int(net[1].num_batches_tracked) == int(plain[1].num_batches_tracked) == 2
+
+
+def _frozen_fsdp_body(rank: int, world_size: int) -> None:
+    _frozen_wrapped_case("fsdp")
+
+
+def test_frozen_flattened_module_output_needs_no_grad() -> None:
+    _frozen_wrapped_case("fpw")
+    run_distributed(_frozen_fsdp_body, 1)
+
+
 def test_output_requires_grad_only_when_something_does() -> None:
     torch.manual_seed(0)
     frozen = checkpoint_wrapper(Spy(mlp().requires_grad_(False)))
