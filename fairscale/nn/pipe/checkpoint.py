@@ -17,7 +17,7 @@ import contextlib
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Deque, Generator, List, Optional, Protocol, Tuple, Union
+from typing import Any, Deque, Generator, List, Optional, Protocol, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,8 @@ Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
 
 # The one-slot buffers shared by a Checkpoint/Recompute pair.
-Recomputed = Tuple[TensorOrTensors, Tensors]
+# The recomputed output, its input leaves, and the stash phonies the recomputation made (see note_stash_phony).
+Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 RNGStates = Tuple[Tensor, Optional[Tensor]]  # (CPU state, accelerator state of the input's device)
 
 
@@ -71,9 +72,17 @@ class ThreadLocal(threading.local):
     def __init__(self) -> None:
         self.is_checkpointing = False
         self.is_recomputing = False
+        self.stash_phonies: Optional[List[Tensor]] = None
 
 
 thread_local = ThreadLocal()
+
+
+def note_stash_phony(phony: Tensor) -> None:
+    """Called by a stash's portal: a recomputation keeps its phonies, the skip tensors' gradient paths, as roots of
+    the checkpoint's backward (a partition output with no gradient must not cut them off)."""
+    if thread_local.stash_phonies is not None and phony.requires_grad:
+        thread_local.stash_phonies.append(phony)
 
 
 @contextmanager
@@ -273,18 +282,23 @@ class Checkpoint(torch.autograd.Function):
         *input: Tensor,
     ) -> TensorOrTensors:
         _keep(ctx, recomputed, rng_states, function, input_atomic, input)
+        cast(Any, ctx).set_materialize_grads(False)  # an output with no gradient stays None (see dependency.Fork)
         save_rng_states(input[0].device, ctx.rng_states)
         with torch.no_grad(), enable_checkpointing():
             output = function(input[0] if input_atomic else input)
         return output
 
     @staticmethod
-    def backward(ctx: Context, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        output, input_leaf = ctx.recomputed.pop()
+    def backward(ctx: Context, *grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        output, input_leaf, stash_phonies = ctx.recomputed.pop()
         outputs: Tensors = output if isinstance(output, tuple) else (output,)
         # Pair each gradient with its own output before filtering (upstream filtered the outputs only, which
-        # misaligned the gradients when a non-grad output preceded a grad one).
-        pairs = [(y, g) for y, g in zip(outputs, grad_output) if y.requires_grad]
+        # misaligned the gradients when a non-grad output preceded a grad one). An output with no gradient is left
+        # out (a zero passed back gave zero gradients where the plain model leaves None); the stashes' phonies are
+        # roots of their own, so a skip's gradient still reaches the stash (one node runs once per backward call,
+        # also when an output's path reaches it too).
+        pairs = [(y, g) for y, g in zip(outputs, grad_output) if y.requires_grad and g is not None]
+        pairs += [(phony, torch.zeros_like(phony)) for phony in stash_phonies]
         if pairs:
             torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
         grad_input: List[Optional[Tensor]] = [None, None, None, None, None]
@@ -310,10 +324,16 @@ class Recompute(torch.autograd.Function):
     def backward(ctx: Context, *grad_output: Tensor) -> Tuple[None, ...]:
         input = ctx.saved_tensors
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
-        with restore_rng_states(input[0].device, ctx.rng_states):
-            with torch.enable_grad(), enable_recomputing():
-                output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
-        ctx.recomputed.append((output, input_leaf))
+        stash_phonies: List[Tensor] = []
+        previous = thread_local.stash_phonies
+        thread_local.stash_phonies = stash_phonies
+        try:
+            with restore_rng_states(input[0].device, ctx.rng_states):
+                with torch.enable_grad(), enable_recomputing():
+                    output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
+        finally:
+            thread_local.stash_phonies = previous
+        ctx.recomputed.append((output, input_leaf, stash_phonies))
         grad_input: List[None] = [None, None, None, None, None]
         grad_input.extend(None for _ in ctx.saved_tensors)
         return tuple(grad_input)
@@ -334,10 +354,11 @@ class _CheckpointGuard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, *tensors: Tensor) -> Tensors:
+        ctx.set_materialize_grads(False)  # no gradient stays None (see dependency.Fork)
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Tensors:
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         if torch.is_grad_enabled():
             raise RuntimeError(_GRAD_UNSUPPORTED.format(what="a backward with create_graph=True (double backward)"))
         if not torch.autograd._is_checkpoint_valid():

@@ -57,12 +57,15 @@ class Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor) -> Tensors:
         ctx.streams = Context(prev_stream, next_stream)
+        ctx.set_materialize_grads(False)  # no gradient stays None (see dependency.Fork)
         return copy_tensors(ctx.streams, input)
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         # Reverse order, as the forward's last copy is the first whose gradient is complete.
-        grads = copy_tensors(ctx.streams.reversed(), tuple(reversed(grad_output)))
+        present = [g for g in reversed(grad_output) if g is not None]
+        copied = iter(copy_tensors(ctx.streams.reversed(), tuple(present)))
+        grads = [None if g is None else next(copied) for g in reversed(grad_output)]
         grad_input: List[Optional[Tensor]] = [None, None]
         grad_input.extend(reversed(grads))
         return tuple(grad_input)
@@ -75,10 +78,11 @@ class Wait(torch.autograd.Function):
     def forward(ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor) -> Tensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        ctx.set_materialize_grads(False)  # no gradient stays None (see dependency.Fork)
         wait_stream(next_stream, prev_stream)
         return tuple(x.detach() for x in input)
 
     @staticmethod
-    def backward(ctx: Any, *grad_input: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, *grad_input: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         wait_stream(ctx.prev_stream, ctx.next_stream)
         return (None, None) + grad_input

@@ -6,7 +6,7 @@ then runs the backward of the join's lane before the backward of the fork's lane
 orders micro-batches and skip connections without copying any data.
 """
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,11 +32,16 @@ def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
 class Fork(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: Tensor) -> Tuple[Tensor, Tensor]:
+        # The phony's gradient runs this backward even when the input lane got none (a pop layer that ignores its
+        # input): a materialized zero passed on gave the layers before it zero gradients where the plain model leaves
+        # them None (momentum, weight decay and Adam then moved them). Every function of the pipeline's lanes passes
+        # "no gradient" on as None (Join, Copy, Wait, the checkpoint's); the ordering edges stay.
+        ctx.set_materialize_grads(False)
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_input: Tensor, grad_grad: Tensor) -> Tensor:
+    def backward(ctx: Any, grad_input: Optional[Tensor], grad_grad: Optional[Tensor]) -> Optional[Tensor]:
         return grad_input
 
 
@@ -50,8 +55,9 @@ def join(input: Tensor, phony: Tensor) -> Tensor:
 class Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)  # see Fork
         return input.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_input: Tensor) -> Tuple[Tensor, None]:
+    def backward(ctx: Any, grad_input: Optional[Tensor]) -> Tuple[Optional[Tensor], None]:
         return grad_input, None

@@ -22,6 +22,7 @@ from torch import Tensor
 from ..copy import Context as CopyContext
 from ..copy import Copy as Copy
 from ..copy import copy_tensors
+from ..checkpoint import note_stash_phony
 from ..phony import get_phony
 from ..stream import AbstractStream, get_device
 from .namespace import Namespace as Namespace
@@ -56,7 +57,9 @@ class Portal:
         tensor = self.use_tensor()
         if tensor is None:
             return get_phony(torch.device("cpu"), requires_grad=False)
-        return PortalBlue.apply(self, tensor)
+        phony = PortalBlue.apply(self, tensor)
+        note_stash_phony(phony)
+        return phony
 
     def orange(self, phony: Tensor) -> Optional[Tensor]:
         """The stashed tensor, depending on ``phony`` (at the pop)."""

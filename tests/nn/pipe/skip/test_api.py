@@ -3,6 +3,7 @@ import copy
 import io
 import pickle
 
+import pytest
 import torch
 from torch import nn
 
@@ -83,3 +84,42 @@ def test_skippable_layers_pickle():
     assert torch.equal(loaded(x), model(x))
     assert type(pickle.loads(pickle.dumps(_Keep())).module) is _Keep.module_cls
     assert _Keep.__module__ == __name__ and _Keep.__qualname__ == "_Keep"
+
+
+@skippable(stash=["computed"])
+class _StashComputed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        yield stash("computed", self.lin(x))
+        return x
+
+
+@skippable(pop=["computed"])
+class _ReturnSkip(nn.Module):
+    def forward(self, x):
+        skip = yield pop("computed")
+        return 3 * skip  # the input (the layers in between) reaches nothing
+
+
+@pytest.mark.parametrize("balance", [[2, 2, 1], [3, 2], [1, 1, 1, 1, 1], [5]])
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_layers_reaching_nothing_get_no_gradient(balance, checkpoint):
+    # They got zero gradients (fork/join, copy/wait and the checkpoint materialised zeros), which AdamW, momentum and
+    # weight decay act on; the plain model leaves them None (session 39). The skip's gradient still reaches the stash.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _StashComputed(), nn.Linear(4, 4), _ReturnSkip(), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, balance, devices=["cpu"] * len(balance), chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    pipe(x).sum().backward()
+    reference(x_ref).sum().backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad)
+    assert reference[2].weight.grad is None and reference[1].module.lin.weight.grad is not None
+    torch.testing.assert_close(x.grad, x_ref.grad)
