@@ -18,7 +18,7 @@ from ._checks import balance_entries
 from .batchnorm import DeferredBatchNorm, count_plain_batch_norms_once
 from .checkpoint import guard_checkpointed
 from .pipeline import Pipeline
-from .skip.layout import inspect_skip_layout
+from .skip.layout import check_nested_skips, inspect_skip_layout
 from .skip.skippable import verify_skippables
 from .stream import AbstractStream, new_stream
 
@@ -228,6 +228,7 @@ class Pipe(nn.Module):
             balance = check_split(module, balance, device_list)
         except BalanceError as exc:
             raise ValueError(recommend_auto_balance(str(exc))) from None
+        check_nested_skips(module, balance)
 
         if deferred_batch_norm:
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)

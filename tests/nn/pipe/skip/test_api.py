@@ -123,3 +123,32 @@ def test_layers_reaching_nothing_get_no_gradient(balance, checkpoint):
             torch.testing.assert_close(p.grad, q.grad)
     assert reference[2].weight.grad is None and reference[1].module.lin.weight.grad is not None
     torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@skippable(stash=["nested"])
+class _StashNested(nn.Module):
+    def forward(self, x):
+        yield stash("nested", x)
+        return 2 * x
+
+
+@skippable(pop=["nested"])
+class _PopNested(nn.Module):
+    def forward(self, x):
+        skip = yield pop("nested")
+        return x + skip
+
+
+def test_nested_skippables_across_partitions_are_refused():
+    # Only direct children are routed between partitions: a nested pair that the balance split was accepted, and a
+    # checkpointed backward failed with "'nested' has not been stashed" (session 39).
+    def model():
+        return nn.Sequential(nn.Sequential(_StashNested(), nn.Linear(4, 4)), nn.ReLU(), nn.Sequential(_PopNested()))
+
+    with pytest.raises(ValueError, match="'nested' is stashed in partition 0 and popped in partition 1"):
+        Pipe(model(), [1, 2], devices=["cpu", "cpu"], chunks=2)
+    plain = model()
+    pipe = Pipe(copy.deepcopy(plain), [3], devices=["cpu"], chunks=2)  # one partition: as the plain module
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), plain(x))
+    pipe(x).sum().backward()
