@@ -247,9 +247,15 @@ def _grads(model: nn.Module) -> Dict[str, Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _aborted_case(how: str, move_grads_to_cpu: bool) -> None:
+def _aborted_case(how: str, move_grads_to_cpu: bool, zero: str) -> None:
+    # After a backward that raised, FSDP held the reduced gradients of the completed backward aside (out of p.grad,
+    # where autograd writes full-size ones): an optimizer's zero_grad() could not see them, and the recovery gave them
+    # back, so the next step applied the dropped batch too (silently; found by a fuzz of recovery after exceptions,
+    # session 39). They are dropped now where p.grad is empty at the recovery (the user's zero_grad(), or a gradient
+    # the failed backward never reached), as zero_grad() drops a plain module's.
     torch.manual_seed(0)
     model = FSDP(FailingNet(), move_grads_to_cpu=move_grads_to_cpu)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
     model(x).sum().backward()
     before = _grads(model)
@@ -262,34 +268,38 @@ def _aborted_case(how: str, move_grads_to_cpu: bool) -> None:
     else:  # a second backward through a freed graph
         loss = model(x).sum()
         loss.backward()
-        before = _grads(model)  # the first of the two backwards completed: its gradients must survive too
         with pytest.raises(RuntimeError, match="second time|freed"):
             loss.backward()
+    if zero == "optimizer":
+        optimizer.zero_grad()
+    elif zero == "optimizer, set_to_none=False":
+        optimizer.zero_grad(set_to_none=False)
     with pytest.warns(UserWarning, match="did not finish"):
         with torch.no_grad():
             model(x)  # the next forward recovers from the aborted backward
+    # Here every parameter of the tree took part in the failed backward (and none kept a full-size gradient): what
+    # FSDP held aside is dropped, with or without the user's zero_grad().
+    assert all(g is None or not g.any() for g in _grads(model).values()), zero
+    # Training goes on as from a cleared gradient (the kept one would have doubled it).
+    model(x).sum().backward()
     after = _grads(model)
     assert sorted(after) == sorted(before)
-    for name in before:
-        assert torch.equal(after[name], before[name]), name
-    # Training goes on, accumulating onto the kept gradients as nn.Module would.
-    model(x).sum().backward()
-    step = 2.0 if how == "raising backward" else 1.5
-    for name, grad in _grads(model).items():
-        assert torch.allclose(grad, step * before[name], rtol=1e-5, atol=1e-6), name
+    for name, grad in after.items():
+        assert torch.allclose(grad, before[name], rtol=1e-5, atol=1e-6), name
 
 
 def _aborted_backward_body(rank: int, world_size: int) -> None:
     run_cases(
         [
-            (f"{how}, move_grads_to_cpu={cpu}", functools.partial(_aborted_case, how, cpu))
+            (f"{how}, move_grads_to_cpu={cpu}, zero_grad={zero}", functools.partial(_aborted_case, how, cpu, zero))
             for how in ("raising backward", "second backward")
             for cpu in (False, True)
+            for zero in ("none", "optimizer", "optimizer, set_to_none=False")
         ]
     )
 
 
-def test_aborted_backward_keeps_gradients_of_completed_backwards() -> None:
+def test_aborted_backward_drops_the_gradients_fsdp_held_aside() -> None:
     run_distributed(_aborted_backward_body, WORLD, timeout=TIMEOUT)
 
 
@@ -304,6 +314,8 @@ def _call_after_aborted_case(call: str) -> None:
     with pytest.raises(RuntimeError, match="injected"):
         model(x).sum().backward()
     model.module.module.fail = False
+    for p in model.parameters():  # the usual recovery (an optimizer's zero_grad()): the step is dropped
+        p.grad = None
     with pytest.warns(UserWarning, match="did not finish"):  # the call recovers, as the next forward does
         if call == "state_dict":
             got = model.state_dict()
@@ -313,32 +325,157 @@ def _call_after_aborted_case(call: str) -> None:
             with model.summon_full_params():
                 pass
         elif call == "clip_grad_norm_":
-            norm = model.clip_grad_norm_(1e9)  # nothing clipped: the norm of the completed backward's gradients
-            expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in _full_grads(model)]))
-            assert torch.allclose(norm, expected), (norm, expected)
+            assert float(model.clip_grad_norm_(1e9)) == 0.0  # the dropped step's gradients are not counted
         elif call == "no_sync":
             with model.no_sync():
                 pass
         else:
             copy.deepcopy(model)
-    after = _grads(model)
-    assert sorted(after) == sorted(before_grads)
-    for name in before_grads:
-        assert torch.equal(after[name], before_grads[name]), name
+    assert _grads(model) == {}  # the gradients FSDP held aside for the failed backward went with the zero_grad()
     model(x).sum().backward()  # training goes on from there
+    assert sorted(_grads(model)) == sorted(before_grads)
     for name, grad in _grads(model).items():
-        assert torch.allclose(grad, 2.0 * before_grads[name], rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(grad, before_grads[name], rtol=1e-5, atol=1e-6), name
 
 
-def _full_grads(model: FSDP) -> List[Tensor]:
-    """Every rank's reduced gradient shards, gathered (the norm clip_grad_norm_ combines across ranks)."""
-    out = []
-    for p in model.parameters():
-        assert p.grad is not None
-        pieces = [torch.zeros_like(p.grad) for _ in range(dist.get_world_size())]
-        dist.all_gather(pieces, p.grad.contiguous())
-        out.extend(pieces)
-    return out
+class _FailingForwardNet(nn.Module):
+    """A root parameter, an inner instance, and a forward that may raise after both were used."""
+
+    def __init__(self, mixed_precision: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = FSDP(nn.Linear(5, 3), mixed_precision=mixed_precision)
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.b(torch.tanh(self.a(x)))
+        if self.fail:
+            raise RuntimeError("injected forward failure")
+        return out
+
+
+def _recovered_step_case(where: str, mixed_precision: bool) -> None:
+    # A forward that raised left the root's parameters as the gathered full ones until the next forward; a backward
+    # that raised left them so until the next FSDP call. optimizer.step() then failed on the shapes (world > 1), or,
+    # with mixed precision on one rank, updated the temporary low-precision copy and was lost (silently; found by a
+    # fuzz of recovery after exceptions, session 39). The step equals a twin's that skipped the batch.
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(FSDP(_FailingForwardNet(mixed_precision), mixed_precision=mixed_precision))
+    model, twin = models
+    shapes = [p.shape for p in model.parameters()]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for m in models:
+        m(x).sum().backward()
+    if where == "forward":
+        model.module.module.fail = True
+        with pytest.raises(RuntimeError, match="injected forward"):
+            model(x)
+        model.module.module.fail = False
+        assert [p.shape for p in model.parameters()] == shapes
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        optimizers[0].step()
+    else:
+        out = model(x)
+        hook = out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected backward failure")))
+        with pytest.raises(RuntimeError, match="injected backward"):
+            out.sum().backward()
+        hook.remove()
+        model.zero_grad()
+        twin.zero_grad()
+        with pytest.warns(UserWarning, match="did not finish"):
+            optimizers[0].step()  # recovers first (before, it stepped the gathered full parameters)
+        assert [p.shape for p in model.parameters()] == shapes
+    optimizers[1].step()
+    for (key, value), expected in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(value, expected), key
+
+
+def _recovered_step_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            (f"{where}, mixed_precision={mp}", functools.partial(_recovered_step_case, where, mp))
+            for where in ("forward", "backward")
+            for mp in (False, True)
+        ]
+    )
+
+
+def test_a_step_after_a_failed_pass_steps_the_shards() -> None:
+    run_distributed(_recovered_step_body, WORLD, timeout=TIMEOUT)
+
+
+def _one_rank_mixed_precision_body(rank: int, world_size: int) -> None:
+    _recovered_step_case("forward", True)
+
+
+def test_a_step_after_a_failed_forward_one_rank_mixed_precision() -> None:
+    run_distributed(_one_rank_mixed_precision_body, 1, timeout=TIMEOUT)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        raise RuntimeError("injected backward failure")
+
+
+class _Armed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _RaiseInBackward.apply(x) if self.armed else x
+
+
+def _window_model(concat: bool) -> FSDP:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), _Armed(), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    net[3] = FSDP(net[3], optimize_backward_concat=concat)
+    net[5] = FSDP(net[5], optimize_backward_concat=concat)
+    return FSDP(net, optimize_backward_concat=concat)
+
+
+def _failed_window_case(concat: bool, set_to_none: bool) -> None:
+    # optimize_backward_concat: the first backward of a no_sync() window raised after inner instances wrote into the
+    # window buffer, which no p.grad showed yet; the user's zero_grad() could not clear it and the next synchronizing
+    # backward added it in (0.14 off; the docs promise a zero_grad() clears a window also after a backward that
+    # raised; session 39). The buffer that backward opened holds its partial writes only and is dropped.
+    model, twin = _window_model(concat), _window_model(concat)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    x0, x1 = torch.randn(3, 8, generator=generator), torch.randn(3, 8, generator=generator)
+    model.module.module[1].armed = True
+    with pytest.raises(RuntimeError, match="injected"):
+        with model.no_sync():
+            model(x0).pow(2).mean().backward()
+    model.module.module[1].armed = False
+    optimizer.zero_grad(set_to_none=set_to_none)
+    with pytest.warns(UserWarning, match="did not finish"):
+        model(x1).pow(2).mean().backward()
+    twin(x1).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def _failed_window_body(rank: int, world_size: int) -> None:
+    run_cases(
+        [
+            (f"concat={concat}, set_to_none={stn}", functools.partial(_failed_window_case, concat, stn))
+            for concat in (False, True)
+            for stn in (True, False)
+        ]
+    )
+
+
+def test_zero_grad_clears_a_window_whose_first_backward_raised() -> None:
+    run_distributed(_failed_window_body, WORLD, timeout=TIMEOUT)
 
 
 def _call_after_aborted_body(rank: int, world_size: int) -> None:

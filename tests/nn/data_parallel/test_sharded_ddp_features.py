@@ -327,6 +327,60 @@ def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int, cast
         torch.testing.assert_close(p, q)
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise RuntimeError("injected backward failure")
+
+
+class _Armed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RaiseInBackward.apply(x) if self.armed else x
+
+
+def _failed_backward_case(rank: int, zero: str, accumulate: bool) -> None:
+    # A backward that raised after some gradients went to their (async, unbucketed) reductions left that work
+    # pending: gloo wrote the reduced values into the gradients after the user's zero_grad(), and the callbacks ran
+    # in the next backward (parameters off a twin that skipped the batch in most runs; found by a fuzz of recovery
+    # after exceptions, session 39). Several trials: the race was timing dependent.
+    for trial in range(5):
+        models, optimizers, wrappers = [], [], []
+        for _ in range(2):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _Armed(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+            optimizer = OSS(net.parameters(), lr=0.1, momentum=0.9)
+            models.append(net)
+            optimizers.append(optimizer)
+            wrappers.append(ShardedDataParallel(net, optimizer, reduce_buffer_size=0))
+        generator = torch.Generator().manual_seed(100 + 7 * trial + rank)
+        for i in range(4):
+            x = torch.randn(4, 8, generator=generator)
+            if i == 1:
+                models[0][2].armed = True
+                with pytest.raises(RuntimeError, match="injected"):
+                    wrappers[0](x).pow(2).mean().backward()
+                models[0][2].armed = False
+                (wrappers[0] if zero == "model" else optimizers[0]).zero_grad()
+                continue
+            for sdp, optimizer in zip(wrappers, optimizers):
+                if accumulate:
+                    with sdp.no_sync():
+                        sdp(x * 0.5).pow(2).mean().backward()
+                sdp(x).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q), (trial, zero, accumulate)
+
+
 def _released_gradient_is_freed_case(rank: int) -> None:
     # The marks of reduced unbucketed gradients hold them (a weak reference would make torch refuse to swap them):
     # one released by zero_grad() must still be freed by the next forward, before its activations (session 39).
@@ -465,6 +519,9 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("swapped_round_trip", lambda: _cast_with_kept_gradients_case(rank, 2, 2**20, "half,float32", True)),
         ("to_under_torch_future_settings", lambda: _cast_under_torch_future_setting_case(rank, "to")),
         ("released_gradient_is_freed", lambda: _released_gradient_is_freed_case(rank)),
+        ("failed_backward,model_zero_grad", lambda: _failed_backward_case(rank, "model", False)),
+        ("failed_backward,model_zero_grad,no_sync", lambda: _failed_backward_case(rank, "model", True)),
+        ("failed_backward,optimizer_zero_grad,no_sync", lambda: _failed_backward_case(rank, "optimizer", True)),
         ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
         ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),

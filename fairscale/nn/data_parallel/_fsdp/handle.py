@@ -93,8 +93,10 @@ class FlatHandle:
         # ``keep_intact`` is the tensor reductions must not add into in place (it is, or aliases, one of those).
         self.grad_before_backward: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
         self.keep_intact: Optional[Tensor] = None
-        # Whether p.grad was None when the running backward began: a full-size p.grad then came from that backward.
+        # Whether p.grad was None when the running backward began: a full-size p.grad then came from that backward;
+        # whether the optimize_backward_concat window buffer was open then (if not, that backward opened it).
         self.no_grad_before_backward = False
+        self.window_open_before_backward = False
         # True for a parameter owned by a sibling instance and declared with append_shared_param.
         self.borrowed = borrowed
         # Whether the persistent post-accumulate-grad hook is on the parameter (registered once per handle).
@@ -405,7 +407,7 @@ class FlatHandle:
     def park_grad_for_backward(self, compute_device: torch.device) -> None:
         """A backward starts: move a reduced shard gradient out of ``p.grad`` so autograd can write a full-size one.
 
-        Remembers what the backward started from (:meth:`undo_partial_backward` goes back to it if it raises).
+        Remembers what the backward started from (``recovery.undo_partial_backward`` goes back to it if it raises).
 
         Raises:
             RuntimeError: ``p.grad`` has neither the full shape nor the shard shape (assigned by hand).
@@ -422,6 +424,7 @@ class FlatHandle:
         self.grad_before_backward = (self.saved_grad_shard, None)
         self.keep_intact = self.saved_grad_shard
         self.no_grad_before_backward = g is None
+        self.window_open_before_backward = self.grad_accum_flat is not None
         if g is None:
             return
         # The shape alone is ambiguous when shard and full shapes coincide (a 1-element parameter): a full-size
@@ -544,27 +547,6 @@ class FlatHandle:
             grad = grad.to(self.param.dtype)
         self.param.grad = grad
         self.remember_assigned_grad(grad)
-
-    def undo_partial_backward(self) -> None:
-        """Drop the partial reductions of a backward that raised; give back what completed backwards left.
-
-        ``saved_grad_shard`` goes back to its value when that backward started, and a reduced shard it took out of
-        ``p.grad`` is put back there.
-        """
-        if self.grad_before_backward is None:
-            return  # this handle took no part in the failed backward: nothing of it to drop
-        saved, parked = self.grad_before_backward
-        self.saved_grad_shard = saved
-        if parked is not None:
-            # Whatever p.grad holds now was written by the failed backward (p.grad held the reduced shard when it began).
-            self.param.grad = parked
-            self.remember_assigned_grad(parked)
-        elif self.no_grad_before_backward and self.param.grad is not None and self.grad_accum_flat is None:
-            # p.grad was empty when the failed backward began, so an unreduced gradient there now is that backward's
-            # (a reduction deferred to its end: a unit used by two forwards, a shared parameter's part waiting for the
-            # owner's): the next backward would take it for a no_sync() window's sum and reduce it with its own.
-            self.param.grad = None
-        self.end_backward()
 
     # ------------------------------------------------------------------ optimize_backward_concat window buffer
     def open_accum_buffer(

@@ -204,6 +204,7 @@ def _become_root(unit: FSDPUnit) -> None:
     # The front's method, looked up now (not at construction) so that it can be wrapped before the first forward.
     tree.set_finalizer(getattr(unit.owner, "_finalize_backward"))
     unit.tree = tree
+    step_guard.recover_before_steps(unit)
     units = unit.tree_units()
     group = unit.config.process_group
     unit.children_share_process_group = all(u.config.process_group is group for u in units)
@@ -378,7 +379,19 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
     if not recomputing:
         prefetch.on_forward(unit)
     unit.use_full_params()
-    outputs = _unalias_outputs(unit, unit.wrapped(*args, **kwargs))
+    try:
+        outputs = _unalias_outputs(unit, unit.wrapped(*args, **kwargs))
+    except BaseException:
+        # A forward that raised (a bad batch caught and skipped, an OOM): its parameters are the fp32 shards again.
+        # They stayed the gathered full parameters until the next forward: an optimizer step then failed on the
+        # shapes, or (one rank, mixed precision) updated the temporary low-precision copy and was lost, silently.
+        # Not inside a backward: a recomputation there may be stopped on purpose by an exception (torch's
+        # non-reentrant checkpoint stops it once it has what it needs), and the backward goes on with the gathered
+        # parameters.
+        if not recomputing and torch._C._current_graph_task_id() == -1:
+            unit.reshard(after_forward=False)
+            unit.use_fp32_shards()
+        raise
     # Before the full parameters are freed (a view of a freed one fails) and before use_fp32_shards (see below).
     accs = _forward_grad_accumulators(unit) if torch.is_grad_enabled() else []
     if (unit.reshard_after_forward or grad_off) and not recomputing:

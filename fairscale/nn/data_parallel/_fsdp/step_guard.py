@@ -27,8 +27,34 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fairscale.internal.errors import FairscaleRuntimeError
 
 from .handle import FlatHandle
+from .recovery import recover_between_steps
 from .ties import is_flattened_away
 from .unit import FSDPUnit
+
+# Roots (weak: a dropped model is no longer watched): every root, for the recovery before a step.
+_roots: "weakref.WeakSet[FSDPUnit]" = weakref.WeakSet()
+_recovery_registered = False
+
+
+def recover_before_steps(root: FSDPUnit) -> None:
+    """From now on, an ``optimizer.step()`` first resets ``root``'s tree after a backward that raised (registered
+    once, when a root is found). Before, the step saw the full parameters that backward had gathered (a shape
+    error), and skipped the parameters whose reduced gradient FSDP had moved aside for it."""
+    global _recovery_registered
+    if not _recovery_registered:
+        register_optimizer_step_pre_hook(_recover_before_step)
+        _recovery_registered = True
+    _roots.add(root)
+
+
+def _recover_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
+    # Cost per step: one flag per root (a backward left unfinished keeps its end-of-backward callback queued).
+    for root in list(_roots):
+        tree = root.tree
+        if tree is not None and tree.root is not None and tree.final_callback_queued:
+            recover_between_steps(root)
+    return None
+
 
 # Roots whose last backward left gradients unreduced (weak: a dropped model is no longer watched).
 _watched: "weakref.WeakSet[FSDPUnit]" = weakref.WeakSet()

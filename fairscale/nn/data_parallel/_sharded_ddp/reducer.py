@@ -304,8 +304,26 @@ class GradReducer:
     # ------------------------------------------------------------------------------------------------
     # Per iteration
 
+    def abandon_failed_backward(self) -> None:
+        """Finish the reductions a backward that raised left pending (before its end-of-backward flush), outside any
+        backward: at the next forward or ``zero_grad()``.
+
+        Left pending, gloo went on writing the reduced values into the gradients after the user's ``zero_grad()``,
+        and their completion callbacks ran in the next backward, marking stale tensors as reduced results (later
+        steps silently off; found by a fuzz of recovery after exceptions, session 39). They are waited for (every
+        rank issued them: a rank whose backward failed elsewhere waits until the group's timeout, as at any
+        mismatched collective) and their callbacks are dropped; what the failed backward had parked goes back.
+        """
+        if not self._handles or current_graph_task() != -1:
+            return
+        while self._handles:
+            self._handles.popleft().handle.wait()
+        self._reduced.restore()
+        self._callback_queued = False
+
     def clear_counters(self, training: bool) -> None:
         """A forward starts: every trainable parameter is to be reduced in the coming backward."""
+        self.abandon_failed_backward()
         self._forward_training = training
         self._reduced.drop_released()
         if training and torch.is_grad_enabled() and current_graph_task() == -1:
@@ -553,6 +571,7 @@ class GradReducer:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool, params: Sequence[torch.Tensor]) -> None:
         """Zero (or release) the gradients of ``params``; bucketed trainable ones stay views, zeroed."""
+        self.abandon_failed_backward()
         # Nothing reduced earlier is owed any more, nor is an abandoned no_sync() window (its parameters, released
         # here, got zero gradients at the next backward, and weight decay stepped them).
         self._reduced.clear()
