@@ -415,23 +415,13 @@ def test_a_step_after_a_failed_forward_one_rank_mixed_precision() -> None:
     run_distributed(_one_rank_mixed_precision_body, 1, timeout=TIMEOUT)
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        raise RuntimeError("injected backward failure")
-
-
 class _Armed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.armed = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return _RaiseInBackward.apply(x) if self.armed else x
+        return FailInBackward.apply(x, True) if self.armed else x
 
 
 def _window_model(concat: bool) -> FSDP:

@@ -15,6 +15,8 @@ import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: o
 import torch.distributed as dist
 from torch import nn
 
+from _models import FailInBackward
+
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.fair_dev.testing.testing_compare import check_same_models_across_ranks
 from fairscale.internal.collectives import count_collectives
@@ -327,23 +329,13 @@ def _cast_with_kept_gradients_case(rank: int, world_size: int, buffer: int, cast
         torch.testing.assert_close(p, q)
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise RuntimeError("injected backward failure")
-
-
 class _Armed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.armed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RaiseInBackward.apply(x) if self.armed else x
+        return FailInBackward.apply(x, True) if self.armed else x
 
 
 def _failed_backward_case(rank: int, zero: str, accumulate: bool) -> None:
