@@ -3,6 +3,7 @@
 changes, attributes, error cases, process sub-groups. Real gloo worlds on CPU."""
 
 import copy
+import functools
 import gc
 import io
 import logging
@@ -338,12 +339,16 @@ class _Armed(nn.Module):
         return FailInBackward.apply(x, True) if self.armed else x
 
 
-def _failed_backward_case(rank: int, zero: str, accumulate: bool) -> None:
+def _failed_backward_case(
+    rank: int, zero: str, accumulate: bool, buffer: int = 0, completed_first: bool = False
+) -> None:
     # A backward that raised after some gradients went to their (async, unbucketed) reductions left that work
     # pending: gloo wrote the reduced values into the gradients after the user's zero_grad(), and the callbacks ran
     # in the next backward (parameters off a twin that skipped the batch in most runs; found by a fuzz of recovery
-    # after exceptions, session 39). Several trials: the race was timing dependent.
-    for trial in range(5):
+    # after exceptions, session 39). Several trials: the race was timing dependent. completed_first: a completed
+    # backward of the step before the failing one; its reduced values, parked by the failing backward, came back
+    # after an optimizer's zero_grad(), which could not see them (found by a review, session 39).
+    for trial in range(3):
         models, optimizers, wrappers = [], [], []
         for _ in range(2):
             torch.manual_seed(0)
@@ -351,16 +356,21 @@ def _failed_backward_case(rank: int, zero: str, accumulate: bool) -> None:
             optimizer = OSS(net.parameters(), lr=0.1, momentum=0.9)
             models.append(net)
             optimizers.append(optimizer)
-            wrappers.append(ShardedDataParallel(net, optimizer, reduce_buffer_size=0))
+            wrappers.append(ShardedDataParallel(net, optimizer, reduce_buffer_size=buffer))
         generator = torch.Generator().manual_seed(100 + 7 * trial + rank)
         for i in range(4):
             x = torch.randn(4, 8, generator=generator)
             if i == 1:
+                if completed_first:
+                    wrappers[0](x * 0.5).pow(2).mean().backward()
                 models[0][2].armed = True
                 with pytest.raises(RuntimeError, match="injected"):
                     wrappers[0](x).pow(2).mean().backward()
                 models[0][2].armed = False
-                (wrappers[0] if zero == "model" else optimizers[0]).zero_grad()
+                if zero == "model":
+                    wrappers[0].zero_grad()
+                else:
+                    optimizers[0].zero_grad(set_to_none=zero == "optimizer")
                 continue
             for sdp, optimizer in zip(wrappers, optimizers):
                 if accumulate:
@@ -514,6 +524,14 @@ def _world2_body(rank: int, world_size: int) -> None:
         ("failed_backward,model_zero_grad", lambda: _failed_backward_case(rank, "model", False)),
         ("failed_backward,model_zero_grad,no_sync", lambda: _failed_backward_case(rank, "model", True)),
         ("failed_backward,optimizer_zero_grad,no_sync", lambda: _failed_backward_case(rank, "optimizer", True)),
+        *[
+            (
+                f"failed_second_backward,buffer={buffer},{zero}",
+                functools.partial(_failed_backward_case, rank, zero, False, buffer, True),
+            )
+            for buffer in (0, 2**20)
+            for zero in ("optimizer", "optimizer,set_to_none=False")
+        ],
         ("unused_parameter_after_rebuilds", lambda: _unused_parameter_case(rank)),
         ("rewrap", lambda: _rewrap_case(rank)),
         ("non_contiguous_buffer", lambda: _non_contiguous_buffer_case(rank)),

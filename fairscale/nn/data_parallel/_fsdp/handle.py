@@ -89,7 +89,7 @@ class FlatHandle:
         self.zero2_slice: Optional[Tensor] = None
         self.saved_grad_shard: Optional[Tensor] = None
         # What the running backward started from: (saved_grad_shard, the reduced shard it took out of p.grad).
-        # A backward that raises is undone to this at the next forward, so completed backwards keep their gradients.
+        # A backward that raises is undone to this at the recovery (see recovery.undo_partial_backward).
         # ``keep_intact`` is the tensor reductions must not add into in place (it is, or aliases, one of those).
         self.grad_before_backward: Optional[Tuple[Optional[Tensor], Optional[Tensor]]] = None
         self.keep_intact: Optional[Tensor] = None

@@ -145,6 +145,10 @@ class ReducedValues:
         self.parked: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, reduced gradient)
         self.parked_buckets: Dict[int, Tuple[GradBucket, torch.Tensor]] = {}  # id(bucket) -> (bucket, values)
 
+    def parks(self) -> bool:
+        """Whether a reduced value is parked (only while a backward runs, or after one that raised)."""
+        return bool(self.parked or self.parked_buckets)
+
     def any_marked(self) -> bool:
         return bool(self.marks or self.bucket_marks)
 
@@ -162,6 +166,24 @@ class ReducedValues:
             param.grad = reduced if param.grad is None else param.grad.add_(reduced)
         for bucket, reduced in self.parked_buckets.values():
             buffer_of(bucket).add_(reduced)
+        self.clear()
+
+    @torch.no_grad()
+    def abandon(self) -> None:
+        """A backward raised with values parked: give them back only where the gradients still hold something.
+
+        An optimizer's ``zero_grad()`` after the failure (the usual way to skip the batch) cannot see a parked value:
+        given back unconditionally, it came back and the next step applied the dropped step (as FSDP's recovery
+        does, a gradient that is ``None`` or all zero counts as cleared).
+        """
+        for param, reduced in self.parked.values():
+            grad = param.grad
+            if grad is not None and bool(grad.any()):
+                param.grad = reduced  # the failed backward's partial gradient goes; the completed one stays
+        for bucket, reduced in self.parked_buckets.values():
+            grads = [p.grad for p in bucket._params]
+            if any(g is not None and _holds_slot(p, bucket) and bool(g.any()) for p, g in zip(bucket._params, grads)):
+                buffer_of(bucket).add_(reduced)
         self.clear()
 
     def drop_released(self) -> None:

@@ -86,6 +86,14 @@ def _revive_swapped_hooks(params: Sequence[torch.Tensor], hooked: Dict[int, int]
                 setattr(param, name, hooks)
 
 
+class _Reduction(Workhandle):
+    """A pending reduction, and the tensor it writes into (``None``: a copy, see ``reduce_fp16``)."""
+
+    def __init__(self, handle: Any, callback: Callable[[], Any], target: Optional[torch.Tensor]) -> None:
+        super().__init__(handle, callback)
+        self.target = target
+
+
 class _WeakMethod:
     """Calling it returns the bound method it was built with, or ``None`` once the method's object is gone.
 
@@ -209,6 +217,7 @@ class GradReducer:
         self.buckets = []
         if not training:
             self.state = HookState.NONE
+            self._impls = []  # no hooks to lose (the next training forward sets up again)
             self._reduced.remark(self.trainable, self._bucket_of, held)
             return
         for param in self.trainable:
@@ -312,13 +321,20 @@ class GradReducer:
         and their completion callbacks ran in the next backward, marking stale tensors as reduced results (later
         steps silently off; found by a fuzz of recovery after exceptions, session 39). They are waited for (every
         rank issued them: a rank whose backward failed elsewhere waits until the group's timeout, as at any
-        mismatched collective) and their callbacks are dropped; what the failed backward had parked goes back.
+        mismatched collective), their callbacks are dropped and what they wrote is zeroed (a sum of partial
+        gradients: written after the user's zero_grad(set_to_none=False), it undid it); what the failed backward had
+        parked goes back where the gradients were not cleared since (:meth:`ReducedValues.abandon`).
         """
-        if not self._handles or current_graph_task() != -1:
-            return
-        while self._handles:
-            self._handles.popleft().handle.wait()
-        self._reduced.restore()
+        if current_graph_task() != -1 or not (self._handles or self._callback_queued or self._reduced.parks()):
+            return  # inside a backward, or the last one finished (its flush reset all three)
+        with torch.no_grad():
+            while self._handles:
+                work = self._handles.popleft()
+                work.handle.wait()
+                target = getattr(work, "target", None)
+                if target is not None:
+                    target.zero_()
+        self._reduced.abandon()
         self._callback_queued = False
 
     def clear_counters(self, training: bool) -> None:
@@ -448,7 +464,8 @@ class GradReducer:
                 grad.copy_(wire)
             reduced.direct_reduced(param, grad)
 
-        self._handles.append(Workhandle(handle, done))
+        # What gloo writes into: the gradient itself, unless reduce_fp16 made a copy.
+        self._handles.append(_Reduction(handle, done, wire if wire.data_ptr() == grad.data_ptr() else None))
 
     @torch.no_grad()
     def _check_into_bucket(self, param: torch.Tensor, bucket: GradBucket) -> None:
@@ -470,7 +487,7 @@ class GradReducer:
         bucket.sent = True
         handle = collectives.reduce(buffer, bucket.destination, group=self.group, async_op=True)
         done = functools.partial(self._reduced.bucket_reduced, bucket, buffer)
-        self._handles.append(Workhandle(handle, done))
+        self._handles.append(_Reduction(handle, done, buffer))
 
     def _consume_completed(self) -> None:
         while self._handles and self._handles[0].handle.is_completed():

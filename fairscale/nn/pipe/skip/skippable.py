@@ -56,6 +56,17 @@ class Skippable(nn.Module):
     def __repr__(self) -> str:
         return f"@skippable({self.module})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickling (torch.save of a model, spawn) finds a class by module and qualified name: the decorated class
+        # carries the user's, and the wrapped module is rebuilt from its state through ``module_cls``, whose name
+        # (now the decorated class's) cannot be looked up. Before, saving any model holding a skippable layer
+        # failed ("Can't pickle <class ...Save>: attribute lookup Save on fairscale.nn.pipe.skip.skippable failed").
+        state = dict(self.__dict__)
+        modules = dict(state["_modules"])
+        inner = modules.pop("module")
+        state["_modules"] = modules
+        return (_restore_skippable, (type(self), state, inner.__getstate__()))
+
     def namespaced(self, name: str) -> Tuple[Namespace, str]:
         """``(namespace of name or None, name)``."""
         ns = self.namespaces.get(name)
@@ -180,10 +191,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[T
     poppable_names = frozenset(pop)
 
     def extend_skippable(module_cls: Type[SkippableModule]) -> Type[Skippable]:
-        # Pickling (torch.save of a model, spawn) finds a class by module and qualified name. The decorated class
-        # takes the user's name in the user's module, and the wrapped one is reached through it: before, the first
-        # was looked up in this module and the second under the name the decorated class had taken ("Can't pickle
-        # <class ...Save>: attribute lookup Save on fairscale.nn.pipe.skip.skippable failed").
+        # The user's module and name, for pickling (see Skippable.__reduce_ex__).
         attrs = {
             "module_cls": module_cls,
             "stashable_names": stashable_names,
@@ -192,11 +200,19 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[T
             "__qualname__": module_cls.__qualname__,
             "__doc__": module_cls.__doc__,
         }
-        decorated = cast(Type[Skippable], type(module_cls.__name__, (Skippable,), attrs))
-        module_cls.__qualname__ = f"{module_cls.__qualname__}.module_cls"
-        return decorated
+        return cast(Type[Skippable], type(module_cls.__name__, (Skippable,), attrs))
 
     return extend_skippable
+
+
+def _restore_skippable(cls: Type[Skippable], state: Dict[str, Any], inner_state: Any) -> Skippable:
+    """Unpickle a skippable layer (see :meth:`Skippable.__reduce_ex__`)."""
+    layer = cls.__new__(cls)
+    inner = cls.module_cls.__new__(cls.module_cls)
+    inner.__setstate__(inner_state)
+    state["_modules"] = {**state["_modules"], "module": inner}
+    layer.__dict__.update(state)
+    return layer
 
 
 class stash:

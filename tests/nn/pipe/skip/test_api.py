@@ -84,6 +84,17 @@ def test_skippable_layers_pickle():
     assert torch.equal(loaded(x), model(x))
     assert type(pickle.loads(pickle.dumps(_Keep())).module) is _Keep.module_cls
     assert _Keep.__module__ == __name__ and _Keep.__qualname__ == "_Keep"
+    # Used as a function, the decorator leaves the wrapped class alone: it still pickles on its own.
+    assert type(pickle.loads(pickle.dumps(_Plain()))) is _Plain
+
+
+class _Plain(nn.Module):
+    def forward(self, x):
+        yield stash("skip", x)
+        return x
+
+
+_SkipPlain = skippable(stash=["skip"])(_Plain)
 
 
 @skippable(stash=["computed"])
