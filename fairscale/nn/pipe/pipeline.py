@@ -85,6 +85,7 @@ class Pipeline:
         self.checkpoint_stop = checkpoint_stop
         # During run(): each partition's modules' training flags, which checkpointed recomputations replay.
         self._training_flags: Optional[List[TrainingFlags]] = None
+        self._trains: Optional[bool] = None
         self.in_queues: List[InQueueT]
         self.out_queues: List[OutQueueT]
         self.in_queues, self.out_queues = create_workers(devices)
@@ -134,12 +135,20 @@ class Pipeline:
         # (a walk per micro-batch cost about 0.5 ms per 1000 modules, on the workers, holding the GIL).
         checkpointing = self.checkpoint_stop > 0 and self.partitions[0].training
         self._training_flags = [training_flags_of(p) for p in self.partitions] if checkpointing else None
+        # Whether a parameter requires grad (looked at once per forward): when none does, a micro-batch whose input
+        # requires none either is not checkpointed. Checkpointed, the output of a frozen model required grad (the
+        # checkpoint's phony), and a backward through it recomputed every partition for nothing. Decided for the
+        # whole micro-batch (a skip's portal hands its tensor out once more when both ends are checkpointed).
+        self._trains = (
+            any(p.requires_grad for part in self.partitions for p in part.parameters()) if checkpointing else None
+        )
         try:
             for schedule in clock_cycles(m, n):
                 self.fence(batches, schedule, skip_trackers)
                 self.compute(batches, schedule, skip_trackers)
         finally:
             self._training_flags = None
+            self._trains = None
 
     def fence(self, batches: List[Batch], schedule: Schedule, skip_trackers: List[SkipTrackerThroughPotals]) -> None:
         """Copy what the tasks of ``schedule`` need onto their devices; order the backward of micro-batches."""
@@ -171,7 +180,10 @@ class Pipeline:
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
             flags = self._training_flags[j] if self._training_flags is not None else None
-            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, i < checkpoint_stop, flags)
+            # Within a micro-batch every partition decides alike: an input that requires grad makes every later
+            # partition's input require grad too.
+            checkpoint = i < checkpoint_stop and (self._trains is not False or any(x.requires_grad for x in batch))
+            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, checkpoint, flags)
             self.in_queues[j].put(task)
 
         exc_info: Optional[ExcInfo] = None

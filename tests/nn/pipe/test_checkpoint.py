@@ -1,4 +1,5 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+import copy
 from functools import partial
 
 import pytest
@@ -163,3 +164,33 @@ def test_detect_flags_through_pipe():
     pipe = Pipe(nn.Sequential(Detect()), [1], devices=["cpu"], chunks=1, checkpoint="always")
     pipe(torch.rand(1, requires_grad=True)).sum().backward()
     assert logs == [(True, False), (False, True)]
+
+
+class _CountPasses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.recomputations = 0
+
+    def forward(self, x):
+        self.recomputations += int(is_recomputing())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_frozen_pipe_is_not_checkpointed(checkpoint):
+    # With no parameter and no input that requires grad, the micro-batches were checkpointed anyway: the output
+    # required grad (the checkpoint's phony) and a backward through it recomputed every partition for nothing
+    # (session 39). With an input that requires grad they are checkpointed, and its gradient is the plain model's.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_CountPasses(), nn.ReLU(), _CountPasses()).requires_grad_(False)
+    reference = copy.deepcopy(plain)
+    pipe = Pipe(plain, [2, 1], devices=["cpu"] * 2, chunks=3, checkpoint=checkpoint)
+    out = pipe(torch.randn(6, 4))
+    assert not out.requires_grad
+    x = torch.randn(6, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    pipe(x).sum().backward()
+    reference(x_ref).sum().backward()
+    assert plain[0].recomputations == (3 if checkpoint == "always" else 2)
+    torch.testing.assert_close(x.grad, x_ref.grad)
