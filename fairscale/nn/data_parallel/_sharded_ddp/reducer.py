@@ -47,6 +47,7 @@ from fairscale.nn.misc.param_bucket import GradBucket
 
 from . import own_backward
 from .parking import ReducedValues
+from .swapped import revive_swapped_hooks
 from .trainable_agreement import TrainableAgreement
 from .parking import buffer_of as _buffer
 
@@ -65,25 +66,6 @@ def _dispatch_pre_hook(reducer_ref: "weakref.ReferenceType[GradReducer]", index:
     # no_sync() nothing is parked: no reduction of this backward would add it back.
     if reducer is not None and reducer._reduced.any_marked() and not reducer.accumulating:
         reducer._before_accumulate(reducer.trainable[index])
-
-
-def _revive_swapped_hooks(params: Sequence[torch.Tensor], hooked: Dict[int, int]) -> None:
-    """Make the hooks of parameters torch swapped since they were hooked fire again.
-
-    ``torch.utils.swap_tensors`` (a conversion under ``set_swap_module_params_on_conversion(True)``) leaves the
-    Python dicts of a tensor's hooks (``register_hook``, ``register_post_accumulate_grad_hook``) on the parameter but
-    their C++ registration on the old contents: a hook added since only goes into the dict, and never fires (every
-    gradient stayed local, silently). Assigning a dict again registers it on the current contents (the user's own
-    hooks in it fire again too).
-    """
-    for param in params:
-        impl = hooked.get(id(param))
-        if impl is None or impl == param._cdata:
-            continue
-        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
-            hooks = getattr(param, name, None)
-            if hooks is not None:
-                setattr(param, name, hooks)
 
 
 class _Reduction(Workhandle):
@@ -225,7 +207,7 @@ class GradReducer:
                 raise RuntimeError("ShardedDataParallel only works with gradients that don't require grad")
         if self.bucket_size > 0:
             self._setup_buckets()
-        _revive_swapped_hooks(self.trainable, hooked)
+        revive_swapped_hooks(self.trainable, hooked)
         for index, param in enumerate(self.trainable):
             register = cast(Any, param).register_post_accumulate_grad_hook  # untyped in torch's stubs
             # The parameter (held by C++ autograd) must not keep the reducer alive: a dropped wrapper stops
