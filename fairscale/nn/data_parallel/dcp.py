@@ -580,8 +580,9 @@ def load(
         UntrustedCheckpointError: the ``.metadata`` names something a DCP checkpoint never contains (code to run
             while unpickling it); it is read with a restricted unpickler, so nothing ran. Raised on every rank.
         RuntimeError: the checkpoint's keys do not match the model's (``strict``), it holds no optimizer state
-            but optimizers were given, DCP could not read it into this model (other shapes; the message lists each
-            failing rank's error), or the loaded state does not fit.
+            but optimizers were given, its optimizer state has other entries than these optimizers keep (saved by
+            another optimizer type or with other settings), DCP could not read it into this model (other shapes; the
+            message lists each failing rank's error), or the loaded state does not fit.
     """
     _options(None, "load")
     unit = _root_unit(model, "load")

@@ -204,6 +204,45 @@ def _case_checkpoint_of_another_model(root: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), fsdp.state_dict().values()))
 
 
+def _case_checkpoint_of_another_optimizer(root: str) -> None:
+    fsdp, optim = trained()  # Adam
+    path = os.path.join(root, "adam")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    amsgrad = os.path.join(root, "amsgrad")
+    fsdp2, optim2 = trained()
+    optim2.param_groups[0]["amsgrad"] = True  # its next step keeps max_exp_avg_sq too
+    optim2.state.clear()
+    fsdp2.zero_grad(set_to_none=True)
+    NestedWrappedModule.per_sample_loss(fsdp2(torch.randn(2, 7))).sum().backward()
+    optim2.step()
+    fsdp_dcp.save(fsdp2, optim2, checkpoint_id=amsgrad)
+    cases = (
+        (
+            path,
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            r"holds \['exp_avg', 'exp_avg_sq', 'step'\] but this optimizer \(SGD\) keeps \['momentum_buffer'\]",
+        ),
+        (path, lambda ps: torch.optim.SGD(ps, lr=0.1), r"this optimizer \(SGD\) keeps no state for them after a step"),
+        (
+            amsgrad,
+            lambda ps: torch.optim.Adam(ps, lr=0.1),
+            r"'max_exp_avg_sq'.*keeps \['exp_avg', 'exp_avg_sq', 'step'\]",
+        ),
+    )
+    for where, make, match in cases:
+        other, _ = fresh(mode="one")
+        other_optim = make(other.parameters())
+        before = snapshot(other, other_optim)
+        message = expect(RuntimeError, match, fsdp_dcp.load, other, other_optim, checkpoint_id=where)
+        assert "another optimizer type" in message and "Nothing was loaded" in message, message
+        assert_unchanged(other, other_optim, before, "after loading another optimizer's checkpoint")
+        assert not other_optim.state, "the placeholder optimizer state stayed"
+    # The model alone still loads from such a checkpoint.
+    other, _ = fresh(mode="one")
+    fsdp_dcp.load(other, checkpoint_id=path)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), fsdp.state_dict().values()))
+
+
 def _case_bad_value_on_one_rank(root: str) -> None:
     fsdp, optim = trained()
     msd = fsdp_dcp.get_model_state_dict(fsdp)
@@ -592,6 +631,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_interrupted_save,
         _case_interrupted_overwrite,
         _case_checkpoint_of_another_model,
+        _case_checkpoint_of_another_optimizer,
         _case_bad_value_on_one_rank,
         _case_other_directory_on_one_rank,
         _case_other_settings_on_one_rank,

@@ -94,6 +94,7 @@ def load(
     state: Dict[str, Any] = {MODEL_KEY: msd}
     fresh = [not o.state for o in optims]
     if optims:
+        had_grads = any(p.grad is not None for o in optims for g in o.param_groups for p in g["params"])
         osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.STAGING)
         state[OPTIMIZER_KEY] = osd
         prefix = f"{OPTIMIZER_KEY}.state."
@@ -107,11 +108,27 @@ def load(
         without = sorted(saved_state - set(osd["state"]))
         if without:
             _forget_created_state(optims, fresh)
+            why = (
+                "its parameters have gradients but no step was taken yet (an optimizer state is only created without "
+                "gradients). Call optimizer.zero_grad(set_to_none=True) first."
+                if had_grads
+                else f"{_kinds(optims)} keeps no state for them after a step: the checkpoint was saved by another "
+                "optimizer type or with other settings (e.g. SGD with momentum). Build the optimizer the checkpoint "
+                "was saved with, or pass optimizers=None to load the model alone."
+            )
             raise RuntimeError(
                 f"load: the checkpoint has optimizer state for {without[:4]}{'...' if len(without) > 4 else ''} but "
-                "the optimizers have none to load it into (parameters with gradients but no step yet: an optimizer "
-                "state is only created without gradients). Call optimizer.zero_grad(set_to_none=True) first. "
-                "Nothing was loaded."
+                f"the optimizers have none to load it into: {why} Nothing was loaded."
+            )
+        other = _other_state_kinds(saved_keys, prefix, osd["state"])
+        if other:
+            _forget_created_state(optims, fresh)
+            name, saved_leaves, live_leaves = other
+            raise RuntimeError(
+                f"load: the checkpoint's optimizer state for {name!r} holds {saved_leaves} but {_kinds(optims)} "
+                f"keeps {live_leaves}: it was saved by another optimizer type or with other settings (e.g. momentum, "
+                "amsgrad). Build the optimizer the checkpoint was saved with, or pass optimizers=None to load the "
+                "model alone. Nothing was loaded."
             )
     try:
         # DCP's default planner drops a ShardedTensor without local shards (a parameter that lies in other ranks'
@@ -297,6 +314,32 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any], 
             "it is not a complete DCP checkpoint. Nothing was loaded."
         )
     return keys
+
+
+def _kinds(optims: Tuple[torch.optim.Optimizer, ...]) -> str:
+    return "this optimizer (" + ", ".join(type(o).__name__ for o in optims) + ")"
+
+
+def _other_state_kinds(
+    saved_keys: List[str], prefix: str, live: Dict[str, Any]
+) -> Optional[Tuple[str, List[str], List[str]]]:
+    """The first parameter whose saved optimizer state has other entries than the live optimizer keeps for it, with
+    both lists of entries; ``None`` if all match.
+
+    DCP reads only what the live state asks for: without this an Adam checkpoint failed in SGD's ``momentum_buffer``
+    with DCP's bare "Missing key", and a saved entry the live optimizer lacks (``max_exp_avg_sq`` of ``amsgrad``) was
+    left unread without a word.
+    """
+    saved: Dict[str, List[str]] = {}
+    for key in saved_keys:
+        if key.startswith(prefix):
+            name, leaf = key[len(prefix) :].rsplit(".", 1)
+            saved.setdefault(name, []).append(leaf)
+    for name in sorted(saved):
+        entries = live.get(name)
+        if isinstance(entries, dict) and set(entries) != set(saved[name]):
+            return name, sorted(saved[name]), sorted(entries)
+    return None
 
 
 def _forget_created_state(optims: Tuple[torch.optim.Optimizer, ...], fresh: List[bool]) -> None:
