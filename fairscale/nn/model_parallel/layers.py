@@ -27,6 +27,7 @@ from fairscale.internal.errors import FairscaleValueError
 
 from . import initialize as _initialize
 from .initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size
+from .load_hints import load_partition as _load_partition
 from .mappings import (
     copy_to_model_parallel_region,
     gather_from_model_parallel_region,
@@ -290,6 +291,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
     load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+    _load_from_state_dict = _load_partition
+    _partition_dim = 0  # the dimension of the master weight that is partitioned
 
     def _arguments(self) -> _Description:
         # Not padding_idx: it is a local row index (upstream's behaviour), which a rank may set for the pad id it
@@ -376,6 +379,8 @@ class ParallelEmbedding(torch.nn.Module):
         self._mp_layout = _current_layout()  # see _check_layout_unchanged
 
     load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+    _load_from_state_dict = _load_partition
+    _partition_dim = 1  # the dimension of the master weight that is partitioned
 
     def _arguments(self) -> _Description:
         return [
@@ -438,10 +443,13 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def get_master_weight(self) -> Tensor:
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
+        _check_layout_unchanged(self)  # a gather over other groups returned a wrong tensor, silently
         gathered = gather_from_model_parallel_region(self.weight.data.transpose(0, 1)).transpose_(0, 1)
         return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 0)
 
     load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+    _load_from_state_dict = _load_partition
+    _partition_dim = 0  # the dimension of the master weight that is partitioned
 
     def _arguments(self) -> _Description:
         return [
@@ -504,10 +512,13 @@ class RowParallelLinear(torch.nn.Module):
 
     def get_master_weight(self) -> Tensor:
         """The full ``[out_features, in_features]`` weight, gathered over the model-parallel group."""
+        _check_layout_unchanged(self)  # a gather over other groups returned a wrong tensor, silently
         gathered = gather_from_model_parallel_region(self.weight.data)
         return _undo_stride(gathered, get_model_parallel_world_size(), self._stride, 1)
 
     load_state_dict = _load_all_or_nothing  # see _load_all_or_nothing
+    _load_from_state_dict = _load_partition
+    _partition_dim = 1  # the dimension of the master weight that is partitioned
 
     def _arguments(self) -> _Description:
         # The input's whole shape is compared, its last dimension too: with input_is_parallel it is this rank's

@@ -93,11 +93,12 @@ def _check_failed_call_leaves_nothing(rank: int, world: int) -> None:
 def _check_layers_of_other_groups_are_refused(rank: int, world: int) -> None:
     # A layer built before destroy_model_parallel() + initialize_model_parallel(another size) ran on with its old
     # partition against the new group (width 4 for out_features=8), silently.
-    from fairscale.nn.model_parallel.layers import ColumnParallelLinear
+    from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     mpu.initialize_model_parallel(world)
     try:
         layer = ColumnParallelLinear(4, 8, gather_output=True)
+        row = RowParallelLinear(8, 4)
         assert layer(torch.ones(2, 4)).shape == (2, 8)
     finally:
         mpu.destroy_model_parallel()
@@ -111,6 +112,10 @@ def _check_layers_of_other_groups_are_refused(rank: int, world: int) -> None:
         if world > 1:
             with pytest.raises(RuntimeError, match=rf"built for a model-parallel group of {world} rank"):
                 layer(torch.ones(2, 4))
+            # get_master_weight() too (it returned this rank's partition, or a gather over other ranks)
+            for each in (layer, row):
+                with pytest.raises(RuntimeError, match=rf"built for a model-parallel group of {world} rank"):
+                    each.get_master_weight()
         assert ColumnParallelLinear(4, 8, gather_output=True)(torch.ones(2, 4)).shape == (2, 8)
     finally:
         mpu.destroy_model_parallel()

@@ -222,6 +222,20 @@ def _failed_load_changes_nothing() -> None:
     assert all(torch.equal(v, before[k]) for k, v in row.state_dict().items()), "the failed load changed the layer"
     row.load_state_dict({"weight": torch.ones(6, 8), "bias": torch.ones(6)})
     assert torch.equal(row.bias, torch.ones(6))
+    if p == 1:
+        return
+    # A checkpoint of another model-parallel size says so (torch's message alone only said "size mismatch"), also
+    # when a parent module loads it.
+    column = ColumnParallelLinear(4, 4 * p)
+    parent = torch.nn.Sequential(column)
+    full = {"weight": torch.ones(4 * p, 4), "bias": torch.ones(4 * p)}
+    of_size = {"weight": torch.ones(2, 4), "bias": torch.ones(2)}  # a partition of model-parallel size 2p
+    for state, match in ((full, "the full weight"), (of_size, f"the partition of model-parallel size {2 * p}")):
+        for load, prefix in ((column.load_state_dict, ""), (parent.load_state_dict, "0.")):
+            with pytest.raises(RuntimeError, match=f"looks like {match}"):
+                load({prefix + k: v for k, v in state.items()})
+    with pytest.raises(RuntimeError, match=r"the checkpoint's \(3, 4\) is of another model"):
+        column.load_state_dict({"weight": torch.ones(3, 4), "bias": torch.ones(4)})
 
 
 def _mappings() -> None:
