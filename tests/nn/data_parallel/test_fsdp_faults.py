@@ -480,6 +480,56 @@ def test_calls_between_steps_recover_from_an_aborted_backward() -> None:
     run_distributed(_call_after_aborted_body, WORLD, timeout=TIMEOUT)
 
 
+class _FailAfterInnerNet(nn.Module):
+    """An inner instance, then a layer that may fail in backward: a failing backward never reaches the inner one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = FSDP(nn.Linear(4, 5))
+        self.head = nn.Linear(5, 3)
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(FailInBackward.apply(torch.tanh(self.inner(x)), self.fail))
+
+
+def _kept_failed_loss_body(rank: int, world_size: int) -> None:
+    # The failed batch's loss stays referenced (`loss = ...; try: loss.backward() except: ...`): its graph holds the
+    # inner instance's pending-backward marker, which the failed backward never reached. Every later load_state_dict,
+    # load_local_state_dict and deepcopy was refused as "called between a forward and its backward", even after
+    # complete steps (found by a fuzz of hybrid sharding, session 40); only `del loss` got out of it.
+    torch.manual_seed(0)
+    model = FSDP(_FailAfterInnerNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    saved = model.state_dict()
+    model.module.module.fail = True
+    loss = model(x).sum()
+    with pytest.raises(RuntimeError, match="injected"):
+        loss.backward()
+    model.module.module.fail = False
+    optimizer.zero_grad()
+    with pytest.warns(UserWarning, match="did not finish"):
+        model.load_state_dict(saved)  # recovers, then loads
+    model(x).sum().backward()
+    optimizer.step()
+    model.load_state_dict(saved)
+    model.load_local_state_dict(model.local_state_dict())
+    copy.deepcopy(model)
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    # A forward whose backward has not started is still pending, with the failed batch's graph alive beside it.
+    pending = model(x).sum()
+    with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        model.load_state_dict(saved)
+    pending.backward()
+    model.load_state_dict(saved)
+    del loss
+
+
+def test_a_kept_failed_loss_does_not_block_loads() -> None:
+    run_distributed(_kept_failed_loss_body, WORLD, timeout=TIMEOUT)
+
+
 class _TwiceUsedNet(nn.Module):
     """``b`` (its own unit) is used twice per forward, so its reduction waits for the end of backward; the backward
     may fail after ``b``'s gradient accumulated, before ``a``'s."""

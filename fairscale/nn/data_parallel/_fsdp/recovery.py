@@ -45,6 +45,7 @@ def recover_from_aborted_backward(root: FSDPUnit) -> None:
     )
     tree.bucketer.discard()
     tree.release_held()
+    tree.abandon_started_backwards()
     for u in units:
         u.release_all()
         for h in u.iter_materialized():

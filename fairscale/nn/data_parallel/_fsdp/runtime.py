@@ -337,6 +337,7 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     if root_pass:
         tree.forward_order.restart()
         tree.forward_running = True
+        tree.root_forwards += 1
     previous = unit.training_state
     if previous not in (TrainingState.IDLE, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
         raise RuntimeError(

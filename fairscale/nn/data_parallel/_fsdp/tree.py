@@ -16,12 +16,14 @@ from .order import ExecutionOrder
 
 
 class PendingBackward:
-    """Marks one forward whose backward may still run (see :attr:`TreeState.backward_pending`)."""
+    """Marks one forward whose backward may still run (see :attr:`TreeState.backward_pending`); ``forward`` numbers the
+    root's forward whose graph holds it."""
 
-    __slots__ = ("done", "__weakref__")
+    __slots__ = ("done", "forward", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, forward: int) -> None:
         self.done = False
+        self.forward = forward
 
 
 class TreeState:
@@ -46,6 +48,7 @@ class TreeState:
         # the hooks with the graph: a token dies with its graph (an abandoned forward) and is marked done when its
         # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.
         self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
+        self.root_forwards = 0  # the number of the root's forwards (not recomputations) started so far
         # Returns the end-of-backward callback, or None once its owner is gone (see set_finalizer).
         self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         # The callback queued by the running (or last) backward, weakly: see backward_running.
@@ -86,9 +89,22 @@ class TreeState:
                 handle.free_full()
 
     def new_pending_backward(self) -> "PendingBackward":
-        token = PendingBackward()
+        token = PendingBackward(self.root_forwards)
         self._pending.add(token)
         return token
+
+    def abandon_started_backwards(self) -> None:
+        """After a backward that raised: its forwards' tokens that it never reached are done too.
+
+        The failed batch's graph stays alive while the user holds its loss (the usual ``try: loss.backward()``), with
+        the tokens of the instances the backward raised before; every later load was refused as "between a forward
+        and its backward", which the user could not run. A forward whose backward has not started keeps its tokens.
+        """
+        tokens = list(self._pending)
+        started = {t.forward for t in tokens if t.done}
+        for t in tokens:
+            if t.forward in started:
+                t.done = True
 
     @property
     def backward_pending(self) -> bool:
