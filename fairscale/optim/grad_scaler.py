@@ -22,6 +22,7 @@ from torch import Tensor
 
 from fairscale.internal import collectives
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
+from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.device import AmpOptState as OptState
 from fairscale.internal.device import CudaAmpGradScaler, amp_scaler_device_type, device_generic_amp_scaler
 from fairscale.internal.errors import FairscaleRuntimeError
@@ -506,12 +507,26 @@ class ShardedGradScaler(_ScalerBase):
         # The same all-reduce also counts the devices that held gradients: when no rank held any, there is nothing
         # the step checked, and torch's step refuses that ("No inf checks were recorded") on every rank alike. Before,
         # the combined flag made such an iteration a clean step, and the scale grew at each one.
-        both = torch.zeros(2, dtype=found_inf.dtype, device=found_inf.device)
+        # It also carries the scale (as its max and, negated, its min): a rank with another scale (another
+        # init_scale or growth setting, or a scaler state loaded on that rank only) unscaled its share of gradients
+        # that the reductions summed over ranks scaled alike; the update was wrong on every rank, silently. A max
+        # reduction keeps the flag and the count meaningful (> 0 on any rank).
+        both = torch.zeros(4, dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():
             both[0] += flag.to(both.device).reshape(())
         both[1] = float(len(per_device))
-        collectives.all_reduce(both, group=self.group, op="sum")
-        if both[1].item() == 0:
+        both[2] = inv_scale.to(both.device).reshape(())
+        both[3] = -both[2]
+        collectives.all_reduce(both, group=self.group, op="max")
+        flags, devices, high, low = both.tolist()
+        if high != -low:
+            raise RanksDisagreeError(
+                f"ShardedGradScaler: the ranks' loss scales differ (from {1 / high:g} to {1 / -low:g}) across "
+                "process_group: a scaler built with another init_scale or growth setting, or loaded from another "
+                "state, on some rank. Build and load the scalers alike on every rank. The step was not taken (the "
+                "gradients are unscaled by each rank's own scale: zero them)."
+            )
+        if devices == 0:
             return {}
-        combined = both[:1].reshape(found_inf.shape).clone()
+        combined = torch.full(found_inf.shape, flags, dtype=found_inf.dtype, device=found_inf.device)
         return {combined.device: combined}

@@ -427,6 +427,29 @@ def _oss_sdp_parity_case(device: torch.device, rank: int) -> None:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"step {step}")
 
 
+def _scales_disagree_case(device: torch.device, rank: int, how: str) -> None:
+    """A rank whose scale differs (another init_scale, a scaler state loaded there only) unscaled its owned gradients,
+    which the reduction summed over ranks scaled alike, by its own scale: the update was silently wrong on every rank
+    (found by a rank-disagreement fuzz, session 40). Every rank raises now, before the step."""
+    from fairscale.internal.agreement import RanksDisagreeError
+    from fairscale.nn.data_parallel import ShardedDataParallel
+    from fairscale.optim import OSS
+
+    model = _net().to(device)
+    optim = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, optim)
+    scaler = ShardedGradScaler(device=device.type, init_scale=16.0 if how != "init_scale" or rank == 0 else 256.0)
+    if how == "loaded on one rank":
+        if rank == 1:
+            scaler.load_state_dict({**scaler.state_dict(), "scale": 64.0})
+    before = [p.detach().clone() for p in model.parameters()]
+    sdp.zero_grad()
+    scaler.scale(_loss(sdp, _batch(0, rank).to(device))).backward()
+    with pytest.raises(RanksDisagreeError, match=r"loss scales differ \(from 16 to (256|64)\)"):
+        scaler.step(optim)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "a step was taken"
+
+
 def _scaler_world_body(rank: int, world_size: int, device_type: str) -> None:
     device = _device(device_type, rank)
     run_cases(
@@ -440,6 +463,8 @@ def _scaler_world_body(rank: int, world_size: int, device_type: str) -> None:
             ("fsdp fp16 parity", functools.partial(_fsdp_parity_case, device, rank, world_size, True)),
             ("ddp parity", functools.partial(_ddp_parity_case, device, rank)),
             ("oss + sharded ddp parity", functools.partial(_oss_sdp_parity_case, device, rank)),
+            ("init_scale differs", functools.partial(_scales_disagree_case, device, rank, "init_scale")),
+            ("state loaded on one rank", functools.partial(_scales_disagree_case, device, rank, "loaded on one rank")),
         ]
     )
 
