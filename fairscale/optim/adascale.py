@@ -95,6 +95,9 @@ class AdaScale(torch.optim.Optimizer):
         self._local_grad_sqr: Optional[Tensor] = None
         self._callback_queued = False
         self._warned_ranks_differ = False  # the warning of measured_grads, once per AdaScale
+        # Whether load_state_dict() ran since the last window's end, which then compares the ranks' statistics
+        # (rank_checks.check_same_loaded_statistics).
+        self._loaded = False
         self._world_size = arguments.checked_world_size(world_size)
         self._num_backward_calls = 0
         self._last_final_backward_call = 0
@@ -328,16 +331,21 @@ class AdaScale(torch.optim.Optimizer):
             # squared norms of the gradients this rank measured, which differ between ranks with sharded gradients.
             scale = float(self._scale)
             extra = measured_grads.payload_values(total) + [float(accum), float(accum * accum), scale, scale * scale]
+            extra.append(float(self._loaded))
             payload = torch.cat([payload, payload.new_tensor(extra)])
             work = collectives.all_reduce(payload, op="sum", async_op=True)
         self._last_final_backward_call = calls
         self._local_grad_sqr = None
         if work is not None:
             work.wait()
-            rank_checks.check_same_window(payload[-4:-2].tolist(), self._num_grads_to_accum)
-            rank_checks.check_same_scale(payload[-2:].tolist(), self._scale)
+            rank_checks.check_same_window(payload[-5:-3].tolist(), self._num_grads_to_accum)
+            rank_checks.check_same_scale(payload[-3:-1].tolist(), self._scale)
             n_groups = len(total)
-            self._warn_if_ranks_differ(payload[n_groups:-4].tolist())
+            sums = payload[n_groups:-5].tolist()
+            differ = measured_grads.differing_group(sums, collectives.group_size(None)) is not None
+            rank_checks.check_same_loaded_statistics(float(payload[-1]), self._loaded, self._state, differ)
+            self._loaded = False
+            self._warn_if_ranks_differ(sums)
             payload = payload[:n_groups]
         if unmeasured:
             warnings.warn(hooks.unmeasured_message(unmeasured, "this step's gradient statistics were left out"))
@@ -503,6 +511,7 @@ class AdaScale(torch.optim.Optimizer):
                 "they start afresh (gain 1 until the next step's backward passes are measured)."
             )
             state[STATE_KEY] = statistics.fresh(len(self._optimizer.param_groups))
+        self._loaded = True
 
     def __repr__(self) -> str:
         return f"AdaScale(scale={self._scale}, world_size={self._world_size}, optimizer={self._optimizer!r})"

@@ -111,3 +111,51 @@ def _gains(accum: int, scale: Any) -> List[str]:
 )
 def test_gains_are_upstreams_to_the_last_bit(accum: int, scale: Any, want: List[str]) -> None:
     assert _gains(accum, scale) == want
+
+
+def _loads_body(rank: int, world_size: int) -> Dict[str, Any]:
+    # Under DDP (the same reduced gradients on every rank), one rank loading another checkpoint's statistics (a stale
+    # file on one node) computed another gain, so another learning rate: the replicas drifted apart, silently (found
+    # by a rank-disagreement fuzz, session 40). The next window's end compares the statistics after any load.
+    seen: Dict[str, Any] = {}
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1))
+
+    def step(i: int) -> None:
+        optim.zero_grad()
+        ddp(torch.tensor([[float(i + rank), 1.0 + rank]])).pow(2).sum().backward()
+        optim.step()
+
+    step(0)
+    old = optim.state_dict()
+    old = {"state": {k: dict(v) for k, v in old["state"].items()}, "param_groups": old["param_groups"]}
+    step(1)
+    current = optim.state_dict()
+    # Every rank loads the same dict: fine. Only rank 0 loads (its own state, the same as the others'): fine.
+    optim.load_state_dict(current)
+    step(2)
+    if rank == 0:
+        optim.load_state_dict(optim.state_dict())
+    step(3)
+    gain = optim.gain()
+    # Rank 1 loads the older checkpoint: every rank raises at the backward that ends the window, before any step.
+    if rank == 1:
+        optim.load_state_dict(old)
+    before = [p.detach().clone() for p in model.parameters()]
+    optim.zero_grad()
+    try:
+        ddp(torch.ones(1, 2)).sum().backward()
+    except RanksDisagreeError as e:
+        seen["stale"] = str(e)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    seen["gain"] = float(gain)
+    return seen
+
+
+def test_ranks_that_loaded_different_statistics_raise_alike() -> None:
+    first, second = run_distributed(_loads_body, 2, timeout=TIMEOUT)
+    assert first == second
+    assert "after load_state_dict() on rank(s) [1], the ranks' AdaScale statistics differ" in first["stale"]

@@ -5,13 +5,16 @@ Every rank sees the same all-reduced sums, so every rank decides alike and raise
 and no rank left waiting.
 """
 
-from typing import List
+import zlib
+from typing import Any, Dict, List
+
+import numpy as np
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.errors import FairscaleValueError
 
-__all__ = ["check_group_size", "check_same_scale", "check_same_window"]
+__all__ = ["check_group_size", "check_same_loaded_statistics", "check_same_scale", "check_same_window", "fingerprint"]
 
 
 def check_group_size(world_size: int) -> None:
@@ -56,3 +59,42 @@ def check_same_scale(sums: List[float], scale: float) -> None:
             f"AdaScale: the scale differs between ranks: this rank has {scale:g}, the mean over the {size} ranks is "
             f"{mean:g}. Call set_scale() with the same value on every rank. This step's statistics were not updated."
         )
+
+
+def fingerprint(stats: Dict[str, Any]) -> int:
+    """A checksum of AdaScale's statistics (``state["adascale"]``), for :func:`check_same_loaded_statistics`."""
+    digest = 0
+    for key in sorted(stats):
+        value = np.asarray(stats[key], dtype=np.float64)
+        digest = zlib.crc32(key.encode() + value.tobytes(), digest)
+    return digest
+
+
+def check_same_loaded_statistics(loads: float, loaded: bool, stats: Dict[str, Any], measured_differ: bool) -> None:
+    """After ``load_state_dict`` on some rank since the last window's end (``loads``: how many ranks loaded, the same
+    sum on every rank, so every rank takes the extra collective or none), compare the ranks' statistics.
+
+    A rank that loaded another checkpoint's statistics (a stale file on one node), or the only rank that loaded,
+    computed another gain, so another learning rate: the DDP replicas drifted apart, silently. Not checked when the
+    ranks measure different gradients (sharded gradients): each rank's statistics are its own then.
+
+    Args:
+        loads: the group's sum of this rank's "loaded since" flag.
+        loaded: whether this rank loaded since.
+        stats: this rank's statistics (``state["adascale"]``), before this window updates them.
+        measured_differ: whether this window's gradients differed between the ranks.
+    """
+    if loads == 0:
+        return
+    gathered = collectives.all_gather_object((loaded, fingerprint(stats)), None)
+    if measured_differ or len({digest for _, digest in gathered}) == 1:
+        return
+    groups: Dict[int, List[int]] = {}
+    for rank, (_, digest) in enumerate(gathered):
+        groups.setdefault(digest, []).append(rank)
+    loaders = [rank for rank, (flag, _) in enumerate(gathered) if flag]
+    raise RanksDisagreeError(
+        f"AdaScale: after load_state_dict() on rank(s) {loaders}, the ranks' AdaScale statistics differ (alike on "
+        f"{' / '.join(str(ranks) for ranks in groups.values())}): their gains, and so their learning rates, would "
+        "differ. Load the same state dict on every rank. This step's statistics were not updated."
+    )
