@@ -221,6 +221,46 @@ def test_inner_adam_checks_run_on_every_rank() -> None:
     assert messages[0] == messages[1] and "state of parameter 3 has no ['exp_avg_sq']" in messages[0]
 
 
+def _other_checkpoint_body(rank: int, world_size: int, kind: str) -> str:
+    """A rank given another checkpoint (an older step's, an emptied state) kept the state of the parameters it owns
+    from its own dict: the optimizer was a mix of two checkpoints, silently (found by a rank-disagreement fuzz,
+    session 40). Every rank raises now, before any change; the same dict loaded twice still loads."""
+    model = _model()
+    oss = OSS(model.parameters(), optim=Adam, lr=0.01)
+    _train(model, oss, rank, world_size, range(1))
+    older = copy.deepcopy(oss.state_dict(all_ranks=True))
+    _train(model, oss, rank, world_size, range(1, 2))
+    state = copy.deepcopy(oss.state_dict(all_ranks=True))
+    if kind == "same dict twice":
+        oss.load_state_dict(state)  # replaces other ranks' entries by {} in the caller's dict (upstream's behaviour)
+        oss.load_state_dict(state)
+        return "loaded"
+    if rank == 1:
+        state = older if kind == "older step" else {**state, "state": {}}
+    before = copy.deepcopy(oss.optim.state_dict())
+    try:
+        oss.load_state_dict(state)
+    except RanksDisagreeError as e:
+        after = oss.optim.state_dict()
+        assert before["state"].keys() == after["state"].keys()
+        for key, entry in before["state"].items():
+            for name, value in entry.items():
+                got = after["state"][key][name]
+                assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, (key, name)
+        return str(e).split(" (checksum")[0]
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["older step", "emptied state", "same dict twice"])
+def test_ranks_given_other_checkpoints_raise_alike(kind: str) -> None:
+    messages = run_distributed(_other_checkpoint_body, 2, kind, timeout=TIMEOUT)
+    assert messages[0] == messages[1]
+    if kind == "same dict twice":
+        assert messages[0] == "loaded"
+    else:
+        assert "the state dicts hold another state for parameter 0 on some ranks" in messages[0], messages[0]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # broadcast_fp16 and values beyond the fp16 range
 

@@ -12,7 +12,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from fairscale.internal.agreement import check_outcome_agrees, check_ranks_agree
+from fairscale.internal.agreement import (
+    RanksDisagreeError,
+    check_gathered_agree,
+    check_outcome_agrees,
+    gather_from_ranks,
+)
 
 from . import describe as _describe
 from . import state_dict as _state
@@ -65,13 +70,28 @@ def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Call
     # loaded apart silently: the outcome of the checks and the dict's layout are agreed on first (two small
     # all-gathers per load, none at world size 1).
     check_outcome_agrees("OSS.load_state_dict: the checks of the state dict", error, oss.group, device=device)
-    check_ranks_agree(
-        "OSS.load_state_dict: the state dicts' parameter groups (sizes and hyper-parameters)",
-        _state.describe_for_agreement(state_dict, _describe.comparable),
+    # The per-parameter state rides in the same gather, as cheap checksums: a rank given another checkpoint (a stale
+    # file on one node, an emptied state) kept the state of the parameters it owns from its own dict, and the
+    # optimizer was a mix of two checkpoints, silently.
+    hint = "Load the same state dict on every rank (e.g. the one consolidate_state_dict() wrote)."
+    gathered = gather_from_ranks(
+        (_state.describe_for_agreement(state_dict, _describe.comparable), _state.state_digests(state_dict)),
         oss.group,
-        hint="Load the same state dict on every rank (e.g. the one consolidate_state_dict() wrote).",
         device=device,
     )
+    check_gathered_agree(
+        "OSS.load_state_dict: the state dicts' parameter groups (sizes and hyper-parameters)",
+        [groups for groups, _ in gathered],
+        oss.group,
+        hint,
+    )
+    differing = _state.disagreeing_state([digests for _, digests in gathered])
+    if differing is not None:
+        raise RanksDisagreeError(
+            f"OSS.load_state_dict: the state dicts hold another state for parameter {differing[0]!r} on some ranks "
+            f"(checksum per rank: {differing[1]}; 'none': no state, 'any': emptied by an earlier load of that dict). "
+            f"{hint} Nothing was loaded."
+        )
     # What the loads below replace or change in place, to put back if one of them raises on any rank (an
     # optimizer whose state names are not known here can still refuse the dict in its own loader, after torch
     # changed part of it, and only on the ranks that own the parameters concerned).

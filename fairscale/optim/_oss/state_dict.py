@@ -10,6 +10,7 @@ Formats (upstream's):
 """
 
 import io
+import zlib
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -282,6 +283,57 @@ def describe_for_agreement(state_dict: Mapping[str, Any], comparable: Callable[[
         for entry in [(f"group {i}", "number of parameters", len(g.get("params", ())))]
         + sorted((f"group {i}", str(k), comparable(v)) for k, v in g.items() if k != "params")
     ]
+
+
+def state_digests(state_dict: Mapping[str, Any]) -> Dict[Any, Optional[int]]:
+    """A cheap checksum of each parameter's state in ``state_dict["state"]`` (``None`` for an entry an earlier load
+    of the same dict replaced by ``{}``), to compare across ranks: see :func:`disagreeing_state`.
+
+    The checksum covers each entry's names, non-tensor values and tensors' dtypes and shapes, and the first and last
+    element of each tensor (read in one transfer per device: no pass over the values, no sync per tensor). That tells
+    another step's checkpoint or an emptied state apart; two checkpoints of the same step with equal ends are not.
+    ``state_dict`` passed :func:`check_loadable`.
+    """
+    entries = state_dict["state"]
+    described: Dict[Any, List[Any]] = {}
+    ends: Dict[torch.device, List[Tuple[Any, torch.Tensor]]] = {}
+    for key, entry in entries.items():
+        if not isinstance(entry, Mapping) or not entry:
+            described[key] = [] if isinstance(entry, Mapping) else [repr(type(entry))]
+            continue
+        parts: List[Any] = []
+        for name in sorted(entry, key=str):
+            value = entry[name]
+            if isinstance(value, torch.Tensor):
+                parts.append((str(name), str(value.dtype), tuple(value.shape)))
+                if value.numel() > 0 and not value.is_complex():
+                    flat = value.detach().reshape(-1)
+                    ends.setdefault(value.device, []).append((key, torch.stack([flat[0], flat[-1]]).double()))
+            else:
+                parts.append((str(name), repr(value)))
+        described[key] = parts
+    for pairs in ends.values():
+        values = torch.cat([pair for _, pair in pairs]).tolist()
+        for i, (key, _) in enumerate(pairs):
+            described[key].append(tuple(values[2 * i : 2 * i + 2]))
+    return {
+        key: None if parts == [] and isinstance(entries[key], Mapping) else zlib.crc32(repr(parts).encode())
+        for key, parts in described.items()
+    }
+
+
+def disagreeing_state(gathered: List[Dict[Any, Optional[int]]]) -> Optional[Tuple[Any, List[str]]]:
+    """The first parameter whose state the ranks' dicts (their :func:`state_digests`) hold differently, with what
+    each rank holds; ``None`` if they agree. A ``None`` digest (replaced by an earlier load) matches anything."""
+    keys = sorted({key for digests in gathered for key in digests}, key=str)
+    for key in keys:
+        seen = {digests.get(key, -1) for digests in gathered} - {None}
+        if len(seen) > 1:
+            return key, [
+                "none" if d.get(key, -1) == -1 else format(d[key], "08x") if d[key] is not None else "any"
+                for d in gathered
+            ]
+    return None
 
 
 class _InnerState(NamedTuple):
