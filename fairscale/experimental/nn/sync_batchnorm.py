@@ -252,7 +252,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             if need_weight:
                 grad_weight = (gc * invstd).reshape(-1)
             if need_bias:
-                grad_bias = torch.sum(grad_output, dim=dim)
+                grad_bias = torch.sum(grad_output, dim=dim, dtype=_stats_dtype(grad_output.dtype))
             work.wait()
             vec = vec / total_count.to(vec.dtype)
             grad_mean, grad_meansqr = vec.chunk(2)
@@ -262,7 +262,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 assert gc is not None
                 grad_weight = (gc * invstd).reshape(-1)
             if need_bias:
-                grad_bias = torch.sum(grad_output, dim=dim)
+                grad_bias = torch.sum(grad_output, dim=dim, dtype=_stats_dtype(grad_output.dtype))
         # Each gradient in its tensor's dtype (fp16 parameters next to fp32 statistics).
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
