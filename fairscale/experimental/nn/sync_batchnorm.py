@@ -8,7 +8,7 @@ and reused by the recomputation, so neither the collectives nor the running-stat
 """
 
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 from fairscale.internal import torch_version as torch_version  # noqa: F401  # upstream's module exposes it
 from fairscale.internal.agreement import RanksDisagreeError
 from fairscale.internal.collectives import all_reduce, group_size
+from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.group_copy import deepcopy_sharing_group, refuse_pickling_group
 from fairscale.nn.checkpoint import is_checkpointing, is_recomputing
 from fairscale.nn.checkpoint.checkpoint_activations import current_call_stash, enclosing_call_stash
@@ -306,6 +307,11 @@ class SyncBatchNorm(torch.nn.BatchNorm2d):
             self, self._process_group
         )  # a clear TypeError instead of torch's "cannot pickle ProcessGroup"
         return super().__reduce_ex__(protocol)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: a failed load leaves the layer as it was (torch's copied
+        the entries that fit before raising on one of another shape)."""
+        return load_state_dict_all_or_nothing(self, state_dict, strict, assign)
 
     def _input_problem(self, input: Tensor) -> Optional[Exception]:
         """What is wrong with this rank's call on its own (``None`` if nothing)."""

@@ -89,3 +89,19 @@ def test_input_of_another_dtype_than_the_parameters_raises_on_every_rank() -> No
     """A float32 input over float64 parameters was accepted silently where torch's batch norm refuses it (found by a
     randomized sequence of API calls)."""
     run_distributed(_mixed_dtype_body, WORLD, timeout=60)
+
+
+def test_a_failed_load_changes_nothing() -> None:
+    """torch's load copied the entries that fit (weight, bias, running_mean, num_batches_tracked) before raising on
+    one of another shape (found by a fuzz of experimental.nn, session 40); the layer's own load is all or nothing now
+    (a parent module's load is torch's, as for every module)."""
+    layer = SyncBatchNorm(3)
+    bad = {k: v.clone() + 1 for k, v in layer.state_dict().items()}
+    bad["running_var"] = torch.ones(4)
+    before = copy.deepcopy(layer.state_dict())
+    with pytest.raises(RuntimeError, match="running_var"):
+        layer.load_state_dict(bad)
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    good = {k: v.clone() + 1 for k, v in layer.state_dict().items()}
+    layer.load_state_dict(good)
+    assert all(torch.equal(v, good[k]) for k, v in layer.state_dict().items())
