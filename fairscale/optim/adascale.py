@@ -343,8 +343,11 @@ class AdaScale(torch.optim.Optimizer):
             n_groups = len(total)
             sums = payload[n_groups:-5].tolist()
             differ = measured_grads.differing_group(sums, collectives.group_size(None)) is not None
-            rank_checks.check_same_loaded_statistics(float(payload[-1]), self._loaded, self._state, differ)
-            self._loaded = False
+            # Deferred to a window that tells sharded gradients apart (finite and not all zero: an AMP overflow or an
+            # all-zero window looks like agreeing ranks), else per-rank checkpoints of sharded setups were refused.
+            if rank_checks.tells_sharding(sums):
+                rank_checks.check_same_loaded_statistics(float(payload[-1]), self._loaded, self._state, differ)
+                self._loaded = False
             self._warn_if_ranks_differ(sums)
             payload = payload[:n_groups]
         if unmeasured:

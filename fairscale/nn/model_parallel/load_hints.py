@@ -10,7 +10,7 @@ from typing import Any, List, Mapping, Optional, cast
 import torch
 from torch import Tensor
 
-from .initialize import get_model_parallel_world_size
+from .initialize import get_model_parallel_world_size, model_parallel_is_initialized
 
 __all__ = ["load_partition", "partition_hint"]
 
@@ -21,7 +21,14 @@ def partition_hint(layer: torch.nn.Module, dim: int, saved: Any) -> Optional[str
     mine = tuple(cast(Tensor, layer.weight).shape)
     if not isinstance(saved, Tensor) or saved.dim() != len(mine) or tuple(saved.shape) == mine:
         return None
-    p = get_model_parallel_world_size()
+    # The size the layer was built for (its partition's); the current groups may be gone (destroy_model_parallel()).
+    built = getattr(layer, "_mp_layout", None)
+    if built is not None:
+        p = int(built[1])
+    elif model_parallel_is_initialized():
+        p = get_model_parallel_world_size()
+    else:
+        return None
     full = list(mine)
     full[dim] *= p
     where = f"this rank's partition {mine} of the full {tuple(full)} weight (model-parallel size {p})"

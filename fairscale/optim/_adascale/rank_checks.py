@@ -5,6 +5,7 @@ Every rank sees the same all-reduced sums, so every rank decides alike and raise
 and no rank left waiting.
 """
 
+import math
 import zlib
 from typing import Any, Dict, List
 
@@ -62,12 +63,23 @@ def check_same_scale(sums: List[float], scale: float) -> None:
 
 
 def fingerprint(stats: Dict[str, Any]) -> int:
-    """A checksum of AdaScale's statistics (``state["adascale"]``), for :func:`check_same_loaded_statistics`."""
+    """A checksum of AdaScale's statistics (``state["adascale"]``), for :func:`check_same_loaded_statistics` (-1
+    for statistics it cannot read: the rank still joins the gather)."""
     digest = 0
-    for key in sorted(stats):
-        value = np.asarray(stats[key], dtype=np.float64)
-        digest = zlib.crc32(key.encode() + value.tobytes(), digest)
+    try:
+        for key in sorted(stats):
+            value = np.asarray(stats[key], dtype=np.float64)
+            digest = zlib.crc32(str(key).encode() + value.tobytes(), digest)
+    except Exception:  # noqa: B902  # never a rank that skips the collective
+        return -1
     return digest
+
+
+def tells_sharding(sums: List[float]) -> bool:
+    """Whether a window's sums of the measured squared norms (then their squares) can tell ranks that measure
+    different gradients apart: finite, and not all zero."""
+    norms = sums[: len(sums) // 2]
+    return all(math.isfinite(v) for v in sums) and any(v > 0 for v in norms)
 
 
 def check_same_loaded_statistics(loads: float, loaded: bool, stats: Dict[str, Any], measured_differ: bool) -> None:

@@ -74,8 +74,12 @@ def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Call
     # file on one node, an emptied state) kept the state of the parameters it owns from its own dict, and the
     # optimizer was a mix of two checkpoints, silently.
     hint = "Load the same state dict on every rank (e.g. the one consolidate_state_dict() wrote)."
+    try:
+        digests: Optional[Dict[Any, Optional[int]]] = _state.state_digests(state_dict)
+    except Exception:  # noqa: B902  # a rank that cannot read them compares nothing, rather than skip the gather
+        digests = None
     gathered = gather_from_ranks(
-        (_state.describe_for_agreement(state_dict, _describe.comparable), _state.state_digests(state_dict)),
+        (_state.describe_for_agreement(state_dict, _describe.comparable), digests),
         oss.group,
         device=device,
     )
@@ -85,7 +89,7 @@ def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Call
         oss.group,
         hint,
     )
-    differing = _state.disagreeing_state([digests for _, digests in gathered])
+    differing = _state.disagreeing_state([d for _, d in gathered if d is not None])
     if differing is not None:
         raise RanksDisagreeError(
             f"OSS.load_state_dict: the state dicts hold another state for parameter {differing[0]!r} on some ranks "

@@ -310,7 +310,7 @@ def state_digests(state_dict: Mapping[str, Any]) -> Dict[Any, Optional[int]]:
                     flat = value.detach().reshape(-1)
                     ends.setdefault(value.device, []).append((key, torch.stack([flat[0], flat[-1]]).double()))
             else:
-                parts.append((str(name), repr(value)))
+                parts.append((str(name), _plain(value)))
         described[key] = parts
     for pairs in ends.values():
         values = torch.cat([pair for _, pair in pairs]).tolist()
@@ -320,6 +320,14 @@ def state_digests(state_dict: Mapping[str, Any]) -> Dict[Any, Optional[int]]:
         key: None if parts == [] and isinstance(entries[key], Mapping) else zlib.crc32(repr(parts).encode())
         for key, parts in described.items()
     }
+
+
+def _plain(value: Any) -> str:
+    """A value of a state entry as every rank writes it: numbers, strings and ``None`` themselves, anything else by
+    its type only (a default ``repr`` holds the object's address; a list of tensors names each rank's device)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return type(value).__qualname__
 
 
 def disagreeing_state(gathered: List[Dict[Any, Optional[int]]]) -> Optional[Tuple[Any, List[str]]]:

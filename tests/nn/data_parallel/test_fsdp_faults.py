@@ -530,6 +530,49 @@ def test_a_kept_failed_loss_does_not_block_loads() -> None:
     run_distributed(_kept_failed_loss_body, WORLD, timeout=TIMEOUT)
 
 
+class _CheckpointedSegment(nn.Module):
+    """A layer that may fail in backward, then an inner instance, recomputed in backward (activation checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = FSDP(nn.Linear(4, 4))
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(FailInBackward.apply(self.pre(x), self.fail))
+
+
+def _recomputed_token_body(rank: int, world_size: int) -> None:
+    # Two forwards, then the first one's backward raises after recomputing the checkpointed inner instance, whose
+    # recomputed forward made a pending-backward marker too: numbered as the root's latest forward, it marked the
+    # second forward's backward as started at the recovery, and a load was accepted while that backward was still to
+    # run (found by the session's review).
+    from fairscale.nn.checkpoint import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    segment = _CheckpointedSegment()
+    model = FSDP(nn.Sequential(checkpoint_wrapper(segment), nn.Tanh(), nn.Linear(4, 1)))
+    saved = model.state_dict()
+    x = torch.randn(3, 4, requires_grad=True)
+    first, second = model(x).sum(), model(x).sum()
+    segment.fail = True
+    with pytest.raises(RuntimeError, match="injected") as info:
+        first.backward()
+    segment.fail = False
+    kept = info.value  # the exception (and its traceback's frames) kept, as a loop's `last_error = e` does
+    with pytest.warns(UserWarning, match="did not finish"):
+        with pytest.raises(RuntimeError, match="between a forward and its backward"):
+            model.load_state_dict(saved)
+    second.backward()
+    model.load_state_dict(saved)
+    del kept, first
+
+
+def test_a_recomputed_forward_does_not_release_a_later_forward() -> None:
+    run_distributed(_recomputed_token_body, WORLD, timeout=TIMEOUT)
+
+
 class _TwiceUsedNet(nn.Module):
     """``b`` (its own unit) is used twice per forward, so its reduction waits for the end of backward; the backward
     may fail after ``b``'s gradient accumulated, before ``a``'s."""

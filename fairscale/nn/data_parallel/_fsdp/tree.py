@@ -17,7 +17,7 @@ from .order import ExecutionOrder
 
 class PendingBackward:
     """Marks one forward whose backward may still run (see :attr:`TreeState.backward_pending`); ``forward`` numbers the
-    root's forward whose graph holds it."""
+    root's forward whose graph holds it (-1: a forward run inside a backward)."""
 
     __slots__ = ("done", "forward", "__weakref__")
 
@@ -89,7 +89,10 @@ class TreeState:
                 handle.free_full()
 
     def new_pending_backward(self) -> "PendingBackward":
-        token = PendingBackward(self.root_forwards)
+        # A forward inside a backward (a checkpointed unit's recomputation) belongs to that backward, not to the
+        # root's latest forward (-1): its hook running must not mark that forward's backward as started.
+        inside_backward = torch._C._current_graph_task_id() != -1
+        token = PendingBackward(-1 if inside_backward else self.root_forwards)
         self._pending.add(token)
         return token
 
@@ -101,9 +104,9 @@ class TreeState:
         and its backward", which the user could not run. A forward whose backward has not started keeps its tokens.
         """
         tokens = list(self._pending)
-        started = {t.forward for t in tokens if t.done}
+        started = {t.forward for t in tokens if t.done and t.forward != -1}
         for t in tokens:
-            if t.forward in started:
+            if t.forward in started or t.forward == -1:  # -1: made inside the backward that raised
                 t.done = True
 
     @property
