@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """The total gradient norm of a model whose gradients are split over ranks, with the ranks' arguments compared."""
 
+import functools
 import math
 from typing import Any
 
@@ -10,11 +11,14 @@ from torch import Tensor
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_gathered_agree
 
+# The dtypes a norm may have, by code (sent as a float among the norm's parts).
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: float, group: Any, what: str) -> Tensor:
     """Combine each rank's ``norm_type``-norm of its own gradients into the norm of them all.
 
-    One all-gather of three numbers per rank (the rank's part, ``norm_type``, ``max_norm``), in place of the
+    One all-gather of four numbers per rank (the rank's part, ``norm_type``, ``max_norm``, its dtype), in place of the
     all-reduce of the part alone: a rank with another ``norm_type`` would combine its part by another rule (or join
     a max with a sum), and one with another ``max_norm`` would clip its gradients by another factor, both silently.
     The parts are combined in float64.
@@ -27,7 +31,8 @@ def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: floa
         what (str): the caller's name, for the error message.
 
     Returns:
-        Tensor: 0-dim, the total norm, in ``local_norm``'s dtype and on its device.
+        Tensor: 0-dim, the total norm, on ``local_norm``'s device, in its dtype where every rank's is the same, else
+        in the dtype all of them promote to (fp16 and bf16: fp32), the same on every rank.
 
     Raises:
         RanksDisagreeError: the ranks passed different ``norm_type`` or ``max_norm`` (on every rank alike).
@@ -35,13 +40,20 @@ def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: floa
     part = local_norm.detach().to(torch.float64)
     if not math.isinf(norm_type):
         part = part**norm_type
-    mine = torch.stack([part, part.new_tensor(norm_type), part.new_tensor(max_norm)])
+    # The dtype rides along: ranks whose gradients have other dtypes (OSS giving one rank the fp32 parameters and
+    # another the bf16 ones) returned the norm in their own dtype, so they clipped by other factors (an fp16 rank got
+    # inf above 65504 and zeroed its gradients) and a loop testing the norm stepped on some ranks only.
+    code = float(_DTYPES.index(local_norm.dtype)) if local_norm.dtype in _DTYPES else -1.0
+    mine = torch.stack([part, part.new_tensor(norm_type), part.new_tensor(max_norm), part.new_tensor(code)])
     size = collectives.group_size(group)
-    gathered = mine.new_empty(size * 3)
+    gathered = mine.new_empty(size * 4)
     collectives.all_gather_into_flat(gathered, mine, group=group)
-    rows = gathered.view(size, 3)
-    named = [[("norm_type", norm), ("max_norm", limit)] for norm, limit in rows[:, 1:].tolist()]
+    rows = gathered.view(size, 4)
+    named = [[("norm_type", norm), ("max_norm", limit)] for norm, limit, _ in rows[:, 1:].tolist()]
     check_gathered_agree(f"{what}: (norm_type, max_norm)", named, group)
     parts = rows[:, 0]
     total = parts.max() if math.isinf(norm_type) else parts.sum() ** (1.0 / norm_type)
-    return total.to(local_norm.dtype)
+    codes = {int(c) for c in rows[:, 3].tolist()}
+    if -1 in codes or len(codes) == 1:
+        return total.to(local_norm.dtype)  # one dtype everywhere (or one this table lacks): the rank's own
+    return total.to(functools.reduce(torch.promote_types, [_DTYPES[c] for c in sorted(codes)]))

@@ -278,10 +278,18 @@ class OSS(Optimizer):
             logging.info("OSS detected that the parameters changed device, dtype or storage, re-allocating buffers")
             self._clear_cache()
             self._refresh_trainable()
-        self._check_no_unfrozen_parameter()
         if closure is not None:
-            loss = self.optim.step(closure=closure, **kwargs)
+            # Checked after the closure, before the wrapped optimizer updates anything: the closure's forward is
+            # where ShardedDataParallel(auto_refresh_trainable=True) takes an unfreezing in (checked before it, the
+            # step refused what that forward was about to fix).
+            def checked_closure() -> Any:
+                value = closure()
+                self._check_no_unfrozen_parameter()
+                return value
+
+            loss = self.optim.step(closure=checked_closure, **kwargs)
         else:
+            self._check_no_unfrozen_parameter()
             loss = self.optim.step(**kwargs)
         self._broadcast_params()
         # Keys the wrapped optimizer added during its step become visible on OSS's groups.

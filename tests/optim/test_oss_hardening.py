@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  # torch optimizers import it on first use: once here, not once per forked rank
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
 from fairscale.internal.agreement import RanksDisagreeError
@@ -251,6 +251,38 @@ def _other_checkpoint_body(rank: int, world_size: int, kind: str) -> str:
     return "no error"
 
 
+def _mixed_dtype_clip_body(rank: int, world_size: int, low: torch.dtype, scale: float) -> Tuple[float, str, float]:
+    # Each rank owning gradients of another dtype (OSS gives one rank the fp32 group, the other the low-precision
+    # one): the total norm came back in each rank's own dtype, so the ranks clipped by other factors, an fp16 rank got
+    # inf above 65504 and zeroed its gradients, and the returned norms differed (found by an OSS fuzz, session 40).
+    torch.manual_seed(0)
+    big = nn.Parameter(torch.randn(16, 8))
+    small = nn.Parameter(torch.randn(8, 4).to(low))
+    oss = OSS([{"params": [big]}, {"params": [small]}], optim=torch.optim.SGD, lr=0.1)
+    owners = {id(p): r for r, groups in enumerate(oss.partition_parameters()) for g in groups for p in g["params"]}
+    assert owners[id(big)] != owners[id(small)]
+    g = torch.Generator().manual_seed(1)
+    big.grad = torch.randn(16, 8, generator=g) * scale
+    small.grad = torch.randn(8, 4, generator=g).to(low)
+    ref = [nn.Parameter(torch.zeros_like(p.grad)) for p in (big, small)]
+    for r, p in zip(ref, (big, small)):
+        r.grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    total = oss.clip_grad_norm(1.0)
+    mine, expected = (big, ref[0]) if owners[id(big)] == rank else (small, ref[1])
+    assert torch.isfinite(total) and torch.allclose(total.double(), want.double(), rtol=1e-6), (total, want)
+    assert expected.grad is not None and mine.grad is not None
+    error = ((mine.grad.float() - expected.grad.float()).abs().max() / expected.grad.float().abs().max()).item()
+    return total.item(), str(total.dtype), error
+
+
+@pytest.mark.parametrize("low, scale", [(torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.float16, 1e4)])
+def test_clip_with_ranks_owning_other_dtypes(low: torch.dtype, scale: float) -> None:
+    results = run_distributed(_mixed_dtype_clip_body, 2, low, scale, timeout=TIMEOUT)
+    assert results[0][:2] == results[1][:2] == (results[0][0], "torch.float32")
+    assert all(error <= 1e-3 for _, _, error in results), results
+
+
 class _Tracker:
     """Per-parameter bookkeeping an optimizer may keep in its state: picklable, with the default repr (an address)."""
 
@@ -294,6 +326,69 @@ def test_ranks_given_other_checkpoints_raise_alike(kind: str) -> None:
 
 # ------------------------------------------------------------------------------------------------------------------
 # broadcast_fp16 and values beyond the fp16 range
+
+
+def _frozen_without_refresh_body(rank: int, world_size: int) -> List[bool]:
+    # A layer frozen after OSS was built, without refresh_trainable() (the docs ask for it after unfreezing only):
+    # it stayed in its owner's broadcast bucket and was rounded to fp16 at every step, although nothing trains it
+    # (found by an OSS fuzz, session 40). Such a bucket travels in its own dtype until the refresh.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, broadcast_fp16=True)
+    frozen = model[1].weight
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    oss.step()
+    return [torch.equal(frozen, before)]
+
+
+def test_a_layer_frozen_without_refresh_keeps_its_value_with_fp16_broadcasts() -> None:
+    assert run_distributed(_frozen_without_refresh_body, 2, timeout=TIMEOUT) == [[True], [True]]
+
+
+def _closure_after_unfreezing_body(rank: int, world_size: int, wrapped: bool) -> str:
+    # The torch closure idiom (forward and backward inside step's closure) under ShardedDataParallel with
+    # auto_refresh_trainable: after an unfreezing, OSS.step refused before running the closure, whose forward is
+    # where the wrapper takes the change in (found by an OSS fuzz, session 40). Without the wrapper (nothing
+    # refreshes), the closure's step is still refused, before the wrapped optimizer changes anything.
+    from fairscale.nn.data_parallel import ShardedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    net = ShardedDataParallel(model, oss) if wrapped else model
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+    def closure() -> Tensor:
+        oss.zero_grad()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        if not wrapped:
+            for p in model.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+        return loss
+
+    model[2].requires_grad_(False)
+    oss.refresh_trainable()
+    oss.step(closure)
+    model[2].requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        oss.step(closure)
+    except RuntimeError as e:
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "refused after stepping"
+        return "refused: " + str(e).split(";")[0]
+    assert model[2].weight.grad is not None and not torch.equal(model[2].weight, before[2])
+    return "stepped"
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_a_closure_step_after_unfreezing(wrapped: bool) -> None:
+    results = run_distributed(_closure_after_unfreezing_body, 2, wrapped, timeout=TIMEOUT)
+    assert results[0] == results[1]
+    assert results[0] == "stepped" if wrapped else results[0].startswith("refused"), results
 
 
 def _fp16_overflow_body(rank: int, world_size: int, dtype: torch.dtype) -> Tuple[int, List[List[float]]]:

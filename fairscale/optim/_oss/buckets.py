@@ -307,6 +307,10 @@ def _fits_fp16(ordered: List[Tuple[int, ParamBucket]], group: Any, rank: int) ->
             # The fp16 cast keeps the real part only (the imaginary one was erased on every rank, the owner's too):
             # complex buckets travel at full precision. Every rank flags them (the dtype is the same everywhere).
             flags[i] = 1
+        elif owner == rank and buffer.dtype != torch.float16 and any(not p.requires_grad for p in bucket._params):
+            # A parameter frozen since the buckets were built (refresh_trainable() not called yet) would be rounded
+            # at every step although nothing trains it: the bucket travels in its own dtype until the refresh.
+            flags[i] = 1
         elif owner == rank and buffer.dtype != torch.float16 and buffer.numel() > 0:
             # NaN compares false: a NaN travels as fp16 NaN, as the owner has it. inf (and anything beyond the
             # largest fp16 value) makes the bucket travel in its own dtype, so the value arrives as it is. Compared
