@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Mixture-of-experts layer (GShard): gate, all-to-all dispatch to the experts of every rank, combine."""
 
+import warnings
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union, cast
 
@@ -15,6 +16,7 @@ from fairscale.internal.autocast import autocast_state
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleValueError
 from fairscale.internal.group_copy import deepcopy_sharing_group, refuse_pickling_group
+from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing
 
 __all__ = ["MOELayer"]
 
@@ -104,6 +106,31 @@ class MOELayer(Module):
             )
         self.world_size = dist.get_world_size(self.group)
         self.num_local_experts = len(self.experts)
+
+    @property
+    def l_aux(self) -> Any:
+        """This rank's load-balancing loss of the last forward (``None`` before any).
+
+        Under :func:`fairscale.nn.checkpoint.checkpoint_wrapper` the first pass runs without autograd: the value read
+        after the wrapped module returned carries no gradient, and adding it to the loss trained nothing, silently.
+        Reading it there warns once; return it from the checkpointed module's forward instead (read inside that
+        forward, it travels through the checkpoint with its gradient).
+        """
+        if self.__dict__.get("_l_aux_without_grad") and not is_checkpointing():
+            if not self.__dict__.get("_warned_l_aux"):
+                self.__dict__["_warned_l_aux"] = True
+                warnings.warn(
+                    "MOELayer.l_aux was computed in the first (no-grad) pass of checkpoint_wrapper: it carries no "
+                    "gradient, so adding it to the loss trains nothing. Read it inside the checkpointed module's "
+                    "forward and return it from there (the checkpoint then gives it its gradient)."
+                )
+        return self.__dict__.get("_l_aux", self.__dict__.get("l_aux"))
+
+    @l_aux.setter
+    def l_aux(self, value: Any) -> None:
+        self.__dict__["_l_aux"] = value
+        no_grad = isinstance(value, Tensor) and not value.requires_grad
+        self.__dict__["_l_aux_without_grad"] = self.training and is_checkpointing() and no_grad
 
     @property
     def group(self) -> Any:

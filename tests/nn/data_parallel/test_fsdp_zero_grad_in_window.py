@@ -216,6 +216,29 @@ def _step_after_replacing_a_reduced_gradient(rank: int, world_size: int, flag: b
         optimizer.zero_grad()
 
 
+def _step_after_replacing_the_model(rank: int, world_size: int, flag: bool) -> None:
+    """A model that used no_sync() replaced before its next step (rebuilt and loaded from a checkpoint) while the
+    loop still held its last loss: the global pre-step hooks still watched it through the loss's graph and every later
+    optimizer.step() of the process raised "the module of this FSDP unit no longer exists", the new model's too
+    (found by a fuzz of MoE under FSDP, session 40)."""
+    import gc
+
+    model = FSDP(_Scale(), optimize_backward_concat=flag)
+    x = torch.ones(2, 1) * (rank + 1)
+    with model.no_sync():
+        model(x).sum().backward()
+    loss = model(x).sum()
+    loss.backward()
+    state = model.state_dict()
+    model = FSDP(_Scale(), optimize_backward_concat=flag)
+    gc.collect()
+    model.load_state_dict(state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).sum().backward()
+    optimizer.step()
+    del loss
+
+
 def _body(rank: int, world_size: int, flag: bool) -> None:
     cases: List[tuple] = []
     for how in ("optimizer, set_to_none", "optimizer, in place", "module"):
@@ -234,6 +257,12 @@ def _body(rank: int, world_size: int, flag: bool) -> None:
         (
             "optimizer.step() after replacing a reduced gradient",
             functools.partial(_step_after_replacing_a_reduced_gradient, rank, world_size, flag),
+        )
+    )
+    cases.append(
+        (
+            "optimizer.step() after replacing the model",
+            functools.partial(_step_after_replacing_the_model, rank, world_size, flag),
         )
     )
     if flag:

@@ -287,6 +287,53 @@ def test_moe_layer(world_size: int) -> None:
     run_distributed(_moe_body, world_size)
 
 
+class _ReturnsAux(nn.Module):
+    """An MoE block returning its load-balancing loss with its output (read inside the checkpointed forward)."""
+
+    def __init__(self, moe: MOELayer) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.moe(x), self.moe.l_aux
+
+
+def _aux_loss_body(rank: int, world_size: int) -> None:
+    # Under checkpoint_wrapper the first pass runs without autograd: moe.l_aux read after the wrapper returned carried
+    # no gradient, and `loss + w * moe.l_aux` trained nothing through it, silently (found by a fuzz of MoE under FSDP,
+    # session 40). Reading it there warns now; returned from inside the checkpointed forward it keeps its gradient.
+    import warnings
+
+    from fairscale.nn.checkpoint import checkpoint_wrapper
+
+    def build() -> MOELayer:
+        torch.manual_seed(0)
+        return MOELayer(Top2Gate(MODEL_DIM, 4 * world_size), nn.ModuleList(_experts(4)))
+
+    x = _input(rank, requires_grad=True)
+    plain = build()
+    plain(x)
+    plain.l_aux.backward()
+    want = plain.gate.wg.weight.grad
+    assert want is not None and want.abs().sum() > 0
+    wrapped = checkpoint_wrapper(build())
+    wrapped(x)
+    with pytest.warns(UserWarning, match="carries no gradient"):
+        assert not wrapped.l_aux.requires_grad
+    returning = checkpoint_wrapper(_ReturnsAux(build()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where the value keeps its gradient
+        _, aux = returning(x)
+        aux.backward()
+    got = returning.moe.gate.wg.weight.grad
+    assert got is not None
+    _assert_close(got, want, what="the gate's gradient of l_aux returned through the checkpoint")
+
+
+def test_aux_loss_under_checkpointing() -> None:
+    run_distributed(_aux_loss_body, 2)
+
+
 class _MoENet(nn.Module):
     """A shared input projection, then an MoE layer with one expert per rank."""
 

@@ -50,6 +50,9 @@ def recover_before_steps(root: FSDPUnit) -> None:
 def _recover_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
     # Cost per step: one flag per root (a backward left unfinished keeps its end-of-backward callback queued).
     for root in list(_roots):
+        if not root.alive:  # a replaced model whose graph is still referenced: nothing of it is stepped any more
+            _roots.discard(root)
+            continue
         tree = root.tree
         if tree is not None and tree.root is not None and tree.final_callback_queued:
             recover_between_steps(root)
@@ -97,6 +100,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Op
         return None
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for root in list(_watched):
+        if not root.alive:  # replaced (a kept loss holds its unit): every later step of the process raised here
+            _watched.discard(root)
+            continue
         held, found = _unreduced(root, stepped)
         if found is not None:
             raise FairscaleRuntimeError(

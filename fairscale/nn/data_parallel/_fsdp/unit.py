@@ -199,6 +199,12 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ identity and tree
     @property
+    def alive(self) -> bool:
+        """Whether the module of this unit still exists (its graph may outlive it: a loss kept after the model was
+        replaced holds the unit through its hooks)."""
+        return self._owner_ref is not None and self._owner_ref() is not None
+
+    @property
     def owner(self) -> nn.Module:
         owner = self._owner_ref() if self._owner_ref is not None else None
         if owner is None:
