@@ -562,7 +562,9 @@ def _recomputed_token_body(rank: int, world_size: int) -> None:
     segment.fail = False
     kept = info.value  # the exception (and its traceback's frames) kept, as a loop's `last_error = e` does
     with pytest.warns(UserWarning, match="did not finish"):
-        with pytest.raises(RuntimeError, match="between a forward and its backward"):
+        # The message names the way out of a pending forward that cannot be run any more (found by a fuzz of MoE
+        # under FSDP: it suggested only a forward under no_grad, which does not help).
+        with pytest.raises(RuntimeError, match="between a forward and its backward(.|\n)*del loss"):
             model.load_state_dict(saved)
     second.backward()
     model.load_state_dict(saved)

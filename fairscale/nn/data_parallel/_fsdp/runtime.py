@@ -66,7 +66,8 @@ def _assert_between_steps(unit: FSDPUnit, what: str, why: str) -> None:
     if tree is not None and tree.backward_pending:
         raise FairscaleRuntimeError(
             f"{what} called between a forward and its backward: {why}. Run the backward first (or the forward under "
-            "torch.no_grad()), then call it."
+            "torch.no_grad()), then call it; a forward whose outputs are still referenced counts as pending (after a "
+            "backward that raised before reaching FSDP, drop its loss: del loss)."
         )
 
 

@@ -321,7 +321,9 @@ def _check_loadable_here(unit: FSDPUnit, what: str) -> None:
     if tree is not None and tree.backward_pending:
         raise RuntimeError(
             f"{what}() called between a forward and its backward: the pending backward would use weights that no "
-            "longer exist. Run the backward first (or do the forward under torch.no_grad()), then load."
+            "longer exist. Run the backward first (or do the forward under torch.no_grad()), then load; a forward "
+            "whose outputs are still referenced counts as pending (after a backward that raised before reaching "
+            "FSDP, drop its loss: del loss)."
         )
 
 
