@@ -381,6 +381,10 @@ def _fsdp_moe_body(rank: int, world_size: int) -> None:
     for key, value in ref.state_dict().items():
         _assert_close(state[key], value, what=key)
 
+    # Clipping such a tree is refused (as upstream), saying how to clip by hand.
+    with pytest.raises(NotImplementedError, match="Clip yourself"):
+        model.clip_grad_norm_(1.0)
+
     with collectives.count_collectives() as counter:
         full = model.gather_full_optim_state_dict(optim)
     # Only the shared instance's state crosses ranks; the expert's stays rank-local.

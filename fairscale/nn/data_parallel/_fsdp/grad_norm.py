@@ -37,7 +37,12 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
     configs = [root.config] + [u.config for u in root.tree_units() if u.handles]
     all_local = all(c.world_size == 1 and c.replicate_size == 1 for c in configs)
     if len({id(c.process_group) for c in configs}) > 1 and not all_local:
-        raise NotImplementedError("clip_grad_norm_ with nested instances on different process groups")
+        raise NotImplementedError(
+            "clip_grad_norm_ with nested instances on different process groups (e.g. mixture-of-experts layers "
+            "wrapped over a group of one rank) is not supported (as upstream). Clip yourself: sum the squared norms "
+            "of each instance's gradient shards over that instance's own process group (all_reduce), add them up, "
+            "and scale the gradients by max_norm / total norm where it is larger."
+        )
     c = root.config
     device = c.compute_device
     if not grads:
