@@ -406,6 +406,24 @@ def test_fsdp_moe_no_broadcast_optim_state() -> None:
     run_distributed(_fsdp_moe_body, 2)
 
 
+def _expert_precision_body(rank: int, world_size: int) -> str:
+    # An expert wrapped without the root's mixed_precision on one rank: its dtype error on that rank left the others
+    # in the second all-to-all until the timeout (found by a fuzz of MoE under FSDP, session 40). The first forward's
+    # agreement check compares one-rank instances' mixed_precision and compute_dtype now.
+    from fairscale.internal.agreement import RanksDisagreeError
+
+    singletons = [dist.new_group([r]) for r in range(world_size)]
+    expert = FSDP(copy.deepcopy(_experts(world_size)[rank]), process_group=singletons[rank], mixed_precision=rank == 0)
+    model = FSDP(_MoENet(world_size, expert), mixed_precision=True)
+    with pytest.raises(RanksDisagreeError, match="mixed_precision: True vs False"):
+        model(_input(rank))
+    return "raised"
+
+
+def test_experts_with_other_precision_settings_raise_on_every_rank() -> None:
+    assert run_distributed(_expert_precision_body, 2, timeout=60.0) == ["raised", "raised"]
+
+
 def _cuda_body(rank: int, world_size: int) -> None:
     device = f"cuda:{torch.cuda.current_device()}"
     run_cases(
