@@ -13,9 +13,13 @@ from fairscale.internal.agreement import check_gathered_agree
 
 # The dtypes a norm may have, by code (sent as a float among the norm's parts).
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_UNKNOWN = -1  # a dtype not in the table
+_NO_VOTE = -2  # a rank without gradients (its local norm is a plain fp32 zero)
 
 
-def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: float, group: Any, what: str) -> Tensor:
+def total_norm_across_ranks(
+    local_norm: Tensor, max_norm: float, norm_type: float, group: Any, what: str, has_grads: bool = True
+) -> Tensor:
     """Combine each rank's ``norm_type``-norm of its own gradients into the norm of them all.
 
     One all-gather of four numbers per rank (the rank's part, ``norm_type``, ``max_norm``, its dtype), in place of the
@@ -29,10 +33,11 @@ def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: floa
         norm_type (float): the p of the p-norm, ``inf`` for the max norm.
         group (Optional[ProcessGroup]): the ranks whose gradients make up the model (``None``: the default group).
         what (str): the caller's name, for the error message.
+        has_grads (bool): whether this rank measured any gradient; one that did not has no say in the dtype.
 
     Returns:
-        Tensor: 0-dim, the total norm, on ``local_norm``'s device, in its dtype where every rank's is the same, else
-        in the dtype all of them promote to (fp16 and bf16: fp32), the same on every rank.
+        Tensor: 0-dim, the total norm, on ``local_norm``'s device, in the dtype the ranks with gradients share, else
+        in the dtype theirs promote to (fp16 and bf16: fp32): the same on every rank.
 
     Raises:
         RanksDisagreeError: the ranks passed different ``norm_type`` or ``max_norm`` (on every rank alike).
@@ -43,7 +48,10 @@ def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: floa
     # The dtype rides along: ranks whose gradients have other dtypes (OSS giving one rank the fp32 parameters and
     # another the bf16 ones) returned the norm in their own dtype, so they clipped by other factors (an fp16 rank got
     # inf above 65504 and zeroed its gradients) and a loop testing the norm stepped on some ranks only.
-    code = float(_DTYPES.index(local_norm.dtype)) if local_norm.dtype in _DTYPES else -1.0
+    if not has_grads:
+        code = float(_NO_VOTE)
+    else:
+        code = float(_DTYPES.index(local_norm.dtype)) if local_norm.dtype in _DTYPES else float(_UNKNOWN)
     mine = torch.stack([part, part.new_tensor(norm_type), part.new_tensor(max_norm), part.new_tensor(code)])
     size = collectives.group_size(group)
     gathered = mine.new_empty(size * 4)
@@ -53,7 +61,7 @@ def total_norm_across_ranks(local_norm: Tensor, max_norm: float, norm_type: floa
     check_gathered_agree(f"{what}: (norm_type, max_norm)", named, group)
     parts = rows[:, 0]
     total = parts.max() if math.isinf(norm_type) else parts.sum() ** (1.0 / norm_type)
-    codes = {int(c) for c in rows[:, 3].tolist()}
-    if -1 in codes or len(codes) == 1:
-        return total.to(local_norm.dtype)  # one dtype everywhere (or one this table lacks): the rank's own
-    return total.to(functools.reduce(torch.promote_types, [_DTYPES[c] for c in sorted(codes)]))
+    votes = {int(c) for c in rows[:, 3].tolist()} - {_NO_VOTE}
+    if not votes or _UNKNOWN in votes:
+        return total.to(local_norm.dtype)  # no gradient anywhere, or a dtype this table lacks: the rank's own
+    return total.to(functools.reduce(torch.promote_types, [_DTYPES[c] for c in sorted(votes)]))

@@ -347,10 +347,14 @@ class OSS(Optimizer):
                 f"OSS.clip_grad_norm: norm_type must be a positive number or inf (the p of the p-norm), got "
                 f"{norm_type}; 0 and negative norms are not supported"
             )
-        local_params = filter_params_fn(self._local_params) if filter_params_fn is not None else self._local_params
+        # Listed once: a filter_params_fn may return an iterator, which the norm and the gradient test both walk.
+        local_params = list(
+            filter_params_fn(self._local_params) if filter_params_fn is not None else self._local_params
+        )
         local_norm = calc_grad_norm(cast(List[torch.nn.Parameter], local_params), norm_type).to(self._default_device)
         world = dist.group.WORLD if dist.is_initialized() else None
-        total_norm = total_norm_across_ranks(local_norm, max_norm, norm_type, world, "OSS.clip_grad_norm")
+        has_grads = any(p.grad is not None for p in local_params)
+        total_norm = total_norm_across_ranks(local_norm, max_norm, norm_type, world, "OSS.clip_grad_norm", has_grads)
         clip_coef = torch.tensor(max_norm, dtype=total_norm.dtype, device=total_norm.device) / (total_norm + 1e-6)
         if clip_coef < 1:
             for per_rank in self._per_device_params.values():

@@ -276,6 +276,21 @@ def _mixed_dtype_clip_body(rank: int, world_size: int, low: torch.dtype, scale: 
     return total.item(), str(total.dtype), error
 
 
+def _clip_with_a_rank_without_grads_body(rank: int, world_size: int) -> Tuple[str, float]:
+    # One bf16 parameter, so one rank owns nothing: its norm (a plain fp32 zero) has no say in the dtype, which stays
+    # the model's on every rank (found by the session's review: the fp32 zero made every rank return fp32).
+    weight = nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).bfloat16())
+    oss = OSS([weight], optim=torch.optim.SGD, lr=0.1)
+    weight.grad = torch.ones(8, 4, dtype=torch.bfloat16)
+    total = oss.clip_grad_norm(1.0)
+    return str(total.dtype), total.item()
+
+
+def test_clip_with_a_rank_that_owns_no_gradient_keeps_the_models_dtype() -> None:
+    results = run_distributed(_clip_with_a_rank_without_grads_body, 2, timeout=TIMEOUT)
+    assert results[0] == results[1] and results[0][0] == "torch.bfloat16", results
+
+
 @pytest.mark.parametrize("low, scale", [(torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.float16, 1e4)])
 def test_clip_with_ranks_owning_other_dtypes(low: torch.dtype, scale: float) -> None:
     results = run_distributed(_mixed_dtype_clip_body, 2, low, scale, timeout=TIMEOUT)

@@ -132,6 +132,12 @@ class MOELayer(Module):
         no_grad = isinstance(value, Tensor) and not value.requires_grad
         self.__dict__["_l_aux_without_grad"] = self.training and is_checkpointing() and no_grad
 
+    @l_aux.deleter
+    def l_aux(self) -> None:
+        # `del moe.l_aux` (to free the graph it holds) worked on upstream's plain attribute.
+        for key in ("_l_aux", "l_aux", "_l_aux_without_grad"):
+            self.__dict__.pop(key, None)
+
     @property
     def group(self) -> Any:
         """The process group of the all-to-alls (the default group when none was given)."""

@@ -328,6 +328,8 @@ def _aux_loss_body(rank: int, world_size: int) -> None:
     got = returning.moe.gate.wg.weight.grad
     assert got is not None
     _assert_close(got, want, what="the gate's gradient of l_aux returned through the checkpoint")
+    del wrapped.l_aux  # frees the graph it holds, as upstream's plain attribute allowed
+    assert wrapped.l_aux is None
 
 
 def test_aux_loss_under_checkpointing() -> None:
@@ -417,7 +419,29 @@ def _expert_precision_body(rank: int, world_size: int) -> str:
     model = FSDP(_MoENet(world_size, expert), mixed_precision=True)
     with pytest.raises(RanksDisagreeError, match="mixed_precision: True vs False"):
         model(_input(rank))
+    # A rank-local module on a group of one rank (not an expert) may still differ.
+    dtype = torch.bfloat16 if rank == 0 else torch.float32
+    probe = FSDP(
+        nn.Linear(MODEL_DIM, 2), process_group=singletons[rank], mixed_precision=rank == 0, compute_dtype=dtype
+    )
+    FSDP(_WithProbe(probe, dtype))(_input(rank)).sum().backward()
     return "raised"
+
+
+class _WithProbe(nn.Module):
+    """A layer, and a rank-local probe of its output (logged only) in a dtype of the rank's choosing."""
+
+    def __init__(self, probe: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.body = nn.Linear(MODEL_DIM, MODEL_DIM)
+        self.probe = probe
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.body(x)
+        with torch.no_grad():
+            self.last_probe = self.probe(h.detach().to(self.dtype)).float()
+        return h
 
 
 def test_experts_with_other_precision_settings_raise_on_every_rank() -> None:

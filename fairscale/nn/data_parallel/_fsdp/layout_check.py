@@ -52,12 +52,15 @@ def describe(unit: FSDPUnit, group_ranks: Sequence[int]) -> Layout:
 
     An instance sharded over one rank (upstream's MoE experts) or over a group other than the gathering one (and not
     hybrid) is ``None``: its parameters never meet the other ranks' in a collective of this group, so they may differ.
-    An instance of one rank still shares the dtypes of what it computes: a mixture-of-experts layer exchanges the
-    experts' inputs and outputs with all-to-alls, and an expert without the root's ``mixed_precision`` failed with a
-    dtype error on its rank while the others waited in the next all-to-all until the timeout.
+    An expert of a mixture-of-experts layer (an instance of one rank whose parameters the layer marked
+    ``expert = True``) still shares the dtypes of what it computes: its inputs and outputs travel in all-to-alls, and an
+    expert without the root's ``mixed_precision`` failed with a dtype error on its rank while the others waited in the
+    next all-to-all until the timeout. Other instances of one rank (a rank-local module) may differ in that too.
     """
     c = unit.config
     if c.world_size == 1:
+        if not any(getattr(h.param, "expert", False) for h in unit.handles):
+            return None
         return (("mixed_precision", _plain(c.mixed_precision)), ("compute_dtype", _plain(c.compute_dtype))), ()
     if c.replicate_process_group is None and list(collectives.group_ranks(c.process_group)) != list(group_ranks):
         return None
