@@ -382,10 +382,10 @@ def _optimizer_kinds(optims: Tuple[torch.optim.Optimizer, ...]) -> List[str]:
 
 def _checkpoint_state(model: nn.Module, optimizers: Tuple[torch.optim.Optimizer, ...], values: str) -> Dict[str, Any]:
     unit = _root_unit(model, "save")
-    state: Dict[str, Any] = {MODEL_KEY: dcp_state.get_model_state_dict(unit, False, False, values=values)}
+    state: Dict[str, Any] = {MODEL_KEY: dcp_state.get_model_state_dict(unit, False, False, values, "save")}
     if optimizers:
         state[OPTIMIZER_KEY] = dcp_state.get_optimizer_state_dict(
-            unit, optimizers, False, False, values=values, create_state=False
+            unit, optimizers, False, False, values=values, create_state=False, what="save"
         )
     return state
 

@@ -151,6 +151,17 @@ class MOELayer(Module):
         # A copy (an EMA or teacher model) exchanges tokens over the same group: process groups cannot be copied.
         return deepcopy_sharing_group(self, memo, self._group)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # A copy (deepcopy for an EMA or teacher model, or a pickle) holds the last load-balancing loss without its
+        # graph: the live value is an output of this layer's autograd graph, which torch cannot copy (deepcopy of a
+        # non-leaf tensor raises), so copying a model after a training forward failed (as upstream's).
+        state = dict(self.__dict__)
+        for key in ("_l_aux", "l_aux"):
+            value = state.get(key)
+            if isinstance(value, Tensor) and value.grad_fn is not None:
+                state[key] = value.detach()
+        return state
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         refuse_pickling_group(self, self._group)  # a clear TypeError instead of torch's "cannot pickle ProcessGroup"
         return super().__reduce_ex__(protocol)

@@ -626,6 +626,35 @@ def _case_model_on_a_subgroup(root: str) -> None:
     expect(ValueError, "do not make up the world's 2 ranks", fsdp_dcp.load, fsdp, checkpoint_id=path)
 
 
+def _case_model_with_experts(root: str) -> None:
+    """An expert (an instance sharded over its own rank) inside a model sharded over the world: refused, and the
+    message names the call the user made (it named get_model_state_dict, which ``save`` uses inside)."""
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    torch.manual_seed(0)
+    expert = FSDP(nn.Linear(4, 4), process_group=solo[dist.get_rank()])
+    fsdp = FSDP(nn.Sequential(nn.Linear(4, 4), expert))
+    optim = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    fsdp(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    path = os.path.join(root, "experts")
+    for optims in (None, optim):
+        message = expect(
+            ValueError, "shards its parameters over ranks", fsdp_dcp.save, fsdp, optims, checkpoint_id=path
+        )
+        assert message.startswith("save: "), message
+    assert not os.path.exists(path)
+    plain = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))  # the same keys, one sharding group
+    plain_optim = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(torch.randn(2, 4)).sum().backward()
+    plain_optim.step()
+    fsdp_dcp.save(plain, plain_optim, checkpoint_id=path)
+    for optims in (None, optim):
+        message = expect(
+            ValueError, "shards its parameters over ranks", fsdp_dcp.load, fsdp, optims, checkpoint_id=path
+        )
+        assert message.startswith("load: "), message
+
+
 def _faults(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_interrupted_save,
@@ -646,6 +675,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_data_files_outside_the_checkpoint,
         _case_metadata_that_sets_class_attributes,
         _case_model_on_a_subgroup,
+        _case_model_with_experts,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
 

@@ -485,6 +485,15 @@ def _copies_case(explicit_group: bool) -> None:
             buffer.seek(0)
             loaded = torch.load(buffer, weights_only=False)  # our own object, written just above
             _assert_close(loaded(x), want, what="torch.save / torch.load of the whole model")
+    # After a training forward the layer holds l_aux, an output of the autograd graph: torch cannot copy that (deepcopy
+    # raised "Only Tensors created explicitly by the user ... support the deepcopy protocol", upstream too). The copy
+    # holds its value without the graph, and the original's still trains the gate.
+    model.train()
+    out = model(x)
+    ema = copy.deepcopy(model)
+    assert ema[1].l_aux.grad_fn is None and torch.equal(ema[1].l_aux, model[1].l_aux.detach())
+    (out.sum() + model[1].l_aux).backward()
+    assert model[1].gate.wg.weight.grad is not None and ema[1].gate.wg.weight.grad is None
 
 
 def _copies_body(rank: int, world_size: int) -> None:

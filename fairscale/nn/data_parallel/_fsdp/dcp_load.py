@@ -80,7 +80,7 @@ def load(
             "optimizers); pass optimizers=None to load the model alone. Nothing was loaded."
         )
     # What dcp.load reads into: staging copies of the shards, in this model's own layout (no communication).
-    msd = dcp_state.get_model_state_dict(unit, False, False, values=dcp_state.STAGING)
+    msd = dcp_state.get_model_state_dict(unit, False, False, dcp_state.STAGING, "load")
     missing = [k for k in msd if k not in model_keys]
     unexpected = sorted(model_keys - set(msd))
     if strict and (missing or unexpected):
@@ -95,7 +95,7 @@ def load(
     fresh = [not o.state for o in optims]
     if optims:
         had_grads = any(p.grad is not None for o in optims for g in o.param_groups for p in g["params"])
-        osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.STAGING)
+        osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.STAGING, what="load")
         state[OPTIMIZER_KEY] = osd
         prefix = f"{OPTIMIZER_KEY}.state."
         saved_state = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}

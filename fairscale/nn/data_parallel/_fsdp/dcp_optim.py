@@ -123,15 +123,15 @@ def get_optimizer_state_dict(
     ignore_frozen_params: bool,
     values: str = COPIES,
     create_state: bool = True,
+    what: str = "get_optimizer_state_dict",
 ) -> Dict[str, Any]:
-    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``values``: as for the model).
+    """See :func:`fairscale.nn.data_parallel.dcp.get_optimizer_state_dict` (``values``, ``what``: as for the model).
 
     ``create_state=False`` (``save``): an optimizer without state contributes its ``param_groups`` only. Creating it
     takes a step, which a checkpoint does not need: at learning rate 0 it still wrote the parameters in place (a
     save between a forward and its backward made that backward fail) and it set Adam's step counter to 1 with zero
     moments (every later update had another bias correction than without the save).
     """
-    what = "get_optimizer_state_dict"
     values = _effective_values(values)
     _require_dtensor(what)
     check_root(unit, what)

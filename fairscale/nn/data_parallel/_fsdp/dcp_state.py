@@ -86,11 +86,15 @@ def _agree(unit: FSDPUnit, layout: ModelLayout, what: str, signature: Any) -> No
 
 
 def get_model_state_dict(
-    unit: FSDPUnit, cpu_offload: bool, ignore_frozen_params: bool, values: str = COPIES
+    unit: FSDPUnit,
+    cpu_offload: bool,
+    ignore_frozen_params: bool,
+    values: str = COPIES,
+    what: str = "get_model_state_dict",
 ) -> Dict[str, Any]:
     """See :func:`fairscale.nn.data_parallel.dcp.get_model_state_dict`; ``values``: :data:`COPIES`, :data:`VIEWS`,
-    :data:`SNAPSHOT` or :data:`STAGING` (buffers are copied in every case)."""
-    what = "get_model_state_dict"
+    :data:`SNAPSHOT` or :data:`STAGING` (buffers are copied in every case); ``what`` names the public call in
+    messages (``save``/``load`` use this too)."""
     values = _effective_values(values)
     _require_dtensor(what)
     check_root(unit, what)
