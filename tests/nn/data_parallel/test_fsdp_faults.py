@@ -231,12 +231,13 @@ def test_fsdp_groups_inherit_the_default_timeout_or_take_the_users(tmp_path: Any
 
 
 class FailingNet(nn.Module):
-    """linear -> (may fail in backward) -> nested FSDP linear: the nested unit's backward completes first."""
+    """linear -> (may fail in backward) -> nested FSDP linear (``inner_kwargs``): the nested unit's backward completes
+    first. ``inner_first``: the first linear is the nested unit instead, which a failing backward never reaches."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner_first: bool = False, **inner_kwargs: Any) -> None:
         super().__init__()
-        self.a = nn.Linear(4, 5)
-        self.b = FSDP(nn.Linear(5, 3))
+        self.a = FSDP(nn.Linear(4, 5), **inner_kwargs) if inner_first else nn.Linear(4, 5)
+        self.b = nn.Linear(5, 3) if inner_first else FSDP(nn.Linear(5, 3), **inner_kwargs)
         self.fail = False
 
     def forward(self, x: Tensor) -> Tensor:
@@ -480,26 +481,13 @@ def test_calls_between_steps_recover_from_an_aborted_backward() -> None:
     run_distributed(_call_after_aborted_body, WORLD, timeout=TIMEOUT)
 
 
-class _FailAfterInnerNet(nn.Module):
-    """An inner instance, then a layer that may fail in backward: a failing backward never reaches the inner one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = FSDP(nn.Linear(4, 5))
-        self.head = nn.Linear(5, 3)
-        self.fail = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(FailInBackward.apply(torch.tanh(self.inner(x)), self.fail))
-
-
 def _kept_failed_loss_body(rank: int, world_size: int) -> None:
     # The failed batch's loss stays referenced (`loss = ...; try: loss.backward() except: ...`): its graph holds the
     # inner instance's pending-backward marker, which the failed backward never reached. Every later load_state_dict,
     # load_local_state_dict and deepcopy was refused as "called between a forward and its backward", even after
     # complete steps (found by a fuzz of hybrid sharding, session 40); only `del loss` got out of it.
     torch.manual_seed(0)
-    model = FSDP(_FailAfterInnerNet())
+    model = FSDP(FailingNet(inner_first=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
     saved = model.state_dict()
@@ -622,23 +610,10 @@ def test_aborted_first_backward_drops_a_deferred_units_unreduced_gradient() -> N
     run_distributed(_aborted_deferred_body, WORLD, timeout=TIMEOUT)
 
 
-class _FailingWindowNet(nn.Module):
-    """FailingNet with ``optimize_backward_concat`` on the nested unit (the root gets it from its constructor)."""
-
-    def __init__(self, obc: bool) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 5)
-        self.b = FSDP(nn.Linear(5, 3), optimize_backward_concat=obc)
-        self.fail = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.b(FailInBackward.apply(torch.tanh(self.a(x)), self.fail))
-
-
 def _window_with_aborted_microbatch(obc: bool) -> Dict[str, Tensor]:
     """Microbatch 1 in no_sync, microbatch 2 in no_sync raises after the nested unit's backward, microbatch 3 syncs."""
     torch.manual_seed(0)
-    net = _FailingWindowNet(obc)
+    net = FailingNet(optimize_backward_concat=obc)  # the root gets it from its constructor
     model = FSDP(net, optimize_backward_concat=obc)
     g = torch.Generator().manual_seed(dist.get_rank())
     x1, x2, x3 = (torch.randn(6, 4, generator=g) for _ in range(3))
