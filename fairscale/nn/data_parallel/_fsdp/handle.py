@@ -28,6 +28,7 @@ from fairscale.internal import tensor_hooks
 from fairscale.internal.device import DeviceHandle
 
 from .state import _LEGAL, HandleState, check_handle_transition
+from .freed_views import FreedViews
 from .storage import FreedBuffer, alloc_storage_, free_storage_, is_storage_allocated
 
 _FreedBuffer = FreedBuffer  # the name models pickled by earlier versions of this package refer to
@@ -128,6 +129,8 @@ class FlatHandle:
         self._full_view: Optional[Tensor] = None
         self._full_view_of: Optional[Tensor] = None
         self._shard_is_gather_input = False
+        # Stand-ins for the wrapped modules' views while the full buffer is released (see freed_views.py).
+        self.freed_views = FreedViews()
 
     @staticmethod
     @torch.no_grad()
@@ -359,6 +362,7 @@ class FlatHandle:
         """Allocate the padded full buffer in place (same tensor object) and return it."""
         assert self.full_padded is not None
         alloc_storage_(self.full_padded, self.shard_numel * self.world_size)  # padded_numel
+        self.freed_views.show()
         return self.full_padded
 
     def set_state(self, new: HandleState) -> None:
@@ -375,6 +379,7 @@ class FlatHandle:
             # stream, but it was allocated on the all-gather stream, whose pool only that stream allocates from, and
             # that stream waits for the compute stream before every gather (runtime and prefetch), so the next
             # gather into this memory is ordered after those reads.
+            self.freed_views.hide(self.param, self.full_padded)
             free_storage_(self.full_padded)
 
     def free_full(self) -> None:

@@ -1,0 +1,109 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What the wrapped modules hold as their parameters while a flat parameter's full buffer is released.
+
+With ``flatten_parameters=True`` each forward gives the wrapped modules views of the gathered full buffer as their
+parameters (``module.weight``). After the forward (``reshard_after_forward``) and after the backward the buffer's
+storage is released, and the views were left pointing at it: reading one between steps (logging a weight norm,
+``model.get_input_embeddings().weight``, an ``apply()`` of an init function) read freed memory, a segmentation fault
+on CPU (found by a fuzz of FSDP with ordinary torch code, session 41), an illegal memory access on CUDA.
+
+While the buffer is released the modules hold a :class:`FreedParameter` instead: a tensor of the same shape, dtype
+and device without data, whose every operation raises an error saying where to read the value. The views come back,
+the same objects, when the buffer is allocated again (a checkpointed region recomputed in the backward reads the
+views of its forward). Only attributes that still hold a view of this buffer are replaced, and only stand-ins still
+in place are given back: whatever the user or another context (``summon_full_params``) put there is left alone.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch import Tensor, nn
+
+from .naming import clean_path, join_path
+
+__all__ = ["FreedParameter", "FreedViews"]
+
+
+class FreedParameter(Tensor):
+    """Shape, dtype and device of a parameter whose full value is not in memory now; any operation on it raises."""
+
+    _fsdp_name: str
+
+    @staticmethod
+    def __new__(cls, like: Tensor, name: str) -> "FreedParameter":
+        # A wrapper subclass has metadata and no storage: .shape, .dtype, .device, .size() work, data never exists.
+        t = Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device, strides=like.stride(), requires_grad=False
+        )
+        t._fsdp_name = name
+        return t
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it as an attribute
+        cls, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
+    ) -> Any:
+        names = [a._fsdp_name for a in list(args) + list((kwargs or {}).values()) if isinstance(a, FreedParameter)]
+        name = names[0] if names else "a parameter"
+        raise RuntimeError(
+            f"FullyShardedDataParallel: {name} is not in memory between steps (flatten_parameters=True frees the "
+            "full parameters after the forward and the backward; each rank keeps only its shard). Read it inside "
+            "`with model.summon_full_params():`, or take it from model.state_dict(); it is in place again during "
+            "the forward and the backward."
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"FreedParameter({self._fsdp_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+_Slot = Tuple[nn.Module, str, str]  # (module holding the attribute, attribute name, name shown in the error)
+
+
+def _shown_name(path: str, m: nn.Module, n: str) -> str:
+    return f"{clean_path(join_path(path, n))} ({type(m).__name__}.{n})"
+
+
+def _slots(flat: Tensor) -> List[_Slot]:
+    slots = [(m, n, _shown_name(path, m, n)) for path, m, n in getattr(flat, "_param_infos", None) or []]
+    for path, _, m, n, _, _ in getattr(flat, "_shared_param_infos", None) or []:
+        slots.append((m, n, _shown_name(path, m, n)))
+    return slots
+
+
+class FreedViews:
+    """The stand-ins of one flat parameter's views while its full buffer is released (see the module doc)."""
+
+    def __init__(self) -> None:
+        # (module, attribute, the view it held, the stand-in put there), for show().
+        self._hidden: List[Tuple[nn.Module, str, Tensor, FreedParameter]] = []
+        # One stand-in per slot, made once (about 4 us each) and reused while the view keeps its shape and dtype.
+        self._stand_ins: Dict[Tuple[int, str], FreedParameter] = {}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A copy of the model has no views until its first forward (its modules' views are left out of it).
+        return {"_hidden": [], "_stand_ins": {}}
+
+    def hide(self, flat: Tensor, buffer: Tensor) -> None:
+        """Replace the modules' views of ``buffer`` (``flat``'s full buffer, about to be released) by stand-ins."""
+        storage = buffer.untyped_storage()._cdata
+        for m, n, name in _slots(flat):
+            d = m.__dict__
+            view = d.get(n)
+            if type(view) is not Tensor or view.untyped_storage()._cdata != storage:
+                continue  # nothing there, a stand-in already, or not a view of this buffer (the user's)
+            stand_in = self._stand_in(m, n, name, view)
+            d[n] = stand_in
+            self._hidden.append((m, n, view, stand_in))
+
+    def show(self) -> None:
+        """Give the modules back the views :meth:`hide` took (the buffer holds memory again)."""
+        hidden, self._hidden = self._hidden, []
+        for m, n, view, stand_in in hidden:
+            d = m.__dict__
+            if d.get(n) is stand_in:
+                d[n] = view
+
+    def _stand_in(self, m: nn.Module, n: str, name: str, view: Tensor) -> FreedParameter:
+        key = (id(m), n)
+        cached = self._stand_ins.get(key)
+        if cached is None or cached.shape != view.shape or cached.dtype != view.dtype or cached.device != view.device:
+            cached = self._stand_ins[key] = FreedParameter(view, name)
+        return cached
