@@ -2,6 +2,7 @@
 """Inputs and outputs of any structure (dicts, lists, kwargs, namedtuples), and the root's input casts."""
 
 import collections
+import dataclasses
 from typing import Any, Dict, List
 
 import pytest
@@ -16,15 +17,27 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 Pair = collections.namedtuple("Pair", ["a", "b"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """A batch as a dataclass: the root's cast must reach inside it (it left it fp32 beside bf16 weights)."""
+
+    t: Tensor
+    parts: Dict[str, Tensor]
+    name: str
+
+
 class StructuredIO(nn.Module):
-    """Takes a dict, a list, a namedtuple and keyword arguments; returns a dict holding a list. Records dtypes."""
+    """Takes a dict, a list, a namedtuple, a dataclass and keyword arguments; returns a dict holding a list. Records
+    dtypes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
         self.seen: Dict[str, Any] = {}
 
-    def forward(self, batch: Dict[str, Any], extra: List[Tensor], pair: Pair, *, bias: Tensor) -> Dict[str, Any]:
+    def forward(
+        self, batch: Dict[str, Any], extra: List[Tensor], pair: Pair, *, bias: Tensor, item: Item
+    ) -> Dict[str, Any]:
         self.seen = {
             "x": batch["x"].dtype,
             "x_requires_grad": batch["x"].requires_grad,
@@ -36,9 +49,10 @@ class StructuredIO(nn.Module):
             "bias": bias.dtype,
             "tag": batch["tag"],
             "scale": batch["scale"],
+            "item": (type(item), item.t.dtype, item.parts["p"].dtype, item.name),
         }
         h = self.linear(batch["x"] * batch["scale"]) * batch["mask"].unsqueeze(-1)
-        h = h + extra[0] + bias + pair.a
+        h = h + extra[0] + bias + pair.a + item.t * item.parts["p"]
         return {"out": h, "aux": [h.sum(-1), extra[1].sum()]}
 
 
@@ -53,7 +67,14 @@ def _inputs() -> Any:
         "scale": 2,
     }
     extra = [torch.randn(3, 4), torch.randn(5)]
-    return x, batch, extra, Pair(torch.randn(3, 4), 7), torch.randn(4)
+    return (
+        x,
+        batch,
+        extra,
+        Pair(torch.randn(3, 4), 7),
+        torch.randn(4),
+        Item(torch.randn(3, 4), {"p": torch.randn(4)}, "i"),
+    )
 
 
 def _structured(rank: int, ws: int, mp: str) -> None:
@@ -62,19 +83,20 @@ def _structured(rank: int, ws: int, mp: str) -> None:
     model = StructuredIO()
     model.load_state_dict(ref.state_dict())
     fsdp = FSDP(model, **MIXED[mp])
-    x, batch, extra, pair, bias = _inputs()
-    out = fsdp(batch, extra, pair, bias=bias)
+    x, batch, extra, pair, bias, item = _inputs()
+    out = fsdp(batch, extra, pair, bias=bias, item=item)
     seen = fsdp.module.module.seen
     low = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mp]
     # The root casts fp32 floating tensors, anywhere in the structure, to the compute dtype; nothing else.
     assert seen["x"] == low and seen["extra"] == [low, low] and seen["bias"] == low and seen["pair"] == (low, 7)
     assert seen["mask"] == torch.int64 and seen["double"] == torch.float64
     assert seen["pair_type"] is Pair and seen["tag"] == "t" and seen["scale"] == 2
+    assert seen["item"] == (Item, low, low, "i") and item.t.dtype == torch.float32  # the caller's object unchanged
     assert seen["x_requires_grad"], "a leaf input that requires grad must still require grad after the cast"
     assert isinstance(out, dict) and isinstance(out["aux"], list) and out["out"].dtype == low
     (out["out"].float().sum() + out["aux"][0].float().sum()).backward()
     assert_idle(fsdp)
-    ref_out = ref(batch, extra, pair, bias=bias)
+    ref_out = ref(batch, extra, pair, bias=bias, item=item)
     (ref_out["out"].sum() + ref_out["aux"][0].sum()).backward()
     tol = dict(rtol=1e-5, atol=1e-6) if mp == "fp32" else dict(rtol=3e-2, atol=3e-2)
     assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad", **tol)

@@ -7,9 +7,41 @@ from typing import Any, Callable, Tuple
 import torch
 from torch import Tensor
 
-from fairscale.internal.containers import apply_to_tensors
+from fairscale.internal.containers import apply_to_type
 
-__all__ = ["cast_inputs", "for_each_tensor"]
+__all__ = ["cast_inputs", "for_each_tensor", "map_tensors"]
+
+
+def _is_tensor_or_dataclass(x: Any) -> bool:
+    # A dataclass that is also a container (HF's ModelOutput is an OrderedDict) is walked as that container.
+    if isinstance(x, Tensor):
+        return True
+    return dataclasses.is_dataclass(x) and not isinstance(x, (type, dict, list, tuple, set))
+
+
+def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to each tensor: the containers of ``apply_to_tensors`` and dataclass instances.
+
+    ``apply_to_tensors`` (upstream's public helper, kept as upstream's) leaves dataclasses alone, as objects; a batch
+    or output dataclass (``ModelOutput``-like, a ``Batch`` of tensors) must be walked too: the root's mixed-precision
+    cast left an fp32 tensor inside one beside bf16 weights (torch's dtype error, found by a fuzz of FSDP with
+    ordinary torch code). A dataclass is rebuilt with ``dataclasses.replace`` (as torch's FSDP does) only where a
+    field changed; fields with ``init=False`` are left as they are.
+    """
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return fn(x)
+        changes = {}
+        for f in dataclasses.fields(x):
+            if f.init:
+                value = getattr(x, f.name)
+                new = apply_to_type(_is_tensor_or_dataclass, convert, value)
+                if new is not value:
+                    changes[f.name] = new
+        return dataclasses.replace(x, **changes) if changes else x
+
+    return apply_to_type(_is_tensor_or_dataclass, convert, obj)
 
 
 def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_grad: bool, args: Any, kwargs: Any) -> Any:
@@ -35,7 +67,7 @@ def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_gra
             return out
         return t.to(dtype)
 
-    return apply_to_tensors(cast, (args, kwargs))
+    return map_tensors(cast, (args, kwargs))
 
 
 def for_each_tensor(obj: Any, fn: Callable[[Tensor], None]) -> None:

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import collectives, tensor_hooks
-from fairscale.internal.containers import apply_to_tensors
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.params import conversion_in_place
 from fairscale.nn.checkpoint.checkpoint_activations import is_checkpointing, is_recomputing
@@ -45,7 +44,7 @@ from . import (
     zero2,
 )
 from .handle import FlatHandle
-from .io import cast_inputs, for_each_tensor
+from .io import cast_inputs, for_each_tensor, map_tensors
 from .naming import clean_path
 from .state import TrainingState
 from .tree import TreeState
@@ -432,7 +431,7 @@ def _unalias_outputs(unit: FSDPUnit, outputs: Any) -> Any:
     for_each_tensor(outputs, check)
     if not aliased[0]:
         return outputs
-    return apply_to_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in full else t, outputs)
+    return map_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in full else t, outputs)
 
 
 def _forward_grad_accumulators(unit: FSDPUnit) -> List[Any]:
