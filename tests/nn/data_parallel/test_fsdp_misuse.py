@@ -13,6 +13,7 @@ silently wrong result.
   dropped silently; in-place edits were kept);
 * ``copy.deepcopy`` of a model (e.g. an EMA copy: the copy had no process groups and failed with "got str:
   'MISSING'"), and a pickled model used without its groups;
+* an optimizer stepped in a post-accumulate-grad hook (it saw no gradient: the model silently did not train);
 * constructor arguments no step can honour, and ``get_shard_from_optim_state_dict`` with what
   ``gather_full_optim_state_dict`` returns on the other ranks (``None``) or with state for an unknown parameter.
 """
@@ -536,6 +537,30 @@ def _case_consolidate_with_one_ranks_dicts() -> None:
     assert sorted(full) == ["a.bias", "a.weight", "b.bias", "b.weight"]
 
 
+def _step_in_hook(optimizers: Dict[int, torch.optim.Optimizer], param: torch.Tensor) -> None:
+    optimizers[id(param)].step()
+    optimizers[id(param)].zero_grad()
+
+
+def _case_optimizer_stepped_in_backward(flatten: bool) -> None:
+    """An optimizer per parameter stepped in a post-accumulate-grad hook (torchtune's idiom): the hook saw p.grad as
+    None (FSDP sets the reduced shard at the end of the backward) and the model silently did not train. Refused at
+    the next training forward, before anything is gathered; without the hooks the model trains."""
+    model = _nested(flatten_parameters=flatten)
+    optimizers = {id(p): torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    handles = [
+        p.register_post_accumulate_grad_hook(functools.partial(_step_in_hook, optimizers)) for p in model.parameters()
+    ]
+    with pytest.raises(RuntimeError, match="post-accumulate-grad hook .* call optimizer.step.. after loss.backward"):
+        model(_input())
+    with torch.no_grad():
+        model(_input())  # evaluation reaches no hook: allowed
+    for handle in handles:
+        handle.remove()
+    _train(model)
+    _assert_equal_to_reference(_full(model))
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
@@ -579,6 +604,11 @@ def _body(rank: int, world_size: int) -> None:
             ("constructor arguments", _case_constructor_arguments),
             ("optim shard input", _case_optim_shard_from_the_wrong_input),
             ("consolidate with one rank's dicts", _case_consolidate_with_one_ranks_dicts),
+            ("optimizer stepped in backward", functools.partial(_case_optimizer_stepped_in_backward, True)),
+            (
+                "optimizer stepped in backward, not flattened",
+                functools.partial(_case_optimizer_stepped_in_backward, False),
+            ),
         ]
     )
 

@@ -368,6 +368,8 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
         args, kwargs = cast_inputs(c.compute_dtype, (torch.float32,), True, args, kwargs)
     elif c.force_input_to_fp32 and not c.mixed_precision:
         args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
+    for h in unit.handles if torch.is_grad_enabled() else ():
+        h.check_no_foreign_post_accumulate_hooks()
     # A recomputation (activation checkpointing) runs in backward, right before this unit's own backward: its
     # gathers are backward traffic, and resharding after it would only force one more gather.
     recomputing = is_recomputing()
