@@ -358,23 +358,10 @@ class FlatHandle:
             tensor_hooks.register_post_accumulate_grad_hook(self.param, make_hook())
             self._post_hook_registered = True
 
-    def check_no_foreign_post_accumulate_hooks(self) -> None:
-        """Refuse a post-accumulate-grad hook of the user's on this parameter (called before each training forward).
-
-        Such a hook (an optimizer stepped in backward, torchtune's idiom for plain modules and FSDP2) runs when autograd
-        accumulated the full unreduced gradient, before FSDP reduce-scatters it; FSDP hands the reduced shard to
-        ``p.grad`` only at the end of the backward. The hook saw ``p.grad`` as ``None`` and its optimizer stepped
-        nothing: the model silently did not train (found by a fuzz of FSDP with ordinary torch code).
-        """
-        hooks = getattr(self.param, "_post_accumulate_grad_hooks", None)
-        if hooks is not None and len(hooks) > int(self._post_hook_registered) and self.param.requires_grad:
-            raise RuntimeError(
-                f"FullyShardedDataParallel: a post-accumulate-grad hook (register_post_accumulate_grad_hook, e.g. an "
-                f"optimizer stepped in backward) is registered on the FSDP parameter {self.name!r}. FSDP reduces the "
-                "gradient after autograd accumulates it and sets the reduced shard in p.grad at the end of the "
-                "backward, so the hook would see p.grad as None and its step would change nothing. Remove the hook "
-                "(handle.remove()) and call optimizer.step() after loss.backward()."
-            )
+    @property
+    def post_hook_registered(self) -> bool:
+        """Whether FSDP's own post-accumulate-grad hook is on the parameter."""
+        return self._post_hook_registered
 
     def alloc_full(self) -> Tensor:
         """Allocate the padded full buffer in place (same tensor object) and return it."""

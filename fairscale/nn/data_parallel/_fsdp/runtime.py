@@ -46,6 +46,7 @@ from . import (
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor, map_tensors
 from .naming import clean_path
+from .param_hooks import check_no_user_post_accumulate_hooks
 from .state import TrainingState
 from .tree import TreeState
 from .unit import FSDPUnit
@@ -369,7 +370,7 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
     elif c.force_input_to_fp32 and not c.mixed_precision:
         args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
     for h in unit.handles if torch.is_grad_enabled() else ():
-        h.check_no_foreign_post_accumulate_hooks()
+        check_no_user_post_accumulate_hooks(h)
     # A recomputation (activation checkpointing) runs in backward, right before this unit's own backward: its
     # gathers are backward traffic, and resharding after it would only force one more gather.
     recomputing = is_recomputing()
