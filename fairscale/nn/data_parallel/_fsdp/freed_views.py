@@ -54,7 +54,9 @@ class FreedParameter(Tensor):
         return f"FreedParameter({self._fsdp_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
-_Slot = Tuple[nn.Module, str, str]  # (module holding the attribute, attribute name, name shown in the error)
+# (module holding the attribute, attribute name, "path (Class.attr)" for the error) of each of a flat parameter's
+# views, tied names included.
+_Slot = Tuple[nn.Module, str, str]
 
 
 def _shown_name(path: str, m: nn.Module, n: str) -> str:
@@ -69,41 +71,51 @@ def _slots(flat: Tensor) -> List[_Slot]:
 
 
 class FreedViews:
-    """The stand-ins of one flat parameter's views while its full buffer is released (see the module doc)."""
+    """The stand-ins of one flat parameter's views while its full buffer is released (see the module doc).
+
+    Runs at every free and gather of a full buffer: the slots and their stand-ins are made once per flat parameter
+    (a stand-in costs about 4 us, a name a few more) and reused while the views keep their shape and dtype.
+    """
 
     def __init__(self) -> None:
+        self._flat: Optional[Tensor] = None  # whose slots these are
+        self._buffer: Optional[Tensor] = None  # the buffer they were made for (the same tensor across free/regrow)
+        self._slots: List[_Slot] = []
+        self._stand_ins: List[Optional[FreedParameter]] = []
         # (module, attribute, the view it held, the stand-in put there), for show().
         self._hidden: List[Tuple[nn.Module, str, Tensor, FreedParameter]] = []
-        # One stand-in per slot, made once (about 4 us each) and reused while the view keeps its shape and dtype.
-        self._stand_ins: Dict[Tuple[int, str], FreedParameter] = {}
 
     def __getstate__(self) -> Dict[str, Any]:
         # A copy of the model has no views until its first forward (its modules' views are left out of it).
-        return {"_hidden": [], "_stand_ins": {}}
+        return {"_flat": None, "_buffer": None, "_slots": [], "_stand_ins": [], "_hidden": []}
 
     def hide(self, flat: Tensor, buffer: Tensor) -> None:
         """Replace the modules' views of ``buffer`` (``flat``'s full buffer, about to be released) by stand-ins."""
-        storage = buffer.untyped_storage()._cdata
-        for m, n, name in _slots(flat):
+        # The buffer's memory: a view of it starts inside (data_ptr is one C call; the storage object is not made).
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        if self._flat is not flat or self._buffer is not buffer:
+            # A slot's views keep their shape, and the buffer its dtype and device, until the buffer is replaced.
+            self._flat, self._buffer, self._slots = flat, buffer, _slots(flat)
+            self._stand_ins = [None] * len(self._slots)
+        stand_ins, hidden = self._stand_ins, self._hidden
+        for i, (m, n, name) in enumerate(self._slots):
             d = m.__dict__
             view = d.get(n)
-            if type(view) is not Tensor or view.untyped_storage()._cdata != storage:
+            if type(view) is not Tensor or not start <= view.data_ptr() < end:
                 continue  # nothing there, a stand-in already, or not a view of this buffer (the user's)
-            stand_in = self._stand_in(m, n, name, view)
+            stand_in = stand_ins[i]
+            if stand_in is None:
+                stand_in = stand_ins[i] = FreedParameter(view, name)
             d[n] = stand_in
-            self._hidden.append((m, n, view, stand_in))
+            hidden.append((m, n, view, stand_in))
 
     def show(self) -> None:
         """Give the modules back the views :meth:`hide` took (the buffer holds memory again)."""
+        if not self._hidden:
+            return
         hidden, self._hidden = self._hidden, []
         for m, n, view, stand_in in hidden:
             d = m.__dict__
             if d.get(n) is stand_in:
                 d[n] = view
-
-    def _stand_in(self, m: nn.Module, n: str, name: str, view: Tensor) -> FreedParameter:
-        key = (id(m), n)
-        cached = self._stand_ins.get(key)
-        if cached is None or cached.shape != view.shape or cached.dtype != view.dtype or cached.device != view.device:
-            cached = self._stand_ins[key] = FreedParameter(view, name)
-        return cached
