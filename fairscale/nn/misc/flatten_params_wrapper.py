@@ -414,8 +414,9 @@ class FlattenParamsWrapper(nn.Module):
         for a unit holding only checkpointed layers).
         """
         views = self._fpw_module.__dict__.get("_unflattened_param_views")
-        # One view answers for all: a forward makes every view in the same grad mode.
-        kept = self._snapshot_views() if views and views[0].grad_fn is not None else None
+        # Any view with a graph: a frozen flat parameter's views have none even after a training forward (the first
+        # one alone was asked before: a frozen first group lost the checkpointed layers' gradients, silently).
+        kept = self._snapshot_views() if views and any(v.grad_fn is not None for v in views) else None
         self._unflatten_params_as_views()
         try:
             return self.module(*inputs, **kwinputs)

@@ -825,12 +825,13 @@ def test_assigning_a_forwarded_name_raises(unflattened: bool) -> None:
 
 
 class _CheckpointedPair(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = True) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.reentrant = reentrant
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.utils.checkpoint.checkpoint(self.b, self.a(x), use_reentrant=True)
+        return torch.utils.checkpoint.checkpoint(self.b, self.a(x), use_reentrant=self.reentrant)
 
 
 def test_no_grad_forward_before_the_backward_keeps_checkpointed_gradients() -> None:
@@ -849,6 +850,27 @@ def test_no_grad_forward_before_the_backward_keeps_checkpointed_gradients() -> N
     expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
     assert torch.count_nonzero(flat_grad[-12:]) > 0  # b's weight and bias: the checkpointed layer
     torch.testing.assert_close(flat_grad, expected)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_no_grad_forward_before_the_backward_with_a_frozen_first_group(reentrant: bool) -> None:
+    # Several flat parameters, the first frozen (frozen embeddings): whether to keep the training forward's views was
+    # asked of the first view alone, which has no graph then, so the checkpointed layers lost their gradients
+    # (reentrant: None, silently) or torch's non-reentrant checkpoint raised CheckpointError (found by a fuzz of FSDP
+    # with ordinary torch code, session 41).
+    torch.manual_seed(0)
+    ref = _CheckpointedPair(reentrant)
+    ref.a.requires_grad_(False)
+    module = copy.deepcopy(ref)
+    fpw = FlattenParamsWrapper(module, param_list=[list(module.a.parameters()), list(module.b.parameters())])
+    x = torch.randn(4, 3, requires_grad=True)  # the reentrant checkpoint needs an input that requires grad
+    for model in (ref, fpw):
+        out = model(x)
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        out.pow(2).sum().backward()
+    assert fpw.flat_params[0].grad is None
+    torch.testing.assert_close(fpw.flat_params[1].grad, torch.cat([p.grad.reshape(-1) for p in ref.b.parameters()]))
 
 
 class _NamedLikeAFlatParameter(nn.Module):
