@@ -26,6 +26,18 @@ class Item:
     name: str
 
 
+@dataclasses.dataclass
+class Scaled:
+    """Its ``__post_init__`` scales by an ``InitVar``: the cast must not build it again (``dataclasses.replace``
+    failed on the ``InitVar`` and would have scaled twice)."""
+
+    t: Tensor
+    factor: dataclasses.InitVar[float]
+
+    def __post_init__(self, factor: float) -> None:
+        self.t = self.t * factor
+
+
 class StructuredIO(nn.Module):
     """Takes a dict, a list, a namedtuple, a dataclass and keyword arguments; returns a dict holding a list. Records
     dtypes."""
@@ -36,7 +48,7 @@ class StructuredIO(nn.Module):
         self.seen: Dict[str, Any] = {}
 
     def forward(
-        self, batch: Dict[str, Any], extra: List[Tensor], pair: Pair, *, bias: Tensor, item: Item
+        self, batch: Dict[str, Any], extra: List[Tensor], pair: Pair, *, bias: Tensor, item: Item, scaled: Scaled
     ) -> Dict[str, Any]:
         self.seen = {
             "x": batch["x"].dtype,
@@ -50,9 +62,10 @@ class StructuredIO(nn.Module):
             "tag": batch["tag"],
             "scale": batch["scale"],
             "item": (type(item), item.t.dtype, item.parts["p"].dtype, item.name),
+            "scaled": (type(scaled), scaled.t.dtype, scaled.t.float().sum().item()),
         }
         h = self.linear(batch["x"] * batch["scale"]) * batch["mask"].unsqueeze(-1)
-        h = h + extra[0] + bias + pair.a + item.t * item.parts["p"]
+        h = h + extra[0] + bias + pair.a + item.t * item.parts["p"] + scaled.t
         return {"out": h, "aux": [h.sum(-1), extra[1].sum()]}
 
 
@@ -74,6 +87,7 @@ def _inputs() -> Any:
         Pair(torch.randn(3, 4), 7),
         torch.randn(4),
         Item(torch.randn(3, 4), {"p": torch.randn(4)}, "i"),
+        Scaled(torch.ones(3, 4), 2.0),
     )
 
 
@@ -83,8 +97,8 @@ def _structured(rank: int, ws: int, mp: str) -> None:
     model = StructuredIO()
     model.load_state_dict(ref.state_dict())
     fsdp = FSDP(model, **MIXED[mp])
-    x, batch, extra, pair, bias, item = _inputs()
-    out = fsdp(batch, extra, pair, bias=bias, item=item)
+    x, batch, extra, pair, bias, item, scaled = _inputs()
+    out = fsdp(batch, extra, pair, bias=bias, item=item, scaled=scaled)
     seen = fsdp.module.module.seen
     low = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mp]
     # The root casts fp32 floating tensors, anywhere in the structure, to the compute dtype; nothing else.
@@ -92,11 +106,12 @@ def _structured(rank: int, ws: int, mp: str) -> None:
     assert seen["mask"] == torch.int64 and seen["double"] == torch.float64
     assert seen["pair_type"] is Pair and seen["tag"] == "t" and seen["scale"] == 2
     assert seen["item"] == (Item, low, low, "i") and item.t.dtype == torch.float32  # the caller's object unchanged
+    assert seen["scaled"] == (Scaled, low, 24.0) and scaled.t.dtype == torch.float32  # scaled once, at construction
     assert seen["x_requires_grad"], "a leaf input that requires grad must still require grad after the cast"
     assert isinstance(out, dict) and isinstance(out["aux"], list) and out["out"].dtype == low
     (out["out"].float().sum() + out["aux"][0].float().sum()).backward()
     assert_idle(fsdp)
-    ref_out = ref(batch, extra, pair, bias=bias, item=item)
+    ref_out = ref(batch, extra, pair, bias=bias, item=item, scaled=scaled)
     (ref_out["out"].sum() + ref_out["aux"][0].sum()).backward()
     tol = dict(rtol=1e-5, atol=1e-6) if mp == "fp32" else dict(rtol=3e-2, atol=3e-2)
     assert_close_dict(gather_full_grads(fsdp), {n: p.grad for n, p in ref.named_parameters()}, "grad", **tol)

@@ -21,6 +21,8 @@ from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel._fsdp.freed_views import FreedViews
+from fairscale.nn.data_parallel._fsdp.handle import FlatHandle
 
 WORLD = 2
 TIMEOUT = 120.0
@@ -103,8 +105,71 @@ def _case_reads_between_steps(nested: bool, reshard: bool, checkpointed: bool) -
     torch.testing.assert_close(clone(_batch(9)), model(_batch(9)))
 
 
+def _linear(reshard: bool = True) -> FSDP:
+    torch.manual_seed(0)
+    return FSDP(nn.Linear(4, 4), reshard_after_forward=reshard)
+
+
+def _case_window_then_summon_or_load(how: str) -> None:
+    """A unit that keeps its full parameters (reshard_after_forward=False) through a no_sync() backward, then a
+    summon or a load frees them: the modules got the forward's views back after the free (found by a review)."""
+    model = _linear(reshard=False)
+    saved, local = model.state_dict(), model.local_state_dict()
+    x = _batch(0)
+    with model.no_sync():
+        model(x).sum().backward()
+    if how == "summon":
+        with model.summon_full_params():
+            pass
+    elif how == "load":
+        model.load_state_dict(saved)
+    else:
+        model.load_local_state_dict(local)
+    _assert_freed(model.weight, torch.Size([4, 4]))
+    model(x).sum().backward()  # the window goes on
+    _assert_freed(model.weight, torch.Size([4, 4]))
+
+
+def _case_moved_or_reset_then_evaluated(how: str) -> None:
+    """After a step, .double() or _reset_lazy_init() replaces the full buffer; an evaluation forward then got the
+    old buffer's freed views back (found by a review)."""
+    model = _linear()
+    model(_batch(0)).sum().backward()
+    x = _batch(1)
+    if how == "double":
+        model = model.double()
+        x = x.double()
+    else:
+        model._reset_lazy_init()
+    with torch.no_grad():
+        model(x)
+    shape = torch.Size([4, 4])
+    assert model.weight.shape == shape
+    with pytest.raises(RuntimeError, match=FREED):
+        model.weight.sum()
+
+
+def _case_handle_pickled_without_stand_ins() -> None:
+    """A model pickled by the version before the stand-ins has handles without them: it still runs."""
+    model = _linear()
+    model(_batch(0)).sum().backward()
+    handle = model._fsdp_unit.handles[0]
+    state = handle.__getstate__()
+    del state["freed_views"]
+    old = FlatHandle.__new__(FlatHandle)
+    old.__setstate__(state)
+    assert isinstance(old.freed_views, FreedViews)
+
+
 def _body(rank: int, world_size: int) -> None:
-    cases = []
+    cases = [
+        ("no_sync window, then summon", functools.partial(_case_window_then_summon_or_load, "summon")),
+        ("no_sync window, then load_state_dict", functools.partial(_case_window_then_summon_or_load, "load")),
+        ("no_sync window, then load_local_state_dict", functools.partial(_case_window_then_summon_or_load, "local")),
+        ("step, .double(), evaluation", functools.partial(_case_moved_or_reset_then_evaluated, "double")),
+        ("step, _reset_lazy_init(), evaluation", functools.partial(_case_moved_or_reset_then_evaluated, "reset")),
+        ("a handle pickled without stand-ins", _case_handle_pickled_without_stand_ins),
+    ]
     for nested in (False, True):
         for reshard in (True, False):
             for checkpointed in (False, True):

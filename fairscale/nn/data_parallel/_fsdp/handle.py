@@ -182,6 +182,7 @@ class FlatHandle:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         param_is_shard = state.pop("_param_is_shard", False)
         self.__dict__.update(state)
+        self.__dict__.setdefault("freed_views", FreedViews())  # pickled by a version without it
         if param_is_shard and self.fp32_shard is not None and self.param.data.data_ptr() != self.fp32_shard.data_ptr():
             self.param.data = self.fp32_shard
         # Upstream's parameter attributes do not survive every copy (nn.Parameter's deepcopy drops a parameter's
@@ -245,6 +246,9 @@ class FlatHandle:
         self.full_padded = None
         self._full_view = self._full_view_of = None
         self._shard_is_gather_input = False
+        # The hidden views are views of the dropped buffer: never give them back (the modules keep the stand-ins
+        # until the next forward makes views of the new one).
+        self.freed_views = FreedViews()
         self.state = HandleState.SHARDED
 
     @property

@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """What crosses a FullyShardedDataParallel forward: casting its inputs, walking the tensors of its outputs."""
 
+import copy
 import dataclasses
 from typing import Any, Callable, Tuple
 
@@ -23,10 +24,11 @@ def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
     """``obj`` with ``fn`` applied to each tensor: the containers of ``apply_to_tensors`` and dataclass instances.
 
     ``apply_to_tensors`` (upstream's public helper, kept as upstream's) leaves dataclasses alone, as objects; a batch
-    or output dataclass (``ModelOutput``-like, a ``Batch`` of tensors) must be walked too: the root's mixed-precision
-    cast left an fp32 tensor inside one beside bf16 weights (torch's dtype error, found by a fuzz of FSDP with
-    ordinary torch code). A dataclass is rebuilt with ``dataclasses.replace`` (as torch's FSDP does) only where a
-    field changed; fields with ``init=False`` are left as they are.
+    or output dataclass (a ``Batch`` of tensors) must be walked too: the root's mixed-precision cast left an fp32
+    tensor inside one beside bf16 weights (torch's dtype error, found by a fuzz of FSDP with ordinary torch code). A
+    dataclass where a field changed comes back as a shallow copy with the new values set directly: no ``__init__``
+    or ``__post_init__`` runs again (``dataclasses.replace``, torch FSDP's way, fails on ``InitVar`` fields and on
+    classes with an ``__init__`` of their own, and applies a ``__post_init__`` twice), ``init=False`` fields included.
     """
 
     def convert(x: Any) -> Any:
@@ -34,12 +36,16 @@ def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
             return fn(x)
         changes = {}
         for f in dataclasses.fields(x):
-            if f.init:
-                value = getattr(x, f.name)
-                new = apply_to_type(_is_tensor_or_dataclass, convert, value)
-                if new is not value:
-                    changes[f.name] = new
-        return dataclasses.replace(x, **changes) if changes else x
+            value = getattr(x, f.name, None)
+            new = apply_to_type(_is_tensor_or_dataclass, convert, value)
+            if new is not value:
+                changes[f.name] = new
+        if not changes:
+            return x
+        out = copy.copy(x)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)  # a frozen dataclass refuses setattr
+        return out
 
     return apply_to_type(_is_tensor_or_dataclass, convert, obj)
 

@@ -15,6 +15,8 @@ def check_no_user_post_accumulate_hooks(handle: FlatHandle) -> None:
     nothing: the model silently did not train (found by a fuzz of FSDP with ordinary torch code, session 41).
     ``register_hook`` hooks are fine: they see this rank's gradient before the reduction, as torch DDP's do.
     """
+    if handle.borrowed:
+        return  # the owner's parameter, with the owner's FSDP hook: the owner's check covers it
     param = handle.param
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     if hooks is not None and len(hooks) > int(handle.post_hook_registered) and param.requires_grad:

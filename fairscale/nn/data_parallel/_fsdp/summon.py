@@ -86,6 +86,11 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
     finally:
         try:
             updates, problems = _take_back_rebinds(plain, fulls[len(handles) - len(plain) :], places)
+            if snapshot is not None:
+                # Before the write-back, which may free the unit's full buffers: freeing one hides the modules'
+                # views of it (freed_views.py), so they must be back first, or they point at freed memory.
+                fpw._restore_views(snapshot)
+                snapshot = None
             if not volatile and not problems and not refused:
                 with torch.no_grad():
                     for view, value in updates:
