@@ -56,7 +56,10 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def _assert_freed(weight: torch.Tensor, shape: torch.Size) -> None:
-    assert weight.shape == shape and weight.dtype == torch.float32  # metadata stays readable (e.g. HF's resizing)
+    # Metadata stays readable (HF's resizing reads .shape, freezing loops .requires_grad), and can't be changed.
+    assert weight.shape == shape and weight.dtype == torch.float32 and weight.requires_grad
+    with pytest.raises(RuntimeError, match="cannot freeze or unfreeze"):
+        weight.requires_grad_(False)
     for read in (lambda: weight.norm(), lambda: weight + 1, lambda: weight.detach().clone(), lambda: weight.sum()):
         with pytest.raises(RuntimeError, match=FREED):
             read()

@@ -30,9 +30,15 @@ class FreedParameter(Tensor):
 
     @staticmethod
     def __new__(cls, like: Tensor, name: str) -> "FreedParameter":
-        # A wrapper subclass has metadata and no storage: .shape, .dtype, .device, .size() work, data never exists.
+        # A wrapper subclass has metadata and no storage: .shape, .dtype, .device, .size() and .requires_grad (what
+        # a freezing or counting loop over the modules reads) work, data never exists.
         t = Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device, strides=like.stride(), requires_grad=False
+            cls,
+            like.shape,
+            dtype=like.dtype,
+            device=like.device,
+            strides=like.stride(),
+            requires_grad=like.requires_grad,
         )
         t._fsdp_name = name
         return t
@@ -48,6 +54,14 @@ class FreedParameter(Tensor):
             "full parameters after the forward and the backward; each rank keeps only its shard). Read it inside "
             "`with model.summon_full_params():`, or take it from model.state_dict(); it is in place again during "
             "the forward and the backward."
+        )
+
+    def requires_grad_(self, requires_grad: bool = True) -> "FreedParameter":
+        # A flag set here would be lost at the next forward (new views of the flat parameter): refuse it loudly.
+        raise RuntimeError(
+            f"FullyShardedDataParallel: {self._fsdp_name} is a stand-in between steps; its requires_grad cannot "
+            "freeze or unfreeze the parameter. Freeze parameters before wrapping, whole FSDP instances at a time "
+            "(docs/fsdp.rst)."
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
