@@ -451,8 +451,8 @@ def in_temporary_directory() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def temp_files_ctx(num: int) -> Iterator[List[str]]:
-    """Create ``num`` empty temporary files, yield their paths, remove them afterwards.
+def temp_files_ctx(num: int) -> Iterator[Tuple[str, ...]]:
+    """Create ``num`` empty temporary files, yield their paths (a tuple, as upstream), remove them afterwards.
 
     Args:
         num: how many files.
@@ -463,7 +463,7 @@ def temp_files_ctx(num: int) -> Iterator[List[str]]:
             handle, path = tempfile.mkstemp()
             os.close(handle)
             paths.append(path)
-        yield paths
+        yield tuple(paths)
     finally:
         for path in paths:
             rmf(path)

@@ -149,9 +149,10 @@ def check_same_models_across_ranks(
 
 
 def state_dict_norm(state: Dict[str, Any]) -> torch.Tensor:
-    """The L2 norm over all floating-point tensors of a state dict (a quick fingerprint), as float64."""
-    total = torch.zeros((), dtype=torch.float64)
+    """The sum of the L2 norms of a state dict's tensors (a quick fingerprint), as upstream's: a float32 tensor of
+    shape ``(1,)`` on the CPU, integer and bool tensors counted as floats; non-tensor entries are skipped."""
+    total = torch.zeros(1)
     for value in state.values():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            total += value.detach().double().pow(2).sum().cpu()
-    return total.sqrt()
+        if isinstance(value, torch.Tensor):
+            total += value.detach().float().norm().cpu()
+    return total
