@@ -380,7 +380,8 @@ def test_dist_init_starts_rpc_and_teardown_stops_it(tmp_path: Any) -> None:
 
 def test_temp_files_ctx_and_rmf() -> None:
     with temp_files_ctx(num=3) as files:
-        assert isinstance(files, tuple) and len(set(files)) == 3  # a tuple, as upstream and all(os.path.isfile(f) for f in files)
+        assert isinstance(files, tuple) and len(set(files)) == 3  # a tuple, as upstream
+        assert all(os.path.isfile(f) for f in files)
         rmf(files[0])  # removing one early is fine
     assert not any(os.path.exists(f) for f in files)
     rmf(files[1])  # missing file: no error

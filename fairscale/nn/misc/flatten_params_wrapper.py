@@ -338,9 +338,10 @@ class FlattenParamsWrapper(nn.Module):
             return
         standalone = flat_params is None
         last = self._fpw_module.__dict__.get("_unflattened_param_views")
-        # One view answers for all (a forward makes every view in the same grad mode). FSDP's summon, which passes
-        # flat_params, keeps the views itself.
-        snapshot = self._snapshot_views() if standalone and last and last[0].grad_fn is not None else None
+        # Any view with a graph (a frozen flat parameter's views have none: asking the first alone lost the
+        # checkpointed layers' gradients with a frozen first group). FSDP's summon, which passes flat_params, keeps
+        # the views itself.
+        snapshot = self._snapshot_views() if standalone and last and any(v.grad_fn is not None for v in last) else None
         orig_flat_params = self.flat_params
         given, tied = self._unflatten_params(flat_params)
         ctx = OpenContext(orig_flat_params, list(self.flat_param_names), given, tied, standalone, snapshot)

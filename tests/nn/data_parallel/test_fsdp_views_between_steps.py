@@ -60,6 +60,9 @@ def _assert_freed(weight: torch.Tensor, shape: torch.Size) -> None:
     assert weight.shape == shape and weight.dtype == torch.float32 and weight.requires_grad
     with pytest.raises(RuntimeError, match="cannot freeze or unfreeze"):
         weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="cannot freeze or unfreeze"):
+        weight.requires_grad = False
+    assert weight.requires_grad
     for read in (lambda: weight.norm(), lambda: weight + 1, lambda: weight.detach().clone(), lambda: weight.sum()):
         with pytest.raises(RuntimeError, match=FREED):
             read()

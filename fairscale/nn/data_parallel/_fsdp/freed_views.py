@@ -23,6 +23,16 @@ from .naming import clean_path, join_path
 __all__ = ["FreedParameter", "FreedViews"]
 
 
+_TENSOR_REQUIRES_GRAD: Any = Tensor.requires_grad  # torch's C property, which the stand-in's getter reads
+
+
+def _cannot_freeze(name: str) -> str:
+    return (
+        f"FullyShardedDataParallel: {name} is a stand-in between steps; its requires_grad cannot freeze or unfreeze "
+        "the parameter. Freeze parameters before wrapping, whole FSDP instances at a time (docs/fsdp.rst)."
+    )
+
+
 class FreedParameter(Tensor):
     """Shape, dtype and device of a parameter whose full value is not in memory now; any operation on it raises."""
 
@@ -58,11 +68,15 @@ class FreedParameter(Tensor):
 
     def requires_grad_(self, requires_grad: bool = True) -> "FreedParameter":
         # A flag set here would be lost at the next forward (new views of the flat parameter): refuse it loudly.
-        raise RuntimeError(
-            f"FullyShardedDataParallel: {self._fsdp_name} is a stand-in between steps; its requires_grad cannot "
-            "freeze or unfreeze the parameter. Freeze parameters before wrapping, whole FSDP instances at a time "
-            "(docs/fsdp.rst)."
-        )
+        raise RuntimeError(_cannot_freeze(self._fsdp_name))
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(_TENSOR_REQUIRES_GRAD.__get__(self))
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        raise RuntimeError(_cannot_freeze(self._fsdp_name))
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"FreedParameter({self._fsdp_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -95,7 +109,8 @@ class FreedViews:
         self._flat: Optional[Tensor] = None  # whose slots these are
         self._buffer: Optional[Tensor] = None  # the buffer they were made for (the same tensor across free/regrow)
         self._slots: List[_Slot] = []
-        self._stand_ins: List[Optional[FreedParameter]] = []
+        # Per slot, one stand-in for views with and one for views without requires_grad (a no_grad forward's).
+        self._stand_ins: List[List[Optional[FreedParameter]]] = []
         # (module, attribute, the view it held, the stand-in put there), for show().
         self._hidden: List[Tuple[nn.Module, str, Tensor, FreedParameter]] = []
 
@@ -111,16 +126,17 @@ class FreedViews:
         if self._flat is not flat or self._buffer is not buffer:
             # A slot's views keep their shape, and the buffer its dtype and device, until the buffer is replaced.
             self._flat, self._buffer, self._slots = flat, buffer, _slots(flat)
-            self._stand_ins = [None] * len(self._slots)
+            self._stand_ins = [[None, None] for _ in self._slots]
         stand_ins, hidden = self._stand_ins, self._hidden
         for i, (m, n, name) in enumerate(self._slots):
             d = m.__dict__
             view = d.get(n)
             if type(view) is not Tensor or not start <= view.data_ptr() < end:
                 continue  # nothing there, a stand-in already, or not a view of this buffer (the user's)
-            stand_in = stand_ins[i]
+            grad = int(view.requires_grad)
+            stand_in = stand_ins[i][grad]
             if stand_in is None:
-                stand_in = stand_ins[i] = FreedParameter(view, name)
+                stand_in = stand_ins[i][grad] = FreedParameter(view, name)
             d[n] = stand_in
             hidden.append((m, n, view, stand_in))
 

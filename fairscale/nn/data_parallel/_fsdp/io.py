@@ -1,9 +1,8 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """What crosses a FullyShardedDataParallel forward: casting its inputs, walking the tensors of its outputs."""
 
-import copy
 import dataclasses
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -20,14 +19,30 @@ def _is_tensor_or_dataclass(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, (type, dict, list, tuple, set))
 
 
+def _shallow_copy_with(x: Any, changes: Dict[str, Any]) -> Any:
+    """A new instance of ``x``'s class holding ``x``'s attributes (``__dict__`` and slots), then ``changes``: made
+    without ``__init__``, ``__post_init__``, ``__getstate__`` or ``__reduce__`` (``copy.copy`` goes through the last
+    two, which may leave a field out), and set past a frozen dataclass's ``__setattr__``."""
+    out = object.__new__(type(x))
+    if hasattr(x, "__dict__"):
+        out.__dict__.update(x.__dict__)
+    for klass in type(x).__mro__:
+        for name in getattr(klass, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                object.__setattr__(out, name, getattr(x, name))
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
     """``obj`` with ``fn`` applied to each tensor: the containers of ``apply_to_tensors`` and dataclass instances.
 
     ``apply_to_tensors`` (upstream's public helper, kept as upstream's) leaves dataclasses alone, as objects; a batch
     or output dataclass (a ``Batch`` of tensors) must be walked too: the root's mixed-precision cast left an fp32
     tensor inside one beside bf16 weights (torch's dtype error, found by a fuzz of FSDP with ordinary torch code). A
-    dataclass where a field changed comes back as a shallow copy with the new values set directly: no ``__init__``
-    or ``__post_init__`` runs again (``dataclasses.replace``, torch FSDP's way, fails on ``InitVar`` fields and on
+    dataclass where a field changed comes back as a shallow copy with the new values set directly (see
+    :func:`_shallow_copy_with`): no ``__init__`` or ``__post_init__`` runs again (``dataclasses.replace``, torch FSDP's way, fails on ``InitVar`` fields and on
     classes with an ``__init__`` of their own, and applies a ``__post_init__`` twice), ``init=False`` fields included.
     """
 
@@ -40,12 +55,7 @@ def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
             new = apply_to_type(_is_tensor_or_dataclass, convert, value)
             if new is not value:
                 changes[f.name] = new
-        if not changes:
-            return x
-        out = copy.copy(x)
-        for name, value in changes.items():
-            object.__setattr__(out, name, value)  # a frozen dataclass refuses setattr
-        return out
+        return _shallow_copy_with(x, changes) if changes else x
 
     return apply_to_type(_is_tensor_or_dataclass, convert, obj)
 
