@@ -4,7 +4,7 @@
 With ``flatten_parameters=True`` each forward gives the wrapped modules views of the gathered full buffer as their
 parameters (``module.weight``). After the forward (``reshard_after_forward``) and after the backward the buffer's
 storage is released, and the views were left pointing at it: reading one between steps (logging a weight norm,
-``model.get_input_embeddings().weight``, an ``apply()`` of an init function) read freed memory, a segmentation fault
+``model.get_input_embeddings().weight``, a plain parent's ``apply()`` of an init function) read freed memory, a segfault
 on CPU (found by a fuzz of FSDP with ordinary torch code, session 41), an illegal memory access on CUDA.
 
 While the buffer is released the modules hold a :class:`FreedParameter` instead: a tensor of the same shape, dtype
