@@ -338,9 +338,7 @@ class FlattenParamsWrapper(nn.Module):
             return
         standalone = flat_params is None
         last = self._fpw_module.__dict__.get("_unflattened_param_views")
-        # Any view with a graph (a frozen flat parameter's views have none: asking the first alone lost the
-        # checkpointed layers' gradients with a frozen first group). FSDP's summon, which passes flat_params, keeps
-        # the views itself.
+        # Any view with a graph (see _forward_without_grad). FSDP's summon, passing flat_params, keeps them itself.
         snapshot = self._snapshot_views() if standalone and last and any(v.grad_fn is not None for v in last) else None
         orig_flat_params = self.flat_params
         given, tied = self._unflatten_params(flat_params)
@@ -415,8 +413,8 @@ class FlattenParamsWrapper(nn.Module):
         for a unit holding only checkpointed layers).
         """
         views = self._fpw_module.__dict__.get("_unflattened_param_views")
-        # Any view with a graph: a frozen flat parameter's views have none even after a training forward (the first
-        # one alone was asked before: a frozen first group lost the checkpointed layers' gradients, silently).
+        # Any view with a graph: a frozen flat parameter's have none (asking the first alone lost the checkpointed
+        # layers' gradients behind a frozen first group, silently).
         kept = self._snapshot_views() if views and any(v.grad_fn is not None for v in views) else None
         self._unflatten_params_as_views()
         try:
