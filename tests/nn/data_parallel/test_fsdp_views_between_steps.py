@@ -78,7 +78,9 @@ def _case_reads_between_steps(nested: bool, reshard: bool, checkpointed: bool) -
     reference = _net(checkpointed)
     full = {n: p.detach().clone() for n, p in reference.named_parameters()}
     mid = model.module.mid  # the nested instance when nested (its attributes forward to the Linear)
-    assert torch.equal(mid.weight, full["mid.weight"])  # before the first forward: the full values, as upstream
+    # Before the first forward too: sharding dropped the unsharded parameter (as upstream, which left the views
+    # pointing at its freed memory); before, the views kept it in memory, and a write through one was lost.
+    _assert_freed(mid.weight, full["mid.weight"].shape)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
@@ -167,8 +169,25 @@ def _case_handle_pickled_without_stand_ins() -> None:
     assert isinstance(old.freed_views, FreedViews)
 
 
+def _case_construction_drops_the_unsharded_parameter() -> None:
+    """Right after wrapping, the modules held views of the unsharded flat parameter: the whole parameter stayed in
+    memory on every rank until the first forward (upstream frees it), and an init written through a view was lost."""
+    net = _net(False)
+    model = FSDP(net)
+    shard_bytes = model.params[0].numel() * model.params[0].element_size()
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor):  # plain attributes: the views (parameters live in _parameters)
+                assert value.untyped_storage().nbytes() <= shard_bytes, f"{name} keeps the unsharded parameter"
+    _assert_freed(model.module.mid.weight, torch.Size([6, 6]))
+    with model.summon_full_params():  # the supported route for an init after wrapping
+        nn.init.constant_(model.module.mid.weight, 0.5)
+    torch.testing.assert_close(model.state_dict()["mid.weight"], torch.full((6, 6), 0.5))
+
+
 def _body(rank: int, world_size: int) -> None:
     cases = [
+        ("construction drops the unsharded parameter", _case_construction_drops_the_unsharded_parameter),
         ("no_sync window, then summon", functools.partial(_case_window_then_summon_or_load, "summon")),
         ("no_sync window, then load_state_dict", functools.partial(_case_window_then_summon_or_load, "load")),
         ("no_sync window, then load_local_state_dict", functools.partial(_case_window_then_summon_or_load, "local")),

@@ -11,6 +11,7 @@ from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
 from . import step_guard, ties
 from .config import FSDPConfig
+from .freed_views import FreedViews
 from .handle import FlatHandle
 from .unit import unit_of
 
@@ -102,6 +103,7 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
 
 def shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandle:
     """Shard ``p`` in place (see :meth:`FlatHandle.shard_param_`) and move the shard to the compute device."""
+    unsharded = p.data
     handle = FlatHandle.shard_param_(p, name, config.world_size, config.rank)
     handle.replicated = config.replicate_size > 1
     with torch.no_grad():
@@ -110,4 +112,6 @@ def shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandl
             # A model built on the CPU with an accelerator compute device: only the shard moves, and before the user
             # builds (or loads) the optimizer, so its state is created next to the parameters.
             p.data = p.data.to(config.compute_device)
+    if p.data.data_ptr() != unsharded.data_ptr():
+        FreedViews.retire(p, unsharded)  # the wrapped modules' views of it would keep it alive
     return handle

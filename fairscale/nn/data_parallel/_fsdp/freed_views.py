@@ -60,8 +60,8 @@ class FreedParameter(Tensor):
         names = [a._fsdp_name for a in list(args) + list((kwargs or {}).values()) if isinstance(a, FreedParameter)]
         name = names[0] if names else "a parameter"
         raise RuntimeError(
-            f"FullyShardedDataParallel: {name} is not in memory between steps (flatten_parameters=True frees the "
-            "full parameters after the forward and the backward; each rank keeps only its shard). Read it inside "
+            f"FullyShardedDataParallel: {name} is not in memory between steps (with flatten_parameters=True each "
+            "rank keeps only its shard after construction and after each forward and backward). Read it inside "
             "`with model.summon_full_params():`, or take it from model.state_dict(); it is in place again during "
             "the forward and the backward."
         )
@@ -139,6 +139,22 @@ class FreedViews:
                 stand_in = stand_ins[i][grad] = FreedParameter(view, name)
             d[n] = stand_in
             hidden.append((m, n, view, stand_in))
+
+    @staticmethod
+    def retire(flat: Tensor, buffer: Tensor) -> None:
+        """Replace the modules' views of ``buffer`` by stand-ins for good: the buffer is dropped, not released.
+
+        At construction the views point at the tensor the flat parameter held before sharding. Left in place they
+        kept the whole unsharded parameter in memory until the first forward (upstream frees it), and a write through
+        one (an init after wrapping) went to memory no forward reads, silently. Nothing keeps the views: the first
+        forward gives the modules new ones.
+        """
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        for m, n, name in _slots(flat):
+            view = m.__dict__.get(n)
+            if type(view) is Tensor and start <= view.data_ptr() < end:
+                m.__dict__[n] = FreedParameter(view, name)
 
     def show(self) -> None:
         """Give the modules back the views :meth:`hide` took (the buffer holds memory again)."""
