@@ -378,7 +378,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         """Clip the gradient norm of all parameters of the tree (root only); returns the total norm.
 
         The norm is computed over the sharded gradients and combined across the ranks of the process group, so the
-        result equals ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model. Under tensor parallelism (FSDP over
+        result equals ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model (an fp32 norm, float64 for float64
+        gradients). Under tensor parallelism (FSDP over
         the data-parallel group) it is the norm of this model-parallel rank's slices only: see "Gradient clipping
         under tensor parallelism" in the model-parallel docs.
 
@@ -571,9 +572,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         cast(Any, super()).__setstate__(state)
-        self._fsdp_unit.relink(self)
-        # Copies and pickles of a parameter drop its hooks: the copy's parameters get their own.
-        runtime.register_post_backward_hooks(self._fsdp_unit)
+        pickling.relink_copy(self, self._fsdp_unit)
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> List[FullyShardedDataParallel]:

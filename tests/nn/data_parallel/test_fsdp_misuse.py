@@ -561,9 +561,30 @@ def _case_optimizer_stepped_in_backward(flatten: bool) -> None:
     _assert_equal_to_reference(_full(model))
 
 
+def _case_data_replaced_between_steps(after_step: bool) -> None:
+    """`p.data = full_tensor` on a parameter (flatten_parameters=False; a plain module's way to load a weight): the
+    first forward failed in the all-gather about element counts, and after a step the next forward overwrote it,
+    silently (found by a fuzz of init patterns, session 42). Refused at the forward; a load works."""
+    model = _nested(flatten_parameters=False)
+    saved = model.state_dict()
+    if after_step:
+        _train(model, steps=1)
+    weight = model.module.b.weight
+    shard = weight.data
+    weight.data = torch.ones(weight._orig_size)
+    with pytest.raises(RuntimeError, match=r"'b\.weight' was replaced by a tensor of shape \(3, 6\).*load_state_dict"):
+        model(_input())
+    weight.data = shard
+    model.load_state_dict(saved)
+    _train(model)
+    _assert_equal_to_reference(_full(model))
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
+            ("p.data replaced before the first forward", functools.partial(_case_data_replaced_between_steps, False)),
+            ("p.data replaced between steps", functools.partial(_case_data_replaced_between_steps, True)),
             (".to() between forward and backward", _case_move_between_forward_and_backward),
             ("clip after no_sync", functools.partial(_case_clip_after_no_sync_backward, False)),
             (

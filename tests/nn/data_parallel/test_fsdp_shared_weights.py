@@ -364,3 +364,46 @@ def test_a_parameter_registered_in_both_siblings_is_full_under_both_names() -> N
     """Found by running upstream's shared-weights test: the borrower's state_dict listed the shared weight as this
     rank's flat shard (shape (8,) instead of (4, 4))."""
     run_distributed(_registered_in_both_state_dict_body, 2)
+
+
+class _LateTied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def _tied_after_wrapping_case(nested: bool) -> None:
+    torch.manual_seed(0)
+    net = _LateTied()
+    if nested:  # the two weights in different instances
+        net.head = FSDP(net.head)  # type: ignore[assignment]
+    model = FSDP(net)
+    user = model.module
+    head = user.head.module.module if nested else user.head  # the Linear (a wrapper refuses the assignment)
+    head.weight = user.emb.weight  # what a tie_weights() after wrapping does
+    with pytest.raises(ValueError, match=r"tied after wrapping \(head\.weight = emb\.weight\).*before wrapping"):
+        model(torch.arange(4))
+    # Tied before wrapping, the same model trains tied.
+    torch.manual_seed(0)
+    net = _LateTied()
+    net.head.weight = net.emb.weight
+    model = FSDP(net)
+    model(torch.arange(4)).sum().backward()
+    with model.summon_full_params():
+        assert model.module.head.weight is model.module.emb.weight
+
+
+def _tied_after_wrapping_body(rank: int, ws: int) -> None:
+    run_cases([(f"nested={nested}", functools.partial(_tied_after_wrapping_case, nested)) for nested in (False, True)])
+
+
+def test_weights_tied_after_wrapping_are_refused_at_the_first_forward() -> None:
+    """Found by a fuzz of init patterns (session 42): with flatten_parameters=True a tie made after wrapping
+    (`head.weight = emb.weight`, a tie_weights() call) was overwritten by the next forward's views, silently, and
+    the model trained untied."""
+    run_distributed(_tied_after_wrapping_body, 2)

@@ -110,6 +110,10 @@ def _case_reads_between_steps(nested: bool, reshard: bool, checkpointed: bool) -
     clone = copy.deepcopy(model)
     buffer = io.BytesIO()
     torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    _assert_freed(loaded.module.mid.weight, full["mid.weight"].shape)  # a stand-in in the copy too, not nothing
+    _assert_freed(clone.module.mid.weight, full["mid.weight"].shape)
     torch.testing.assert_close(clone(_batch(9)), model(_batch(9)))
 
 
@@ -185,8 +189,41 @@ def _case_construction_drops_the_unsharded_parameter() -> None:
     torch.testing.assert_close(model.state_dict()["mid.weight"], torch.full((6, 6), 0.5))
 
 
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def _case_stand_ins_refuse_writes_and_saves() -> None:
+    """Found by a fuzz of init patterns (session 42): `.data =` on a stand-in (loading a pretrained tensor) was lost
+    at the next forward, silently; torch.save of one wrote a file of nothing; data_ptr() was 0 for every stand-in
+    (storage-based tie detection saw them all tied), and tied names had two stand-ins (`is` was False)."""
+    torch.manual_seed(0)
+    model = FSDP(_Tied())
+    user = model.module
+    for when in ("after wrapping", "between steps"):
+        weight = user.emb.weight
+        assert user.head.weight is weight, when
+        with pytest.raises(RuntimeError, match="is a stand-in.*summon_full_params"):
+            weight.data = torch.ones(5, 4)
+        with pytest.raises(RuntimeError, match="is a stand-in"):
+            weight.data_ptr()
+        with pytest.raises(RuntimeError, match="is a stand-in"):
+            torch.save(weight, io.BytesIO())
+        model(torch.arange(4)).sum().backward()
+    with model.summon_full_params():
+        assert user.head.weight is user.emb.weight
+
+
 def _body(rank: int, world_size: int) -> None:
     cases = [
+        ("stand-ins refuse writes and saves", _case_stand_ins_refuse_writes_and_saves),
         ("construction drops the unsharded parameter", _case_construction_drops_the_unsharded_parameter),
         ("no_sync window, then summon", functools.partial(_case_window_then_summon_or_load, "summon")),
         ("no_sync window, then load_state_dict", functools.partial(_case_window_then_summon_or_load, "load")),

@@ -14,8 +14,9 @@ views of its forward). Only attributes that still hold a view of this buffer are
 in place are given back: whatever the user or another context (``summon_full_params``) put there is left alone.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
+import torch
 from torch import Tensor, nn
 
 from .naming import clean_path, join_path
@@ -23,7 +24,8 @@ from .naming import clean_path, join_path
 __all__ = ["FreedParameter", "FreedViews"]
 
 
-_TENSOR_REQUIRES_GRAD: Any = Tensor.requires_grad  # torch's C property, which the stand-in's getter reads
+_TENSOR_REQUIRES_GRAD: Any = Tensor.requires_grad  # torch's C properties, which the stand-in's getters read
+_TENSOR_DATA: Any = Tensor.data
 
 
 def _cannot_freeze(name: str) -> str:
@@ -33,20 +35,29 @@ def _cannot_freeze(name: str) -> str:
     )
 
 
+def _no_write(name: str) -> str:
+    return (
+        f"FullyShardedDataParallel: {name} is a stand-in: with flatten_parameters=True each rank keeps only its shard "
+        "after construction and between steps, and the modules get new views of the full parameter at each forward. "
+        "Write values with model.load_state_dict() or inside `with model.summon_full_params():`, and save them "
+        "from model.state_dict()."
+    )
+
+
 class FreedParameter(Tensor):
     """Shape, dtype and device of a parameter whose full value is not in memory now; any operation on it raises."""
 
     _fsdp_name: str
 
     @staticmethod
-    def __new__(cls, like: Tensor, name: str) -> "FreedParameter":
+    def __new__(cls, like: Tensor, name: str, device: Optional[Any] = None) -> "FreedParameter":
         # A wrapper subclass has metadata and no storage: .shape, .dtype, .device, .size() and .requires_grad (what
         # a freezing or counting loop over the modules reads) work, data never exists.
         t = Tensor._make_wrapper_subclass(
             cls,
             like.shape,
             dtype=like.dtype,
-            device=like.device,
+            device=like.device if device is None else device,
             strides=like.stride(),
             requires_grad=like.requires_grad,
         )
@@ -77,6 +88,23 @@ class FreedParameter(Tensor):
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         raise RuntimeError(_cannot_freeze(self._fsdp_name))
+
+    @property
+    def data(self) -> Tensor:
+        return cast(Tensor, _TENSOR_DATA.__get__(self))  # a detach: raises in __torch_dispatch__
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        # torch's setter swaps the tensor's storage without a dispatch: the value would be lost at the next forward.
+        raise RuntimeError(_no_write(self._fsdp_name))
+
+    def data_ptr(self) -> int:
+        # torch's answer, 0 for every stand-in, made storage-based tie detection (safetensors) see one storage.
+        raise RuntimeError(_no_write(self._fsdp_name))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save of a stand-in wrote a file that loads a stand-in of nothing.
+        raise RuntimeError(_no_write(self._fsdp_name))
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"FreedParameter({self._fsdp_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -128,15 +156,19 @@ class FreedViews:
             self._flat, self._buffer, self._slots = flat, buffer, _slots(flat)
             self._stand_ins = [[None, None] for _ in self._slots]
         stand_ins, hidden = self._stand_ins, self._hidden
+        made: Dict[int, FreedParameter] = {}  # id() of a view -> its stand-in: tied names keep sharing one object
         for i, (m, n, name) in enumerate(self._slots):
             d = m.__dict__
             view = d.get(n)
             if type(view) is not Tensor or not start <= view.data_ptr() < end:
                 continue  # nothing there, a stand-in already, or not a view of this buffer (the user's)
-            grad = int(view.requires_grad)
-            stand_in = stand_ins[i][grad]
+            stand_in = made.get(id(view))
             if stand_in is None:
-                stand_in = stand_ins[i][grad] = FreedParameter(view, name)
+                grad = int(view.requires_grad)
+                stand_in = stand_ins[i][grad]
+                if stand_in is None:
+                    stand_in = stand_ins[i][grad] = FreedParameter(view, name)
+                made[id(view)] = stand_in
             d[n] = stand_in
             hidden.append((m, n, view, stand_in))
 
@@ -151,10 +183,30 @@ class FreedViews:
         """
         start = buffer.data_ptr()
         end = start + buffer.numel() * buffer.element_size()
+        made: Dict[int, FreedParameter] = {}
         for m, n, name in _slots(flat):
             view = m.__dict__.get(n)
             if type(view) is Tensor and start <= view.data_ptr() < end:
-                m.__dict__[n] = FreedParameter(view, name)
+                if id(view) not in made:
+                    made[id(view)] = FreedParameter(view, name)
+                m.__dict__[n] = made[id(view)]
+
+    @staticmethod
+    def install_missing(flat: Tensor) -> None:
+        """Give stand-ins to the slots of ``flat`` that hold nothing: a copy's, before its first forward.
+
+        A copy (``copy.deepcopy``, ``torch.save`` of the model) leaves the views out; its modules had no attribute
+        at all, an ``AttributeError`` where the original has a stand-in with the shape and dtype.
+        """
+        made: Dict[Tuple[int, str], FreedParameter] = {}
+        for (path, m, n), shape in zip(getattr(flat, "_param_infos", []), getattr(flat, "_param_shapes", [])):
+            if n not in m.__dict__ and n not in m._parameters:
+                like = torch.empty(shape, dtype=flat.dtype, device="meta", requires_grad=flat.requires_grad)
+                made[(id(m), n)] = m.__dict__[n] = FreedParameter(like, _shown_name(path, m, n), flat.device)
+        for path, _, m, n, shared_m, shared_n in getattr(flat, "_shared_param_infos", None) or []:
+            source = made.get((id(shared_m), shared_n))
+            if source is not None and n not in m.__dict__ and n not in m._parameters:
+                m.__dict__[n] = source
 
     def show(self) -> None:
         """Give the modules back the views :meth:`hide` took (the buffer holds memory again)."""

@@ -45,22 +45,18 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         )
     c = root.config
     device = c.compute_device
+    # fp32 as upstream (half gradients are upcast), float64 for a model converted with .double(): an fp32 norm made
+    # its clipping differ from torch's clip_grad_norm_ by the fp32 rounding (found by a fuzz, session 42).
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if not grads:
         local = torch.zeros((), device=device)
     elif norm_type == float("inf"):
-        local = torch.stack([g.detach().abs().max().to(device, torch.float32) for g in grads]).max()
+        local = torch.stack([g.detach().abs().max().to(device, acc) for g in grads]).max()
     else:
-        # At least fp32 (half gradients are upcast; a model converted with .double() has float64 gradients, which
-        # vector_norm refuses to narrow), combined in fp32 across tensors and ranks.
         local = torch.stack(
-            [
-                torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).to(
-                    device, torch.float32
-                )
-                for g in grads
-            ]
+            [torch.linalg.vector_norm(g.detach(), norm_type, dtype=acc).to(device) for g in grads]
         ).norm(norm_type)
-    total = total_norm_across_ranks(local.to(torch.float32), max_norm, norm_type, c.process_group, "clip_grad_norm_")
+    total = total_norm_across_ranks(local.to(acc), max_norm, norm_type, c.process_group, "clip_grad_norm_")
     if c.move_grads_to_cpu:
         total = total.cpu()
     clip_coef = torch.tensor(max_norm, dtype=total.dtype, device=total.device) / (total + 1e-6)

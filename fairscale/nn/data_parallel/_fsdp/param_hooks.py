@@ -1,9 +1,35 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Hooks of the user's on FSDP parameters that FSDP cannot honour."""
+"""Changes of the user's to FSDP parameters that FSDP cannot honour: hooks, and data replaced between steps."""
 
 from .handle import FlatHandle
+from .state import HandleState
 
-__all__ = ["check_no_user_post_accumulate_hooks"]
+__all__ = ["check_data_is_the_shard", "check_no_user_post_accumulate_hooks"]
+
+
+def check_data_is_the_shard(handle: FlatHandle) -> None:
+    """Refuse a parameter whose data was replaced by one of another shape between steps (checked at each forward).
+
+    Between steps ``p.data`` is this rank's 1-D shard. ``p.data = full_tensor`` (a plain module's way to load a
+    pretrained weight) was taken as the shard at the first forward, which then failed in the all-gather with a message
+    about element counts, and after a step was overwritten by the next forward, silently (found by a fuzz of init
+    patterns, session 42). The shape is compared: one attribute read per parameter.
+    """
+    if handle.borrowed or handle.state is not HandleState.SHARDED:
+        return  # a borrower's parameter is the owner's; in the other states p.data is not the shard
+    param = handle.param
+    if handle.is_sharded:
+        fits = param.dim() == 1 and param.shape[0] == handle.shard_numel
+    else:
+        fits = param.shape == handle.orig_size
+    if not fits:
+        raise RuntimeError(
+            f"FullyShardedDataParallel: the data of parameter {handle.name!r} was replaced by a tensor of shape "
+            f"{tuple(param.shape)} after wrapping; between steps it holds this rank's shard "
+            f"({handle.shard_numel if handle.is_sharded else tuple(handle.orig_size)} elements), and the forward "
+            "gathers the full parameter from the shards. Load values with model.load_state_dict(), or assign "
+            "them inside `with model.summon_full_params():`."
+        )
 
 
 def check_no_user_post_accumulate_hooks(handle: FlatHandle) -> None:

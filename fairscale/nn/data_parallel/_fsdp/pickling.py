@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Tuple, cast
 from torch import nn
 
 from . import runtime
+from .freed_views import FreedParameter, FreedViews
 from .unit import UNIT_ATTR, FSDPUnit, keeping_process_groups, process_groups_of
 
 # Instances made by reduce_to_copy(): pickled as they are. Weak: a copy lives only as long as its pickling.
@@ -45,6 +46,8 @@ def reduce_to_copy(model: nn.Module, unit: FSDPUnit) -> Tuple[Callable[[nn.Modul
     for m in clone.modules():
         if hasattr(m, UNIT_ATTR):
             _COPIES.add(m)
+        for name in [n for n, value in vars(m).items() if isinstance(value, FreedParameter)]:
+            del m.__dict__[name]  # a stand-in refuses pickling; unpickling makes the copy's (relink_copy)
     return _itself, (clone,)
 
 
@@ -63,3 +66,13 @@ def deep_copy(module: Any, unit: FSDPUnit, memo: Dict[int, Any]) -> nn.Module:
         state = copy.deepcopy(module.__getstate__(), memo)
     new.__setstate__(state)
     return cast(nn.Module, new)
+
+
+def relink_copy(model: nn.Module, unit: FSDPUnit) -> None:
+    """``__setstate__`` of an instance (a copy's or an unpickled one's): link ``unit`` to ``model`` again."""
+    unit.relink(model)
+    for handle in unit.handles:
+        if handle.is_sharded:  # a copy has no views: the shapes and dtypes until its first forward, as the original
+            FreedViews.install_missing(handle.param)
+    # Copies and pickles of a parameter drop its hooks: the copy's parameters get their own.
+    runtime.register_post_backward_hooks(unit)

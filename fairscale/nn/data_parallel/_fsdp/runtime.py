@@ -46,7 +46,7 @@ from . import (
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor, map_tensors
 from .naming import clean_path
-from .param_hooks import check_no_user_post_accumulate_hooks
+from .param_hooks import check_data_is_the_shard, check_no_user_post_accumulate_hooks
 from .state import TrainingState
 from .tree import TreeState
 from .unit import FSDPUnit
@@ -103,6 +103,7 @@ def lazy_init(unit: FSDPUnit) -> None:
             if u.foreign_params or u.tie_problems:
                 _check_foreign_params(u, paths.get(id(u.owner)))
         ties.raise_for_unmanaged(unit.owner)
+        ties.raise_for_late_ties(unit.tree_units(), paths)
     c = unit.config
     for h in unit.handles:
         if h.fp32_shard is None:  # not materialized yet
@@ -324,6 +325,8 @@ def moving(unit: FSDPUnit) -> Iterator[None]:
 
 def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     """The forward of one FSDP instance (see the module docstring for what happens around the user's forward)."""
+    for h in unit.handles:
+        check_data_is_the_shard(h)
     lazy_init(unit)
     if unit.is_root:
         # At the first forward, not in lazy_init: local_state_dict() and friends before any forward must stay

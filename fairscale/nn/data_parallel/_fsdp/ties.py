@@ -18,6 +18,8 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from torch import nn
 
+from .naming import clean_path, join_path
+
 # Set on the original parameters an FSDP instance flattened: they are dead copies from then on.
 _FLATTENED_ATTR = "_fsdp_flattened_away"
 
@@ -164,6 +166,35 @@ def raise_for_unmanaged(owner: nn.Module) -> None:
             f"wrapped ({', '.join(late[:5])}{', ...' if len(late) > 5 else ''}); no instance shards or reduces "
             "them, so every rank would train its own copy. Add parameters (or replace modules) before wrapping, "
             "or wrap the new module in its own FullyShardedDataParallel instance"
+        )
+
+
+def raise_for_late_ties(units: List[Any], paths: Dict[int, str]) -> None:
+    """Raise when a flattened weight's attribute holds another one's value: a tie made after wrapping.
+
+    With ``flatten_parameters=True`` the modules' weights are attributes FSDP points at views of the flat parameter
+    at each forward: ``head.weight = emb.weight`` after wrapping (what a ``tie_weights()`` does) was overwritten at
+    the next forward and the model trained untied, silently. Checked with :func:`raise_for_unmanaged`; ``paths``
+    maps ``id()`` of each module of the tree to its name. Ties declared at construction are not attributes checked.
+    """
+    first_slot: Dict[int, str] = {}
+    late: List[str] = []
+    for u in units:
+        for h in u.handles:
+            for path, m, n in getattr(h.param, "_param_infos", None) or []:
+                value = m.__dict__.get(n)
+                if value is None:
+                    continue
+                name = clean_path(join_path(paths.get(id(u.owner), ""), join_path(path, n)))
+                first = first_slot.setdefault(id(value), name)
+                if first != name:
+                    late.append(f"{name} = {first}")
+    if late:
+        raise ValueError(
+            f"FullyShardedDataParallel: weights were tied after wrapping ({', '.join(late[:5])}); with "
+            "flatten_parameters=True FSDP sets the modules' weights to views of its flat parameter at each forward, "
+            "so the tie would be dropped and the weights trained apart. Tie them before wrapping (FSDP keeps the "
+            "ties it sees at construction), e.g. call tie_weights() before FullyShardedDataParallel(model)."
         )
 
 
