@@ -361,6 +361,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
     def apply(self, fn: Any) -> "FullyShardedDataParallel":
         """Like ``nn.Module.apply`` but with this instance's full parameters summoned while ``fn`` runs."""
+        if summon.tree_summoned(self._fsdp_unit):  # inside the user's summon_full_params(): full already
+            return super().apply(fn)
         self._fsdp_unit.assert_idle_tree("apply")
         with runtime.lazy_init_for_call(self._fsdp_unit), self.summon_full_params(recurse=False):
             super().apply(fn)

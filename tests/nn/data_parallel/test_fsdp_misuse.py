@@ -580,9 +580,45 @@ def _case_data_replaced_between_steps(after_step: bool) -> None:
     _assert_equal_to_reference(_full(model))
 
 
+def _init_constant(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.constant_(module.weight, 0.25)
+        nn.init.zeros_(module.bias)
+
+
+def _case_apply_inside_summon(flatten: bool) -> None:
+    """A plain module's apply(init) inside the user's summon_full_params() reached the nested instance's apply, which
+    raised "apply needs every FSDP instance idle" (found by a fuzz of init patterns, session 42): it runs on the
+    summoned parameters, and the summon writes them back."""
+    model = _nested(flatten_parameters=flatten)
+    with model.summon_full_params():
+        model.module.apply(_init_constant)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, torch.full_like(value, 0.25 if name.endswith("weight") else 0.0))
+    with model.summon_full_params(recurse=False):  # the nested instance is not summoned: it summons itself
+        model.module.apply(_init_constant)
+
+
+def _case_freeze_inside_summon_is_refused() -> None:
+    """`p.requires_grad_(False)` inside summon_full_params() (or an apply(freeze)) with flatten_parameters=True was
+    dropped at the exit and the parameters kept training, silently (found by a fuzz of init patterns, session 42)."""
+    model = _nested()
+    with pytest.raises(
+        ValueError, match=r"requires_grad of b\.weight, b\.bias changed.*freeze parameters before wrapping"
+    ):
+        with model.summon_full_params():
+            model.module.b.requires_grad_(False)
+    assert all(p.requires_grad for p in model.parameters())
+    _train(model)
+    _assert_equal_to_reference(_full(model))
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
+            ("freeze inside summon_full_params", _case_freeze_inside_summon_is_refused),
+            ("apply inside summon_full_params", functools.partial(_case_apply_inside_summon, True)),
+            ("apply inside summon_full_params, not flattened", functools.partial(_case_apply_inside_summon, False)),
             ("p.data replaced before the first forward", functools.partial(_case_data_replaced_between_steps, False)),
             ("p.data replaced between steps", functools.partial(_case_data_replaced_between_steps, True)),
             (".to() between forward and backward", _case_move_between_forward_and_backward),

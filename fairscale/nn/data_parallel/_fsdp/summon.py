@@ -218,3 +218,13 @@ def summon_full_params(unit: FSDPUnit, recurse: bool, volatile: bool) -> Iterato
         for u in targets:
             stack.enter_context(_summon_one(u, volatile))
         yield
+
+
+def tree_summoned(unit: FSDPUnit) -> bool:
+    """Whether ``unit`` and every unit below it are inside a ``summon_full_params()`` (its full parameters are out).
+
+    ``FullyShardedDataParallel.apply`` there (``model.module.apply(init)`` inside the user's summon, HF's
+    ``post_init`` reaching nested instances) runs ``fn`` on them as they are, and that summon's exit writes them
+    back; it raised "apply needs every FSDP instance idle" (upstream's assert; found by a fuzz, session 42).
+    """
+    return all(u.training_state == TrainingState.SUMMON_FULL_PARAMS for u in unit.tree_units())

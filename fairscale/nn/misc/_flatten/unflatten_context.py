@@ -15,7 +15,7 @@ keeps its own rules, so these stay out of it):
   owner's; two names of one tied parameter rebound to different tensors are refused (the flat parameter holds one
   value for both);
 * ``requires_grad_()`` on the temporary parameters carries over to a flat parameter whose parameters all agree; a
-  change to part of one is refused (a flat parameter has one ``requires_grad``);
+  change to part of one is refused (a flat parameter has one ``requires_grad``; in FSDP's summon any change is);
 * ``.to()`` / ``.double()`` / ``.cuda()`` of the wrapper converts the flat parameters as well (:func:`converting`)
   and points the temporary parameters at them, so the cast survives the exit.
 
@@ -162,12 +162,33 @@ def take_back(ctx: OpenContext, write: bool = True) -> Tuple[List[str], bool]:
     new_requires_grad: List[Tuple[FlatParameter, bool]] = []
     if ctx.standalone:
         new_requires_grad = _requires_grad_changes(ctx, problems)
+    else:
+        _refuse_requires_grad_changes(ctx, problems)
     if write and not problems:
         for i, (_, value) in writes.items():
             ctx.given[i].view.copy_(value.detach())
         for flat, requires_grad in new_requires_grad:
             flat.requires_grad_(requires_grad)
     return problems, bool(new_requires_grad) and not problems
+
+
+def _refuse_requires_grad_changes(ctx: OpenContext, problems: List[str]) -> None:
+    """FullyShardedDataParallel's summon (``flat_params`` given): ``requires_grad`` is fixed at wrapping there.
+
+    A freeze inside the summon (``model.apply(freeze)``) was dropped at the exit, silently, and the parameters kept
+    training (found by a fuzz of init patterns, session 42).
+    """
+    changed = [
+        g.name
+        for g in ctx.given
+        if _current(g.module, g.attr) is g.param and g.param.requires_grad != ctx.flats[g.group].requires_grad
+    ]
+    if changed:
+        problems.append(
+            f"requires_grad of {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''} changed, which "
+            "FullyShardedDataParallel cannot honour after wrapping: freeze parameters before wrapping, whole FSDP "
+            "instances at a time"
+        )
 
 
 def _requires_grad_changes(ctx: OpenContext, problems: List[str]) -> List[Tuple[FlatParameter, bool]]:
