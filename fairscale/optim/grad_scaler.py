@@ -203,6 +203,14 @@ class _GeneralMultiDeviceReplicator:
         return copy
 
 
+def _no_inf_checks(scaler: str) -> str:
+    # torch asserts it in step() (python -O removes that check; _maybe_opt_step makes it again).
+    return (
+        f"{scaler}.step: no inf checks were recorded for this optimizer: none of its parameters has a gradient (on "
+        "any rank, for ShardedGradScaler). Run the scaled loss's backward before step()."
+    )
+
+
 class _ScalerBase(CudaAmpGradScaler):
     """Shared construction: torch's device-generic scaler where torch has it, with fp16 gradients allowed."""
 
@@ -244,16 +252,22 @@ class _ScalerBase(CudaAmpGradScaler):
         # fp16 gradients are legitimate here (fairscale Adam's PURE_FP16, FSDP/ShardedDDP fp16 reductions).
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
+        """torch's ``step``, whose bare ``AssertionError`` for a step before any backward names what to do here."""
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        except AssertionError as error:
+            if "No inf checks were recorded" not in str(error) or isinstance(error, FairscaleRuntimeError):
+                raise
+            raise FairscaleRuntimeError(_no_inf_checks(type(self).__name__)) from error
+
     def _maybe_opt_step(
         self, optimizer: torch.optim.Optimizer, optimizer_state: Dict[str, Any], *args: Any, **kwargs: Any
     ) -> Any:
         # torch checks this with an assert just before, which python -O removes: the optimizer then stepped with no
         # inf/nan check at all.
         if not optimizer_state["found_inf_per_device"]:
-            raise FairscaleRuntimeError(
-                f"{type(self).__name__}.step: no inf checks were recorded for this optimizer: none of its parameters "
-                "has a gradient (on any rank, for ShardedGradScaler). Run the scaled loss's backward before step()."
-            )
+            raise FairscaleRuntimeError(_no_inf_checks(type(self).__name__))
         return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
 
     # torch's setters store any value: set_backoff_factor(0.0) zeroed the scale at the next overflow and wrote NaN into

@@ -29,7 +29,8 @@ def _no_gradient_body(rank: int, world_size: int) -> None:
     scaler = ShardedGradScaler(init_scale=8.0, growth_interval=1, device="cpu")
     scaler.scale(model(torch.ones(1, 2)).sum())  # the backward is forgotten (or the gradients were released)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(AssertionError, match="[Nn]o inf checks were recorded"):
+    # torch's bare assert, reworded (session 42): an AssertionError still, saying what to do.
+    with pytest.raises(AssertionError, match="no inf checks were recorded.*backward before step"):
         scaler.step(opt)
     assert float(scaler.get_scale()) == 8.0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

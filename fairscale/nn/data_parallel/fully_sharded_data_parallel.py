@@ -221,7 +221,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         name_groups: List[List[str]] = ([[n for n, _ in params]] if flat else []) + [[n] for n, _ in kept]
         owned: List[nn.Parameter] = flat + [p for _, p in kept]
         backing = [("flat_param_0" if flat and i == 0 else names[0]) for i, names in enumerate(name_groups)]
-        handles = [construction.shard_parameter(p, name, config) for p, name in zip(owned, backing)]
+        handles = construction.shard_parameters(self._fsdp_wrapped_module, owned, backing, config)
         unit = FSDPUnit(self, config, handles, name_groups, len(flat))
         unit.foreign_params, unit.tie_problems = foreign_params, tie_problems
         self.__dict__[UNIT_ATTR] = unit

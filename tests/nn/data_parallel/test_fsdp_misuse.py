@@ -575,6 +575,10 @@ def _case_data_replaced_between_steps(after_step: bool) -> None:
     with pytest.raises(RuntimeError, match=r"'b\.weight' was replaced by a tensor of shape \(3, 6\).*load_state_dict"):
         model(_input())
     weight.data = shard
+    for flatten in (True, False):  # inside a summon p.data is full: the refusal names the summon, not a replacement
+        summoned = _nested(flatten_parameters=flatten)
+        with summoned.summon_full_params(), pytest.raises(RuntimeError, match="cannot run inside summon_full_params"):
+            summoned(_input())
     model.load_state_dict(saved)
     _train(model)
     _assert_equal_to_reference(_full(model))

@@ -181,8 +181,10 @@ def _case_construction_drops_the_unsharded_parameter() -> None:
     shard_bytes = model.params[0].numel() * model.params[0].element_size()
     for module in model.modules():
         for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor):  # plain attributes: the views (parameters live in _parameters)
-                assert value.untyped_storage().nbytes() <= shard_bytes, f"{name} keeps the unsharded parameter"
+            # Plain attributes: the views (parameters live in _parameters), and the wrapper's list of them.
+            for t in value if isinstance(value, list) else [value]:
+                if type(t) is torch.Tensor:
+                    assert t.untyped_storage().nbytes() <= shard_bytes, f"{name} keeps the unsharded parameter"
     _assert_freed(model.module.mid.weight, torch.Size([6, 6]))
     with model.summon_full_params():  # the supported route for an init after wrapping
         nn.init.constant_(model.module.mid.weight, 0.5)

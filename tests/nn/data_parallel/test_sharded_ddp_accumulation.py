@@ -201,3 +201,40 @@ def _grad_between_body(rank: int, world_size: int, bucket: int) -> float:
 def test_autograd_grad_between_backwards(bucket: int) -> None:
     gaps = run_distributed(_grad_between_body, 2, bucket, timeout=TIMEOUT)
     assert max(gaps) < 1e-6, gaps
+
+
+def _rebuild_then_window_body(rank: int, world_size: int, trigger: str) -> float:
+    model = _model()
+    ref = copy.deepcopy(model)
+    first = list(model[0].parameters()) if trigger == "add_param_group" else list(model.parameters())
+    opt = OSS(first, optim=torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(list(ref.parameters())[: len(first)], lr=0.1)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=2**20)
+    gap = 0.0
+    for step in range(3):
+        if step == 1 and trigger == "add_param_group":
+            opt.add_param_group({"params": list(model[2].parameters())})
+            ref_opt.add_param_group({"params": list(ref[2].parameters())})
+        opt.zero_grad(set_to_none=False)  # p.grad.zero_() on the bucket views
+        if step == 1 and trigger == "eval":  # an evaluation forward between steps rebuilds the buckets
+            sdp.eval()
+            with torch.no_grad():
+                sdp(_batch(99, rank))
+            sdp.train()
+        x1, x2 = _batch(2 * step, rank), _batch(2 * step + 1, rank)
+        with sdp.no_sync():
+            _loss(sdp, x1).backward()
+        _loss(sdp, x2).backward()
+        opt.step()
+        _reference_step(ref, ref_opt, [x1, x2])
+        gap = max(gap, _gap(model, ref))
+    return gap
+
+
+@pytest.mark.parametrize("trigger", ["eval", "add_param_group"])
+def test_no_sync_window_after_a_bucket_rebuild_with_zeroed_gradients(trigger: str) -> None:
+    """Found by a fuzz of SDP training loops (session 42): after a bucket rebuild (an eval() forward between steps,
+    add_param_group), gradients zeroed in place by the optimizer no longer moved the bucket's version, so the next
+    reduced backward added the no_sync() window's unreduced gradients to the reduced ones (10-30 % off, silently)."""
+    gaps = run_distributed(_rebuild_then_window_body, 2, trigger, timeout=TIMEOUT)
+    assert max(gaps) < 1e-6, gaps

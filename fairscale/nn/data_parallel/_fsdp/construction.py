@@ -115,3 +115,17 @@ def shard_parameter(p: nn.Parameter, name: str, config: FSDPConfig) -> FlatHandl
     if p.data.data_ptr() != unsharded.data_ptr():
         FreedViews.retire(p, unsharded)  # the wrapped modules' views of it would keep it alive
     return handle
+
+
+def shard_parameters(
+    wrapper: FlattenParamsWrapper, params: List[nn.Parameter], names: List[str], config: FSDPConfig
+) -> List[FlatHandle]:
+    """Shard every parameter a new instance owns (:func:`shard_parameter`); return their handles in order."""
+    handles = [shard_parameter(p, name, config) for p, name in zip(params, names)]
+    # The wrapper's list of its last views (read by checkpoint_wrapper) held the unsharded flat parameters too: it
+    # lists what the modules hold now (the stand-ins; found by a review, session 42).
+    user_module = wrapper.__dict__.get("_modules", {}).get("_fpw_module")
+    if user_module is not None and user_module.__dict__.get("_unflattened_param_views"):
+        slots = [(m, n) for flat in wrapper.flat_params for _, m, n in flat._param_infos]
+        user_module.__dict__["_unflattened_param_views"] = [m.__dict__.get(n) for m, n in slots]
+    return handles

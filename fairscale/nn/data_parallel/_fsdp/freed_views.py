@@ -39,8 +39,8 @@ def _no_write(name: str) -> str:
     return (
         f"FullyShardedDataParallel: {name} is a stand-in: with flatten_parameters=True each rank keeps only its shard "
         "after construction and between steps, and the modules get new views of the full parameter at each forward. "
-        "Write values with model.load_state_dict() or inside `with model.summon_full_params():`, and save them "
-        "from model.state_dict()."
+        "Read, copy or write it inside `with model.summon_full_params():`, load values with "
+        "model.load_state_dict(), and save them from model.state_dict()."
     )
 
 
@@ -196,7 +196,9 @@ class FreedViews:
         """Give stand-ins to the slots of ``flat`` that hold nothing: a copy's, before its first forward.
 
         A copy (``copy.deepcopy``, ``torch.save`` of the model) leaves the views out; its modules had no attribute
-        at all, an ``AttributeError`` where the original has a stand-in with the shape and dtype.
+        at all, an ``AttributeError`` where the original has a stand-in. These have the parameters' shapes and the
+        flat parameter's dtype (fp32 under mixed precision, where the original's show the compute dtype after a
+        forward).
         """
         made: Dict[Tuple[int, str], FreedParameter] = {}
         for (path, m, n), shape in zip(getattr(flat, "_param_infos", []), getattr(flat, "_param_shapes", [])):

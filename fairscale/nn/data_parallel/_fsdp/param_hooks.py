@@ -23,12 +23,12 @@ def check_data_is_the_shard(handle: FlatHandle) -> None:
     else:
         fits = param.shape == handle.orig_size
     if not fits:
+        held = f"this rank's 1-D shard of {handle.shard_numel} elements" if handle.is_sharded else "the parameter"
         raise RuntimeError(
             f"FullyShardedDataParallel: the data of parameter {handle.name!r} was replaced by a tensor of shape "
-            f"{tuple(param.shape)} after wrapping; between steps it holds this rank's shard "
-            f"({handle.shard_numel if handle.is_sharded else tuple(handle.orig_size)} elements), and the forward "
-            "gathers the full parameter from the shards. Load values with model.load_state_dict(), or assign "
-            "them inside `with model.summon_full_params():`."
+            f"{tuple(param.shape)} after wrapping, where FSDP keeps {held} between steps (shape "
+            f"{(handle.shard_numel,) if handle.is_sharded else tuple(handle.orig_size)}). Load values with "
+            "model.load_state_dict(), or assign them inside `with model.summon_full_params():`."
         )
 
 

@@ -248,6 +248,13 @@ class GradReducer:
         for param in released:
             param.grad = None
         for param in self.trainable:
+            bucket = self._bucket_of.get(id(param))
+            if bucket is not None and param.grad is not None:
+                # A new view: GradBucket swaps the storage of a gradient (as upstream), which keeps its own version
+                # counter; p.grad.zero_() then did not move the buffer's (parking's sign of a reduced value), and a
+                # no_sync() window after a rebuild was added unreduced to the next reduction (fuzz, session 42).
+                param.grad = bucket.slot(param)
+        for param in self.trainable:
             grad = param.grad
             if id(param) not in self._bucket_of and grad is not None and grad._base is not None:
                 # Left a view of an earlier bucket, it shared that buffer's version counter (parking's sign of a
