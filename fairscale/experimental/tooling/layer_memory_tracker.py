@@ -358,12 +358,14 @@ class LayerwiseMemoryTracker:
 
     @classmethod
     def load(cls, path: str) -> "LayerwiseMemoryTracker":
-        """A tracker holding the traces saved by :meth:`save_traces`."""
+        """A tracker holding the traces saved by :meth:`save_traces` (``ValueError`` for other JSON, not KeyError)."""
         with open(path) as f:
-            data = json.load(f)
-        tracker = cls()
-        tracker.memory_traces = [LayerMemoryTrace.from_dict(t) for t in data["traces"]]
-        return tracker
+            data, tracker = json.load(f), cls()
+        try:
+            tracker.memory_traces = [LayerMemoryTrace.from_dict(t) for t in data["traces"]]
+            return tracker
+        except (KeyError, TypeError, AttributeError, ValueError) as error:
+            raise ValueError(f"{path}: not traces written by save_traces ({type(error).__name__}: {error})") from error
 
     # ---- hooks
 

@@ -9,6 +9,7 @@ from typing import List, Optional
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError
 
 from .repo import Repo
+from .safety import printable
 from .version import __version_tuple__
 
 __all__ = ["main"]
@@ -43,20 +44,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     except (ValueError, FairscaleTypeError, FairscaleRuntimeError, NotImplementedError) as e:
         # wgit's refusals (a planted link, a checkpoint that would run code, bad input) and its sub-commands that
         # do nothing yet (checkout): one line, like git's "fatal:" messages, instead of a traceback.
-        sys.stderr.write(f"fatal: {e}\n")
+        sys.stderr.write(f"fatal: {printable(str(e))}\n")
         sys.exit(1)
     except RecursionError:  # wgit bounds the nesting it walks; a traceback would hide what is wrong
         sys.stderr.write("fatal: wgit: the data is nested too deeply to process (Python's recursion limit)\n")
         sys.exit(1)
     except OSError as e:  # a file that cannot be read (missing, unreadable, a name too long): the system's reason
-        sys.stderr.write(f"fatal: {e}\n")
+        sys.stderr.write(f"fatal: {printable(str(e))}\n")
         sys.exit(1)
     except Exception as e:  # noqa: B902  # only git's own errors are told here; anything else is a bug: traceback
         if not _is_git_error(e):
             raise
         # libgit2 refusing .wgit/.git: most often a lock left by an interrupted git or wgit, or a damaged index.
         sys.stderr.write(
-            f"fatal: git refused an operation on .wgit/.git: {e}. A lock file (.wgit/.git/index.lock, a ref's "
+            f"fatal: git refused an operation on .wgit/.git: {printable(str(e))}. A lock file (.wgit/.git/index.lock, a ref's "
             ".lock) left by an interrupted git or wgit can be removed once no git or wgit runs there\n"
         )
         sys.exit(1)

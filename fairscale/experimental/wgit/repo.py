@@ -29,6 +29,7 @@ from .safety import (
     contained,
     load_checkpoint,
     open_regular,
+    printable,
     replace_file,
 )
 from .sha1_store import SHA1_Store
@@ -254,7 +255,7 @@ class Repo:
             if unstaged:
                 sys.stderr.write(
                     "wgit commit: also staging metadata changes that no wgit add staged (an add that was killed, or "
-                    f"a file changed by hand): {', '.join(unstaged)}\n"
+                    f"a file changed by hand): {printable(', '.join(unstaged))}\n"
                 )
                 self._pygit.add()
             self._pygit.commit(message)
@@ -329,7 +330,7 @@ class Repo:
             # The user moved the checkpoint (or its folder) out and linked it back: one such entry made the whole
             # status fail. Listed as moved (not looked at through the link), and said on stderr with what to do.
             key = metadata_file.relative_to(self._dot_wgit).as_posix()
-            sys.stderr.write(f"wgit status: {key} is listed as a change not added: {e.reason}\n")
+            sys.stderr.write(printable(f"wgit status: {key} is listed as a change not added: {e.reason}") + "\n")
             return True
         if st is None:
             return True  # the tracked checkpoint was deleted or moved: a change not added (git's "deleted")

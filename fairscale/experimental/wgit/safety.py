@@ -72,6 +72,16 @@ class CorruptStoreError(WgitSafetyError, FairscaleValueError):
 _REMOVE_HINT = "remove it (or the whole .wgit directory if you did not create it) and retry"
 
 
+# Control characters (C0, DEL, C1) as escapes: a planted file name holding a terminal escape sequence was written
+# raw to the user's terminal in wgit's messages (found by a security review, session 42).
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x1b``), for a line wgit writes to a terminal."""
+    return text.translate(_CONTROLS)
+
+
 def unsafe(path: Path, why: str) -> UnsafeRepositoryError:
     """The :class:`UnsafeRepositoryError` refusing ``path`` because ``why`` (what it is, and what it would make wgit
     do), with the promise wgit keeps and what to do."""
@@ -119,18 +129,22 @@ def check_tree(root: Path, what: str) -> None:
     wgit never creates such entries, so one found there was planted (a pipe blocks whoever reads it). Sockets pass:
     git's file-system monitor keeps one in ``.git`` on some systems, and opening a socket fails at once, never blocks
     (:func:`open_regular` refuses it as any other non-regular file). The walk reads directory entries only (no
-    ``stat`` per file where the file system reports entry types), does not follow links, and skips a directory it
-    cannot list (as ``os.walk`` does).
+    ``stat`` per file where the file system reports entry types) and does not follow links. A directory it cannot
+    list is refused: one that can be entered but not listed (mode 0300, which tar keeps) hid a planted link from the
+    walk, and git then wrote through it, outside the repository (found by a security review, session 42).
     """
     check_not_link(root, what)
     if not root.is_dir():
         return
     pending = [root]
     while pending:
+        directory = pending.pop()
         try:
-            entries = list(os.scandir(pending.pop()))
-        except OSError:
-            continue
+            entries = list(os.scandir(directory))
+        except OSError as error:
+            raise unsafe(
+                directory, f"{what} holds a directory wgit cannot list ({error.strerror}), which could hide a link"
+            ) from error
         for entry in entries:
             path = Path(entry.path)
             inside = f"{path.relative_to(root)} inside {what}"

@@ -54,8 +54,11 @@ def _array_problem(shape: Any, spec: Any, budget: int) -> Optional[str]:
         dtype = np.dtype(spec)
     except (TypeError, ValueError):
         return f"{_SHORT_REPR.repr(spec)} is not a numpy dtype"
-    if dtype.hasobject:
-        return "an array of Python objects never comes from a tensor"
+    # A structured, subarray or void dtype never comes from a tensor either: through one a BUILD hid an object field
+    # (a pointer read from the file, a segfault when read) and multiplied the size checked below (found by a
+    # security review, session 42).
+    if dtype.hasobject or dtype.kind in "OV" or dtype.fields is not None or dtype.subdtype is not None:
+        return "an array of Python objects, or of a structured, subarray or void dtype, never comes from a tensor"
     nbytes = math.prod(dims) * dtype.itemsize
     if nbytes > budget:
         return f"the array would take {nbytes} bytes, more than the {budget} bytes the object can hold"
@@ -83,6 +86,13 @@ def _check_dtype(args: Tuple[Any, ...], budget: int) -> Optional[str]:
     if len(args) != 3 or not isinstance(args[0], str) or args[2] is not True:
         return "numpy writes dtype(str, align, True) only"
     return None
+
+
+def _check_frombuffer(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    # numpy writes _frombuffer(buffer, dtype, shape, order): a view of a buffer the object holds.
+    if len(args) != 4 or not isinstance(args[0], (bytes, bytearray, pickle.PickleBuffer)) or args[3] not in "CF":
+        return "numpy writes _frombuffer(buffer, dtype, shape, order) only"
+    return _array_problem(args[2], args[1], budget)
 
 
 def _check_bytearray(args: Tuple[Any, ...], budget: int) -> Optional[str]:
@@ -116,8 +126,8 @@ _ALLOWED_GLOBALS: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
     ("numpy._core.multiarray", "_reconstruct"): _check_reconstruct,
     ("numpy.core.multiarray", "scalar"): _check_scalar,
     ("numpy._core.multiarray", "scalar"): _check_scalar,
-    ("numpy.core.numeric", "_frombuffer"): _no_check,  # a view of a buffer the object holds (protocol 5)
-    ("numpy._core.numeric", "_frombuffer"): _no_check,
+    ("numpy.core.numeric", "_frombuffer"): _check_frombuffer,  # a view of a buffer the object holds (protocol 5)
+    ("numpy._core.numeric", "_frombuffer"): _check_frombuffer,
     ("collections", "OrderedDict"): _check_items,
     ("builtins", "set"): _check_items,
     ("builtins", "frozenset"): _check_items,
@@ -246,15 +256,20 @@ class _StoreUnpickler(pickle._Unpickler):
                 return "not an array state numpy writes"
             return _array_problem(state[-4], state[-3], self._budget)
         if isinstance(inst, np.dtype):  # an instance (a dtype class is not one): made with copy=True
-            return None if isinstance(state, tuple) else "not a dtype state numpy writes"
+            # A plain numeric dtype's state has no subarray, names or fields; numpy's __setstate__ takes any of them
+            # (an object field hidden by its flags, a subarray multiplying the size: security review, session 42).
+            if not isinstance(state, tuple) or len(state) not in (8, 9) or any(x is not None for x in state[2:5]):
+                return "not the state numpy writes for a plain numeric dtype"
+            return _array_problem((), inst, self._budget)
         if self._name_of(type(inst)) == _RECORD:
             fields = getattr(type(inst), "__dataclass_fields__", {})
             if not isinstance(state, dict) or not set(state) <= set(fields):
                 return f"wgit's records have the fields {sorted(fields)} only"
             return None
-        if type(inst) is collections.OrderedDict:  # torch's state dicts carry a _metadata attribute
-            if not isinstance(state, dict) or not all(isinstance(k, str) and not k.startswith("__") for k in state):
-                return "not attributes pickle writes for an OrderedDict"
+        if type(inst) is collections.OrderedDict:  # torch's state dicts carry a _metadata attribute, nothing else
+            # Any other name could shadow a method (keys, items) that the checks and the conversion call.
+            if not isinstance(state, dict) or set(state) - {"_metadata"}:
+                return "not attributes pickle writes for an OrderedDict (torch's _metadata only)"
             return None
         return (
             "wgit's objects set the state of numpy arrays, dtypes and wgit records only (on a class it would change it)"

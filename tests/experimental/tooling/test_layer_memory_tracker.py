@@ -469,3 +469,12 @@ def test_a_copy_made_while_monitored_records_nothing() -> None:
     other(torch.randn(2, 4)).sum().backward()
     tracker.stop()
     assert [(t.module_name, t.is_forward) for t in tracker.memory_traces] == [("0", True), ("0", False)]
+
+
+@pytest.mark.parametrize("text", ["[1]", '{"traces": 5}', '{"traces": [{"is_forward": 1}]}', "{}"])
+def test_load_of_other_json_raises_value_error(tmp_path: Any, text: str) -> None:
+    """Found by a security review (session 42): a KeyError or TypeError from inside the loader."""
+    path = tmp_path / "traces.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="not traces written by save_traces"):
+        LayerwiseMemoryTracker.load(str(path))

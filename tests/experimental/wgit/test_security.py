@@ -11,6 +11,7 @@ recursion limit, and metadata files that made ``status`` look outside the reposi
 store and repository-opening checks need no optional package; the end-to-end ``wgit`` checks need pygit2.
 """
 
+import collections
 import hashlib
 import io
 import json
@@ -280,6 +281,20 @@ def test_wgit_add_refuses_a_planted_link_and_changes_nothing_outside(
     assert (repo_dir / "checkpoint_0.pt").read_bytes() == checkpoint_bytes
 
 
+def test_planted_names_reach_the_terminal_escaped(repo_dir: Path, outside: Path, capsys: pytest.CaptureFixture) -> None:
+    """A planted link whose name holds a terminal escape sequence was written raw in wgit's fatal message (it could
+    retitle or clear the user's terminal; security review, session 42)."""
+    from fairscale.experimental.wgit import cli
+
+    cli.main(["init"])
+    os.symlink(outside / "victim.txt", repo_dir / ".wgit" / "x\x1b]0;PWNED\x07\x1b[2J")
+    with pytest.raises(SystemExit):
+        cli.main(["status"])
+    err = capsys.readouterr().err
+    assert "symbolic link" in err and "\x1b" not in err and "\x07" not in err, err
+    assert "x\\x1b]0;PWNED\\x07" in err, err
+
+
 # ------------------------------------------------------------------------------------------ a .git that leads elsewhere
 
 
@@ -415,6 +430,25 @@ def test_a_socket_in_the_git_dir_is_accepted(tmp_path: Path) -> None:
         server.close()
 
 
+def test_a_directory_the_tree_check_cannot_list_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory wgit can enter but not list (mode 0300, kept by tar) hid a planted link from the walk, and git wrote
+    through it, outside the repository (security review, session 42). Root lists every directory, so the refusal
+    of the listing is simulated for one directory."""
+    _fake_wgit(tmp_path / "work" / ".wgit")
+    hidden = tmp_path / "work" / ".wgit" / ".git" / "logs"
+    hidden.mkdir(parents=True)
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if Path(path) == hidden:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(UnsafeRepositoryError, match="directory wgit cannot list"):
+        check_tree(tmp_path / "work" / ".wgit", ".wgit")
+
+
 # ------------------------------------------------------------------------------------------ memory, time and nesting
 
 
@@ -436,6 +470,8 @@ class _Reduce:
         return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
 
 
+# A float64 dtype's state naming a subarray of 62,500,000 items: 16 of them make 8 GB.
+_SUBARRAY = (3, "<", ("<f8", (62_500_000,)), None, None, -1, -1, 0)
 _HUGE = 10**14  # bytes no machine has: the unpatched store raised MemoryError (smaller: it took the memory)
 
 
@@ -444,6 +480,7 @@ def _hostile_objects() -> Dict[str, Tuple[bytes, str]]:
     import numpy as np
 
     reconstruct = np.ndarray.__reduce__(np.zeros(1))[0]  # numpy's _reconstruct, at this numpy's module path
+    scalar = np.float64(1).__reduce__()[0]  # numpy's scalar, likewise
     size = _HUGE.to_bytes(8, "little")
     return {
         "bytearray(n)": (
@@ -463,6 +500,39 @@ def _hostile_objects() -> Dict[str, Tuple[bytes, str]]:
         ),
         "ndarray(shape)": (pickle.dumps(_Reduce(np.ndarray, ((_HUGE,),)), protocol=4), "numpy.ndarray, which wgit"),
         "complex(str)": (pickle.dumps(_Reduce(complex, ("1+2j",)), protocol=4), r"complex\(float, float\) only"),
+        # Found by a security review (session 42): numpy's dtype BUILD took any fields, flags and subarray. An object
+        # field hidden by flags 0 passed the object check and its pointer came from the file (a segfault when read);
+        # a subarray made a 177-byte object an 8 GB array.
+        "dtype with a hidden object field": (
+            pickle.dumps(
+                {
+                    "w": _Reduce(
+                        scalar,
+                        (
+                            _Reduce(
+                                np.dtype,
+                                ("V8", False, True),
+                                (3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0),
+                            ),
+                            (0x4141414141414141).to_bytes(8, "little"),
+                        ),
+                    )
+                },
+                protocol=4,
+            ),
+            "structured, subarray or void dtype|plain numeric dtype",
+        ),
+        "dtype with a subarray": (
+            pickle.dumps(
+                _Reduce(reconstruct, (np.ndarray, (16,), _Reduce(np.dtype, ("f8", False, True), _SUBARRAY))),
+                protocol=4,
+            ),
+            "plain numeric dtype",
+        ),
+        "OrderedDict hiding its items": (
+            pickle.dumps(_Reduce(collections.OrderedDict, (), {"items": set()}), protocol=4),
+            "torch's _metadata only",
+        ),
     }
 
 

@@ -749,3 +749,21 @@ def test_metadata_paths_of_any_python() -> None:
     assert type(path) is pathlib.PurePosixPath and str(path) == "/ckpt/step-10"
     with pytest.raises(UntrustedCheckpointError, match="refusing 'x/.metadata': it names pathlib._local.os"):
         unpickle_metadata(io.BytesIO(b"cpathlib._local\nos\n."), "x/.metadata")
+
+
+def test_metadata_declaring_more_bytes_than_it_holds_allocates_nothing() -> None:
+    """A 28-byte .metadata declaring a 2 GB bytearray (pickle's BYTEARRAY8) made every rank reading the checkpoint
+    allocate 2 GB, zero-filled (found by a security review, session 42)."""
+    import io
+    import resource
+    import struct
+
+    from fairscale.nn.data_parallel._fsdp.dcp_metadata import UntrustedCheckpointError, unpickle_metadata
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    crafted = b"\x80\x05\x96" + struct.pack("<Q", 2 * 10**9) + b"x" * 16 + b"."
+    with pytest.raises(UntrustedCheckpointError, match="a bytearray of 2000000000 bytes, more than the file holds"):
+        unpickle_metadata(io.BytesIO(crafted), "x/.metadata")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500_000  # KiB: no 2 GB allocation
+    ok = pickle.dumps(bytearray(b"abc"), protocol=5)  # a bytearray the file holds still loads
+    assert unpickle_metadata(io.BytesIO(ok), "x/.metadata") == bytearray(b"abc")

@@ -188,7 +188,7 @@ class FreedViews:
             view = m.__dict__.get(n)
             if type(view) is Tensor and start <= view.data_ptr() < end:
                 if id(view) not in made:
-                    made[id(view)] = FreedParameter(view, name)
+                    made[id(view)] = FreedParameter(view, name, flat.device)  # the shard may have moved
                 m.__dict__[n] = made[id(view)]
 
     @staticmethod
