@@ -20,7 +20,7 @@ from fairscale.internal.compiler import call_outside_compiler
 from fairscale.internal.collectives import WorkHandle
 from fairscale.internal.agreement import check_ranks_agree, describe_tensors, first_device
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
-from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
 from fairscale.internal.params import conversion_in_place
 from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
@@ -377,7 +377,7 @@ class ShardedDataParallel(nn.Module):
         # an unfreeze matched the stale mask and no later forward hooked the parameter again (its owner stepped with
         # its own local gradient, silently).
         self._reference_trainable_mask = [p.requires_grad for p in self._all_params]
-        if self._reducer.has_pending:
+        if self._reducer.has_pending and not self._reducer.awaiting_backward:  # that backward reduces them
             logging.warning(
                 "Grads waiting to be reduced. If this is on purpose (grad accumulation), please use a no_sync() context"
             )
@@ -396,8 +396,13 @@ class ShardedDataParallel(nn.Module):
         """Reduce the gradients now, after a last backward that ran inside :meth:`no_sync`.
 
         Raises:
-            RuntimeError: (also an ``AssertionError``, as upstream asserted) nothing is waiting to be reduced.
+            RuntimeError: (also an ``AssertionError``, as upstream asserted) nothing is waiting to be reduced, or
+                called inside ``no_sync()`` (it reduced part of the gradients wrong, silently; fuzz, session 42).
         """
+        if self._reducer.accumulating:
+            raise FairscaleRuntimeError(
+                "ShardedDataParallel.reduce() inside no_sync(): leave the no_sync() context first, then call reduce()"
+            )
         self._reducer.manual_reduce()
 
     @contextlib.contextmanager

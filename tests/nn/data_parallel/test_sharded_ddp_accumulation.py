@@ -238,3 +238,36 @@ def test_no_sync_window_after_a_bucket_rebuild_with_zeroed_gradients(trigger: st
     reduced backward added the no_sync() window's unreduced gradients to the reduced ones (10-30 % off, silently)."""
     gaps = run_distributed(_rebuild_then_window_body, 2, trigger, timeout=TIMEOUT)
     assert max(gaps) < 1e-6, gaps
+
+
+def _refresh_between_body(rank: int, world_size: int) -> float:
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sdp = ShardedDataParallel(model, opt, auto_refresh_trainable=False)
+    gap = 0.0
+    for step in range(2):
+        x = _batch(step, rank)
+        loss = _loss(sdp, x)
+        sdp.refresh_trainable()  # e.g. a callback between the forward and the backward
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _reference_step(ref, ref_opt, [x])
+        gap = max(gap, _gap(model, ref))
+    # reduce() inside no_sync() reduced part of the gradients wrong, silently: refused, on every rank alike.
+    with sdp.no_sync():
+        _loss(sdp, _batch(9, rank)).backward()
+        with pytest.raises(RuntimeError, match=r"reduce\(\) inside no_sync\(\): leave the no_sync\(\) context first"):
+            sdp.reduce()
+    sdp.reduce()
+    return gap
+
+
+def test_refresh_between_forward_and_backward_and_reduce_inside_no_sync() -> None:
+    """Found by a fuzz of SDP training loops (session 42): refresh_trainable() between a forward and its backward
+    dropped that backward's reduction (each owner stepped with its own gradient), and reduce() inside no_sync() gave
+    wrong gradients; both silently."""
+    gaps = run_distributed(_refresh_between_body, 2, timeout=TIMEOUT)
+    assert max(gaps) < 1e-6, gaps

@@ -194,7 +194,8 @@ class GradReducer:
         self.trainable = list(trainable)
         self._owner = {pid: dst for pid, (dst, _) in owners.items()}
         self._is_owner = {pid: mine for pid, (_, mine) in owners.items()}
-        self._pending = {}
+        # refresh_trainable() between a forward and its backward: that backward reduced nothing (fuzz, session 42).
+        self._pending = {id(p): True for p in self.trainable if self.awaiting_backward and self._pending.get(id(p))}
         self._bucket_of = {}
         self.buckets = []
         if not training:
@@ -250,9 +251,8 @@ class GradReducer:
         for param in self.trainable:
             bucket = self._bucket_of.get(id(param))
             if bucket is not None and param.grad is not None:
-                # A new view: GradBucket swaps the storage of a gradient (as upstream), which keeps its own version
-                # counter; p.grad.zero_() then did not move the buffer's (parking's sign of a reduced value), and a
-                # no_sync() window after a rebuild was added unreduced to the next reduction (fuzz, session 42).
+                # A new view: GradBucket swaps a gradient's storage (as upstream), keeping its version counter, so its
+                # zero_() did not move the buffer's, and a later no_sync() window was reduced wrong (fuzz, session 42).
                 param.grad = bucket.slot(param)
         for param in self.trainable:
             grad = param.grad
