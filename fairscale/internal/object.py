@@ -37,7 +37,16 @@ def pyobject_to_tensor(obj: Any, fixed_buffer_size: int = 0) -> Tensor:
 
 
 def tensor_to_pyobject(tensor: Tensor) -> Any:
-    """Unpickle an object from a ``uint8`` tensor made by :func:`pyobject_to_tensor` (padding is ignored)."""
+    """Unpickle an object from a ``uint8`` tensor made by :func:`pyobject_to_tensor` (padding is ignored).
+
+    Warning:
+        This runs ``pickle.loads``, as upstream and as torch's ``broadcast_object_list`` do: unpickling can run any
+        code the bytes name. Use it only for tensors from your own job's ranks (a collective's result), never for
+        bytes read from a file or received from outside the job.
+
+    Raises:
+        ValueError: if ``tensor`` is not a ``uint8`` tensor.
+    """
     if tensor.dtype != torch.uint8:
         raise ValueError(f"tensor_to_pyobject: expected a torch.uint8 tensor, got {tensor.dtype}")
     # pickle stops at its STOP opcode, so trailing zero padding is harmless.

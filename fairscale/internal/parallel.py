@@ -78,10 +78,17 @@ def validate_process_group(device: torch.device, process_group: ProcessGroup) ->
         process_group (ProcessGroup): the group to check.
 
     Raises:
+        ValueError: if this rank is not a member of ``process_group``.
         RuntimeError: if the gathered ranks are not the expected ones.
     """
     size = collectives.group_size(process_group)
-    mine = torch.tensor([collectives.group_rank(process_group)], dtype=torch.int32, device=device)
+    rank = collectives.group_rank(process_group)
+    if size < 1 or rank < 0:  # torch answers -1 on a rank outside the group: "Dimension size must be non-negative"
+        raise ValueError(
+            "validate_process_group: this rank is not a member of the process group (new_group() returns a group on "
+            "every rank, a usable one on its members only); call it on the group's ranks only"
+        )
+    mine = torch.tensor([rank], dtype=torch.int32, device=device)
     gathered = torch.zeros(size, dtype=torch.int32, device=device)
     collectives.all_gather_into_flat(gathered, mine, group=process_group)
     expected = list(range(size))

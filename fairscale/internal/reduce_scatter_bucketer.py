@@ -393,6 +393,10 @@ class ReduceScatterBucketer:
                 callback runs (hybrid sharding); ``None``: no all-reduce.
         """
         size = collectives.group_size(group)
+        if size < 1:  # torch's size of a group on a rank outside it
+            raise FairscaleValueError(
+                "reduce_scatter_async: this rank is not a member of the process group; call it on the group's ranks"
+            )
         if len(input_list) != size:
             raise FairscaleValueError(  # also an AssertionError, as upstream
                 f"reduce_scatter_async: got {len(input_list)} inputs for a group of {size} ranks; "

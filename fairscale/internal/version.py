@@ -9,10 +9,9 @@ import torch
 
 __all__ = ["torch_version"]
 
-# "major.minor.patch" followed by anything (pre-release tags, local build suffixes).
-_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(.*)$")
-# A pre-release tag right after the numbers: "a0", "b1", "rc2", ".dev20240101", "dev" ...
-_PRE_RELEASE_RE = re.compile(r"^\.?(a|b|rc|dev|alpha|beta|pre)", re.IGNORECASE)
+# Three integers, each pair separated by any one character (upstream's unescaped ".": "1x2y3" parses as 1.2.3,
+# kept for drop-in equality), a suffix without "+" (a pre-release tag), then an optional "+local" build part.
+_VERSION_RE = re.compile(r"^(\d+).(\d+).(\d+)([^+]*)(\+.*)?$")
 
 _warned: Set[str] = set()
 
@@ -29,15 +28,17 @@ def torch_version(version: str = torch.__version__) -> Tuple[int, ...]:
 
     Returns:
         Tuple[int, ...]: a 3-tuple of ints, or an empty tuple if the string does not start with
-        ``major.minor.patch``. A pre-release (``2.4.0a0``, ``2.4.0.dev20240101``, ``2.4.0rc1``)
-        parses to its base release and logs a warning once per distinct string, because
-        pre-releases may lack features of the release they precede.
+        ``major.minor.patch`` (any one character separates the numbers, as upstream). A version
+        with a suffix before ``+`` (``2.4.0a0``, ``2.4.0.dev20240101``, ``2.4.0rc1``) parses to
+        its base release and logs a warning once per distinct string, because pre-releases may
+        lack features of the release they precede.
     """
     match = _VERSION_RE.match(version)
     if match is None:
         return tuple()
-    suffix = match.group(4).split("+", 1)[0]
-    if _PRE_RELEASE_RE.match(suffix) and version not in _warned:
+    # Any suffix before "+" counts as a pre-release, as upstream ("2.4.0post1" too); warned once per string (upstream
+    # warns at every call: every version check of a run logged it again).
+    if match.group(4) and version not in _warned:
         _warned.add(version)
         logging.warning(f"Pytorch pre-release version {version} - assuming intent to test it")
     return tuple(int(match.group(i)) for i in range(1, 4))

@@ -118,6 +118,10 @@ def _check_no_bucketing_and_bad_input(rank: int, ws: int) -> None:
     if ws > 1:
         with pytest.raises(ValueError, match="same numel"):
             bucketer.reduce_scatter_async([torch.zeros(2)] * (ws - 1) + [torch.zeros(3)], None)
+        only_first = dist.new_group([0])  # world-collective: every rank makes it
+        if rank != 0:  # was "a group of -1 ranks"
+            with pytest.raises(ValueError, match="not a member of the process group"):
+                bucketer.reduce_scatter_async([torch.zeros(2)], only_first)
 
 
 def _check_flat_inputs(rank: int, ws: int) -> None:

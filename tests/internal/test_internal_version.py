@@ -21,6 +21,8 @@ from fairscale.internal.version import torch_version
         ("garbage", ()),
         ("2.1", ()),
         ("", ()),
+        ("1x2y3", (1, 2, 3)),  # upstream's separator is any one character
+        ("2.1+cpu", ()),
     ],
 )
 def test_torch_version(version: str, expected: Tuple[int, ...], caplog: pytest.LogCaptureFixture) -> None:
@@ -29,7 +31,9 @@ def test_torch_version(version: str, expected: Tuple[int, ...], caplog: pytest.L
     assert "pre-release" not in caplog.text
 
 
-@pytest.mark.parametrize("version", ["1.10.0a0+gitabc", "2.4.0.dev20240101", "2.4.0rc1", "3.0.0b2+cpu"])
+@pytest.mark.parametrize(
+    "version", ["1.10.0a0+gitabc", "2.4.0.dev20240101", "2.4.0rc1", "3.0.0b2+cpu", "2.4.0post1", "1.2.3.4"]
+)
 def test_pre_release_warns_once(version: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         assert len(torch_version(version)) == 3

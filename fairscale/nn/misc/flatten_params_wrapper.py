@@ -28,6 +28,7 @@ from ._flatten.module_attrs import ViewSnapshot, drop_attr, restore_views, snaps
 from ._flatten.module_attrs import set_plain_tensor as _set_plain_tensor  # tests import it from here
 from ._flatten.state_dict_hooks import (
     _enable_pre_load_state_dict_hook,
+    errors_named_by_keys,
     fpw_pre_load_hook_disabled,
     post_load_state_dict_hook,
     post_state_dict_hook,
@@ -502,10 +503,7 @@ class FlattenParamsWrapper(nn.Module):
         self._rebuild_default_views()
 
     def _reflatten_copy(self, record: Optional[ContextRecord]) -> None:
-        """A copy made inside :meth:`unflatten_params` (``record`` set): flatten it as the exit flattens the original.
-
-        It had no context to leave, so no forward with autograd ever worked on it.
-        """
+        """A copy made inside :meth:`unflatten_params` (``record`` set), which has no context to leave: flatten it."""
         if record is None or not self.__dict__.get("_unflattened_by_context"):
             return
         if reflatten_copy(self.flat_params, self.flat_param_names, record):
@@ -594,7 +592,8 @@ class FlattenParamsWrapper(nn.Module):
             )
         has_flat_keys = any(k == "flat_param" or k.startswith("flat_param_") for k in state_dict)
         unflatten = self.num_params_managed > 0 and self.is_flattened and not has_flat_keys
-        with self.unflatten_params() if unflatten and self._auto_unflatten_state_dict else contextlib.nullcontext():
+        context = self.unflatten_params() if unflatten and self._auto_unflatten_state_dict else contextlib.nullcontext()
+        with context, errors_named_by_keys():
             if checked:
                 dry_run_load(self, lambda: nn.Module.load_state_dict(self, state_dict, strict))
             return super().load_state_dict(state_dict, strict)

@@ -1,5 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Changes of the user's to FSDP parameters that FSDP cannot honour: hooks, and data replaced between steps."""
+"""Changes of the user's to FSDP parameters between steps: hooks FSDP cannot honour, and data replaced."""
+
+import torch
 
 from .handle import FlatHandle
 from .state import HandleState
@@ -8,7 +10,9 @@ __all__ = ["check_data_is_the_shard", "check_no_user_post_accumulate_hooks"]
 
 
 def check_data_is_the_shard(handle: FlatHandle) -> None:
-    """Refuse a parameter whose data was replaced by one of another shape between steps (checked at each forward).
+    """Refuse a parameter whose data was replaced by one of another shape between steps, take one of the shard's shape.
+
+    Checked at each forward and summon (``state_dict()`` too), while the instance is idle.
 
     Between steps ``p.data`` is this rank's 1-D shard. ``p.data = full_tensor`` (a plain module's way to load a
     pretrained weight) was taken as the shard at the first forward, which then failed in the all-gather with a message
@@ -30,6 +34,30 @@ def check_data_is_the_shard(handle: FlatHandle) -> None:
             f"{(handle.shard_numel,) if handle.is_sharded else tuple(handle.orig_size)}). Load values with "
             "model.load_state_dict(), or assign them inside `with model.summon_full_params():`."
         )
+    _take_replaced_shard(handle)
+
+
+def _take_replaced_shard(handle: FlatHandle) -> None:
+    """Take ``p.data = tensor`` of the shard's shape (``vector_to_parameters``) into FSDP's shard.
+
+    The all-gather reads FSDP's own reference to the shard, and the end of the next forward set ``p.data`` back to
+    it: the user's values were lost, silently (found by a fuzz of FSDP with torch utilities, session 42). They are
+    copied into the shard, which keeps its storage (pinned memory, the optimizer's view of it), as a load does.
+    """
+    shard = handle.fp32_shard
+    param = handle.param
+    if shard is None or param.data_ptr() == shard.data_ptr():
+        return  # not materialized yet (lazy init takes p.data as it is), or untouched: one pointer compare
+    data = param.data
+    if data.dtype != shard.dtype or data.device != shard.device:
+        raise RuntimeError(
+            f"FullyShardedDataParallel: the data of parameter {handle.name!r} was replaced by a {data.dtype} tensor "
+            f"on {data.device} after wrapping, where FSDP keeps a {shard.dtype} shard on {shard.device}. Convert "
+            "the whole model with model.to(...), or copy values in (p.data.copy_(...), model.load_state_dict())."
+        )
+    with torch.no_grad():
+        shard.copy_(data)
+    param.data = shard
 
 
 def check_no_user_post_accumulate_hooks(handle: FlatHandle) -> None:

@@ -326,8 +326,10 @@ def moving(unit: FSDPUnit) -> Iterator[None]:
 def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     """The forward of one FSDP instance (see the module docstring for what happens around the user's forward)."""
     if unit.training_state == TrainingState.IDLE:  # else refused below, by state (a summon's p.data is full)
-        for h in unit.handles:
-            check_data_is_the_shard(h)
+        # The root's whole tree (is_root None: a first forward): it prefetches nested units' gathers before they run.
+        for u in unit.tree_units() if unit.is_root is not False else (unit,):
+            for h in u.handles:
+                check_data_is_the_shard(h)
     lazy_init(unit)
     if unit.is_root:
         # At the first forward, not in lazy_init: local_state_dict() and friends before any forward must stay

@@ -20,7 +20,7 @@ from fairscale.internal.module_hooks import register_state_dict_hooks
 from fairscale.internal.state_dict import replace_by_prefix_
 from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabled
 
-from . import failed_load, identity, loads, recovery
+from . import failed_load, identity, loads, own_buffers, recovery
 from .handle import FlatHandle
 from .naming import clean_text
 from .runtime import lazy_init_for_call
@@ -103,7 +103,10 @@ def _pre_load_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], pre
                 inner.enter_context(summon_full_params(unit, recurse=True, volatile=False))
                 failed_load.opened(unit, (outer.pop_all(), inner.pop_all()))
     if _PRE_LOAD_HOOK_ENABLED[0]:
+        # The instance's own buffers stay at its prefix: its own _load_from_state_dict loads them, as torch's does.
+        own = {k: state_dict.pop(k) for k in own_buffers.own_buffer_keys(module, prefix) if k in state_dict}
         replace_by_prefix_(state_dict, prefix, prefix + "_fsdp_wrapped_module.")
+        state_dict.update(own)
 
 
 def _post_load_state_dict_hook(module: nn.Module, incompatible_keys: Any) -> None:
@@ -245,12 +248,25 @@ def _load_with_clean_errors(unit: FSDPUnit, sd: Mapping[str, Any], strict: bool,
             "writes them: drop those components from the keys (or load a dict of raw paths inside "
             "no_pre_load_state_dict_hook()).\nThe model was left unchanged."
         )
+    rest, own = own_buffers.split_own_buffers(unit.owner, sd)  # the root loads through the wrapped module only
     try:
         # No dry run of the wrapper's: a failed load is undone by _restore_on_failure, on every rank.
-        result = unit.wrapped._load_state_dict(dict(sd), strict, False, checked=False)
+        result = unit.wrapped._load_state_dict(rest, strict, False, checked=False)
     except RuntimeError as e:
         message = clean_text(str(e)).replace("FlattenParamsWrapper", unit.name)
         raise RuntimeError(message + "\nThe model was left unchanged.") from e
+    missing: List[str] = []
+    errors: List[str] = []
+    own_buffers.load_own_buffers(unit.owner, own, missing, errors)
+    if strict and missing:
+        errors.insert(0, f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}.")
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {unit.name}:\n\t"
+            + "\n\t".join(errors)
+            + "\nThe model was left unchanged."
+        )
+    result.missing_keys.extend(missing)
     result.missing_keys[:] = [clean_text(k) for k in result.missing_keys]
     result.unexpected_keys[:] = [clean_text(k) for k in result.unexpected_keys]
     if internal:

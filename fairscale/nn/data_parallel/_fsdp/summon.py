@@ -19,6 +19,7 @@ from fairscale.nn.misc.flatten_params_wrapper import _ViewSnapshot, _UnwritableR
 
 from . import recovery
 from .handle import FlatHandle
+from .param_hooks import check_data_is_the_shard
 from .runtime import lazy_init
 from .state import HandleState, TrainingState
 from .unit import FSDPUnit, unit_of
@@ -46,6 +47,8 @@ def _summon_one(unit: FSDPUnit, volatile: bool) -> Iterator[None]:
             f"summon_full_params() called while the instance is in {unit.training_state.name}; it can be used "
             "between steps and between a forward and its backward, but not inside forward or backward."
         )
+    for h in unit.handles:  # a p.data = tensor since the last forward: before the gather reads the shard
+        check_data_is_the_shard(h)
     unit.device.synchronize()
     owned = [h for h in unit.handles if not h.borrowed]
     lent = _lent_handles(unit)
