@@ -529,7 +529,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
 
         Args:
             optim: the optimizer over this model's parameters.
-            **ignored: accepted for upstream compatibility (e.g. ``recipient_rank``), unused.
+            **ignored: accepted for upstream compatibility (e.g. ``recipient_rank``, which warns if not 0), unused.
 
         Returns:
             The full optimizer state dict on rank 0 of the root instance's process group (the global rank 0 when it

@@ -73,6 +73,12 @@ def _rank_0_only(rank: int) -> None:
     assert own.rank == 0
     sd = own.state_dict()
     assert (sorted(sd) == ["bias", "weight"]) if rank == 0 else (sd == {}), (rank, list(sd))
+    # Under a plain parent module the other ranks lose this instance's entries only: clearing the shared dict dropped
+    # the parent's entries written before the instance and kept those after it.
+    parent = nn.Sequential(nn.Linear(3, 3), FSDP(nn.Linear(3, 3), state_dict_on_rank_0_only=True), nn.Linear(3, 2))
+    sd = parent.state_dict()
+    plain = ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert sorted(sd) == (sorted(plain + ["1.bias", "1.weight"]) if rank == 0 else plain), (rank, list(sd))
 
 
 def _state_dict_device() -> None:

@@ -179,6 +179,42 @@ def test_only_the_root_casts_and_force_input_to_fp32() -> None:
     run_distributed(_only_the_root_casts_and_force_input_to_fp32_body, 2)
 
 
+def _gradients_reach_inputs_under_mixed_precision_body(rank: int, ws: int) -> None:
+    """The root cast fp32 inputs under no_grad (as upstream): a layer in front of the root got no gradient and a leaf
+    input's ``.grad`` stayed None, silently, and a gradient penalty (``autograd.grad`` w.r.t. the input) raised that
+    the input was not used in the graph (found by a fuzz of FSDP options, session 43). The cast is recorded now."""
+    torch.manual_seed(0)
+    pre, body = nn.Linear(4, 4), nn.Linear(4, 3)
+    ref_pre, ref_body = nn.Linear(4, 4), nn.Linear(4, 3)
+    ref_pre.load_state_dict(pre.state_dict())
+    ref_body.load_state_dict(body.state_dict())
+    model = FSDP(body, mixed_precision=True, compute_dtype=torch.bfloat16)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    model(pre(x)).float().pow(2).sum().backward()
+    ref_body(ref_pre(ref_x)).pow(2).sum().backward()
+    assert pre.weight.grad is not None and x.grad is not None and x.grad.dtype == torch.float32
+    tol = dict(rtol=5e-2, atol=5e-2)  # bf16 compute against the fp32 reference
+    torch.testing.assert_close(pre.weight.grad, ref_pre.weight.grad, **tol)
+    torch.testing.assert_close(x.grad, ref_x.grad, **tol)
+    # A gradient penalty w.r.t. the input, as WGAN-GP and R1 regularisation compute it.
+    y = torch.randn(5, 4, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    out = model(y).float()
+    (grad_y,) = torch.autograd.grad(out.sum(), y, create_graph=True)
+    ref_y = y.detach().clone().requires_grad_(True)
+    ref_out = ref_body(ref_y)
+    (ref_grad_y,) = torch.autograd.grad(ref_out.sum(), ref_y, create_graph=True)
+    torch.testing.assert_close(grad_y, ref_grad_y, **tol)
+    (out.pow(2).sum() + grad_y.pow(2).sum()).backward()
+    (ref_out.pow(2).sum() + ref_grad_y.pow(2).sum()).backward()
+    assert_idle(model)
+    torch.testing.assert_close(y.grad, ref_y.grad, **tol)
+
+
+def test_gradients_reach_inputs_under_mixed_precision() -> None:
+    run_distributed(_gradients_reach_inputs_under_mixed_precision_body, 2)
+
+
 @dataclasses.dataclass
 class _Cached:
     """A dataclass whose pickled state leaves a field out (a cache): ``copy.copy`` would drop it."""

@@ -44,10 +44,11 @@ from fairscale.nn.data_parallel import TrainingState, get_fsdp_instances
 def _constructor_rejects_bad_input_with_clear_messages_body(rank: int, ws: int) -> None:
     with pytest.raises(ValueError, match="fp16"):
         FSDP(nn.Linear(3, 3), compute_dtype=torch.float16)  # pure fp16 needs fp16 parameters
-    with pytest.raises(ValueError, match="fp32"):
-        FSDP(nn.Linear(3, 3).half(), mixed_precision=True)  # mixed precision keeps fp32 masters
-    with pytest.raises(ValueError, match="bf16|bfloat16"):
-        FSDP(nn.Linear(3, 3).to(torch.bfloat16))  # pure bf16 parameters are not supported (as upstream)
+    # Mixed precision keeps fp32 masters: the message names the ways that work (it advised mixed_precision=True).
+    with pytest.raises(ValueError, match=r"must be fp32 .* model.float\(\) before wrapping.*'pure fp16'"):
+        FSDP(nn.Linear(3, 3).half(), mixed_precision=True)
+    with pytest.raises(ValueError, match=r"bfloat16 parameter.*\.bfloat16\(\)\) wrap the fp32 model and convert"):
+        FSDP(nn.Linear(3, 3).to(torch.bfloat16))  # pure bf16 parameters are refused at wrapping (as upstream)
     with pytest.raises(ValueError, match="mixed_precision"):
         FSDP(nn.Linear(3, 3), fp32_reduce_scatter=True)
     # A parameter already owned by another (non-nested) instance: skipped at construction as upstream (so

@@ -263,6 +263,15 @@ def _case_bad_input(rank: int, world_size: int) -> None:
         fsdp.gather_full_optim_state_dict(two_groups if rank == 1 else opt)
     with pytest.raises(ValueError, match="expects a gather_full_optim_state_dict"):
         fsdp.get_shard_from_optim_state_dict(opt.state_dict())
+    with pytest.warns(UserWarning, match="recipient_rank=1 is ignored"):
+        fsdp.gather_full_optim_state_dict(opt, recipient_rank=1)
+    # State under a key that is not a parameter (torch allows it): was "invalid literal for int()", on every rank.
+    opt.state["global_count"] = {"count": 1}  # type: ignore[index]
+    try:
+        with pytest.raises(ValueError, match=r"state under keys that are not parameters \(\['global_count'\]\)"):
+            fsdp.gather_full_optim_state_dict(opt)
+    finally:
+        del opt.state["global_count"]  # type: ignore[arg-type]
     other = wrap_model(build(ModelWithUnusedParams)[0], {}, "nested")
     with pytest.raises(ValueError, match="describes 10 parameters but this model has 6"):
         other.get_shard_from_optim_state_dict(full)
@@ -635,7 +644,25 @@ def _mixed_steps(fsdp: FSDP, opt: Any, steps: range, rank: int, world_size: int)
         opt.step()
 
 
+class _Scale(nn.Module):
+    """One 0-dim parameter (a learned temperature, CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+def _scalar_instance_model() -> FSDP:
+    torch.manual_seed(0)
+    return FSDP(nn.Sequential(nn.Linear(4, 3), FSDP(_Scale(), flatten_parameters=False)))
+
+
 def _mid_run_model(which: str) -> FSDP:
+    if which == "scalar":
+        return _scalar_instance_model()
     return _single_parameter_model(inner_bias=False) if which == "single" else _uncollected_model()
 
 
@@ -742,3 +769,13 @@ def test_format_helpers_on_cpu() -> None:
     del full["state"][1]["m"]
     with pytest.raises(ValueError, match="state 'm' is a tensor for some parameters only"):
         flatten_optim_state_dict(full)
+
+
+def test_resume_a_scalar_parameter_instance_saved_at_one_rank() -> None:
+    """A flatten_parameters=False instance of one 0-dim parameter, saved at one rank (not sharded): its 0-dim Adam
+    moments were gathered as per-rank lists, like a shared scalar, and the resume at two ranks (a 1-element shard)
+    failed at the first step on the shapes (found by a fuzz, session 43). They are 0-dim tensors, as torch's."""
+    saved = run_distributed(_mid_run_save_body, 1, "scalar")[0]
+    moments = saved[1]["state"][2]
+    assert all(isinstance(moments[k], Tensor) and moments[k].dim() == 0 for k in ("exp_avg", "exp_avg_sq")), moments
+    run_distributed(_mid_run_resume_body, 2, "scalar", saved)

@@ -159,6 +159,14 @@ def _case_local_key_format() -> None:
     fsdp, _ = _make("nested-nonflat")
     sd = fsdp.local_state_dict()
     assert sd["layers.0.weight"].shape == (18,) and sd["layers.1.0.weight"].shape == (23,)  # 35 -> 18, 45 -> 23
+    # Mixed precision keeps buffers in the compute dtype; both formats carry them in fp32, as upstream (the local
+    # one carried fp16 buffers, and so did the full dict consolidate_shard_weights built from it).
+    fsdp, _ = _make("bn-mixed")
+    fsdp(torch.randn(4, 6)).float().sum().backward()  # casts the buffers at lazy init
+    assert fsdp.module.bn.running_var.dtype == torch.float16
+    for sd in (fsdp.local_state_dict(), fsdp.state_dict()):
+        assert sd["bn.running_var"].dtype == sd["bn.running_mean"].dtype == torch.float32
+    assert fsdp.module.bn.running_var.dtype == torch.float16  # the model keeps its own
 
 
 def _bad_full_dicts(model: FSDP) -> List[Tuple[str, Dict[str, Tensor], str]]:

@@ -279,8 +279,7 @@ def _eval_case(rank: int, order: str, precision: str) -> None:
         assert m.training_state == TrainingState.IDLE
         assert m._tree is None or not m._tree.backward_pending
     # Eval mode with grad (e.g. computing input saliency): checkpointing is active again and gradients are right.
-    # Under mixed precision the root casts fp32 inputs to a new leaf (as upstream), so the input is given in the
-    # compute dtype already to receive its gradient.
+    # The input is given in the compute dtype (the root's cast is then a no-op): its gradient is compared as is.
     fsdp.zero_grad()
     ref.zero_grad()
     inp = local.detach().to(PRECISIONS[precision].get("compute_dtype", torch.float32)).requires_grad_(True)

@@ -338,9 +338,12 @@ def validate_param_dtypes(params: Iterable[nn.Parameter], mixed_precision: bool,
             if pure_fp16:
                 hint = "compute_dtype=torch.float16 without mixed_precision ('pure fp16') needs fp16 parameters"
             else:
+                # Name the ways that work (a fuzz of client code found the old hint advising what the caller did).
                 hint = (
-                    "parameters must be fp32 (use mixed_precision=True with compute_dtype=torch.bfloat16/float16 "
-                    "for low-precision compute; pure bf16 parameters are not supported)"
+                    "parameters must be fp32 at wrapping in this mode (upstream's rule). Call model.float() before "
+                    "wrapping: mixed_precision=True keeps fp32 master weights and computes in compute_dtype; for fp16 "
+                    "parameters use 'pure fp16' (compute_dtype=torch.float16, mixed_precision=False); for other "
+                    "dtypes (.double(), .bfloat16()) wrap the fp32 model and convert it afterwards (fsdp.double())"
                 )
             raise ValueError(f"FullyShardedDataParallel: found a {p.dtype} parameter of shape {tuple(p.shape)}: {hint}")
 

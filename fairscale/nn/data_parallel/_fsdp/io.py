@@ -66,7 +66,9 @@ def cast_inputs(dtype: torch.dtype, from_dtypes: Tuple[torch.dtype, ...], no_gra
     Args:
         dtype: target dtype.
         from_dtypes: only tensors of these dtypes are cast.
-        no_grad: cast outside autograd (the copy is a new leaf that keeps ``requires_grad`` of a leaf input).
+        no_grad: cast outside autograd (the copy is a new leaf that keeps ``requires_grad`` of a leaf input). The
+            root's mixed-precision cast is recorded (``False``): under ``no_grad``, as upstream, gradients never
+            reached a layer in front of the root or the input's ``.grad`` (a gradient penalty found no input).
 
     Returns:
         ``(args, kwargs)`` with the casts applied.

@@ -12,8 +12,9 @@ The format is upstream's (see :mod:`fairscale.nn.data_parallel.fsdp_optim_utils`
 """
 
 import copy
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,13 @@ def _layouts(root: FSDPUnit) -> List[_Layout]:
 
 def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> Optional[Dict[str, Any]]:
     """See :meth:`FullyShardedDataParallel.gather_full_optim_state_dict`."""
+    if ignored.get("recipient_rank", 0) not in (0, None):
+        # Upstream accepts and ignores it too; said, as the dict silently went to rank 0 (found by a fuzz, session 43).
+        warnings.warn(
+            f"gather_full_optim_state_dict: recipient_rank={ignored['recipient_rank']!r} is ignored (as upstream): the "
+            "dict is returned on rank 0 of the root's group, None elsewhere. Send it on yourself if needed.",
+            stacklevel=3,
+        )
     layouts = _layouts(fsdp)
     # A wrong optimizer on one rank raised there alone, and the other ranks waited in the gathers below until the
     # group's timeout: its error rides in the schema gather, and every rank raises it.
@@ -97,9 +105,18 @@ def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> 
     except (NotImplementedError, ValueError) as e:
         problem = e
     osd = optim.state_dict() if problem is None else {"state": {}, "param_groups": []}
+    odd = [k for k in osd["state"] if not isinstance(k, int)]
+    if odd and problem is None:  # int() of it raised a bare "invalid literal for int()" (found by a fuzz, session 43)
+        problem = ValueError(
+            f"the optimizer keeps state under keys that are not parameters ({odd[:3]}): the consolidated format holds "
+            "per-parameter state only. Keep such values in param_groups or save them beside the dict yourself."
+        )
+        osd = {"state": {}, "param_groups": []}
     # New per-parameter dicts: optim.state_dict() shares them with the live optimizer.
     state = {int(k): {key: _plain_step(key, v) for key, v in s.items()} for k, s in osd["state"].items()}
     _check_same_schema(fsdp, state, layouts, problem)
+    # Keys some parameter holds element-wise: a 0-dim parameter's are 0-dim too, like the shared scalars'.
+    per_element = {key for s in state.values() for key, v in s.items() if isinstance(v, Tensor) and v.dim() > 0}
     # Rank 0 of the root's group, as upstream: with tensor parallelism (FSDP over each tensor-parallel rank's
     # data-parallel group) each such group's rank 0 holds its part of the model's state, and global rank 0 alone
     # returned one part (the other data-parallel leaders got None and saved nothing). With hybrid sharding, the
@@ -116,7 +133,7 @@ def gather_full_optim_state_dict(fsdp: FSDPUnit, optim: Any, **ignored: Any) -> 
             continue
         if lay.local not in state:
             continue  # unused parameters: no state on any rank (checked above)
-        gathered = _gather_instance(lay, state[lay.local])
+        gathered = _gather_instance(lay, state[lay.local], per_element)
         if on_rank0:
             full_state.update(_unflatten(lay, gathered))
     if not on_rank0:
@@ -216,15 +233,23 @@ def _check_same_schema(
             )
 
 
-def _gather_instance(lay: _Layout, entry: Mapping[str, Any]) -> Dict[str, Any]:
-    """All-gather one flat parameter's state over the instance's group; tensors come back unpadded, flat."""
+def _gather_instance(lay: _Layout, entry: Mapping[str, Any], per_element: Set[str]) -> Dict[str, Any]:
+    """All-gather one flat parameter's state over the instance's group; tensors come back unpadded, flat.
+
+    A single 0-dim parameter on a group of one rank has 0-dim element-wise state: taken as a shared scalar, it was
+    saved as a per-rank list, and a resume at a larger world (a 1-element shard) failed at the first step (found by
+    a fuzz, session 43). Keys other parameters hold element-wise (``per_element``) are element-wise there too.
+    """
     m = lay.instance
     h = m.handles[0]
     c = m.config
     world = c.world_size
+    scalar_param = not h.is_sharded and tuple(h.orig_size) == ()
     out: Dict[str, Any] = {}
     for key, value in entry.items():
-        if isinstance(value, Tensor) and value.dim() > 0:
+        if scalar_param and isinstance(value, Tensor) and value.dim() == 0 and key in per_element:
+            out[key] = value.detach().cpu().reshape(1).clone()
+        elif isinstance(value, Tensor) and value.dim() > 0:
             if value.numel() != h.shard_numel:
                 raise ValueError(
                     f"optimizer state {key!r} of the flat parameter of {lay.path or 'the root'!r} has "

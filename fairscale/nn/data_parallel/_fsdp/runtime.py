@@ -372,7 +372,7 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
 def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
     c = unit.config
     if unit.is_root and c.mixed_precision:
-        args, kwargs = cast_inputs(c.compute_dtype, (torch.float32,), True, args, kwargs)
+        args, kwargs = cast_inputs(c.compute_dtype, (torch.float32,), False, args, kwargs)  # see io.py
     elif c.force_input_to_fp32 and not c.mixed_precision:
         args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
     for h in unit.handles if torch.is_grad_enabled() else ():

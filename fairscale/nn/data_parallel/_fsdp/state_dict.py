@@ -59,7 +59,10 @@ def _post_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
     full = unit.state_dict_type == StateDictType.FULL
     # Only full state dicts are rank-0 only: a sharded (local) checkpoint needs every rank's shard.
     if unit.config.state_dict_on_rank_0_only and full and dist.get_rank() != 0:
-        state_dict.clear()
+        # This instance's entries only: under a plain parent module the dict is the parent's too, and clearing it
+        # dropped the entries written before this instance and kept those after (found by a fuzz, session 43).
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
         return state_dict
     device = unit.config.state_dict_device
     in_summon = unit.training_state == TrainingState.SUMMON_FULL_PARAMS
@@ -147,7 +150,10 @@ def state_dict(unit: FSDPUnit, *args: Any, **kwargs: Any) -> Any:
             with summon_ctx, _buffers_in_fp32(unit):
                 sd = nn.Module.state_dict(unit.owner, *args, **kwargs)
         else:
-            sd = nn.Module.state_dict(unit.owner, *args, **kwargs)
+            # fp32 buffers in the local format too, as upstream (they were in the compute dtype, and
+            # consolidate_shard_weights wrote fp16 buffers into the full dict; found by a fuzz, session 43).
+            with _buffers_in_fp32(unit):
+                sd = nn.Module.state_dict(unit.owner, *args, **kwargs)
     if unit.config.move_params_to_cpu:
         for k, v in sd.items():
             if isinstance(v, Tensor) and v.device.type != "cpu":
