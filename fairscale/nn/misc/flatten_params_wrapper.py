@@ -22,6 +22,7 @@ from fairscale.internal.state_dict import replace_by_prefix_ as replace_by_prefi
 
 from ._flatten.conversion import converted_apart
 from ._flatten.flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
+from ._flatten.foreign_values import refuse_foreign_values
 from ._flatten.forward_views import forward_views
 from ._flatten.grouping import check_flat_param_names, locate_groups, normalize_param_groups, user_param_name
 from ._flatten.module_attrs import ViewSnapshot, drop_attr, restore_views, snapshot_views, stash_views
@@ -287,13 +288,13 @@ class FlattenParamsWrapper(nn.Module):
         return views
 
     def _unflatten_params_as_views(self) -> None:
-        """Point every managed attribute of the wrapped module at a fresh view (plain tensor) of its flat param.
+        """Point every managed attribute at a fresh view (plain tensor) of its flat param; tied names share one.
 
-        Shared names get the same view object as their first owner. All views are listed, in flattening order,
-        in ``module._unflattened_param_views`` (read by ``checkpoint_wrapper``).
+        All views are listed, in flattening order, in ``module._unflattened_param_views`` (read by checkpoint_wrapper).
         """
         if not self.is_flattened:
             raise RuntimeError("views can only be made while the parameters are flattened")
+        refuse_foreign_values(self.flat_params, self._fpw_module.__dict__.get("_unflattened_param_views"))
         all_views: List[Tensor] = []
         for flat in self.flat_params:
             views = self._views_for_forward(flat)

@@ -48,6 +48,7 @@ class FreedParameter(Tensor):
     """Shape, dtype and device of a parameter whose full value is not in memory now; any operation on it raises."""
 
     _fsdp_name: str
+    _flat_view_stand_in = True  # FlattenParamsWrapper's foreign_values: what FSDP put in place of a view
 
     @staticmethod
     def __new__(cls, like: Tensor, name: str, device: Optional[Any] = None) -> "FreedParameter":
