@@ -508,7 +508,9 @@ class AdaScale(torch.optim.Optimizer):
         # built on AdaScale before the load would change a list that no step reads any more.
         self.param_groups = self._optimizer.param_groups
         state = cast(Dict[Any, Any], self._optimizer.state)
-        if STATE_KEY not in state:
+        if STATE_KEY in state:
+            state[STATE_KEY] = statistics.as_vectors(state[STATE_KEY])
+        else:
             warnings.warn(
                 "AdaScale.load_state_dict: the state dict holds no AdaScale statistics (state['adascale']); "
                 "they start afresh (gain 1 until the next step's backward passes are measured)."

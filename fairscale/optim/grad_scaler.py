@@ -259,7 +259,14 @@ class _ScalerBase(CudaAmpGradScaler):
         except AssertionError as error:
             if "No inf checks were recorded" not in str(error) or isinstance(error, FairscaleRuntimeError):
                 raise
+            self._forget_empty_unscale(optimizer)
             raise FairscaleRuntimeError(_no_inf_checks(type(self).__name__)) from error
+
+    def _forget_empty_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        # The refused step's unscale_ recorded nothing but left the optimizer UNSCALED: every later step skipped its
+        # unscale and raised this again, with gradients present (torch's scaler too; found by a fuzz, session 43).
+        if self._enabled and not self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]:
+            self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
 
     def _maybe_opt_step(
         self, optimizer: torch.optim.Optimizer, optimizer_state: Dict[str, Any], *args: Any, **kwargs: Any
@@ -267,6 +274,7 @@ class _ScalerBase(CudaAmpGradScaler):
         # torch checks this with an assert just before, which python -O removes: the optimizer then stepped with no
         # inf/nan check at all.
         if not optimizer_state["found_inf_per_device"]:
+            self._forget_empty_unscale(optimizer)
             raise FairscaleRuntimeError(_no_inf_checks(type(self).__name__))
         return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
 

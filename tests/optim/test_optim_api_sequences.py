@@ -34,6 +34,17 @@ def _no_gradient_body(rank: int, world_size: int) -> None:
         scaler.step(opt)
     assert float(scaler.get_scale()) == 8.0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    # The refused step left the optimizer "unscaled" with nothing recorded: every later step skipped its unscale and
+    # raised the same, with gradients present (found by a fuzz, session 43). The next iteration steps as torch does
+    # after a clean one: unscaled gradients, scale updated.
+    model.zero_grad()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    grads = [p.grad.detach().clone() / 8.0 for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    for p, b, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), b - 0.1 * g)
+    assert float(scaler.get_scale()) == 16.0  # growth_interval=1: one clean step doubles it
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

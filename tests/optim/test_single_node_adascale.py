@@ -373,6 +373,30 @@ def test_damaged_statistics_are_refused_before_anything_loads(damage: Any) -> No
     assert optim.param_groups[0]["lr"] == 0.1 and optim.state_dict()["param_groups"] == before["param_groups"]
 
 
+def test_statistics_converted_to_tensors_or_lists_load() -> None:
+    # A checkpoint converted for torch.load(weights_only=True) (tensors) or through JSON (lists) holds the same
+    # numbers: they loaded as they were, then gain() raised "unexpected keyword argument 'axis'" and the next
+    # window's end failed (found by a fuzz, session 43). Values that are not numbers are refused before the load.
+    torch.manual_seed(0)
+    model = Linear(2, 2)
+    optim = AdaScale(SGD(model.parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2)
+    for _ in range(2):
+        (model(torch.randn(3, 2)).sum() / 2).backward()
+    optim.step()
+    saved = optim.state_dict()
+    for convert in (torch.tensor, lambda a: a.tolist()):
+        converted = copy.deepcopy(saved)
+        converted["state"]["adascale"] = {k: convert(v) for k, v in converted["state"]["adascale"].items()}
+        other = AdaScale(SGD(Linear(2, 2).parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2)
+        other.load_state_dict(converted)
+        assert other.gain() == optim.gain()
+        assert all(type(v) is np.ndarray for v in other.state_dict()["state"]["adascale"].values())
+    bad = copy.deepcopy(saved)
+    bad["state"]["adascale"]["grad_var_avg"] = ["a"]
+    with pytest.raises(ValueError, match=r"state\['adascale'\]\['grad_var_avg'\] must be a vector of numbers"):
+        optim.load_state_dict(bad)
+
+
 @pytest.mark.parametrize("world_size", [0, -2, 1.5])
 def test_world_size_below_one_or_fractional_is_named(world_size: Any) -> None:
     with pytest.raises(ValueError, match=r"world_size must be a whole number >= 1"):

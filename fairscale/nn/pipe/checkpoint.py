@@ -226,11 +226,16 @@ class Checkpointing:
 
 
 def _first_grad_index(batch: Batch) -> int:
-    # The fork/join must sit on a tensor that autograd follows; non-float outputs are detached.
+    # The fork/join must sit on a tensor that autograd follows; non-float outputs are detached. With none requiring
+    # grad, the first floating one: a join on an integer tensor was dropped with it, and a skip's gradient was lost
+    # at the stash, silently (``(ids, x)`` with ``x`` the raw input; found by a fuzz, session 43).
+    first_float = None
     for i, t in enumerate(batch):
         if t.requires_grad:
             return i
-    return 0
+        if first_float is None and t.is_floating_point():
+            first_float = i
+    return 0 if first_float is None else first_float
 
 
 def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:

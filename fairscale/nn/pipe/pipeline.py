@@ -242,5 +242,7 @@ def _check_output(output: object, part_id: int) -> None:
         check(output)
     except TypeError as exc:
         raise TypeError(f"{exc} (output of partition {part_id}: partitions must return a tensor or a tuple of tensors)")
+    if isinstance(output, tuple) and not output:  # was a bare IndexError in the next partition's dependency
+        raise TypeError(f"output of partition {part_id} is an empty tuple: return a tensor or a tuple of tensors")
     if isinstance(output, tuple) and not all(isinstance(x, Tensor) for x in output):
         raise TypeError(f"expected Tensor, but got tuple (output of partition {part_id} contains a nested tuple)")

@@ -11,6 +11,7 @@ computes the same values.
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
+import torch
 from numpy.typing import NDArray
 
 from fairscale.internal.errors import FairscaleValueError
@@ -44,6 +45,30 @@ def check_loadable(data: Any) -> None:
                 f"AdaScale.load_state_dict: state['{STATE_KEY}']['{key}'] must hold one value per param group "
                 f"({n_groups}), got {value!r}: the dict is not one AdaScale.state_dict() wrote for these groups"
             )
+    as_vectors(stats)  # raises for values that are not numbers
+
+
+def as_vectors(stats: Dict[str, Any]) -> Dict[str, Any]:
+    """The statistics as float64 numpy vectors, whatever form a checkpoint converted them to.
+
+    Tensors (for ``torch.load(weights_only=True)``) and lists (a JSON round trip) hold the same numbers; they were
+    accepted as they were, and ``gain()`` or the next window's end failed on them ("sum() got an unexpected keyword
+    argument 'axis'"; found by a fuzz, session 43).
+
+    Raises:
+        ValueError: a value is not a vector of numbers.
+    """
+    out: Dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        try:
+            out[key] = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise FairscaleValueError(
+                f"AdaScale.load_state_dict: state['{STATE_KEY}']['{key}'] must be a vector of numbers, got {value!r}"
+            ) from None
+    return out
 
 
 def checked_smoothing(smoothing: Any, debias_ewma: bool) -> float:

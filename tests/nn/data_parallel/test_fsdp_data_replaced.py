@@ -9,6 +9,7 @@ Two gloo ranks, the same data on both: compared with a single-process model give
 """
 
 import functools
+from typing import List
 
 import pytest
 import torch
@@ -87,6 +88,37 @@ def _case_other_dtype_is_refused(flatten: bool) -> None:
     _step(model, optim, 1)
 
 
+def _halve(model: FSDP) -> List[torch.Tensor]:
+    vector_to_parameters(parameters_to_vector(model.parameters()) * 0.5, model.parameters())
+    return [p.data.clone() for p in model.parameters()]
+
+
+def _case_shard_readers_take_it(flatten: bool) -> None:
+    """Calls that read or write the shards directly (found by a review, session 43): local_state_dict() returned the
+    values from before the assignment, a failed load rolled back to them, and a local (or DCP) load was overwritten
+    by the pending tensor at the next forward."""
+    model = _wrapped(flatten, False)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, optim, 0)
+    pending = _halve(model)
+    local = model.local_state_dict()
+    assert len(local) == len(pending)
+    for got, want in zip(local.values(), pending):  # both in the flat parameters' order
+        torch.testing.assert_close(got, want)
+    bad = model.state_dict()
+    bad.pop(next(iter(bad)))
+    pending = _halve(model)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict(bad)
+    for p, want in zip(model.parameters(), pending):  # "unchanged" is the model with the assignment
+        assert torch.equal(p.data, want)
+    vector_to_parameters(torch.zeros_like(parameters_to_vector(model.parameters())), model.parameters())
+    model.load_local_state_dict(local)
+    model(_batch(1))  # the pending zeros were taken before the load, not over it at this forward
+    for got, want in zip(model.local_state_dict().values(), local.values()):
+        torch.testing.assert_close(got, want)
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
@@ -102,6 +134,8 @@ def _body(rank: int, world_size: int) -> None:
         + [
             ("another dtype refused", functools.partial(_case_other_dtype_is_refused, True)),
             ("another dtype refused, not flattened", functools.partial(_case_other_dtype_is_refused, False)),
+            ("shard readers take it", functools.partial(_case_shard_readers_take_it, True)),
+            ("shard readers take it, not flattened", functools.partial(_case_shard_readers_take_it, False)),
         ]
     )
 

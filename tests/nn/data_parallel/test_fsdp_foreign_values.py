@@ -90,6 +90,14 @@ def _case_plain_wrapper() -> None:
     with pytest.raises(ValueError, match=REFUSED):
         torch.func.functional_call(wrapper, weights, (_batch(0),))
     torch.testing.assert_close(wrapper(_batch(0)), _net()(_batch(0)))
+    # A tied weight's further name (found by a review, session 43): it holds its first name's view.
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    tied[2].weight = tied[0].weight
+    tied_wrapper = FlattenParamsWrapper(tied)
+    tied_wrapper(_batch(0))
+    with pytest.raises(ValueError, match=r"2\.weight \(Linear\.weight\) holds a tensor the wrapper did not put"):
+        torch.func.functional_call(tied_wrapper, {"2.weight": torch.zeros(4, 4)}, (_batch(0),))
+    tied_wrapper(_batch(0)).sum().backward()  # and the wrapper still trains
 
 
 def _body(rank: int, world_size: int) -> None:

@@ -4,9 +4,20 @@
 import torch
 
 from .handle import FlatHandle
-from .state import HandleState
+from .state import HandleState, TrainingState
+from .unit import FSDPUnit
 
-__all__ = ["check_data_is_the_shard", "check_no_user_post_accumulate_hooks"]
+__all__ = ["check_data_is_the_shard", "check_no_user_post_accumulate_hooks", "take_pending_data"]
+
+
+def take_pending_data(unit: FSDPUnit) -> None:
+    """:func:`check_data_is_the_shard` for every idle unit of ``unit``'s tree, before a call that reads or writes the
+    shards directly (local and DCP state dicts, loads and their snapshots): a pending ``p.data =`` was read stale
+    there, or copied over the loaded values at the next forward (found by a review, session 43)."""
+    for u in unit.tree_units():
+        if u.training_state == TrainingState.IDLE:  # in a summon p.data is the full parameter
+            for h in u.handles:
+                check_data_is_the_shard(h)
 
 
 def check_data_is_the_shard(handle: FlatHandle) -> None:

@@ -46,7 +46,7 @@ from . import (
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor, map_tensors
 from .naming import clean_path
-from .param_hooks import check_data_is_the_shard, check_no_user_post_accumulate_hooks
+from .param_hooks import check_no_user_post_accumulate_hooks, take_pending_data
 from .state import TrainingState
 from .tree import TreeState
 from .unit import FSDPUnit
@@ -167,6 +167,7 @@ def lazy_init_for_call(unit: FSDPUnit) -> Iterator[None]:
     """
     uninitialized = unit.is_root is None
     lazy_init(unit)
+    take_pending_data(unit)
     try:
         yield
     finally:
@@ -325,11 +326,8 @@ def moving(unit: FSDPUnit) -> Iterator[None]:
 
 def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     """The forward of one FSDP instance (see the module docstring for what happens around the user's forward)."""
-    if unit.training_state == TrainingState.IDLE:  # else refused below, by state (a summon's p.data is full)
-        # The root's whole tree (is_root None: a first forward): it prefetches nested units' gathers before they run.
-        for u in unit.tree_units() if unit.is_root is not False else (unit,):
-            for h in u.handles:
-                check_data_is_the_shard(h)
+    if unit.training_state == TrainingState.IDLE and unit.is_root is not False:  # None: a first forward
+        take_pending_data(unit)  # the whole tree: the root prefetches nested units' gathers before they run
     lazy_init(unit)
     if unit.is_root:
         # At the first forward, not in lazy_init: local_state_dict() and friends before any forward must stay

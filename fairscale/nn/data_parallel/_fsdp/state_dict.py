@@ -23,6 +23,7 @@ from fairscale.nn.misc._flatten.state_dict_hooks import fpw_pre_load_hook_disabl
 from . import failed_load, identity, loads, own_buffers, recovery
 from .handle import FlatHandle
 from .naming import clean_text
+from .param_hooks import take_pending_data
 from .runtime import lazy_init_for_call
 from .state import TrainingState
 from .summon import summon_full_params
@@ -166,7 +167,8 @@ def local_state_dict(unit: FSDPUnit, *args: Any, **kwargs: Any) -> Dict[str, Any
     if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
         raise RuntimeError("local_state_dict() cannot be called inside summon_full_params()")
     # FSDP's own state_dict, not the module's method: a subclass whose state_dict calls local_state_dict would
-    # otherwise recurse.
+    # otherwise recurse. A pending p.data = first: _shards_as_data hides it (its values were saved stale).
+    take_pending_data(unit)
     with _local_mode(unit), _shards_as_data(unit):
         sd: Dict[str, Any] = state_dict(unit, *args, **kwargs)
     identity.attach_to_weights(sd, unit.checkpoint_identity())

@@ -32,7 +32,10 @@ def refuse_foreign_values(flats: List[Any], last_views: Optional[List[Tensor]]) 
         return
     known = {id(v) for v in last_views}
     for flat in flats:
-        for path, m, n in flat._param_infos:
+        # A tied weight's further names hold their first name's view: checked too (a review, session 43).
+        slots = [(path, m, n) for path, m, n in flat._param_infos]
+        slots += [(path, m, n) for path, _, m, n, _, _ in flat._shared_param_infos]
+        for path, m, n in slots:
             value = m.__dict__.get(n)
             if value is None or id(value) in known or getattr(type(value), FLAT_VIEW_STAND_IN, False):
                 continue  # a name re-registered as a parameter is refused by set_plain_tensor, with its own message

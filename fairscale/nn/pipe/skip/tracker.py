@@ -76,6 +76,14 @@ class SkipTrackerThroughPotals(SkipTracker):
             portal.put_tensor(tensor, 1)
         phony = portal.blue()
         i = _first_grad_index(batch)
+        if tensor is not None and tensor.requires_grad and not batch[i].is_floating_point():
+            # The skip's gradient reaches the stash through this join; an integer tensor carries none, and the
+            # stashing layer got no gradient, silently (token ids as the whole activation; a fuzz, session 43).
+            raise TypeError(
+                f"skip {name!r} crosses partitions and needs a gradient, but the stashing layer's output has no "
+                "floating-point tensor to carry it back (only integer or boolean tensors). Return a floating-point "
+                "tensor beside them (e.g. (ids, hidden)), or keep the stash and its pop in one partition."
+            )
         batch[i] = join(batch[i], phony)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
