@@ -168,10 +168,11 @@ def _concat(info: _NodeInfo, grads: Tuple[Optional[Tensor], ...]) -> Optional[Te
 def _after_views(info: _NodeInfo, anchor: Tensor) -> None:
     anchor.grad = None
     unit = info.unit
-    # A microbatch whose forward ran outside no_sync() but whose backward runs inside it accumulates, as the flag-off
-    # path decides at backward time too (before, it issued its reduce-scatter, and the end of that no_sync backward
-    # failed on the unflushed reduction with an internal error).
-    reduction.on_view_grads_accumulated(unit, info.handle, info.sync and unit.require_backward_grad_sync)
+    # The backward's no_sync() context decides, as on the flag-off path: a forward outside with its backward inside
+    # accumulates (it issued its reduce-scatter, and the end of that backward failed on the unflushed reduction), a
+    # forward inside with its backward outside reduces the window (it took the forward's context and did not, and the
+    # reduced shards came out wrong, silently; found by a fuzz, session 43).
+    reduction.on_view_grads_accumulated(unit, info.handle, unit.require_backward_grad_sync)
 
 
 def _new_buffer(info: _NodeInfo, h: FlatHandle) -> List[Tensor]:
