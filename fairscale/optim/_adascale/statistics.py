@@ -60,11 +60,13 @@ def as_vectors(stats: Dict[str, Any]) -> Dict[str, Any]:
     """
     out: Dict[str, Any] = {}
     for key, value in stats.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
         try:
+            if isinstance(value, torch.Tensor):  # any dtype numpy lacks (bfloat16) too
+                value = value.detach().cpu().double().numpy()
             out[key] = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError):
+            if value is None or out[key].ndim != 1:
+                raise ValueError(key)
+        except (TypeError, ValueError, RuntimeError):
             raise FairscaleValueError(
                 f"AdaScale.load_state_dict: state['{STATE_KEY}']['{key}'] must be a vector of numbers, got {value!r}"
             ) from None
