@@ -33,6 +33,13 @@ from .unit import FSDPUnit
 __all__ = ["OrigParam", "HandleLayout", "BufferEntry", "ModelLayout", "model_layout", "dim0_rows"]
 
 
+def _fqn(path: str) -> str:
+    """A DCP key: the path without FSDP's wrapper components, nor ``torch.compile``'s ``_orig_mod`` (a compiled
+    block's), as torch's ``get_model_state_dict`` names it; the keys load into FSDP2 and the plain module whether or
+    not the blocks were compiled (they kept ``0._orig_mod.weight``; found by a fuzz of torch.compile, session 43)."""
+    return ".".join(c for c in clean_path(path).split(".") if c != "_orig_mod")
+
+
 def dim0_rows(dim0: int, world_size: int, rank: int) -> Tuple[int, int]:
     """Rows ``[start, end)`` of a tensor with ``dim0`` rows that rank ``rank`` of ``world_size`` holds under Shard(0).
 
@@ -269,7 +276,7 @@ def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
     handles: List[HandleLayout] = []
     aliases_of: Dict[str, List[str]] = {}
     for path, u in root.named_units():
-        where = clean_path(path)
+        where = _fqn(path)
         u_ranks = tuple(collectives.group_ranks(u.config.process_group))
         owned = [(i, h) for i, h in enumerate(u.handles) if not h.borrowed]
         if owned and u_ranks != ranks:
@@ -296,7 +303,7 @@ def model_layout(root: FSDPUnit, what: str) -> ModelLayout:
             if i < len(flat_params):
                 names, shapes, numels = flat_params[i].metadata()
                 entries: List[Tuple[str, torch.Size]] = [
-                    (join_path(where, clean_path(n)), torch.Size(s)) for n, s in zip(names, shapes)
+                    (join_path(where, _fqn(n)), torch.Size(s)) for n, s in zip(names, shapes)
                 ]
                 if sum(int(n) for n in numels) != h.numel:
                     raise RuntimeError(
@@ -339,7 +346,7 @@ def _buffers(root: FSDPUnit) -> List[BufferEntry]:
         for name, buf in mod._buffers.items():
             if buf is None or name in mod._non_persistent_buffers_set:
                 continue
-            key = clean_path(join_path(mod_path, name))
+            key = _fqn(join_path(mod_path, name))
             if key in seen:
                 continue
             seen.add(key)
@@ -351,7 +358,7 @@ def _ordered_keys(root: FSDPUnit, layout: ModelLayout) -> List[str]:
     """Every key, in ``state_dict()``'s order: modules in pre-order, each module's parameters, then its buffers."""
     module_index: Dict[str, int] = {}
     for mod_path, _ in root.owner.named_modules(remove_duplicate=False):
-        module_index.setdefault(clean_path(mod_path), len(module_index))
+        module_index.setdefault(_fqn(mod_path), len(module_index))
 
     def position(key: str, kind: int, seq: int) -> Tuple[int, int, int]:
         module = key.rsplit(".", 1)[0] if "." in key else ""

@@ -26,6 +26,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
+from fairscale.internal.compiler import call_outside_compiler
+
 __all__ = ["OwnBackward", "graph_nodes", "watch"]
 
 
@@ -84,6 +86,13 @@ def watch(nodes: List[Any], reducer: OwnBackward) -> None:
 
 
 def _own_backward_starts(reducer_ref: "weakref.ReferenceType[OwnBackward]", grad_outputs: Any) -> None:
+    # Eager even in a backward started inside a compiled function: the compiler traced this hook and rebuilt the
+    # partial below with the reducer in place of its weak reference ("'GradReducer' object is not callable" at the
+    # end of the backward; found by a fuzz of torch.compile, session 43).
+    call_outside_compiler(_mark_own_backward, reducer_ref)
+
+
+def _mark_own_backward(reducer_ref: "weakref.ReferenceType[OwnBackward]") -> None:
     # A node of the forward's output runs before any node of the forward itself (those were made earlier, and the
     # engine runs the ready node made last first), so before the hooks of every parameter it reaches.
     reducer = reducer_ref()
