@@ -137,3 +137,22 @@ def test_dcp_keys_of_compiled_blocks_drop_orig_mod() -> None:
     it), so the checkpoint did not load into the model uncompiled, FSDP2 or the plain module (found by a fuzz of
     torch.compile, session 43)."""
     run_distributed(_dcp_keys_of_compiled_blocks_body, 2, timeout=240.0)
+
+
+def _compiled_step_in_no_sync_body(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(optim.step, backend="eager")
+    before = [p.detach().clone() for p in model.parameters()]
+    with model.no_sync():
+        model(torch.randn(4, 6)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside a no_sync\(\) accumulation window"):
+        step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_compiled_step_inside_no_sync_gets_fsdps_message() -> None:
+    """The step guards were traced by the compiler, which failed on the full-size gradient ("attempting to assign a
+    gradient of size [74] to a tensor of size [37]") before the guard's message (found by a fuzz, session 43)."""
+    run_distributed(_compiled_step_in_no_sync_body, 2, timeout=240.0)

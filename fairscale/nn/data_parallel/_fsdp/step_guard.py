@@ -18,12 +18,14 @@ optimizer's parameters once (again when their count changes: ``add_param_group``
 flattened away. Per step it costs a lookup and a count of the parameter groups.
 """
 
+import functools
 import weakref
-from typing import Any, Optional, Set, Tuple
+from typing import Any, Callable, Optional, Set, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fairscale.internal.compiler import call_outside_compiler
 from fairscale.internal.errors import FairscaleRuntimeError
 
 from .handle import FlatHandle
@@ -36,13 +38,20 @@ _roots: "weakref.WeakSet[FSDPUnit]" = weakref.WeakSet()
 _recovery_registered = False
 
 
+def _eager(hook: Callable[..., Optional[Any]]) -> Callable[..., Optional[Any]]:
+    """``hook``, run as eager Python inside a compiled ``optimizer.step()``: traced, it read an FSDP parameter's
+    full-size gradient beside its shard and failed in the compiler ("attempting to assign a gradient of size [74] to
+    a tensor of size [37]") before its own message (found by a fuzz of torch.compile, session 43)."""
+    return functools.partial(call_outside_compiler, hook)
+
+
 def recover_before_steps(root: FSDPUnit) -> None:
     """From now on, an ``optimizer.step()`` first resets ``root``'s tree after a backward that raised (registered
     once, when a root is found). Before, the step saw the full parameters that backward had gathered (a shape
     error), and skipped the parameters whose reduced gradient FSDP had moved aside for it."""
     global _recovery_registered
     if not _recovery_registered:
-        register_optimizer_step_pre_hook(_recover_before_step)
+        register_optimizer_step_pre_hook(_eager(_recover_before_step))
         _recovery_registered = True
     _roots.add(root)
 
@@ -68,7 +77,7 @@ def watch(root: FSDPUnit) -> None:
     """Note that ``root``'s tree left gradients unreduced (a ``no_sync()`` backward)."""
     global _registered
     if not _registered:
-        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_pre_hook(_eager(_before_step))
         _registered = True
     _watched.add(root)
 
@@ -127,7 +136,7 @@ def guard_flattened_parameters() -> None:
     when an instance first flattens parameters)."""
     global _flattened_guard_registered
     if not _flattened_guard_registered:
-        register_optimizer_step_pre_hook(_before_step_flattened)
+        register_optimizer_step_pre_hook(_eager(_before_step_flattened))
         _flattened_guard_registered = True
 
 
