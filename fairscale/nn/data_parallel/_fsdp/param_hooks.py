@@ -1,6 +1,8 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """Changes of the user's to FSDP parameters between steps: hooks FSDP cannot honour, and data replaced."""
 
+from typing import List, Optional
+
 import torch
 
 from .handle import FlatHandle
@@ -10,11 +12,14 @@ from .unit import FSDPUnit
 __all__ = ["check_data_is_the_shard", "check_no_user_post_accumulate_hooks", "take_pending_data"]
 
 
-def take_pending_data(unit: FSDPUnit) -> None:
+def take_pending_data(unit: FSDPUnit, units: Optional[List[FSDPUnit]] = None) -> None:
     """:func:`check_data_is_the_shard` for every idle unit of ``unit``'s tree, before a call that reads or writes the
     shards directly (local and DCP state dicts, loads and their snapshots): a pending ``p.data =`` was read stale
-    there, or copied over the loaded values at the next forward (found by a review, session 43)."""
-    for u in unit.tree_units():
+    there, or copied over the loaded values at the next forward (found by a review, session 43).
+
+    ``units``: ``unit.tree_units()`` when the caller listed them already.
+    """
+    for u in unit.tree_units() if units is None else units:
         if u.training_state == TrainingState.IDLE:  # in a summon p.data is the full parameter
             for h in u.handles:
                 check_data_is_the_shard(h)

@@ -22,6 +22,7 @@ messages about being "inside forward or backward", and a step saw the gathered f
 """
 
 import warnings
+from typing import List, Optional
 
 import torch
 
@@ -30,12 +31,16 @@ from .state import TrainingState
 from .unit import FSDPUnit
 
 
-def recover_from_aborted_backward(root: FSDPUnit) -> None:
-    """Reset ``root``'s tree after a backward that raised (a no-op when the last backward finished)."""
+def recover_from_aborted_backward(root: FSDPUnit, units: Optional[List[FSDPUnit]] = None) -> None:
+    """Reset ``root``'s tree after a backward that raised (a no-op when the last backward finished).
+
+    ``units``: ``root.tree_units()`` when the caller listed them already (the root's forward).
+    """
     tree = root.tree
     if tree is None:
         return
-    units = root.tree_units()
+    if units is None:
+        units = root.tree_units()
     if not (tree.final_callback_queued or any(u.pre_backward_ran for u in units)):
         return
     warnings.warn(

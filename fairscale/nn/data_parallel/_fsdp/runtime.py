@@ -326,8 +326,10 @@ def moving(unit: FSDPUnit) -> Iterator[None]:
 
 def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
     """The forward of one FSDP instance (see the module docstring for what happens around the user's forward)."""
+    units = None  # the tree's units, listed once for the root's checks below (a walk of every module: profiled)
     if unit.training_state == TrainingState.IDLE and unit.is_root is not False:  # None: a first forward
-        take_pending_data(unit)  # the whole tree: the root prefetches nested units' gathers before they run
+        units = unit.tree_units()
+        take_pending_data(unit, units)  # the whole tree: the root prefetches nested units' gathers before they run
     lazy_init(unit)
     if unit.is_root:
         # At the first forward, not in lazy_init: local_state_dict() and friends before any forward must stay
@@ -335,7 +337,7 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
         check_zero2_groups_once(unit)
         ddp_guard.refuse_enclosing_ddp(unit)
         if torch._C._current_graph_task_id() == -1:
-            recovery.recover_from_aborted_backward(unit)
+            recovery.recover_from_aborted_backward(unit, units)
     tree = unit.tree
     assert tree is not None
     root_pass = bool(unit.is_root) and not is_recomputing()
