@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from .checkpoint import Checkpointing, TrainingFlags, training_flags_of
+from .checkpoint import Checkpointing, TrainingFlags, _first_grad_index, holds_grad_tensor, training_flags_of
 from .copy import Copy, Wait
 from .dependency import fork, join
 from .microbatch import Batch, TensorOrTensors, check
@@ -30,9 +30,20 @@ Schedule = List[Tuple[int, int]]
 
 
 def depend(fork_from: Batch, join_to: Batch) -> None:
-    """Make the backward of ``fork_from`` wait for the backward of ``join_to`` (both updated in place)."""
-    fork_from[0], phony = fork(fork_from[0])
-    join_to[0] = join(join_to[0], phony)
+    """Make the backward of ``fork_from`` wait for the backward of ``join_to`` (both updated in place).
+
+    Nothing to order when no tensor of ``join_to`` requires grad: its backward never reaches this partition. Joining
+    the grad-requiring phony there anyway made the partition's input require grad where ``nn.Sequential``'s does not,
+    so autograd recorded what the plain model does not (an in-place op after a frozen stretch then failed in backward;
+    found by a fuzz of Pipe, session 43). The fork and join sit on the first tensor autograd follows (upstream used
+    the first tensor, which may be an integer one).
+    """
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in join_to):
+        return
+    i = _first_grad_index(fork_from)
+    fork_from[i], phony = fork(fork_from[i])
+    j = _first_grad_index(join_to)
+    join_to[j] = join(join_to[j], phony)
 
 
 def _detach_non_float(batch: Batch) -> None:
@@ -86,6 +97,7 @@ class Pipeline:
         # During run(): each partition's modules' training flags, which checkpointed recomputations replay.
         self._training_flags: Optional[List[TrainingFlags]] = None
         self._trains: Optional[bool] = None
+        self._holds_grad: Optional[List[bool]] = None
         self.in_queues: List[InQueueT]
         self.out_queues: List[OutQueueT]
         self.in_queues, self.out_queues = create_workers(devices)
@@ -135,13 +147,15 @@ class Pipeline:
         # (a walk per micro-batch cost about 0.5 ms per 1000 modules, on the workers, holding the GIL).
         checkpointing = self.checkpoint_stop > 0 and self.partitions[0].training
         self._training_flags = [training_flags_of(p) for p in self.partitions] if checkpointing else None
-        # Whether a parameter requires grad (looked at once per forward): when none does, a micro-batch whose input
-        # requires none either is not checkpointed. Checkpointed, the output of a frozen model required grad (the
-        # checkpoint's phony), and a backward through it recomputed every partition for nothing. Decided for the
-        # whole micro-batch (a skip's portal hands its tensor out once more when both ends are checkpointed).
-        self._trains = (
-            any(p.requires_grad for part in self.partitions for p in part.parameters()) if checkpointing else None
-        )
+        # Whether each partition computes with a tensor that requires grad (looked at once per forward). When none
+        # does, a micro-batch whose input requires none either is not checkpointed: checkpointed, the output of a
+        # frozen model required grad (the checkpoint's phony), and a backward through it recomputed every partition
+        # for nothing. Decided for the whole micro-batch (a skip's portal hands its tensor out once more when both
+        # ends are checkpointed). A learnable tensor attribute that is not a Parameter counts: only parameters did,
+        # and a skip across such a layer lost its portal's tensor ("tensor in portal has been removed"; a fuzz,
+        # session 43).
+        self._holds_grad = [holds_grad_tensor(part) for part in self.partitions] if checkpointing else None
+        self._trains = any(self._holds_grad) if self._holds_grad is not None else None
         try:
             for schedule in clock_cycles(m, n):
                 self.fence(batches, schedule, skip_trackers)
@@ -149,6 +163,7 @@ class Pipeline:
         finally:
             self._training_flags = None
             self._trains = None
+            self._holds_grad = None
 
     def fence(self, batches: List[Batch], schedule: Schedule, skip_trackers: List[SkipTrackerThroughPotals]) -> None:
         """Copy what the tasks of ``schedule`` need onto their devices; order the backward of micro-batches."""
@@ -183,7 +198,8 @@ class Pipeline:
             # Within a micro-batch every partition decides alike: an input that requires grad makes every later
             # partition's input require grad too.
             checkpoint = i < checkpoint_stop and (self._trains is not False or any(x.requires_grad for x in batch))
-            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, checkpoint, flags)
+            holds_grad = self._holds_grad[j] if self._holds_grad is not None else None
+            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, checkpoint, flags, holds_grad)
             self.in_queues[j].put(task)
 
         exc_info: Optional[ExcInfo] = None
@@ -219,6 +235,7 @@ def _make_task(
     part_id: int,
     checkpoint: bool,
     training_flags: Optional[TrainingFlags] = None,
+    holds_grad: Optional[bool] = None,
 ) -> Task:
     def function(input: TensorOrTensors) -> TensorOrTensors:
         with use_skip_tracker(skip_tracker), record_function(f"chunk{chunk_id}-part{part_id}"):
@@ -228,7 +245,7 @@ def _make_task(
         return output
 
     if checkpoint:
-        chk = Checkpointing(function, batch, partition, training_flags)
+        chk = Checkpointing(function, batch, partition, training_flags, holds_grad)
         return Task(stream, compute=chk.checkpoint, finalize=chk.recompute)
 
     def compute() -> Batch:
