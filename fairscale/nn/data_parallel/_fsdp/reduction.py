@@ -85,7 +85,14 @@ def _on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
     if param.grad is None or unit.tree is None:
         return
     if param.grad.requires_grad:
-        raise RuntimeError("FSDP only works with gradients that do not require grad (no double backward)")
+        # Upstream asserted the same; the message says what to do instead (a fuzz of forward patterns, session 44).
+        raise RuntimeError(
+            f"FullyShardedDataParallel: the gradient of {h.name!r} requires grad (a backward with "
+            "create_graph=True); FSDP reduces gradients across ranks and cannot keep their graph, so a double "
+            "backward through .grad is not supported. For a gradient penalty, take torch.autograd.grad(..., "
+            "create_graph=True) of what the penalty needs, add the penalty to the loss, and call loss.backward() "
+            "without create_graph."
+        )
     if not unit.pre_backward_ran and ties.grad_is_a_borrowers_part(unit, param):
         return  # the borrower's part of a shared parameter's gradient: it waits in p.grad for the owner's part
     sync = unit.require_backward_grad_sync

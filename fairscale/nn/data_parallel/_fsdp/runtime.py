@@ -36,6 +36,7 @@ from . import (
     identity,
     layout_check,
     nested_backward,
+    output_hooks,
     prefetch,
     recovery,
     reduction,
@@ -408,7 +409,9 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
         unit.reshard(after_forward=not grad_off)
     unit.use_fp32_shards()
     if torch.is_grad_enabled():
-        outputs = _register_pre_backward_hooks(unit, outputs, accs, counted)
+        outputs = output_hooks.register_pre_backward_hooks(unit, outputs, accs, counted, pre_backward)
+    elif grad_off:
+        output_hooks.refuse_backward_of_evaluation_outputs(outputs)
     return outputs
 
 
@@ -459,36 +462,6 @@ def _forward_grad_accumulators(unit: FSDPUnit) -> List[Any]:
             if acc is not None:
                 accs.append(acc)
     return accs
-
-
-def _register_pre_backward_hooks(unit: FSDPUnit, outputs: Any, accs: List[Any], counted: bool) -> Any:
-    tree = unit.tree
-    assert tree is not None
-    token = tree.new_pending_backward()
-    registered = [False]
-
-    def hook(_grad: Tensor) -> None:
-        token.done = True
-        pre_backward(unit)
-
-    def register(t: Tensor) -> None:
-        if t.requires_grad:
-            tensor_hooks.register_grad_hook(t, hook)
-            registered[0] = True
-
-    for_each_tensor(outputs, register)
-    if not registered[0]:
-        token.done = True
-        return outputs
-    if counted:
-        if unit.grad_forward_tokens is None:
-            unit.grad_forward_tokens = weakref.WeakSet()
-        unit.grad_forward_tokens.add(token)  # dropped with this forward's graph
-    if accs:
-        if unit.forward_grad_accs is None:
-            unit.forward_grad_accs = weakref.WeakKeyDictionary()
-        unit.forward_grad_accs[token] = accs  # dropped with the token, i.e. with this forward's graph
-    return outputs
 
 
 # ---------------------------------------------------------------------------------------------------- backward

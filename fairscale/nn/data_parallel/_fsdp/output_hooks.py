@@ -1,0 +1,122 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The tensor hooks FSDP puts on a forward's outputs: where a unit learns that its backward starts.
+
+A training forward frees (or swaps out) the full parameters its graph saved; the first output whose gradient is
+computed gathers them again (the pre-backward). What gets a hook, and why:
+
+* Tensors that require grad and were made by an op (``grad_fn``), in the containers :func:`.io.for_each_tensor` walks.
+  A leaf is left alone: its gradient comes from the ops that used it, none of them the unit's, so it needs no gather.
+  A leaf returned as it came in (a soft prompt kept outside the model) took one more hook per forward, never removed:
+  every later backward through it ran all of them, and a backward of it alone gathered parameters (on one rank
+  only: the ranks fell out of step; found by a fuzz of forward patterns, session 44).
+* When none is found there, tensors held by a plain object among the outputs (its attributes, a few levels deep):
+  an output class FSDP does not know (not a container or dataclass) left the unit without a hook, and its backward
+  read the freed parameters ("setStorage ... storage of size 0", naming neither FSDP nor the cause).
+
+A forward FSDP ran as evaluation (called under ``torch.no_grad()``) whose module turned grad back on inside
+(``torch.enable_grad()``) returns outputs with a graph through freed (or detached) parameters: they get a hook that
+raises a clear error if a backward reaches them (it failed with "setStorage" or gave no parameter gradients).
+"""
+
+import weakref
+from typing import Any, Callable, List, Set
+
+from torch import Tensor, nn
+
+from fairscale.internal import tensor_hooks
+
+from .io import for_each_tensor
+from .unit import FSDPUnit
+
+__all__ = ["refuse_backward_of_evaluation_outputs", "register_pre_backward_hooks"]
+
+_OBJECT_DEPTH = 4  # how far into plain objects' attributes the fallback looks (an output wrapping an output)
+
+
+def register_pre_backward_hooks(
+    unit: FSDPUnit, outputs: Any, accs: List[Any], counted: bool, pre_backward: Callable[[FSDPUnit], None]
+) -> Any:
+    """Hook ``outputs`` of a training forward of ``unit`` (see the module docstring); returns them unchanged.
+
+    Args:
+        accs: the accumulator nodes this forward's graph leads to (see ``runtime._forward_grad_accumulators``).
+        counted: whether this forward counts among the unit's uses in the coming backward.
+        pre_backward: called with ``unit`` by the first hook that fires.
+    """
+    tree = unit.tree
+    assert tree is not None
+    token = tree.new_pending_backward()
+    registered = [False]
+
+    def hook(_grad: Tensor) -> None:
+        token.done = True
+        pre_backward(unit)
+
+    def register(t: Tensor) -> None:
+        if t.requires_grad and t.grad_fn is not None:
+            tensor_hooks.register_grad_hook(t, hook)
+            registered[0] = True
+
+    for_each_tensor(outputs, register)
+    if not registered[0]:
+        _for_each_object_tensor(outputs, register, _OBJECT_DEPTH, set(), False)
+    if not registered[0]:
+        token.done = True
+        return outputs
+    if counted:
+        if unit.grad_forward_tokens is None:
+            unit.grad_forward_tokens = weakref.WeakSet()
+        unit.grad_forward_tokens.add(token)  # dropped with this forward's graph
+    if accs:
+        if unit.forward_grad_accs is None:
+            unit.forward_grad_accs = weakref.WeakKeyDictionary()
+        unit.forward_grad_accs[token] = accs  # dropped with the token, i.e. with this forward's graph
+    return outputs
+
+
+def refuse_backward_of_evaluation_outputs(outputs: Any) -> None:
+    """After a forward run as evaluation: hook every output that has a graph anyway with a clear error."""
+
+    def refuse(_grad: Tensor) -> None:
+        raise RuntimeError(
+            "FullyShardedDataParallel: a backward reached an output of a forward called under "
+            "torch.no_grad() (or inference mode) whose module turned grad back on inside (torch.enable_grad()). "
+            "FSDP ran that forward as evaluation: no gradient reduction, and its full parameters are freed or "
+            "detached. Call the forward with grad enabled to train through it."
+        )
+
+    def register(t: Tensor) -> None:
+        if t.requires_grad and t.grad_fn is not None:
+            tensor_hooks.register_grad_hook(t, refuse)
+
+    for_each_tensor(outputs, register)
+    _for_each_object_tensor(outputs, register, _OBJECT_DEPTH, set(), False)
+
+
+def _for_each_object_tensor(obj: Any, fn: Callable[[Tensor], None], depth: int, seen: Set[int], inside: bool) -> None:
+    """``fn`` on the tensors held by plain objects in ``obj`` (through their attributes, ``__dict__``), at most
+    ``depth`` levels down.
+
+    Containers are walked to the objects they hold; tensors outside any object (:func:`.io.for_each_tensor`'s) are
+    not passed again. Modules (a layer handed back holds parameters, not this forward's results), classes and objects
+    already seen (an object graph may have cycles) are skipped.
+    """
+    if isinstance(obj, Tensor):
+        if inside:
+            fn(obj)
+        return
+    if depth <= 0 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, bool, nn.Module)):
+        return
+    seen.add(id(obj))
+    values: Any
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        values = list(obj)
+    elif hasattr(obj, "__dict__"):
+        values = list(vars(obj).values())
+        inside = True
+    else:
+        return
+    for value in values:
+        _for_each_object_tensor(value, fn, depth - 1, seen, inside)

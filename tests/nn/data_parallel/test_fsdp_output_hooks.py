@@ -1,0 +1,156 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""What FSDP hooks on a forward's outputs (found by a fuzz of forward patterns, session 44).
+
+* A leaf returned as it came in (a soft prompt kept outside the model) took one more FSDP hook per forward, never
+  removed: a later backward of it alone gathered parameters (on one rank only, the ranks fell out of step).
+* An output class FSDP does not know (a plain object holding the tensor) left the unit without a hook: its backward
+  read the freed parameters ("setStorage ... storage of size 0").
+* A forward under ``torch.no_grad()`` whose module turns grad back on inside: a backward through it now raises a clear
+  error (it failed with "setStorage" or gave no parameter gradients).
+* ``loss.backward(create_graph=True)``: the refusal says what to do instead.
+Two gloo ranks, the same data on both: compared with a single-process model.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.internal.collective_counter import count_collectives
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+WORLD = 2
+TIMEOUT = 120.0
+
+
+class PassThrough(nn.Module):
+    """Returns its input beside its result (for the caller's convenience)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        return self.fc(x), x
+
+
+def _case_leaf_output_gets_no_hook(flatten: bool) -> None:
+    torch.manual_seed(0)
+    holder = nn.Sequential(PassThrough())
+    holder[0] = FSDP(holder[0], flatten_parameters=flatten)
+    model = FSDP(holder, flatten_parameters=flatten)
+    prompt = nn.Parameter(torch.randn(2, 4))
+    for _ in range(3):
+        y, p = model(prompt)
+        (y.sum() + p.sum()).backward()
+    assert not prompt._backward_hooks  # FSDP left nothing on the user's leaf
+    with count_collectives() as counter:
+        (prompt**2).sum().backward()  # on every rank, so that the old behaviour fails here rather than hangs
+    assert counter.records == [], [r.kind for r in counter.records]
+
+
+class Out:
+    """A plain output class (not a container or dataclass)."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.parts = {"y": [y]}
+
+
+class ObjectBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Out:
+        return Out(self.fc(x))
+
+
+class ObjectNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blk, self.out = nn.Linear(4, 4), ObjectBlock(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blk(self.inp(x)).parts["y"][0])
+
+
+def _case_object_output_trains(flatten: bool) -> None:
+    torch.manual_seed(0)
+    reference = ObjectNet()
+    torch.manual_seed(0)
+    net = ObjectNet()
+    net.blk = FSDP(net.blk, flatten_parameters=flatten, reshard_after_forward=True)
+    model = FSDP(net, flatten_parameters=flatten)
+    x = torch.randn(6, 4)
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+    # Compare through a step: same SGD on both, then the full parameters.
+    for m in (model, reference):
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    with model.summon_full_params():
+        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(full[name], param.detach(), msg=lambda m: f"{name}: {m}")
+
+
+class GradInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.fc = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():  # a model that always builds its graph
+            return self.fc(self.inp(x))
+
+
+def _case_backward_of_an_evaluation_forward_is_refused(flatten: bool, nested: bool) -> None:
+    torch.manual_seed(0)
+    net = GradInside()
+    if nested:
+        net.fc = FSDP(net.fc, flatten_parameters=flatten)
+    model = FSDP(net, flatten_parameters=flatten)
+    with torch.no_grad():
+        y = model(torch.ones(2, 4))
+    if y.requires_grad:  # else torch refuses the backward itself (no graph through detached views)
+        with pytest.raises(RuntimeError, match=r"forward called under torch.no_grad\(\).*Call the forward with grad"):
+            y.sum().backward()
+    model(torch.ones(2, 4)).sum().backward()  # the model trains on
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _case_create_graph_backward_message(flatten: bool) -> None:
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), flatten_parameters=flatten)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*torch.autograd.grad\(\.\.\., create_graph=True\)"):
+        model(torch.randn(3, 4)).sum().backward(create_graph=True)
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(3, 4)).sum().backward()
+
+
+def _body(rank: int, world_size: int) -> None:
+    cases = []
+    for flatten in (True, False):
+        tag = "" if flatten else ", not flattened"
+        cases += [
+            (f"leaf output gets no hook{tag}", functools.partial(_case_leaf_output_gets_no_hook, flatten)),
+            (f"object output trains{tag}", functools.partial(_case_object_output_trains, flatten)),
+            (f"create_graph message{tag}", functools.partial(_case_create_graph_backward_message, flatten)),
+        ]
+        for nested in (False, True):
+            cases.append(
+                (
+                    f"evaluation forward refused{tag}{', nested' if nested else ''}",
+                    functools.partial(_case_backward_of_an_evaluation_forward_is_refused, flatten, nested),
+                )
+            )
+    run_cases(cases)
+
+
+def test_output_hooks() -> None:
+    run_distributed(_body, WORLD, timeout=TIMEOUT)
