@@ -104,8 +104,9 @@ def _case_clip_after_no_sync_backward(obc: bool) -> None:
         model(_input()).pow(2).sum().backward()
         with pytest.raises(RuntimeError, match="inside no_sync"):
             model.clip_grad_norm_(1.0)
-    with pytest.raises(RuntimeError, match="not reduced yet"):
-        model.clip_grad_norm_(1.0)  # outside the context too, until the synchronizing backward
+    # Outside the context too, until the synchronizing backward; each instance's parameters named by its path.
+    with pytest.raises(RuntimeError, match=r"not reduced yet \(unreduced on \['flat_param_0', 'a.flat_param_0'\]\)"):
+        model.clip_grad_norm_(1.0)
     model(_input()).pow(2).sum().backward()
     # After the window: the norm of the averaged gradient of both microbatches, as torch computes it unsharded.
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ from torch import Tensor
 from fairscale.internal.errors import FairscaleRuntimeError
 from fairscale.internal.grad_norm import total_norm_across_ranks
 
+from .naming import clean_path
 from .state import TrainingState
 from .unit import FSDPUnit
 
@@ -23,6 +24,14 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
     _check_arguments(max_norm, norm_type)
     unreduced = [h.name for u in root.tree_units() for h in u.handles if h.holds_unreduced_grad()]
     if unreduced:
+        # Qualified by the instance's path (every instance names its first flat parameter flat_param_0): the
+        # cheap walk above finds them, this one runs only for the message (a fuzz, session 44).
+        unreduced = [
+            ".".join(filter(None, (clean_path(path), h.name)))
+            for path, u in root.named_units()
+            for h in u.handles
+            if h.holds_unreduced_grad()
+        ]
         # Each rank holds its own full-size gradients there: their combined norm is neither the norm of the
         # averaged gradient nor the same clip on every rank.
         raise FairscaleRuntimeError(
