@@ -175,9 +175,6 @@ class Checkpointing:
             pass between a training forward and its backward) recomputed dropout and batch norm in eval mode, and
             the gradients were not those of the forward. ``None``: the recomputation runs in the current modes.
         training_flags (Optional[TrainingFlags]): the modes to replay, recorded once for the whole forward.
-        holds_grad (Optional[bool]): :func:`holds_grad_tensor` of the partition, looked at once per forward.
-            ``False``: the output requires grad only if an input does, as ``nn.Sequential``'s. ``None`` (unknown):
-            always (upstream's behaviour).
     """
 
     def __init__(
@@ -186,10 +183,8 @@ class Checkpointing:
         batch: Batch,
         module: Optional[nn.Module] = None,
         training_flags: Optional[TrainingFlags] = None,
-        holds_grad: Optional[bool] = None,
     ) -> None:
         self.function = function
-        self._holds_grad = holds_grad
         self.batch = batch
         self.module = module
         # Given: recorded once for the whole forward (all its micro-batches run the same modes), not per micro-batch.
@@ -210,12 +205,10 @@ class Checkpointing:
         self.autocast_states = autocast_states_of(self.batch)
         input_atomic = self.batch.atomic
         input = tuple(self.batch)
-        # A grad-requiring phony makes the outputs require grad when no input does but the partition computes with a
-        # tensor that does (it runs under no_grad here), so the backward (and the recomputation) happens. Not when it
-        # holds none: a frozen partition's output then required grad where nn.Sequential's does not (see
-        # pipeline.depend).
-        needs_grad = self._holds_grad is not False or not torch.is_grad_enabled() or any(x.requires_grad for x in input)
-        phony = get_phony(self.batch[0].device, requires_grad=needs_grad)
+        # The grad-requiring phony makes the outputs require grad even when no input does, so the backward
+        # (and the recomputation of parameters' gradients) always happens. Pipe checkpoints only partitions that
+        # hold a tensor requiring grad or get an input that does (see pipeline.Pipeline.run).
+        phony = get_phony(self.batch[0].device, requires_grad=True)
         output = Checkpoint.apply(phony, self.recomputed, self.rng_states, self.function, input_atomic, *input)
         if isinstance(output, tuple):
             output = tuple(x if x.is_floating_point() else x.detach() for x in output)
@@ -400,7 +393,8 @@ def holds_grad_tensor(module: nn.Module) -> bool:
     """Whether a parameter, buffer or tensor attribute of ``module`` or of a module below it requires grad.
 
     A tensor attribute counts too: a learnable tensor that is not a ``Parameter`` (owned by another module, say).
-    A tensor reached otherwise (a closure, a global) is not seen: see ``docs/pipe.rst``.
+    One reached otherwise (a list attribute, a closure) is not seen: Pipe then runs the partition without
+    checkpointing when its input requires no grad, and autograd finds it.
     """
     for m in module.modules():
         if any(t is not None and t.requires_grad for t in (*m._parameters.values(), *m._buffers.values())):

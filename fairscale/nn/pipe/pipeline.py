@@ -96,7 +96,6 @@ class Pipeline:
         self.checkpoint_stop = checkpoint_stop
         # During run(): each partition's modules' training flags, which checkpointed recomputations replay.
         self._training_flags: Optional[List[TrainingFlags]] = None
-        self._trains: Optional[bool] = None
         self._holds_grad: Optional[List[bool]] = None
         self.in_queues: List[InQueueT]
         self.out_queues: List[OutQueueT]
@@ -147,22 +146,23 @@ class Pipeline:
         # (a walk per micro-batch cost about 0.5 ms per 1000 modules, on the workers, holding the GIL).
         checkpointing = self.checkpoint_stop > 0 and self.partitions[0].training
         self._training_flags = [training_flags_of(p) for p in self.partitions] if checkpointing else None
-        # Whether each partition computes with a tensor that requires grad (looked at once per forward). When none
-        # does, a micro-batch whose input requires none either is not checkpointed: checkpointed, the output of a
-        # frozen model required grad (the checkpoint's phony), and a backward through it recomputed every partition
-        # for nothing. Decided for the whole micro-batch (a skip's portal hands its tensor out once more when both
-        # ends are checkpointed). A learnable tensor attribute that is not a Parameter counts: only parameters did,
-        # and a skip across such a layer lost its portal's tensor ("tensor in portal has been removed"; a fuzz,
-        # session 43).
+        # Whether each partition computes with a tensor that requires grad (looked at once per forward): a partition
+        # that holds none, given an input that requires none, is not checkpointed. Autograd records nothing there,
+        # so checkpointing saves nothing, and its output required grad (the checkpoint's phony) where the plain
+        # model's does not: a backward recomputed such partitions for nothing, and an in-place op after a saved
+        # activation further on failed ("modified by an inplace operation"; a frozen stretch, found by a fuzz of
+        # Pipe, session 43). Run plainly, autograd decides, also for a learnable tensor the walk cannot see.
         self._holds_grad = [holds_grad_tensor(part) for part in self.partitions] if checkpointing else None
-        self._trains = any(self._holds_grad) if self._holds_grad is not None else None
+        for i, tracker in enumerate(skip_trackers):
+            # A skip's portal hands its tensor out once more when the pop's partition is checkpointed, which is
+            # decided only when the micro-batch gets there.
+            tracker.may_recompute = checkpointing and i < self.checkpoint_stop
         try:
             for schedule in clock_cycles(m, n):
                 self.fence(batches, schedule, skip_trackers)
                 self.compute(batches, schedule, skip_trackers)
         finally:
             self._training_flags = None
-            self._trains = None
             self._holds_grad = None
 
     def fence(self, batches: List[Batch], schedule: Schedule, skip_trackers: List[SkipTrackerThroughPotals]) -> None:
@@ -195,11 +195,11 @@ class Pipeline:
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
             flags = self._training_flags[j] if self._training_flags is not None else None
-            # Within a micro-batch every partition decides alike: an input that requires grad makes every later
-            # partition's input require grad too.
-            checkpoint = i < checkpoint_stop and (self._trains is not False or any(x.requires_grad for x in batch))
-            holds_grad = self._holds_grad[j] if self._holds_grad is not None else None
-            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, checkpoint, flags, holds_grad)
+            holds_grad = self._holds_grad
+            checkpoint = i < checkpoint_stop and (
+                holds_grad is None or holds_grad[j] or any(x.requires_grad for x in batch)
+            )
+            task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, checkpoint, flags)
             self.in_queues[j].put(task)
 
         exc_info: Optional[ExcInfo] = None
@@ -235,7 +235,6 @@ def _make_task(
     part_id: int,
     checkpoint: bool,
     training_flags: Optional[TrainingFlags] = None,
-    holds_grad: Optional[bool] = None,
 ) -> Task:
     def function(input: TensorOrTensors) -> TensorOrTensors:
         with use_skip_tracker(skip_tracker), record_function(f"chunk{chunk_id}-part{part_id}"):
@@ -245,7 +244,7 @@ def _make_task(
         return output
 
     if checkpoint:
-        chk = Checkpointing(function, batch, partition, training_flags, holds_grad)
+        chk = Checkpointing(function, batch, partition, training_flags)
         return Task(stream, compute=chk.checkpoint, finalize=chk.recompute)
 
     def compute() -> Batch:

@@ -155,3 +155,30 @@ def test_skip_across_a_learnable_tensor_attribute_with_all_parameters_frozen(che
     model = nn.Sequential(StashTriple(), ScaleBy(w), PopPlus())
     Pipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)(x).sum().backward()
     torch.testing.assert_close(w.grad, want)
+
+
+class ScaleByListed(nn.Module):
+    """The learnable tensor inside a list attribute: no walk of the module sees it."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.held = [w]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.held[0]
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_learnable_tensor_the_walk_cannot_see_still_gets_its_gradient(checkpoint):
+    # A partition that looks frozen and gets an input that needs no grad runs without checkpointing, so autograd
+    # finds the tensor (a review of the first version, which gave it no or wrong gradients; a fuzz, session 44).
+    x = torch.randn(4, 4)
+    torch.manual_seed(0)
+    frozen, head = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 1)
+    w = torch.randn(4, requires_grad=True)
+    nn.Sequential(frozen, ScaleByListed(w), head)(x).sum().backward()
+    want = w.grad.clone()
+    w.grad = None
+    model = nn.Sequential(copy.deepcopy(frozen), ScaleByListed(w), copy.deepcopy(head))
+    Pipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)(x).sum().backward()
+    torch.testing.assert_close(w.grad, want)

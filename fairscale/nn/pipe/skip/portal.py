@@ -124,13 +124,18 @@ class PortalOrange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, portal: Portal, phony: Tensor) -> Tensor:
         ctx.portal = portal
+        # A popped tensor whose use reaches nothing gets no gradient (None), not zeros: materialised, the zeros went
+        # back through the stash and gave the layers before it a zero .grad where the plain module leaves None
+        # (momentum and weight decay then moved them; a fuzz of Pipe, session 44).
+        ctx.set_materialize_grads(False)
         tensor = portal.use_tensor()
         assert tensor is not None
         return tensor.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:
-        ctx.portal.put_grad(grad)
+    def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[None, None]:
+        if grad is not None:
+            ctx.portal.put_grad(grad)
         return None, None
 
 

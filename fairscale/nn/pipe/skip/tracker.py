@@ -54,6 +54,10 @@ class SkipTrackerThroughPotals(SkipTracker):
         self.skip_layout = skip_layout
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
         self.__index = index
+        # Set by Pipe when this micro-batch may be checkpointed: each partition decides on its own (a frozen one
+        # with an input that needs no grad runs plainly), so a pop's partition may recompute where the stash's did
+        # not; an extra hand-out that is not taken only keeps the tensor until the graph is freed.
+        self.may_recompute = False
 
     @property
     def index(self) -> int:
@@ -67,7 +71,7 @@ class SkipTrackerThroughPotals(SkipTracker):
         if portal is None:
             # Life: one hand-out at the stash (blue), one at the pop (orange), one more for the pop's
             # recomputation when the pop side is checkpointed.
-            tensor_life = 3 if is_checkpointing() else 2
+            tensor_life = 3 if is_checkpointing() or self.may_recompute else 2
             portal = Portal(tensor, tensor_life, self.index)
             portal.ns_name = (ns, name)
             self.portals[(ns, name)] = portal
