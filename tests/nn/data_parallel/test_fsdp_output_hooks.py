@@ -58,29 +58,43 @@ class Out:
         self.parts = {"y": [y]}
 
 
+class SlotsOut:
+    """A ``__slots__`` output class (no ``__dict__``)."""
+
+    __slots__ = ("y",)
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+
 class ObjectBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, slots: bool) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
+        self.slots = slots
 
-    def forward(self, x: torch.Tensor) -> Out:
-        return Out(self.fc(x))
+    def forward(self, x: torch.Tensor):
+        y = self.fc(x)
+        if self.slots:  # beside a tensor that is hooked but not used by the loss (an auxiliary loss left out)
+            return y.pow(2).mean(), SlotsOut(y)
+        return Out(y)
 
 
 class ObjectNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, slots: bool) -> None:
         super().__init__()
-        self.inp, self.blk, self.out = nn.Linear(4, 4), ObjectBlock(), nn.Linear(4, 2)
+        self.inp, self.blk, self.out = nn.Linear(4, 4), ObjectBlock(slots), nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blk(self.inp(x)).parts["y"][0])
+        out = self.blk(self.inp(x))
+        return self.out(out[1].y if isinstance(out, tuple) else out.parts["y"][0])
 
 
-def _case_object_output_trains(flatten: bool) -> None:
+def _case_object_output_trains(flatten: bool, slots: bool) -> None:
     torch.manual_seed(0)
-    reference = ObjectNet()
+    reference = ObjectNet(slots)
     torch.manual_seed(0)
-    net = ObjectNet()
+    net = ObjectNet(slots)
     net.blk = FSDP(net.blk, flatten_parameters=flatten, reshard_after_forward=True)
     model = FSDP(net, flatten_parameters=flatten)
     x = torch.randn(6, 4)
@@ -124,6 +138,63 @@ def _case_backward_of_an_evaluation_forward_is_refused(flatten: bool, nested: bo
     assert all(p.grad is not None for p in model.parameters())
 
 
+class Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        return self.fc(x), x  # hidden states include the input (output_hidden_states style)
+
+
+def _case_no_grad_teacher_passing_its_input_through(flatten: bool) -> None:
+    # The input handed back is the caller's graph, not the evaluation forward's: not refused (found by a review).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        emb, teacher, student = nn.Linear(4, 4), Teacher(), nn.Linear(4, 4)
+        if wrap:
+            teacher = FSDP(teacher, flatten_parameters=flatten)
+        h = emb(torch.randn(3, 4))
+        with torch.no_grad():
+            target, passed = teacher(h)
+        assert passed is h
+        ((student(h) - target) ** 2 + passed).sum().backward()
+        grads.append(emb.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+class WithToken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.tok = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x: torch.Tensor):
+        return self.fc(x), self.tok  # a class token handed back as it is
+
+
+def _case_own_parameter_returned_whole(rank: int) -> None:
+    # Shard groups of one rank (hybrid), not flattened: the shard is the whole parameter and the output is the
+    # Parameter itself, a leaf that still needs the pre-backward hook (found by a review).
+    groups = [torch.distributed.new_group([0]), torch.distributed.new_group([1])]
+    torch.manual_seed(0)
+    reference = WithToken()
+    torch.manual_seed(0)
+    model = FSDP(
+        WithToken(),
+        flatten_parameters=False,
+        process_group=groups[rank],
+        replicate_process_group=torch.distributed.group.WORLD,
+    )
+    x = torch.randn(2, 4)
+    for m in (model, reference):
+        y, tok = m(x)
+        (y.sum() + 2 * tok.sum()).backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, param.grad, msg=lambda m: f"{name}: {m}")
+
+
 def _case_create_graph_backward_message(flatten: bool) -> None:
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), flatten_parameters=flatten)
@@ -139,7 +210,15 @@ def _body(rank: int, world_size: int) -> None:
         tag = "" if flatten else ", not flattened"
         cases += [
             (f"leaf output gets no hook{tag}", functools.partial(_case_leaf_output_gets_no_hook, flatten)),
-            (f"object output trains{tag}", functools.partial(_case_object_output_trains, flatten)),
+            (f"object output trains{tag}", functools.partial(_case_object_output_trains, flatten, False)),
+            (
+                f"slots object beside an unused output{tag}",
+                functools.partial(_case_object_output_trains, flatten, True),
+            ),
+            (
+                f"no_grad teacher passes input{tag}",
+                functools.partial(_case_no_grad_teacher_passing_its_input_through, flatten),
+            ),
             (f"create_graph message{tag}", functools.partial(_case_create_graph_backward_message, flatten)),
         ]
         for nested in (False, True):
@@ -149,6 +228,7 @@ def _body(rank: int, world_size: int) -> None:
                     functools.partial(_case_backward_of_an_evaluation_forward_is_refused, flatten, nested),
                 )
             )
+    cases.append(("own parameter returned whole", functools.partial(_case_own_parameter_returned_whole, rank)))
     run_cases(cases)
 
 

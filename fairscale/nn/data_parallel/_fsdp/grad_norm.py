@@ -27,7 +27,7 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         # Qualified by the instance's path (every instance names its first flat parameter flat_param_0): the
         # cheap walk above finds them, this one runs only for the message (a fuzz, session 44).
         unreduced = [
-            ".".join(filter(None, (clean_path(path), h.name)))
+            clean_path(f"{path}.{h.name}")
             for path, u in root.named_units()
             for h in u.handles
             if h.holds_unreduced_grad()

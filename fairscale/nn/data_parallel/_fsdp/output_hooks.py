@@ -5,17 +5,18 @@ A training forward frees (or swaps out) the full parameters its graph saved; the
 computed gathers them again (the pre-backward). What gets a hook, and why:
 
 * Tensors that require grad and were made by an op (``grad_fn``), in the containers :func:`.io.for_each_tensor` walks.
-  A leaf is left alone: its gradient comes from the ops that used it, none of them the unit's, so it needs no gather.
-  A leaf returned as it came in (a soft prompt kept outside the model) took one more hook per forward, never removed:
+  A leaf is left alone (but the unit's own parameter): its gradient comes from the ops that used it, none of them
+  the unit's, so it needs no gather. A leaf returned as it came in (a soft prompt kept outside the model) took one more hook per forward, never removed:
   every later backward through it ran all of them, and a backward of it alone gathered parameters (on one rank
   only: the ranks fell out of step; found by a fuzz of forward patterns, session 44).
-* When none is found there, tensors held by a plain object among the outputs (its attributes, a few levels deep):
+* Tensors held by a plain object among the outputs (its attributes and slots, four levels deep):
   an output class FSDP does not know (not a container or dataclass) left the unit without a hook, and its backward
   read the freed parameters ("setStorage ... storage of size 0", naming neither FSDP nor the cause).
 
 A forward FSDP ran as evaluation (called under ``torch.no_grad()``) whose module turned grad back on inside
 (``torch.enable_grad()``) returns outputs with a graph through freed (or detached) parameters: they get a hook that
 raises a clear error if a backward reaches them (it failed with "setStorage" or gave no parameter gradients).
+Inputs handed back as they came are not the forward's: they are left alone.
 """
 
 import weakref
@@ -53,13 +54,14 @@ def register_pre_backward_hooks(
         pre_backward(unit)
 
     def register(t: Tensor) -> None:
-        if t.requires_grad and t.grad_fn is not None:
+        # The unit's own parameter returned as it is (a shard that is the whole parameter: one rank, not flattened;
+        # runtime._unalias_outputs copies the others) is a leaf whose gradient needs the gather: hooked (a review).
+        if t.requires_grad and (t.grad_fn is not None or any(t is h.param for h in unit.handles)):
             tensor_hooks.register_grad_hook(t, hook)
             registered[0] = True
 
     for_each_tensor(outputs, register)
-    if not registered[0]:
-        _for_each_object_tensor(outputs, register, _OBJECT_DEPTH, set(), False)
+    _for_each_object_tensor(outputs, register, _OBJECT_DEPTH, set(), False)
     if not registered[0]:
         token.done = True
         return outputs
@@ -74,8 +76,15 @@ def register_pre_backward_hooks(
     return outputs
 
 
-def refuse_backward_of_evaluation_outputs(outputs: Any) -> None:
-    """After a forward run as evaluation: hook every output that has a graph anyway with a clear error."""
+def refuse_backward_of_evaluation_outputs(inputs: Any, outputs: Any) -> None:
+    """After a forward run as evaluation: hook every output that has a graph anyway with a clear error.
+
+    Not the forward's own ``inputs`` handed back as they came (the caller's graph, not this forward's: a teacher
+    returning its input beside its result, torch's reentrant checkpoint or Pipe's first pass, which run under
+    ``no_grad``; a review found the first version refusing them).
+    """
+    passed_through: Set[int] = set()
+    for_each_tensor(inputs, lambda t: passed_through.add(id(t)))
 
     def refuse(_grad: Tensor) -> None:
         raise RuntimeError(
@@ -86,7 +95,7 @@ def refuse_backward_of_evaluation_outputs(outputs: Any) -> None:
         )
 
     def register(t: Tensor) -> None:
-        if t.requires_grad and t.grad_fn is not None:
+        if t.requires_grad and t.grad_fn is not None and id(t) not in passed_through:
             tensor_hooks.register_grad_hook(t, refuse)
 
     for_each_tensor(outputs, register)
@@ -113,8 +122,12 @@ def _for_each_object_tensor(obj: Any, fn: Callable[[Tensor], None], depth: int, 
         values = list(obj.values())
     elif isinstance(obj, (list, tuple, set)):
         values = list(obj)
-    elif hasattr(obj, "__dict__"):
-        values = list(vars(obj).values())
+    elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+        values = list(getattr(obj, "__dict__", {}).values())
+        for klass in type(obj).__mro__:  # __slots__ classes keep their attributes out of __dict__
+            for name in getattr(klass, "__slots__", ()):
+                if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                    values.append(getattr(obj, name))
         inside = True
     else:
         return

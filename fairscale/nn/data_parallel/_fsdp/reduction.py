@@ -87,7 +87,7 @@ def _on_param_grad_ready(unit: FSDPUnit, h: FlatHandle, param: Tensor) -> None:
     if param.grad.requires_grad:
         # Upstream asserted the same; the message says what to do instead (a fuzz of forward patterns, session 44).
         raise RuntimeError(
-            f"FullyShardedDataParallel: the gradient of {h.name!r} requires grad (a backward with "
+            f"FullyShardedDataParallel: the gradient of {unit.qualified_name(h.name)!r} requires grad (a backward with "
             "create_graph=True); FSDP reduces gradients across ranks and cannot keep their graph, so a double "
             "backward through .grad is not supported. For a gradient penalty, take torch.autograd.grad(..., "
             "create_graph=True) of what the penalty needs, add the penalty to the loss, and call loss.backward() "

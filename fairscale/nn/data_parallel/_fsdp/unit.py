@@ -27,6 +27,7 @@ from fairscale.nn.checkpoint.checkpoint_activations import _CheckpointedForward
 from . import identity
 from .config import FSDPConfig
 from .handle import FlatHandle
+from .naming import clean_path
 from .state import _TRAINING_LEGAL, HandleState, TrainingState, check_training_transition
 from .tree import PendingBackward, TreeState
 
@@ -246,6 +247,17 @@ class FSDPUnit:
                 out.append(unit)
             stack.extend(reversed(m._modules.values()))  # None entries (registered as None) are skipped below
         return out
+
+    def qualified_name(self, name: str) -> str:
+        """``name`` (a flat parameter's) prefixed by this unit's path in its tree, for messages (a walk: not per step).
+
+        Every instance names its first flat parameter ``flat_param_0``; alone the name does not say which one.
+        """
+        root = self.tree.root() if self.tree is not None and self.tree.root is not None else None
+        for path, u in (root.named_units() if isinstance(root, FSDPUnit) else []):
+            if u is self:
+                return clean_path(f"{path}.{name}")
+        return name
 
     def named_units(self) -> List[Tuple[str, "FSDPUnit"]]:
         """``(path, unit)`` for this unit and every unit below it; paths as ``named_modules()`` gives them."""
