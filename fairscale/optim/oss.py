@@ -28,6 +28,7 @@ from ._oss import describe as _describe
 from ._oss import loading as _loading
 from ._oss import partition as _partition
 from ._oss import state_dict as _state
+from ._oss import state_hooks as _state_hooks
 from ._oss.buckets import (
     Backing,
     Buckets,
@@ -451,8 +452,10 @@ class OSS(Optimizer):
             raise RuntimeError(_NOT_CONSOLIDATED)
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
-        base = super().state_dict()
-        return _state.merge_shards(base, self._all_states, self.partition_parameters(), self._param_to_index)
+        with _state_hooks.held_back(self, _state_hooks.STATE_DICT_POST) as (post,):  # they see the whole dict
+            base = super().state_dict()
+        merged = _state.merge_shards(base, self._all_states, self.partition_parameters(), self._param_to_index)
+        return _state_hooks.run_returning(self, post, merged)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a consolidated OSS state dict, or a plain torch optimizer's, on this rank's shard.

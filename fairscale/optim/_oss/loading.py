@@ -6,7 +6,7 @@ the ranks agree on the outcome and on the dict's layout (two small all-gathers),
 parameters it owns, and a load that fails on any rank puts OSS and its wrapped optimizer back on every rank.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from fairscale.internal.agreement import (
 )
 
 from . import describe as _describe
+from . import state_hooks
 from . import state_dict as _state
 
 __all__ = ["load_on_every_rank", "keeps_saved_dtypes", "restore_saved_dtypes"]
@@ -51,8 +52,18 @@ def load_on_every_rank(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Call
     """:meth:`OSS.load_state_dict` (see there for what is checked and raised).
 
     ``load_own`` is the next ``load_state_dict`` after OSS's in the instance's class order (``super()``'s, usually
-    torch's ``Optimizer.load_state_dict``; a mixin's in a subclass): it loads OSS's own groups and state.
+    torch's ``Optimizer.load_state_dict``; a mixin's in a subclass): it loads OSS's own groups and state. torch's
+    load hooks registered on OSS run around the whole load, not inside ``load_own`` (see :mod:`.state_hooks`).
     """
+    optimizer = cast(Optimizer, oss)
+    with state_hooks.held_back(optimizer, state_hooks.LOAD_PRE, state_hooks.LOAD_POST) as (pre, post):
+        if pre:  # on a shallow copy, as torch's load does
+            state_dict = state_hooks.run_returning(optimizer, pre, dict(state_dict))
+        _load_agreed(oss, state_dict, load_own)
+    state_hooks.run_post_load(optimizer, post)
+
+
+def _load_agreed(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Callable[[Dict[str, Any]], None]) -> None:
     device = oss._params_device()
     error: Optional[Exception] = None
     try:
