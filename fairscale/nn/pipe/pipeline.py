@@ -153,10 +153,8 @@ class Pipeline:
         # activation further on failed ("modified by an inplace operation"; a frozen stretch, found by a fuzz of
         # Pipe, session 43). Run plainly, autograd decides, also for a learnable tensor the walk cannot see.
         self._holds_grad = [holds_grad_tensor(part) for part in self.partitions] if checkpointing else None
-        for i, tracker in enumerate(skip_trackers):
-            # A skip's portal hands its tensor out once more when the pop's partition is checkpointed, which is
-            # decided only when the micro-batch gets there.
-            tracker.may_recompute = checkpointing and i < self.checkpoint_stop
+        for tracker in skip_trackers:
+            tracker.reserve_per_pop = True  # see compute()
         try:
             for schedule in clock_cycles(m, n):
                 self.fence(batches, schedule, skip_trackers)
@@ -199,6 +197,10 @@ class Pipeline:
             checkpoint = i < checkpoint_stop and (
                 holds_grad is None or holds_grad[j] or any(x.requires_grad for x in batch)
             )
+            if checkpoint:
+                # The pops of this partition hand their skip tensors out once more, in the recomputation.
+                for _, ns, name in self.skip_layout.copy_policy(j):
+                    skip_trackers[i].reserve_recompute(ns, name)
             task = _make_task(batch, partitions[j], skip_trackers[i], streams[j], i, j, checkpoint, flags)
             self.in_queues[j].put(task)
 

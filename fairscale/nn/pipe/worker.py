@@ -75,8 +75,12 @@ def worker(in_queue: InQueueT, out_queue: OutQueueT, device: torch.device) -> No
                     # Signals are delivered to the main thread, so nothing here swallows a Ctrl-C.
                     exc_info = cast(ExcInfo, sys.exc_info())
                     out_queue.put((False, exc_info))
+                    del task, exc_info  # see below (the traceback holds the frames' tensors)
                     continue
                 out_queue.put((True, (task, batch)))
+                # While this thread waits for the next task, its locals kept the last micro-batch (with its graph
+                # and skip tracker) alive after the caller dropped the output (a fuzz of Pipe, session 44).
+                del task, batch
     finally:
         # Also when the thread itself fails (e.g. the device cannot be made current): the waiting side must wake.
         out_queue.put((False, None))

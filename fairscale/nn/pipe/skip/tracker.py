@@ -54,10 +54,11 @@ class SkipTrackerThroughPotals(SkipTracker):
         self.skip_layout = skip_layout
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
         self.__index = index
-        # Set by Pipe when this micro-batch may be checkpointed: each partition decides on its own (a frozen one
-        # with an input that needs no grad runs plainly), so a pop's partition may recompute where the stash's did
-        # not; an extra hand-out that is not taken only keeps the tensor until the graph is freed.
-        self.may_recompute = False
+        # Set by Pipe, which decides checkpointing per partition (a frozen one with an input that needs no grad runs
+        # plainly): the pop's partition may recompute where the stash's did not, and the reverse. The extra hand-out
+        # for the pop's recomputation is then added when that partition is checkpointed (reserve_recompute), not
+        # guessed at the stash: a hand-out never taken kept the skip tensor alive as long as the output (a fuzz).
+        self.reserve_per_pop = False
 
     @property
     def index(self) -> int:
@@ -71,7 +72,7 @@ class SkipTrackerThroughPotals(SkipTracker):
         if portal is None:
             # Life: one hand-out at the stash (blue), one at the pop (orange), one more for the pop's
             # recomputation when the pop side is checkpointed.
-            tensor_life = 3 if is_checkpointing() or self.may_recompute else 2
+            tensor_life = 3 if is_checkpointing() and not self.reserve_per_pop else 2
             portal = Portal(tensor, tensor_life, self.index)
             portal.ns_name = (ns, name)
             self.portals[(ns, name)] = portal
@@ -89,6 +90,12 @@ class SkipTrackerThroughPotals(SkipTracker):
                 "tensor beside them (e.g. (ids, hidden)), or keep the stash and its pop in one partition."
             )
         batch[i] = join(batch[i], phony)
+
+    def reserve_recompute(self, ns: Namespace, name: str) -> None:
+        """One more hand-out of the skip ``(ns, name)``: the partition that pops it will be recomputed."""
+        portal = self.portals.get((ns, name))
+        if portal is not None:  # a None skip counts its hand-outs too
+            portal.tensor_life += 1
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):
