@@ -22,9 +22,10 @@ from torch import Tensor
 from ..copy import Context as CopyContext
 from ..copy import Copy as Copy
 from ..copy import copy_tensors
-from ..checkpoint import is_checkpointing, is_recomputing, note_stash_phony
+from ..checkpoint import note_stash_phony
 from ..phony import get_phony
 from ..stream import AbstractStream, get_device
+from .inplace_guard import InPlaceGuard
 from .namespace import Namespace as Namespace
 
 # The stream pair of a portal copy (upstream's name for it in this module).
@@ -43,6 +44,7 @@ class Portal:
     """
 
     def __init__(self, tensor: Optional[Tensor], tensor_life: int, index: int) -> None:
+        self.guard = InPlaceGuard("?")  # named by the tracker (see inplace_guard.py)
         self.put_tensor(tensor, tensor_life)
         self.grad: Optional[Tensor] = None
         self.__index = index
@@ -66,29 +68,8 @@ class Portal:
         self.check_tensor_life()
         if self.tensor is None:
             return self.use_tensor()
-        self.check_unchanged()
+        self.guard.popped(self.tensor)
         return PortalOrange.apply(self, phony)
-
-    def check_unchanged(self) -> None:
-        """Refuse a stashed tensor changed in place since it was stashed, where Pipe cannot follow the change.
-
-        Two cases (found by fuzzes of Pipe, session 44; ``nn.Sequential`` pops the same object, with its graph):
-        the tensor carries a gradient, which a skip across partitions takes back from the stash point, missing the
-        change (``ReLU(inplace=True)`` after the stash: the gradient skipped the mask, silently); or this is a
-        checkpointed pop's recomputation, which would compute with the changed values (the change applied twice).
-        """
-        tensor = self.tensor
-        if self._version is None or tensor is None or tensor._version == self._version:
-            return
-        if not (self._carries_grad or is_recomputing()):
-            return  # no gradient, first pass: the pop sees the change, as in the plain module
-        name = self.ns_name[1] if self.ns_name is not None else "?"
-        raise RuntimeError(
-            f"Pipe: skip {name!r} was changed in place after it was stashed (an in-place op after the stash, such "
-            "as ReLU(inplace=True), or by the popping layer in a checkpointed partition). A skip across partitions "
-            "carries its gradient from the stash point and is popped again by the recomputation: both would miss "
-            f"or repeat that change. Stash a copy (stash({name!r}, x.clone())), or use out-of-place ops on it."
-        )
 
     def copy(self, prev_stream: AbstractStream, next_stream: AbstractStream, phony: Tensor) -> Tensor:
         """Move the tensor to ``next_stream``'s device; return a phony for the ordering."""
@@ -104,18 +85,7 @@ class Portal:
         """Store ``tensor`` for ``tensor_life`` hand-outs (not at all when the life is not positive)."""
         self.tensor_life = tensor_life
         self.tensor = tensor if tensor_life > 0 else None
-        self._record_version()
-
-    def _record_version(self, carries_grad: bool = False) -> None:
-        # A tensor that requires grad, or a floating one stashed by a checkpointed pass (run under no_grad, its
-        # recomputation makes it require grad), carries a gradient. An inference tensor has no version counter.
-        tensor = self.tensor
-        self._version: Optional[int] = None if tensor is None or tensor.is_inference() else tensor._version
-        self._carries_grad = tensor is not None and (
-            carries_grad
-            or tensor.requires_grad
-            or (is_checkpointing() and tensor.is_floating_point() and not tensor.is_inference())
-        )
+        self.guard.stashed(self.tensor)
 
     def use_tensor(self) -> Optional[Tensor]:
         """Hand the tensor out once; drop it when its life is used up."""
@@ -181,10 +151,9 @@ class PortalCopy(torch.autograd.Function):
         ctx.portal = portal
         ctx.streams = CopyContext(prev_stream, next_stream)
         assert portal.tensor is not None
-        portal.check_unchanged()  # the copy below would carry the change over unseen
-        carries_grad = portal._carries_grad  # decided at the stash (this runs outside the checkpointed pass)
+        before = portal.tensor
         (portal.tensor,) = copy_tensors(ctx.streams, (portal.tensor,))
-        portal._record_version(carries_grad)
+        portal.guard.moved(before, portal.tensor)
         phony = get_phony(get_device(next_stream), requires_grad=False)
         return phony.detach()
 

@@ -75,6 +75,7 @@ class SkipTrackerThroughPotals(SkipTracker):
             tensor_life = 3 if is_checkpointing() and not self.reserve_per_pop else 2
             portal = Portal(tensor, tensor_life, self.index)
             portal.ns_name = (ns, name)
+            portal.guard.name = name
             self.portals[(ns, name)] = portal
         else:
             # The stash layer's recomputation: the tensor is only handed out to the blue phony again.
