@@ -195,6 +195,69 @@ def _case_own_parameter_returned_whole(rank: int) -> None:
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, param.grad, msg=lambda m: f"{name}: {m}")
 
 
+class Cache:
+    """A KV-cache object (DynamicCache-like): passed to every layer, extended, and returned."""
+
+    def __init__(self) -> None:
+        self.keys: list = []
+
+
+class CachedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor, cache: Cache):
+        cache.keys.append(self.k(h))
+        attention = (self.q(h) @ cache.keys[-1].t()).softmax(-1)
+        return h + attention @ cache.keys[-1], cache  # (hidden, present_key_value) as older HF layers
+
+
+class CachedNet(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CachedBlock() for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, cache: Cache):
+        for block in self.blocks:
+            x, cache = block(x, cache)
+        return x, cache
+
+
+def _case_cache_object_passed_through(flatten: bool) -> None:
+    # Each unit returns the cache it was given: the earlier units' keys in it are not its outputs. Hooked, they fired
+    # late in backward and gathered those units again after their reduction; and a no_grad step extending the cache
+    # before the backward had them refused (found by a fuzz of real-world output patterns, session 44).
+    torch.manual_seed(0)
+    reference = CachedNet()
+    torch.manual_seed(0)
+    net = CachedNet()
+    net.blocks = nn.ModuleList([FSDP(b, flatten_parameters=flatten) for b in net.blocks])
+    model = FSDP(net, flatten_parameters=flatten)
+    x, step = torch.randn(3, 4), torch.randn(1, 4)
+    y, cache = reference(x, Cache())
+    with torch.no_grad():
+        reference(step, cache)
+    y.pow(2).sum().backward()
+    y, cache = model(x, Cache())
+    with torch.no_grad():
+        model(step, cache)  # a sampling step from the same cache before the training backward
+    with count_collectives() as counter:
+        y.pow(2).sum().backward()
+    # One gather per nested unit (the root keeps its parameters after forward); one per parameter when not flattened.
+    per_unit = 1 if flatten else 4
+    gathers = counter.count("all_gather", phase="backward")
+    assert len(net.blocks) <= gathers <= len(net.blocks) * per_unit, [(r.kind, r.phase) for r in counter.records]
+    for m in (reference, model):
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    with model.summon_full_params():
+        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(full[name], param.detach(), msg=lambda m: f"{name}: {m}")
+
+
 def _case_create_graph_backward_message(flatten: bool) -> None:
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), flatten_parameters=flatten)
@@ -215,6 +278,7 @@ def _body(rank: int, world_size: int) -> None:
                 f"slots object beside an unused output{tag}",
                 functools.partial(_case_object_output_trains, flatten, True),
             ),
+            (f"cache object passed through{tag}", functools.partial(_case_cache_object_passed_through, flatten)),
             (
                 f"no_grad teacher passes input{tag}",
                 functools.partial(_case_no_grad_teacher_passing_its_input_through, flatten),

@@ -14,9 +14,10 @@ computed gathers them again (the pre-backward). What gets a hook, and why:
   read the freed parameters ("setStorage ... storage of size 0", naming neither FSDP nor the cause).
 
 A forward FSDP ran as evaluation (called under ``torch.no_grad()``) whose module turned grad back on inside
-(``torch.enable_grad()``) returns outputs with a graph through freed (or detached) parameters: they get a hook that
-raises a clear error if a backward reaches them (it failed with "setStorage" or gave no parameter gradients).
-Inputs handed back as they came are not the forward's: they are left alone.
+(``torch.enable_grad()``) returns outputs with a graph through freed (or detached) parameters: those in its
+containers get a hook that raises a clear error if a backward reaches them (it failed with "setStorage" or gave no
+parameter gradients). Inputs handed back as they came are not the forward's: they are left alone, and so are tensors
+of input objects held by output objects (a KV cache passed in and returned) in a training forward.
 """
 
 import weakref
@@ -35,11 +36,19 @@ _OBJECT_DEPTH = 4  # how far into plain objects' attributes the fallback looks (
 
 
 def register_pre_backward_hooks(
-    unit: FSDPUnit, outputs: Any, accs: List[Any], counted: bool, pre_backward: Callable[[FSDPUnit], None]
+    unit: FSDPUnit,
+    inputs: Any,
+    outputs: Any,
+    accs: List[Any],
+    counted: bool,
+    pre_backward: Callable[[FSDPUnit], None],
 ) -> Any:
     """Hook ``outputs`` of a training forward of ``unit`` (see the module docstring); returns them unchanged.
 
     Args:
+        inputs: the forward's ``(args, kwargs)``: tensors of theirs held by an output object (a KV cache passed in
+            and returned) are not hooked. They belong to earlier units, whose hooks fired late and gathered them
+            again after their reduction (a fuzz of real-world output patterns, session 44).
         accs: the accumulator nodes this forward's graph leads to (see ``runtime._forward_grad_accumulators``).
         counted: whether this forward counts among the unit's uses in the coming backward.
         pre_backward: called with ``unit`` by the first hook that fires.
@@ -61,7 +70,13 @@ def register_pre_backward_hooks(
             registered[0] = True
 
     for_each_tensor(outputs, register)
-    _for_each_object_tensor(outputs, register, _OBJECT_DEPTH, set(), False)
+    held: List[Tensor] = []
+    _for_each_object_tensor(outputs, held.append, _OBJECT_DEPTH, set(), False)
+    if held:  # rare: an output object; only then are the inputs walked
+        passed_in = _tensor_ids(inputs)
+        for t in held:
+            if id(t) not in passed_in:
+                register(t)
     if not registered[0]:
         token.done = True
         return outputs
@@ -83,8 +98,7 @@ def refuse_backward_of_evaluation_outputs(inputs: Any, outputs: Any) -> None:
     returning its input beside its result, torch's reentrant checkpoint or Pipe's first pass, which run under
     ``no_grad``; a review found the first version refusing them).
     """
-    passed_through: Set[int] = set()
-    for_each_tensor(inputs, lambda t: passed_through.add(id(t)))
+    passed_through = _tensor_ids(inputs)
 
     def refuse(_grad: Tensor) -> None:
         raise RuntimeError(
@@ -98,8 +112,16 @@ def refuse_backward_of_evaluation_outputs(inputs: Any, outputs: Any) -> None:
         if t.requires_grad and t.grad_fn is not None and id(t) not in passed_through:
             tensor_hooks.register_grad_hook(t, refuse)
 
+    # Containers only: an output object (a KV cache kept on the module and extended under no_grad) may hold
+    # tensors of an earlier training forward, refused by mistake (a fuzz, session 44).
     for_each_tensor(outputs, register)
-    _for_each_object_tensor(outputs, register, _OBJECT_DEPTH, set(), False)
+
+
+def _tensor_ids(inputs: Any) -> Set[int]:
+    """The ids of every tensor in ``inputs`` (an ``(args, kwargs)`` pair), in containers and plain objects."""
+    ids: Set[int] = set()
+    _for_each_object_tensor(inputs, lambda t: ids.add(id(t)), _OBJECT_DEPTH + 2, set(), True)
+    return ids
 
 
 def _for_each_object_tensor(obj: Any, fn: Callable[[Tensor], None], depth: int, seen: Set[int], inside: bool) -> None:

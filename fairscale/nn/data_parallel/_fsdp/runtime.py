@@ -409,7 +409,7 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
         unit.reshard(after_forward=not grad_off)
     unit.use_fp32_shards()
     if torch.is_grad_enabled():
-        outputs = output_hooks.register_pre_backward_hooks(unit, outputs, accs, counted, pre_backward)
+        outputs = output_hooks.register_pre_backward_hooks(unit, (args, kwargs), outputs, accs, counted, pre_backward)
     elif grad_off:
         output_hooks.refuse_backward_of_evaluation_outputs((args, kwargs), outputs)
     return outputs
