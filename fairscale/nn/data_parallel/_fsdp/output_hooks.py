@@ -62,20 +62,23 @@ def register_pre_backward_hooks(
         token.done = True
         pre_backward(unit)
 
+    hooked: Set[int] = set()
+
     def register(t: Tensor) -> None:
         # The unit's own parameter returned as it is (a shard that is the whole parameter: one rank, not flattened;
         # runtime._unalias_outputs copies the others) is a leaf whose gradient needs the gather: hooked (a review).
         if t.requires_grad and (t.grad_fn is not None or any(t is h.param for h in unit.handles)):
             tensor_hooks.register_grad_hook(t, hook)
             registered[0] = True
+            hooked.add(id(t))
 
     for_each_tensor(outputs, register)
     held: List[Tensor] = []
     _for_each_object_tensor(outputs, held.append, _OBJECT_DEPTH, set(), False)
     if held:  # rare: an output object; only then are the inputs walked
         passed_in = _tensor_ids(inputs)
-        for t in held:
-            if id(t) not in passed_in:
+        for t in held:  # a dataclass's fields were hooked above already, and a tensor may be held twice
+            if id(t) not in passed_in and id(t) not in hooked:
                 register(t)
     if not registered[0]:
         token.done = True
