@@ -23,6 +23,7 @@ from fairscale.internal.dry_load import load_state_dict_all_or_nothing
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.params import Workhandle, get_global_rank  # noqa: F401  # Workhandle: upstream's namespace
 from fairscale.internal.params import conversion_in_place
+from fairscale.internal.sparse_layers import sparse_gradient_layer
 from fairscale.nn.misc.param_bucket import GradBucket  # noqa: F401  # upstream's namespace
 from fairscale.optim.oss import OSS
 
@@ -546,13 +547,13 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
     Accepted before, it failed in the first backward with a message about contiguity that named neither the
     parameter nor sparse gradients (found by a fuzz of OSS and ShardedDataParallel, session 44).
     """
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            raise FairscaleValueError(
-                f"ShardedDataParallel does not support sparse gradients: {name or 'the module'} is an "
-                f"{type(m).__name__} with sparse=True. Build it with sparse=False, or freeze it; OSS with torch's "
-                "DistributedDataParallel reduces sparse gradients."
-            )
+    sparse = sparse_gradient_layer(module)
+    if sparse is not None:
+        raise FairscaleValueError(
+            f"ShardedDataParallel does not support sparse gradients: {sparse[0] or 'the module'} is an "
+            f"{sparse[1]} with sparse=True. Build it with sparse=False, or freeze it; OSS with torch's "
+            "DistributedDataParallel reduces sparse gradients."
+        )
 
 
 def _world_group() -> Any:

@@ -51,6 +51,18 @@ def _case_leaf_output_gets_no_hook(flatten: bool) -> None:
     assert counter.records == [], [r.kind for r in counter.records]
 
 
+def _step_and_compare(model: FSDP, reference: nn.Module) -> None:
+    """The same SGD step on both (their gradients are set), then the full parameters compared."""
+    for m in (model, reference):
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    with model.summon_full_params():
+        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(full[name], param.detach(), msg=lambda m: f"{name}: {m}")
+
+
 class Out:
     """A plain output class (not a container or dataclass)."""
 
@@ -102,15 +114,7 @@ def _case_object_output_trains(flatten: bool, slots: bool) -> None:
         m(x).pow(2).sum().backward()
     for name, param in model.named_parameters():
         assert param.grad is not None, name
-    # Compare through a step: same SGD on both, then the full parameters.
-    for m in (model, reference):
-        with torch.no_grad():
-            for p in m.parameters():
-                p -= 0.1 * p.grad
-    with model.summon_full_params():
-        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
-    for name, param in reference.named_parameters():
-        torch.testing.assert_close(full[name], param.detach(), msg=lambda m: f"{name}: {m}")
+    _step_and_compare(model, reference)
 
 
 class GradInside(nn.Module):
@@ -248,14 +252,7 @@ def _case_cache_object_passed_through(flatten: bool) -> None:
     per_unit = 1 if flatten else 4
     gathers = counter.count("all_gather", phase="backward")
     assert len(net.blocks) <= gathers <= len(net.blocks) * per_unit, [(r.kind, r.phase) for r in counter.records]
-    for m in (reference, model):
-        with torch.no_grad():
-            for p in m.parameters():
-                p -= 0.1 * p.grad
-    with model.summon_full_params():
-        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
-    for name, param in reference.named_parameters():
-        torch.testing.assert_close(full[name], param.detach(), msg=lambda m: f"{name}: {m}")
+    _step_and_compare(model, reference)
 
 
 def _case_create_graph_backward_message(flatten: bool) -> None:

@@ -8,8 +8,10 @@ import time
 from typing import Any, Dict, List
 
 import pytest
+from torch import nn
 
 from fairscale.internal.device import accelerator_available
+from fairscale.nn.pipe.skip import pop, skippable, stash
 
 NEEDS_CUDA = pytest.mark.skipif(not accelerator_available(), reason="cuda required")
 
@@ -60,3 +62,21 @@ def run_scripts(script: str, worlds: Dict[str, List[str]], directory: str, timeo
             output, _ = process.communicate()
             results[key] = ("hung", output)
     return results
+
+
+@skippable(stash=["s"])
+class StashInput(nn.Module):
+    """Stashes its input as skip ``s`` and passes it on."""
+
+    def forward(self, x):
+        yield stash("s", x)
+        return x  # noqa: B901
+
+
+@skippable(pop=["s"])
+class PopAdd(nn.Module):
+    """Adds the popped skip ``s`` to its input."""
+
+    def forward(self, x):
+        s = yield pop("s")
+        return x + s  # noqa: B901

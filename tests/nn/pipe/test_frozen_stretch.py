@@ -82,8 +82,8 @@ class StashProjection(nn.Module):
 
 
 @skippable(pop=["side"])
-class PopAdd(nn.Module):
-    """No parameters: only the popped skip tensor carries a gradient."""
+class PopMul(nn.Module):
+    """Multiplies by the popped skip; no parameters: only the skip carries a gradient."""
 
     def forward(self, x):
         side = yield pop("side")
@@ -93,7 +93,7 @@ class PopAdd(nn.Module):
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_pop_of_a_grad_skip_into_a_frozen_partition_keeps_its_gradient(checkpoint):
     torch.manual_seed(0)
-    ref = nn.Sequential(StashProjection(), nn.Identity(), PopAdd())
+    ref = nn.Sequential(StashProjection(), nn.Identity(), PopMul())
     x = torch.randn(4, 4)
     ref(x).sum().backward()
     model = copy.deepcopy(ref)

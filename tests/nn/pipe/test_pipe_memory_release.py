@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from fairscale.nn import Pipe
-from fairscale.nn.pipe.skip import pop, skippable, stash
+from fairscale.nn.pipe.skip import skippable, stash
+
+from ._util import PopAdd
 
 ALIVE: list = []
 
@@ -56,13 +58,6 @@ class StashDouble(nn.Module):
         ALIVE.append(weakref.ref(s))
         yield stash("s", s)
         return x  # noqa: B901
-
-
-@skippable(pop=["s"])
-class PopAdd(nn.Module):
-    def forward(self, x):
-        s = yield pop("s")
-        return x + s  # noqa: B901
 
 
 def test_skip_of_frozen_partitions_is_freed_after_backward():

@@ -6,6 +6,7 @@ from typing import List, Set, Tuple
 import torch
 from torch import nn
 
+from fairscale.internal.sparse_layers import sparse_gradient_layer
 from fairscale.nn.misc._flatten.grouping import MixedParameterGroupError
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
@@ -56,13 +57,13 @@ def refuse_unsupported_layers(module: nn.Module) -> None:
     * A buffer on the meta device (parameters there are refused by the configuration): the first forward failed
       moving it, with "Cannot copy out of meta tensor" and no name.
     """
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            raise ValueError(
-                f"FullyShardedDataParallel does not support sparse gradients: {name or 'the module'} is an "
-                f"{type(m).__name__} with sparse=True. Build it with sparse=False (FSDP shards and reduces dense "
-                "gradients), or keep it out of FSDP."
-            )
+    sparse = sparse_gradient_layer(module)
+    if sparse is not None:
+        raise ValueError(
+            f"FullyShardedDataParallel does not support sparse gradients: {sparse[0] or 'the module'} is an "
+            f"{sparse[1]} with sparse=True. Build it with sparse=False (FSDP shards and reduces dense "
+            "gradients), or keep it out of FSDP."
+        )
     for name, b in module.named_buffers():
         if b.device.type == "meta":
             raise ValueError(

@@ -15,19 +15,7 @@ from torch import nn
 from fairscale.nn import Pipe
 from fairscale.nn.pipe.skip import pop, skippable, stash
 
-
-@skippable(stash=["s"])
-class StashInput(nn.Module):
-    def forward(self, x):
-        yield stash("s", x)
-        return x  # noqa: B901
-
-
-@skippable(pop=["s"])
-class PopAdd(nn.Module):
-    def forward(self, x):
-        s = yield pop("s")
-        return x + s  # noqa: B901
+from .._util import PopAdd, StashInput
 
 
 @skippable(stash=["s"])

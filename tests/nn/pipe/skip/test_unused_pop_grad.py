@@ -12,21 +12,9 @@ import torch
 from torch import nn
 
 from fairscale.nn import Pipe
-from fairscale.nn.pipe.skip import Namespace, pop, skippable, stash
+from fairscale.nn.pipe.skip import Namespace, pop, skippable
 
-
-@skippable(stash=["s"])
-class Stash(nn.Module):
-    def forward(self, x):
-        yield stash("s", x)
-        return x  # noqa: B901
-
-
-@skippable(pop=["s"])
-class PopAdd(nn.Module):
-    def forward(self, x):
-        s = yield pop("s")
-        return x + s  # noqa: B901
+from .._util import PopAdd, StashInput
 
 
 @skippable(pop=["s"])
@@ -42,9 +30,9 @@ def test_layers_feeding_an_ignored_pop_get_none(checkpoint):
     torch.manual_seed(0)
     ref = nn.Sequential(
         nn.Linear(4, 4),
-        Stash().isolate(a),
+        StashInput().isolate(a),
         nn.Linear(4, 4),  # reaches the output only through PopAdd(b)'s result, which PopIgnoringInput(a) drops
-        Stash().isolate(b),
+        StashInput().isolate(b),
         PopAdd().isolate(b),
         PopIgnoringInput().isolate(a),
     )

@@ -22,6 +22,7 @@ from fairscale.internal.agreement import (
 )
 from fairscale.internal.collectives import group_ranks
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
+from fairscale.internal.sparse_layers import sparse_gradient_layer
 
 from .graph_manager import GraphManager
 from .mixing_manager import MixingManager
@@ -200,13 +201,14 @@ def check_dense_embeddings(module: nn.Module) -> None:
     The averaging flattens the gradients into one buffer per dtype, which a sparse gradient cannot join: torch's
     "reshape is not implemented for sparse tensors" came from the end of the first backward, naming no parameter.
     """
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-            raise FairscaleValueError(
-                f"SlowMoDistributedDataParallel: {f'module {name!r}' if name else 'the wrapped module'} "
-                f"({type(m).__name__} with sparse=True) gets sparse gradients, which SlowMo's gradient averaging inside a node "
-                "(nprocs_per_node > 1) does not support; build it with sparse=False, or use nprocs_per_node=1"
-            )
+    sparse = sparse_gradient_layer(module, trainable_only=False)
+    if sparse is not None:
+        name, kind = sparse
+        raise FairscaleValueError(
+            f"SlowMoDistributedDataParallel: {f'module {name!r}' if name else 'the wrapped module'} "
+            f"({kind} with sparse=True) gets sparse gradients, which SlowMo's gradient averaging inside a node "
+            "(nprocs_per_node > 1) does not support; build it with sparse=False, or use nprocs_per_node=1"
+        )
 
 
 def graph_mismatch(
