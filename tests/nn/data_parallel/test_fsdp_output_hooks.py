@@ -8,6 +8,8 @@
 * A forward under ``torch.no_grad()`` whose module turns grad back on inside: a backward through it now raises a clear
   error (it failed with "setStorage" or gave no parameter gradients).
 * ``loss.backward(create_graph=True)``: the refusal says what to do instead.
+* An input handed back as it came (T5's position bias) is not hooked: its hook fired after the unit's reduction and
+  gathered it again (session 45); an input changed in place by the forward is the unit's output and is hooked.
 Two gloo ranks, the same data on both: compared with a single-process model.
 """
 
@@ -49,6 +51,16 @@ def _case_leaf_output_gets_no_hook(flatten: bool) -> None:
     with count_collectives() as counter:
         (prompt**2).sum().backward()  # on every rank, so that the old behaviour fails here rather than hangs
     assert counter.records == [], [r.kind for r in counter.records]
+
+
+def _reference_and_wrapped_blocks(cls, flatten: bool):
+    """``cls()`` twice from one seed: the reference, and a copy whose ``blocks`` are nested units under a root."""
+    torch.manual_seed(0)
+    reference = cls()
+    torch.manual_seed(0)
+    net = cls()
+    net.blocks = nn.ModuleList([FSDP(b, flatten_parameters=flatten) for b in net.blocks])
+    return reference, net, FSDP(net, flatten_parameters=flatten)
 
 
 def _step_and_compare(model: FSDP, reference: nn.Module) -> None:
@@ -232,12 +244,7 @@ def _case_cache_object_passed_through(flatten: bool) -> None:
     # Each unit returns the cache it was given: the earlier units' keys in it are not its outputs. Hooked, they fired
     # late in backward and gathered those units again after their reduction; and a no_grad step extending the cache
     # before the backward had them refused (found by a fuzz of real-world output patterns, session 44).
-    torch.manual_seed(0)
-    reference = CachedNet()
-    torch.manual_seed(0)
-    net = CachedNet()
-    net.blocks = nn.ModuleList([FSDP(b, flatten_parameters=flatten) for b in net.blocks])
-    model = FSDP(net, flatten_parameters=flatten)
+    reference, net, model = _reference_and_wrapped_blocks(CachedNet, flatten)
     x, step = torch.randn(3, 4), torch.randn(1, 4)
     y, cache = reference(x, Cache())
     with torch.no_grad():
@@ -252,6 +259,76 @@ def _case_cache_object_passed_through(flatten: bool) -> None:
     per_unit = 1 if flatten else 4
     gathers = counter.count("all_gather", phase="backward")
     assert len(net.blocks) <= gathers <= len(net.blocks) * per_unit, [(r.kind, r.phase) for r in counter.records]
+    _step_and_compare(model, reference)
+
+
+class BiasBlock(nn.Module):
+    """A T5 block: adds the position bias it was given and hands it back as it came, for the next block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor):
+        return self.fc(x) + bias, bias
+
+
+class BiasStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.relative = nn.Parameter(torch.randn(4))
+        self.blocks = nn.ModuleList([BiasBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor):
+        bias = self.relative * 2  # computed once with a graph (the first T5 block's), then passed along
+        for block in self.blocks:
+            x, bias = block(x, bias)
+        return x
+
+
+def _case_input_passed_through_not_hooked(flatten: bool) -> None:
+    # Each block returned the bias it was given: its gradient is complete only after every block's backward, so each
+    # block's hook fired at the end and gathered that block again after its reduction (twice the gathers, and every
+    # block's full parameters in memory at once; found by reading the hook path, session 45).
+    reference, net, model = _reference_and_wrapped_blocks(BiasStack, flatten)
+    x = torch.randn(3, 4)
+    reference(x).pow(2).sum().backward()
+    y = model(x)
+    with count_collectives() as counter:
+        y.pow(2).sum().backward()
+    per_unit = 1 if flatten else 2  # the root keeps its parameters after forward
+    assert counter.count("all_gather", phase="backward") == len(net.blocks) * per_unit, [
+        (r.kind, r.phase) for r in counter.records
+    ]
+    _step_and_compare(model, reference)
+
+
+class InPlaceScale(nn.Module):
+    """Scales and shifts its input in place and returns it: the same object, but this unit's result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.shift = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor):
+        x.mul_(self.scale)
+        x.add_(self.shift)
+        return x
+
+
+def _case_input_changed_in_place_is_hooked(flatten: bool) -> None:
+    # The input object comes back with a new grad_fn: it is the unit's output, and its backward needs the gather
+    # (left unhooked, the backward read freed parameters: a segmentation fault).
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), InPlaceScale(), InPlaceScale())
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), InPlaceScale(), InPlaceScale())
+    net[1], net[2] = FSDP(net[1], flatten_parameters=flatten), FSDP(net[2], flatten_parameters=flatten)
+    model = FSDP(net, flatten_parameters=flatten)
+    x = torch.randn(3, 4)
+    reference(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
     _step_and_compare(model, reference)
 
 
@@ -281,6 +358,8 @@ def _body(rank: int, world_size: int) -> None:
                 functools.partial(_case_no_grad_teacher_passing_its_input_through, flatten),
             ),
             (f"create_graph message{tag}", functools.partial(_case_create_graph_backward_message, flatten)),
+            (f"input passed through{tag}", functools.partial(_case_input_passed_through_not_hooked, flatten)),
+            (f"input changed in place{tag}", functools.partial(_case_input_changed_in_place_is_hooked, flatten)),
         ]
         for nested in (False, True):
             cases.append(

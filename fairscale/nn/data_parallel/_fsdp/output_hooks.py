@@ -9,6 +9,8 @@ computed gathers them again (the pre-backward). What gets a hook, and why:
   the unit's, so it needs no gather. A leaf returned as it came in (a soft prompt kept outside the model) took one more hook per forward, never removed:
   every later backward through it ran all of them, and a backward of it alone gathered parameters (on one rank
   only: the ranks fell out of step; found by a fuzz of forward patterns, session 44).
+* Not an input handed back as it came (the same tensor, with the ``grad_fn`` it came in with): see
+  :func:`register_pre_backward_hooks`.
 * Tensors held by a plain object among the outputs (its attributes and slots, four levels deep):
   an output class FSDP does not know (not a container or dataclass) left the unit without a hook, and its backward
   read the freed parameters ("setStorage ... storage of size 0", naming neither FSDP nor the cause).
@@ -21,7 +23,7 @@ of input objects held by output objects (a KV cache passed in and returned) in a
 """
 
 import weakref
-from typing import Any, Callable, List, Set
+from typing import Any, Callable, Dict, List, Set
 
 from torch import Tensor, nn
 
@@ -30,9 +32,22 @@ from fairscale.internal import tensor_hooks
 from .io import for_each_tensor
 from .unit import FSDPUnit
 
-__all__ = ["refuse_backward_of_evaluation_outputs", "register_pre_backward_hooks"]
+__all__ = ["passed_in_graph_tensors", "refuse_backward_of_evaluation_outputs", "register_pre_backward_hooks"]
 
 _OBJECT_DEPTH = 4  # how far into plain objects' attributes the fallback looks (an output wrapping an output)
+
+
+def passed_in_graph_tensors(inputs: Any) -> Dict[int, Any]:
+    """The tensors with a graph among a forward's ``inputs`` (containers only), by id, with their ``grad_fn``, taken
+    before the forward runs (see :func:`register_pre_backward_hooks`)."""
+    found: Dict[int, Any] = {}
+
+    def note(t: Tensor) -> None:
+        if t.grad_fn is not None:
+            found[id(t)] = t.grad_fn
+
+    for_each_tensor(inputs, note)
+    return found
 
 
 def register_pre_backward_hooks(
@@ -42,6 +57,7 @@ def register_pre_backward_hooks(
     accs: List[Any],
     counted: bool,
     pre_backward: Callable[[FSDPUnit], None],
+    passed_in: Dict[int, Any],
 ) -> Any:
     """Hook ``outputs`` of a training forward of ``unit`` (see the module docstring); returns them unchanged.
 
@@ -52,6 +68,12 @@ def register_pre_backward_hooks(
         accs: the accumulator nodes this forward's graph leads to (see ``runtime._forward_grad_accumulators``).
         counted: whether this forward counts among the unit's uses in the coming backward.
         pre_backward: called with ``unit`` by the first hook that fires.
+        passed_in: :func:`passed_in_graph_tensors` of the inputs. An output that is one of them, with the
+            ``grad_fn`` it came in with, is handed back as it came (T5's position bias, which every block receives and
+            returns): not hooked. Its gradient is complete only after the whole backward through it, this unit's
+            included; its hook gathered the unit's parameters again after their reduction, each block's at the end of
+            backward, all of them at once (twice the gathers, and the whole unsharded model in memory). One changed in
+            place by the forward (a new ``grad_fn``) is the unit's result and is hooked.
     """
     tree = unit.tree
     assert tree is not None
@@ -65,6 +87,8 @@ def register_pre_backward_hooks(
     hooked: Set[int] = set()
 
     def register(t: Tensor) -> None:
+        if passed_in and passed_in.get(id(t), False) is t.grad_fn:
+            return
         # The unit's own parameter returned as it is (a shard that is the whole parameter: one rank, not flattened;
         # runtime._unalias_outputs copies the others) is a leaf whose gradient needs the gather: hooked (a review).
         if t.requires_grad and (t.grad_fn is not None or any(t is h.param for h in unit.handles)):
@@ -76,9 +100,9 @@ def register_pre_backward_hooks(
     held: List[Tensor] = []
     _for_each_object_tensor(outputs, held.append, _OBJECT_DEPTH, set(), False)
     if held:  # rare: an output object; only then are the inputs walked
-        passed_in = _tensor_ids(inputs)
+        of_inputs = _tensor_ids(inputs)
         for t in held:  # a dataclass's fields were hooked above already, and a tensor may be held twice
-            if id(t) not in passed_in and id(t) not in hooked:
+            if id(t) not in of_inputs and id(t) not in hooked:
                 register(t)
     if not registered[0]:
         token.done = True

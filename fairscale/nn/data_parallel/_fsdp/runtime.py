@@ -376,8 +376,11 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
         args, kwargs = cast_inputs(c.compute_dtype, (torch.float32,), False, args, kwargs)  # see io.py
     elif c.force_input_to_fp32 and not c.mixed_precision:
         args, kwargs = cast_inputs(torch.float32, (torch.float16, torch.bfloat16), False, args, kwargs)
-    for h in unit.handles if torch.is_grad_enabled() else ():
-        check_no_user_post_accumulate_hooks(h)
+    passed_in: Dict[int, Any] = {}
+    if torch.is_grad_enabled():
+        for h in unit.handles:
+            check_no_user_post_accumulate_hooks(h)
+        passed_in = output_hooks.passed_in_graph_tensors((args, kwargs))  # before the forward may change them
     # A recomputation (activation checkpointing) runs in backward, right before this unit's own backward: its
     # gathers are backward traffic, and resharding after it would only force one more gather.
     recomputing = is_recomputing()
@@ -409,7 +412,9 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
         unit.reshard(after_forward=not grad_off)
     unit.use_fp32_shards()
     if torch.is_grad_enabled():
-        outputs = output_hooks.register_pre_backward_hooks(unit, (args, kwargs), outputs, accs, counted, pre_backward)
+        outputs = output_hooks.register_pre_backward_hooks(
+            unit, (args, kwargs), outputs, accs, counted, pre_backward, passed_in
+        )
     elif grad_off:
         output_hooks.refuse_backward_of_evaluation_outputs((args, kwargs), outputs)
     return outputs
