@@ -16,7 +16,6 @@ Worlds run in gloo processes started by the test engine, with module-level bodie
 
 import copy
 import gc
-import math
 import warnings
 import weakref
 from typing import Any, List, Optional
@@ -205,15 +204,9 @@ def _channels_last_world(rank: int, world_size: int, memory_efficient: bool) -> 
         ref_optimizer.step()
         flat = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
         if step == 0:
-            # The buffers are laid out at the first perform_slowmo, from the parameters as the local step left them:
-            # sharded, each half from the rank that owns it.
-            if memory_efficient:
-                flats = [torch.empty_like(flat) for _ in range(world_size)]
-                dist.all_gather(flats, flat)
-                half = math.ceil(flat.numel() / 2)
-                old = torch.cat([flats[0][:half], flats[1][half:]])
-            else:
-                old = flat.clone()
+            # The buffers are laid out at the first perform_slowmo, from the replicas' average after the local step
+            # (see test_slowmo_lazy_buffers.py).
+            old = _averaged(flat, world_size)
             u = torch.zeros_like(flat)
         u = beta * u + (old - _averaged(flat, world_size)) / lr
         old = old - alpha * lr * u

@@ -17,12 +17,21 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fairscale.internal.collectives import broadcast, reduce
+from fairscale.internal.collectives import all_reduce, broadcast, reduce
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleTypeError, FairscaleValueError
 
 from .utils.helpers import communicate
 
 __all__ = ["SlowMomentum"]
+
+
+def _world_average(params: List[Tensor], world_size: int) -> Tensor:
+    """The parameters as one flat vector, averaged over the default (world) group."""
+    device = params[0].device if params else torch.device("cpu")
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0, device=device)
+    all_reduce(flat)
+    return flat.div_(world_size)
 
 
 class SlowMomentum:
@@ -70,8 +79,14 @@ class SlowMomentum:
             for p in group["params"]:
                 yield p, float(group["lr"])
 
-    def init_buffers(self, optimizer: torch.optim.Optimizer) -> None:
-        """Allocate ``old_params`` (a copy of the owned slice) and a zero momentum buffer."""
+    def init_buffers(self, optimizer: torch.optim.Optimizer, average: bool = False) -> None:
+        """Allocate ``old_params`` (a copy of the owned slice) and a zero momentum buffer.
+
+        Args:
+            average: take ``old_params`` from the parameters averaged over the world (one all-reduce of the whole
+                vector, on every rank) rather than this rank's own. For buffers laid out lazily, after a first local
+                step: see ``SlowMoDistributedDataParallel.perform_slowmo``.
+        """
         if not self.enabled:
             self.initialized = True
             return
@@ -92,6 +107,7 @@ class SlowMomentum:
                 "move the optimizer's parameters to one device"
             )
         total = sum(p.numel() for p in params)
+        averaged = _world_average(params, self.process_world_size) if average else None  # on every rank, owner or not
         self.world_portion_length = math.ceil(total / self.num_shards)
         if self.is_shard_owner:
             if self.memory_efficient:
@@ -103,8 +119,13 @@ class SlowMomentum:
             device = params[0].device if params else torch.device("cpu")
             old_params = torch.zeros(length, dtype=torch.float32, device=device)
             with torch.no_grad():
-                for flat, lo, hi, start, _ in self._owned_ranges(_FlatParams(self._params(optimizer))):
-                    old_params[start : start + hi - lo].copy_(flat[lo:hi])
+                if averaged is not None:
+                    old_params[: self.portion_end - self.portion_start].copy_(
+                        averaged[self.portion_start : self.portion_end]
+                    )
+                else:
+                    for flat, lo, hi, start, _ in self._owned_ranges(_FlatParams(self._params(optimizer))):
+                        old_params[start : start + hi - lo].copy_(flat[lo:hi])
             self.old_params = old_params
             self.global_momentum_buffer = torch.zeros(length, dtype=torch.float32, device=device)
         self._layout = params

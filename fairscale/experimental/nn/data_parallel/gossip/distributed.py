@@ -515,9 +515,9 @@ class SlowMoDistributedDataParallel(nn.Module):
 
     # ---- the per-update algorithm
 
-    def _init_global_momentum_buffers(self, optimizer: torch.optim.Optimizer) -> None:
+    def _init_global_momentum_buffers(self, optimizer: torch.optim.Optimizer, average: bool = False) -> None:
         """Allocate the slow-momentum buffers from the optimizer's current parameters (lazily on first use)."""
-        self._slow_momentum.init_buffers(optimizer)
+        self._slow_momentum.init_buffers(optimizer, average)
         self.portion_start = self._slow_momentum.portion_start
 
     def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params: Optional[Any] = None) -> None:
@@ -535,7 +535,9 @@ class SlowMoDistributedDataParallel(nn.Module):
             # dtype or device since the wrapping would be gossiped in the old one.
             self._sgp.check_parameters()
         if not self.global_momentum_buffers_initialized:
-            self._init_global_momentum_buffers(optimizer)
+            # After a first local step LocalSGD's replicas differ: each rank's own start (upstream's) drifted them
+            # apart for good with memory_efficient=False; their average is common (a fuzz of SlowMo, session 45).
+            self._init_global_momentum_buffers(optimizer, average=self.localsgd)
         # Before any communication: parameters added since the buffers were laid out would be corrupted by the step.
         self._slow_momentum.check_layout(optimizer)
         n = self.num_updates
