@@ -78,13 +78,17 @@ def _check_optimizer(optimizer: Any, method: str) -> None:
 
 
 def _norm(grad: Tensor) -> Tensor:
-    """The gradient's 2-norm as a float64 scalar: half-precision gradients are summed in float32 (their squares
-    overflow in their own dtype), float64 and complex ones in their own (a float32 ``dtype`` was refused for them:
-    "should be convertible without narrowing")."""
+    """The gradient's 2-norm as a float64 scalar, inf only when a value is.
+
+    fp16 gradients are summed in float32 (their squares overflow in their own dtype); float32 and bf16 ones in
+    float64: a finite value above about 1.8e19 has a square beyond float32's range, and such a step was skipped as an
+    overflow (the scale halved) with nothing inf or NaN (a fuzz, session 45; upstream did the same). float64 and
+    complex gradients in their own dtype (a narrower ``dtype`` is refused for them).
+    """
     if grad.is_complex() or grad.dtype == torch.float64:
         norm: Tensor = torch.linalg.vector_norm(grad)
     else:
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32 if grad.dtype == torch.float16 else torch.float64)
     return norm.double()
 
 

@@ -187,6 +187,21 @@ def test_float64_and_complex_gradients_step(dtype: torch.dtype) -> None:
     assert scaler.step(optim) is None and scaler.loss_scale == 2.0  # an overflow is still one
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_finite_gradients_are_not_an_overflow(dtype: torch.dtype) -> None:
+    # Their squares exceed float32's range: the norm was inf, the step skipped and the scale halved (a fuzz, session 45).
+    p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    optim = torch.optim.SGD([p], lr=1.0)
+    scaler = DynamicLossScaler(init_scale=1.0)
+    p.grad = torch.full((2,), 2e19, dtype=dtype)
+    scaler.step(optim)
+    scaler.update()
+    assert scaler.loss_scale == 1.0
+    torch.testing.assert_close(p.detach(), torch.full((2,), -2e19, dtype=dtype))
+    p.grad = torch.tensor([float("inf"), 1.0], dtype=dtype)
+    assert scaler.step(optim) is None and scaler.loss_scale == 0.5  # a real overflow still is one
+
+
 def test_a_load_between_backward_and_step_keeps_the_iterations_scale() -> None:
     # The gradients were multiplied by the iteration's scale (8); the load reset it, and step() divided them by the
     # loaded 4: twice too large (found by a fuzz, session 38). The loaded scale applies from the next iteration.
