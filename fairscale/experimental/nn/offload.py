@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Type
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fairscale.internal.autocast import autocast_state
 from fairscale.internal.device import (
@@ -33,11 +34,14 @@ from .offload_checkpoint import (
     InPlaceSafeAlias,
     autocast_replayed,
     chunk_output,
+    checkpoint_inputs,
     chunks,
+    grad_chunks,
     join_chunks,
     join_grads,
     module_modes,
     modes_replayed,
+    output_rows,
     save_slice_inputs,
     saved_slice_inputs,
 )
@@ -255,6 +259,7 @@ class OffloadFunction(torch.autograd.Function):
         # that each micro-batch's recomputed output meets its own gradient whatever the squeeze did to the whole
         # (a 1-D output, whose 1-row micro-batch a per-chunk squeeze would make 0-d; a batch of one).
         ctx.output_shapes = []
+        ctx.output_rows = []  # per slice and input: its micro-batch outputs' dim-0 sizes (see grad_chunks)
         # Whether each slice's recomputation must backpropagate into its input: only when a model input or a
         # parameter of an earlier slice requires grad (otherwise the input gradient goes nowhere; a frozen first
         # slice was backpropagated for nothing).
@@ -278,8 +283,11 @@ class OffloadFunction(torch.autograd.Function):
             with torch.autograd.profiler.record_function(_PREFIX + "no_grad_forward_pass"):
                 with torch.no_grad():
                     outputs = []
+                    ctx.output_rows.append([])
                     for x in activations[index]:
-                        out = join_chunks([chunk_output(shard(c), index) for c in chunks(x, nmb)], index)
+                        outs = [chunk_output(shard(c), index) for c in chunks(x, nmb)]
+                        ctx.output_rows[index].append(output_rows(outs))
+                        out = join_chunks(outs, index)
                         # Upstream squeezes every slice output, which breaks a width-1 boundary between slices
                         # (the next slice gets (N,) instead of (N, 1)); only the model output keeps that squeeze.
                         outputs.append(out.squeeze(-1) if last else out)
@@ -372,9 +380,9 @@ def _backward_slice(ctx: Any, index: int, slice_input: Tuple[Any, ...], grads: T
     input_grads: List[Optional[Tensor]] = []
     try:
         with modes_replayed(shard, ctx.modes[index]):
-            for x, grad in zip(acts, grads):
+            for x, grad, rows in zip(acts, grads, ctx.output_rows[index]):
                 x_chunks = chunks(x, nmb)
-                g_chunks = chunks(grad, nmb) if isinstance(grad, Tensor) else [None] * len(x_chunks)
+                g_chunks = grad_chunks(grad if isinstance(grad, Tensor) else None, rows, len(x_chunks))
                 collected = [_backward_chunk(ctx, shard, xc, gc, want_input_grad) for xc, gc in zip(x_chunks, g_chunks)]
                 input_grads.append(join_grads(collected))
     finally:
@@ -409,29 +417,6 @@ def _backward_chunk(
     with torch.autograd.profiler.record_function(_PREFIX + "backward_pass"):
         torch.autograd.backward(out, g_chunk)
     return leaf.grad if leaf.requires_grad else None
-
-
-def _checkpoint_inputs(inputs: Tuple[Any, ...]) -> Tuple[Tensor, ...]:
-    """The input tensors of a checkpointed call: its one positional argument, a tensor or a tuple of tensors (each
-    runs through the slices on its own)."""
-    if len(inputs) != 1:
-        raise TypeError(
-            f"OffloadModel with checkpoint_activation=True takes one positional input (a tensor, or a tuple of "
-            f"tensors that each run through the slices), got {len(inputs)}"
-        )
-    values = inputs[0] if isinstance(inputs[0], tuple) else (inputs[0],)
-    if not values or not all(isinstance(v, Tensor) for v in values):
-        raise TypeError(
-            "OffloadModel with checkpoint_activation=True runs each input through the slices in micro-batches, so "
-            f"the input must be a tensor or a non-empty tuple of tensors, got {_describe(inputs[0])}"
-        )
-    return values
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, tuple):
-        return "a tuple of (" + ", ".join(type(v).__name__ for v in value) + ")"
-    return f"a {type(value).__name__}"
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -579,7 +564,7 @@ class OffloadModel(nn.Module):
         # ``copy.deepcopy`` of the model fail on their non-leaf tensors. Autograd keeps what the backward needs.
         self._activations = []
         if self._checkpoint_activation:
-            values = _checkpoint_inputs(inputs)
+            values = checkpoint_inputs(inputs)
             out = OffloadFunction.apply(values[0], torch.tensor([], requires_grad=trainable), self, *values[1:])
             # Upstream's types: one tensor, or a list of several.
             return out if isinstance(out, Tensor) else list(out)
@@ -589,6 +574,9 @@ class OffloadModel(nn.Module):
             if index >= 0:
                 out = self.model_slices[index](*_to(acts, self.device))
                 acts = out if isinstance(out, tuple) else (out,)
-            acts = ShardSyncLayer.apply(anchor, index, self.model_slices, self, *acts)
+            # The tensors inside lists and dicts cross the boundary too: passed as one non-tensor, a list's tensors
+            # bypassed the Function, whose backward (the neighbours' reload and drop) then never ran (a fuzz, s. 45).
+            leaves, spec = tree_flatten(acts)
+            acts = tree_unflatten(list(ShardSyncLayer.apply(anchor, index, self.model_slices, self, *leaves)), spec)
         result = _to(acts, self.device)
         return result[0] if len(result) == 1 else result

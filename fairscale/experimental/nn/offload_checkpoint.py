@@ -122,9 +122,54 @@ class InPlaceSafeAlias(torch.autograd.Function):
         return grad
 
 
+def checkpoint_inputs(inputs: Tuple[Any, ...]) -> Tuple[Tensor, ...]:
+    """The input tensors of a checkpointed call: its one positional argument, a tensor or a tuple of tensors (each
+    runs through the slices on its own)."""
+    if len(inputs) != 1:
+        raise TypeError(
+            f"OffloadModel with checkpoint_activation=True takes one positional input (a tensor, or a tuple of "
+            f"tensors that each run through the slices), got {len(inputs)}"
+        )
+    values = inputs[0] if isinstance(inputs[0], tuple) else (inputs[0],)
+    if not values or not all(isinstance(v, Tensor) for v in values):
+        raise TypeError(
+            "OffloadModel with checkpoint_activation=True runs each input through the slices in micro-batches, so "
+            f"the input must be a tensor or a non-empty tuple of tensors, got {_describe(inputs[0])}"
+        )
+    return values
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "a tuple of (" + ", ".join(type(v).__name__ for v in value) + ")"
+    return f"a {type(value).__name__}"
+
+
 def chunks(x: Tensor, nmb: int) -> Sequence[Tensor]:
     """``x`` split along dim 0 into ``nmb`` micro-batches; a 0-d tensor (no batch dim) is one."""
     return (x,) if x.dim() == 0 else torch.chunk(x, nmb)
+
+
+def output_rows(outs: List[Tensor]) -> Optional[List[int]]:
+    """The dim-0 sizes of a slice's micro-batch outputs (``None`` for a single 0-d output), for :func:`grad_chunks`."""
+    return None if any(o.dim() == 0 for o in outs) else [o.shape[0] for o in outs]
+
+
+def grad_chunks(grad: Optional[Tensor], rows: Optional[List[int]], count: int) -> Sequence[Optional[Tensor]]:
+    """The gradient of a slice's joined output, split as the micro-batch outputs were joined.
+
+    By the outputs' rows, not the inputs': a slice that changes the number of rows (``x.reshape(-1, 4)`` of a
+    ``(b, 8)`` batch) gave uneven micro-batches gradients of the wrong sizes, and the backward failed in torch's
+    shape check (a fuzz, session 45; upstream split the same way).
+
+    Args:
+        grad: the gradient (``None`` when nothing depends on the output).
+        rows: :func:`output_rows` of the forward's micro-batch outputs.
+        count: the number of micro-batches.
+    """
+    if grad is None:
+        return [None] * count
+    return (grad,) if rows is None else torch.split(grad, rows)
 
 
 def join_chunks(outs: List[Tensor], index: int) -> Tensor:
