@@ -116,6 +116,9 @@ def _check_graph_construction() -> None:
         graph.add_layer(c, [-1])
     with pytest.raises(TypeError, match="a layer input must be"):
         graph.add_layer(c, ["0"])  # type: ignore[list-item]
+    # A local module was taken, and building the pipeline failed on a missing get_module_rref (session 45).
+    with pytest.raises(TypeError, match="layer 2 must be a torch.distributed.nn.RemoteModule.*got ReLU"):
+        graph.add_layer(nn.ReLU(), [tanh])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_outputs must be None or a positive int"):
         graph.add_layer(c, [tanh], num_outputs=0)
     with pytest.raises(ValueError, match="already in the graph as layer 2"):

@@ -383,6 +383,23 @@ def _check_remote_first_partition_with_plain_data() -> None:
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
 
 
+def _check_no_grad_forward() -> None:
+    """Under the driver's ``torch.no_grad()`` the partitions on other workers built graphs anyway (RPC threads run with
+    grad on): the output required grad, unlike the plain model's (a fuzz, session 45)."""
+    for where in ("worker0/cpu", "worker1/cpu"):
+        for checkpoint in ("never", "always"):
+            layers = [RemoteModule(where, nn.Linear, (2, 2)), RemoteModule("worker1/cpu", nn.Linear, (2, 2))]
+            graph = PipelineModulesGraph()
+            graph.add_sequence(layers, [0])
+            pipe = DistributedPipeline(graph, chunks=2, checkpoint=checkpoint)
+            x = torch.randn(4, 2)
+            with torch.no_grad():
+                y = pipe(x).to_here()
+            assert not y.requires_grad, (where, checkpoint)
+            torch.testing.assert_close(y, _local_copy(layers[1])(_local_copy(layers[0])(x)).detach())
+            assert pipe(x).to_here().requires_grad, (where, checkpoint)  # grad mode is per forward
+
+
 def _body(rank: int, world_size: int, init_file: str) -> None:
     _report_native_crashes()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", _transports=["uv"])
@@ -399,6 +416,7 @@ def _body(rank: int, world_size: int, init_file: str) -> None:
                 ("batch_norm_statistics", _check_batch_norm_statistics),
                 ("frozen_batch_norm_and_eval_before_backward", _check_frozen_batch_norm_and_eval_before_backward),
                 ("remote_first_partition_with_plain_data", _check_remote_first_partition_with_plain_data),
+                ("no_grad_forward", _check_no_grad_forward),
             ]
             run_cases(cases)
     finally:

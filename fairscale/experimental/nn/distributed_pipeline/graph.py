@@ -138,8 +138,16 @@ class PipelineModulesGraph(nn.Module):
             ValueError: ``module`` is already in the graph (each ``RemoteModule`` may appear once), ``inputs`` is
                 empty, ``num_outputs`` is not a positive int, an input refers to a module not in the graph, or an
                 output index does not fit the producer's ``num_outputs``.
-            TypeError: an input is not an ``int``, a ``RemoteModule`` or a ``(RemoteModule, int)`` pair.
+            TypeError: ``module`` is not a ``RemoteModule``, or an input is not an ``int``, a ``RemoteModule`` or a
+                ``(RemoteModule, int)`` pair.
         """
+        if not callable(getattr(module, "get_module_rref", None)):
+            # A local module was taken, and building the pipeline failed on a missing get_module_rref (a fuzz, s. 45).
+            raise TypeError(
+                f"layer {len(self.nodes)} must be a torch.distributed.nn.RemoteModule (the pipeline runs each layer "
+                f"on its worker through its module RRef), got {type(module).__name__}; create it with "
+                "RemoteModule('worker/cpu', module_cls, args)"
+            )
         existing = next((i for i, n in enumerate(self.nodes) if n.module is module), None)
         if existing is not None:
             # Inputs name modules, so consumers of a second call were wired to the first one (a silently wrong

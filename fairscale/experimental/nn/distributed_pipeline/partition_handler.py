@@ -277,6 +277,8 @@ class DistributedPipelineRecord:
         consumers: where each output goes.
         module: the partition's module.
         checkpoint_stop: micro-batches ``k < checkpoint_stop`` are checkpointed in training.
+        grad_enabled: the caller's grad mode at the forward: the micro-batches run in it (RPC threads have grad on,
+            so a forward under the driver's ``torch.no_grad()`` built graphs on every other worker; a fuzz, s. 45).
     """
 
     # Upstream's name for the type of ``consumers``.
@@ -292,7 +294,9 @@ class DistributedPipelineRecord:
         consumers: List[_RecordConsumer],
         module: nn.Module,
         checkpoint_stop: int,
+        grad_enabled: bool = True,
     ) -> None:
+        self.grad_enabled = grad_enabled
         self.device = device
         self.rank = rank
         self.chunks = chunks
@@ -338,7 +342,8 @@ class DistributedPipelineRecord:
             # Everything up to the sends is forwarded as a failure, so that the pipeline's result reports it
             # instead of the driver waiting for the RPC timeout.
             try:
-                result = _tied_to_anchor(self._run(chunk, inputs), inputs, anchor)
+                with torch.set_grad_enabled(self.grad_enabled):
+                    result = _tied_to_anchor(self._run(chunk, inputs), inputs, anchor)
                 values = self._consumer_values(result)
             except Exception as e:
                 result = failure = _Failure(e)
@@ -435,8 +440,10 @@ class PartitionHandler:
         """One RRef per parameter of the partition's module."""
         return [rpc.RRef(p) for p in self.module.parameters()]
 
-    def make_pipeline_record(self, consumers: List[_RecordConsumer]) -> DistributedPipelineRecord:
-        """A record for one forward pass whose outputs go to ``consumers``."""
+    def make_pipeline_record(
+        self, consumers: List[_RecordConsumer], grad_enabled: bool = True
+    ) -> DistributedPipelineRecord:
+        """A record for one forward pass whose outputs go to ``consumers``, run in grad mode ``grad_enabled``."""
         return DistributedPipelineRecord(
             self.device,
             self.rank,
@@ -446,6 +453,7 @@ class PartitionHandler:
             consumers,
             self.module,
             self.checkpoint_stop,
+            grad_enabled,
         )
 
     @_async_execution
@@ -506,10 +514,12 @@ def _new_partition_handler(*args: Any) -> rpc.RRef[Any]:
     return rpc.RRef(PartitionHandler(*args))
 
 
-def _new_record(handler: rpc.RRef[Any], consumers: List[_RecordConsumer]) -> Tuple[rpc.RRef[Any], _RecordKey]:
+def _new_record(
+    handler: rpc.RRef[Any], consumers: List[_RecordConsumer], grad_enabled: bool
+) -> Tuple[rpc.RRef[Any], _RecordKey]:
     """Runs on the handler's worker: a record that exists when the caller gets its RRef (which keeps it alive) and
     its key (which feeds address)."""
-    record = handler.local_value().make_pipeline_record(consumers)
+    record = handler.local_value().make_pipeline_record(consumers, grad_enabled)
     key = next(_RECORD_KEYS)
     _RECORDS[key] = record
     return rpc.RRef(record), _RecordKey(rpc.get_worker_info().name, key)

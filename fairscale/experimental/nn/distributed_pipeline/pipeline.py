@@ -244,7 +244,7 @@ class DistributedPipeline(nn.Module):
                 consumers.append(DataConsumer(records[target][1], consumer.consumer_input_idx, consumer.output_idx))
             # Synchronous, like the handlers: every record exists before the first feed can reach it.
             records[partition] = rpc.rpc_sync(
-                partition.handler.owner(), _new_record, args=(partition.handler, consumers)
+                partition.handler.owner(), _new_record, args=(partition.handler, consumers, torch.is_grad_enabled())
             )
         last = self.partitions[-1]
         # Returns at once on the last worker (an async_execution function): the reply leaves when the last
