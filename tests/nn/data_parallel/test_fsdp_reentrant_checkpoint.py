@@ -255,3 +255,50 @@ def _hooks_per_step_body(rank: int, world_size: int) -> List[int]:
 def test_recomputed_parameter_output_gets_no_hook_per_step() -> None:
     for counts in run_distributed(_hooks_per_step_body, WORLD, timeout=TIMEOUT):
         assert counts == [counts[0]] * 3, counts
+
+
+class _CheckpointedUnits(nn.Module):
+    """HuggingFace's gradient checkpointing with FSDP-wrapped layers: a reentrant checkpoint around each unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Block(False) for _ in range(3)])
+        self.checkpointed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch_checkpoint.checkpoint(block, x, use_reentrant=True) if self.checkpointed else block(x)
+        return x
+
+
+def _checkpointed_units_case(flatten: bool) -> None:
+    # The recomputation (a forward with grad on inside the backward) was taken for a training forward: resharded
+    # after it, so the unit's backward gathered it again (two gathers per unit, the first tagged "forward"; a fuzz of
+    # real-world architectures, session 45).
+    rank = dist.get_rank()
+    expected = _train(_CheckpointedUnits(), -1)
+    net = _CheckpointedUnits()
+    net.checkpointed = True
+    net.blocks = nn.ModuleList([FSDP(b, flatten_parameters=flatten) for b in net.blocks])
+    model = FSDP(net, flatten_parameters=flatten)
+    out = model(_batch(0, rank))
+    with count_collectives() as counter:
+        out.pow(2).mean().backward()
+    per_unit = 1 if flatten else 4  # each weight and bias of a block
+    assert counter.count("all_gather") == counter.count("all_gather", phase="backward"), counter.summary()
+    assert counter.count("all_gather", phase="backward") == len(net.blocks) * per_unit, counter.summary()
+    model.zero_grad(set_to_none=True)
+    got = _train(model, rank)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _checkpointed_units_body(rank: int, world_size: int) -> None:
+    run_cases([(f"flatten={f}", functools.partial(_checkpointed_units_case, f)) for f in (True, False)])
+
+
+def test_reentrant_checkpoint_around_units_gathers_each_once() -> None:
+    run_distributed(_checkpointed_units_body, WORLD, timeout=TIMEOUT)

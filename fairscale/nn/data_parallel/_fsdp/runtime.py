@@ -382,8 +382,10 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
             check_no_user_post_accumulate_hooks(h)
         passed_in = output_hooks.passed_in_graph_tensors((args, kwargs))  # before the forward may change them
     # A recomputation (activation checkpointing) runs in backward, right before this unit's own backward: its
-    # gathers are backward traffic, and resharding after it would only force one more gather.
-    recomputing = is_recomputing()
+    # gathers are backward traffic, and resharding after it would only force one more gather. A forward with grad on
+    # inside a backward is one too: torch's reentrant checkpoint (HF's gradient checkpointing) around a unit gathered
+    # it twice per backward, tagged "forward" (a fuzz of real-world architectures, session 45).
+    recomputing = is_recomputing() or (torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1)
     if not recomputing:
         unit.drop_stale_full_params()
     # Nothing of a forward without autograd (evaluation) may stay gathered: no backward will use it, and an optimizer
@@ -478,9 +480,16 @@ def pre_backward(unit: FSDPUnit) -> None:
     assert tree is not None
     tree.queue_final_callback()
     tree.free_nested_leftovers()
-    unit.rebuild_full_params("backward")
-    unit.use_full_params()
-    if unit.pre_backward_ran:
+    again = unit.pre_backward_ran
+    if not again:
+        unit.reduced_handles.clear()  # no reduction of this unit runs before its first pre-backward point
+    # Reached again (a late hook): handles reduced by now keep their shard. An output the unit also used itself (T5's
+    # position bias, attention weights, a router's logits) has its gradient complete only after part of the unit's
+    # backward; with flatten_parameters=False its hook gathered the parameters reduced by then again (a fuzz of
+    # real-world architectures, session 45).
+    unit.rebuild_full_params("backward", unit.reduced_handles)
+    unit.use_full_params(unit.reduced_handles)
+    if again:
         # Reached again from a nested task (an inner unit's outputs in a checkpoint_wrapper recomputation).
         nested_backward.adopt_nested_task_if_it_uses_params(unit)
         return
