@@ -262,6 +262,19 @@ def _case_cache_object_passed_through(flatten: bool) -> None:
     _step_and_compare(model, reference)
 
 
+def _check_backward_gathers(cls, flatten: bool, expected) -> None:
+    """One step of ``cls`` with wrapped blocks against the reference; ``expected(net)`` all-gathers in backward."""
+    reference, net, model = _reference_and_wrapped_blocks(cls, flatten)
+    x = torch.randn(3, 4)
+    reference(x).pow(2).sum().backward()
+    y = model(x)
+    with count_collectives() as counter:
+        y.pow(2).sum().backward()
+    gathers = counter.count("all_gather", phase="backward")
+    assert gathers == expected(net), [(r.kind, r.phase) for r in counter.records]
+    _step_and_compare(model, reference)
+
+
 class BiasBlock(nn.Module):
     """A T5 block: adds the position bias it was given and hands it back as it came, for the next block."""
 
@@ -290,17 +303,8 @@ def _case_input_passed_through_not_hooked(flatten: bool) -> None:
     # Each block returned the bias it was given: its gradient is complete only after every block's backward, so each
     # block's hook fired at the end and gathered that block again after its reduction (twice the gathers, and every
     # block's full parameters in memory at once; found by reading the hook path, session 45).
-    reference, net, model = _reference_and_wrapped_blocks(BiasStack, flatten)
-    x = torch.randn(3, 4)
-    reference(x).pow(2).sum().backward()
-    y = model(x)
-    with count_collectives() as counter:
-        y.pow(2).sum().backward()
     per_unit = 1 if flatten else 2  # the root keeps its parameters after forward
-    assert counter.count("all_gather", phase="backward") == len(net.blocks) * per_unit, [
-        (r.kind, r.phase) for r in counter.records
-    ]
-    _step_and_compare(model, reference)
+    _check_backward_gathers(BiasStack, flatten, lambda net: len(net.blocks) * per_unit)
 
 
 class BiasMaker(nn.Module):
@@ -330,15 +334,9 @@ class BiasUser(nn.Module):
 def _case_output_used_by_its_unit_regathers_nothing(flatten: bool) -> None:
     # The bias's gradient is complete only after part of the first block's backward: not flattened, that block's
     # parameters reduced by then were gathered again by the bias's hook (a fuzz of real-world architectures, s. 45).
-    reference, net, model = _reference_and_wrapped_blocks(BiasUser, flatten)
-    x = torch.randn(3, 4)
-    reference(x).pow(2).sum().backward()
-    y = model(x)
-    with count_collectives() as counter:
-        y.pow(2).sum().backward()
-    expected = len(net.blocks) if flatten else sum(1 for _ in net.blocks.parameters())
-    assert counter.count("all_gather", phase="backward") == expected, [(r.kind, r.phase) for r in counter.records]
-    _step_and_compare(model, reference)
+    _check_backward_gathers(
+        BiasUser, flatten, lambda net: len(net.blocks) if flatten else sum(1 for _ in net.blocks.parameters())
+    )
 
 
 class InPlaceScale(nn.Module):

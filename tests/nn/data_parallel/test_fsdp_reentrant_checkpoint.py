@@ -257,21 +257,13 @@ def test_recomputed_parameter_output_gets_no_hook_per_step() -> None:
         assert counts == [counts[0]] * 3, counts
 
 
-class _CheckpointedUnits(nn.Module):
+class _CheckpointedUnits(_Layers):
     """HuggingFace's gradient checkpointing with FSDP-wrapped layers: a reentrant checkpoint around each unit."""
 
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.inp = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList([_Block(False) for _ in range(3)])
-        self.checkpointed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = torch_checkpoint.checkpoint(block, x, use_reentrant=True) if self.checkpointed else block(x)
-        return x
+        super().__init__(False)
+        self.layers = nn.ModuleList([_Block(False) for _ in range(3)])
 
 
 def _checkpointed_units_case(flatten: bool) -> None:
@@ -282,14 +274,14 @@ def _checkpointed_units_case(flatten: bool) -> None:
     expected = _train(_CheckpointedUnits(), -1)
     net = _CheckpointedUnits()
     net.checkpointed = True
-    net.blocks = nn.ModuleList([FSDP(b, flatten_parameters=flatten) for b in net.blocks])
+    net.layers = nn.ModuleList([FSDP(b, flatten_parameters=flatten) for b in net.layers])
     model = FSDP(net, flatten_parameters=flatten)
     out = model(_batch(0, rank))
     with count_collectives() as counter:
         out.pow(2).mean().backward()
     per_unit = 1 if flatten else 4  # each weight and bias of a block
     assert counter.count("all_gather") == counter.count("all_gather", phase="backward"), counter.summary()
-    assert counter.count("all_gather", phase="backward") == len(net.blocks) * per_unit, counter.summary()
+    assert counter.count("all_gather", phase="backward") == len(net.layers) * per_unit, counter.summary()
     model.zero_grad(set_to_none=True)
     got = _train(model, rank)
     for name, value in expected.items():
