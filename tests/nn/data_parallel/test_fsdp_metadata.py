@@ -358,8 +358,8 @@ def test_consolidate_refuses_paddings_moved_between_ranks() -> None:
 # ------------------------------------------------------------------------------------------------------ the tool
 
 
-def _save_body(rank: int, world_size: int, directory: str) -> Dict[str, Tensor]:
-    fsdp = _trained("shared-flat")
+def _save_body(rank: int, world_size: int, directory: str, name: str) -> Dict[str, Tensor]:
+    fsdp = _trained(name)
     torch.save(
         {"weights": fsdp.local_state_dict(), "meta": fsdp.local_metadata_dict()},
         os.path.join(directory, f"ckpt-rank-{rank}.pt"),
@@ -367,8 +367,9 @@ def _save_body(rank: int, world_size: int, directory: str) -> Dict[str, Tensor]:
     return fsdp.state_dict()
 
 
-def _load_resharded_body(rank: int, world_size: int, directory: str, expected: Dict[str, Tensor]) -> None:
-    fsdp = wrap_model(TransformerWithSharedParams(), {}, "nested")  # another init than the checkpoint's
+def _load_resharded_body(rank: int, world_size: int, directory: str, expected: Dict[str, Tensor], name: str) -> None:
+    _, mode, kwargs = CASES[name]
+    fsdp = wrap_model(TransformerWithSharedParams(), kwargs, mode)  # another init than the checkpoint's
     ckpt = torch.load(os.path.join(directory, f"checkpoint-rank-{rank}.pt"), weights_only=True)
     # Paddings recomputed for this world size; a new checkpoint identity for each rank.
     expected_meta = _upstream_part(fsdp.local_metadata_dict(), rank, world_size)
@@ -377,10 +378,13 @@ def _load_resharded_body(rank: int, world_size: int, directory: str, expected: D
     _assert_same_values(fsdp.state_dict(), expected, f"resharded for {world_size} ranks")
 
 
-def test_offline_consolidate_and_reshard_tool(tmp_path: Any) -> None:
+# Not flattened, the tied weights are keys of the local dicts under each name: the resharded ones lacked the second,
+# and every rank refused them (a fuzz of checkpoints, session 45).
+@pytest.mark.parametrize("name", ["shared-flat", "shared-nonflat"])
+def test_offline_consolidate_and_reshard_tool(tmp_path: Any, name: str) -> None:
     saved, full_path = str(tmp_path / "ws2"), str(tmp_path / "full.pt")
     os.makedirs(saved)
-    expected = run_distributed(_save_body, 2, saved)[0]
+    expected = run_distributed(_save_body, 2, saved, name)[0]
     assert [os.path.basename(p) for p in find_rank_files(saved)] == ["ckpt-rank-0.pt", "ckpt-rank-1.pt"]
     assert main(["consolidate", saved, full_path]) == 0
     _assert_same_values(torch.load(full_path, weights_only=True), expected, "consolidated by the CLI")
@@ -390,7 +394,7 @@ def test_offline_consolidate_and_reshard_tool(tmp_path: Any) -> None:
         meta_file = os.path.join(saved, "ckpt-rank-1.pt")
         argv = ["reshard", full_path, "--meta", meta_file, "--world-size", str(world_size), "--out-dir", out_dir]
         assert main(argv) == 0
-        run_distributed(_load_resharded_body, world_size, out_dir, expected)
+        run_distributed(_load_resharded_body, world_size, out_dir, expected, name)
         # And back: the resharded files consolidate to the same full state dict.
         _assert_same_values(consolidate_checkpoint_dir(out_dir), expected, f"re-consolidated from {world_size}")
 

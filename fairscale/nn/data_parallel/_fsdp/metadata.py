@@ -403,6 +403,12 @@ def reshard_full_state_dict(
                 }
         for r in range(world_size):
             metas[r]["param_metadata"].append({**entry, "params": per_rank[r]})
+            # A non-flattened instance's tied parameters are in its local dicts under each name (the same shard),
+            # and its loads want them all: left out, every rank refused the shards (a fuzz of checkpoints, s. 45).
+            # A flattened one's ties live inside its flat parameter: their names are not keys of its local dicts.
+            for src, dst in entry.get("shared_param_info", []):
+                if _join(path, src) in weights[r]:
+                    weights[r][_join(path, dst)] = weights[r][_join(path, src)]
     for name in metadata["buffer_names"]:
         value = _full_value(full_state_dict, name)
         for r in range(world_size):
