@@ -696,6 +696,9 @@ def _bad_input_body(rank: int, world_size: int) -> None:
     unknown["state"][17] = {}
     bad_group_size = copy.deepcopy(good)
     bad_group_size["param_groups"][1]["params"] = [4]
+    # Indices as text (a dict through JSON): kept as a wrapper's entries, every parameter's state dropped (session 45).
+    text_keys = copy.deepcopy(good)
+    text_keys["state"] = {str(k): v for k, v in text_keys["state"].items()}
     cases = [
         ("unconsolidated shard", shard, ValueError, "consolidate_state_dict"),
         ("missing param group", missing_group, ValueError, "1 parameter groups but this optimizer has 2"),
@@ -704,6 +707,7 @@ def _bad_input_body(rank: int, world_size: int) -> None:
         ("statistic larger than its parameter", larger_unknown, ValueError, "'extra_statistic' of parameter 1"),
         ("unknown parameter", unknown, ValueError, "parameter 17"),
         ("group size", bad_group_size, ValueError, "group 1"),
+        ("indices as text", text_keys, ValueError, r"string '0', a parameter index as text.*int\(key\)"),
         ("no state key", {"param_groups": good["param_groups"]}, ValueError, "state"),
         ("not a dict", [1, 2], TypeError, "mapping"),
     ]

@@ -232,6 +232,14 @@ def check_loadable(state_dict: Any, param_groups: List[ParamGroup]) -> None:
             )
     index_to_param = global_index_map(saved_groups, param_groups)
     for key, value in state_dict["state"].items():
+        if isinstance(key, str) and key.isdigit() and int(key) in index_to_param:
+            # A parameter's index as a string (a dict that went through JSON or a converter) was kept as a wrapper's
+            # entry, and every parameter's state was dropped, silently (a fuzz of checkpoints, session 45).
+            raise ValueError(
+                f"OSS.load_state_dict: the state has an entry under the string {key!r}, a parameter index as text "
+                "(a state dict that went through JSON or a converter?); per-parameter state is keyed by int index: "
+                "convert the keys with int(key) before loading"
+            )
         if not isinstance(key, int):
             continue  # state that belongs to no parameter (e.g. a wrapper's), carried as torch does
         if key not in index_to_param:
