@@ -142,7 +142,9 @@ def parameter_fingerprints(unit: FSDPUnit) -> List[Tuple[str, int]]:
                 data = h.param.data.detach().reshape(-1)
                 words = data.view(_WORDS.get(data.element_size(), torch.uint8))
                 shown = ", ".join(clean_path(f"{path}.{n}" if path else n) for n in names[:3])
-                out.append((shown + (", ..." if len(names) > 3 else ""), int(words.sum(dtype=torch.int64))))
+                if len(names) > 1:  # one fingerprint per flat parameter: which member differs is not known
+                    shown = f"one of the {len(names)} parameters flattened together ({shown}{', ...' if len(names) > 3 else ''})"
+                out.append((shown, int(words.sum(dtype=torch.int64))))
     return out
 
 
