@@ -1,7 +1,8 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """The arguments and outputs of a checkpointed forward as a flat list of tensors plus a spec to rebuild them from.
 
-Tuples, namedtuples, lists, dicts and dataclass instances are walked; every other value is kept as it is.
+Tuples, namedtuples, lists, dicts and dataclass instances are walked, and for outputs the attributes of plain
+objects (a hand-written output record); every other value is kept as it is.
 """
 
 import copy
@@ -9,8 +10,12 @@ import dataclasses
 from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
+from torch import nn
 
 from fairscale.internal.containers import rebuild_sequence
+
+# How deep outputs' plain objects are walked (an output record holding another); specs hold their copies.
+OUTPUT_OBJECTS = 2
 
 
 class _Slot:
@@ -23,14 +28,15 @@ class _Slot:
 
 
 def _map_structure(
-    obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool], always_copy: bool = False
+    obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool], always_copy: bool = False, objects: int = 0
 ) -> Any:
     """Rebuild ``obj`` (nested tuples, namedtuples, lists, dicts and dataclasses) with ``fn`` applied to its leaves
     for which ``is_leaf`` holds; every other value is kept as is.
 
     A container none of whose leaves changed is returned itself, not a copy (unless ``always_copy``): an argument the
     checkpointed forward writes into (a list or a context object collecting auxiliary losses) is the caller's, as
-    without checkpointing.
+    without checkpointing. ``objects``: how many levels of plain objects' attributes (``__dict__``) are walked too;
+    one holding a leaf is rebuilt as a shallow copy.
     """
     if is_leaf(obj):
         return fn(obj)
@@ -38,8 +44,11 @@ def _map_structure(
     def same(pairs: Iterator[Tuple[Any, Any]]) -> bool:
         return not always_copy and all(new is old for new, old in pairs)
 
+    def walk(x: Any) -> Any:
+        return _map_structure(x, fn, is_leaf, always_copy, objects)
+
     if isinstance(obj, (tuple, list)):
-        items = [_map_structure(x, fn, is_leaf, always_copy) for x in obj]
+        items = [walk(x) for x in obj]
         if same(zip(items, obj)):
             return obj
         # A namedtuple by its fields, past the class's own __new__, which may check them: PackedSequence's refuses
@@ -47,7 +56,7 @@ def _map_structure(
         # torch.return_types and torch.Size keep their type too (see rebuild_sequence).
         return rebuild_sequence(obj, items, keep_unchanged=False)
     if isinstance(obj, dict):
-        values = {key: _map_structure(value, fn, is_leaf, always_copy) for key, value in obj.items()}
+        values = {key: walk(value) for key, value in obj.items()}
         if same((values[key], value) for key, value in obj.items()):
             return obj
         # A shallow copy keeps the dict's type and extra state (OrderedDict, model-output classes); item by item,
@@ -60,7 +69,7 @@ def _map_structure(
         # A dataclass instance (an argument object, a model-output record): its tensors are inputs and outputs
         # like any other. Untraversed, an output's tensors came from the no-grad first pass without a graph.
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        mapped = {name: _map_structure(value, fn, is_leaf, always_copy) for name, value in fields.items()}
+        mapped = {name: walk(value) for name, value in fields.items()}
         if same((mapped[name], value) for name, value in fields.items()):
             return obj
         # A shallow copy, fields set past __init__ and frozen=True, keeps its type, init=False fields and extras.
@@ -68,21 +77,41 @@ def _map_structure(
         for name, value in mapped.items():
             object.__setattr__(record, name, value)
         return record
+    if objects > 0 and _is_plain_object(obj):
+        # An output record of the user's own class: left as it was, its tensors came from the no-grad first pass and
+        # the module got no gradient, silently (a fuzz of checkpointing, session 45). Its attributes are walked
+        # like a dataclass's fields.
+        attributes = dict(vars(obj))
+        walked = {name: _map_structure(v, fn, is_leaf, always_copy, objects - 1) for name, v in attributes.items()}
+        if same((walked[name], value) for name, value in attributes.items()):
+            return obj
+        rebuilt = copy.copy(obj)
+        for name, value in walked.items():
+            object.__setattr__(rebuilt, name, value)
+        return rebuilt
     return obj
 
 
-def _flatten(obj: Any) -> Tuple[List[torch.Tensor], Any]:
-    """Split ``obj`` into its tensors (in traversal order) and a spec with a ``_Slot`` for each."""
+def _is_plain_object(obj: Any) -> bool:
+    """An instance with attributes of its own that is not a module, tensor, class, function or scalar."""
+    if isinstance(obj, (type, nn.Module, torch.Tensor, str, bytes, int, float, bool, complex)) or callable(obj):
+        return False
+    return isinstance(getattr(obj, "__dict__", None), dict) and bool(vars(obj))
+
+
+def _flatten(obj: Any, objects: int = 0) -> Tuple[List[torch.Tensor], Any]:
+    """Split ``obj`` into its tensors (in traversal order) and a spec with a ``_Slot`` for each (``objects``: see
+    :func:`_map_structure`)."""
     tensors: List[torch.Tensor] = []
 
     def to_slot(t: torch.Tensor) -> _Slot:
         tensors.append(t)
         return _Slot(len(tensors) - 1)
 
-    spec = _map_structure(obj, to_slot, lambda x: isinstance(x, torch.Tensor))
+    spec = _map_structure(obj, to_slot, lambda x: isinstance(x, torch.Tensor), objects=objects)
     return tensors, spec
 
 
-def _unflatten(spec: Any, tensors: List[torch.Tensor]) -> Any:
-    """Inverse of :func:`_flatten`."""
-    return _map_structure(spec, lambda slot: tensors[slot.index], lambda x: isinstance(x, _Slot))
+def _unflatten(spec: Any, tensors: List[torch.Tensor], objects: int = 0) -> Any:
+    """Inverse of :func:`_flatten` (with the same ``objects``)."""
+    return _map_structure(spec, lambda slot: tensors[slot.index], lambda x: isinstance(x, _Slot), objects=objects)

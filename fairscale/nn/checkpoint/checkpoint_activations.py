@@ -41,7 +41,7 @@ from fairscale.internal import device
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._outputs import _aliases, _warn_about_tensors_stored_in_arguments, _warn_create_graph
 from ._recomputation_hooks import run_recomputation_hooks
-from ._structure import _flatten, _map_structure, _unflatten
+from ._structure import OUTPUT_OBJECTS, _flatten, _map_structure, _unflatten
 from ._rng_sources import captured_rng_sources, replaying_rng_sources
 from ._training_flags import TrainingFlags, replay_training_flags, training_flags_of
 from .checkpoint_utils import (
@@ -307,7 +307,7 @@ def _checkpointed_forward(
     for t in output_tensors:
         if t.requires_grad:
             t.register_hook(_warn_create_graph)
-    return _unflatten(run.output_spec, list(output_tensors))
+    return _unflatten(run.output_spec, list(output_tensors), OUTPUT_OBJECTS)
 
 
 class _RunForward:
@@ -386,7 +386,7 @@ class _RunForward:
             self.stash[_RECOMPUTED] = True
         if first_pass:
             _warn_about_tensors_stored_in_arguments(self.forward, (args, kwargs), input_tensors)
-        output_tensors, output_spec = _flatten(outputs)
+        output_tensors, output_spec = _flatten(outputs, OUTPUT_OBJECTS)
         if first_pass:
             self.first_pass_done = True
             self.output_spec = output_spec

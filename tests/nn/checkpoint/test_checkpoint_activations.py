@@ -235,6 +235,40 @@ def test_tensors_in_dataclass_inputs_and_outputs_get_grads() -> None:
     assert_same_grads(plain, ckpt)
 
 
+class Record:
+    """A hand-written output record (no dataclass, no container), holding another."""
+
+    def __init__(self, logits: torch.Tensor, inner: Optional["Record"] = None) -> None:
+        self.logits = logits
+        self.inner = inner
+        self.tag = "out"
+
+
+class ObjectOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> Record:
+        h = self.proj(x).tanh()
+        return Record(self.head(h), Record(h))
+
+
+def test_tensors_in_plain_output_objects_get_grads() -> None:
+    # Left as they were, their tensors came from the no-grad first pass: the module got no gradient, silently (a
+    # fuzz of checkpointing, session 45).
+    torch.manual_seed(0)
+    plain = ObjectOut()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    for model in (plain, ckpt):
+        out = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
+        assert type(out) is Record and type(out.inner) is Record and out.tag == "out"
+        assert out.logits.requires_grad and out.inner is not None and out.inner.logits.requires_grad
+        (out.logits.sum() + out.inner.logits.pow(2).sum()).backward()
+    assert_same_grads(plain, ckpt)
+
+
 @dataclasses.dataclass
 class Context:
     """A context object the forward writes into (auxiliary losses), beside a tensor."""
