@@ -13,14 +13,19 @@ default generator of the current accelerator, or the CPU generator on a machine 
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, Set, Tuple, Union
+import threading
+from typing import Any, Dict, Iterator, List, Set, Tuple, Union, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import detach_variable
+from torch.utils.hooks import RemovableHandle
 
 from fairscale.internal import device as device_layer
 from fairscale.nn.checkpoint._rng_sources import register_rng_source
+from fairscale.nn.checkpoint.checkpoint_activations import _may_need_grad
+from fairscale.nn.checkpoint.checkpoint_utils import _is_patched_kind, _RunningStatsGuard
 
 from .initialize import get_data_parallel_rank, get_model_parallel_rank
 
@@ -173,10 +178,81 @@ class _RNGSnapshot:
         self.tracker = get_cuda_rng_tracker().get_states()
 
     def restore(self) -> None:
+        """Put the states back; the snapshot stays as it is, so it can be restored again.
+
+        A retained graph's second backward restores the forward's snapshot a second time. The tracker keeps the
+        dict it is given and each ``fork()`` writes its advanced state into it: handed the snapshot's own dict, the
+        first recomputation advanced the snapshot, and the second one drew other dropout masks (wrong gradients).
+        The generators copy the state tensors they are set from, so those need no copy.
+        """
         torch.set_rng_state(self.cpu)
         if self.device is not None:
             _set_cuda_rng_state(self.device)
-        get_cuda_rng_tracker().set_states(self.tracker)
+        get_cuda_rng_tracker().set_states(dict(self.tracker))
+
+
+class _Recomputation(threading.local):
+    """How many checkpoint recomputations run on this thread, and the batch-norm guards active in them."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.guards: Dict[int, _RunningStatsGuard] = {}
+
+
+_recomputation = _Recomputation()
+
+
+def _always() -> bool:
+    return True
+
+
+def _suspend_running_stats(module: nn.Module, inputs: Tuple[Any, ...]) -> None:
+    # A global hook sees every module on every thread: only batch-norm layers run by this thread's recomputation.
+    if _recomputation.depth and _is_patched_kind(module) and id(module) not in _recomputation.guards:
+        guard = _RunningStatsGuard(_always)
+        _recomputation.guards[id(module)] = guard
+        guard.suspend(cast(_BatchNorm, module), inputs)
+
+
+def _restore_running_stats(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+    guard = _recomputation.guards.pop(id(module), None) if _recomputation.depth else None
+    if guard is not None:
+        guard.restore(cast(_BatchNorm, module), inputs, output)
+
+
+@contextlib.contextmanager
+def _running_stats_left_alone() -> Iterator[None]:
+    """Inside the block, the batch-norm layers this thread runs leave their running statistics alone.
+
+    The checkpointed function is any callable (a closure over the layers, as Megatron writes it), so its batch-norm
+    layers cannot be listed: global module hooks, active only while a recomputation runs and only on its thread,
+    apply :func:`fairscale.nn.checkpoint.checkpoint_utils.patch_batchnorm`'s guard to each layer they see. The
+    first (no-grad) pass has updated the statistics, as the plain call does; each recomputation (one per backward
+    through a retained graph, and any checkpoint nested inside) would have updated them once more.
+    """
+    handles: List[RemovableHandle] = []
+    if _recomputation.depth == 0:
+        handles.append(torch.nn.modules.module.register_module_forward_pre_hook(_suspend_running_stats))
+        # always_call: a forward that raises must not leave the layer without statistics for good.
+        handles.append(torch.nn.modules.module.register_module_forward_hook(_restore_running_stats, always_call=True))
+    _recomputation.depth += 1
+    try:
+        yield
+    finally:
+        _recomputation.depth -= 1
+        for handle in handles:
+            handle.remove()
+
+
+class _WithoutGradAnchor:
+    """The checkpointed function, called with an extra first argument (the grad anchor, see :func:`checkpoint`)
+    that it does not see."""
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+    def __call__(self, _grad_anchor: Tensor, *args: Any) -> Any:
+        return self.function(*args)
 
 
 class CheckpointFunction(torch.autograd.Function):
@@ -199,30 +275,49 @@ class CheckpointFunction(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
         inputs = ctx.saved_tensors
-        bwd_rng = _RNGSnapshot()
-        ctx.fwd_rng.restore()
-        detached_inputs = detach_variable(inputs)
-        try:
-            with torch.enable_grad():
-                outputs = ctx.run_function(*detached_inputs)
-        finally:
-            bwd_rng.restore()
-        if isinstance(outputs, Tensor):
-            outputs = (outputs,)
-        # Only the recomputed outputs that require grad: one that needs none (a mask the function also returns) made
-        # backward fail ("element 1 of tensors does not require grad"), as torch's own checkpoint does not.
-        pairs = [(out, grad) for out, grad in zip(outputs, args) if isinstance(out, Tensor) and out.requires_grad]
-        if not pairs:
-            raise RuntimeError(
-                "model_parallel.random.checkpoint: none of the checkpointed function's outputs requires grad, so "
-                "there is nothing to back-propagate; call the function without checkpoint()"
-            )
-        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        # The inner backward is covered too: a checkpoint_wrapper module inside recomputes there.
+        with _running_stats_left_alone():
+            bwd_rng = _RNGSnapshot()
+            ctx.fwd_rng.restore()
+            detached_inputs = detach_variable(inputs)
+            try:
+                with torch.enable_grad():
+                    outputs = ctx.run_function(*detached_inputs)
+            finally:
+                bwd_rng.restore()
+            if isinstance(outputs, Tensor):
+                outputs = (outputs,)
+            # Only the recomputed outputs that require grad: one that needs none (a mask the function also returns)
+            # made backward fail ("element 1 of tensors does not require grad"), as torch's own checkpoint does not.
+            pairs = [(out, grad) for out, grad in zip(outputs, args) if isinstance(out, Tensor) and out.requires_grad]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            elif not isinstance(ctx.run_function, _WithoutGradAnchor):
+                raise RuntimeError(
+                    "model_parallel.random.checkpoint: none of the checkpointed function's outputs requires grad, so "
+                    "there is nothing to back-propagate; call the function without checkpoint()"
+                )
+            # else: the anchor was only a guess that parameters inside would need grad, and none did.
         return (None,) + tuple(inp.grad for inp in detached_inputs)
+
+
+def _may_need_a_grad_anchor(function: Any, args: Tuple[Any, ...]) -> bool:
+    """Whether :func:`checkpoint` must add a grad anchor: grad is on, no input requires grad, and the function may
+    use a tensor that does (a module's parameter; anything, for a callable that is not a module)."""
+    if not torch.is_grad_enabled() or any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        return False
+    module = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    if isinstance(module, nn.Module):
+        return _may_need_grad(module, [])
+    return True
 
 
 def checkpoint(function: Any, *args: Any) -> Any:
     """Run ``function(*args)`` without keeping activations; recompute them, with the same RNG, in backward.
+
+    The recomputation replays the CPU and device generators and the tracker's states (also for a second backward
+    through a retained graph), and leaves batch-norm running statistics alone: they are updated once, in the
+    forward, as by the plain call. Parameters used by ``function`` get gradients even when no input requires grad.
 
     Args:
         function: the function to checkpoint.
@@ -231,4 +326,10 @@ def checkpoint(function: Any, *args: Any) -> Any:
     Returns:
         What ``function`` returns.
     """
+    if _may_need_a_grad_anchor(function, args):
+        # An autograd function only records a backward when one of its inputs requires grad: with none that does, the
+        # output did not require grad and the parameters inside silently got no gradient. This empty tensor is an
+        # input that does (checkpoint_wrapper adds one for the same reason); the function does not see it.
+        grad_anchor = torch.empty((0,), requires_grad=True)
+        return CheckpointFunction.apply(_WithoutGradAnchor(function), grad_anchor, *args)
     return CheckpointFunction.apply(function, *args)
