@@ -325,7 +325,18 @@ def checkpoint(function: Any, *args: Any) -> Any:
 
     Returns:
         What ``function`` returns.
+
+    Raises:
+        TypeError: an argument that is neither a tensor nor ``None`` (they are saved for the recomputation with
+            ``save_for_backward``, whose error named neither this function nor the argument).
     """
+    for i, arg in enumerate(args):
+        if arg is not None and not isinstance(arg, Tensor):
+            raise TypeError(
+                f"model_parallel.random.checkpoint: argument {i} is a {type(arg).__name__}; the checkpointed "
+                "function's arguments must be tensors (or None): bind other values into the function "
+                "(functools.partial) or use fairscale.nn.checkpoint_wrapper, which takes any arguments"
+            )
     if _may_need_a_grad_anchor(function, args):
         # An autograd function only records a backward when one of its inputs requires grad: with none that does, the
         # output did not require grad and the parameters inside silently got no gradient. This empty tensor is an

@@ -10,6 +10,7 @@ import contextlib
 import functools
 from typing import Iterator
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,3 +112,12 @@ def test_parameters_get_gradients_when_no_input_requires_grad() -> None:
         out.square().sum().backward()
         assert all(p.grad is not None and torch.allclose(p.grad, e) for p, e in zip(layer.parameters(), expected))
     assert x.grad is None
+
+
+def test_non_tensor_argument_is_refused_clearly() -> None:
+    # save_for_backward's error named neither checkpoint nor the argument (a fuzz, session 45).
+    layer = nn.Linear(4, 3)
+    with pytest.raises(TypeError, match=r"argument 1 is a int; the checkpointed function's arguments must be tensors"):
+        checkpoint(lambda x, k: layer(x) * k, torch.randn(2, 4), 3)
+    out = checkpoint(lambda x, none: layer(x), torch.randn(2, 4, requires_grad=True), None)  # None is kept
+    out.sum().backward()
