@@ -298,7 +298,7 @@ class CheckpointFunction(torch.autograd.Function):
                     "there is nothing to back-propagate; call the function without checkpoint()"
                 )
             # else: the anchor was only a guess that parameters inside would need grad, and none did.
-        return (None,) + tuple(inp.grad for inp in detached_inputs)
+        return (None,) + tuple(inp.grad if isinstance(inp, Tensor) else None for inp in detached_inputs)
 
 
 def _may_need_a_grad_anchor(function: Any, args: Tuple[Any, ...]) -> bool:
