@@ -572,7 +572,13 @@ class OffloadModel(nn.Module):
         acts: Tuple[Any, ...] = inputs
         for index in range(-1, len(self.model_slices)):
             if index >= 0:
-                out = self.model_slices[index](*_to(acts, self.device))
+                args = _to(acts, self.device)
+                # A tuple output is spread into the next slice's arguments (as upstream: slices given as a list may
+                # take several), but an nn.Sequential slice takes one, and gets the tuple whole as nn.Sequential hands
+                # it on. Spread there, a pair failed in Sequential.forward, naming neither OffloadModel nor the
+                # boundary, wherever the split fell between two layers (a fuzz, session 45).
+                whole = index > 0 and len(args) > 1 and type(self.model_slices[index].model_shard) is nn.Sequential
+                out = self.model_slices[index](*((args,) if whole else args))
                 acts = out if isinstance(out, tuple) else (out,)
             # The tensors inside lists and dicts cross the boundary too: passed as one non-tensor, a list's tensors
             # bypassed the Function, whose backward (the neighbours' reload and drop) then never ran (a fuzz, s. 45).

@@ -6,7 +6,8 @@
   check. Compared with the plain model.
 * Without checkpointing, a slice returning a list (or dict) of tensors passed them to the boundary's autograd
   Function as one non-tensor: its backward (reload the slice before its backward, drop the later one after) never
-  ran. On CPU the moves are no-ops, so the calls are recorded.
+  ran. On CPU the moves are no-ops, so the calls are recorded. A tuple is handed to the next slice as one argument,
+  as nn.Sequential does (spread, it failed in Sequential.forward).
 """
 
 import copy
@@ -49,6 +50,8 @@ class Pair(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         y = self.fc(x)
+        if self.container == "tuple":
+            return y, 2 * y
         return {"a": y, "b": 2 * y} if self.container == "dict" else [y, 2 * y]
 
 
@@ -62,7 +65,8 @@ class TakesPair(nn.Module):
         return self.fc(a + b)
 
 
-@pytest.mark.parametrize("container", ["list", "dict"])
+# A tuple was spread into the next slice's arguments (as upstream): Sequential.forward refused the pair.
+@pytest.mark.parametrize("container", ["list", "dict", "tuple"])
 def test_container_output_crosses_the_boundary(container: str, monkeypatch: pytest.MonkeyPatch) -> None:
     moves: List[Tuple[str, int]] = []
     load, drop = ModelShard.backward_load, ModelShard.backward_drop
