@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fairscale.internal.autocast import autocast_state
+from fairscale.internal.containers import rebuild_sequence
 from fairscale.internal.device import (
     DeviceHandle,
     accelerator_available,
@@ -578,7 +579,8 @@ class OffloadModel(nn.Module):
                 # it on. Spread there, a pair failed in Sequential.forward, naming neither OffloadModel nor the
                 # boundary, wherever the split fell between two layers (a fuzz, session 45).
                 whole = index > 0 and len(args) > 1 and type(self.model_slices[index].model_shard) is nn.Sequential
-                out = self.model_slices[index](*((args,) if whole else args))
+                # Whole, a namedtuple (or PackedSequence) keeps its type (a review, session 45).
+                out = self.model_slices[index](*((rebuild_sequence(acts, list(args)),) if whole else args))
                 acts = out if isinstance(out, tuple) else (out,)
             # The tensors inside lists and dicts cross the boundary too: passed as one non-tensor, a list's tensors
             # bypassed the Function, whose backward (the neighbours' reload and drop) then never ran (a fuzz, s. 45).

@@ -11,6 +11,7 @@
 """
 
 import copy
+from collections import namedtuple
 from typing import Any, List, Tuple
 
 import pytest
@@ -42,6 +43,9 @@ def test_slice_changing_rows_with_micro_batches(batch: int) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+Halves = namedtuple("Halves", ["a", "b"])
+
+
 class Pair(nn.Module):
     def __init__(self, container: str) -> None:
         super().__init__()
@@ -52,6 +56,8 @@ class Pair(nn.Module):
         y = self.fc(x)
         if self.container == "tuple":
             return y, 2 * y
+        if self.container == "namedtuple":
+            return Halves(y, 2 * y)
         return {"a": y, "b": 2 * y} if self.container == "dict" else [y, 2 * y]
 
 
@@ -61,12 +67,14 @@ class TakesPair(nn.Module):
         self.fc = nn.Linear(4, 3)
 
     def forward(self, pair: Any) -> torch.Tensor:
+        if isinstance(pair, Halves):
+            return self.fc(pair.a + pair.b)  # by name: the type must survive the boundary
         a, b = pair.values() if isinstance(pair, dict) else pair
         return self.fc(a + b)
 
 
 # A tuple was spread into the next slice's arguments (as upstream): Sequential.forward refused the pair.
-@pytest.mark.parametrize("container", ["list", "dict", "tuple"])
+@pytest.mark.parametrize("container", ["list", "dict", "tuple", "namedtuple"])
 def test_container_output_crosses_the_boundary(container: str, monkeypatch: pytest.MonkeyPatch) -> None:
     moves: List[Tuple[str, int]] = []
     load, drop = ModelShard.backward_load, ModelShard.backward_drop
