@@ -40,8 +40,9 @@ from fairscale.internal.containers import pack_kwargs, split_non_tensors, unpack
 from fairscale.internal import device
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 from ._outputs import _aliases, _warn_about_tensors_stored_in_arguments, _warn_create_graph
+from ._grad_need import _may_need_grad
 from ._recomputation_hooks import run_recomputation_hooks
-from ._structure import OUTPUT_OBJECTS, _flatten, _map_structure, _unflatten
+from ._structure import ObjectWalk, _flatten, _map_structure, _unflatten, output_walk
 from ._rng_sources import captured_rng_sources, replaying_rng_sources
 from ._training_flags import TrainingFlags, replay_training_flags, training_flags_of
 from .checkpoint_utils import (
@@ -307,7 +308,7 @@ def _checkpointed_forward(
     for t in output_tensors:
         if t.requires_grad:
             t.register_hook(_warn_create_graph)
-    return _unflatten(run.output_spec, list(output_tensors), OUTPUT_OBJECTS)
+    return _unflatten(run.output_spec, list(output_tensors), run.output_walk)
 
 
 class _RunForward:
@@ -339,6 +340,7 @@ class _RunForward:
         # pass ran is its own flag.
         self.first_pass_done = False
         self.output_spec: Any = None
+        self.output_walk: Optional[ObjectWalk] = None  # which plain objects of the output are walked (_structure)
         self.num_output_tensors = 0
         self.stash: Dict[Any, Any] = {}  # see current_call_stash
         # Recorded at the forward, replayed by the recomputation: a switch to eval() (or train()) before backward
@@ -373,6 +375,7 @@ class _RunForward:
                 else contextlib.nullcontext()
             )
             rng = contextlib.nullcontext() if first_pass else replaying_rng_sources(self.rng_sources)
+            walk = output_walk((args, kwargs), self.module)  # before the forward: its new objects are walked
             with replay, rng, enable_checkpointing() if first_pass else enable_recomputing(), own_stats:
                 outputs = self.forward(*args, **kwargs)
                 if isinstance(outputs, types.GeneratorType):
@@ -386,10 +389,10 @@ class _RunForward:
             self.stash[_RECOMPUTED] = True
         if first_pass:
             _warn_about_tensors_stored_in_arguments(self.forward, (args, kwargs), input_tensors)
-        output_tensors, output_spec = _flatten(outputs, OUTPUT_OBJECTS)
+        output_tensors, output_spec = _flatten(outputs, walk)
         if first_pass:
             self.first_pass_done = True
-            self.output_spec = output_spec
+            self.output_spec, self.output_walk = output_spec, walk
             self.num_output_tensors = len(output_tensors)
             # The checkpoint's autograd function makes its outputs its own (it sets their grad_fn). A tensor the
             # forward returns as it is, a parameter or a buffer of the module, would be changed in place: a
@@ -406,34 +409,6 @@ class _RunForward:
         if self.module is not None:
             run_recomputation_hooks(self.module, output_tensors)
         return tuple(output_tensors)
-
-
-def _may_need_grad(module: nn.Module, input_tensors: List[torch.Tensor]) -> bool:
-    """Whether anything the forward can see requires grad: an input, a parameter, or a plain tensor
-    attribute (``FlattenParamsWrapper`` replaces parameters by such views and also lists them in
-    ``_unflattened_param_views``)."""
-    if any(t.requires_grad for t in input_tensors):
-        return True
-    if any(p.requires_grad for p in module.parameters()):
-        return True
-    return _views_need_grad(module)
-
-
-def _views_need_grad(module: nn.Module) -> bool:
-    # A FlattenParamsWrapper inside (alone or in FSDP) makes the views from its flat parameters, which parameters()
-    # covers: the views its last forward left keep requires_grad=True after the parameters were frozen, and a frozen
-    # module's output then required grad (a frozen backbone before a trainable head crashed in backward, and a
-    # training-mode forward with no backward never updated the batch-norm statistics). Its subtree is skipped. The
-    # views of a wrapper around this module (checkpointing inside FlattenParamsWrapper) are fresh and do count.
-    if "_fpw_module" in module._modules:
-        return False
-    # The module's own attribute: FSDP forwards unknown attribute reads to what it wraps (the stale views).
-    views = module.__dict__.get("_unflattened_param_views") or []
-    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in views):
-        return True
-    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in vars(module).values()):
-        return True
-    return any(_views_need_grad(child) for child in module.children())
 
 
 def _offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:

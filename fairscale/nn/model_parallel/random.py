@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fairscale.internal import device as device_layer
 from fairscale.nn.checkpoint._rng_sources import register_rng_source
-from fairscale.nn.checkpoint.checkpoint_activations import _may_need_grad
+from fairscale.nn.checkpoint._grad_need import _may_need_grad
 from fairscale.nn.checkpoint.checkpoint_utils import _is_patched_kind, _RunningStatsGuard
 
 from .initialize import get_data_parallel_rank, get_model_parallel_rank

@@ -269,6 +269,84 @@ def test_tensors_in_plain_output_objects_get_grads() -> None:
     assert_same_grads(plain, ckpt)
 
 
+class Cache:
+    """A KV cache handed to each layer, filled and returned."""
+
+    def __init__(self) -> None:
+        self.keys: List[torch.Tensor] = []
+
+
+class CacheFiller(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(4, 4)
+        self.state = Record(torch.zeros(1))  # the module's own object, returned as it is
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> Tuple[torch.Tensor, Cache, Record]:
+        k = self.k(x)
+        cache.keys.append(k)
+        return k * 2, cache, self.state
+
+
+def test_objects_given_or_held_are_returned_as_they_are() -> None:
+    # A review of the walk above: the cache given was walked as an output, copied, and its recomputation (which
+    # appends again) returned one tensor more than the first pass ("the recomputed forward returned 3 tensors").
+    torch.manual_seed(0)
+    plain = CacheFiller()
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    for model in (plain, ckpt):
+        cache = Cache()
+        y, returned, state = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), cache)
+        assert returned is cache and state is model.state
+        y.sum().backward()
+    assert_same_grads(plain, ckpt)
+
+
+class AttributeDict:
+    """An easydict-style record (attributes kept in an inner dict): copy.copy recurses through __getattr__."""
+
+    def __init__(self, **items: Any) -> None:
+        self.__dict__["items"] = items
+
+    def __getattr__(self, name: str) -> Any:
+        return self.items[name]
+
+
+class Slotted:
+    __slots__ = ("a", "__dict__")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a = a
+        self.b = b
+
+
+class OddObjects(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        h = self.proj(x)
+        extra = Slotted(h.tanh(), h * 2) if self.kind == "slots" else AttributeDict(metric=h.sum())
+        return h, extra
+
+
+@pytest.mark.parametrize("kind", ["slots", "uncopyable"])
+def test_output_objects_with_slots_or_no_copy(kind: str) -> None:
+    # A review of the walk above, session 45: a class with __slots__ had only its __dict__ tracked (a gradient missing
+    # the slot's share, silently): slots are walked too. One that copy.copy cannot handle failed the forward: it is
+    # returned as it is, untracked, as before the walk.
+    torch.manual_seed(0)
+    plain = OddObjects(kind)
+    ckpt = checkpoint_wrapper(copy.deepcopy(plain))
+    for model in (plain, ckpt):
+        h, extra = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
+        assert type(extra) is (Slotted if kind == "slots" else AttributeDict)
+        (h.sum() + (extra.a.sum() + extra.b.sum() if kind == "slots" else 0)).backward()
+    assert_same_grads(plain, ckpt)
+
+
 @dataclasses.dataclass
 class Context:
     """A context object the forward writes into (auxiliary losses), beside a tensor."""
