@@ -51,6 +51,17 @@ def copy_tensors(streams: Context, tensors: Sequence[Tensor]) -> Tensors:
     return tuple(output)
 
 
+def _as_inputs_need_grad(ctx: Any, inputs: Sequence[Tensor], outputs: Tensors) -> Tensors:
+    """Mark the outputs whose input needs no gradient as such: an autograd Function makes every float output require
+    grad when any input does, so an element of a tuple that needs none (a mask, a position table) required one in the
+    next partition, unlike in nn.Sequential, and in-place code on it failed in backward (a fuzz of Pipe, session 45).
+    """
+    frozen = [y for x, y in zip(inputs, outputs) if not x.requires_grad]
+    if frozen and len(frozen) < len(outputs):
+        ctx.mark_non_differentiable(*frozen)
+    return outputs
+
+
 class Copy(torch.autograd.Function):
     """Copy tensors to the device of ``next_stream``; the backward copies the gradients back."""
 
@@ -58,7 +69,7 @@ class Copy(torch.autograd.Function):
     def forward(ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor) -> Tensors:
         ctx.streams = Context(prev_stream, next_stream)
         ctx.set_materialize_grads(False)  # no gradient stays None (see dependency.Fork)
-        return copy_tensors(ctx.streams, input)
+        return _as_inputs_need_grad(ctx, input, copy_tensors(ctx.streams, input))
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -80,7 +91,7 @@ class Wait(torch.autograd.Function):
         ctx.next_stream = next_stream
         ctx.set_materialize_grads(False)  # no gradient stays None (see dependency.Fork)
         wait_stream(next_stream, prev_stream)
-        return tuple(x.detach() for x in input)
+        return _as_inputs_need_grad(ctx, input, tuple(x.detach() for x in input))
 
     @staticmethod
     def backward(ctx: Any, *grad_input: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
