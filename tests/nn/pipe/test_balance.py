@@ -240,6 +240,27 @@ def test_balance_by_time_loop_resets_input():
     assert balance == [1, 2]
 
 
+class _Triple(nn.Module):
+    def forward(self, x):
+        return x.mul_(3)  # in place, as an inplace Dropout or scaling layer first in the model
+
+
+def test_balance_by_time_leaves_the_sample_alone():
+    # Each pass started from the caller's storage: the sample was changed once per pass (3 ** passes), and each pass
+    # timed the last one's values (a fuzz of Pipe's utilities, session 45).
+    sample = torch.randn(8, 4)
+    before = sample.clone()
+    balance_by_time(2, nn.Sequential(_Triple(), nn.Linear(4, 4)), sample, timeout=0.1, device="cpu")
+    assert torch.equal(sample, before)
+
+
+def test_balance_by_time_accelerator_index_without_one_is_a_clear_error(monkeypatch):
+    # torch.device(0) itself failed with torch's "Cannot access accelerator device" (session 45).
+    monkeypatch.setenv("FAIRSCALE_CPU_ONLY", "1")
+    with pytest.raises(ValueError, match="device 0 is not available on this host; pass device='cpu'"):
+        balance_by_time(1, nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2), device=0)
+
+
 def test_balance_by_time_tuple():
     class Twin(nn.Module):
         def forward(self, x):

@@ -47,6 +47,9 @@ def _check_partitions(partitions: Any, module: nn.Sequential, what: str) -> None
 
 
 def _profiling_device(device: Device, what: str) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool) and not accelerator_available():
+        # An accelerator index: torch.device(0) itself failed ("Cannot access accelerator device...").
+        raise ValueError(f"{what}: device {device} is not available on this host; pass device='cpu' to profile on CPU")
     dev = torch.device(device)
     if dev.type not in ("cpu", "meta") and not accelerator_available():
         raise ValueError(f"{what}: device {dev} is not available on this host; pass device='cpu' to profile on CPU")

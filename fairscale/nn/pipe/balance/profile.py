@@ -65,8 +65,14 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
     time_bufs: List[List[float]] = [[] for _ in module]
     begun_at = time.time()
     while time.time() - begun_at < timeout:
-        # Each pass restarts from the sample (a layer's output shape need not fit the first layer).
-        batch = start_batch
+        # Each pass restarts from the sample (a layer's output shape need not fit the first layer), a copy of it:
+        # the start batch shares the caller's storage on its device, and a first layer working in place (an
+        # inplace Dropout) changed the caller's tensor once per pass, each pass timing the last one's values (a
+        # fuzz of Pipe's utilities, session 45).
+        copies = tuple(
+            x.detach().clone().requires_grad_(x.requires_grad) if x.is_floating_point() else x for x in start_batch
+        )
+        batch = Batch(copies[0] if start_batch.atomic else copies, 0)
         with use_skip_tracker(_SandboxSkipTracker()):
             _time_layers(module, batch, device, handle, time_bufs)
 
