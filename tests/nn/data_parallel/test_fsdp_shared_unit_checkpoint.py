@@ -1,0 +1,116 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""A unit used twice (ALBERT-style weight sharing) under activation checkpointing, against the plain model.
+
+Found by a fuzz of the fork's features (session 45), after a change that let a late pre-backward hook leave the
+handles reduced in this backward alone: the second use's hook is a late hook too, but of another forward, whose
+backward still reads the parameters.
+
+* Both uses inside one checkpointed region (``checkpoint_wrapper`` or torch's reentrant checkpoint) with
+  ``optimize_backward_concat`` (and mixed precision): the first use's backward read freed parameters ("setStorage").
+* ``FSDP(checkpoint_wrapper(block))`` used twice per forward, two forwards before their backwards: the second
+  backward's recomputation read the shard ("mat2 must be a matrix" / "not in memory between steps").
+
+Two gloo ranks, the same data on both.
+"""
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fairscale.fair_dev.testing.engine import run_cases, run_distributed
+from fairscale.nn.checkpoint import checkpoint_wrapper
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+WORLD = 2
+TIMEOUT = 120.0
+
+
+class Pair(nn.Module):
+    """A shared layer applied twice, checkpointed as one region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blk(torch.tanh(self.blk(x)))
+
+
+class PairNet(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.pair, self.mode = nn.Linear(4, 4), Pair(), mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        return checkpoint(self.pair, x, use_reentrant=True) if self.mode == "reentrant" else self.pair(x)
+
+
+class SharedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.blk = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blk(torch.tanh(self.blk(torch.tanh(self.inp(x)))))
+
+
+def _batches() -> list:
+    return [torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+
+
+def _compare(model: FSDP, reference: nn.Module) -> None:
+    for m in (model, reference):
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    with model.summon_full_params():
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _case_two_uses_in_one_region(mode: str) -> None:
+    reference = PairNet(mode)
+    net = PairNet(mode)
+    net.pair.blk = FSDP(net.pair.blk, optimize_backward_concat=True)
+    if mode == "checkpoint_wrapper":
+        net.pair = checkpoint_wrapper(net.pair)
+    model = FSDP(net, optimize_backward_concat=True)
+    x = _batches()[0]
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    _compare(model, reference)
+
+
+def _case_two_forwards_of_a_checkpointed_shared_unit(flatten: bool) -> None:
+    reference = SharedNet()
+    net = SharedNet()
+    net.blk = FSDP(checkpoint_wrapper(net.blk), flatten_parameters=flatten)
+    model = FSDP(net, flatten_parameters=flatten)
+    losses = [reference(x).sum() for x in _batches()]
+    for loss in losses:
+        loss.backward()
+    losses = [model(x).sum() for x in _batches()]
+    for loss in losses:
+        loss.backward()
+    _compare(model, reference)
+
+
+def _body(rank: int, world_size: int) -> None:
+    cases = [
+        (f"two uses in one {m} region", functools.partial(_case_two_uses_in_one_region, m))
+        for m in ("reentrant", "checkpoint_wrapper")
+    ]
+    cases += [
+        (f"two forwards, flatten={f}", functools.partial(_case_two_forwards_of_a_checkpointed_shared_unit, f))
+        for f in (True, False)
+    ]
+    run_cases(cases)
+
+
+def test_shared_unit_under_checkpointing() -> None:
+    run_distributed(_body, WORLD, timeout=TIMEOUT)
