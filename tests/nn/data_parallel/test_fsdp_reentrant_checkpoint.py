@@ -32,6 +32,7 @@ from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.collectives import count_collectives
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel import zero2_groups
 
 WORLD = 2
 TIMEOUT = 120.0
@@ -294,3 +295,33 @@ def _checkpointed_units_body(rank: int, world_size: int) -> None:
 
 def test_reentrant_checkpoint_around_units_gathers_each_once() -> None:
     run_distributed(_checkpointed_units_body, WORLD, timeout=TIMEOUT)
+
+
+def _first_pass_case(kind: str) -> None:
+    # Torch's reentrant first pass runs without grad; taken for an evaluation, the unit freed what it should keep:
+    # its zero2 slice (the backward gathered over the whole group) or, with reshard_after_forward=False, its full
+    # parameters (one more gather per step). A fuzz of the fork's features, session 45.
+    kwargs: Dict[str, object] = {"zero2_process_group": zero2_groups(1)} if kind == "zero2" else {}
+    if kind == "keep":
+        kwargs["reshard_after_forward"] = False
+    expected = _train(_CheckpointedUnits(), -1)
+    net = _CheckpointedUnits()
+    net.checkpointed = True
+    net.layers = nn.ModuleList([FSDP(b, **kwargs) for b in net.layers])
+    model = FSDP(net, **kwargs)
+    got = _train(model, dist.get_rank())
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    out = model(_batch(5, dist.get_rank()))
+    with count_collectives() as counter:
+        out.pow(2).mean().backward()
+    gathers = [r.group_size for r in counter.records if r.kind == "all_gather" and r.phase == "backward"]
+    assert gathers == ([1] * len(net.layers) if kind == "zero2" else []), counter.summary()
+
+
+def _first_pass_body(rank: int, world_size: int) -> None:
+    run_cases([(kind, functools.partial(_first_pass_case, kind)) for kind in ("zero2", "keep")])
+
+
+def test_reentrant_first_pass_is_not_an_evaluation() -> None:
+    run_distributed(_first_pass_body, WORLD, timeout=TIMEOUT)

@@ -46,6 +46,7 @@ from . import (
 )
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor, map_tensors
+from .reentrant_checkpoint import in_reentrant_checkpoint_first_pass
 from .naming import clean_path
 from .param_hooks import check_no_user_post_accumulate_hooks, take_pending_data
 from .state import TrainingState
@@ -390,7 +391,7 @@ def _run_forward(unit: FSDPUnit, args: Any, kwargs: Any, counted: bool) -> Any:
         unit.drop_stale_full_params()
     # Nothing of a forward without autograd (evaluation) may stay gathered: no backward will use it, and an optimizer
     # writing through p.data would leave it stale. Checkpointing's first pass is the exception.
-    grad_off = not torch.is_grad_enabled() and not is_checkpointing()
+    grad_off = not torch.is_grad_enabled() and not is_checkpointing() and not in_reentrant_checkpoint_first_pass()
     unit.rebuild_full_params("backward" if recomputing else "forward")
     if not recomputing:
         prefetch.on_forward(unit)
