@@ -380,6 +380,27 @@ def _case_optimizer_dict_that_does_not_fit(root: str) -> None:
     fsdp_dcp.set_optimizer_state_dict(other, other_optim, osd)  # the right one still loads
 
 
+def _case_checkpoint_with_other_parameter_groups(root: str) -> None:
+    # One saved group into an optimizer with two failed in DCP's planner ("Missing key in checkpoint state_dict:
+    # optimizer.param_groups.1.lr"); both directions say so now (a fuzz of DCP, session 45).
+    fsdp, optim = trained()
+    path = os.path.join(root, "one-group")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    other, _ = trained(seed=3, mode="nested")
+    params = list(other.parameters())
+    two_groups = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.1}], lr=0.01)
+    before = snapshot(other, two_groups)
+    expect(
+        RuntimeError,
+        r"the checkpoint's optimizer has 1 parameter group\(s\) but this optimizer \(Adam\) has 2",
+        fsdp_dcp.load,
+        other,
+        two_groups,
+        checkpoint_id=path,
+    )
+    assert_unchanged(other, two_groups, before, "after a checkpoint with fewer parameter groups")
+
+
 def _case_ranks_hold_different_kinds(root: str) -> None:
     fsdp, optim = trained()
     msd, full = fsdp_dcp.get_model_state_dict(fsdp), fsdp.state_dict()
@@ -667,6 +688,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_other_hyper_parameters_on_one_rank,
         _case_missing_keys,
         _case_optimizer_dict_that_does_not_fit,
+        _case_checkpoint_with_other_parameter_groups,
         _case_ranks_hold_different_kinds,
         _case_misuse,
         _case_metadata_that_runs_code,

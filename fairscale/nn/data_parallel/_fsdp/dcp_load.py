@@ -97,6 +97,16 @@ def load(
         had_grads = any(p.grad is not None for o in optims for g in o.param_groups for p in g["params"])
         osd = dcp_state.get_optimizer_state_dict(unit, optims, False, False, values=dcp_state.STAGING, what="load")
         state[OPTIMIZER_KEY] = osd
+        saved_groups = _saved_group_count(saved_keys)
+        if saved_groups is not None and saved_groups != len(osd["param_groups"]):
+            # DCP failed on the first hyper-parameter of a group the checkpoint lacks ("Missing key in checkpoint
+            # state_dict: optimizer.param_groups.1.lr"; a fuzz of DCP, session 45).
+            _forget_created_state(optims, fresh)
+            raise RuntimeError(
+                f"load: the checkpoint's optimizer has {saved_groups} parameter group(s) but {_kinds(optims)} has "
+                f"{len(osd['param_groups'])}: build the optimizer with the parameter groups it was saved with, or "
+                "pass optimizers=None to load the model alone. Nothing was loaded."
+            )
         prefix = f"{OPTIMIZER_KEY}.state."
         saved_state = {k[len(prefix) :].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
         # Parameters the checkpoint has no optimizer state for (an instance that had no gradient yet when it was
@@ -318,6 +328,13 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any], 
 
 def _kinds(optims: Tuple[torch.optim.Optimizer, ...]) -> str:
     return "this optimizer (" + ", ".join(type(o).__name__ for o in optims) + ")"
+
+
+def _saved_group_count(saved_keys: List[str]) -> Optional[int]:
+    """How many parameter groups the checkpoint's optimizer has (``None``: its keys do not say)."""
+    prefix = f"{OPTIMIZER_KEY}.param_groups."
+    indices = {key[len(prefix) :].split(".", 1)[0] for key in saved_keys if key.startswith(prefix)}
+    return 1 + max(int(i) for i in indices) if indices and all(i.isdigit() for i in indices) else None
 
 
 def _other_state_kinds(

@@ -170,12 +170,10 @@ def get_optimizer_state_dict(
                     state_out[p.fqn] = {key: d[key] for key in order}
             for group in osd["param_groups"]:
                 new = {key: copy.deepcopy(v) for key, v in group.items() if key not in ("params", "param_names")}
-                new["params"] = [
-                    p.fqn
-                    for i in group["params"]
-                    if not (ignore_frozen_params and not hls[i].handle.param.requires_grad)
-                    for p in hls[i].params
-                ]
+                # Every name, frozen ones too, as torch's get_optimizer_state_dict keeps them with
+                # ignore_frozen_params (it drops their state only): without them this very model's load refused the
+                # dict, "no saved parameter group holds ..." (a fuzz of DCP, session 45).
+                new["params"] = [p.fqn for i in group["params"] for p in hls[i].params]
                 groups_out.append(new)
     return {"state": state_out, "param_groups": groups_out}
 
