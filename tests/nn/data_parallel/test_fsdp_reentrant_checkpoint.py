@@ -33,6 +33,7 @@ from fairscale.internal.collectives import count_collectives
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from fairscale.nn.data_parallel import zero2_groups
+from fairscale.nn.data_parallel._fsdp.state import HandleState
 
 WORLD = 2
 TIMEOUT = 120.0
@@ -317,6 +318,12 @@ def _first_pass_case(kind: str) -> None:
         out.pow(2).mean().backward()
     gathers = [r.group_size for r in counter.records if r.kind == "all_gather" and r.phase == "backward"]
     assert gathers == ([1] * len(net.layers) if kind == "zero2" else []), counter.summary()
+    # An evaluation through the same checkpoints (no_grad: its arguments need no grad) keeps nothing gathered (a
+    # review found the first version holding full parameters and zero2 slices after it).
+    with torch.no_grad():
+        model(_batch(6, dist.get_rank()))
+    states = {h.state for m in model.modules() if isinstance(m, FSDP) for h in m._fsdp_unit.handles}
+    assert states == {HandleState.SHARDED}, states
 
 
 def _first_pass_body(rank: int, world_size: int) -> None:

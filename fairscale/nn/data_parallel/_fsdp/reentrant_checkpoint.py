@@ -15,6 +15,7 @@ import sys
 from types import CodeType
 from typing import Optional
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 __all__ = ["in_reentrant_checkpoint_first_pass"]
@@ -27,7 +28,10 @@ _MAX_FRAMES = 96
 
 
 def in_reentrant_checkpoint_first_pass() -> bool:
-    """Whether the current call runs inside torch's reentrant checkpoint's forward (its first pass)."""
+    """Whether the current call runs inside the first pass of torch's reentrant checkpoint that a backward will
+    recompute: one of its tensor arguments requires grad (the checkpoint runs its forward without grad either way;
+    under an evaluation's ``torch.no_grad()`` its arguments need none, and a review found the first version keeping
+    full parameters and zero2 slices after such evaluations; with none requiring grad torch records no backward)."""
     if _FORWARD is None:
         return False
     frame = sys._getframe(1)
@@ -35,6 +39,7 @@ def in_reentrant_checkpoint_first_pass() -> bool:
         if frame is None:
             return False
         if frame.f_code is _FORWARD:
-            return True
+            args = frame.f_locals.get("args", ())
+            return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         frame = frame.f_back  # type: ignore[assignment]
     return False
