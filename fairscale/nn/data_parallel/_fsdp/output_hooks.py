@@ -56,7 +56,7 @@ def register_pre_backward_hooks(
     outputs: Any,
     accs: List[Any],
     counted: bool,
-    pre_backward: Callable[[FSDPUnit, bool], None],
+    pre_backward: Callable[[FSDPUnit], None],
     passed_in: Dict[int, Any],
 ) -> Any:
     """Hook ``outputs`` of a training forward of ``unit`` (see the module docstring); returns them unchanged.
@@ -67,8 +67,7 @@ def register_pre_backward_hooks(
             again after their reduction (a fuzz of real-world output patterns, session 44).
         accs: the accumulator nodes this forward's graph leads to (see ``runtime._forward_grad_accumulators``).
         counted: whether this forward counts among the unit's uses in the coming backward.
-        pre_backward: called with ``unit`` by each hook that fires, and whether a hook of this same forward fired
-            before (see ``runtime.pre_backward``).
+        pre_backward: called with ``unit`` by each hook that fires.
         passed_in: :func:`passed_in_graph_tensors` of the inputs. An output that is one of them, with the
             ``grad_fn`` it came in with, is handed back as it came (T5's position bias, which every block receives and
             returns): not hooked. Its gradient is complete only after the whole backward through it, this unit's
@@ -79,12 +78,11 @@ def register_pre_backward_hooks(
     tree = unit.tree
     assert tree is not None
     token = tree.new_pending_backward()
-    registered, fired = [False], [False]
+    registered = [False]
 
     def hook(_grad: Tensor) -> None:
         token.done = True
-        again, fired[0] = fired[0], True
-        pre_backward(unit, again)
+        pre_backward(unit)
 
     hooked: Set[int] = set()
 

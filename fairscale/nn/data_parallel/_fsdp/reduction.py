@@ -69,7 +69,6 @@ def begin_post_backward(unit: FSDPUnit, h: FlatHandle, sync: bool) -> bool:
         else:
             h.free_full()
     h.use_shard()
-    unit.reduced_handles.add(id(h))
     return True
 
 

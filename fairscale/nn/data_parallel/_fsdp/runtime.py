@@ -475,25 +475,19 @@ def _forward_grad_accumulators(unit: FSDPUnit) -> List[Any]:
 # ---------------------------------------------------------------------------------------------------- backward
 
 
-def pre_backward(unit: FSDPUnit, same_forward: bool = False) -> None:
-    """Runs when the gradient of one of the unit's forward outputs is ready (idempotent within a backward);
-    ``same_forward``: another output of the same forward got its gradient before."""
+def pre_backward(unit: FSDPUnit) -> None:
+    """Runs when the gradient of one of the unit's forward outputs is ready (idempotent within a backward)."""
     tree = unit.tree
     assert tree is not None
     tree.queue_final_callback()
     tree.free_nested_leftovers()
-    again = unit.pre_backward_ran
-    if not again:
-        unit.reduced_handles.clear()  # no reduction of this unit runs before its first pre-backward point
-    # A later hook of the same forward: handles reduced by now keep their shard. An output the unit also used itself
-    # (T5's position bias, attention weights, a router's logits) has its gradient complete only after part of the
-    # unit's backward; with flatten_parameters=False its hook gathered the parameters reduced by then again (a fuzz of
-    # real-world architectures, session 45). Another forward's hook (a second use of the unit, in a checkpointed
-    # region or in a later forward, whose backward is still to run) needs them all (a fuzz of the fork's features).
-    skip = unit.reduced_handles if again and same_forward else frozenset()
-    unit.rebuild_full_params("backward", skip)
-    unit.use_full_params(skip)
-    if again:
+    # Every time, a late hook too: an output the unit also used itself (T5's position bias) fires after part of the
+    # unit's backward and gathers the parameters reduced by then again (with flatten_parameters=False: extra,
+    # temporary gathers). Leaving them alone was tried (session 45) and reverted: a second use's hook, or a reentrant
+    # checkpoint inside the unit recomputing with a parameter already reduced, still reads them.
+    unit.rebuild_full_params("backward")
+    unit.use_full_params()
+    if unit.pre_backward_ran:
         # Reached again from a nested task (an inner unit's outputs in a checkpoint_wrapper recomputation).
         nested_backward.adopt_nested_task_if_it_uses_params(unit)
         return

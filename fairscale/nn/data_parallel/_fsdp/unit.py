@@ -14,7 +14,7 @@ front class itself.
 import contextlib
 import enum
 import weakref
-from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -145,10 +145,6 @@ class FSDPUnit:
         # reads.
         self.backward_task = -1
         self.outer_task_uses_params = False
-        # The handles (ids) whose post-backward point ran in this backward (gradient reduced, or kept under no_sync;
-        # full parameters freed when resharding): a later pre-backward hook of the unit (an output it also used
-        # itself, whose gradient is complete only after part of its backward) leaves them alone (runtime.pre_backward).
-        self.reduced_handles: Set[int] = set()
         # The gradient accumulator nodes of the trainable parameters, made at the first backward (autograd nodes:
         # not copied or pickled).
         self.grad_accs: Optional[List[Any]] = None
@@ -348,10 +344,9 @@ class FSDPUnit:
         return self._training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
 
     # ------------------------------------------------------------------ gathering
-    def rebuild_full_params(self, phase: str, skip: AbstractSet[int] = frozenset()) -> None:
-        """Bring every owned handle (but those whose id is in ``skip``) to FULL (from its shard, or its zero2 slice
-        over the zero2 group)."""
-        todo = [h for h in self.handles if h.state is not HandleState.FULL and id(h) not in skip]
+    def rebuild_full_params(self, phase: str) -> None:
+        """Bring every owned handle to FULL (from its shard, or its zero2 slice over the zero2 group)."""
+        todo = [h for h in self.handles if h.state is not HandleState.FULL]
         if not todo:
             return
         tree = self.tree
@@ -396,12 +391,9 @@ class FSDPUnit:
                 h.free_full()
                 h.drop_zero2_slice()
 
-    def use_full_params(self, skip: AbstractSet[int] = frozenset()) -> None:
-        """Point the parameters at their full tensors; those of handles in ``skip`` only when gathered (again: a
-        recomputation for a second use of the unit gathers a handle reduced after the first)."""
+    def use_full_params(self) -> None:
         for h in self.handles:
-            if id(h) not in skip or h.state is HandleState.FULL:
-                h.use_full()
+            h.use_full()
 
     def use_fp32_shards(self) -> None:
         for h in self.handles:
