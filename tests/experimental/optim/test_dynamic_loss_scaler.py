@@ -173,33 +173,31 @@ def test_load_state_dict_refuses_bad_counters_and_changes_nothing(bad: Any, matc
     assert scaler.state_dict() == before  # the scale too: all or nothing
 
 
+def _step_then_overflow(dtype: torch.dtype, start: float, grad: float, scale: float) -> None:
+    """One SGD step (lr 1) through a scaler with loss scale ``scale`` of a parameter at ``start`` with gradient
+    ``grad``: it must land at ``start - grad / scale``; then an inf gradient must still be an overflow."""
+    p = torch.nn.Parameter(torch.full((2,), start, dtype=dtype))
+    optim = torch.optim.SGD([p], lr=1.0)
+    scaler = DynamicLossScaler(init_scale=scale)
+    p.grad = torch.full((2,), grad, dtype=dtype)
+    scaler.step(optim)
+    scaler.update()
+    assert scaler.loss_scale == scale
+    torch.testing.assert_close(p.detach(), torch.full((2,), start - grad / scale, dtype=dtype))
+    p.grad = torch.tensor([float("inf"), 1.0]).to(dtype)
+    assert scaler.step(optim) is None and scaler.loss_scale == scale / 2  # an overflow is still one
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
 def test_float64_and_complex_gradients_step(dtype: torch.dtype) -> None:
     # The norm was taken with dtype=float32, which torch refuses for float64 ("without narrowing") and complex input.
-    p = torch.nn.Parameter(torch.ones(2, dtype=dtype))
-    optim = torch.optim.SGD([p], lr=1.0)
-    scaler = DynamicLossScaler(init_scale=4.0)
-    p.grad = torch.full((2,), 4.0, dtype=dtype)
-    scaler.step(optim)
-    torch.testing.assert_close(p.detach(), torch.zeros(2, dtype=dtype))
-    p.grad = torch.full((2,), float("inf"), dtype=dtype)
-    scaler.update()
-    assert scaler.step(optim) is None and scaler.loss_scale == 2.0  # an overflow is still one
+    _step_then_overflow(dtype, start=1.0, grad=4.0, scale=4.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_finite_gradients_are_not_an_overflow(dtype: torch.dtype) -> None:
     # Their squares exceed float32's range: the norm was inf, the step skipped and the scale halved (a fuzz, session 45).
-    p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
-    optim = torch.optim.SGD([p], lr=1.0)
-    scaler = DynamicLossScaler(init_scale=1.0)
-    p.grad = torch.full((2,), 2e19, dtype=dtype)
-    scaler.step(optim)
-    scaler.update()
-    assert scaler.loss_scale == 1.0
-    torch.testing.assert_close(p.detach(), torch.full((2,), -2e19, dtype=dtype))
-    p.grad = torch.tensor([float("inf"), 1.0], dtype=dtype)
-    assert scaler.step(optim) is None and scaler.loss_scale == 0.5  # a real overflow still is one
+    _step_then_overflow(dtype, start=0.0, grad=2e19, scale=1.0)
 
 
 def test_a_load_between_backward_and_step_keeps_the_iterations_scale() -> None:

@@ -390,14 +390,8 @@ def _case_checkpoint_with_other_parameter_groups(root: str) -> None:
     params = list(other.parameters())
     two_groups = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.1}], lr=0.01)
     before = snapshot(other, two_groups)
-    expect(
-        RuntimeError,
-        r"the checkpoint's optimizer has 1 parameter group\(s\) but this optimizer \(Adam\) has 2",
-        fsdp_dcp.load,
-        other,
-        two_groups,
-        checkpoint_id=path,
-    )
+    match = r"the checkpoint's optimizer has 1 parameter group\(s\) but this optimizer \(Adam\) has 2"
+    expect(RuntimeError, match, fsdp_dcp.load, other, two_groups, checkpoint_id=path)
     assert_unchanged(other, two_groups, before, "after a checkpoint with fewer parameter groups")
 
 

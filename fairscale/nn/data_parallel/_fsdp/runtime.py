@@ -46,9 +46,9 @@ from . import (
 )
 from .handle import FlatHandle
 from .io import cast_inputs, for_each_tensor, map_tensors
-from .reentrant_checkpoint import in_reentrant_checkpoint_first_pass
 from .naming import clean_path
 from .param_hooks import check_no_user_post_accumulate_hooks, take_pending_data
+from .reentrant_checkpoint import in_reentrant_checkpoint_first_pass
 from .state import TrainingState
 from .tree import TreeState
 from .unit import FSDPUnit
