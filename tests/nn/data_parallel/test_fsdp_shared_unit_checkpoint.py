@@ -18,6 +18,7 @@ Two gloo ranks, the same data on both.
 import functools
 
 import torch
+from test_fsdp_output_hooks import _step_and_compare  # tests/nn/data_parallel is on sys.path
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -65,16 +66,6 @@ def _batches() -> list:
     return [torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
 
 
-def _compare(model: FSDP, reference: nn.Module) -> None:
-    for m in (model, reference):
-        with torch.no_grad():
-            for p in m.parameters():
-                p -= 0.1 * p.grad
-    with model.summon_full_params():
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-
-
 def _case_two_uses_in_one_region(mode: str) -> None:
     reference = PairNet(mode)
     net = PairNet(mode)
@@ -85,7 +76,7 @@ def _case_two_uses_in_one_region(mode: str) -> None:
     x = _batches()[0]
     reference(x).sum().backward()
     model(x).sum().backward()
-    _compare(model, reference)
+    _step_and_compare(model, reference)
 
 
 def _case_two_forwards_of_a_checkpointed_shared_unit(flatten: bool) -> None:
@@ -99,7 +90,7 @@ def _case_two_forwards_of_a_checkpointed_shared_unit(flatten: bool) -> None:
     losses = [model(x).sum() for x in _batches()]
     for loss in losses:
         loss.backward()
-    _compare(model, reference)
+    _step_and_compare(model, reference)
 
 
 class CheckpointInside(nn.Module):
@@ -135,7 +126,7 @@ def _case_late_hook_of_a_checkpoint_inside_the_unit(flatten: bool) -> None:
     x = _batches()[0]
     reference(x).backward()
     model(x).backward()
-    _compare(model, reference)
+    _step_and_compare(model, reference)
 
 
 def _body(rank: int, world_size: int) -> None:
