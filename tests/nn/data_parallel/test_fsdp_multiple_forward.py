@@ -1,6 +1,7 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
 """A wrapped module called several times in one forward, and several root forwards before one backward."""
 
+import contextlib
 import itertools
 from typing import Any, Dict
 
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.internal.collectives import count_collectives
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.data_parallel import zero2_groups
 
 
 class SharedBlockTwice(nn.Module):
@@ -79,3 +81,40 @@ def _several_root_forwards_before_one_backward_body(rank: int, ws: int) -> None:
 
 def test_several_root_forwards_before_one_backward() -> None:
     run_distributed(_several_root_forwards_before_one_backward_body, 2)
+
+
+def _forwards_before_their_backwards_body(rank: int, ws: int) -> None:
+    """fwd, fwd, fwd, bwd, bwd, bwd of a model whose block is used twice per forward (micro-batches whose losses are
+    kept, or a siamese pass backed up one loss at a time), with and without a zero2 group."""
+    zero2 = zero2_groups(1)
+    for use_zero2, sync, mp in itertools.product((False, True), (True, False), ("fp32", "bf16")):
+        torch.manual_seed(0)
+        model, ref = SharedBlockTwice(), SharedBlockTwice()
+        ref.load_state_dict(model.state_dict())
+        kwargs: Dict[str, Any] = dict(zero2_process_group=zero2 if use_zero2 else None, bucket_cap_mb=0, **MIXED[mp])
+        # bf16: the block's gradient arrives in one piece per use (see FSDPUnit.grad_forward_tokens).
+        model.block = FSDP(model.block, **kwargs)
+        fsdp = FSDP(model, **kwargs)
+        xs = [torch.randn(2, 4) for _ in range(4)]
+        context = contextlib.nullcontext() if sync else fsdp.no_sync()
+        with context:
+            losses = [fsdp(x).sum() for x in xs[:3]]
+            for loss in losses:
+                with count_collectives() as counter:
+                    loss.backward()
+                # Each backward reduces each flat parameter once (the block's two uses together), or not at all.
+                assert counter.count("reduce_scatter") == (2 if sync else 0), counter.summary()
+                # Every backward gathers the block from the zero2 slice its forward kept (over the zero2 group).
+                sizes = [r.group_size for r in counter.records if r.kind == "all_gather"]
+                assert sizes == [1 if use_zero2 else ws] * len(sizes), (use_zero2, sync, mp, sizes)
+        fsdp(xs[3]).sum().backward()
+        assert_idle(fsdp)
+        sum(ref(x).sum() for x in xs).backward()
+        expected = {n: p.grad for n, p in ref.named_parameters()}
+        what = f"zero2={use_zero2},sync={sync},{mp} grad"
+        tol = dict(rtol=1e-5, atol=1e-6) if mp == "fp32" else dict(rtol=2e-2, atol=2e-2)
+        assert_close_dict(gather_full_grads(fsdp), expected, what, **tol)
+
+
+def test_forwards_before_their_backwards() -> None:
+    run_distributed(_forwards_before_their_backwards_body, 2)

@@ -3,7 +3,7 @@
 
 import inspect
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -108,6 +108,11 @@ class TreeState:
         for t in tokens:
             if t.forward in started or t.forward == -1:  # -1: made inside the backward that raised
                 t.done = True
+
+    def forwards_reached(self) -> Set[int]:
+        """Numbers of the root forwards that a backward has reached (a token of theirs is done), and -1 (forwards run
+        inside a backward): at the end of a backward, what is left of the others still waits for a backward."""
+        return {t.forward for t in list(self._pending) if t.done} | {-1}
 
     @property
     def backward_pending(self) -> bool:

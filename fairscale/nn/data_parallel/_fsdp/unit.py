@@ -14,7 +14,7 @@ front class itself.
 import contextlib
 import enum
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -193,6 +193,21 @@ class FSDPUnit:
     def live_grad_forwards(self) -> int:
         """Forwards with autograd since the last end of backward whose graph may still reach a backward."""
         return len(self.grad_forward_tokens) if self.grad_forward_tokens is not None else 0
+
+    def forget_finished_forwards(self, reached: Set[int]) -> bool:
+        """End of a backward: drop the tokens of the forwards it reached (see :meth:`TreeState.forwards_reached`).
+
+        Returns whether a forward of this unit still waits for its backward (several forwards before their backwards:
+        a siamese pass, micro-batches under ``no_sync()``). Its token stays counted, so the next backward still sees
+        every use of the unit; clearing them all reduced a unit used twice by that forward once per use.
+        """
+        tokens = self.grad_forward_tokens
+        if tokens is None:
+            return False
+        for t in list(tokens):
+            if t.done or t.forward in reached:
+                tokens.discard(t)
+        return len(tokens) > 0
 
     def relink(self, owner: nn.Module) -> None:
         """Attach to ``owner`` after unpickling or copying."""
