@@ -114,7 +114,9 @@ class LayerwiseGradientScaler:
             enabled, a ``growth_interval`` below 1 (the scales never grew), a ``min_scale`` or ``max_scale`` that is
             not finite (inf pinned the scales at inf), a ``max_scale`` below ``min_scale``; a scale in
             ``layer_scale_dict`` that is not a positive finite number (0 divided by zero in :meth:`scale`, NaN or inf
-            poisoned the gradients), or a name the model does not have.
+            poisoned the gradients), or a name the model does not have; a model holding flattened parameters
+            (FullyShardedDataParallel or FlattenParamsWrapper with ``flatten_parameters=True``), whose gradients
+            cannot be unscaled layer by layer.
         TypeError: a scale that is not a number; with scaling enabled, a ``growth_interval`` that is not an int, or a
             ``min_scale`` / ``max_scale`` that is not a number.
 
@@ -179,13 +181,38 @@ class LayerwiseGradientScaler:
         unknown = set(self._layer_scale_dict) - {info.layer_name for info in infos}
         if unknown:
             raise ValueError(f"layer_scale_dict names layers the model does not have: {sorted(unknown)}")
+        _refuse_flat_parameters(self._model)
+        # What each layer's gradients are read from: checked again before each backward (see _check_layers).
+        self._param_names = [[n for n, _ in info.layer.named_parameters()] for info in infos]
         return infos
+
+    def _check_layers(self) -> None:
+        """Raise unless every layer still holds the parameters it had when the scaler was built.
+
+        Wrapping the model afterwards in FullyShardedDataParallel or FlattenParamsWrapper (``flatten_parameters=True``)
+        moves them into one flat parameter: unscale() found no gradient to divide and left them multiplied by the
+        scales, silently (a fuzz of mixed precision, session 46).
+        """
+        _refuse_flat_parameters(self._model)
+        for info, names in zip(self.layer_info, self._param_names):
+            now = [n for n, _ in info.layer.named_parameters()]
+            if now != names:
+                raise RuntimeError(
+                    f"LayerwiseGradientScaler: layer {info.layer_name!r} holds the parameters {now}, not the "
+                    f"{names} it held when the scaler was built. FullyShardedDataParallel or FlattenParamsWrapper "
+                    "with flatten_parameters=True moves a layer's parameters into one flat parameter, whose gradient "
+                    "cannot be unscaled layer by layer: wrap with flatten_parameters=False, and build the scaler "
+                    "again after changing the model."
+                )
 
     def scale(self) -> None:
         """Register the scaling hooks for the next backward (call before the forward).
 
         Raises:
-            RuntimeError: :meth:`scale` was already called and :meth:`unscale` not since (the hooks are in place).
+            RuntimeError: :meth:`scale` was already called and :meth:`unscale` not since (the hooks are in place); a
+                layer no longer holds the parameters it held when the scaler was built (the model was flattened by
+                a wrapper since).
+            ValueError: the model holds flattened parameters now.
         """
         if not self._apply_layerwise_scaling:
             return
@@ -195,6 +222,7 @@ class LayerwiseGradientScaler:
                 "second set would scale the gradients twice. Run the backward, then unscale() and step() (after a "
                 "forward or backward that raised, unscale() removes the hooks)."
             )
+        self._check_layers()
         # The next unscale() divides the whole accumulated gradient: what the last unscale() already divided is
         # scaled back first, exactly as unscale() divides it, so a scale()/unscale() pair per micro-batch
         # accumulates right (it divided the earlier micro-batches again). No check of the values (a device sync per
@@ -296,6 +324,20 @@ class LayerwiseGradientScaler:
     def get_backward_hooks(self) -> List[Tuple[str, Any]]:
         """``(name, backward hooks)`` of every non-root module (to check that :meth:`unscale` removed them)."""
         return [(name, layer._get_backward_hooks()) for name, layer in self._model.named_modules() if name != ""]
+
+
+def _refuse_flat_parameters(model: nn.Module) -> None:
+    """Raise ``ValueError`` if ``model`` holds a FlattenParamsWrapper flat parameter (the layers' parameters in one)."""
+    # Imported here: fairscale.nn imports fairscale.optim (ShardedDataParallel), which is still loading at import time.
+    from fairscale.nn.misc._flatten.flat_parameter import FlatParameter
+
+    flat = [name for name, p in model.named_parameters() if isinstance(p, FlatParameter)]
+    if flat:
+        raise ValueError(
+            f"LayerwiseGradientScaler: the model holds flattened parameters {flat[:3]} (FullyShardedDataParallel or "
+            "FlattenParamsWrapper with flatten_parameters=True), which join the parameters of several layers: their "
+            "gradients cannot be unscaled layer by layer. Wrap with flatten_parameters=False."
+        )
 
 
 def _check_growth_interval(growth_interval: Any) -> None:

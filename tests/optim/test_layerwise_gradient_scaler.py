@@ -123,3 +123,19 @@ def test_helpers_and_errors() -> None:
         LayerwiseGradientScaler(model, SCALES, backoff_factor=1.0)
     with pytest.raises(ValueError, match="fc9"):
         LayerwiseGradientScaler(model, {"fc9": 2.0})
+
+
+def test_flattened_parameters_are_refused() -> None:
+    """Flattening joins the layers' parameters into one: unscale() found no gradient to divide per layer and left
+    them scaled (x1024), silently. Both orders of building the scaler and wrapping the model raise instead."""
+    from fairscale.nn.misc import FlattenParamsWrapper
+
+    model = FeedForward()
+    scaler = LayerwiseGradientScaler(model, SCALES)
+    FlattenParamsWrapper(model)
+    with pytest.raises(RuntimeError, match="layer 'fc1' holds the parameters \\[\\], not the \\['weight', 'bias'\\]"):
+        scaler.scale()
+    wrapped = FlattenParamsWrapper(FeedForward())
+    scales = {name: 1024.0 for name, _ in wrapped.named_modules() if name.endswith("fc1")}
+    with pytest.raises(ValueError, match="flattened parameters .*flatten_parameters=False"):
+        LayerwiseGradientScaler(wrapped, scales)
