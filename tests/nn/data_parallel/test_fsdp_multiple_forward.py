@@ -3,7 +3,7 @@
 
 import contextlib
 import itertools
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 from _models import MIXED, assert_close_dict, assert_idle, gather_full_grads, train_and_compare
@@ -118,3 +118,58 @@ def _forwards_before_their_backwards_body(rank: int, ws: int) -> None:
 
 def test_forwards_before_their_backwards() -> None:
     run_distributed(_forwards_before_their_backwards_body, 2)
+
+
+def _build_shared_block(**kwargs: Any) -> Tuple[FSDP, SharedBlockTwice]:
+    torch.manual_seed(0)
+    model, ref = SharedBlockTwice(), SharedBlockTwice()
+    ref.load_state_dict(model.state_dict())
+    model.block = FSDP(model.block, bucket_cap_mb=0, **kwargs)
+    return FSDP(model, bucket_cap_mb=0, **kwargs), ref
+
+
+def _backward_again_body(rank: int, ws: int) -> None:
+    """A backward that reaches a forward an earlier backward reached already (``retain_graph=True``; a gradient
+    penalty's ``autograd.grad`` w.r.t. the input, then the loss's backward) still reduces each unit once, with the
+    block's gradient arriving in pieces (bf16, ``optimize_backward_concat``): not once per use."""
+    grads = {}
+    for name, kwargs in (("fp32", {}), ("obc", dict(optimize_backward_concat=True)), ("bf16", MIXED["bf16"])):
+        fsdp, ref = _build_shared_block(**kwargs)
+        y = fsdp(torch.randn(2, 4))
+        for retain in (True, False):
+            with count_collectives() as counter:
+                y.sum().backward(retain_graph=retain)
+            assert counter.count("reduce_scatter") == 2, (name, retain, counter.summary())
+        x = torch.randn(2, 4, requires_grad=True)
+        y, y2 = fsdp(x), fsdp(2 * x)
+        with count_collectives() as counter:
+            torch.autograd.grad(y.sum(), x, retain_graph=True)
+            (y.sum() + y2.sum()).backward()
+        assert counter.count("reduce_scatter") == 2, (name, counter.summary())
+        grads[name] = gather_full_grads(fsdp)
+    # The flag changes neither the collectives nor the numbers.
+    assert_close_dict(grads["obc"], grads["fp32"], "optimize_backward_concat grad", rtol=0, atol=0)
+
+
+def test_backward_again_through_a_reached_forward() -> None:
+    run_distributed(_backward_again_body, 2)
+
+
+def _abandoned_forward_slice_body(rank: int, ws: int) -> None:
+    """A forward abandoned after another forward's backward kept its zero2 slice; after the optimizer step, the next
+    forward's prefetch gathered the stale slice (then the unit's own forward threw it away and gathered again)."""
+    fsdp, _ = _build_shared_block(zero2_process_group=zero2_groups(1), forward_prefetch=True)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    y1 = fsdp(x + 1)
+    fsdp(x).sum().backward()
+    del y1
+    opt.step()
+    with count_collectives() as counter:
+        fsdp(x)
+    # The root and the block from their shards; the block's second use from the slice its first use kept.
+    assert [r.group_size for r in counter.records if r.kind == "all_gather"] == [ws, ws, 1], counter.summary()
+
+
+def test_abandoned_forward_keeps_no_stale_slice_for_prefetch() -> None:
+    run_distributed(_abandoned_forward_slice_body, 2)

@@ -81,7 +81,7 @@ def register_pre_backward_hooks(
     registered = [False]
 
     def hook(_grad: Tensor) -> None:
-        token.done = True
+        tree.mark_reached(token)
         pre_backward(unit)
 
     hooked: Set[int] = set()

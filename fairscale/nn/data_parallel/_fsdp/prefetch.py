@@ -82,6 +82,10 @@ def prefetch(target: Optional[FSDPUnit], tree: TreeState, phase: str) -> None:
     """
     if target is None or target.tree is not tree:
         return
+    if phase == "forward":
+        # What the target's own forward does first: a zero2 slice or gathered copy kept for a forward whose backward
+        # never ran is stale after an optimizer step (a fuzz of several forwards before their backwards, session 46).
+        target.drop_stale_full_params()
     todo = [
         h
         for h in target.handles

@@ -52,8 +52,9 @@ def recover_from_aborted_backward(root: FSDPUnit, units: Optional[List[FSDPUnit]
     tree.release_held()
     tree.abandon_started_backwards()
     reached = tree.forwards_reached()
+    tree.reached_now.clear()
     for u in units:
-        u.forget_finished_forwards(reached)  # as a finished backward does: their uses no longer defer reductions
+        u.forget_finished_forwards(reached)  # as a finished backward does
         u.release_all()
         for h in u.iter_materialized():
             undo_partial_backward(h)

@@ -49,6 +49,9 @@ class TreeState:
         # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.
         self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
         self.root_forwards = 0  # the number of the root's forwards (not recomputations) started so far
+        # Numbers of the root forwards whose hooks fired in the running backward (cleared at its end): a forward an
+        # earlier backward reached already (retain_graph=True, autograd.grad) counts again once this one reaches it.
+        self.reached_now: Set[int] = set()
         # Returns the end-of-backward callback, or None once its owner is gone (see set_finalizer).
         self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         # The callback queued by the running (or last) backward, weakly: see backward_running.
@@ -108,6 +111,18 @@ class TreeState:
         for t in tokens:
             if t.forward in started or t.forward == -1:  # -1: made inside the backward that raised
                 t.done = True
+
+    def mark_reached(self, token: PendingBackward) -> None:
+        """A hook of ``token``'s forward fired: its backward started (in the running backward)."""
+        token.done = True
+        self.reached_now.add(token.forward)
+
+    def reopen_reached(self) -> None:
+        """End of a backward that accumulated no parameter gradient (``autograd.grad`` w.r.t. inputs, a gradient
+        penalty's first pass): the forwards it reached still wait for the backward that will, as before it."""
+        for t in list(self._pending):
+            if t.forward in self.reached_now:
+                t.done = False
 
     def forwards_reached(self) -> Set[int]:
         """Numbers of the root forwards that a backward has reached (a token of theirs is done), and -1 (forwards run

@@ -191,23 +191,31 @@ class FSDPUnit:
         return state
 
     def live_grad_forwards(self) -> int:
-        """Forwards with autograd since the last end of backward whose graph may still reach a backward."""
-        return len(self.grad_forward_tokens) if self.grad_forward_tokens is not None else 0
+        """Uses of this unit the running backward may still reach: by forwards whose backward has not started, and by
+        the forwards this backward reached (again, after retain_graph=True or autograd.grad)."""
+        tokens = self.grad_forward_tokens
+        if not tokens or self.tree is None:
+            return 0
+        now = self.tree.reached_now
+        return sum(1 for t in list(tokens) if not t.done or t.forward in now)
 
     def forget_finished_forwards(self, reached: Set[int]) -> bool:
-        """End of a backward: drop the tokens of the forwards it reached (see :meth:`TreeState.forwards_reached`).
+        """End of a backward: forget this unit's uses that the forwards reached so far never needed (an unused
+        output; see :meth:`TreeState.forwards_reached`).
 
         Returns whether a forward of this unit still waits for its backward (several forwards before their backwards:
-        a siamese pass, micro-batches under ``no_sync()``). Its token stays counted, so the next backward still sees
-        every use of the unit; clearing them all reduced a unit used twice by that forward once per use.
+        a siamese pass, micro-batches under ``no_sync()``). Its tokens stay counted, so the next backward still sees
+        every use of the unit; forgetting them reduced a unit used twice by that forward once per use. The tokens of
+        reached forwards stay too (they count again only in a backward that reaches them again: retain_graph=True),
+        and die with their graphs.
         """
         tokens = self.grad_forward_tokens
         if tokens is None:
             return False
         for t in list(tokens):
-            if t.done or t.forward in reached:
+            if not t.done and t.forward in reached:
                 tokens.discard(t)
-        return len(tokens) > 0
+        return any(not t.done for t in list(tokens))
 
     def relink(self, owner: nn.Module) -> None:
         """Attach to ``owner`` after unpickling or copying."""
