@@ -69,9 +69,9 @@ class Net(nn.Module):
         self.head = nn.Linear(DIM, 3)
         self.twice = twice
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, stop: Optional[int] = None) -> Tensor:
         h = torch.tanh(self.inp(x))
-        for block in self.blocks:
+        for block in self.blocks[:stop]:  # stop: an early exit after that many blocks
             h = block(h)
         if self.twice:
             h = self.blocks[0](h)  # a unit that runs twice per forward
@@ -226,6 +226,24 @@ def _ordering_body(rank: int, ws: int) -> None:
 
 def test_prefetch_issues_next_gather_first() -> None:
     run_distributed(_ordering_body, WS, timeout=TIMEOUT)
+
+
+def _early_exit_evaluation_body(rank: int, ws: int) -> None:
+    """An evaluation forward that stops after the first block (an early exit, a draft model's first layers): what
+    forward prefetch gathered for the second block stayed gathered until that block's next forward."""
+    model = build({}, True, None)
+    for evaluation in (torch.no_grad, torch.inference_mode):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the order changes with each exit, as it should
+            model(batch(0, 0, rank)).sum().backward()  # records the whole order, which the next forward follows
+            with count_collectives() as counter, evaluation():
+                model(batch(1, 0, rank), stop=1)
+        assert len(_gathers_so_far(counter, "forward")) == 3, counter.summary()  # the root, b0, and b1 ahead
+        assert _full_units(model) == 0, evaluation
+
+
+def test_early_exit_evaluation_frees_the_unit_prefetched_ahead() -> None:
+    run_distributed(_early_exit_evaluation_body, WS, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------------------ bucket

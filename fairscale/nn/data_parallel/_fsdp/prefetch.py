@@ -38,7 +38,7 @@ import torch
 
 from fairscale.internal import collectives
 
-from .state import HandleState
+from .state import HandleState, TrainingState
 from .tree import TreeState
 from .unit import FSDPUnit
 
@@ -46,7 +46,10 @@ from .unit import FSDPUnit
 def on_forward(unit: FSDPUnit) -> None:
     """A unit's forward gathered its own parameters (not a recomputation): record it, maybe prefetch the next."""
     tree = unit.tree
-    if tree is None or not tree.forward_running:
+    if tree is None:
+        return
+    tree.prefetched_ahead.pop(unit, None)  # its gathers are this forward's now
+    if not tree.forward_running:
         return
     enabled = forward_prefetch_enabled(unit, tree)
     target = tree.forward_order.visit(unit, enabled)
@@ -93,6 +96,8 @@ def prefetch(target: Optional[FSDPUnit], tree: TreeState, phase: str) -> None:
     ]
     if not todo:
         return
+    if phase == "forward":
+        tree.prefetched_ahead[target] = todo
     if not tree.device.is_accelerator:  # CPU: inert streams, nothing to order (see unit.rebuild_full_params)
         with collectives.collective_phase(phase):
             for h in todo:
@@ -103,3 +108,21 @@ def prefetch(target: Optional[FSDPUnit], tree: TreeState, phase: str) -> None:
     with collectives.collective_phase(phase), tree.device.stream(tree.all_gather_stream):
         for h in todo:
             target.gather_one(h, async_op=True)
+
+
+def end_of_forward(tree: TreeState, evaluation: bool) -> None:
+    """The root's forward returned: free what a forward prefetch gathered for a unit that this forward never ran (an
+    early exit, a draft model's first layers) when no backward follows (an evaluation forward). It stayed gathered
+    until that unit's next forward (a fuzz of inference patterns, session 46); a training forward's end of backward
+    frees it."""
+    if not tree.prefetched_ahead:
+        return
+    left = list(tree.prefetched_ahead.items())
+    tree.prefetched_ahead.clear()
+    if not evaluation:
+        return
+    for unit, handles in left:
+        if unit.training_state == TrainingState.IDLE:
+            for h in handles:
+                if h.state is HandleState.FULL:
+                    h.free_full()

@@ -366,6 +366,7 @@ def forward(unit: FSDPUnit, args: Any, kwargs: Any) -> Any:
             tree.forward_running = False
     if root_pass:
         tree.forward_order.finish()  # only a completed forward is an order
+        prefetch.end_of_forward(tree, evaluation=not torch.is_grad_enabled())
     if unit.config.clear_autocast_cache:
         torch.clear_autocast_cache()
     return outputs

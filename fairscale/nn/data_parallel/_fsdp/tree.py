@@ -65,6 +65,9 @@ class TreeState:
         self.forward_order = ExecutionOrder("forward")
         self.backward_order = ExecutionOrder("backward")
         self.forward_running = False  # inside the root's (non-recomputed) forward
+        # Handles gathered ahead by a forward prefetch, by unit, until that unit's own forward takes them (see
+        # prefetch.end_of_forward).
+        self.prefetched_ahead: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
         # The gradient the last reduction reads on the post-backward stream, and an event recorded after that read
         # was queued (accelerators only; see hold_until_reduced).
         self._held: Optional[Tuple[Any, Tensor]] = None
