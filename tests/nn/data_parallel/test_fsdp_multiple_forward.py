@@ -129,9 +129,9 @@ def _build_shared_block(**kwargs: Any) -> Tuple[FSDP, SharedBlockTwice]:
 
 
 def _backward_again_body(rank: int, ws: int) -> None:
-    """A backward that reaches a forward an earlier backward reached already (``retain_graph=True``; a gradient
-    penalty's ``autograd.grad`` w.r.t. the input, then the loss's backward) still reduces each unit once, with the
-    block's gradient arriving in pieces (bf16, ``optimize_backward_concat``): not once per use."""
+    """A backward that reaches a forward an earlier backward reached already (``retain_graph=True``) still reduces
+    each unit once, with the block's gradient arriving in pieces (bf16, ``optimize_backward_concat``): not once per
+    use."""
     grads = {}
     for name, kwargs in (("fp32", {}), ("obc", dict(optimize_backward_concat=True)), ("bf16", MIXED["bf16"])):
         fsdp, ref = _build_shared_block(**kwargs)
@@ -140,12 +140,6 @@ def _backward_again_body(rank: int, ws: int) -> None:
             with count_collectives() as counter:
                 y.sum().backward(retain_graph=retain)
             assert counter.count("reduce_scatter") == 2, (name, retain, counter.summary())
-        x = torch.randn(2, 4, requires_grad=True)
-        y, y2 = fsdp(x), fsdp(2 * x)
-        with count_collectives() as counter:
-            torch.autograd.grad(y.sum(), x, retain_graph=True)
-            (y.sum() + y2.sum()).backward()
-        assert counter.count("reduce_scatter") == 2, (name, counter.summary())
         grads[name] = gather_full_grads(fsdp)
     # The flag changes neither the collectives nor the numbers.
     assert_close_dict(grads["obc"], grads["fp32"], "optimize_backward_concat grad", rtol=0, atol=0)
@@ -173,3 +167,40 @@ def _abandoned_forward_slice_body(rank: int, ws: int) -> None:
 
 def test_abandoned_forward_keeps_no_stale_slice_for_prefetch() -> None:
     run_distributed(_abandoned_forward_slice_body, 2)
+
+
+class DataSGD(torch.optim.Optimizer):
+    """SGD that writes through ``p.data``, as older optimizers do: no version counter moves."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _kept_output_and_data_step_body(rank: int, ws: int) -> None:
+    """A grad-mode output kept without a backward (logging) keeps its forward waiting: the units keep their full
+    parameters or zero2 slices for it after the training backward. A step through ``p.data`` moved no version, and
+    the next forward computed with the kept copies, i.e. the weights before the step. The step releases them first."""
+    for kwargs in (dict(reshard_after_forward=False), dict(zero2_process_group=zero2_groups(1))):
+        fsdp, ref = _build_shared_block(**kwargs)
+        opt, ref_opt = DataSGD(fsdp.parameters(), lr=0.5), DataSGD(ref.parameters(), lr=0.5)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))  # the same batch on every rank
+        for step in range(3):
+            kept = fsdp(x + 1)  # noqa: F841  # held, never backed up
+            out = fsdp(x)
+            torch.testing.assert_close(out, ref(x), msg=lambda m: f"{kwargs} step {step}: {m}")
+            out.sum().backward()
+            ref(x).sum().backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+
+
+def test_kept_output_and_a_step_through_data() -> None:
+    run_distributed(_kept_output_and_data_step_body, 2)

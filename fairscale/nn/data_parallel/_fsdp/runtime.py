@@ -557,8 +557,6 @@ def finalize_backward(root: FSDPUnit) -> None:
     # own, of the resharding units too (the penalty's backward reads them; they are freed at its end).
     keep_full = not tree.any_post_backward
     keep_resharded = keep_full and tree.backward_builds_graph
-    if keep_full:
-        tree.reopen_reached()
     reached = tree.forwards_reached()
     for u in units:
         _finalize_unit(u, syncing, keep_full, keep_resharded, reached)

@@ -52,6 +52,9 @@ class TreeState:
         # Numbers of the root forwards whose hooks fired in the running backward (cleared at its end): a forward an
         # earlier backward reached already (retain_graph=True, autograd.grad) counts again once this one reaches it.
         self.reached_now: Set[int] = set()
+        # A backward ended with forwards still waiting for theirs, whose units may keep full parameters or zero2
+        # slices for them: the next optimizer step releases those first (see step_guard._recover_before_step).
+        self.kept_for_pending = False
         # Returns the end-of-backward callback, or None once its owner is gone (see set_finalizer).
         self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         # The callback queued by the running (or last) backward, weakly: see backward_running.
@@ -119,13 +122,6 @@ class TreeState:
         """A hook of ``token``'s forward fired: its backward started (in the running backward)."""
         token.done = True
         self.reached_now.add(token.forward)
-
-    def reopen_reached(self) -> None:
-        """End of a backward that accumulated no parameter gradient (``autograd.grad`` w.r.t. inputs, a gradient
-        penalty's first pass): the forwards it reached still wait for the backward that will, as before it."""
-        for t in list(self._pending):
-            if t.forward in self.reached_now:
-                t.done = False
 
     def forwards_reached(self) -> Set[int]:
         """Numbers of the root forwards that a backward has reached (a token of theirs is done), and -1 (forwards run

@@ -215,7 +215,10 @@ class FSDPUnit:
         for t in list(tokens):
             if not t.done and t.forward in reached:
                 tokens.discard(t)
-        return any(not t.done for t in list(tokens))
+        waiting = any(not t.done for t in list(tokens))
+        if waiting and self.tree is not None:
+            self.tree.kept_for_pending = True
+        return waiting
 
     def relink(self, owner: nn.Module) -> None:
         """Attach to ``owner`` after unpickling or copying."""
