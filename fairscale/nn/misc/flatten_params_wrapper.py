@@ -294,7 +294,7 @@ class FlattenParamsWrapper(nn.Module):
         """
         if not self.is_flattened:
             raise RuntimeError("views can only be made while the parameters are flattened")
-        refuse_foreign_values(self.flat_params, self._fpw_module.__dict__.get("_unflattened_param_views"))
+        refuse_foreign_values(self, self._fpw_module.__dict__.get("_unflattened_param_views"))
         all_views: List[Tensor] = []
         for flat in self.flat_params:
             views = self._views_for_forward(flat)

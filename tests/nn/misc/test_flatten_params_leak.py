@@ -57,6 +57,20 @@ def test_dropped_wrapper_frees_flat_params_and_modules(step: bool) -> None:
     assert not _alive(refs), f"still alive after the wrapper was dropped: {_alive(refs)}"
 
 
+def test_dropped_under_a_fake_tensor_mode_is_freed() -> None:
+    """A wrapper collected while torch.compile traces (a FakeTensorMode active): the finalizer's detach() went to
+    that mode and failed ("Exception ignored"), and the wrapper's flat parameters leaked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    wrapper = FlattenParamsWrapper(_net())
+    wrapper(torch.randn(2, 6))
+    refs = _refs(wrapper, [])
+    with FakeTensorMode():
+        del wrapper
+    gc.collect()
+    assert not _alive(refs), f"still alive after the wrapper was dropped: {_alive(refs)}"
+
+
 def test_dropped_wrapper_is_freed_by_reference_counting() -> None:
     """No cycle collection needed: the objects go as soon as the last reference does."""
     net = _net()

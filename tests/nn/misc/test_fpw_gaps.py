@@ -67,3 +67,45 @@ def test_metadata_of_the_second_group() -> None:
     assert torch.equal(fpw.flat_param_1.detach(), m[2].weight.detach().reshape(-1))
     fpw(torch.randn(1, 2))
     assert m[2].weight.untyped_storage().data_ptr() == fpw.flat_param_1.untyped_storage().data_ptr()
+
+
+def test_replaced_flat_parameter_is_refused() -> None:
+    """A flat parameter replaced on the wrapper (functional_call with its name, an assignment, a parametrization) was
+    ignored by the forward, which computed with the wrapper's own, silently; the substitute got no gradient."""
+    fpw: Any = FlattenParamsWrapper(_seq())
+    x = torch.randn(4, 2)
+    zeros = {"flat_param_0": torch.zeros_like(fpw.flat_param)}
+    with pytest.raises(ValueError, match="flat_param_0 is not the flat parameter the wrapper made"):
+        torch.func.functional_call(fpw, zeros, (x,))
+    assert fpw._parameters["flat_param_0"] is fpw.flat_params[0]  # functional_call put the wrapper's back
+    fpw(x).sum().backward()  # and the wrapper still trains
+    assert fpw.flat_param.grad is not None
+    fpw.flat_param_0 = nn.Parameter(torch.zeros_like(fpw.flat_param))
+    with pytest.raises(ValueError, match="copy them into the flat parameter in place"):
+        fpw(x)
+
+
+def test_sparse_embedding_is_refused_unless_left_out() -> None:
+    """A flat parameter's gradient is dense: the first backward failed with "reshape is not implemented for sparse
+    tensors". The wrapper refuses it at construction, naming the layer; left out of param_list, it trains."""
+    net = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+    with pytest.raises(ValueError, match="weight of 0, an Embedding with sparse=True"):
+        FlattenParamsWrapper(net)
+    fpw: Any = FlattenParamsWrapper(net, param_list=list(net[1].parameters()))
+    fpw(torch.tensor([[1, 2]])).sum().backward()
+    assert net[0].weight.grad is not None and net[0].weight.grad.is_sparse
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jacrev", "jvp"])
+def test_torch_func_transforms(transform: str) -> None:
+    """vmap, jacrev and jvp over the wrapper give the unwrapped module's results (they raised: the views' autograd
+    function has no setup_context; inside a transform the views are upstream's split views)."""
+    ref = _seq()
+    fpw: Any = FlattenParamsWrapper(copy.deepcopy(ref))
+    x = torch.randn(4, 2)
+    run = {
+        "vmap": lambda m: torch.func.vmap(m)(x),
+        "jacrev": lambda m: torch.func.jacrev(m)(x[0]),
+        "jvp": lambda m: torch.func.jvp(m, (x,), (torch.ones_like(x),))[1],
+    }[transform]
+    torch.testing.assert_close(run(fpw), run(ref))

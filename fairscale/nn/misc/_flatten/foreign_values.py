@@ -22,12 +22,26 @@ __all__ = ["FLAT_VIEW_STAND_IN", "refuse_foreign_values"]
 FLAT_VIEW_STAND_IN = "_flat_view_stand_in"
 
 
-def refuse_foreign_values(flats: List[Any], last_views: Optional[List[Tensor]]) -> None:
-    """Raise ``ValueError`` if a flattened name of ``flats`` holds a tensor that is not the wrapper's.
+def refuse_foreign_values(wrapper: Any, last_views: Optional[List[Tensor]]) -> None:
+    """Raise ``ValueError`` if a flattened name of ``wrapper``'s flat parameters holds a tensor that is not the
+    wrapper's, or a flat parameter's name on the wrapper holds another tensor than that flat parameter.
 
     ``last_views``: the wrapped module's ``_unflattened_param_views`` (``None`` before any views were made: nothing
     to compare with). One dict lookup and one set lookup per name.
     """
+    flats: List[Any] = wrapper.flat_params
+    registered = wrapper._parameters
+    for name, flat in zip(wrapper.flat_param_names, flats):
+        # torch.func.functional_call with the flat name, an assignment or a parametrization of it: the forward made
+        # its views from the list it keeps, so the given tensor was ignored and got no gradient, silently; an
+        # optimizer over wrapper.parameters() then held a parameter that never trained (a fuzz, session 46).
+        if registered.get(name) is not flat:
+            raise ValueError(
+                f"FlattenParamsWrapper: {name} is not the flat parameter the wrapper made (replaced by an "
+                "assignment, a parametrization or torch.func.functional_call). The forward computes with the "
+                "wrapper's own flat parameter and would ignore it, silently. Load values with load_state_dict() or "
+                "copy them into the flat parameter in place (with torch.no_grad(): w.flat_params[0].copy_(values))."
+            )
     if not last_views:
         return
     known = {id(v) for v in last_views}

@@ -32,6 +32,9 @@ from fairscale.internal import tensor_hooks
 
 __all__ = ["forward_views"]
 
+# Whether a torch.func transform is running (present in every torch this package supports; read defensively).
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
 
 class FlatParamViews(torch.autograd.Function):
     """Detached views of a flat parameter shaped like its parameters; backward concatenates their gradients."""
@@ -123,8 +126,10 @@ def forward_views(flat: Any) -> List[Tensor]:
         # torch.compile, which copies a view's base with that base's .grad, failed on the mismatch ("attempting to
         # assign a gradient of size [55] to a tensor of size [110]") in an evaluation forward after a step.
         return list(flat.get_param_views(flat.detach()))
-    if flat.numel() != sum(flat._param_numels):
-        return list(flat.get_param_views())  # raises the size error FlatParameter words
+    if flat.numel() != sum(flat._param_numels) or _transforms_active():
+        # The size error FlatParameter words; or split views, as upstream made, inside a torch.func transform (vmap,
+        # jacrev, jvp), which refuses an autograd.Function without setup_context (a fuzz, session 46).
+        return list(flat.get_param_views())
     return list(
         tensor_hooks.apply_function(FlatParamViews, flat, flat._param_numels, flat._param_shapes, _layout(flat))
     )

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.sparse_layers import sparse_gradient_layer
 
 from .flat_parameter import FlatParameter, ParamInfo, SharedParamInfo
 
@@ -114,6 +115,22 @@ def normalize_param_groups(module: nn.Module, param_list: Any) -> List[List[nn.P
     return groups
 
 
+def _refuse_sparse_gradients(module: nn.Module, groups: Sequence[Sequence[nn.Parameter]]) -> None:
+    """Raise ``ValueError`` if a flattened parameter is the weight of a layer that makes sparse gradients.
+
+    A flat parameter's gradient is one dense tensor: the first backward failed with "reshape is not implemented for
+    sparse tensors" (a fuzz of FlattenParamsWrapper, session 46; FullyShardedDataParallel refused it already).
+    """
+    sparse = sparse_gradient_layer(module, among={id(p) for g in groups for p in g})
+    if sparse is not None:
+        path = ".".join(p for p in sparse[0].split(".") if p != FPW_MODULE)
+        raise ValueError(
+            f"FlattenParamsWrapper cannot flatten the weight of {path or 'the module'}, an {sparse[1]} with "
+            "sparse=True (a flat parameter's gradient is dense). Build it with sparse=False, or leave its weight out "
+            "of param_list."
+        )
+
+
 def locate_groups(wrapper: nn.Module, groups: Sequence[Sequence[nn.Parameter]]) -> List[GroupLayout]:
     """Find every (module, name) holding each grouped parameter, walking ``wrapper.named_modules()``.
 
@@ -121,8 +138,10 @@ def locate_groups(wrapper: nn.Module, groups: Sequence[Sequence[nn.Parameter]]) 
     is homogeneous in dtype, device and ``requires_grad``.
 
     Raises:
-        ValueError: a group mixes dtypes, devices or ``requires_grad``; the message names the parameters.
+        ValueError: a group mixes dtypes, devices or ``requires_grad``; the message names the parameters. A grouped
+            parameter is the weight of a layer with sparse gradients.
     """
+    _refuse_sparse_gradients(wrapper, groups)
     group_of = {id(p): gi for gi, group in enumerate(groups) for p in group}
     layouts = [GroupLayout() for _ in groups]
     owners: Dict[int, ParamInfo] = {}

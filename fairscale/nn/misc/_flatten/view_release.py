@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["release_views_on_collection"]
 
@@ -51,6 +52,14 @@ def release_views_on_collection(wrapper: nn.Module) -> None:
 
 
 def _release(flat_refs: _FlatRefs, module_ref: "Optional[weakref.ReferenceType[nn.Module]]") -> None:
+    # A wrapper may be collected while a tensor mode is active (FakeTensorMode while torch.compile traces): detach()
+    # would go to that mode and fail on these real tensors ("Exception ignored", and the wrapper leaked; a fuzz,
+    # session 46). The modes are for the traced program, not for this cleanup.
+    with _disable_current_modes():
+        _release_views(flat_refs, module_ref)
+
+
+def _release_views(flat_refs: _FlatRefs, module_ref: "Optional[weakref.ReferenceType[nn.Module]]") -> None:
     # id(view) -> (view, its detached alias): a tied name keeps sharing one tensor; the view is kept so its id stays
     # unique until the end.
     detached: Dict[int, Tuple[Tensor, Tensor]] = {}
