@@ -179,3 +179,48 @@ def test_plain_backward_after_training_stays_local(bucket: int, ranks: str) -> N
         assert counts == 0.0, "the plain backward communicated"
         assert local_gap < 1e-6, local_gap
         assert gap < 1e-6, gap
+
+
+def _checkpointed_wrapper_body(rank: int, world_size: int, bucket: int) -> float:
+    """The wrapper itself under torch's reentrant checkpoint, after an ordinary step: its forward runs without grad,
+    then again inside the backward, so nothing marked the new graph as the wrapper's and that step reduced nothing
+    (each owner stepped with its own rank's gradient, silently)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = _batch(step, rank).requires_grad_(True)
+        if step == 0:
+            loss = _loss(sdp, x)
+        else:
+            loss = torch.utils.checkpoint.checkpoint(sdp, x, use_reentrant=True).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _reference_step(ref, ref_opt, [x.detach()])
+    return _gap(model, ref)
+
+
+@pytest.mark.parametrize("bucket", BUCKETS, ids=["unbucketed", "bucketed"])
+def test_wrapper_under_a_reentrant_checkpoint_is_reduced(bucket: int) -> None:
+    for gap in run_distributed(_checkpointed_wrapper_body, 2, bucket, timeout=TIMEOUT):
+        assert gap < 1e-6, gap
+
+
+def _freeze_after_forward_body(rank: int, world_size: int, bucket: int) -> None:
+    """Freezing a layer between a forward and its backward: an internal "cannot be None" error before."""
+    from fairscale.internal.errors import FairscaleRuntimeError
+
+    model = _model()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1), reduce_buffer_size=bucket)
+    loss = _loss(sdp, _batch(0, rank))
+    model[0].requires_grad_(False)
+    with pytest.raises(FairscaleRuntimeError, match="requires_grad turned off between the forward and its backward"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("bucket", BUCKETS, ids=["unbucketed", "bucketed"])
+def test_freezing_between_forward_and_backward_is_explained(bucket: int) -> None:
+    run_distributed(_freeze_after_forward_body, 2, bucket, timeout=TIMEOUT)

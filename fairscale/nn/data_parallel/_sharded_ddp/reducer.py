@@ -47,9 +47,9 @@ from fairscale.nn.misc.param_bucket import GradBucket
 
 from . import own_backward
 from .parking import ReducedValues
+from .parking import buffer_of as _buffer
 from .swapped import revive_swapped_hooks
 from .trainable_agreement import TrainableAgreement
-from .parking import buffer_of as _buffer
 
 __all__ = ["HookState", "GradReducer"]
 
@@ -303,10 +303,8 @@ class GradReducer:
     # Per iteration
 
     def abandon_failed_backward(self) -> None:
-        """Finish the reductions a backward that raised left pending (before its end-of-backward flush), outside any
-        backward: at the next forward or ``zero_grad()``.
-
-        Left pending, gloo went on writing the reduced values into the gradients after the user's ``zero_grad()``,
+        """Finish the reductions a backward that raised left pending (before its flush), at the next forward or
+        ``zero_grad()``. Left pending, gloo went on writing the reduced values into the gradients after the user's ``zero_grad()``,
         and their completion callbacks ran in the next backward, marking stale tensors as reduced results (later
         steps silently off; found by a fuzz of recovery after exceptions, session 39). They are waited for (every
         rank issued them: a rank whose backward failed elsewhere waits until the group's timeout, as at any
@@ -352,8 +350,7 @@ class GradReducer:
         """A training forward returned ``output``: later backwards through it are this wrapper's own."""
         if self.state != HookState.READY or not self._forward_training or not torch.is_grad_enabled():
             return
-        if current_graph_task() != -1:
-            return  # a forward recomputed inside a backward: as in clear_counters, not a new graph of this wrapper's
+        # A recomputation in a backward too (a reentrant checkpoint of the wrapper): its nested backward is its own.
         nodes = own_backward.graph_nodes(output)
         own_backward.watch(nodes, self)
         # Backwards already run inside the forward (manual optimization): a backward after it is nobody's.
@@ -414,9 +411,11 @@ class GradReducer:
         if not self._agreement_checked:
             self._agreement_checked = True
             self._agreement.check(param.device)
-        if param.grad is None:  # pragma: no cover - the hook fires after accumulation, with a gradient
+        if param.grad is None:  # frozen after the forward (the agreement above saw every rank freeze it alike)
             raise FairscaleRuntimeError(
-                "ShardedDataParallel: Reducing gradients during backward pass, cannot be None (a hook removed it?)"
+                f"ShardedDataParallel: a parameter of shape {tuple(param.shape)} had requires_grad turned off between "
+                "the forward and its backward, so it got no gradient to reduce. Freeze parameters before the forward "
+                "(with auto_refresh_trainable=True the next forward takes the change into account)."
             )
         if not self._callback_queued:
             self._callback_queued = True
