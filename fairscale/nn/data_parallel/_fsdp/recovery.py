@@ -51,10 +51,7 @@ def recover_from_aborted_backward(root: FSDPUnit, units: Optional[List[FSDPUnit]
     tree.bucketer.discard()
     tree.release_held()
     tree.abandon_started_backwards()
-    reached = tree.forwards_reached()
-    tree.reached_now.clear()
     for u in units:
-        u.forget_finished_forwards(reached)  # as a finished backward does
         u.release_all()
         for h in u.iter_materialized():
             undo_partial_backward(h)

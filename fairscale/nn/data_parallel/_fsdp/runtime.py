@@ -18,7 +18,7 @@ The docs page "Architecture" draws these objects and this data path.
 import contextlib
 import functools
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -49,7 +49,7 @@ from .io import cast_inputs, for_each_tensor, map_tensors
 from .naming import clean_path
 from .param_hooks import check_no_user_post_accumulate_hooks, take_pending_data
 from .reentrant_checkpoint import in_reentrant_checkpoint_first_pass
-from .state import HandleState, TrainingState
+from .state import TrainingState
 from .tree import TreeState
 from .unit import FSDPUnit
 
@@ -557,10 +557,8 @@ def finalize_backward(root: FSDPUnit) -> None:
     # own, of the resharding units too (the penalty's backward reads them; they are freed at its end).
     keep_full = not tree.any_post_backward
     keep_resharded = keep_full and tree.backward_builds_graph
-    reached = tree.forwards_reached()
     for u in units:
-        _finalize_unit(u, syncing, keep_full, keep_resharded, reached)
-    tree.reached_now.clear()
+        _finalize_unit(u, syncing, keep_full, keep_resharded)
     if not syncing:
         step_guard.watch(root)
     tree.final_callback_queued = False
@@ -568,27 +566,16 @@ def finalize_backward(root: FSDPUnit) -> None:
     tree.backward_order.finish()
 
 
-def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool, keep_resharded: bool, reached: Set[int]) -> None:
-    # A forward whose backward is still to come (fwd, fwd, bwd, bwd) keeps what the unit keeps between a forward and
-    # its backward: the full parameters (reshard_after_forward=False, the root by default) or this rank's zero2 slice.
-    # Freed here, its backward gathered them again, over the whole process group even with zero2.
-    pending = unit.forget_finished_forwards(reached)
-    keep_gathered = pending and not unit.reshard_after_forward
-    keep_slice = pending and unit.reshard_after_forward and unit.config.zero2_process_group is not None
+def _finalize_unit(unit: FSDPUnit, syncing: bool, keep_full: bool, keep_resharded: bool) -> None:
+    unit.forget_finished_forwards()
     to_cpu = unit.config.move_grads_to_cpu
     for h in unit.handles:
         h.end_backward()
         if not h.materialized:
             continue  # this unit never ran a forward since its lazy init
-        if keep_gathered:
-            pass
-        elif (syncing and not keep_full) or (unit.reshard_after_forward and not keep_resharded):
-            if keep_slice and h.is_sharded and h.state == HandleState.FULL:
-                h.keep_zero2_slice(unit.config.zero2_rank, unit.config.zero2_size)
-            else:
-                h.free_full()
-        if not keep_slice:
-            h.drop_zero2_slice()
+        if (syncing and not keep_full) or (unit.reshard_after_forward and not keep_resharded):
+            h.free_full()
+        h.drop_zero2_slice()
         h.use_shard()
         if syncing:
             h.close_window()

@@ -30,7 +30,6 @@ from fairscale.internal.errors import FairscaleRuntimeError
 
 from .handle import FlatHandle
 from .recovery import recover_between_steps
-from .state import TrainingState
 from .ties import is_flattened_away
 from .unit import FSDPUnit
 
@@ -66,20 +65,7 @@ def _recover_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
         tree = root.tree
         if tree is not None and tree.root is not None and tree.final_callback_queued:
             recover_between_steps(root)
-        if tree is not None and tree.kept_for_pending:
-            _release_kept(root, tree)
     return None
-
-
-def _release_kept(root: FSDPUnit, tree: Any) -> None:
-    """Before a step: free the full parameters and zero2 slices idle units kept for forwards still waiting for their
-    backward. The step changes the shards; an optimizer writing through ``p.data`` changes no version counter, so the
-    next forward reused the kept copies, computing with the weights before the step (a review, session 46). The
-    waiting backward gathers them again, as it did before they were kept."""
-    tree.kept_for_pending = False
-    for u in root.tree_units():
-        if u.training_state == TrainingState.IDLE:
-            u.release_all()
 
 
 # Roots whose last backward left gradients unreduced (weak: a dropped model is no longer watched).

@@ -3,7 +3,7 @@
 
 import inspect
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -49,12 +49,9 @@ class TreeState:
         # backward starts, so "a backward is pending" is exact, not a flag that a dropped forward leaves set.
         self._pending: "weakref.WeakSet[PendingBackward]" = weakref.WeakSet()
         self.root_forwards = 0  # the number of the root's forwards (not recomputations) started so far
-        # Numbers of the root forwards whose hooks fired in the running backward (cleared at its end): a forward an
-        # earlier backward reached already (retain_graph=True, autograd.grad) counts again once this one reaches it.
-        self.reached_now: Set[int] = set()
-        # A backward ended with forwards still waiting for theirs, whose units may keep full parameters or zero2
-        # slices for them: the next optimizer step releases those first (see step_guard._recover_before_step).
-        self.kept_for_pending = False
+        # The newest root forward a backward reached so far (a hook of its fired): at the end of a backward, a unit
+        # forgets its uses by that forward and older ones (see FSDPUnit.forget_finished_forwards).
+        self.newest_reached = -1
         # Returns the end-of-backward callback, or None once its owner is gone (see set_finalizer).
         self._finalizer: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         # The callback queued by the running (or last) backward, weakly: see backward_running.
@@ -119,14 +116,9 @@ class TreeState:
                 t.done = True
 
     def mark_reached(self, token: PendingBackward) -> None:
-        """A hook of ``token``'s forward fired: its backward started (in the running backward)."""
+        """A hook of ``token``'s forward fired: its backward started."""
         token.done = True
-        self.reached_now.add(token.forward)
-
-    def forwards_reached(self) -> Set[int]:
-        """Numbers of the root forwards that a backward has reached (a token of theirs is done), and -1 (forwards run
-        inside a backward): at the end of a backward, what is left of the others still waits for a backward."""
-        return {t.forward for t in list(self._pending) if t.done} | {-1}
+        self.newest_reached = max(self.newest_reached, token.forward)
 
     @property
     def backward_pending(self) -> bool:

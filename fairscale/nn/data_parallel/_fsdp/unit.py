@@ -14,7 +14,7 @@ front class itself.
 import contextlib
 import enum
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -191,34 +191,23 @@ class FSDPUnit:
         return state
 
     def live_grad_forwards(self) -> int:
-        """Uses of this unit the running backward may still reach: by forwards whose backward has not started, and by
-        the forwards this backward reached (again, after retain_graph=True or autograd.grad)."""
-        tokens = self.grad_forward_tokens
-        if not tokens or self.tree is None:
-            return 0
-        now = self.tree.reached_now
-        return sum(1 for t in list(tokens) if not t.done or t.forward in now)
+        """Forwards with autograd whose backward may still reach this unit (see ``grad_forward_tokens``)."""
+        return len(self.grad_forward_tokens) if self.grad_forward_tokens is not None else 0
 
-    def forget_finished_forwards(self, reached: Set[int]) -> bool:
-        """End of a backward: forget this unit's uses that the forwards reached so far never needed (an unused
-        output; see :meth:`TreeState.forwards_reached`).
-
-        Returns whether a forward of this unit still waits for its backward (several forwards before their backwards:
-        a siamese pass, micro-batches under ``no_sync()``). Its tokens stay counted, so the next backward still sees
-        every use of the unit; forgetting them reduced a unit used twice by that forward once per use. The tokens of
-        reached forwards stay too (they count again only in a backward that reaches them again: retain_graph=True),
-        and die with their graphs.
-        """
+    def forget_finished_forwards(self) -> None:
+        """End of a backward: forget the uses by forwards a backward reached, and by older ones (outputs no backward
+        needed: a logging forward before the training one). A newer forward still waits for its backward (several
+        forwards before their backwards: micro-batches under ``no_sync()``): its uses stay counted, so that backward
+        still sees every use of the unit. Forgetting them too made a unit used twice by that forward reduce-scatter
+        its gradient once per use (mixed precision, ``optimize_backward_concat``: the gradient arrives in pieces).
+        Nothing else is kept for it: its backward gathers the parameters again, as after any backward (full
+        parameters kept over an optimizer step were stale where the step wrote through ``p.data``; a review)."""
         tokens = self.grad_forward_tokens
-        if tokens is None:
-            return False
-        for t in list(tokens):
-            if not t.done and t.forward in reached:
-                tokens.discard(t)
-        waiting = any(not t.done for t in list(tokens))
-        if waiting and self.tree is not None:
-            self.tree.kept_for_pending = True
-        return waiting
+        if tokens and self.tree is not None:
+            newest_reached = self.tree.newest_reached
+            for t in list(tokens):
+                if t.done or t.forward <= newest_reached:
+                    tokens.discard(t)
 
     def relink(self, owner: nn.Module) -> None:
         """Attach to ``owner`` after unpickling or copying."""
