@@ -459,12 +459,6 @@ class GradScaler(_ScalerBase):
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
 
 
-_ENABLED_DIFFERS = (
-    "ShardedGradScaler: enabled differs between the ranks of process_group (True on some, False on others). Build the "
-    "scaler with the same enabled= on every rank. The step was not taken (zero the gradients)."
-)
-
-
 class ShardedGradScaler(_ScalerBase):
     """AMP gradient scaler for sharded training (FSDP, OSS, ShardedDataParallel).
 
@@ -502,8 +496,6 @@ class ShardedGradScaler(_ScalerBase):
             is not an integer (an int: a float such as ``2e3`` made every ``update()`` raise inside torch).
 
     ``set_growth_factor``, ``set_backoff_factor`` and ``set_growth_interval`` refuse what the constructor refuses.
-    ``unscale_`` and ``step`` raise ``RanksDisagreeError`` on every rank when ``enabled`` or the scales differ between
-    the ranks of ``process_group``; a disabled scaler makes one all-reduce for that, at its first call.
     """
 
     def __init__(
@@ -519,36 +511,6 @@ class ShardedGradScaler(_ScalerBase):
     ) -> None:
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
         self.group = process_group
-        # A disabled scaler is a pass-through that joins no collective: a rank with another setting (enabled=args.fp16
-        # read differently on one node) left the enabled ranks in their inf/nan all-reduce until the group's timeout
-        # (a fuzz, session 46). A disabled scaler joins that all-reduce once, at its first unscale_ or step (see
-        # _unscale_grads_ for the encoding): every rank then raises the same error, and training without scaling pays
-        # one all-reduce in all.
-        self._disabled_checked = False
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """torch's ``unscale_``, with the inf/nan flag reduced over ``process_group`` (see the class docstring).
-
-        Raises:
-            RanksDisagreeError: on every rank, when ``enabled`` or the scales differ between the ranks.
-        """
-        self._check_disabled_once()
-        super().unscale_(optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
-        """:meth:`unscale_` (unless called already), then the optimizer's step unless an inf/nan showed on any rank."""
-        self._check_disabled_once()
-        return super().step(optimizer, *args, **kwargs)
-
-    def _check_disabled_once(self) -> None:
-        if self._enabled or self._disabled_checked:
-            return
-        self._disabled_checked = True
-        # No flag, no device, no scale, and a positive "minimum" no enabled rank can send (its entry is -1/scale).
-        both = torch.tensor([0.0, 0.0, 0.0, 1.0], device=getattr(self, "_device", "cpu"))
-        collectives.all_reduce(both, group=self.group, op="max")
-        if float(both[2]) > 0:
-            raise RanksDisagreeError(_ENABLED_DIFFERS)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedGradScaler":
         # A copy decides over the same ranks: process groups cannot be copied ("cannot pickle ProcessGroup" before).
@@ -579,8 +541,6 @@ class ShardedGradScaler(_ScalerBase):
         both[3] = -both[2]
         collectives.all_reduce(both, group=self.group, op="max")
         flags, devices, high, low = both.tolist()
-        if low > 0:  # a disabled scaler's one check (see _check_disabled_once)
-            raise RanksDisagreeError(_ENABLED_DIFFERS)
         if high != -low:
             raise RanksDisagreeError(
                 f"ShardedGradScaler: the ranks' loss scales differ (from {1 / high:g} to {1 / -low:g}) across "
