@@ -90,6 +90,16 @@ def _check_resolution(pygit2: Any, repo: Any, git_dir: Path, work_tree: Path) ->
     for entry in local:
         if entry.name.lower().startswith(("include.", "includeif.")):
             raise unsafe(git_dir / "config", f"it includes other configuration files ({entry.name} = {entry.value})")
+        if entry.name.lower() in _PATH_SETTINGS:
+            # Files git reads on every status or commit, anywhere (a FIFO hung every command; a security fuzz,
+            # session 46); wgit never sets them.
+            raise unsafe(git_dir / "config", f"it makes git read other files ({entry.name} = {entry.value})")
+
+
+# Settings that name files or programs git would read or run; wgit's repositories never set them.
+_PATH_SETTINGS = frozenset(
+    ("core.excludesfile", "core.attributesfile", "core.hookspath", "core.fsmonitor", "core.sshcommand", "core.askpass")
+)
 
 
 def _write_gitignore(path: Path, entries: List[str]) -> None:

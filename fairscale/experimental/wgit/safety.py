@@ -156,6 +156,12 @@ def check_tree(root: Path, what: str) -> None:
                 mode = entry.stat(follow_symlinks=False).st_mode
                 if not stat.S_ISSOCK(mode):
                     raise _special_error(path, inside, mode)
+            elif (
+                path.relative_to(root).parts[:2] == (".git", "logs") and entry.stat(follow_symlinks=False).st_nlink > 1
+            ):
+                # git appends to its reflogs in place (wgit's own files are replaced): a hard link carried that write
+                # to a file outside the repository (a security fuzz, session 46).
+                raise unsafe(path, f"{inside} is a hard link, through which git's log writes would reach another file")
 
 
 def open_regular(path: Path, what: str) -> BinaryIO:

@@ -176,12 +176,17 @@ class _StoreUnpickler(pickle._Unpickler):
     append: Callable[[Any], None]
     read: Callable[[int], bytes]
     readinto: Callable[[bytearray], int]
+    pop_mark: Callable[[], List[Any]]
 
     def __init__(self, reader: "_HashingReader", budget: int) -> None:
         super().__init__(reader)
         self._budget = budget
         # Every global resolved, by identity: what REDUCE, NEWOBJ and BUILD meet on the stack is checked by its name.
         self._names: Dict[int, Tuple[Any, Tuple[str, str]]] = {}
+        # Dtypes made here and not yet used or BUILT, by identity: numpy BUILDs each dtype once, right after making
+        # it. A dtype an array already used and BUILT again (a larger item size) made numpy write past the array's
+        # buffer: a heap overflow from a 142-byte object (a security fuzz, session 46).
+        self._fresh_dtypes: Dict[int, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
@@ -218,7 +223,39 @@ class _StoreUnpickler(pickle._Unpickler):
         func = self.stack[-1]
         name = self._name_of(func)
         self._check_call(func, args, _ALLOWED_GLOBALS.get(name) if name is not None else None)
+        self._mark_used(args)
         self.stack[-1] = func(*args)
+        if name == ("numpy", "dtype"):
+            self._fresh_dtypes[id(self.stack[-1])] = self.stack[-1]
+
+    def _mark_used(self, values: Any) -> None:
+        """Dtypes among ``values`` (a call's arguments, an array's state) are used: no BUILD may change them now."""
+        if self._fresh_dtypes and isinstance(values, tuple):
+            for v in values:
+                self._fresh_dtypes.pop(id(v), None)
+
+    def _load_setitem(self, count: Optional[int]) -> None:
+        """SETITEM and SETITEMS on dicts only: pickle's own assign into whatever is below (an array: raw bytes
+        written into it)."""
+        if count is None:  # SETITEMS: every pair above the mark
+            items = self.pop_mark()
+            target = self.stack[-1]
+        else:
+            items = self.stack[-2:]
+            del self.stack[-2:]
+            target = self.stack[-1]
+        if type(target) not in (dict, collections.OrderedDict):
+            raise UntrustedContentError(f"it assigns items into {_described(target)}; pickle does so into dicts only")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def _load_append(self, many: bool) -> None:
+        """APPEND and APPENDS on lists only (pickle's own calls ``append``/``extend`` of whatever is below)."""
+        items = self.pop_mark() if many else [self.stack.pop()]
+        target = self.stack[-1]
+        if type(target) is not list:
+            raise UntrustedContentError(f"it appends to {_described(target)}; pickle does so to lists only")
+        target.extend(items)
 
     def _load_newobj(self) -> None:
         args = self.stack.pop()
@@ -241,6 +278,13 @@ class _StoreUnpickler(pickle._Unpickler):
         state = self.stack.pop()
         inst = self.stack[-1]
         problem = self._build_problem(inst, state)
+        import numpy as np
+
+        if problem is None and isinstance(inst, np.dtype):
+            if self._fresh_dtypes.pop(id(inst), None) is not inst:
+                problem = "numpy sets a dtype's state once, right after making it, before any array uses it"
+        elif problem is None and isinstance(state, tuple):
+            self._mark_used(state)
         if problem is not None:
             raise UntrustedContentError(f"it sets the state of {_described(inst)} (pickle's BUILD): {problem}")
         if isinstance(state, dict):  # a record or an OrderedDict: attributes of this instance only
@@ -280,6 +324,10 @@ _StoreUnpickler.dispatch[pickle.REDUCE[0]] = _StoreUnpickler._load_reduce
 _StoreUnpickler.dispatch[pickle.NEWOBJ[0]] = _StoreUnpickler._load_newobj
 _StoreUnpickler.dispatch[pickle.BUILD[0]] = _StoreUnpickler._load_build
 _StoreUnpickler.dispatch[pickle.BYTEARRAY8[0]] = _StoreUnpickler._load_bytearray8
+_StoreUnpickler.dispatch[pickle.SETITEM[0]] = lambda u: u._load_setitem(1)
+_StoreUnpickler.dispatch[pickle.SETITEMS[0]] = lambda u: u._load_setitem(None)
+_StoreUnpickler.dispatch[pickle.APPEND[0]] = lambda u: u._load_append(False)
+_StoreUnpickler.dispatch[pickle.APPENDS[0]] = lambda u: u._load_append(True)
 for _opcode in ("INST", "OBJ", "NEWOBJ_EX"):
     _StoreUnpickler.dispatch[getattr(pickle, _opcode)[0]] = _refused_opcode(_opcode)
 

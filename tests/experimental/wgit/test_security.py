@@ -325,6 +325,14 @@ def _redirect_git(how: str, git_dir: Path, outside: Path) -> None:
         (outside / "extra.config").write_text("[user]\n\tname = someone\n")
         with open(git_dir / "config", "a") as f:
             f.write(f"[include]\n\tpath = {outside / 'extra.config'}\n")
+    elif how == "excludesfile":  # read by every status and commit: a named pipe there blocked every command
+        pygit2.Repository(str(git_dir)).config["core.excludesFile"] = str(outside / "excludes")
+    elif how == "hard-linked reflog":  # git appends its reflog in place: through the link, to the outside file
+        (outside / "reflog").write_text("victim\n")
+        reflog = git_dir / "logs" / "HEAD"
+        reflog.parent.mkdir(parents=True, exist_ok=True)
+        reflog.unlink(missing_ok=True)
+        os.link(outside / "reflog", reflog)
 
 
 @pytest.mark.parametrize(
@@ -336,6 +344,8 @@ def _redirect_git(how: str, git_dir: Path, outside: Path) -> None:
         ("worktree", "core.worktree"),
         ("bare", "core.bare"),
         ("include", "includes other configuration files"),
+        ("excludesfile", "makes git read other files"),
+        ("hard-linked reflog", "is a hard link"),
     ],
 )
 def test_wgit_refuses_a_git_dir_that_sends_git_elsewhere(
@@ -533,7 +543,27 @@ def _hostile_objects() -> Dict[str, Tuple[bytes, str]]:
             pickle.dumps(_Reduce(collections.OrderedDict, (), {"items": set()}), protocol=4),
             "torch's _metadata only",
         ),
+        # Found by a security fuzz (session 46): a dtype BUILT again after an array used it (item size 2**28), then
+        # pickle's SETITEM wrote into that array: numpy wrote 2**28 bytes into an 8-byte buffer (a segfault).
+        "dtype built again after use": (_dtype_rebuilt_after_use(reconstruct), "sets a dtype's state once"),
+        "item assigned into an array": (_array_then(reconstruct, b"K\x00C\x01Xs"), "assigns items into a numpy"),
     }
+
+
+def _array_then(reconstruct: Any, tail: bytes) -> bytes:
+    """A pickle (written by hand, as no pickler writes these) of a 1-item array of d = dtype('S8'), then ``tail``
+    with the array on the stack and d in memo 1."""
+    module = reconstruct.__module__.encode()
+    blob = b"\x80\x02cnumpy\ndtype\nX\x02\x00\x00\x00S8\x89\x88\x87Rq\x01"  # d = dtype('S8', False, True)
+    blob += b"c" + module + b"\n_reconstruct\ncnumpy\nndarray\nK\x00\x85C\x01b\x87R"  # an empty array
+    blob += b"(K\x01K\x01\x85h\x01\x89C\x08AAAAAAAAtb"  # BUILD it: one item of d
+    return blob + tail + b"."
+
+
+def _dtype_rebuilt_after_use(reconstruct: Any) -> bytes:
+    """d BUILT again, with an item size of 2**28, after the array used it."""
+    size = (1 << 28).to_bytes(4, "little")
+    return _array_then(reconstruct, b"h\x01(K\x03X\x01\x00\x00\x00|NNNJ" + size + b"K\x01K\x00tb0")
 
 
 @pytest.mark.parametrize("kind", list(_hostile_objects()))
