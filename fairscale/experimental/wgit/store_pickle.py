@@ -59,6 +59,8 @@ def _array_problem(shape: Any, spec: Any, budget: int) -> Optional[str]:
     # security review, session 42).
     if dtype.hasobject or dtype.kind in "OV" or dtype.fields is not None or dtype.subdtype is not None:
         return "an array of Python objects, or of a structured, subarray or void dtype, never comes from a tensor"
+    if dtype.kind not in "biufc":  # strings, dates: torch.from_numpy failed on them with its own TypeError
+        return f"an array of {dtype} never comes from a tensor"
     nbytes = math.prod(dims) * dtype.itemsize
     if nbytes > budget:
         return f"the array would take {nbytes} bytes, more than the {budget} bytes the object can hold"
@@ -141,6 +143,10 @@ _ALLOWED_GLOBALS: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
 _NEWOBJ: Dict[Tuple[str, str], _ArgsCheck] = {_RECORD: _check_record_args, ("builtins", "complex"): _check_complex}
 
 
+def _is_array(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
+
+
 def _refused_opcode(opcode: str) -> Callable[[Any], None]:
     def load(unpickler: Any) -> None:
         raise UntrustedContentError(f"it uses pickle's {opcode} opcode, which wgit's objects never hold")
@@ -187,6 +193,10 @@ class _StoreUnpickler(pickle._Unpickler):
         # it. A dtype an array already used and BUILT again (a larger item size) made numpy write past the array's
         # buffer: a heap overflow from a 142-byte object (a security fuzz, session 46).
         self._fresh_dtypes: Dict[int, Any] = {}
+        # Bytes allocated by the calls and BUILDs so far: each is sized against the budget, and so is their sum. Per
+        # call only, the memo let one object repeat bytearray(<the same memoized bytes>) for 5 bytes a copy: 2.4 GB
+        # from 1.9 KB (a security fuzz, session 46). What wgit writes allocates at most what its bytes hold.
+        self._allocated = 0
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
@@ -225,8 +235,19 @@ class _StoreUnpickler(pickle._Unpickler):
         self._check_call(func, args, _ALLOWED_GLOBALS.get(name) if name is not None else None)
         self._mark_used(args)
         self.stack[-1] = func(*args)
+        self._spend(self.stack[-1])
         if name == ("numpy", "dtype"):
             self._fresh_dtypes[id(self.stack[-1])] = self.stack[-1]
+
+    def _spend(self, made: Any) -> None:
+        """Count the memory ``made`` (a bytearray or an array: the values that hold data) against the budget."""
+        size = len(made) if isinstance(made, bytearray) else getattr(made, "nbytes", 0) if _is_array(made) else 0
+        self._allocated += size
+        if self._allocated > 2 * self._budget:  # twice: slack for what a reader may hold twice, never more
+            raise UntrustedContentError(
+                f"its values take more than {2 * self._budget} bytes, more than the object's {self._budget} bytes "
+                "can hold (the same data repeated through pickle's memo)"
+            )
 
     def _mark_used(self, values: Any) -> None:
         """Dtypes among ``values`` (a call's arguments, an array's state) are used: no BUILD may change them now."""
@@ -271,6 +292,7 @@ class _StoreUnpickler(pickle._Unpickler):
                 f"it declares a bytearray of {size} bytes, more than the {self._budget} bytes the object can hold"
             )
         data = bytearray(size)
+        self._spend(data)
         self.readinto(data)
         self.append(data)
 
@@ -291,6 +313,7 @@ class _StoreUnpickler(pickle._Unpickler):
             inst.__dict__.update(state)
         else:  # a numpy array or dtype: the class's own __setstate__, never one the instance could carry
             type(inst).__setstate__(inst, state)
+            self._spend(inst)
 
     def _build_problem(self, inst: Any, state: Any) -> Optional[str]:
         import numpy as np

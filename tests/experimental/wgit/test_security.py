@@ -546,15 +546,27 @@ def _hostile_objects() -> Dict[str, Tuple[bytes, str]]:
         # Found by a security fuzz (session 46): a dtype BUILT again after an array used it (item size 2**28), then
         # pickle's SETITEM wrote into that array: numpy wrote 2**28 bytes into an 8-byte buffer (a segfault).
         "dtype built again after use": (_dtype_rebuilt_after_use(reconstruct), "sets a dtype's state once"),
-        "item assigned into an array": (_array_then(reconstruct, b"K\x00C\x01Xs"), "assigns items into a numpy"),
+        "item assigned into an array": (_array_then(reconstruct, b"K\x00K\x01s"), "assigns items into a numpy"),
+        "array of strings": (pickle.dumps(np.array([b"ab"]), protocol=4), "an array of |S2 never comes from a tensor"),
+        # The same data repeated through pickle's memo: bytearray(<memoized 100 bytes>) for 5 bytes a copy (2.4 GB
+        # from a 1.9 KB compressed object; each call passed the check on its own).
+        "bytearray repeated through the memo": (
+            b"\x80\x03cbuiltins\nbytearray\nq\x00B"
+            + (100).to_bytes(4, "little")
+            + b"\0" * 100
+            + b"\x85q\x01"
+            + b"h\x00h\x01R" * 8
+            + b".",
+            "its values take more than",
+        ),
     }
 
 
 def _array_then(reconstruct: Any, tail: bytes) -> bytes:
-    """A pickle (written by hand, as no pickler writes these) of a 1-item array of d = dtype('S8'), then ``tail``
+    """A pickle (written by hand, as no pickler writes these) of a 1-item array of d = dtype('f8'), then ``tail``
     with the array on the stack and d in memo 1."""
     module = reconstruct.__module__.encode()
-    blob = b"\x80\x02cnumpy\ndtype\nX\x02\x00\x00\x00S8\x89\x88\x87Rq\x01"  # d = dtype('S8', False, True)
+    blob = b"\x80\x02cnumpy\ndtype\nX\x02\x00\x00\x00f8\x89\x88\x87Rq\x01"  # d = dtype('f8', False, True)
     blob += b"c" + module + b"\n_reconstruct\ncnumpy\nndarray\nK\x00\x85C\x01b\x87R"  # an empty array
     blob += b"(K\x01K\x01\x85h\x01\x89C\x08AAAAAAAAtb"  # BUILD it: one item of d
     return blob + tail + b"."
@@ -563,7 +575,7 @@ def _array_then(reconstruct: Any, tail: bytes) -> bytes:
 def _dtype_rebuilt_after_use(reconstruct: Any) -> bytes:
     """d BUILT again, with an item size of 2**28, after the array used it."""
     size = (1 << 28).to_bytes(4, "little")
-    return _array_then(reconstruct, b"h\x01(K\x03X\x01\x00\x00\x00|NNNJ" + size + b"K\x01K\x00tb0")
+    return _array_then(reconstruct, b"h\x01(K\x03X\x01\x00\x00\x00<NNNJ" + size + b"K\x01K\x00tb0")
 
 
 @pytest.mark.parametrize("kind", list(_hostile_objects()))
