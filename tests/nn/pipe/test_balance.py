@@ -50,6 +50,13 @@ def test_blockpartition_falls_back_to_the_exact_partition(costs, partitions, exp
     assert max(sum(b) for b in blocks) == max(sum(b) for b in blockpartition._min_max_blocks(costs, partitions))
 
 
+@pytest.mark.parametrize("costs, partitions", [([float("inf"), 1, 1], 2), ([float("inf")] * 2 + [1, 1], 3)])
+def test_blockpartition_infinite_costs_keep_blocks_non_empty(costs, partitions):
+    # Every split of an infinite cost ties at infinity; none of them may leave a block empty (the first block was).
+    blocks = blockpartition.solve(costs, partitions)
+    assert len(blocks) == partitions and all(blocks) and sum(blocks, []) == costs
+
+
 def test_blockpartition_min_max_blocks_is_optimal():
     import itertools
 

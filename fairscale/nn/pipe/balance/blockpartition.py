@@ -225,7 +225,9 @@ def _min_max_bounds_quadratic(prefix: List[float], partitions: int) -> List[int]
         for i in range(k, n - (partitions - k) + 1):
             for j in range(k - 1, i):
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
+                # The first split is taken even where no value is below infinity (an infinite cost): every block
+                # stays non-empty, as a pipeline needs.
+                if value < best[k][i] or j == k - 1:
                     best[k][i], cut[k][i] = value, j
     bounds = [n]
     for k in range(partitions, 0, -1):
