@@ -194,7 +194,8 @@ class Repo:
             FairscaleTypeError: the checkpoint is not a dict (with ``per_tensor``) or not a dict or a tensor
                 (without), or holds a tensor that the store cannot keep (e.g. bfloat16) (``AssertionError``).
             FairscaleValueError: the file's name is not UTF-8, the file is not under the directory that holds
-                ``.wgit``, or its metadata file already tracks another checkpoint or is in the way of a directory.
+                ``.wgit``, or its metadata file already tracks another checkpoint, is in the way of a directory, or
+                would never be committed (git ignores it, or it is named ``.git`` or like wgit's temporary files).
         """
         self._sanity_check()
         if sparsify and not per_tensor:
@@ -485,6 +486,9 @@ class Repo:
         rel = metadata_file.relative_to(self._dot_wgit)
         if ".git" in rel.parts:  # git never tracks an entry of that name, whatever the ignore rules say
             why = "git never tracks a file or folder named .git"
+        elif REPLACE_TMP_RE.match(rel.name):
+            # The first add writes the exclude rule for these names, so git's ignore check alone passes the first one.
+            why = "it is named like wgit's temporary files ('.<name>.<32 hex digits>.tmp'), which git is told to ignore"
         elif self._pygit.ignores(rel.as_posix()):
             why = (
                 "git ignores that path: a rule in .wgit/.gitignore (its 'sha1_store' entry matches any folder of that "

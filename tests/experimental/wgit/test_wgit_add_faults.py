@@ -328,6 +328,17 @@ def test_relative_parent_dir_keeps_naming_the_same_repository(tmp_path: Path, mo
 # ------------------------------------------------------------------------- one writer at a time, git must commit
 
 
+def test_a_checkpoint_named_like_wgits_temporary_files_is_refused_on_the_first_add(work: Path) -> None:
+    """The first add writes git's exclude rule for wgit's temporary file names: a checkpoint named like one was stored,
+    and called clean, yet its metadata was never committed."""
+    name = ".ck." + "0" * 32 + ".tmp"
+    os.replace(work / "ck.pt", work / name)
+    before = _store_state(work)
+    with pytest.raises(FairscaleValueError, match="would never be committed: it is named like wgit's temporary"):
+        Repo(work).add(name)
+    assert _store_state(work) == before
+
+
 def _add_in_thread(store: SHA1_Store, tensor: torch.Tensor, out: List[str]) -> None:
     out.append(store.add(tensor))
 
