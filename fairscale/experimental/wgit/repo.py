@@ -31,6 +31,7 @@ from .safety import (
     open_regular,
     printable,
     replace_file,
+    resolve_inside,
 )
 from .sha1_store import SHA1_Store
 from .storable import check_checkpoint_type as _check_checkpoint_type, check_storable
@@ -382,10 +383,13 @@ class Repo:
             raise refuse("which is not a path")
 
         def inside(base: Path) -> Optional[Path]:
-            # Lexically first (resolving would lstat outside the tree), then resolved (a link in the tree may lead out).
+            # Lexically first (resolving would lstat outside the tree), then followed within it (a link in the tree
+            # may lead out, also through a component outside that the lookup needs and realpath skips).
             lexical = Path(os.path.normpath(base / recorded))
-            ok = tree in lexical.parents and tree in Path(os.path.realpath(lexical)).parents
-            return lexical if ok else None
+            if tree not in lexical.parents:
+                return None
+            end, escape = resolve_inside(tree, lexical)
+            return lexical if escape is None and end != tree else None
 
         here = inside(tree)
         if here is None or not os.path.lexists(here):
@@ -398,7 +402,8 @@ class Repo:
             lexical = Path(os.path.normpath(tree / recorded))
             if tree not in lexical.parents:
                 raise refuse("which is outside the repository's directory")
-            link, target = _link_out_of(tree, lexical)
+            escape = resolve_inside(tree, lexical)[1]
+            link, target = escape if escape is not None else (lexical, str(tree))  # a link to the directory itself
             raise _LinkedOutError(
                 metadata_file,
                 f"it records the checkpoint path {shown}, which the symbolic link {link} (to {target}) leads outside "
@@ -544,19 +549,6 @@ class _LinkedOutError(UnsafeRepositoryError):
     def __init__(self, metadata_file: Path, reason: str) -> None:
         super().__init__(f"wgit: refusing the metadata file {metadata_file}: {reason}")
         self.reason = reason
-
-
-def _link_out_of(tree: Path, lexical: Path) -> Tuple[Path, str]:
-    """The first symbolic link on the way from ``tree`` to ``lexical`` (a path under it) that leads out of ``tree``,
-    and where it leads; ``(lexical, its resolved path)`` if none does any more (changed meanwhile)."""
-    path = tree
-    for part in lexical.relative_to(tree).parts:
-        path = path / part
-        if path.is_symlink():
-            target = Path(os.path.realpath(path))
-            if target != tree and tree not in target.parents:
-                return path, str(target)
-    return lexical, os.path.realpath(lexical)
 
 
 def _check_utf8(name: str, what: str) -> None:

@@ -24,7 +24,8 @@ checkpoints one adds. wgit therefore:
   steps), and refuses containers nested more than :data:`MAX_NESTING` deep or inside themselves (they reached the
   recursion limit) with :class:`UntrustedContentError`;
 * looks at no checkpoint path a metadata file records outside the directory that holds ``.wgit`` (``wgit status``
-  told whether ``/root/...`` exists): such a file is refused with :class:`UnsafeRepositoryError`.
+  told whether ``/root/...`` exists): such a file is refused with :class:`UnsafeRepositoryError`; nor at one whose
+  lookup passes outside it through a symbolic link (:func:`resolve_inside`), whatever the link's target ends at.
 
 It does not defend against another process changing ``.wgit`` while wgit runs (a check-then-write race), nor does it
 hide the modification time of the files one adds.
@@ -37,7 +38,7 @@ import stat
 import uuid
 import warnings
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Dict, FrozenSet, Iterable, List, Optional
+from typing import IO, Any, BinaryIO, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -228,6 +229,60 @@ def contained(root: Path, parts: Iterable[str], what: str, reserved: FrozenSet[s
         if path.is_symlink():
             raise _link_error(path, what)
     return path
+
+
+# The kernel's limit on symbolic links followed in one lookup (Linux: 40); past it the lookup fails with ELOOP.
+_MAX_LINK_HOPS = 40
+
+
+def resolve_inside(root: Path, path: Path) -> Tuple[Path, Optional[Tuple[Path, str]]]:
+    """Follow ``path`` (absolute, lexically under the resolved directory ``root``) as the kernel's lookup would, without
+    looking at anything outside ``root``.
+
+    ``os.path.realpath`` reads a ``..`` after a missing component lexically while the kernel needs that component: a
+    link ``a -> ../PROBE/../tree/b`` resolved inside, yet a ``stat`` through it told whether ``PROBE`` exists (a
+    security fuzz, session 46). Here every step that leaves ``root`` stops the walk.
+
+    Returns:
+        ``(end, None)``: the lookup stays inside ``root``; ``end`` is where it ends, with the components after one
+        that does not exist (or is no directory, or past too many links) joined unresolved, as the kernel's lookup
+        fails there. ``(path, (link, target))``: following the symbolic link ``link`` (whose target, as written, is
+        ``target``) would leave ``root``.
+    """
+    pending = list(path.relative_to(root).parts)
+    current, hops, link = root, 0, None
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if current == root:
+                return path, (link if link is not None else (path, ".."))
+            current = current.parent
+            continue
+        step = current / part
+        try:
+            mode = os.lstat(step).st_mode
+        except OSError:  # missing, or not a directory on the way: the lookup stops here
+            return step.joinpath(*pending), None
+        if stat.S_ISLNK(mode):
+            hops += 1
+            if hops > _MAX_LINK_HOPS:
+                return step.joinpath(*pending), None
+            target = os.readlink(step)
+            link = (step, target)
+            target_parts = Path(target).parts
+            if os.path.isabs(target):
+                # Only a target spelled under ``root`` is followed: any other one starts outside it.
+                if target_parts[: len(root.parts)] != root.parts:
+                    return path, link
+                current, target_parts = root, target_parts[len(root.parts) :]
+            pending[:0] = target_parts
+            continue
+        if pending and not stat.S_ISDIR(mode):
+            return step.joinpath(*pending), None
+        current = step
+    return current, None
 
 
 def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:

@@ -792,6 +792,35 @@ def test_status_looks_only_at_checkpoints_inside_the_repository(
     assert Repo(repo_dir).status() == {"wgit_testing/checkpoint_0.pt": RepoStatus.CHANGES_NOT_ADDED}
 
 
+def test_status_through_a_link_tells_nothing_about_paths_outside(
+    repo_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A link ``a -> ../PROBE/../<repo>/checkpoint_0.pt`` resolved inside by realpath (a ``..`` after a missing name is
+    read lexically), but the kernel's stat needs PROBE: status told whether PROBE exists (a security fuzz, session 46).
+    Links whose every step stays inside are followed as before."""
+    metadata = _tracked(repo_dir)
+    (repo_dir / "sub").mkdir()
+    for target, inside in (
+        (f"../PROBE/../{repo_dir.name}/checkpoint_0.pt", False),
+        (f"{tmp_path}/PROBE/../{repo_dir.name}/checkpoint_0.pt", False),
+        ("sub/../checkpoint_0.pt", True),
+        (str(repo_dir.resolve() / "sub" / ".." / "checkpoint_0.pt"), True),
+    ):
+        (repo_dir / "a").unlink(missing_ok=True)
+        (repo_dir / "a").symlink_to(target)
+        _record(metadata, "a")
+        seen = []
+        for probe_exists in (False, True):
+            if probe_exists:
+                (tmp_path / "PROBE").mkdir()
+            seen.append(Repo(repo_dir).status())
+            if probe_exists:
+                (tmp_path / "PROBE").rmdir()
+            assert ("the symbolic link" in capsys.readouterr().err) != inside, target
+        expected = RepoStatus.CHANGES_ADDED_NOT_COMMITED if inside else RepoStatus.CHANGES_NOT_ADDED
+        assert seen == [{"wgit_testing/checkpoint_0.pt": expected}] * 2, (target, seen)
+
+
 def test_hostile_metadata_gives_one_line_not_a_traceback(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
     """JSON nested 100000 deep raised RecursionError (status, and add over it); a path of 5000 characters OSError."""
     from fairscale.experimental.wgit import cli
