@@ -21,7 +21,8 @@ checkpoints one adds. wgit therefore:
   numpy arrays and dtypes, wgit records and OrderedDicts only (pickle's BUILD on an allowed class changed it for the
   whole process);
 * walks each container once, however many times it is shared (a list shared at every level made ``2**depth``
-  steps), and refuses containers nested more than :data:`MAX_NESTING` deep or inside themselves (they reached the
+  steps), counts the work of hashing a store object's dict keys and set members before Python does it (a tuple
+  shared at every level hashed ``2**depth`` tuples: tuples do not cache their hash), and refuses containers nested more than :data:`MAX_NESTING` deep or inside themselves (they reached the
   recursion limit) with :class:`UntrustedContentError`;
 * looks at no checkpoint path a metadata file records outside the directory that holds ``.wgit`` (``wgit status``
   told whether ``/root/...`` exists): such a file is refused with :class:`UnsafeRepositoryError`; nor at one whose

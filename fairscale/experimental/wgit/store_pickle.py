@@ -15,7 +15,7 @@ import pickle
 import reprlib
 import struct
 import zlib
-from typing import IO, Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -143,6 +143,29 @@ _ALLOWED_GLOBALS: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
 _NEWOBJ: Dict[Tuple[str, str], _ArgsCheck] = {_RECORD: _check_record_args, ("builtins", "complex"): _check_complex}
 
 
+# The calls that hash their argument's items: set and frozenset members, an OrderedDict's keys.
+_HASHING_CALLS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
+
+
+def _hash_steps(value: Any, costs: Dict[int, int], cap: int) -> int:
+    """The tuples Python hashes to hash ``value`` (1 for anything else: str, numbers, frozensets cache theirs), each
+    tuple's count worked out once in ``costs`` (by identity) and capped at ``cap``; iterative (nesting is unbounded)."""
+    if type(value) is not tuple:
+        return 1
+    pending: List[Tuple[Any, bool]] = [(value, False)]
+    while pending:
+        node, ready = pending.pop()
+        if id(node) in costs:
+            continue
+        if ready:  # its tuples are counted: they were pushed above it
+            steps = 1 + sum(costs[id(c)] if type(c) is tuple else 1 for c in node)
+            costs[id(node)] = min(cap, steps)
+        else:
+            pending.append((node, True))
+            pending.extend((c, False) for c in node if type(c) is tuple and id(c) not in costs)
+    return costs[id(value)]
+
+
 def _is_array(value: Any) -> bool:
     return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
 
@@ -197,6 +220,8 @@ class _StoreUnpickler(pickle._Unpickler):
         # call only, the memo let one object repeat bytearray(<the same memoized bytes>) for 5 bytes a copy: 2.4 GB
         # from 1.9 KB (a security fuzz, session 46). What wgit writes allocates at most what its bytes hold.
         self._allocated = 0
+        # Steps Python takes to hash the dict keys and set members so far (see _count_hashing), by the same rule.
+        self._hashing = 0
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
@@ -233,6 +258,9 @@ class _StoreUnpickler(pickle._Unpickler):
         func = self.stack[-1]
         name = self._name_of(func)
         self._check_call(func, args, _ALLOWED_GLOBALS.get(name) if name is not None else None)
+        if args and name in _HASHING_CALLS and isinstance(args[0], (list, tuple)):  # a set's members, a dict's pairs
+            pairs = name == ("collections", "OrderedDict")
+            self._count_hashing(p[0] if pairs and isinstance(p, (list, tuple)) and p else p for p in args[0])
         self._mark_used(args)
         self.stack[-1] = func(*args)
         self._spend(self.stack[-1])
@@ -267,8 +295,45 @@ class _StoreUnpickler(pickle._Unpickler):
             target = self.stack[-1]
         if type(target) not in (dict, collections.OrderedDict):
             raise UntrustedContentError(f"it assigns items into {_described(target)}; pickle does so into dicts only")
+        self._count_hashing(items[0::2])
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
+
+    def _count_hashing(self, keys: Iterable[Any]) -> None:
+        """Count the steps Python takes to hash ``keys`` (dict keys or set members) before it does: refuse them past
+        what the object's bytes can hold.
+
+        A tuple's hash is not cached: it hashes its items again each time, so a tuple shared at every level
+        (``t = (t, t)``, a few bytes per level through pickle's memo) as a key hashed ``2**depth`` tuples, forever
+        for a few hundred bytes (a security fuzz, session 46). Counted here with each tuple's cost worked out once.
+        """
+        limit = 2 * self._budget + 1024  # what wgit writes hashes each key's items once: at most its bytes
+        costs: Dict[int, int] = {}
+        for key in keys:
+            self._hashing += _hash_steps(key, costs, limit + 1)
+            if self._hashing > limit:
+                raise UntrustedContentError(
+                    f"its dict keys and set members take more than {limit} steps to hash, more than the object's "
+                    f"{self._budget} bytes can hold (a tuple repeated inside itself through pickle's memo)"
+                )
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        self._count_hashing(items[0::2])
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if type(target) is not set:
+            raise UntrustedContentError(f"it adds members to {_described(target)}; pickle does so to sets only")
+        self._count_hashing(items)
+        target.update(items)
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()
+        self._count_hashing(items)
+        self.append(frozenset(items))
 
     def _load_append(self, many: bool) -> None:
         """APPEND and APPENDS on lists only (pickle's own calls ``append``/``extend`` of whatever is below)."""
@@ -349,6 +414,9 @@ _StoreUnpickler.dispatch[pickle.BUILD[0]] = _StoreUnpickler._load_build
 _StoreUnpickler.dispatch[pickle.BYTEARRAY8[0]] = _StoreUnpickler._load_bytearray8
 _StoreUnpickler.dispatch[pickle.SETITEM[0]] = lambda u: u._load_setitem(1)
 _StoreUnpickler.dispatch[pickle.SETITEMS[0]] = lambda u: u._load_setitem(None)
+_StoreUnpickler.dispatch[pickle.DICT[0]] = _StoreUnpickler._load_dict
+_StoreUnpickler.dispatch[pickle.ADDITEMS[0]] = _StoreUnpickler._load_additems
+_StoreUnpickler.dispatch[pickle.FROZENSET[0]] = _StoreUnpickler._load_frozenset
 _StoreUnpickler.dispatch[pickle.APPEND[0]] = lambda u: u._load_append(False)
 _StoreUnpickler.dispatch[pickle.APPENDS[0]] = lambda u: u._load_append(True)
 for _opcode in ("INST", "OBJ", "NEWOBJ_EX"):

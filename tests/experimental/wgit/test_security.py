@@ -590,6 +590,34 @@ def test_store_get_allocates_no_more_than_the_object_holds(tmp_path: Path, kind:
         store.get(key)
 
 
+def _tuple_tower(depth: int) -> bytes:
+    """Protocol 4 pickle opcodes leaving t on the stack, t = (t, t) ``depth`` times from ``()`` (6 bytes a level
+    through the memo): hashing it hashes ``2**depth`` tuples, as a tuple's hash is not cached."""
+    return b"\x80\x04)\x94" + b"h\x00h\x00\x86q\x00" * depth
+
+
+_HASH_BOMBS = {
+    "dict key (SETITEM)": b"}\x94h\x00K\x01s.",
+    "dict key (DICT, protocol 1)": b"(h\x00K\x01d.",
+    "set member (ADDITEMS)": b"\x8f(h\x00\x90.",
+    "frozenset member (FROZENSET)": b"(h\x00\x91.",
+    "set(list) member": b"\x8c\x08builtins\x8c\x03set\x93]h\x00a\x85R.",
+    "OrderedDict key": b"\x8c\x0bcollections\x8c\x0bOrderedDict\x93]h\x00K\x01\x86a\x85R.",
+}
+
+
+@pytest.mark.parametrize("kind", list(_HASH_BOMBS))
+def test_store_get_refuses_keys_that_take_forever_to_hash(tmp_path: Path, kind: str) -> None:
+    """A 400-byte object whose dict key or set member is a tuple shared at every level (60 levels) hashed 2**60
+    tuples: store.get never returned (a security fuzz, session 46). Ordinary tuple keys still load."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    key = _plant(tmp_path / "store", _tuple_tower(60) + _HASH_BOMBS[kind])
+    with pytest.raises(UntrustedContentError, match="take more than [0-9]+ steps to hash"):
+        store.get(key)
+    ordinary = {(i, (str(i), (i,))): {frozenset({(i, i)}), (i, ())} for i in range(500)}
+    assert store.get(_plant(tmp_path / "store", pickle.dumps(ordinary, protocol=4))) == ordinary
+
+
 def test_store_get_reads_no_more_than_the_recorded_size(tmp_path: Path) -> None:
     """A compressed object may expand a thousand times: what is read is capped by the size the store records."""
     store = SHA1_Store(tmp_path / "store", init=True)
