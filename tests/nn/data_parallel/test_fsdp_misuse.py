@@ -169,6 +169,14 @@ def _case_fsdp_of_fsdp_trains_like_the_module() -> None:
     got = _full(model)
     assert sorted(model.state_dict()) == ["a.bias", "a.weight", "b.bias", "b.weight"]
     _assert_equal_to_reference(got)
+    # The local dict names the inner instance's flat parameter at the top ("flat_param_0"): its load raised "Missing
+    # flat_param_0 ... Unexpected flat_param_0" (the outer wrapper took the key for its own; found by a fuzz).
+    local = {k: v.clone() for k, v in model.local_state_dict().items()}  # its values alias the shards, as torch's
+    assert sorted(local) == ["flat_param_0"]
+    _train(model)
+    model.load_local_state_dict(local)
+    for name, value in _full(model).items():
+        assert torch.equal(value, got[name]), name
 
 
 def _case_one_module_in_two_instances() -> None:

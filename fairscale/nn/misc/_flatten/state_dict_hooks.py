@@ -239,11 +239,13 @@ def _add_wrapper_level(module: FlatOwner, state_dict: Dict[str, Any], prefix: st
         state_dict[key] = value
     own_names = {n for n, _ in wrapped.named_parameters(recurse=False)}
     own_names |= {n for n, _ in wrapped.named_buffers(recurse=False)}
+    mine = set(module.flat_param_names)
     for key in [k for k in state_dict if k.startswith(inner + FLAT_PARAM)]:
         rest = key[len(inner) :]
-        # Only direct attributes named like a flat parameter go back to the wrapper; a child module or a
-        # genuine attribute of the wrapped module that happens to start with "flat_param" stays where it is.
-        if "." in rest or rest in own_names or not rest.startswith(FLAT_PARAM + "_"):
+        # Only this wrapper's flat parameters go back to it; a child module, a genuine attribute of the wrapped module
+        # that happens to start with "flat_param", or the flat parameter of a wrapper nested right inside (FSDP's
+        # FSDP(FSDP(module)): the outer one has none, and its local dict names the inner one's "flat_param_0") stays.
+        if "." in rest or rest in own_names or rest not in mine:
             continue
         state_dict[prefix + rest] = state_dict.pop(key)
 
