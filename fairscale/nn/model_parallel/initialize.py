@@ -14,13 +14,18 @@ import numbers
 from typing import Any, List, Optional
 
 import torch
+import torch.distributed
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_world_agrees_through_store
 from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
+from fairscale.internal.parallel import default_group_timeout
 
 # Upstream's module namespace has it (importers may reach it here); the grid check below says more on failure.
 from .utils import ensure_divisibility  # noqa: F401
+
+# torch's own module, bound at import: the one whose groups take a timeout (see _new_group).
+_REAL_DISTRIBUTED = torch.distributed
 
 __all__ = [
     "initialize_model_parallel",
@@ -161,15 +166,15 @@ def initialize_model_parallel(
     try:
         # new_group() is collective: every rank creates every group, in the same order (data, model, pipeline).
         for ranks in grid.data_parallel_groups():
-            group = torch.distributed.new_group(ranks, backend=ddp_backend)
+            group = _new_group(ranks, ddp_backend)
             if rank in ranks:
                 _DATA_PARALLEL_GROUP = group
         for ranks in grid.model_parallel_groups():
-            group = torch.distributed.new_group(ranks, backend=model_parallel_backend)
+            group = _new_group(ranks, model_parallel_backend)
             if rank in ranks:
                 _MODEL_PARALLEL_GROUP = group
         for ranks in grid.pipeline_groups():
-            group = torch.distributed.new_group(ranks, backend=pipeline_backend)
+            group = _new_group(ranks, pipeline_backend)
             if rank in ranks:
                 _PIPELINE_PARALLEL_GROUP = group
                 _PIPELINE_PARALLEL_RANKS = ranks
@@ -198,6 +203,17 @@ def _check_backends_available(*backends: Optional[str]) -> None:
                 "needs CUDA; registered third-party backends must be imported first); pass 'gloo', 'nccl' or None "
                 "(the default group's)"
             )
+
+
+def _new_group(ranks: List[int], backend: Optional[str]) -> Any:
+    """``torch.distributed.new_group(ranks, backend)`` with the default group's timeout (the ``timeout`` given to
+    ``init_process_group``): alone it takes the backend's default (30 minutes for gloo), so a rank that skipped a
+    collective of these groups kept the others waiting that long, whatever the user set (found by a fuzz)."""
+    # Only for torch's own module: a stand-in that tests put in its place (as upstream's do) takes no timeout.
+    timeout = default_group_timeout() if torch.distributed is _REAL_DISTRIBUTED else None
+    if timeout is None:
+        return torch.distributed.new_group(ranks, backend=backend)
+    return torch.distributed.new_group(ranks, backend=backend, timeout=timeout)
 
 
 def _check_ranks_agree(

@@ -190,6 +190,43 @@ def test_ranks_that_disagree_raise_the_same_error() -> None:
     run_distributed(_disagreement_body, 2, timeout=60)
 
 
+_SHORT_TIMEOUT_S = 3.0
+
+
+def _group_timeout_body(directory: str, rank: int) -> List[float]:
+    import atexit
+    import os
+    import time
+
+    from fairscale.fair_dev.testing.engine import init_gloo_world
+
+    init_gloo_world(directory, rank, 2, timeout_s=_SHORT_TIMEOUT_S)
+    mpu.initialize_model_parallel(2)
+    flag = os.path.join(directory, "rank0-done")
+    if rank == 1:  # alive, never joining rank 0's collective
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return []
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError):
+            collectives.all_reduce(torch.ones(1), group=mpu.get_model_parallel_group())
+    finally:
+        open(flag, "w").close()
+    atexit.register(os._exit, 0)  # gloo aborts at exit when a group whose collective timed out is torn down
+    return [time.monotonic() - start]
+
+
+def test_groups_inherit_the_default_groups_timeout(tmp_path: Any) -> None:
+    """The groups took torch's default (30 minutes for gloo), not ``init_process_group(timeout=...)``: a rank that
+    skipped a collective kept the others waiting until its process ended (found by a fuzz)."""
+    import functools
+
+    (waited,) = run_ranks(functools.partial(_group_timeout_body, str(tmp_path)), 2, timeout=40.0)[0]
+    assert _SHORT_TIMEOUT_S * 0.5 <= waited < _SHORT_TIMEOUT_S + 4.0, waited
+
+
 class _MockDistributed:
     """A stand-in for ``torch.distributed`` that records the rank lists of ``new_group``."""
 

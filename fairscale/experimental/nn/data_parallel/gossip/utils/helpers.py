@@ -4,7 +4,7 @@
 import collections
 import logging
 import sys
-from typing import Any, Callable, DefaultDict, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, DefaultDict, Dict, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,7 @@ from torch import Tensor
 
 from fairscale.internal.collectives import all_reduce
 from fairscale.internal.device import DeviceHandle, current_accelerator_device
+from fairscale.internal.parallel import default_group_timeout, new_group_with_timeout
 
 __all__ = [
     "MultiProcessAdapter",
@@ -95,9 +96,10 @@ def _comm_device() -> torch.device:
 def create_process_group(ranks: Sequence[int]) -> Any:
     """``dist.new_group(ranks)``, warmed up by its members with an fp32 and an fp16 all-reduce.
 
-    Every process must call this for every group, in the same order (``new_group`` is collective).
+    Every process must call this for every group, in the same order (``new_group`` is collective). The group has the
+    default group's timeout (``init_process_group``'s): ``new_group`` alone takes the backend's (30 minutes for gloo).
     """
-    group: Any = cast(Any, dist.new_group(list(ranks)))  # newer torch's stubs add a non-member sentinel
+    group: Any = new_group_with_timeout(list(ranks), default_group_timeout())
     device = _comm_device()
     if dist.get_rank() in ranks:
         for dtype in (torch.float32, torch.float16):
