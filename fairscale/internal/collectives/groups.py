@@ -110,6 +110,14 @@ def group_leader(group: Optional[ProcessGroup] = None) -> int:
     return 0
 
 
+def group_order(group: Optional[ProcessGroup] = None) -> Tuple[int, ...]:
+    """The global ranks of ``group`` in the order of their rank inside it (``new_group`` keeps the order it is given):
+    two groups of the same ranks in another order give shard ``i`` to different processes."""
+    if _dist_ready() and isinstance(group, dist.ProcessGroup):
+        return tuple(int(dist.get_global_rank(group, i)) for i in range(group.size()))
+    return group_ranks(group)
+
+
 def group_identity(group: Optional[ProcessGroup] = None) -> str:
     """A name of ``group``'s communicator that is the same on its ranks: ``"default"`` for ``None`` or the default
     group, else its ranks and torch's group name (``new_group`` numbers groups in creation order, which every rank

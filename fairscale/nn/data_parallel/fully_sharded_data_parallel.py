@@ -92,7 +92,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         process_group_reduce_scatter: group for the gradient reduce-scatter. ``ProcessGroupName.reduce_scatter``
             (default) creates a second cached all-ranks group so reductions can overlap gathers (a stand-in group,
             ``DummyProcessGroup``, is reused); ``ProcessGroupName.default`` reuses ``process_group``; a ``ProcessGroup``
-            is used as is. A group of another size than ``process_group`` falls back to it with a warning (as upstream).
+            must hold ``process_group``'s ranks in its order (``ValueError``); one of another size falls back to it.
         reshard_after_forward: free the full parameters after forward and gather again in backward (ZeRO-3).
             ``False`` keeps them until the end of backward (no second gather).
         disable_reshard_on_root: the root instance never reshards after forward (its backward comes first).

@@ -493,6 +493,18 @@ def _validation(rank: int, world_size: int) -> None:
         # Rank 3 shards alone (its own group of one) while rank 2 thinks {2, 3} is its shard group.
         check(lambda: _nested(solo[3] if rank == 3 else half, cross), "invalid")
 
+    def reduce_scatter_over_other_ranks() -> None:
+        # The replicate group (the shard group's size, other ranks) as process_group_reduce_scatter averaged the
+        # wrong gradients, silently: refused at construction, hybrid or plain, on every rank (found by a fuzz).
+        for replicate in (cross, None):
+            msg = expect_value_error(
+                lambda: _nested(half, replicate, process_group_reduce_scatter=cross),
+                "process_group_reduce_scatter holds the ranks",
+                "in the same order",
+                option="process_group_reduce_scatter",
+            )
+            assert f"process_group holds {[0, 1] if rank < 2 else [2, 3]}" in msg, msg
+
     def helper_not_dividing() -> None:
         for bad in (3, 0, 8):
             with pytest.raises(ValueError, match="must divide the world size"):
@@ -520,6 +532,7 @@ def _validation(rank: int, world_size: int) -> None:
             ("different_shard_index", different_shard_index),
             ("not_a_member", not_a_member),
             ("inconsistent_shard_groups", inconsistent_shard_groups),
+            ("reduce_scatter_over_other_ranks", reduce_scatter_over_other_ranks),
             ("helper_not_dividing", helper_not_dividing),
             ("helper_without_local_world_size", helper_without_local_world_size),
         ]

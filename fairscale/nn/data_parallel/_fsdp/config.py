@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fairscale.internal.collectives import group_order
 from fairscale.internal.device import default_compute_device
 from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
 
@@ -277,6 +278,19 @@ def resolve_reduce_scatter_group(value: Any, process_group: Any) -> Any:
                 process_group.size(),
             )
         return process_group
+    if isinstance(group, dist.ProcessGroup) and isinstance(process_group, dist.ProcessGroup):
+        ours, theirs = group_order(group), group_order(process_group)
+        if ours != theirs:
+            if value == ProcessGroupName.reduce_scatter:
+                return process_group  # the world's, for a process_group of the world's ranks in another order
+            # Each rank reduce-scatters into the shard it owns in process_group: over other ranks (a replicate group
+            # of a hybrid layout, of the right size) the gradients were averaged over the wrong ranks, silently.
+            raise ValueError(
+                f"process_group_reduce_scatter holds the ranks {list(ours)} (in the order of their rank in it) but "
+                f"process_group holds {list(theirs)}: gradients are reduce-scattered into the shards process_group "
+                "gives each rank, so both groups must hold the same ranks in the same order. Pass a group made with "
+                "process_group's ranks, ProcessGroupName.reduce_scatter, or ProcessGroupName.default"
+            )
     return group
 
 
