@@ -125,7 +125,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor) 
 
     Raises:
         ValueError: ``target``'s shape is not the logits' shape without the last dimension (a ``[N, 1]`` target for
-            ``[N, V/p]`` logits broadcast to an ``[N, N]`` "loss", and its backward failed).
+            ``[N, V/p]`` logits broadcast to an ``[N, N]`` "loss", and its backward failed). Raised before any
+            collective, on the ranks with such a target only (telling the others would cost a host sync per call):
+            the others fail in the first all-reduce at the group's timeout. Do not catch it and go on.
     """
     if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
         raise ValueError(

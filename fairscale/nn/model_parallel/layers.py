@@ -98,7 +98,10 @@ def _describe_input(input_: Any) -> _Description:
     activations of the input's leading shape (gloo aborts the process on a size mismatch, NCCL reads past buffers)."""
     if not isinstance(input_, Tensor):  # the layer's own call fails on every rank alike; say what it was
         return [("input type", type(input_).__name__)]
-    return [("input shape", tuple(input_.shape)), ("input dtype", str(input_.dtype))]
+    # Whether the backward runs the layer's collective on the input's gradient (the parallel linears'): a first
+    # forward under no_grad on some ranks only (an evaluation) left the others waiting in it (found by a fuzz).
+    backward = torch.is_grad_enabled() and input_.requires_grad
+    return [("input shape", tuple(input_.shape)), ("input dtype", str(input_.dtype)), ("input gradient", backward)]
 
 
 def _ranks_agree_at_first_forward(layer: torch.nn.Module, arguments: _Description, input_: Any) -> bool:
@@ -141,7 +144,7 @@ def _ranks_agree_at_first_forward(layer: torch.nn.Module, arguments: _Descriptio
         get_model_parallel_group(),
         hint=f"Build {name} with the same arguments on every rank of the model-parallel group, and call it with the "
         "same input on every rank of the group (the same batch: data parallelism happens across model-parallel "
-        "groups).",
+        "groups), in the same grad mode (evaluate under torch.no_grad() on every rank of the group or none).",
         # The object gather of an NCCL group runs on the current device: make it this rank's.
         device=weight.device if isinstance(weight, Tensor) else None,
     )

@@ -277,7 +277,10 @@ class MOELayer(Module):
                 raise error
             return
         device = _agreement_device(self, input, dispatched)
-        mine = torch.tensor([0 if error is None else 1] + _describe(input, dispatched), device=device)
+        # Whether this forward's backward runs the two all-to-alls again (reversed): an evaluation forward under
+        # no_grad on one rank left the others waiting in the backward's all-to-all (found by a fuzz).
+        backward = dispatched is not None and _runs_backward(self, dispatched)
+        mine = torch.tensor([0 if error is None else 1] + _describe(input, dispatched, backward), device=device)
         gathered = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=device)
         collectives.all_gather_into_flat(gathered, mine, self.group)
         rows = gathered.view(self.world_size, -1).tolist()
@@ -286,11 +289,13 @@ class MOELayer(Module):
         # Every rank saw the same rows, so every rank takes this path and joins the same collectives below.
         check_outcome_agrees("MOELayer forward", error, self.group, device=device)
         check_ranks_agree(
-            "MOELayer: the all-to-all inputs (tokens, experts, capacity, model_dim, dtype)",
-            _description(input, dispatched),
+            "MOELayer: the all-to-all inputs (tokens, experts, capacity, model_dim, dtype, backward)",
+            _description(input, dispatched, backward),
             self.group,
             "Every rank must feed MOELayer the same number of tokens (sequence * tokens) of the same model dim and "
-            "dtype, with a gate of the same number of experts: pad the batches of all ranks to a common length.",
+            "dtype, with a gate of the same number of experts: pad the batches of all ranks to a common length. "
+            "'backward' differs when some ranks run the layer under torch.no_grad() (an evaluation on some ranks "
+            "only): their backward would skip the all-to-alls the others wait in; evaluate on every rank or none.",
             device=device,
         )
         # Equal descriptions but different rows cannot happen (the rows encode the descriptions); be loud if it does.
@@ -307,7 +312,7 @@ class MOELayer(Module):
 
 
 # What the ranks compare before the all-to-all (with the "failed" flag in front in the gathered rows).
-_AGREEMENT_FIELDS = ("tokens", "experts", "capacity", "model_dim", "dtype")
+_AGREEMENT_FIELDS = ("tokens", "experts", "capacity", "model_dim", "dtype", "backward")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -315,7 +320,17 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def _description(input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> Tuple[Tuple[str, Any], ...]:
+def _runs_backward(layer: "MOELayer", dispatched: Tensor) -> bool:
+    """Whether autograd will run the backward of this forward's all-to-alls: the dispatched block (the first one's
+    input) or an expert's parameters (the second one's) require grad, with grad enabled."""
+    if not torch.is_grad_enabled():
+        return False
+    return dispatched.requires_grad or any(p.requires_grad for p in layer.experts.parameters())
+
+
+def _description(
+    input: Tuple[Tensor, ...], dispatched: Optional[Tensor], backward: bool
+) -> Tuple[Tuple[str, Any], ...]:
     """``(field, value)`` pairs of :data:`_AGREEMENT_FIELDS` (``None`` where this rank's input did not tell)."""
     if dispatched is None:
         return tuple((name, None) for name in _AGREEMENT_FIELDS)
@@ -327,15 +342,16 @@ def _description(input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> Tup
         ("capacity", capacity),
         ("model_dim", model_dim),
         ("dtype", str(dispatched.dtype)),
+        ("backward", backward),
     )
 
 
-def _describe(input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> List[int]:
+def _describe(input: Tuple[Tensor, ...], dispatched: Optional[Tensor], backward: bool) -> List[int]:
     """:func:`_description` as integers (-1 for unknown), for the all-gather."""
     if dispatched is None:
         return [-1] * len(_AGREEMENT_FIELDS)
-    values = [value for _, value in _description(input, dispatched)[:-1]]
-    return values + [_dtype_code(dispatched.dtype)]
+    values = [value for _, value in _description(input, dispatched, backward)[:-2]]
+    return values + [_dtype_code(dispatched.dtype), int(backward)]
 
 
 def _agreement_device(layer: Module, input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> torch.device:

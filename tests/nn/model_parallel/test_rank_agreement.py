@@ -51,6 +51,8 @@ def _disagreeing_calls(rank: int) -> List[Tuple[str, str, Callable[[], torch.Ten
         ("column_batch_size", "input shape", lambda: ColumnParallelLinear(4, 6)(torch.ones(_on(rank, 2, 3), 4))),
         ("column_input_dtype", "input dtype", lambda: ColumnParallelLinear(4, 6)(x4.to(_dtype(rank)))),
         ("column_dtype", "dtype", lambda: ColumnParallelLinear(4, 6).to(_dtype(rank))(x4.to(_dtype(rank)))),
+        # A first forward under no_grad on rank 1 only (an evaluation): rank 0's backward waited in its all-reduce.
+        ("column_grad_mode", "input gradient", lambda: _in_grad_mode(rank != 1, ColumnParallelLinear(4, 6))),
         (
             "row_in_features",
             "in_features",
@@ -74,6 +76,11 @@ def _disagreeing_calls(rank: int) -> List[Tuple[str, str, Callable[[], torch.Ten
         ("embedding_padding_idx", "padding_idx", lambda: ParallelEmbedding(8, 4, padding_idx=rank)(ids)),
         ("embedding_ids_shape", "input shape", lambda: ParallelEmbedding(8, 4)(ids[:, : _on(rank, 3, 2)])),
     ]
+
+
+def _in_grad_mode(enabled: bool, layer: torch.nn.Module) -> torch.Tensor:
+    with torch.set_grad_enabled(enabled):
+        return layer(torch.ones(2, 4, requires_grad=True))
 
 
 def _dtype(rank: int) -> torch.dtype:

@@ -60,9 +60,16 @@ def _uneven_tokens_body(rank: int, world_size: int) -> Dict[str, Optional[str]]:
     # A local check that fails on rank 1 only (7 tokens is not a multiple of the expert count): rank 1 raises its
     # own error, the others a RuntimeError that names rank 1 and that error, instead of waiting in the all-to-all.
     seen["local_failure"] = _error_of(moe, torch.randn(1, 7 if rank == 1 else 8, MODEL_DIM))
+    # An evaluation forward under no_grad on rank 0 only: the training ranks' backward waited in the all-to-all.
+    # (An input that requires grad: the dispatched block then does where grad is enabled.)
+    with torch.set_grad_enabled(rank != 0):
+        seen["grad_mode"] = _error_of(moe, torch.randn(1, 8, MODEL_DIM, requires_grad=True))
+    with torch.no_grad():  # every rank evaluating is fine
+        assert moe(torch.randn(1, 8, MODEL_DIM)).shape == (1, 8, MODEL_DIM)
     # After all that, the layer still works: no collective was left half done.
-    out = moe(torch.randn(2, 8, MODEL_DIM))
+    out = moe(torch.randn(2, 8, MODEL_DIM, requires_grad=True))
     assert out.shape == (2, 8, MODEL_DIM)
+    out.sum().backward()
     return seen
 
 
@@ -81,6 +88,10 @@ def test_uneven_tokens_raise_the_same_error_on_every_rank() -> None:
     )
     assert first["local_failure"] is not None and first["local_failure"].startswith("RuntimeError")
     assert "global rank 1" in first["local_failure"] and "multiple of the number of experts" in first["local_failure"]
+    assert first["grad_mode"] == second["grad_mode"] and "('backward', False) vs ('backward', True)" in str(
+        first["grad_mode"]
+    )
+    assert "torch.no_grad()" in str(first["grad_mode"])
 
 
 def _cost_body(rank: int, world_size: int) -> List[str]:
