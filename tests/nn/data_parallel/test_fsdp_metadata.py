@@ -79,11 +79,14 @@ CASES: Dict[str, Tuple[Callable[[], nn.Module], str, Dict[str, Any]]] = {
     "bn-mixed": (ModelWithBatchNorm, "nested", {"mixed_precision": True}),
     "shared-module-flat": (SharedSubmoduleModel, "nested", {}),
     "shared-module-nonflat": (SharedSubmoduleModel, "one", {"flatten_parameters": False}),
+    # Sharded instances with the flag (meant for unsharded MoE experts): consolidation stopped at rank 0's shard with
+    # an error saying to pass every rank's files, which the caller had (found by a fuzz).
+    "nested-no-broadcast": (NestedWrappedModule, "nested", {"no_broadcast_optim_state": True}),
 }
 CASES_BY_WORLD = {
     1: ["nested-flat", "nested-nonflat", "shared-flat"],
     2: list(CASES),
-    3: ["nested-flat", "leaf-nonflat", "shared-nonflat", "bn-mixed", "shared-module-flat"],
+    3: ["nested-flat", "leaf-nonflat", "shared-nonflat", "bn-mixed", "shared-module-flat", "nested-no-broadcast"],
     4: ["nested-flat", "nested-nonflat"],
 }
 

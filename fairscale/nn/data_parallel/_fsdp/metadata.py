@@ -222,10 +222,16 @@ def consolidate_shard_weights(
                         "(pass strict=False to skip missing parameters)"
                     )
                 continue
-            ranks = [0] if entry["no_broadcast_optim_state"] else range(len(shard_weights))
+            names, shapes, numels = info["names"], info["shapes"], [int(n) for n in info["numels"]]
+            ranks: Sequence[int] = range(len(shard_weights))
+            if entry["no_broadcast_optim_state"]:
+                # Upstream's rank 0 only: such an instance (MoE experts) is on a group of one rank, and each rank's
+                # tensor is whole. One sharded over several ranks all the same stopped at rank 0's shard with an
+                # error saying to pass every rank's files, which the caller had (found by a fuzz): those are used.
+                first = _unpadded_piece(shard_weights, shard_metadata, 0, idx, backing, local_key)
+                ranks = [0] if first.numel() == sum(numels) else ranks
             pieces = [_unpadded_piece(shard_weights, shard_metadata, r, idx, backing, local_key) for r in ranks]
             full = torch.cat(pieces)
-            names, shapes, numels = info["names"], info["shapes"], [int(n) for n in info["numels"]]
             if full.numel() != sum(numels):
                 raise ValueError(
                     f"consolidate_shard_weights: the shards of {local_key!r} of ranks 0..{len(pieces) - 1} hold "
@@ -342,8 +348,8 @@ def reshard_full_state_dict(
     The wrapping (which parameters each instance flattens, in which order) is read from ``metadata``, any rank's
     :meth:`local_metadata_dict` of a model wrapped the same way, at any world size. Each result loads with
     :meth:`load_local_state_dict` into that model wrapped at ``world_size``, as if it had been saved there.
-    Instances with ``no_broadcast_optim_state`` keep the full tensor on every rank (as their consolidation takes
-    rank 0's tensor as complete).
+    Instances with ``no_broadcast_optim_state`` keep the full tensor on every rank (upstream's reading: such an
+    instance, MoE experts, is on a group of one rank); its files do not load into one sharded over several ranks.
 
     Args:
         full_state_dict: a full state dict (:meth:`state_dict` or :func:`consolidate_shard_weights` output).
