@@ -19,7 +19,7 @@ from .pygit import PyGit
 from .safety import check_not_link, contained, open_regular, replace_file
 from .sha1_store import SHA1_Store
 
-__all__ = ["AddUndo", "REPLACE_TMP_RE", "exclude_replace_tmp_files", "read_previous"]
+__all__ = ["AddUndo", "GIT_EXCLUDED_TMP_RE", "REPLACE_TMP_RE", "exclude_replace_tmp_files", "read_previous"]
 
 # The name replace_file gives the file it writes before renaming it into place (".<name>.<uuid4 hex>.tmp"): one is
 # left in a metadata folder when an add is killed between the two. It is no metadata file (status skips it), and git
@@ -27,6 +27,8 @@ __all__ = ["AddUndo", "REPLACE_TMP_RE", "exclude_replace_tmp_files", "read_previ
 # is upstream's format and is committed).
 REPLACE_TMP_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
 _REPLACE_TMP_GIT_PATTERN = ".*." + "[0-9a-f]" * 32 + ".tmp"
+# What that git pattern matches, in any component of a path: its '*' may be empty ("..<hex>.tmp" too).
+GIT_EXCLUDED_TMP_RE = re.compile(r"^\..*\.[0-9a-f]{32}\.tmp$")
 
 
 def read_previous(metadata_file: Path) -> Optional[bytes]:

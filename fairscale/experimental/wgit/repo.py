@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
-from .add_undo import REPLACE_TMP_RE, AddUndo, exclude_replace_tmp_files
+from .add_undo import GIT_EXCLUDED_TMP_RE, REPLACE_TMP_RE, AddUndo, exclude_replace_tmp_files
 from .pygit import PyGit, import_pygit2
 from .safety import (
     UnsafeRepositoryError,
@@ -114,6 +114,8 @@ class Repo:
         # Resolved once: a relative parent_dir would otherwise name another directory (another repository, or none)
         # after the program changes its working directory.
         self._wgit_parent = Path(parent_dir).resolve() if parent_dir else Path.cwd()
+        # As the user spelled it (absolute, links kept): a checkpoint link's absolute target may use that spelling.
+        self._given_parent = Path(os.path.abspath(parent_dir)) if parent_dir else None
         self._dot_wgit_dir_path: Optional[Path] = None
         exists = self._recursive_search(self._wgit_parent)
         if exists and self._repo_path != self._wgit_parent.resolve():
@@ -388,8 +390,10 @@ class Repo:
             lexical = Path(os.path.normpath(base / recorded))
             if tree not in lexical.parents:
                 return None
-            end, escape = resolve_inside(tree, lexical)
+            end, escape = resolve_inside(tree, lexical, aliases)
             return lexical if escape is None and end != tree else None
+
+        aliases = self._tree_aliases(tree)
 
         here = inside(tree)
         if here is None or not os.path.lexists(here):
@@ -402,7 +406,7 @@ class Repo:
             lexical = Path(os.path.normpath(tree / recorded))
             if tree not in lexical.parents:
                 raise refuse("which is outside the repository's directory")
-            escape = resolve_inside(tree, lexical)[1]
+            escape = resolve_inside(tree, lexical, aliases)[1]
             link, target = escape if escape is not None else (lexical, str(tree))  # a link to the directory itself
             raise _LinkedOutError(
                 metadata_file,
@@ -412,6 +416,29 @@ class Repo:
                 "wgit commit",
             )
         return here
+
+    def _tree_aliases(self, tree: Path) -> List[Path]:
+        """Absolute spellings of the repository's directory ``tree`` (resolved) through links above it, that the user
+        gave: the directory passed to ``Repo`` and the shell's logical ``$PWD`` (``/home -> /nfs/home``; macOS's
+        ``/var -> /private/var``). ``ln -s "$PWD/ck.pt" latest.pt`` spells its target so. Each is checked to be
+        ``tree`` itself; a hostile link spells its own target, never these."""
+        candidates = [self._given_parent]
+        pwd, cwd = os.environ.get("PWD", ""), Path.cwd()
+        if os.path.isabs(pwd):
+            if tree == cwd or cwd in tree.parents:
+                candidates.append(Path(pwd).joinpath(tree.relative_to(cwd)))
+            elif tree in cwd.parents:  # run from a folder inside the repository: its logical parents, as `cd ..`
+                candidates.append(Path(pwd).parents[len(cwd.parts) - len(tree.parts) - 1])
+        aliases: List[Path] = []
+        for alias in candidates:
+            if alias is None or alias == tree or alias in aliases:
+                continue
+            try:
+                if os.path.samefile(alias, tree):
+                    aliases.append(alias)
+            except (OSError, IndexError):  # gone, or not a path the system can look at: not an alias
+                continue
+        return aliases
 
     def _metadata_path(self, rel_path: Path) -> Path:
         """``.wgit/<rel_path>``, refused if it leaves ``.wgit``, lands on a reserved entry or passes a link."""
@@ -491,9 +518,13 @@ class Repo:
         rel = metadata_file.relative_to(self._dot_wgit)
         if ".git" in rel.parts:  # git never tracks an entry of that name, whatever the ignore rules say
             why = "git never tracks a file or folder named .git"
-        elif REPLACE_TMP_RE.match(rel.name):
-            # The first add writes the exclude rule for these names, so git's ignore check alone passes the first one.
-            why = "it is named like wgit's temporary files ('.<name>.<32 hex digits>.tmp'), which git is told to ignore"
+        elif any(GIT_EXCLUDED_TMP_RE.match(part) for part in rel.parts):
+            # The first add writes the exclude rule for these names (files and folders), so git's ignore check alone
+            # passes the first one.
+            why = (
+                "a part of it is named like wgit's temporary files ('.<name>.<32 hex digits>.tmp'), which git is told "
+                "to ignore"
+            )
         elif self._pygit.ignores(rel.as_posix()):
             why = (
                 "git ignores that path: a rule in .wgit/.gitignore (its 'sha1_store' entry matches any folder of that "

@@ -39,7 +39,7 @@ import stat
 import uuid
 import warnings
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import IO, Any, BinaryIO, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -236,13 +236,15 @@ def contained(root: Path, parts: Iterable[str], what: str, reserved: FrozenSet[s
 _MAX_LINK_HOPS = 40
 
 
-def resolve_inside(root: Path, path: Path) -> Tuple[Path, Optional[Tuple[Path, str]]]:
+def resolve_inside(root: Path, path: Path, aliases: Sequence[Path] = ()) -> Tuple[Path, Optional[Tuple[Path, str]]]:
     """Follow ``path`` (absolute, lexically under the resolved directory ``root``) as the kernel's lookup would, without
     looking at anything outside ``root``.
 
     ``os.path.realpath`` reads a ``..`` after a missing component lexically while the kernel needs that component: a
     link ``a -> ../PROBE/../tree/b`` resolved inside, yet a ``stat`` through it told whether ``PROBE`` exists (a
-    security fuzz, session 46). Here every step that leaves ``root`` stops the walk.
+    security fuzz, session 46). Here every step that leaves ``root`` stops the walk, but two that come straight back
+    without looking outside: an absolute link target spelled with ``root`` or one of ``aliases`` (other absolute
+    spellings of ``root`` that the caller checked), and ``..`` out of ``root`` followed by ``root``'s own name.
 
     Returns:
         ``(end, None)``: the lookup stays inside ``root``; ``end`` is where it ends, with the components after one
@@ -258,6 +260,9 @@ def resolve_inside(root: Path, path: Path) -> Tuple[Path, Optional[Tuple[Path, s
             continue
         if part == "..":
             if current == root:
+                if pending and pending[0] == root.name:  # out and straight back in (`../repo/ck.pt`)
+                    del pending[0]
+                    continue
                 return path, (link if link is not None else (path, ".."))
             current = current.parent
             continue
@@ -274,10 +279,11 @@ def resolve_inside(root: Path, path: Path) -> Tuple[Path, Optional[Tuple[Path, s
             link = (step, target)
             target_parts = Path(target).parts
             if os.path.isabs(target):
-                # Only a target spelled under ``root`` is followed: any other one starts outside it.
-                if target_parts[: len(root.parts)] != root.parts:
+                # Only a target spelled under ``root`` (or an alias of it) is followed: any other starts outside it.
+                spelled = [a for a in (root, *aliases) if target_parts[: len(a.parts)] == a.parts]
+                if not spelled:
                     return path, link
-                current, target_parts = root, target_parts[len(root.parts) :]
+                current, target_parts = root, target_parts[len(spelled[0].parts) :]
             pending[:0] = target_parts
             continue
         if pending and not stat.S_ISDIR(mode):

@@ -143,27 +143,41 @@ _ALLOWED_GLOBALS: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
 _NEWOBJ: Dict[Tuple[str, str], _ArgsCheck] = {_RECORD: _check_record_args, ("builtins", "complex"): _check_complex}
 
 
+_HASHING_FLOOR = 10**7  # steps of hashing and key comparison any store object may take (see _count_hashing)
 # The calls that hash their argument's items: set and frozenset members, an OrderedDict's keys.
 _HASHING_CALLS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
 
 
 def _hash_steps(value: Any, costs: Dict[int, int], cap: int) -> int:
-    """The tuples Python hashes to hash ``value`` (1 for anything else: str, numbers, frozensets cache theirs), each
-    tuple's count worked out once in ``costs`` (by identity) and capped at ``cap``; iterative (nesting is unbounded)."""
-    if type(value) is not tuple:
-        return 1
+    """The steps Python may take on ``value`` as a dict key or set member: hashing it, and comparing it with an equal
+    key already there (hashes equal). Tuples (``torch.Size`` too) hash their items again each time, frozensets cache
+    their hash but compare member by member, and an int's hash reads every digit: such a value costs the sum over
+    its items, each counted as often as it occurs (a tower ``t = (t, t)`` of 60 levels is ``2**61`` steps).
+    Anything else costs 1 (strings and bytes cache their hash). Each container's count is worked out once in
+    ``costs`` (by identity) and capped at ``cap``; iterative (nesting is unbounded)."""
+
+    if not isinstance(value, _NESTED):
+        return 1 + value.bit_length() // 64 if type(value) is int else 1
     pending: List[Tuple[Any, bool]] = [(value, False)]
     while pending:
         node, ready = pending.pop()
         if id(node) in costs:
             continue
-        if ready:  # its tuples are counted: they were pushed above it
-            steps = 1 + sum(costs[id(c)] if type(c) is tuple else 1 for c in node)
+        if ready:  # its containers are counted: they were pushed above it
+            steps = 1
+            for c in node:
+                if isinstance(c, _NESTED):
+                    steps += costs[id(c)]
+                else:
+                    steps += 1 + c.bit_length() // 64 if type(c) is int else 1
             costs[id(node)] = min(cap, steps)
         else:
             pending.append((node, True))
-            pending.extend((c, False) for c in node if type(c) is tuple and id(c) not in costs)
+            pending.extend((c, False) for c in node if isinstance(c, _NESTED) and id(c) not in costs)
     return costs[id(value)]
+
+
+_NESTED = (tuple, frozenset)  # what _hash_steps looks into
 
 
 def _is_array(value: Any) -> bool:
@@ -258,8 +272,9 @@ class _StoreUnpickler(pickle._Unpickler):
         func = self.stack[-1]
         name = self._name_of(func)
         self._check_call(func, args, _ALLOWED_GLOBALS.get(name) if name is not None else None)
-        if args and name in _HASHING_CALLS and isinstance(args[0], (list, tuple)):  # a set's members, a dict's pairs
-            pairs = name == ("collections", "OrderedDict")
+        if args and name in _HASHING_CALLS and isinstance(args[0], (list, tuple, set, frozenset, dict)):
+            # A set's members, a dict's pairs, or another container's keys (OrderedDict(a dict) hashes them again).
+            pairs = name == ("collections", "OrderedDict") and not isinstance(args[0], dict)
             self._count_hashing(p[0] if pairs and isinstance(p, (list, tuple)) and p else p for p in args[0])
         self._mark_used(args)
         self.stack[-1] = func(*args)
@@ -300,21 +315,24 @@ class _StoreUnpickler(pickle._Unpickler):
             target[items[i]] = items[i + 1]
 
     def _count_hashing(self, keys: Iterable[Any]) -> None:
-        """Count the steps Python takes to hash ``keys`` (dict keys or set members) before it does: refuse them past
-        what the object's bytes can hold.
+        """Count the steps Python may take to hash ``keys`` (dict keys or set members) and compare them with equal
+        keys before it does (see :func:`_hash_steps`): refuse them past what the object's bytes can hold.
 
         A tuple's hash is not cached: it hashes its items again each time, so a tuple shared at every level
         (``t = (t, t)``, a few bytes per level through pickle's memo) as a key hashed ``2**depth`` tuples, forever
-        for a few hundred bytes (a security fuzz, session 46). Counted here with each tuple's cost worked out once.
+        for a few hundred bytes (a security fuzz, session 46); two equal frozenset towers in one set were compared
+        member by member as long (a review, session 47), and a big int was hashed digit by digit at each use.
         """
-        limit = 2 * self._budget + 1024  # what wgit writes hashes each key's items once: at most its bytes
+        # What wgit writes hashes each key's items about once per occurrence in the data; a key shared through the
+        # memo (2 bytes a use) costs its size each time, hence the floor (about a second of hashing).
+        limit = max(2 * self._budget + 1024, _HASHING_FLOOR)
         costs: Dict[int, int] = {}
         for key in keys:
             self._hashing += _hash_steps(key, costs, limit + 1)
             if self._hashing > limit:
                 raise UntrustedContentError(
-                    f"its dict keys and set members take more than {limit} steps to hash, more than the object's "
-                    f"{self._budget} bytes can hold (a tuple repeated inside itself through pickle's memo)"
+                    f"its dict keys and set members take more than {limit} steps to hash and compare, more than the "
+                    f"object's {self._budget} bytes can hold (a value repeated inside itself through pickle's memo)"
                 )
 
     def _load_dict(self) -> None:

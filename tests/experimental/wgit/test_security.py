@@ -612,10 +612,56 @@ def test_store_get_refuses_keys_that_take_forever_to_hash(tmp_path: Path, kind: 
     tuples: store.get never returned (a security fuzz, session 46). Ordinary tuple keys still load."""
     store = SHA1_Store(tmp_path / "store", init=True)
     key = _plant(tmp_path / "store", _tuple_tower(60) + _HASH_BOMBS[kind])
-    with pytest.raises(UntrustedContentError, match="take more than [0-9]+ steps to hash"):
+    with pytest.raises(UntrustedContentError, match="take more than [0-9]+ steps to hash and compare"):
         store.get(key)
     ordinary = {(i, (str(i), (i,))): {frozenset({(i, i)}), (i, ())} for i in range(500)}
     assert store.get(_plant(tmp_path / "store", pickle.dumps(ordinary, protocol=4))) == ordinary
+    # One 20-item key shared through the memo by 1000 dicts (2 bytes a use, 21 steps): what wgit writes, loaded.
+    shared = [{tuple(range(20)): i} for i in range(1000)]
+    assert store.get(_plant(tmp_path / "store", pickle.dumps(shared, protocol=4))) == shared
+
+
+def _equal_frozenset_towers(depth: int) -> bytes:
+    """Two equal, distinct towers F = frozenset({(F', 0), (F', 1)}) as members of one frozenset: a frozenset caches
+    its hash, but the second member is compared with the first member by member, ``2**depth`` steps."""
+    towers = []
+    for _ in range(2):
+        f = frozenset({0})
+        for _ in range(depth):
+            f = frozenset({(f, 0), (f, 1)})
+        towers.append(f)
+    body = pickle.dumps(towers, protocol=3)  # b"\x80\x03]q\x00(" <F> <G> b"e."
+    return b"\x80\x03(" + body[len(b"\x80\x03]q\x00(") : -2] + b"\x91."
+
+
+def _rehashed_by_ordered_dict(key_items: int, calls: int) -> bytes:
+    """OrderedDict(d) called ``calls`` times on one memoized dict d whose key is a tuple of ``key_items`` zeros."""
+    ordered_dict = b"\x8c\x0bcollections\x8c\x0bOrderedDict\x93q\x01"
+    key = b"(" + b"K\x00" * key_items + b"tq\x02"
+    return b"\x80\x03" + ordered_dict + key + b"}q\x03h\x02K\x00s0" + b"h\x01h\x03\x85R0" * calls + b"N."
+
+
+def _big_int_key(digit_bytes: int, uses: int) -> bytes:
+    """{L: 0} assigned ``uses`` times with L an int of ``digit_bytes`` bytes (its hash reads every digit)."""
+    big = b"\x8b" + digit_bytes.to_bytes(4, "little") + b"\x01" * digit_bytes + b"q\x01"  # LONG4, memo 1
+    return b"\x80\x03}q\x00(" + big + b"K\x00" + b"h\x01K\x00" * (uses - 1) + b"u."
+
+
+@pytest.mark.parametrize(
+    "kind, blob",
+    [
+        ("equal frozenset towers", _equal_frozenset_towers(60)),
+        ("OrderedDict(a dict) again and again", _rehashed_by_ordered_dict(2000, 20000)),
+        ("a big int key used again and again", _big_int_key(100_000, 2000)),
+    ],
+)
+def test_store_get_refuses_keys_that_take_forever_to_compare(tmp_path: Path, kind: str, blob: bytes) -> None:
+    """Work that hashing a tuple once per use did not count (found by a review, session 47): equal frozenset towers
+    compared member by member (a 4 KB object never loaded), keys hashed again by OrderedDict(a dict), an int's
+    hash reading all its digits at each use."""
+    store = SHA1_Store(tmp_path / "store", init=True)
+    with pytest.raises(UntrustedContentError, match="steps to hash and compare"):
+        store.get(_plant(tmp_path / "store", blob))
 
 
 def test_store_get_reads_no_more_than_the_recorded_size(tmp_path: Path) -> None:
@@ -847,6 +893,31 @@ def test_status_through_a_link_tells_nothing_about_paths_outside(
             assert ("the symbolic link" in capsys.readouterr().err) != inside, target
         expected = RepoStatus.CHANGES_ADDED_NOT_COMMITED if inside else RepoStatus.CHANGES_NOT_ADDED
         assert seen == [{"wgit_testing/checkpoint_0.pt": expected}] * 2, (target, seen)
+
+
+def test_links_spelled_through_an_alias_of_the_repository_are_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The repository below a linked folder (/home -> /nfs/home): a link whose absolute target uses the path the user
+    works in (``ln -s "$PWD/ck.pt" latest.pt``), or that steps out and back in by the repository's own name, was
+    called linked out by the step-by-step walk (found by a review). Neither makes wgit look outside."""
+    (tmp_path / "real" / "repo").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to("real")
+    logical = tmp_path / "alias" / "repo"
+    monkeypatch.chdir(logical)
+    monkeypatch.setenv("PWD", str(logical))
+    torch.save({"w": torch.ones(2)}, logical / "ck.pt")
+    for name, target in (("latest.pt", f"{logical}/ck.pt"), ("back.pt", "../repo/ck.pt")):
+        repo = Repo(logical, init=not (logical / ".wgit").exists())
+        (logical / name).symlink_to(target)
+        repo.add(name)
+        repo.commit(name)
+        assert set(Repo(logical).status().values()) == {RepoStatus.CLEAN}, (name, Repo(logical).status())
+        Repo(logical).add(name)  # a second add looks for another checkpoint tracked there: it follows the link too
+        for cwd_pwd in ((tmp_path / "real" / "repo", ""), (logical, str(logical))):  # from elsewhere, no $PWD
+            monkeypatch.chdir(cwd_pwd[0])
+            monkeypatch.setenv("PWD", cwd_pwd[1])
+            assert set(Repo(str(logical)).status().values()) == {RepoStatus.CLEAN}, name
 
 
 def test_hostile_metadata_gives_one_line_not_a_traceback(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:

@@ -331,12 +331,16 @@ def test_relative_parent_dir_keeps_naming_the_same_repository(tmp_path: Path, mo
 def test_a_checkpoint_named_like_wgits_temporary_files_is_refused_on_the_first_add(work: Path) -> None:
     """The first add writes git's exclude rule for wgit's temporary file names: a checkpoint named like one was stored,
     and called clean, yet its metadata was never committed."""
-    name = ".ck." + "0" * 32 + ".tmp"
-    os.replace(work / "ck.pt", work / name)
-    before = _store_state(work)
-    with pytest.raises(FairscaleValueError, match="would never be committed: it is named like wgit's temporary"):
-        Repo(work).add(name)
-    assert _store_state(work) == before
+    hex32 = "0" * 32
+    # A file, a file git's pattern matches with its '*' empty, a folder on the way (the rule matches any component).
+    for name in (f".ck.{hex32}.tmp", f"..{hex32}.tmp", f".run.{hex32}.tmp/ck.pt"):
+        (work / name).parent.mkdir(exist_ok=True)
+        os.replace(work / "ck.pt", work / name)
+        before = _store_state(work)
+        with pytest.raises(FairscaleValueError, match="would never be committed: a part of it is named like wgit's"):
+            Repo(work).add(name)
+        assert _store_state(work) == before
+        os.replace(work / name, work / "ck.pt")
 
 
 def _add_in_thread(store: SHA1_Store, tensor: torch.Tensor, out: List[str]) -> None:

@@ -57,6 +57,11 @@ def test_blockpartition_infinite_costs_keep_blocks_non_empty(costs, partitions):
     assert len(blocks) == partitions and all(blocks) and sum(blocks, []) == costs
 
 
+def test_blockpartition_exact_partition_of_negative_costs():
+    # No pipeline has one, but the exact partition took 0 as a floor under the first block: [[0], [-0.4, 0, -1]].
+    assert max(sum(b) for b in blockpartition._min_max_blocks([0, -0.4, 0, -1], 2)) == -0.4
+
+
 def test_blockpartition_min_max_blocks_is_optimal():
     import itertools
 

@@ -220,7 +220,7 @@ def _min_max_bounds_quadratic(prefix: List[float], partitions: int) -> List[int]
     # of those blocks starts.
     best = [[inf] * (n + 1) for _ in range(partitions + 1)]
     cut = [[0] * (n + 1) for _ in range(partitions + 1)]
-    best[0][0] = 0.0
+    best[0][0] = -inf  # no block yet: 0 was a floor under the first block's sum, wrong for negative costs
     for k in range(1, partitions + 1):
         for i in range(k, n - (partitions - k) + 1):
             for j in range(k - 1, i):
