@@ -424,11 +424,14 @@ class Repo:
         ``tree`` itself; a hostile link spells its own target, never these."""
         candidates = [self._given_parent]
         pwd, cwd = os.environ.get("PWD", ""), Path.cwd()
-        if os.path.isabs(pwd):
+        if os.path.isabs(pwd):  # the shell's, which may be stale (a program that changed directory): checked below
+            logical = Path(pwd)
             if tree == cwd or cwd in tree.parents:
-                candidates.append(Path(pwd).joinpath(tree.relative_to(cwd)))
+                candidates.append(logical.joinpath(tree.relative_to(cwd)))
             elif tree in cwd.parents:  # run from a folder inside the repository: its logical parents, as `cd ..`
-                candidates.append(Path(pwd).parents[len(cwd.parts) - len(tree.parts) - 1])
+                up = len(cwd.parts) - len(tree.parts)
+                if up < len(logical.parts):
+                    candidates.append(logical.parents[up - 1])
         aliases: List[Path] = []
         for alias in candidates:
             if alias is None or alias == tree or alias in aliases:
@@ -436,7 +439,7 @@ class Repo:
             try:
                 if os.path.samefile(alias, tree):
                     aliases.append(alias)
-            except (OSError, IndexError):  # gone, or not a path the system can look at: not an alias
+            except OSError:  # gone, or not a path the system can look at: not an alias
                 continue
         return aliases
 

@@ -914,10 +914,22 @@ def test_links_spelled_through_an_alias_of_the_repository_are_followed(
         repo.commit(name)
         assert set(Repo(logical).status().values()) == {RepoStatus.CLEAN}, (name, Repo(logical).status())
         Repo(logical).add(name)  # a second add looks for another checkpoint tracked there: it follows the link too
-        for cwd_pwd in ((tmp_path / "real" / "repo", ""), (logical, str(logical))):  # from elsewhere, no $PWD
-            monkeypatch.chdir(cwd_pwd[0])
-            monkeypatch.setenv("PWD", cwd_pwd[1])
-            assert set(Repo(str(logical)).status().values()) == {RepoStatus.CLEAN}, name
+        (logical / "sub").mkdir(exist_ok=True)
+        real = tmp_path / "real" / "repo"
+        # Opened by its resolved path: from elsewhere with the logical spelling given, from the repository with only
+        # $PWD logical, from a folder inside it ($PWD's logical parent), and with a stale $PWD (nothing to follow).
+        for opened, cwd, pwd, clean in (
+            (logical, real, "", True),
+            (real, logical, logical, True),
+            (real, logical / "sub", logical / "sub", True),
+            (real, logical, "/x/y/z", name == "back.pt"),
+        ):
+            monkeypatch.chdir(cwd)
+            monkeypatch.setenv("PWD", str(pwd))
+            statuses = set(Repo(str(opened)).status().values())
+            assert (statuses == {RepoStatus.CLEAN}) == clean, (name, opened, cwd, pwd, statuses)
+        monkeypatch.chdir(logical)
+        monkeypatch.setenv("PWD", str(logical))
 
 
 def test_hostile_metadata_gives_one_line_not_a_traceback(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
