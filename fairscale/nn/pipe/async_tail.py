@@ -8,6 +8,8 @@ stop when it fails, or when it never comes (:meth:`_TailBackward.abandon`, also 
 """
 
 import atexit
+import multiprocessing.util
+import os
 import warnings
 import weakref
 from typing import Any, Optional, Protocol, Sequence, Set, Tuple
@@ -49,6 +51,7 @@ class _TailBackward:
         # The earlier stages were told to stop waiting (a failed backward, or abandon()).
         self.aborted = False
         _unfinished_tails.add(self)
+        _hook_process_exit()
 
     @property
     def finished(self) -> bool:
@@ -105,6 +108,19 @@ class _TailBackward:
 
 # Last stages of this process whose outputs still owe gradients to the earlier stages.
 _unfinished_tails: "weakref.WeakSet[_TailBackward]" = weakref.WeakSet()
+
+
+# The process whose multiprocessing exit also runs _abandon_unfinished_tails (see _hook_process_exit).
+_exit_hooked_pid = [0]
+
+
+def _hook_process_exit() -> None:
+    """Run :func:`_abandon_unfinished_tails` at the exit of a ``multiprocessing`` child too: a forked child ends with
+    ``os._exit``, which skips ``atexit``, and its earlier stages waited for the process-group timeout (found by a
+    fuzz). Its exit runs multiprocessing's finalizers, which it clears at start: registered once per process."""
+    if _exit_hooked_pid[0] != os.getpid():
+        _exit_hooked_pid[0] = os.getpid()
+        multiprocessing.util.Finalize(None, _abandon_unfinished_tails, exitpriority=10)
 
 
 @atexit.register
