@@ -14,14 +14,14 @@ from torch import nn
 
 from fairscale.internal import collectives
 from fairscale.internal.dry_load import load_state_dict_all_or_nothing
-from fairscale.internal.errors import FairscaleRuntimeError
+from fairscale.internal.errors import FairscaleRuntimeError, FairscaleValueError
 from fairscale.internal.agreement import check_ranks_agree
 from fairscale.nn.model_parallel.initialize import get_pipeline_parallel_group as get_pipeline_parallel_group
 
 from . import microbatch
 from ._checks import balance_entries
 from .async_pipeline import AsyncPipeline
-from .async_schedule import Invocation, Location, ModuleWrapper
+from .async_schedule import Invocation, Location, ModuleWrapper, _group_ranks
 from .batchnorm import DeferredBatchNorm, count_plain_batch_norms_once
 from .checkpoint import guard_checkpointed
 from .messages import use_rpc_by_default
@@ -338,7 +338,10 @@ class AsyncPipe(nn.Module):
         message header carries the sender's step number, mode and number of micro-batches, which the receiver
         compares with its own (see ``AsyncEventLoop.check_header``). That finds the stages concerned, not every rank.
         """
+        rpc_names, own_name_ok, problem = self._worker_map_problem()
         if not self._group_can_agree():
+            if problem is not None:
+                raise FairscaleValueError(problem)
             return
         tensors = (input,) if isinstance(input, torch.Tensor) else tuple(input)
         # A rank without a stage may get a 0-dim input (it returns it unchanged): it has no micro-batches.
@@ -351,15 +354,48 @@ class AsyncPipe(nn.Module):
             ("micro-batches", None if scalar else _micro_batch_count(tensors, self.chunks)),
             ("batch size (dim 0 of each input tensor)", [int(t.shape[0]) if t.dim() else None for t in tensors]),
             ("gradients come back (training mode with autograd on)", training),
+            # A wrong map sent to the wrong worker, or raised a bare KeyError on one rank: the others waited forever
+            # (an RPC transport's receive has no timeout; found by a fuzz).
+            ("worker_map (RPC transport)", rpc_names),
+            ("this rank's worker_map entry is its own RPC worker name", own_name_ok),
         ]
         check_ranks_agree(
             "AsyncPipe: the balance, chunks, micro-batch count, batch size and mode of the first step",
             description,
             self.group,
-            hint="Construct AsyncPipe with the same balance and chunks on every rank, call it with an input of the "
-            "same shape on every rank (only the first stage's values are used), in the same mode (train/eval, "
+            hint="Construct AsyncPipe with the same balance, chunks and worker_map on every rank, call it with an input "
+            "of the same shape on every rank (only the first stage's values are used), in the same mode (train/eval, "
             "autograd on/off).",
         )
+        if problem is not None:  # the same map on every rank, wrong everywhere: every rank raises
+            raise FairscaleValueError(problem)
+
+    def _worker_map_problem(self) -> Tuple[Optional[List[Tuple[int, str]]], bool, Optional[str]]:
+        """For the RPC transport: the map's entries, whether this rank's entry names its own RPC worker, and what is
+        wrong with the map (``None``: nothing); ``(None, True, None)`` for the send/recv transport."""
+        if not use_rpc_by_default(self.worker_map) or not isinstance(self.worker_map, dict):
+            return None, True, None
+        from torch.distributed import rpc
+
+        stages = _group_ranks(self.group)
+        entries = sorted((int(k), str(v)) for k, v in self.worker_map.items())
+        me, own = dist.get_rank(), rpc.get_worker_info().name
+        missing = [r for r in stages if r not in self.worker_map]
+        if missing:
+            problem: Optional[str] = (
+                f"AsyncPipe: worker_map {dict(entries)} has no RPC worker name for the global rank(s) {missing} of the "
+                f"pipeline's stages {stages}; map every stage's global rank to its rpc.init_rpc name"
+            )
+        elif self.worker_map[me] != own:
+            problem = (
+                f"AsyncPipe: worker_map names global rank {me} {self.worker_map[me]!r}, but its RPC worker is "
+                f"{own!r} (rpc.init_rpc's name): messages for it would go to another worker. Map each global rank to "
+                "the name that rank gave rpc.init_rpc"
+            )
+        else:
+            problem = None
+        # With ranks missing (the same problem on every rank that shares the map), the entry is not compared.
+        return entries, bool(missing) or self.worker_map[me] == own, problem
 
     def _group_can_agree(self) -> bool:
         """Whether every rank of the pipeline group holds a stage and can join an object collective (gloo or MPI;

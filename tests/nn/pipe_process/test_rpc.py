@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_distributed
+from fairscale.internal.agreement import RanksDisagreeError
+from fairscale.internal.errors import FairscaleValueError
 from fairscale.nn.model_parallel.initialize import destroy_model_parallel, initialize_model_parallel
 from fairscale.nn.pipe import AsyncPipe, PipeRPCWrapper
 from fairscale.nn.pipe.messages import RpcTransport
@@ -49,6 +51,7 @@ def _rpc_world(rank: int, world_size: int, path: str) -> None:
     worker_map = {i: f"Test{i}" for i in range(world_size)}
     try:
         _wrapper_checks(rank, worker_map)
+        _async_pipe_wrong_worker_maps(rank, worker_map)
         _async_pipe_over_rpc(rank, worker_map)
         dist.barrier()
         if rank == 0:
@@ -68,6 +71,21 @@ def _wrapper_checks(rank: int, worker_map) -> None:
         with pytest.raises(ValueError, match="group must be `get_pipeline_parallel_group\\(\\)`") as info:
             PipeRPCWrapper(_model(), [2, 2], worker_map=worker_map, group=dist.group.WORLD)
     assert isinstance(info.value, AssertionError)
+
+
+def _async_pipe_wrong_worker_maps(rank: int, worker_map) -> None:
+    # A swapped map on one rank waited forever on both, a missing entry raised a bare KeyError on one rank while the
+    # other waited (found by a fuzz): the first step's check raises on every rank before any message is sent.
+    swapped = {0: worker_map[1], 1: worker_map[0]}
+    cases = [
+        (swapped if rank == 0 else worker_map, RanksDisagreeError, "worker_map"),
+        ({0: worker_map[0]}, FairscaleValueError, "has no RPC worker name for the global rank"),
+        (swapped, FairscaleValueError, "but its RPC worker is"),
+    ]
+    for wrong, error, message in cases:
+        pipe = AsyncPipe(_model(), [2, 2], group=dist.group.WORLD, worker_map=wrong, chunks=2)
+        with pytest.raises(error, match=message):
+            pipe(torch.randn(4, 3))
 
 
 def _async_pipe_over_rpc(rank: int, worker_map) -> None:
