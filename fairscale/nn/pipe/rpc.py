@@ -192,6 +192,10 @@ class PipeBackRedirect(torch.autograd.Function):
         return (None,) * 6
 
 
+# How long a failed forward waits for this rank's own stage to report its error (it failed first, normally).
+_HEAD_JOIN_S = 10.0
+
+
 class PipeRPCWrapper(nn.Module):
     """An :class:`AsyncPipe` driven entirely from pipeline rank 0 (the other ranks only serve RPCs).
 
@@ -321,7 +325,15 @@ class PipeRPCWrapper(nn.Module):
         head = threading.Thread(target=run_head, daemon=True)
         head.start()
         # The final stage returns once its forward is done; in training the others return only after the backward.
-        futures[-1].wait()
+        try:
+            futures[-1].wait()
+        except BaseException as failure:  # noqa: B902 - re-raised, or replaced by the cause it reports
+            # The final stage stopped because an earlier one failed; when that is this rank's own stage, its error
+            # is what went wrong (only "stage 0 failed ... see that rank's error" reached the caller; found by a fuzz).
+            head.join(timeout=_HEAD_JOIN_S)
+            if errors:
+                raise errors[0] from failure
+            raise
         final_name = self.worker_map[ranks[-1]]
         output = rpc.rpc_sync(final_name, _fetch_output)
         self._pending = futures[:-1]

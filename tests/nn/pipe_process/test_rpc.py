@@ -57,6 +57,7 @@ def _rpc_world(rank: int, world_size: int, path: str) -> None:
         if rank == 0:
             _rpc_wrapper_parity(worker_map)
             _rpc_wrapper_forwards_without_backward(worker_map)
+            _rpc_wrapper_own_stage_error(worker_map)
     finally:
         rpc.shutdown()
         destroy_model_parallel()
@@ -121,6 +122,22 @@ def _rpc_wrapper_parity(worker_map) -> None:
     pipe.eval()
     with torch.no_grad():
         assert _close(pipe(x), reference(x))
+
+
+class _FailsInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the driver's own stage failed")
+
+
+def _rpc_wrapper_own_stage_error(worker_map) -> None:
+    # The driver's own stage raised: the caller got only the last stage's "stage 0 failed ... see that rank's error",
+    # and that rank is the caller's (found by a fuzz). Its own error is raised, the remote one chained.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), _FailsInForward(), nn.Linear(8, 8), nn.Linear(8, 2))
+    pipe = PipeRPCWrapper(model, [2, 2], worker_map=worker_map, chunks=2)
+    with pytest.raises(ValueError, match="the driver's own stage failed") as info:
+        pipe(torch.randn(4, 3))
+    assert "PipelineAbortedError" in str(info.value.__cause__), info.value.__cause__
 
 
 def _rpc_wrapper_forwards_without_backward(worker_map) -> None:
