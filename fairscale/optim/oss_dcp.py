@@ -82,7 +82,9 @@ def get_model_state_dict(model: nn.Module, *, options: Optional[Any] = None) -> 
         options: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``, passed to torch.
 
     Returns:
-        ``{name: tensor}``; every rank holds the whole (replicated) model, DCP writes each value once.
+        ``{name: tensor}``; every rank holds the whole (replicated) model, DCP writes each value once. The tensors are
+        the model's own (as torch's): ``dcp.load`` into this dict loads the model at once (clone the values first to
+        keep the model unchanged should a later ``set_state_dict`` refuse the optimizer's dict).
     """
     _options(options, "get_model_state_dict")
     result: Dict[str, Any] = _torch_dsd.get_model_state_dict(_dcp.unwrap(model), options=options)

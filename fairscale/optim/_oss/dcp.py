@@ -292,7 +292,7 @@ def agree(optim: Any, what: str, error: Optional[BaseException], hyper: List[Dic
     failed = [(rank, view[0]) for rank, view in zip(ranks, views) if view[0] is not None]
     if failed:
         kind, first = failed[0][1]
-        head = f"{what} failed on rank(s) {[rank for rank, _ in failed]}; nothing was loaded on any rank. "
+        head = f"{what} failed on rank(s) {[rank for rank, _ in failed]}; this call loaded nothing on any rank. "
         if all(message == first for _, (_, message) in failed):
             text = head + first
         else:
@@ -301,7 +301,7 @@ def agree(optim: Any, what: str, error: Optional[BaseException], hyper: List[Dic
     if len({view[1] for view in views}) > 1:
         raise ValueError(
             f"{what}: the ranks passed different parameter groups' hyper-parameters "
-            f"({', '.join(f'rank {r}: {v[1]}' for r, v in zip(ranks, views))}); nothing was loaded on any rank. "
+            f"({', '.join(f'rank {r}: {v[1]}' for r, v in zip(ranks, views))}); this call loaded nothing on any rank. "
             "Pass every rank the same checkpoint."
         )
 
