@@ -372,30 +372,36 @@ class AsyncPipe(nn.Module):
 
     def _worker_map_problem(self) -> Tuple[Optional[List[Tuple[int, str]]], bool, Optional[str]]:
         """For the RPC transport: the map's entries, whether this rank's entry names its own RPC worker, and what is
-        wrong with the map (``None``: nothing); ``(None, True, None)`` for the send/recv transport."""
+        wrong with the map (``None``: nothing); ``(None, True, None)`` for the send/recv transport.
+
+        Only the stages' ranks (the first ``len(balance)`` of the group) need an entry; a value may be the worker's
+        name, id or ``WorkerInfo``, as ``rpc_async`` takes any of them.
+        """
         if not use_rpc_by_default(self.worker_map) or not isinstance(self.worker_map, dict):
             return None, True, None
         from torch.distributed import rpc
 
-        stages = _group_ranks(self.group)
-        entries = sorted((int(k), str(v)) for k, v in self.worker_map.items())
-        me, own = dist.get_rank(), rpc.get_worker_info().name
+        stages = _group_ranks(self.group)[: len(self.balance)]
+        entries = sorted((int(k), repr(v)) for k, v in self.worker_map.items())
+        me, info = dist.get_rank(), rpc.get_worker_info()
         missing = [r for r in stages if r not in self.worker_map]
+        mine = self.worker_map.get(me)
+        # A name, an id or a WorkerInfo: what rpc_async resolves. Ranks without a stage receive nothing.
+        own_ok = bool(missing) or me not in stages or mine in (info.name, info.id, info)
+        problem: Optional[str] = None
         if missing:
-            problem: Optional[str] = (
-                f"AsyncPipe: worker_map {dict(entries)} has no RPC worker name for the global rank(s) {missing} of the "
+            problem = (
+                f"AsyncPipe: worker_map {self.worker_map} has no RPC worker for the global rank(s) {missing} of the "
                 f"pipeline's stages {stages}; map every stage's global rank to its rpc.init_rpc name"
             )
-        elif self.worker_map[me] != own:
+        elif not own_ok:
             problem = (
-                f"AsyncPipe: worker_map names global rank {me} {self.worker_map[me]!r}, but its RPC worker is "
-                f"{own!r} (rpc.init_rpc's name): messages for it would go to another worker. Map each global rank to "
-                "the name that rank gave rpc.init_rpc"
+                f"AsyncPipe: worker_map names global rank {me} {mine!r}, but its RPC worker is {info.name!r} "
+                "(rpc.init_rpc's name): messages for it would go to another worker. Map each global rank to the "
+                "name that rank gave rpc.init_rpc"
             )
-        else:
-            problem = None
         # With ranks missing (the same problem on every rank that shares the map), the entry is not compared.
-        return entries, bool(missing) or self.worker_map[me] == own, problem
+        return entries, own_ok, problem
 
     def _group_can_agree(self) -> bool:
         """Whether every rank of the pipeline group holds a stage and can join an object collective (gloo or MPI;

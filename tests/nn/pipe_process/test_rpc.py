@@ -80,13 +80,20 @@ def _async_pipe_wrong_worker_maps(rank: int, worker_map) -> None:
     swapped = {0: worker_map[1], 1: worker_map[0]}
     cases = [
         (swapped if rank == 0 else worker_map, RanksDisagreeError, "worker_map"),
-        ({0: worker_map[0]}, FairscaleValueError, "has no RPC worker name for the global rank"),
+        ({0: worker_map[0]}, FairscaleValueError, "has no RPC worker for the global rank"),
         (swapped, FairscaleValueError, "but its RPC worker is"),
     ]
     for wrong, error, message in cases:
         pipe = AsyncPipe(_model(), [2, 2], group=dist.group.WORLD, worker_map=wrong, chunks=2)
         with pytest.raises(error, match=message):
             pipe(torch.randn(4, 3))
+    # Ids and WorkerInfo values, which rpc_async takes too, and extra entries still work (a review, session 47).
+    infos = {i: rpc.get_worker_info(name) for i, name in worker_map.items()}
+    for right in ({i: info.id for i, info in infos.items()}, infos, {**worker_map, 7: "elsewhere"}):
+        pipe = AsyncPipe(_model(), [2, 2], group=dist.group.WORLD, worker_map=right, chunks=2)
+        out = pipe(torch.randn(4, 3))
+        if pipe.final_stage:
+            out.sum().backward()
 
 
 def _async_pipe_over_rpc(rank: int, worker_map) -> None:
