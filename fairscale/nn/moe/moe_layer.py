@@ -279,7 +279,7 @@ class MOELayer(Module):
         device = _agreement_device(self, input, dispatched)
         # Whether this forward's backward runs the two all-to-alls again (reversed): an evaluation forward under
         # no_grad on one rank left the others waiting in the backward's all-to-all (found by a fuzz).
-        backward = dispatched is not None and _runs_backward(self, dispatched)
+        backward = _runs_backward(self, dispatched) if dispatched is not None else (False, False)
         mine = torch.tensor([0 if error is None else 1] + _describe(input, dispatched, backward), device=device)
         gathered = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype, device=device)
         collectives.all_gather_into_flat(gathered, mine, self.group)
@@ -294,8 +294,9 @@ class MOELayer(Module):
             self.group,
             "Every rank must feed MOELayer the same number of tokens (sequence * tokens) of the same model dim and "
             "dtype, with a gate of the same number of experts: pad the batches of all ranks to a common length. "
-            "'backward' differs when some ranks run the layer under torch.no_grad() (an evaluation on some ranks "
-            "only): their backward would skip the all-to-alls the others wait in; evaluate on every rank or none.",
+            "A 'backward' field differs when some ranks run the layer under torch.no_grad() (an evaluation on some "
+            "ranks only), or with an input (or experts) requiring grad on some ranks only: their backward would skip "
+            "the all-to-alls the others wait in; run every rank alike.",
             device=device,
         )
         # Equal descriptions but different rows cannot happen (the rows encode the descriptions); be loud if it does.
@@ -312,7 +313,7 @@ class MOELayer(Module):
 
 
 # What the ranks compare before the all-to-all (with the "failed" flag in front in the gathered rows).
-_AGREEMENT_FIELDS = ("tokens", "experts", "capacity", "model_dim", "dtype", "backward")
+_AGREEMENT_FIELDS = ("tokens", "experts", "capacity", "model_dim", "dtype", "backward (dispatch)", "backward (combine)")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -320,16 +321,18 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def _runs_backward(layer: "MOELayer", dispatched: Tensor) -> bool:
-    """Whether autograd will run the backward of this forward's all-to-alls: the dispatched block (the first one's
-    input) or an expert's parameters (the second one's) require grad, with grad enabled."""
+def _runs_backward(layer: "MOELayer", dispatched: Tensor) -> Tuple[bool, bool]:
+    """Whether autograd will run the backward of this forward's first all-to-all (its input, the dispatched block,
+    requires grad) and of its second (that, or an expert's parameters require grad), with grad enabled. Two bits:
+    an input requiring grad on some ranks only, experts trainable everywhere, differs in the first only."""
     if not torch.is_grad_enabled():
-        return False
-    return dispatched.requires_grad or any(p.requires_grad for p in layer.experts.parameters())
+        return False, False
+    first = dispatched.requires_grad
+    return first, first or any(p.requires_grad for p in layer.experts.parameters())
 
 
 def _description(
-    input: Tuple[Tensor, ...], dispatched: Optional[Tensor], backward: bool
+    input: Tuple[Tensor, ...], dispatched: Optional[Tensor], backward: Tuple[bool, bool]
 ) -> Tuple[Tuple[str, Any], ...]:
     """``(field, value)`` pairs of :data:`_AGREEMENT_FIELDS` (``None`` where this rank's input did not tell)."""
     if dispatched is None:
@@ -342,16 +345,17 @@ def _description(
         ("capacity", capacity),
         ("model_dim", model_dim),
         ("dtype", str(dispatched.dtype)),
-        ("backward", backward),
+        ("backward (dispatch)", backward[0]),
+        ("backward (combine)", backward[1]),
     )
 
 
-def _describe(input: Tuple[Tensor, ...], dispatched: Optional[Tensor], backward: bool) -> List[int]:
+def _describe(input: Tuple[Tensor, ...], dispatched: Optional[Tensor], backward: Tuple[bool, bool]) -> List[int]:
     """:func:`_description` as integers (-1 for unknown), for the all-gather."""
     if dispatched is None:
         return [-1] * len(_AGREEMENT_FIELDS)
-    values = [value for _, value in _description(input, dispatched, backward)[:-2]]
-    return values + [_dtype_code(dispatched.dtype), int(backward)]
+    values = [value for _, value in _description(input, dispatched, backward)[:-3]]
+    return values + [_dtype_code(dispatched.dtype), int(backward[0]), int(backward[1])]
 
 
 def _agreement_device(layer: Module, input: Tuple[Tensor, ...], dispatched: Optional[Tensor]) -> torch.device:

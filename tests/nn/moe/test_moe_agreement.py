@@ -64,6 +64,9 @@ def _uneven_tokens_body(rank: int, world_size: int) -> Dict[str, Optional[str]]:
     # (An input that requires grad: the dispatched block then does where grad is enabled.)
     with torch.set_grad_enabled(rank != 0):
         seen["grad_mode"] = _error_of(moe, torch.randn(1, 8, MODEL_DIM, requires_grad=True))
+    # An input requiring grad on rank 0 only (experts trainable everywhere): only the first all-to-all's backward
+    # differs; one flag for both missed it (found by a review).
+    seen["input_grad"] = _error_of(moe, torch.randn(1, 8, MODEL_DIM, requires_grad=rank == 0))
     with torch.no_grad():  # every rank evaluating is fine
         assert moe(torch.randn(1, 8, MODEL_DIM)).shape == (1, 8, MODEL_DIM)
     # After all that, the layer still works: no collective was left half done.
@@ -88,9 +91,9 @@ def test_uneven_tokens_raise_the_same_error_on_every_rank() -> None:
     )
     assert first["local_failure"] is not None and first["local_failure"].startswith("RuntimeError")
     assert "global rank 1" in first["local_failure"] and "multiple of the number of experts" in first["local_failure"]
-    assert first["grad_mode"] == second["grad_mode"] and "('backward', False) vs ('backward', True)" in str(
-        first["grad_mode"]
-    )
+    assert first["grad_mode"] == second["grad_mode"]
+    assert "('backward (dispatch)', False) vs ('backward (dispatch)', True)" in str(first["grad_mode"])
+    assert first["input_grad"] == second["input_grad"] and "'backward (dispatch)'" in str(first["input_grad"])
     assert "torch.no_grad()" in str(first["grad_mode"])
 
 
