@@ -10,7 +10,6 @@ nothing is read or allocated past the object's size.
 import collections
 import gzip
 import hashlib
-import math
 import pickle
 import reprlib
 import struct
@@ -35,6 +34,15 @@ _SHORT_REPR = reprlib.Repr()
 _SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
 
 
+def _shown(value: Any) -> str:
+    """A short repr of ``value`` for a message; one that cannot be made (an int past Python's 4300 digits for
+    ``str``) is named by its type."""
+    try:
+        return _SHORT_REPR.repr(value)
+    except ValueError:
+        return f"<a {type(value).__name__} too large to show>"
+
+
 def _no_check(args: Tuple[Any, ...], budget: int) -> Optional[str]:
     return None  # what it makes is no bigger than its arguments, which the object's bytes hold
 
@@ -49,11 +57,11 @@ def _array_problem(shape: Any, spec: Any, budget: int) -> Optional[str]:
 
     dims = shape if isinstance(shape, tuple) else (shape,)
     if not all(type(d) is int and d >= 0 for d in dims):
-        return f"the shape {_SHORT_REPR.repr(shape)} is not one numpy writes"
+        return "the shape is not one numpy writes (dimensions are non-negative ints)"
     try:
         dtype = np.dtype(spec)
     except (TypeError, ValueError):
-        return f"{_SHORT_REPR.repr(spec)} is not a numpy dtype"
+        return f"{_shown(spec)} is not a numpy dtype"
     # A structured, subarray or void dtype never comes from a tensor either: through one a BUILD hid an object field
     # (a pointer read from the file, a segfault when read) and multiplied the size checked below (found by a
     # security review, session 42).
@@ -61,9 +69,17 @@ def _array_problem(shape: Any, spec: Any, budget: int) -> Optional[str]:
         return "an array of Python objects, or of a structured, subarray or void dtype, never comes from a tensor"
     if dtype.kind not in "biufc":  # strings, dates: torch.from_numpy failed on them with its own TypeError
         return f"an array of {dtype} never comes from a tensor"
-    nbytes = math.prod(dims) * dtype.itemsize
-    if nbytes > budget:
-        return f"the array would take {nbytes} bytes, more than the {budget} bytes the object can hold"
+    if 0 in dims:
+        return None
+    # Multiplied one dimension at a time, stopping past the budget: math.prod of a thousand 80,000-bit dimensions
+    # (one memoized int) took minutes for a 12 KB object (found by a review, session 47).
+    nbytes = dtype.itemsize
+    for i, d in enumerate(dims):
+        nbytes *= d
+        if nbytes > budget:
+            more = "at least " if i < len(dims) - 1 else ""
+            shown = str(nbytes) if nbytes.bit_length() <= 64 else "more than 2**64"  # str() of a huge int raises
+            return f"the array would take {more}{shown} bytes, more than the {budget} bytes the object can hold"
     return None
 
 
@@ -234,8 +250,10 @@ class _StoreUnpickler(pickle._Unpickler):
         # call only, the memo let one object repeat bytearray(<the same memoized bytes>) for 5 bytes a copy: 2.4 GB
         # from 1.9 KB (a security fuzz, session 46). What wgit writes allocates at most what its bytes hold.
         self._allocated = 0
-        # Steps Python takes to hash the dict keys and set members so far (see _count_hashing), by the same rule.
+        # Steps Python takes to hash the dict keys and set members so far (see _count_hashing), by the same rule,
+        # and the keys of each dict or set so far by hash (probes past keys of the same hash).
         self._hashing = 0
+        self._buckets: Dict[int, Dict[int, int]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
@@ -262,10 +280,10 @@ class _StoreUnpickler(pickle._Unpickler):
         if check is None:
             raise UntrustedContentError(f"it calls {shown}, which wgit's objects never call")
         if type(args) is not tuple:
-            raise UntrustedContentError(f"it calls {shown} with {_SHORT_REPR.repr(args)}, not a tuple of arguments")
+            raise UntrustedContentError(f"it calls {shown} with {_shown(args)}, not a tuple of arguments")
         problem = check(args, self._budget)
         if problem is not None:
-            raise UntrustedContentError(f"it calls {shown}{_SHORT_REPR.repr(args)}: {problem}")
+            raise UntrustedContentError(f"it calls {shown}{_shown(args)}: {problem}")
 
     def _load_reduce(self) -> None:
         args = self.stack.pop()
@@ -310,11 +328,11 @@ class _StoreUnpickler(pickle._Unpickler):
             target = self.stack[-1]
         if type(target) not in (dict, collections.OrderedDict):
             raise UntrustedContentError(f"it assigns items into {_described(target)}; pickle does so into dicts only")
-        self._count_hashing(items[0::2])
+        self._count_hashing(items[0::2], target)
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
 
-    def _count_hashing(self, keys: Iterable[Any]) -> None:
+    def _count_hashing(self, keys: Iterable[Any], target: Any = None) -> None:
         """Count the steps Python may take to hash ``keys`` (dict keys or set members) and compare them with equal
         keys before it does (see :func:`_hash_steps`): refuse them past what the object's bytes can hold.
 
@@ -322,13 +340,25 @@ class _StoreUnpickler(pickle._Unpickler):
         (``t = (t, t)``, a few bytes per level through pickle's memo) as a key hashed ``2**depth`` tuples, forever
         for a few hundred bytes (a security fuzz, session 46); two equal frozenset towers in one set were compared
         member by member as long (a review, session 47), and a big int was hashed digit by digit at each use.
+        Keys of equal hashes (ints ``k * (2**61 - 1)`` all hash to 0; int and tuple hashes are not randomized) are
+        probed one past the other: each costs the number of earlier keys of its hash in ``target`` (the dict or set
+        they go into; ``None``: a new one made of ``keys`` alone).
         """
         # What wgit writes hashes each key's items about once per occurrence in the data; a key shared through the
         # memo (2 bytes a use) costs its size each time, hence the floor (about a second of hashing).
         limit = max(2 * self._budget + 1024, _HASHING_FLOOR)
         costs: Dict[int, int] = {}
+        # Earlier keys by hash, per container (by identity; a new one for each call without a target).
+        buckets = self._buckets.setdefault(id(target), {}) if target is not None else {}
         for key in keys:
             self._hashing += _hash_steps(key, costs, limit + 1)
+            if self._hashing <= limit and type(key) not in (str, bytes):  # those hashes are randomized per process
+                try:
+                    h = hash(key)  # its steps were just counted
+                except TypeError:  # unhashable: the insertion raises
+                    continue
+                self._hashing += buckets.get(h, 0)
+                buckets[h] = buckets.get(h, 0) + 1
             if self._hashing > limit:
                 raise UntrustedContentError(
                     f"its dict keys and set members take more than {limit} steps to hash and compare, more than the "
@@ -345,7 +375,7 @@ class _StoreUnpickler(pickle._Unpickler):
         target = self.stack[-1]
         if type(target) is not set:
             raise UntrustedContentError(f"it adds members to {_described(target)}; pickle does so to sets only")
-        self._count_hashing(items)
+        self._count_hashing(items, target)
         target.update(items)
 
     def _load_frozenset(self) -> None:

@@ -653,6 +653,8 @@ def _big_int_key(digit_bytes: int, uses: int) -> bytes:
         ("equal frozenset towers", _equal_frozenset_towers(60)),
         ("OrderedDict(a dict) again and again", _rehashed_by_ordered_dict(2000, 20000)),
         ("a big int key used again and again", _big_int_key(100_000, 2000)),
+        # All hash to 0 (int hashes are not randomized): each key probes past every earlier one.
+        ("keys of one hash", pickle.dumps({k * (2**61 - 1): 0 for k in range(6000)}, protocol=4)),
     ],
 )
 def test_store_get_refuses_keys_that_take_forever_to_compare(tmp_path: Path, kind: str, blob: bytes) -> None:
@@ -661,6 +663,24 @@ def test_store_get_refuses_keys_that_take_forever_to_compare(tmp_path: Path, kin
     hash reading all its digits at each use."""
     store = SHA1_Store(tmp_path / "store", init=True)
     with pytest.raises(UntrustedContentError, match="steps to hash and compare"):
+        store.get(_plant(tmp_path / "store", blob))
+
+
+def test_store_get_refuses_a_huge_shape_without_multiplying_it(tmp_path: Path) -> None:
+    """numpy's _reconstruct with a shape of 1000 copies of one memoized 80,000-bit int: the whole product was worked
+    out before the size check (70 s for a 12 KB object), and its message could not be made (an int past 4300 digits
+    for str). Refused at once, saying why (found by a review, session 47)."""
+    import numpy as np
+
+    module = np.ndarray.__reduce__(np.zeros(1))[0].__module__.encode()
+    big = 2**80000 + 1
+    digits = big.to_bytes((big.bit_length() + 8) // 8, "little", signed=True)
+    blob = (
+        b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c\x0c_reconstruct\x93\x8c\x05numpy\x8c\x07ndarray\x93("
+    )
+    blob += b"\x8b" + len(digits).to_bytes(4, "little") + digits + b"\x94" + b"h\x00" * 999 + b"tC\x01b\x87R."
+    store = SHA1_Store(tmp_path / "store", init=True)
+    with pytest.raises(UntrustedContentError, match="the array would take at least more than 2\\*\\*64 bytes"):
         store.get(_plant(tmp_path / "store", blob))
 
 
