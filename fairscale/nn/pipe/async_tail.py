@@ -130,7 +130,19 @@ def _abandon_unfinished_tails() -> None:
     A last stage whose script ends (an error in the loss, say) before its outputs' backward would otherwise leave
     them waiting until the process-group timeout (gloo does not notice that a peer is gone).
     """
+    import torch.distributed as dist
+
     for tail in list(_unfinished_tails):
+        if not (dist.is_available() and dist.is_initialized()):
+            # destroy_process_group() ran first (in a `finally`, as scripts end): nothing can tell the earlier
+            # stages any more, and the warning said they were stopped (found by a review, session 47).
+            _unfinished_tails.discard(tail)
+            warnings.warn(
+                "the process ends before the backward of its last AsyncPipe stage's output, after its process group "
+                "was destroyed: the earlier stages could not be told and wait until their timeout. Back-propagate "
+                "the output, or end the script, before destroy_process_group()"
+            )
+            continue
         try:
             if tail.abandon():
                 warnings.warn(

@@ -36,6 +36,26 @@ def test_last_stage_ends_before_backward(tmp_path) -> None:
     assert first_rc == 1 and "PipelineAbortedError: pipeline stage 1 failed" in first_out, (first_rc, first_out)
 
 
+def test_last_stage_ends_after_destroying_the_group(tmp_path) -> None:
+    """The script destroys the process group first (in a ``finally``): nothing can stop the first stage any more, and
+    the warning said it was stopped (found by a review). It now says the earlier stages wait until their timeout."""
+    script = _SCRIPT.replace(
+        'rank, store = int(sys.argv[1]), sys.argv[2]\ndist.init_process_group("gloo", store=dist.FileStore(store, 2), '
+        "rank=rank, world_size=2)",
+        'import datetime\nrank, store = int(sys.argv[1]), sys.argv[2]\ndist.init_process_group("gloo", '
+        "store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=datetime.timedelta(seconds=5))",
+    )
+    script = script.replace(
+        "if pipe.final_stage:\n    raise", "if pipe.final_stage:\n    dist.destroy_process_group()\n    raise"
+    )
+    assert "timedelta(seconds=5)" in script and "destroy_process_group" in script
+    results = run_scripts(script, {"world": []}, str(tmp_path), _TIMEOUT_S)
+    (first_rc, first_out), (last_rc, last_out) = results[("world", 0)], results[("world", 1)]
+    assert last_rc == 1 and "after its process group was destroyed" in last_out, last_out
+    assert "were stopped with PipelineAbortedError" not in last_out, last_out
+    assert first_rc not in (0, "hung"), (first_rc, first_out)  # the group's timeout ended it
+
+
 # The same from multiprocessing children started by fork (Linux's default for mp.Process): they end with os._exit,
 # which skips atexit, and the first stage waited until the process-group timeout (found by a fuzz).
 _FORKED = """
