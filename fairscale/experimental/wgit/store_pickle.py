@@ -164,6 +164,14 @@ _HASHING_FLOOR = 10**7  # steps of hashing and key comparison any store object m
 _HASHING_CALLS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
 
 
+_NESTED = (tuple, frozenset)  # what _hash_steps looks into
+
+
+def _leaf_steps(value: Any) -> int:
+    """The steps of hashing a value _hash_steps does not look into: an int reads every digit, the rest is cached."""
+    return 1 + value.bit_length() // 64 if type(value) is int else 1
+
+
 def _hash_steps(value: Any, costs: Dict[int, int], cap: int) -> int:
     """The steps Python may take on ``value`` as a dict key or set member: hashing it, and comparing it with an equal
     key already there (hashes equal). Tuples (``torch.Size`` too) hash their items again each time, frozensets cache
@@ -171,29 +179,20 @@ def _hash_steps(value: Any, costs: Dict[int, int], cap: int) -> int:
     its items, each counted as often as it occurs (a tower ``t = (t, t)`` of 60 levels is ``2**61`` steps).
     Anything else costs 1 (strings and bytes cache their hash). Each container's count is worked out once in
     ``costs`` (by identity) and capped at ``cap``; iterative (nesting is unbounded)."""
-
     if not isinstance(value, _NESTED):
-        return 1 + value.bit_length() // 64 if type(value) is int else 1
+        return _leaf_steps(value)
     pending: List[Tuple[Any, bool]] = [(value, False)]
     while pending:
         node, ready = pending.pop()
         if id(node) in costs:
             continue
         if ready:  # its containers are counted: they were pushed above it
-            steps = 1
-            for c in node:
-                if isinstance(c, _NESTED):
-                    steps += costs[id(c)]
-                else:
-                    steps += 1 + c.bit_length() // 64 if type(c) is int else 1
+            steps = 1 + sum(costs[id(c)] if isinstance(c, _NESTED) else _leaf_steps(c) for c in node)
             costs[id(node)] = min(cap, steps)
         else:
             pending.append((node, True))
             pending.extend((c, False) for c in node if isinstance(c, _NESTED) and id(c) not in costs)
     return costs[id(value)]
-
-
-_NESTED = (tuple, frozenset)  # what _hash_steps looks into
 
 
 def _is_array(value: Any) -> bool:
