@@ -23,11 +23,11 @@ from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 from .add_undo import GIT_EXCLUDED_TMP_RE, REPLACE_TMP_RE, AddUndo, exclude_replace_tmp_files
 from .pygit import PyGit, import_pygit2
+from .checkpoint_load import load_checkpoint
 from .safety import (
     UnsafeRepositoryError,
     check_tree,
     contained,
-    load_checkpoint,
     open_regular,
     printable,
     replace_file,

@@ -11,9 +11,11 @@ checkpoints one adds. wgit therefore:
   :class:`UnsafeRepositoryError` before anything is written. So is a ``.git`` that sends git elsewhere (see
   :mod:`fairscale.experimental.wgit.pygit`). Files are replaced (written beside, then renamed), so a hard link
   planted inside ``.wgit`` cannot carry a write to the file it shares with;
-* loads checkpoints with ``torch.load(weights_only=True)`` and its own store objects with an unpickler that accepts
-  numpy arrays, plain containers and wgit's own record type only, so a file whose pickle would run code is refused
-  with :class:`UntrustedContentError` and the code never runs; a store object whose bytes do not hash to its key,
+* loads checkpoints with ``torch.load(weights_only=True)`` after scanning their pickle
+  (:mod:`~fairscale.experimental.wgit.checkpoint_load`: no hashing bombs, no allocation larger than the file, no
+  compressed zip entries), and its own store objects with an unpickler that accepts numpy arrays, plain containers
+  and wgit's own record type only, so a file whose pickle would run code is refused with
+  :class:`UntrustedContentError` and the code never runs; a store object whose bytes do not hash to its key,
   or a store ``metadata.json`` of the wrong shape, is refused with :class:`CorruptStoreError`;
 * allocates no more for a store object than its bytes can hold (its file's size, or the size the store records):
   the unpickler calls its allowed globals only with the arguments pickle writes (``bytearray(n)`` allocated ``n``
@@ -34,14 +36,10 @@ hide the modification time of the files one adds.
 
 import errno
 import os
-import pickle
 import stat
 import uuid
-import warnings
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
-
-import torch
 
 from fairscale.internal.errors import FairscaleValueError
 
@@ -306,72 +304,6 @@ def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def load_checkpoint(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU; a file it refuses raises :class:`UntrustedContentError`,
-    and so does one whose containers nest too deep or hold themselves (:func:`nesting_problem`).
-
-    The message keeps upstream's leading ``"incorrect input"`` (its store rejected plain pickles with an assert).
-    """
-    try:
-        with _open_checkpoint(path) as f, warnings.catch_warnings():
-            # torch warns about the pickle protocol of files it then refuses; the error says what matters.
-            warnings.simplefilter("ignore")
-            obj = torch.load(f, map_location="cpu", weights_only=True)
-    except OSError:
-        raise  # a missing or unreadable file: the system's error names it
-    except FairscaleValueError:
-        raise  # not a regular file: _open_checkpoint says so
-    except Exception as e:  # noqa: B902  # whatever torch.load raises on a bad file, the file is refused
-        reason = _torch_refusal(e)
-        raise UntrustedContentError(
-            f"incorrect input {path}: {reason}. wgit loads checkpoints with torch.load(weights_only=True) and never "
-            "runs code from them: add files written by torch.save of tensors, dicts and lists (e.g. "
-            "torch.save(model.state_dict(), path))"
-        ) from None
-    # torch's loader builds any nesting without recursing; wgit's walks (and copy.deepcopy, pickle) recurse.
-    problem = nesting_problem(obj)
-    if problem is not None:
-        raise UntrustedContentError(
-            f"incorrect input {path}: it {problem}. wgit stores checkpoints of tensors in dicts and lists nested a few "
-            "levels deep, none inside itself"
-        )
-    return obj
-
-
-def _open_checkpoint(path: Path) -> BinaryIO:
-    """``path`` opened for binary reading, refused with ``FairscaleValueError`` unless it is a regular file.
-
-    A checkpoint is the user's own file, so a link to one is followed (unlike entries inside ``.wgit``); but a named
-    pipe, a device or a socket is refused: ``torch.load`` on a named pipe blocked ``wgit add`` forever. It is opened
-    without waiting for a pipe's writer and checked on the open file, so an entry swapped in meanwhile is refused too.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FairscaleValueError(
-                f"incorrect input {path}: it is {_kind(mode)}, not a regular file; wgit adds checkpoint files written by "
-                "torch.save"
-            )
-        return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file's reads
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _torch_refusal(error: BaseException) -> str:
-    text = str(error)
-    marker = "GLOBAL "
-    if marker in text:
-        name = text.split(marker, 1)[1].split()[0]
-        return f"it holds {name}, which is not a tensor or a plain container"
-    if isinstance(error, pickle.UnpicklingError):
-        return "not a torch.save checkpoint of tensors and plain containers (a plain pickle, or other objects)"
-    first = text.strip().splitlines()[0][:160] if text.strip() else type(error).__name__
-    return f"not a readable torch.save checkpoint ({first})"
 
 
 # How deep containers may nest in a checkpoint or a store object. wgit's own walks, copy.deepcopy and pickle recurse

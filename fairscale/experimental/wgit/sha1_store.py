@@ -40,12 +40,12 @@ from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 # Upstream's module also exposes these names (ExitCode and the container converters it imported).
 from fairscale.internal.containers import from_np as from_np, to_np as to_np  # noqa: F401
 
+from .checkpoint_load import load_checkpoint
 from .safety import (
     CorruptStoreError,
     check_not_link,
     check_sha1,
     contained,
-    load_checkpoint,
     nesting_problem,
     open_regular,
     replace_file,

@@ -14,7 +14,7 @@ import pickle
 import reprlib
 import struct
 import zlib
-from typing import IO, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Tuple
+from typing import IO, Any, Callable, ClassVar, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -161,7 +161,7 @@ _NEWOBJ: Dict[Tuple[str, str], _ArgsCheck] = {_RECORD: _check_record_args, ("bui
 
 _HASHING_FLOOR = 10**7  # steps of hashing and key comparison any store object may take (see _count_hashing)
 # The calls that hash their argument's items: set and frozenset members, an OrderedDict's keys.
-_HASHING_CALLS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
+_HASHING_CALLS = frozenset({("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")})
 
 
 _NESTED = (tuple, frozenset)  # what _hash_steps looks into
@@ -229,6 +229,11 @@ class _StoreUnpickler(pickle._Unpickler):
     """
 
     dispatch: ClassVar[Dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # completed below
+    # What may be named and called, made by NEWOBJ, and which calls hash their argument's items (a subclass that
+    # scans other pickles allows other names).
+    allowed_globals: ClassVar[Dict[Tuple[str, str], Optional[_ArgsCheck]]] = _ALLOWED_GLOBALS
+    newobj_calls: ClassVar[Dict[Tuple[str, str], _ArgsCheck]] = _NEWOBJ
+    hashing_calls: ClassVar[FrozenSet[Tuple[str, str]]] = _HASHING_CALLS
     # Set by load(): the unpickler's stack, and reads through pickle's frames.
     stack: List[Any]
     append: Callable[[Any], None]
@@ -255,7 +260,7 @@ class _StoreUnpickler(pickle._Unpickler):
         self._buckets: Dict[int, Dict[int, int]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
+        if (module, name) in self.allowed_globals:
             obj = super().find_class(module, name)
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             obj = getattr(torch, name)
@@ -288,8 +293,8 @@ class _StoreUnpickler(pickle._Unpickler):
         args = self.stack.pop()
         func = self.stack[-1]
         name = self._name_of(func)
-        self._check_call(func, args, _ALLOWED_GLOBALS.get(name) if name is not None else None)
-        if args and name in _HASHING_CALLS and isinstance(args[0], (list, tuple, set, frozenset, dict)):
+        self._check_call(func, args, self.allowed_globals.get(name) if name is not None else None)
+        if args and name in self.hashing_calls and isinstance(args[0], (list, tuple, set, frozenset, dict)):
             # A set's members, a dict's pairs, or another container's keys (OrderedDict(a dict) hashes them again).
             pairs = name == ("collections", "OrderedDict") and not isinstance(args[0], dict)
             self._count_hashing(p[0] if pairs and isinstance(p, (list, tuple)) and p else p for p in args[0])
@@ -394,7 +399,7 @@ class _StoreUnpickler(pickle._Unpickler):
         args = self.stack.pop()
         cls = self.stack.pop()
         name = self._name_of(cls)
-        self._check_call(cls, args, _NEWOBJ.get(name) if name is not None else None)
+        self._check_call(cls, args, self.newobj_calls.get(name) if name is not None else None)
         self.append(cls.__new__(cls, *args))
 
     def _load_bytearray8(self) -> None:
@@ -455,15 +460,16 @@ class _StoreUnpickler(pickle._Unpickler):
         )
 
 
-_StoreUnpickler.dispatch[pickle.REDUCE[0]] = _StoreUnpickler._load_reduce
-_StoreUnpickler.dispatch[pickle.NEWOBJ[0]] = _StoreUnpickler._load_newobj
-_StoreUnpickler.dispatch[pickle.BUILD[0]] = _StoreUnpickler._load_build
-_StoreUnpickler.dispatch[pickle.BYTEARRAY8[0]] = _StoreUnpickler._load_bytearray8
+# Called by name, so a subclass's handler is the one that runs.
+_StoreUnpickler.dispatch[pickle.REDUCE[0]] = lambda u: u._load_reduce()
+_StoreUnpickler.dispatch[pickle.NEWOBJ[0]] = lambda u: u._load_newobj()
+_StoreUnpickler.dispatch[pickle.BUILD[0]] = lambda u: u._load_build()
+_StoreUnpickler.dispatch[pickle.BYTEARRAY8[0]] = lambda u: u._load_bytearray8()
 _StoreUnpickler.dispatch[pickle.SETITEM[0]] = lambda u: u._load_setitem(1)
 _StoreUnpickler.dispatch[pickle.SETITEMS[0]] = lambda u: u._load_setitem(None)
-_StoreUnpickler.dispatch[pickle.DICT[0]] = _StoreUnpickler._load_dict
-_StoreUnpickler.dispatch[pickle.ADDITEMS[0]] = _StoreUnpickler._load_additems
-_StoreUnpickler.dispatch[pickle.FROZENSET[0]] = _StoreUnpickler._load_frozenset
+_StoreUnpickler.dispatch[pickle.DICT[0]] = lambda u: u._load_dict()
+_StoreUnpickler.dispatch[pickle.ADDITEMS[0]] = lambda u: u._load_additems()
+_StoreUnpickler.dispatch[pickle.FROZENSET[0]] = lambda u: u._load_frozenset()
 _StoreUnpickler.dispatch[pickle.APPEND[0]] = lambda u: u._load_append(False)
 _StoreUnpickler.dispatch[pickle.APPENDS[0]] = lambda u: u._load_append(True)
 for _opcode in ("INST", "OBJ", "NEWOBJ_EX"):
@@ -524,6 +530,20 @@ def store_object_limit(file_size: int, compressed: bool, recorded: int) -> int:
     return min(limit, recorded) if recorded > 0 else limit
 
 
+# What the pure-Python unpickler raises on bytes that are not a valid pickle (a truncated or damaged one).
+PICKLE_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    IndexError,
+    KeyError,
+    OverflowError,
+    struct.error,
+)
+
+
 def load_store_object(f: IO[bytes], what: str, sha1: Optional[str] = None, *, limit: int) -> Any:
     """Unpickle one SHA1 store object from ``f`` with the restricted unpickler.
 
@@ -550,17 +570,7 @@ def load_store_object(f: IO[bytes], what: str, sha1: Optional[str] = None, *, li
         raise UntrustedContentError(
             f"wgit: refusing {what}: {e}. wgit never runs code from its store; this object was not written by wgit"
         ) from None
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        AttributeError,
-        IndexError,
-        KeyError,
-        OverflowError,
-        struct.error,
-    ) as e:
+    except PICKLE_ERRORS as e:
         raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None
     except (gzip.BadGzipFile, zlib.error) as e:  # a compressed object with damaged or foreign bytes
         raise UntrustedContentError(f"wgit: {what} is corrupt or not a wgit store object ({e})") from None

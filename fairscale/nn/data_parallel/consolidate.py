@@ -154,7 +154,14 @@ def find_rank_files(directory: str, pattern: str = "*.pt") -> List[str]:
             raise ValueError(f"two files for rank {rank}: {by_rank[rank]!r} and {path!r}")
         by_rank[rank] = path
     if sorted(by_rank) != list(range(len(by_rank))):
-        raise ValueError(f"the per-rank files must cover ranks 0..{len(by_rank) - 1}; found ranks {sorted(by_rank)}")
+        # Named from the highest rank found: the files' identities (read later) would say the world size, but a
+        # lost rank 0 was reported as "must cover ranks 0..0; found ranks [1]", which never said what is missing.
+        missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
+        raise ValueError(
+            f"the per-rank files must cover ranks 0..n-1 with none missing; found ranks {sorted(by_rank)}, missing "
+            f"{missing[:20]}{' ...' if len(missing) > 20 else ''} (and any above {max(by_rank)}): put the lost files "
+            "back, or pass a pattern that matches them"
+        )
     return [by_rank[r] for r in range(len(by_rank))]
 
 

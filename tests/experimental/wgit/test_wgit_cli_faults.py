@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fairscale.experimental.wgit import cli
-from fairscale.experimental.wgit.safety import load_checkpoint
+from fairscale.experimental.wgit.checkpoint_load import load_checkpoint
 from fairscale.internal.errors import FairscaleValueError
 
 

@@ -407,8 +407,12 @@ def test_tool_rejects_unclear_inputs(tmp_path: Any) -> None:
         find_rank_files(str(tmp_path))
     for name in ("a-rank-0.pt", "a-rank-2.pt"):
         torch.save({}, str(tmp_path / name))
-    with pytest.raises(ValueError, match=r"cover ranks 0\.\.1; found ranks \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"found ranks \[0, 2\], missing \[1\]"):
         find_rank_files(str(tmp_path))
+    os.rename(str(tmp_path / "a-rank-0.pt"), str(tmp_path / "b-rank-1.pt"))  # rank 0 lost: named, not "0..0"
+    with pytest.raises(ValueError, match=r"found ranks \[1, 2\], missing \[0\]"):
+        find_rank_files(str(tmp_path))
+    os.rename(str(tmp_path / "b-rank-1.pt"), str(tmp_path / "a-rank-0.pt"))
     torch.save({}, str(tmp_path / "notes.pt"))
     with pytest.raises(ValueError, match="cannot tell the rank of"):
         find_rank_files(str(tmp_path))
