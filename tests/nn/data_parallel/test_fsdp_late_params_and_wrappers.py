@@ -85,6 +85,9 @@ class _FlatNamed(nn.Module):
         super().__init__()
         self.flat_param_0 = nn.Parameter(torch.ones(3))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # a module without one is refused before the name is
+        return x * self.flat_param_0
+
 
 def _hint_body(rank: int, world_size: int) -> None:
     # The advice about frozen parts and flatten_parameters=False was added to every FlattenParamsWrapper refusal.

@@ -31,6 +31,7 @@ from torch import nn
 
 from fairscale.fair_dev.testing.engine import run_cases, run_distributed
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
 
 WORLD = 2
 TIMEOUT = 120.0
@@ -44,6 +45,17 @@ class _Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
+
+
+class _ListNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def _nested(**kwargs: object) -> FSDP:
@@ -113,6 +125,22 @@ def _case_clip_after_no_sync_backward(obc: bool) -> None:
     ref = _Net()
     for _ in range(2):
         ref(_input()).pow(2).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    torch.testing.assert_close(model.clip_grad_norm_(1.0), expected, rtol=1e-5, atol=1e-6)
+    # A window's gradient cleared by zero_grad() (a microbatch dropped) leaves nothing unreduced, flag on or off
+    # (with the flag, its buffer stayed until the next backward and clip_grad_norm_ was refused).
+    model.zero_grad(set_to_none=True)
+    with model.no_sync():
+        model(_input()).pow(2).sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert model.clip_grad_norm_(1.0).item() == 0.0
+    model(_input(1)).pow(2).sum().backward()  # the next step holds that microbatch's gradient only
+    torch.manual_seed(0)
+    ref = _Net()
+    for _ in range(2):
+        ref(_input()).pow(2).sum().backward()
+    ref.zero_grad(set_to_none=True)
+    ref(_input(1)).pow(2).sum().backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     torch.testing.assert_close(model.clip_grad_norm_(1.0), expected, rtol=1e-5, atol=1e-6)
 
@@ -511,6 +539,23 @@ def _case_constructor_arguments() -> None:
     frozen = nn.Embedding(5, 3, sparse=True)
     frozen.weight.requires_grad_(False)  # makes no gradient: accepted
     FSDP(nn.Sequential(frozen, nn.Linear(3, 2)), flatten_parameters=False)
+    # A module without a forward of its own: its items, called by the parent, computed with the shard (rank 1 of a
+    # (1,)-shaped parameter returned a wrong output with no error; other shapes raised a misleading error).
+    for container in (nn.ModuleList([nn.Linear(3, 3)]), nn.ModuleDict({"a": nn.Linear(3, 3)})):
+        with pytest.raises(
+            ValueError,
+            match=f"cannot wrap a {type(container).__name__} that holds parameters of its own: it has no forward",
+        ):
+            FSDP(container)
+    blocks = nn.Sequential(nn.Linear(3, 3))
+    blocks.layers = nn.ModuleList([nn.Linear(3, 3)])  # inside a wrapped module with a forward: fine
+    FSDP(blocks)
+    FSDP(nn.ModuleList([FSDP(nn.Linear(3, 3))]))  # its items wrapped on their own: they gather in their forward
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=20, exclude_wrap_modules=set())
+    with enable_wrap(wrapper_cls=FSDP), pytest.raises(ValueError, match="cannot wrap a ModuleList"):
+        auto_wrap(_ListNet(), auto_wrap_policy=policy)
+    with enable_wrap(wrapper_cls=FSDP):  # the default policy leaves the list alone and wraps its items
+        auto_wrap(_ListNet(), auto_wrap_policy=functools.partial(default_auto_wrap_policy, min_num_params=20))
     with_meta_buffer = _Net()
     with_meta_buffer.register_buffer("table", torch.empty(3, device="meta"))
     with pytest.raises(ValueError, match="buffer table is on the meta device"):  # "Cannot copy out of meta tensor"

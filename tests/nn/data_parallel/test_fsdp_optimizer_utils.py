@@ -261,7 +261,9 @@ def _case_bad_input(rank: int, world_size: int) -> None:
     # gathers until the group's timeout; its error now reaches every rank through the schema gather.
     with pytest.raises(NotImplementedError, match=r"group rank 1: .*exactly one parameter group"):
         fsdp.gather_full_optim_state_dict(two_groups if rank == 1 else opt)
-    with pytest.raises(ValueError, match="expects a gather_full_optim_state_dict"):
+    # The hint said a per-rank dict "loads directly": one of a torch optimizer over the unwrapped module then failed
+    # in the next step on shapes.
+    with pytest.raises(ValueError, match="expects a gather_full_optim_state_dict.*unwrapped module is neither"):
         fsdp.get_shard_from_optim_state_dict(opt.state_dict())
     with pytest.warns(UserWarning, match="recipient_rank=1 is ignored"):
         fsdp.gather_full_optim_state_dict(opt, recipient_rank=1)

@@ -82,10 +82,11 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
     learn that they have a parent (``no_sync()`` is refused on them, before their lazy init as after).
     """
     nested_owned: Set[int] = set()
+    nested_units = []
     for m in module.modules():
         nested = unit_of(m)
         if nested is not None:
-            nested.has_fsdp_parent = True
+            nested_units.append(nested)
             nested_owned.update(id(p) for p in m.parameters())
     tie_problems = ties.find_unhonourable_ties(module, nested_owned, fsdp_cls)
     foreign: NamedParams = []
@@ -99,6 +100,20 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
             foreign.append((name, p))
             continue
         owned.append((name, p))
+    # Looked up on the instance: torch.compile's OptimizedModule sets its forward there.
+    if owned and getattr(module.forward, "__func__", None) is nn.Module.forward:
+        # nn.ModuleList, nn.ModuleDict: nothing calls the instance's forward, where its parameters are gathered, so
+        # the items its parent calls computed with this rank's shard: a wrong output on some ranks with no error, or
+        # a misleading one (a fuzz, session 48). Items wrapped on their own own their parameters: fine.
+        raise ValueError(
+            f"FullyShardedDataParallel cannot wrap a {type(module).__name__} that holds parameters of its own: it has "
+            "no forward, so the wrapper's forward, which gathers the full parameters, would never run, and the "
+            "modules in it, called by their parent, would compute with this rank's shard. Wrap each module in it "
+            "instead, or the module that calls them (auto_wrap's default_auto_wrap_policy excludes nn.ModuleList and "
+            "nn.ModuleDict for this reason)."
+        )
+    for nested in nested_units:  # only once the wrapper is going to be built
+        nested.has_fsdp_parent = True
     return owned, foreign, tie_problems
 
 

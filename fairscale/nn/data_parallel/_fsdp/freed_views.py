@@ -75,7 +75,9 @@ class FreedParameter(Tensor):
             f"FullyShardedDataParallel: {name} is not in memory between steps (with flatten_parameters=True each "
             "rank keeps only its shard after construction and after each forward and backward). Read it inside "
             "`with model.summon_full_params():`, or take it from model.state_dict(); it is in place again during "
-            "the forward and the backward."
+            "the forward and the backward of the FullyShardedDataParallel instance that owns it. (Raised inside a "
+            "forward: the module was reached without that instance's forward, e.g. nn.MultiheadAttention reading "
+            "its out_proj's weight wrapped on its own: wrap the module that reads it instead.)"
         )
 
     def requires_grad_(self, requires_grad: bool = True) -> "FreedParameter":

@@ -279,7 +279,10 @@ class FlatHandle:
         if not (self.is_sharded or getattr(self, "replicated", False)):  # getattr: handles pickled before the flag
             return False
         if self.grad_accum_flat is not None:
-            return True
+            # p.grad shows the window buffer (leave_window_grad); None means the user cleared it (zero_grad(), which
+            # the next backward sees and drops the buffer for), as the default path's None p.grad below (a fuzz of
+            # call orders, session 48: clip_grad_norm_ was refused with the flag on only).
+            return self.param.grad is not None
         if self._window_grad is None:
             # No no_sync() backward left a gradient since the last reduction: whatever p.grad is now, the reduced
             # shard or a tensor the user assigned since, it is not unreduced. The shapes alone cannot tell when the

@@ -326,7 +326,9 @@ def get_shard_from_optim_state_dict(fsdp: FSDPUnit, full_optim_state_dict: Mappi
         if key not in full:
             raise ValueError(
                 f"get_shard_from_optim_state_dict expects a gather_full_optim_state_dict() result, which has "
-                f"{key!r}; got keys {sorted(map(str, full))}. A per-rank optim.state_dict() loads directly."
+                f"{key!r}; got keys {sorted(map(str, full))}. Only a per-rank optim.state_dict() of this FSDP model's own "
+                "optimizer loads directly (optim.load_state_dict); a torch optimizer's dict over the unwrapped "
+                "module is neither: its state is full-size and follows the unwrapped module's parameters"
             )
     param_id_map = _resolved_param_id_map(full["param_id_map"], layouts)
     check_param_counts_before_sharding({"state": full["state"], "param_id_map": param_id_map}, len(layouts))
