@@ -190,7 +190,7 @@ class DynamicLossScaler(object):
         return self._iteration_scale
 
     def scale(self, outputs: Tensor) -> Tensor:
-        """Multiply ``outputs`` (a tensor) by the loss scale of this iteration.
+        """Multiply ``outputs`` (a tensor, or a number) by the loss scale of this iteration.
 
         That is ``loss_scale`` at the iteration's first :meth:`scale`, :meth:`unscale_` or :meth:`step` call: it
         stays the same until :meth:`update` even when an overflow in :meth:`step` lowered ``loss_scale`` already.
@@ -198,7 +198,7 @@ class DynamicLossScaler(object):
         if not isinstance(outputs, (Tensor, numbers.Number)):
             # An int loss scale times a list repeated the list, silently.
             raise TypeError(
-                f"DynamicLossScaler.scale: expected the loss (a tensor), got {type(outputs).__name__}; scale each "
+                f"DynamicLossScaler.scale: expected the loss (a tensor or a number), got {type(outputs).__name__}; scale each "
                 "loss of a list separately"
             )
         return self._scale_of_iteration() * outputs  # type: ignore[operator]

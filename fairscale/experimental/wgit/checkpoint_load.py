@@ -4,33 +4,27 @@
 torch's weights-only loader runs no code, but it does what the file's pickle says with the calls it allows: it hashes
 whatever dict keys the pickle builds (a tuple shared at every level as a key hashed ``2**depth`` tuples: ``wgit add``
 of a 500-byte file never returned) and calls the legacy tensor constructors with the sizes the file gives
-(``torch.FloatTensor(2**30)`` allocated 4 GB for a 100-byte file). So the pickle is first walked by a scanner that
-builds nothing but its containers: every name stands for an opaque value, except the few calls that hash or copy
-their arguments, which run under the store unpickler's counts (:mod:`.store_pickle`).
+(``torch.FloatTensor(2**30)`` allocated 4 GB for a 100-byte file). So the pickle is first walked by a scanner
+(:mod:`.checkpoint_scan`) that builds nothing but its containers, and lets through only the calls torch.save writes
+for dense tensors, each counted against the file's size.
 """
 
 import os
 import pickle
 import stat
+import struct
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, ClassVar, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, BinaryIO, Dict
 
 import torch
 
 from fairscale.internal.errors import FairscaleValueError
 
-from .safety import UntrustedContentError, _kind, nesting_problem
-from .store_pickle import (
-    _ALLOWED_GLOBALS,
-    _HASHING_CALLS,
-    PICKLE_ERRORS,
-    _ArgsCheck,
-    _check_items,
-    _HashingReader,
-    _StoreUnpickler,
-)
+from .checkpoint_scan import CheckpointScanner
+from .safety import UntrustedContentError, _kind, nesting_problem, printable
+from .store_pickle import PICKLE_ERRORS, _HashingReader
 
 __all__ = ["load_checkpoint"]
 
@@ -109,171 +103,102 @@ def _torch_refusal(error: BaseException) -> str:
 
 
 def scan_checkpoint(f: BinaryIO, size: int) -> None:
-    """Walk the pickle(s) torch's loader would run on ``f`` (``size`` bytes) without building their objects.
+    """Walk the pickle(s) torch's loader would run on ``f`` (``size`` bytes) without building their tensors
+    (:class:`~.checkpoint_scan.CheckpointScanner`).
 
-    A zip checkpoint (what ``torch.save`` writes) has one pickle, ``<name>/data.pkl``, and stores its entries
-    uncompressed; a legacy one (``_use_new_zipfile_serialization=False``) starts with four pickles in a row.
+    A zip checkpoint (what ``torch.save`` writes; torch takes a file for one when it starts with a zip entry) has one
+    pickle, ``<archive>/data.pkl``, and stores its entries uncompressed; a legacy one
+    (``_use_new_zipfile_serialization=False``) is five pickles in a row: a magic number, the protocol, the system's
+    sizes, the objects, and the list of storage keys, followed by the storages' bytes.
 
     Raises:
         UntrustedContentError: the pickle's dict keys and set members take more hashing than its bytes can hold, a
-            call would allocate or copy more than the file holds, it calls a tensor or storage class (torch.save
-            never does), a zip entry is compressed, or the bytes are not such a checkpoint.
+            call would allocate or copy more than the file holds, it calls what torch.save never writes for dense
+            tensors, a zip entry is compressed or ambiguous, or the bytes are not such a checkpoint.
     """
+    storage_keys: Dict[str, int] = {}
     try:
-        if zipfile.is_zipfile(f):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's typed storage classes warn when the scan reads their dtype
             f.seek(0)
-            with zipfile.ZipFile(f) as archive:
-                entries = [e for e in archive.infolist() if e.filename.endswith("data.pkl")]
-                packed = next((e for e in archive.infolist() if e.compress_type != zipfile.ZIP_STORED), None)
-                if packed is not None:  # torch's reader inflates it whole: a zip bomb
-                    raise UntrustedContentError(
-                        f"its entry {packed.filename!r} is compressed; torch.save stores its entries uncompressed"
-                    )
-                if len(entries) != 1:
-                    raise UntrustedContentError("it is a zip file without the one data.pkl that torch.save writes")
-                with archive.open(entries[0]) as pickled:
-                    _CheckpointScanner(_HashingReader(pickled, entries[0].file_size), size).load()
-        else:
+            if f.read(4) == b"PK\x03\x04":  # torch.serialization's test: not zipfile's, which finds a zip anywhere
+                _check_zip_directory(f, size)
+                f.seek(0)
+                with zipfile.ZipFile(f) as archive:
+                    entry = _data_pkl_entry(archive)
+                    with archive.open(entry) as pickled:
+                        CheckpointScanner(_HashingReader(pickled, entry.file_size), size, storage_keys).load()
+                return
             f.seek(0)
             reader = _HashingReader(f, size)
-            for _ in range(4):  # magic number, protocol, system info, then the objects
-                _CheckpointScanner(reader, size).load()
+            for _ in range(4):
+                CheckpointScanner(reader, size, storage_keys).load()
+            keys = CheckpointScanner(reader, size, storage_keys).load()
     except UntrustedContentError:
         raise
     except (*PICKLE_ERRORS, zipfile.BadZipFile) as e:
         raise UntrustedContentError(f"not a readable torch.save checkpoint ({str(e)[:160] or type(e).__name__})")
+    # torch looks each key up among the storages it loaded: keys other than strings (a tuple tower) are never written.
+    if not isinstance(keys, list) or not all(type(k) is str for k in keys):
+        raise UntrustedContentError("its list of storage keys is not the list of strings torch.save writes")
 
 
-class _Opaque:
-    """What the scanner makes of anything it does not build: a name, a call's result, a storage. Hashes by
-    identity, so as a key it costs what Python's own objects of those kinds cost (a tensor hashes by identity)."""
-
-    def __init__(self, name: Tuple[str, str]) -> None:
-        self.name = name
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory: signature, disks and counts, size, offset, comment
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, disks
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")  # signature, size, versions, disks, counts, directory size and offset
 
 
-def _check_encode(args: Tuple[Any, ...], budget: int) -> Optional[str]:
-    # pickle protocol 2 writes bytes as _codecs.encode(str, "latin1"): as many bytes as the string has characters.
-    if len(args) != 2 or not all(isinstance(a, str) for a in args):
-        return "pickle writes _codecs.encode(str, encoding) only"
-    return None
+def _check_zip_directory(f: BinaryIO, size: int) -> None:
+    """Refuse a zip whose central directory Python's zipfile and torch's reader (miniz) could find apart.
+
+    zipfile looks for the directory just before the end record and shifts every entry by the difference from the
+    offset recorded; miniz reads it at the recorded offset. A file with a second directory hidden in the end record's
+    comment showed zipfile a harmless data.pkl and torch another one (a review, session 48). torch.save writes no
+    comment, and the directory right where the (zip64) end record says.
+    """
+    if size < _EOCD.size:
+        raise UntrustedContentError("it is a zip file too short to hold its directory")
+    f.seek(size - _EOCD.size)
+    signature, _, _, _, _, dir_size, dir_offset, comment = _EOCD.unpack(f.read(_EOCD.size))
+    end = size - _EOCD.size  # where the directory must end: at the (zip64) end record
+    if signature != b"PK\x05\x06" or comment:
+        raise UntrustedContentError(
+            "its zip end record is not at its end, or carries a comment; torch.save writes none"
+        )
+    if size >= _EOCD.size + _ZIP64_LOCATOR.size:
+        f.seek(end - _ZIP64_LOCATOR.size)
+        locator, _, record_at, _ = _ZIP64_LOCATOR.unpack(f.read(_ZIP64_LOCATOR.size))
+        if locator == b"PK\x06\x07":
+            if record_at + _ZIP64_EOCD.size != end - _ZIP64_LOCATOR.size:
+                raise UntrustedContentError("its zip64 end record is not where its locator says")
+            f.seek(record_at)
+            fields = _ZIP64_EOCD.unpack(f.read(_ZIP64_EOCD.size))
+            if fields[0] != b"PK\x06\x06":
+                raise UntrustedContentError("its zip64 end record is damaged")
+            dir_size, dir_offset, end = fields[-2], fields[-1], record_at
+    if dir_offset + dir_size != end:
+        raise UntrustedContentError(
+            "its zip directory is not where its end record says (two readers would read different entries)"
+        )
 
 
-# The calls torch's weights-only loader allows that hash or copy their arguments: run for real, under the store
-# unpickler's checks and counts. Every other name the pickle uses stands for an opaque value.
-_BUILT: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
-    **{k: _ALLOWED_GLOBALS[k] for k in [("collections", "OrderedDict"), ("builtins", "set"), ("torch", "Size")]},
-    **{k: _ALLOWED_GLOBALS[k] for k in [("builtins", "complex"), ("builtins", "bytearray"), ("torch", "device")]},
-    ("collections", "Counter"): _check_items,
-    ("_codecs", "encode"): _check_encode,
-}
-_TENSOR_MODULES = ("torch", "torch.cuda", "torch.sparse", "torch.storage")
-
-
-class _CheckpointScanner(_StoreUnpickler):
-    """The store unpickler's counts on a checkpoint's pickle, with every name it does not build opaque."""
-
-    allowed_globals: ClassVar[Dict[Tuple[str, str], Optional[_ArgsCheck]]] = _BUILT
-    metastack: List[List[Any]]  # pickle's: the stacks below each open MARK
-    hashing_calls: ClassVar[FrozenSet[Tuple[str, str]]] = _HASHING_CALLS | {("collections", "Counter")}
-
-    def __init__(self, reader: _HashingReader, budget: int) -> None:
-        super().__init__(reader, budget)
-        self._storages: Set[Any] = set()
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _BUILT:
-            return super().find_class(module, name)
-        return _Opaque((module, name))  # never imported here: torch's loader decides whether it may be named
-
-    def persistent_load(self, pid: Any) -> Any:
-        # ("storage", storage type, key, location, numel[, view]): torch allocates numel elements for each new key
-        # (a legacy file, with the view, before reading them; a zip one reads the entry of that key). A key other
-        # than a string is told apart by identity: it is never hashed here.
-        if isinstance(pid, tuple) and len(pid) in (5, 6) and type(pid[4]) is int:
-            key = pid[2] if type(pid[2]) is str else id(pid[2])
-            if key not in self._storages:
-                self._storages.add(key)
-                self._spend_bytes(max(pid[4], 0) * _element_size(pid[1]), "its storages")
-        return _Opaque(("persistent", "storage"))
-
-    def _spend_bytes(self, size: int, what: str) -> None:
-        self._allocated += size
-        if self._allocated > 2 * self._budget:
-            raise UntrustedContentError(
-                f"{what} would take more than {2 * self._budget} bytes, more than the file's {self._budget} bytes "
-                "hold (values repeated through pickle's memo, or declared larger than they are)"
-            )
-
-    def _spend(self, made: Any) -> None:
-        if isinstance(made, bytes):
-            self._spend_bytes(len(made), "its values")
-        elif isinstance(made, torch.Size):  # a copy of the items it was made from
-            self._spend_bytes(8 * len(made), "its values")
-        else:
-            super()._spend(made)
-
-    def _load_reduce(self) -> None:
-        self._call(super()._load_reduce)
-
-    def _load_newobj(self) -> None:
-        self._call(super()._load_newobj)
-
-    def _call(self, store_handler: Callable[[], None]) -> None:
-        """REDUCE or NEWOBJ: a built name's call is the store unpickler's; an opaque one's makes an opaque value."""
-        func = self.stack[-2]
-        if not isinstance(func, _Opaque):
-            store_handler()
-            return
-        args = self.stack.pop()
-        self._check_opaque_call(func, args)
-        self.stack[-1] = _Opaque(func.name)
-
-    def _check_opaque_call(self, func: _Opaque, args: Any) -> None:
-        # torch.save writes tensors as _rebuild_* calls on storages; a legacy tensor or storage constructor takes its
-        # size from the file, and torch's loader also calls one that _rebuild_from_type_v2 is given.
-        called = [func, *(args[:1] if func.name == ("torch._tensor", "_rebuild_from_type_v2") else ())]
-        for c in called:
-            if isinstance(c, _Opaque) and c.name[0] in _TENSOR_MODULES and c.name[1].endswith(("Tensor", "Storage")):
-                raise UntrustedContentError(
-                    f"it calls {'.'.join(c.name)}, which allocates what the file asks for; torch.save never writes "
-                    "such a call"
-                )
-
-    def _load_build(self) -> None:
-        if isinstance(self.stack[-2], _Opaque):
-            self.stack.pop()
-            return
-        super()._load_build()
-
-    def _load_setitem(self, count: Optional[int]) -> None:
-        target = self.stack[-3] if count is not None else self._below_mark()
-        if not isinstance(target, _Opaque):
-            super()._load_setitem(count)
-            return
-        items = self.pop_mark() if count is None else self.stack[-2:]
-        if count is not None:
-            del self.stack[-2:]
-        self._count_hashing(items[0::2], target)
-
-    def _load_append(self, many: bool) -> None:
-        target = self._below_mark() if many else self.stack[-2]
-        if not isinstance(target, _Opaque):
-            super()._load_append(many)
-        elif many:
-            self.pop_mark()
-        else:
-            self.stack.pop()
-
-    def _below_mark(self) -> Any:
-        """What lies below the last MARK: what SETITEMS and APPENDS add to."""
-        if not self.metastack or not self.metastack[-1]:
-            raise pickle.UnpicklingError("SETITEMS or APPENDS with nothing to add to")
-        return self.metastack[-1][-1]
-
-
-def _element_size(storage_type: Any) -> int:
-    """Bytes per element of a storage type a checkpoint names (torch.FloatStorage: 4; untyped storages: 1)."""
-    name = storage_type.name if isinstance(storage_type, _Opaque) else ("", "")
-    dtype = getattr(getattr(torch, name[1], None), "dtype", None) if name[0] in ("torch", "torch.cuda") else None
-    return dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+def _data_pkl_entry(archive: zipfile.ZipFile) -> zipfile.ZipInfo:
+    """The entry torch's reader takes for the pickle: ``data.pkl`` in the first entry's folder, found whatever its
+    case; refused when another reader could take another entry (names equal but for case, data before the first
+    entry, compressed entries: torch inflates them whole)."""
+    entries = archive.infolist()
+    lowered = [e.filename.lower() for e in entries]
+    if not entries or len(set(lowered)) != len(lowered):
+        raise UntrustedContentError("it is a zip file with no entries, or two entries of one name (ignoring case)")
+    if min(e.header_offset for e in entries) != 0:
+        raise UntrustedContentError("it is a zip file with data before its first entry; torch.save writes none")
+    packed = next((e for e in entries if e.compress_type != zipfile.ZIP_STORED), None)
+    if packed is not None:
+        raise UntrustedContentError(
+            f"its entry {printable(packed.filename)!r} is compressed; torch.save stores its entries uncompressed"
+        )
+    wanted = entries[0].filename.split("/", 1)[0].lower() + "/data.pkl"
+    matches = [e for e, name in zip(entries, lowered) if name == wanted]
+    if len(matches) != 1 or sum(name.endswith("data.pkl") for name in lowered) != 1:
+        raise UntrustedContentError("it is a zip file without the one <archive>/data.pkl that torch.save writes")
+    return matches[0]

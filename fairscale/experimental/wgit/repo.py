@@ -22,8 +22,8 @@ from torch import Tensor
 from fairscale.internal.errors import FairscaleTypeError, FairscaleValueError
 
 from .add_undo import GIT_EXCLUDED_TMP_RE, REPLACE_TMP_RE, AddUndo, exclude_replace_tmp_files
-from .pygit import PyGit, import_pygit2
 from .checkpoint_load import load_checkpoint
+from .pygit import PyGit, import_pygit2
 from .safety import (
     UnsafeRepositoryError,
     check_tree,
@@ -80,7 +80,7 @@ def _recursive_apply_to_elements(
 
     A dict or list reached by several paths (shared) is walked once, by the first (``seen``: ids): a checkpoint that
     shares a list at every level (1.6 KB) took ``2**depth`` steps. The nesting was bounded when the checkpoint was
-    loaded (:func:`~fairscale.experimental.wgit.safety.load_checkpoint`), so the recursion is too.
+    loaded (:func:`~fairscale.experimental.wgit.checkpoint_load.load_checkpoint`), so the recursion is too.
     """
     seen = set() if seen is None else seen
     if id(data) in seen:

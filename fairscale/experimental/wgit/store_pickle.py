@@ -18,7 +18,7 @@ from typing import IO, Any, Callable, ClassVar, Dict, FrozenSet, Iterable, List,
 
 import torch
 
-from .safety import CorruptStoreError, UntrustedContentError, nesting_problem
+from .safety import MAX_NESTING, CorruptStoreError, UntrustedContentError, nesting_problem
 
 __all__ = ["load_store_object", "store_object_limit"]
 
@@ -172,13 +172,14 @@ def _leaf_steps(value: Any) -> int:
     return 1 + value.bit_length() // 64 if type(value) is int else 1
 
 
-def _hash_steps(value: Any, costs: Dict[int, int], cap: int) -> int:
+def _hash_steps(value: Any, costs: Dict[int, int], cap: int, depths: Dict[int, int]) -> int:
     """The steps Python may take on ``value`` as a dict key or set member: hashing it, and comparing it with an equal
     key already there (hashes equal). Tuples (``torch.Size`` too) hash their items again each time, frozensets cache
     their hash but compare member by member, and an int's hash reads every digit: such a value costs the sum over
     its items, each counted as often as it occurs (a tower ``t = (t, t)`` of 60 levels is ``2**61`` steps).
     Anything else costs 1 (strings and bytes cache their hash). Each container's count is worked out once in
-    ``costs`` (by identity) and capped at ``cap``; iterative (nesting is unbounded)."""
+    ``costs`` (by identity) and capped at ``cap``, its depth in ``depths``: nesting deeper than
+    :data:`~.safety.MAX_NESTING` is refused before Python recurses into it. Iterative."""
     if not isinstance(value, _NESTED):
         return _leaf_steps(value)
     pending: List[Tuple[Any, bool]] = [(value, False)]
@@ -189,6 +190,15 @@ def _hash_steps(value: Any, costs: Dict[int, int], cap: int) -> int:
         if ready:  # its containers are counted: they were pushed above it
             steps = 1 + sum(costs[id(c)] if isinstance(c, _NESTED) else _leaf_steps(c) for c in node)
             costs[id(node)] = min(cap, steps)
+            # Python hashes (and compares) a tuple by recursing in C with no depth check: a key 300,000 tuples deep
+            # crashed the process (a security review, session 48). The depth is kept beside the cost.
+            depth = 1 + max((depths[id(c)] for c in node if isinstance(c, _NESTED)), default=0)
+            if depth > MAX_NESTING:
+                raise UntrustedContentError(
+                    f"its dict keys or set members nest more than {MAX_NESTING} deep (wgit handles at most "
+                    f"{MAX_NESTING} levels)"
+                )
+            depths[id(node)] = depth
         else:
             pending.append((node, True))
             pending.extend((c, False) for c in node if isinstance(c, _NESTED) and id(c) not in costs)
@@ -352,10 +362,11 @@ class _StoreUnpickler(pickle._Unpickler):
         # memo (2 bytes a use) costs its size each time, hence the floor (about a second of hashing).
         limit = max(2 * self._budget + 1024, _HASHING_FLOOR)
         costs: Dict[int, int] = {}
+        depths: Dict[int, int] = {}  # nesting depth of each container costed (kept as long as costs)
         # Earlier keys by hash, per container (by identity; a new one for each call without a target).
         buckets = self._buckets.setdefault(id(target), {}) if target is not None else {}
         for key in keys:
-            self._hashing += _hash_steps(key, costs, limit + 1)
+            self._hashing += _hash_steps(key, costs, limit + 1, depths)
             if self._hashing <= limit and type(key) not in (str, bytes):  # those hashes are randomized per process
                 try:
                     h = hash(key)  # its steps were just counted

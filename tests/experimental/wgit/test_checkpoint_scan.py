@@ -126,21 +126,22 @@ class _Tensor:
 
 
 class _LegacyPickler(pickle.Pickler):
-    def __init__(self, f: io.BytesIO, numel: int) -> None:
+    def __init__(self, f: io.BytesIO, numel: int, key: Any) -> None:
         super().__init__(f, protocol=2)
-        self.numel = numel
+        self.numel, self.key = numel, key
 
     def persistent_id(self, obj: Any) -> Any:
-        return ("storage", torch.FloatStorage, "k0", "cpu", self.numel, None) if isinstance(obj, _Storage) else None
+        return ("storage", torch.FloatStorage, self.key, "cpu", self.numel, None) if isinstance(obj, _Storage) else None
 
 
-def _legacy_checkpoint(path: Path, declared: int) -> Path:
-    """A legacy (non-zip) checkpoint of one tensor of 4 floats whose storage declares ``declared`` elements."""
+def _legacy_checkpoint(path: Path, declared: int, key: Any = "k0", keys: Any = None, viewed: int = 4) -> Path:
+    """A legacy (non-zip) checkpoint of one tensor of ``viewed`` floats whose storage declares ``declared``
+    elements, under ``key``, followed by the list ``keys`` of storage keys (``[key]`` by default)."""
     f = io.BytesIO()
     for header in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
         pickle.dump(header, f, protocol=2)
-    _LegacyPickler(f, declared).dump({"w": _Tensor(_Storage(), 4)})
-    pickle.dump(["k0"], f, protocol=2)
+    _LegacyPickler(f, declared, key).dump({"w": _Tensor(_Storage(), viewed)})
+    f.write(pickle.dumps([key] if keys is None else keys, protocol=2) if not isinstance(keys, bytes) else keys)
     f.write(struct.pack("<q", 4) + struct.pack("<4f", 1, 2, 3, 4))
     path.write_bytes(f.getvalue())
     return path
@@ -175,3 +176,114 @@ def test_what_torch_save_writes_loads_as_torch_loads_it(tmp_path: Path, zip_form
     expected = torch.load(path, weights_only=True)
     assert not isinstance(loaded, Exception), loaded
     assert repr(loaded) == repr(expected)
+
+
+def _in_subprocess(code: str, *args: str) -> str:
+    """Run ``code`` in a fresh interpreter (a hang fails the test; a crash too, instead of killing pytest)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{args} did not return within 120 s")
+    assert done.returncode == 0, done  # a segfault is -11
+    return done.stdout
+
+
+# {((...(0,)...),): 1}: a key 300,000 tuples deep (Python hashes tuples recursively in C: a segfault).
+_DEEP_KEY = b"\x80\x02}(K\x00" + b"\x85" * 300_000 + b"K\x01u."
+
+
+def test_keys_nested_deeper_than_python_can_hash_are_refused(tmp_path: Path) -> None:
+    _refused_in_subprocess(_zip_checkpoint(tmp_path / "deep.pt", _DEEP_KEY), "nest more than 100 deep")
+    # The same key in a store object: wgit's own unpickler hashed it too.
+    (tmp_path / "deep.pkl").write_bytes(_DEEP_KEY)
+    code = (
+        "import sys\nfrom fairscale.experimental.wgit.store_pickle import load_store_object\n"
+        "try:\n    load_store_object(open(sys.argv[1], 'rb'), 'object', limit=10**7)\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    assert "nest more than 100 deep" in _in_subprocess(code, str(tmp_path / "deep.pkl"))
+
+
+def test_what_torch_would_run_otherwise_is_refused(tmp_path: Path) -> None:
+    """Bypasses of the first scan (a review): each hung, crashed or took gigabytes inside torch's loader."""
+    # Python 2 names, which torch maps (__builtin__.set is builtins.set): set([tower]) hashed forever.
+    alias = b"\x80\x02c__builtin__\nset\n](" + _TOWER + b"e\x85R."
+    _refused_in_subprocess(_zip_checkpoint(tmp_path / "alias.pt", alias), "take more than")
+    # _rebuild_from_type_v2(bytearray, ...) ran bytearray(n) unchecked: 1.5 GB from 1 KB.
+    from_type = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(c__builtin__\nbytearray\nctorch\nTensor\n"
+    from_type += b"J\x00\x00\x10\x00\x85}tR."
+    _refused(_zip_checkpoint(tmp_path / "from_type.pt", from_type), "_rebuild_from_type_v2 with arguments")
+    # A device tensor copied from one memoized CPU tensor, again and again.
+    device = b"\x80\x02ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n(K\x00K\x00K\x00K\x00tR."
+    _refused(_zip_checkpoint(tmp_path / "device.pt", device), "_rebuild_device_tensor_from_cpu_tensor, which")
+    # _codecs.encode in a quadratic codec (punycode): the scan itself took 40 s.
+    codec = b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x08\x00\x00\x00punycode\x86R."
+    _refused(_zip_checkpoint(tmp_path / "codec.pt", codec), "_codecs.encode(str, 'latin1') only")
+    # torch finds <archive>/data.pkl whatever its case: an upper-case one beside another data.pkl.
+    with zipfile.ZipFile(tmp_path / "case.pt", "w") as z:
+        z.writestr("archive/DATA.PKL", b"\x80\x02}.")
+        z.writestr("archive/x/data.pkl", b"\x80\x02}.")
+    _refused(tmp_path / "case.pt", "without the one <archive>/data.pkl")
+    # Legacy pickles (a hash bomb) followed by a zip: torch reads the pickles, zipfile finds the zip.
+    torch.save({"w": torch.ones(1)}, tmp_path / "real.pt")
+    polyglot = b"\x80\x02}q\x00(" + _TOWER + b"K\x01u." + (tmp_path / "real.pt").read_bytes()
+    (tmp_path / "polyglot.pt").write_bytes(polyglot)
+    _refused_in_subprocess(tmp_path / "polyglot.pt", "take more than")
+
+
+def test_legacy_keys_and_views_are_checked(tmp_path: Path) -> None:
+    # The fifth pickle, the list of storage keys: torch looks each up (a tower key hashed forever).
+    keys = b"\x80\x02](" + _TOWER + b"e."
+    _refused_in_subprocess(_legacy_checkpoint(tmp_path / "keys.pt", 4, keys=keys), "list of storage keys")
+    _refused(_legacy_checkpoint(tmp_path / "key.pt", 4, key=("k", 0)), "refers to a storage as a tuple")
+    # A view of 10**7 floats over a storage of one: torch's legacy loader grew the storage to the view's size.
+    _refused(_legacy_checkpoint(tmp_path / "grown.pt", 1, viewed=10**7), "its tensors would take more than")
+    # A broadcast view torch.save writes (64 MB over one float in a file of 1 KB): wgit would copy it whole.
+    torch.save(torch.zeros(1).expand(2**12, 2**12), tmp_path / "expanded.pt")
+    _refused(tmp_path / "expanded.pt", "its tensors would take more than")
+
+
+def test_checkpoints_of_many_sizes_and_tied_tensors_load(tmp_path: Path) -> None:
+    shared = torch.randn(64, 64)
+    checkpoint = {"shapes": [torch.Size([1] * 12) for _ in range(2000)], "a": shared, "b": shared, "c": shared[1:]}
+    torch.save(checkpoint, tmp_path / "ck.pt")
+    loaded = _load_in_thread(tmp_path / "ck.pt")
+    assert not isinstance(loaded, Exception), loaded
+    assert repr(loaded) == repr(torch.load(tmp_path / "ck.pt", weights_only=True))
+
+
+def test_zips_two_readers_would_read_apart_are_refused(tmp_path: Path) -> None:
+    """A second directory hidden in the end record's comment showed zipfile a harmless data.pkl and torch (miniz,
+    which reads the directory at the offset recorded) another one: a hash bomb, or 2 GB allocated (a review)."""
+    path = _zip_checkpoint(tmp_path / "comment.pt", pickle.dumps({"w": 1}, protocol=2))
+    with zipfile.ZipFile(path, "a") as z:
+        z.comment = b"PK\x01\x02 a directory could hide here"
+    _refused(path, "carries a comment")
+    path = _zip_checkpoint(tmp_path / "moved.pt", pickle.dumps({"w": 1}, protocol=2))
+    data = bytearray(path.read_bytes())
+    offset = struct.unpack_from("<L", data, len(data) - 6)[0]  # the end record's directory offset
+    struct.pack_into("<L", data, len(data) - 6, offset - 1)  # zipfile shifts every entry by one; miniz does not
+    path.write_bytes(bytes(data))
+    _refused(path, "not where its end record says")
+    torch.save({"w": torch.ones(2)}, tmp_path / "real.pt")  # torch's own zips (with zip64 records) pass
+    assert torch.equal(_load_in_thread(tmp_path / "real.pt")["w"], torch.ones(2))
+
+
+def test_tensor_attributes_that_shadow_its_methods_are_refused(tmp_path: Path) -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    param.detach = torch.Tensor  # type: ignore[method-assign]  # torch's loader would setattr it: wgit calls it
+    torch.save({"p": param}, tmp_path / "shadow.pt")
+    _refused(tmp_path / "shadow.pt", "it sets the attribute(s) ['detach'] of a tensor")
+    kept = torch.nn.Parameter(torch.ones(3))
+    kept.tag = "encoder"  # an attribute of its own: kept, as torch keeps it
+    torch.save({"p": kept}, tmp_path / "tagged.pt")
+    assert _load_in_thread(tmp_path / "tagged.pt")["p"].tag == "encoder"
+
+
+def test_views_count_their_dtype(tmp_path: Path) -> None:
+    # _rebuild_tensor_v3 (dtypes without a typed storage) names the dtype: a uint64 view was counted one byte per
+    # element (eight times less).
+    torch.save(torch.zeros(1, dtype=torch.uint64).expand(2**16), tmp_path / "small.pt")  # 512 KB: within the limit
+    assert _load_in_thread(tmp_path / "small.pt").shape == (2**16,)
+    torch.save(torch.zeros(1, dtype=torch.uint64).expand(2**18), tmp_path / "large.pt")  # 2 MB of a 1.5 KB file
+    _refused(tmp_path / "large.pt", "its tensors would take more than")

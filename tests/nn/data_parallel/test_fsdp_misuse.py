@@ -58,6 +58,19 @@ class _ListNet(nn.Module):
         return x
 
 
+class _CalledNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.layer(x)
+
+
+def _w() -> nn.Parameter:
+    return nn.Parameter(torch.ones(3))
+
+
 def _nested(**kwargs: object) -> FSDP:
     torch.manual_seed(0)
     net = _Net()
@@ -541,7 +554,8 @@ def _case_constructor_arguments() -> None:
     FSDP(nn.Sequential(frozen, nn.Linear(3, 2)), flatten_parameters=False)
     # A module without a forward of its own: its items, called by the parent, computed with the shard (rank 1 of a
     # (1,)-shaped parameter returned a wrong output with no error; other shapes raised a misleading error).
-    for container in (nn.ModuleList([nn.Linear(3, 3)]), nn.ModuleDict({"a": nn.Linear(3, 3)})):
+    containers = (nn.ModuleList([nn.Linear(3, 3)]), nn.ModuleDict({"a": nn.Linear(3, 3)}), nn.ParameterList([_w()]))
+    for container in containers + (nn.ParameterDict({"w": _w()}),):
         with pytest.raises(
             ValueError,
             match=f"cannot wrap a {type(container).__name__} that holds parameters of its own: it has no forward",
@@ -551,6 +565,11 @@ def _case_constructor_arguments() -> None:
     blocks.layers = nn.ModuleList([nn.Linear(3, 3)])  # inside a wrapped module with a forward: fine
     FSDP(blocks)
     FSDP(nn.ModuleList([FSDP(nn.Linear(3, 3))]))  # its items wrapped on their own: they gather in their forward
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    FSDP(nn.ModuleList([nn.Linear(3, 3)]), process_group=singles[dist.get_rank()])  # one rank: its shard is whole
+    torch.manual_seed(0)  # the same weights on every rank
+    plain = _CalledNet()  # no forward, but called through its own __call__: the wrapper's forward runs it
+    torch.testing.assert_close(FSDP(copy.deepcopy(plain))(torch.ones(1, 3)), plain(torch.ones(1, 3)))
     policy = functools.partial(default_auto_wrap_policy, min_num_params=20, exclude_wrap_modules=set())
     with enable_wrap(wrapper_cls=FSDP), pytest.raises(ValueError, match="cannot wrap a ModuleList"):
         auto_wrap(_ListNet(), auto_wrap_policy=policy)

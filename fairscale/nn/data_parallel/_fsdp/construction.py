@@ -28,6 +28,7 @@ def flatten(
 ) -> FlattenParamsWrapper:
     """Wrap ``module`` in the FlattenParamsWrapper that FSDP holds, flattening ``owned`` when
     ``flatten_parameters`` (otherwise nothing is flattened), and mark the flattened parameters' tied owners."""
+    _refuse_module_without_forward(module, owned, config)
     try:
         fpw = FlattenParamsWrapper(
             module, param_list=owned if flatten_parameters else [], optimize_backward_concat=optimize_backward_concat
@@ -82,11 +83,10 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
     learn that they have a parent (``no_sync()`` is refused on them, before their lazy init as after).
     """
     nested_owned: Set[int] = set()
-    nested_units = []
     for m in module.modules():
         nested = unit_of(m)
         if nested is not None:
-            nested_units.append(nested)
+            nested.has_fsdp_parent = True
             nested_owned.update(id(p) for p in m.parameters())
     tie_problems = ties.find_unhonourable_ties(module, nested_owned, fsdp_cls)
     foreign: NamedParams = []
@@ -100,20 +100,6 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
             foreign.append((name, p))
             continue
         owned.append((name, p))
-    # Looked up on the instance: torch.compile's OptimizedModule sets its forward there.
-    if owned and getattr(module.forward, "__func__", None) is nn.Module.forward:
-        # nn.ModuleList, nn.ModuleDict: nothing calls the instance's forward, where its parameters are gathered, so
-        # the items its parent calls computed with this rank's shard: a wrong output on some ranks with no error, or
-        # a misleading one (a fuzz, session 48). Items wrapped on their own own their parameters: fine.
-        raise ValueError(
-            f"FullyShardedDataParallel cannot wrap a {type(module).__name__} that holds parameters of its own: it has "
-            "no forward, so the wrapper's forward, which gathers the full parameters, would never run, and the "
-            "modules in it, called by their parent, would compute with this rank's shard. Wrap each module in it "
-            "instead, or the module that calls them (auto_wrap's default_auto_wrap_policy excludes nn.ModuleList and "
-            "nn.ModuleDict for this reason)."
-        )
-    for nested in nested_units:  # only once the wrapper is going to be built
-        nested.has_fsdp_parent = True
     return owned, foreign, tie_problems
 
 
@@ -145,3 +131,25 @@ def shard_parameters(
         slots = [(m, n) for flat in wrapper.flat_params for _, m, n in flat._param_infos]
         user_module.__dict__["_unflattened_param_views"] = [m.__dict__.get(n) for m, n in slots]
     return handles
+
+
+def _refuse_module_without_forward(module: nn.Module, owned: List[nn.Parameter], config: FSDPConfig) -> None:
+    """Raise ``ValueError`` for a sharded instance over a module that nothing calls (``nn.ModuleList``).
+
+    Such a wrapper's forward, where its parameters are gathered, never runs, so the items its parent calls computed
+    with this rank's shard: a wrong output on some ranks with no error, or a misleading one (a fuzz, session 48).
+    Fine: items wrapped on their own (they own their parameters), a shard that is the whole parameter (a shard group
+    of one rank), a class called through its own ``__call__``, a forward set on the instance (``torch.compile``).
+    """
+    if not owned or config.world_size == 1 or getattr(module.forward, "__func__", None) is not nn.Module.forward:
+        return
+    # ParameterList and ParameterDict override __call__ only to refuse being called.
+    if type(module).__call__ is not nn.Module.__call__ and not isinstance(module, (nn.ParameterList, nn.ParameterDict)):
+        return
+    raise ValueError(
+        f"FullyShardedDataParallel cannot wrap a {type(module).__name__} that holds parameters of its own: it has no "
+        "forward, so the wrapper's forward, which gathers the full parameters, would never run, and the modules in "
+        "it, called by their parent, would compute with this rank's shard. Wrap each module in it instead, or the "
+        "module that calls them (auto_wrap's default_auto_wrap_policy excludes nn.ModuleList and nn.ModuleDict for "
+        "this reason)."
+    )

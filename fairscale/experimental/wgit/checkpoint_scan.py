@@ -1,0 +1,267 @@
+# Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
+"""The scanner of a checkpoint's pickle: what torch's weights-only loader would do, counted before it does it (see
+:mod:`.checkpoint_load`).
+
+The scanner is the store's restricted unpickler (:mod:`.store_pickle`) with other calls allowed: it builds the
+containers (their dict keys and set members are hashed under its counts) and stands for everything else (tensors,
+storages, dtypes) with an opaque value. The calls it lets through are the ones ``torch.save`` writes for dense
+tensors, parameters and plain containers, each with its arguments checked and what it makes counted against the
+file's size; any other call is refused, although torch's loader may allow it (a legacy tensor constructor given a
+size, a device tensor copied from a memoized one, a nested tensor's view of a buffer): wgit stores dense tensors only.
+"""
+
+import _compat_pickle
+import pickle
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+
+from .safety import UntrustedContentError
+from .store_pickle import _ALLOWED_GLOBALS, _HASHING_CALLS, _ArgsCheck, _check_items, _HashingReader, _StoreUnpickler
+
+__all__: List[str] = []
+
+_UTILS = "torch._utils"
+_VIEWS = {  # rebuilds of a tensor viewing a storage: the position of (storage, offset, size, stride), of the dtype
+    (_UTILS, "_rebuild_tensor"): None,
+    (_UTILS, "_rebuild_tensor_v2"): None,
+    (_UTILS, "_rebuild_qtensor"): None,
+    (_UTILS, "_rebuild_tensor_v3"): 6,  # an untyped storage and the dtype
+}
+# Calls on tensors that make no new data: a parameter around a tensor, a sparse tensor of given tensors, a meta tensor,
+# a layout by name.
+_WRAPPERS = {
+    (_UTILS, "_rebuild_parameter"),
+    (_UTILS, "_rebuild_parameter_with_state"),
+    (_UTILS, "_rebuild_sparse_tensor"),
+    (_UTILS, "_rebuild_meta_tensor_no_storage"),
+    ("torch.serialization", "_get_layout"),
+}
+_FROM_TYPE = ("torch._tensor", "_rebuild_from_type_v2")
+_PARAMETER = ("torch.nn.parameter", "Parameter")
+
+
+class Opaque:
+    """What the scanner makes of a value it does not build: a name, a storage (``itemsize`` bytes per element), a
+    tensor. Hashes by identity, as a tensor does, so as a key it costs what the real value costs."""
+
+    def __init__(self, name: Tuple[str, str], kind: str = "name", itemsize: int = 1) -> None:
+        self.name, self.kind, self.itemsize = name, kind, itemsize
+
+
+def _check_encode(args: Tuple[Any, ...], budget: int) -> Optional[str]:
+    # pickle protocol 2 writes bytes as _codecs.encode(str, "latin1"): one byte per character. Other codecs cost
+    # more (punycode is quadratic: 40 s for an 86 KB file, found by a review).
+    if len(args) != 2 or not isinstance(args[0], str) or args[1] not in ("latin1", "latin-1"):
+        return "pickle writes _codecs.encode(str, 'latin1') only"
+    return None
+
+
+# The calls torch's weights-only loader allows that hash or copy their arguments: run for real, under the store
+# unpickler's checks and counts. Every other name the pickle uses stands for an opaque value.
+_BUILT: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
+    **{k: _ALLOWED_GLOBALS[k] for k in [("collections", "OrderedDict"), ("builtins", "set"), ("torch", "Size")]},
+    **{k: _ALLOWED_GLOBALS[k] for k in [("builtins", "complex"), ("builtins", "bytearray"), ("torch", "device")]},
+    ("collections", "Counter"): _check_items,
+    ("_codecs", "encode"): _check_encode,
+}
+
+
+class CheckpointScanner(_StoreUnpickler):
+    """The store unpickler's counts on a checkpoint's pickle; calls of tensors' rebuilds checked and counted.
+
+    Args:
+        reader: the pickle's bytes, read at most to its size.
+        budget: the checkpoint file's size: storages, bytes and the like may take at most twice that, views of
+            storages (tensors) eight times (several tensors may view one storage: tied weights).
+    """
+
+    allowed_globals: ClassVar[Dict[Tuple[str, str], Optional[_ArgsCheck]]] = _BUILT
+    hashing_calls: ClassVar[FrozenSet[Tuple[str, str]]] = _HASHING_CALLS | {("collections", "Counter")}
+    metastack: List[List[Any]]  # pickle's: the stacks below each open MARK
+    proto: int
+
+    def __init__(self, reader: _HashingReader, budget: int, storage_keys: Dict[str, int]) -> None:
+        super().__init__(reader, budget)
+        self.encoding = "utf-8"  # as torch's loader decodes protocol-0 strings
+        self._storage_keys = storage_keys  # key -> item size, for the whole file (a legacy file's pickles share it)
+        self._viewed = 0
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # torch's loader maps Python 2 names as pickle does (__builtin__.set is builtins.set)
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        if (module, name) in _BUILT:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # a dtype: its item size counts (_rebuild_tensor_v3)
+        return Opaque((module, name))  # never imported here: torch's loader decides whether it may be named
+
+    def persistent_load(self, pid: Any) -> Any:
+        # ("storage", storage type, key, location, numel[, view]): torch allocates numel elements for each new key
+        # (a legacy file before reading them; a zip one reads the entry of that key). torch.save's keys are strings:
+        # others would be hashed by torch (a tuple tower) and are refused.
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and type(pid[2]) is str and type(pid[4]) is int):
+            raise UntrustedContentError(f"it refers to a storage as {_shown_pid(pid)}, which torch.save never writes")
+        view = pid[5] if len(pid) == 6 else None
+        if view is not None and not (isinstance(view, tuple) and len(view) == 3 and type(view[0]) is str):
+            raise UntrustedContentError("it refers to a storage view torch.save never writes")
+        # torch keeps the first storage loaded under a key (and its type) for every later reference to that key.
+        if pid[2] not in self._storage_keys:
+            self._storage_keys[pid[2]] = _element_size(pid[1])
+            self._spend_bytes(max(pid[4], 0) * self._storage_keys[pid[2]], "its storages")
+        return Opaque(("persistent", "storage"), "storage", self._storage_keys[pid[2]])
+
+    def _spend_bytes(self, size: int, what: str) -> None:
+        self._allocated += size
+        if self._allocated > 2 * self._budget:
+            raise UntrustedContentError(
+                f"{what} would take more than {2 * self._budget} bytes, more than twice the file's {self._budget} "
+                "bytes (values repeated through pickle's memo, or declared larger than they are)"
+            )
+
+    def _spend(self, made: Any) -> None:
+        if isinstance(made, bytes):
+            self._spend_bytes(len(made), "its values")
+        elif isinstance(made, torch.Size):  # a copy of the items: two bytes each in the pickle at least
+            self._spend_bytes(2 * len(made), "its values")
+        else:
+            super()._spend(made)
+
+    def _load_reduce(self) -> None:
+        func = self.stack[-2]
+        if not isinstance(func, Opaque):
+            super()._load_reduce()
+            return
+        args = self.stack.pop()
+        self.stack[-1] = self._opaque_call(func, args)
+
+    def _load_newobj(self) -> None:
+        cls, args = self.stack[-2:]
+        if not isinstance(cls, Opaque):
+            super()._load_newobj()
+            return
+        # torch's loader makes nn.Parameter(*args), and cls.__new__(cls, *args) of the classes it allows: of a tensor
+        # class, an allocation of the size the file gives.
+        if cls.name != _PARAMETER or not (isinstance(args, tuple) and 1 <= len(args) <= 2 and _is_tensor(args[0])):
+            raise UntrustedContentError(f"it makes a {'.'.join(cls.name)} by NEWOBJ, which torch.save never writes")
+        del self.stack[-1]
+        self.stack[-1] = Opaque(cls.name, "tensor")
+
+    def _opaque_call(self, func: Opaque, args: Any) -> Opaque:
+        """What a call of ``func`` makes, its arguments checked and its data counted; other calls are refused."""
+        if type(args) is not tuple:
+            raise UntrustedContentError(f"it calls {'.'.join(func.name)} with {type(args).__name__} arguments")
+        if func.name == _FROM_TYPE:  # _rebuild_from_type_v2(func, new_type, args, state): func(*args) first
+            if len(args) != 4 or not isinstance(args[0], Opaque) or args[0].name == _FROM_TYPE:
+                raise UntrustedContentError("it calls _rebuild_from_type_v2 with arguments torch.save never writes")
+            _check_tensor_state(args[3])
+            return self._opaque_call(args[0], args[2])
+        if func.name == (_UTILS, "_rebuild_parameter_with_state"):
+            _check_tensor_state(args[3] if len(args) == 4 else None)
+        if func.name in _VIEWS:
+            self._count_view(func.name, args)
+        elif func.name not in _WRAPPERS:
+            raise UntrustedContentError(
+                f"it calls {'.'.join(func.name)}, which torch.save does not write for dense tensors and plain "
+                "containers (the only ones wgit stores); torch's loader would run it with the file's arguments"
+            )
+        return Opaque(func.name, "tensor")
+
+    def _count_view(self, name: Tuple[str, str], args: Tuple[Any, ...]) -> None:
+        """A tensor of ``size`` viewing a storage: its bytes are counted (a view larger than its storage grew a
+        legacy storage; wgit copies every tensor it stores)."""
+        dtype_at = _VIEWS[name]
+        if len(args) < 4 or not (isinstance(args[0], Opaque) and args[0].kind == "storage"):
+            raise UntrustedContentError(f"it calls {name[1]} without the storage torch.save writes")
+        size = args[2]
+        if not isinstance(size, tuple) or not all(type(d) is int and d >= 0 for d in size):
+            raise UntrustedContentError(f"it calls {name[1]} with a size torch.save never writes")
+        itemsize = args[0].itemsize
+        if dtype_at is not None:
+            dtype = args[dtype_at] if len(args) > dtype_at else None
+            if not isinstance(dtype, torch.dtype):
+                raise UntrustedContentError(f"it calls {name[1]} without the dtype torch.save writes")
+            itemsize = dtype.itemsize
+        limit, nbytes = 8 * self._budget + 2**20, itemsize
+        for d in (*size, 1):  # multiplied one dimension at a time, stopping past the limit
+            nbytes *= d
+            if self._viewed + nbytes > limit:
+                raise UntrustedContentError(
+                    f"its tensors would take more than {limit} bytes, eight times the file's {self._budget} bytes "
+                    "(views larger than their storage, or one storage viewed many times): wgit copies each tensor "
+                    "it stores"
+                )
+        self._viewed += nbytes
+
+    def _load_build(self) -> None:
+        inst = self.stack[-2]
+        if isinstance(inst, Opaque) and inst.kind == "tensor":
+            # torch's loader calls Tensor.set_(*state) on a tensor: a view of any size, growing its storage.
+            raise UntrustedContentError("it sets the state of a tensor (pickle's BUILD), which torch.save never writes")
+        if isinstance(inst, Opaque):
+            self.stack.pop()
+            return
+        super()._load_build()
+
+    def _load_setitem(self, count: Optional[int]) -> None:
+        target = self.stack[-3] if count is not None else self._below_mark()
+        if not isinstance(target, Opaque):
+            super()._load_setitem(count)
+            return
+        items = self.pop_mark() if count is None else self.stack[-2:]
+        if count is not None:
+            del self.stack[-2:]
+        self._count_hashing(items[0::2], target)
+
+    def _load_append(self, many: bool) -> None:
+        target = self._below_mark() if many else self.stack[-2]
+        if not isinstance(target, Opaque):
+            super()._load_append(many)
+        elif many:
+            self.pop_mark()
+        else:
+            self.stack.pop()
+
+    def _below_mark(self) -> Any:
+        """What lies below the last MARK: what SETITEMS and APPENDS add to."""
+        if not self.metastack or not self.metastack[-1]:
+            raise pickle.UnpicklingError("SETITEMS or APPENDS with nothing to add to")
+        return self.metastack[-1][-1]
+
+
+def _check_tensor_state(state: Any) -> None:
+    """The attributes torch's loader sets on a rebuilt tensor or parameter (``setattr`` of each name): a name of a
+    tensor's own (``detach``, which wgit calls) made ``wgit add`` fail with a traceback or store other data (a
+    review, session 48). torch.save writes the instance's ``__dict__`` (and slots), which holds none of them."""
+    dicts = list(state) if isinstance(state, tuple) else [state]
+    for d in dicts:
+        if d is None:
+            continue
+        if not isinstance(d, dict) or not all(type(k) is str for k in d):
+            raise UntrustedContentError("it sets a tensor's attributes from a state torch.save never writes")
+        shadowing = sorted(k for k in d if k.startswith("__") or hasattr(torch.nn.Parameter, k))
+        if shadowing:
+            raise UntrustedContentError(
+                f"it sets the attribute(s) {shadowing[:5]} of a tensor, which tensors have themselves; torch.save "
+                "writes a tensor's own added attributes only"
+            )
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, Opaque) and value.kind == "tensor"
+
+
+def _shown_pid(pid: Any) -> str:
+    return f"a {type(pid).__name__}" if not isinstance(pid, tuple) else f"a tuple of {len(pid)} items"
+
+
+def _element_size(storage_type: Any) -> int:
+    """Bytes per element of a storage type a checkpoint names (torch.FloatStorage: 4; untyped storages: 1)."""
+    name = storage_type.name if isinstance(storage_type, Opaque) else ("", "")
+    if name[0] not in ("torch", "torch.cuda") or not name[1].endswith("Storage"):
+        return 1
+    dtype = getattr(getattr(torch, name[1], None), "dtype", None)  # the typed storage classes warn when read
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 1
