@@ -128,11 +128,18 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor) 
             ``[N, V/p]`` logits broadcast to an ``[N, N]`` "loss", and its backward failed). Raised before any
             collective, on the ranks with such a target only (telling the others would cost a host sync per call):
             the others fail in the first all-reduce at the group's timeout. Do not catch it and go on.
+        TypeError: ``target`` is not an integer tensor (the same rule as the shape's).
     """
     if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
         raise ValueError(
             f"vocab_parallel_cross_entropy: the target's shape {tuple(target.shape)} must be the logits' shape "
             f"without the vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])} (logits "
             f"{tuple(vocab_parallel_logits.shape)}); squeeze or reshape the target"
+        )
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        # Before: torch's "tensors used as indices must be long, int, byte or bool tensors" from inside.
+        raise TypeError(
+            f"vocab_parallel_cross_entropy: the target holds class ids, an integer tensor (long), got {target.dtype}; "
+            "convert it with .long()"
         )
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)

@@ -151,6 +151,9 @@ def _target_of_another_shape_is_refused() -> None:
     for bad in (target[0].unsqueeze(1), target[0].unsqueeze(0), target):
         with pytest.raises(ValueError, match="the target's shape .* must be the logits' shape without"):
             vocab_parallel_cross_entropy(local.clone(), bad)
+    # A float target: torch's "tensors used as indices must be long, ..." from inside, naming nothing.
+    with pytest.raises(TypeError, match="target holds class ids, an integer tensor .*got torch.float32"):
+        vocab_parallel_cross_entropy(local.clone(), target[0].float())
 
 
 def _ce_body(rank: int, world_size: int) -> None:
