@@ -16,7 +16,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Dict
+from typing import Any, BinaryIO, Dict, Tuple
 
 import torch
 
@@ -96,6 +96,10 @@ def _torch_refusal(error: BaseException) -> str:
     if marker in text:
         name = text.split(marker, 1)[1].split()[0]
         return f"it holds {name}, which is not a tensor or a plain container"
+    if "Unsupported operand" in text:  # torch's weights-only loader knows protocol 2's opcodes (FRAME is 4's)
+        return (
+            "written with a pickle protocol torch's weights-only loader does not read; save with torch.save's default"
+        )
     if isinstance(error, pickle.UnpicklingError):
         return "not a torch.save checkpoint of tensors and plain containers (a plain pickle, or other objects)"
     first = text.strip().splitlines()[0][:160] if text.strip() else type(error).__name__
@@ -116,7 +120,7 @@ def scan_checkpoint(f: BinaryIO, size: int) -> None:
             call would allocate or copy more than the file holds, it calls what torch.save never writes for dense
             tensors, a zip entry is compressed or ambiguous, or the bytes are not such a checkpoint.
     """
-    storage_keys: Dict[str, int] = {}
+    storage_keys: Dict[str, Tuple[int, int]] = {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's typed storage classes warn when the scan reads their dtype
@@ -128,6 +132,7 @@ def scan_checkpoint(f: BinaryIO, size: int) -> None:
                     entry = _data_pkl_entry(archive)
                     with archive.open(entry) as pickled:
                         CheckpointScanner(_HashingReader(pickled, entry.file_size), size, storage_keys).load()
+                    _check_storage_records(archive, entry.filename[: -len("data.pkl")], storage_keys)
                 return
             f.seek(0)
             reader = _HashingReader(f, size)
@@ -182,11 +187,41 @@ def _check_zip_directory(f: BinaryIO, size: int) -> None:
         )
 
 
+def _check_entry(entry: zipfile.ZipInfo) -> None:
+    """Refuse an entry that torch's reader (miniz) takes otherwise than zipfile: one zipfile renames from an extra
+    field (the Unicode path, from Python 3.12: miniz reads the raw name, so the two read different data.pkl entries),
+    one marked a directory (miniz extracts nothing into the buffer it allocated: torch unpickled uninitialized
+    memory), an encrypted one (a review, session 48). torch.save writes plain files with no extra field but zip64's."""
+    extra, ids = entry.extra, []
+    while len(extra) >= 4:
+        kind, length = struct.unpack("<HH", extra[:4])
+        ids.append(kind)
+        extra = extra[4 + length :]
+    shown = printable(entry.filename[:80])
+    if any(kind != 0x0001 for kind in ids) or extra:
+        raise UntrustedContentError(f"its zip entry {shown!r} carries extra fields torch.save never writes")
+    if entry.filename.endswith("/") or entry.external_attr & 0x10 or entry.flag_bits & 0x1:
+        raise UntrustedContentError(f"its zip entry {shown!r} is a directory or encrypted; torch.save writes files")
+
+
+def _check_storage_records(archive: zipfile.ZipFile, prefix: str, storages: Dict[str, Tuple[int, int]]) -> None:
+    """Each storage the pickle names is the record ``<archive>/data/<key>`` of the size it declares (torch reads that
+    record into a storage of that size)."""
+    sizes = {e.filename: e.file_size for e in archive.infolist()}
+    for key, (_, nbytes) in storages.items():
+        found = sizes.get(f"{prefix}data/{key}")
+        if found != nbytes:
+            got = "no such record" if found is None else f"a record of {found} bytes"
+            raise UntrustedContentError(f"its storage {printable(key[:40])!r} declares {nbytes} bytes, with {got}")
+
+
 def _data_pkl_entry(archive: zipfile.ZipFile) -> zipfile.ZipInfo:
     """The entry torch's reader takes for the pickle: ``data.pkl`` in the first entry's folder, found whatever its
     case; refused when another reader could take another entry (names equal but for case, data before the first
     entry, compressed entries: torch inflates them whole)."""
     entries = archive.infolist()
+    for e in entries:
+        _check_entry(e)
     lowered = [e.filename.lower() for e in entries]
     if not entries or len(set(lowered)) != len(lowered):
         raise UntrustedContentError("it is a zip file with no entries, or two entries of one name (ignoring case)")

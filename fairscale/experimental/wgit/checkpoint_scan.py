@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
-from .safety import UntrustedContentError
+from .safety import UntrustedContentError, printable
 from .store_pickle import _ALLOWED_GLOBALS, _HASHING_CALLS, _ArgsCheck, _check_items, _HashingReader, _StoreUnpickler
 
 __all__: List[str] = []
@@ -81,10 +81,11 @@ class CheckpointScanner(_StoreUnpickler):
     metastack: List[List[Any]]  # pickle's: the stacks below each open MARK
     proto: int
 
-    def __init__(self, reader: _HashingReader, budget: int, storage_keys: Dict[str, int]) -> None:
+    def __init__(self, reader: _HashingReader, budget: int, storage_keys: Dict[str, Tuple[int, int]]) -> None:
         super().__init__(reader, budget)
         self.encoding = "utf-8"  # as torch's loader decodes protocol-0 strings
-        self._storage_keys = storage_keys  # key -> item size, for the whole file (a legacy file's pickles share it)
+        # key -> (item size, bytes), for the whole file (a legacy file's pickles share it).
+        self._storage_keys = storage_keys
         self._viewed = 0
 
     def find_class(self, module: str, name: str) -> Any:
@@ -109,10 +110,15 @@ class CheckpointScanner(_StoreUnpickler):
         if view is not None and not (isinstance(view, tuple) and len(view) == 3 and type(view[0]) is str):
             raise UntrustedContentError("it refers to a storage view torch.save never writes")
         # torch keeps the first storage loaded under a key (and its type) for every later reference to that key.
+        if not pid[2] or any(c in pid[2] for c in "/\\\0") or pid[2] in (".", ".."):
+            # A zip checkpoint's storage is its record data/<key>: a key naming a folder ("0/") read as a directory
+            # gave a tensor of uninitialized memory (a review, session 48). torch.save's keys are numbers.
+            raise UntrustedContentError(f"it names a storage {printable(pid[2][:40])!r}; torch.save numbers them")
         if pid[2] not in self._storage_keys:
-            self._storage_keys[pid[2]] = _element_size(pid[1])
-            self._spend_bytes(max(pid[4], 0) * self._storage_keys[pid[2]], "its storages")
-        return Opaque(("persistent", "storage"), "storage", self._storage_keys[pid[2]])
+            itemsize = _element_size(pid[1])
+            self._storage_keys[pid[2]] = (itemsize, max(pid[4], 0) * itemsize)
+            self._spend_bytes(self._storage_keys[pid[2]][1], "its storages")
+        return Opaque(("persistent", "storage"), "storage", self._storage_keys[pid[2]][0])
 
     def _spend_bytes(self, size: int, what: str) -> None:
         self._allocated += size

@@ -287,3 +287,44 @@ def test_views_count_their_dtype(tmp_path: Path) -> None:
     assert _load_in_thread(tmp_path / "small.pt").shape == (2**16,)
     torch.save(torch.zeros(1, dtype=torch.uint64).expand(2**18), tmp_path / "large.pt")  # 2 MB of a 1.5 KB file
     _refused(tmp_path / "large.pt", "its tensors would take more than")
+
+
+def _rewritten(src: Path, dst: Path, change: Any) -> Path:
+    """``src`` (a torch.save zip) rewritten entry by entry, ``change(info, data)`` giving each one's (info, data)."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w") as out:
+        for info in z.infolist():
+            new, data = change(zipfile.ZipInfo(info.filename), z.read(info))
+            out.writestr(new, data)
+    return dst
+
+
+def _mark(name: str, **attrs: Any) -> Any:
+    def change(info: zipfile.ZipInfo, data: bytes) -> Any:
+        if info.filename.endswith(name):
+            for key, value in attrs.items():
+                setattr(info, key, value)
+        return info, data
+
+    return change
+
+
+def test_entries_torch_reads_otherwise_than_zipfile_are_refused(tmp_path: Path) -> None:
+    """miniz extracts nothing for an entry marked a directory (torch unpickled uninitialized memory), ignores the
+    Unicode path extra field that zipfile (3.12+) renames entries by, and reads data/<key> for a storage (a review)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "real.pt")
+    real = tmp_path / "real.pt"
+    _refused(_rewritten(real, tmp_path / "dir.pt", _mark("data.pkl", external_attr=0x10)), "is a directory")
+    unicode_path = struct.pack("<HHB", 0x7075, 5, 1) + b"\0\0\0\0"
+    _refused(_rewritten(real, tmp_path / "extra.pt", _mark("data.pkl", extra=unicode_path)), "extra fields")
+
+    def shorter(info: zipfile.ZipInfo, data: bytes) -> Any:
+        return info, data[:8] if info.filename.endswith("data/0") else data
+
+    _refused(_rewritten(real, tmp_path / "short.pt", shorter), "declares 16 bytes, with a record of 8 bytes")
+    folder_key = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
+    folder_key += (
+        b"X\x02\x00\x00\x000/X\x03\x00\x00\x00cpuK\x04tQK\x00K\x04\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtR."
+    )
+    _refused(_zip_checkpoint(tmp_path / "folder.pt", folder_key), "it names a storage '0/'")
+    torch.save({"w": torch.ones(2)}, tmp_path / "proto4.pt", pickle_protocol=4)  # torch's loader refuses it too
+    _refused(tmp_path / "proto4.pt", "with a pickle protocol torch's weights-only loader does not read")
