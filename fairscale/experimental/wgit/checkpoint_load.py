@@ -13,6 +13,7 @@ import os
 import pickle
 import stat
 import struct
+import tarfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -81,8 +82,8 @@ def _open_checkpoint(path: Path) -> BinaryIO:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise FairscaleValueError(
-                f"incorrect input {path}: it is {_kind(mode)}, not a regular file; wgit adds checkpoint files written by "
-                "torch.save"
+                f"incorrect input {path}: it is {_kind(mode)}, not a regular file; wgit adds checkpoint files "
+                "written by torch.save"
             )
         return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file's reads
     except BaseException:
@@ -96,9 +97,10 @@ def _torch_refusal(error: BaseException) -> str:
     if marker in text:
         name = text.split(marker, 1)[1].split()[0]
         return f"it holds {name}, which is not a tensor or a plain container"
-    if "Unsupported operand" in text:  # torch's weights-only loader knows protocol 2's opcodes (FRAME is 4's)
+    if "Unsupported operand" in text:  # torch's weights-only loader knows the opcodes protocol 2 writes, mostly
         return (
-            "written with a pickle protocol torch's weights-only loader does not read; save with torch.save's default"
+            "it uses a pickle opcode torch's weights-only loader does not read (pickle_protocol 4 or 5, or an int too "
+            "large for it); save with torch.save's default protocol, tensors and plain values"
         )
     if isinstance(error, pickle.UnpicklingError):
         return "not a torch.save checkpoint of tensors and plain containers (a plain pickle, or other objects)"
@@ -135,6 +137,8 @@ def scan_checkpoint(f: BinaryIO, size: int) -> None:
                     _check_storage_records(archive, entry.filename[: -len("data.pkl")], storage_keys)
                 return
             f.seek(0)
+            _refuse_tar_header(f.read(512))
+            f.seek(0)
             reader = _HashingReader(f, size)
             for _ in range(4):
                 CheckpointScanner(reader, size, storage_keys).load()
@@ -143,9 +147,23 @@ def scan_checkpoint(f: BinaryIO, size: int) -> None:
         raise
     except (*PICKLE_ERRORS, zipfile.BadZipFile) as e:
         raise UntrustedContentError(f"not a readable torch.save checkpoint ({str(e)[:160] or type(e).__name__})")
-    # torch looks each key up among the storages it loaded: keys other than strings (a tuple tower) are never written.
-    if not isinstance(keys, list) or not all(type(k) is str for k in keys):
-        raise UntrustedContentError("its list of storage keys is not the list of strings torch.save writes")
+    # torch looks each key up among the storages it loaded (keys other than strings, a tuple tower, hashed forever)
+    # and fills those only: a storage left out kept the uninitialized memory torch allocated for it (a review).
+    if not isinstance(keys, list) or not all(type(k) is str for k in keys) or sorted(keys) != sorted(storage_keys):
+        raise UntrustedContentError(
+            "its list of storage keys is not the list of the storages its objects use, as torch.save writes it"
+        )
+
+
+def _refuse_tar_header(block: bytes) -> None:
+    """torch's loader first tries a file that is not a zip as a tar archive (checkpoints of torch < 0.4): Python's
+    tarfile then parsed a header the file planted, quadratic in its extended header's size in some releases (a 400
+    KB file kept ``wgit add`` busy for minutes; a review, session 48). torch.save writes no tar header."""
+    try:
+        tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")  # this block only: nothing after it is read
+    except tarfile.HeaderError:
+        return
+    raise UntrustedContentError("it starts with a tar header (torch's loader would parse it); torch.save writes none")
 
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory: signature, disks and counts, size, offset, comment

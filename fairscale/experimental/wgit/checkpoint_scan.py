@@ -265,9 +265,23 @@ def _shown_pid(pid: Any) -> str:
 
 
 def _element_size(storage_type: Any) -> int:
-    """Bytes per element of a storage type a checkpoint names (torch.FloatStorage: 4; untyped storages: 1)."""
-    name = storage_type.name if isinstance(storage_type, Opaque) else ("", "")
-    if name[0] not in ("torch", "torch.cuda") or not name[1].endswith("Storage"):
+    """Bytes per element of a storage type a checkpoint names (torch.FloatStorage: 4; untyped storages: 1).
+
+    Only a storage class's name is taken: torch reads ``.dtype`` of whatever the file puts there (another storage
+    of 16-byte elements was counted as 1 byte each: a review, session 48).
+    """
+    name = storage_type.name if isinstance(storage_type, Opaque) and storage_type.kind == "name" else ("", "")
+    if name == ("torch.storage", "UntypedStorage"):
         return 1
-    dtype = getattr(getattr(torch, name[1], None), "dtype", None)  # the typed storage classes warn when read
-    return dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+    dtype = None
+    if name[0] in ("torch", "torch.cuda") and name[1].endswith("Storage"):
+        dtype = getattr(getattr(torch, name[1], None), "dtype", None)  # the typed storage classes warn when read
+    if not isinstance(dtype, torch.dtype):
+        raise UntrustedContentError(
+            f"it names a storage of type {_shown_name(storage_type)}, not a torch storage class"
+        )
+    return dtype.itemsize
+
+
+def _shown_name(value: Any) -> str:
+    return ".".join(value.name) if isinstance(value, Opaque) else f"a {type(value).__name__}"

@@ -126,21 +126,23 @@ class _Tensor:
 
 
 class _LegacyPickler(pickle.Pickler):
-    def __init__(self, f: io.BytesIO, numel: int, key: Any) -> None:
+    def __init__(self, f: io.BytesIO, numel: int, key: Any, kind: Any) -> None:
         super().__init__(f, protocol=2)
-        self.numel, self.key = numel, key
+        self.numel, self.key, self.kind = numel, key, kind
 
     def persistent_id(self, obj: Any) -> Any:
-        return ("storage", torch.FloatStorage, self.key, "cpu", self.numel, None) if isinstance(obj, _Storage) else None
+        return ("storage", self.kind, self.key, "cpu", self.numel, None) if isinstance(obj, _Storage) else None
 
 
-def _legacy_checkpoint(path: Path, declared: int, key: Any = "k0", keys: Any = None, viewed: int = 4) -> Path:
-    """A legacy (non-zip) checkpoint of one tensor of ``viewed`` floats whose storage declares ``declared``
-    elements, under ``key``, followed by the list ``keys`` of storage keys (``[key]`` by default)."""
+def _legacy_checkpoint(
+    path: Path, declared: int, key: Any = "k0", keys: Any = None, viewed: int = 4, kind: Any = torch.FloatStorage
+) -> Path:
+    """A legacy (non-zip) checkpoint of one tensor of ``viewed`` floats whose storage (of type ``kind``) declares
+    ``declared`` elements, under ``key``, followed by the list ``keys`` of storage keys (``[key]`` by default)."""
     f = io.BytesIO()
     for header in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
         pickle.dump(header, f, protocol=2)
-    _LegacyPickler(f, declared, key).dump({"w": _Tensor(_Storage(), viewed)})
+    _LegacyPickler(f, declared, key, kind).dump({"w": _Tensor(_Storage(), viewed)})
     f.write(pickle.dumps([key] if keys is None else keys, protocol=2) if not isinstance(keys, bytes) else keys)
     f.write(struct.pack("<q", 4) + struct.pack("<4f", 1, 2, 3, 4))
     path.write_bytes(f.getvalue())
@@ -327,4 +329,22 @@ def test_entries_torch_reads_otherwise_than_zipfile_are_refused(tmp_path: Path) 
     )
     _refused(_zip_checkpoint(tmp_path / "folder.pt", folder_key), "it names a storage '0/'")
     torch.save({"w": torch.ones(2)}, tmp_path / "proto4.pt", pickle_protocol=4)  # torch's loader refuses it too
-    _refused(tmp_path / "proto4.pt", "with a pickle protocol torch's weights-only loader does not read")
+    _refused(
+        tmp_path / "proto4.pt", "uses a pickle opcode torch's weights-only loader does not read (pickle_protocol 4 or 5"
+    )
+
+
+def test_legacy_files_torch_would_read_otherwise_are_refused(tmp_path: Path) -> None:
+    """A fourth review: a storage left out of the key list kept uninitialized memory (wgit stored it), a storage
+    type that is not a storage class was counted 1 byte per element, and a tar header made torch's loader parse it
+    (quadratic in some Python releases: minutes for 400 KB)."""
+    _refused(_legacy_checkpoint(tmp_path / "unlisted.pt", 4, keys=[]), "not the list of the storages its objects use")
+    _refused(_legacy_checkpoint(tmp_path / "kind.pt", 4, kind=torch.nn.Parameter), "not a torch storage class")
+    header = bytearray(512)
+    header[0:14] = b"K\x01." * 4 + b"]."  # five tiny pickles in tar's name field: the legacy scan passed them
+    header[100:136] = b"0000644\x000000000\x000000000\x00" + b"%011o\x00" % 2000
+    header[136:148], header[156:157], header[257:265] = b"00000000000\x00", b"x", b"ustar\x0000"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\x00 " % sum(header)
+    (tmp_path / "tar.pt").write_bytes(bytes(header) + b"1" * 2000 + b"\0" * 1584)
+    _refused(tmp_path / "tar.pt", "it starts with a tar header")
