@@ -25,18 +25,21 @@ _UTILS = "torch._utils"
 _VIEWS = {  # rebuilds of a tensor viewing a storage: the position of (storage, offset, size, stride), of the dtype
     (_UTILS, "_rebuild_tensor"): None,
     (_UTILS, "_rebuild_tensor_v2"): None,
-    (_UTILS, "_rebuild_qtensor"): None,
     (_UTILS, "_rebuild_tensor_v3"): 6,  # an untyped storage and the dtype
 }
-# Calls on tensors that make no new data: a parameter around a tensor, a sparse tensor of given tensors, a meta tensor,
-# a layout by name.
-_WRAPPERS = {
-    (_UTILS, "_rebuild_parameter"),
-    (_UTILS, "_rebuild_parameter_with_state"),
-    (_UTILS, "_rebuild_sparse_tensor"),
-    (_UTILS, "_rebuild_meta_tensor_no_storage"),
-    ("torch.serialization", "_get_layout"),
+# Calls on a tensor that make no new data: a parameter around it.
+_WRAPPERS = {(_UTILS, "_rebuild_parameter"), (_UTILS, "_rebuild_parameter_with_state")}
+# Tensors wgit's store cannot keep (numpy has no array for them), refused here: torch's rebuilds of them do costly
+# work with arguments the file gives (a layout hashed as a tuple tower, quantizer scales as memoized nested lists:
+# gigabytes from a few hundred KB; a review, session 48).
+_UNSTORABLE = {
+    (_UTILS, "_rebuild_sparse_tensor"): "a sparse tensor (save .to_dense())",
+    ("torch.serialization", "_get_layout"): "a sparse tensor (save .to_dense())",
+    (_UTILS, "_rebuild_qtensor"): "a quantized tensor (save .dequantize())",
+    (_UTILS, "_rebuild_meta_tensor_no_storage"): "a meta tensor (materialize it first)",
+    (_UTILS, "_rebuild_nested_tensor"): "a nested tensor (save .unbind() or .to_padded_tensor(0.0))",
 }
+_MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 _FROM_TYPE = ("torch._tensor", "_rebuild_from_type_v2")
 _PARAMETER = ("torch.nn.parameter", "Parameter")
 
@@ -167,9 +170,16 @@ class CheckpointScanner(_StoreUnpickler):
             return self._opaque_call(args[0], args[2])
         if func.name == (_UTILS, "_rebuild_parameter_with_state"):
             _check_tensor_state(args[3] if len(args) == 4 else None)
+        if func.name in _UNSTORABLE:
+            raise UntrustedContentError(
+                f"it holds {_UNSTORABLE[func.name]}, which wgit's store cannot keep (numpy has no array for it)"
+            )
         if func.name in _VIEWS:
             self._count_view(func.name, args)
-        elif func.name not in _WRAPPERS:
+        elif func.name in _WRAPPERS:
+            if not args or not _is_tensor(args[0]):
+                raise UntrustedContentError(f"it calls {func.name[1]} on what torch.save never writes there")
+        else:
             raise UntrustedContentError(
                 f"it calls {'.'.join(func.name)}, which torch.save does not write for dense tensors and plain "
                 "containers (the only ones wgit stores); torch's loader would run it with the file's arguments"
@@ -182,15 +192,19 @@ class CheckpointScanner(_StoreUnpickler):
         dtype_at = _VIEWS[name]
         if len(args) < 4 or not (isinstance(args[0], Opaque) and args[0].kind == "storage"):
             raise UntrustedContentError(f"it calls {name[1]} without the storage torch.save writes")
-        size = args[2]
-        if not isinstance(size, tuple) or not all(type(d) is int and d >= 0 for d in size):
+        size, stride = args[2], args[3]
+        if not isinstance(size, tuple) or not all(type(d) is int and d >= 0 for d in size) or len(size) > _MAX_DIMS:
             raise UntrustedContentError(f"it calls {name[1]} with a size torch.save never writes")
+        if not isinstance(stride, tuple) or len(stride) != len(size) or not all(type(d) is int for d in stride):
+            raise UntrustedContentError(f"it calls {name[1]} with a stride torch.save never writes")
         itemsize = args[0].itemsize
         if dtype_at is not None:
             dtype = args[dtype_at] if len(args) > dtype_at else None
             if not isinstance(dtype, torch.dtype):
                 raise UntrustedContentError(f"it calls {name[1]} without the dtype torch.save writes")
             itemsize = dtype.itemsize
+        # torch keeps a tensor's sizes and strides apart from its data: 16 bytes a dimension, however few elements.
+        self._viewed += 16 * len(size)
         limit, nbytes = 8 * self._budget + 2**20, itemsize
         for d in (*size, 1):  # multiplied one dimension at a time, stopping past the limit
             nbytes *= d
@@ -204,12 +218,13 @@ class CheckpointScanner(_StoreUnpickler):
 
     def _load_build(self) -> None:
         inst = self.stack[-2]
-        if isinstance(inst, Opaque) and inst.kind == "tensor":
-            # torch's loader calls Tensor.set_(*state) on a tensor: a view of any size, growing its storage.
-            raise UntrustedContentError("it sets the state of a tensor (pickle's BUILD), which torch.save never writes")
         if isinstance(inst, Opaque):
-            self.stack.pop()
-            return
+            # torch's loader calls Tensor.set_(*state) on a tensor (a view of any size, growing its storage) and
+            # updates a storage's attributes (another storage in its place: the one read from the file was not the
+            # one the tensors view, which kept uninitialized memory; a review, session 48).
+            raise UntrustedContentError(
+                f"it sets the state of a {inst.kind} (pickle's BUILD), which torch.save never writes"
+            )
         super()._load_build()
 
     def _load_setitem(self, count: Optional[int]) -> None:
