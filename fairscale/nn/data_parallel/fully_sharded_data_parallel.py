@@ -20,9 +20,8 @@ from fairscale.internal.parallel import ProcessGroupName, enable_pytorch_sync_bn
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
 from ._fsdp import batchnorm_wrap, compile_support, construction, grad_accum, grad_norm, metadata, optim_state, pickling
-from ._fsdp import runtime
+from ._fsdp import cleared_window, runtime, summon
 from ._fsdp import state_dict as fsdp_state_dict
-from ._fsdp import summon
 from ._fsdp.config import make_config
 from ._fsdp.ddp_guard import RefuseTorchDDP
 from ._fsdp.front_attributes import UnitAttributes
@@ -398,6 +397,7 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         runtime.lazy_init(self._fsdp_unit)
         # Before the gradients are listed: recovering from a backward that raised gives back the earlier ones.
         runtime.recover_between_steps(self._fsdp_unit)
+        cleared_window.settle_cleared_windows(self._fsdp_unit)  # zero_grad(set_to_none=False) inside no_sync()
         grads = [p.grad for p in self.params_with_grad if p.grad is not None]
         return grad_norm.clip_grad_norm_(self._fsdp_unit, grads, float(max_norm), float(norm_type))
 

@@ -9,7 +9,8 @@ the earlier windows' shard (three and four times). A copy of the model made insi
 torch's copy of a parameter carries no ``.grad`` (before: with the flag on it carried the window's sum, with it off
 not). Also after a backward that raised, and at world size 1; a ``backward(inputs=...)`` microbatch's full-size
 gradient joins the flag's buffer. ``optimizer.step()`` inside a window raises FSDP's error (torch's size mismatch
-before) and changes nothing. Every case is compared with the same model trained on the microbatches that should count only: bitwise equal,
+before) and changes nothing, unless the window was cleared in place: ``zero_grad(set_to_none=False)`` then clips and
+steps with zero gradients, as a plain module. Every case is compared with the same model trained on the microbatches that should count only: bitwise equal,
 on the same machine.
 """
 
@@ -188,6 +189,40 @@ def _step_in_window(rank: int, world_size: int, flag: bool) -> None:
     other_optimizer.step()
 
 
+def _clip_and_step_after_an_in_place_zero_grad(rank: int, world_size: int, flag: bool) -> None:
+    """``zero_grad(set_to_none=False)`` inside a window, then ``clip_grad_norm_`` and ``optimizer.step()``: a plain
+    module clips a zero norm and steps with zero gradients (momentum and weight decay still move it). Both were
+    refused as "not reduced yet" (found in review, session 48); a later window trains on as the plain module."""
+    model = _build(flag)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1) for m in (model, reference)]
+    clips = [model.clip_grad_norm_, functools.partial(torch.nn.utils.clip_grad_norm_, list(reference.parameters()))]
+
+    def microbatch(mb: int, sync: bool) -> None:
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(mb))  # the same on every rank
+        with contextlib.nullcontext() if sync else model.no_sync():
+            model(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+
+    # (microbatch, synchronizing, then zero_grad(set_to_none=False), then clip): the step alone settles it too.
+    for mb, sync, clear, clip in ((0, 1, 0, 1), (1, 0, 1, 1), (2, 0, 0, 0), (3, 1, 0, 1), (4, 0, 1, 0)):
+        microbatch(mb, bool(sync))
+        if clear:
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=False)
+        if clip:
+            norms = [float(clip_(1.0)) for clip_ in clips]
+            assert norms[0] == pytest.approx(norms[1], rel=1e-5), (mb, norms)
+            assert (norms[1] == 0) == bool(clear)
+        if sync or clear:
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    for name, want in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 class _Scale(nn.Module):
     """One 1-element parameter: at world size 2 its shard has its full shape."""
 
@@ -253,6 +288,12 @@ def _body(rank: int, world_size: int, flag: bool) -> None:
         )
     )
     cases.append(("optimizer.step() in a window", functools.partial(_step_in_window, rank, world_size, flag)))
+    cases.append(
+        (
+            "clip and step after zero_grad(set_to_none=False) in a window",
+            functools.partial(_clip_and_step_after_an_in_place_zero_grad, rank, world_size, flag),
+        )
+    )
     cases.append(
         (
             "optimizer.step() after replacing a reduced gradient",

@@ -495,7 +495,7 @@ class FlatHandle:
         buf[: self.numel].add_(g.reshape(-1))
         self.param.grad = None
 
-    def drop_window_if_cleared(self) -> None:
+    def drop_window_if_cleared(self) -> bool:
         """Forget what FSDP keeps of this step's gradient if the user cleared ``p.grad`` since the last ``no_sync()``
         backward (``zero_grad()`` inside an accumulation window, e.g. to drop a microbatch).
 
@@ -504,11 +504,11 @@ class FlatHandle:
         Cleared means ``p.grad`` is ``None``, or is the gradient FSDP left there, changed in place and now all zero
         (``zero_grad(set_to_none=False)``; the check reads the gradient only when its version changed). What FSDP
         left stays remembered until a backward completes (:meth:`leave_window_grad`, :meth:`close_window`): after a
-        backward that raised, a ``zero_grad()`` is seen at the next one.
+        backward that raised, a ``zero_grad()`` is seen at the next one. Returns whether it dropped the window.
         """
         left = self._window_grad
         if left is None:
-            return
+            return False
         ref, version = left
         g = self.param.grad
         if g is None:
@@ -518,9 +518,9 @@ class FlatHandle:
             if not cleared:  # changed by a backward that raised, or scaled by hand: read it once only
                 self._window_grad = (ref, g._version)
         else:
-            return  # unchanged, or replaced by hand (the default path then accumulates into the replacement)
+            return False  # unchanged, or replaced by hand (the default path then accumulates into the replacement)
         if not cleared:
-            return
+            return False
         self._window_grad = None
         self.saved_grad_shard = None
         if self.grad_accum_flat is not None:
@@ -529,6 +529,7 @@ class FlatHandle:
             self.grad_accum_flat = None
             self.grad_accum_views = []
             self.grad_accum_grad = None
+        return True
 
     def close_window(self) -> None:
         """The window's gradient goes to its reduction (or was reduced): nothing of it is left for the user to clear.

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fairscale.internal.compiler import call_outside_compiler
 from fairscale.internal.errors import FairscaleRuntimeError
 
+from .cleared_window import settle_cleared_windows
 from .handle import FlatHandle
 from .recovery import recover_between_steps
 from .ties import is_flattened_away
@@ -112,14 +113,14 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Op
         if not root.alive:  # replaced (a kept loss holds its unit): every later step of the process raised here
             _watched.discard(root)
             continue
+        settle_cleared_windows(root)  # a window cleared with zero_grad(set_to_none=False) steps with zeros
         held, found = _unreduced(root, stepped)
         if found is not None:
             raise FairscaleRuntimeError(
                 f"optimizer.step() inside a no_sync() accumulation window: FSDP parameter {_path(root, found)!r} holds "
                 "this rank's unreduced, full-size gradient of the window's backward passes, which the optimizer "
                 "cannot apply to the parameter's shard. Step after the window's last backward, the one outside "
-                "no_sync(), or drop the window's gradients first with zero_grad() (set_to_none=True); nothing "
-                "was changed."
+                "no_sync(), or drop the window's gradients first with zero_grad(); nothing was changed."
             )
         if not held:
             _watched.discard(root)  # its window was reduced or cleared
