@@ -3,13 +3,14 @@
 
 import functools
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_gathered_agree
+from fairscale.internal.errors import FairscaleRuntimeError
 
 # The dtypes a norm may have, by code (sent as a float among the norm's parts).
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -18,14 +19,22 @@ _NO_VOTE = -2  # a rank without gradients (its local norm is a plain fp32 zero)
 
 
 def total_norm_across_ranks(
-    local_norm: Tensor, max_norm: float, norm_type: float, group: Any, what: str, has_grads: bool = True
+    local_norm: Tensor,
+    max_norm: float,
+    norm_type: float,
+    group: Any,
+    what: str,
+    has_grads: bool = True,
+    refusal: Optional[str] = None,
+    refused_elsewhere: str = "{what}: rank(s) {ranks} of the group refused (see the error there); nothing was clipped",
 ) -> Tensor:
     """Combine each rank's ``norm_type``-norm of its own gradients into the norm of them all.
 
-    One all-gather of four numbers per rank (the rank's part, ``norm_type``, ``max_norm``, its dtype), in place of the
-    all-reduce of the part alone: a rank with another ``norm_type`` would combine its part by another rule (or join
-    a max with a sum), and one with another ``max_norm`` would clip its gradients by another factor, both silently.
-    The parts are combined in float64.
+    One all-gather of five numbers per rank (the rank's part, ``norm_type``, ``max_norm``, its dtype, whether it
+    refuses), in place of the all-reduce of the part alone: a rank with another ``norm_type`` would combine its part
+    by another rule (or join a max with a sum), and one with another ``max_norm`` would clip its gradients by another
+    factor, both silently; a rank that refused before the collective left the others waiting in it forever. The
+    parts are combined in float64.
 
     Args:
         local_norm (Tensor): 0-dim, this rank's norm of its gradients.
@@ -34,6 +43,9 @@ def total_norm_across_ranks(
         group (Optional[ProcessGroup]): the ranks whose gradients make up the model (``None``: the default group).
         what (str): the caller's name, for the error message.
         has_grads (bool): whether this rank measured any gradient; one that did not has no say in the dtype.
+        refusal (Optional[str]): why this rank cannot clip, its error's message (``None``: it can).
+        refused_elsewhere (str): the message of the other ranks when some refuse (``{what}`` and ``{ranks}``, the
+            refusing ranks of ``group``, are filled in).
 
     Returns:
         Tensor: 0-dim, the total norm, on ``local_norm``'s device, in the dtype the ranks with gradients share, else
@@ -41,6 +53,7 @@ def total_norm_across_ranks(
 
     Raises:
         RanksDisagreeError: the ranks passed different ``norm_type`` or ``max_norm`` (on every rank alike).
+        FairscaleRuntimeError: a rank passed a ``refusal`` (on every rank: the refusing ones raise their message).
     """
     part = local_norm.detach().to(torch.float64)
     if not math.isinf(norm_type):
@@ -52,13 +65,17 @@ def total_norm_across_ranks(
         code = float(_NO_VOTE)
     else:
         code = float(_DTYPES.index(local_norm.dtype)) if local_norm.dtype in _DTYPES else float(_UNKNOWN)
-    mine = torch.stack([part, part.new_tensor(norm_type), part.new_tensor(max_norm), part.new_tensor(code)])
+    refuses = part.new_tensor(0.0 if refusal is None else 1.0)
+    mine = torch.stack([part, part.new_tensor(norm_type), part.new_tensor(max_norm), part.new_tensor(code), refuses])
     size = collectives.group_size(group)
-    gathered = mine.new_empty(size * 4)
+    gathered = mine.new_empty(size * 5)
     collectives.all_gather_into_flat(gathered, mine, group=group)
-    rows = gathered.view(size, 4)
-    named = [[("norm_type", norm), ("max_norm", limit)] for norm, limit, _ in rows[:, 1:].tolist()]
+    rows = gathered.view(size, 5)
+    named = [[("norm_type", norm), ("max_norm", limit)] for norm, limit in rows[:, 1:3].tolist()]
     check_gathered_agree(f"{what}: (norm_type, max_norm)", named, group)
+    refusing = [rank for rank, flag in enumerate(rows[:, 4].tolist()) if flag]
+    if refusing:
+        raise FairscaleRuntimeError(refusal or refused_elsewhere.format(what=what, ranks=refusing))
     parts = rows[:, 0]
     total = parts.max() if math.isinf(norm_type) else parts.sum() ** (1.0 / norm_type)
     votes = {int(c) for c in rows[:, 3].tolist()} - {_NO_VOTE}

@@ -387,8 +387,8 @@ class FullyShardedDataParallel(UnitAttributes, nn.Module):
         Raises:
             ValueError: ``max_norm`` is negative or NaN, or ``norm_type`` is not a positive number or inf.
             TypeError: ``max_norm`` or ``norm_type`` is a ``bool``.
-            RuntimeError: called after a backward inside :meth:`no_sync` whose gradients are not reduced yet (call
-                it after the accumulation window's last backward), or on a nested instance.
+            RuntimeError: called after a backward inside :meth:`no_sync` whose gradients are not reduced yet on any
+                rank (on every rank; call it after the window's last backward), or on a nested instance.
             RanksDisagreeError: (a ``ValueError``) the ranks passed different ``max_norm`` or ``norm_type``; on
                 every rank, gradients unchanged.
         """

@@ -223,6 +223,21 @@ def _clip_and_step_after_an_in_place_zero_grad(rank: int, world_size: int, flag:
         torch.testing.assert_close(model.state_dict()[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _clip_after_zero_grad_on_one_rank(rank: int, flag: bool) -> None:
+    """A window cleared by ``zero_grad()`` on rank 0 only: rank 1 refuses to clip its unreduced gradients, and rank 0
+    must raise too. Before, rank 1 raised before the norm's collective and rank 0 waited in it forever."""
+    model = _build(flag)
+    _backward(model, 0, rank, sync=False)
+    if rank == 0:
+        model.zero_grad()
+    expected = "not reduced yet" if rank == 1 else "rank\\(s\\) \\[1\\] of the group are not reduced yet"
+    with pytest.raises(RuntimeError, match=expected):
+        model.clip_grad_norm_(1.0)
+    model.zero_grad()  # both ranks agree again: the next window clips on both
+    _backward(model, 1, rank, sync=True)
+    assert float(model.clip_grad_norm_(1e9)) > 0
+
+
 class _Scale(nn.Module):
     """One 1-element parameter: at world size 2 its shard has its full shape."""
 
@@ -306,6 +321,10 @@ def _body(rank: int, world_size: int, flag: bool) -> None:
             functools.partial(_step_after_replacing_the_model, rank, world_size, flag),
         )
     )
+    if world_size > 1:
+        cases.append(
+            ("clip after zero_grad on one rank", functools.partial(_clip_after_zero_grad_on_one_rank, rank, flag))
+        )
     if flag:
         cases.append(("backward(inputs=...) in a window", functools.partial(_backward_with_inputs_in_a_window, rank)))
     run_cases(cases)

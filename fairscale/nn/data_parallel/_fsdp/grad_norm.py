@@ -22,8 +22,8 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         raise FairscaleRuntimeError("clip_grad_norm_ should only be called on the root (not nested) FSDP instance")
     root.assert_state([TrainingState.IDLE])
     _check_arguments(max_norm, norm_type)
-    unreduced = [h.name for u in root.tree_units() for h in u.handles if h.holds_unreduced_grad()]
-    if unreduced:
+    refusal = None
+    if any(h.holds_unreduced_grad() for u in root.tree_units() for h in u.handles):
         # Qualified by the instance's path (every instance names its first flat parameter flat_param_0): the
         # cheap walk above finds them, this one runs only for the message (a fuzz, session 44).
         unreduced = [
@@ -33,11 +33,12 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
             if h.holds_unreduced_grad()
         ]
         # Each rank holds its own full-size gradients there: their combined norm is neither the norm of the
-        # averaged gradient nor the same clip on every rank.
-        raise FairscaleRuntimeError(
+        # averaged gradient nor the same clip on every rank. Raised after the norm's collective, on every rank: a
+        # rank that raised before it left the others waiting there (their window cleared by zero_grad(), its not).
+        refusal = (
             "clip_grad_norm_ after a backward inside no_sync(): the gradients are not reduced yet (unreduced on "
             f"{unreduced[:3]}{' ...' if len(unreduced) > 3 else ''}). Call it after the last backward of the "
-            "accumulation window, the one outside no_sync()."
+            "accumulation window, the one outside no_sync(); nothing was clipped."
         )
     # The root's group (over which the norm is combined below, even when the root owns no parameter) and the group
     # of every instance that owns parameters. Groups of one rank (e.g. a DummyProcessGroup per instance, as on one
@@ -65,7 +66,15 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         local = torch.stack(
             [torch.linalg.vector_norm(g.detach(), norm_type, dtype=acc).to(device) for g in grads]
         ).norm(norm_type)
-    total = total_norm_across_ranks(local.to(acc), max_norm, norm_type, c.process_group, "clip_grad_norm_")
+    total = total_norm_across_ranks(
+        local.to(acc),
+        max_norm,
+        norm_type,
+        c.process_group,
+        "clip_grad_norm_",
+        refusal=refusal,
+        refused_elsewhere=_ELSEWHERE,
+    )
     if c.move_grads_to_cpu:
         total = total.cpu()
     clip_coef = torch.tensor(max_norm, dtype=total.dtype, device=total.device) / (total + 1e-6)
@@ -73,6 +82,14 @@ def clip_grad_norm_(root: FSDPUnit, grads: List[Tensor], max_norm: float, norm_t
         for g in grads:
             g.detach().mul_(clip_coef.to(g.device, g.dtype))
     return total
+
+
+# What the ranks that could clip say when others could not.
+_ELSEWHERE = (
+    "{what}: the gradients of rank(s) {ranks} of the group are not reduced yet, those of this rank are: every rank "
+    "must run the same backward passes inside and outside no_sync(), and clear its gradients (zero_grad()) at the same "
+    "points; nothing was clipped."
+)
 
 
 def _check_arguments(max_norm: float, norm_type: float) -> None:
