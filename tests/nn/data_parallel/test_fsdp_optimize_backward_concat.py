@@ -8,7 +8,8 @@ buffer per unit, ``flat_param.grad`` untouched during the window), so none of th
 
 import contextlib
 import copy
-from typing import Any, Callable, Dict, List, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -640,6 +641,37 @@ def _partial_backward(rank: int, world_size: int) -> None:
 
 def test_partial_backward_matches_the_default_path() -> None:
     run_distributed(_partial_backward, 2, timeout=TIMEOUT)
+
+
+def _halve_and_record(seen: List[Optional[Tuple[int, ...]]], grad: Optional[Tensor]) -> Tensor:
+    seen.append(None if grad is None else tuple(grad.shape))
+    assert grad is not None, "a hook on the flat parameter got None for its gradient"
+    return grad * 0.5
+
+
+def _hooks_on_flat_parameters(rank: int, world_size: int) -> None:
+    """``p.register_hook`` on FSDP's parameters sees (and may change) this rank's gradient with the flag as without
+    it; the buffer's path handed the hook None (a fuzz, session 49). Hooks registered before training, or halfway
+    through a window (its first microbatch took the buffer's path); gradients of a window of three, flag on and off."""
+    for when in ("before", "in the window"):
+        results: Dict[bool, Tuple[List[Tensor], List[Optional[Tuple[int, ...]]]]] = {}
+        for flag in (False, True):
+            model, _, _ = build(cfg(nested=True), flag)
+            seen: List[Optional[Tuple[int, ...]]] = []
+            for mb in range(3):
+                if mb == (0 if when == "before" else 1):
+                    for p in model.parameters():
+                        p.register_hook(functools.partial(_halve_and_record, seen))
+                with model.no_sync() if mb < 2 else contextlib.nullcontext():
+                    mb_loss(model(batch(0, mb, rank))).backward()
+            results[flag] = ([p.grad.clone() for p in model.parameters()], seen)  # type: ignore[union-attr]
+        assert results[True][1] == results[False][1], f"{when}: the hooks saw {results[True][1]}, flag off saw more"
+        for on, off in zip(results[True][0], results[False][0]):
+            torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-6, msg=f"hooks {when}: flag on and off disagree")
+
+
+def test_hooks_on_flat_parameters_see_the_gradient() -> None:
+    run_distributed(_hooks_on_flat_parameters, 2, timeout=TIMEOUT)
 
 
 class _EmbeddingNet(nn.Module):

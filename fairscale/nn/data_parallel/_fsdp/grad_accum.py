@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from fairscale.internal import tensor_hooks
+from fairscale.nn.misc._flatten.forward_views import forward_views
 
 from . import reduction
 from .handle import FlatHandle
@@ -244,6 +245,12 @@ def build_views(unit: FSDPUnit, flat: Any) -> List[Tensor]:
     if unit.training_state != TrainingState.FORWARD or not torch.is_grad_enabled() or not flat.requires_grad:
         # Outside a training forward (re-flattening after summon, eval): plain views, no gradient path needed.
         return [t.view(s) for t, s in zip(flat.detach().split(flat._param_numels), flat._param_shapes)]
+    if flat._backward_hooks:
+        # A hook of the user's on the flat parameter (p.register_hook) sees and may change its gradient: the
+        # buffer's path bypasses the parameter's AccumulateGrad and handed it None (a fuzz, session 49). The
+        # default views feed flat_param.grad, as with the flag off.
+        _continue_in_param_grad(next(h for h in unit.handles if h.param is flat))
+        return forward_views(flat)
     plan = _plan_for(unit, flat)
     handle: FlatHandle = plan._handle_ref()  # type: ignore[assignment]  # alive: the unit holds it
     info = _NodeInfo(plan, flat.dtype, unit.require_backward_grad_sync, handle.grad_window)
@@ -251,6 +258,22 @@ def build_views(unit: FSDPUnit, flat: Any) -> List[Tensor]:
     anchor = torch.empty(0, device=plan.device, requires_grad=True)
     tensor_hooks.register_post_accumulate_grad_hook(anchor, functools.partial(_after_views, info))
     return list(tensor_hooks.apply_function(_ViewsIntoFlatBuffer, anchor, flat, info, flat.detach()))
+
+
+def _continue_in_param_grad(h: FlatHandle) -> None:
+    """A window whose earlier microbatches summed into the buffer goes on in ``flat_param.grad`` (the default path).
+
+    ``p.grad`` shows the buffer's view between microbatches (:meth:`FlatHandle.leave_window_grad`); it becomes an
+    ordinary full-size gradient, the one autograd adds to. Kept as the window buffer, it was taken in again once
+    autograd had added to it out of place (``view + new``): the earlier microbatches counted twice.
+    """
+    h.drop_window_if_cleared()  # a zero_grad() since the last backward drops the window first, as at a backward
+    if h.grad_accum_flat is None or h.grad_accum_grad is None or h.param.grad is not h.grad_accum_grad:
+        return  # no buffer, or p.grad replaced by hand: the buffer takes that in at the end of the backward
+    h.grad_accum_flat = None
+    h.grad_accum_views = []
+    h.grad_accum_grad = None
+    h.leave_window_grad()  # remembers p.grad as the window's gradient (what a zero_grad() is seen on)
 
 
 def install(unit: FSDPUnit) -> None:
