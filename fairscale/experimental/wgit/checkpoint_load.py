@@ -99,8 +99,9 @@ def _torch_refusal(error: BaseException) -> str:
         return f"it holds {name}, which is not a tensor or a plain container"
     if "Unsupported operand" in text:  # torch's weights-only loader knows the opcodes protocol 2 writes, mostly
         return (
-            "it uses a pickle opcode torch's weights-only loader does not read (pickle_protocol 4 or 5, or an int too "
-            "large for it); save with torch.save's default protocol, tensors and plain values"
+            "it uses a pickle opcode torch's weights-only loader does not read (a pickle_protocol other than "
+            "torch.save's default 2, or an int too large for it); save with the default protocol, tensors and plain "
+            "values"
         )
     if isinstance(error, pickle.UnpicklingError):
         return "not a torch.save checkpoint of tensors and plain containers (a plain pickle, or other objects)"

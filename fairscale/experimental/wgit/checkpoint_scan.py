@@ -45,11 +45,12 @@ _PARAMETER = ("torch.nn.parameter", "Parameter")
 
 
 class Opaque:
-    """What the scanner makes of a value it does not build: a name, a storage (``itemsize`` bytes per element), a
-    tensor. Hashes by identity, as a tensor does, so as a key it costs what the real value costs."""
+    """What the scanner makes of a value it does not build: a name, a storage (``itemsize`` bytes per element,
+    ``nbytes`` in all), a tensor. Hashes by identity, as a tensor does, so as a key it costs what the real value
+    costs."""
 
-    def __init__(self, name: Tuple[str, str], kind: str = "name", itemsize: int = 1) -> None:
-        self.name, self.kind, self.itemsize = name, kind, itemsize
+    def __init__(self, name: Tuple[str, str], kind: str = "name", itemsize: int = 1, nbytes: int = 0) -> None:
+        self.name, self.kind, self.itemsize, self.nbytes = name, kind, itemsize, nbytes
 
 
 def _check_encode(args: Tuple[Any, ...], budget: int) -> Optional[str]:
@@ -121,7 +122,7 @@ class CheckpointScanner(_StoreUnpickler):
             itemsize = _element_size(pid[1])
             self._storage_keys[pid[2]] = (itemsize, max(pid[4], 0) * itemsize)
             self._spend_bytes(self._storage_keys[pid[2]][1], "its storages")
-        return Opaque(("persistent", "storage"), "storage", self._storage_keys[pid[2]][0])
+        return Opaque(("persistent", "storage"), "storage", *self._storage_keys[pid[2]])
 
     def _spend_bytes(self, size: int, what: str) -> None:
         self._allocated += size
@@ -197,7 +198,9 @@ class CheckpointScanner(_StoreUnpickler):
             raise UntrustedContentError(f"it calls {name[1]} with a size torch.save never writes")
         if not isinstance(stride, tuple) or len(stride) != len(size) or not all(type(d) is int for d in stride):
             raise UntrustedContentError(f"it calls {name[1]} with a stride torch.save never writes")
-        itemsize = args[0].itemsize
+        offset, itemsize = args[1], args[0].itemsize
+        if type(offset) is not int or offset < 0:
+            raise UntrustedContentError(f"it calls {name[1]} with a storage offset torch.save never writes")
         if dtype_at is not None:
             dtype = args[dtype_at] if len(args) > dtype_at else None
             if not isinstance(dtype, torch.dtype):
@@ -215,6 +218,7 @@ class CheckpointScanner(_StoreUnpickler):
                     "it stores"
                 )
         self._viewed += nbytes
+        _check_inside(name[1], args[0].nbytes, offset, size, stride, itemsize)
 
     def _load_build(self) -> None:
         inst = self.stack[-2]
@@ -251,6 +255,24 @@ class CheckpointScanner(_StoreUnpickler):
         if not self.metastack or not self.metastack[-1]:
             raise pickle.UnpicklingError("SETITEMS or APPENDS with nothing to add to")
         return self.metastack[-1][-1]
+
+
+def _check_inside(
+    call: str, storage_bytes: int, offset: int, size: Tuple[int, ...], stride: Any, itemsize: int
+) -> None:
+    """A tensor lies inside its storage (torch.save writes no other): a legacy storage declared with 0 elements and
+    viewed again larger was handed out unregistered, grown by the view, and never filled (uninitialized memory
+    stored), or grown to a gigabyte by one large stride (a review, session 49)."""
+    if 0 in size:
+        return  # an empty tensor reads nothing of its storage
+    if any(s < 0 for s in stride):
+        raise UntrustedContentError(f"it calls {call} with a negative stride, which torch.save never writes")
+    last = offset + sum((d - 1) * s for d, s in zip(size, stride))
+    if (last + 1) * itemsize > storage_bytes:
+        raise UntrustedContentError(
+            f"it calls {call} with a view reaching element {last} of a storage of {storage_bytes} bytes "
+            f"({storage_bytes // max(itemsize, 1)} elements): torch.save writes tensors inside their storage"
+        )
 
 
 def _check_tensor_state(state: Any) -> None:

@@ -159,7 +159,7 @@ _ALLOWED_GLOBALS: Dict[Tuple[str, str], Optional[_ArgsCheck]] = {
 _NEWOBJ: Dict[Tuple[str, str], _ArgsCheck] = {_RECORD: _check_record_args, ("builtins", "complex"): _check_complex}
 
 
-_HASHING_FLOOR = 10**7  # steps of hashing and key comparison any store object may take (see _count_hashing)
+_HASHING_FLOOR = 10**6  # steps of hashing and key comparison any object may take (about 4 s counted here)
 # The calls that hash their argument's items: set and frozenset members, an OrderedDict's keys.
 _HASHING_CALLS = frozenset({("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")})
 
@@ -307,6 +307,8 @@ class _StoreUnpickler(pickle._Unpickler):
         if args and name in self.hashing_calls and isinstance(args[0], (list, tuple, set, frozenset, dict)):
             # A set's members, a dict's pairs, or another container's keys (OrderedDict(a dict) hashes them again).
             pairs = name == ("collections", "OrderedDict") and not isinstance(args[0], dict)
+            if pairs and not all(isinstance(p, (list, tuple)) for p in args[0]):  # a dict item re-hashed its key
+                raise UntrustedContentError("it makes an OrderedDict of items that are not (key, value) pairs")
             self._count_hashing(p[0] if pairs and isinstance(p, (list, tuple)) and p else p for p in args[0])
         self._mark_used(args)
         self.stack[-1] = func(*args)
@@ -359,7 +361,7 @@ class _StoreUnpickler(pickle._Unpickler):
         they go into; ``None``: a new one made of ``keys`` alone).
         """
         # What wgit writes hashes each key's items about once per occurrence in the data; a key shared through the
-        # memo (2 bytes a use) costs its size each time, hence the floor (about a second of hashing).
+        # memo (2 bytes a use) costs its size each time, hence the floor (a few seconds of counting at most).
         limit = max(2 * self._budget + 1024, _HASHING_FLOOR)
         costs: Dict[int, int] = {}
         depths: Dict[int, int] = {}  # nesting depth of each container costed (kept as long as costs)

@@ -12,7 +12,7 @@ import sys
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -330,7 +330,8 @@ def test_entries_torch_reads_otherwise_than_zipfile_are_refused(tmp_path: Path) 
     _refused(_zip_checkpoint(tmp_path / "folder.pt", folder_key), "it names a storage '0/'")
     torch.save({"w": torch.ones(2)}, tmp_path / "proto4.pt", pickle_protocol=4)  # torch's loader refuses it too
     _refused(
-        tmp_path / "proto4.pt", "uses a pickle opcode torch's weights-only loader does not read (pickle_protocol 4 or 5"
+        tmp_path / "proto4.pt",
+        "uses a pickle opcode torch's weights-only loader does not read (a pickle_protocol other",
     )
 
 
@@ -368,3 +369,41 @@ def test_tensors_the_store_cannot_keep_are_refused_before_torch_rebuilds_them(tm
     _refused(_zip_checkpoint(tmp_path / "built.pt", built), "(pickle's BUILD), which torch.save never writes")
     torch.save(torch.zeros([1] * 64), tmp_path / "dims.pt")  # torch's own limit: fine
     assert _load_in_thread(tmp_path / "dims.pt").dim() == 64
+
+
+class _View:
+    def __init__(self, storage: _Storage, size: Tuple[int, ...], stride: Tuple[int, ...]) -> None:
+        self.storage, self.size, self.stride = storage, size, stride
+
+    def __reduce__(self) -> Any:
+        return (torch._utils._rebuild_tensor_v2, (self.storage, 0, self.size, self.stride, False, {}))
+
+
+class _OrderedDictOf:
+    def __init__(self, items: Any) -> None:
+        self.items = items
+
+    def __reduce__(self) -> Any:
+        return (collections.OrderedDict, (self.items,))
+
+
+def test_views_outside_their_storage_and_repeated_containers_are_refused(tmp_path: Path) -> None:
+    """A sixth review: a legacy storage declared with 0 elements and viewed again larger was handed out unregistered,
+    grown and never filled (uninitialized memory stored), or grown to a gigabyte by one stride; a dict as an
+    OrderedDict pair re-hashed its key at each use; a dict copied through the memo cost 35 s of counting."""
+    for name, size, stride in (("empty", (64,), (1,)), ("stride", (2,), (2**28,))):
+        f = io.BytesIO()
+        for header in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True}):
+            pickle.dump(header, f, protocol=2)
+        storage = _Storage()
+        _LegacyPickler(f, 0, "0", torch.FloatStorage).dump(
+            {"e": _View(storage, (0,), (1,)), "w": _View(storage, size, stride)}
+        )
+        f.write(pickle.dumps(["0"], protocol=2) + struct.pack("<q", 0))
+        (tmp_path / f"{name}.pt").write_bytes(f.getvalue())
+        _refused(tmp_path / f"{name}.pt", "with a view reaching element")
+    pairs = b"\x80\x02ccollections\nOrderedDict\n](}(K\x01NK\x02Nue\x85R."  # OrderedDict([{1: None, 2: None}])
+    _refused(_zip_checkpoint(tmp_path / "pairs.pt", pairs), "an OrderedDict of items that are not (key, value) pairs")
+    keys = {i: None for i in range(2**14)}
+    copies = pickle.dumps([_OrderedDictOf(keys) for _ in range(70)], protocol=2)  # 70 copies of 2**14 keys, 70 KB
+    _refused_in_subprocess(_zip_checkpoint(tmp_path / "copies.pt", copies), "take more than 1000000 steps")
