@@ -38,6 +38,7 @@ from ._oss.buckets import (
     build_buckets,
     watch_frozen_with_grads,
 )
+from ._oss.inner_step import step_without_global_hooks
 from ._oss.partition import ParamGroup
 from ._oss.unfrozen import check_no_unfrozen_parameter
 
@@ -288,10 +289,10 @@ class OSS(Optimizer):
                 self._check_no_unfrozen_parameter()
                 return value
 
-            loss = self.optim.step(closure=checked_closure, **kwargs)
+            loss = step_without_global_hooks(self.optim, closure=checked_closure, **kwargs)
         else:
             self._check_no_unfrozen_parameter()
-            loss = self.optim.step(**kwargs)
+            loss = step_without_global_hooks(self.optim, **kwargs)
         self._broadcast_params()
         # Keys the wrapped optimizer added during its step become visible on OSS's groups.
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
@@ -558,7 +559,7 @@ class OSS(Optimizer):
         # depend on their requires_grad flags, and ranks placing them differently would broadcast other buckets.
         self._check_ranks_agree(
             self._describe_params(self.param_groups)
-            + self._describe_params([{"params": param_group["params"] if has_params else []}], first_group)
+            + self._describe_params([{"params": _describe.tensors_of(param_group) if has_params else []}], first_group)
             + _describe.describe_hyper_parameters(described, first_group, self._declared_hyper)
             + [("param_group", type(param_group).__name__, has_params)],
             ".add_param_group",

@@ -75,3 +75,34 @@ def test_resume_with_lr_scheduler_matches_uninterrupted_run() -> None:
         uninterrupted, resumed = result["lrs"]
         assert resumed == uninterrupted, (resumed, uninterrupted)
         assert result["max_diff"] == 0.0, result["max_diff"]
+
+
+def _adam_dict_into_adamw_body(rank: int, world_size: int) -> float:
+    """An ``Adam`` state dict loaded into ``OSS(optim=AdamW)`` steps as a plain ``AdamW`` that loads it: torch's
+    AdamW sets ``decoupled_weight_decay=True`` over the dict's False, and OSS copied its own groups (False) back over
+    it, so it stepped with coupled weight decay, silently (a fuzz of torch 2.x optimizer flags, session 49)."""
+    torch.manual_seed(0)
+    source = nn.Linear(4, 3)
+    adam = torch.optim.Adam(source.parameters(), lr=0.05, weight_decay=0.5)
+    source(torch.ones(2, 4)).pow(2).sum().backward()
+    adam.step()
+    checkpoint = copy.deepcopy({"model": source.state_dict(), "optim": adam.state_dict()})
+    models = [nn.Linear(4, 3), nn.Linear(4, 3)]
+    for m in models:
+        m.load_state_dict(checkpoint["model"])
+    plain = torch.optim.AdamW(models[0].parameters(), lr=0.05)
+    oss = OSS(models[1].parameters(), optim=torch.optim.AdamW, lr=0.05)
+    for optimizer in (plain, oss):
+        optimizer.load_state_dict(copy.deepcopy(checkpoint["optim"]))
+    assert oss.optim.param_groups[0]["decoupled_weight_decay"] is True
+    for step in range(3):
+        for m, optimizer in zip(models, (plain, oss)):
+            optimizer.zero_grad()
+            m(torch.full((2, 4), float(step))).pow(2).sum().backward()  # the same batch on every rank
+            optimizer.step()
+    return max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_an_adam_dict_loaded_into_adamw_steps_as_plain_adamw() -> None:
+    for max_diff in run_distributed(_adam_dict_into_adamw_body, 2):
+        assert max_diff < 1e-6, max_diff

@@ -32,7 +32,17 @@ def comparable(value: Any) -> str:
         if value.numel() <= _COMPARED_ELEMENTS:
             return f"tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
         return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    if type(value) in (tuple, list) and any(isinstance(v, torch.Tensor) for v in value):
+        # betas=(tensor(0.9), tensor(0.999)): the repr of the tuple rounded its tensors too (a fuzz, session 49).
+        inner = ", ".join(comparable(v) for v in value)
+        return f"({inner})" if type(value) is tuple else f"[{inner}]"
     return _ADDRESS.sub(" at 0x...", repr(value))
+
+
+def tensors_of(param_group: Dict[str, Any]) -> List[Any]:
+    """A group's parameters: torch 2.6+ also takes ``(name, parameter)`` pairs, which it splits when it adds them
+    (described as pairs, they failed with "'tuple' object has no attribute 'shape'"; a fuzz, session 49)."""
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in param_group["params"]]
 
 
 def callable_name(fn: Any) -> str:

@@ -160,7 +160,9 @@ def _load_checked(oss: _OSSLike, state_dict: Dict[str, Any], load_own: Callable[
             if key != "params":  # the same parameters, in the same order (check_loadable made sure)
                 held[key] = value
     oss.param_groups = held_groups
-    oss._sync_param_groups(oss.param_groups, oss.optim.param_groups)
+    # The wrapped optimizer loaded the same groups and has the last word: its own loader may fix a key up (torch's
+    # AdamW sets decoupled_weight_decay=True over an Adam dict's False; copied back over it, OSS stepped AdamW with
+    # coupled weight decay, silently; a fuzz of torch 2.x optimizer flags, session 49).
     oss._sync_param_groups(oss.optim.param_groups, oss.param_groups)
 
 
