@@ -18,10 +18,10 @@ from torch.optim import Optimizer
 def step_without_global_hooks(optim: Optimizer, **kwargs: Any) -> Optional[float]:
     """``optim.step(**kwargs)`` as torch runs it, less the global hooks (see the module docstring)."""
     raw: Optional[Callable[..., Any]] = getattr(type(optim).step, "__wrapped__", None)
-    if raw is None or not getattr(type(optim).step, "hooked", False):
-        return cast(
-            Optional[float], optim.step(**kwargs)
-        )  # not torch's hooked step (an optimizer that replaced it): as it is
+    if raw is None or not getattr(type(optim).step, "hooked", False) or "step" in vars(optim):
+        # Not torch's hooked step: a class that replaced it, or a step set on the instance (torch.compile'd, patched
+        # by a library): called as it is, global hooks and all.
+        return cast(Optional[float], optim.step(**kwargs))
     args: Tuple[Any, ...] = (optim,)
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optim).__name__}.step"):
         for pre_hook in list(optim._optimizer_step_pre_hooks.values()):
