@@ -58,7 +58,8 @@ def default_auto_wrap_policy(
             forward reads its parameters directly, so its children cannot be wrapped apart).
         exclude_wrap_modules (Set[Type[nn.Module]]): module types never wrapped themselves
             (their children may be). Default: ``default_auto_wrap_policy.EXCLUDE_WRAP_MODULES``
-            (``{nn.ModuleList, nn.ModuleDict}``, which have no forward).
+            (``{nn.ModuleList, nn.ModuleDict}``, which have no forward). ``nn.ParameterList`` and
+            ``nn.ParameterDict`` are never wrapped either.
         skip_params_check_for_root (bool): wrap the root whatever its children left unwrapped (a root below
             ``min_num_params`` in all is not descended into, so not wrapped either, as upstream). Default:
             ``False``.
@@ -86,7 +87,9 @@ def default_auto_wrap_policy(
         # Descending into a small module is pointless: nothing below it can be large enough.
         return is_large and not isinstance(module, leaf)
     wanted = is_large or (module_is_root and skip_params_check_for_root)
-    return wanted and not isinstance(module, excluded)
+    # ParameterList and ParameterDict have no forward either (FSDP refuses them: the wrapper's forward, which gathers
+    # the parameters, would never run); their parameters stay with the module that reads them.
+    return wanted and not isinstance(module, excluded) and not isinstance(module, (nn.ParameterList, nn.ParameterDict))
 
 
 def _check_min_num_params(value: Any) -> None:
@@ -237,6 +240,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
     _check_not_wrapped(module, ConfigAutoWrap.wrapper_cls)
     policy = auto_wrap_policy if auto_wrap_policy is not None else ConfigAutoWrap.auto_wrap_policy
     _WRAPPED.append({})
+    _OWNERS.append(_parameter_owners(module))
     try:
         wrapped, _ = ConfigAutoWrap.recursive_wrap(module, auto_wrap_policy=policy, module_is_root=True, **kwargs)
     except Exception as e:
@@ -244,6 +248,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
         raise
     finally:
         _WRAPPED.pop()
+        _OWNERS.pop()
     return wrapped
 
 
@@ -252,6 +257,30 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
 # result put in every place; named_children() lists such a module once per parent, so a second place kept the bare
 # module (run unwrapped next to its wrapped self), and a second parent got a second wrapper around it.
 _WRAPPED: List[Dict[int, Tuple[nn.Module, nn.Module, Dict[int, int]]]] = []
+
+
+# The modules that register each parameter (by id) in the tree of the running auto_wrap(), for tied weights.
+_OWNERS: List[Dict[int, Set[int]]] = []
+
+
+def _parameter_owners(root: nn.Module) -> Dict[int, Set[int]]:
+    owners: Dict[int, Set[int]] = {}
+    for m in root.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(m))
+    return owners
+
+
+def _shares_parameters_outside(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` is also registered by a module outside it (a tied weight: GPT-2's embedding
+    and output layer). Such a module is left to an ancestor that holds every user of the weight: wrapped alone, the
+    tie would cross FSDP instances, which FSDP refuses (a fuzz of model construction, session 49)."""
+    if not _OWNERS:
+        return False
+    inside = {id(m) for m in module.modules()}
+    owners = _OWNERS[-1]
+    return any(not owners.get(id(p), set()) <= inside for p in module.parameters() if not hasattr(p, "_is_sharded"))
 
 
 def _note_partly_wrapped(error: Exception, module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
@@ -408,5 +437,6 @@ class ConfigAutoWrap:
             wrapped.update(child_wrapped)
         remainder = num_params - sum(wrapped.values())
         if auto_wrap_policy(module=module, recurse=False, unwrapped_params=remainder, module_is_root=module_is_root):
-            return wrap(module, **kwargs), unwrapped
+            if not _shares_parameters_outside(module):
+                return wrap(module, **kwargs), unwrapped
         return module, wrapped

@@ -235,6 +235,51 @@ def _failed_auto_wrap_names_what_it_wrapped(rank: int) -> None:
             auto_wrap(model, auto_wrap_policy=policy)
 
 
+class TiedLM(TinyLM):
+    """TinyLM whose output layer reuses the embedding's weight (GPT-2's tie): 2037 - 104 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = self.embed.weight
+
+
+class MixedLM(TinyLM):
+    """TinyLM with two mixing matrices in an nn.ParameterList, read by the root's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.ParameterList([nn.Parameter(torch.eye(DIM) + 0.1 * torch.randn(DIM, DIM)) for _ in range(2)])
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) @ self.mix[0] @ self.mix[1]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _tied_weights_stay_with_their_users(rank: int) -> None:
+    """The embedding (104) and the output layer share a weight: neither is wrapped alone, though each is above the
+    threshold (before, the embedding was, and FSDP refused the tie across instances); the root holds both."""
+    torch.manual_seed(0)
+    ref = TiedLM()
+    model = _auto_wrap(copy.deepcopy(ref), min_num_params=100, skip_params_check_for_root=True)
+    paths = set(_instances_by_path(model))
+    assert "" in paths and not {"embed", "head"} & paths, sorted(paths)
+    assert {"layers.0", "layers.0.ff.0"} <= paths, sorted(paths)
+    _train_and_compare(rank, model, ref, mixed=False)
+
+
+def _parameter_lists_are_not_wrapped(rank: int) -> None:
+    """An nn.ParameterList has no forward: FSDP refuses it at world size 2, so the policy leaves it to its parent
+    (before, it wrapped it and auto_wrap failed)."""
+    torch.manual_seed(0)
+    ref = MixedLM()
+    model = _auto_wrap(copy.deepcopy(ref), min_num_params=64, skip_params_check_for_root=True)
+    paths = set(_instances_by_path(model))
+    assert "" in paths and "mix" not in paths, sorted(paths)
+    _train_and_compare(rank, model, ref, mixed=False)
+
+
 def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
     cases: List[Tuple[str, Callable[[], None]]] = [
         ("blocks at block size", lambda: _blocks_at_block_size(rank)),
@@ -243,6 +288,8 @@ def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
         ("ModuleList excluded, root wrapped", lambda: _module_list_excluded_root_wrapped(rank)),
         ("kwargs and wrapper_config", lambda: _kwargs_and_wrapper_config(rank)),
         ("failed auto_wrap names what it wrapped", lambda: _failed_auto_wrap_names_what_it_wrapped(rank)),
+        ("tied weights stay with their users", lambda: _tied_weights_stay_with_their_users(rank)),
+        ("parameter lists are not wrapped", lambda: _parameter_lists_are_not_wrapped(rank)),
     ]
     run_cases(cases)
 

@@ -348,6 +348,13 @@ def validate_param_dtypes(params: Iterable[nn.Parameter], mixed_precision: bool,
     pure_fp16 = compute_dtype == torch.float16 and not mixed_precision
     expected = torch.float16 if pure_fp16 else torch.float32
     for p in params:
+        if p.dtype.is_complex:  # model.float() keeps them complex: the advice below would not help
+            raise ValueError(
+                f"FullyShardedDataParallel: found a {p.dtype} parameter of shape {tuple(p.shape)}: complex parameters "
+                "are not supported (as upstream). Keep its real and imaginary parts as a real parameter "
+                "(torch.view_as_real(w), and torch.view_as_complex in forward), or hold it in a buffer if it is "
+                "not trained"
+            )
         if p.dtype != expected:
             if pure_fp16:
                 hint = "compute_dtype=torch.float16 without mixed_precision ('pure fp16') needs fp16 parameters"

@@ -10,7 +10,7 @@ from fairscale.internal.sparse_layers import sparse_gradient_layer
 from fairscale.nn.misc._flatten.grouping import MixedParameterGroupError
 from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
 
-from . import step_guard, ties
+from . import aliasing, step_guard, ties
 from .config import FSDPConfig
 from .freed_views import FreedViews
 from .handle import FlatHandle
@@ -65,6 +65,13 @@ def refuse_unsupported_layers(module: nn.Module) -> None:
             f"{sparse[1]} with sparse=True. Build it with sparse=False (FSDP shards and reduces dense "
             "gradients), or keep it out of FSDP."
         )
+    for name, p in module.named_parameters():
+        if any(c.__name__ == "DTensor" for c in type(p).__mro__):
+            raise ValueError(
+                f"FullyShardedDataParallel: parameter {name} is a DTensor: the module was sharded already (torch's "
+                "fully_shard / FSDP2, or tensor parallelism). fairscale's FSDP shards plain tensors: wrap the module "
+                "before (instead of) torch's sharding"
+            )
     for name, b in module.named_buffers():
         if b.device.type == "meta":
             raise ValueError(
@@ -92,7 +99,9 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
     foreign: NamedParams = []
     owned: NamedParams = []
     seen = set()
-    for name, p in module.named_parameters():
+    # nn.Module's own walk of the registered parameters: a module overriding named_parameters() (to hide one from an
+    # optimizer) hid it from FSDP too, which then never managed it ("internal error"; a fuzz, session 49).
+    for name, p in nn.Module.named_parameters(module):
         if id(p) in seen or id(p) in nested_owned:
             continue
         seen.add(id(p))
@@ -100,6 +109,13 @@ def collect_params_to_own(module: nn.Module, fsdp_cls: type) -> Tuple[NamedParam
             foreign.append((name, p))
             continue
         owned.append((name, p))
+    overlap = aliasing.find_overlapping(owned)
+    if overlap is not None:
+        raise ValueError(
+            f"FullyShardedDataParallel: parameters {overlap[0]} and {overlap[1]} view overlapping memory (one is a "
+            "view of the other's data); FSDP shards each parameter into its own copy, so the two would train apart. "
+            "Use the same Parameter object in both places (a tie), or give each its own memory (.clone())"
+        )
     return owned, foreign, tie_problems
 
 
@@ -149,7 +165,7 @@ def _refuse_module_without_forward(module: nn.Module, owned: List[nn.Parameter],
     raise ValueError(
         f"FullyShardedDataParallel cannot wrap a {type(module).__name__} that holds parameters of its own: it has no "
         "forward, so the wrapper's forward, which gathers the full parameters, would never run, and the modules in "
-        "it, called by their parent, would compute with this rank's shard. Wrap each module in it instead, or the "
-        "module that calls them (auto_wrap's default_auto_wrap_policy excludes nn.ModuleList and nn.ModuleDict for "
-        "this reason)."
+        "it, called by their parent, would compute with this rank's shard. Wrap the module that uses it instead (or "
+        "each module in a ModuleList or ModuleDict on its own); auto_wrap's default_auto_wrap_policy never wraps "
+        "these containers."
     )

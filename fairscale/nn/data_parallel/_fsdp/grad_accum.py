@@ -147,6 +147,16 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
             # backward(inputs=...) or autograd.grad() asking for the flat parameter: answer exactly as the default
             # path does (one concatenated gradient for it), and leave the accumulation buffer alone.
             return None, _concat(info, grads), None, None
+        flat = getattr(ctx.next_functions[1][0], "variable", None)
+        if flat is not None and flat._backward_hooks:
+            # Registered after this forward chose the buffer's path (build_views): torch would call it with None.
+            raise RuntimeError(
+                f"optimize_backward_concat: a hook was registered on FSDP parameter "
+                f"{info.unit.qualified_name(info.handle.name)!r} "
+                "(p.register_hook) between a forward and its backward; that forward sums its gradient into the "
+                "accumulation buffer, so the hook would get None. Register such hooks before the forward: a flat "
+                "parameter with hooks takes the default path from its next forward."
+            )
         if torch.is_grad_enabled():  # backward(create_graph=True): the buffer must not join the graph
             with torch.no_grad():
                 accumulate_view_grads(info, grads)

@@ -146,7 +146,7 @@ def locate_groups(wrapper: nn.Module, groups: Sequence[Sequence[nn.Parameter]]) 
     layouts = [GroupLayout() for _ in groups]
     owners: Dict[int, ParamInfo] = {}
     for mname, m in wrapper.named_modules():
-        for pname, p in m.named_parameters(recurse=False, remove_duplicate=False):
+        for pname, p in nn.Module.named_parameters(m, recurse=False, remove_duplicate=False):  # not an override
             gi = group_of.get(id(p))
             if gi is None:
                 continue
@@ -191,7 +191,7 @@ def _is_group(g: Any) -> bool:
 
 def _first_names(module: nn.Module) -> Dict[int, str]:
     names: Dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in nn.Module.named_parameters(module, remove_duplicate=False):  # registered ones, not an override's
         names.setdefault(id(p), name)
     return names
 
