@@ -120,8 +120,11 @@ def _well_formed(ident: Mapping[str, Any]) -> bool:
     return bool(0 <= rank < world_size and step >= 0)
 
 
-def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], what: str) -> Optional[List[int]]:
-    """Shards given for one checkpoint must be every rank's of the same one, each once.
+def check_shards(
+    shard_weights: Sequence[Any], shard_metadata: Sequence[Any], what: str, partial_ok: bool = False
+) -> Optional[List[int]]:
+    """Shards given for one checkpoint must be every rank's of the same one, each once (some ranks' only with
+    ``partial_ok``).
 
     Their order does not matter when they carry identities: each says which rank saved it, so files listed in any
     order (a directory listing, e.g. ``glob("worker*_model.pt")``) are put back in rank order by the caller. Files
@@ -131,6 +134,8 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
         shard_weights: the local state dicts, in the order given.
         shard_metadata: the metadata dicts, in the order given.
         what: the caller's name, for the messages.
+        partial_ok: accept shards of some ranks only (``consolidate_shard_weights(strict=False)``, as upstream:
+            fairseq's and metaseq's scripts consolidate one MoE expert file, a rank's, that way).
 
     Returns:
         ``order``, where ``order[r]`` is the position of rank ``r``'s shard in the lists given; ``None`` for shards
@@ -181,18 +186,20 @@ def check_shards(shard_weights: Sequence[Any], shard_metadata: Sequence[Any], wh
                 )
             raise ValueError(
                 f"{what}: rank {rank}'s shard is given {len(positions)} times (shards {positions}): the same file "
-                "was passed more than once"
+                "was passed more than once, or the files' metadata was copied from one rank's (a resharding script "
+                "does that: remove 'checkpoint_identity' from each metadata dict, and pass the files in rank order)"
             )
     sizes = sorted({int(ident["world_size"]) for ident in known})
     if len(sizes) > 1:
         raise ValueError(f"{what}: the shards' identities disagree on the world size ({sizes}): malformed files")
     world_size = sizes[0]
-    if len(known) != world_size:
+    if len(known) != world_size and not partial_ok:
         raise ValueError(
             f"{what}: the checkpoint was saved by {world_size} ranks but {len(known)} shards were given "
-            f"(ranks {ranks}); pass the files of every rank"
+            f"(ranks {ranks}); pass the files of every rank (or strict=False to consolidate what some ranks hold "
+            "whole, such as an MoE expert's file)"
         )
-    if sorted(ranks) != list(range(world_size)):  # e.g. a malformed rank beyond the world size
+    if not set(ranks) <= set(range(world_size)) or (sorted(ranks) != list(range(world_size)) and not partial_ok):
         raise ValueError(
             f"{what}: the checkpoint was saved by ranks 0..{world_size - 1} but the shards given are ranks {ranks}"
         )

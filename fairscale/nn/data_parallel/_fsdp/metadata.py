@@ -205,7 +205,7 @@ def consolidate_shard_weights(
             f"{len(shard_weights)} state dicts and {len(shard_metadata)} metadata dicts"
         )
     _check_metadata(shard_metadata)
-    order = identity.check_shards(shard_weights, shard_metadata, "consolidate_shard_weights")
+    order = identity.check_shards(shard_weights, shard_metadata, "consolidate_shard_weights", partial_ok=not strict)
     if order is not None:  # files that say which rank saved them: use them in rank order, whatever order was given
         shard_weights = [shard_weights[pos] for pos in order]
         shard_metadata = [shard_metadata[pos] for pos in order]
