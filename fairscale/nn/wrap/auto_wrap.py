@@ -240,7 +240,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
     _check_not_wrapped(module, ConfigAutoWrap.wrapper_cls)
     policy = auto_wrap_policy if auto_wrap_policy is not None else ConfigAutoWrap.auto_wrap_policy
     _WRAPPED.append({})
-    _OWNERS.append(_parameter_owners(module))
+    _OWNERS.append(_parameter_owners(module, ConfigAutoWrap.wrapper_cls))
     try:
         wrapped, _ = ConfigAutoWrap.recursive_wrap(module, auto_wrap_policy=policy, module_is_root=True, **kwargs)
     except Exception as e:
@@ -259,27 +259,39 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
 _WRAPPED: List[Dict[int, Tuple[nn.Module, nn.Module, Dict[int, int]]]] = []
 
 
-# The modules that register each parameter (by id) in the tree of the running auto_wrap(), for tied weights.
-_OWNERS: List[Dict[int, Set[int]]] = []
+# Per running auto_wrap() (for tied weights): the modules that register each parameter, and each module's parents
+# (by id); empty when the wrapper is not FSDP.
+_OWNERS: List[Tuple[Dict[int, Set[int]], Dict[int, Set[int]]]] = []
 
 
-def _parameter_owners(root: nn.Module) -> Dict[int, Set[int]]:
+def _parameter_owners(root: nn.Module, wrapper_cls: Any) -> Tuple[Dict[int, Set[int]], Dict[int, Set[int]]]:
+    if not (
+        isinstance(wrapper_cls, type) and any(c.__name__ == "FullyShardedDataParallel" for c in wrapper_cls.__mro__)
+    ):
+        return {}, {}  # only FSDP refuses a tie across wrappers; checkpoint_wrapper and the like wrap tied modules
     owners: Dict[int, Set[int]] = {}
+    parents: Dict[int, Set[int]] = {}
     for m in root.modules():
         for p in m._parameters.values():
             if p is not None:
                 owners.setdefault(id(p), set()).add(id(m))
-    return owners
+        for child in m._modules.values():
+            if child is not None:
+                parents.setdefault(id(child), set()).add(id(m))
+    return owners, parents
 
 
 def _shares_parameters_outside(module: nn.Module) -> bool:
-    """Whether a parameter of ``module`` is also registered by a module outside it (a tied weight: GPT-2's embedding
-    and output layer). Such a module is left to an ancestor that holds every user of the weight: wrapped alone, the
-    tie would cross FSDP instances, which FSDP refuses (a fuzz of model construction, session 49)."""
-    if not _OWNERS:
+    """Whether a parameter of ``module`` is also registered by a module outside it, or a module inside it is also a
+    child of one outside (a tied weight: GPT-2's embedding and output layer, or one layer registered in two places).
+    Such a module is left to an ancestor that holds every user of the weight: wrapped alone, the tie would cross FSDP
+    instances, which FSDP refuses (a fuzz of model construction, session 49)."""
+    if not _OWNERS or not _OWNERS[-1][0]:
         return False
+    owners, parents = _OWNERS[-1]
     inside = {id(m) for m in module.modules()}
-    owners = _OWNERS[-1]
+    if any(not parents.get(id(m), set()) <= inside for m in module.modules() if m is not module):
+        return True
     return any(not owners.get(id(p), set()) <= inside for p in module.parameters() if not hasattr(p, "_is_sharded"))
 
 

@@ -386,3 +386,13 @@ def test_a_module_in_two_places_gets_one_wrapper() -> None:
     assert isinstance(wrapped[0][0], Recorder) and wrapped[0][0] is wrapped[1][0]
     # The shared layer's 30 parameters count once: nothing is left to the parents or the root (it was -30 there).
     assert min(seen) >= 0 and seen[-1] == 0, seen
+
+
+def test_tied_modules_are_wrapped_by_wrappers_other_than_fsdp() -> None:
+    """Only FSDP refuses a tie across wrappers: auto_wrap keeps tied modules together for it alone, and wraps them
+    for any other wrapper (checkpoint_wrapper, say), as before (found in review, session 49)."""
+    model = nn.Sequential(nn.Embedding(10, 5), nn.Linear(5, 5), nn.Linear(5, 10))
+    model[2].weight = model[0].weight
+    with enable_wrap(wrapper_cls=Recorder):
+        wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
+    assert [type(m).__name__ for m in wrapped] == ["Recorder", "Linear", "Recorder"]

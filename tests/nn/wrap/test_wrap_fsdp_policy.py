@@ -269,6 +269,30 @@ def _tied_weights_stay_with_their_users(rank: int) -> None:
     _train_and_compare(rank, model, ref, mixed=False)
 
 
+class _SharedLayer(nn.Module):
+    """One layer registered in two subtrees (``a`` and ``b``), 272 parameters each plus the shared 272."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(16, 16)
+        self.a = nn.Sequential(nn.Linear(16, 16), shared)
+        self.b = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), shared)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+def _layer_registered_twice_stays_with_its_users(rank: int) -> None:
+    """A layer registered in two subtrees ties them: neither subtree is wrapped alone (before, ``a`` was, and FSDP
+    refused the tie at the first forward); the root holds both, and trains as the plain module."""
+    torch.manual_seed(0)
+    ref = _SharedLayer()
+    model = _auto_wrap(copy.deepcopy(ref), min_num_params=300, skip_params_check_for_root=True)
+    assert sorted(_instances_by_path(model)) == [""], sorted(_instances_by_path(model))
+    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    _train_and_compare(rank, model, ref, mixed=False, loss_fn=lambda m, _t, n, scale: m(batch).pow(2).sum() / n)
+
+
 def _parameter_lists_are_not_wrapped(rank: int) -> None:
     """An nn.ParameterList has no forward: FSDP refuses it at world size 2, so the policy leaves it to its parent
     (before, it wrapped it and auto_wrap failed)."""
@@ -290,6 +314,7 @@ def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
         ("failed auto_wrap names what it wrapped", lambda: _failed_auto_wrap_names_what_it_wrapped(rank)),
         ("tied weights stay with their users", lambda: _tied_weights_stay_with_their_users(rank)),
         ("parameter lists are not wrapped", lambda: _parameter_lists_are_not_wrapped(rank)),
+        ("a layer registered twice stays with its users", lambda: _layer_registered_twice_stays_with_its_users(rank)),
     ]
     run_cases(cases)
 

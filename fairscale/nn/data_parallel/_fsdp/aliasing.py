@@ -72,8 +72,13 @@ def find_overlapping(named: List[Tuple[str, nn.Parameter]]) -> Optional[Tuple[st
     """The names of two distinct parameters of ``named`` that share elements, one of them trainable; else None."""
     by_storage: Dict[int, List[Tuple[str, nn.Parameter]]] = {}
     for name, p in named:
-        if p.numel() > 0 and p.device.type != "meta":
-            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+        if p.numel() == 0 or p.device.type == "meta" or p.layout != torch.strided:
+            continue
+        try:
+            key = p.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage: refused elsewhere
+            continue
+        by_storage.setdefault(key, []).append((name, p))
     for group in by_storage.values():
         if len(group) < 2:
             continue

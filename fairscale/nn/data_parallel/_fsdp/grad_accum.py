@@ -31,6 +31,7 @@ window was reduced raises instead of silently dropping or double-counting gradie
 """
 
 import functools
+import warnings
 import weakref
 from typing import Any, List, Optional, Tuple
 
@@ -149,13 +150,14 @@ class _ViewsIntoFlatBuffer(torch.autograd.Function):
             return None, _concat(info, grads), None, None
         flat = getattr(ctx.next_functions[1][0], "variable", None)
         if flat is not None and flat._backward_hooks:
-            # Registered after this forward chose the buffer's path (build_views): torch would call it with None.
-            raise RuntimeError(
+            # Registered after this forward chose the buffer's path (build_views): torch calls it with None. Said,
+            # not raised: a raise on the ranks that registered it left the others waiting in the reduction.
+            warnings.warn(
                 f"optimize_backward_concat: a hook was registered on FSDP parameter "
-                f"{info.unit.qualified_name(info.handle.name)!r} "
-                "(p.register_hook) between a forward and its backward; that forward sums its gradient into the "
-                "accumulation buffer, so the hook would get None. Register such hooks before the forward: a flat "
-                "parameter with hooks takes the default path from its next forward."
+                f"{info.unit.qualified_name(info.handle.name)!r} (p.register_hook) between a forward and its "
+                "backward; that forward sums its gradient into the accumulation buffer, so torch calls the hook with "
+                "None for it. Register such hooks before the forward: a flat parameter with hooks takes the default "
+                "path from its next forward."
             )
         if torch.is_grad_enabled():  # backward(create_graph=True): the buffer must not join the graph
             with torch.no_grad():
