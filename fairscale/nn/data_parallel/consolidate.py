@@ -355,7 +355,9 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("output", help="file to write the full state dict to")
     cons.add_argument("--pattern", default="*.pt", help="glob of the per-rank files (default: *.pt)")
     cons.add_argument("--no-buffers", action="store_true", help="leave the module buffers out")
-    cons.add_argument("--non-strict", action="store_true", help="skip entries missing from the weights")
+    cons.add_argument(
+        "--non-strict", action="store_true", help="skip entries missing from the weights (every rank's file is needed)"
+    )
     resh = sub.add_parser("reshard", help="full state dict -> per-rank local checkpoints for another world size")
     resh.add_argument("full", help="a full state dict file (as written by 'consolidate' or torch.save(state_dict()))")
     resh.add_argument("--meta", required=True, help="any per-rank file of the old checkpoint (for the wrapping)")

@@ -18,6 +18,7 @@ Example::
 """
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Callable, Dict, Generator, List, Optional, Set, Tuple, Type, cast
 
@@ -264,10 +265,22 @@ _WRAPPED: List[Dict[int, Tuple[nn.Module, nn.Module, Dict[int, int]]]] = []
 _OWNERS: List[Tuple[Dict[int, Set[int]], Dict[int, Set[int]]]] = []
 
 
+def _may_make_fsdp(wrapper_cls: Any) -> bool:
+    """Whether ``wrapper_cls`` may make FSDP instances: FSDP or a subclass, or a factory (a function, a partial, a
+    class with its own ``__new__``: vissl's wrappers return FSDP); not ``checkpoint_wrapper`` or a plain module
+    class."""
+    while isinstance(wrapper_cls, functools.partial):
+        wrapper_cls = wrapper_cls.func
+    if getattr(wrapper_cls, "__name__", None) == "checkpoint_wrapper":
+        return False
+    if isinstance(wrapper_cls, type):
+        fsdp = any(c.__name__ == "FullyShardedDataParallel" for c in wrapper_cls.__mro__)
+        return fsdp or any("__new__" in vars(c) for c in wrapper_cls.__mro__ if c is not object)
+    return True
+
+
 def _parameter_owners(root: nn.Module, wrapper_cls: Any) -> Tuple[Dict[int, Set[int]], Dict[int, Set[int]]]:
-    if not (
-        isinstance(wrapper_cls, type) and any(c.__name__ == "FullyShardedDataParallel" for c in wrapper_cls.__mro__)
-    ):
+    if not _may_make_fsdp(wrapper_cls):
         return {}, {}  # only FSDP refuses a tie across wrappers; checkpoint_wrapper and the like wrap tied modules
     owners: Dict[int, Set[int]] = {}
     parents: Dict[int, Set[int]] = {}
@@ -293,6 +306,22 @@ def _shares_parameters_outside(module: nn.Module) -> bool:
     if any(not parents.get(id(m), set()) <= inside for m in module.modules() if m is not module):
         return True
     return any(not owners.get(id(p), set()) <= inside for p in module.parameters() if not hasattr(p, "_is_sharded"))
+
+
+def _put_back_wrapped(module: nn.Module) -> None:
+    """In a subtree the policy does not descend into, put the wrapped result of a module wrapped at another place
+    (a layer registered twice) in place of the bare module: left there, it ran unwrapped beside its wrapped self
+    ("already wrapped by another instance" at the root's first forward; found in review, session 49)."""
+    memo = _WRAPPED[-1] if _WRAPPED else {}
+    if not memo:
+        return
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        if id(child) in memo and memo[id(child)][0] is child:
+            setattr(module, name, memo[id(child)][1])
+        else:
+            _put_back_wrapped(child)
 
 
 def _note_partly_wrapped(error: Exception, module: nn.Module, wrapper_cls: Optional[Callable[..., nn.Module]]) -> None:
@@ -429,12 +458,14 @@ class ConfigAutoWrap:
         if params and all(hasattr(p, "_is_sharded") for p in params):
             # Wrapped already (an FSDP instance, or a module inside one): neither looked into nor wrapped again, which
             # would nest a wrapper around parameters another one manages. Upstream asked the policy, which could.
+            _put_back_wrapped(module)
             return module, {}
         unwrapped = {id(p): p.numel() for p in params if not hasattr(p, "_is_sharded")}
         num_params = sum(unwrapped.values())
         if not auto_wrap_policy(
             module=module, recurse=True, unwrapped_params=num_params, module_is_root=module_is_root
         ):
+            _put_back_wrapped(module)
             return module, {}
         # By parameter: a child registered twice, or a grandchild shared by two children, counts once (as
         # module.parameters() counts it), so the remainder never goes below what is really left.

@@ -396,3 +396,19 @@ def test_tied_modules_are_wrapped_by_wrappers_other_than_fsdp() -> None:
     with enable_wrap(wrapper_cls=Recorder):
         wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
     assert [type(m).__name__ for m in wrapped] == ["Recorder", "Linear", "Recorder"]
+
+
+def _recorder_factory(module: nn.Module, **kwargs: Any) -> nn.Module:
+    return Recorder(module, **kwargs)
+
+
+def test_factories_keep_tied_modules_together() -> None:
+    """A factory may return FSDP (vissl's wrappers do): tied modules stay together for it, as for FSDP (in review,
+    session 49, the rule had been kept for FSDP classes only, and vissl's tied models broke again)."""
+    for factory in (_recorder_factory, functools.partial(_recorder_factory)):
+        model = nn.Sequential(nn.Embedding(10, 5), nn.Linear(5, 5), nn.Linear(5, 10))
+        model[2].weight = model[0].weight
+        with enable_wrap(wrapper_cls=factory):
+            wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
+        inner = wrapped.module if isinstance(wrapped, Recorder) else wrapped  # the root holds them all
+        assert [type(m).__name__ for m in inner] == ["Embedding", "Linear", "Linear"]

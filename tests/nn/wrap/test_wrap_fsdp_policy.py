@@ -293,6 +293,31 @@ def _layer_registered_twice_stays_with_its_users(rank: int) -> None:
     _train_and_compare(rank, model, ref, mixed=False, loss_fn=lambda m, _t, n, scale: m(batch).pow(2).sum() / n)
 
 
+class _SharedDeeper(nn.Module):
+    """A layer registered at ``shared`` and again at ``a.1.0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.a = nn.Sequential(nn.Linear(16, 16), nn.Sequential(self.shared, nn.Tanh()))
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.shared(self.a(x)))
+
+
+def _layer_registered_deeper_is_wrapped_in_both_places(rank: int) -> None:
+    """Wrapped at its first place (``shared``), the layer is put at ``a.1.0`` too, although the policy does not
+    descend into ``a.1`` (nothing unwrapped is left there); the bare layer stayed there before and the root's first
+    forward refused it as "already wrapped by another instance" (found in review, session 49)."""
+    torch.manual_seed(0)
+    ref = _SharedDeeper()
+    model = _auto_wrap(copy.deepcopy(ref), min_num_params=200, skip_params_check_for_root=True)
+    assert model.a[1][0] is model.shared and isinstance(model.shared, FSDP)
+    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    _train_and_compare(rank, model, ref, mixed=False, loss_fn=lambda m, _t, n, scale: m(batch).pow(2).sum() / n)
+
+
 def _parameter_lists_are_not_wrapped(rank: int) -> None:
     """An nn.ParameterList has no forward: FSDP refuses it at world size 2, so the policy leaves it to its parent
     (before, it wrapped it and auto_wrap failed)."""
@@ -315,6 +340,10 @@ def _size_policy_with_fsdp_on_gloo_body(rank: int, world_size: int) -> None:
         ("tied weights stay with their users", lambda: _tied_weights_stay_with_their_users(rank)),
         ("parameter lists are not wrapped", lambda: _parameter_lists_are_not_wrapped(rank)),
         ("a layer registered twice stays with its users", lambda: _layer_registered_twice_stays_with_its_users(rank)),
+        (
+            "a layer registered deeper is wrapped in both places",
+            lambda: _layer_registered_deeper_is_wrapped_in_both_places(rank),
+        ),
     ]
     run_cases(cases)
 

@@ -84,6 +84,17 @@ def of_metadata(meta: Any) -> Optional[Dict[str, Any]]:
     return dict(value) if isinstance(value, Mapping) else None
 
 
+def ranks_given(shard_metadata: Sequence[Any]) -> str:
+    """`` (ranks [1] of 2: ranks [0] missing)`` for shards that carry identities, else ``""`` (for messages)."""
+    idents = [of_metadata(meta) for meta in shard_metadata]
+    if not idents or any(ident is None for ident in idents):
+        return ""
+    ranks = sorted(int(ident["rank"]) for ident in idents if ident is not None)
+    world_size = int(idents[0]["world_size"]) if idents[0] is not None else len(ranks)
+    missing = sorted(set(range(world_size)) - set(ranks))
+    return f" (ranks {ranks} of {world_size}{f': ranks {missing} missing' if missing else ''})"
+
+
 def _describe(ident: Mapping[str, Any]) -> str:
     return f"rank {ident.get('rank')} of checkpoint {ident.get('id')!r} (step {ident.get('step')})"
 
@@ -196,8 +207,8 @@ def check_shards(
     if len(known) != world_size and not partial_ok:
         raise ValueError(
             f"{what}: the checkpoint was saved by {world_size} ranks but {len(known)} shards were given "
-            f"(ranks {ranks}); pass the files of every rank (or strict=False to consolidate what some ranks hold "
-            "whole, such as an MoE expert's file)"
+            f"(ranks {ranks}); pass the files of every rank (or, from Python, strict=False to consolidate what some "
+            "ranks hold whole, such as one MoE expert file)"
         )
     if not set(ranks) <= set(range(world_size)) or (sorted(ranks) != list(range(world_size)) and not partial_ok):
         raise ValueError(

@@ -176,8 +176,10 @@ def consolidate_shard_weights(
             (upstream's); shards that carry one may come in any order (they are put back in rank order).
         shard_metadata: every rank's :meth:`local_metadata_dict`, in the same order as ``shard_weights``.
         with_module_buffers: also copy the buffers (taken from rank 0).
-        strict: raise on a parameter or buffer that the metadata lists but rank 0's weights lack; with
-            ``False`` such entries are skipped.
+        strict: raise on a parameter or buffer that the metadata lists but rank 0's weights lack, and on shards
+            of some ranks only; with ``False`` such entries are skipped and some ranks' shards are consolidated
+            (what they hold whole: one MoE expert file, as fairseq's and metaseq's scripts do; a tensor they cannot
+            make whole raises ``ValueError``), as upstream.
 
     Returns:
         The full state dict: the unwrapped module's keys (parameters first, then buffers), full shapes, values
@@ -234,8 +236,8 @@ def consolidate_shard_weights(
             full = torch.cat(pieces)
             if full.numel() != sum(numels):
                 raise ValueError(
-                    f"consolidate_shard_weights: the shards of {local_key!r} of ranks 0..{len(pieces) - 1} hold "
-                    f"{full.numel()} elements after removing padding, but the metadata's parameters {names} need "
+                    f"consolidate_shard_weights: the shards of {local_key!r} given{identity.ranks_given(shard_metadata)} "
+                    f"hold {full.numel()} elements after removing padding, but the metadata's parameters {names} need "
                     f"{sum(numels)}. Pass the local state dict and metadata of every rank of one checkpoint, in rank "
                     "order, and metadata written by the same model."
                 )
