@@ -97,12 +97,20 @@ def _case_complex_parameter() -> None:
         FSDP(module.float())
 
 
+def _case_sparse_parameter() -> None:
+    module = nn.Linear(2, 2)
+    module.weight = nn.Parameter(torch.eye(2).to_sparse())
+    with pytest.raises(ValueError, match="parameter weight is a torch.sparse_coo tensor; FSDP shards dense parameters"):
+        FSDP(module)
+
+
 def _body(rank: int, world_size: int) -> None:
     run_cases(
         [
             ("overlapping views", functools.partial(_case_overlapping_views, rank)),
             ("already sharded by torch", _case_already_sharded_by_torch),
             ("complex parameter", _case_complex_parameter),
+            ("sparse parameter", _case_sparse_parameter),
             ("named_parameters overridden", functools.partial(_trains_like_the_module, rank, _HidesHead)),
             (
                 "named_parameters overridden, flatten_parameters=False",

@@ -76,7 +76,7 @@ def find_overlapping(named: List[Tuple[str, nn.Parameter]]) -> Optional[Tuple[st
             continue
         try:
             key = p.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage: refused elsewhere
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage: nothing to compare
             continue
         by_storage.setdefault(key, []).append((name, p))
     for group in by_storage.values():

@@ -66,6 +66,11 @@ def refuse_unsupported_layers(module: nn.Module) -> None:
             "gradients), or keep it out of FSDP."
         )
     for name, p in module.named_parameters():
+        if p.layout != torch.strided:  # failed in the flattening with "reshape is not implemented for sparse tensors"
+            raise ValueError(
+                f"FullyShardedDataParallel: parameter {name} is a {p.layout} tensor; FSDP shards dense parameters. "
+                "Keep it dense (p.to_dense()), or keep the module that holds it out of FSDP"
+            )
         if any(c.__name__ == "DTensor" for c in type(p).__mro__):
             raise ValueError(
                 f"FullyShardedDataParallel: parameter {name} is a DTensor: the module was sharded already (torch's "
