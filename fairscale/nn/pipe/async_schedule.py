@@ -549,7 +549,13 @@ class AsyncEventLoop:
                 )
         else:
             self.event_loop_inner(len(batches), skip_trackers, self.activations, self.invocations, {}, tail=True)
-        outputs = self.activations[invocation.this.index][invocation.order]
+        outputs = dict(self.activations[invocation.this.index][invocation.order])
+        # Handed to the caller: no gradient message ever comes back for them (the pop that frees a middle stage's),
+        # and kept here they made a cycle through the autograd graph (its receive nodes hold this loop) that the
+        # garbage collector cannot see: every step's outputs stayed alive (a leak fuzz, session 49).
+        for per_order in self.activations.values():
+            for per_batch in per_order.values():
+                per_batch.clear()
         if not self.training or self.rank == 0:
             for index, output in outputs.items():
                 batches[index] = output
