@@ -56,8 +56,21 @@ def _group_info(group: Optional[ProcessGroup]) -> _GroupInfo:
     info = _group_cache.get(group)
     if info is None:
         info = _build_group_info(group)
+        _forget_destroyed_groups()
         _group_cache[group] = info
     return info
+
+
+def _forget_destroyed_groups() -> None:
+    """Drop the entries of groups torch destroyed (``destroy_process_group``): held here, each kept its threads and
+    sockets (gloo) for the rest of the process, so a sweep that re-initialises the world or makes a group per trial
+    ran out of file descriptors (a leak fuzz, session 49). Run when a new group is first seen, which is rare."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if live is None:
+        return
+    for key, info in list(_group_cache.items()):
+        if isinstance(info.pg, dist.ProcessGroup) and info.pg not in live:
+            del _group_cache[key]
 
 
 def _build_group_info(group: Any) -> _GroupInfo:
