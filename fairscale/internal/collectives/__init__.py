@@ -32,7 +32,16 @@ from . import shutdown as _shutdown  # noqa: F401,E402  # registers the exit han
 from ..collective_counter import CollectiveCounter, CollectiveRecord, collective_phase, count_collectives
 from .all_to_all import all_to_all_single
 from .flat import all_gather_into_flat, reduce_scatter_from_flat
-from .groups import group_backend, group_identity, group_leader, group_order, group_rank, group_ranks, group_size
+from .groups import (
+    group_backend,
+    group_destroyed,
+    group_identity,
+    group_leader,
+    group_order,
+    group_rank,
+    group_ranks,
+    group_size,
+)
 from .inplace import all_reduce, broadcast, reduce
 from .objects import all_gather_object, barrier, broadcast_object_list
 from .p2p import checked_by_torch, irecv, isend, p2p_group, recv, send
@@ -61,6 +70,7 @@ __all__ = [
     "decide_through_store",
     "group_size",
     "group_backend",
+    "group_destroyed",
     "group_rank",
     "group_ranks",
     "group_leader",

@@ -65,12 +65,17 @@ def _forget_destroyed_groups() -> None:
     """Drop the entries of groups torch destroyed (``destroy_process_group``): held here, each kept its threads and
     sockets (gloo) for the rest of the process, so a sweep that re-initialises the world or makes a group per trial
     ran out of file descriptors (a leak fuzz, session 49). Run when a new group is first seen, which is rare."""
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
-    if live is None:
-        return
     for key, info in list(_group_cache.items()):
-        if isinstance(info.pg, dist.ProcessGroup) and info.pg not in live:
+        if group_destroyed(info.pg):
             del _group_cache[key]
+
+
+def group_destroyed(group: Any) -> bool:
+    """Whether ``group`` is a process group that torch destroyed (``destroy_process_group``), so that whatever holds
+    it for later use (a cache, a thread) should let it go. ``False`` for anything else (a stand-in, ``None``, or a
+    torch too old to tell)."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return live is not None and isinstance(group, dist.ProcessGroup) and group not in live
 
 
 def _build_group_info(group: Any) -> _GroupInfo:

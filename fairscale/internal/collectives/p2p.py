@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import _check_contiguous
-from .groups import ProcessGroup, _dist_ready, _GroupInfo, _member_info
+from .groups import ProcessGroup, _dist_ready, _GroupInfo, _member_info, group_destroyed
 from .recording import _record
 from .work import WorkHandle
 
@@ -54,6 +54,14 @@ def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
         return group
     twin: Any = _twins.get(info.pg)
     if twin is None:
+        # The twin of a group the user destroyed goes with it (destroying the world ends every twin anyway): kept, it
+        # and the pipeline's sender thread on it held threads and sockets (gloo) for the rest of the process. The
+        # user destroyed the group on every rank once done with it, and no send on the twin is pending by then (a
+        # pipeline flushes its sends before it returns), so ending it here is local and safe.
+        for key in [key for key in _twins if group_destroyed(key)]:
+            gone = _twins.pop(key)
+            if not group_destroyed(gone):
+                dist.destroy_process_group(gone)
         timeout = _timeout_of(info.pg)
         local = len(info.ranks) < dist.get_world_size()
         if timeout is None:  # torch 2.1 refuses timeout=None (its default is a timedelta)

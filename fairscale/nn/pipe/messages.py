@@ -160,7 +160,8 @@ class _Sender:
     def __init__(self, group: Any) -> None:
         self.group = group
         self.pid = os.getpid()
-        self.queue: "Queue[Tuple[int, List[Tuple[Tensor, int]]]]" = Queue()
+        # ``None`` asks the thread to end (see :func:`_sender`).
+        self.queue: "Queue[Optional[Tuple[int, List[Tuple[Tensor, int]]]]]" = Queue()
         self.error: Optional[BaseException] = None
         # Messages put and not yet completely sent (or failed), guarded by ``done``.
         self.pending = 0
@@ -183,7 +184,10 @@ class _Sender:
 
     def _loop(self) -> None:
         while True:
-            dest, items = self.queue.get()
+            work = self.queue.get()
+            if work is None:
+                return
+            dest, items = work
             try:
                 for tensor, tag in items:
                     collectives.send(tensor, dest, group=self.group, tag=tag)
@@ -222,8 +226,20 @@ def _sender(group: Any) -> _Sender:
         sender = _senders.get(id(group))
         # A forked child inherits the dict but not the thread: start its own.
         if sender is None or sender.group is not group or sender.pid != os.getpid():
+            _forget_destroyed_senders()
             sender = _senders[id(group)] = _Sender(group)
         return sender
+
+
+def _forget_destroyed_senders() -> None:
+    """End the threads of the groups torch destroyed: each held its group (threads and sockets with gloo) for the
+    rest of the process, so a process that re-initialised the world per trial gathered them. Their queues are empty:
+    a pipeline flushes its sends before ``forward`` or the last stage's backward returns. (In a forked child the
+    thread is not there: the stop is never read.)"""
+    for key, sender in list(_senders.items()):
+        if collectives.group_destroyed(sender.group):
+            sender.queue.put(None)
+            del _senders[key]
 
 
 @dataclass(frozen=True)
