@@ -482,4 +482,15 @@ class ConfigAutoWrap:
         if auto_wrap_policy(module=module, recurse=False, unwrapped_params=remainder, module_is_root=module_is_root):
             if not _shares_parameters_outside(module):
                 return wrap(module, **kwargs), unwrapped
+            if getattr(module, "wrapper_config", None) is not None:
+                # The user asked for this module by name (config_auto_wrap_policy reads this attribute): say why
+                # its settings are not applied instead of dropping them silently (a review, session 50).
+                warnings.warn(
+                    f"auto_wrap did not wrap a module ({type(module).__name__}) that has a wrapper_config: one of its "
+                    "parameters or submodules is also used outside it (a tied weight, or a layer registered in two "
+                    "places), and FSDP refuses a tie across instances. Its parameters stay with the enclosing "
+                    "instance and its wrapper_config is not applied; put the wrapper_config on a module that holds "
+                    "every user of the shared weight.",
+                    stacklevel=3,
+                )
         return module, wrapped

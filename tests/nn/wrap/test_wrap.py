@@ -412,3 +412,21 @@ def test_factories_keep_tied_modules_together() -> None:
             wrapped = auto_wrap(model, auto_wrap_policy=size_policy(40))
         inner = wrapped.module if isinstance(wrapped, Recorder) else wrapped  # the root holds them all
         assert [type(m).__name__ for m in inner] == ["Embedding", "Linear", "Linear"]
+
+
+def test_a_tied_module_with_a_wrapper_config_warns_that_it_is_not_wrapped() -> None:
+    """config_auto_wrap_policy wraps the modules a user marked with ``wrapper_config``; one tied to a module outside it
+    stays with the enclosing instance (FSDP refuses a tie across instances). Its settings were dropped silently; now
+    a warning says why (a review, session 50). An untied marked module is wrapped without a warning."""
+    model = nn.Sequential(nn.Embedding(10, 5), nn.Linear(5, 5), nn.Linear(5, 10))
+    model[2].weight = model[0].weight
+    for layer in model:
+        layer.wrapper_config = {"a": 1}
+    with enable_wrap(wrapper_cls=_recorder_factory):
+        with pytest.warns(UserWarning, match="that has a wrapper_config") as record:
+            wrapped = auto_wrap(model, auto_wrap_policy=config_auto_wrap_policy)
+    assert [type(m).__name__ for m in wrapped] == ["Embedding", "Recorder", "Linear"]
+    assert wrapped[1].kwargs == {"a": 1}
+    # The embedding and the output layer, nothing else.
+    shown = [str(w.message).split(" that")[0] for w in record]
+    assert shown == ["auto_wrap did not wrap a module (Embedding)", "auto_wrap did not wrap a module (Linear)"], shown
