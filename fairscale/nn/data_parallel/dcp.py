@@ -59,7 +59,7 @@ from torch import nn
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_gathered_agree, check_outcome_agrees
 
-from ._fsdp import dcp_layout, dcp_load, dcp_state, dcp_views, hybrid
+from ._fsdp import dcp_files, dcp_layout, dcp_load, dcp_state, dcp_views, hybrid
 from ._fsdp.dcp_load import METADATA_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointNotFoundError
 from ._fsdp.dcp_metadata import UntrustedCheckpointError
 from ._fsdp.dcp_options import checked_options
@@ -406,6 +406,7 @@ def _prepare_directory(
     metadata = dcp_load.metadata_path(checkpoint_id)
     settings = {"overwrite": bool(overwrite), "optimizers": _optimizer_kinds(optims)}
     if not _agree_on_call(unit, group, checkpoint_id, os.path.exists(metadata), settings, what):
+        dcp_files.remove_planted_entries(checkpoint_id)
         return optims
     if not overwrite:
         raise FileExistsError(
@@ -426,6 +427,7 @@ def _prepare_directory(
             error = e
     with unit.device.as_current():
         check_outcome_agrees(f"{what}: removing the old {METADATA_FILE}", error, group)
+    dcp_files.remove_planted_entries(checkpoint_id)
     return optims
 
 

@@ -510,6 +510,18 @@ def _case_optimizer_built_before_wrapping() -> None:
     model.zero_grad(set_to_none=True)
     _train(model)  # an optimizer built after wrapping trains as before
     _assert_equal_to_reference(_full(model))
+    # An optimizer that stepped before its model was wrapped, once an instance exists already (the one above): it was
+    # remembered as checked, and every step after wrapping did nothing, silently (a fuzz, session 50).
+    torch.manual_seed(0)
+    net = _Net()
+    optim = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(_input()).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    model = FSDP(net)
+    model(_input()).sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): 4 of the optimizer's 4 parameters .* were flattened into"):
+        optim.step()
     # Without flattening the original parameters are FSDP's: an optimizer built before wrapping works.
     torch.manual_seed(0)
     net = _Net()

@@ -302,6 +302,9 @@ def _saved_keys(unit: FSDPUnit, checkpoint_id: PathLike, reader: Optional[Any], 
             metadata = (reader if reader is not None else _Reader(path)).read_metadata()
             keys = list(metadata.state_dict_metadata)
             problem = dcp_metadata.coverage_problem(metadata)
+            unsafe = dcp_metadata.storage_problem(metadata)  # for a caller's reader too, which opens what it names
+            if unsafe is not None:
+                problem = f"{dcp_metadata.UntrustedCheckpointError.__name__}: refusing {METADATA_FILE}: {unsafe}"
         except Exception as e:  # a truncated or foreign file: every rank must learn it, not only this one
             problem = f"{type(e).__name__}: {e}"
     with unit.device.as_current():  # NCCL object collectives allocate on the current device

@@ -17,6 +17,7 @@ import io
 import os
 import pathlib
 import pickle
+import stat
 import struct
 from typing import IO, Any, Dict, FrozenSet, List, Optional, Tuple
 
@@ -24,7 +25,15 @@ import torch
 
 from fairscale.internal.errors import FairscaleValueError
 
-__all__ = ["UntrustedCheckpointError", "MetadataUnpickler", "unpickle_metadata", "read_metadata", "coverage_problem"]
+__all__ = [
+    "UntrustedCheckpointError",
+    "MetadataUnpickler",
+    "unpickle_metadata",
+    "read_metadata",
+    "coverage_problem",
+    "check_regular_file",
+    "storage_problem",
+]
 
 # Modules whose dataclasses and enums make up DCP's metadata (Metadata, TensorStorageMetadata, ChunkStorageMetadata,
 # TensorProperties, StorageMeta, the memory-format enum ...; the file system reader's _StorageInfo). Older torch
@@ -157,6 +166,8 @@ def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
         path = fs.concat_path(reader.path, ".metadata")
     else:
         path = os.path.join(os.fspath(reader.path), ".metadata")
+    if fs is None or type(fs).__name__ == "FileSystem":  # a local directory (not an fsspec file system)
+        check_regular_file(os.fspath(path), "metadata file")
     with fs.create_stream(path, "rb") if fs is not None else open(path, "rb") as f:
         metadata = unpickle_metadata(f, os.fspath(path))
     storage_meta_cls = getattr(importlib.import_module("torch.distributed.checkpoint.metadata"), "StorageMeta", None)
@@ -165,6 +176,47 @@ def read_metadata(reader: Any, rank: Optional[int] = None) -> Any:
             metadata.storage_meta = storage_meta_cls()
         metadata.storage_meta.load_id = getattr(reader, "load_id", None)
     return metadata
+
+
+def check_regular_file(path: str, what: str, end: int = 0) -> None:
+    """Raise :class:`UntrustedCheckpointError` unless ``path`` is a regular file (not a symlink, pipe or device) of at
+    least ``end`` bytes.
+
+    DCP writes only regular files into the checkpoint's directory. Opened as they come, a ``.metadata`` that is a pipe
+    blocked every rank's load, a link to ``/dev/zero`` filled the memory, and a link to another checkpoint's file
+    loaded that checkpoint (a security review, session 50; the data files had this check already).
+    """
+    name = os.path.basename(path)
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise UntrustedCheckpointError(f"the checkpoint's {what} {name!r} cannot be read: {e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UntrustedCheckpointError(
+            f"refusing the checkpoint's {what} {name!r}: it is not a regular file (a symlink, pipe or device); "
+            "DCP writes regular files only"
+        )
+    if info.st_size < end:
+        raise UntrustedCheckpointError(
+            f"the checkpoint's {what} {name!r} has {info.st_size} bytes, but its metadata reads up to byte {end}: "
+            "the checkpoint is truncated or damaged"
+        )
+
+
+def storage_problem(metadata: Any) -> Optional[str]:
+    """Why a data file the metadata names is not a plain file name inside the checkpoint's directory, or ``None``.
+
+    Checked on the metadata this package read safely, whichever reader then loads: a caller's own
+    ``storage_reader`` (torch's ``FileSystemReader``) opened whatever the metadata named, ``../x`` or an absolute path
+    included (a security review, session 50).
+    """
+    for info in getattr(metadata, "storage_data", {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "\\" in name:
+            return f"it names the data file {name!r}: DCP writes plain file names inside the checkpoint directory"
+        if os.path.basename(name) != name:
+            return f"it names the data file {name!r}: DCP writes plain file names inside the checkpoint directory"
+    return None
 
 
 # At most this many pairs of chunks of one tensor are compared for overlap (chunks whose ranges along the swept
@@ -181,12 +233,21 @@ def coverage_problem(metadata: Any) -> Optional[str]:
     a tampered or badly merged ``.metadata``) was loaded as whatever memory held, silently. Each tensor's chunks must
     lie inside it, add up to its size and not overlap (compared in a sweep along one dimension).
     """
+    # A list of chunks is checked once per shape however many keys share it: pickle writes a shared list once and
+    # refers to it in a few bytes per key, so N keys on one list of N chunks cost N * N chunk checks (58 s for a
+    # 100 KB file on every rank; a security review, session 50). torch's writer makes one list per key. (Chunks that
+    # tile a shape tile no other: the shape is their union.)
+    checked = set()
     for key, entry in getattr(metadata, "state_dict_metadata", {}).items():
         chunks = getattr(entry, "chunks", None)
         size = getattr(entry, "size", None)
         if chunks is None or size is None:
             continue  # not a tensor (bytes: read whole)
-        problem = _tiling_problem([int(d) for d in size], chunks)
+        shape = [int(d) for d in size]
+        if (id(chunks), tuple(shape)) in checked:
+            continue
+        checked.add((id(chunks), tuple(shape)))
+        problem = _tiling_problem(shape, chunks)
         if problem is not None:
             return f"{key}: {problem}"
     return None

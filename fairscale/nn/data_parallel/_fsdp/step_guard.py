@@ -127,15 +127,21 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Op
     return None
 
 
-# Optimizers already looked at, with their parameter count then (weak: a dropped optimizer is forgotten).
-_checked_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+# Optimizers already looked at, with their parameter count and the flattening generation then (weak: a dropped
+# optimizer is forgotten).
+_checked_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[int, int]]" = weakref.WeakKeyDictionary()
 _flattened_guard_registered = False
+# Counts the instances that flattened parameters: an optimizer checked (and stepped) before its model was wrapped is
+# checked again after, which had stepped over the flattened-away parameters silently (a fuzz, session 50).
+_flattening_generation = 0
 
 
 def guard_flattened_parameters() -> None:
     """Refuse, from now on, an optimizer step over parameters that an FSDP instance flattened away (registered once,
-    when an instance first flattens parameters)."""
-    global _flattened_guard_registered
+    when an instance first flattens parameters; called by every instance that flattens, so that optimizers checked
+    before are checked again)."""
+    global _flattened_guard_registered, _flattening_generation
+    _flattening_generation += 1
     if not _flattened_guard_registered:
         register_optimizer_step_pre_hook(_eager(_before_step_flattened))
         _flattened_guard_registered = True
@@ -144,7 +150,7 @@ def guard_flattened_parameters() -> None:
 def _before_step_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[Any]:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     try:
-        if _checked_optimizers.get(optimizer) == count:
+        if _checked_optimizers.get(optimizer) == (count, _flattening_generation):
             return None
     except TypeError:  # pragma: no cover - an optimizer class that cannot be weakly referenced: checked every step
         pass
@@ -163,7 +169,7 @@ def _before_step_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
             "after wrapping: optimizer = SGD(fsdp_model.parameters(), ...); nothing was changed."
         )
     try:
-        _checked_optimizers[optimizer] = count
+        _checked_optimizers[optimizer] = (count, _flattening_generation)
     except TypeError:  # pragma: no cover - an optimizer class that cannot be weakly referenced: checked every step
         pass
     return None
