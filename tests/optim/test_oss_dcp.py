@@ -250,6 +250,13 @@ def _spoil(osd: Dict[str, Any], how: str, owned: List[str]) -> None:
         osd["param_groups"][0]["params"] = osd["param_groups"][0]["params"][1:]
     elif how == "other lr":
         osd["param_groups"][0]["lr"] = 123.0
+    elif how == "lr not a number":  # taken as it came: the next step failed in torch
+        osd["param_groups"][0]["lr"] = {"lr": 0.1}
+    elif how == "tuple tower":  # a few bytes in a file; the ranks' comparison (a repr) walked 2**30 tuples
+        tower: Any = ()
+        for _ in range(30):
+            tower = (tower, tower)
+        osd["param_groups"][0]["betas" if "betas" in osd["param_groups"][0] else "momentum"] = tower
     else:
         raise AssertionError(how)
 
@@ -262,7 +269,15 @@ def _case_bad_dict_on_one_rank(saved: Saved, rank: int, world_size: int) -> None
         good = oss_dcp.get_optimizer_state_dict(model, optim)
         before = gathered(good)
         model_before = weights(model)
-        for how in ("missing state", "wrong shape", "unknown name", "other groups", "other lr"):
+        for how in (
+            "missing state",
+            "wrong shape",
+            "unknown name",
+            "other groups",
+            "other lr",
+            "lr not a number",
+            "tuple tower",
+        ):
             osd = oss_dcp.get_optimizer_state_dict(model, optim)
             msd = {k: v.detach() + 1.0 for k, v in oss_dcp.get_model_state_dict(model).items()}  # would change it
             if rank == 1:

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fairscale.internal import collectives
 from fairscale.internal.device import DeviceHandle
+from fairscale.internal.hyper_parameters import checked_hyper_parameters
 from fairscale.internal.version import torch_version
 
 from .._param_state import check_param_state, laid_out_like
@@ -230,7 +231,8 @@ def check_loadable(
                 f"{what}: parameter group {g} of the state dict does not list this optimizer's parameters (missing: "
                 f"{missing}; unexpected: {unexpected}); it was saved from another model or with other groups"
             )
-        hyper.append({k: v for k, v in saved.items() if k != _PARAMS})
+        # Checked and copied here, before the ranks compare them (a repr) and commit copies them.
+        hyper.append(checked_hyper_parameters(saved, group, f"{what}: parameter group {g}"))
     unknown = sorted(str(k) for k in sd[_STATE] if k not in by_name)
     if unknown:
         raise ValueError(f"{what}: the state dict has state for {unknown}, which no parameter group of it lists")

@@ -275,6 +275,27 @@ def _case_other_hyper_parameters_on_one_rank(root: str) -> None:
     assert_unchanged(other, other_optim, before, "after a load with another lr on one rank")
 
 
+def _case_hyper_parameters_of_another_kind(root: str) -> None:
+    """A saved lr that is not a number was taken as it came (the next step failed in torch), and a tuple tower (a few
+    bytes in a file) made the copy and the ranks' comparison walk 2**30 tuples: refused before either (a security
+    review, session 50)."""
+    fsdp, optim = trained()
+    other, other_optim = fresh()
+    before = snapshot(other, other_optim)
+    tower: Any = ()
+    for _ in range(30):
+        tower = (tower, tower)
+    for key, value, match in (
+        ("lr", {"lr": 0.1}, "'lr' is a dict .* but the optimizer's is a number"),
+        ("betas", (0.9,), "'betas' is \\(0.9,\\), but the optimizer's is 2 numbers"),
+        ("betas", tower, "'betas' nests more than 8 levels deep"),
+    ):
+        osd = fsdp_dcp.get_optimizer_state_dict(fsdp, optim)
+        osd["param_groups"][0][key] = value
+        expect(ValueError, match, fsdp_dcp.set_optimizer_state_dict, other, other_optim, osd)
+        assert_unchanged(other, other_optim, before, f"after a saved {key} of another kind")
+
+
 def _case_other_directory_on_one_rank(root: str) -> None:
     # Before: a save wrote each rank's shards into its own directory and .metadata into rank 0's only (a checkpoint
     # that cannot load), and a load read part of the model from each checkpoint, both without an error.
@@ -689,6 +710,7 @@ def _faults(rank: int, world_size: int, root: str) -> None:
         _case_other_directory_on_one_rank,
         _case_other_settings_on_one_rank,
         _case_other_hyper_parameters_on_one_rank,
+        _case_hyper_parameters_of_another_kind,
         _case_missing_keys,
         _case_optimizer_dict_that_does_not_fit,
         _case_checkpoint_with_other_parameter_groups,

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fairscale.internal import collectives
 from fairscale.internal.agreement import check_ranks_agree
+from fairscale.internal.hyper_parameters import checked_hyper_parameters
 
 from .dcp_dtensor import (
     _DTENSOR_ERROR,
@@ -293,7 +294,7 @@ def _matching_group(
                     f" which the saved group of {fqns[0]!r} does not; the parameters are grouped differently than "
                     "when saved"
                 )
-            new = {key: copy.deepcopy(v) for key, v in loaded.items() if key not in ("params", "param_names")}
+            new = checked_hyper_parameters(loaded, live, f"{what}: parameter group {gi} of optimizer {k}")
             new["params"] = list(live["params"])
             return new
     raise ValueError(
