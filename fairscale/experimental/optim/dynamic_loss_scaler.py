@@ -360,7 +360,7 @@ class DynamicLossScaler(object):
         """
         if "loss_scale" in state_dict:
             value = state_dict["loss_scale"]
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < _as_float(value) < math.inf:
                 raise ValueError(
                     f"DynamicLossScaler.load_state_dict: loss_scale must be a finite number > 0, got {value!r}; pass "
                     "a state dict saved by DynamicLossScaler.state_dict()"
@@ -370,6 +370,14 @@ class DynamicLossScaler(object):
             self.loss_scale = state_dict["loss_scale"]
         if counters is not None:
             self._iter, self._last_overflow_iter, self._last_rescale_iter, self._overflows_since_rescale = counters
+
+
+def _as_float(value: Any) -> float:
+    # An int past float's range (10**400) raised a bare OverflowError from float(): it is out of range, as inf is.
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 _COUNTERS = ("iter", "last_overflow_iter", "last_rescale_iter", "overflows_since_rescale")

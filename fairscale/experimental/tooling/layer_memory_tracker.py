@@ -37,6 +37,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FullyShardedD
 
 from ._memory_plots import compare_memory_traces_in_plot, matplotlib_figure_to_image, null_context
 from ._memory_probe import MemoryMark, MemoryProbe, probe_for
+from ._memory_traces import LayerMemoryTrace, TraceBackwardEvent, TraceForwardEvent, load_traces
 from ._tensor_walk import collect_tensors, first_output_tensor, new_tensors, tensor_bytes
 
 __all__ = [
@@ -54,72 +55,6 @@ __all__ = [
     "matplotlib_figure_to_image",
     "null_context",
 ]
-
-
-class TraceForwardEvent(NamedTuple):
-    """Forward of a leaf module: memory allocated during it, and bytes of its new outputs."""
-
-    memory_diff: int
-    memory_activations: int
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"memory_diff": self.memory_diff, "memory_activations": self.memory_activations}
-
-    @classmethod
-    def from_dict(cls, serialized: Dict[str, Any]) -> "TraceForwardEvent":
-        return cls(memory_diff=serialized["memory_diff"], memory_activations=serialized["memory_activations"])
-
-
-class TraceBackwardEvent(NamedTuple):
-    """Backward of a traced module: bytes of the input gradients it produced."""
-
-    memory_activations: int
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"memory_activations": self.memory_activations}
-
-    @classmethod
-    def from_dict(cls, serialized: Dict[str, Any]) -> "TraceBackwardEvent":
-        return cls(memory_activations=serialized["memory_activations"])
-
-
-class LayerMemoryTrace(NamedTuple):
-    """One record of the tracker (a forward or a backward of one module)."""
-
-    module_name: str
-    module_params: int
-    allocated: int
-    reserved: int
-    is_forward: bool
-    all_gathered: int
-    cumul_all_gathered: int
-    event: Any  # TraceForwardEvent or TraceBackwardEvent
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "module_name": self.module_name,
-            "module_params": self.module_params,
-            "allocated": self.allocated,
-            "reserved": self.reserved,
-            "is_forward": self.is_forward,
-            "all_gathered": self.all_gathered,
-            "cumul_all_gathered": self.cumul_all_gathered,
-            "event": self.event.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, serialized: Dict[str, Any]) -> "LayerMemoryTrace":
-        event_cls = TraceForwardEvent if serialized["is_forward"] else TraceBackwardEvent
-        return cls(
-            module_name=serialized["module_name"],
-            module_params=serialized["module_params"],
-            allocated=serialized["allocated"],
-            reserved=serialized["reserved"],
-            is_forward=serialized["is_forward"],
-            all_gathered=serialized["all_gathered"],
-            cumul_all_gathered=serialized["cumul_all_gathered"],
-            event=event_cls.from_dict(serialized["event"]),
-        )
 
 
 @dataclass
@@ -358,14 +293,10 @@ class LayerwiseMemoryTracker:
 
     @classmethod
     def load(cls, path: str) -> "LayerwiseMemoryTracker":
-        """A tracker holding the traces saved by :meth:`save_traces` (``ValueError`` for other JSON, not KeyError)."""
-        with open(path) as f:
-            data, tracker = json.load(f), cls()
-        try:
-            tracker.memory_traces = [LayerMemoryTrace.from_dict(t) for t in data["traces"]]
-            return tracker
-        except (KeyError, TypeError, AttributeError, ValueError) as error:
-            raise ValueError(f"{path}: not traces written by save_traces ({type(error).__name__}: {error})") from error
+        """A tracker holding the traces saved by :meth:`save_traces` (``ValueError`` for any other file)."""
+        tracker = cls()
+        tracker.memory_traces = load_traces(path)
+        return tracker
 
     # ---- hooks
 

@@ -113,7 +113,7 @@ def test_unscale_and_state_dict() -> None:
     assert other.loss_scale == 4
 
 
-@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0, -2.0, None, "1024", True])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0, -2.0, None, "1024", True, 10**400])
 def test_load_state_dict_refuses_a_loss_scale_that_cannot_work(bad: Any) -> None:
     """Upstream took any value: inf or NaN skipped every later step, silently; 0 failed at the first step."""
     scaler = DynamicLossScaler(init_scale=8.0)

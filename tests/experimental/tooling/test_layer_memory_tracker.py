@@ -471,10 +471,32 @@ def test_a_copy_made_while_monitored_records_nothing() -> None:
     assert [(t.module_name, t.is_forward) for t in tracker.memory_traces] == [("0", True), ("0", False)]
 
 
-@pytest.mark.parametrize("text", ["[1]", '{"traces": 5}', '{"traces": [{"is_forward": 1}]}', "{}"])
+_TRACE = (
+    '{"module_name": "0", "module_params": 8, "allocated": 1, "reserved": 2, "is_forward": %s, "all_gathered": 0, '
+    '"cumul_all_gathered": %s, "event": {"memory_diff": 1, "memory_activations": 2}}'
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1]",
+        '{"traces": 5}',
+        '{"traces": [{"is_forward": 1}]}',
+        "{}",
+        # Loaded before, failing later in summary with a bare TypeError, or taken as a forward (a review, session 50).
+        '{"traces": [%s]}' % (_TRACE % ("true", '"3"')),
+        '{"traces": [%s]}' % (_TRACE % ("true", "null")),
+        '{"traces": [%s]}' % (_TRACE % ('"no"', "0")),
+        "not json",
+        "[" * 100000,
+    ],
+)
 def test_load_of_other_json_raises_value_error(tmp_path: Any, text: str) -> None:
     """Found by a security review (session 42): a KeyError or TypeError from inside the loader."""
     path = tmp_path / "traces.json"
     path.write_text(text)
-    with pytest.raises(ValueError, match="not traces written by save_traces"):
+    with pytest.raises(ValueError, match="traces.json: not traces written by save_traces"):
         LayerwiseMemoryTracker.load(str(path))
+    path.write_text('{"traces": [%s]}' % (_TRACE % ("true", "0")))  # the form save_traces writes loads
+    assert LayerwiseMemoryTracker.load(str(path)).memory_traces[0].event.memory_activations == 2
