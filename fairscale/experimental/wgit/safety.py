@@ -12,8 +12,8 @@ checkpoints one adds. wgit therefore:
   :mod:`fairscale.experimental.wgit.pygit`). Files are replaced (written beside, then renamed), so a hard link
   planted inside ``.wgit`` cannot carry a write to the file it shares with;
 * loads checkpoints with ``torch.load(weights_only=True)`` after scanning their pickle
-  (:mod:`~fairscale.experimental.wgit.checkpoint_load`: no hashing bombs, no allocation larger than the file, no
-  compressed zip entries), and its own store objects with an unpickler that accepts numpy arrays, plain containers
+  (:mod:`~fairscale.experimental.wgit.checkpoint_load`, with :mod:`fairscale.internal.pickle_scan`: no hashing
+  bombs, no allocation larger than the file, no compressed zip entries), and its own store objects with an unpickler that accepts numpy arrays, plain containers
   and wgit's own record type only, so a file whose pickle would run code is refused with
   :class:`UntrustedContentError` and the code never runs; a store object whose bytes do not hash to its key,
   or a store ``metadata.json`` of the wrong shape, is refused with :class:`CorruptStoreError`;
@@ -39,9 +39,13 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import IO, Any, BinaryIO, Callable, FrozenSet, Iterable, Optional, Sequence, Tuple
 
 from fairscale.internal.errors import FairscaleValueError
+from fairscale.internal.pickle_scan import MAX_NESTING as MAX_NESTING  # re-exported: wgit's modules import it here
+from fairscale.internal.pickle_scan import nesting_problem as _nesting_problem
+from fairscale.internal.pickle_scan import printable as printable  # re-exported, as MAX_NESTING
+from fairscale.internal.pickle_scan.files import file_kind
 
 __all__ = ["WgitSafetyError", "UnsafeRepositoryError", "UntrustedContentError", "CorruptStoreError"]
 
@@ -72,16 +76,6 @@ class CorruptStoreError(WgitSafetyError, FairscaleValueError):
 _REMOVE_HINT = "remove it (or the whole .wgit directory if you did not create it) and retry"
 
 
-# Control characters (C0, DEL, C1) as escapes: a planted file name holding a terminal escape sequence was written
-# raw to the user's terminal in wgit's messages (found by a security review, session 42).
-_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters escaped (``\\x1b``), for a line wgit writes to a terminal."""
-    return text.translate(_CONTROLS)
-
-
 def unsafe(path: Path, why: str) -> UnsafeRepositoryError:
     """The :class:`UnsafeRepositoryError` refusing ``path`` because ``why`` (what it is, and what it would make wgit
     do), with the promise wgit keeps and what to do."""
@@ -99,16 +93,7 @@ def _link_error(path: Path, what: str) -> UnsafeRepositoryError:
     return unsafe(path, f"{what} is a symbolic link{target}, and a link there could make wgit write outside")
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device file"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "not a regular file"
+_kind = file_kind  # what an entry of a mode is, for the messages
 
 
 def _special_error(path: Path, what: str, mode: int) -> UnsafeRepositoryError:
@@ -306,62 +291,11 @@ def replace_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
             tmp.unlink()
 
 
-# How deep containers may nest in a checkpoint or a store object. wgit's own walks, copy.deepcopy and pickle recurse
-# once or twice per level: much deeper, they reach Python's recursion limit and fail with a RecursionError traceback
-# instead of a clear refusal. State dicts nest a few levels.
-MAX_NESTING = 100
-_END = object()
-
-
-def _children(obj: Any) -> Optional[List[Any]]:
-    """What copy.deepcopy and pickle would recurse into (``None``: ``obj`` is not a container)."""
-    if isinstance(obj, dict):
-        return [*obj.keys(), *obj.values()]
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return list(obj)
-    return None
-
-
 def nesting_problem(obj: Any) -> Optional[str]:
-    """What is wrong with how ``obj``'s containers nest (``None``: nothing), worded to follow "it".
-
-    Refused: nesting deeper than :data:`MAX_NESTING`, and a container inside itself (wgit's walks never end on one).
-    A container shared by several parents is fine and expanded once, so the walk costs the number of containers and
-    references, not the number of paths (``2**depth`` for a list shared at every level: a file of a few hundred
-    bytes). Iterative, so it never reaches the recursion limit itself.
-    """
-    top = _children(obj)
-    if top is None:
-        return None
-    deep = f"nests containers more than {MAX_NESTING} deep (wgit handles at most {MAX_NESTING} levels)"
-    heights: Dict[int, int] = {}  # id of a container walked to the end -> its levels (itself and below)
-    path: List[List[Any]] = [[obj, iter(top), 0]]  # open containers: [container, its children, levels below]
-    on_path = {id(obj)}
-    while path:
-        frame = path[-1]
-        child = next(frame[1], _END)
-        if child is _END:
-            path.pop()
-            on_path.discard(id(frame[0]))
-            heights[id(frame[0])] = frame[2] + 1
-            if path:
-                path[-1][2] = max(path[-1][2], frame[2] + 1)
-            continue
-        if id(child) in on_path:
-            return "holds a container inside itself (a cycle)"
-        if id(child) in heights:  # shared: walked once already
-            if len(path) + heights[id(child)] > MAX_NESTING:
-                return deep
-            frame[2] = max(frame[2], heights[id(child)])
-            continue
-        items = _children(child)
-        if items is None:
-            continue
-        if len(path) >= MAX_NESTING:
-            return deep
-        path.append([child, iter(items), 0])
-        on_path.add(id(child))
-    return None
+    """What is wrong with how ``obj``'s containers nest (``None``: nothing), worded to follow "it" and for wgit
+    (:func:`fairscale.internal.pickle_scan.nesting_problem`): deeper than :data:`MAX_NESTING`, or a container inside
+    itself."""
+    return _nesting_problem(obj, "wgit")
 
 
 def check_sha1(sha1: Any) -> Optional[str]:

@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from fairscale.internal.pickle_scan import PickleScanError, UnreadableFileError, load_torch_file
+
 from ._fsdp import identity
 from ._fsdp.metadata import consolidate_shard_weights, reshard_full_state_dict
 
@@ -67,7 +69,13 @@ class CheckpointFileError(ValueError):
 
 
 def _load_file(path: str) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, every failure turned into a :class:`CheckpointFileError`."""
+    """``torch.load(path, weights_only=True)`` on the CPU after a scan of its pickle
+    (:func:`fairscale.internal.pickle_scan.load_torch_file`), every failure turned into a :class:`CheckpointFileError`.
+
+    The scan refuses what the weights-only loader would do at the file's word past what its bytes hold: a tuple shared
+    at every level as a dict key (``2**depth`` hashing steps: a 1 KB file hung the tool), a legacy tensor constructor
+    of the size the file names, calls ``torch.save`` never writes.
+    """
     if os.path.isdir(path):
         raise CheckpointFileError(path, "is a directory, not a checkpoint file")
     if not os.path.exists(path):
@@ -78,9 +86,13 @@ def _load_file(path: str) -> Any:
         # torch warns about pickle protocols on stderr; the command line's contract is one error line there.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return load_torch_file(path)
     except CheckpointFileError:
         raise
+    except UnreadableFileError as e:
+        _unreadable(path, e.reason)
+    except PickleScanError as e:
+        raise CheckpointFileError(path, f"refused: {e.reason}. {_NEVER}") from None
     except pickle.UnpicklingError as e:
         _refuse(path, e)
     except EOFError:
@@ -99,21 +111,43 @@ def _load_file(path: str) -> Any:
         ) from None
 
 
+_NEVER = (
+    "This tool scans files, then loads them with torch.load(weights_only=True), and never runs code from them; save "
+    "checkpoints of tensors, dicts and lists only"
+)
+
+
+def _head(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def _unreadable(path: str, reason: str) -> NoReturn:
+    """The scan found no readable torch.save file at ``path`` (``reason``: what it met instead)."""
+    head = _head(path)
+    if head.startswith(b"PK\x03\x04"):
+        raise CheckpointFileError(
+            path,
+            f"truncated or corrupt: not a complete torch.save zip archive ({reason}; was the copy or save cut short?)",
+        ) from None
+    if head.startswith(b"\x80"):  # a pickle's protocol marker: a plain pickle, or a legacy torch.save cut short
+        raise CheckpointFileError(
+            path, f"refused: a plain pickle, or a cut-short legacy torch.save file ({reason}). {_NEVER}"
+        ) from None
+    raise CheckpointFileError(
+        path, f"truncated or corrupt, or not a torch.save checkpoint (neither a zip archive nor a pickle: {reason:.80})"
+    ) from None
+
+
 def _refuse(path: str, error: pickle.UnpicklingError) -> NoReturn:
     found = _REFUSED_GLOBAL.search(str(error))
-    never = (
-        "This tool loads files with torch.load(weights_only=True) and never runs code from them; save checkpoints of "
-        "tensors, dicts and lists only"
-    )
     if found:
         raise CheckpointFileError(
-            path, f"refused: it names {found.group(1)}, which is not a tensor or a plain container. {never}"
+            path, f"refused: it names {found.group(1)}, which is not a tensor or a plain container. {_NEVER}"
         ) from None
-    with open(path, "rb") as f:
-        head = f.read(1)
-    if head == b"\x80":  # a pickle's protocol marker: a plain pickle (or legacy torch.save) torch would not read
+    if _head(path).startswith(b"\x80"):  # a pickle's protocol marker: a plain pickle torch would not read
         raise CheckpointFileError(
-            path, f"refused: a plain pickle, not a torch.save checkpoint that weights_only loading accepts. {never}"
+            path, f"refused: a plain pickle, not a torch.save checkpoint that weights_only loading accepts. {_NEVER}"
         ) from None
     raise CheckpointFileError(
         path,
@@ -137,7 +171,7 @@ def find_rank_files(directory: str, pattern: str = "*.pt") -> List[str]:
         ValueError: no file matches, a file name carries no rank, the ranks are not exactly ``0..n-1``, or a match
             leads out of ``directory`` (a symlink to a file elsewhere, a pattern with ``..``) or is not a file.
     """
-    paths = sorted(glob.glob(os.path.join(directory, pattern)))
+    paths = sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))  # a folder named run[1] is literal
     if not paths:
         raise ValueError(f"no file matches {pattern!r} in {directory!r}")
     by_rank: Dict[int, str] = {}
@@ -190,7 +224,9 @@ def _split_checkpoint(ckpt: Any, path: str) -> Tuple[Dict[str, Any], Dict[str, A
                 weights, meta = ckpt[weights_key], ckpt[meta_key]
                 _check_layout(weights, meta, path, weights_key, meta_key)
                 return weights, meta
-    keys = sorted(map(str, ckpt)) if isinstance(ckpt, Mapping) else type(ckpt).__name__
+    # A few short names: a key's str may be huge (a tuple tower of 963 bytes made a 100 MB line; a security review,
+    # session 50).
+    keys = _few(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
     raise CheckpointFileError(
         path,
         "not a per-rank FSDP checkpoint: expected a dict with 'weights' (local_state_dict()) and 'meta' "
@@ -214,11 +250,26 @@ def _check_layout(weights: Any, meta: Any, path: str, weights_key: str, meta_key
     for i, entry in enumerate(entries):
         if not _is_entry(entry):
             bad(f"the metadata's param_metadata[{i}] is not an instance entry (fsdp_path, params, ...)")
+    # One entry per instance: a list repeating one entry costs a few bytes per repeat in the file, and each repeat a
+    # full consolidation pass (an hour for a 4 MB file; a security review, session 50).
+    seen: Dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        if entry["fsdp_path"] in seen:
+            bad(
+                f"the metadata's param_metadata[{i}] repeats the instance at {entry['fsdp_path'][:80]!r} (entry {seen[entry['fsdp_path']]})"
+            )
+        seen[entry["fsdp_path"]] = i
     ident = meta.get("checkpoint_identity")
     if ident is not None and not (
         isinstance(ident, Mapping) and all(isinstance(ident.get(k), int) for k in ("rank", "world_size"))
     ):
         bad("the metadata's checkpoint_identity is malformed")
+
+
+def _few(mapping: Mapping[Any, Any]) -> str:
+    names = [key if isinstance(key, str) else f"<a {type(key).__name__}>" for key in list(mapping)[:8]]
+    shown = ", ".join(repr(name[:40] + "..." if len(name) > 40 else name) for name in sorted(names))
+    return f"keys [{shown}{', ...' if len(mapping) > 8 else ''}]"
 
 
 def _is_str_list(value: Any) -> bool:

@@ -220,3 +220,40 @@ def test_rank_files_must_be_inside_the_directory(tmp_path: Path, capsys: pytest.
     (received / "ckpt-rank-1.pt").mkdir()
     with pytest.raises(ValueError, match="is not a regular file"):
         find_rank_files(str(received))
+
+
+def _one_rank_checkpoint(rank: int, world_size: int, path: str) -> None:
+    from _models import NestedWrappedModule, build, wrap_model
+
+    fsdp = wrap_model(build(NestedWrappedModule)[0], {}, "nested")
+    torch.save({"weights": fsdp.local_state_dict(), "meta": fsdp.local_metadata_dict()}, path)
+
+
+def test_inputs_that_cost_or_mislead(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """From a security review (session 50): a directory name with glob characters matched another directory's files;
+    an instance listed many times in the metadata (a few bytes per repeat) cost a full pass per repeat; a file's
+    keys were printed whole in the one error line (a 963-byte file made a 100 MB line)."""
+    literal, other = tmp_path / "run[1]", tmp_path / "run1"
+    literal.mkdir()
+    other.mkdir()
+    run_distributed(_one_rank_checkpoint, 1, str(literal / "ckpt-rank-0.pt"))
+    (other / "ckpt-rank-0.pt").write_bytes(_torch_save_bytes({}))
+    assert find_rank_files(str(literal)) == [str(literal / "ckpt-rank-0.pt")]
+    assert main(["consolidate", str(literal), str(tmp_path / "full.pt")]) == 0, capsys.readouterr()
+    # The same instance twice.
+    ckpt = torch.load(literal / "ckpt-rank-0.pt", weights_only=True)
+    ckpt["meta"]["param_metadata"] = list(ckpt["meta"]["param_metadata"]) * 2
+    repeated = tmp_path / "repeated"
+    repeated.mkdir()
+    torch.save(ckpt, repeated / "ckpt-rank-0.pt")
+    assert main(["consolidate", str(repeated), str(tmp_path / "full2.pt")]) == 1
+    assert "repeats the instance" in _one_error_line(capsys.readouterr().err, repeated / "ckpt-rank-0.pt")
+    # Long keys are shortened in the message.
+    long_keys = tmp_path / "long"
+    long_keys.mkdir()
+    (long_keys / "ckpt-rank-0.pt").write_bytes(
+        _torch_save_bytes({"k" * 100000: 1, **{f"key{i}": i for i in range(20)}})
+    )
+    assert main(["consolidate", str(long_keys), str(tmp_path / "full3.pt")]) == 1
+    line = _one_error_line(capsys.readouterr().err, long_keys / "ckpt-rank-0.pt")
+    assert "expected a dict with 'weights'" in line and len(line) < 600, line[:300]

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from fairscale.internal import collectives
+from fairscale.internal.pickle_scan import PickleScanError, load_torch_file
 
 from . import dcp_metadata, dcp_state
 from .state_dict import _check_loadable
@@ -184,10 +185,18 @@ class _SizeCheckingPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         # DCP's planner reads a saved object (an optimizer's lr or betas, any non-tensor entry) with
         # torch.load(weights_only=False): a checkpoint from someone else would run code on every rank that loads it.
-        # Read it with the restricted unpickler, and hand DCP's planner that object, saved again by torch.save, so it
-        # files it where it belongs (its private mappings differ between torch releases).
+        # Read it with the restricted unpickler, after a scan of its pickle (torch's weights-only loader hashed a tuple
+        # shared at every level as a dict key 2**depth times: a 1 KB object hung every rank), and hand DCP's planner
+        # that object, saved again by torch.save, so it files it where it belongs (its private mappings differ between
+        # torch releases).
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = load_torch_file(value)
+        except PickleScanError as e:
+            raise dcp_metadata.UntrustedCheckpointError(
+                f"refusing the saved object {read_item.dest_index.fqn!r}: it is not plain data (tensors, numbers, "
+                f"strings and their containers) of its size: {e.reason}. fairscale scans each saved object, then loads "
+                "it with torch.load(weights_only=True), and never runs code from a checkpoint"
+            ) from None
         except Exception as e:
             raise dcp_metadata.UntrustedCheckpointError(
                 f"refusing the saved object {read_item.dest_index.fqn!r}: it is not plain data (tensors, numbers, "
