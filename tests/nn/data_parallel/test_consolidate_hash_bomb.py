@@ -10,7 +10,6 @@ with a timeout (a tuple's hash never releases the GIL, so nothing in-process cou
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,14 +30,12 @@ def test_a_hash_bomb_rank_file_is_refused_at_once(tmp_path: Path) -> None:
     rank_file.write_bytes(hash_bomb(60))
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "fairscale.nn.data_parallel.consolidate", "consolidate"]
-    start = time.monotonic()
     try:
         done = subprocess.run(
             cmd + [str(tmp_path), str(tmp_path / "full.pt")], capture_output=True, text=True, env=env, timeout=60
         )
     except subprocess.TimeoutExpired:
         pytest.fail("consolidate of a 1 KB hash-bomb rank file did not return within 60 s")
-    assert time.monotonic() - start < 60
     assert done.returncode == 1, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
@@ -55,11 +52,8 @@ def test_a_hash_bomb_given_to_reshard_is_refused_in_process(tmp_path: Path, caps
     meta.write_bytes(hash_bomb(20))
     full = tmp_path / "full.pt"
     torch.save({"w": torch.ones(2)}, full)
-    start = time.monotonic()
     argv = ["reshard", str(full), "--meta", str(meta), "--world-size", "2", "--out-dir", str(tmp_path / "out")]
     assert main(argv) == 1
-    elapsed = time.monotonic() - start
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {meta}: refused: its dict keys and set members take more than"), err
-    assert elapsed < 10, elapsed
     assert not (tmp_path / "out").exists()

@@ -12,7 +12,6 @@ then edited to point the object at the appended bytes (as someone handing the ch
 import os
 import pickle
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -73,10 +72,8 @@ def _bomb_body(rank: int, world_size: int, root: str) -> None:
     other, other_optim = _model(5)
     with other.summon_full_params():
         before = [p.detach().clone() for p in other.parameters()]
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match="nothing was loaded") as info:
         fsdp_dcp.load(other, other_optim, checkpoint_id=checkpoint)
-    assert time.monotonic() - start < 10
     message = str(info.value)
     assert "UntrustedCheckpointError" in message and f"refusing the saved object {LR!r}" in message, message
     assert "take more than" in message and "steps to hash" in message, message
