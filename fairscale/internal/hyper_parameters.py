@@ -18,8 +18,9 @@ from .errors import FairscaleValueError
 
 __all__ = ["checked_hyper_parameters"]
 
-# Far more than any optimizer's values (betas: 2 numbers; Adafactor, Lion and the like: a few more).
-_MAX_ITEMS = 1024
+# Far more than any optimizer's values (betas: 2 numbers; Adafactor, Lion and the like: a few more; a per-group list
+# of a few thousand values), and cheap to copy and compare.
+_MAX_ITEMS = 65536
 _MAX_DEPTH = 8
 _SKIPPED = ("params", "param_names")
 
@@ -36,7 +37,7 @@ def checked_hyper_parameters(saved: Mapping[Any, Any], live: Mapping[Any, Any], 
         Dict[Any, Any]: the saved values, copied (tensors detached and cloned).
 
     Raises:
-        FairscaleValueError: a value nests deeper than 8 levels or holds more than 1024 items, or is not a number
+        FairscaleValueError: a value nests deeper than 8 levels or holds more than 65536 items, or is not a number
             where the optimizer's value is one (or not a sequence of as many numbers where it holds one).
     """
     out: Dict[Any, Any] = {}
@@ -51,8 +52,15 @@ def checked_hyper_parameters(saved: Mapping[Any, Any], live: Mapping[Any, Any], 
                 f"{what}: the saved hyper-parameter {key!r} {problem}; the state dict belongs to another optimizer, "
                 "or was edited or damaged. Nothing was loaded."
             )
-        out[key] = value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+        out[key] = _copied(value)
     return out
+
+
+def _copied(value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    # A learned lr (a leaf that requires grad) goes on learning; deepcopy refuses a non-leaf.
+    return value.detach().clone().requires_grad_(value.requires_grad and value.is_leaf)
 
 
 def _size_problem(value: Any) -> Any:
@@ -75,6 +83,8 @@ def _size_problem(value: Any) -> Any:
 def _is_number(value: Any) -> bool:
     if isinstance(value, Tensor):
         return value.numel() == 1
+    if type(value).__name__ == "ndarray":  # numpy: a 0-d array of an old checkpoint
+        return getattr(value, "size", 0) == 1
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -82,6 +92,8 @@ def _kind_problem(value: Any, current: Any) -> Any:
     if _is_number(current) and not _is_number(value):
         return f"is a {type(value).__name__} ({_short(value)}), but the optimizer's is a number ({_short(current)})"
     if isinstance(current, (tuple, list)) and current and all(_is_number(x) for x in current):
+        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == len(current):
+            return None  # betas as one tensor
         if not (isinstance(value, (tuple, list)) and len(value) == len(current) and all(_is_number(x) for x in value)):
             return f"is {_short(value)}, but the optimizer's is {len(current)} numbers ({_short(current)})"
     return None

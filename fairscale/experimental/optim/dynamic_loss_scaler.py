@@ -367,7 +367,12 @@ class DynamicLossScaler(object):
                 )
         counters = _counters(state_dict)
         if "loss_scale" in state_dict:
-            self.loss_scale = state_dict["loss_scale"]
+            value = state_dict["loss_scale"]
+            # An int past int64 (2**70) is a finite scale, but multiplying a tensor by it raised a bare OverflowError
+            # at the next scale() (a review, session 50): kept as the float it is.
+            self.loss_scale = (
+                float(value) if isinstance(value, numbers.Integral) and abs(int(value)) >= 2**63 else value
+            )
         if counters is not None:
             self._iter, self._last_overflow_iter, self._last_rescale_iter, self._overflows_since_rescale = counters
 

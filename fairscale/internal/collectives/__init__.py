@@ -44,7 +44,7 @@ from .groups import (
 )
 from .inplace import all_reduce, broadcast, reduce
 from .objects import all_gather_object, barrier, broadcast_object_list
-from .p2p import checked_by_torch, irecv, isend, p2p_group, recv, send
+from .p2p import checked_by_torch, irecv, isend, p2p_group, p2p_group_retired, recv, send
 from .store import decide_through_store
 from .work import WorkHandle
 
@@ -83,5 +83,6 @@ __all__ = [
     "isend",
     "irecv",
     "p2p_group",
+    "p2p_group_retired",
     "checked_by_torch",
 ]

@@ -4,7 +4,7 @@ the group that should carry them (:func:`p2p_group`)."""
 
 import atexit
 import datetime
-from typing import Any, Dict, Optional, cast
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,11 @@ from .work import WorkHandle
 
 # Point-to-point twins of the groups that PyTorch's collective checker wraps, by group; see p2p_group.
 _twins: Dict[Any, Any] = {}
+# Twins of groups the user destroyed (see p2p_group); torch holds them until the world is destroyed anyway.
+_retired_twins: List[Any] = []
 # Released at exit while the interpreter is whole, for the reason groups._group_cache is.
 atexit.register(_twins.clear)
+atexit.register(_retired_twins.clear)
 
 
 def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
@@ -54,14 +57,13 @@ def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
         return group
     twin: Any = _twins.get(info.pg)
     if twin is None:
-        # The twin of a group the user destroyed goes with it (destroying the world ends every twin anyway): kept, it
-        # and the pipeline's sender thread on it held threads and sockets (gloo) for the rest of the process. The
-        # user destroyed the group on every rank once done with it, and no send on the twin is pending by then (a
-        # pipeline flushes its sends before it returns), so ending it here is local and safe.
+        # The twin of a group the user destroyed is retired: the pipeline's sender thread on it ends (see
+        # nn/pipe/messages.py), which held it for the rest of the process. The twin itself is not destroyed here:
+        # torch names a subgroup made with use_local_synchronization by its ranks and the number of live groups, so
+        # a destroy the user did not make gave the next twin the name of the user's newest group ("The specified
+        # group name has already been created"; a review, session 50). Destroying the world ends it.
         for key in [key for key in _twins if group_destroyed(key)]:
-            gone = _twins.pop(key)
-            if not group_destroyed(gone):
-                dist.destroy_process_group(gone)
+            _retired_twins.append(_twins.pop(key))
         timeout = _timeout_of(info.pg)
         local = len(info.ranks) < dist.get_world_size()
         if timeout is None:  # torch 2.1 refuses timeout=None (its default is a timedelta)
@@ -72,6 +74,13 @@ def p2p_group(group: Optional[ProcessGroup] = None) -> Optional[ProcessGroup]:
             )
         _twins[info.pg] = twin
     return cast(Optional[ProcessGroup], twin)
+
+
+def p2p_group_retired(group: Any) -> bool:
+    """Whether ``group``, a group :func:`p2p_group` returned, carries no more traffic: torch destroyed it, or it is
+    the twin of a group torch destroyed (retired at the next :func:`p2p_group` call that makes a twin)."""
+    _retired_twins[:] = [twin for twin in _retired_twins if not group_destroyed(twin)]
+    return group_destroyed(group) or any(twin is group for twin in _retired_twins)
 
 
 def checked_by_torch(group: Optional[ProcessGroup] = None) -> bool:

@@ -232,13 +232,14 @@ def _sender(group: Any) -> _Sender:
 
 
 def _forget_destroyed_senders() -> None:
-    """End the threads of the groups torch destroyed: each held its group (threads and sockets with gloo) for the
-    rest of the process, so a process that re-initialised the world per trial gathered them. Their queues are empty:
-    a pipeline flushes its sends before ``forward`` or the last stage's backward returns. (In a forked child the
-    thread is not there: the stop is never read.)"""
+    """End the threads of the groups torch destroyed (or of their twins, see ``p2p_group_retired``): each held its
+    group (threads and sockets with gloo) for the rest of the process, so a process that re-initialised the world per
+    trial gathered them. Their queues are empty: a pipeline flushes its sends before ``forward`` or the last stage's
+    backward returns."""
     for key, sender in list(_senders.items()):
-        if collectives.group_destroyed(sender.group):
-            sender.queue.put(None)
+        if collectives.p2p_group_retired(sender.group):
+            if sender.pid == os.getpid():  # a forked child's copy has no thread (and its queue's lock may be held)
+                sender.queue.put(None)
             del _senders[key]
 
 

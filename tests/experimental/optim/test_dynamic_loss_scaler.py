@@ -222,3 +222,11 @@ def test_scale_and_step_refuse_what_they_cannot_take() -> None:
     for method in (scaler.step, scaler.unscale_):
         with pytest.raises(TypeError, match="expected a torch optimizer"):
             method(None)  # type: ignore[arg-type]
+
+
+def test_a_loss_scale_past_int64_loads_as_the_float_it_is() -> None:
+    """2**70 is a finite scale; kept as an int, the next scale() raised a bare OverflowError (a review, session 50)."""
+    scaler = DynamicLossScaler(init_scale=8.0)
+    scaler.load_state_dict({"loss_scale": 2**70})
+    assert scaler.loss_scale == float(2**70)
+    assert scaler.scale(torch.ones(1)).item() == float(2**70)

@@ -107,11 +107,46 @@ def _case_save_over_planted_links(root: str) -> None:
             assert torch.equal(other.local_state_dict()[key], value), key
 
 
+def _case_save_over_a_metadata_tmp_link_and_hard_links(root: str) -> None:
+    """torch writes ``.metadata.tmp`` then renames it: a link of that name was written through (and the checkpoint
+    then refused its own .metadata). A snapshot made with hard links (``cp -al``) was rewritten by an overwrite of
+    the copy, silently (a review, session 50)."""
+    fsdp, optim = trained()
+    victim = os.path.join(root, "victim_tmp.txt")
+    path, snapshot_dir = os.path.join(root, "tmp_link"), os.path.join(root, "snapshot")
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(victim, "w") as f:
+            f.write("precious\n")
+        os.symlink(victim, os.path.join(path, ".metadata.tmp"))
+        os.makedirs(snapshot_dir)
+        for name in os.listdir(path):
+            if not name.endswith(".tmp"):
+                os.link(os.path.join(path, name), os.path.join(snapshot_dir, name))
+    dist.barrier()
+    saved = {k: v.clone() for k, v in fsdp.local_state_dict().items()}
+    with torch.no_grad():
+        for p in fsdp.parameters():
+            p.add_(1.0)
+    fsdp_dcp.save(fsdp, optim, checkpoint_id=path, overwrite=True)
+    with open(victim) as f:
+        assert f.read() == "precious\n", "the save wrote through the .metadata.tmp link"
+    other, other_optim = fresh(mode="nested")
+    fsdp_dcp.load(other, other_optim, checkpoint_id=path)  # its own metadata loads
+    for key, value in fsdp.local_state_dict().items():
+        assert torch.equal(other.local_state_dict()[key], value), key
+    fsdp_dcp.load(other, other_optim, checkpoint_id=snapshot_dir)  # the snapshot kept the old values
+    for key, value in saved.items():
+        assert torch.equal(other.local_state_dict()[key], value), f"the snapshot changed: {key}"
+
+
 def _files(rank: int, world_size: int, root: str) -> None:
     cases = [
         _case_metadata_that_is_not_a_regular_file,
         _case_caller_reader_and_paths_out_of_the_checkpoint,
         _case_save_over_planted_links,
+        _case_save_over_a_metadata_tmp_link_and_hard_links,
     ]
     run_cases([(case.__name__[len("_case_") :], _bind(case, root)) for case in cases])
 

@@ -14,12 +14,15 @@ from typing import Any
 
 __all__ = ["remove_planted_entries"]
 
-_DCP_NAME = re.compile(r"__\d+_\d+\.distcp|\.metadata|__\d+\.metadata")
+# torch's writer writes the metadata to a ".tmp" name first, then renames it.
+_DCP_NAME = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?")
 
 
 def remove_planted_entries(directory: Any) -> None:
     """Remove the entries of ``directory`` named like DCP's files that are not regular files (symlinks, pipes,
-    devices), so that the writer creates plain files in their place instead of writing through them.
+    devices) or that have other hard links, so that the writer creates new files in their place instead of writing
+    through them: a checkpoint snapshotted with hard links (``cp -al``, ``rsync --link-dest``) and then overwritten
+    had the snapshot's files rewritten too, silently (a review, session 50).
 
     Run on every rank before its writes (several ranks may remove one entry: a missing one is fine). Errors are left
     to the writer, which reports them on every rank: a rank raising here would leave the others waiting in DCP's
@@ -35,8 +38,10 @@ def remove_planted_entries(directory: Any) -> None:
             continue
         entry = os.path.join(path, name)
         try:
-            mode = os.lstat(entry).st_mode
-            if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            info = os.lstat(entry)
+            if stat.S_ISDIR(info.st_mode):
+                continue
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
                 os.remove(entry)  # the link itself, never its target
         except OSError:
             pass
