@@ -46,6 +46,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         # do nothing yet (checkout): one line, like git's "fatal:" messages, instead of a traceback.
         sys.stderr.write(f"fatal: {printable(str(e))}\n")
         sys.exit(1)
+    except ImportError as e:  # pygit2, which the plain install does not bring (the dev extra does)
+        sys.stderr.write(f"fatal: {printable(str(e))}\n")
+        sys.exit(1)
     except RecursionError:  # wgit bounds the nesting it walks; a traceback would hide what is wrong
         sys.stderr.write("fatal: wgit: the data is nested too deeply to process (Python's recursion limit)\n")
         sys.exit(1)

@@ -91,6 +91,8 @@ def scan_torch_save(f: BinaryIO, size: int, scanner: Type[TorchSaveScanner] = To
             tensors, or a zip entry is compressed or ambiguous. Its ``reason`` (and message) follows "it".
         UnreadableFileError: the bytes are not such a checkpoint (truncated, corrupt, another format).
     """
+    if size == 0:  # said plainly (it read as a pickle that "declares 1 bytes of data, more than the 0 bytes left")
+        raise UnreadableFileError("it is empty (0 bytes): not a torch.save checkpoint")
     storage_keys: Dict[str, Tuple[int, int]] = {}
     try:
         with warnings.catch_warnings():

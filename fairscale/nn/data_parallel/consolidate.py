@@ -171,6 +171,11 @@ def find_rank_files(directory: str, pattern: str = "*.pt") -> List[str]:
         ValueError: no file matches, a file name carries no rank, the ranks are not exactly ``0..n-1``, or a match
             leads out of ``directory`` (a symlink to a file elsewhere, a pattern with ``..``) or is not a file.
     """
+    if not os.path.isdir(directory):  # said plainly (both read "no file matches '*.pt'")
+        raise ValueError(
+            f"{directory!r} {'is not a directory' if os.path.exists(directory) else 'does not exist'}: give the "
+            "directory that holds the per-rank files"
+        )
     paths = sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))  # a folder named run[1] is literal
     if not paths:
         raise ValueError(f"no file matches {pattern!r} in {directory!r}")

@@ -199,7 +199,8 @@ class Pipe(nn.Module):
         warnings.warn(
             "fairscale.nn.Pipe has been upstreamed to PyTorch as torch.distributed.pipeline.sync.Pipe. "
             "It is now deprecated and will be removed in a future version of fairscale. "
-            "The PyTorch API has minor changes. Please see https://pytorch.org/docs/stable/pipeline.html for details.",
+            "(Upstream's notice, kept for filters that match it: this fairscale keeps Pipe working. PyTorch removed "
+            "torch.distributed.pipeline again in 2.4; its successor is torch.distributed.pipelining, another API.)",
             DeprecationWarning,
         )
         chunks = int(chunks)

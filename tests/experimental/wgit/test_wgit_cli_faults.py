@@ -91,3 +91,22 @@ def test_adding_the_repository_directory_says_what_it_is(repo_dir: Path, capsys:
     # "wgit add ." said the directory was not inside the repository's directory, which it is.
     err = _fails_in_one_line(["add", "."], capsys)
     assert "is the repository's directory itself, not a checkpoint file" in err, err
+
+
+def test_without_pygit2_the_cli_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The plain install brings the wgit command but not pygit2 (the dev extra does): it printed a traceback (a new
+    user's first hour, session 50). ``sys.modules[name] = None`` makes the import fail as a missing package does."""
+    monkeypatch.setitem(__import__("sys").modules, "pygit2", None)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["init"])
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "fatal: Error: please pip install pygit2 module to use wgit\n"
+
+
+def test_adding_an_empty_file_says_it_is_empty(repo_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """It said the file "declares 1 bytes of data, more than the 0 bytes left" (session 50)."""
+    (repo_dir / "zero.pt").write_bytes(b"")
+    assert "zero.pt: it is empty (0 bytes)" in _fails_in_one_line(["add", "zero.pt"], capsys)

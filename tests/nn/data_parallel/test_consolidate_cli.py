@@ -257,3 +257,12 @@ def test_inputs_that_cost_or_mislead(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["consolidate", str(long_keys), str(tmp_path / "full3.pt")]) == 1
     line = _one_error_line(capsys.readouterr().err, long_keys / "ckpt-rank-0.pt")
     assert "expected a dict with 'weights'" in line and len(line) < 600, line[:300]
+
+
+def test_a_missing_directory_or_a_file_is_named_as_such(tmp_path: Path) -> None:
+    """Both said "no file matches '*.pt'" (a new user's first hour, session 50)."""
+    with pytest.raises(ValueError, match="does not exist"):
+        find_rank_files(str(tmp_path / "missing"))
+    (tmp_path / "ckpt-rank-0.pt").write_bytes(_torch_save_bytes({}))
+    with pytest.raises(ValueError, match="is not a directory"):
+        find_rank_files(str(tmp_path / "ckpt-rank-0.pt"))
