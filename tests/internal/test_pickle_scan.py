@@ -20,7 +20,13 @@ import torch
 from _pickle_bombs import hash_bomb, with_data_pkl
 
 from fairscale.internal.errors import FairscaleValueError
-from fairscale.internal.pickle_scan import PickleScanError, UnreadableFileError, load_torch_file
+from fairscale.internal.pickle_scan import (
+    FileWindow,
+    PickleScanError,
+    UnreadableFileError,
+    load_torch_file,
+    scan_torch_save,
+)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -160,3 +166,17 @@ def test_unreadable_files_and_special_files_are_refused(tmp_path: Path) -> None:
             load_torch_file(tmp_path / "pipe.pt")
     with pytest.raises(FileNotFoundError):
         load_torch_file(tmp_path / "missing.pt")
+
+
+def test_a_file_window_seeks_from_its_own_end() -> None:
+    """An entry inside a larger file, scanned through a window: zipfile seeks from the end (torch's own view of an
+    entry added a negative offset's size, and every DCP entry read as unreadable)."""
+    entry = io.BytesIO()
+    torch.save({"w": torch.arange(3.0)}, entry)
+    blob = b"x" * 100 + entry.getvalue() + b"y" * 50
+    window = FileWindow(io.BytesIO(blob), 100, len(entry.getvalue()))
+    assert window.seek(-4, os.SEEK_END) == len(entry.getvalue()) - 4
+    assert window.read() == entry.getvalue()[-4:] and window.read() == b""
+    scan_torch_save(window, len(entry.getvalue()))  # accepted
+    window.seek(0)
+    assert torch.equal(torch.load(window, weights_only=True)["w"], torch.arange(3.0))

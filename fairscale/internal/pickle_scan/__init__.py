@@ -16,11 +16,13 @@ Modules, one concept each: :mod:`.errors` (the refusals), :mod:`.text` (how valu
 """
 
 from .errors import PickleScanError, UnreadableFileError
+from .files import FileWindow
 from .nesting import MAX_NESTING, nesting_problem
 from .text import printable
 from .torch_file import load_torch_file, scan_torch_save
 
 __all__ = [
+    "FileWindow",
     "MAX_NESTING",
     "PickleScanError",
     "UnreadableFileError",

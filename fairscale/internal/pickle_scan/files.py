@@ -1,13 +1,15 @@
 # Copyright (c) the fairscale-maintained contributors. Licensed under the BSD license in LICENSE.
-"""Opening a file to scan: a regular file only (reading a named pipe blocks until someone writes to it)."""
+"""Opening a file to scan: a regular file only (reading a named pipe blocks until someone writes to it); a window on
+part of an open file (an entry of a larger file)."""
 
+import io
 import os
 import stat
-from typing import BinaryIO, Union
+from typing import Any, BinaryIO, Union
 
 from .errors import PickleScanError
 
-__all__ = ["file_kind", "open_regular_file"]
+__all__ = ["FileWindow", "file_kind", "open_regular_file"]
 
 
 def file_kind(mode: int) -> str:
@@ -44,3 +46,42 @@ def open_regular_file(path: Union[str, "os.PathLike[str]"]) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+class FileWindow(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of a seekable binary ``stream``, as a file of their own.
+
+    For the scan of one entry of a larger file (a DCP data file holds one ``torch.save`` entry per tensor): Python's
+    ``zipfile`` seeks from the end, which torch's own view of an entry gets wrong (it adds a negative offset's size).
+    Reads never pass the window's end; the stream's position is this window's business while it is read.
+    """
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._length, self._pos = stream, int(offset), int(length), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError(f"seek to {base + offset}, before the start of the window")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        size = max(0, min(len(buffer), self._length - self._pos))
+        if size == 0:
+            return 0
+        self._stream.seek(self._offset + self._pos)
+        data = self._stream.read(size)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)

@@ -6,7 +6,7 @@ import pickle
 import struct
 from typing import IO
 
-from .errors import PickleScanError
+from .errors import PickleScanError, UnreadableFileError
 
 __all__ = ["HashingReader", "PICKLE_ERRORS"]
 
@@ -22,7 +22,9 @@ class HashingReader:
         self._left = limit
 
     def _refuse(self, what: str) -> PickleScanError:
-        return PickleScanError(
+        # Unreadable: what a truncated file (or a plain pickle read as a legacy torch.save) gives too, so that callers
+        # word it so (a review, session 50); wgit words every refusal alike.
+        return UnreadableFileError(
             f"it declares {what}, more than the {self._left} bytes left of the {self._limit} bytes it can hold"
         )
 

@@ -6,8 +6,8 @@
 every rank that loads it. :func:`fairscale.nn.data_parallel.dcp.load` reads it with :class:`MetadataUnpickler`
 instead, which resolves only what DCP's metadata is made of (its dataclasses and enums, ``torch.Size``, dtypes and
 layouts, paths and plain containers) and raises :class:`UntrustedCheckpointError` for anything else. In the data
-files DCP reads tensors as raw bytes; the other objects, which DCP's planner would read with
-``torch.load(weights_only=False)``, are read with ``weights_only=True`` by the load's planner (:mod:`.dcp_load`).
+files each entry is a ``torch.save``'s bytes: the load's reader scans each (:mod:`.dcp_load`), and the objects, which
+DCP's planner would read with ``torch.load(weights_only=False)``, are read with ``weights_only=True``.
 """
 
 import dataclasses
