@@ -128,7 +128,7 @@ def _unreadable(path: str, reason: str) -> NoReturn:
     if head.startswith(b"PK\x03\x04"):
         raise CheckpointFileError(
             path,
-            f"truncated or corrupt: not a complete torch.save zip archive ({reason}; was the copy or save cut short?)",
+            f"truncated or corrupt (or crafted): not a readable torch.save zip archive ({reason})",
         ) from None
     if head.startswith(b"\x80"):  # a pickle's protocol marker: a plain pickle, or a legacy torch.save cut short
         raise CheckpointFileError(
