@@ -195,3 +195,13 @@ def test_a_file_saved_without_crc_checksums_loads() -> None:
     finally:
         setter(True)
     assert torch.equal(load_torch_file(io.BytesIO(buffer.getvalue()))["w"], torch.arange(4.0))
+
+
+def test_map_location_is_torch_loads() -> None:
+    """DCP's saved objects load on the device they were saved from (``map_location=None``), as DCP's planner loads
+    them; the consolidate tool's on the CPU (the default)."""
+    buffer = io.BytesIO()
+    torch.save({"lr": torch.tensor(0.5)}, buffer)
+    assert load_torch_file(io.BytesIO(buffer.getvalue()))["lr"].device.type == "cpu"
+    assert load_torch_file(io.BytesIO(buffer.getvalue()), map_location=None)["lr"].device.type == "cpu"
+    assert load_torch_file(io.BytesIO(buffer.getvalue()), map_location="meta")["lr"].device.type == "meta"

@@ -30,15 +30,18 @@ from .torch_scan import TorchSaveScanner
 __all__ = ["load_torch_file", "scan_torch_save"]
 
 
-def load_torch_file(source: Union[str, "os.PathLike[str]", BinaryIO], what: Optional[str] = None) -> Any:
-    """``torch.load(source, map_location="cpu", weights_only=True)``, after :func:`scan_torch_save` of all of it; a
-    loaded object whose containers nest too deep or hold themselves (:func:`~.nesting.nesting_problem`) is refused
-    too.
+def load_torch_file(
+    source: Union[str, "os.PathLike[str]", BinaryIO], what: Optional[str] = None, map_location: Any = "cpu"
+) -> Any:
+    """``torch.load(source, map_location=map_location, weights_only=True)``, after :func:`scan_torch_save` of all of
+    it; a loaded object whose containers nest too deep or hold themselves (:func:`~.nesting.nesting_problem`) is
+    refused too.
 
     Args:
         source: a path (of a regular file: a named pipe, a device or a socket is refused before it is read) or a
             binary file object holding the file from its start (``io.BytesIO`` too).
         what (Optional[str]): the file as the messages name it (the path, by default; ``"a file"`` for an object).
+        map_location (Any): ``torch.load``'s (``None``: each tensor on the device it was saved from).
 
     Raises:
         UnreadableFileError: the bytes are no readable ``torch.save`` file (truncated, corrupt, another format).
@@ -47,17 +50,17 @@ def load_torch_file(source: Union[str, "os.PathLike[str]", BinaryIO], what: Opti
         Exception: whatever ``torch.load`` raises on a file the scan passed (torch refuses a name it does not allow).
     """
     if not isinstance(source, (str, os.PathLike)):
-        return _scanned_load(source, what if what is not None else "a file")
+        return _scanned_load(source, what if what is not None else "a file", map_location)
     shown = what if what is not None else printable(os.fspath(source))
     try:
         f = open_regular_file(source)
     except PickleScanError as e:
         raise type(e)(e.reason, shown) from None
     with f:
-        return _scanned_load(f, shown)
+        return _scanned_load(f, shown, map_location)
 
 
-def _scanned_load(f: BinaryIO, what: str) -> Any:
+def _scanned_load(f: BinaryIO, what: str, map_location: Any) -> Any:
     with warnings.catch_warnings():
         # torch warns about the pickle protocol of files it then refuses (the error says what matters), and about its
         # typed storages, which the scan names.
@@ -68,7 +71,7 @@ def _scanned_load(f: BinaryIO, what: str) -> Any:
         except PickleScanError as e:
             raise type(e)(e.reason, what) from None
         f.seek(0)
-        obj = torch.load(f, map_location="cpu", weights_only=True)
+        obj = torch.load(f, map_location=map_location, weights_only=True)
     # torch's loader builds any nesting without recursing; walks of the result (copy.deepcopy, pickle) recurse.
     problem = nesting_problem(obj)
     if problem is not None:

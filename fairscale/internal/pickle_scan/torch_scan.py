@@ -32,8 +32,8 @@ _VIEWS = {  # rebuilds of a tensor viewing a storage: the position of (storage, 
 # Calls on a tensor that make no new data: a parameter around it.
 _WRAPPERS = {(_UTILS, "_rebuild_parameter"), (_UTILS, "_rebuild_parameter_with_state")}
 # Tensors other than dense ones (wgit's store cannot keep them: numpy has no array for them), refused here: torch's
-# rebuilds of them do costly work with arguments the file gives (a layout hashed as a tuple tower, quantizer scales as memoized nested lists:
-# gigabytes from a few hundred KB; a review, session 48).
+# rebuilds of them do costly work with arguments the file gives (a layout hashed as a tuple tower, quantizer scales
+# as memoized nested lists: gigabytes from a few hundred KB; a review, session 48).
 _UNSTORABLE = {
     (_UTILS, "_rebuild_sparse_tensor"): "a sparse tensor (save .to_dense())",
     ("torch.serialization", "_get_layout"): "a sparse tensor (save .to_dense())",

@@ -259,11 +259,10 @@ def _check_layout(weights: Any, meta: Any, path: str, weights_key: str, meta_key
     # full consolidation pass (an hour for a 4 MB file; a security review, session 50).
     seen: Dict[str, int] = {}
     for i, entry in enumerate(entries):
-        if entry["fsdp_path"] in seen:
-            bad(
-                f"the metadata's param_metadata[{i}] repeats the instance at {entry['fsdp_path'][:80]!r} (entry {seen[entry['fsdp_path']]})"
-            )
-        seen[entry["fsdp_path"]] = i
+        where = entry["fsdp_path"]
+        if where in seen:
+            bad(f"the metadata's param_metadata[{i}] repeats the instance at {where[:80]!r} (entry {seen[where]})")
+        seen[where] = i
     ident = meta.get("checkpoint_identity")
     if ident is not None and not (
         isinstance(ident, Mapping) and all(isinstance(ident.get(k), int) for k in ("rank", "world_size"))

@@ -190,7 +190,8 @@ class _SizeCheckingPlanner(DefaultLoadPlanner):
         # that object, saved again by torch.save, so it files it where it belongs (its private mappings differ between
         # torch releases).
         try:
-            obj = load_torch_file(value)
+            # On the device it was saved from, as DCP's planner loads it (a capturable optimizer's lr tensor).
+            obj = load_torch_file(value, map_location=None)
         except PickleScanError as e:
             raise dcp_metadata.UntrustedCheckpointError(
                 f"refusing the saved object {read_item.dest_index.fqn!r}: it is not plain data (tensors, numbers, "

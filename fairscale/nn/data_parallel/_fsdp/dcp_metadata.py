@@ -212,10 +212,12 @@ def storage_problem(metadata: Any) -> Optional[str]:
     """
     for info in getattr(metadata, "storage_data", {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "\\" in name:
-            return f"it names the data file {name!r}: DCP writes plain file names inside the checkpoint directory, never a path"
-        if os.path.basename(name) != name:
-            return f"it names the data file {name!r}: DCP writes plain file names inside the checkpoint directory, never a path"
+        plain = isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and "\\" not in name
+        if not plain or os.path.basename(str(name)) != name:
+            return (
+                f"it names the data file {name!r}: DCP writes plain file names inside the checkpoint directory, "
+                "never a path"
+            )
     return None
 
 
